@@ -1,0 +1,31 @@
+# Tessera: `make demo` and `make test` each set up .venv on a fresh machine first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PROTOS := $(wildcard proto/*.proto)
+
+.PHONY: setup test demo proto bench-kernels clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: a bare requirement would pull a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# Generated stubs are committed under services/rpc/; tests/test_proto_drift.py checks they match.
+proto: setup
+	$(PY) -m services.rpc.generate
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(VENV)/bin/tessera demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""Trace synthesis (Zipf), trace replay, reports and plots, cache simulator, quality testbed."""

@@ -1,0 +1,1 @@
+"""Tessera services: engine, prefill/decode workers, KV store, retrieval index, gateway, SDK."""

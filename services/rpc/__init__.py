@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for ``proto/*.proto`` (committed; ``make proto`` regenerates them)."""
