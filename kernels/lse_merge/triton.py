@@ -1,0 +1,68 @@
+"""Merge partial attention results by log-sum-exp, Triton (twin: reference.py).
+
+One program per BLOCK_R rows walks the P parts once with an online max:
+    m = max_i lse_i,  l = sum_i exp(lse_i - m),  out = sum_i exp(lse_i - m) out_i / l,  lse = m + log l.
+A part with lse -inf adds nothing; a row no part saw gets out 0 and lse -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+BLOCK_R = 16
+
+
+@triton.jit
+def _merge_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, n_parts, n_rows, dim,
+                  stride_op, stride_or, stride_lp,
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    r_ok = r < n_rows
+    ok = r_ok[:, None] & (d[None, :] < dim)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for p in range(0, n_parts):
+        lse_p = tl.load(lses_ptr + p * stride_lp + r, mask=r_ok, other=float("-inf")).to(tl.float32) * LOG2E
+        o_p = tl.load(outs_ptr + p * stride_op + r[:, None] * stride_or + d[None, :], mask=ok, other=0.0)
+        m_new = tl.maximum(m, lse_p)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_safe)
+        w = tl.math.exp2(lse_p - m_safe)
+        l = l * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o_p.to(tl.float32)
+        m = m_new
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    tl.store(out_ptr + r[:, None] * dim + d[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(lse_ptr + r, tl.where(empty, float("-inf"), (m + tl.math.log2(l_safe)) * LN2), mask=r_ok)
+
+
+def merge_rows(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """outs [P, R, D] (last dim contiguous), lses [P, R] -> out [R, D] out_dtype, lse [R] fp32."""
+    n_parts, n_rows, dim = outs.shape
+    if outs.stride(2) != 1:
+        outs = outs.contiguous()
+    if lses.stride(1) != 1:
+        lses = lses.contiguous()
+    out = torch.empty((n_rows, dim), dtype=out_dtype, device=outs.device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=outs.device)
+    if n_rows:
+        _merge_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+            outs, lses, out, lse, n_parts, n_rows, dim, outs.stride(0), outs.stride(1), lses.stride(0),
+            BLOCK_R=BLOCK_R, BLOCK_D=triton.next_power_of_2(dim))
+    return out, lse
+
+
+def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """outs [P, ..., D], lses [P, ...] (fp32) -> out [..., D] (outs.dtype), lse [...] fp32."""
+    if outs.shape[:-1] != lses.shape or outs.dim() < 2:
+        raise ValueError(f"outs {tuple(outs.shape)} and lses {tuple(lses.shape)} disagree")
+    lead = outs.shape[1:-1]
+    out, lse = merge_rows(outs.reshape(outs.shape[0], -1, outs.shape[-1]), lses.reshape(lses.shape[0], -1), outs.dtype)
+    return out.reshape(*lead, outs.shape[-1]), lse.reshape(lead)

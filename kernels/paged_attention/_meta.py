@@ -1,0 +1,88 @@
+"""Block-table metadata for the Triton kernels: validation, 64-bit packing, per-entry cos/sin.
+
+Packed word per entry (int64), as LazyAttention packs it:
+    word = block_id << 32 | offset << 16 | (mask & 0xFFFF)
+The low 16 bits hold the whole slot mask when the block size is at most 16. For block sizes 17..64
+the kernels read the full int64 mask from its own word (``masks``) and ignore the low 16 bits.
+NOTE: a block id or offset that does not fit is refused (``check_encodable``), never clamped: an
+overflowing offset would silently corrupt the block id above it.
+
+The optional table holds one fp32 row per entry, [cos(offset * inv_freq) | sin(offset * inv_freq)]
+([E, D]), so that kernels gather cos/sin instead of evaluating them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_attention import MAX_BLOCK_ID, MAX_OFFSET, check_encodable
+
+PACK_BLOCK = 256
+
+
+@dataclass(frozen=True, slots=True)
+class PackedTable:
+    """Kernel-ready block table. meta int64 [E]; masks int64 [E] (read when block_size > 16);
+    table fp32 [E, D] of per-entry cos|sin, or None when the kernel computes them."""
+
+    meta: torch.Tensor
+    masks: torch.Tensor
+    table: torch.Tensor | None
+
+    @property
+    def mask_in_word(self) -> bool:
+        return self.masks is self.meta
+
+
+@triton.jit
+def _pack_kernel(ids_ptr, off_ptr, mask_ptr, invf_ptr, meta_ptr, tab_ptr, n,
+                 D2: tl.constexpr, BLOCK: tl.constexpr, WRITE_TABLE: tl.constexpr):
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = e < n
+    ids = tl.load(ids_ptr + e, mask=ok, other=0).to(tl.int64)
+    off = tl.load(off_ptr + e, mask=ok, other=0).to(tl.int64)
+    m = tl.load(mask_ptr + e, mask=ok, other=0).to(tl.int64)
+    word = (ids << 32) | (off << 16) | (m & 0xFFFF)
+    tl.store(meta_ptr + e, word, mask=ok)
+    if WRITE_TABLE:
+        d = tl.arange(0, D2)
+        ang = off.to(tl.float32)[:, None] * tl.load(invf_ptr + d)[None, :]  # [BLOCK, D2]
+        row = tab_ptr + e[:, None] * (2 * D2) + d[None, :]
+        tl.store(row, tl.cos(ang), mask=ok[:, None])
+        tl.store(row + D2, tl.sin(ang), mask=ok[:, None])
+
+
+def validate(block_size: int, block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    """check_encodable with one device sync instead of four: the detailed check runs only on failure."""
+    if not 1 <= block_size <= 64 or block_ids.numel() == 0:
+        check_encodable(block_size, block_ids, offsets)
+        return
+    lo_id, hi_id = torch.aminmax(block_ids)
+    lo_off, hi_off = torch.aminmax(offsets)
+    lo_id, hi_id, lo_off, hi_off = torch.stack([lo_id.long(), hi_id.long(), lo_off.long(), hi_off.long()]).tolist()
+    if lo_id < 0 or hi_id > MAX_BLOCK_ID or lo_off < 0 or hi_off > MAX_OFFSET:
+        check_encodable(block_size, block_ids, offsets)
+        raise AssertionError("unreachable: check_encodable accepted an out-of-range block table")
+
+
+def pack(block_ids, offsets, masks, block_size: int, inv_freq: torch.Tensor, with_table: bool) -> PackedTable:
+    """Validate and pack a block table (one launch). with_table also writes the per-entry cos|sin rows."""
+    if not (block_ids.shape == offsets.shape == masks.shape) or block_ids.dim() != 1:
+        raise ValueError(f"block_ids {tuple(block_ids.shape)}, offsets {tuple(offsets.shape)} and masks "
+                         f"{tuple(masks.shape)} must be 1-D of one length")
+    validate(block_size, block_ids, offsets)
+    n = block_ids.numel()
+    dev = block_ids.device
+    d2 = inv_freq.numel()
+    meta = torch.empty(n, dtype=torch.int64, device=dev)
+    table = torch.empty((n, 2 * d2), dtype=torch.float32, device=dev) if with_table else None
+    masks64 = masks.to(torch.int64).contiguous()
+    if n:
+        _pack_kernel[(triton.cdiv(n, PACK_BLOCK),)](
+            block_ids.contiguous(), offsets.contiguous(), masks64, inv_freq.to(torch.float32).contiguous(),
+            meta, table if with_table else meta, n, D2=d2, BLOCK=PACK_BLOCK, WRITE_TABLE=with_table)
+    return PackedTable(meta=meta, masks=meta if block_size <= 16 else masks64, table=table)

@@ -1,0 +1,70 @@
+"""Deferred-RoPE paged attention, Triton (twin: reference.py; same arguments, same results).
+
+The public functions check shapes, pack the block table (kernels/paged_attention/_meta.py) and
+launch the prefill (_prefill.py) or decode (_decode.py) kernel. Defaults below are the variants
+bench/kernels.py measured fastest on an H100 (see bench/kernels.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.paged_attention import _decode, _prefill
+from kernels.paged_attention._meta import pack
+
+# cos/sin of the per-entry offsets: gathered from an fp32 table (True) or evaluated in the kernel.
+PREFILL_COS_SIN_TABLE = True
+DECODE_COS_SIN_TABLE = False
+
+
+def _check(q, k_cache, v_cache, inv_freq, cu_entries) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be [N, BS, Hkv, D]")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache must share strides with a contiguous head dimension")
+    if q.dim() != 3 or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} must be [T, Hq, D] with D = {k_cache.shape[3]}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+    dim = q.shape[2]
+    if dim < 32 or dim & (dim - 1):
+        raise ValueError(f"the Triton kernels need a power-of-two head_dim >= 32, got {dim}")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"q, k_cache and v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if inv_freq.numel() != dim // 2:
+        raise ValueError(f"inv_freq has {inv_freq.numel()} entries, head_dim {dim} needs {dim // 2}")
+    if cu_entries.dim() != 1 or cu_entries.numel() < 1:
+        raise ValueError("cu_entries must be 1-D [B+1]")
+
+
+def _prep(q, inv_freq, *idx):
+    q = q if q.stride(2) == 1 else q.contiguous()
+    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    return (q, inv_freq, *(t.to(torch.int32).contiguous() for t in idx))
+
+
+def paged_prefill_attention(q, q_pos, k_cache, v_cache, slot_pos, block_ids, offsets, masks,
+                            cu_q, cu_entries, inv_freq, scale):
+    """New tokens attend to their sequence's entries, causal by global position.
+
+    q [Tq, Hq, D] rotated at global q_pos [Tq]; cu_q, cu_entries int32 [B+1].
+    Returns out [Tq, Hq, D] (q.dtype) and lse [Tq, Hq] fp32.
+    """
+    _check(q, k_cache, v_cache, inv_freq, cu_entries)
+    if cu_q.shape != cu_entries.shape or q_pos.shape != q.shape[:1]:
+        raise ValueError(f"cu_q {tuple(cu_q.shape)} / cu_entries {tuple(cu_entries.shape)} / q_pos {tuple(q_pos.shape)} disagree")
+    if slot_pos.shape != k_cache.shape[:2]:
+        raise ValueError(f"slot_pos {tuple(slot_pos.shape)} must be [N, BS] = {tuple(k_cache.shape[:2])}")
+    q, inv_freq, q_pos, slot_pos, cu_q, cu_entries = _prep(q, inv_freq, q_pos, slot_pos, cu_q, cu_entries)
+    packed = pack(block_ids, offsets, masks, k_cache.shape[1], inv_freq, with_table=PREFILL_COS_SIN_TABLE)
+    return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, cu_entries, inv_freq, scale)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, cu_entries, inv_freq, scale):
+    """One query per sequence [B, Hq, D] over all its visible entries. Returns out [B, Hq, D], lse [B, Hq]."""
+    _check(q, k_cache, v_cache, inv_freq, cu_entries)
+    if cu_entries.numel() != q.shape[0] + 1:
+        raise ValueError(f"cu_entries has {cu_entries.numel()} bounds for {q.shape[0]} sequences")
+    q, inv_freq, cu_entries = _prep(q, inv_freq, cu_entries)
+    packed = pack(block_ids, offsets, masks, k_cache.shape[1], inv_freq, with_table=DECODE_COS_SIN_TABLE)
+    return _decode.launch(q, k_cache, v_cache, packed, cu_entries, inv_freq, scale)
