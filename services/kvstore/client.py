@@ -1,0 +1,188 @@
+"""Synchronous client of one store shard: torch tensors in, torch tensors out, byte for byte.
+
+A layer travels as the raw bytes of K then V (bf16 included: tensors are moved as uint8 views),
+cut into ``frame_bytes`` messages, with a crc32 of the layer. ``get`` yields each layer as soon as
+its last frame arrived and passed the checksum, so a caller computes on layer i while later layers
+are still on the wire. Every call carries a deadline (``timeout`` seconds; the client default
+unless given per call). Server errors surface as ``grpc.RpcError`` with the status code.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+from services.kvstore.chunk import ChunkMeta, InvalidChunk, check_chunk_id
+from services.rpc import kvstore_pb2 as pb
+from services.rpc import kvstore_pb2_grpc as pb_grpc
+
+TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_FROM_NAME = {v: k for k, v in TORCH_DTYPES.items()}
+_DTYPE_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
+TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_ROCKSDB: "rocksdb", pb.TIER_S3: "s3"}
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
+
+
+class ChunkCorruptError(RuntimeError):
+    """Bytes received from the store do not match the chunk's header or checksums."""
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    chunk_id: str
+    nbytes: int
+    tiers: tuple[str, ...]      # tiers holding the chunk at acknowledgement, fastest first
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLocation:
+    chunk_id: str
+    found: bool
+    tiers: tuple[str, ...]      # fastest first
+    nbytes: int                 # K and V bytes over all layers
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 view of a tensor's bytes (copies only if not on CPU or not contiguous)."""
+    return t.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
+
+
+class KVStoreClient:
+    def __init__(self, address: str, *, timeout: float = 30.0, frame_bytes: int = 1 << 20, verify: bool = True) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        if not 4096 <= frame_bytes <= 3 << 20:
+            raise ValueError(f"frame_bytes must be within [4096, 3 MiB], got {frame_bytes}")
+        self.address = address
+        self.timeout = timeout
+        self.frame_bytes = frame_bytes
+        self.verify = verify
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+
+    def put(self, chunk_id: str, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+            model_fingerprint: str = "", timeout: float | None = None) -> PutResult:
+        """Store ``layers[i] = (k_i, v_i)``; returns once the store acknowledged the whole chunk."""
+        header = self._header(chunk_id, layers, model_fingerprint)
+        resp = self._stub.Put(self._put_requests(header, layers), timeout=timeout or self.timeout)
+        return PutResult(chunk_id, resp.stored_bytes, tuple(TIER_NAMES[t] for t in resp.tiers))
+
+    @staticmethod
+    def _header(chunk_id: str, layers, model_fingerprint: str) -> pb.ChunkHeader:
+        try:
+            check_chunk_id(chunk_id)
+        except InvalidChunk as exc:
+            raise ValueError(str(exc)) from None
+        if not layers:
+            raise ValueError("a chunk needs at least one layer")
+        dtype = layers[0][0].dtype
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"unsupported dtype {dtype}; expected one of {list(TORCH_DTYPES)}")
+        shapes = []
+        for i, pair in enumerate(layers):
+            if len(pair) != 2:
+                raise ValueError(f"layer {i} must be a (k, v) pair")
+            k, v = pair
+            if k.dtype != dtype or v.dtype != dtype:
+                raise ValueError(f"layer {i}: dtypes {k.dtype}/{v.dtype} differ from layer 0's {dtype}")
+            shapes.append(pb.LayerShape(k_shape=k.shape, v_shape=v.shape))
+        return pb.ChunkHeader(chunk_id=chunk_id, model_fingerprint=model_fingerprint, num_layers=len(layers),
+                              dtype=_DTYPE_PB[TORCH_DTYPES[dtype]], layers=shapes, checksum_algorithm=pb.CHECKSUM_CRC32)
+
+    def _put_requests(self, header: pb.ChunkHeader, layers) -> Iterator[pb.PutRequest]:
+        yield pb.PutRequest(header=header)
+        step = self.frame_bytes
+        for i, (k, v) in enumerate(layers):
+            parts = [_raw(k), _raw(v)]
+            crc = zlib.crc32(parts[1], zlib.crc32(parts[0]))
+            for p, part in enumerate(parts):
+                for off in range(0, part.size, step):
+                    last = p == 1 and off + step >= part.size
+                    yield pb.PutRequest(frame=pb.LayerFrame(layer_index=i, data=part[off:off + step].tobytes(),
+                                                            end_of_layer=last, checksum=crc if last else 0))
+
+    def get(self, chunk_id: str, *, layers: tuple[int, int] | None = None,
+            timeout: float | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Yield ``(layer_index, k, v)`` in layer order for layers [start, stop) (default: all).
+
+        Raises grpc.RpcError NOT_FOUND for an unknown chunk, DATA_LOSS if no tier holds a good copy.
+        """
+        request = pb.GetRequest(chunk_id=chunk_id)
+        if layers is not None:
+            start, stop = layers
+            if not 0 <= start < stop:
+                raise ValueError(f"layers must be (start, stop) with 0 <= start < stop, got {layers}")
+            request.layer_start, request.layer_stop = start, stop
+        call = self._stub.Get(request, timeout=timeout or self.timeout)
+        try:
+            yield from self._assemble(chunk_id, call)
+        finally:
+            call.cancel()     # no-op once finished; stops the stream when the caller breaks early
+
+    def _assemble(self, chunk_id: str, call) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        first = next(call, None)
+        if first is None or not first.HasField("header"):
+            raise ChunkCorruptError(f"chunk {chunk_id}: the stream did not start with a header")
+        try:
+            meta = ChunkMeta.from_proto(first.header)
+        except InvalidChunk as exc:
+            raise ChunkCorruptError(f"chunk {chunk_id}: bad header: {exc}") from None
+        if meta.chunk_id != chunk_id or len(meta.checksums) != meta.num_layers:
+            raise ChunkCorruptError(f"chunk {chunk_id}: header names {meta.chunk_id} or lacks checksums")
+        dtype = _FROM_NAME[meta.dtype]
+        index, stop = first.header.layer_start, first.header.layer_stop
+        buf = view = None
+        pos = 0
+        for msg in call:
+            frame = msg.frame
+            if index >= stop or frame.layer_index != index:
+                raise ChunkCorruptError(f"chunk {chunk_id}: frame for layer {frame.layer_index}, expected {index}")
+            if buf is None:
+                buf = torch.empty(meta.layer_nbytes(index), dtype=torch.uint8)
+                view, pos = buf.numpy(), 0
+            n = len(frame.data)
+            if pos + n > view.size:
+                raise ChunkCorruptError(f"chunk {chunk_id} layer {index}: more bytes than its shape holds")
+            view[pos:pos + n] = np.frombuffer(frame.data, dtype=np.uint8)
+            pos += n
+            if not frame.end_of_layer:
+                continue
+            if pos != view.size:
+                raise ChunkCorruptError(f"chunk {chunk_id} layer {index}: {pos} bytes, expected {view.size}")
+            if self.verify and (frame.checksum != meta.checksums[index] or zlib.crc32(view) != frame.checksum):
+                raise ChunkCorruptError(f"chunk {chunk_id} layer {index}: checksum mismatch on receipt")
+            kn = meta.k_nbytes(index)
+            yield (index, buf[:kn].view(dtype).reshape(meta.k_shapes[index]),
+                   buf[kn:].view(dtype).reshape(meta.v_shapes[index]))
+            index, buf = index + 1, None
+        if index != stop:
+            raise ChunkCorruptError(f"chunk {chunk_id}: stream ended at layer {index} of [{first.header.layer_start}, {stop})")
+
+    def lookup(self, chunk_ids: Sequence[str], *, timeout: float | None = None) -> list[ChunkLocation]:
+        """Which tiers hold each chunk (one answer per id, in order)."""
+        resp = self._stub.Lookup(pb.LookupRequest(chunk_ids=list(chunk_ids)), timeout=timeout or self.timeout)
+        return [ChunkLocation(c.chunk_id, c.found, tuple(TIER_NAMES[t] for t in c.tiers), c.nbytes) for c in resp.chunks]
+
+    def delete(self, chunk_id: str, *, timeout: float | None = None) -> bool:
+        """Remove a chunk from every tier; False if no tier held it."""
+        return self._stub.Delete(pb.DeleteRequest(chunk_id=chunk_id), timeout=timeout or self.timeout).deleted
+
+    def stats(self, *, timeout: float | None = None) -> pb.StatsResponse:
+        return self._stub.Stats(pb.StatsRequest(), timeout=timeout or self.timeout)
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

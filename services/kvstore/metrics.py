@@ -1,0 +1,67 @@
+"""Prometheus metrics of one store process; names ``tessera_kvstore_*`` in base units.
+
+Per-tier counters are read from the store's own counters at scrape time (one source of truth for
+both ``/metrics`` and the Stats RPC); latencies are histograms with explicit buckets. Hit rates
+are computed from the counters by the reader, never stored.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _TierCollector:
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def collect(self):
+        fams = {
+            "hits": CounterMetricFamily("tessera_kvstore_hits", "Reads served by the tier", labels=["tier"]),
+            "misses": CounterMetricFamily("tessera_kvstore_misses", "Reads that found no copy in the tier", labels=["tier"]),
+            "evictions": CounterMetricFamily("tessera_kvstore_evictions", "Chunks evicted to stay in budget", labels=["tier"]),
+            "bytes_in": CounterMetricFamily("tessera_kvstore_written_bytes", "K/V bytes written into the tier", labels=["tier"]),
+            "bytes_out": CounterMetricFamily("tessera_kvstore_read_bytes", "Verified K/V bytes read from the tier", labels=["tier"]),
+            "corrupt": CounterMetricFamily("tessera_kvstore_corrupt_entries", "Entries that failed a check and were dropped", labels=["tier"]),
+        }
+        resident = GaugeMetricFamily("tessera_kvstore_resident_bytes", "K/V bytes resident in the tier", labels=["tier"])
+        chunks = GaugeMetricFamily("tessera_kvstore_resident_chunks", "Chunks resident in the tier", labels=["tier"])
+        budget = GaugeMetricFamily("tessera_kvstore_budget_bytes", "Byte budget of the tier", labels=["tier"])
+        for slot in self._store.slots:
+            for key, fam in fams.items():
+                fam.add_metric([slot.name], getattr(slot.counters, key))
+            if slot.residency is not None:
+                resident.add_metric([slot.name], slot.residency.used)
+                chunks.add_metric([slot.name], len(slot.residency.sizes))
+                budget.add_metric([slot.name], slot.residency.budget)
+        yield from fams.values()
+        yield from (resident, chunks, budget)
+
+
+class StoreMetrics:
+    def __init__(self, store, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.registry.register(_TierCollector(store))
+        self.get_seconds = Histogram("tessera_kvstore_get_seconds", "Whole Get stream, by the tier that served it",
+                                     ["tier"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.first_layer_seconds = Histogram("tessera_kvstore_get_first_layer_seconds", "Get request to first layer sent",
+                                             ["tier"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.put_seconds = Histogram("tessera_kvstore_put_seconds", "Put stream from first message to acknowledgement",
+                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter("tessera_kvstore_requests", "Finished RPCs by method and status code",
+                                ["method", "code"], registry=self.registry)
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Expose /metrics on ``addr:port`` (0 picks a free port); returns the port."""
+        from prometheus_client import start_http_server
+
+        self._http, self._http_thread = start_http_server(port, addr=addr, registry=self.registry)
+        return self._http.server_port
+
+    def stop_http(self) -> None:
+        if getattr(self, "_http", None) is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,274 @@
+"""The KV store's gRPC service (grpc.aio), its async factory and its blocking entry point.
+
+``create_server(config)`` returns ``(server, port)`` as grpc's examples do; ``serve(config)``
+blocks until SIGTERM/SIGINT; ``BackgroundServer`` runs one in a thread for synchronous callers
+(tests, a Ray actor). Status codes: unknown chunk NOT_FOUND; malformed header, shape or dtype
+mismatch, layers out of order INVALID_ARGUMENT; a layer failing its checksum on the way in, or a
+chunk with no good copy left, DATA_LOSS; a chunk over a tier's whole budget RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.kvstore.chunk import ChunkMeta, InvalidChunk, check_chunk_id, checksum
+from services.kvstore.config import StoreConfig
+from services.kvstore.metrics import StoreMetrics
+from services.kvstore.store import DataLoss, ResourceExhausted, TieredStore
+from services.rpc import kvstore_pb2 as pb
+from services.rpc import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+_TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_ROCKSDB: "rocksdb", pb.TIER_S3: "s3"}
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
+
+
+class _BadPut(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    def __init__(self, store: TieredStore, metrics: StoreMetrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.frame_bytes = store.config.frame_bytes
+
+    async def Put(self, request_iterator, context):
+        started = time.perf_counter()
+        try:
+            meta, layers = await self._receive(request_iterator)
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                raise _BadPut(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the put was stored")
+            tiers = await self.store.put(meta, layers)
+        except InvalidChunk as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ResourceExhausted as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except _BadPut as exc:
+            await context.abort(exc.code, str(exc))
+        self.metrics.put_seconds.observe(time.perf_counter() - started)
+        return pb.PutResponse(stored_bytes=meta.nbytes, tiers=tiers)
+
+    async def _receive(self, request_iterator) -> tuple[ChunkMeta, tuple[bytes, ...]]:
+        """Collect a whole put in memory; nothing is stored unless every layer arrives intact."""
+        meta = None
+        layers: list[bytes] = []
+        sums: list[int] = []
+        parts: list[bytes] = []
+        got = 0
+        async for request in request_iterator:
+            if meta is None:
+                if not request.HasField("header"):
+                    raise InvalidChunk("a put must start with a header")
+                meta = ChunkMeta.from_proto(request.header, max_bytes=self.store.config.max_chunk_bytes)
+                if meta.checksums:
+                    raise InvalidChunk("put headers carry no layer checksums: each rides on its layer's last frame")
+                self.store.check_admissible(meta.nbytes)
+                continue
+            if not request.HasField("frame"):
+                raise InvalidChunk("a second header inside one put")
+            frame = request.frame
+            index = len(layers)
+            if frame.layer_index != index:
+                raise InvalidChunk(f"frame for layer {frame.layer_index} out of order: expected layer {index}"
+                                   if index < meta.num_layers else f"frame for layer {frame.layer_index} after the last layer")
+            got += len(frame.data)
+            expected = meta.layer_nbytes(index)
+            if got > expected or (frame.end_of_layer and got != expected):
+                raise InvalidChunk(f"layer {index}: {got} bytes do not match shapes "
+                                   f"{meta.k_shapes[index]}/{meta.v_shapes[index]} of {meta.dtype} ({expected} bytes)")
+            parts.append(frame.data)
+            if frame.end_of_layer:
+                data = parts[0] if len(parts) == 1 else b"".join(parts)
+                if checksum(data) != frame.checksum:
+                    raise _BadPut(grpc.StatusCode.DATA_LOSS, f"layer {index} fails its checksum in transit")
+                layers.append(data)
+                sums.append(frame.checksum)
+                parts, got = [], 0
+        if meta is None:
+            raise InvalidChunk("empty put: no header")
+        if len(layers) != meta.num_layers:
+            raise InvalidChunk(f"put ended after {len(layers)} of {meta.num_layers} layers")
+        return meta.with_checksums(sums), tuple(layers)
+
+    async def Get(self, request, context):
+        started = time.perf_counter()
+        try:
+            check_chunk_id(request.chunk_id)
+        except InvalidChunk as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        session = await self.store.open_read(request.chunk_id)
+        if session is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"chunk {request.chunk_id} is not stored")
+        meta = session.meta
+        start = request.layer_start
+        stop = request.layer_stop if request.HasField("layer_stop") else meta.num_layers
+        if not 0 <= start < stop <= meta.num_layers:
+            session.abort()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"layer range [{start}, {stop}) is not within the chunk's {meta.num_layers} layers")
+        tier = _TIER_NAMES[session.tier]
+        yield pb.GetResponse(header=meta.to_proto(start, stop, session.tier))
+        finished = False
+        try:
+            for i in range(start, stop):
+                try:
+                    data = await session.layer(i)
+                except DataLoss as exc:
+                    await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+                size, step = len(data), self.frame_bytes
+                for off in range(0, size, step):
+                    last = off + step >= size
+                    yield pb.GetResponse(frame=pb.LayerFrame(layer_index=i, data=data[off:off + step], end_of_layer=last,
+                                                             checksum=meta.checksums[i] if last else 0))
+                if i == start:
+                    self.metrics.first_layer_seconds.labels(tier).observe(time.perf_counter() - started)
+            finished = True
+        finally:
+            if not finished:
+                session.abort()
+        await session.finish()
+        self.metrics.get_seconds.labels(tier).observe(time.perf_counter() - started)
+
+    async def Lookup(self, request, context):
+        try:
+            for chunk_id in request.chunk_ids:
+                check_chunk_id(chunk_id)
+        except InvalidChunk as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        found = await self.store.lookup(list(request.chunk_ids))
+        return pb.LookupResponse(chunks=[
+            pb.ChunkLocation(chunk_id=loc.chunk_id, found=bool(loc.tiers), tiers=loc.tiers, nbytes=loc.nbytes) for loc in found
+        ])
+
+    async def Delete(self, request, context):
+        try:
+            check_chunk_id(request.chunk_id)
+        except InvalidChunk as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.DeleteResponse(deleted=await self.store.delete(request.chunk_id))
+
+    async def Stats(self, request, context):
+        tiers = []
+        for slot in self.store.slots:
+            c, r = slot.counters, slot.residency
+            tiers.append(pb.TierStats(
+                tier=slot.pb_tier, budget_bytes=r.budget if r else 0, resident_bytes=r.used if r else 0,
+                chunks=len(r.sizes) if r else 0, hits=c.hits, misses=c.misses, evictions=c.evictions,
+                bytes_in=c.bytes_in, bytes_out=c.bytes_out, corrupt_entries=c.corrupt))
+        cfg = self.store.config
+        return pb.StatsResponse(tiers=tiers, policy=cfg.policy, write_mode=cfg.write_mode)
+
+
+class KVStoreServer:
+    """A started store: the grpc.aio server, the tiered store behind it, health and metrics."""
+
+    def __init__(self, grpc_server: grpc.aio.Server, store: TieredStore, metrics: StoreMetrics,
+                 health_servicer: health.aio.HealthServicer, metrics_port: int | None) -> None:
+        self.grpc_server = grpc_server
+        self.store = store
+        self.metrics = metrics
+        self.health = health_servicer
+        self.metrics_port = metrics_port
+
+    async def stop(self, grace: float | None = 2.0) -> None:
+        """NOT_SERVING first so balancers drain us, then stop RPCs, flush write-behind, close tiers."""
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.grpc_server.stop(grace)
+        await self.store.close()
+        self.metrics.stop_http()
+
+    async def wait_for_termination(self) -> None:
+        await self.grpc_server.wait_for_termination()
+
+
+async def create_server(config: StoreConfig, *, host: str = "127.0.0.1", port: int = 0,
+                        metrics_port: int | None = None) -> tuple[KVStoreServer, int]:
+    """Open the tiers, start serving on ``host:port`` (0 picks a free port); returns (server, port).
+
+    ``metrics_port``: serve /metrics over HTTP on that port (0 picks one; None: no HTTP endpoint).
+    """
+    store = TieredStore(config)
+    await store.start()
+    metrics = StoreMetrics(store)
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(store, metrics), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        await store.close()
+        raise ValueError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    http_port = metrics.serve_http(metrics_port, host) if metrics_port is not None else None
+    return KVStoreServer(server, store, metrics, health_servicer, http_port), bound
+
+
+def serve(config: StoreConfig, *, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully. Prints the bound address first."""
+
+    async def main() -> None:
+        server, bound = await create_server(config, host=host, port=port, metrics_port=metrics_port)
+        print(f"kvstore listening on {host}:{bound}" + (f" metrics on :{server.metrics_port}" if server.metrics_port else ""),
+              flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(main())
+
+
+class BackgroundServer:
+    """A store served from a thread with its own event loop, for synchronous callers.
+
+    ``with BackgroundServer(config) as srv: KVStoreClient(srv.address)``. ``run(coro)`` runs a
+    coroutine on the server's loop (e.g. to inspect or damage ``srv.server.store`` in tests).
+    """
+
+    def __init__(self, config: StoreConfig, *, host: str = "127.0.0.1", port: int = 0,
+                 metrics_port: int | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-server", daemon=True)
+        self._thread.start()
+        try:
+            self.server, self.port = self.run(create_server(config, host=host, port=port, metrics_port=metrics_port))
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            raise
+        self.address = f"{host}:{self.port}"
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        if self._thread.is_alive():
+            self.run(self.server.stop(grace))
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,300 @@
+"""The tiered chunk store: DRAM -> RocksDB -> S3, budgets, eviction, promotion, integrity.
+
+Invariants (the tests check each):
+- A tier's resident bytes never exceed its budget: room is made (victims chosen and forgotten)
+  before a chunk is written, and a chunk larger than a bounded tier's whole budget is refused.
+- A chunk becomes visible only whole: data is written by one atomic tier call after every layer
+  of the put has arrived and passed its checksum.
+- Every layer read from every tier is checked against the chunk's checksums before it is served.
+  A corrupt entry is dropped from its tier and the read continues from the next tier holding the
+  same version; if none does, ``DataLoss``.
+- Mutations (admission, eviction, promotion, delete, write-behind flushes) hold one asyncio lock;
+  reads do not: tier readers see one consistent version (a DRAM reference or a RocksDB snapshot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from services.kvstore.chunk import ChunkMeta, CorruptEntry
+from services.kvstore.config import StoreConfig
+from services.kvstore.policy import Residency
+from services.kvstore.tiers import DramTier, RocksDBTier
+from services.rpc import kvstore_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class ResourceExhausted(Exception):
+    """A chunk larger than a bounded tier's whole budget."""
+
+
+class DataLoss(Exception):
+    """No tier holds a good copy of a chunk that some tier claimed to hold."""
+
+
+@dataclass(slots=True)
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    corrupt: int = 0
+
+
+@dataclass(slots=True)
+class TierSlot:
+    """One tier: its storage, its budget bookkeeping (None for unbounded S3), its counters."""
+
+    name: str
+    pb_tier: int
+    storage: object
+    residency: Residency | None
+    counters: TierCounters = field(default_factory=TierCounters)
+
+    @property
+    def blocking(self) -> bool:
+        return self.name != "dram"
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a chunk lives: ``tiers`` fastest first (pb.Tier values); nbytes = K and V bytes."""
+
+    chunk_id: str
+    tiers: tuple[int, ...]
+    nbytes: int
+
+
+class TieredStore:
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.slots: list[TierSlot] = []
+        self._lock = asyncio.Lock()
+        self._dirty: set[str] = set()          # write-behind: in DRAM, not yet below
+        self._flush_queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._flusher: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.slots.append(TierSlot("dram", pb.TIER_DRAM, DramTier(), Residency(cfg.dram_bytes, cfg.policy)))
+        if cfg.rocksdb_dir is not None:
+            db = await asyncio.to_thread(RocksDBTier, cfg.rocksdb_dir, sync=cfg.rocksdb_sync)
+            slot = TierSlot("rocksdb", pb.TIER_ROCKSDB, db, Residency(cfg.rocksdb_bytes, cfg.policy))
+            self.slots.append(slot)
+            for chunk_id, nbytes in await asyncio.to_thread(db.scan):
+                # A restart with a smaller budget drops the excess (scan order) before serving.
+                for victim in slot.residency.victims_for(chunk_id, nbytes) if slot.residency.fits(nbytes) else []:
+                    await asyncio.to_thread(db.remove, victim)
+                if slot.residency.fits(nbytes):
+                    slot.residency.add(chunk_id, nbytes)
+            log.info("rocksdb tier at %s: %d chunks, %d bytes", cfg.rocksdb_dir, len(slot.residency.sizes), slot.residency.used)
+        if cfg.s3 is not None:
+            from services.kvstore.s3tier import S3Tier
+
+            self.slots.append(TierSlot("s3", pb.TIER_S3, await asyncio.to_thread(S3Tier, cfg.s3), None))
+        if cfg.write_mode == "behind" and len(self.slots) > 1:
+            self._flusher = asyncio.create_task(self._flush_loop())
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flush_queue.put_nowait(None)   # drain what is queued, then stop
+            await self._flusher
+            self._flusher = None
+        for slot in self.slots:
+            await self._call(slot, slot.storage.close)
+
+    async def _call(self, slot: TierSlot, fn, *args):
+        return await asyncio.to_thread(fn, *args) if slot.blocking else fn(*args)
+
+    # ---- writes ---------------------------------------------------------------------------
+    def check_admissible(self, nbytes: int) -> None:
+        for slot in self.slots:
+            if slot.residency is not None and not slot.residency.fits(nbytes):
+                raise ResourceExhausted(f"chunk of {nbytes} bytes exceeds the whole {slot.name} budget of {slot.residency.budget} bytes")
+
+    async def put(self, meta: ChunkMeta, layers: tuple[bytes, ...]) -> list[int]:
+        """Store a complete, verified chunk; returns the tiers holding it (pb.Tier values)."""
+        self.check_admissible(meta.nbytes)
+        async with self._lock:
+            targets = self.slots if self.config.write_mode == "through" else self.slots[:1]
+            for slot in reversed(targets):          # lowest first: durable before visible in DRAM
+                await self._admit(slot, meta, layers)
+            if len(targets) < len(self.slots):
+                self._dirty.add(meta.chunk_id)
+                self._flush_queue.put_nowait(meta.chunk_id)
+            else:
+                self._dirty.discard(meta.chunk_id)
+            return [s.pb_tier for s in targets]
+
+    async def _admit(self, slot: TierSlot, meta: ChunkMeta, layers: tuple[bytes, ...]) -> None:
+        if slot.residency is not None:
+            for victim in slot.residency.victims_for(meta.chunk_id, meta.nbytes):
+                await self._evict(slot, victim)
+        try:
+            await self._call(slot, slot.storage.write, meta, layers)
+        except BaseException:
+            await self._call(slot, slot.storage.remove, meta.chunk_id)   # no half-known state
+            raise
+        if slot.residency is not None:
+            slot.residency.add(meta.chunk_id, meta.nbytes)
+        slot.counters.bytes_in += meta.nbytes
+
+    async def _evict(self, slot: TierSlot, chunk_id: str) -> None:
+        if slot is self.slots[0] and chunk_id in self._dirty:
+            await self._write_down(chunk_id)       # write-behind: copy down before dropping
+        await self._call(slot, slot.storage.remove, chunk_id)
+        slot.counters.evictions += 1
+
+    async def _write_down(self, chunk_id: str) -> None:
+        stored = self.slots[0].storage.get(chunk_id)
+        self._dirty.discard(chunk_id)
+        if stored is None:
+            return
+        for slot in reversed(self.slots[1:]):
+            await self._admit(slot, stored.meta, stored.layers)
+
+    async def _flush_loop(self) -> None:
+        while (chunk_id := await self._flush_queue.get()) is not None:
+            async with self._lock:
+                if chunk_id in self._dirty:
+                    try:
+                        await self._write_down(chunk_id)
+                    except Exception:
+                        log.exception("write-behind of %s failed; it stays in DRAM only", chunk_id)
+
+    async def delete(self, chunk_id: str) -> bool:
+        async with self._lock:
+            self._dirty.discard(chunk_id)
+            found = False
+            for slot in self.slots:
+                if slot.residency is not None:
+                    if not slot.residency.discard(chunk_id):
+                        continue
+                elif await self._call(slot, slot.storage.nbytes, chunk_id) is None:
+                    continue
+                await self._call(slot, slot.storage.remove, chunk_id)
+                found = True
+            return found
+
+    # ---- reads ----------------------------------------------------------------------------
+    async def lookup(self, chunk_ids: list[str]) -> list[Location]:
+        out = []
+        for chunk_id in chunk_ids:
+            tiers, nbytes = [], 0
+            for slot in self.slots:
+                if slot.residency is not None:
+                    size = slot.residency.sizes.get(chunk_id)
+                else:
+                    size = await self._call(slot, slot.storage.nbytes, chunk_id)
+                if size is not None:
+                    tiers.append(slot.pb_tier)
+                    nbytes = nbytes or size
+            out.append(Location(chunk_id, tuple(tiers), nbytes))
+        return out
+
+    async def open_read(self, chunk_id: str) -> "ReadSession | None":
+        """A session streaming the chunk from the fastest tier holding it, or None if none does."""
+        found = await self._open_from(0, chunk_id, None, count=True)
+        if found is None:
+            return None
+        return ReadSession(self, *found)
+
+    async def _open_from(self, start: int, chunk_id: str, expect: ChunkMeta | None, *, count: bool = False):
+        """(slot index, reader) of the first tier at or below ``start`` with a readable copy whose
+        metadata equals ``expect`` (when given); corrupt copies met on the way are dropped."""
+        for index in range(start, len(self.slots)):
+            slot = self.slots[index]
+            if slot.residency is not None and chunk_id not in slot.residency:
+                slot.counters.misses += count
+                continue
+            try:
+                reader = await self._call(slot, slot.storage.open, chunk_id)
+            except CorruptEntry as exc:
+                await self.drop_corrupt(index, chunk_id, exc)
+                continue
+            if reader is None or (expect is not None and reader.meta != expect):
+                if reader is None and slot.residency is not None:
+                    slot.residency.discard(chunk_id)     # bookkeeping said present: forget it
+                slot.counters.misses += count
+                continue
+            slot.counters.hits += count
+            if slot.residency is not None:
+                slot.residency.touch(chunk_id)
+            return index, reader
+        return None
+
+    async def drop_corrupt(self, index: int, chunk_id: str, why: Exception) -> None:
+        slot = self.slots[index]
+        log.error("%s tier: corrupt entry %s dropped: %s", slot.name, chunk_id, why)
+        slot.counters.corrupt += 1
+        async with self._lock:
+            if slot.residency is not None:
+                slot.residency.discard(chunk_id)
+            if slot is self.slots[0] and chunk_id in self._dirty:
+                self._dirty.discard(chunk_id)     # its only copy is bad: nothing to write down
+            await self._call(slot, slot.storage.remove, chunk_id)
+
+    async def _promote(self, meta: ChunkMeta, layers: tuple[bytes, ...], source: int) -> None:
+        """Copy a chunk read from tier ``source`` into the faster tiers that lack it."""
+        async with self._lock:
+            for slot in reversed(self.slots[:source]):
+                if slot.residency is not None and meta.chunk_id not in slot.residency and slot.residency.fits(meta.nbytes):
+                    await self._admit(slot, meta, layers)
+
+
+class ReadSession:
+    """Verified layers of one chunk in order; falls back to a lower tier on corruption.
+
+    Call ``layer(i)`` with increasing i, then ``finish()``. ``tier`` is where the first layer came
+    from. A full read from a lower tier is promoted into the faster tiers by ``finish()``.
+    """
+
+    def __init__(self, store: TieredStore, index: int, reader) -> None:
+        self.store = store
+        self.meta: ChunkMeta = reader.meta
+        self.tier: int = store.slots[index].pb_tier
+        self._index, self._reader = index, reader
+        self._lowest = index
+        self._kept: dict[int, bytes] = {}
+
+    async def layer(self, i: int) -> bytes:
+        while True:
+            slot = self.store.slots[self._index]
+            try:
+                if slot.blocking:
+                    data = await asyncio.to_thread(self._read_verified, self._reader, i)
+                else:
+                    data = self._read_verified(self._reader, i)
+                break
+            except CorruptEntry as exc:
+                self._reader.close()
+                await self.store.drop_corrupt(self._index, self.meta.chunk_id, exc)
+                found = await self.store._open_from(self._index + 1, self.meta.chunk_id, self.meta)
+                if found is None:
+                    raise DataLoss(f"chunk {self.meta.chunk_id} layer {i}: no tier holds a good copy ({exc})") from exc
+                self._index, self._reader = found
+                self._lowest = self._index
+        slot.counters.bytes_out += len(data)
+        if self._lowest > 0:
+            self._kept[i] = data
+        return data
+
+    def _read_verified(self, reader, i: int) -> bytes:
+        data = reader.layer(i)
+        self.meta.verify_layer(i, data)
+        return data
+
+    async def finish(self) -> None:
+        self._reader.close()
+        if self._lowest > 0 and len(self._kept) == self.meta.num_layers:
+            layers = tuple(self._kept[i] for i in range(self.meta.num_layers))
+            self._kept.clear()
+            await self.store._promote(self.meta, layers, self._lowest)
+
+    def abort(self) -> None:
+        self._reader.close()
+        self._kept.clear()

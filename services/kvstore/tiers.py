@@ -1,0 +1,178 @@
+"""Storage of the DRAM and RocksDB tiers. Blocking calls: the store runs RocksDB's in a thread.
+
+Each tier stores a chunk as its encoded metadata plus one value per layer and offers:
+``write(meta, layers)`` (atomic: all or nothing), ``open(chunk_id) -> Reader | None``,
+``remove(chunk_id)`` and ``scan() -> [(chunk_id, nbytes)]``. A Reader sees one consistent version
+of the chunk (``meta``, ``layer(i)``) even if the chunk is replaced or evicted meanwhile. Readers
+return bytes unverified; the store checks them against ``meta.checksums``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from services.kvstore.chunk import ChunkMeta, CorruptEntry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    """A chunk as held in DRAM: ``layers[i]`` is K||V bytes of layer i (``meta.layer_nbytes(i)`` long)."""
+
+    meta: ChunkMeta
+    layers: tuple[bytes, ...]
+
+
+class DramTier:
+    name = "dram"
+
+    def __init__(self) -> None:
+        self._chunks: dict[str, StoredChunk] = {}
+
+    def write(self, meta: ChunkMeta, layers: tuple[bytes, ...]) -> None:
+        self._chunks[meta.chunk_id] = StoredChunk(meta, tuple(layers))
+
+    def get(self, chunk_id: str) -> StoredChunk | None:
+        return self._chunks.get(chunk_id)
+
+    def open(self, chunk_id: str) -> "DramReader | None":
+        stored = self._chunks.get(chunk_id)
+        return None if stored is None else DramReader(stored)
+
+    def remove(self, chunk_id: str) -> None:
+        self._chunks.pop(chunk_id, None)
+
+    def scan(self) -> list[tuple[str, int]]:
+        return [(cid, s.meta.nbytes) for cid, s in self._chunks.items()]
+
+    def close(self) -> None:
+        self._chunks.clear()
+
+
+class DramReader:
+    # The reader keeps the StoredChunk it opened, so an eviction or a replacement meanwhile
+    # neither frees nor mixes the bytes being streamed.
+    def __init__(self, stored: StoredChunk) -> None:
+        self.meta = stored.meta
+        self._layers = stored.layers
+
+    def layer(self, index: int) -> bytes:
+        return self._layers[index]
+
+    def close(self) -> None:
+        pass
+
+
+def _meta_key(chunk_id: str) -> bytes:
+    return b"m/" + chunk_id.encode()
+
+
+def _layer_key(chunk_id: str, index: int) -> bytes:
+    return b"l/" + chunk_id.encode() + b"/%06d" % index
+
+
+class RocksDBTier:
+    """RocksDB via rocksdict in raw mode: key ``m/<id>`` holds the metadata, ``l/<id>/<layer>`` each
+    layer. Layer values go to blob files (large values kept out of the LSM tree, so compaction does
+    not rewrite them); the WAL stays on so an acknowledged put survives a process kill."""
+
+    name = "rocksdb"
+
+    def __init__(self, path: str, *, sync: bool = False) -> None:
+        from rocksdict import Options, Rdict, WriteOptions
+
+        os.makedirs(path, exist_ok=True)
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        opts.set_enable_blob_files(True)
+        opts.set_min_blob_size(4096)
+        opts.set_blob_file_size(256 << 20)
+        opts.set_enable_blob_gc(True)        # reclaim space of evicted chunks' blobs
+        opts.set_blob_gc_age_cutoff(0.5)
+        opts.set_write_buffer_size(128 << 20)
+        self._db = Rdict(path, opts)
+        self._write_opts = WriteOptions()
+        self._write_opts.sync = sync
+        self.path = path
+
+    def write(self, meta: ChunkMeta, layers: tuple[bytes, ...]) -> None:
+        from rocksdict import WriteBatch
+
+        batch = WriteBatch(raw_mode=True)
+        # One batch: metadata and layers become visible together or not at all, also after a crash.
+        self._delete_into(batch, meta.chunk_id)
+        for i, data in enumerate(layers):
+            batch.put(_layer_key(meta.chunk_id, i), bytes(data))
+        batch.put(_meta_key(meta.chunk_id), meta.encode())
+        self._db.write(batch, self._write_opts)
+
+    def open(self, chunk_id: str) -> "RocksDBReader | None":
+        snapshot = self._db.snapshot()
+        raw = _snapshot_get(snapshot, _meta_key(chunk_id))
+        if raw is None:
+            return None
+        return RocksDBReader(ChunkMeta.decode(raw), snapshot)
+
+    def remove(self, chunk_id: str) -> None:
+        from rocksdict import WriteBatch
+
+        batch = WriteBatch(raw_mode=True)
+        self._delete_into(batch, chunk_id)
+        self._db.write(batch, self._write_opts)
+
+    @staticmethod
+    def _delete_into(batch, chunk_id: str) -> None:
+        prefix = b"l/" + chunk_id.encode() + b"/"
+        batch.delete_range(prefix, prefix[:-1] + b"0")   # "/" + 1 == "0": every layer key of this chunk
+        batch.delete(_meta_key(chunk_id))
+
+    def scan(self) -> list[tuple[str, int]]:
+        """Chunks present on disk, with sizes; corrupt metadata records are removed."""
+        found, corrupt = [], []
+        for key in self._db.keys(from_key=b"m/"):
+            if not key.startswith(b"m/"):
+                break
+            chunk_id = key[2:].decode(errors="replace")
+            try:
+                meta = ChunkMeta.decode(self._db.get(key))
+            except CorruptEntry as exc:
+                log.warning("rocksdb: dropping %s at start: %s", chunk_id, exc)
+                corrupt.append(chunk_id)
+                continue
+            found.append((meta.chunk_id, meta.nbytes))
+        for chunk_id in corrupt:
+            self.remove(chunk_id)
+        return found
+
+    def put_raw(self, key: bytes, value: bytes) -> None:
+        """Overwrite one raw key (fault-injection tests only)."""
+        self._db.put(key, value)
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def _snapshot_get(snapshot, key: bytes) -> bytes | None:
+    try:
+        return snapshot[key]
+    except KeyError:
+        return None
+    except Exception as exc:  # rocksdict raises a bare Exception("key not found")
+        if "not found" in str(exc):
+            return None
+        raise
+
+
+class RocksDBReader:
+    def __init__(self, meta: ChunkMeta, snapshot) -> None:
+        self.meta = meta
+        self._snapshot = snapshot
+
+    def layer(self, index: int) -> bytes | None:
+        return _snapshot_get(self._snapshot, _layer_key(self.meta.chunk_id, index))
+
+    def close(self) -> None:
+        self._snapshot = None
