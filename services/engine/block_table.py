@@ -1,0 +1,78 @@
+"""A request's view of paged KV: block-table entries (physical block, position offset, slot mask).
+
+Attention over a request is attention over the union of its entries (softmax ignores order):
+  - a shared chunk entry: offset = the chunk's global start (keys were rotated at local positions;
+    the kernel rotates them by the offset), mask hides padding and tokens recomputed privately;
+  - a private entry: offset 0, keys already rotated at their global positions.
+Nothing is copied or re-rotated in memory to place a chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def full_mask(n: int) -> int:
+    """Slot mask with the first n slots visible, as a signed int64 value."""
+    m = (1 << n) - 1
+    return m - (1 << 64) if m >= (1 << 63) else m
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTable:
+    """Entries of one sequence for one layer.
+
+    block_ids int32 [E], offsets int32 [E] (RoPE offset applied in attention), masks int64 [E]
+    (bit t = slot t visible).
+    """
+
+    block_ids: torch.Tensor
+    offsets: torch.Tensor
+    masks: torch.Tensor
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.block_ids.numel())
+
+    @staticmethod
+    def empty(device: torch.device) -> "BlockTable":
+        z = torch.zeros(0, dtype=torch.int32, device=device)
+        return BlockTable(z, z.clone(), torch.zeros(0, dtype=torch.int64, device=device))
+
+    @staticmethod
+    def for_run(blocks: list[int], n_tokens: int, block_size: int, offset: int, device: torch.device,
+                hidden: torch.Tensor | None = None) -> "BlockTable":
+        """Entries of ``n_tokens`` laid densely over ``blocks``, all with one offset.
+
+        ``hidden`` (bool [n_tokens]) hides tokens, e.g. a chunk's tokens recomputed for this request.
+        """
+        masks = []
+        for j in range(len(blocks)):
+            n = min(block_size, n_tokens - j * block_size)
+            masks.append(full_mask(n))
+        mask_t = torch.tensor(masks, dtype=torch.int64, device=device)
+        if hidden is not None and bool(hidden.any()):
+            idx = torch.nonzero(hidden).flatten()
+            # clear bit (idx % bs) of entry (idx // bs); values are unique so index_put with accumulate is a sum
+            clear = torch.zeros(len(blocks), dtype=torch.int64, device=device)
+            bit = torch.ones_like(idx) << (idx % block_size)
+            clear.index_put_((idx // block_size,), bit, accumulate=True)
+            mask_t = mask_t & ~clear
+        return BlockTable(
+            torch.tensor(blocks, dtype=torch.int32, device=device),
+            torch.full((len(blocks),), offset, dtype=torch.int32, device=device),
+            mask_t,
+        )
+
+    @staticmethod
+    def cat(tables: list["BlockTable"]) -> "BlockTable":
+        tables = [t for t in tables if t.num_entries]
+        if not tables:
+            raise ValueError("a block table needs at least one entry")
+        return BlockTable(
+            torch.cat([t.block_ids for t in tables]),
+            torch.cat([t.offsets for t in tables]),
+            torch.cat([t.masks for t in tables]),
+        )

@@ -1,0 +1,112 @@
+"""Chunk registry and the device-resident chunk cache.
+
+A chunk is named by a content hash of (model fingerprint, token ids): the same id names it in
+every tier and on every worker. The cache maps a key (the chunk id in ``tessera`` mode; the id plus
+its position for ``position_aware``; the hash of the whole prefix for ``prefix``) to the blocks that
+hold its KV. Entries are shared and read-only; a request pins the entries it uses (``refs``), and
+only unpinned entries are evicted, least recently used first, to honour the byte budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from services.engine.block_pool import BlockPool, PoolExhausted
+
+
+def chunk_id(fingerprint: str, tokens: Iterable[int]) -> str:
+    """Content id of a chunk: sha256 over the model fingerprint and the int64 token ids."""
+    h = hashlib.sha256(fingerprint.encode())
+    h.update(np.asarray(list(tokens), dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+@dataclass(slots=True)
+class ChunkEntry:
+    """KV of one chunk: ``length`` tokens laid densely over ``blocks`` (all layers).
+
+    ``base`` is the position its first key was rotated at (0 for position-agnostic entries).
+    """
+
+    key: str
+    blocks: list[int]
+    length: int
+    base: int
+    nbytes: int
+    refs: int = 0
+
+
+class ChunkCache:
+    def __init__(self, pool: BlockPool, budget_bytes: int):
+        if budget_bytes < pool.block_bytes:
+            raise ValueError(f"chunk cache budget {budget_bytes} B is below one block ({pool.block_bytes} B)")
+        self.pool = pool
+        self.budget_bytes = budget_bytes
+        self.resident_bytes = 0
+        self.evictions = 0
+        self._entries: OrderedDict[str, ChunkEntry] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def acquire(self, key: str) -> ChunkEntry | None:
+        """Pin and return a resident entry (most recently used now), or None."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            entry.refs += 1
+        return entry
+
+    def release(self, entry: ChunkEntry) -> None:
+        if entry.refs <= 0:
+            raise RuntimeError(f"chunk {entry.key[:12]} released more often than acquired")
+        entry.refs -= 1
+
+    def allocate(self, n_blocks: int, for_cache: bool) -> list[int]:
+        """Blocks for a new entry (``for_cache``: counted against the budget) or for private use,
+        evicting unpinned entries LRU-first until they fit."""
+        need_bytes = n_blocks * self.pool.block_bytes if for_cache else 0
+        if need_bytes > self.budget_bytes:
+            raise PoolExhausted(f"a chunk of {n_blocks} blocks ({need_bytes} B) exceeds the chunk cache "
+                                f"budget of {self.budget_bytes} B")
+        while self.pool.num_free < n_blocks or self.resident_bytes + need_bytes > self.budget_bytes:
+            if not self._evict_one():
+                raise PoolExhausted(
+                    f"KV memory exhausted: {n_blocks} blocks wanted, {self.pool.num_free} free, "
+                    f"{self.resident_bytes} B of chunk cache pinned by requests in flight")
+        return self.pool.allocate(n_blocks)
+
+    def insert(self, key: str, blocks: list[int], length: int, base: int = 0) -> ChunkEntry:
+        """Register freshly written blocks under ``key``; returned pinned (refs = 1)."""
+        if key in self._entries:
+            raise RuntimeError(f"chunk {key[:12]} is already resident")
+        entry = ChunkEntry(key, blocks, length, base, len(blocks) * self.pool.block_bytes, refs=1)
+        self._entries[key] = entry
+        self.resident_bytes += entry.nbytes
+        return entry
+
+    def _evict_one(self) -> bool:
+        for key, entry in self._entries.items():  # oldest first
+            if entry.refs == 0:
+                del self._entries[key]
+                self.resident_bytes -= entry.nbytes
+                self.pool.free(entry.blocks)
+                self.evictions += 1
+                return True
+        return False
+
+    def clear(self) -> None:
+        """Drop every unpinned entry."""
+        while self._evict_one():
+            pass

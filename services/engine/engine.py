@@ -1,0 +1,202 @@
+"""Engine: one model, one paged KV pool, one chunk cache; prefill in every reuse mode, and decode.
+
+Public API (services, tests and outside checks call exactly this):
+    eng = Engine.load(dir, device="cpu", dtype=torch.float32, attention_backend=None)
+    r = eng.prefill(chunks=[[ids], ...], suffix=[ids], mode="tessera", recompute_ratio=0.15)
+    eng.generate(chunks=..., suffix=..., max_new_tokens=32, temperature=0.0) -> list[int]
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.paged_attention import MAX_BLOCK_SIZE, check_encodable
+from services.engine.blend import BlendConfig
+from services.engine.block_pool import BlockPool
+from services.engine.block_table import BlockTable
+from services.engine.chunk_cache import ChunkCache, chunk_id
+from services.engine.config import ModelConfig
+from services.engine.forward import Forward
+from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
+from services.engine.sampling import SamplingParams, sample
+from services.engine.weights import fingerprint, load_weights
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _default_backend(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: torch.dtype,
+                 attention_backend: str, block_size: int, kv_cache_bytes: int, chunk_cache_bytes: int,
+                 blend: BlendConfig):
+        if attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+        if blend.check_layer >= cfg.num_layers:
+            raise ValueError(f"check_layer {blend.check_layer} must be below the model's {cfg.num_layers} layers")
+        self.cfg = cfg
+        self.model_dir = model_dir
+        self.device = device
+        self.dtype = dtype
+        self.backend = attention_backend
+        self.block_size = block_size
+        self.blend = blend
+        self.fingerprint = fingerprint(model_dir)
+        self.forward = Forward(cfg, load_weights(model_dir, cfg, device, dtype), attention_backend)
+        block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+        num_blocks = max(kv_cache_bytes // block_bytes, 1)
+        self.pool = BlockPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, device, dtype)
+        self.cache = ChunkCache(self.pool, min(chunk_cache_bytes, num_blocks * block_bytes))
+        self.forward.bind(self.pool, self.cache, block_size, self.fingerprint)
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
+             attention_backend: str | None = None, block_size: int = 16, kv_cache_bytes: int | None = None,
+             chunk_cache_bytes: int | None = None, check_layer: int = 1, deviation: str = "kv") -> "Engine":
+        """Load a Hugging Face Llama-family directory (config.json, *.safetensors, tokenizer.json).
+
+        kv_cache_bytes: the paged KV pool (default 256 MiB on CPU, 60% of free memory on CUDA);
+        chunk_cache_bytes: the part of it cached chunks may hold (default 80%).
+        """
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {path} does not exist")
+        dev = torch.device(device)
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"unknown dtype {dtype!r}; one of {sorted(DTYPES)}")
+            dtype = DTYPES[dtype]
+        cfg = ModelConfig.from_dir(path)
+        if kv_cache_bytes is None:
+            if dev.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(dev)
+                weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+                kv_cache_bytes = int(0.6 * max(free - weight_bytes, 1 << 28))
+            else:
+                kv_cache_bytes = 256 << 20
+        if chunk_cache_bytes is None:
+            chunk_cache_bytes = int(0.8 * kv_cache_bytes)
+        return cls(cfg, path, dev, dtype, attention_backend or _default_backend(dev), block_size,
+                   kv_cache_bytes, chunk_cache_bytes, BlendConfig(check_layer, deviation))
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, chunks, suffix, mode: str, recompute_ratio: float, extra_tokens: int = 0):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+        if not 0.0 <= float(recompute_ratio) <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
+        chunks = [list(map(int, c)) for c in (chunks or [])]
+        suffix = list(map(int, suffix or []))
+        if not suffix:
+            raise ValueError("empty request: the suffix must hold at least one token" if not any(chunks)
+                             else "the suffix must hold at least one token (logits are taken after it)")
+        for i, c in enumerate(chunks):
+            if not c:
+                raise ValueError(f"chunk {i} is empty")
+        vocab = self.cfg.vocab_size
+        for where, ids in [*((f"chunk {i}", c) for i, c in enumerate(chunks)), ("suffix", suffix)]:
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} in {where} is outside the vocabulary [0, {vocab})")
+        total = sum(map(len, chunks)) + len(suffix) + extra_tokens
+        limit = self.cfg.max_position_embeddings
+        if self.cfg.sliding_window:
+            limit = min(limit, self.cfg.sliding_window)
+        if total > limit:
+            raise ValueError(f"request of {total} tokens is past the model's limit of {limit}")
+        if mode == "tessera":
+            starts, s = [], 0
+            for c in chunks:
+                starts.append(s)
+                s += len(c)
+            check_encodable(self.block_size, torch.zeros(0, dtype=torch.int32), torch.tensor(starts, dtype=torch.int64))
+        return chunks, suffix
+
+    # ------------------------------------------------------------------ public API
+    def chunk_id(self, tokens) -> str:
+        return chunk_id(self.fingerprint, tokens)
+
+    @torch.inference_mode()
+    def prefill(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15) -> PrefillResult:
+        """Next-token logits after chunks + suffix; the request's private KV is freed afterwards."""
+        chunks, suffix = self._validate(chunks, suffix, mode, recompute_ratio)
+        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio))
+        self.release(seq)
+        return PrefillResult(logits, stats)
+
+    @torch.inference_mode()
+    def generate(self, chunks, suffix, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, mode: str = "tessera", recompute_ratio: float = 0.15,
+                 stop_token_ids: list[int] | None = None) -> list[int]:
+        params = SamplingParams(temperature, top_p, top_k, seed, max_new_tokens)
+        chunks, suffix = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=max_new_tokens)
+        stops = set(self._stop_ids() if stop_token_ids is None else stop_token_ids)
+        logits, seq, _ = self._prefill(chunks, suffix, mode, float(recompute_ratio))
+        out: list[int] = []
+        try:
+            gen = params.generator(self.device)
+            while True:
+                tok = sample(logits, params, gen)
+                out.append(tok)
+                if tok in stops or len(out) >= max_new_tokens:
+                    return out
+                logits = self.decode_step([seq], [tok])[0]
+        finally:
+            self.release(seq)
+
+    def _stop_ids(self) -> list[int]:
+        eos = self.cfg.eos_token_id
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, list) else [eos]
+
+    def _prefill(self, chunks, suffix, mode, ratio):
+        stats = PrefillStats(mode=mode, recompute_ratio=ratio, check_layer=self.blend.check_layer,
+                             chunks=len(chunks), chunk_tokens=sum(map(len, chunks)), suffix_tokens=len(suffix))
+        t0 = time.perf_counter()
+        logits, seq = self.forward.prefill(chunks, suffix, mode, ratio, self.blend, stats)
+        stats.total_seconds = time.perf_counter() - t0
+        return logits, seq, stats
+
+    @torch.inference_mode()
+    def decode_step(self, seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
+        """Append one token to each sequence and return the next-token logits [B, vocab]."""
+        return self.forward.decode_step(seqs, tokens)
+
+    def release(self, seq: Sequence) -> None:
+        """Free a sequence's private blocks and unpin its chunks (idempotent)."""
+        if seq.released:
+            return
+        seq.released = True
+        for entry in seq.pinned:
+            self.cache.release(entry)
+        self.pool.free(seq.private_blocks + seq.gen_blocks)
+
+    def describe_memory(self) -> dict:
+        """Bytes of KV: per block, resident in the chunk cache, free in the pool."""
+        return {
+            "block_bytes": self.pool.block_bytes,
+            "kv_bytes_per_token": self.pool.block_bytes // self.block_size,
+            "chunk_cache_resident_bytes": self.cache.resident_bytes,
+            "chunk_cache_budget_bytes": self.cache.budget_bytes,
+            "chunks_resident": len(self.cache),
+            "free_blocks": self.pool.num_free,
+            "total_blocks": self.pool.num_blocks,
+        }
+
+
+__all__ = ["Engine", "BlockTable"]

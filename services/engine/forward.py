@@ -1,0 +1,314 @@
+"""Layer-by-layer passes over the paged KV: chunk computation, every prefill mode, batched decode.
+
+Every pass is the same loop: at each layer the *active* tokens (those whose hidden state is computed)
+produce q/k/v, the tokens that own private slots write their k/v, and the active queries attend to the
+layer's block table. Modes differ only in which tokens are active and which entries each layer sees.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from kernels.rope import rope_cos_sin, rotate
+from services.engine.blend import BlendConfig, ChunkLayout, select_hkvd
+from services.engine.block_table import BlockTable
+from services.engine.chunk_cache import chunk_id
+from services.engine.config import ModelConfig
+from services.engine.model import Transformer
+from services.engine.request import PlacedChunk, PrefillStats, Sequence
+
+
+class Forward:
+    def __init__(self, cfg: ModelConfig, weights, backend: str):
+        self.cfg = cfg
+        self.model = Transformer(cfg, weights, rope_backend=backend)
+        self.backend = backend
+
+    def bind(self, pool, cache, block_size: int, fingerprint: str) -> None:
+        self.pool, self.cache, self.bs = pool, cache, block_size
+        self.device = pool.slot_pos.device
+        self._fingerprint = fingerprint
+
+    # ------------------------------------------------------------------ primitives
+    def _attend(self, layer: int, q, q_pos, table: BlockTable):
+        dev = self.device
+        cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev)
+        cu_e = torch.tensor([0, table.num_entries], dtype=torch.int32, device=dev)
+        out, _ = paged_prefill_attention(
+            q, q_pos.to(torch.int32), self.pool.k[layer], self.pool.v[layer], self.pool.slot_pos,
+            table.block_ids, table.offsets, table.masks, cu_q, cu_e, self.model.inv_freq, self.model.scale,
+            backend=self.backend)
+        return out
+
+    def _private(self, pos: torch.Tensor, for_cache: bool = False):
+        """Slots for tokens at global positions ``pos`` [n], laid densely over new blocks.
+
+        Returns (blocks, block [n], slot [n], table with offset 0)."""
+        n = int(pos.numel())
+        blocks = self.cache.allocate(-(-n // self.bs), for_cache=for_cache)
+        block, slot = self.pool.slots_for(blocks, n)
+        self.pool.slot_pos[block, slot] = pos.to(torch.int32)
+        return blocks, block, slot, BlockTable.for_run(blocks, n, self.bs, 0, self.device)
+
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, tables, write_block, write_slot, last_only=True,
+             skip_last_layer=False):
+        """Plain pass: every token active at every layer, all of them written to their slots."""
+        h = self.model.embed(ids)
+        n_layers = self.cfg.num_layers
+        for layer in range(n_layers):
+            q, k, v = self.model.attention_inputs(layer, h, pos)
+            self.pool.write(layer, write_block, write_slot, k, v)
+            if skip_last_layer and layer == n_layers - 1:
+                return None
+            h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, tables[layer]))
+        return self.model.logits(h[-1:] if last_only else h)[-1]
+
+    def compute_chunk(self, key: str, tokens: list[int], base: int):
+        """Compute a chunk alone at positions base..base+L-1 and cache it under ``key`` (pinned)."""
+        pos = torch.arange(base, base + len(tokens), device=self.device)
+        blocks, block, slot, table = self._private(pos, for_cache=True)  # keys rotated at pos
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        self._run(ids, pos, [table] * self.cfg.num_layers, block, slot, skip_last_layer=True)
+        return self.cache.insert(key, blocks, len(tokens), base=base)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, chunks, suffix, mode: str, ratio: float, blend: BlendConfig, stats: PrefillStats):
+        if mode in ("full", "prefix"):
+            return self._prefill_dense(chunks, suffix, mode, stats)
+        return self._prefill_reuse(chunks, suffix, mode, ratio, blend, stats)
+
+    def _prefill_dense(self, chunks, suffix, mode, stats):
+        """full: every token computed, nothing cached. prefix: reuse the longest cached chunk prefix,
+        compute the rest in context and cache each new chunk under the hash of its whole prefix."""
+        dev, pinned, tables, start = self.device, [], [], 0
+        keys, h_prefix = [], None
+        if mode == "prefix":
+            for c in chunks:
+                # a chain hash: chunk i is named by everything before it (namespaced apart from chunk ids)
+                h_prefix = chunk_id(h_prefix or f"prefix:{self._fingerprint}", c)
+                keys.append(h_prefix)
+        n_hit = 0
+        if mode == "prefix":
+            for i, c in enumerate(chunks):
+                entry = self.cache.acquire(keys[i])
+                if entry is None:
+                    break
+                pinned.append(entry)
+                tables.append(BlockTable.for_run(entry.blocks, entry.length, self.bs, 0, dev))
+                start += entry.length
+                n_hit += 1
+        stats.chunk_hits, stats.chunk_misses = n_hit, len(chunks) - n_hit
+        t0 = time.perf_counter()
+        runs, private = [], []
+        # new chunks each get their own blocks (cacheable in prefix mode); the suffix gets private ones
+        for i, c in enumerate(chunks[n_hit:], start=n_hit):
+            pos = torch.arange(start, start + len(c), device=dev)
+            blocks, block, slot, table = self._private(pos, for_cache=(mode == "prefix"))
+            runs.append((keys[i] if mode == "prefix" else None, c, blocks, block, slot, start))
+            tables.append(table)
+            start += len(c)
+            stats.chunk_tokens_computed += len(c)
+            if mode == "prefix":
+                stats.shared_blocks_allocated += len(blocks)
+            else:
+                private += blocks
+                stats.private_blocks_allocated += len(blocks)
+        pos_s = torch.arange(start, start + len(suffix), device=dev)
+        s_blocks, s_block, s_slot, s_table = self._private(pos_s)
+        private += s_blocks
+        stats.private_blocks_allocated += len(s_blocks)
+        tables.append(s_table)
+        table = BlockTable.cat(tables)
+        ids = torch.tensor([t for r in runs for t in r[1]] + suffix, dtype=torch.long, device=dev)
+        pos = torch.arange(start - sum(len(r[1]) for r in runs), start + len(suffix), device=dev)
+        wb = torch.cat([r[3] for r in runs] + [s_block])
+        ws = torch.cat([r[4] for r in runs] + [s_slot])
+        logits = self._run(ids, pos, [table] * self.cfg.num_layers, wb, ws)
+        for key, c, blocks, _, _, base in runs:
+            if key is None:
+                continue
+            if key in self.cache:  # computed concurrently by an equal prefix: keep ours private
+                private += blocks
+            else:
+                pinned.append(self.cache.insert(key, blocks, len(c), base=0))
+        stats.forward_seconds = time.perf_counter() - t0
+        return logits, Sequence([table] * self.cfg.num_layers, pinned, private, start + len(suffix))
+
+    def _place(self, chunks, mode, stats) -> list[PlacedChunk]:
+        """Find or compute every chunk: position-agnostic (tessera, blend_copy) or per position."""
+        placed, start = [], 0
+        t0 = time.perf_counter()
+        try:
+            for c in chunks:
+                cid = chunk_id(self._fingerprint, c)
+                key = cid if mode != "position_aware" else f"{cid}@{start}"
+                entry = self.cache.acquire(key)
+                if entry is None:
+                    entry = self.compute_chunk(key, c, base=start if mode == "position_aware" else 0)
+                    stats.chunk_misses += 1
+                    stats.chunk_tokens_computed += len(c)
+                    stats.shared_blocks_allocated += len(entry.blocks)
+                else:
+                    stats.chunk_hits += 1
+                placed.append(PlacedChunk(entry, start))
+                start += len(c)
+        except BaseException:
+            for p in placed:
+                self.cache.release(p.entry)
+            raise
+        stats.chunk_compute_seconds = time.perf_counter() - t0
+        return placed
+
+    def _prefill_reuse(self, chunks, suffix, mode, ratio, blend: BlendConfig, stats):
+        placed = self._place(chunks, mode, stats)
+        pinned = [p.entry for p in placed]
+        private: list[int] = []
+        try:
+            return self._blend(placed, chunks, pinned, private, suffix, mode, ratio, blend, stats)
+        except BaseException:
+            for e in pinned:
+                self.cache.release(e)
+            self.pool.free(private)
+            raise
+
+    def _blend(self, placed, chunks, pinned, private, suffix, mode, ratio, blend: BlendConfig, stats):
+        dev, bs, n_layers = self.device, self.bs, self.cfg.num_layers
+        t0 = time.perf_counter()
+        lay = ChunkLayout(placed, bs, dev)
+        n_chunk = lay.num_tokens
+        pos_s = torch.arange(n_chunk, n_chunk + len(suffix), device=dev)
+        s_blocks, s_block, s_slot, s_table = self._private(pos_s)
+        private += s_blocks
+        copy = mode == "blend_copy"
+        if copy:
+            # CacheBlend as published: copy every chunk's KV, keys re-rotated to the global position
+            c_blocks, c_block, c_slot, c_table = self._private(lay.pos)
+            private += c_blocks
+            stats.copied_blocks = len(c_blocks)
+            cos, sin = rope_cos_sin(lay.rot, self.model.inv_freq)
+            for layer in range(n_layers):
+                k, v = self.pool.read(layer, lay.block, lay.slot)
+                self.pool.write(layer, c_block, c_slot, rotate(k, cos[:, None, :], sin[:, None, :]), v)
+            base = BlockTable.cat([c_table, s_table])
+        else:
+            base = BlockTable.cat(lay.shared_tables(bs, dev) + [s_table])
+        ids_s = torch.tensor(suffix, dtype=torch.long, device=dev)
+
+        if ratio == 0.0:
+            tables = [base] * n_layers
+            logits = self._run(ids_s, pos_s, tables, s_block, s_slot)
+        else:
+            ids_c = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
+            logits, tables = self._blend_layers(lay, ids_c, ids_s, pos_s, s_block, s_slot, s_table, base,
+                                                copy, c_block if copy else None, c_slot if copy else None,
+                                                ratio, blend, private, stats)
+        stats.private_blocks_allocated += len(private)
+        stats.forward_seconds = time.perf_counter() - t0
+        return logits, Sequence(tables, pinned, private, n_chunk + len(suffix))
+
+    def _blend_layers(self, lay, ids_c, ids_s, pos_s, s_block, s_slot, s_table, base, copy, c_block, c_slot,
+                      ratio, blend, private, stats):
+        dev, bs, n_layers, c = self.device, self.bs, self.cfg.num_layers, blend.check_layer
+        n_chunk = lay.num_tokens
+        h = self.model.embed(torch.cat([ids_c, ids_s]))
+        pos = torch.cat([lay.pos, pos_s])
+        tables: list[BlockTable] = []
+        pre_table = base
+        pre_block = pre_slot = pre_blocks = None
+        if c > 1 and not copy:
+            # layers 1..c-1 are computed in full: every chunk token gets a private slot there
+            pre_blocks, pre_block, pre_slot, t = self._private(lay.pos)
+            private += pre_blocks
+            pre_table = BlockTable.cat([t, s_table])
+        for layer in range(c):
+            q, k, v = self.model.attention_inputs(layer, h, pos)
+            if layer == 0:
+                table = base  # layer-0 KV depends on the token alone: the cache holds it exactly
+                self.pool.write(layer, s_block, s_slot, k[n_chunk:], v[n_chunk:])
+            else:
+                table = pre_table
+                wb = torch.cat([c_block if copy else pre_block, s_block])
+                ws = torch.cat([c_slot if copy else pre_slot, s_slot])
+                self.pool.write(layer, wb, ws, k, v)
+            tables.append(table)
+            h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, table))
+
+        # check layer: rank chunk tokens by how far their fresh KV is from the cached KV
+        q, k, v = self.model.attention_inputs(c, h, pos)
+        if copy:
+            k_cached, v_cached = self.pool.read(c, c_block, c_slot)
+        else:
+            k_cached, v_cached = lay.cached_kv(self.pool, c, self.model.inv_freq)
+        n_keep = int(round(ratio * n_chunk))
+        sel = select_hkvd(k[:n_chunk], v[:n_chunk], k_cached, v_cached, n_keep, blend.deviation)
+        stats.tokens_recomputed = int(sel.numel())
+        keep = torch.cat([sel, torch.arange(n_chunk, n_chunk + pos_s.numel(), device=dev)])
+        h, pos, q, k, v = h[keep], pos[keep], q[keep], k[keep], v[keep]
+        if copy:
+            post = base
+            sel_block, sel_slot = c_block[sel], c_slot[sel]
+        elif pre_block is not None:
+            hidden = torch.zeros(n_chunk, dtype=torch.bool, device=dev)
+            hidden[sel] = True
+            pre_only = BlockTable.for_run(pre_blocks, n_chunk, bs, 0, dev, ~hidden)
+            post = BlockTable.cat(lay.shared_tables(bs, dev, hidden) + [pre_only, s_table])
+            sel_block, sel_slot = pre_block[sel], pre_slot[sel]
+        else:
+            hidden = torch.zeros(n_chunk, dtype=torch.bool, device=dev)
+            hidden[sel] = True
+            tabs = lay.shared_tables(bs, dev, hidden)
+            if sel.numel():
+                blocks, sel_block, sel_slot, sel_table = self._private(lay.pos[sel])
+                private += blocks
+                tabs.append(sel_table)
+            else:
+                sel_block = sel_slot = torch.zeros(0, dtype=torch.long, device=dev)
+            post = BlockTable.cat(tabs + [s_table])
+        wb, ws = torch.cat([sel_block, s_block]), torch.cat([sel_slot, s_slot])
+        for layer in range(c, n_layers):
+            if layer > c:
+                q, k, v = self.model.attention_inputs(layer, h, pos)
+            self.pool.write(layer, wb, ws, k, v)
+            tables.append(post)
+            h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, post))
+        return self.model.logits(h[-1:])[-1], tables
+
+    # ------------------------------------------------------------------ decode
+    def decode_step(self, seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
+        dev, bs = self.device, self.bs
+        blocks, slots = [], []
+        for seq in seqs:
+            if seq.released:
+                raise RuntimeError("decode_step on a released sequence")
+            if seq.gen_count == len(seq.gen_blocks) * bs:
+                seq.gen_blocks += self.cache.allocate(1, for_cache=False)
+            blocks.append(seq.gen_blocks[seq.gen_count // bs])
+            slots.append(seq.gen_count % bs)
+        block = torch.tensor(blocks, dtype=torch.long, device=dev)
+        slot = torch.tensor(slots, dtype=torch.long, device=dev)
+        pos = torch.tensor([s.next_pos for s in seqs], dtype=torch.long, device=dev)
+        self.pool.slot_pos[block, slot] = pos.to(torch.int32)
+        for seq in seqs:
+            seq.gen_count += 1
+            seq.next_pos += 1
+        gen_tables = [BlockTable.for_run(s.gen_blocks, s.gen_count, bs, 0, dev) for s in seqs]
+        h = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
+        joined: dict[tuple, BlockTable] = {}
+        for layer in range(self.cfg.num_layers):
+            q, k, v = self.model.attention_inputs(layer, h, pos)
+            self.pool.write(layer, block, slot, k, v)
+            per_seq = []
+            for i, s in enumerate(seqs):
+                key = (i, id(s.layer_tables[layer]))
+                if key not in joined:
+                    joined[key] = BlockTable.cat([s.layer_tables[layer], gen_tables[i]])
+                per_seq.append(joined[key])
+            table = BlockTable.cat(per_seq)
+            cu = torch.tensor([0] + [t.num_entries for t in per_seq], dtype=torch.int32, device=dev).cumsum(0).to(torch.int32)
+            out, _ = paged_decode_attention(q, self.pool.k[layer], self.pool.v[layer], table.block_ids, table.offsets,
+                                            table.masks, cu, self.model.inv_freq, self.model.scale, backend=self.backend)
+            h = self.model.finish_layer(layer, h, out)
+        return self.model.logits(h)

@@ -1,0 +1,61 @@
+"""The Llama-family decoder math, split at the attention call so that the engine decides which
+tokens attend to which KV (paged, deferred RoPE) and which tokens are computed at all.
+
+  h -> attention_inputs(layer, h, pos) -> q, k, v      (norm, projections, Qwen3 q/k norm, RoPE)
+     -> [engine: write k, v to paged slots; paged attention over the request's block table]
+     -> finish_layer(layer, h, attn) -> h             (o_proj + residual, MLP + residual)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.rope import apply_rope, rope_inv_freq
+from services.engine.config import ModelConfig
+from services.engine.weights import LayerWeights, ModelWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope_backend: str = "torch"):
+        self.cfg = cfg
+        self.w = weights
+        self.rope_backend = rope_backend
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(weights.embed.device)
+        self.scale = cfg.head_dim ** -0.5
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w.embed[ids]  # [T, hidden]
+
+    def attention_inputs(self, layer: int, h: torch.Tensor, pos: torch.Tensor):
+        """h [T, hidden] at global positions pos [T] -> q [T, Hq, D], k, v [T, Hkv, D] (q, k rotated)."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+        t = x.shape[0]
+        q = F.linear(x, lw.q_proj, lw.q_bias).view(t, cfg.num_heads, cfg.head_dim)
+        k = F.linear(x, lw.k_proj, lw.k_bias).view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = F.linear(x, lw.v_proj, lw.v_bias).view(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+        q = apply_rope(q, pos, self.inv_freq, backend=self.rope_backend)
+        k = apply_rope(k, pos, self.inv_freq, backend=self.rope_backend)
+        return q, k, v
+
+    def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual attention output and the SwiGLU MLP. attn [T, Hq, D] -> h [T, hidden]."""
+        lw: LayerWeights = self.w.layers[layer]
+        h = h + F.linear(attn.reshape(attn.shape[0], -1), lw.o_proj)
+        x = rms_norm(h, lw.post_norm, self.cfg.rms_norm_eps)
+        return h + F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] -> fp32 logits [T, vocab]."""
+        return F.linear(rms_norm(h, self.w.norm, self.cfg.rms_norm_eps), self.w.lm_head).float()

@@ -1,0 +1,74 @@
+"""Typed hand-offs of the engine: a placed chunk, a sequence's KV state, prefill results and stats."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from services.engine.block_table import BlockTable
+from services.engine.chunk_cache import ChunkEntry
+
+MODES = ("full", "prefix", "position_aware", "blend_copy", "tessera")
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedChunk:
+    """A cached chunk placed in a request: its tokens occupy global positions start..start+length-1.
+
+    ``rot`` = start - entry.base is the RoPE offset applied to its keys inside attention
+    (0 for position-aware replicas, which were computed at this very position).
+    """
+
+    entry: ChunkEntry
+    start: int
+
+    @property
+    def rot(self) -> int:
+        return self.start - self.entry.base
+
+
+@dataclass(slots=True)
+class PrefillStats:
+    mode: str
+    recompute_ratio: float
+    check_layer: int
+    chunks: int = 0
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    chunk_tokens: int = 0
+    chunk_tokens_computed: int = 0   # tokens of missing chunks computed alone (or in context: prefix/full)
+    tokens_recomputed: int = 0       # HKVD chunk tokens recomputed by the blend step
+    suffix_tokens: int = 0
+    shared_blocks_allocated: int = 0
+    private_blocks_allocated: int = 0
+    copied_blocks: int = 0           # blend_copy's re-rotated copies
+    chunk_compute_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Sequence:
+    """KV state of one request between prefill and the end of decode.
+
+    layer_tables[l] are the entries layer l attends to (objects are shared between layers with the same
+    view); generated tokens are appended to ``gen_blocks`` and seen by every layer.
+    """
+
+    layer_tables: list[BlockTable]
+    pinned: list[ChunkEntry]
+    private_blocks: list[int]
+    next_pos: int
+    gen_blocks: list[int] = field(default_factory=list)
+    gen_count: int = 0
+    released: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    logits: torch.Tensor   # [vocab] fp32, next-token logits after the suffix
+    stats: PrefillStats

@@ -1,0 +1,50 @@
+"""Token sampling: greedy at temperature 0, else temperature / top-k / top-p with a seeded generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_new_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        if self.temperature == 0:
+            return None
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed if self.seed is not None else torch.seed())
+        return g
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token id from fp32 logits [vocab]."""
+    if p.temperature == 0:
+        return int(torch.argmax(logits))
+    scores = logits.float() / p.temperature
+    if p.top_k:
+        kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p
+        scores[order[drop]] = float("-inf")
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))

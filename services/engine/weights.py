@@ -1,0 +1,113 @@
+"""Read a Hugging Face checkpoint's safetensors (single file or sharded index) into layer weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.engine.config import ModelConfig
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer. Projections are [out_features, in_features] as in nn.Linear."""
+
+    input_norm: torch.Tensor   # [hidden]
+    q_proj: torch.Tensor       # [Hq*D, hidden]
+    k_proj: torch.Tensor       # [Hkv*D, hidden]
+    v_proj: torch.Tensor       # [Hkv*D, hidden]
+    o_proj: torch.Tensor       # [hidden, Hq*D]
+    post_norm: torch.Tensor    # [hidden]
+    gate_proj: torch.Tensor    # [inter, hidden]
+    up_proj: torch.Tensor      # [inter, hidden]
+    down_proj: torch.Tensor    # [hidden, inter]
+    q_bias: torch.Tensor | None = None   # Qwen2
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None   # Qwen3, [D]
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    embed: torch.Tensor        # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor         # [hidden]
+    lm_head: torch.Tensor      # [vocab, hidden] (the embedding when tied)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def fingerprint(path: str | Path) -> str:
+    """A content hash that names this model in chunk ids: config, tensor names/shapes and weight bytes
+    sampled from every file (the first and last MiB), so that two different checkpoints never share ids."""
+    path = Path(path)
+    h = hashlib.sha256()
+    h.update(json.dumps(json.loads((path / "config.json").read_text()), sort_keys=True).encode())
+    for f in _safetensors_files(path):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                h.update(fh.read())
+    return h.hexdigest()[:32]
+
+
+def load_weights(path: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> ModelWeights:
+    path = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                tensors[name] = fh.get_tensor(name)
+
+    def take(name: str, required: bool = True) -> torch.Tensor | None:
+        t = tensors.get(name)
+        if t is None:
+            if required:
+                raise ValueError(f"checkpoint {path} lacks weight {name!r}")
+            return None
+        return t.to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layers.append(LayerWeights(
+            input_norm=take(p + "input_layernorm.weight"),
+            q_proj=take(p + "self_attn.q_proj.weight"),
+            k_proj=take(p + "self_attn.k_proj.weight"),
+            v_proj=take(p + "self_attn.v_proj.weight"),
+            o_proj=take(p + "self_attn.o_proj.weight"),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_proj=take(p + "mlp.gate_proj.weight"),
+            up_proj=take(p + "mlp.up_proj.weight"),
+            down_proj=take(p + "mlp.down_proj.weight"),
+            q_bias=take(p + "self_attn.q_proj.bias", cfg.attention_bias),
+            k_bias=take(p + "self_attn.k_proj.bias", cfg.attention_bias),
+            v_bias=take(p + "self_attn.v_proj.bias", cfg.attention_bias),
+            q_norm=take(p + "self_attn.q_norm.weight", cfg.qk_norm),
+            k_norm=take(p + "self_attn.k_norm.weight", cfg.qk_norm),
+        ))
+        expect = (cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        if tuple(layers[-1].q_proj.shape) != expect:
+            raise ValueError(f"{p}self_attn.q_proj.weight has shape {tuple(layers[-1].q_proj.shape)}, config says {expect}")
+    embed = take("model.embed_tokens.weight")
+    lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
+    return ModelWeights(embed=embed, layers=layers, norm=take("model.norm.weight"),
+                        lm_head=embed if lm_head is None else lm_head)
