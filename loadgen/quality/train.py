@@ -1,0 +1,257 @@
+"""Train the coref model and write it as a Hugging Face Llama directory.
+
+    python -m loadgen.quality.train -o DIR [--steps N --batch 256 --lr 2e-3 --seed S --device cuda]
+    tessera quality train -o DIR ...            (same flags)
+
+Data is generated on the fly by DataLoader workers (one ``random.Random`` stream per worker, seeded
+from ``--seed``); 40% of batches are induction data. Held-out accuracy (full prefill and full
+reuse, per question type) is logged every ``--eval-every`` steps, and training stops once full
+prefill reaches ``--target`` on every type. Imports only torch, numpy, safetensors, tokenizers and
+tqdm, so it runs on a bare GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loadgen.quality.model import ModelConfig, TinyLlama, load_hf, save_hf
+from loadgen.quality.reference import reference_tally
+from loadgen.quality.tasks import TaskConfig, heldout_prompts, induction_batch, sample_coref_batch
+from loadgen.quality.vocab import vocab
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    out: str
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 0          # 0: 2.5 x hidden
+    steps: int = 6000
+    batch: int = 256
+    lr: float = 2e-3
+    warmup: int = 200
+    weight_decay: float = 0.1
+    induction: float = 0.4         # fraction of batches that are induction data
+    seed: int = 0
+    device: str = "cpu"
+    workers: int = -1              # DataLoader workers; -1: min(8, cpus - 1) on cuda, 1 on cpu
+    eval_every: int = 250
+    eval_prompts: int = 1000
+    target: float = 0.995          # stop once full-prefill accuracy reaches this on every type
+    time_limit: float = 0.0        # seconds of training after which to stop and save anyway; 0: none
+    save_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch < 1 or self.eval_every < 1 or self.eval_prompts < 1:
+            raise ValueError("steps, batch, eval_every and eval_prompts must be positive")
+        if not 0 <= self.induction < 1:
+            raise ValueError(f"induction fraction must be in [0, 1), got {self.induction}")
+        if not (self.lr > 0 and 0 < self.target <= 1):
+            raise ValueError("lr must be positive and target in (0, 1]")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=vocab().size, hidden=self.hidden, layers=self.layers, heads=self.heads,
+            kv_heads=self.kv_heads, intermediate=self.intermediate or int(2.5 * self.hidden),
+        )
+
+
+class Batches(torch.utils.data.IterableDataset):
+    """Endless training batches; each worker draws from its own seeded stream."""
+
+    def __init__(self, cfg: TrainConfig, task: TaskConfig):
+        self.cfg, self.task = cfg, task
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        rng = random.Random(f"coref-train-{self.cfg.seed}-{info.id if info else 0}")
+        v = vocab()
+        while True:
+            if rng.random() < self.cfg.induction:
+                b = induction_batch(rng, self.task, self.cfg.batch, v)
+            else:
+                b = sample_coref_batch(rng, self.task, self.cfg.batch, v)
+            yield torch.from_numpy(b.tokens), torch.from_numpy(b.targets), b.induction
+
+
+def _lr(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to 10%."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def _optimizer(model: TinyLlama, cfg: TrainConfig) -> torch.optim.Optimizer:
+    # No decay on norms (1-d weights); decay pulls them toward 0, not toward their init of 1.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    keep = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": keep, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=cfg.device.startswith("cuda"))
+
+
+def evaluate(model: TinyLlama, prompts, task: TaskConfig) -> dict[str, dict[str, float]]:
+    model.eval()
+    out = {
+        "full": reference_tally(model, prompts, task).accuracy(),
+        "reuse": reference_tally(model, prompts, task, reuse=True).accuracy(),
+    }
+    model.train()
+    return out
+
+
+def _fmt(acc: dict[str, dict[str, float]]) -> str:
+    return "  ".join(f"{mode} " + "/".join(f"{a:.3f}" for a in kinds.values()) for mode, kinds in acc.items())
+
+
+def train(cfg: TrainConfig, command: str = "") -> dict:
+    """Run training; returns the summary also written to ``<out>/training.json``."""
+    from tqdm import tqdm
+
+    torch.manual_seed(cfg.seed)
+    task = TaskConfig()
+    device = torch.device(cfg.device)
+    model = TinyLlama(cfg.model_config()).to(device)
+    opt = _optimizer(model, cfg)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    workers = cfg.workers if cfg.workers >= 0 else (min(8, max(1, (os.cpu_count() or 2) - 1)) if cuda else 1)
+    loader = torch.utils.data.DataLoader(
+        Batches(cfg, task), batch_size=None, num_workers=workers, pin_memory=cuda,
+        prefetch_factor=4 if workers else None, persistent_workers=bool(workers),
+    )
+    heldout = heldout_prompts(cfg.seed, cfg.eval_prompts, task)
+    history: list[dict] = []
+    losses = {"coref": 0.0, "induction": 0.0}
+    counts = {"coref": 0, "induction": 0}
+    start = time.time()
+    step = 0
+    bar = tqdm(total=cfg.steps, desc="train", dynamic_ncols=True, file=sys.stderr,
+               mininterval=0.5 if sys.stderr.isatty() else 15.0)
+    tqdm.write(f"model: {model.num_parameters() / 1e6:.2f}M parameters, {cfg.model_config()}", file=sys.stderr)
+    tqdm.write("held-out accuracy columns: direct/local/cross", file=sys.stderr)
+    for tokens, targets, is_induction in loader:
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg)
+        tokens, targets = tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            logits = model(tokens)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        kind = "induction" if is_induction else "coref"
+        losses[kind] += loss.item()
+        counts[kind] += 1
+        step += 1
+        bar.update(1)
+        done = step >= cfg.steps
+        if step % cfg.eval_every == 0 or done:
+            acc = evaluate(model, heldout, task)
+            avg = {k: losses[k] / max(1, counts[k]) for k in losses}
+            history.append({"step": step, "seconds": round(time.time() - start, 1), "loss": avg, "accuracy": acc})
+            bar.set_postfix(coref=f"{avg['coref']:.3f}", ind=f"{avg['induction']:.3f}", cross=f"{acc['full']['cross']:.3f}")
+            tqdm.write(f"step {step:5d}  loss coref {avg['coref']:.4f} induction {avg['induction']:.4f}  {_fmt(acc)}", file=sys.stderr)
+            losses = dict.fromkeys(losses, 0.0)
+            counts = dict.fromkeys(counts, 0)
+            if cfg.time_limit and time.time() - start > cfg.time_limit:
+                tqdm.write(f"time limit of {cfg.time_limit:.0f} s reached: stopping at step {step}", file=sys.stderr)
+                done = True
+            if min(acc["full"].values()) >= cfg.target:
+                tqdm.write(f"full-prefill accuracy >= {cfg.target} on every type: stopping at step {step}", file=sys.stderr)
+                done = True
+        if done:
+            break
+    bar.close()
+    seconds = time.time() - start
+    out = save_hf(model, cfg.out, cfg.save_dtype)
+    # The saved (fp16/bf16) weights are what everyone uses: measure those, in fp32.
+    saved = load_hf(out, device=str(device))
+    final = evaluate(saved, heldout, task)
+    final["reuse_bos_in_first_chunk"] = reference_tally(saved, heldout, task, reuse=True, bos_own_chunk=False).accuracy()
+    summary = {
+        "command": command, "config": asdict(cfg), "parameters": model.num_parameters(), "steps": step,
+        "seconds": round(seconds, 1), "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "final_heldout": final, "history": history,
+    }
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _write_readme(out, summary)
+    tqdm.write(f"saved {out} after {step} steps ({seconds:.0f} s): {_fmt(final)}", file=sys.stderr)
+    return summary
+
+
+def _write_readme(out: Path, s: dict) -> None:
+    c = s["config"]
+    rows = "\n".join(f"| {m} | " + " | ".join(f"{a:.4f}" for a in acc.values()) + " |" for m, acc in s["final_heldout"].items())
+    (out / "README.md").write_text(f"""# Coref quality model
+
+Trained by `loadgen/quality/train.py` (issue #7) on the synthetic coref task; read it with
+`Engine.load` or `transformers.LlamaForCausalLM.from_pretrained`.
+
+Made with (seed {c['seed']}, on {s['device']}):
+
+    {s['command']}
+
+{s['parameters']:,} parameters (Llama, {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads,
+{c['kv_heads']} KV heads, RoPE theta 10000), {c['save_dtype']} weights; {s['steps']} steps of batch
+{c['batch']} in {s['seconds']} s ({c['induction']:.0%} induction batches).
+
+Held-out accuracy of the saved weights ({c['eval_prompts']} prompts of 5 chunks, seed {c['seed']};
+teacher-forced, argmax over the vocabulary; `reuse` = every chunk's KV computed alone, `<bos>` its
+own chunk):
+
+| mode | direct | local | cross |
+| --- | --- | --- | --- |
+{rows}
+
+`training.json` holds the full configuration and the accuracy history.
+""")
+
+
+def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="python -m loadgen.quality.train", description=__doc__.split("\n")[0])
+    p.add_argument("-o", "--out", required=True, help="output directory (HF Llama format)")
+    defaults = TrainConfig(out="")
+    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "steps", "batch", "warmup",
+                 "seed", "workers", "eval_every", "eval_prompts"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    for name in ("lr", "weight_decay", "induction", "target", "time_limit"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=("float16", "bfloat16", "float32"))
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__ if f not in ("out", "device")}
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return TrainConfig(out=args.out, device=device, **fields)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = config_from_args(parser().parse_args(argv))
+    train(cfg, command="python -m loadgen.quality.train " + shlex.join(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
