@@ -7,7 +7,7 @@ are computed from the counters by the reader, never stored.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -50,8 +50,6 @@ class StoreMetrics:
                                              ["tier"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.put_seconds = Histogram("tessera_kvstore_put_seconds", "Put stream from first message to acknowledgement",
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.requests = Counter("tessera_kvstore_requests", "Finished RPCs by method and status code",
-                                ["method", "code"], registry=self.registry)
 
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
         """Expose /metrics on ``addr:port`` (0 picks a free port); returns the port."""

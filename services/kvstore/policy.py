@@ -128,9 +128,9 @@ class Residency:
     def victims_for(self, key: str, size: int) -> list[str]:
         """Pick (and forget) the keys to drop so that ``key`` of ``size`` bytes fits; ``key`` itself
         is forgotten first when present (a replacement). The caller deletes the victims' data."""
-        self.discard(key)
         if not self.fits(size):
             raise ValueError(f"{size} bytes exceed the whole budget of {self.budget}")
+        self.discard(key)
         victims = []
         while self.budget is not None and self.used + size > self.budget:
             victim = self._policy.evict_one()

@@ -109,7 +109,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             check_chunk_id(request.chunk_id)
         except InvalidChunk as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        session = await self.store.open_read(request.chunk_id)
+        try:
+            session = await self.store.open_read(request.chunk_id)
+        except DataLoss as exc:
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         if session is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"chunk {request.chunk_id} is not stored")
         meta = session.meta

@@ -197,13 +197,18 @@ class TieredStore:
         return out
 
     async def open_read(self, chunk_id: str) -> "ReadSession | None":
-        """A session streaming the chunk from the fastest tier holding it, or None if none does."""
-        found = await self._open_from(0, chunk_id, None, count=True)
+        """A session streaming the chunk from the fastest tier holding it; None if no tier holds
+        it; DataLoss if tiers held it but every copy was corrupt (those copies are dropped)."""
+        corrupt: list[Exception] = []
+        found = await self._open_from(0, chunk_id, None, count=True, corrupt=corrupt)
         if found is None:
+            if corrupt:
+                raise DataLoss(f"chunk {chunk_id}: no tier holds a good copy ({corrupt[-1]})")
             return None
         return ReadSession(self, *found)
 
-    async def _open_from(self, start: int, chunk_id: str, expect: ChunkMeta | None, *, count: bool = False):
+    async def _open_from(self, start: int, chunk_id: str, expect: ChunkMeta | None, *, count: bool = False,
+                         corrupt: list[Exception] | None = None):
         """(slot index, reader) of the first tier at or below ``start`` with a readable copy whose
         metadata equals ``expect`` (when given); corrupt copies met on the way are dropped."""
         for index in range(start, len(self.slots)):
@@ -215,6 +220,8 @@ class TieredStore:
                 reader = await self._call(slot, slot.storage.open, chunk_id)
             except CorruptEntry as exc:
                 await self.drop_corrupt(index, chunk_id, exc)
+                if corrupt is not None:
+                    corrupt.append(exc)
                 continue
             if reader is None or (expect is not None and reader.meta != expect):
                 if reader is None and slot.residency is not None:
@@ -279,8 +286,7 @@ class ReadSession:
                 self._index, self._reader = found
                 self._lowest = self._index
         slot.counters.bytes_out += len(data)
-        if self._lowest > 0:
-            self._kept[i] = data
+        self._kept[i] = data      # references only; needed if a fallback makes this read a promotion
         return data
 
     def _read_verified(self, reader, i: int) -> bytes:

@@ -1,0 +1,35 @@
+"""Helpers shared by the KV store tests."""
+
+from __future__ import annotations
+
+import torch
+
+MiB = 1 << 20
+
+
+def make_layers(n_layers=4, tokens=64, heads=2, dim=32, dtype=torch.bfloat16, seed=0):
+    """Random normal (k, v) pairs, [tokens, heads, dim] each."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(tokens, heads, dim, generator=g).to(dtype), torch.randn(tokens, heads, dim, generator=g).to(dtype))
+            for _ in range(n_layers)]
+
+
+def chunk_nbytes(layers) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def assert_roundtrip(client, chunk_id, layers, layer_range=None):
+    """get() returns exactly ``layers`` (or the given range), byte for byte, in order."""
+    start, stop = layer_range or (0, len(layers))
+    got = list(client.get(chunk_id, layers=layer_range))
+    assert [i for i, _, _ in got] == list(range(start, stop))
+    for i, k, v in got:
+        assert same_bytes(k, layers[i][0]) and same_bytes(v, layers[i][1]), f"layer {i} differs"
+
+
+def tiers_of(client, chunk_id) -> tuple[str, ...]:
+    return client.lookup([chunk_id])[0].tiers

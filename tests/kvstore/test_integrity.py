@@ -1,0 +1,114 @@
+"""Corrupt or truncated entries are never served: dropped, served from below, or DATA_LOSS."""
+
+from __future__ import annotations
+
+import grpc
+import torch
+import pytest
+
+from services.kvstore.store import TierSlot
+from services.kvstore.tiers import StoredChunk, _layer_key, _meta_key
+
+from .helpers import MiB, assert_roundtrip, make_layers, tiers_of
+
+SHAPE = dict(n_layers=4, tokens=64, heads=8, dim=128)
+
+
+def flip(data: bytes, at: int = 1000) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:]
+
+
+def slot(srv, name) -> TierSlot:
+    return next(s for s in srv.server.store.slots if s.name == name)
+
+
+def corrupt_dram_layer(srv, chunk_id, layer):
+    async def damage():
+        dram = slot(srv, "dram").storage
+        stored = dram.get(chunk_id)
+        layers = list(stored.layers)
+        layers[layer] = flip(layers[layer])
+        dram._chunks[chunk_id] = StoredChunk(stored.meta, tuple(layers))
+    srv.run(damage())
+
+
+def corrupt_counts(client) -> dict[int, int]:
+    return {t.tier: t.corrupt_entries for t in client.stats().tiers}
+
+
+def test_corrupt_dram_layer_is_dropped_and_served_from_rocksdb(start_store):
+    srv, c = start_store(dram_bytes=8 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB)
+    layers = make_layers(seed=1, **SHAPE)
+    c.put("x", layers)
+    corrupt_dram_layer(srv, "x", 2)           # layers 0-1 stream from DRAM, 2-3 from RocksDB
+    assert_roundtrip(c, "x", layers)
+    assert corrupt_counts(c) == {1: 1, 2: 0}
+    assert tiers_of(c, "x") == ("dram", "rocksdb")   # dropped from DRAM, then promoted back
+    assert_roundtrip(c, "x", layers)
+    assert corrupt_counts(c) == {1: 1, 2: 0}
+
+
+def test_corrupt_only_copy_is_data_loss_and_dropped(start_store):
+    srv, c = start_store(dram_bytes=8 * MiB)
+    layers, other = make_layers(seed=1, **SHAPE), make_layers(seed=2, **SHAPE)
+    c.put("x", layers), c.put("y", other)
+    corrupt_dram_layer(srv, "x", 0)
+    with pytest.raises(grpc.RpcError) as err:
+        list(c.get("x"))
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert not c.lookup(["x"])[0].found
+    with pytest.raises(grpc.RpcError) as err:
+        list(c.get("x"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert_roundtrip(c, "y", other)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "meta"])
+def test_bad_rocksdb_entry_is_data_loss_without_a_lower_tier(start_store, damage):
+    srv, c = start_store(dram_bytes=1 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB)
+    layers = make_layers(seed=3, **SHAPE)
+    c.put("x", layers), c.put("evictor", make_layers(seed=4, **SHAPE))
+    assert tiers_of(c, "x") == ("rocksdb",)
+    db = slot(srv, "rocksdb").storage
+    if damage == "meta":
+        raw = db._db.get(_meta_key("x"))
+        db.put_raw(_meta_key("x"), flip(raw, at=len(raw) - 3))
+    else:
+        raw = db._db.get(_layer_key("x", 1))
+        db.put_raw(_layer_key("x", 1), flip(raw) if damage == "flipped" else raw[: len(raw) // 2])
+    with pytest.raises(grpc.RpcError) as err:
+        list(c.get("x"))
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert corrupt_counts(c)[2] == 1
+    assert not c.lookup(["x"])[0].found and db._db.get(_meta_key("x")) is None
+
+
+def test_bad_rocksdb_layer_is_served_from_s3(start_store, s3_config):
+    srv, c = start_store(dram_bytes=1 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB, s3=s3_config)
+    layers = make_layers(seed=3, **SHAPE)
+    c.put("x", layers), c.put("evictor", make_layers(seed=4, **SHAPE))
+    db = slot(srv, "rocksdb").storage
+    db.put_raw(_layer_key("x", 3), db._db.get(_layer_key("x", 3))[:100])   # truncated
+    assert_roundtrip(c, "x", layers)
+    assert corrupt_counts(c) == {1: 0, 2: 1, 3: 0}
+    assert tiers_of(c, "x") == ("dram", "rocksdb", "s3")   # bad copy dropped, good one promoted back
+    assert db._db.get(_layer_key("x", 3)) == layers[3][0].view(torch.uint8).numpy().tobytes() + layers[3][1].view(torch.uint8).numpy().tobytes()
+
+
+def test_corrupt_s3_object_is_data_loss(start_store, s3_config):
+    srv, c = start_store(dram_bytes=8 * MiB, s3=s3_config)
+    layers = make_layers(seed=3, **SHAPE)
+    c.put("x", layers)
+    s3 = slot(srv, "s3").storage
+    s3.put_raw("x", flip(s3.get_raw("x"), at=200_000))
+    srv.run(_forget_dram(srv, "x"))
+    with pytest.raises(grpc.RpcError) as err:
+        list(c.get("x"))
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert not c.lookup(["x"])[0].found                # the bad object was deleted
+
+
+async def _forget_dram(srv, chunk_id):
+    s = slot(srv, "dram")
+    s.residency.discard(chunk_id)
+    s.storage.remove(chunk_id)
