@@ -1,0 +1,171 @@
+"""The cache simulator: replay a trace's chunk accesses against one reuse policy.
+
+Hit ratio is over chunk tokens (suffixes are private and never cached). The dynamic
+policies differ only in what a cached entry is keyed by, i.e. which later uses it serves:
+
+  prefix          the chunk *and everything before it* (a prefix-tree node): a request
+                  reuses only its longest cached run of leading chunks.
+  position_aware  (document, start position in the prompt): a replica per position, as
+                  Block-Attention / PromptCache keep one (RoPE baked into the keys).
+  tessera         the document alone: one position-agnostic copy serves every position.
+
+Chunks of a request are looked up in prompt order; a miss computes the chunk and inserts
+it (prefix: every chunk after the first miss is recomputed too). So an unlimited budget
+misses exactly once per distinct key: the compulsory-miss bound.
+
+The static oracles know the trace's document popularity (occurrence counts) in advance
+and hold the top documents from the start, never evicting:
+  oracle_static_agnostic  the top-C documents that fit the budget, one copy each;
+  oracle_static_aware     a replica at each of D positions for every held document, so
+                          about floor(C/D) documents. Positions are chunk slots (D = the
+                          most chunks in a request), exact when documents share one length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Hashable, Sequence
+
+from loadgen.sim.caches import make_cache
+from loadgen.sim.shapes import ModelShape
+from loadgen.trace.model import TraceRequest
+
+DYNAMIC_POLICIES = ("prefix", "position_aware", "tessera")
+ORACLE_POLICIES = ("oracle_static_agnostic", "oracle_static_aware")
+POLICIES = DYNAMIC_POLICIES + ORACLE_POLICIES
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulation: a policy, its eviction (dynamic policies) and a budget in bytes."""
+
+    policy: str
+    budget_bytes: float            # math.inf for unlimited
+    shape: ModelShape
+    eviction: str = "lru"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
+        if not self.budget_bytes >= 0:
+            raise ValueError(f"budget must be >= 0 bytes, got {self.budget_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """What one simulation measured; ``hit_ratio`` = hit_tokens / chunk_tokens."""
+
+    policy: str
+    eviction: str
+    model_shape: str
+    kv_bytes_per_token: int
+    budget_bytes: float
+    requests: int
+    chunk_accesses: int
+    chunk_hits: int
+    chunk_tokens: int
+    hit_tokens: int
+    hit_ratio: float
+    distinct_keys: int             # entries ever inserted (the policy's compulsory misses)
+    inserted_bytes: int
+    evicted_bytes: int
+    evictions: int
+    resident_bytes: int            # held at the end
+    peak_bytes: int
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["budget_bytes"] = None if math.isinf(self.budget_bytes) else int(self.budget_bytes)
+        return out
+
+
+def _keys(req: TraceRequest, policy: str, chain: dict[tuple[int, int], int]) -> list[Hashable]:
+    if policy == "tessera":
+        return [c.doc for c in req.chunks]
+    if policy == "position_aware":
+        return list(zip((c.doc for c in req.chunks), req.chunk_offsets()))
+    keys, node = [], 0                          # prefix: intern (parent node, doc) -> node
+    for c in req.chunks:
+        node = chain.setdefault((node, c.doc), len(chain) + 1)
+        keys.append(node)
+    return keys
+
+
+def _simulate_dynamic(trace: Sequence[TraceRequest], cfg: SimConfig, progress=None) -> SimResult:
+    bpt = cfg.shape.kv_bytes_per_token
+    cache = make_cache(cfg.eviction, cfg.budget_bytes)
+    chain: dict[tuple[int, int], int] = {}
+    accesses = hits = tokens = hit_tokens = inserted = inserted_bytes = 0
+    prefix_only = cfg.policy == "prefix"
+    for req in trace:
+        broken = False
+        for key, c in zip(_keys(req, cfg.policy, chain), req.chunks):
+            accesses += 1
+            tokens += c.tokens
+            if cache.lookup(key):
+                if not broken:
+                    hits += 1
+                    hit_tokens += c.tokens
+                # prefix after a miss: recomputed, but the cached copy stays (and is touched)
+            else:
+                broken = prefix_only
+                if cache.insert(key, c.tokens * bpt):
+                    inserted += 1
+                    inserted_bytes += c.tokens * bpt
+        if progress is not None:
+            progress()
+    return SimResult(
+        cfg.policy, cfg.eviction, cfg.shape.name, bpt, cfg.budget_bytes, len(trace), accesses,
+        hits, tokens, hit_tokens, hit_tokens / tokens if tokens else 0.0, inserted,
+        inserted_bytes, cache.evicted_bytes, cache.evictions, cache.used, cache.peak)
+
+
+def _simulate_oracle(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
+    bpt = cfg.shape.kv_bytes_per_token
+    popularity: Counter[int] = Counter()
+    size: dict[int, int] = {}
+    for req in trace:
+        for c in req.chunks:
+            popularity[c.doc] += 1
+            size.setdefault(c.doc, c.tokens)
+    replicas = 1
+    if cfg.policy == "oracle_static_aware":
+        replicas = max((len(r.chunks) for r in trace), default=1) or 1
+    held: set[int] = set()
+    used = 0
+    # Most popular first (ties: lower id); stop at the first that does not fit: top-C.
+    for doc, _ in sorted(popularity.items(), key=lambda kv: (-kv[1], kv[0])):
+        cost = size[doc] * bpt * replicas
+        if used + cost > cfg.budget_bytes:
+            break
+        held.add(doc)
+        used += cost
+    accesses = hits = tokens = hit_tokens = 0
+    for req in trace:
+        for c in req.chunks:
+            accesses += 1
+            tokens += c.tokens
+            if c.doc in held:
+                hits += 1
+                hit_tokens += c.tokens
+    return SimResult(
+        cfg.policy, "static", cfg.shape.name, bpt, cfg.budget_bytes, len(trace), accesses, hits,
+        tokens, hit_tokens, hit_tokens / tokens if tokens else 0.0, len(held) * replicas, used,
+        0, 0, used, used)
+
+
+def simulate(trace: Sequence[TraceRequest], cfg: SimConfig, progress=None) -> SimResult:
+    """Run ``cfg`` over ``trace``; ``progress()`` (optional) is called once per request."""
+    if cfg.policy in ORACLE_POLICIES:
+        return _simulate_oracle(trace, cfg)
+    return _simulate_dynamic(trace, cfg, progress)
+
+
+def closed_form_ratio(capacity_docs: int, positions: int, alpha: float) -> float:
+    """LazyAttention's H_agnostic / H_aware = sum_{i<=C} i^-a / sum_{i<=floor(C/D)} i^-a."""
+    if capacity_docs < positions:
+        raise ValueError("the ratio needs C >= D (the aware cache must hold one document)")
+    h = lambda n: math.fsum(i ** -alpha for i in range(1, n + 1))  # noqa: E731
+    return h(capacity_docs) / h(capacity_docs // positions)
