@@ -1,0 +1,34 @@
+"""Fixtures for the engine tests: tiny models written once per session, random token data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import Engine
+from services.engine.tiny import write_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """arch -> directory of a tiny random model of that architecture."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: write_tiny(root / arch, arch=arch, seed=7)
+            for arch in ("llama", "llama3", "mistral", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_dirs):
+    return tiny_dirs["llama"]
+
+
+@pytest.fixture
+def engine(tiny_dir):
+    return Engine.load(tiny_dir, device="cpu", dtype=torch.float32)
+
+
+def random_request(seed: int, lengths=(20, 33, 17), suffix_len=7, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    chunks = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+    suffix = torch.randint(0, vocab, (suffix_len,), generator=g).tolist()
+    return chunks, suffix

@@ -1,0 +1,73 @@
+"""Bad input is refused with a ValueError naming the cause, before anything is computed or cached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from services.engine import Engine
+from services.engine.tiny import write_tiny
+
+from .conftest import random_request
+
+
+def _snapshot(eng):
+    return (sorted(eng.cache.keys()), eng.pool.num_free, eng.cache.resident_bytes)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(chunks=[], suffix=[]), "empty request"),
+    (dict(chunks=[[1, 2]], suffix=[]), "suffix must hold"),
+    (dict(chunks=[[1, 2], []], suffix=[3]), "chunk 1 is empty"),
+    (dict(chunks=[[1, 320]], suffix=[3]), "token id 320 in chunk 0"),
+    (dict(chunks=[[1]], suffix=[-1]), "token id -1 in suffix"),
+    (dict(chunks=[[1]], suffix=[2], mode="lazy"), "unknown mode"),
+    (dict(chunks=[[1]], suffix=[2], recompute_ratio=1.5), "recompute_ratio"),
+])
+def test_bad_requests_are_refused(engine, kwargs, match):
+    chunks, suffix = random_request(20)
+    engine.prefill(chunks, suffix)
+    before = _snapshot(engine)
+    with pytest.raises(ValueError, match=match):
+        engine.prefill(**kwargs)
+    assert _snapshot(engine) == before
+    torch.testing.assert_close(engine.prefill(chunks, suffix).logits, engine.prefill(chunks, suffix).logits)
+
+
+def test_request_past_the_model_limit(tmp_path):
+    eng = Engine.load(write_tiny(tmp_path / "m", max_position_embeddings=64))
+    with pytest.raises(ValueError, match="past the model's limit of 64"):
+        eng.prefill([[1] * 40], [2] * 30)
+    with pytest.raises(ValueError, match="past the model's limit"):
+        eng.generate([[1] * 40], [2] * 10, max_new_tokens=20)
+    assert len(eng.cache) == 0
+
+
+def test_offset_the_metadata_cannot_encode(engine):
+    """A chunk starting past 65535 cannot be encoded in the 16-bit offset field: refused up front."""
+    before = _snapshot(engine)
+    chunks = [[1] * 65536, [2] * 4]
+    with pytest.raises(ValueError, match="offset 65536 does not fit"):
+        engine.prefill(chunks, [3], mode="tessera")
+    assert _snapshot(engine) == before
+
+
+def test_unsupported_architecture_and_rope_are_refused_by_name(tmp_path):
+    d = write_tiny(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        Engine.load(d)
+    (d / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+        Engine.load(d)
+
+
+def test_bad_sampling_values(engine):
+    chunks, suffix = random_request(21)
+    for kwargs, match in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                          (dict(max_new_tokens=0), "max_new_tokens")):
+        with pytest.raises(ValueError, match=match):
+            engine.generate(chunks, suffix, **kwargs)
