@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.lse_merge.triton import merge_rows
-from kernels.paged_attention._meta import PackedTable
+from kernels.paged_attention._meta import PackedTable, dot_f32
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -50,7 +50,7 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_os, stride_ob, stride_oh, stride_ls, stride_lb,
     G: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr, D2: tl.constexpr, NSPLIT: tl.constexpr,
-    ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr,
+    ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -106,8 +106,12 @@ def _decode_kernel(
         k1 = tl.load(k_ptr + k_row[:, None] + d[None, :], mask=vis[:, None], other=0.0)  # [BS, D2]
         k2 = tl.load(k_ptr + k_row[:, None] + D2 + d[None, :], mask=vis[:, None], other=0.0)
         v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BS, D]
-        qk = tl.dot(qr1, tl.trans(k1))
-        qk = tl.dot(qr2, tl.trans(k2), qk)  # [G_PAD, BS]
+        if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
+            qk = tl.dot(qr1.to(tl.float32), tl.trans(k1.to(tl.float32)))
+            qk = tl.dot(qr2.to(tl.float32), tl.trans(k2.to(tl.float32)), qk)
+        else:
+            qk = tl.dot(qr1, tl.trans(k1))
+            qk = tl.dot(qr2, tl.trans(k2), qk)
         qk = tl.where(vis[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -115,7 +119,10 @@ def _decode_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        if DOT_F32:
+            acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -174,7 +181,7 @@ def launch(q, k_cache, v_cache, packed: PackedTable, cu_entries, inv_freq, scale
             *o_strides, *l_strides,
             G=group, G_PAD=max(16, triton.next_power_of_2(group)), BS=bs, D2=dim // 2, NSPLIT=nsplit,
             ROTATE=rotate, USE_TABLE=packed.table is not None, MASK_IN_WORD=packed.mask_in_word,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if nsplit == 1:
         return out, lse

@@ -13,6 +13,7 @@ The optional table holds one fp32 row per entry, [cos(offset * inv_freq) | sin(o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,11 @@ import triton.language as tl
 from kernels.paged_attention import MAX_BLOCK_ID, MAX_OFFSET, check_encodable
 
 PACK_BLOCK = 256
+
+
+def dot_f32(dtype: torch.dtype) -> bool:
+    """Whether to feed tl.dot fp32: Triton's CPU interpreter (3.9) multiplies bf16 operands wrongly."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention._meta import PackedTable
+from kernels.paged_attention._meta import PackedTable, dot_f32
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -51,7 +51,7 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kh,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
     D2: tl.constexpr, B_PAD: tl.constexpr,
-    ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr,
+    ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     BLOCK_N: tl.constexpr = NB * BS
@@ -79,6 +79,9 @@ def _prefill_kernel(
     q_row = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     q1 = tl.load(q_row + d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D2]
     q2 = tl.load(q_row + D2 + d[None, :], mask=row_ok[:, None], other=0.0)
+    if DOT_F32:
+        q1 = q1.to(tl.float32)
+        q2 = q2.to(tl.float32)
     q_pos = tl.load(qpos_ptr + tok, mask=row_ok, other=-1)  # a padding row sees nothing
     if not ROTATE or not USE_TABLE:
         inv_freq = tl.load(invf_ptr + d)
@@ -117,6 +120,9 @@ def _prefill_kernel(
             k2f = k2.to(tl.float32)
             k1 = (k1f * cos - k2f * sin).to(k_ptr.dtype.element_ty)
             k2 = (k2f * cos + k1f * sin).to(k_ptr.dtype.element_ty)
+        if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
+            k1 = k1.to(tl.float32)
+            k2 = k2.to(tl.float32)
         qk = tl.dot(q1, tl.trans(k1))
         qk = tl.dot(q2, tl.trans(k2), qk)  # [BLOCK_M, BLOCK_N] fp32
         qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk * qk_scale, float("-inf"))
@@ -127,7 +133,10 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        if DOT_F32:
+            acc = tl.dot(p, v.to(tl.float32), acc)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -163,6 +172,6 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, cu_e
         G=group, G_PAD=g_pad, BLOCK_T=block_t, BS=bs, NB=max(1, cfg.min_block_n // bs), D2=dim // 2,
         B_PAD=triton.next_power_of_2(n_seqs + 1),
         ROTATE=rotate, USE_TABLE=packed.table is not None, MASK_IN_WORD=packed.mask_in_word,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

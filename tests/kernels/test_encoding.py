@@ -1,0 +1,54 @@
+"""Block-table encoding: values that do not fit the packed words are refused, never clamped."""
+
+import pytest
+import torch
+
+from kernels.paged_attention import (MAX_BLOCK_ID, MAX_OFFSET, check_encodable, paged_decode_attention,
+                                     paged_prefill_attention)
+from kernels.paged_attention._meta import pack
+from kernels.rope import rope_inv_freq
+
+
+def test_check_encodable_limits():
+    ids = torch.tensor([0, 5], dtype=torch.int32)
+    check_encodable(16, ids, torch.tensor([0, MAX_OFFSET], dtype=torch.int32))
+    check_encodable(64, torch.tensor([MAX_BLOCK_ID], dtype=torch.int64), torch.tensor([0]))
+    with pytest.raises(ValueError, match="65536"):
+        check_encodable(16, ids, torch.tensor([0, MAX_OFFSET + 1]))
+    with pytest.raises(ValueError, match="-1"):
+        check_encodable(16, ids, torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match="block id"):
+        check_encodable(16, torch.tensor([MAX_BLOCK_ID + 1], dtype=torch.int64), torch.tensor([0]))
+    with pytest.raises(ValueError, match="block size"):
+        check_encodable(65, ids, torch.tensor([0, 0]))
+
+
+def test_pack_layout_round_trips():
+    inv = rope_inv_freq(64, 10000.0)
+    ids = torch.tensor([0, 7, MAX_BLOCK_ID], dtype=torch.int64)
+    offs = torch.tensor([MAX_OFFSET, 0, 1234], dtype=torch.int32)
+    masks = torch.tensor([0xFFFF, 0x00F0, -1], dtype=torch.int64)
+    p16 = pack(ids, offs, masks, 16, inv, with_table=True)
+    w = p16.meta
+    assert torch.equal(w >> 32, ids) and torch.equal((w >> 16) & 0xFFFF, offs.long())
+    assert torch.equal(w & 0xFFFF, masks & 0xFFFF) and p16.mask_in_word
+    assert torch.allclose(p16.table[:, :32], torch.cos(offs.float()[:, None] * inv))
+    p64 = pack(ids, offs, masks, 64, inv, with_table=False)
+    assert not p64.mask_in_word and torch.equal(p64.masks, masks) and p64.table is None
+
+
+@pytest.mark.parametrize("bad", ["offset", "negative", "block_size"])
+def test_triton_entry_points_refuse(bad):
+    inv = rope_inv_freq(64, 10000.0)
+    bs = 128 if bad == "block_size" else 16
+    k = torch.randn(2, bs, 1, 64)
+    ids = torch.tensor([0, 1], dtype=torch.int32)
+    offs = torch.tensor({"offset": [0, MAX_OFFSET + 1], "negative": [-3, 0], "block_size": [0, 0]}[bad], dtype=torch.int32)
+    masks = torch.tensor([1, 1], dtype=torch.int64)
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    q = torch.randn(1, 1, 64)
+    with pytest.raises(ValueError, match="offset|block size"):
+        paged_decode_attention(q, k, k, ids, offs, masks, cu, inv, 0.125, backend="triton")
+    with pytest.raises(ValueError, match="offset|block size"):
+        paged_prefill_attention(q, torch.tensor([5], dtype=torch.int32), k, k, torch.zeros(2, bs, dtype=torch.int32),
+                                ids, offs, masks, cu, cu, inv, 0.125, backend="triton")

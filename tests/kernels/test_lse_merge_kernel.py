@@ -1,0 +1,46 @@
+"""LSE merge: attention over random partitions of a key set, merged, equals attention over the set."""
+
+import pytest
+import torch
+from conftest import DTYPE_NAME, TOL, assert_lse_close, rel_err
+from paged_cases import eager_attention
+
+from kernels.lse_merge import merge_attention
+
+CASES = [(1, 4, 4, 64, 3, torch.float32), (63, 8, 2, 128, 5, torch.float32), (5, 8, 1, 64, 4, torch.bfloat16),
+         (7, 4, 4, 96, 2, torch.float16)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("t,hq,hkv,d,parts,dtype", CASES,
+                         ids=[f"T{t}-H{hq}x{hkv}-D{d}-P{p}-{DTYPE_NAME[dt]}" for t, hq, hkv, d, p, dt in CASES])
+def test_merge_of_random_partition_equals_whole(t, hq, hkv, d, parts, dtype, backend):
+    s = 97
+    q, k, v = torch.randn(t, hq, d), torch.randn(s, hkv, d), torch.randn(s, hkv, d)
+    q_pos = torch.randint(0, s, (t,))
+    k_pos = torch.randperm(s)
+    part = torch.randint(0, parts, (s,))
+    part[part == parts - 1] = 0  # the last part is empty: it must add nothing
+    outs, lses = [], []
+    for i in range(parts):
+        sel = part == i
+        o, lse = eager_attention(q, q_pos, k[sel], v[sel], k_pos[sel], d ** -0.5)
+        outs.append(o.to(dtype))
+        lses.append(lse.float())
+    out, lse = merge_attention(torch.stack(outs), torch.stack(lses), backend=backend)
+    want, want_lse = eager_attention(q, q_pos, k, v, k_pos, d ** -0.5)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert rel_err(out, want) <= max(TOL[dtype], 1e-5) * 4
+    assert_lse_close(lse, want_lse.float(), 1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_merge_with_no_key_anywhere(backend):
+    outs = torch.randn(3, 2, 5, 64)
+    lses = torch.full((3, 2, 5), float("-inf"))
+    lses[1, 0, 0] = 0.5
+    out, lse = merge_attention(outs, lses, backend=backend)
+    assert torch.equal(out[0, 0], outs[1, 0, 0]) or rel_err(out[0, 0], outs[1, 0, 0]) < 1e-6
+    assert torch.equal(out.flatten(0, 1)[1:], torch.zeros(9, 64)) and torch.isneginf(lse.flatten()[1:]).all()
+    with pytest.raises(ValueError, match="disagree"):
+        merge_attention(outs, lses[:, :1], backend=backend)

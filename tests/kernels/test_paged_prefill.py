@@ -1,0 +1,86 @@
+"""Paged prefill: Triton == twin == eager attention over keys materialised at global positions."""
+
+import pytest
+import torch
+from conftest import DTYPE_NAME, TOL, assert_lse_close, rel_err
+from paged_cases import build, eager_attention, prefill_queries
+
+from kernels.paged_attention import paged_prefill_attention
+from kernels.rope import rope_inv_freq
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+# (per sequence: chunk lengths, suffix, scattered queries), Hq, Hkv, D, BS, dtype, hidden fraction, base offset
+CASES = [
+    ([([63], 1, 0)], 2, 2, 64, 16, torch.float32, 0.0, 0),
+    ([([40, 23], 5, 3), ([17], 30, 0)], 8, 2, 128, 32, torch.float32, 0.2, 0),
+    ([([100, 37], 20, 4)], 8, 1, 64, 64, torch.bfloat16, 0.1, 0),
+    ([([200, 250], 50, 0)], 8, 2, 64, 16, torch.float16, 0.0, 0),
+    ([([60, 75], 10, 2), ([1], 1, 0)], 4, 1, 64, 16, torch.float32, 0.0, 65400),
+]
+
+
+def _id(c):
+    seqs, hq, hkv, d, bs, dtype, hide, base = c
+    t = sum(sum(ch) + s for ch, s, _ in seqs)
+    return f"B{len(seqs)}-T{t}-H{hq}x{hkv}-D{d}-BS{bs}-{DTYPE_NAME[dtype]}" + (f"-hide{hide}" if hide else "") + (
+        f"-off{base}" if base else "")
+
+
+def _run(case, q, q_pos, cu_q, scale, backend):
+    return paged_prefill_attention(q, q_pos, case.k_cache, case.v_cache, case.slot_pos, case.block_ids,
+                                   case.offsets, case.masks, cu_q, case.cu_entries, case.inv_freq, scale,
+                                   backend=backend)
+
+
+@pytest.mark.parametrize("spec", CASES, ids=[_id(c) for c in CASES])
+def test_prefill_matches_twin_and_eager(spec):
+    seqs, hq, hkv, d, bs, dtype, hide, base = spec
+    inv = rope_inv_freq(d, 500000.0, LLAMA3)
+    case = build([(c, s) for c, s, _ in seqs], bs, hkv, d, inv, dtype=dtype, hide=hide, base=base)
+    q, q_pos, cu_q = prefill_queries(case, [s for _, s, _ in seqs], [n for _, _, n in seqs], hq, dtype)
+    scale = d ** -0.5
+    out_t, lse_t = _run(case, q, q_pos, cu_q, scale, "torch")
+    out_k, lse_k = _run(case, q, q_pos, cu_q, scale, "triton")
+    assert out_k.dtype == dtype and lse_k.dtype == torch.float32 and out_k.shape == q.shape
+    assert rel_err(out_k, out_t) <= TOL[dtype]
+    assert_lse_close(lse_k, lse_t, 50 * TOL[dtype])
+    # both against attention over the whole K rotated eagerly at global positions
+    for b in range(len(seqs)):
+        k, v, k_pos = case.eager_keys(b)
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        want, want_lse = eager_attention(q[rows].float(), q_pos[rows], k, v, k_pos, scale)
+        tol = max(TOL[dtype], 1e-3)  # fp32 angles of positions up to 65k differ by ~1e-4 relative
+        assert rel_err(out_t[rows], want) <= tol
+        assert rel_err(out_k[rows], want) <= tol
+        assert_lse_close(lse_k[rows], want_lse.float(), 50 * tol)
+
+
+def test_queries_that_see_no_key():
+    """Queries before every visible key, and a sequence with no entries: out 0, lse -inf."""
+    inv = rope_inv_freq(64, 10000.0)
+    case = build([([20], 3), ([], 0)], 16, 2, 64, inv, base=100)
+    q = torch.randn(4, 4, 64)
+    q_pos = torch.tensor([5, 99, 121, 7], dtype=torch.int32)  # 5 and 99 precede position 100
+    cu_q = torch.tensor([0, 3, 4], dtype=torch.int32)
+    for backend in ("torch", "triton"):
+        out, lse = _run(case, q, q_pos, cu_q, 0.125, backend)
+        assert torch.equal(out[[0, 1, 3]], torch.zeros_like(out[[0, 1, 3]]))
+        assert torch.isneginf(lse[[0, 1, 3]]).all() and torch.isfinite(lse[2]).all()
+        assert out[2].abs().sum() > 0
+
+
+def test_rotation_is_applied():
+    """A chunk moved to another offset changes the result (the kernel does not ignore offsets)."""
+    inv = rope_inv_freq(64, 10000.0)
+    case = build([([48], 0)], 16, 1, 64, inv)
+    q = torch.randn(2, 2, 64)
+    q_pos = torch.tensor([60, 61], dtype=torch.int32)
+    cu_q = torch.tensor([0, 2], dtype=torch.int32)
+    base, _ = _run(case, q, q_pos, cu_q, 0.125, "triton")
+    case.offsets += 5
+    moved, _ = _run(case, q, q_pos, cu_q, 0.125, "triton")
+    want, _ = _run(case, q, q_pos, cu_q, 0.125, "torch")
+    assert rel_err(moved, base) > 1e-3
+    assert rel_err(moved, want) <= TOL[torch.float32]
