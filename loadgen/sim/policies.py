@@ -81,7 +81,11 @@ class SimResult:
         return out
 
 
-def _keys(req: TraceRequest, policy: str, chain: dict[tuple[int, int], int]) -> list[Hashable]:
+def cache_keys(req: TraceRequest, policy: str, chain: dict[tuple[int, int], int]) -> list[Hashable]:
+    """The cache key of each chunk of ``req`` under a dynamic policy (see the module docstring).
+
+    ``chain`` interns prefix-tree nodes across calls; keep one per simulated cache.
+    """
     if policy == "tessera":
         return [c.doc for c in req.chunks]
     if policy == "position_aware":
@@ -101,7 +105,7 @@ def _simulate_dynamic(trace: Sequence[TraceRequest], cfg: SimConfig, progress=No
     prefix_only = cfg.policy == "prefix"
     for req in trace:
         broken = False
-        for key, c in zip(_keys(req, cfg.policy, chain), req.chunks):
+        for key, c in zip(cache_keys(req, cfg.policy, chain), req.chunks):
             accesses += 1
             tokens += c.tokens
             if cache.lookup(key):
