@@ -68,7 +68,7 @@ class SimResult:
     chunk_tokens: int
     hit_tokens: int
     hit_ratio: float
-    distinct_keys: int             # entries ever inserted (the policy's compulsory misses)
+    insertions: int                # entries inserted (static: held); unlimited: the distinct keys
     inserted_bytes: int
     evicted_bytes: int
     evictions: int

@@ -35,7 +35,7 @@ def test_oracles_match_the_closed_form():
     budget = 100 * DOC_TOKENS * SHAPE.kv_bytes_per_token
     agn = simulate(trace, SimConfig("oracle_static_agnostic", budget, SHAPE))
     awa = simulate(trace, SimConfig("oracle_static_aware", budget, SHAPE))
-    assert agn.distinct_keys == 100 and awa.distinct_keys == 5 * 20
+    assert agn.insertions == 100 and awa.insertions == 5 * 20
     h = lambda n: math.fsum(i ** -1.0 for i in range(1, n + 1))  # noqa: E731
     # Each hit ratio within 4 standard errors of the Zipf mass it holds (100k draws).
     for got, want in ((agn.hit_ratio, h(100) / h(2000)), (awa.hit_ratio, h(5) / h(2000))):
@@ -55,7 +55,7 @@ def test_unlimited_budget_misses_exactly_once_per_key(policy):
             key = {"tessera": c.doc, "position_aware": (c.doc, off), "prefix": path}[policy]
             first_seen.setdefault(key, c.tokens)
     assert r.evictions == 0
-    assert r.distinct_keys == len(first_seen)
+    assert r.insertions == len(first_seen)
     assert r.hit_tokens == r.chunk_tokens - sum(first_seen.values())
 
 
