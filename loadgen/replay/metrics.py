@@ -83,9 +83,9 @@ class Summary:
     duration_s: float
     total_input_tokens: int
     total_output_tokens: int
-    request_throughput: float        # completed requests / s
-    output_throughput: float         # output tokens / s
-    total_token_throughput: float    # (input + output) tokens / s
+    request_throughput: float | None      # completed requests / s (None if no time passed)
+    output_throughput: float | None       # output tokens / s
+    total_token_throughput: float | None  # (input + output) tokens / s
     ttft_ms: dict
     tpot_ms: dict
     itl_ms: dict
@@ -102,7 +102,10 @@ class Summary:
 
 def summarize(run: ReplayRun, slo: Slo | None = None) -> Summary:
     ok = [r for r in run.records if r.ok]
-    dur = run.duration_s if run.duration_s > 0 else math.nan
+
+    def per_s(x: float) -> float | None:
+        return x / run.duration_s if run.duration_s > 0 else None
+
     n_in = sum(r.input_tokens for r in ok)
     n_out = sum(r.output_tokens for r in ok)
     tpots = [t for t in map(tpot_s, ok) if t is not None]
@@ -117,10 +120,10 @@ def summarize(run: ReplayRun, slo: Slo | None = None) -> Summary:
     hit = (1.0 - tier_ratios.get(MISS_TIER, 0.0)) if chunk_tokens else None
     return Summary(
         mode=run.mode, completed=len(ok), failed=len(run.records) - len(ok), duration_s=run.duration_s,
-        total_input_tokens=n_in, total_output_tokens=n_out, request_throughput=len(ok) / dur,
-        output_throughput=n_out / dur, total_token_throughput=(n_in + n_out) / dur,
+        total_input_tokens=n_in, total_output_tokens=n_out, request_throughput=per_s(len(ok)),
+        output_throughput=per_s(n_out), total_token_throughput=per_s(n_in + n_out),
         ttft_ms=_stats_ms([r.ttft_s for r in ok]), tpot_ms=_stats_ms(tpots),
         itl_ms=_stats_ms([g for r in ok for g in r.itl_s]), e2el_ms=_stats_ms([r.e2el_s for r in ok]),
-        goodput=None if slo is None else sum(slo.met(r) for r in ok) / dur,
+        goodput=None if slo is None else per_s(sum(slo.met(r) for r in ok)),
         slo=None if slo is None else asdict(slo), chunk_tokens=chunk_tokens, hit_ratio=hit,
         tier_hit_ratios=tier_ratios)

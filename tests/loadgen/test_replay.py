@@ -206,3 +206,13 @@ def test_cli_replay_refuses_what_it_cannot_do(tmp_path, capsys):
 def test_modes_match_the_engine():
     from services.engine.request import MODES as ENGINE_MODES
     assert MODES == ENGINE_MODES
+
+
+def test_a_run_that_took_no_time_has_no_throughput():
+    clock = VirtualClock()
+    cfg = FakeTargetConfig(base_ms=0, compute_us_per_token=0, dram_us_per_token=0, gpu_us_per_token=0,
+                           copy_us_per_token=0, tpot_ms=0)
+    s = summarize(replay(TRACE, FakeTarget(cfg, clock), ReplayConfig(concurrency=1), clock=clock), Slo(ttft_ms=1))
+    assert s.duration_s == 0 and s.request_throughput is None and s.goodput is None
+    assert json.loads(json.dumps(s.to_json(), allow_nan=False))["completed"] == 4
+    assert "| Request throughput (req/s) | - |" in summary_table([s])
