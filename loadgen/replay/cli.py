@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import sys
 
@@ -49,7 +50,10 @@ def resolve_target(spec: str):
     if spec == "fake" or spec.startswith("fake:"):
         from loadgen.replay.fake import FakeTarget, FakeTargetConfig
         return FakeTarget(FakeTargetConfig.parse(spec))
-    raise ValueError(_SDK_MISSING)
+    if importlib.util.find_spec("services.sdk") is None:
+        raise ValueError(_SDK_MISSING)
+    raise ValueError("the cluster SDK (services.sdk) exists but tessera replay is not hooked up "
+                     "to it yet (loadgen/README.md lists what it needs); --target fake works meanwhile")
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -65,29 +69,23 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def _replay_handler(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from loadgen.replay.metrics import Slo, summarize
+    from loadgen.replay.compare import replay_modes
+    from loadgen.replay.metrics import Slo
     from loadgen.replay.report import summary_table, write_report
-    from loadgen.replay.runner import ReplayConfig, replay
+    from loadgen.replay.runner import ReplayConfig
     from loadgen.trace import read_trace
 
     modes = [m.strip() for m in args.compare.split(",") if m.strip()] if args.compare else [args.mode]
-    configs = [ReplayConfig(mode=m, rate=args.rate, burstiness=args.burstiness,
-                            concurrency=args.concurrency, duration_s=args.duration,
-                            max_in_flight=args.max_in_flight, vocab_size=args.vocab_size,
-                            token_low=args.token_low, token_seed=args.token_seed) for m in modes]
+    if not modes:
+        raise ValueError("--compare names no mode")
+    cfg = ReplayConfig(mode=modes[0], rate=args.rate, burstiness=args.burstiness,
+                       concurrency=args.concurrency, duration_s=args.duration,
+                       max_in_flight=args.max_in_flight, vocab_size=args.vocab_size,
+                       token_low=args.token_low, token_seed=args.token_seed)
     slo = Slo.parse(args.slo) if args.slo else None
     trace = read_trace(args.trace)
     target = resolve_target(args.target)
-    runs, summaries = [], []
-    for cfg in configs:
-        if callable(getattr(target, "reset", None)):
-            target.reset()  # every mode starts from a cold cache
-        with tqdm(total=len(trace), desc=cfg.mode, unit="req", disable=not sys.stderr.isatty()) as bar:
-            run = replay(trace, target, cfg, on_done=lambda _r: bar.update())
-        runs.append(run)
-        summaries.append(summarize(run, slo))
+    runs, summaries = replay_modes(trace, target, cfg, modes, slo)
     about = f"Trace: {args.trace}, {len(trace)} requests; target: {args.target}."
     paths = write_report(args.output, runs, summaries, _command(args), about)
     print(summary_table(summaries))

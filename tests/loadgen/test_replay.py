@@ -195,7 +195,8 @@ def test_cli_replay_refuses_what_it_cannot_do(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     write_trace(trace, TRACE)
     assert main(["replay", str(trace), "--target", "127.0.0.1:50051", "-o", str(tmp_path / "o")]) == 2
-    assert "services.sdk" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "services.sdk" in err and "--target fake" in err
     assert main(["replay", str(trace), "--target", "fake:warp=9", "-o", str(tmp_path / "o")]) == 2
     assert main(["replay", str(trace), "--target", "fake", "--compare", "full,turbo",
                  "-o", str(tmp_path / "o")]) == 2

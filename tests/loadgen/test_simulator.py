@@ -27,6 +27,7 @@ def _trace(alpha=1.0, k=20, requests=5000, docs=2000, replace=True, doc_tokens="
 
 def test_closed_form_value():
     assert closed_form_ratio(100, 20, 1.0) == pytest.approx(2.27, abs=0.005)
+    assert closed_form_ratio(100, 20, 0.85) == pytest.approx(2.86, abs=0.02)   # the paper's figure
 
 
 def test_oracles_match_the_closed_form():
