@@ -1,0 +1,331 @@
+"""Kernel benchmarks (issue #3): deferred-RoPE paged attention vs torch SDPA, on one GPU.
+
+    python bench/kernels.py --out /tmp/bench        # on the GPU machine; writes kernels.json there
+    TRITON_INTERPRET=1 python bench/kernels.py --smoke   # tiny shapes on the CPU: checks the script only
+
+Order: ceilings (copy bandwidth, bf16 matmul), correctness on the GPU (Triton vs twin on mixed small
+cases, then every timed scenario vs its SDPA peer), then timings (medians of do_bench) of prefill,
+decode and RoPE with every variant beside its peer. Llama-3-8B heads: 32 query, 8 KV, d=128, bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "kernels")]
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from kernels.paged_attention import _decode, _prefill  # noqa: E402
+from kernels.paged_attention._meta import pack  # noqa: E402
+from kernels.rope import apply_rope, rope_inv_freq, rotate, rope_cos_sin  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+LOG: list[str] = []
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def timeit(fn, reps: int = 200) -> float:
+    """Median milliseconds (CUDA events through do_bench; a wall clock on the CPU smoke run)."""
+    if torch.cuda.is_available():
+        return triton.testing.do_bench(fn, warmup=25, rep=reps, return_mode="median")
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float("inf") if torch.isnan(a).any() else float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def ceilings(dev) -> dict:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    ms = timeit(lambda: y.copy_(x), 50)
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    mm = timeit(lambda: a @ a, 50)
+    del x, y, a
+    return {"copy_TBps": 2 * (1 << 30) / ms / 1e9, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm / 1e9}
+
+
+def paged(n_seqs: int, ctx: int, chunk: int, suffix: int, bs: int, dev, dtype=torch.bfloat16, seed: int = 0):
+    """n_seqs sequences of `ctx` cached tokens in chunks of `chunk` (keys at chunk-local positions,
+    offset = chunk start) plus `suffix` private tokens (global positions, offset 0), on shuffled blocks.
+    Returns the block table and, per sequence, the same keys rotated eagerly and laid out contiguously."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    per = (ctx + suffix) // bs
+    n = n_seqs * per
+    k_cache = torch.randn((n, bs, HKV, D), device=dev, dtype=dtype, generator=g)
+    v_cache = torch.randn((n, bs, HKV, D), device=dev, dtype=dtype, generator=g)
+    ids = torch.randperm(n, device=dev, generator=g).to(torch.int32)
+    start = torch.arange(per, device=dev).repeat(n_seqs) * bs  # first global position of each entry
+    shared = start < ctx
+    offsets = torch.where(shared, start // chunk * chunk, 0).to(torch.int32)
+    local = torch.where(shared, start - offsets, start)[:, None] + torch.arange(bs, device=dev)
+    slot_pos = torch.empty((n, bs), dtype=torch.int32, device=dev)
+    slot_pos[ids.long()] = local.to(torch.int32)
+    masks = torch.full((n,), (1 << bs) - 1 if bs < 64 else -1, dtype=torch.int64, device=dev)
+    cu = (torch.arange(n_seqs + 1, device=dev) * per).to(torch.int32)
+    tok_off = offsets.repeat_interleave(bs)
+    return dict(k_cache=k_cache, v_cache=v_cache, slot_pos=slot_pos, block_ids=ids, offsets=offsets, masks=masks,
+                cu_entries=cu, tok_off=tok_off, n_seqs=n_seqs, tokens=ctx + suffix)
+
+
+def contiguous_kv(p, inv):
+    """Peer layout: keys rotated eagerly to global positions, [B, Hkv, S, D] contiguous."""
+    ids = p["block_ids"].long()
+    k = p["k_cache"][ids].reshape(-1, HKV, D)
+    cos, sin = rope_cos_sin(p["tok_off"].long(), inv)
+    k = rotate(k, cos[:, None, :], sin[:, None, :])
+    shape = (p["n_seqs"], p["tokens"], HKV, D)
+    return (k.reshape(shape).transpose(1, 2).contiguous(),
+            p["v_cache"][ids].reshape(shape).transpose(1, 2).contiguous())
+
+
+def sdpa_peer(q4, k4, v4, lower_right: bool, want):
+    """The fastest SDPA call that computes the same attention, flash first.
+    Returns (call(k4, v4) -> out [B, Hq, T, D], its name, its error against `want`)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    mask = causal_lower_right(q4.shape[2], k4.shape[2]) if lower_right else None
+    tries = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        for gqa in (True, False):
+            def call(k, v, backend=backend, gqa=gqa):
+                if not gqa:  # a backend without GQA gets the KV heads repeated, inside its timing
+                    k, v = k.repeat_interleave(HQ // HKV, dim=1), v.repeat_interleave(HQ // HKV, dim=1)
+                with sdpa_kernel(backend):
+                    return sdpa(q4, k, v, attn_mask=mask, enable_gqa=gqa)
+            try:
+                err = rel(call(k4, v4), want)
+            except RuntimeError as exc:
+                tries.append(f"{backend.name}/gqa={gqa}: {str(exc).splitlines()[0][:80]}")
+                continue
+            if err < 2e-2:
+                return call, f"{backend.name}{'+gqa' if gqa else '+expanded heads'}", err
+            tries.append(f"{backend.name}/gqa={gqa}: rel err {err:.3g}")
+    raise RuntimeError("no SDPA peer matched: " + "; ".join(tries))
+
+
+def check_small(dev) -> list:
+    """Triton vs twin on mixed small cases on the GPU (bf16/fp16, BS 16/32/64, GQA 1/4/8, D 64/128)."""
+    from paged_cases import build, prefill_queries
+
+    rows = []
+    for dtype, bs, hq, hkv, d in [(torch.bfloat16, 16, 32, 8, 128), (torch.float16, 32, 8, 8, 64),
+                                  (torch.bfloat16, 64, 8, 1, 128), (torch.float16, 16, 8, 2, 64)]:
+        inv = rope_inv_freq(d, 500000.0, LLAMA3)
+        seqs = [([300, 77, 129], 40), ([63], 1), ([1000], 200)]
+        case = build(seqs, bs, hkv, d, inv, dtype=dtype, device=dev, hide=0.1, base=60000 if bs == 32 else 0)
+        q, q_pos, cu_q = prefill_queries(case, [40, 1, 200], [9, 0, 30], hq, dtype)
+        args = (q, q_pos, case.k_cache, case.v_cache, case.slot_pos, case.block_ids, case.offsets, case.masks,
+                cu_q, case.cu_entries, case.inv_freq, d ** -0.5)
+        (o1, l1), (o2, l2) = (paged_prefill_attention(*args, backend=b) for b in ("torch", "triton"))
+        qd = torch.randn(len(seqs), hq, d, device=dev, dtype=dtype)
+        dargs = (qd, case.k_cache, case.v_cache, case.block_ids, case.offsets, case.masks, case.cu_entries,
+                 case.inv_freq, d ** -0.5)
+        (o3, l3), (o4, l4) = (paged_decode_attention(*dargs, backend=b) for b in ("torch", "triton"))
+        row = {"case": f"B3-BS{bs}-H{hq}x{hkv}-D{d}-{str(dtype)[6:]}", "prefill_rel": rel(o2, o1),
+               "prefill_lse_abs": float((l2 - l1).abs().nan_to_num(0).max()), "decode_rel": rel(o4, o3),
+               "decode_lse_abs": float((l4 - l3).abs().nan_to_num(0).max())}
+        row["ok"] = row["prefill_rel"] < 2e-2 and row["decode_rel"] < 2e-2 and row["prefill_lse_abs"] < 0.1
+        rows.append(row)
+        say(f"check {row['case']}: prefill rel {row['prefill_rel']:.2e}, decode rel {row['decode_rel']:.2e}"
+            f" {'ok' if row['ok'] else 'FAILED'}")
+    return rows
+
+
+PREFILL_CONFIGS = [_prefill.PrefillConfig(128, 64, 8, 2), _prefill.PrefillConfig(128, 64, 8, 3),
+                   _prefill.PrefillConfig(128, 128, 8, 2), _prefill.PrefillConfig(64, 64, 4, 2),
+                   _prefill.PrefillConfig(128, 64, 4, 3)]
+DECODE_CONFIGS = [_decode.DecodeConfig(4, 2), _decode.DecodeConfig(4, 3), _decode.DecodeConfig(4, 4),
+                  _decode.DecodeConfig(8, 3), _decode.DecodeConfig(4, 3, waves=8), _decode.DecodeConfig(4, 3, waves=2)]
+
+
+def bench_prefill(ctx: int, new: int, bs: int, dev, inv, smoke: bool) -> dict:
+    chunk = ctx // 8  # >= 8 chunks
+    p = paged(1, ctx, chunk, new, bs, dev)
+    q = torch.randn((new, HQ, D), device=dev, dtype=torch.bfloat16)
+    q_pos = torch.arange(ctx, ctx + new, device=dev, dtype=torch.int32)
+    cu_q = torch.tensor([0, new], device=dev, dtype=torch.int32)
+    scale = D ** -0.5
+    flops = 4 * D * HQ * (new * ctx + new * (new + 1) / 2)
+    tf = lambda ms: flops / ms / 1e9  # noqa: E731
+    args = (q, q_pos, p["k_cache"], p["v_cache"], p["slot_pos"])
+    tabled = pack(p["block_ids"], p["offsets"], p["masks"], bs, inv, with_table=True)
+    plain = pack(p["block_ids"], p["offsets"], p["masks"], bs, inv, with_table=False)
+    run = lambda packed, rotate=True, cfg=_prefill.PrefillConfig(): _prefill.launch(  # noqa: E731
+        *args, packed, cu_q, p["cu_entries"], inv, scale, rotate=rotate, cfg=cfg)
+    res = {"ctx": ctx, "new": new, "chunks": ctx // chunk, "block_size": bs, "flops": flops}
+
+    out, _ = run(tabled)
+    k4, v4 = contiguous_kv(p, inv)
+    q4 = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, T, D]
+    call, res["sdpa_backend"], res["triton_vs_sdpa_rel"] = sdpa_peer(q4, k4, v4, True, out.transpose(0, 1).unsqueeze(0))
+    res["computed_vs_table_rel"] = rel(run(plain)[0], out)
+    say(f"prefill ctx={ctx}: triton vs SDPA ({res['sdpa_backend']}) rel err {res['triton_vs_sdpa_rel']:.2e}")
+
+    ids = p["block_ids"].long()
+    tok_off = p["tok_off"]
+    def rotate_and_copy():
+        k = apply_rope(p["k_cache"][ids].reshape(-1, HKV, D), tok_off, inv, backend="triton")
+        return k, p["v_cache"][ids].reshape(-1, HKV, D)
+
+    def sdpa_after_rotate():
+        k, v = rotate_and_copy()
+        return call(k.view(1, -1, HKV, D).transpose(1, 2), v.view(1, -1, HKV, D).transpose(1, 2))
+
+    res["sdpa_ms"] = timeit(lambda: call(k4, v4))
+    res["rotate_copy_ms"] = timeit(rotate_and_copy)
+    res["sdpa_plus_rotate_ms"] = timeit(sdpa_after_rotate)
+    cfgs = PREFILL_CONFIGS[:1] if smoke else PREFILL_CONFIGS
+    res["configs"] = {f"{c.block_m}x{c.min_block_n}/w{c.num_warps}/s{c.num_stages}": timeit(lambda c=c: run(tabled, cfg=c))
+                      for c in cfgs}
+    best_name = min(res["configs"], key=res["configs"].get)
+    best = cfgs[list(res["configs"]).index(best_name)]
+    res["best_config"] = best_name
+    # rotation on/off and table/computed, interleaved twice at the best config: spread = noise
+    for rep in (1, 2):
+        res[f"rot_table_ms_{rep}"] = timeit(lambda: run(tabled, cfg=best))
+        res[f"rot_computed_ms_{rep}"] = timeit(lambda: run(plain, cfg=best))
+        res[f"no_rot_ms_{rep}"] = timeit(lambda: run(plain, rotate=False, cfg=best))
+    res["public_call_ms"] = timeit(lambda: paged_prefill_attention(
+        *args, p["block_ids"], p["offsets"], p["masks"], cu_q, p["cu_entries"], inv, scale, backend="triton"))
+    for key in ("sdpa", "sdpa_plus_rotate", "rot_table", "rot_computed", "no_rot"):
+        ms = res[f"{key}_ms"] if f"{key}_ms" in res else (res[f"{key}_ms_1"] + res[f"{key}_ms_2"]) / 2
+        res[f"{key}_TFLOPs"] = tf(ms)
+    return res
+
+
+def bench_decode(n_seqs: int, ctx: int, bs: int, dev, inv, smoke: bool) -> dict:
+    chunk = min(512, ctx // 8)  # >= 8 chunks: 8 of 512 at 4K, 64 of 512 at 32K
+    p = paged(n_seqs, ctx, chunk, 0, bs, dev, seed=1)
+    q = torch.randn((n_seqs, HQ, D), device=dev, dtype=torch.bfloat16)
+    scale = D ** -0.5
+    nbytes = 2 * n_seqs * ctx * HKV * D * 2  # K and V read once
+    bw = lambda ms: nbytes / ms / 1e9  # noqa: E731
+    tabled = pack(p["block_ids"], p["offsets"], p["masks"], bs, inv, with_table=True)
+    plain = pack(p["block_ids"], p["offsets"], p["masks"], bs, inv, with_table=False)
+    run = lambda packed, rotate=True, cfg=_decode.DecodeConfig(): _decode.launch(  # noqa: E731
+        q, p["k_cache"], p["v_cache"], packed, p["cu_entries"], inv, scale, rotate=rotate, cfg=cfg)
+    res = {"batch": n_seqs, "ctx": ctx, "chunks": ctx // chunk, "block_size": bs, "bytes": nbytes,
+           "splits": _decode.pick_splits(_decode.DecodeConfig(), n_seqs, HKV, p["block_ids"].numel(), q.device)}
+    out, _ = run(plain)
+    k4, v4 = contiguous_kv(p, inv)
+    q4 = q.unsqueeze(2)  # [B, Hq, 1, D]
+    call, res["sdpa_backend"], res["triton_vs_sdpa_rel"] = sdpa_peer(q4, k4, v4, False, out.unsqueeze(2))
+    res["table_vs_computed_rel"] = rel(run(tabled)[0], out)
+    say(f"decode {n_seqs}x{ctx}: triton vs SDPA ({res['sdpa_backend']}) rel err {res['triton_vs_sdpa_rel']:.2e}")
+    res["sdpa_ms"] = timeit(lambda: call(k4, v4))
+    cfgs = DECODE_CONFIGS[:1] if smoke else DECODE_CONFIGS
+    res["configs"] = {f"w{c.num_warps}/s{c.num_stages}/waves{c.waves}": timeit(lambda c=c: run(plain, cfg=c))
+                      for c in cfgs}
+    best_name = min(res["configs"], key=res["configs"].get)
+    best = cfgs[list(res["configs"]).index(best_name)]
+    res["best_config"] = best_name
+    for rep in (1, 2):
+        res[f"rot_computed_ms_{rep}"] = timeit(lambda: run(plain, cfg=best))
+        res[f"rot_table_ms_{rep}"] = timeit(lambda: run(tabled, cfg=best))
+        res[f"no_rot_ms_{rep}"] = timeit(lambda: run(plain, rotate=False, cfg=best))
+    res["public_call_ms"] = timeit(lambda: paged_decode_attention(
+        q, p["k_cache"], p["v_cache"], p["block_ids"], p["offsets"], p["masks"], p["cu_entries"], inv, scale,
+        backend="triton"))
+    for key in ("sdpa", "rot_computed", "rot_table", "no_rot", "public_call"):
+        ms = res[f"{key}_ms"] if f"{key}_ms" in res else (res[f"{key}_ms_1"] + res[f"{key}_ms_2"]) / 2
+        res[f"{key}_TBps"] = bw(ms)
+    return res
+
+
+def bench_rope(tokens: int, dev, inv) -> dict:
+    from kernels.rope.triton import apply_rope as rope_triton
+
+    x = torch.randn((tokens, HKV, D), device=dev, dtype=torch.bfloat16)
+    pos = torch.randint(0, 65536, (tokens,), device=dev)
+    want = apply_rope(x, pos, inv)
+    res = {"tokens": tokens, "heads": HKV, "bytes": 2 * x.numel() * 2,
+           "computed_rel": rel(rope_triton(x, pos, inv), want), "table_rel": rel(rope_triton(x, pos, inv, True), want)}
+    res["computed_ms"] = timeit(lambda: rope_triton(x, pos, inv))
+    res["table_ms"] = timeit(lambda: rope_triton(x, pos, inv, True))
+    res["torch_ms"] = timeit(lambda: apply_rope(x, pos, inv))
+    for key in ("computed", "table", "torch"):
+        res[f"{key}_TBps"] = res["bytes"] / res[f"{key}_ms"] / 1e9
+    return res
+
+
+def table(results: dict) -> str:
+    lines = ["| prefill ctx+new | SDPA TFLOP/s | SDPA+rotate-copy | ours rot (table) | ours rot (computed) | ours no-rot |"
+             " rot overhead | ours/SDPA | public call ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results["prefill"]:
+        ovh = r["rot_table_TFLOPs"] and (r["no_rot_TFLOPs"] / r["rot_table_TFLOPs"] - 1) * 100
+        lines.append(f"| {r['ctx']}+{r['new']} | {r['sdpa_TFLOPs']:.0f} | {r['sdpa_plus_rotate_TFLOPs']:.0f} | "
+                     f"{r['rot_table_TFLOPs']:.0f} | {r['rot_computed_TFLOPs']:.0f} | {r['no_rot_TFLOPs']:.0f} | "
+                     f"{ovh:+.1f}% | {r['rot_table_TFLOPs'] / r['sdpa_TFLOPs']:.2f}x | {r['public_call_ms']:.3f} |")
+    lines += ["", "| decode B x ctx | splits | SDPA TB/s | ours rot (computed) | ours rot (table) | ours no-rot |"
+              " rot overhead | ours/SDPA | public call TB/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results["decode"]:
+        ovh = (r["no_rot_TBps"] / r["rot_computed_TBps"] - 1) * 100
+        lines.append(f"| {r['batch']}x{r['ctx']} | {r['splits']} | {r['sdpa_TBps']:.2f} | {r['rot_computed_TBps']:.2f} | "
+                     f"{r['rot_table_TBps']:.2f} | {r['no_rot_TBps']:.2f} | {ovh:+.1f}% | "
+                     f"{r['rot_computed_TBps'] / r['sdpa_TBps']:.2f} | {r['public_call_TBps']:.2f} |")
+    r = results["rope"]
+    lines += ["", f"RoPE {r['tokens']}x{r['heads']}x{D} bf16: computed {r['computed_TBps']:.2f} TB/s, "
+              f"table {r['table_TBps']:.2f} TB/s, torch twin {r['torch_TBps']:.2f} TB/s"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "bench")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter): checks the script only")
+    ap.add_argument("--bs", type=int, default=16, help="block size of the paged cache")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    inv = rope_inv_freq(D, 500000.0, LLAMA3).to(dev)
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
+               "torch": torch.__version__, "triton": triton.__version__, "heads": [HQ, HKV, D], "dtype": "bfloat16"}
+    say(json.dumps(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.smoke:
+        results["ceilings"] = ceilings(dev)
+        say(f"ceilings: {results['ceilings']}")
+        results["checks"] = check_small(dev)
+    pre = [(256, 64)] if args.smoke else [(4096, 512), (16384, 512), (32768, 512)]
+    dec = [(2, 256)] if args.smoke else [(32, 4096), (8, 32768)]
+    results["prefill"], results["decode"] = [], []
+    for ctx, new in pre:
+        results["prefill"].append(bench_prefill(ctx, new, args.bs, dev, inv, args.smoke))
+        say(json.dumps(results["prefill"][-1]))
+    for n, ctx in dec:
+        results["decode"].append(bench_decode(n, ctx, args.bs, dev, inv, args.smoke))
+        say(json.dumps(results["decode"][-1]))
+    results["rope"] = bench_rope(64 if args.smoke else 32768, dev, inv)
+    say(json.dumps(results["rope"]))
+    summary = table(results)
+    results["log"] = LOG
+    (args.out / "kernels.json").write_text(json.dumps(results, indent=1))
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
