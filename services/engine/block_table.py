@@ -31,6 +31,7 @@ class BlockTable:
     block_ids: torch.Tensor
     offsets: torch.Tensor
     masks: torch.Tensor
+    max_offset: int = 0   # host-side copy of offsets.max(): lets backends skip rotation without a sync
 
     @property
     def num_entries(self) -> int:
@@ -39,7 +40,7 @@ class BlockTable:
     @staticmethod
     def empty(device: torch.device) -> "BlockTable":
         z = torch.zeros(0, dtype=torch.int32, device=device)
-        return BlockTable(z, z.clone(), torch.zeros(0, dtype=torch.int64, device=device))
+        return BlockTable(z, z.clone(), torch.zeros(0, dtype=torch.int64, device=device), 0)
 
     @staticmethod
     def for_run(blocks: list[int], n_tokens: int, block_size: int, offset: int, device: torch.device,
@@ -64,6 +65,7 @@ class BlockTable:
             torch.tensor(blocks, dtype=torch.int32, device=device),
             torch.full((len(blocks),), offset, dtype=torch.int32, device=device),
             mask_t,
+            offset,
         )
 
     @staticmethod
@@ -75,4 +77,5 @@ class BlockTable:
             torch.cat([t.block_ids for t in tables]),
             torch.cat([t.offsets for t in tables]),
             torch.cat([t.masks for t in tables]),
+            max(t.max_offset for t in tables),
         )

@@ -22,7 +22,7 @@ from services.engine.config import ModelConfig
 from services.engine.forward import Forward
 from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
 from services.engine.sampling import SamplingParams, sample
-from services.engine.weights import fingerprint, load_weights
+from services.engine.weights import ModelWeights, fingerprint, load_weights, state_fingerprint, weights_from_tensors
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -39,9 +39,9 @@ def _default_backend(device: torch.device) -> str:
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: torch.dtype,
-                 attention_backend: str, block_size: int, kv_cache_bytes: int, chunk_cache_bytes: int,
-                 blend: BlendConfig):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, fingerprint: str, device: torch.device,
+                 dtype: torch.dtype, attention_backend: str, block_size: int, kv_cache_bytes: int,
+                 chunk_cache_bytes: int, blend: BlendConfig, model_dir: Path | None = None):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
@@ -55,8 +55,8 @@ class Engine:
         self.backend = attention_backend
         self.block_size = block_size
         self.blend = blend
-        self.fingerprint = fingerprint(model_dir)
-        self.forward = Forward(cfg, load_weights(model_dir, cfg, device, dtype), attention_backend)
+        self.fingerprint = fingerprint
+        self.forward = Forward(cfg, weights, attention_backend)
         block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
         num_blocks = max(kv_cache_bytes // block_bytes, 1)
         self.pool = BlockPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, device, dtype)
@@ -90,8 +90,22 @@ class Engine:
                 kv_cache_bytes = 256 << 20
         if chunk_cache_bytes is None:
             chunk_cache_bytes = int(0.8 * kv_cache_bytes)
-        return cls(cfg, path, dev, dtype, attention_backend or _default_backend(dev), block_size,
-                   kv_cache_bytes, chunk_cache_bytes, BlendConfig(check_layer, deviation))
+        return cls(cfg, load_weights(path, cfg, dev, dtype), fingerprint(path), dev, dtype,
+                   attention_backend or _default_backend(dev), block_size, kv_cache_bytes, chunk_cache_bytes,
+                   BlendConfig(check_layer, deviation), model_dir=path)
+
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, tensors: dict, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32, attention_backend: str | None = None,
+                        block_size: int = 16, kv_cache_bytes: int = 256 << 20, chunk_cache_bytes: int | None = None,
+                        check_layer: int = 1, deviation: str = "kv") -> "Engine":
+        """An engine over in-memory Hugging Face-named weights (shared, not copied, when already on
+        ``device`` in ``dtype``): benchmarks and the quality testbed build models this way."""
+        dev = torch.device(device)
+        weights = weights_from_tensors(tensors, cfg, dev, dtype)
+        return cls(cfg, weights, state_fingerprint(cfg, tensors), dev, dtype,
+                   attention_backend or _default_backend(dev), block_size, kv_cache_bytes,
+                   chunk_cache_bytes or int(0.8 * kv_cache_bytes), BlendConfig(check_layer, deviation))
 
     # ------------------------------------------------------------------ validation
     def _validate(self, chunks, suffix, mode: str, recompute_ratio: float, extra_tokens: int = 0):

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from kernels.rope import rope_cos_sin, rotate
+from services.engine.attention import BACKENDS
 from services.engine.blend import BlendConfig, ChunkLayout, select_hkvd
 from services.engine.block_table import BlockTable
 from services.engine.chunk_cache import chunk_id
@@ -31,17 +31,11 @@ class Forward:
         self.pool, self.cache, self.bs = pool, cache, block_size
         self.device = pool.slot_pos.device
         self._fingerprint = fingerprint
+        self.attention = BACKENDS[self.backend](pool, self.model.inv_freq, self.model.scale)
 
     # ------------------------------------------------------------------ primitives
     def _attend(self, layer: int, q, q_pos, table: BlockTable):
-        dev = self.device
-        cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev)
-        cu_e = torch.tensor([0, table.num_entries], dtype=torch.int32, device=dev)
-        out, _ = paged_prefill_attention(
-            q, q_pos.to(torch.int32), self.pool.k[layer], self.pool.v[layer], self.pool.slot_pos,
-            table.block_ids, table.offsets, table.masks, cu_q, cu_e, self.model.inv_freq, self.model.scale,
-            backend=self.backend)
-        return out
+        return self.attention.prefill(layer, q, q_pos, table)
 
     def _private(self, pos: torch.Tensor, for_cache: bool = False):
         """Slots for tokens at global positions ``pos`` [n], laid densely over new blocks.
@@ -308,7 +302,6 @@ class Forward:
                 per_seq.append(joined[key])
             table = BlockTable.cat(per_seq)
             cu = torch.tensor([0] + [t.num_entries for t in per_seq], dtype=torch.int32, device=dev).cumsum(0).to(torch.int32)
-            out, _ = paged_decode_attention(q, self.pool.k[layer], self.pool.v[layer], table.block_ids, table.offsets,
-                                            table.masks, cu, self.model.inv_freq, self.model.scale, backend=self.backend)
+            out = self.attention.decode(layer, q, table, cu)
             h = self.model.finish_layer(layer, h, out)
         return self.model.logits(h)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.rope import apply_rope, rope_inv_freq
+from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq, rotate
 from services.engine.config import ModelConfig
 from services.engine.weights import LayerWeights, ModelWeights
 
@@ -30,6 +30,16 @@ class Transformer:
         self.rope_backend = rope_backend
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(weights.embed.device)
         self.scale = cfg.head_dim ** -0.5
+        self._rope_memo: tuple | None = None  # (pos, cos, sin): one table per pass, not per layer
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self.rope_backend != "torch":
+            return apply_rope(x, pos, self.inv_freq, backend=self.rope_backend)
+        memo = self._rope_memo
+        if memo is None or memo[0] is not pos:
+            cos, sin = rope_cos_sin(pos, self.inv_freq)
+            memo = self._rope_memo = (pos, cos[:, None, :], sin[:, None, :])
+        return rotate(x, memo[1], memo[2])
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w.embed[ids]  # [T, hidden]
@@ -45,9 +55,7 @@ class Transformer:
         if cfg.qk_norm:
             q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-        q = apply_rope(q, pos, self.inv_freq, backend=self.rope_backend)
-        k = apply_rope(k, pos, self.inv_freq, backend=self.rope_backend)
-        return q, k, v
+        return self._rope(q, pos), self._rope(k, pos), v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual attention output and the SwiGLU MLP. attn [T, Hq, D] -> h [T, hidden]."""

@@ -76,12 +76,26 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: torch.device, dtype
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in fh.keys():
                 tensors[name] = fh.get_tensor(name)
+    return weights_from_tensors(tensors, cfg, device, dtype, source=str(path))
+
+
+def state_fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> str:
+    """Fingerprint of in-memory weights: the config and a sample of the embedding and first layer."""
+    h = hashlib.sha256(json.dumps(cfg.to_hf_dict(), sort_keys=True).encode())
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
+        h.update(tensors[name].flatten()[:4096].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def weights_from_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, device: torch.device,
+                         dtype: torch.dtype, source: str = "state dict") -> ModelWeights:
+    """Hugging Face-named tensors -> ModelWeights (tensors already on device/dtype are not copied)."""
 
     def take(name: str, required: bool = True) -> torch.Tensor | None:
         t = tensors.get(name)
         if t is None:
             if required:
-                raise ValueError(f"checkpoint {path} lacks weight {name!r}")
+                raise ValueError(f"checkpoint {source} lacks weight {name!r}")
             return None
         return t.to(device=device, dtype=dtype)
 

@@ -1,0 +1,131 @@
+"""Engine benchmark (GPU): prefill latency of every mode beside transformers' full prefill.
+
+Llama-3-8B-shaped model with random weights, bf16, 6 chunks x 512 tokens + a 64-token suffix, all
+chunks resident (each mode is warmed once so its cache holds them). Peer in the same run:
+transformers full prefill with SDPA (logits for the last position only). Times are medians of CUDA-
+synchronised wall clock over repeated calls.
+
+    python3 bench/engine.py --out bench/engine.json [--backends torch,triton] [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.engine import Engine, ModelConfig  # noqa: E402
+
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+    rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192})
+
+
+def timed(fn, warmup=2, reps=8):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/engine.json")
+    ap.add_argument("--backends", default="torch,triton")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--chunks", type=int, default=6)
+    ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--suffix-tokens", type=int, default=64)
+    ap.add_argument("--profile", action="store_true", help="print a torch profile of tessera@0")
+    args = ap.parse_args()
+    import transformers
+
+    hf_cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers)
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_cfg.items() if k != "architectures"})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    cfg = ModelConfig.from_hf_dict(hf_cfg)
+    state = dict(hf.state_dict())
+    g = torch.Generator().manual_seed(1)
+    chunks = [torch.randint(0, 128000, (args.chunk_tokens,), generator=g).tolist() for _ in range(args.chunks)]
+    suffix = torch.randint(0, 128000, (args.suffix_tokens,), generator=g).tolist()
+    ids = torch.tensor([sum(chunks, []) + suffix], device="cuda")
+    n_tokens = ids.shape[1]
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
+               "layers": args.layers, "tokens": n_tokens, "chunks": args.chunks, "chunk_tokens": args.chunk_tokens,
+               "suffix_tokens": args.suffix_tokens, "rows": []}
+
+    with torch.inference_mode():
+        peer = timed(lambda: hf(ids, use_cache=True, logits_to_keep=1))
+    results["peer_transformers_sdpa_full_s"] = peer
+    print(f"peer transformers SDPA full prefill of {n_tokens} tokens: {peer * 1e3:.1f} ms", flush=True)
+
+    for backend in args.backends.split(","):
+        try:
+            eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
+                                         kv_cache_bytes=12 << 30)
+        except Exception as exc:  # report and go on: one backend failing must not hide the others
+            results["rows"].append({"backend": backend, "error": repr(exc)})
+            print(f"{backend}: {exc!r}", flush=True)
+            continue
+        with torch.inference_mode():
+            ref = hf(ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+        for mode, ratio in (("full", 0.0), ("prefix", 0.0), ("position_aware", 0.0), ("blend_copy", 0.15),
+                            ("tessera", 0.15), ("tessera", 0.0), ("tessera", 0.3)):
+            try:
+                first = eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)  # warms the cache
+                s = timed(lambda: eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio))
+                r = eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)
+            except Exception as exc:
+                results["rows"].append({"backend": backend, "mode": mode, "ratio": ratio, "error": repr(exc)})
+                print(f"{backend} {mode}@{ratio}: {exc!r}", flush=True)
+                continue
+            err = float((r.logits - ref).abs().max()) if mode in ("full", "prefix") else None
+            row = {"backend": backend, "mode": mode, "ratio": ratio, "seconds": s, "vs_peer": peer / s,
+                   "first_call_seconds": first.stats.total_seconds, "stats": r.stats.as_dict(),
+                   "max_abs_logit_err_vs_peer": err}
+            results["rows"].append(row)
+            print(f"{backend:6s} {mode:15s} r={ratio:<4} {s * 1e3:8.1f} ms  ({peer / s:5.2f}x peer)"
+                  + (f"  |dlogit|={err:.3g}" if err is not None else ""), flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.0)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+        mem = eng.describe_memory()
+        per_chunk = -(-args.chunk_tokens // eng.block_size) * mem["block_bytes"]
+        results.setdefault("memory", {})[backend] = {
+            **mem, "kv_bytes_per_resident_chunk": per_chunk,
+            "private_kv_bytes_per_request": {
+                f"{row['mode']}@{row['ratio']}": (row["stats"]["private_blocks_allocated"]) * mem["block_bytes"]
+                for row in results["rows"] if row.get("backend") == backend and "stats" in row}}
+        del eng
+        torch.cuda.empty_cache()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The engine's one attention interface, with a plain-torch and a Triton implementation.
+
+Both see the same thing: the layer's paged K/V, the slot positions, and a request's BlockTable.
+  - ``TorchAttention`` gathers the entries' keys, rotates shared-chunk keys by their offsets (fp32,
+    cast back), builds the causal-by-global-position mask and calls SDPA; decode uses the twin.
+  - ``TritonAttention`` calls the fused kernels in ``kernels/paged_attention`` that rotate K tiles
+    (prefill) or Q (decode) on the fly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from kernels.rope import rope_cos_sin, rotate
+from services.engine.block_table import BlockTable
+
+
+class Attention:
+    name = "base"
+
+    def __init__(self, pool, inv_freq: torch.Tensor, scale: float):
+        self.pool, self.inv_freq, self.scale = pool, inv_freq, scale
+
+    def prefill(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, table: BlockTable) -> torch.Tensor:
+        """q [T, Hq, D] at global positions q_pos [T] -> out [T, Hq, D]."""
+        raise NotImplementedError
+
+    def decode(self, layer: int, q: torch.Tensor, table: BlockTable, cu_entries: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, D], entries of sequence b in table[cu[b]:cu[b+1]] -> out [B, Hq, D]."""
+        dev = q.device
+        out, _ = paged_decode_attention(q, self.pool.k[layer], self.pool.v[layer], table.block_ids, table.offsets,
+                                        table.masks, cu_entries.to(dev), self.inv_freq, self.scale, backend=self.name)
+        return out
+
+
+class _Prepared:
+    """What a (table, query positions) pair needs at every layer, computed once per pass:
+    the flat slot index of each visible key, and either the causal mask or the fact that the
+    keys are exactly the queries in order (plain causal attention, the flash path)."""
+
+    __slots__ = ("table", "q_pos", "idx", "cos", "sin", "mask", "causal")
+
+    def __init__(self, pool, table: BlockTable, q_pos: torch.Tensor, inv_freq: torch.Tensor):
+        self.table, self.q_pos = table, q_pos  # held so that their ids stay unique while memoised
+        n_slots = pool.slot_pos.shape[1]
+        ids = table.block_ids.long()
+        bits = torch.arange(n_slots, device=q_pos.device, dtype=torch.int64)
+        visible = ((table.masks[:, None] >> bits) & 1).bool().reshape(-1)
+        keep = torch.nonzero(visible).flatten()  # hidden twins and padding never enter the matmul
+        flat = (ids[:, None] * n_slots + bits[None, :]).reshape(-1)
+        self.idx = flat[keep]
+        k_pos = (table.offsets.long()[:, None] + pool.slot_pos[ids].long()).reshape(-1)[keep]
+        self.cos = self.sin = None
+        if table.max_offset:
+            off = table.offsets.long()[:, None].expand(-1, n_slots).reshape(-1)[keep]
+            cos, sin = rope_cos_sin(off, inv_freq)
+            self.cos, self.sin = cos[:, None, :], sin[:, None, :]
+        q = q_pos.long()
+        self.causal = bool(k_pos.numel() == q.numel() and torch.equal(k_pos, q)
+                           and (q.numel() < 2 or bool((q[1:] > q[:-1]).all())))
+        self.mask = None if self.causal else (k_pos[None, :] <= q[:, None])[None, None]  # [1, 1, T, S]
+
+
+class TorchAttention(Attention):
+    name = "torch"
+
+    def __init__(self, pool, inv_freq, scale):
+        super().__init__(pool, inv_freq, scale)
+        self._memo: dict[tuple[int, int], _Prepared] = {}
+
+    def _prepare(self, table, q_pos) -> _Prepared:
+        key = (id(table), id(q_pos))
+        prep = self._memo.get(key)
+        if prep is None:
+            if len(self._memo) > 16:
+                self._memo.clear()
+            prep = self._memo[key] = _Prepared(self.pool, table, q_pos, self.inv_freq)
+        return prep
+
+    def prefill(self, layer, q, q_pos, table):
+        prep = self._prepare(table, q_pos)
+        kc, vc = self.pool.k[layer], self.pool.v[layer]
+        k = kc.view(-1, *kc.shape[2:])[prep.idx]  # [S, Hkv, D]
+        v = vc.view(-1, *vc.shape[2:])[prep.idx]
+        if prep.cos is not None:
+            k = rotate(k, prep.cos, prep.sin)
+        group = q.shape[1] // k.shape[1]
+        qh = q.transpose(0, 1)[None]
+        if prep.causal:
+            out = F.scaled_dot_product_attention(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                                 is_causal=True, scale=self.scale, enable_gqa=group > 1)
+        else:
+            # masks rule out the flash kernel; the memory-efficient one takes them with heads expanded
+            k = k.repeat_interleave(group, dim=1) if group > 1 else k
+            v = v.repeat_interleave(group, dim=1) if group > 1 else v
+            out = F.scaled_dot_product_attention(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                                 attn_mask=prep.mask, scale=self.scale)
+        return out[0].transpose(0, 1)
+
+
+class TritonAttention(Attention):
+    name = "triton"
+
+    def prefill(self, layer, q, q_pos, table):
+        dev = q.device
+        cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev)
+        cu_e = torch.tensor([0, table.num_entries], dtype=torch.int32, device=dev)
+        out, _ = paged_prefill_attention(q, q_pos.to(torch.int32), self.pool.k[layer], self.pool.v[layer],
+                                         self.pool.slot_pos, table.block_ids, table.offsets, table.masks, cu_q, cu_e,
+                                         self.inv_freq, self.scale, backend="triton")
+        return out
+
+
+BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}
