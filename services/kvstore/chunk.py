@@ -37,6 +37,31 @@ def checksum(data, seed: int = 0) -> int:
     return zlib.crc32(data, seed)
 
 
+# A layer's bytes in memory: one bytes-like object, or the frames it arrived in (kept as they
+# came off the wire, so a put is not joined and a get from DRAM is not sliced).
+LayerData = bytes | memoryview | tuple
+
+
+def layer_parts(data: LayerData) -> tuple:
+    return data if isinstance(data, tuple) else (data,)
+
+
+def layer_len(data: LayerData) -> int:
+    return sum(memoryview(p).nbytes for p in layer_parts(data))
+
+
+def layer_checksum(data: LayerData) -> int:
+    crc = 0
+    for part in layer_parts(data):
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def layer_bytes(data: LayerData) -> bytes:
+    parts = layer_parts(data)
+    return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+
+
 def check_chunk_id(chunk_id: str) -> str:
     if not isinstance(chunk_id, str) or not CHUNK_ID_RE.match(chunk_id):
         raise InvalidChunk(f"chunk id must match {CHUNK_ID_RE.pattern}, got {chunk_id!r:.80}")
@@ -72,9 +97,9 @@ class ChunkMeta:
         """Raise CorruptEntry unless ``data`` is exactly layer ``layer`` of this chunk."""
         if data is None:
             raise CorruptEntry(f"chunk {self.chunk_id} layer {layer}: missing")
-        if len(data) != self.layer_nbytes(layer):
-            raise CorruptEntry(f"chunk {self.chunk_id} layer {layer}: {len(data)} bytes, expected {self.layer_nbytes(layer)}")
-        if checksum(data) != self.checksums[layer]:
+        if (n := layer_len(data)) != self.layer_nbytes(layer):
+            raise CorruptEntry(f"chunk {self.chunk_id} layer {layer}: {n} bytes, expected {self.layer_nbytes(layer)}")
+        if layer_checksum(data) != self.checksums[layer]:
             raise CorruptEntry(f"chunk {self.chunk_id} layer {layer}: checksum mismatch")
 
     def to_proto(self, layer_start: int = 0, layer_stop: int | None = None, tier: int = 0) -> pb.ChunkHeader:

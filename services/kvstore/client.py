@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import torch
 
+from services.kvstore import wire
 from services.kvstore.chunk import ChunkMeta, InvalidChunk, check_chunk_id
 from services.rpc import kvstore_pb2 as pb
 from services.rpc import kvstore_pb2_grpc as pb_grpc
@@ -25,6 +26,7 @@ TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 _FROM_NAME = {v: k for k, v in TORCH_DTYPES.items()}
 _DTYPE_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
 TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_ROCKSDB: "rocksdb", pb.TIER_S3: "s3"}
+SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
@@ -64,12 +66,17 @@ class KVStoreClient:
         self.verify = verify
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        # Bulk RPCs with hand-rolled frame (de)serialization (services.kvstore.wire): same wire format.
+        self._put = self._channel.stream_unary(f"/{SERVICE}/Put", request_serializer=wire.encode_message,
+                                               response_deserializer=pb.PutResponse.FromString, _registered_method=True)
+        self._get = self._channel.unary_stream(f"/{SERVICE}/Get", request_serializer=pb.GetRequest.SerializeToString,
+                                               response_deserializer=wire.decode_get_response, _registered_method=True)
 
     def put(self, chunk_id: str, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
             model_fingerprint: str = "", timeout: float | None = None) -> PutResult:
         """Store ``layers[i] = (k_i, v_i)``; returns once the store acknowledged the whole chunk."""
         header = self._header(chunk_id, layers, model_fingerprint)
-        resp = self._stub.Put(self._put_requests(header, layers), timeout=timeout or self.timeout)
+        resp = self._put(self._put_requests(header, layers), timeout=timeout or self.timeout)
         return PutResult(chunk_id, resp.stored_bytes, tuple(TIER_NAMES[t] for t in resp.tiers))
 
     @staticmethod
@@ -94,17 +101,16 @@ class KVStoreClient:
         return pb.ChunkHeader(chunk_id=chunk_id, model_fingerprint=model_fingerprint, num_layers=len(layers),
                               dtype=_DTYPE_PB[TORCH_DTYPES[dtype]], layers=shapes, checksum_algorithm=pb.CHECKSUM_CRC32)
 
-    def _put_requests(self, header: pb.ChunkHeader, layers) -> Iterator[pb.PutRequest]:
+    def _put_requests(self, header: pb.ChunkHeader, layers) -> Iterator[pb.PutRequest | wire.Frame]:
         yield pb.PutRequest(header=header)
         step = self.frame_bytes
         for i, (k, v) in enumerate(layers):
-            parts = [_raw(k), _raw(v)]
+            parts = [memoryview(_raw(k)), memoryview(_raw(v))]
             crc = zlib.crc32(parts[1], zlib.crc32(parts[0]))
             for p, part in enumerate(parts):
-                for off in range(0, part.size, step):
-                    last = p == 1 and off + step >= part.size
-                    yield pb.PutRequest(frame=pb.LayerFrame(layer_index=i, data=part[off:off + step].tobytes(),
-                                                            end_of_layer=last, checksum=crc if last else 0))
+                for off in range(0, part.nbytes, step):
+                    last = p == 1 and off + step >= part.nbytes
+                    yield wire.Frame(i, part[off:off + step], last, crc if last else 0)
 
     def get(self, chunk_id: str, *, layers: tuple[int, int] | None = None,
             timeout: float | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -118,7 +124,7 @@ class KVStoreClient:
             if not 0 <= start < stop:
                 raise ValueError(f"layers must be (start, stop) with 0 <= start < stop, got {layers}")
             request.layer_start, request.layer_stop = start, stop
-        call = self._stub.Get(request, timeout=timeout or self.timeout)
+        call = self._get(request, timeout=timeout or self.timeout)
         try:
             yield from self._assemble(chunk_id, call)
         finally:
@@ -126,7 +132,7 @@ class KVStoreClient:
 
     def _assemble(self, chunk_id: str, call) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         first = next(call, None)
-        if first is None or not first.HasField("header"):
+        if first is None or isinstance(first, wire.Frame) or not first.HasField("header"):
             raise ChunkCorruptError(f"chunk {chunk_id}: the stream did not start with a header")
         try:
             meta = ChunkMeta.from_proto(first.header)
@@ -139,7 +145,7 @@ class KVStoreClient:
         buf = view = None
         pos = 0
         for msg in call:
-            frame = msg.frame
+            frame = msg if isinstance(msg, wire.Frame) else msg.frame
             if index >= stop or frame.layer_index != index:
                 raise ChunkCorruptError(f"chunk {chunk_id}: frame for layer {frame.layer_index}, expected {index}")
             if buf is None:

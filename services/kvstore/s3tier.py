@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 
-from services.kvstore.chunk import ChunkMeta, CorruptEntry
+from services.kvstore.chunk import ChunkMeta, CorruptEntry, layer_parts
 from services.kvstore.config import S3Config
 
 HEAD_PROBE = 64 << 10   # the metadata of a 32-layer chunk is ~1 KiB; one GET usually covers it
@@ -43,7 +43,7 @@ class S3Tier:
 
     def write(self, meta: ChunkMeta, layers: tuple[bytes, ...]) -> None:
         head = meta.encode()
-        body = b"".join((struct.pack("<I", len(head)), head, *layers))
+        body = b"".join((struct.pack("<I", len(head)), head, *(p for layer in layers for p in layer_parts(layer))))
         self._s3.put_object(Bucket=self._cfg.bucket, Key=self._key(meta.chunk_id), Body=body,
                             Metadata={"tessera-nbytes": str(meta.nbytes)})
 

@@ -18,7 +18,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from services.kvstore.chunk import ChunkMeta, CorruptEntry
+from services.kvstore.chunk import ChunkMeta, CorruptEntry, LayerData
 from services.kvstore.config import StoreConfig
 from services.kvstore.policy import Residency
 from services.kvstore.tiers import DramTier, RocksDBTier
@@ -116,7 +116,7 @@ class TieredStore:
             if slot.residency is not None and not slot.residency.fits(nbytes):
                 raise ResourceExhausted(f"chunk of {nbytes} bytes exceeds the whole {slot.name} budget of {slot.residency.budget} bytes")
 
-    async def put(self, meta: ChunkMeta, layers: tuple[bytes, ...]) -> list[int]:
+    async def put(self, meta: ChunkMeta, layers: tuple[LayerData, ...]) -> list[int]:
         """Store a complete, verified chunk; returns the tiers holding it (pb.Tier values)."""
         self.check_admissible(meta.nbytes)
         async with self._lock:
@@ -130,7 +130,7 @@ class TieredStore:
                 self._dirty.discard(meta.chunk_id)
             return [s.pb_tier for s in targets]
 
-    async def _admit(self, slot: TierSlot, meta: ChunkMeta, layers: tuple[bytes, ...]) -> None:
+    async def _admit(self, slot: TierSlot, meta: ChunkMeta, layers: tuple[LayerData, ...]) -> None:
         if slot.residency is not None:
             for victim in slot.residency.victims_for(meta.chunk_id, meta.nbytes):
                 await self._evict(slot, victim)
@@ -245,7 +245,7 @@ class TieredStore:
                 self._dirty.discard(chunk_id)     # its only copy is bad: nothing to write down
             await self._call(slot, slot.storage.remove, chunk_id)
 
-    async def _promote(self, meta: ChunkMeta, layers: tuple[bytes, ...], source: int) -> None:
+    async def _promote(self, meta: ChunkMeta, layers: tuple[LayerData, ...], source: int) -> None:
         """Copy a chunk read from tier ``source`` into the faster tiers that lack it."""
         async with self._lock:
             for slot in reversed(self.slots[:source]):
@@ -266,9 +266,9 @@ class ReadSession:
         self.tier: int = store.slots[index].pb_tier
         self._index, self._reader = index, reader
         self._lowest = index
-        self._kept: dict[int, bytes] = {}
+        self._kept: dict[int, LayerData] = {}
 
-    async def layer(self, i: int) -> bytes:
+    async def layer(self, i: int) -> LayerData:
         while True:
             slot = self.store.slots[self._index]
             try:
@@ -285,11 +285,11 @@ class ReadSession:
                     raise DataLoss(f"chunk {self.meta.chunk_id} layer {i}: no tier holds a good copy ({exc})") from exc
                 self._index, self._reader = found
                 self._lowest = self._index
-        slot.counters.bytes_out += len(data)
+        slot.counters.bytes_out += self.meta.layer_nbytes(i)
         self._kept[i] = data      # references only; needed if a fallback makes this read a promotion
         return data
 
-    def _read_verified(self, reader, i: int) -> bytes:
+    def _read_verified(self, reader, i: int) -> LayerData:
         data = reader.layer(i)
         self.meta.verify_layer(i, data)
         return data

@@ -13,17 +13,18 @@ import logging
 import os
 from dataclasses import dataclass
 
-from services.kvstore.chunk import ChunkMeta, CorruptEntry
+from services.kvstore.chunk import ChunkMeta, CorruptEntry, LayerData, layer_bytes
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class StoredChunk:
-    """A chunk as held in DRAM: ``layers[i]`` is K||V bytes of layer i (``meta.layer_nbytes(i)`` long)."""
+    """A chunk as held in DRAM: ``layers[i]`` is K||V bytes of layer i (``meta.layer_nbytes(i)``
+    long), possibly as the tuple of frames it arrived in."""
 
     meta: ChunkMeta
-    layers: tuple[bytes, ...]
+    layers: tuple[LayerData, ...]
 
 
 class DramTier:
@@ -32,7 +33,7 @@ class DramTier:
     def __init__(self) -> None:
         self._chunks: dict[str, StoredChunk] = {}
 
-    def write(self, meta: ChunkMeta, layers: tuple[bytes, ...]) -> None:
+    def write(self, meta: ChunkMeta, layers: tuple[LayerData, ...]) -> None:
         self._chunks[meta.chunk_id] = StoredChunk(meta, tuple(layers))
 
     def get(self, chunk_id: str) -> StoredChunk | None:
@@ -59,7 +60,7 @@ class DramReader:
         self.meta = stored.meta
         self._layers = stored.layers
 
-    def layer(self, index: int) -> bytes:
+    def layer(self, index: int) -> LayerData:
         return self._layers[index]
 
     def close(self) -> None:
@@ -98,14 +99,14 @@ class RocksDBTier:
         self._write_opts.sync = sync
         self.path = path
 
-    def write(self, meta: ChunkMeta, layers: tuple[bytes, ...]) -> None:
+    def write(self, meta: ChunkMeta, layers: tuple[LayerData, ...]) -> None:
         from rocksdict import WriteBatch
 
         batch = WriteBatch(raw_mode=True)
         # One batch: metadata and layers become visible together or not at all, also after a crash.
         self._delete_into(batch, meta.chunk_id)
         for i, data in enumerate(layers):
-            batch.put(_layer_key(meta.chunk_id, i), bytes(data))
+            batch.put(_layer_key(meta.chunk_id, i), layer_bytes(data))
         batch.put(_meta_key(meta.chunk_id), meta.encode())
         self._db.write(batch, self._write_opts)
 

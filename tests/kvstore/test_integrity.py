@@ -6,6 +6,7 @@ import grpc
 import torch
 import pytest
 
+from services.kvstore.chunk import layer_bytes
 from services.kvstore.store import TierSlot
 from services.kvstore.tiers import StoredChunk, _layer_key, _meta_key
 
@@ -27,7 +28,7 @@ def corrupt_dram_layer(srv, chunk_id, layer):
         dram = slot(srv, "dram").storage
         stored = dram.get(chunk_id)
         layers = list(stored.layers)
-        layers[layer] = flip(layers[layer])
+        layers[layer] = flip(layer_bytes(layers[layer]))
         dram._chunks[chunk_id] = StoredChunk(stored.meta, tuple(layers))
     srv.run(damage())
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from services.kvstore.client import KVStoreClient, _raw
+from services.kvstore.wire import Frame
 from services.rpc import kvstore_pb2 as pb
 from services.rpc import kvstore_pb2_grpc as pb_grpc
 
@@ -22,7 +23,14 @@ SHAPE = dict(n_layers=3, tokens=32, heads=2, dim=64)
 
 
 def requests_for(client: KVStoreClient, chunk_id: str, layers) -> list[pb.PutRequest]:
-    return list(client._put_requests(client._header(chunk_id, layers, ""), layers))
+    """The client's put stream as generated-protobuf messages (so tests can edit them)."""
+    out = []
+    for item in client._put_requests(client._header(chunk_id, layers, ""), layers):
+        if isinstance(item, Frame):
+            item = pb.PutRequest(frame=pb.LayerFrame(layer_index=item.layer_index, data=bytes(item.data),
+                                                     end_of_layer=item.end_of_layer, checksum=item.checksum))
+        out.append(item)
+    return out
 
 
 def raw_put(address: str, requests, timeout: float = 10.0):
