@@ -4,7 +4,8 @@
 blocks until SIGTERM/SIGINT; ``BackgroundServer`` runs one in a thread for synchronous callers
 (tests, a Ray actor). Status codes: unknown chunk NOT_FOUND; malformed header, shape or dtype
 mismatch, layers out of order INVALID_ARGUMENT; a layer failing its checksum on the way in, or a
-chunk with no good copy left, DATA_LOSS; a chunk over a tier's whole budget RESOURCE_EXHAUSTED.
+chunk with no good copy left, DATA_LOSS; a chunk over a tier's whole budget RESOURCE_EXHAUSTED; a
+chunk evicted or replaced mid-read with no other copy of that version, ABORTED (retry).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from services.kvstore import wire
 from services.kvstore.chunk import ChunkMeta, InvalidChunk, LayerData, check_chunk_id, layer_checksum, layer_parts
 from services.kvstore.config import StoreConfig
 from services.kvstore.metrics import StoreMetrics
-from services.kvstore.store import DataLoss, ResourceExhausted, TieredStore
+from services.kvstore.store import ChunkVanished, DataLoss, ResourceExhausted, TieredStore
 from services.kvstore.wire import Frame
 from services.rpc import kvstore_pb2 as pb
 from services.rpc import kvstore_pb2_grpc as pb_grpc
@@ -131,9 +132,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         try:
             for i in range(start, stop):
                 try:
-                    data = await session.layer(i)
+                    data = await session.layer(i, i + 1 if i + 1 < stop else None)
                 except DataLoss as exc:
                     await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+                except ChunkVanished as exc:
+                    await context.abort(grpc.StatusCode.ABORTED, str(exc))
                 for piece, last in _pieces(data, self.frame_bytes):
                     yield Frame(i, piece, last, meta.checksums[i] if last else 0)
                 if i == start:

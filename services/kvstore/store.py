@@ -35,6 +35,11 @@ class DataLoss(Exception):
     """No tier holds a good copy of a chunk that some tier claimed to hold."""
 
 
+class ChunkVanished(Exception):
+    """The chunk was evicted or replaced in its tier during the read and no other tier has the
+    version being streamed (maps to ABORTED: the caller may retry)."""
+
+
 @dataclass(slots=True)
 class TierCounters:
     hits: int = 0
@@ -256,8 +261,11 @@ class TieredStore:
 class ReadSession:
     """Verified layers of one chunk in order; falls back to a lower tier on corruption.
 
-    Call ``layer(i)`` with increasing i, then ``finish()``. ``tier`` is where the first layer came
-    from. A full read from a lower tier is promoted into the faster tiers by ``finish()``.
+    Call ``layer(i, next_index)`` with increasing i, then ``finish()`` (or ``abort()``). ``tier`` is
+    where the first layer came from. On RocksDB and S3 the read and check of ``next_index`` start in
+    a thread as soon as layer i is handed over, so the disk works while layer i is on the wire
+    (one read in flight per session: a reader is never used by two threads at once). A full read
+    from a lower tier is promoted into the faster tiers by ``finish()``.
     """
 
     def __init__(self, store: TieredStore, index: int, reader) -> None:
@@ -267,34 +275,66 @@ class ReadSession:
         self._index, self._reader = index, reader
         self._lowest = index
         self._kept: dict[int, LayerData] = {}
+        self._ahead: tuple[int, asyncio.Future] | None = None
 
-    async def layer(self, i: int) -> LayerData:
+    async def layer(self, i: int, next_index: int | None = None) -> LayerData:
         while True:
             slot = self.store.slots[self._index]
             try:
-                if slot.blocking:
+                if self._ahead is not None and self._ahead[0] == i:
+                    future, self._ahead = self._ahead[1], None
+                    data = await future
+                elif slot.blocking:
+                    await self._settle_ahead()
                     data = await asyncio.to_thread(self._read_verified, self._reader, i)
                 else:
                     data = self._read_verified(self._reader, i)
                 break
             except CorruptEntry as exc:
                 self._reader.close()
-                await self.store.drop_corrupt(self._index, self.meta.chunk_id, exc)
+                changed = await self._changed_under_us(slot)
+                if not changed:
+                    await self.store.drop_corrupt(self._index, self.meta.chunk_id, exc)
                 found = await self.store._open_from(self._index + 1, self.meta.chunk_id, self.meta)
                 if found is None:
+                    if changed:
+                        raise ChunkVanished(f"chunk {self.meta.chunk_id} was evicted or replaced in the {slot.name} tier "
+                                            f"during the read (layer {i}); retry") from exc
                     raise DataLoss(f"chunk {self.meta.chunk_id} layer {i}: no tier holds a good copy ({exc})") from exc
                 self._index, self._reader = found
                 self._lowest = self._index
         slot.counters.bytes_out += self.meta.layer_nbytes(i)
         self._kept[i] = data      # references only; needed if a fallback makes this read a promotion
+        if next_index is not None and slot.blocking:
+            future = asyncio.ensure_future(asyncio.to_thread(self._read_verified, self._reader, next_index))
+            future.add_done_callback(_retrieve)
+            self._ahead = (next_index, future)
         return data
+
+    async def _changed_under_us(self, slot: TierSlot) -> bool:
+        """True if the tier now holds no copy or another version: a failed check was a race with
+        an eviction or replacement, not corruption."""
+        try:
+            current = await self.store._call(slot, slot.storage.open, self.meta.chunk_id)
+        except CorruptEntry:
+            return False
+        if current is not None:
+            current.close()
+        return current is None or current.meta != self.meta
 
     def _read_verified(self, reader, i: int) -> LayerData:
         data = reader.layer(i)
         self.meta.verify_layer(i, data)
         return data
 
+    async def _settle_ahead(self) -> None:
+        """Wait out a read-ahead nobody will use, so the reader is idle before reuse or close."""
+        if self._ahead is not None:
+            future, self._ahead = self._ahead[1], None
+            await asyncio.wait([future])
+
     async def finish(self) -> None:
+        await self._settle_ahead()
         self._reader.close()
         if self._lowest > 0 and len(self._kept) == self.meta.num_layers:
             layers = tuple(self._kept[i] for i in range(self.meta.num_layers))
@@ -302,5 +342,15 @@ class ReadSession:
             await self.store._promote(self.meta, layers, self._lowest)
 
     def abort(self) -> None:
-        self._reader.close()
+        """Stop without promotion (client gone or error); an in-flight read-ahead closes the reader."""
         self._kept.clear()
+        if self._ahead is not None:
+            self._ahead[1].add_done_callback(lambda _f, r=self._reader: r.close())
+            self._ahead = None
+        else:
+            self._reader.close()
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()    # consumed here; the awaiting side re-raises it if it still cares

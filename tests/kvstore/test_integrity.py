@@ -6,7 +6,7 @@ import grpc
 import torch
 import pytest
 
-from services.kvstore.chunk import layer_bytes
+from services.kvstore.chunk import checksum, layer_bytes
 from services.kvstore.store import TierSlot
 from services.kvstore.tiers import StoredChunk, _layer_key, _meta_key
 
@@ -113,3 +113,68 @@ async def _forget_dram(srv, chunk_id):
     s = slot(srv, "dram")
     s.residency.discard(chunk_id)
     s.storage.remove(chunk_id)
+
+
+def _read_with_interference(srv, chunk_id, interfere):
+    """Read layer 0 through the store, run ``interfere`` (a coroutine function), read the rest."""
+    async def go():
+        store = srv.server.store
+        session = await store.open_read(chunk_id)
+        out = [layer_bytes(await session.layer(0))]
+        await interfere(store)
+        try:
+            for i in range(1, session.meta.num_layers):
+                out.append(layer_bytes(await session.layer(i)))
+        finally:
+            session.abort()
+        return out
+    return srv.run(go())
+
+
+def _expected(layers):
+    return [k.view(torch.uint8).numpy().tobytes() + v.view(torch.uint8).numpy().tobytes() for k, v in layers]
+
+
+def test_eviction_during_a_rocksdb_read_is_aborted_not_called_corruption(start_store):
+    from services.kvstore.store import ChunkVanished
+
+    srv, c = start_store(dram_bytes=1 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB)
+    layers = make_layers(seed=3, **SHAPE)
+    c.put("x", layers), c.put("evictor", make_layers(seed=4, **SHAPE))
+
+    async def evict(store):
+        await store.delete("x")
+    with pytest.raises(ChunkVanished):
+        _read_with_interference(srv, "x", evict)
+    assert corrupt_counts(c) == {1: 0, 2: 0}
+
+
+def test_eviction_during_a_rocksdb_read_continues_from_s3(start_store, s3_config):
+    srv, c = start_store(dram_bytes=1 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB, s3=s3_config)
+    layers = make_layers(seed=3, **SHAPE)
+    c.put("x", layers), c.put("evictor", make_layers(seed=4, **SHAPE))
+
+    async def evict_from_rocksdb(store):
+        rocks = slot(srv, "rocksdb")
+        async with store._lock:
+            rocks.residency.discard("x")
+            await store._evict(rocks, "x")
+    assert _read_with_interference(srv, "x", evict_from_rocksdb) == _expected(layers)
+    assert corrupt_counts(c) == {1: 0, 2: 0, 3: 0}
+
+
+def test_replacement_during_a_read_never_mixes_versions(start_store):
+    from services.kvstore.store import ChunkVanished
+
+    srv, c = start_store(dram_bytes=1 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB)
+    old, new = make_layers(seed=3, **SHAPE), make_layers(seed=5, **SHAPE)
+    c.put("x", old), c.put("evictor", make_layers(seed=4, **SHAPE))
+
+    async def replace(store):
+        reader = slot(srv, "rocksdb").storage.open("x")
+        meta = reader.meta.with_checksums([checksum(b) for b in _expected(new)])
+        await store.put(meta, tuple(_expected(new)))
+    with pytest.raises(ChunkVanished):
+        _read_with_interference(srv, "x", replace)
+    assert corrupt_counts(c) == {1: 0, 2: 0}
+    assert_roundtrip(c, "x", new)
