@@ -1,9 +1,27 @@
-"""Model runtime shared by the workers: Llama-family model, paged KV, chunk cache, blend, decode."""
+"""Model runtime shared by the workers: Llama-family model, paged KV, chunk cache, blend, decode.
 
-from services.engine.block_table import BlockTable
-from services.engine.chunk_cache import chunk_id
-from services.engine.config import ModelConfig
-from services.engine.engine import Engine
-from services.engine.request import PrefillResult, PrefillStats, Sequence
+Names are imported on first use so that ``tessera --help`` does not pay for torch.
+"""
 
-__all__ = ["Engine", "ModelConfig", "BlockTable", "PrefillResult", "PrefillStats", "Sequence", "chunk_id"]
+from __future__ import annotations
+
+_EXPORTS = {
+    "Engine": "services.engine.engine",
+    "ModelConfig": "services.engine.config",
+    "BlockTable": "services.engine.block_table",
+    "PrefillResult": "services.engine.request",
+    "PrefillStats": "services.engine.request",
+    "Sequence": "services.engine.request",
+    "chunk_id": "services.engine.chunk_cache",
+    "Handoff": "services.engine.handoff",
+    "ChunkRef": "services.engine.handoff",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'services.engine' has no attribute {name!r}")

@@ -39,6 +39,7 @@ class ChunkEntry:
     base: int
     nbytes: int
     refs: int = 0
+    kind: str = "chunk"   # chunk (position-agnostic, by content id) | position (a replica) | prefix (chain hash)
 
 
 class ChunkCache:
@@ -87,14 +88,21 @@ class ChunkCache:
                     f"{self.resident_bytes} B of chunk cache pinned by requests in flight")
         return self.pool.allocate(n_blocks)
 
-    def insert(self, key: str, blocks: list[int], length: int, base: int = 0) -> ChunkEntry:
+    def insert(self, key: str, blocks: list[int], length: int, base: int = 0, kind: str = "chunk") -> ChunkEntry:
         """Register freshly written blocks under ``key``; returned pinned (refs = 1)."""
         if key in self._entries:
             raise RuntimeError(f"chunk {key[:12]} is already resident")
-        entry = ChunkEntry(key, blocks, length, base, len(blocks) * self.pool.block_bytes, refs=1)
+        entry = ChunkEntry(key, blocks, length, base, len(blocks) * self.pool.block_bytes, refs=1, kind=kind)
         self._entries[key] = entry
         self.resident_bytes += entry.nbytes
         return entry
+
+    def discard(self, entry: ChunkEntry) -> None:
+        """Drop an entry whose KV cannot be trusted (a load that never completed), pinned or not."""
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+            self.resident_bytes -= entry.nbytes
+            self.pool.free(entry.blocks)
 
     def _evict_one(self) -> bool:
         for key, entry in self._entries.items():  # oldest first

@@ -20,6 +20,7 @@ from services.engine.block_table import BlockTable
 from services.engine.chunk_cache import ChunkCache, chunk_id
 from services.engine.config import ModelConfig
 from services.engine.forward import Forward
+from services.engine.handoff import Handoff, export_sequence, import_sequence
 from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
 from services.engine.sampling import SamplingParams, sample
 from services.engine.weights import ModelWeights, fingerprint, load_weights, state_fingerprint, weights_from_tensors
@@ -172,17 +173,56 @@ class Engine:
         finally:
             self.release(seq)
 
+    @torch.inference_mode()
+    def prefill_handoff(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15,
+                        fetch=None, on_computed=None, extra_tokens: int = 0):
+        """Prefill for a disaggregated decode: returns (PrefillResult, Handoff) and keeps nothing private.
+
+        fetch(chunk_id) -> iterator of (layer, k, v) or None: the KV store, streamed layer by layer while
+        earlier layers compute. on_computed(chunk_id, [(k, v), ...]): chunks computed here, to be stored.
+        """
+        chunks, suffix = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
+        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), fetch, on_computed)
+        try:
+            handoff = export_sequence(self.forward, seq, logits, self.fingerprint)
+        finally:
+            self.release(seq)
+        return PrefillResult(logits, stats), handoff
+
+    @torch.inference_mode()
+    def import_handoff(self, handoff: Handoff, fetch=None) -> Sequence:
+        """Rebuild a prefilled request here: shared chunks from this cache, ``fetch``, or recompute."""
+        if handoff.model_fingerprint != self.fingerprint:
+            raise ValueError(f"hand-off was made by model {handoff.model_fingerprint}, this engine runs {self.fingerprint}")
+        return import_sequence(self.forward, handoff, fetch)
+
+    def insert_chunk(self, chunk_id: str, tokens, layers) -> None:
+        """Make a chunk resident from its KV [(k, v) per layer, keys at local positions]."""
+        if chunk_id in self.cache:
+            return
+        self.cache.release(self.forward.insert_chunk(chunk_id, tokens, layers))
+
+    def export_chunk(self, chunk_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A resident chunk's KV per layer (copies); KeyError if it is not resident."""
+        entry = self.cache.acquire(chunk_id)
+        if entry is None:
+            raise KeyError(f"chunk {chunk_id} is not resident")
+        try:
+            return self.forward.export_chunk(entry)
+        finally:
+            self.cache.release(entry)
+
     def _stop_ids(self) -> list[int]:
         eos = self.cfg.eos_token_id
         if eos is None:
             return []
         return list(eos) if isinstance(eos, list) else [eos]
 
-    def _prefill(self, chunks, suffix, mode, ratio):
+    def _prefill(self, chunks, suffix, mode, ratio, fetch=None, on_computed=None):
         stats = PrefillStats(mode=mode, recompute_ratio=ratio, check_layer=self.blend.check_layer,
                              chunks=len(chunks), chunk_tokens=sum(map(len, chunks)), suffix_tokens=len(suffix))
         t0 = time.perf_counter()
-        logits, seq = self.forward.prefill(chunks, suffix, mode, ratio, self.blend, stats)
+        logits, seq = self.forward.prefill(chunks, suffix, mode, ratio, self.blend, stats, fetch, on_computed)
         stats.total_seconds = time.perf_counter() - t0
         return logits, seq, stats
 

@@ -17,6 +17,7 @@ from services.engine.blend import BlendConfig, ChunkLayout, select_hkvd
 from services.engine.block_table import BlockTable
 from services.engine.chunk_cache import chunk_id
 from services.engine.config import ModelConfig
+from services.engine.loader import ChunkLoad, LayerGate, as_layers
 from services.engine.model import Transformer
 from services.engine.request import PlacedChunk, PrefillStats, Sequence
 
@@ -32,6 +33,11 @@ class Forward:
         self.device = pool.slot_pos.device
         self._fingerprint = fingerprint
         self.attention = BACKENDS[self.backend](pool, self.model.inv_freq, self.model.scale)
+        self._gate: LayerGate | None = None  # set while a pass waits on layer-streamed chunk loads
+
+    def _wait(self, layer: int) -> None:
+        if self._gate is not None:
+            self._gate.wait(layer)
 
     # ------------------------------------------------------------------ primitives
     def _attend(self, layer: int, q, q_pos, table: BlockTable):
@@ -53,6 +59,7 @@ class Forward:
         h = self.model.embed(ids)
         n_layers = self.cfg.num_layers
         for layer in range(n_layers):
+            self._wait(layer)
             q, k, v = self.model.attention_inputs(layer, h, pos)
             self.pool.write(layer, write_block, write_slot, k, v)
             if skip_last_layer and layer == n_layers - 1:
@@ -60,19 +67,64 @@ class Forward:
             h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, tables[layer]))
         return self.model.logits(h[-1:] if last_only else h)[-1]
 
-    def compute_chunk(self, key: str, tokens: list[int], base: int):
+    def compute_chunk(self, key: str, tokens: list[int], base: int = 0, kind: str = "chunk"):
         """Compute a chunk alone at positions base..base+L-1 and cache it under ``key`` (pinned)."""
         pos = torch.arange(base, base + len(tokens), device=self.device)
-        blocks, block, slot, table = self._private(pos, for_cache=True)  # keys rotated at pos
+        blocks, _, _, _ = self._private(pos, for_cache=True)  # keys rotated at pos
+        self._compute_into(blocks, tokens, base)
+        return self.cache.insert(key, blocks, len(tokens), base=base, kind=kind)
+
+    def _compute_into(self, blocks: list[int], tokens: list[int], base: int) -> None:
+        pos = torch.arange(base, base + len(tokens), device=self.device)
+        block, slot = self.pool.slots_for(blocks, len(tokens))
+        self.pool.slot_pos[block, slot] = pos.to(torch.int32)
+        table = BlockTable.for_run(blocks, len(tokens), self.bs, 0, self.device)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        self._run(ids, pos, [table] * self.cfg.num_layers, block, slot, skip_last_layer=True)
-        return self.cache.insert(key, blocks, len(tokens), base=base)
+        gate, self._gate = self._gate, None  # a chunk computed alone waits on nothing
+        try:
+            self._run(ids, pos, [table] * self.cfg.num_layers, block, slot, skip_last_layer=True)
+        finally:
+            self._gate = gate
+
+    def insert_chunk(self, key: str, tokens_or_length, layers) -> "ChunkEntry":
+        """Write a chunk's KV given per layer as (k, v) [L, Hkv, D] (keys at local positions); pinned."""
+        n = tokens_or_length if isinstance(tokens_or_length, int) else len(tokens_or_length)
+        blocks, block, slot, _ = self._private(torch.arange(n, device=self.device), for_cache=True)
+        count = 0
+        try:
+            for layer, k, v in as_layers(iter(layers)):
+                if tuple(k.shape) != (n, self.cfg.num_kv_heads, self.cfg.head_dim) or k.shape != v.shape:
+                    raise ValueError(f"layer {layer} of chunk {key[:12]} has shapes {tuple(k.shape)}/{tuple(v.shape)}, "
+                                     f"expected ({n}, {self.cfg.num_kv_heads}, {self.cfg.head_dim})")
+                self.pool.write(layer, block, slot, k.to(self.device), v.to(self.device))
+                count += 1
+            if count != self.cfg.num_layers:
+                raise ValueError(f"chunk {key[:12]} came with {count} layers, the model has {self.cfg.num_layers}")
+        except BaseException:
+            self.pool.free(blocks)
+            raise
+        return self.cache.insert(key, blocks, n, base=0, kind="chunk")
+
+    def export_chunk(self, entry) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A resident chunk's KV per layer, (k, v) each [L, Hkv, D] (copies)."""
+        block, slot = self.pool.slots_for(entry.blocks, entry.length)
+        return [tuple(t.clone() for t in self.pool.read(layer, block, slot)) for layer in range(self.cfg.num_layers)]
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, chunks, suffix, mode: str, ratio: float, blend: BlendConfig, stats: PrefillStats):
+    def prefill(self, chunks, suffix, mode: str, ratio: float, blend: BlendConfig, stats: PrefillStats,
+                fetch=None, on_computed=None):
         if mode in ("full", "prefix"):
             return self._prefill_dense(chunks, suffix, mode, stats)
-        return self._prefill_reuse(chunks, suffix, mode, ratio, blend, stats)
+        try:
+            return self._prefill_reuse(chunks, suffix, mode, ratio, blend, stats, fetch, on_computed)
+        finally:
+            gate, self._gate = self._gate, None
+            if gate is not None:
+                gate.finish()
+                stats.load_wait_seconds = gate.wait_seconds
+                stats.load_failures = gate.failed
+                stats.loaded_bytes = sum(load.bytes for load in gate.loads)
+                stats.load_seconds = max(load.seconds for load in gate.loads)
 
     def _prefill_dense(self, chunks, suffix, mode, stats):
         """full: every token computed, nothing cached. prefix: reuse the longest cached chunk prefix,
@@ -127,37 +179,71 @@ class Forward:
             if key in self.cache:  # computed concurrently by an equal prefix: keep ours private
                 private += blocks
             else:
-                pinned.append(self.cache.insert(key, blocks, len(c), base=0))
+                pinned.append(self.cache.insert(key, blocks, len(c), base=0, kind="prefix"))
         stats.forward_seconds = time.perf_counter() - t0
         return logits, Sequence([table] * self.cfg.num_layers, pinned, private, start + len(suffix))
 
-    def _place(self, chunks, mode, stats) -> list[PlacedChunk]:
-        """Find or compute every chunk: position-agnostic (tessera, blend_copy) or per position."""
-        placed, start = [], 0
+    def _place(self, chunks, mode, stats, fetch=None, on_computed=None) -> list[PlacedChunk]:
+        """Find every chunk in the device cache, else stream it from the store (``fetch``), else compute
+        it alone: position-agnostic (tessera, blend_copy) or one replica per position (position_aware)."""
+        placed, start, loads = [], 0, []
         t0 = time.perf_counter()
         try:
             for c in chunks:
                 cid = chunk_id(self._fingerprint, c)
-                key = cid if mode != "position_aware" else f"{cid}@{start}"
+                aware = mode == "position_aware"
+                key = f"{cid}@{start}" if aware else cid
                 entry = self.cache.acquire(key)
-                if entry is None:
-                    entry = self.compute_chunk(key, c, base=start if mode == "position_aware" else 0)
+                layers = None if entry is not None or aware or fetch is None else fetch(cid)
+                if entry is not None:
+                    stats.chunk_hits += 1
+                elif layers is not None:
+                    entry = self._start_load(key, c, layers, loads)
+                    stats.store_hits += 1
+                    stats.shared_blocks_allocated += len(entry.blocks)
+                else:
+                    entry = self.compute_chunk(key, c, base=start if aware else 0, kind="position" if aware else "chunk")
                     stats.chunk_misses += 1
                     stats.chunk_tokens_computed += len(c)
                     stats.shared_blocks_allocated += len(entry.blocks)
-                else:
-                    stats.chunk_hits += 1
+                    if on_computed is not None and not aware:
+                        on_computed(cid, self.export_chunk(entry))
                 placed.append(PlacedChunk(entry, start))
                 start += len(c)
         except BaseException:
             for p in placed:
                 self.cache.release(p.entry)
+            for load in loads:  # a half-loaded chunk must never be served later
+                load.join()
+                self.cache.discard(load.entry)
             raise
         stats.chunk_compute_seconds = time.perf_counter() - t0
+        if loads:
+            self._gate = LayerGate(loads, self._recompute_load)
         return placed
 
-    def _prefill_reuse(self, chunks, suffix, mode, ratio, blend: BlendConfig, stats):
-        placed = self._place(chunks, mode, stats)
+    def _start_load(self, key: str, tokens: list[int], layers, loads: list) -> "ChunkEntry":
+        n = len(tokens)
+        blocks, block, slot, _ = self._private(torch.arange(n, device=self.device), for_cache=True)
+        entry = self.cache.insert(key, blocks, n, base=0, kind="chunk")
+        shape = (n, self.cfg.num_kv_heads, self.cfg.head_dim)
+
+        def write(layer, k, v):
+            if tuple(k.shape) != shape or tuple(v.shape) != shape:
+                raise ValueError(f"layer {layer} of chunk {key[:12]} has shape {tuple(k.shape)}, expected {shape}")
+            self.pool.write(layer, block, slot, k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True))
+
+        load = ChunkLoad(key, tokens, as_layers(iter(layers)), write, self.cfg.num_layers)
+        load.entry = entry
+        loads.append(load)
+        load.start()
+        return entry
+
+    def _recompute_load(self, load: ChunkLoad) -> None:
+        self._compute_into(load.entry.blocks, load.tokens, 0)
+
+    def _prefill_reuse(self, chunks, suffix, mode, ratio, blend: BlendConfig, stats, fetch=None, on_computed=None):
+        placed = self._place(chunks, mode, stats, fetch, on_computed)
         pinned = [p.entry for p in placed]
         private: list[int] = []
         try:
@@ -178,6 +264,8 @@ class Forward:
         private += s_blocks
         copy = mode == "blend_copy"
         if copy:
+            if self._gate is not None:
+                self._gate.finish()  # the copy needs every layer before it starts
             # CacheBlend as published: copy every chunk's KV, keys re-rotated to the global position
             c_blocks, c_block, c_slot, c_table = self._private(lay.pos)
             private += c_blocks
@@ -201,7 +289,8 @@ class Forward:
                                                 ratio, blend, private, stats)
         stats.private_blocks_allocated += len(private)
         stats.forward_seconds = time.perf_counter() - t0
-        return logits, Sequence(tables, pinned, private, n_chunk + len(suffix))
+        tokens = {p.entry.key: c for p, c in zip(placed, chunks)}
+        return logits, Sequence(tables, pinned, private, n_chunk + len(suffix), chunk_tokens=tokens)
 
     def _blend_layers(self, lay, ids_c, ids_s, pos_s, s_block, s_slot, s_table, base, copy, c_block, c_slot,
                       ratio, blend, private, stats):
@@ -218,6 +307,7 @@ class Forward:
             private += pre_blocks
             pre_table = BlockTable.cat([t, s_table])
         for layer in range(c):
+            self._wait(layer)
             q, k, v = self.model.attention_inputs(layer, h, pos)
             if layer == 0:
                 table = base  # layer-0 KV depends on the token alone: the cache holds it exactly
@@ -231,6 +321,7 @@ class Forward:
             h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, table))
 
         # check layer: rank chunk tokens by how far their fresh KV is from the cached KV
+        self._wait(c)
         q, k, v = self.model.attention_inputs(c, h, pos)
         if copy:
             k_cached, v_cached = self.pool.read(c, c_block, c_slot)
@@ -263,6 +354,7 @@ class Forward:
             post = BlockTable.cat(tabs + [s_table])
         wb, ws = torch.cat([sel_block, s_block]), torch.cat([sel_slot, s_slot])
         for layer in range(c, n_layers):
+            self._wait(layer)
             if layer > c:
                 q, k, v = self.model.attention_inputs(layer, h, pos)
             self.pool.write(layer, wb, ws, k, v)

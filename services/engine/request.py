@@ -34,8 +34,9 @@ class PrefillStats:
     recompute_ratio: float
     check_layer: int
     chunks: int = 0
-    chunk_hits: int = 0
-    chunk_misses: int = 0
+    chunk_hits: int = 0              # found in the device chunk cache
+    store_hits: int = 0              # streamed from the KV store, layer by layer
+    chunk_misses: int = 0            # computed here
     chunk_tokens: int = 0
     chunk_tokens_computed: int = 0   # tokens of missing chunks computed alone (or in context: prefix/full)
     tokens_recomputed: int = 0       # HKVD chunk tokens recomputed by the blend step
@@ -46,6 +47,10 @@ class PrefillStats:
     chunk_compute_seconds: float = 0.0
     forward_seconds: float = 0.0
     total_seconds: float = 0.0
+    load_seconds: float = 0.0        # longest chunk stream from the store
+    load_wait_seconds: float = 0.0   # time the pass stood waiting for a layer (the rest overlapped)
+    loaded_bytes: int = 0
+    load_failures: int = 0           # streams that broke and were recomputed
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,6 +71,7 @@ class Sequence:
     gen_blocks: list[int] = field(default_factory=list)
     gen_count: int = 0
     released: bool = False
+    chunk_tokens: dict = field(default_factory=dict)  # chunk key -> token ids (carried in hand-offs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,89 @@
+"""Layer-streamed chunk loading: a pass computes layer i while layer i+1 of a chunk is still arriving.
+
+A ``ChunkLoad`` drains one chunk's layer iterator (from the KV store, layer 0 first) in a background
+thread, writing each layer into the chunk's blocks as it lands. The forward pass calls
+``LayerGate.wait(i)`` before it touches layer i: it returns as soon as every load has delivered layer i,
+so fetching and computing overlap. A load that fails midway (store gone, checksum refused) is
+recomputed from the chunk's tokens at the first wait that sees it: the request still gets right KV.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+
+class ChunkLoad(threading.Thread):
+    def __init__(self, key: str, tokens: list[int], layers: Iterable, write: Callable, num_layers: int):
+        super().__init__(name=f"chunk-load-{key[:8]}", daemon=True)
+        self.key, self.tokens, self.layers, self.write = key, tokens, layers, write
+        self.num_layers = num_layers
+        self.delivered = 0           # layers 0..delivered-1 are in place
+        self.error: BaseException | None = None
+        self.recovered = False
+        self.bytes = 0
+        self.seconds = 0.0
+        self.cond = threading.Condition()
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            expect = 0
+            for layer, k, v in self.layers:
+                if layer != expect:
+                    raise ValueError(f"chunk {self.key[:12]}: layer {layer} arrived, {expect} expected")
+                if layer >= self.num_layers:
+                    raise ValueError(f"chunk {self.key[:12]}: layer {layer} is past the model's {self.num_layers}")
+                self.write(layer, k, v)
+                self.bytes += k.numel() * k.element_size() + v.numel() * v.element_size()
+                expect += 1
+                with self.cond:
+                    self.delivered = expect
+                    self.cond.notify_all()
+            if expect != self.num_layers:
+                raise ValueError(f"chunk {self.key[:12]}: stream ended after {expect} of {self.num_layers} layers")
+        except BaseException as exc:  # noqa: BLE001 - any failure means: recompute this chunk
+            with self.cond:
+                self.error = exc
+                self.cond.notify_all()
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+
+class LayerGate:
+    """Waits for layer i of every load of one pass; recomputes loads that failed."""
+
+    def __init__(self, loads: list[ChunkLoad], recompute: Callable[[ChunkLoad], None]):
+        self.loads, self.recompute = loads, recompute
+        self.wait_seconds = 0.0
+
+    def wait(self, layer: int) -> None:
+        t0 = time.perf_counter()
+        for load in self.loads:
+            with load.cond:
+                load.cond.wait_for(lambda: load.delivered > layer or load.error is not None)
+            if load.error is not None and not load.recovered:
+                load.join()
+                self.recompute(load)
+                load.recovered = True
+        self.wait_seconds += time.perf_counter() - t0
+
+    def finish(self) -> None:
+        for load in self.loads:
+            load.join()
+            if load.error is not None and not load.recovered:
+                self.recompute(load)
+                load.recovered = True
+
+    @property
+    def failed(self) -> int:
+        return sum(1 for load in self.loads if load.error is not None)
+
+
+def as_layers(items: Iterator) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Accept (layer, k, v) triples or plain (k, v) pairs (numbered from 0)."""
+    for i, item in enumerate(items):
+        yield item if len(item) == 3 else (i, *item)

@@ -1,0 +1,136 @@
+"""Prefill -> decode hand-off carries private KV and chunk ids only; chunk KV streams in layer by layer."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from services.engine import Engine, Handoff
+
+from .conftest import random_request
+
+
+def _decode(eng, handoff, n, fetch=None):
+    seq = eng.import_handoff(handoff, fetch=fetch)
+    toks = [int(handoff.logits.argmax())]
+    try:
+        while len(toks) < n:
+            toks.append(int(eng.decode_step([seq], [toks[-1]])[0].argmax()))
+    finally:
+        eng.release(seq)
+    return toks
+
+
+@pytest.mark.parametrize("mode, ratio", [("tessera", 0.0), ("tessera", 0.15), ("tessera", 1.0), ("full", 0.0),
+                                         ("prefix", 0.0), ("blend_copy", 0.3), ("position_aware", 0.2)])
+def test_decode_elsewhere_equals_generate(tiny_dir, mode, ratio):
+    prefill, decode = Engine.load(tiny_dir), Engine.load(tiny_dir)
+    chunks, suffix = random_request(30)
+    ref = prefill.generate(chunks, suffix, max_new_tokens=6, mode=mode, recompute_ratio=ratio, stop_token_ids=[])
+    _, h = prefill.prefill_handoff(chunks, suffix, mode=mode, recompute_ratio=ratio)
+    assert _decode(decode, Handoff.from_bytes(h.to_bytes()), 6) == ref
+    assert prefill.pool.num_free + sum(len(e.blocks) for e in prefill.cache._entries.values()) == prefill.pool.num_blocks
+
+
+def test_tessera_handoff_ships_only_private_kv(tiny_dir):
+    eng = Engine.load(tiny_dir)
+    chunks, suffix = random_request(31, lengths=(40, 40, 40))
+    _, h0 = eng.prefill_handoff(chunks, suffix, mode="tessera", recompute_ratio=0.0)
+    _, hf = eng.prefill_handoff(chunks, suffix, mode="full")
+    assert [c.chunk_id for c in h0.chunks] == [eng.chunk_id(c) for c in chunks]
+    assert [c.start for c in h0.chunks] == [0, 40, 80]
+    assert all(lv.positions.tolist() == list(range(120, 127)) for lv in h0.layers)
+    assert hf.chunks == () and hf.private_bytes > 15 * h0.private_bytes
+    _, h = eng.prefill_handoff(chunks, suffix, mode="tessera", recompute_ratio=0.15)
+    recomputed = h.layers[1].hidden
+    assert recomputed.numel() == 18 and set(recomputed.tolist()) <= set(h.layers[1].positions.tolist())
+    assert h.layers[0].hidden.numel() == 0  # layer 0 reads the cache as is
+
+
+def test_decode_worker_without_the_chunks_fetches_or_recomputes(tiny_dir):
+    prefill, decode, other = Engine.load(tiny_dir), Engine.load(tiny_dir), Engine.load(tiny_dir)
+    chunks, suffix = random_request(32)
+    ref = prefill.generate(chunks, suffix, max_new_tokens=5, stop_token_ids=[])
+    _, h = prefill.prefill_handoff(chunks, suffix)
+    store = {prefill.chunk_id(c): prefill.export_chunk(prefill.chunk_id(c)) for c in chunks[:2]}
+    assert _decode(decode, h, 5, fetch=lambda cid: store.get(cid)) == ref  # two fetched, one recomputed
+    assert _decode(other, h, 5) == ref                                      # all three recomputed
+
+
+def test_store_stream_overlaps_compute_and_equals_a_local_hit(tiny_dir):
+    source = Engine.load(tiny_dir)
+    chunks, suffix = random_request(33, lengths=(30, 30, 30))
+    local = source.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.15)
+    store = {source.chunk_id(c): source.export_chunk(source.chunk_id(c)) for c in chunks}
+    # a store that sends layer i only once the pass has asked for layer i - 1 (a slow wire)
+    gates = {cid: [threading.Event() for _ in range(4)] for cid in store}
+    eng = Engine.load(tiny_dir)
+    orig_wait = eng.forward._wait
+
+    def wait(layer):
+        for g in gates.values():
+            if layer + 1 < 4:
+                g[layer + 1].set()
+        orig_wait(layer)
+
+    eng.forward._wait = wait
+
+    def fetch(cid):
+        def stream():
+            for i, (k, v) in enumerate(store[cid]):
+                if i:
+                    assert gates[cid][i].wait(10), "the pass never asked for the previous layer"
+                yield i, k, v
+        return stream()
+
+    res, _ = eng.prefill_handoff(chunks, suffix, mode="tessera", recompute_ratio=0.15, fetch=fetch)
+    assert res.stats.store_hits == 3 and res.stats.chunk_misses == 0 and res.stats.load_failures == 0
+    assert res.stats.loaded_bytes == sum(k.numel() * 4 * 2 for layers in store.values() for k, _ in layers)
+    torch.testing.assert_close(res.logits, local.logits)
+
+
+def test_a_broken_stream_is_recomputed_and_never_cached_half_done(tiny_dir):
+    source = Engine.load(tiny_dir)
+    chunks, suffix = random_request(34)
+    ref = source.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.15).logits
+    store = {source.chunk_id(c): source.export_chunk(source.chunk_id(c)) for c in chunks}
+
+    def broken(cid):
+        def stream():
+            for i, (k, v) in enumerate(store[cid]):
+                if i == 2:
+                    raise ConnectionError("store shard went away")
+                yield i, k, v
+        return stream()
+
+    eng = Engine.load(tiny_dir)
+    res, _ = eng.prefill_handoff(chunks, suffix, mode="tessera", recompute_ratio=0.15, fetch=broken)
+    assert res.stats.load_failures == 3
+    torch.testing.assert_close(res.logits, ref)
+    again = eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.15)
+    assert again.stats.chunk_hits == 3
+    torch.testing.assert_close(again.logits, ref)
+
+
+def test_wrong_shapes_from_the_store_fall_back_to_compute(tiny_dir):
+    eng = Engine.load(tiny_dir)
+    chunks, suffix = random_request(35)
+    ref = Engine.load(tiny_dir).prefill(chunks, suffix, mode="tessera").logits
+    bad = lambda cid: iter([(i, torch.randn(3, 2, 32), torch.randn(3, 2, 32)) for i in range(4)])  # noqa: E731
+    res = eng.prefill(chunks, suffix, mode="tessera")  # warm nothing: a fresh engine below
+    eng2 = Engine.load(tiny_dir)
+    r2, _ = eng2.prefill_handoff(chunks, suffix, mode="tessera", fetch=bad)
+    assert r2.stats.load_failures == 3
+    torch.testing.assert_close(r2.logits, ref)
+    torch.testing.assert_close(res.logits, ref)
+
+
+def test_handoff_from_another_model_is_refused(tiny_dirs):
+    a, b = Engine.load(tiny_dirs["llama"]), Engine.load(tiny_dirs["mistral"])
+    _, h = a.prefill_handoff(*random_request(36))
+    with pytest.raises(ValueError, match="hand-off was made by model"):
+        b.import_handoff(h)
+    with pytest.raises(ValueError, match="not a Tessera hand-off"):
+        Handoff.from_bytes(__import__("safetensors.torch").torch.save({"x": torch.zeros(1)}))
