@@ -1,0 +1,104 @@
+"""Configuration of the cluster and of each worker process, checked once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MiB = 1 << 20
+ROLES = ("gateway", "prefill", "decode", "store")
+
+
+@dataclass(slots=True)
+class EngineSettings:
+    """How a worker loads the model (``Engine.load`` arguments)."""
+
+    model_dir: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_bytes: int | None = None       # None: the engine's default (256 MiB on CPU)
+    chunk_cache_bytes: int | None = None
+    block_size: int = 16
+    torch_threads: int = 1                  # CPU workers share cores: one thread each
+
+    def __post_init__(self) -> None:
+        if not Path(self.model_dir, "config.json").is_file():
+            raise FileNotFoundError(f"{self.model_dir} is not a model directory (no config.json)")
+        if self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+
+    def load(self):
+        import torch
+
+        from services.engine import Engine
+
+        if self.device == "cpu":
+            torch.set_num_threads(self.torch_threads)
+        return Engine.load(self.model_dir, device=self.device, dtype=self.dtype, block_size=self.block_size,
+                           kv_cache_bytes=self.kv_cache_bytes, chunk_cache_bytes=self.chunk_cache_bytes)
+
+
+@dataclass(slots=True)
+class PrefillSettings:
+    quality_floor: float = 0.15             # the loading controller never recomputes less than this
+    default_ratio: float | None = None      # a fixed ratio instead of the controller (None: controller)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.quality_floor <= 1.0:
+            raise ValueError(f"quality_floor must be in [0, 1], got {self.quality_floor}")
+        if self.default_ratio is not None and not 0.0 <= self.default_ratio <= 1.0:
+            raise ValueError(f"default_ratio must be in [0, 1], got {self.default_ratio}")
+
+
+@dataclass(slots=True)
+class DecodeSettings:
+    max_batch: int = 32                     # sequences decoded together in one step
+    handoff_wait_s: float = 30.0            # how long Decode waits for its hand-off to arrive
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    """What ``tessera up`` starts: N prefill, M decode workers, S store shards and one gateway.
+
+    ``gateway_port``: 0 picks a free one. ``bind_host``: 127.0.0.1 for one machine; 0.0.0.0 on a
+    multi-node Ray cluster (peers then dial each node's IP).
+    """
+
+    model_dir: str
+    prefill: int = 1
+    decode: int = 1
+    stores: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_bytes: int | None = None
+    chunk_cache_bytes: int | None = None
+    store_dram_bytes: int = 256 * MiB
+    store_dir: str | None = None            # RocksDB directories go under it (None: DRAM only)
+    gateway_port: int = 0
+    bind_host: str = "127.0.0.1"
+    token: str | None = None                # clients must send it as a bearer token
+    max_restarts: int = 3
+    namespace: str = "tessera"
+    detached: bool = False                  # outlive the driver (tessera up)
+    prefill_settings: PrefillSettings = field(default_factory=PrefillSettings)
+    decode_settings: DecodeSettings = field(default_factory=DecodeSettings)
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.stores < 0:
+            raise ValueError(f"--stores must be >= 0, got {self.stores}")
+        if not 0 <= self.gateway_port < 65536:
+            raise ValueError(f"gateway port must be in [0, 65535], got {self.gateway_port}")
+        if self.max_restarts < -1:
+            raise ValueError(f"max_restarts must be >= -1 (-1: always), got {self.max_restarts}")
+        if self.store_dram_bytes <= 0:
+            raise ValueError("store_dram_bytes must be positive")
+
+    def engine(self) -> EngineSettings:
+        return EngineSettings(self.model_dir, self.device, self.dtype, self.kv_cache_bytes, self.chunk_cache_bytes)

@@ -1,0 +1,130 @@
+"""Workers' access to the KV store shards: lookup, layer-streamed fetch, background put.
+
+The store is an accelerator, never a dependency: a shard that is down or slow makes its chunks
+misses (the worker computes them), a failed put is counted and dropped. A shard that failed is
+skipped for ``backoff_s`` so that requests do not each pay its timeout; Ray restarts it on the
+same address and it is tried again after that.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class StoreAccess:
+    def __init__(self, addresses: Sequence[str], *, lookup_timeout: float = 2.0, get_timeout: float = 30.0,
+                 put_timeout: float = 30.0, backoff_s: float = 2.0, max_pending_puts: int = 64,
+                 on_error: Callable[[str], None] | None = None) -> None:
+        from services.kvstore import ShardedKVStoreClient
+
+        self.addresses = list(addresses)
+        self._client = ShardedKVStoreClient(self.addresses, timeout=put_timeout) if self.addresses else None
+        self.lookup_timeout, self.get_timeout, self.put_timeout = lookup_timeout, get_timeout, put_timeout
+        self.backoff_s = backoff_s
+        self.max_pending_puts = max_pending_puts
+        self._down_until: dict[str, float] = {}
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._puts = ThreadPoolExecutor(1, thread_name_prefix="kv-put")
+        self._on_error = on_error or (lambda _kind: None)
+        self.put_bytes = 0
+        self.put_errors = 0
+        self.known_ids: set[str] = set()     # chunk ids this worker stored (dropped by reset)
+
+    @property
+    def enabled(self) -> bool:
+        return self._client is not None
+
+    def _up(self, shard: str) -> bool:
+        return time.monotonic() >= self._down_until.get(shard, 0.0)
+
+    def _failed(self, shard: str, kind: str, exc: Exception) -> None:
+        self._down_until[shard] = time.monotonic() + self.backoff_s
+        self._on_error(kind)
+        log.warning("kv store %s %s failed: %s", shard, kind, getattr(exc, "details", lambda: exc)())
+
+    def lookup(self, chunk_ids: Sequence[str]) -> dict[str, str]:
+        """{chunk id: fastest tier holding it} for the ids some reachable shard holds."""
+        if self._client is None or not chunk_ids:
+            return {}
+        by_shard: dict[str, list[str]] = {}
+        for cid in dict.fromkeys(chunk_ids):
+            by_shard.setdefault(self._client.shard_for(cid), []).append(cid)
+        found: dict[str, str] = {}
+        for shard, ids in by_shard.items():
+            if not self._up(shard):
+                continue
+            try:
+                for loc in self._client.client_for(ids[0]).lookup(ids, timeout=self.lookup_timeout):
+                    if loc.found and loc.tiers:
+                        found[loc.chunk_id] = loc.tiers[0]
+            except grpc.RpcError as exc:
+                self._failed(shard, "lookup", exc)
+        return found
+
+    def fetcher(self, present: dict[str, str]) -> Callable[[str], Iterator | None]:
+        """``fetch(chunk_id)`` for the engine: a layer stream for chunks ``lookup`` found, else None.
+        A stream that breaks midway is recomputed by the engine."""
+        def fetch(cid: str):
+            if self._client is None or cid not in present:
+                return None
+            return self._client.get(cid, timeout=self.get_timeout)
+        return fetch
+
+    def put_later(self, chunk_id: str, layers, fingerprint: str = "") -> bool:
+        """Queue a put; False (dropped) when too many are pending or the shard is backing off."""
+        if self._client is None:
+            return False
+        shard = self._client.shard_for(chunk_id)
+        with self._lock:
+            if self._pending >= self.max_pending_puts or not self._up(shard):
+                return False
+            self._pending += 1
+        self._puts.submit(self._put, chunk_id, layers, fingerprint)
+        return True
+
+    def put(self, chunk_id: str, layers, fingerprint: str = "") -> bool:
+        """Store a chunk now; True when acknowledged."""
+        if self._client is None:
+            return False
+        with self._lock:
+            self._pending += 1
+        return self._put(chunk_id, layers, fingerprint)
+
+    def _put(self, chunk_id: str, layers, fingerprint: str) -> bool:
+        try:
+            res = self._client.put(chunk_id, layers, model_fingerprint=fingerprint, timeout=self.put_timeout)
+            self.put_bytes += res.nbytes
+            self.known_ids.add(chunk_id)
+            return True
+        except (grpc.RpcError, ValueError) as exc:
+            self.put_errors += 1
+            self._failed(self._client.shard_for(chunk_id), "put", exc)
+            return False
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def drop_known(self) -> int:
+        """Delete every chunk this worker stored (cold start between benchmark modes)."""
+        dropped = 0
+        for cid in list(self.known_ids):
+            try:
+                dropped += bool(self._client.delete(cid, timeout=self.lookup_timeout))
+            except grpc.RpcError:
+                pass
+            self.known_ids.discard(cid)
+        return dropped
+
+    def close(self) -> None:
+        self._puts.shutdown(wait=False, cancel_futures=True)
+        if self._client is not None:
+            self._client.close()

@@ -1,0 +1,136 @@
+"""What every Tessera service process shares: an event loop in a thread, ports, /metrics, health.
+
+A Ray actor is a plain (synchronous) object; its gRPC server runs on an asyncio loop in a daemon
+thread of the actor's process (``LoopThread``), so actor methods (address, ping, stop) never wait
+on a busy loop. A restarted actor binds the port it had before (kept in Ray's internal KV under
+its name), so peers holding its address reconnect without being told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+import grpc
+
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20),
+                ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+PART_BYTES = 1 << 20          # bulk payloads travel in ~1 MiB messages
+
+
+class LoopThread:
+    """An asyncio loop running forever in a daemon thread; ``run(coro)`` waits for a result."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine, timeout: float | None = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def advertised_host(bind_host: str) -> str:
+    """The host peers should dial: the bind address, or this node's IP when bound to all interfaces."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _kv():
+    try:
+        import ray
+        from ray.experimental import internal_kv
+
+        if ray.is_initialized() and internal_kv._internal_kv_initialized():
+            return internal_kv
+    except Exception:  # noqa: BLE001 - outside Ray: no memory across restarts
+        pass
+    return None
+
+
+def remembered_port(name: str, host: str, requested: int) -> int:
+    """The port to bind: ``requested`` if given, else the one this named service had before a
+    restart when it is still free, else 0 (any)."""
+    if requested:
+        return requested
+    kv = _kv()
+    if kv is None:
+        return 0
+    old = kv._internal_kv_get(f"tessera/port/{name}")
+    if old:
+        port = int(old)
+        try:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((host, port))
+            return port
+        except OSError:
+            return 0
+    return 0
+
+
+def remember_port(name: str, port: int) -> None:
+    kv = _kv()
+    if kv is not None:
+        kv._internal_kv_put(f"tessera/port/{name}", str(port).encode(), overwrite=True)
+
+
+def forget_ports(prefix: str = "tessera/port/") -> None:
+    kv = _kv()
+    if kv is not None:
+        for key in kv._internal_kv_list(prefix):
+            kv._internal_kv_del(key)
+
+
+def serve_metrics(registry, host: str) -> tuple[object, int]:
+    """/metrics over HTTP on a free port; returns (server, port)."""
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(0, addr=host, registry=registry)
+    return server, server.server_port
+
+
+async def add_health(server: grpc.aio.Server, service_names: tuple[str, ...]):
+    """Health (every name SERVING once started) and reflection on ``server``; returns the servicer."""
+    from grpc_health.v1 import health, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return servicer
+
+
+async def set_serving(servicer, service_names: tuple[str, ...], serving: bool) -> None:
+    from grpc_health.v1 import health_pb2
+
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *service_names):
+        await servicer.set(name, status)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise ValueError(f"cannot listen on {host}:{port}")
+    return bound

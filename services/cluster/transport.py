@@ -1,0 +1,75 @@
+"""Prefill-to-decode hand-off transport: chosen once at start, reported in Stats.
+
+NIXL (UCX) moves bulk bytes where it can be imported; otherwise the hand-off is a gRPC client
+stream to the decode worker's ``PushHandoff``: a ``HandoffHeader`` then the payload in ~1 MiB
+parts, checked against the header's length and crc32 on arrival. Only gRPC is implemented: when
+NIXL is found the probe says so, and the gRPC stream is still used (the report names both).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import zlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+from services.cluster.serving import PART_BYTES
+from services.rpc import tessera_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class TransportChoice:
+    name: str        # the transport hand-offs use: "grpc"
+    detail: str      # why, for Stats and logs
+
+
+def probe_transport() -> TransportChoice:
+    if importlib.util.find_spec("nixl") is None:
+        return TransportChoice("grpc", "grpc stream (nixl is not installed)")
+    return TransportChoice("grpc", "grpc stream (nixl found; its data path is not wired in yet)")
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedHandoff:
+    """A complete hand-off as the decode worker holds it until ``Decode`` asks for it.
+
+    kind "engine": ``payload`` is ``Handoff.to_bytes()``; kind "tokens": the prompt is in ``header``
+    and the decode worker recomputes it (engines without the hand-off API).
+    """
+
+    header: pb.HandoffHeader
+    payload: bytes
+
+
+def handoff_parts(header: pb.HandoffHeader, payload: bytes) -> Iterator[pb.HandoffPart]:
+    header.total_bytes = len(payload)
+    header.crc32 = zlib.crc32(payload)
+    yield pb.HandoffPart(header=header)
+    view = memoryview(payload)
+    for off in range(0, len(view), PART_BYTES):
+        yield pb.HandoffPart(data=bytes(view[off:off + PART_BYTES]))
+
+
+class HandoffError(ValueError):
+    """A hand-off stream that is malformed or arrived damaged."""
+
+
+async def receive_handoff(parts: AsyncIterator[pb.HandoffPart]) -> ReceivedHandoff:
+    header = None
+    buf = bytearray()
+    async for part in parts:
+        if header is None:
+            if not part.HasField("header"):
+                raise HandoffError("a hand-off must start with its header")
+            header = part.header
+            continue
+        if part.HasField("header"):
+            raise HandoffError("a second header inside one hand-off")
+        buf += part.data
+        if len(buf) > header.total_bytes:
+            raise HandoffError(f"hand-off {header.request_id}: more than the announced {header.total_bytes} bytes")
+    if header is None:
+        raise HandoffError("empty hand-off stream")
+    if len(buf) != header.total_bytes or zlib.crc32(buf) != header.crc32:
+        raise HandoffError(f"hand-off {header.request_id}: {len(buf)} of {header.total_bytes} bytes or a bad crc32")
+    return ReceivedHandoff(header, bytes(buf))

@@ -1,0 +1,185 @@
+"""Continuous batching: one engine thread admits new sequences between steps and decodes them all.
+
+Each step: admit the hand-offs that arrived (rebuild the sequence, sample its first token from the
+hand-off's logits), then one ``Engine.decode_step`` over every live sequence, sample each next token
+with that request's own sampling parameters and generator (so a sequence's tokens do not depend on
+which others share its batch), emit it, and retire finished sequences (their KV freed at once).
+Stopping mirrors ``Engine.generate``: a stop token is emitted, then the sequence ends.
+Engine calls that are not decoding (reset, cache listing) run between steps through ``call``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from services.cluster.transport import ReceivedHandoff
+from services.decode.metrics import DecodeMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DecodeJob:
+    """One request to decode. ``emit(tokens, finish_reason, error)`` is called from the engine thread:
+    once per token, and last with a finish reason ("stop", "length") or an error message."""
+
+    request_id: str
+    handoff: ReceivedHandoff
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    emit: Callable[[list[int], str | None, str | None], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(slots=True)
+class _Live:
+    job: DecodeJob
+    seq: object
+    params: object
+    gen: object
+    last: int
+    produced: int
+
+
+class Batcher:
+    def __init__(self, engine, metrics: DecodeMetrics, max_batch: int, fetch=None) -> None:
+        self.eng = engine
+        self.metrics = metrics
+        self.max_batch = max_batch
+        self.fetch = fetch                    # fetch(chunk_id) for import_handoff, or None
+        self._inbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._live: list[_Live] = []
+        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def active(self) -> int:
+        return len(self._live)
+
+    def submit(self, job: DecodeJob) -> None:
+        self._inbox.put(job)
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on the engine thread between steps."""
+        fut: Future = Future()
+        self._inbox.put((fn, fut))
+        return fut
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(10)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                self._admit(block=not self._live)
+                if self._live:
+                    self._step()
+
+    def _admit(self, block: bool) -> None:
+        while len(self._live) < self.max_batch:
+            try:
+                item = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                return
+            if isinstance(item, tuple):
+                fn, fut = item
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+                continue
+            self._start(item)
+
+    def _start(self, job: DecodeJob) -> None:
+        from services.engine.sampling import SamplingParams, sample
+
+        try:
+            params = SamplingParams(job.temperature, job.top_p, job.top_k, job.seed, job.max_new_tokens)
+            seq, logits = self._rebuild(job.handoff)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
+            log.warning("decode %s: cannot rebuild the sequence: %s", job.request_id, exc)
+            job.emit([], None, f"{type(exc).__name__}: {exc}")
+            return
+        gen = params.generator(self.eng.device)
+        live = _Live(job, seq, params, gen, sample(logits, params, gen), 1)
+        self.metrics.admitted.inc()
+        if not self._emit(live):
+            self._live.append(live)
+
+    def _rebuild(self, received: ReceivedHandoff):
+        """(sequence, first-token logits) from a hand-off."""
+        h = received.header
+        if h.kind == "engine":
+            from services.engine.handoff import Handoff
+
+            handoff = Handoff.from_bytes(received.payload)
+            return self.eng.import_handoff(handoff, fetch=self.fetch), handoff.logits
+        if h.kind == "tokens":
+            chunks, suffix = [list(c.ids) for c in h.chunks], list(h.suffix)
+            chunks, suffix = self.eng._validate(chunks, suffix, h.mode, h.recompute_ratio)
+            logits, seq, _ = self.eng._prefill(chunks, suffix, h.mode, float(h.recompute_ratio))
+            return seq, logits
+        raise ValueError(f"unknown hand-off kind {h.kind!r}")
+
+    def _emit(self, live: _Live) -> bool:
+        """Send the newest token; True (and the sequence released) when the request is over."""
+        job = live.job
+        if job.cancelled.is_set():
+            self._finish(live, None, "cancelled")
+            return True
+        reason = "stop" if live.last in job.stop_ids else "length" if live.produced >= job.max_new_tokens else None
+        job.emit([live.last], None, None)
+        self.metrics.tokens.inc()
+        if reason is not None:
+            self._finish(live, reason, None)
+            return True
+        return False
+
+    def _finish(self, live: _Live, reason: str | None, error: str | None) -> None:
+        self.eng.release(live.seq)
+        if error != "cancelled":
+            live.job.emit([], reason, error)
+        self.metrics.finished.labels(reason or error or "error").inc()
+
+    def _step(self) -> None:
+        from services.engine.sampling import sample
+
+        batch = self._live
+        self.metrics.batch_size.observe(len(batch))
+        t0 = time.perf_counter()
+        try:
+            logits = self.eng.decode_step([lv.seq for lv in batch], [lv.last for lv in batch])  # [B, vocab]
+        except Exception as exc:  # noqa: BLE001 - e.g. KV memory exhausted: fail this batch, keep serving
+            log.warning("decode step over %d sequences failed: %s", len(batch), exc)
+            for lv in batch:
+                self._finish(lv, None, f"decode step failed: {type(exc).__name__}: {exc}")
+            self._live = []
+            return
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        keep = []
+        for i, lv in enumerate(batch):
+            lv.last = sample(logits[i], lv.params, lv.gen)
+            lv.produced += 1
+            if not self._emit(lv):
+                keep.append(lv)
+        self._live = keep
+        self.metrics.active.set(len(keep))

@@ -1,0 +1,23 @@
+"""Prometheus metrics of a decode worker; names ``tessera_decode_*`` in base units."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class DecodeMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.handoff_bytes = Counter("tessera_decode_handoff_bytes", "Hand-off bytes received", registry=r)
+        self.handoffs = Counter("tessera_decode_handoffs", "Hand-offs received by kind", ["kind"], registry=r)
+        self.admitted = Counter("tessera_decode_admitted", "Sequences admitted into the batch", registry=r)
+        self.finished = Counter("tessera_decode_finished", "Sequences ended, by reason", ["reason"], registry=r)
+        self.tokens = Counter("tessera_decode_tokens", "Tokens generated", registry=r)
+        self.batch_size = Histogram("tessera_decode_batch_size", "Sequences per decode step", buckets=BATCH,
+                                    registry=r)
+        self.step_seconds = Histogram("tessera_decode_step_seconds", "One batched decode step", buckets=SECONDS,
+                                      registry=r)
+        self.active = Gauge("tessera_decode_active_sequences", "Sequences in the running batch", registry=r)

@@ -1,0 +1,147 @@
+"""The decode worker's gRPC service (grpc.aio) and its async factory.
+
+``PushHandoff`` (from a prefill worker) parks a complete hand-off under its request id; ``Decode``
+(from the gateway) takes it, hands it to the continuous batcher and streams the tokens as the
+engine thread produces them. A Decode whose hand-off never came ends NOT_FOUND; one whose
+sequence cannot be rebuilt or decoded ends INTERNAL with the reason. A client that goes away
+cancels its sequence (freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from services.cluster.config import DecodeSettings, EngineSettings
+from services.cluster.kvio import StoreAccess
+from services.cluster.serving import GRPC_OPTIONS, add_health, bind, serve_metrics, set_serving
+from services.cluster.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
+from services.decode.batcher import Batcher, DecodeJob
+from services.decode.metrics import DecodeMetrics
+from services.rpc import tessera_pb2 as pb
+from services.rpc import tessera_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+
+
+class DecodeServicer(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, batcher: Batcher, engine, store: StoreAccess, metrics: DecodeMetrics, name: str,
+                 metrics_url: str, settings: DecodeSettings) -> None:
+        self.batcher, self.eng, self.store, self.metrics = batcher, engine, store, metrics
+        self.name, self.metrics_url, self.settings = name, metrics_url, settings
+        self.transport = probe_transport()
+        self._pending: dict[str, tuple[ReceivedHandoff, float]] = {}
+        self._arrived: dict[str, asyncio.Event] = {}
+        self.decoding = 0
+
+    def _event(self, request_id: str) -> asyncio.Event:
+        return self._arrived.setdefault(request_id, asyncio.Event())
+
+    def _sweep(self) -> None:
+        """Drop hand-offs nobody asked for (their gateway call failed)."""
+        old = time.monotonic() - 4 * self.settings.handoff_wait_s
+        for rid in [r for r, (_, t) in self._pending.items() if t < old]:
+            self._pending.pop(rid, None)
+            self._arrived.pop(rid, None)
+
+    async def PushHandoff(self, request_iterator, context):
+        try:
+            received = await receive_handoff(request_iterator)
+        except HandoffError as exc:
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        rid = received.header.request_id
+        self._sweep()
+        self._pending[rid] = (received, time.monotonic())
+        self._event(rid).set()
+        self.metrics.handoff_bytes.inc(len(received.payload))
+        self.metrics.handoffs.labels(received.header.kind).inc()
+        return pb.HandoffAck(received_bytes=len(received.payload))
+
+    async def Decode(self, request: pb.DecodeRequest, context):
+        rid = request.request_id
+        try:
+            await asyncio.wait_for(self._event(rid).wait(), self.settings.handoff_wait_s)
+        except asyncio.TimeoutError:
+            self._arrived.pop(rid, None)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no hand-off arrived for request {rid}")
+        received, _ = self._pending.pop(rid)
+        self._arrived.pop(rid, None)
+        s = request.sampling
+        stops = set(s.stop_token_ids)
+        if not s.ignore_eos:
+            eos = self.eng.cfg.eos_token_id
+            stops |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        job = DecodeJob(rid, received, s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None,
+                        s.max_new_tokens or 16, frozenset(stops),
+                        lambda toks, reason, err: loop.call_soon_threadsafe(out.put_nowait, (toks, reason, err)))
+        self.decoding += 1
+        self.batcher.submit(job)
+        try:
+            while True:
+                toks, reason, err = await out.get()
+                if err is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"decode worker {self.name}: {err}")
+                yield pb.DecodeResponse(token_ids=toks, finish_reason=reason or "")
+                if reason is not None:
+                    return
+        finally:
+            job.cancelled.set()      # no-op once finished; frees the sequence if the caller left
+            self.decoding -= 1
+
+    async def Status(self, request, context):
+        resident = await asyncio.wrap_future(self.batcher.call(lambda: [k for k in self.eng.cache.keys() if "@" not in k]))
+        return pb.WorkerStatus(name=self.name, in_flight=self.decoding, resident_chunk_ids=resident,
+                               transport=self.transport.detail, metrics_url=self.metrics_url,
+                               model_fingerprint=self.eng.fingerprint,
+                               engine_api="handoff" if hasattr(self.eng, "import_handoff") else "recompute")
+
+    async def Reset(self, request, context):
+        def clear() -> int:
+            before = len(self.eng.cache)
+            self.eng.cache.clear()
+            return before - len(self.eng.cache)
+        return pb.ResetReply(chunks_dropped=await asyncio.wrap_future(self.batcher.call(clear)))
+
+
+class DecodeServer:
+    def __init__(self, grpc_server, servicer: DecodeServicer, health, metrics_http) -> None:
+        self.grpc_server, self.servicer, self.health, self._http = grpc_server, servicer, health, metrics_http
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        await set_serving(self.health, (SERVICE_NAME,), False)
+        await self.grpc_server.stop(grace)
+        await asyncio.to_thread(self.servicer.batcher.stop)
+        self.servicer.store.close()
+        self._http.shutdown()
+
+
+async def create_server(name: str, engine: EngineSettings, store_addresses: list[str],
+                        settings: DecodeSettings | None = None, *, host: str = "127.0.0.1",
+                        port: int = 0) -> tuple[DecodeServer, int]:
+    """Load the model, start the batcher and serve on ``host:port`` (0: any); returns (server, port)."""
+    settings = settings or DecodeSettings()
+    metrics = DecodeMetrics()
+    eng = await asyncio.to_thread(engine.load)
+    store = StoreAccess(store_addresses)
+
+    def fetch(cid: str):
+        # the decode worker has no lookup ahead of the pass: ask now, stream if present
+        return store.fetcher(store.lookup([cid]))(cid)
+
+    batcher = Batcher(eng, metrics, settings.max_batch, fetch if store.enabled else None)
+    http, http_port = serve_metrics(metrics.registry, host)
+    servicer = DecodeServicer(batcher, eng, store, metrics, name, f"http://{host}:{http_port}/metrics", settings)
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    health = await add_health(server, (SERVICE_NAME,))
+    bound = bind(server, host, port)
+    await server.start()
+    await set_serving(health, (SERVICE_NAME,), True)
+    log.info("decode worker %s on %s:%d", name, host, bound)
+    return DecodeServer(server, servicer, health, http), bound

@@ -1,0 +1,166 @@
+"""Turning a GenerateRequest into token ids, and refusing bad input with a reason.
+
+Chunks come as text (tokenized with the model's tokenizer.json), token ids, or ids returned by
+RegisterChunks. Every refusal is an ``InvalidRequest`` (a ValueError) whose message is sent to the
+client as INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.engine.config import ModelConfig
+from services.rpc import tessera_pb2 as pb
+
+MODES = ("full", "prefix", "position_aware", "blend_copy", "tessera")
+DEFAULT_MAX_NEW_TOKENS = 16
+
+
+class InvalidRequest(ValueError):
+    """Input the cluster refuses; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+
+    def to_proto(self) -> pb.SamplingParams:
+        p = pb.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos)
+        if self.seed is not None:
+            p.seed = self.seed
+        return p
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedRequest:
+    """A request in token ids. chunks[i] has chunk_ids[i] (content hash with the model fingerprint)."""
+
+    chunks: tuple[tuple[int, ...], ...]
+    chunk_ids: tuple[str, ...]
+    suffix: tuple[int, ...]
+    mode: str
+    recompute_ratio: float | None
+    sampling: Sampling
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.chunks)) + len(self.suffix)
+
+
+class ChunkRegistry:
+    """Chunk ids handed out by RegisterChunks -> their token ids (in the gateway's memory)."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, tuple[int, ...]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, chunk_id: str, tokens: tuple[int, ...]) -> None:
+        with self._lock:
+            self._tokens[chunk_id] = tokens
+
+    def get(self, chunk_id: str) -> tuple[int, ...] | None:
+        return self._tokens.get(chunk_id)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+
+class InputResolver:
+    def __init__(self, model_dir: str | Path, fingerprint: str, registry: ChunkRegistry) -> None:
+        from tokenizers import Tokenizer
+
+        from services.engine.chunk_cache import chunk_id
+
+        path = Path(model_dir)
+        self.cfg = ModelConfig.from_dir(path)
+        tok_file = path / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
+        self.fingerprint = fingerprint
+        self.registry = registry
+        self._chunk_id = chunk_id
+        limit = self.cfg.max_position_embeddings
+        self.limit = min(limit, self.cfg.sliding_window) if self.cfg.sliding_window else limit
+
+    def chunk_id(self, tokens) -> str:
+        return self._chunk_id(self.fingerprint, tokens)
+
+    def _text(self, text: str, where: str) -> tuple[int, ...]:
+        if self.tokenizer is None:
+            raise InvalidRequest(f"{where} is text, but the model has no tokenizer.json: send token ids")
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _ids(self, ids, where: str) -> tuple[int, ...]:
+        bad = next((t for t in ids if not 0 <= t < self.cfg.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} in {where} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        return tuple(ids)
+
+    def chunk(self, c: pb.ChunkInput, where: str, allow_id: bool = True) -> tuple[int, ...]:
+        kind = c.WhichOneof("source")
+        if kind == "text":
+            tokens = self._text(c.text, where)
+        elif kind == "tokens":
+            tokens = self._ids(c.tokens.ids, where)
+        elif kind == "chunk_id" and allow_id:
+            tokens = self.registry.get(c.chunk_id)
+            if tokens is None:
+                raise InvalidRequest(f"unknown chunk id {c.chunk_id!r} in {where}: register it with RegisterChunks first")
+        elif kind == "chunk_id":
+            raise InvalidRequest(f"{where} names a chunk id; RegisterChunks takes text or token ids")
+        else:
+            raise InvalidRequest(f"{where} is empty: give text, token ids or a registered chunk id")
+        if not tokens:
+            raise InvalidRequest(f"{where} holds no token")
+        return tokens
+
+    def sampling(self, s: pb.SamplingParams) -> Sampling:
+        temperature, top_p = float(s.temperature), float(s.top_p) if s.top_p else 1.0
+        if not math.isfinite(temperature) or temperature < 0:
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {s.temperature}")
+        if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {s.top_p}")
+        if s.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0, got {s.top_k}")
+        n = s.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        stops = self._ids(s.stop_token_ids, "stop_token_ids")
+        return Sampling(temperature, top_p, s.top_k, s.seed if s.HasField("seed") else None, n, stops, s.ignore_eos)
+
+    def resolve(self, req: pb.GenerateRequest) -> ResolvedRequest:
+        mode = req.mode or "tessera"
+        if mode not in MODES:
+            raise InvalidRequest(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+        ratio = None
+        if req.HasField("recompute_ratio"):
+            ratio = float(req.recompute_ratio)
+            if not (math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
+                raise InvalidRequest(f"recompute_ratio must be in [0, 1], got {req.recompute_ratio}")
+        which = req.WhichOneof("suffix")
+        if not req.chunks and (which is None or (which == "suffix_text" and not req.suffix_text)
+                               or (which == "suffix_tokens" and not req.suffix_tokens.ids)):
+            raise InvalidRequest("empty request: no chunk and no suffix")
+        chunks = tuple(self.chunk(c, f"chunk {i}") for i, c in enumerate(req.chunks))
+        if which == "suffix_text":
+            suffix = self._text(req.suffix_text, "the suffix")
+        elif which == "suffix_tokens":
+            suffix = self._ids(req.suffix_tokens.ids, "the suffix")
+        else:
+            suffix = ()
+        if not suffix:
+            raise InvalidRequest("the suffix must hold at least one token (the first output token follows it)")
+        sampling = self.sampling(req.sampling)
+        total = sum(map(len, chunks)) + len(suffix)
+        if total + sampling.max_new_tokens > self.limit:
+            raise InvalidRequest(f"prompt of {total} tokens plus max_new_tokens {sampling.max_new_tokens} is past "
+                                 f"the model's limit of {self.limit} tokens")
+        return ResolvedRequest(chunks, tuple(self.chunk_id(c) for c in chunks), suffix, mode, ratio, sampling)

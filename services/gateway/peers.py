@@ -1,0 +1,101 @@
+"""The gateway's view of its workers: channels, periodic health checks and residency polls.
+
+Every ``interval_s`` each worker's ``Status`` is called with a short deadline: success marks it
+healthy and refreshes its resident chunk ids; failure marks it unhealthy (the router avoids it).
+A worker that fails is asked for its address again through Ray (``resolve``), in case it came
+back elsewhere after a restart; normally it comes back on the same address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from services.cluster.serving import GRPC_OPTIONS
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.router import Router, WorkerView
+from services.rpc import tessera_pb2 as pb
+from services.rpc import tessera_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class Peers:
+    def __init__(self, router: Router, metrics: GatewayMetrics, interval_s: float = 0.5,
+                 resolve: Callable[[str], str | None] | None = None) -> None:
+        self.router = router
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.resolve = resolve             # name -> current address (via Ray), or None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._task: asyncio.Task | None = None
+        self.status: dict[str, pb.WorkerStatus] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        return self._channels[address]
+
+    def prefill_stub(self, w: WorkerView) -> pb_grpc.PrefillWorkerStub:
+        return pb_grpc.PrefillWorkerStub(self.channel(w.address))
+
+    def decode_stub(self, w: WorkerView) -> pb_grpc.DecodeWorkerStub:
+        return pb_grpc.DecodeWorkerStub(self.channel(w.address))
+
+    def _stub(self, w: WorkerView):
+        return self.prefill_stub(w) if w.role == "prefill" else self.decode_stub(w)
+
+    async def poll_once(self) -> None:
+        views = [w for w in self.router.workers.values() if w.role in ("prefill", "decode")]
+        await asyncio.gather(*(self._poll(w) for w in views))
+        for role in ("prefill", "decode"):
+            self.metrics.healthy.labels(role).set(sum(w.healthy for w in self.router.of_role(role)))
+
+    async def _poll(self, w: WorkerView) -> None:
+        try:
+            st = await self._stub(w).Status(pb.WorkerStatusRequest(), timeout=max(2 * self.interval_s, 1.0))
+        except grpc.aio.AioRpcError:
+            self.mark_down(w)
+            return
+        if not w.healthy:
+            log.info("%s worker %s is healthy again", w.role, w.name)
+        w.healthy = True
+        w.resident = frozenset(st.resident_chunk_ids)
+        w.metrics_url = st.metrics_url
+        self.status[w.name] = st
+
+    def mark_down(self, w: WorkerView) -> None:
+        if w.healthy:
+            log.warning("%s worker %s at %s is not answering", w.role, w.name, w.address)
+        w.healthy = False
+        if self.resolve is not None:
+            asyncio.get_running_loop().run_in_executor(None, self._refresh, w)
+
+    def _refresh(self, w: WorkerView) -> None:
+        try:
+            address = self.resolve(w.name)
+        except Exception:  # noqa: BLE001 - the actor is restarting; the next poll tries again
+            return
+        if address and address != w.address:
+            log.info("%s worker %s moved to %s", w.role, w.name, address)
+            w.address = address
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:  # noqa: BLE001 - a poll must never end the loop
+                log.exception("worker poll failed")
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for ch in self._channels.values():
+            await ch.close()

@@ -1,0 +1,86 @@
+"""Chunk-aware routing: the prefill worker that already holds the request's chunks, unless busy.
+
+Each prefill worker publishes the chunk ids resident in its device cache (with every prefill
+reply and every status poll). A request scores each healthy worker by the fraction of its chunk
+tokens already resident there, minus a load penalty per request in flight; the best score wins,
+ties going to the less loaded worker, then in turn. Decode workers are picked by load alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """What the gateway knows of one worker (updated by replies and polls)."""
+
+    name: str
+    role: str
+    address: str
+    healthy: bool = True
+    in_flight: int = 0
+    resident: frozenset[str] = field(default_factory=frozenset)
+    metrics_url: str = ""
+
+
+class NoWorker(RuntimeError):
+    """No healthy worker of a role is known."""
+
+
+class Router:
+    def __init__(self, load_penalty: float = 0.25) -> None:
+        if load_penalty < 0:
+            raise ValueError(f"load_penalty must be >= 0, got {load_penalty}")
+        self.load_penalty = load_penalty
+        self.workers: dict[str, WorkerView] = {}
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+
+    def add(self, view: WorkerView) -> None:
+        self.workers[view.name] = view
+
+    def of_role(self, role: str) -> list[WorkerView]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def _candidates(self, role: str, avoid: set[str]) -> list[WorkerView]:
+        healthy = [w for w in self.of_role(role) if w.healthy and w.name not in avoid]
+        if healthy:
+            return healthy
+        # every worker of the role failed lately: try the least recently failed rather than refuse
+        fallback = [w for w in self.of_role(role) if w.name not in avoid]
+        if not fallback:
+            raise NoWorker(f"no {role} worker is available")
+        return fallback
+
+    def pick_prefill(self, chunk_ids: tuple[str, ...], chunk_lens: tuple[int, ...],
+                     avoid: set[str] = frozenset()) -> WorkerView:
+        total = sum(chunk_lens) or 1
+        turn = next(self._turn)
+        with self._lock:
+            cands = self._candidates("prefill", avoid)
+            n = len(cands)
+
+            def score(iw: tuple[int, WorkerView]):
+                i, w = iw
+                resident = sum(length for cid, length in zip(chunk_ids, chunk_lens) if cid in w.resident)
+                return (resident / total - self.load_penalty * w.in_flight, -w.in_flight, -((i - turn) % n))
+
+            best = max(enumerate(cands), key=score)[1]
+            best.in_flight += 1
+            return best
+
+    def pick_decode(self, avoid: set[str] = frozenset()) -> WorkerView:
+        turn = next(self._turn)
+        with self._lock:
+            cands = self._candidates("decode", avoid)
+            n = len(cands)
+            best = min(enumerate(cands), key=lambda iw: (iw[1].in_flight, (iw[0] - turn) % n))[1]
+            best.in_flight += 1
+            return best
+
+    def done(self, view: WorkerView) -> None:
+        with self._lock:
+            view.in_flight = max(0, view.in_flight - 1)

@@ -1,0 +1,277 @@
+"""The gateway: the client API (``tessera.v1.Tessera``) over grpc.aio, and its async factory.
+
+Generate: resolve the input (INVALID_ARGUMENT with the reason when it is bad), route to a prefill
+worker by chunk residency and load and to a decode worker by load, prefill (the worker pushes the
+hand-off to the decode worker), then relay the decode worker's token stream. A worker that fails
+before the first token is sent is avoided and the request is sent again (``max_attempts``); a
+decode worker that fails after tokens were sent ends the call UNAVAILABLE, saying how far it got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+
+from services.cluster.serving import GRPC_OPTIONS, add_health, bind, serve_metrics, set_serving
+from services.gateway.auth import BearerAuth
+from services.gateway.inputs import ChunkRegistry, InputResolver, InvalidRequest, ResolvedRequest
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.peers import Peers
+from services.gateway.router import NoWorker, Router, WorkerView
+from services.rpc import tessera_pb2 as pb
+from services.rpc import tessera_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tessera"].full_name
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
+PASS_THROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.DEADLINE_EXCEEDED)
+DEFAULT_DEADLINE_S = 300.0
+
+
+class _Retry(Exception):
+    """One attempt failed in a way another worker may not."""
+
+
+class GatewayServicer(pb_grpc.TesseraServicer):
+    def __init__(self, resolver: InputResolver, router: Router, peers: Peers, metrics: GatewayMetrics,
+                 model_name: str, metrics_url: str, max_attempts: int = 3) -> None:
+        self.resolver, self.router, self.peers, self.metrics = resolver, router, peers, metrics
+        self.model_name, self.metrics_url, self.max_attempts = model_name, metrics_url, max_attempts
+        self.requests_total = 0
+
+    @staticmethod
+    def _remaining(context) -> float:
+        left = context.time_remaining()
+        return DEFAULT_DEADLINE_S if left is None else max(left, 0.01)
+
+    def _text(self, ids) -> str:
+        tok = self.resolver.tokenizer
+        return tok.decode(list(ids)) if tok is not None else ""
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        arrival = time.perf_counter()
+        self.requests_total += 1
+        try:
+            req = self.resolver.resolve(request)
+        except InvalidRequest as exc:
+            self.metrics.requests.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = request.request_id or uuid.uuid4().hex
+        self.metrics.in_flight.inc()
+        outcome = "error"
+        try:
+            last_error = "no attempt made"
+            avoid: set[str] = set()
+            for attempt in range(self.max_attempts):
+                if attempt:
+                    await asyncio.sleep(min(0.2 * 2 ** attempt, 2.0))   # let a restarting worker come back
+                sent = [0]
+                try:
+                    async for msg in self._attempt(req, f"{rid}.{attempt}", arrival, avoid, context, sent):
+                        yield msg
+                    outcome = "ok"
+                    return
+                except _Retry as exc:
+                    last_error = str(exc)
+                    log.warning("request %s attempt %d: %s", rid, attempt, exc)
+                except NoWorker as exc:
+                    outcome = "unavailable"
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            outcome = "unavailable"
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"no worker could serve request {rid} in {self.max_attempts} attempts: {last_error}")
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(outcome).inc()
+
+    async def _attempt(self, req: ResolvedRequest, rid: str, arrival: float, avoid: set[str], context, sent):
+        lens = tuple(map(len, req.chunks))
+        p = self.router.pick_prefill(req.chunk_ids, lens, avoid)
+        d = self.router.pick_decode(avoid)
+        routed = time.perf_counter()
+        try:
+            preq = pb.PrefillRequest(request_id=rid, chunks=[pb.TokenIds(ids=c) for c in req.chunks],
+                                     suffix=req.suffix, mode=req.mode, decode_address=d.address,
+                                     max_new_tokens=req.sampling.max_new_tokens)
+            if req.recompute_ratio is not None:
+                preq.recompute_ratio = req.recompute_ratio
+            try:
+                reply = await self.peers.prefill_stub(p).Prefill(preq, timeout=self._remaining(context))
+            except grpc.aio.AioRpcError as exc:
+                await self._failed(exc, p, d, avoid, context, "prefill")
+            finally:
+                self.router.done(p)
+            p.resident = frozenset(reply.resident_chunk_ids)
+            stats = reply.stats
+            stats.queue_seconds += routed - arrival
+            self.metrics.queue.observe(stats.queue_seconds)
+            first = last = None
+            finish = ""
+            try:
+                call = self.peers.decode_stub(d).Decode(
+                    pb.DecodeRequest(request_id=rid, sampling=req.sampling.to_proto()), timeout=self._remaining(context))
+                async for msg in call:
+                    if msg.token_ids:
+                        now = time.perf_counter()
+                        if first is None:
+                            first = now
+                            self.metrics.ttft.observe(now - arrival)
+                        else:
+                            self.metrics.tpot.observe((now - last) / len(msg.token_ids))
+                        last = now
+                        sent[0] += len(msg.token_ids)
+                        yield pb.GenerateResponse(token_ids=msg.token_ids, text=self._text(msg.token_ids))
+                    if msg.finish_reason:
+                        finish = msg.finish_reason
+            except grpc.aio.AioRpcError as exc:
+                if sent[0] == 0:
+                    await self._failed(exc, None, d, avoid, context, "decode")
+                self.peers.mark_down(d)
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"decode worker {d.name} failed after {sent[0]} tokens of request {rid} "
+                                    f"({exc.code().name}: {exc.details()}); the tokens sent are valid, the rest "
+                                    "were not produced: send the request again")
+        finally:
+            self.router.done(d)
+        self.metrics.e2e.observe(time.perf_counter() - arrival)
+        self.metrics.output_tokens.inc(sent[0])
+        for tier, n in stats.chunk_tokens_by_tier.items():
+            self.metrics.chunk_tokens.labels(tier).inc(n)
+        stats.prompt_tokens, stats.output_tokens = req.prompt_tokens, sent[0]
+        stats.decode_worker = d.name
+        stats.chunk_ids.extend(req.chunk_ids)
+        yield pb.GenerateResponse(finish_reason=finish or "length", stats=stats)
+
+    async def _failed(self, exc: grpc.aio.AioRpcError, p: WorkerView | None, d: WorkerView, avoid: set[str],
+                      context, stage: str) -> None:
+        code = exc.code()
+        if code in PASS_THROUGH:
+            await context.abort(code, exc.details())
+        if code not in RETRYABLE:
+            await context.abort(code, f"{stage} failed: {exc.details()}")
+        # ABORTED from a prefill worker: its hand-off to the decode worker failed
+        bad = d if (stage == "decode" or code == grpc.StatusCode.ABORTED) else p
+        if code != grpc.StatusCode.NOT_FOUND:
+            self.peers.mark_down(bad)
+        avoid.add(bad.name)
+        self.metrics.retries.labels(bad.role).inc()
+        raise _Retry(f"{bad.role} worker {bad.name}: {code.name}: {exc.details()}")
+
+    async def RegisterChunks(self, request: pb.RegisterChunksRequest, context):
+        try:
+            chunks = [self.resolver.chunk(c, f"chunk {i}", allow_id=False) for i, c in enumerate(request.chunks)]
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not chunks:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request: no chunk to register")
+        too_long = next((i for i, c in enumerate(chunks) if len(c) >= self.resolver.limit), None)
+        if too_long is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {too_long} of {len(chunks[too_long])} tokens "
+                                                                  f"is past the model's limit of {self.resolver.limit}")
+        ids = [self.resolver.chunk_id(c) for c in chunks]
+        avoid: set[str] = set()
+        last = ""
+        for _ in range(self.max_attempts):
+            try:
+                w = self.router.pick_prefill(tuple(ids), tuple(map(len, chunks)), avoid)
+            except NoWorker as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            try:
+                reply = await self.peers.prefill_stub(w).Warm(pb.WarmRequest(chunks=[pb.TokenIds(ids=c) for c in chunks]),
+                                                              timeout=self._remaining(context))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in PASS_THROUGH:
+                    await context.abort(exc.code(), exc.details())
+                self.peers.mark_down(w)
+                avoid.add(w.name)
+                last = f"{w.name}: {exc.code().name}: {exc.details()}"
+                continue
+            finally:
+                self.router.done(w)
+            w.resident = frozenset(reply.resident_chunk_ids)
+            for cid, c in zip(ids, chunks):
+                self.resolver.registry.add(cid, c)
+            return pb.RegisterChunksResponse(chunks=[pb.RegisteredChunk(chunk_id=cid, num_tokens=len(c), stored=s)
+                                                     for cid, c, s in zip(ids, chunks, reply.stored)])
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"no prefill worker could register the chunks: {last}")
+
+    async def Stats(self, request, context):
+        workers = [pb.WorkerInfo(name=w.name, role=w.role, address=w.address, healthy=w.healthy, in_flight=w.in_flight,
+                                 resident_chunks=len(w.resident), metrics_url=w.metrics_url)
+                   for w in self.router.workers.values()]
+        transport = next((s.transport for s in self.peers.status.values() if s.transport), "grpc stream")
+        cfg = self.resolver.cfg
+        return pb.StatsResponse(model=self.model_name, vocab_size=cfg.vocab_size, max_position_embeddings=self.resolver.limit,
+                                transport=transport, workers=workers, requests_total=self.requests_total,
+                                registered_chunks=len(self.resolver.registry), metrics_url=self.metrics_url)
+
+    async def ResetCaches(self, request, context):
+        calls = [self.peers.prefill_stub(w).Reset(pb.ResetRequest(), timeout=30) for w in self.router.of_role("prefill")]
+        calls += [self.peers.decode_stub(w).Reset(pb.ResetRequest(), timeout=30) for w in self.router.of_role("decode")]
+        replies = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [r for r in replies if isinstance(r, BaseException)]
+        if failed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{len(failed)} worker(s) could not reset: {failed[0]}")
+        for w in self.router.workers.values():
+            w.resident = frozenset()
+        return pb.ResetCachesResponse(chunks_dropped=sum(r.chunks_dropped for r in replies))
+
+
+class GatewayServer:
+    def __init__(self, grpc_server, servicer: GatewayServicer, health, metrics_http) -> None:
+        self.grpc_server, self.servicer, self.health, self._http = grpc_server, servicer, health, metrics_http
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        await set_serving(self.health, (SERVICE_NAME,), False)
+        await self.grpc_server.stop(grace)
+        await self.servicer.peers.close()
+        self._http.shutdown()
+
+
+async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, token: str | None = None,
+                        host: str = "127.0.0.1", port: int = 0, resolve=None,
+                        ready_timeout_s: float = 120.0) -> tuple[GatewayServer, int]:
+    """Serve the client API on ``host:port`` (0: any) over ``workers`` [(name, role, address)];
+    waits until a prefill worker reports the model fingerprint. Returns (server, port)."""
+    metrics = GatewayMetrics()
+    router = Router()
+    for name, role, address in workers:
+        router.add(WorkerView(name, role, address))
+    if not router.of_role("prefill") or not router.of_role("decode"):
+        raise ValueError("the gateway needs at least one prefill and one decode worker")
+    peers = Peers(router, metrics, resolve=resolve)
+    fingerprint = await _fingerprint(peers, router, ready_timeout_s)
+    resolver = await asyncio.to_thread(InputResolver, model_dir, fingerprint, ChunkRegistry())
+    http, http_port = serve_metrics(metrics.registry, host)
+    from pathlib import Path
+
+    servicer = GatewayServicer(resolver, router, peers, metrics, Path(model_dir).name, f"http://{host}:{http_port}/metrics")
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[BearerAuth(token, SERVICE_NAME)] if token else None)
+    pb_grpc.add_TesseraServicer_to_server(servicer, server)
+    health = await add_health(server, (SERVICE_NAME,))
+    bound = bind(server, host, port)
+    await server.start()
+    peers.start()
+    await set_serving(health, (SERVICE_NAME,), True)
+    log.info("gateway on %s:%d", host, bound)
+    return GatewayServer(server, servicer, health, http), bound
+
+
+async def _fingerprint(peers: Peers, router: Router, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await peers.poll_once()
+        fps = {s.model_fingerprint for s in peers.status.values()}
+        if len(fps) > 1:
+            raise ValueError(f"workers run different models: {sorted(fps)}")
+        if fps and all(w.healthy for w in router.of_role("prefill")):
+            return fps.pop()
+        if time.monotonic() > deadline:
+            raise TimeoutError("no prefill worker answered with its model fingerprint")
+        await asyncio.sleep(0.2)

@@ -1,0 +1,46 @@
+"""CacheBlend's loading controller (§5): pick the recompute ratio that hides behind the load.
+
+Recomputing a fraction r of the chunk tokens costs about r * T * c seconds (T chunk tokens, c the
+measured seconds per computed token); loading the store-held chunks costs about B * l seconds (B
+bytes, l the measured seconds per loaded byte). When loading dominates, recomputing more is free:
+ratio = clamp(B * l / (T * c), floor, 1). The floor (default 0.15) is the quality guarantee.
+Measurements are exponential moving averages of what the engine reported on earlier requests.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class LoadingController:
+    def __init__(self, floor: float = 0.15, smoothing: float = 0.2) -> None:
+        if not 0.0 <= floor <= 1.0:
+            raise ValueError(f"floor must be in [0, 1], got {floor}")
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.floor = floor
+        self.smoothing = smoothing
+        self.seconds_per_token: float | None = None   # computing one chunk token alone
+        self.seconds_per_byte: float | None = None    # streaming one byte of chunk KV from the store
+        self._lock = threading.Lock()
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def observe(self, stats) -> None:
+        """Learn from a PrefillStats: chunk compute time per token, store load time per byte."""
+        with self._lock:
+            if stats.chunk_tokens_computed > 0 and stats.chunk_compute_seconds > 0:
+                self.seconds_per_token = self._ewma(self.seconds_per_token,
+                                                    stats.chunk_compute_seconds / stats.chunk_tokens_computed)
+            loaded = getattr(stats, "loaded_bytes", 0)
+            if loaded > 0 and getattr(stats, "load_seconds", 0.0) > 0:
+                self.seconds_per_byte = self._ewma(self.seconds_per_byte, stats.load_seconds / loaded)
+
+    def ratio(self, store_bytes: int, chunk_tokens: int) -> float:
+        """The recompute ratio for a request loading ``store_bytes`` over ``chunk_tokens`` chunk tokens."""
+        with self._lock:
+            if store_bytes <= 0 or chunk_tokens <= 0 or self.seconds_per_token is None or self.seconds_per_byte is None:
+                return self.floor
+            hidden = store_bytes * self.seconds_per_byte / (chunk_tokens * self.seconds_per_token)
+        return min(1.0, max(self.floor, hidden))

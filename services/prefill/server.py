@@ -1,0 +1,145 @@
+"""The prefill worker's gRPC service (grpc.aio) and its async factory.
+
+Engine work runs on one thread (the engine is not thread-safe); the event loop only moves bytes.
+After a prefill the hand-off is pushed to the decode worker the gateway named; a push that fails is
+answered ABORTED (the gateway retries with another decode worker), bad input INVALID_ARGUMENT,
+no KV memory RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from services.cluster.config import EngineSettings, PrefillSettings
+from services.cluster.kvio import StoreAccess
+from services.cluster.serving import GRPC_OPTIONS, add_health, bind, serve_metrics, set_serving
+from services.cluster.transport import handoff_parts, probe_transport
+from services.prefill.controller import LoadingController
+from services.prefill.metrics import PrefillMetrics
+from services.prefill.worker import PrefillJob, PrefillWorker
+from services.rpc import tessera_pb2 as pb
+from services.rpc import tessera_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+
+
+class PrefillServicer(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker, name: str, metrics_url: str) -> None:
+        self.worker = worker
+        self.name = name
+        self.metrics_url = metrics_url
+        self.transport = probe_transport()
+        self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-engine")
+        self.in_flight = 0
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def _on_engine(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.engine_thread, fn, *args)
+
+    def _decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        return pb_grpc.DecodeWorkerStub(self._channels[address])
+
+    async def Prefill(self, request: pb.PrefillRequest, context):
+        from services.engine.block_pool import PoolExhausted
+
+        if not request.decode_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address is required")
+        job = PrefillJob(request.request_id, tuple(tuple(c.ids) for c in request.chunks), tuple(request.suffix),
+                         request.mode or "tessera",
+                         request.recompute_ratio if request.HasField("recompute_ratio") else None,
+                         request.max_new_tokens)
+        self.in_flight += 1
+        self.worker.metrics.in_flight.inc()
+        try:
+            try:
+                out, resident = await self._on_engine(lambda: (self.worker.prefill(job), self.worker.resident_ids()))
+            except ValueError as exc:
+                self.worker.metrics.requests.labels("invalid").inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except PoolExhausted as exc:
+                self.worker.metrics.requests.labels("exhausted").inc()
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            header = pb.HandoffHeader(request_id=job.request_id, kind=out.kind, mode=job.mode,
+                                      recompute_ratio=out.ratio)
+            if out.kind == "tokens":
+                header.chunks.extend(request.chunks)
+                header.suffix.extend(request.suffix)
+            remaining = context.time_remaining()
+            try:
+                await self._decode_stub(request.decode_address).PushHandoff(
+                    handoff_parts(header, out.payload), timeout=max(remaining or 30.0, 0.1))
+            except grpc.aio.AioRpcError as exc:
+                self.worker.metrics.requests.labels("handoff_failed").inc()
+                await context.abort(grpc.StatusCode.ABORTED, f"hand-off to decode worker {request.decode_address} "
+                                                             f"failed: {exc.code().name}: {exc.details()}")
+            self.worker.metrics.handoff_bytes.inc(len(out.payload))
+            self.worker.metrics.requests.labels("ok").inc()
+            stats = pb.RequestStats(
+                chunk_tokens_by_tier=out.tier_tokens, recomputed_tokens=out.recomputed_tokens,
+                prefill_seconds=out.prefill_seconds, load_wait_seconds=out.load_wait_seconds,
+                loaded_bytes=out.loaded_bytes, handoff_bytes=len(out.payload), transport=self.transport.name,
+                prefill_worker=self.name, recompute_ratio=out.ratio, queue_seconds=out.queue_seconds)
+            return pb.PrefillReply(stats=stats, resident_chunk_ids=resident)
+        finally:
+            self.in_flight -= 1
+            self.worker.metrics.in_flight.dec()
+
+    async def Warm(self, request: pb.WarmRequest, context):
+        chunks = [list(c.ids) for c in request.chunks]
+        try:
+            stored, resident = await self._on_engine(lambda: (self.worker.warm(chunks), self.worker.resident_ids()))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.WarmReply(stored=stored, resident_chunk_ids=resident)
+
+    async def Status(self, request, context):
+        resident = await self._on_engine(self.worker.resident_ids)
+        return pb.WorkerStatus(name=self.name, in_flight=self.in_flight, resident_chunk_ids=resident,
+                               transport=self.transport.detail, metrics_url=self.metrics_url,
+                               model_fingerprint=self.worker.eng.fingerprint, engine_api=self.worker.engine_api)
+
+    async def Reset(self, request, context):
+        return pb.ResetReply(chunks_dropped=await self._on_engine(self.worker.reset))
+
+
+class PrefillServer:
+    def __init__(self, grpc_server, servicer: PrefillServicer, health, metrics_http) -> None:
+        self.grpc_server, self.servicer, self.health, self._http = grpc_server, servicer, health, metrics_http
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        await set_serving(self.health, (SERVICE_NAME,), False)
+        await self.grpc_server.stop(grace)
+        for ch in self.servicer._channels.values():
+            await ch.close()
+        self.servicer.engine_thread.shutdown(wait=False, cancel_futures=True)
+        self.servicer.worker.store.close()
+        self._http.shutdown()
+
+
+async def create_server(name: str, engine: EngineSettings, store_addresses: list[str],
+                        settings: PrefillSettings | None = None, *, host: str = "127.0.0.1",
+                        port: int = 0) -> tuple[PrefillServer, int]:
+    """Load the model, start serving on ``host:port`` (0: any); returns (server, port)."""
+    settings = settings or PrefillSettings()
+    metrics = PrefillMetrics()
+    eng = await asyncio.to_thread(engine.load)
+    store = StoreAccess(store_addresses, on_error=lambda call: metrics.store_errors.labels(call).inc())
+    worker = PrefillWorker(eng, store, LoadingController(settings.quality_floor), metrics, settings.default_ratio)
+    http, http_port = serve_metrics(metrics.registry, host)
+    servicer = PrefillServicer(worker, name, f"http://{host}:{http_port}/metrics")
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+    health = await add_health(server, (SERVICE_NAME,))
+    bound = bind(server, host, port)
+    await server.start()
+    await set_serving(health, (SERVICE_NAME,), True)
+    log.info("prefill worker %s on %s:%d (%s, engine api %s)", name, host, bound, servicer.transport.detail,
+             worker.engine_api)
+    return PrefillServer(server, servicer, health, http), bound

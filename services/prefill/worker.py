@@ -1,0 +1,180 @@
+"""The prefill worker's engine side: every call here runs on the worker's one engine thread.
+
+Per chunk: a device cache hit, else a layer-by-layer stream from the KV store (the engine computes
+layer i while layer i+1 arrives), else computed alone and written to the store in the background.
+The result is a hand-off: the request's private KV and its chunks' ids (``Engine.prefill_handoff``).
+An engine without the hand-off API prefills here (for the stats and the routing residency) and
+hands the prompt's tokens over instead: the decode worker then recomputes it ("recompute").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from services.cluster.kvio import StoreAccess
+from services.prefill.controller import LoadingController
+from services.prefill.metrics import PrefillMetrics
+
+REUSE_MODES = ("tessera", "blend_copy")       # modes whose chunks are shared by content id (store-able)
+GPU, COMPUTED = "gpu", "computed"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillJob:
+    request_id: str
+    chunks: tuple[tuple[int, ...], ...]
+    suffix: tuple[int, ...]
+    mode: str
+    recompute_ratio: float | None      # None: the loading controller picks it
+    max_new_tokens: int
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOutcome:
+    """What goes to the decode worker (kind + payload) and back to the gateway (stats).
+
+    kind "engine": payload = Handoff.to_bytes(); kind "tokens": payload empty, the decode worker
+    recomputes the prompt from the job's tokens.
+    """
+
+    kind: str
+    payload: bytes
+    ratio: float
+    tier_tokens: dict[str, int]
+    recomputed_tokens: int
+    loaded_bytes: int
+    load_wait_seconds: float
+    prefill_seconds: float
+    queue_seconds: float
+
+
+class PrefillWorker:
+    def __init__(self, engine, store: StoreAccess, controller: LoadingController, metrics: PrefillMetrics,
+                 fixed_ratio: float | None = None) -> None:
+        self.eng = engine
+        self.store = store
+        self.controller = controller
+        self.metrics = metrics
+        self.fixed_ratio = fixed_ratio
+        self.has_handoff = hasattr(engine, "prefill_handoff")
+        self.kv_bytes_per_token = engine.describe_memory()["kv_bytes_per_token"]
+
+    @property
+    def engine_api(self) -> str:
+        return "handoff" if self.has_handoff else "recompute"
+
+    def resident_ids(self) -> list[str]:
+        return [k for k in self.eng.cache.keys() if "@" not in k]   # position replicas are keyed id@start
+
+    def _tiers(self, job: PrefillJob, ids: list[str]) -> tuple[list[str], dict[str, str]]:
+        """Where each chunk's KV will come from, decided before the pass (one engine thread: nothing
+        changes the cache in between). Returns (tier per chunk, store lookup for the fetcher)."""
+        if job.mode == "full":
+            return [COMPUTED] * len(ids), {}
+        if job.mode == "position_aware":
+            starts, s = [], 0
+            for c in job.chunks:
+                starts.append(s)
+                s += len(c)
+            return [GPU if f"{cid}@{st}" in self.eng.cache else COMPUTED for cid, st in zip(ids, starts)], {}
+        if job.mode == "prefix":
+            return [COMPUTED] * len(ids), {}        # corrected from the engine's hit count afterwards
+        missing = [cid for cid in ids if cid not in self.eng.cache]
+        present = self.store.lookup(missing) if missing and self.has_handoff else {}
+        seen: set[str] = set()
+        tiers = []
+        for cid in ids:
+            if cid in self.eng.cache or cid in seen:
+                tiers.append(GPU)
+            else:
+                tiers.append(present.get(cid, COMPUTED))
+            seen.add(cid)
+        return tiers, present
+
+    def prefill(self, job: PrefillJob) -> PrefillOutcome:
+        started = time.perf_counter()
+        queue_s = started - job.enqueued
+        ids = [self.eng.chunk_id(c) for c in job.chunks]
+        tiers, present = self._tiers(job, ids)
+        ratio = self._ratio(job, tiers)
+        chunks, suffix = [list(c) for c in job.chunks], list(job.suffix)
+        if self.has_handoff:
+            store = job.mode in REUSE_MODES and self.store.enabled
+            res, handoff = self.eng.prefill_handoff(
+                chunks, suffix, mode=job.mode, recompute_ratio=ratio,
+                fetch=self.store.fetcher(present) if store else None,
+                on_computed=self._on_computed if store else None, extra_tokens=job.max_new_tokens)
+            kind, payload = "engine", handoff.to_bytes()
+        else:
+            self.eng._validate(chunks, suffix, job.mode, ratio, extra_tokens=job.max_new_tokens)
+            res = self.eng.prefill(chunks, suffix, mode=job.mode, recompute_ratio=ratio)
+            kind, payload = "tokens", b""
+        st = res.stats
+        if job.mode == "prefix":
+            tiers = [GPU if i < st.chunk_hits else COMPUTED for i in range(len(ids))]
+        if getattr(st, "load_failures", 0):
+            # streams that broke were recomputed; count the latest store hits as computed
+            bad = st.load_failures
+            for i in reversed(range(len(tiers))):
+                if bad and tiers[i] not in (GPU, COMPUTED):
+                    tiers[i], bad = COMPUTED, bad - 1
+        self.controller.observe(st)
+        tier_tokens: dict[str, int] = {}
+        for tier, c in zip(tiers, job.chunks):
+            tier_tokens[tier] = tier_tokens.get(tier, 0) + len(c)
+            self.metrics.chunks.labels(tier).inc()
+            self.metrics.chunk_tokens.labels(tier).inc(len(c))
+        loaded = getattr(st, "loaded_bytes", 0)
+        wait = getattr(st, "load_wait_seconds", 0.0)
+        self.metrics.recomputed.inc(st.tokens_recomputed)
+        self.metrics.loaded_bytes.inc(loaded)
+        self.metrics.load_failures.inc(getattr(st, "load_failures", 0))
+        self.metrics.load_wait.observe(wait)
+        self.metrics.ratio.observe(ratio)
+        seconds = time.perf_counter() - started
+        self.metrics.seconds.observe(seconds)
+        self.metrics.queue_seconds.observe(queue_s)
+        return PrefillOutcome(kind, payload, ratio, tier_tokens, st.tokens_recomputed, loaded, wait, seconds, queue_s)
+
+    def _ratio(self, job: PrefillJob, tiers: list[str]) -> float:
+        if job.recompute_ratio is not None:
+            return job.recompute_ratio
+        if self.fixed_ratio is not None:
+            return self.fixed_ratio
+        store_tokens = sum(len(c) for t, c in zip(tiers, job.chunks) if t not in (GPU, COMPUTED))
+        return self.controller.ratio(store_tokens * self.kv_bytes_per_token, sum(map(len, job.chunks)))
+
+    def _on_computed(self, chunk_id: str, layers) -> None:
+        if self.store.put_later(chunk_id, layers, self.eng.fingerprint):
+            self.metrics.stored_bytes.inc(sum(k.numel() * k.element_size() * 2 for k, _ in layers))
+
+    def warm(self, chunks: list[list[int]]) -> list[bool]:
+        """Compute each chunk alone (unless cached here or in the store) and store it; True when the
+        store holds it afterwards."""
+        stored = []
+        for c in chunks:
+            cid = self.eng.chunk_id(c)
+            if self.store.enabled and self.store.lookup([cid]):
+                stored.append(True)
+                continue
+            if cid not in self.eng.cache:
+                # a chunk is computed alone whatever follows it: any one suffix token will do
+                self.eng.prefill([c], [c[-1]], mode="tessera", recompute_ratio=0.0)
+            ok = False
+            if self.store.enabled and hasattr(self.eng, "export_chunk") and cid in self.eng.cache:
+                layers = self.eng.export_chunk(cid)
+                ok = self.store.put(cid, layers, self.eng.fingerprint)
+                if ok:
+                    self.metrics.stored_bytes.inc(sum(k.numel() * k.element_size() * 2 for k, _ in layers))
+            stored.append(ok)
+        return stored
+
+    def reset(self) -> int:
+        before = len(self.eng.cache)
+        self.eng.cache.clear()
+        dropped = before - len(self.eng.cache)
+        if self.store.enabled:
+            dropped += self.store.drop_known()
+        return dropped
