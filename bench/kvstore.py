@@ -52,7 +52,7 @@ def drop_page_cache() -> bool:
         return False
 
 
-def start_server(args, rocksdb_dir: Path, dram_bytes: int) -> tuple[subprocess.Popen, str]:
+def start_server(rocksdb_dir: Path, dram_bytes: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "kvstore", "serve", "--port", "0", "--dram-bytes", str(dram_bytes),
          "--rocksdb-dir", str(rocksdb_dir), "--rocksdb-bytes", str(64 << 30), "--log-level", "WARNING"],
@@ -103,15 +103,57 @@ def concurrent_gets(address: str, chunk_ids: list[str]) -> float:
     return sum(results) / wall / GB
 
 
-def tier_row(name: str, singles: list[tuple[float, float, int]], conc: float | None) -> dict:
+def tier_row(name: str, singles: list[tuple[float, float, int]], conc: list[float]) -> dict:
     return {
         "tier": name,
         "first_layer_ms_median": 1e3 * float(np.median([s[0] for s in singles])),
         "one_stream_GBps_median": float(np.median([s[2] / s[1] / GB for s in singles])),
-        "four_streams_GBps": conc,
-        "samples": len(singles),
+        "four_streams_GBps_median": float(np.median(conc)) if conc else None,
         "one_stream_seconds": [round(s[1], 4) for s in singles],
+        "four_streams_GBps": [round(x, 3) for x in conc],
     }
+
+
+def in_process_tier_reads(work: Path, chunks: dict, cold: bool) -> float:
+    """GB/s of the RocksDB tier read path alone (read + read-ahead + crc32 check of every layer,
+    no gRPC): ``TieredStore`` sessions in this process, one chunk after another."""
+    import asyncio
+
+    from services.kvstore.config import StoreConfig
+    from services.kvstore.store import TieredStore
+
+    async def run() -> float:
+        chunk_bytes = sum(k.numel() * 2 + v.numel() * 2 for k, v in next(iter(chunks.values())))
+        store = TieredStore(StoreConfig(dram_bytes=chunk_bytes, rocksdb_dir=str(work / "db-inproc"), rocksdb_bytes=64 << 30))
+        await store.start()
+        from services.kvstore.client import _raw
+        from services.kvstore.chunk import ChunkMeta, checksum
+        from services.rpc import kvstore_pb2 as pb
+
+        ids = list(chunks)[:4]
+        for cid in ids:
+            layers = tuple(_raw(k).tobytes() + _raw(v).tobytes() for k, v in chunks[cid])
+            k0 = chunks[cid][0][0]
+            meta = ChunkMeta(cid, "", "bfloat16", tuple(tuple(k.shape) for k, _ in chunks[cid]),
+                             tuple(tuple(v.shape) for _, v in chunks[cid]), tuple(checksum(x) for x in layers))
+            await store.put(meta, layers)
+        assert k0.dtype == torch.bfloat16
+        if cold:
+            drop_page_cache()
+        t0, total = time.perf_counter(), 0
+        for cid in ids[:3]:                       # the 4th is the one DRAM holds
+            session = await store.open_read(cid)
+            assert session.tier == pb.TIER_ROCKSDB
+            n = session.meta.num_layers
+            for i in range(n):
+                await session.layer(i, i + 1 if i + 1 < n else None)
+            session.abort()
+            total += session.meta.nbytes
+        rate = total / (time.perf_counter() - t0) / GB
+        await store.close()
+        return rate
+
+    return asyncio.run(run())
 
 
 # ---- raw peers ----------------------------------------------------------------------------
@@ -194,18 +236,71 @@ def _raw_grpc_server(nbytes: int, frame: int) -> None:
     asyncio.run(main())
 
 
+def measure_round(work: Path, chunks: dict, chunk_bytes: int, n: int, r: int, console) -> dict:
+    """One round of every measurement, stores and peers back to back (the host is shared, so
+    a ratio is only meaningful between figures of the same round)."""
+    out: dict = {"loadavg_1min": os.getloadavg()[0]}
+    ids = list(chunks)
+    proc, address = start_server(work / f"db-dram-{r}", dram_bytes=(n + 1) * chunk_bytes)
+    try:
+        with KVStoreClient(address, timeout=300) as c, KVStoreClient(address, timeout=300, verify=False) as nv:
+            t0 = time.perf_counter()
+            for cid in ids[:n]:
+                c.put(cid, chunks[cid])
+            out["put_GBps"] = n * chunk_bytes / (time.perf_counter() - t0) / GB
+            timed_get(c, ids[0])                          # warm-up: connection, allocator
+            out["dram"] = tier_row("dram", [timed_get(c, cid) for cid in ids[:n]], [concurrent_gets(address, ids[:4])])
+            out["dram_client_verify_off"] = tier_row("dram, client check off", [timed_get(nv, cid) for cid in ids[:n]], [])
+    finally:
+        stop_server(proc)
+    # RocksDB: DRAM holds one chunk, so a get of any chunk but the last one read comes from
+    # RocksDB (the hit promotes it into DRAM, evicting the previous one, still on RocksDB).
+    proc, address = start_server(work / f"db-rocks-{r}", dram_bytes=chunk_bytes)
+    try:
+        with KVStoreClient(address, timeout=300) as c:
+            for cid in ids:
+                c.put(cid, chunks[cid])
+            first, second = ids[:n], ids[n:n + 4]
+            if drop_page_cache():
+                cold = [timed_get(c, cid) for cid in first]
+                drop_page_cache()
+                out["rocksdb_cold"] = tier_row("rocksdb, page cache dropped", cold, [concurrent_gets(address, second)])
+            for cid in first + second:
+                timed_get(c, cid)                        # page cache now holds every chunk
+            warm = [timed_get(c, cid) for cid in first]
+            out["rocksdb_warm"] = tier_row("rocksdb, page cache warm", warm, [concurrent_gets(address, second)])
+            hits = {t.tier: t.hits for t in c.stats().tiers}
+            out["rocksdb_tier_hits"] = hits.get(2, 0)
+    finally:
+        stop_server(proc)
+    shutil.rmtree(work / f"db-dram-{r}", ignore_errors=True)
+    shutil.rmtree(work / f"db-rocks-{r}", ignore_errors=True)
+    out["inproc_rocksdb_cold_GBps"] = in_process_tier_reads(work, chunks, cold=True)
+    out["inproc_rocksdb_warm_GBps"] = in_process_tier_reads(work, chunks, cold=False)
+    shutil.rmtree(work / "db-inproc", ignore_errors=True)
+    out.update(memcpy_GBps(chunk_bytes))
+    out["disk_seq_read_cold_GBps"] = seq_read_GBps(work / "seq.bin", 1 << 30, cold=True)
+    out["disk_seq_read_warm_GBps"] = seq_read_GBps(work / "seq.bin", 1 << 30, cold=False)
+    (work / "seq.bin").unlink()
+    out["grpc_python_stream_ceiling_GBps"] = grpc_ceiling(chunk_bytes, 1 << 20, reps=3)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--chunks", type=int, default=4, help="chunks per measurement (>= 4 for the concurrent row)")
+    p.add_argument("--chunks", type=int, default=4, help="chunks per single-stream measurement (>= 4)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every measurement; medians are reported")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--workdir", default="/var/tmp/tessera-kvbench", help="RocksDB directory's parent (the disk measured)")
+    p.add_argument("--workdir", default="/var/tmp/tessera-kvbench", help="where RocksDB lives (the disk measured)")
     p.add_argument("--out", default=str(REPO / "bench" / "kvstore.json"))
     args = p.parse_args()
-    if args.chunks < 4:
-        raise SystemExit("--chunks must be >= 4")
+    if args.chunks < 4 or args.rounds < 1:
+        raise SystemExit("--chunks must be >= 4 and --rounds >= 1")
+    if not drop_page_cache():
+        print("warning: cannot drop the page cache (needs root): cold rows are skipped", file=sys.stderr)
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -214,81 +309,58 @@ def main() -> None:
     work.mkdir(parents=True)
     shape = (args.layers, args.tokens, args.kv_heads, args.head_dim)
     with console.status("building chunks"):
-        chunks = {f"bench{i:02d}": chunk_layers(i, *shape) for i in range(args.chunks * 2)}
+        chunks = {f"bench{i:02d}": chunk_layers(i, *shape) for i in range(args.chunks + 4)}
     chunk_bytes = sum(k.numel() * 2 + v.numel() * 2 for k, v in next(iter(chunks.values())))
-    rows, peers = [], {}
-
-    # DRAM: every chunk fits; gets are served from DRAM.
-    proc, address = start_server(args, work / "db-dram", dram_bytes=(args.chunks + 1) * chunk_bytes)
-    try:
-        c = KVStoreClient(address, timeout=300)
-        ids = list(chunks)[: args.chunks]
-        put_rates = []
-        for cid in ids:
-            t0 = time.perf_counter()
-            c.put(cid, chunks[cid])
-            put_rates.append(chunk_bytes / (time.perf_counter() - t0) / GB)
-        console.log(f"put (write-through DRAM+RocksDB) median {np.median(put_rates):.2f} GB/s")
-        timed_get(c, ids[0])   # warm-up: connections, allocator
-        singles = [timed_get(c, cid) for cid in ids]
-        conc = concurrent_gets(address, ids[:4])
-        rows.append(tier_row("dram", singles, conc))
-        console.log(rows[-1])
-        c.close()
-    finally:
-        stop_server(proc)
-
-    # RocksDB: DRAM holds one chunk, so each get of a chunk not read just before comes from RocksDB
-    # (the hit promotes it into DRAM, evicting the previous one, which is still on RocksDB).
-    proc, address = start_server(args, work / "db-rocks", dram_bytes=chunk_bytes)
-    try:
-        c = KVStoreClient(address, timeout=300)
-        ids = list(chunks)
-        for cid in ids:
-            c.put(cid, chunks[cid])
-        cold_ok = drop_page_cache()
-        order = ids[: args.chunks]
-        singles_cold = [timed_get(c, cid) for cid in order]
-        cold_conc = None
-        if cold_ok:
-            drop_page_cache()
-            cold_conc = concurrent_gets(address, ids[args.chunks: args.chunks + 4])
-            rows.append(tier_row("rocksdb (page cache dropped)", singles_cold, cold_conc))
-            console.log(rows[-1])
-        # warm page cache: read the same chunks again, each from RocksDB (DRAM holds only the last one)
-        warm_ids = ids[args.chunks: args.chunks * 2]
-        for cid in warm_ids:
-            timed_get(c, cid)
-        singles_warm = [timed_get(c, cid) for cid in ids[: args.chunks]]
-        warm_conc = concurrent_gets(address, ids[args.chunks: args.chunks + 4])
-        rows.append(tier_row("rocksdb (page cache warm)", singles_warm, warm_conc))
-        console.log(rows[-1])
-        tiers = [t.tier for t in c.stats().tiers]
-        stats = {int(t.tier): (t.hits, t.misses) for t in c.stats().tiers}
-        console.log(f"tier hits/misses {stats} over tiers {tiers}")
-        c.close()
-    finally:
-        stop_server(proc)
-
-    with console.status("raw peers"):
-        peers.update(memcpy_GBps(chunk_bytes))
-        peers["disk_seq_read_cold_GBps"] = seq_read_GBps(work / "seq.bin", 512 << 20, cold=True) if drop_page_cache() else None
-        peers["disk_seq_read_warm_GBps"] = seq_read_GBps(work / "seq.bin", 512 << 20, cold=False)
-        peers["grpc_python_stream_ceiling_GBps"] = grpc_ceiling(chunk_bytes, 1 << 20, reps=4)
-    console.log(peers)
+    rounds = []
+    for r in range(args.rounds):
+        with console.status(f"round {r + 1}/{args.rounds}"):
+            rounds.append(measure_round(work, chunks, chunk_bytes, args.chunks, r, console))
+        console.log(f"round {r + 1}: dram {rounds[-1]['dram']['one_stream_GBps_median']:.2f} GB/s, "
+                    f"grpc ceiling {rounds[-1]['grpc_python_stream_ceiling_GBps']:.2f} GB/s, load {rounds[-1]['loadavg_1min']:.1f}")
     shutil.rmtree(work, ignore_errors=True)
 
+    def med(path) -> float | None:
+        vals = [path(r) for r in rounds]
+        vals = [v for v in vals if v is not None]
+        return float(np.median(vals)) if vals else None
+
+    summary = {
+        "dram_one_stream_GBps": med(lambda r: r["dram"]["one_stream_GBps_median"]),
+        "dram_four_streams_GBps": med(lambda r: r["dram"]["four_streams_GBps_median"]),
+        "dram_first_layer_ms": med(lambda r: r["dram"]["first_layer_ms_median"]),
+        "dram_client_check_off_one_stream_GBps": med(lambda r: r["dram_client_verify_off"]["one_stream_GBps_median"]),
+        "rocksdb_cold_one_stream_GBps": med(lambda r: r.get("rocksdb_cold", {}).get("one_stream_GBps_median")),
+        "rocksdb_cold_four_streams_GBps": med(lambda r: r.get("rocksdb_cold", {}).get("four_streams_GBps_median")),
+        "rocksdb_cold_first_layer_ms": med(lambda r: r.get("rocksdb_cold", {}).get("first_layer_ms_median")),
+        "rocksdb_warm_one_stream_GBps": med(lambda r: r["rocksdb_warm"]["one_stream_GBps_median"]),
+        "rocksdb_warm_four_streams_GBps": med(lambda r: r["rocksdb_warm"]["four_streams_GBps_median"]),
+        "rocksdb_warm_first_layer_ms": med(lambda r: r["rocksdb_warm"]["first_layer_ms_median"]),
+        "inproc_rocksdb_cold_GBps": med(lambda r: r["inproc_rocksdb_cold_GBps"]),
+        "inproc_rocksdb_warm_GBps": med(lambda r: r["inproc_rocksdb_warm_GBps"]),
+        "put_GBps": med(lambda r: r["put_GBps"]),
+        "memcpy_GBps": med(lambda r: r["memcpy_GBps"]),
+        "memcpy_fresh_alloc_GBps": med(lambda r: r["memcpy_fresh_alloc_GBps"]),
+        "disk_seq_read_cold_GBps": med(lambda r: r["disk_seq_read_cold_GBps"]),
+        "disk_seq_read_warm_GBps": med(lambda r: r["disk_seq_read_warm_GBps"]),
+        "grpc_python_stream_ceiling_GBps": med(lambda r: r["grpc_python_stream_ceiling_GBps"]),
+        # ratios within each round, then the median over rounds
+        "dram_over_grpc_ceiling": med(lambda r: r["dram"]["one_stream_GBps_median"] / r["grpc_python_stream_ceiling_GBps"]),
+        "rocksdb_cold_over_disk_cold": med(lambda r: r["rocksdb_cold"]["one_stream_GBps_median"] / r["disk_seq_read_cold_GBps"]
+                                           if "rocksdb_cold" in r else None),
+        "inproc_rocksdb_cold_over_disk_cold": med(lambda r: r["inproc_rocksdb_cold_GBps"] / r["disk_seq_read_cold_GBps"]),
+    }
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; {_cpu_model()}",
+        "device": f"{_cpu_model()}, {os.cpu_count()} cores (shared host: other work ran meanwhile, see loadavg)",
         "chunk": {"layers": args.layers, "k_v_shape": list(shape[1:]), "dtype": "bfloat16", "bytes": chunk_bytes},
         "frame_bytes": 1 << 20,
-        "put_GBps_median": float(np.median(put_rates)),
-        "tiers": rows,
-        "peers": peers,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "checksum": "crc32 (zlib)",
+        "summary": summary,
+        "rounds": rounds,
+        "command": " ".join(["python", "bench/kvstore.py", *sys.argv[1:]]),
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    console.log(json.dumps(summary, indent=1))
     console.log(f"wrote {args.out}")
 
 
