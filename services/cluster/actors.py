@@ -1,0 +1,94 @@
+"""Ray actor wrapper: one Tessera service (gateway, prefill, decode or store shard) per actor.
+
+The actor's constructor starts the service's grpc.aio server on a loop thread and returns once
+it serves; a restarted actor (``max_restarts``) runs the constructor again with the same
+arguments and binds the same port when it can (``serving.remembered_port``), so its peers
+reconnect on their own. Actor methods are tiny and synchronous: address, ping, pid, stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from services.cluster.config import DecodeSettings, EngineSettings, PrefillSettings
+from services.cluster.serving import LoopThread, advertised_host, remember_port, remembered_port
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    """What one actor serves. Fields not used by a role stay None.
+
+    store: StoreConfig; prefill/decode: engine + store_addresses + settings;
+    gateway: model_dir + workers [(name, role, address)] + token + namespace (to resolve restarts).
+    """
+
+    role: str
+    name: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    store: object | None = None
+    engine: EngineSettings | None = None
+    store_addresses: tuple[str, ...] = ()
+    prefill: PrefillSettings | None = None
+    decode: DecodeSettings | None = None
+    model_dir: str | None = None
+    workers: tuple[tuple[str, str, str], ...] = ()
+    token: str | None = None
+    namespace: str = "tessera"
+
+
+def _resolver(namespace: str):
+    def resolve(name: str) -> str | None:
+        import ray
+
+        return ray.get(ray.get_actor(name, namespace=namespace).address.remote(), timeout=5)
+    return resolve
+
+
+async def _create(spec: ServiceSpec, port: int):
+    if spec.role == "store":
+        from services.kvstore import create_server
+
+        return await create_server(spec.store, host=spec.host, port=port, metrics_port=0)
+    if spec.role == "prefill":
+        from services.prefill.server import create_server
+
+        return await create_server(spec.name, spec.engine, list(spec.store_addresses), spec.prefill,
+                                   host=spec.host, port=port)
+    if spec.role == "decode":
+        from services.decode.server import create_server
+
+        return await create_server(spec.name, spec.engine, list(spec.store_addresses), spec.decode,
+                                   host=spec.host, port=port)
+    if spec.role == "gateway":
+        from services.gateway.server import create_server
+
+        return await create_server(spec.model_dir, list(spec.workers), token=spec.token, host=spec.host, port=port,
+                                   resolve=_resolver(spec.namespace))
+    raise ValueError(f"unknown role {spec.role!r}")
+
+
+class ServiceActor:
+    def __init__(self, spec: ServiceSpec) -> None:
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
+        self.spec = spec
+        self._loop = LoopThread(f"{spec.role}-loop")
+        port = remembered_port(spec.name, spec.host, spec.port)
+        self._server, self._port = self._loop.run(_create(spec, port), timeout=900)
+        remember_port(spec.name, self._port)
+        self._address = f"{advertised_host(spec.host)}:{self._port}"
+
+    def address(self) -> str:
+        return self._address
+
+    def ping(self) -> str:
+        return "ok"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stop(self) -> None:
+        self._loop.run(self._server.stop(1.0), timeout=30)
+        self._loop.stop()

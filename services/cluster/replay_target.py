@@ -1,0 +1,38 @@
+"""The load generator's replay target for a running cluster, through the SDK.
+
+``ClusterTarget(address)`` is what ``loadgen.replay`` drives: ``generate(ReplayRequest)`` streams
+``StreamEvent``s (tokens as they arrive, per-tier chunk tokens on the last), ``reset()`` drops
+every cached chunk so each mode of a comparison starts cold, ``vocab_size`` comes from Stats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from loadgen.replay.target import ReplayRequest, RequestStats, StreamEvent
+from services.sdk import Client
+
+
+class ClusterTarget:
+    def __init__(self, address: str, token: str | None = None, timeout: float = 300.0) -> None:
+        self.client = Client(address, token=token, timeout=timeout)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.client.stats().vocab_size
+
+    def generate(self, request: ReplayRequest) -> Iterator[StreamEvent]:
+        # stop_token_ids=[]: no EOS stop, so every request yields exactly its trace output length
+        for ev in self.client.generate(chunks=[list(c) for c in request.chunks], suffix=list(request.suffix),
+                                       max_new_tokens=request.max_tokens, mode=request.mode, stop_token_ids=[]):
+            stats = None
+            if ev.stats is not None:
+                stats = RequestStats(tier_tokens=dict(ev.stats.chunk_tokens_by_tier),
+                                     recomputed_tokens=ev.stats.recomputed_tokens)
+            yield StreamEvent(token_ids=ev.token_ids, stats=stats)
+
+    def reset(self) -> None:
+        self.client.reset_caches()
+
+    def close(self) -> None:
+        self.client.close()

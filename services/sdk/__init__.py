@@ -1,0 +1,20 @@
+"""The Tessera client SDK: what users import.
+
+    from services.sdk import Client, ChunkId
+    with Client("127.0.0.1:50051") as c:
+        ids = c.register_chunks(["a document", "another document"])
+        for ev in c.generate(chunks=[ChunkId(ids[0].chunk_id), "fresh text"], suffix="Question?"):
+            print(ev.text, end="")
+
+``AsyncClient`` is the asyncio twin. Errors are ``TesseraError`` subclasses.
+"""
+
+from services.sdk.aio import AsyncClient
+from services.sdk.client import Client
+from services.sdk.errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, TesseraError, Unauthenticated,
+                                 Unavailable)
+from services.sdk.types import ChunkId, ClusterStats, GenerateEvent, GenerationStats, RegisteredChunk, WorkerInfo
+
+__all__ = ["Client", "AsyncClient", "ChunkId", "GenerateEvent", "GenerationStats", "RegisteredChunk", "ClusterStats",
+           "WorkerInfo", "TesseraError", "InvalidArgument", "Unavailable", "DeadlineExceeded", "Unauthenticated",
+           "ResourceExhausted"]

@@ -1,0 +1,163 @@
+"""The blocking client of a Tessera cluster.
+
+    from services.sdk import Client
+    with Client("127.0.0.1:50051") as c:
+        for ev in c.generate(chunks=["doc one ...", "doc two ..."], suffix="Question?", max_new_tokens=32):
+            print(ev.text, end="")
+
+Every call carries a deadline (``timeout`` seconds, per call or the client's default). Calls that
+can be repeated safely (``stats``, ``register_chunks``, and ``generate`` until its first event
+arrived) are retried on UNAVAILABLE with exponential backoff. Failures raise ``TesseraError``
+subclasses (``services.sdk.errors``) carrying the server's reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import grpc
+
+from services.rpc import tessera_pb2 as pb
+from services.rpc import tessera_pb2_grpc as pb_grpc
+from services.sdk.errors import from_rpc_error
+from services.sdk.types import (Chunk, ClusterStats, GenerateEvent, RegisteredChunk, chunk_input,
+                                generate_request)
+
+T = TypeVar("T")
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.keepalive_time_ms", 30_000)]
+
+
+def channel_credentials(tls) -> grpc.ChannelCredentials | None:
+    """None: plaintext; True: TLS with the system roots; a path: TLS trusting that CA PEM file;
+    or ready-made ``grpc.ChannelCredentials``."""
+    if tls is None or tls is False:
+        return None
+    if tls is True:
+        return grpc.ssl_channel_credentials()
+    if isinstance(tls, grpc.ChannelCredentials):
+        return tls
+    with open(tls, "rb") as f:
+        return grpc.ssl_channel_credentials(root_certificates=f.read())
+
+
+class _Settings:
+    def __init__(self, address: str, token: str | None, timeout: float, retries: int, backoff_s: float) -> None:
+        if not address or ":" not in address:
+            raise ValueError(f"address must be host:port, got {address!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        if retries < 0 or backoff_s < 0:
+            raise ValueError("retries and backoff_s must be >= 0")
+        self.address, self.timeout, self.retries, self.backoff_s = address, timeout, retries, backoff_s
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def delay(self, attempt: int) -> float:
+        return min(self.backoff_s * 2 ** attempt, 5.0)
+
+
+class Client:
+    def __init__(self, address: str, token: str | None = None, tls=None, *, timeout: float = 60.0,
+                 retries: int = 3, backoff_s: float = 0.2) -> None:
+        self._s = _Settings(address, token, timeout, retries, backoff_s)
+        creds = channel_credentials(tls)
+        self._channel = (grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS) if creds
+                         else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+        self._stub = pb_grpc.TesseraStub(self._channel)
+
+    # ------------------------------------------------------------------ calls
+    def generate(self, chunks: Sequence[Chunk] = (), suffix: str | Sequence[int] = "", *, max_new_tokens: int = 16,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 mode: str = "tessera", recompute_ratio: float | None = None,
+                 stop_token_ids: Sequence[int] | None = None, request_id: str | None = None,
+                 timeout: float | None = None) -> Iterator[GenerateEvent]:
+        """Stream the generated tokens. ``stop_token_ids=None`` stops at the model's EOS; a list
+        (even empty) stops only at those. ``recompute_ratio=None`` lets the cluster choose."""
+        req = generate_request(chunks, suffix, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                               top_k=top_k, seed=seed, mode=mode, recompute_ratio=recompute_ratio,
+                               stop_token_ids=stop_token_ids, request_id=request_id)
+        return self._stream(req, timeout)
+
+    def _stream(self, req: pb.GenerateRequest, timeout: float | None) -> Iterator[GenerateEvent]:
+        deadline = time.monotonic() + (timeout or self._s.timeout)
+        attempt = 0
+        while True:
+            started = False
+            try:
+                call = self._stub.Generate(req, timeout=max(deadline - time.monotonic(), 0.001),
+                                           metadata=self._s.metadata)
+                for msg in call:
+                    started = True
+                    yield GenerateEvent.from_proto(msg)
+                return
+            except grpc.RpcError as exc:
+                if started or not self._retry(exc, attempt, deadline):
+                    raise from_rpc_error(exc, "Generate") from None
+            attempt += 1
+
+    def complete(self, chunks: Sequence[Chunk] = (), suffix: str | Sequence[int] = "", **kwargs) -> GenerateEvent:
+        """``generate`` gathered into one event: every token, the whole text, the stats."""
+        tokens, text, last = [], [], GenerateEvent()
+        for ev in self.generate(chunks, suffix, **kwargs):
+            tokens += ev.token_ids
+            text.append(ev.text)
+            last = ev
+        return GenerateEvent(tuple(tokens), "".join(text), last.finish_reason, last.stats)
+
+    def register_chunks(self, chunks: Sequence[str | Sequence[int]], *, timeout: float | None = None) -> list[RegisteredChunk]:
+        """Compute and store the KV of each chunk ahead of time; returns their ids (``ChunkId(id)``
+        names them in ``generate``)."""
+        if isinstance(chunks, str):
+            chunks = [chunks]
+        req = pb.RegisterChunksRequest(chunks=[chunk_input(c, f"chunk {i}") for i, c in enumerate(chunks)])
+        resp = self._unary("RegisterChunks", lambda t: self._stub.RegisterChunks(req, timeout=t, metadata=self._s.metadata),
+                           timeout)
+        return [RegisteredChunk(c.chunk_id, c.num_tokens, c.stored) for c in resp.chunks]
+
+    def stats(self, *, timeout: float | None = None) -> ClusterStats:
+        resp = self._unary("Stats", lambda t: self._stub.Stats(pb.StatsRequest(), timeout=t, metadata=self._s.metadata),
+                           timeout)
+        return ClusterStats.from_proto(resp)
+
+    def reset_caches(self, *, timeout: float | None = None) -> int:
+        """Drop cached chunk KV everywhere (benchmarks start each mode cold); returns chunks dropped."""
+        resp = self._unary("ResetCaches", lambda t: self._stub.ResetCaches(pb.ResetCachesRequest(), timeout=t,
+                                                                           metadata=self._s.metadata), timeout)
+        return resp.chunks_dropped
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise TimeoutError(f"the gateway at {self._s.address} did not answer within {timeout} s") from None
+
+    # ------------------------------------------------------------------ plumbing
+    def _retry(self, exc: grpc.RpcError, attempt: int, deadline: float) -> bool:
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self._s.retries:
+            return False
+        pause = self._s.delay(attempt)
+        if time.monotonic() + pause >= deadline:
+            return False
+        time.sleep(pause)
+        return True
+
+    def _unary(self, method: str, call: Callable[[float], T], timeout: float | None) -> T:
+        deadline = time.monotonic() + (timeout or self._s.timeout)
+        attempt = 0
+        while True:
+            try:
+                return call(max(deadline - time.monotonic(), 0.001))
+            except grpc.RpcError as exc:
+                if not self._retry(exc, attempt, deadline):
+                    raise from_rpc_error(exc, method) from None
+            attempt += 1
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
