@@ -157,8 +157,9 @@ def check_small(dev) -> list:
 PREFILL_CONFIGS = [_prefill.PrefillConfig(128, 64, 8, 2), _prefill.PrefillConfig(128, 64, 8, 3),
                    _prefill.PrefillConfig(128, 128, 8, 2), _prefill.PrefillConfig(64, 64, 4, 2),
                    _prefill.PrefillConfig(128, 64, 4, 3)]
-DECODE_CONFIGS = [_decode.DecodeConfig(4, 2), _decode.DecodeConfig(4, 3), _decode.DecodeConfig(4, 4),
-                  _decode.DecodeConfig(8, 3), _decode.DecodeConfig(4, 3, waves=8), _decode.DecodeConfig(4, 3, waves=2)]
+DECODE_CONFIGS = [_decode.DecodeConfig(4, 3), _decode.DecodeConfig(4, 2), _decode.DecodeConfig(8, 3),
+                  _decode.DecodeConfig(4, 3, waves=8), _decode.DecodeConfig(4, 3, waves=2),
+                  _decode.DecodeConfig(4, 3, rows=32, max_block_n=128), _decode.DecodeConfig(8, 3, rows=32, max_block_n=128)]
 
 
 def bench_prefill(ctx: int, new: int, bs: int, dev, inv, smoke: bool) -> dict:
@@ -237,7 +238,7 @@ def bench_decode(n_seqs: int, ctx: int, bs: int, dev, inv, smoke: bool) -> dict:
     say(f"decode {n_seqs}x{ctx}: triton vs SDPA ({res['sdpa_backend']}) rel err {res['triton_vs_sdpa_rel']:.2e}")
     res["sdpa_ms"] = timeit(lambda: call(k4, v4))
     cfgs = DECODE_CONFIGS[:1] if smoke else DECODE_CONFIGS
-    res["configs"] = {f"w{c.num_warps}/s{c.num_stages}/waves{c.waves}": timeit(lambda c=c: run(plain, cfg=c))
+    res["configs"] = {f"w{c.num_warps}/s{c.num_stages}/waves{c.waves}/rows{c.rows}": timeit(lambda c=c: run(plain, cfg=c))
                       for c in cfgs}
     best_name = min(res["configs"], key=res["configs"].get)
     best = cfgs[list(res["configs"]).index(best_name)]
@@ -312,18 +313,21 @@ def main() -> int:
     pre = [(256, 64)] if args.smoke else [(4096, 512), (16384, 512), (32768, 512)]
     dec = [(2, 256)] if args.smoke else [(32, 4096), (8, 32768)]
     results["prefill"], results["decode"] = [], []
-    for ctx, new in pre:
-        results["prefill"].append(bench_prefill(ctx, new, args.bs, dev, inv, args.smoke))
-        say(json.dumps(results["prefill"][-1]))
-    for n, ctx in dec:
-        results["decode"].append(bench_decode(n, ctx, args.bs, dev, inv, args.smoke))
-        say(json.dumps(results["decode"][-1]))
+    jobs = [("prefill", bench_prefill, (ctx, new)) for ctx, new in pre]
+    jobs += [("decode", bench_decode, (n, ctx)) for n, ctx in dec]
+    for kind, fn, shape in jobs:
+        try:
+            results[kind].append(fn(*shape, args.bs, dev, inv, args.smoke))
+            say(json.dumps(results[kind][-1]))
+        except Exception as exc:  # keep what was measured; the log says what failed
+            say(f"{kind} {shape} FAILED: {type(exc).__name__}: {exc}")
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        (args.out / "kernels.json").write_text(json.dumps(results | {"log": LOG}, indent=1))
     results["rope"] = bench_rope(64 if args.smoke else 32768, dev, inv)
     say(json.dumps(results["rope"]))
-    summary = table(results)
     results["log"] = LOG
     (args.out / "kernels.json").write_text(json.dumps(results, indent=1))
-    print(summary)
+    print(table(results))
     return 0
 
 

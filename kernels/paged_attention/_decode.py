@@ -1,9 +1,14 @@
 """Triton decode attention over lazily rotated paged keys (flash-decoding split-KV, LSE merge).
 
-One program per (sequence, KV head, split). The program holds the whole GQA group as the rows of a
-[G_PAD >= 16, D] query tile (tl.dot needs 16 rows; padding rows are zero) and walks its split of the
-sequence's entries one block (BS keys) at a time. Instead of rotating every key forward by its
-entry's offset it rotates the query backwards, once per change of offset (chunk boundaries):
+One program per (sequence, KV head, split) walks its run of the sequence's entries NB blocks per
+step (BLOCK_N = NB * BS keys). tl.dot needs 16 query rows and a GQA group has only G, so the rows
+are (lane j, group head g) pairs, ROWS = max(16, NB * G_PAD): lane j attends only to the j-th block
+of each step (the other blocks are masked in its scores). Each lane is an independent online
+softmax over its share of the keys; the NB lanes of a head are merged by log-sum-exp at the end.
+The padding that tl.dot forces anyway is spent on lanes, so a step moves NB blocks instead of one.
+
+Instead of rotating every key forward by its entry's offset, each lane's query is rotated
+backwards, once per change of offset (chunk boundaries), never per block:
     (R_m q) . (R_{o+j} k) == (R_{m-o} q) . (R_j k)
 always from the ORIGINAL fp32 query (no error accumulates), cast to the input dtype before the dot.
 
@@ -23,17 +28,19 @@ import triton.language as tl
 from kernels.lse_merge.triton import merge_rows
 from kernels.paged_attention._meta import PackedTable, dot_f32
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
-    """num_splits None picks one so that about `waves` x SMs programs run, each with at least
-    `min_blocks_per_split` blocks."""
+    """Launch shape. Lanes per step: rows // G_PAD blocks, at most max_block_n keys. num_splits None
+    picks one so that about `waves` x SMs programs run, each with at least `min_blocks_per_split` blocks."""
 
     num_warps: int = 4
     num_stages: int = 3
+    max_block_n: int = 64
+    rows: int = 16
     num_splits: int | None = None
     waves: int = 4
     min_blocks_per_split: int = 16
@@ -49,9 +56,11 @@ def _decode_kernel(
     qk_scale,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_os, stride_ob, stride_oh, stride_ls, stride_lb,
-    G: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr, D2: tl.constexpr, NSPLIT: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BS: tl.constexpr,
+    D2: tl.constexpr, NSPLIT: tl.constexpr,
     ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr, DOT_F32: tl.constexpr,
 ):
+    BLOCK_N: tl.constexpr = NB * BS
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -61,14 +70,17 @@ def _decode_kernel(
     lo = e_lo + split * per
     hi = tl.minimum(lo + per, e_hi)
 
-    g = tl.arange(0, G_PAD)
-    g_ok = g < G
+    # row r = (lane j, group head g): lane j attends to the j-th block of every step
+    r = tl.arange(0, ROWS)
+    j = r // G_PAD
+    g = r % G_PAD
+    row_ok = (j < NB) & (g < G)
     head = h * G + g
     d = tl.arange(0, D2)
     dd = tl.arange(0, 2 * D2)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh
-    q1 = tl.load(q_row + d[None, :], mask=g_ok[:, None], other=0.0)  # [G_PAD, D2]
-    q2 = tl.load(q_row + D2 + d[None, :], mask=g_ok[:, None], other=0.0)
+    q1 = tl.load(q_row + d[None, :], mask=row_ok[:, None], other=0.0)  # [ROWS, D2]
+    q2 = tl.load(q_row + D2 + d[None, :], mask=row_ok[:, None], other=0.0)
     qr1 = q1
     qr2 = q2
     q1f = q1.to(tl.float32)
@@ -76,43 +88,49 @@ def _decode_kernel(
     if ROTATE and not USE_TABLE:
         inv_freq = tl.load(invf_ptr + d)
 
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, 2 * D2], tl.float32)
-    slot = tl.arange(0, BS)
-    prev = -1
-    for e in range(lo, hi):
-        word = tl.load(meta_ptr + e)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, 2 * D2], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    slot = n % BS
+    prev = tl.full([ROWS], -1, tl.int32)
+    for e_start in range(lo, hi, NB):
+        e = e_start + n // BS  # [BLOCK_N] entry of each key
+        e_ok = e < hi
+        word = tl.load(meta_ptr + e, mask=e_ok, other=0)
         blk = word >> 32
-        off = ((word >> 16) & 0xFFFF).to(tl.int32)
         if MASK_IN_WORD:
             bits = word
         else:
-            bits = tl.load(mask_ptr + e)
-        vis = ((bits >> slot) & 1) != 0  # [BS]
+            bits = tl.load(mask_ptr + e, mask=e_ok, other=0)
+        vis = (((bits >> slot) & 1) != 0) & e_ok
         if ROTATE:
-            if off != prev:  # a new chunk: rotate the original query back by its offset
+            e_row = e_start + j
+            off = ((tl.load(meta_ptr + e_row, mask=e_row < hi, other=0) >> 16) & 0xFFFF).to(tl.int32)  # [ROWS]
+            if tl.max((off != prev).to(tl.int32), axis=0) > 0:  # a new chunk: rotate the original q back
                 if USE_TABLE:
-                    cos = tl.load(tab_ptr + e * (2 * D2) + d)
-                    sin = tl.load(tab_ptr + e * (2 * D2) + D2 + d)
+                    t_row = tab_ptr + e_row[:, None] * (2 * D2) + d[None, :]
+                    cos = tl.load(t_row, mask=(e_row < hi)[:, None], other=1.0)
+                    sin = tl.load(t_row + D2, mask=(e_row < hi)[:, None], other=0.0)
                 else:
-                    ang = off.to(tl.float32) * inv_freq
+                    ang = off.to(tl.float32)[:, None] * inv_freq[None, :]
                     cos = tl.cos(ang)
                     sin = tl.sin(ang)
-                qr1 = (q1f * cos[None, :] + q2f * sin[None, :]).to(q_ptr.dtype.element_ty)
-                qr2 = (q2f * cos[None, :] - q1f * sin[None, :]).to(q_ptr.dtype.element_ty)
+                qr1 = (q1f * cos + q2f * sin).to(q_ptr.dtype.element_ty)
+                qr2 = (q2f * cos - q1f * sin).to(q_ptr.dtype.element_ty)
                 prev = off
-        k_row = blk * stride_kb + slot * stride_ks + h * stride_kh  # [BS] int64
-        k1 = tl.load(k_ptr + k_row[:, None] + d[None, :], mask=vis[:, None], other=0.0)  # [BS, D2]
+        k_row = blk * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64
+        k1 = tl.load(k_ptr + k_row[:, None] + d[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D2]
         k2 = tl.load(k_ptr + k_row[:, None] + D2 + d[None, :], mask=vis[:, None], other=0.0)
-        v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BS, D]
+        v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
         if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
             qk = tl.dot(qr1.to(tl.float32), tl.trans(k1.to(tl.float32)))
             qk = tl.dot(qr2.to(tl.float32), tl.trans(k2.to(tl.float32)), qk)
         else:
             qk = tl.dot(qr1, tl.trans(k1))
-            qk = tl.dot(qr2, tl.trans(k2), qk)
-        qk = tl.where(vis[None, :], qk * qk_scale, float("-inf"))
+            qk = tl.dot(qr2, tl.trans(k2), qk)  # [ROWS, BLOCK_N]
+        own = (j[:, None] == (n // BS)[None, :]) & vis[None, :]  # lane j sees only its own block
+        qk = tl.where(own, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_safe[:, None])
@@ -125,13 +143,22 @@ def _decode_kernel(
             acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-    o_row = out_ptr + split * stride_os + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh
+    # merge the NB lanes of each group head by log-sum-exp
+    m3 = tl.reshape(m_i, [ROWS // G_PAD, G_PAD])
+    m_g = tl.max(m3, axis=0)  # [G_PAD]
+    m_gs = tl.where(m_g == float("-inf"), 0.0, m_g)
+    w = tl.math.exp2(m3 - m_gs[None, :])  # [lanes, G_PAD]
+    l_g = tl.sum(w * tl.reshape(l_i, [ROWS // G_PAD, G_PAD]), axis=0)
+    acc_g = tl.sum(tl.reshape(acc, [ROWS // G_PAD, G_PAD, 2 * D2]) * w[:, :, None], axis=0)  # [G_PAD, D]
+    empty = l_g == 0.0
+    l_safe = tl.where(empty, 1.0, l_g)
+    out = acc_g / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_g + tl.math.log2(l_safe)) * LN2)
+    gg = tl.arange(0, G_PAD)
+    g_ok = gg < G
+    o_row = out_ptr + split * stride_os + b.to(tl.int64) * stride_ob + (h * G + gg)[:, None] * stride_oh
     tl.store(o_row + dd[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-    tl.store(lse_ptr + split * stride_ls + b * stride_lb + head, lse, mask=g_ok)
+    tl.store(lse_ptr + split * stride_ls + b * stride_lb + h * G + gg, lse, mask=g_ok)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -161,6 +188,8 @@ def launch(q, k_cache, v_cache, packed: PackedTable, cu_entries, inv_freq, scale
     n_seqs, hq, dim = q.shape
     _, bs, hkv, _ = k_cache.shape
     group = hq // hkv
+    g_pad = triton.next_power_of_2(group)
+    nb = max(1, min(cfg.rows // g_pad, cfg.max_block_n // bs))  # lanes: fill the rows tl.dot needs
     nsplit = pick_splits(cfg, n_seqs, hkv, packed.meta.numel(), q.device)
     if nsplit == 1:
         out = torch.empty_like(q)
@@ -176,10 +205,10 @@ def launch(q, k_cache, v_cache, packed: PackedTable, cu_entries, inv_freq, scale
         _decode_kernel[(n_seqs, hkv, nsplit)](
             q, k_cache, v_cache, packed.meta, packed.masks,
             packed.table if packed.table is not None else packed.meta, inv_freq, cu_entries, out, lse,
-            scale * LOG2E,
+            float(scale) * LOG2E.value,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             *o_strides, *l_strides,
-            G=group, G_PAD=max(16, triton.next_power_of_2(group)), BS=bs, D2=dim // 2, NSPLIT=nsplit,
+            G=group, G_PAD=g_pad, NB=nb, ROWS=max(16, nb * g_pad), BS=bs, D2=dim // 2, NSPLIT=nsplit,
             ROTATE=rotate, USE_TABLE=packed.table is not None, MASK_IN_WORD=packed.mask_in_word,
             DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

@@ -23,9 +23,9 @@ import triton.language as tl
 
 from kernels.paged_attention._meta import PackedTable, dot_f32
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-INT32_MAX = 2**31 - 1
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+INT32_MAX = tl.constexpr(2**31 - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +166,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, cu_e
         q, q_pos, k_cache, v_cache, slot_pos, packed.meta, packed.masks,
         packed.table if packed.table is not None else packed.meta, inv_freq,
         cu_q, cu_entries, out, lse,
-        n_seqs, scale * LOG2E,
+        n_seqs, float(scale) * LOG2E.value,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=group, G_PAD=g_pad, BLOCK_T=block_t, BS=bs, NB=max(1, cfg.min_block_n // bs), D2=dim // 2,
