@@ -68,10 +68,12 @@ def select_questions(prompt: Prompt, k: int) -> list[Fact]:
 
 @dataclass(frozen=True, slots=True)
 class ModeResult:
-    """One mode's tally and the mean wall time of one ``prefill`` call (seconds)."""
+    """One mode's tally, its answers (argmax token per question, in asking order) and the mean
+    wall time of one ``prefill`` call in seconds."""
 
     mode: str
     tally: Tally
+    answers: tuple[int, ...]
     mean_prefill_s: float
 
 
@@ -94,25 +96,28 @@ def evaluate_modes(
     for mode in modes:
         kwargs = {} if mode.ratio is None else {"recompute_ratio": mode.ratio}
         correct, count = [0] * len(KINDS), [0] * len(KINDS)
+        answers: list[int] = []
         seconds = 0.0
+        bar.set_postfix(mode=str(mode))
         for prompt, facts in asked:
             chunks = [[v.bos]] + [list(c) for c in prompt.chunks]
             for fact in facts:
                 t0 = time.perf_counter()
                 r = engine.prefill(chunks=chunks, suffix=[v.question, fact.name], mode=mode.name, **kwargs)
                 seconds += time.perf_counter() - t0
+                answers.append(int(torch.argmax(r.logits)))
                 k = KINDS.index(fact.kind)
-                correct[k] += int(int(torch.argmax(r.logits)) == fact.obj)
+                correct[k] += int(answers[-1] == fact.obj)
                 count[k] += 1
             bar.update(len(facts))
-        bar.set_postfix(mode=str(mode))
-        results.append(ModeResult(str(mode), Tally(tuple(correct), tuple(count)), seconds / max(1, sum(count))))
+        tally = Tally(tuple(correct), tuple(count))
+        results.append(ModeResult(str(mode), tally, tuple(answers), seconds / max(1, len(answers))))
     bar.close()
     return results
 
 
-def load_engine(model_dir: str, device: str = "cpu", reference: bool = False):
-    """``services.engine.Engine`` in fp32, or with ``reference`` the engine-free ReferenceEngine."""
+def load_engine(model_dir: str, device: str = "cpu", reference: bool = False, engine_options: dict | None = None):
+    """``services.engine.Engine`` in fp32 (``engine_options`` go to ``Engine.load``), or the ReferenceEngine."""
     import torch
 
     if reference:
@@ -123,16 +128,17 @@ def load_engine(model_dir: str, device: str = "cpu", reference: bool = False):
         from services.engine import Engine
     except ImportError as exc:
         raise ValueError(f"services.engine.Engine is not available ({exc}); use --reference") from None
-    return Engine.load(model_dir, device=device, dtype=torch.float32)
+    return Engine.load(model_dir, device=device, dtype=torch.float32, **(engine_options or {}))
 
 
 def run_eval(model_dir: str, n_prompts: int, modes: list[Mode], seed: int = 1, questions: int = 8,
-             device: str = "cpu", reference: bool = False, progress: bool = True) -> list[ModeResult]:
+             device: str = "cpu", reference: bool = False, progress: bool = True,
+             engine_options: dict | None = None) -> list[ModeResult]:
     if n_prompts < 1:
         raise ValueError("--prompts must be at least 1")
     if not 1 <= questions <= TaskConfig().questions:
         raise ValueError(f"--questions must be in 1..{TaskConfig().questions}")
-    engine = load_engine(model_dir, device, reference)
+    engine = load_engine(model_dir, device, reference, engine_options)
     return evaluate_modes(engine, modes, heldout_prompts(seed, n_prompts), questions, progress)
 
 

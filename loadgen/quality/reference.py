@@ -99,8 +99,9 @@ class ReferencePrefill:
 class ReferenceEngine:
     """The modes whose result is exact without a blend step, on a TinyLlama, behind ``Engine.prefill``'s API.
 
-    ``full`` and ``prefix`` are full prefill; ``position_aware`` and ratio 0 of ``tessera`` /
-    ``blend_copy`` are full reuse; ratio 1 is full prefill. Any other ratio needs the engine.
+    ``full`` and ``prefix`` are full prefill; the reuse modes (``position_aware``, ``tessera``,
+    ``blend_copy``) are full reuse at ratio 0 and full prefill at ratio 1. Any other ratio (and no
+    ratio: the engine's default blends) needs the engine.
     It lets eval be checked (and ``tessera@0`` be cross-checked) without ``services.engine``.
     """
 
@@ -117,9 +118,9 @@ class ReferenceEngine:
     @torch.no_grad()
     def prefill(self, chunks: list[list[int]], suffix: list[int], mode: str = "tessera",
                 recompute_ratio: float | None = None) -> ReferencePrefill:
-        if mode in ("full", "prefix") or (mode in ("tessera", "blend_copy") and recompute_ratio == 1.0):
+        if mode in ("full", "prefix") or recompute_ratio == 1.0:
             reuse = False
-        elif mode == "position_aware" or (mode in ("tessera", "blend_copy") and recompute_ratio == 0.0):
+        elif recompute_ratio == 0.0:
             reuse = True
         else:
             raise ValueError(f"the reference engine has no blend step: {mode}@{recompute_ratio} needs services.engine")

@@ -20,56 +20,17 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from loadgen.quality.model import ModelConfig, TinyLlama, load_hf, save_hf
+from loadgen.quality.config import TrainConfig, add_train_args, config_from_args
+from loadgen.quality.model import TinyLlama, load_hf, save_hf
 from loadgen.quality.reference import reference_tally
 from loadgen.quality.tasks import TaskConfig, heldout_prompts, induction_batch, sample_coref_batch
 from loadgen.quality.vocab import vocab
-
-
-@dataclass(frozen=True, slots=True)
-class TrainConfig:
-    out: str
-    layers: int = 4
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate: int = 0          # 0: 2.5 x hidden
-    steps: int = 6000
-    batch: int = 256
-    lr: float = 2e-3
-    warmup: int = 200
-    weight_decay: float = 0.1
-    induction: float = 0.4         # fraction of batches that are induction data
-    seed: int = 0
-    device: str = "cpu"
-    workers: int = -1              # DataLoader workers; -1: min(8, cpus - 1) on cuda, 1 on cpu
-    eval_every: int = 250
-    eval_prompts: int = 1000
-    target: float = 0.995          # stop once full-prefill accuracy reaches this on every type
-    time_limit: float = 0.0        # seconds of training after which to stop and save anyway; 0: none
-    save_dtype: str = "float16"
-
-    def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch < 1 or self.eval_every < 1 or self.eval_prompts < 1:
-            raise ValueError("steps, batch, eval_every and eval_prompts must be positive")
-        if not 0 <= self.induction < 1:
-            raise ValueError(f"induction fraction must be in [0, 1), got {self.induction}")
-        if not (self.lr > 0 and 0 < self.target <= 1):
-            raise ValueError("lr must be positive and target in (0, 1]")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
-
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(
-            vocab_size=vocab().size, hidden=self.hidden, layers=self.layers, heads=self.heads,
-            kv_heads=self.kv_heads, intermediate=self.intermediate or int(2.5 * self.hidden),
-        )
 
 
 class Batches(torch.utils.data.IterableDataset):
@@ -226,29 +187,10 @@ own chunk):
 """)
 
 
-def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="python -m loadgen.quality.train", description=__doc__.split("\n")[0])
-    p.add_argument("-o", "--out", required=True, help="output directory (HF Llama format)")
-    defaults = TrainConfig(out="")
-    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "steps", "batch", "warmup",
-                 "seed", "workers", "eval_every", "eval_prompts"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    for name in ("lr", "weight_decay", "induction", "target", "time_limit"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=("float16", "bfloat16", "float32"))
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__ if f not in ("out", "device")}
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return TrainConfig(out=args.out, device=device, **fields)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    cfg = config_from_args(parser().parse_args(argv))
+    p = argparse.ArgumentParser(prog="python -m loadgen.quality.train", description=__doc__.split("\n")[0])
+    cfg = config_from_args(add_train_args(p).parse_args(argv))
     train(cfg, command="python -m loadgen.quality.train " + shlex.join(argv))
     return 0
 
