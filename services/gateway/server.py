@@ -212,8 +212,9 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                                 registered_chunks=len(self.resolver.registry), metrics_url=self.metrics_url)
 
     async def ResetCaches(self, request, context):
-        calls = [self.peers.prefill_stub(w).Reset(pb.ResetRequest(), timeout=30) for w in self.router.of_role("prefill")]
-        calls += [self.peers.decode_stub(w).Reset(pb.ResetRequest(), timeout=30) for w in self.router.of_role("decode")]
+        reset = pb.ResetRequest(device_only=request.device_only)
+        calls = [self.peers.prefill_stub(w).Reset(reset, timeout=30) for w in self.router.of_role("prefill")]
+        calls += [self.peers.decode_stub(w).Reset(reset, timeout=30) for w in self.router.of_role("decode")]
         replies = await asyncio.gather(*calls, return_exceptions=True)
         failed = [r for r in replies if isinstance(r, BaseException)]
         if failed:

@@ -106,7 +106,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                model_fingerprint=self.worker.eng.fingerprint, engine_api=self.worker.engine_api)
 
     async def Reset(self, request, context):
-        return pb.ResetReply(chunks_dropped=await self._on_engine(self.worker.reset))
+        return pb.ResetReply(chunks_dropped=await self._on_engine(self.worker.reset, request.device_only))
 
 
 class PrefillServer:

@@ -171,10 +171,10 @@ class PrefillWorker:
             stored.append(ok)
         return stored
 
-    def reset(self) -> int:
+    def reset(self, device_only: bool = False) -> int:
         before = len(self.eng.cache)
         self.eng.cache.clear()
         dropped = before - len(self.eng.cache)
-        if self.store.enabled:
+        if self.store.enabled and not device_only:
             dropped += self.store.drop_known()
         return dropped

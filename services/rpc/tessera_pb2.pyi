@@ -174,8 +174,10 @@ class StatsResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., transport: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., requests_total: _Optional[int] = ..., registered_chunks: _Optional[int] = ..., metrics_url: _Optional[str] = ...) -> None: ...
 
 class ResetCachesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("device_only",)
+    DEVICE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    device_only: bool
+    def __init__(self, device_only: _Optional[bool] = ...) -> None: ...
 
 class ResetCachesResponse(_message.Message):
     __slots__ = ("chunks_dropped",)
@@ -246,8 +248,10 @@ class WarmReply(_message.Message):
     def __init__(self, stored: _Optional[_Iterable[bool]] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("device_only",)
+    DEVICE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    device_only: bool
+    def __init__(self, device_only: _Optional[bool] = ...) -> None: ...
 
 class ResetReply(_message.Message):
     __slots__ = ("chunks_dropped",)

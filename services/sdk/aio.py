@@ -69,8 +69,9 @@ class AsyncClient:
     async def stats(self, *, timeout: float | None = None) -> ClusterStats:
         return ClusterStats.from_proto(await self._unary("Stats", self._stub.Stats, pb.StatsRequest(), timeout))
 
-    async def reset_caches(self, *, timeout: float | None = None) -> int:
-        resp = await self._unary("ResetCaches", self._stub.ResetCaches, pb.ResetCachesRequest(), timeout)
+    async def reset_caches(self, *, device_only: bool = False, timeout: float | None = None) -> int:
+        req = pb.ResetCachesRequest(device_only=device_only)
+        resp = await self._unary("ResetCaches", self._stub.ResetCaches, req, timeout)
         return resp.chunks_dropped
 
     async def _retry(self, exc: grpc.aio.AioRpcError, attempt: int, deadline: float) -> bool:

@@ -120,10 +120,12 @@ class Client:
                            timeout)
         return ClusterStats.from_proto(resp)
 
-    def reset_caches(self, *, timeout: float | None = None) -> int:
-        """Drop cached chunk KV everywhere (benchmarks start each mode cold); returns chunks dropped."""
-        resp = self._unary("ResetCaches", lambda t: self._stub.ResetCaches(pb.ResetCachesRequest(), timeout=t,
-                                                                           metadata=self._s.metadata), timeout)
+    def reset_caches(self, *, device_only: bool = False, timeout: float | None = None) -> int:
+        """Drop cached chunk KV everywhere (benchmarks start each mode cold), or with ``device_only``
+        only the workers' device caches (the KV store keeps its chunks); returns chunks dropped."""
+        req = pb.ResetCachesRequest(device_only=device_only)
+        resp = self._unary("ResetCaches", lambda t: self._stub.ResetCaches(req, timeout=t, metadata=self._s.metadata),
+                           timeout)
         return resp.chunks_dropped
 
     def wait_ready(self, timeout: float = 30.0) -> None:

@@ -1,0 +1,148 @@
+"""``tessera up``, ``tessera down``, ``tessera demo``.
+
+``up`` with no ``--address`` starts a local Ray head (``ray start --head``), writes the tiny model
+and uses temporary RocksDB directories: the embedded default. With ``--address`` it joins that Ray
+cluster. Actors are detached, so the cluster outlives the command; what ``up`` started is written
+to a state file that ``down`` reads to stop it (and the local Ray head, and the temporary files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+STATE = Path(os.environ.get("TESSERA_STATE", Path.home() / ".tessera" / "cluster.json"))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    up = subparsers.add_parser("up", help="start the cluster (local Ray + tiny model by default)",
+                               description="Start the gateway, prefill/decode workers and KV store shards on Ray.")
+    up.add_argument("--address", help="join this Ray cluster (default: start a local one)")
+    up.add_argument("--model", help="model directory (default: the tiny model, written to a temporary directory)")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    up.add_argument("--stores", type=int, default=1, help="KV store shards (default 1; 0: no store)")
+    up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051; 0: any free port)")
+    up.add_argument("--host", default=None, help="bind address (default 127.0.0.1 locally, 0.0.0.0 with --address)")
+    up.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    up.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
+    up.add_argument("--store-dir", help="RocksDB directories go here (default: a temporary directory)")
+    up.add_argument("--token", default=os.environ.get("TESSERA_TOKEN"), help="bearer token clients must send")
+    up.set_defaults(handler=_up)
+
+    down = subparsers.add_parser("down", help="stop what `tessera up` started")
+    down.add_argument("--address", help="Ray cluster to stop Tessera on (default: the one `up` recorded)")
+    down.set_defaults(handler=_down)
+
+    demo = subparsers.add_parser("demo", help="up, replay a small Zipf trace in full and tessera mode, report, down")
+    demo.add_argument("--requests", type=int, default=None, help="requests in the trace (default 32)")
+    demo.add_argument("--output", help="also write the full replay report (JSON, plots) here")
+    demo.set_defaults(handler=_demo)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _ray_cli() -> str:
+    exe = Path(sys.executable).with_name("ray")
+    return str(exe) if exe.exists() else "ray"
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services.cluster.config import ClusterConfig
+    from services.cluster.launch import ensure_ray, start_cluster
+
+    if STATE.exists():
+        raise ValueError(f"a cluster is already up ({STATE}); run `tessera down` first")
+    if args.model and not Path(args.model, "config.json").is_file():
+        raise FileNotFoundError(f"{args.model} is not a model directory (no config.json)")
+    cuda = args.device == "cuda" or (args.device is None and _cuda())
+    device = args.device or ("cuda" if cuda else "cpu")
+    state: dict = {"started_ray": False, "temp": []}
+    address = args.address
+    if address is None:
+        n_cpus = args.prefill + args.decode + 1
+        print(f"starting a local Ray head ({n_cpus} logical CPUs)", file=sys.stderr)
+        subprocess.run([_ray_cli(), "start", "--head", f"--num-cpus={n_cpus}", "--include-dashboard=false",
+                        f"--object-store-memory={96 << 20}", "--disable-usage-stats"], check=True,
+                       stdout=subprocess.DEVNULL)
+        state["started_ray"] = True
+        address = "auto"
+    model = args.model
+    if model is None:
+        from services.engine.tiny import write_tiny
+
+        tmp = tempfile.mkdtemp(prefix="tessera-model-")
+        state["temp"].append(tmp)
+        model = str(write_tiny(Path(tmp) / "tiny-llama"))
+        print(f"tiny model written to {model}", file=sys.stderr)
+    store_dir = args.store_dir
+    if store_dir is None and args.stores:
+        store_dir = tempfile.mkdtemp(prefix="tessera-rocksdb-")
+        state["temp"].append(store_dir)
+    host = args.host or ("0.0.0.0" if args.address else "127.0.0.1")
+    cfg = ClusterConfig(model_dir=model, prefill=args.prefill, decode=args.decode, stores=args.stores, device=device,
+                        dtype=args.dtype or ("bfloat16" if cuda else "float32"), store_dir=store_dir,
+                        gateway_port=args.port, bind_host=host, token=args.token, detached=True)
+    try:
+        ensure_ray(address)
+        cluster = start_cluster(cfg, progress=lambda m: print(m, file=sys.stderr))
+    except BaseException:
+        _cleanup(state)
+        raise
+    state.update(address=args.address, namespace=cfg.namespace, gateway=cluster.gateway_address,
+                 actors=sorted(cluster.actors))
+    STATE.parent.mkdir(parents=True, exist_ok=True)
+    STATE.write_text(json.dumps(state, indent=2))
+    print(f"Tessera is up: gateway {cluster.gateway_address} "
+          f"({cfg.prefill} prefill, {cfg.decode} decode, {cfg.stores} store shard(s), {device}); stop with `tessera down`")
+    print(cluster.gateway_address)
+    return 0
+
+
+def _cleanup(state: dict) -> None:
+    if state.get("started_ray"):
+        subprocess.run([_ray_cli(), "stop"], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for path in state.get("temp", []):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _down(args: argparse.Namespace) -> int:
+    import ray
+
+    from services.cluster.launch import stop_cluster
+
+    state = json.loads(STATE.read_text()) if STATE.exists() else {}
+    address = args.address or state.get("address") or "auto"
+    if not state and not args.address:
+        raise ValueError(f"nothing to stop: no {STATE} (was the cluster started with `tessera up`?)")
+    try:
+        ray.init(address=address, namespace=state.get("namespace", "tessera"), log_to_driver=False)
+        stopped = stop_cluster(state.get("namespace", "tessera"))
+        ray.shutdown()
+        print(f"stopped {len(stopped)} actor(s)", file=sys.stderr)
+    except ConnectionError as exc:
+        print(f"Ray at {address} is not reachable ({exc}); cleaning up local state", file=sys.stderr)
+    _cleanup(state)
+    STATE.unlink(missing_ok=True)
+    print("Tessera is down")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from services.cluster.demo import DemoSettings, run_demo
+
+    settings = DemoSettings() if args.requests is None else DemoSettings(requests=args.requests)
+    return run_demo(settings, output=args.output)

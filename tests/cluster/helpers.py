@@ -1,0 +1,57 @@
+"""Helpers of the cluster tests: prompts, in-process services, bounded waits."""
+
+from __future__ import annotations
+
+import random
+import time
+
+MAX_POSITIONS = 1024     # the tests' tiny model: long enough for every prompt, short enough to exceed
+
+
+def docs(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """n random byte-token documents of ``length`` tokens (ids below 256: no special tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(length)] for _ in range(n)]
+
+
+def wait_until(check, timeout_s: float = 120.0, every_s: float = 0.25, what: str = "condition"):
+    """Poll ``check()`` until it returns something truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last_exc = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - the thing waited for may throw until it is up
+            last_exc = exc
+        time.sleep(every_s)
+    raise AssertionError(f"timed out waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+class InProcessCluster:
+    """Store shard, prefill and decode workers and a gateway served from one loop thread here."""
+
+    def __init__(self, model_dir: str, store_dir, token: str | None = None) -> None:
+        from services.cluster.config import EngineSettings
+        from services.cluster.serving import LoopThread
+        from services.decode.server import create_server as decode_server
+        from services.gateway.server import create_server as gateway_server
+        from services.kvstore import BackgroundServer, StoreConfig
+        from services.prefill.server import create_server as prefill_server
+
+        self.store = BackgroundServer(StoreConfig(dram_bytes=64 << 20, rocksdb_dir=str(store_dir / "shard")))
+        self.loop = LoopThread("test-cluster")
+        engine = EngineSettings(model_dir, kv_cache_bytes=64 << 20)
+        self.prefill, pport = self.loop.run(prefill_server("prefill-0", engine, [self.store.address]))
+        self.decode, dport = self.loop.run(decode_server("decode-0", engine, [self.store.address]))
+        workers = [("prefill-0", "prefill", f"127.0.0.1:{pport}"), ("decode-0", "decode", f"127.0.0.1:{dport}")]
+        self.gateway, gport = self.loop.run(gateway_server(model_dir, workers, token=token))
+        self.address = f"127.0.0.1:{gport}"
+        self.token = token
+
+    def stop(self) -> None:
+        for server in (self.gateway, self.decode, self.prefill):
+            self.loop.run(server.stop(0.5))
+        self.loop.stop()
+        self.store.stop()

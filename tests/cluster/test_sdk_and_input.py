@@ -1,0 +1,197 @@
+"""The gateway's refusals and the SDK's error paths, against services run in this process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.sdk import (AsyncClient, ChunkId, Client, DeadlineExceeded, InvalidArgument, Unauthenticated,
+                          Unavailable)
+
+from .helpers import MAX_POSITIONS, docs
+
+
+@pytest.fixture(scope="module")
+def client(inproc):
+    with Client(inproc.address, token=inproc.token, timeout=60) as c:
+        yield c
+
+
+def test_generate_matches_the_engine(client, reference):
+    chunks, suffix = docs(2, 48, seed=1), [7, 8, 9]
+    got = client.complete(chunks, suffix, max_new_tokens=12, stop_token_ids=[])
+    assert list(got.token_ids) == reference.generate(chunks, suffix, max_new_tokens=12, stop_token_ids=[])
+    assert got.finish_reason == "length"
+    assert sum(got.stats.chunk_tokens_by_tier.values()) == 96
+    assert got.stats.prompt_tokens == 99 and got.stats.output_tokens == 12
+
+
+def test_text_chunks_are_tokenized_by_the_gateway(client, reference):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{reference.model_dir}/tokenizer.json")
+    texts = ["Tessera computes each document once. ", "Then reuses it anywhere. "]
+    got = client.complete(texts, "Why?", max_new_tokens=6, stop_token_ids=[])
+    ids = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    want = reference.generate(ids, tok.encode("Why?", add_special_tokens=False).ids, max_new_tokens=6,
+                              stop_token_ids=[])
+    assert list(got.token_ids) == want
+    assert got.text == tok.decode(want)
+
+
+def test_registered_chunks_are_named_by_id(client, reference):
+    chunks = docs(2, 40, seed=2)
+    reg = client.register_chunks(chunks)
+    assert [r.num_tokens for r in reg] == [40, 40] and all(r.stored for r in reg)
+    assert reg[0].chunk_id == reference.chunk_id(chunks[0])
+    got = client.complete([ChunkId(reg[1].chunk_id), ChunkId(reg[0].chunk_id)], [1, 2], max_new_tokens=5,
+                          stop_token_ids=[])
+    assert list(got.token_ids) == reference.generate([chunks[1], chunks[0]], [1, 2], max_new_tokens=5,
+                                                     stop_token_ids=[])
+    assert got.stats.chunk_tokens_by_tier == {"gpu": 80}
+
+
+def test_store_hit_after_device_caches_are_dropped(client, reference):
+    chunks = docs(2, 64, seed=3)
+    assert all(r.stored for r in client.register_chunks(chunks))
+    client.reset_caches(device_only=True)
+    got = client.complete(chunks, [5], max_new_tokens=6, stop_token_ids=[])
+    assert got.stats.chunk_tokens_by_tier == {"dram": 128}
+    assert got.stats.loaded_bytes > 0
+    assert list(got.token_ids) == reference.generate(chunks, [5], max_new_tokens=6, stop_token_ids=[])
+
+
+def test_stop_token_ends_like_the_engine(client, reference):
+    chunks, suffix = docs(1, 32, seed=4), [3]
+    want = reference.generate(chunks, suffix, max_new_tokens=8, stop_token_ids=[])
+    stop = want[2]
+    got = client.complete(chunks, suffix, max_new_tokens=8, stop_token_ids=[stop])
+    assert list(got.token_ids) == reference.generate(chunks, suffix, max_new_tokens=8, stop_token_ids=[stop])
+    assert got.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(chunks=[ChunkId("not-registered")], suffix=[1]), "unknown chunk id 'not-registered'"),
+    (dict(chunks=[], suffix=[]), "empty request"),
+    (dict(chunks=[[1, 2]], suffix=[]), "suffix must hold at least one token"),
+    (dict(chunks=[[]], suffix=[1]), "chunk 0 holds no token"),
+    (dict(chunks=[[1] * (MAX_POSITIONS - 8)], suffix=[1, 2], max_new_tokens=16), "past the model's limit"),
+    (dict(chunks=[[1, 2]], suffix=[1], temperature=-0.5), "temperature must be"),
+    (dict(chunks=[[1, 2]], suffix=[1], top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(chunks=[[1, 2]], suffix=[1], top_k=-3), "top_k must be >= 0"),
+    (dict(chunks=[[1, 2]], suffix=[1], max_new_tokens=0), "max_new_tokens must be"),
+    (dict(chunks=[[1, 100000]], suffix=[1]), "token id 100000 in chunk 0 is outside the vocabulary"),
+    (dict(chunks=[[1, 2]], suffix=[1], mode="sideways"), "unknown mode 'sideways'"),
+    (dict(chunks=[[1, 2]], suffix=[1], recompute_ratio=1.5), "recompute_ratio must be in [0, 1]"),
+], ids=["unknown-chunk", "empty", "no-suffix", "empty-chunk", "too-long", "temperature", "top_p", "top_k",
+        "max_new_tokens", "vocab", "mode", "ratio"])
+def test_bad_input_is_invalid_argument_with_the_reason(client, kwargs, reason):
+    with pytest.raises(InvalidArgument) as info:
+        client.complete(**kwargs)
+    assert info.value.code == "INVALID_ARGUMENT"
+    assert reason in str(info.value)
+
+
+def test_register_refuses_ids_and_nothing(client):
+    with pytest.raises(InvalidArgument, match="empty request"):
+        client.register_chunks([])
+    with pytest.raises(InvalidArgument, match="holds no token"):
+        client.register_chunks([""])
+
+
+def test_missing_or_wrong_token_is_unauthenticated(inproc):
+    for token in (None, "wrong"):
+        with Client(inproc.address, token=token, timeout=10) as c:
+            with pytest.raises(Unauthenticated, match="bearer token"):
+                c.stats()
+            with pytest.raises(Unauthenticated):
+                c.complete([[1]], [2], max_new_tokens=1)
+
+
+def test_stats_describe_the_cluster(client):
+    st = client.stats()
+    assert st.vocab_size == 320 and st.max_position_embeddings == MAX_POSITIONS
+    assert {w.role for w in st.workers} == {"prefill", "decode"} and all(w.healthy for w in st.workers)
+    assert "grpc" in st.transport and "nixl" in st.transport
+
+
+def test_metrics_endpoints_use_base_units(client):
+    import urllib.request
+
+    client.complete(docs(1, 16, seed=5), [1], max_new_tokens=3, stop_token_ids=[])
+    st = client.stats()
+    text = urllib.request.urlopen(st.metrics_url, timeout=10).read().decode()
+    for name in ("tessera_gateway_ttft_seconds_bucket", "tessera_gateway_tpot_seconds_bucket",
+                 "tessera_gateway_e2e_seconds_bucket", "tessera_gateway_queue_seconds_bucket",
+                 'tessera_gateway_requests_total{outcome="ok"}', 'tessera_gateway_requests_total{outcome="invalid"}'):
+        assert name in text
+    prefill = next(w for w in st.workers if w.role == "prefill")
+    text = urllib.request.urlopen(prefill.metrics_url, timeout=10).read().decode()
+    for name in ('tessera_prefill_chunk_hits_total{tier="computed"}', "tessera_prefill_recomputed_tokens_total",
+                 "tessera_prefill_loaded_bytes_total", "tessera_prefill_handoff_bytes_total"):
+        assert name in text
+    decode = next(w for w in st.workers if w.role == "decode")
+    text = urllib.request.urlopen(decode.metrics_url, timeout=10).read().decode()
+    assert "tessera_decode_handoff_bytes_total" in text and "tessera_decode_batch_size_bucket" in text
+
+
+def test_async_client_streams_the_same_tokens(inproc, reference):
+    chunks, suffix = docs(2, 24, seed=6), [4, 4]
+
+    async def run():
+        async with AsyncClient(inproc.address, token=inproc.token) as c:
+            out = []
+            async for ev in c.generate(chunks, suffix, max_new_tokens=7, stop_token_ids=[]):
+                out += ev.token_ids
+            with pytest.raises(InvalidArgument, match="unknown chunk id"):
+                async for _ in c.generate([ChunkId("nope")], [1]):
+                    pass
+            return out, (await c.stats()).vocab_size
+
+    out, vocab = asyncio.run(run())
+    assert out == reference.generate(chunks, suffix, max_new_tokens=7, stop_token_ids=[])
+    assert vocab == 320
+
+
+def test_unreachable_gateway_is_unavailable_after_retries():
+    from services.cluster.serving import free_port
+
+    with Client(f"127.0.0.1:{free_port()}", timeout=10, retries=2, backoff_s=0.05) as c:
+        with pytest.raises(Unavailable, match="UNAVAILABLE"):
+            c.stats()
+        with pytest.raises(Unavailable):
+            c.complete([[1]], [2])
+
+
+def test_deadline_is_carried_and_reported(client):
+    with pytest.raises(DeadlineExceeded, match="DEADLINE_EXCEEDED"):
+        client.complete(docs(4, 200, seed=7), [1], max_new_tokens=200, stop_token_ids=[], timeout=0.001)
+
+
+def test_unavailable_is_retried_until_the_gateway_comes_up(tiny_model, inproc):
+    """A gateway that starts while the client is retrying is reached (UNAVAILABLE is retried)."""
+    import threading
+
+    from services.cluster.serving import free_port
+    from services.gateway.server import create_server
+
+    port = free_port()
+    workers = [(w.name, w.role, w.address) for w in inproc.gateway.servicer.router.workers.values()]
+    started = []
+
+    def start_late():
+        import time
+
+        time.sleep(0.5)
+        started.append(inproc.loop.run(create_server(tiny_model, workers, port=port))[0])
+
+    t = threading.Thread(target=start_late)
+    t.start()
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=60, retries=8, backoff_s=0.2) as c:
+            assert c.stats().vocab_size == 320
+    finally:
+        t.join()
+        for server in started:
+            inproc.loop.run(server.stop(0.1))
