@@ -92,10 +92,12 @@ class TieredStore:
             self.slots.append(slot)
             for chunk_id, nbytes in await asyncio.to_thread(db.scan):
                 # A restart with a smaller budget drops the excess (scan order) before serving.
-                for victim in slot.residency.victims_for(chunk_id, nbytes) if slot.residency.fits(nbytes) else []:
+                if not slot.residency.fits(nbytes):
+                    await asyncio.to_thread(db.remove, chunk_id)
+                    continue
+                for victim in slot.residency.victims_for(chunk_id, nbytes):
                     await asyncio.to_thread(db.remove, victim)
-                if slot.residency.fits(nbytes):
-                    slot.residency.add(chunk_id, nbytes)
+                slot.residency.add(chunk_id, nbytes)
             log.info("rocksdb tier at %s: %d chunks, %d bytes", cfg.rocksdb_dir, len(slot.residency.sizes), slot.residency.used)
         if cfg.s3 is not None:
             from services.kvstore.s3tier import S3Tier
@@ -122,8 +124,16 @@ class TieredStore:
                 raise ResourceExhausted(f"chunk of {nbytes} bytes exceeds the whole {slot.name} budget of {slot.residency.budget} bytes")
 
     async def put(self, meta: ChunkMeta, layers: tuple[LayerData, ...]) -> list[int]:
-        """Store a complete, verified chunk; returns the tiers holding it (pb.Tier values)."""
+        """Store a complete, verified chunk; returns the tiers holding it (pb.Tier values).
+
+        NOTE: once started, a commit runs to its end even if the caller is cancelled (deadline,
+        disconnect): a tier write already handed to a thread cannot be stopped, and abandoning the
+        bookkeeping half way would leave data on disk that the budget does not count.
+        """
         self.check_admissible(meta.nbytes)
+        return await asyncio.shield(self._put(meta, layers))
+
+    async def _put(self, meta: ChunkMeta, layers: tuple[LayerData, ...]) -> list[int]:
         async with self._lock:
             targets = self.slots if self.config.write_mode == "through" else self.slots[:1]
             for slot in reversed(targets):          # lowest first: durable before visible in DRAM
@@ -172,6 +182,9 @@ class TieredStore:
                         log.exception("write-behind of %s failed; it stays in DRAM only", chunk_id)
 
     async def delete(self, chunk_id: str) -> bool:
+        return await asyncio.shield(self._delete(chunk_id))
+
+    async def _delete(self, chunk_id: str) -> bool:
         async with self._lock:
             self._dirty.discard(chunk_id)
             found = False
@@ -240,6 +253,9 @@ class TieredStore:
         return None
 
     async def drop_corrupt(self, index: int, chunk_id: str, why: Exception) -> None:
+        await asyncio.shield(self._drop_corrupt(index, chunk_id, why))
+
+    async def _drop_corrupt(self, index: int, chunk_id: str, why: Exception) -> None:
         slot = self.slots[index]
         log.error("%s tier: corrupt entry %s dropped: %s", slot.name, chunk_id, why)
         slot.counters.corrupt += 1
@@ -252,6 +268,9 @@ class TieredStore:
 
     async def _promote(self, meta: ChunkMeta, layers: tuple[LayerData, ...], source: int) -> None:
         """Copy a chunk read from tier ``source`` into the faster tiers that lack it."""
+        await asyncio.shield(self._promote_locked(meta, layers, source))
+
+    async def _promote_locked(self, meta: ChunkMeta, layers: tuple[LayerData, ...], source: int) -> None:
         async with self._lock:
             for slot in reversed(self.slots[:source]):
                 if slot.residency is not None and meta.chunk_id not in slot.residency and slot.residency.fits(meta.nbytes):
