@@ -149,7 +149,7 @@ def in_process_tier_reads(work: Path, chunks: dict, cold: bool) -> float:
             assert session.tier == pb.TIER_ROCKSDB
             n = session.meta.num_layers
             for i in range(n):
-                await session.layer(i, i + 1 if i + 1 < n else None)
+                await session.layer(i, n)
             session.abort()
             total += session.meta.nbytes
         rate = total / (time.perf_counter() - t0) / GB
@@ -368,6 +368,30 @@ def main() -> None:
     console.log(f"wrote {args.out}")
 
 
+def markdown_table(result: dict) -> str:
+    """The summary of a result JSON as a markdown table (``bench/kvstore.py --table FILE``)."""
+    s = result["summary"]
+
+    def f(x, unit=""):
+        return "n/a" if x is None else f"{x:.2f}{unit}"
+    rows = [
+        ("DRAM tier (gRPC, client check on)", f(s["dram_first_layer_ms"], " ms"), f(s["dram_one_stream_GBps"]),
+         f(s["dram_four_streams_GBps"]), f"memcpy {f(s['memcpy_GBps'])} (fresh pages {f(s['memcpy_fresh_alloc_GBps'])}); "
+                                         f"bare Python gRPC stream {f(s['grpc_python_stream_ceiling_GBps'])}"),
+        ("DRAM tier (gRPC, client check off)", "", f(s["dram_client_check_off_one_stream_GBps"]), "", ""),
+        ("RocksDB tier, page cache dropped (gRPC)", f(s["rocksdb_cold_first_layer_ms"], " ms"), f(s["rocksdb_cold_one_stream_GBps"]),
+         f(s["rocksdb_cold_four_streams_GBps"]), f"sequential file read, cache dropped {f(s['disk_seq_read_cold_GBps'])}"),
+        ("RocksDB tier, page cache warm (gRPC)", f(s["rocksdb_warm_first_layer_ms"], " ms"), f(s["rocksdb_warm_one_stream_GBps"]),
+         f(s["rocksdb_warm_four_streams_GBps"]), f"sequential file read, warm {f(s['disk_seq_read_warm_GBps'])}"),
+        ("RocksDB read path alone, cache dropped (no gRPC)", "", f(s["inproc_rocksdb_cold_GBps"]), "", ""),
+        ("RocksDB read path alone, warm (no gRPC)", "", f(s["inproc_rocksdb_warm_GBps"]), "", ""),
+    ]
+    out = ["| path | time to first layer | 1 stream GB/s | 4 streams GB/s (total) | raw medium, same rounds, GB/s |",
+           "| --- | --- | --- | --- | --- |"]
+    out += [f"| {' | '.join(r)} |" for r in rows]
+    return "\n".join(out)
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -381,5 +405,7 @@ def _cpu_model() -> str:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "_raw_grpc_server":
         _raw_grpc_server(int(sys.argv[2]), int(sys.argv[3]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--table":
+        print(markdown_table(json.loads(Path(sys.argv[2]).read_text())))
     else:
         main()

@@ -132,7 +132,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         try:
             for i in range(start, stop):
                 try:
-                    data = await session.layer(i, i + 1 if i + 1 < stop else None)
+                    data = await session.layer(i, stop)
                 except DataLoss as exc:
                     await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
                 except ChunkVanished as exc:

@@ -280,12 +280,15 @@ class TieredStore:
 class ReadSession:
     """Verified layers of one chunk in order; falls back to a lower tier on corruption.
 
-    Call ``layer(i, next_index)`` with increasing i, then ``finish()`` (or ``abort()``). ``tier`` is
-    where the first layer came from. On RocksDB and S3 the read and check of ``next_index`` start in
-    a thread as soon as layer i is handed over, so the disk works while layer i is on the wire
-    (one read in flight per session: a reader is never used by two threads at once). A full read
-    from a lower tier is promoted into the faster tiers by ``finish()``.
+    Call ``layer(i, stop)`` with increasing i, then ``finish()`` (or ``abort()``). ``tier`` is where
+    the first layer came from. On RocksDB and S3 the reads (and checks) of the next layers before
+    ``stop`` start in threads as soon as layer i is handed over, so the disk works while layer i is
+    on the wire: up to ``READ_AHEAD`` at once where the reader allows concurrent reads (RocksDB:
+    one request at a time leaves a disk mostly idle), one where it streams (S3). A full read from a
+    lower tier is promoted into the faster tiers by ``finish()``.
     """
+
+    READ_AHEAD = 4
 
     def __init__(self, store: TieredStore, index: int, reader) -> None:
         self.store = store
@@ -294,15 +297,14 @@ class ReadSession:
         self._index, self._reader = index, reader
         self._lowest = index
         self._kept: dict[int, LayerData] = {}
-        self._ahead: tuple[int, asyncio.Future] | None = None
+        self._ahead: dict[int, asyncio.Future] = {}
 
-    async def layer(self, i: int, next_index: int | None = None) -> LayerData:
+    async def layer(self, i: int, stop: int | None = None) -> LayerData:
         while True:
             slot = self.store.slots[self._index]
             try:
-                if self._ahead is not None and self._ahead[0] == i:
-                    future, self._ahead = self._ahead[1], None
-                    data = await future
+                if i in self._ahead:
+                    data = await self._ahead.pop(i)
                 elif slot.blocking:
                     await self._settle_ahead()
                     data = await asyncio.to_thread(self._read_verified, self._reader, i)
@@ -310,6 +312,7 @@ class ReadSession:
                     data = self._read_verified(self._reader, i)
                 break
             except CorruptEntry as exc:
+                await self._settle_ahead()
                 self._reader.close()
                 changed = await self._changed_under_us(slot)
                 if not changed:
@@ -324,10 +327,13 @@ class ReadSession:
                 self._lowest = self._index
         slot.counters.bytes_out += self.meta.layer_nbytes(i)
         self._kept[i] = data      # references only; needed if a fallback makes this read a promotion
-        if next_index is not None and slot.blocking:
-            future = asyncio.ensure_future(asyncio.to_thread(self._read_verified, self._reader, next_index))
-            future.add_done_callback(_retrieve)
-            self._ahead = (next_index, future)
+        if stop is not None and slot.blocking:
+            depth = self.READ_AHEAD if getattr(self._reader, "concurrent_reads", False) else 1
+            for j in range(i + 1, min(stop, i + 1 + depth)):
+                if j not in self._ahead:
+                    future = asyncio.ensure_future(asyncio.to_thread(self._read_verified, self._reader, j))
+                    future.add_done_callback(_retrieve)
+                    self._ahead[j] = future
         return data
 
     async def _changed_under_us(self, slot: TierSlot) -> bool:
@@ -347,10 +353,10 @@ class ReadSession:
         return data
 
     async def _settle_ahead(self) -> None:
-        """Wait out a read-ahead nobody will use, so the reader is idle before reuse or close."""
-        if self._ahead is not None:
-            future, self._ahead = self._ahead[1], None
-            await asyncio.wait([future])
+        """Wait out read-aheads nobody will use, so the reader is idle before reuse or close."""
+        pending, self._ahead = list(self._ahead.values()), {}
+        if pending:
+            await asyncio.wait(pending)
 
     async def finish(self) -> None:
         await self._settle_ahead()
@@ -361,11 +367,12 @@ class ReadSession:
             await self.store._promote(self.meta, layers, self._lowest)
 
     def abort(self) -> None:
-        """Stop without promotion (client gone or error); an in-flight read-ahead closes the reader."""
+        """Stop without promotion (client gone or error); in-flight read-aheads close the reader."""
         self._kept.clear()
-        if self._ahead is not None:
-            self._ahead[1].add_done_callback(lambda _f, r=self._reader: r.close())
-            self._ahead = None
+        pending, self._ahead = list(self._ahead.values()), {}
+        if pending:
+            done = asyncio.gather(*pending, return_exceptions=True)
+            done.add_done_callback(lambda _f, r=self._reader: r.close())
         else:
             self._reader.close()
 

@@ -165,6 +165,8 @@ class RocksDBTier:
 
 
 class RocksDBReader:
+    concurrent_reads = True     # independent point gets: several layers may be read at once
+
     def __init__(self, meta: ChunkMeta, tier: RocksDBTier) -> None:
         self.meta = meta
         self._tier = tier

@@ -12,7 +12,7 @@ from services.kvstore.tiers import StoredChunk, _layer_key, _meta_key
 
 from .helpers import MiB, assert_roundtrip, make_layers, tiers_of
 
-SHAPE = dict(n_layers=4, tokens=64, heads=8, dim=128)
+SHAPE = dict(n_layers=8, tokens=32, heads=8, dim=128)   # 1 MiB, more layers than the read-ahead depth
 
 
 def flip(data: bytes, at: int = 1000) -> bytes:
@@ -120,11 +120,11 @@ def _read_with_interference(srv, chunk_id, interfere):
     async def go():
         store = srv.server.store
         session = await store.open_read(chunk_id)
-        out = [layer_bytes(await session.layer(0))]
+        out = [layer_bytes(await session.layer(0, session.meta.num_layers))]   # read-aheads in flight
         await interfere(store)
         try:
             for i in range(1, session.meta.num_layers):
-                out.append(layer_bytes(await session.layer(i)))
+                out.append(layer_bytes(await session.layer(i, session.meta.num_layers)))
         finally:
             session.abort()
         return out
