@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import subprocess
@@ -105,9 +106,32 @@ def concurrent_gets(address: str, chunk_ids: list[str]) -> float:
     return sum(results) / wall / GB
 
 
-def tier_row(name: str, singles: list[tuple[float, float, int]], conc: list[float]) -> dict:
+def process_cpu_seconds(pid: int | None = None) -> float:
+    """User+system CPU seconds of a process, all its threads (this one when pid is None)."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_timed(pid: int, fn) -> tuple[list, float, float]:
+    """(fn's result, server CPU s, client CPU s) spent while fn ran."""
+    s0, c0 = process_cpu_seconds(pid), process_cpu_seconds()
+    out = fn()
+    return out, process_cpu_seconds(pid) - s0, process_cpu_seconds() - c0
+
+
+def tier_row(name: str, singles: list[tuple[float, float, int]], conc: list[float], cpu: tuple[float, float] | None = None) -> dict:
+    """``cpu``: (server, client) CPU seconds over the single-stream gets. On a shared host wall
+    time depends on the neighbours; CPU time per chunk much less, and 1 / max(server, client)
+    is what one stream would reach with a core to each side."""
+    per_chunk = None if cpu is None else (cpu[0] / len(singles), cpu[1] / len(singles))
     return {
         "tier": name,
+        "server_cpu_ms_per_chunk": None if cpu is None else 1e3 * per_chunk[0],
+        "client_cpu_ms_per_chunk": None if cpu is None else 1e3 * per_chunk[1],
+        "cpu_bound_one_stream_GBps": None if cpu is None else singles[0][2] / max(per_chunk) / GB,
         "first_layer_ms_median": 1e3 * float(np.median([s[0] for s in singles])),
         "one_stream_GBps_median": float(np.median([s[2] / s[1] / GB for s in singles])),
         "four_streams_GBps_median": float(np.median(conc)) if conc else None,
@@ -252,8 +276,10 @@ def measure_round(work: Path, chunks: dict, chunk_bytes: int, n: int, r: int, co
                 c.put(cid, chunks[cid])
             out["put_GBps"] = n * chunk_bytes / (time.perf_counter() - t0) / GB
             timed_get(c, ids[0])                          # warm-up: connection, allocator
-            out["dram"] = tier_row("dram", [timed_get(c, cid) for cid in ids[:n]], [concurrent_gets(address, ids[:4])])
-            out["dram_client_verify_off"] = tier_row("dram, client check off", [timed_get(nv, cid) for cid in ids[:n]], [])
+            singles, *cpu = cpu_timed(proc.pid, lambda: [timed_get(c, cid) for cid in ids[:n]])
+            out["dram"] = tier_row("dram", singles, [concurrent_gets(address, ids[:4])], cpu)
+            singles, *cpu = cpu_timed(proc.pid, lambda: [timed_get(nv, cid) for cid in ids[:n]])
+            out["dram_client_verify_off"] = tier_row("dram, client check off", singles, [], cpu)
     finally:
         stop_server(proc)
     # RocksDB: DRAM holds one chunk, so a get of any chunk but the last one read comes from
@@ -266,13 +292,13 @@ def measure_round(work: Path, chunks: dict, chunk_bytes: int, n: int, r: int, co
             time.sleep(3)   # let RocksDB flush the memtable in the background before reads are timed
             first, second = ids[:n], ids[n:n + 4]
             if drop_page_cache():
-                cold = [timed_get(c, cid) for cid in first]
+                cold, *cpu = cpu_timed(proc.pid, lambda: [timed_get(c, cid) for cid in first])
                 drop_page_cache()
-                out["rocksdb_cold"] = tier_row("rocksdb, page cache dropped", cold, [concurrent_gets(address, second)])
+                out["rocksdb_cold"] = tier_row("rocksdb, page cache dropped", cold, [concurrent_gets(address, second)], cpu)
             for cid in first + second:
                 timed_get(c, cid)                        # page cache now holds every chunk
-            warm = [timed_get(c, cid) for cid in first]
-            out["rocksdb_warm"] = tier_row("rocksdb, page cache warm", warm, [concurrent_gets(address, second)])
+            warm, *cpu = cpu_timed(proc.pid, lambda: [timed_get(c, cid) for cid in first])
+            out["rocksdb_warm"] = tier_row("rocksdb, page cache warm", warm, [concurrent_gets(address, second)], cpu)
             hits = {t.tier: t.hits for t in c.stats().tiers}
             out["rocksdb_tier_hits"] = hits.get(2, 0)
     finally:
@@ -341,6 +367,13 @@ def main() -> None:
         "rocksdb_warm_first_layer_ms": med(lambda r: r["rocksdb_warm"]["first_layer_ms_median"]),
         "inproc_rocksdb_cold_GBps": med(lambda r: r["inproc_rocksdb_cold_GBps"]),
         "inproc_rocksdb_warm_GBps": med(lambda r: r["inproc_rocksdb_warm_GBps"]),
+        "dram_cpu_ms_per_chunk_server": med(lambda r: r["dram"]["server_cpu_ms_per_chunk"]),
+        "dram_cpu_ms_per_chunk_client": med(lambda r: r["dram"]["client_cpu_ms_per_chunk"]),
+        "dram_cpu_bound_one_stream_GBps": med(lambda r: r["dram"]["cpu_bound_one_stream_GBps"]),
+        "dram_client_check_off_cpu_bound_GBps": med(lambda r: r["dram_client_verify_off"]["cpu_bound_one_stream_GBps"]),
+        "rocksdb_cold_cpu_ms_per_chunk_server": med(lambda r: r.get("rocksdb_cold", {}).get("server_cpu_ms_per_chunk")),
+        "rocksdb_warm_cpu_ms_per_chunk_server": med(lambda r: r["rocksdb_warm"]["server_cpu_ms_per_chunk"]),
+        "rocksdb_warm_cpu_bound_one_stream_GBps": med(lambda r: r["rocksdb_warm"]["cpu_bound_one_stream_GBps"]),
         "put_GBps": med(lambda r: r["put_GBps"]),
         "memcpy_GBps": med(lambda r: r["memcpy_GBps"]),
         "memcpy_fresh_alloc_GBps": med(lambda r: r["memcpy_fresh_alloc_GBps"]),
@@ -388,8 +421,14 @@ def markdown_table(result: dict) -> str:
     ]
     out = ["| path | time to first layer | 1 stream GB/s | 4 streams GB/s (total) | raw medium, same rounds, GB/s |",
            "| --- | --- | --- | --- | --- |"]
+    cpu = (f"CPU per 64 MiB chunk, DRAM tier: server {f(s['dram_cpu_ms_per_chunk_server'], ' ms')}, client "
+           f"{f(s['dram_cpu_ms_per_chunk_client'], ' ms')}: one stream with a core per side would reach "
+           f"{f(s['dram_cpu_bound_one_stream_GBps'])} GB/s ({f(s['dram_client_check_off_cpu_bound_GBps'])} with the client's "
+           f"check off). RocksDB tier, warm: server {f(s['rocksdb_warm_cpu_ms_per_chunk_server'], ' ms')}, "
+           f"{f(s['rocksdb_warm_cpu_bound_one_stream_GBps'])} GB/s; cache dropped: server "
+           f"{f(s['rocksdb_cold_cpu_ms_per_chunk_server'], ' ms')}. Put (write-through to RocksDB): {f(s['put_GBps'])} GB/s.")
     out += [f"| {' | '.join(r)} |" for r in rows]
-    return "\n".join(out)
+    return "\n".join(out) + "\n\n" + cpu
 
 
 def _cpu_model() -> str:

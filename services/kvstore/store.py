@@ -136,8 +136,18 @@ class TieredStore:
     async def _put(self, meta: ChunkMeta, layers: tuple[LayerData, ...]) -> list[int]:
         async with self._lock:
             targets = self.slots if self.config.write_mode == "through" else self.slots[:1]
-            for slot in reversed(targets):          # lowest first: durable before visible in DRAM
-                await self._admit(slot, meta, layers)
+            written: list[TierSlot] = []
+            try:
+                for slot in reversed(targets):      # lowest first: durable before visible in DRAM
+                    await self._admit(slot, meta, layers)
+                    written.append(slot)
+            except BaseException:
+                # A tier failed (disk full, S3 down): the put is refused, so no tier may show it.
+                for slot in written:
+                    if slot.residency is not None:
+                        slot.residency.discard(meta.chunk_id)
+                    await self._call(slot, slot.storage.remove, meta.chunk_id)
+                raise
             if len(targets) < len(self.slots):
                 self._dirty.add(meta.chunk_id)
                 self._flush_queue.put_nowait(meta.chunk_id)

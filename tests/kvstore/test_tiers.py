@@ -127,3 +127,20 @@ def test_restart_on_the_same_rocksdb_dir_serves_what_was_stored(tmp_path):
         assert tiers_of(c, "persist") == ("rocksdb",)
         assert_roundtrip(c, "persist", layers)
         assert c.delete("persist") and not c.lookup(["persist"])[0].found
+
+
+def test_a_tier_failing_mid_put_leaves_the_chunk_in_no_tier(start_store, s3_config):
+    srv, c = start_store(dram_bytes=8 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB, s3=s3_config)
+    rocks = next(s for s in srv.server.store.slots if s.name == "rocksdb").storage
+    real_write = rocks.write
+
+    def failing_write(meta, layers):
+        raise OSError("disk full")
+    rocks.write = failing_write                  # S3 (written first) succeeds, RocksDB fails
+    with pytest.raises(grpc.RpcError):
+        c.put("doomed", make_layers(seed=1, **SHAPE))
+    rocks.write = real_write
+    assert not c.lookup(["doomed"])[0].found
+    layers = make_layers(seed=2, **SHAPE)
+    c.put("fine", layers)
+    assert_roundtrip(c, "fine", layers)
