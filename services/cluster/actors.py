@@ -75,9 +75,10 @@ class ServiceActor:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
         self.spec = spec
         self._loop = LoopThread(f"{spec.role}-loop")
-        port = remembered_port(spec.name, spec.host, spec.port)
+        key = f"{spec.namespace}/{spec.name}"
+        port = remembered_port(key, spec.host, spec.port)
         self._server, self._port = self._loop.run(_create(spec, port), timeout=900)
-        remember_port(spec.name, self._port)
+        remember_port(key, self._port)
         self._address = f"{advertised_host(spec.host)}:{self._port}"
 
     def address(self) -> str:

@@ -77,7 +77,7 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
     ray = _ray()
     from services.cluster.serving import forget_ports
 
-    forget_ports()
+    forget_ports(f"tessera/port/{cfg.namespace}/")
     actors: dict[str, object] = {}
     addresses: dict[str, str] = {}
     scratch = None

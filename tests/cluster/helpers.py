@@ -55,3 +55,13 @@ class InProcessCluster:
             self.loop.run(server.stop(0.5))
         self.loop.stop()
         self.store.stop()
+
+
+def start_ray_cluster(model_dir: str, store_dir, namespace: str, **fields):
+    """A Tessera cluster on the session's local Ray, in its own namespace."""
+    from services.cluster.config import ClusterConfig
+    from services.cluster.launch import start_cluster
+
+    cfg = ClusterConfig(model_dir=model_dir, store_dir=str(store_dir), kv_cache_bytes=64 << 20, namespace=namespace,
+                        **fields)
+    return start_cluster(cfg)

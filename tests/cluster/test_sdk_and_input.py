@@ -56,7 +56,8 @@ def test_store_hit_after_device_caches_are_dropped(client, reference):
     chunks = docs(2, 64, seed=3)
     assert all(r.stored for r in client.register_chunks(chunks))
     client.reset_caches(device_only=True)
-    got = client.complete(chunks, [5], max_new_tokens=6, stop_token_ids=[])
+    # a fixed ratio: left to the loading controller, it would follow the measured load time
+    got = client.complete(chunks, [5], max_new_tokens=6, recompute_ratio=0.15, stop_token_ids=[])
     assert got.stats.chunk_tokens_by_tier == {"dram": 128}
     assert got.stats.loaded_bytes > 0
     assert list(got.token_ids) == reference.generate(chunks, [5], max_new_tokens=6, stop_token_ids=[])
