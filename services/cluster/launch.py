@@ -70,6 +70,17 @@ def _remote(cfg: ClusterConfig, name: str, num_cpus: float, num_gpus: float):
     return ray.remote(ServiceActor).options(**opts)
 
 
+def _gpus_per_worker(cfg: ClusterConfig) -> float:
+    """One GPU per worker when the cluster has enough, else an equal share (workers then share GPUs)."""
+    if not cfg.device.startswith("cuda"):
+        return 0
+    total = _ray().cluster_resources().get("GPU", 0)
+    if total <= 0:
+        raise ValueError("--device cuda, but the Ray cluster has no GPU")
+    workers = cfg.prefill + cfg.decode
+    return 1 if total >= workers else total / workers
+
+
 def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _m: None) -> Cluster:
     """Start every actor and wait until each serves; Ray must be initialised."""
     from services.kvstore import StoreConfig
@@ -97,7 +108,7 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
             actors[name] = _remote(cfg, name, 0, 0).remote(spec)
         addresses.update(zip(names["store"], ray.get([actors[n].address.remote() for n in names["store"]])))
         stores = tuple(addresses[n] for n in names["store"])
-        gpus = 1 if cfg.device.startswith("cuda") else 0
+        gpus = _gpus_per_worker(cfg)
         progress(f"starting {cfg.prefill} prefill and {cfg.decode} decode worker(s) on {cfg.device}")
         for role in ("prefill", "decode"):
             for name in names[role]:

@@ -17,7 +17,7 @@ import grpc
 
 from services.cluster.config import DecodeSettings, EngineSettings
 from services.cluster.kvio import StoreAccess
-from services.cluster.serving import GRPC_OPTIONS, add_health, bind, serve_metrics, set_serving
+from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.cluster.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
@@ -136,7 +136,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
 
     batcher = Batcher(eng, metrics, settings.max_batch, fetch if store.enabled else None)
     http, http_port = serve_metrics(metrics.registry, host)
-    servicer = DecodeServicer(batcher, eng, store, metrics, name, f"http://{host}:{http_port}/metrics", settings)
+    servicer = DecodeServicer(batcher, eng, store, metrics, name, f"http://{advertised_host(host)}:{http_port}/metrics", settings)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))

@@ -16,7 +16,7 @@ import uuid
 
 import grpc
 
-from services.cluster.serving import GRPC_OPTIONS, add_health, bind, serve_metrics, set_serving
+from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.gateway.auth import BearerAuth
 from services.gateway.inputs import ChunkRegistry, InputResolver, InvalidRequest, ResolvedRequest
 from services.gateway.metrics import GatewayMetrics
@@ -252,7 +252,8 @@ async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, 
     http, http_port = serve_metrics(metrics.registry, host)
     from pathlib import Path
 
-    servicer = GatewayServicer(resolver, router, peers, metrics, Path(model_dir).name, f"http://{host}:{http_port}/metrics")
+    servicer = GatewayServicer(resolver, router, peers, metrics, Path(model_dir).name,
+                               f"http://{advertised_host(host)}:{http_port}/metrics")
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[BearerAuth(token, SERVICE_NAME)] if token else None)
     pb_grpc.add_TesseraServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))

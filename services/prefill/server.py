@@ -16,7 +16,7 @@ import grpc
 
 from services.cluster.config import EngineSettings, PrefillSettings
 from services.cluster.kvio import StoreAccess
-from services.cluster.serving import GRPC_OPTIONS, add_health, bind, serve_metrics, set_serving
+from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.cluster.transport import handoff_parts, probe_transport
 from services.prefill.controller import LoadingController
 from services.prefill.metrics import PrefillMetrics
@@ -83,9 +83,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             self.worker.metrics.requests.labels("ok").inc()
             stats = pb.RequestStats(
                 chunk_tokens_by_tier=out.tier_tokens, recomputed_tokens=out.recomputed_tokens,
-                prefill_seconds=out.prefill_seconds, load_wait_seconds=out.load_wait_seconds,
-                loaded_bytes=out.loaded_bytes, handoff_bytes=len(out.payload), transport=self.transport.name,
-                prefill_worker=self.name, recompute_ratio=out.ratio, queue_seconds=out.queue_seconds)
+                prefill_seconds=out.prefill_seconds, load_seconds=out.load_seconds,
+                load_wait_seconds=out.load_wait_seconds, loaded_bytes=out.loaded_bytes,
+                handoff_bytes=len(out.payload), transport=self.transport.name, prefill_worker=self.name, recompute_ratio=out.ratio, queue_seconds=out.queue_seconds)
             return pb.PrefillReply(stats=stats, resident_chunk_ids=resident)
         finally:
             self.in_flight -= 1
@@ -133,7 +133,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     store = StoreAccess(store_addresses, on_error=lambda call: metrics.store_errors.labels(call).inc())
     worker = PrefillWorker(eng, store, LoadingController(settings.quality_floor), metrics, settings.default_ratio)
     http, http_port = serve_metrics(metrics.registry, host)
-    servicer = PrefillServicer(worker, name, f"http://{host}:{http_port}/metrics")
+    servicer = PrefillServicer(worker, name, f"http://{advertised_host(host)}:{http_port}/metrics")
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))

@@ -45,6 +45,7 @@ class PrefillOutcome:
     tier_tokens: dict[str, int]
     recomputed_tokens: int
     loaded_bytes: int
+    load_seconds: float
     load_wait_seconds: float
     prefill_seconds: float
     queue_seconds: float
@@ -136,7 +137,8 @@ class PrefillWorker:
         seconds = time.perf_counter() - started
         self.metrics.seconds.observe(seconds)
         self.metrics.queue_seconds.observe(queue_s)
-        return PrefillOutcome(kind, payload, ratio, tier_tokens, st.tokens_recomputed, loaded, wait, seconds, queue_s)
+        return PrefillOutcome(kind, payload, ratio, tier_tokens, st.tokens_recomputed, loaded,
+                              getattr(st, "load_seconds", 0.0), wait, seconds, queue_s)
 
     def _ratio(self, job: PrefillJob, tiers: list[str]) -> float:
         if job.recompute_ratio is not None:

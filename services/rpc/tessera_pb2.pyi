@@ -59,7 +59,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkInput, _Mapping]]] = ..., suffix_text: _Optional[str] = ..., suffix_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("chunk_tokens_by_tier", "recomputed_tokens", "prompt_tokens", "output_tokens", "queue_seconds", "prefill_seconds", "load_wait_seconds", "loaded_bytes", "handoff_bytes", "transport", "prefill_worker", "decode_worker", "recompute_ratio", "chunk_ids")
+    __slots__ = ("chunk_tokens_by_tier", "recomputed_tokens", "prompt_tokens", "output_tokens", "queue_seconds", "prefill_seconds", "load_wait_seconds", "loaded_bytes", "handoff_bytes", "transport", "prefill_worker", "decode_worker", "recompute_ratio", "chunk_ids", "load_seconds")
     class ChunkTokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class RequestStats(_message.Message):
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     chunk_tokens_by_tier: _containers.ScalarMap[str, int]
     recomputed_tokens: int
     prompt_tokens: int
@@ -95,7 +96,8 @@ class RequestStats(_message.Message):
     decode_worker: str
     recompute_ratio: float
     chunk_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, chunk_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., recomputed_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., load_wait_seconds: _Optional[float] = ..., loaded_bytes: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    load_seconds: float
+    def __init__(self, chunk_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., recomputed_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., load_wait_seconds: _Optional[float] = ..., loaded_bytes: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., chunk_ids: _Optional[_Iterable[str]] = ..., load_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")

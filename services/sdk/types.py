@@ -39,12 +39,13 @@ class GenerationStats:
     decode_worker: str
     recompute_ratio: float
     chunk_ids: tuple[str, ...]
+    load_seconds: float = 0.0        # store streaming time; load_seconds - load_wait_seconds overlapped compute
 
     @classmethod
     def from_proto(cls, s: pb.RequestStats) -> "GenerationStats":
         return cls(dict(s.chunk_tokens_by_tier), s.recomputed_tokens, s.prompt_tokens, s.output_tokens,
                    s.queue_seconds, s.prefill_seconds, s.load_wait_seconds, s.loaded_bytes, s.handoff_bytes,
-                   s.transport, s.prefill_worker, s.decode_worker, s.recompute_ratio, tuple(s.chunk_ids))
+                   s.transport, s.prefill_worker, s.decode_worker, s.recompute_ratio, tuple(s.chunk_ids), s.load_seconds)
 
 
 @dataclass(frozen=True, slots=True)

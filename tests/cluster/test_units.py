@@ -1,0 +1,116 @@
+"""The cluster's pure parts: router, loading controller, hand-off framing, input resolution."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from services.cluster.transport import HandoffError, handoff_parts, probe_transport, receive_handoff
+from services.gateway.router import NoWorker, Router, WorkerView
+from services.prefill.controller import LoadingController
+from services.rpc import tessera_pb2 as pb
+
+
+def router_with(*views: WorkerView) -> Router:
+    r = Router(load_penalty=0.25)
+    for v in views:
+        r.add(v)
+    return r
+
+
+def test_router_prefers_the_worker_holding_the_chunks():
+    r = router_with(WorkerView("p0", "prefill", "a"), WorkerView("p1", "prefill", "b", resident=frozenset({"x", "y"})),
+                    WorkerView("d0", "decode", "c"))
+    assert r.pick_prefill(("x", "y"), (100, 100)).name == "p1"
+
+
+def test_router_weighs_residency_by_tokens():
+    r = router_with(WorkerView("p0", "prefill", "a", resident=frozenset({"small"})),
+                    WorkerView("p1", "prefill", "b", resident=frozenset({"big"})))
+    assert r.pick_prefill(("small", "big"), (10, 500)).name == "p1"
+
+
+def test_router_load_outweighs_a_small_residency_gain():
+    busy = WorkerView("p1", "prefill", "b", resident=frozenset({"x"}), in_flight=4)
+    r = router_with(WorkerView("p0", "prefill", "a"), busy)
+    assert r.pick_prefill(("x", "z"), (100, 100)).name == "p0"
+
+
+def test_router_spreads_equal_workers_and_counts_in_flight():
+    r = router_with(WorkerView("d0", "decode", "a"), WorkerView("d1", "decode", "b"))
+    first, second = r.pick_decode(), r.pick_decode()
+    assert {first.name, second.name} == {"d0", "d1"}
+    assert first.in_flight == second.in_flight == 1
+    r.done(first)
+    assert r.pick_decode().name == first.name
+
+
+def test_router_avoids_failed_workers_and_says_when_none_is_left():
+    down = WorkerView("p0", "prefill", "a", resident=frozenset({"x"}), healthy=False)
+    r = router_with(down, WorkerView("p1", "prefill", "b"))
+    assert r.pick_prefill(("x",), (10,)).name == "p1"
+    assert r.pick_prefill(("x",), (10,), avoid={"p1"}).name == "p0"   # unhealthy beats nothing
+    with pytest.raises(NoWorker, match="no prefill worker"):
+        r.pick_prefill(("x",), (10,), avoid={"p0", "p1"})
+
+
+def stats(**kw):
+    base = dict(chunk_tokens_computed=0, chunk_compute_seconds=0.0, loaded_bytes=0, load_seconds=0.0)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_controller_keeps_the_floor_until_it_has_measured():
+    c = LoadingController(floor=0.15)
+    assert c.ratio(store_bytes=10_000, chunk_tokens=100) == 0.15
+    c.observe(stats(chunk_tokens_computed=100, chunk_compute_seconds=1.0))   # 10 ms / token
+    assert c.ratio(10_000, 100) == 0.15                                        # no load measured yet
+
+
+def test_controller_recomputes_what_the_load_hides():
+    c = LoadingController(floor=0.15, smoothing=1.0)
+    c.observe(stats(chunk_tokens_computed=100, chunk_compute_seconds=1.0))   # 10 ms per token
+    c.observe(stats(loaded_bytes=1000, load_seconds=0.5))                    # 0.5 ms per byte
+    # loading 1000 B takes 0.5 s = recomputing 50 of 100 tokens
+    assert c.ratio(1000, 100) == pytest.approx(0.5)
+    assert c.ratio(100, 100) == 0.15          # a fast load: the quality floor
+    assert c.ratio(10**6, 100) == 1.0         # a very slow load: recompute everything
+    assert c.ratio(0, 100) == 0.15            # nothing from the store
+
+
+@pytest.mark.parametrize("n", [0, 10, (1 << 20) + 5])
+def test_handoff_parts_round_trip(n):
+    payload = bytes(i % 251 for i in range(n))
+
+    async def collect(parts):
+        async def gen():
+            for p in parts:
+                yield p
+        return await receive_handoff(gen())
+
+    parts = list(handoff_parts(pb.HandoffHeader(request_id="r", kind="engine"), payload))
+    assert all(len(p.data) <= 1 << 20 for p in parts[1:])
+    got = asyncio.run(collect(parts))
+    assert got.payload == payload and got.header.request_id == "r"
+
+
+def test_damaged_handoff_is_refused():
+    parts = list(handoff_parts(pb.HandoffHeader(request_id="r", kind="engine"), b"x" * 100))
+    parts[1] = pb.HandoffPart(data=b"y" * 100)
+
+    async def run(ps):
+        async def gen():
+            for p in ps:
+                yield p
+        return await receive_handoff(gen())
+
+    with pytest.raises(HandoffError, match="bad crc32"):
+        asyncio.run(run(parts))
+    with pytest.raises(HandoffError, match="must start with its header"):
+        asyncio.run(run(parts[1:]))
+
+
+def test_transport_probe_reports_nixl():
+    choice = probe_transport()
+    assert choice.name == "grpc" and "nixl" in choice.detail
