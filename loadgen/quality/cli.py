@@ -62,10 +62,11 @@ def _eval(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"coref accuracy: {args.prompts} prompts, seed {args.seed}, {Path(args.model).name}")
-    for col in ("mode", "direct", "local", "cross", "ms / prefill"):
+    for col in ("mode", "direct", "local", "cross", "wall ms / prefill", "CPU ms / prefill"):
         table.add_column(col, justify="left" if col == "mode" else "right")
     for r in results:
         acc = r.tally.accuracy()
-        table.add_row(r.mode, *(f"{acc[k]:.3f}" for k in ("direct", "local", "cross")), f"{1000 * r.mean_prefill_s:.1f}")
+        table.add_row(r.mode, *(f"{acc[k]:.3f}" for k in ("direct", "local", "cross")), f"{1000 * r.mean_prefill_s:.1f}",
+                      f"{1000 * r.mean_prefill_cpu_s:.1f}")
     Console().print(table)
     return 0
