@@ -67,6 +67,14 @@ def start_server(rocksdb_dir: Path, dram_bytes: int) -> tuple[subprocess.Popen, 
     return proc, line.split()[3]
 
 
+def settle() -> None:
+    """After puts: let RocksDB flush its memtable and the kernel write the dirty pages back, so
+    that gets are timed against a store at rest, not against the tail of the writes."""
+    time.sleep(2)
+    os.sync()
+    time.sleep(1)
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)
     proc.wait(60)
@@ -275,6 +283,7 @@ def measure_round(work: Path, chunks: dict, chunk_bytes: int, n: int, r: int, co
             for cid in ids[:n]:
                 c.put(cid, chunks[cid])
             out["put_GBps"] = n * chunk_bytes / (time.perf_counter() - t0) / GB
+            settle()
             timed_get(c, ids[0])                          # warm-up: connection, allocator
             singles, *cpu = cpu_timed(proc.pid, lambda: [timed_get(c, cid) for cid in ids[:n]])
             out["dram"] = tier_row("dram", singles, [concurrent_gets(address, ids[:4])], cpu)
@@ -289,7 +298,7 @@ def measure_round(work: Path, chunks: dict, chunk_bytes: int, n: int, r: int, co
         with KVStoreClient(address, timeout=300) as c:
             for cid in ids:
                 c.put(cid, chunks[cid])
-            time.sleep(3)   # let RocksDB flush the memtable in the background before reads are timed
+            settle()
             first, second = ids[:n], ids[n:n + 4]
             if drop_page_cache():
                 cold, *cpu = cpu_timed(proc.pid, lambda: [timed_get(c, cid) for cid in first])

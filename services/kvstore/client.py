@@ -55,6 +55,13 @@ def _raw(t: torch.Tensor) -> np.ndarray:
 
 
 class KVStoreClient:
+    """One store shard at ``address`` ("host:port").
+
+    ``timeout``: default deadline of every call, seconds. ``frame_bytes``: payload per put message.
+    ``verify``: check each received layer's crc32 end to end (the server checks every tier read
+    regardless; turning this off saves the client ~a third of its CPU per byte).
+    """
+
     def __init__(self, address: str, *, timeout: float = 30.0, frame_bytes: int = 1 << 20, verify: bool = True) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
