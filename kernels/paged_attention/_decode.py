@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.lse_merge.triton import merge_rows
-from kernels.paged_attention._meta import PackedTable, dot_f32
+from kernels.paged_attention._meta import PackedTable, dot_f32, sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -161,23 +161,11 @@ def _decode_kernel(
     tl.store(lse_ptr + split * stride_ls + b * stride_lb + h * G + gg, lse, mask=g_ok)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def pick_splits(cfg: DecodeConfig, n_seqs: int, n_kv_heads: int, n_entries: int, device) -> int:
     """Splits per sequence from the mean entry count (block_ids.numel() is known without a sync)."""
     if cfg.num_splits is not None:
         return cfg.num_splits
-    want = triton.cdiv(cfg.waves * _sm_count(device), max(1, n_seqs * n_kv_heads))
+    want = triton.cdiv(cfg.waves * sm_count(device), max(1, n_seqs * n_kv_heads))
     most = max(1, (n_entries // max(1, n_seqs)) // cfg.min_blocks_per_split)
     return max(1, min(want, most))
 

@@ -9,11 +9,21 @@ overflowing offset would silently corrupt the block id above it.
 
 The optional table holds one fp32 row per entry, [cos(offset * inv_freq) | sin(offset * inv_freq)]
 ([E, D]), so that kernels gather cos/sin instead of evaluating them.
+
+Offset groups (prefill): maximal runs of consecutive entries of one sequence that share an offset
+(one placed chunk, or the private blocks). group_starts[g] is the first entry of group g, padded
+with E (so group g ends at group_starts[g + 1]); sequence b owns groups cu_groups[b]..cu_groups[b+1].
+Built with a few device ops and no host sync.
+
+A packed table is cached against its input tensors (identity and version counter): the engine
+passes the same block table to every layer, so validation (one sync) and packing run once a step.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +35,19 @@ from kernels.paged_attention import MAX_BLOCK_ID, MAX_OFFSET, check_encodable
 PACK_BLOCK = 256
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 on the CPU interpreter, to exercise splits)."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
 def dot_f32(dtype: torch.dtype) -> bool:
     """Whether to feed tl.dot fp32: Triton's CPU interpreter (3.9) multiplies bf16 operands wrongly."""
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -33,11 +56,14 @@ def dot_f32(dtype: torch.dtype) -> bool:
 @dataclass(frozen=True, slots=True)
 class PackedTable:
     """Kernel-ready block table. meta int64 [E]; masks int64 [E] (read when block_size > 16);
-    table fp32 [E, D] of per-entry cos|sin, or None when the kernel computes them."""
+    table fp32 [E, D] of per-entry cos|sin, or None when the kernel computes them; offset groups
+    (prefill only, see the module docstring)."""
 
     meta: torch.Tensor
     masks: torch.Tensor
     table: torch.Tensor | None
+    group_starts: torch.Tensor | None = None  # int32 [E + 2]
+    cu_groups: torch.Tensor | None = None  # int32 [B + 1]
 
     @property
     def mask_in_word(self) -> bool:
@@ -75,8 +101,52 @@ def validate(block_size: int, block_ids: torch.Tensor, offsets: torch.Tensor) ->
         raise AssertionError("unreachable: check_encodable accepted an out-of-range block table")
 
 
-def pack(block_ids, offsets, masks, block_size: int, inv_freq: torch.Tensor, with_table: bool) -> PackedTable:
-    """Validate and pack a block table (one launch). with_table also writes the per-entry cos|sin rows."""
+def offset_groups(offsets: torch.Tensor, cu_entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of equal offset inside each sequence: (group_starts int32 [E + 2], cu_groups int32 [B + 1])."""
+    n = offsets.numel()
+    dev = offsets.device
+    cu = cu_entries.long()
+    first = torch.zeros(n + 1, dtype=torch.bool, device=dev)
+    first[cu[:-1]] = True  # an empty sequence marks the next one's first entry (or the pad slot)
+    first = first[:n]
+    if n:
+        first[1:] |= offsets[1:] != offsets[:-1]
+        first[0] = True
+    count = torch.cumsum(first.to(torch.int32), 0)  # groups started up to and including entry i
+    before = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), count])  # [E + 1]
+    starts = torch.full((n + 2,), n, dtype=torch.int32, device=dev)
+    slot = torch.where(first, count.long() - 1, n + 1)  # non-first entries write the spare slot
+    starts.scatter_(0, slot, torch.arange(n, dtype=torch.int32, device=dev))
+    starts[n + 1] = n
+    return starts, before[cu].to(torch.int32)
+
+
+_CACHE: "OrderedDict[int, tuple]" = OrderedDict()  # id(block_ids) -> (signature, weakrefs, packed)
+_CACHE_SIZE = 32
+
+
+def _signature(tensors, extra) -> tuple:
+    return tuple((id(t), t._version) for t in tensors) + extra
+
+
+def pack(block_ids, offsets, masks, block_size: int, inv_freq: torch.Tensor, with_table: bool,
+         cu_entries: torch.Tensor | None = None) -> PackedTable:
+    """Validate and pack a block table (one launch), cached per input tensors. with_table also
+    writes the per-entry cos|sin rows; cu_entries (prefill) also builds the offset groups."""
+    inputs = (block_ids, offsets, masks, inv_freq) + ((cu_entries,) if cu_entries is not None else ())
+    sig = _signature(inputs, (block_size, with_table))
+    hit = _CACHE.get(id(block_ids))
+    if hit is not None and hit[0] == sig and all(r() is t for r, t in zip(hit[1], inputs)):
+        _CACHE.move_to_end(id(block_ids))
+        return hit[2]
+    packed = _pack(block_ids, offsets, masks, block_size, inv_freq, with_table, cu_entries)
+    _CACHE[id(block_ids)] = (sig, tuple(weakref.ref(t) for t in inputs), packed)
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return packed
+
+
+def _pack(block_ids, offsets, masks, block_size, inv_freq, with_table, cu_entries) -> PackedTable:
     if not (block_ids.shape == offsets.shape == masks.shape) or block_ids.dim() != 1:
         raise ValueError(f"block_ids {tuple(block_ids.shape)}, offsets {tuple(offsets.shape)} and masks "
                          f"{tuple(masks.shape)} must be 1-D of one length")
@@ -91,4 +161,6 @@ def pack(block_ids, offsets, masks, block_size: int, inv_freq: torch.Tensor, wit
         _pack_kernel[(triton.cdiv(n, PACK_BLOCK),)](
             block_ids.contiguous(), offsets.contiguous(), masks64, inv_freq.to(torch.float32).contiguous(),
             meta, table if with_table else meta, n, D2=d2, BLOCK=PACK_BLOCK, WRITE_TABLE=with_table)
-    return PackedTable(meta=meta, masks=meta if block_size <= 16 else masks64, table=table)
+    starts, cu_groups = offset_groups(offsets, cu_entries) if cu_entries is not None else (None, None)
+    return PackedTable(meta=meta, masks=meta if block_size <= 16 else masks64, table=table,
+                       group_starts=starts, cu_groups=cu_groups)

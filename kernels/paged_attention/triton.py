@@ -13,7 +13,7 @@ from kernels.paged_attention import _decode, _prefill
 from kernels.paged_attention._meta import pack
 
 # cos/sin of the per-entry offsets: gathered from an fp32 table (True) or evaluated in the kernel.
-PREFILL_COS_SIN_TABLE = True
+PREFILL_COS_SIN_TABLE = False
 DECODE_COS_SIN_TABLE = False
 
 
@@ -56,8 +56,9 @@ def paged_prefill_attention(q, q_pos, k_cache, v_cache, slot_pos, block_ids, off
     if slot_pos.shape != k_cache.shape[:2]:
         raise ValueError(f"slot_pos {tuple(slot_pos.shape)} must be [N, BS] = {tuple(k_cache.shape[:2])}")
     q, inv_freq, q_pos, slot_pos, cu_q, cu_entries = _prep(q, inv_freq, q_pos, slot_pos, cu_q, cu_entries)
-    packed = pack(block_ids, offsets, masks, k_cache.shape[1], inv_freq, with_table=PREFILL_COS_SIN_TABLE)
-    return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, cu_entries, inv_freq, scale)
+    packed = pack(block_ids, offsets, masks, k_cache.shape[1], inv_freq, with_table=PREFILL_COS_SIN_TABLE,
+                  cu_entries=cu_entries)
+    return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, cu_entries, inv_freq, scale):

@@ -6,6 +6,8 @@ from conftest import DTYPE_NAME, TOL, assert_lse_close, rel_err
 from paged_cases import build, eager_attention, prefill_queries
 
 from kernels.paged_attention import paged_prefill_attention
+from kernels.paged_attention._meta import offset_groups, pack
+from kernels.paged_attention._prefill import PrefillConfig, launch
 from kernels.rope import rope_inv_freq
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -46,6 +48,12 @@ def test_prefill_matches_twin_and_eager(spec):
     assert out_k.dtype == dtype and lse_k.dtype == torch.float32 and out_k.shape == q.shape
     assert rel_err(out_k, out_t) <= TOL[dtype]
     assert_lse_close(lse_k, lse_t, 50 * TOL[dtype])
+    # cos/sin from the table, KV split in 3 parts merged by LSE, smaller tiles: same result
+    packed = pack(case.block_ids, case.offsets, case.masks, bs, inv, with_table=True, cu_entries=case.cu_entries)
+    out_s, lse_s = launch(q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, scale,
+                          cfg=PrefillConfig(block_m=32, min_block_n=32, num_splits=3))
+    assert rel_err(out_s, out_t) <= TOL[dtype]
+    assert_lse_close(lse_s, lse_t, 50 * TOL[dtype])
     # both against attention over the whole K rotated eagerly at global positions
     for b in range(len(seqs)):
         k, v, k_pos = case.eager_keys(b)
@@ -84,3 +92,13 @@ def test_rotation_is_applied():
     want, _ = _run(case, q, q_pos, cu_q, 0.125, "torch")
     assert rel_err(moved, base) > 1e-3
     assert rel_err(moved, want) <= TOL[torch.float32]
+
+
+def test_offset_groups():
+    """Runs of one offset inside each sequence; empty sequences own no group."""
+    offsets = torch.tensor([0, 0, 7, 7, 7, 0, 3, 3, 3, 0], dtype=torch.int32)
+    cu = torch.tensor([0, 4, 4, 6, 10, 10], dtype=torch.int32)  # sequences of 4, 0, 2, 4, 0 entries
+    starts, cu_groups = offset_groups(offsets, cu)
+    # seq0: [0,1] [2,3]; seq2: [4] [5]; seq3: [6,7,8] [9]
+    assert starts.tolist()[:7] == [0, 2, 4, 5, 6, 9, 10] and set(starts.tolist()[7:]) == {10}
+    assert cu_groups.tolist() == [0, 2, 2, 4, 6, 6]
