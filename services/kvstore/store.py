@@ -8,8 +8,12 @@ Invariants (the tests check each):
 - Every layer read from every tier is checked against the chunk's checksums before it is served.
   A corrupt entry is dropped from its tier and the read continues from the next tier holding the
   same version; if none does, ``DataLoss``.
-- Mutations (admission, eviction, promotion, delete, write-behind flushes) hold one asyncio lock;
-  reads do not: tier readers see one consistent version (a DRAM reference or a RocksDB snapshot).
+- Mutations (admission, eviction, promotion, delete, write-behind flushes) hold one asyncio lock
+  and, once started, finish even if the caller is cancelled. Reads take no lock: a DRAM reader
+  keeps a reference to the version it opened; a RocksDB or S3 layer of another version fails the
+  checksum check, and a re-read of the metadata then tells that race (eviction or replacement:
+  the read goes on from a lower tier with the same version, else ``ChunkVanished``) from
+  corruption.
 """
 
 from __future__ import annotations
