@@ -29,6 +29,8 @@ def register(subparsers) -> None:
     ev.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated MODE[@RATIO] (default {DEFAULT_MODES})")
     ev.add_argument("--questions", type=int, default=8, help="questions asked per prompt, kinds in turn (default 8: all)")
     ev.add_argument("--seed", type=int, default=1, help="held-out prompt seed (default 1)")
+    ev.add_argument("--cross-gap", type=int, default=0,
+                    help="harder variant: up to N filler words open a chunk before a cross IT (default 0: the issue's layout)")
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--check-layer", type=int, default=None, help="engine blend check layer (default: the engine's)")
     ev.add_argument("--deviation", default=None, help="engine HKVD metric: k, v or kv (default: the engine's)")
@@ -54,7 +56,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise ValueError("--check-layer/--deviation configure services.engine; they mean nothing with --reference")
     results = run_eval(args.model, args.prompts, parse_modes(args.modes), seed=args.seed, questions=args.questions,
                        device=args.device, reference=args.reference, progress=not args.json,
-                       engine_options=engine_options)
+                       engine_options=engine_options, cross_gap=args.cross_gap)
     if args.json:
         print(json.dumps(as_json(results)))
         return 0

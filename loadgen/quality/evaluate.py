@@ -137,13 +137,14 @@ def load_engine(model_dir: str, device: str = "cpu", reference: bool = False, en
 
 def run_eval(model_dir: str, n_prompts: int, modes: list[Mode], seed: int = 1, questions: int = 8,
              device: str = "cpu", reference: bool = False, progress: bool = True,
-             engine_options: dict | None = None) -> list[ModeResult]:
+             engine_options: dict | None = None, cross_gap: int = 0) -> list[ModeResult]:
     if n_prompts < 1:
         raise ValueError("--prompts must be at least 1")
     if not 1 <= questions <= TaskConfig().questions:
         raise ValueError(f"--questions must be in 1..{TaskConfig().questions}")
     engine = load_engine(model_dir, device, reference, engine_options)
-    return evaluate_modes(engine, modes, heldout_prompts(seed, n_prompts), questions, progress)
+    prompts = heldout_prompts(seed, n_prompts, TaskConfig(cross_gap=cross_gap))
+    return evaluate_modes(engine, modes, prompts, questions, progress)
 
 
 def as_json(results: list[ModeResult]) -> dict[str, dict[str, float]]:

@@ -41,11 +41,13 @@ class TaskConfig:
     p_cross: float = 0.75     # chance that a chunk boundary carries a cross fact
     p_local: float = 0.8      # chance that a chunk holds a local fact
     max_local_gap: int = 3    # filler words between ``NAME arrives .`` and ``IT`` in a local fact
+    cross_gap: int = 0        # up to this many filler words open chunk c+1 before a cross ``IT`` (0: the layout)
 
     def __post_init__(self) -> None:
-        # The fullest chunk: cross-in (3) + local (6 + gap) + two directs (6) + cross-out (3).
-        if self.chunk_len < 18 + self.max_local_gap:
-            raise ValueError(f"chunk_len {self.chunk_len} cannot hold a chunk's facts; need >= {18 + self.max_local_gap}")
+        # The fullest chunk: cross-in (3 + gap) + local (6 + gap) + two directs (6) + cross-out (3).
+        need = 18 + self.max_local_gap + self.cross_gap
+        if self.cross_gap < 0 or self.chunk_len < need:
+            raise ValueError(f"chunk_len {self.chunk_len} cannot hold a chunk's facts; need >= {need} (cross_gap >= 0)")
         if not 1 <= self.max_chunks <= 8:
             raise ValueError(f"max_chunks must be in 1..8, got {self.max_chunks}")
         if not 1 <= self.questions <= 16:
@@ -109,6 +111,8 @@ def make_prompt(rng: random.Random, cfg: TaskConfig, n_chunks: int, v: Vocab | N
             obj = next(objects)
             facts.append(Fact("cross", pending, obj, c))
             head = [v.pronoun, obj, v.stop]
+            if cfg.cross_gap:  # drawn only when asked, so the layout keeps its random stream
+                head = [rng.choice(v.fillers) for _ in range(rng.randint(0, cfg.cross_gap))] + head
         body: list[list[int]] = []
         if rng.random() < cfg.p_local:
             name, obj = next(names), next(objects)

@@ -46,9 +46,9 @@ def test_tokenizer_round_trips_a_prompt():
         V.encode("Ada owns a spaceship")
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_prompt_layout_and_facts(seed):
-    cfg = TaskConfig()
+@pytest.mark.parametrize("seed,cross_gap", [(s, 0) for s in range(4)] + [(7, 3)])
+def test_prompt_layout_and_facts(seed, cross_gap):
+    cfg = TaskConfig(cross_gap=cross_gap)
     rng = random.Random(seed)
     for n_chunks in range(1, cfg.max_chunks + 1):
         p = make_prompt(rng, cfg, n_chunks, V)
@@ -62,7 +62,9 @@ def test_prompt_layout_and_facts(seed):
             chunk = p.chunks[f.chunk]
             if f.kind == "cross":
                 before = p.chunks[f.chunk - 1]
-                assert before[-3:] == (f.name, V.verb, V.stop) and chunk[:3] == (V.pronoun, f.obj, V.stop)
+                it = chunk.index(V.pronoun)
+                assert before[-3:] == (f.name, V.verb, V.stop) and chunk[it : it + 3] == (V.pronoun, f.obj, V.stop)
+                assert it <= cross_gap and all(t in set(V.fillers) for t in chunk[:it])
             elif f.kind == "local":
                 start = chunk.index(f.name)
                 end = chunk.index(f.obj)
@@ -77,6 +79,9 @@ def test_prompt_layout_and_facts(seed):
 def test_heldout_prompts_are_fixed_by_seed_and_drawn_fresh():
     a, b, c = heldout_prompts(1, 50), heldout_prompts(1, 50), heldout_prompts(2, 50)
     assert a == b and a != c
+    gapped = heldout_prompts(1, 50, TaskConfig(cross_gap=3))
+    assert gapped != a and any(p.chunks[c][0] in set(V.fillers) for p in gapped for c in range(1, 5)
+                               if any(f.kind == "cross" and f.chunk == c for f in p.facts))
     assert len({p.facts[0].name for p in a}) > 20, "names must vary across prompts"
     kinds = [f.kind for p in a for f in p.question_facts()]
     assert all(kinds.count(k) > 20 for k in KINDS)
