@@ -245,3 +245,19 @@ def test_cli_refuses_bad_flags(tmp_path, capsys):
     assert main(["kvstore", "serve", "--port", "0", "--dram-bytes", "0", "--rocksdb-dir", str(tmp_path / "d")]) == 2
     with pytest.raises(SystemExit):
         main(["kvstore", "serve", "--port", "0", "--dram-bytes", "lots", "--rocksdb-dir", str(tmp_path / "d")])
+
+
+def test_get_deadline_is_honoured_and_the_chunk_stays(start_store):
+    srv, c = start_store(dram_bytes=1 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB)
+    layers = make_layers(seed=7, **SHAPE)
+    c.put("slowly", layers), c.put("evictor", make_layers(seed=8, n_layers=4, tokens=64, heads=8, dim=128))
+    rocks = next(s for s in srv.server.store.slots if s.name == "rocksdb").storage
+    real_read = rocks.read_layer
+
+    def slow_read(chunk_id, index):
+        time.sleep(0.4)                    # a slow disk: the whole get cannot fit in the deadline
+        return real_read(chunk_id, index)
+    rocks.read_layer = slow_read
+    assert status_of(lambda: list(c.get("slowly", timeout=0.5))) == grpc.StatusCode.DEADLINE_EXCEEDED
+    rocks.read_layer = real_read
+    assert_roundtrip(c, "slowly", layers)
