@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     down.set_defaults(handler=_down)
 
     demo = subparsers.add_parser("demo", help="up, replay a small Zipf trace in full and tessera mode, report, down")
-    demo.add_argument("--requests", type=int, default=None, help="requests in the trace (default 32)")
+    demo.add_argument("--requests", type=int, default=None, help="requests in the trace (default 48)")
     demo.add_argument("--output", help="also write the full replay report (JSON, plots) here")
     demo.set_defaults(handler=_demo)
 

@@ -23,11 +23,11 @@ SHOWN = ("Successful requests", "Failed requests", "Output token throughput (tok
 
 @dataclass(frozen=True, slots=True)
 class DemoSettings:
-    requests: int = 32
-    docs: int = 12
+    requests: int = 48
+    docs: int = 16
     alpha: float = 1.1
-    chunks_per_request: int = 3
-    doc_tokens: int = 96
+    chunks_per_request: int = 4
+    doc_tokens: int = 256
     suffix_tokens: int = 8
     output_tokens: int = 8
     concurrency: int = 4

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from services.cluster.transport import ReceivedHandoff
+from services.decode.prepare import PreparedHandoff
 from services.decode.metrics import DecodeMetrics
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class DecodeJob:
     once per token, and last with a finish reason ("stop", "length") or an error message."""
 
     request_id: str
-    handoff: ReceivedHandoff
+    handoff: PreparedHandoff
     temperature: float
     top_p: float
     top_k: int
@@ -125,14 +125,16 @@ class Batcher:
         if not self._emit(live):
             self._live.append(live)
 
-    def _rebuild(self, received: ReceivedHandoff):
+    def _rebuild(self, prepared: PreparedHandoff):
         """(sequence, first-token logits) from a hand-off."""
-        h = received.header
+        h = prepared.received.header
         if h.kind == "engine":
-            from services.engine.handoff import Handoff
+            def fetch(cid: str):
+                if cid in prepared.fetched:
+                    return iter(prepared.fetched[cid])
+                return self.fetch(cid) if self.fetch is not None else None
 
-            handoff = Handoff.from_bytes(received.payload)
-            return self.eng.import_handoff(handoff, fetch=self.fetch), handoff.logits
+            return self.eng.import_handoff(prepared.handoff, fetch=fetch), prepared.handoff.logits
         if h.kind == "tokens":
             chunks, suffix = [list(c.ids) for c in h.chunks], list(h.suffix)
             chunks, suffix = self.eng._validate(chunks, suffix, h.mode, h.recompute_ratio)

@@ -21,6 +21,7 @@ from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, 
 from services.cluster.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
+from services.decode.prepare import prepare
 from services.rpc import tessera_pb2 as pb
 from services.rpc import tessera_pb2_grpc as pb_grpc
 
@@ -70,6 +71,10 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no hand-off arrived for request {rid}")
         received, _ = self._pending.pop(rid)
         self._arrived.pop(rid, None)
+        try:
+            prepared = await asyncio.to_thread(prepare, received, self.eng, self.store, self.metrics)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hand-off of request {rid}: {exc}")
         s = request.sampling
         stops = set(s.stop_token_ids)
         if not s.ignore_eos:
@@ -77,7 +82,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             stops |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        job = DecodeJob(rid, received, s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None,
+        job = DecodeJob(rid, prepared, s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None,
                         s.max_new_tokens or 16, frozenset(stops),
                         lambda toks, reason, err: loop.call_soon_threadsafe(out.put_nowait, (toks, reason, err)))
         self.decoding += 1

@@ -1,0 +1,50 @@
+"""Getting a hand-off ready off the engine thread, so that admitting it stalls the batch least.
+
+Parsing the hand-off and streaming the shared chunks this worker lacks from the KV store happen
+on a helper thread while the batch keeps decoding; the engine thread then only writes the fetched
+layers into its pool (``Engine.import_handoff`` with a fetch that serves them from memory). A chunk
+neither resident here nor in the store is computed by the engine at admission (the slow case).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from services.cluster.kvio import StoreAccess
+from services.cluster.transport import ReceivedHandoff
+from services.decode.metrics import DecodeMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedHandoff:
+    """A received hand-off, parsed (``handoff``: services.engine.Handoff, None for kind "tokens"),
+    with ``fetched[chunk_id]`` = [(layer, k, v), ...] for the shared chunks streamed from the store."""
+
+    received: ReceivedHandoff
+    handoff: object | None = None
+    fetched: dict[str, list] = field(default_factory=dict)
+
+
+def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: DecodeMetrics) -> PreparedHandoff:
+    if received.header.kind != "engine":
+        return PreparedHandoff(received)
+    from services.engine.handoff import Handoff
+
+    handoff = Handoff.from_bytes(received.payload)
+    ids = list(dict.fromkeys(ref.chunk_id for ref in handoff.chunks))
+    missing = [cid for cid in ids if cid not in engine.cache]   # a hint: the engine checks again at import
+    present = store.lookup(missing) if missing and store.enabled else {}
+    fetched: dict[str, list] = {}
+    fetch = store.fetcher(present)
+    for cid in present:
+        try:
+            fetched[cid] = list(fetch(cid))
+        except Exception as exc:  # noqa: BLE001 - a broken stream: the engine computes the chunk instead
+            log.warning("prefetch of chunk %s failed: %s", cid[:12], exc)
+    metrics.chunks.labels("gpu").inc(len(ids) - len(missing))
+    metrics.chunks.labels("store").inc(len(fetched))
+    metrics.chunks.labels("computed").inc(len(missing) - len(fetched))
+    return PreparedHandoff(received, handoff, fetched)
