@@ -1,0 +1,153 @@
+"""Cluster benchmark (GPU): one Zipf trace replayed through the SDK in full, prefix, blend_copy and
+tessera mode, for each skew, on a Llama-3-8B-shaped model with random weights.
+
+One prefill and one decode worker share the GPU (half a GPU each in Ray's accounting), one KV store
+shard holds chunks in DRAM. The device chunk cache is set below a fifth of the trace's hot set
+(``--chunk-cache-bytes``) so that the store tier matters. Each mode starts cold (ResetCaches).
+Targets (issue #5): tessera p50 TTFT >= 3x lower than full, throughput >= 2.5x full, p50 TTFT
+>= 1.3x lower than blend_copy.
+
+    python3 bench/cluster.py --out bench/cluster            # writes cluster.json, cluster.md, runs/
+    python3 bench/cluster.py --shape tiny --requests 16     # CPU smoke run of the same code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+    hidden_act="silu", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+
+def write_random_llama(path: Path, layers: int, seed: int = 0) -> Path:
+    """config.json + one safetensors file per layer (drawn on the GPU, bf16), so memory stays small."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = dict(LLAMA3_8B, num_hidden_layers=layers)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hid, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    hq, hkv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+
+    def normal(*shape, std):
+        return (torch.randn(*shape, generator=g, device="cuda") * std).to(torch.bfloat16).cpu()
+
+    save_file({"model.embed_tokens.weight": normal(vocab, hid, std=1.0), "model.norm.weight": 1 + normal(hid, std=0.1),
+               "lm_head.weight": normal(vocab, hid, std=hid ** -0.5)}, str(path / "model-embed.safetensors"))
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        save_file({p + "input_layernorm.weight": 1 + normal(hid, std=0.1),
+                   p + "post_attention_layernorm.weight": 1 + normal(hid, std=0.1),
+                   p + "self_attn.q_proj.weight": normal(hq * hd, hid, std=hid ** -0.5),
+                   p + "self_attn.k_proj.weight": normal(hkv * hd, hid, std=hid ** -0.5),
+                   p + "self_attn.v_proj.weight": normal(hkv * hd, hid, std=hid ** -0.5),
+                   p + "self_attn.o_proj.weight": normal(hid, hq * hd, std=(hq * hd) ** -0.5),
+                   p + "mlp.gate_proj.weight": normal(inter, hid, std=hid ** -0.5),
+                   p + "mlp.up_proj.weight": normal(inter, hid, std=hid ** -0.5),
+                   p + "mlp.down_proj.weight": normal(hid, inter, std=inter ** -0.5)},
+                  str(path / f"model-layer{i:03d}.safetensors"))
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/cluster", help="writes OUT.json, OUT.md and OUT-runs/")
+    ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
+    ap.add_argument("--model-dir", help="reuse a model directory (default: write one to a temp dir)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--alphas", default="1.1,2.1")
+    ap.add_argument("--modes", default="full,prefix,blend_copy,tessera")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--docs", type=int, default=200)
+    ap.add_argument("--chunks", type=int, default=6)
+    ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--suffix-tokens", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--kv-cache-bytes", type=float, default=24e9, help="paged KV pool per worker")
+    ap.add_argument("--chunk-cache-bytes", type=float, default=2e9, help="device chunk cache per worker")
+    ap.add_argument("--store-dram-bytes", type=float, default=64e9)
+    args = ap.parse_args()
+
+    import ray
+
+    from loadgen.replay import ReplayConfig, replay_modes
+    from loadgen.replay.report import summary_table, write_report
+    from loadgen.trace import LengthDist, SynthConfig, synthesize
+    from services.cluster.config import ClusterConfig
+    from services.cluster.launch import ensure_ray, start_cluster
+    from services.cluster.replay_target import ClusterTarget
+
+    tiny = args.shape == "tiny"
+    tmp = tempfile.mkdtemp(prefix="tessera-bench-")
+    if args.model_dir:
+        model = Path(args.model_dir)
+    elif tiny:
+        from services.engine.tiny import write_tiny
+
+        model = write_tiny(Path(tmp) / "tiny")
+    else:
+        print(f"writing a random Llama-3-8B-shaped model ({args.layers} layers) to {tmp}", flush=True)
+        model = write_random_llama(Path(tmp) / "llama3-8b-random", args.layers)
+    device, dtype = ("cpu", "float32") if tiny else ("cuda", "bfloat16")
+    cfg = ClusterConfig(model_dir=str(model), device=device, dtype=dtype, kv_cache_bytes=int(args.kv_cache_bytes),
+                        chunk_cache_bytes=int(args.chunk_cache_bytes), store_dram_bytes=int(args.store_dram_bytes),
+                        store_dir=str(Path(tmp) / "rocksdb"))
+    ensure_ray(num_cpus=4)
+    cluster = start_cluster(cfg, progress=print)
+    target = ClusterTarget(cluster.gateway_address, timeout=1800)
+    vocab = min(target.vocab_size, 128000)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    results = {"date": time.strftime("%Y-%m-%d"), "shape": args.shape, "layers": args.layers, "device": device,
+               "chunk_cache_bytes": args.chunk_cache_bytes, "runs": []}
+    md = [f"# Cluster benchmark ({args.shape}, {device})", "", "Command: `" + " ".join(sys.argv) + "`", ""]
+    try:
+        for alpha in (float(a) for a in args.alphas.split(",")):
+            trace = synthesize(SynthConfig(
+                docs=args.docs, alpha=alpha, chunks_per_request=args.chunks,
+                doc_tokens=LengthDist("const", (float(args.chunk_tokens),)),
+                suffix_tokens=LengthDist("const", (float(args.suffix_tokens),)),
+                output_tokens=LengthDist("const", (float(args.output_tokens),)), rate=float("inf"),
+                requests=args.requests, seed=0))
+            rcfg = ReplayConfig(mode=modes[0], concurrency=args.concurrency, vocab_size=vocab)
+            runs, summaries = replay_modes(trace, target, rcfg, modes)
+            write_report(Path(f"{args.out}-runs") / f"alpha{alpha:g}", runs, summaries, " ".join(sys.argv),
+                         f"Zipf alpha {alpha}, {args.requests} requests")
+            by = {s.mode: s for s in summaries}
+            checks = {}
+            if "full" in by and "tessera" in by:
+                t, f = by["tessera"], by["full"]
+                checks["ttft_p50_vs_full"] = f.ttft_ms["p50"] / t.ttft_ms["p50"]
+                checks["throughput_vs_full"] = t.total_token_throughput / f.total_token_throughput
+            if "blend_copy" in by and "tessera" in by:
+                checks["ttft_p50_vs_blend_copy"] = by["blend_copy"].ttft_ms["p50"] / by["tessera"].ttft_ms["p50"]
+            results["runs"].append({"alpha": alpha, "summaries": [s.to_json() for s in summaries], "ratios": checks})
+            md += [f"## Zipf alpha {alpha}", "", summary_table(summaries), "",
+                   "Ratios (targets: TTFT vs full >= 3, throughput vs full >= 2.5, TTFT vs blend_copy >= 1.3): "
+                   + ", ".join(f"{k} {v:.2f}x" for k, v in checks.items()), ""]
+            print("\n".join(md[-4:]), flush=True)
+    finally:
+        target.close()
+        cluster.stop()
+        ray.shutdown()
+    Path(f"{args.out}.json").write_text(json.dumps(results, indent=2))
+    Path(f"{args.out}.md").write_text("\n".join(md))
+    print(f"wrote {args.out}.json and {args.out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
