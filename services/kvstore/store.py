@@ -86,6 +86,7 @@ class TieredStore:
         self._dirty: set[str] = set()          # write-behind: in DRAM, not yet below
         self._flush_queue: asyncio.Queue[str | None] = asyncio.Queue()
         self._flusher: asyncio.Task | None = None
+        self._reads: set[asyncio.Future] = set()     # read-aheads in threads, awaited by close()
 
     async def start(self) -> None:
         cfg = self.config
@@ -111,6 +112,8 @@ class TieredStore:
             self._flusher = asyncio.create_task(self._flush_loop())
 
     async def close(self) -> None:
+        if self._reads:                          # reads of cancelled streams still in threads
+            await asyncio.wait(list(self._reads))
         if self._flusher is not None:
             self._flush_queue.put_nowait(None)   # drain what is queued, then stop
             await self._flusher
@@ -347,6 +350,8 @@ class ReadSession:
                 if j not in self._ahead:
                     future = asyncio.ensure_future(asyncio.to_thread(self._read_verified, self._reader, j))
                     future.add_done_callback(_retrieve)
+                    self.store._reads.add(future)
+                    future.add_done_callback(self.store._reads.discard)
                     self._ahead[j] = future
         return data
 
