@@ -78,13 +78,15 @@ def main() -> int:
     results["peer_transformers_sdpa_full_s"] = peer
     print(f"peer transformers SDPA full prefill of {n_tokens} tokens: {peer * 1e3:.1f} ms", flush=True)
 
-    for backend in args.backends.split(","):
+    variants = [(b, st) for b in args.backends.split(",") for st in (False, True) if not (st and b != "torch")]
+    for backend, static in variants:
+        label = backend + ("+graphs" if static else "")
         try:
             eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
-                                         kv_cache_bytes=12 << 30)
+                                         kv_cache_bytes=12 << 30, static_tails=static)
         except Exception as exc:  # report and go on: one backend failing must not hide the others
-            results["rows"].append({"backend": backend, "error": repr(exc)})
-            print(f"{backend}: {exc!r}", flush=True)
+            results["rows"].append({"backend": label, "error": repr(exc)})
+            print(f"{label}: {exc!r}", flush=True)
             continue
         with torch.inference_mode():
             ref = hf(ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
@@ -95,30 +97,34 @@ def main() -> int:
                 s = timed(lambda: eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio))
                 r = eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)
             except Exception as exc:
-                results["rows"].append({"backend": backend, "mode": mode, "ratio": ratio, "error": repr(exc)})
-                print(f"{backend} {mode}@{ratio}: {exc!r}", flush=True)
+                results["rows"].append({"backend": label, "mode": mode, "ratio": ratio, "error": repr(exc)[:2000]})
+                print(f"{label} {mode}@{ratio}: {repr(exc)[:500]}", flush=True)
                 continue
             err = float((r.logits - ref).abs().max()) if mode in ("full", "prefix") else None
-            row = {"backend": backend, "mode": mode, "ratio": ratio, "seconds": s, "vs_peer": peer / s,
+            row = {"backend": label, "mode": mode, "ratio": ratio, "seconds": s, "vs_peer": peer / s,
                    "first_call_seconds": first.stats.total_seconds, "stats": r.stats.as_dict(),
                    "max_abs_logit_err_vs_peer": err}
             results["rows"].append(row)
-            print(f"{backend:6s} {mode:15s} r={ratio:<4} {s * 1e3:8.1f} ms  ({peer / s:5.2f}x peer)"
+            print(f"{label:13s} {mode:15s} r={ratio:<4} {s * 1e3:8.1f} ms  ({peer / s:5.2f}x peer)"
                   + (f"  |dlogit|={err:.3g}" if err is not None else ""), flush=True)
-        if args.profile:
+        if args.profile and static:
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.0)
-                torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+            for ratio in (0.0, 0.15):
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=ratio)
+                    torch.cuda.synchronize()
+                print(f"profile of tessera@{ratio}, by GPU time:")
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10), flush=True)
+                print(f"profile of tessera@{ratio}, by CPU time:")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8), flush=True)
         mem = eng.describe_memory()
         per_chunk = -(-args.chunk_tokens // eng.block_size) * mem["block_bytes"]
-        results.setdefault("memory", {})[backend] = {
+        results.setdefault("memory", {})[label] = {
             **mem, "kv_bytes_per_resident_chunk": per_chunk,
             "private_kv_bytes_per_request": {
                 f"{row['mode']}@{row['ratio']}": (row["stats"]["private_blocks_allocated"]) * mem["block_bytes"]
-                for row in results["rows"] if row.get("backend") == backend and "stats" in row}}
+                for row in results["rows"] if row.get("backend") == label and "stats" in row}}
         del eng
         torch.cuda.empty_cache()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -29,10 +29,21 @@ class BlockPool:
         self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * self.k[0].element_size()
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._used: set[int] = set()
+        self.reserved: set[int] = set()
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def reserve(self) -> int:
+        """Take one block out of circulation for good (the static tails' scratch block)."""
+        block = self.allocate(1)[0]
+        self.reserved.add(block)
+        return block
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - len(self.reserved)
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):

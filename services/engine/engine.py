@@ -42,7 +42,8 @@ def _default_backend(device: torch.device) -> str:
 class Engine:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, fingerprint: str, device: torch.device,
                  dtype: torch.dtype, attention_backend: str, block_size: int, kv_cache_bytes: int,
-                 chunk_cache_bytes: int, blend: BlendConfig, model_dir: Path | None = None):
+                 chunk_cache_bytes: int, blend: BlendConfig, model_dir: Path | None = None,
+                 static_tails: bool | None = None):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
@@ -57,7 +58,9 @@ class Engine:
         self.block_size = block_size
         self.blend = blend
         self.fingerprint = fingerprint
-        self.forward = Forward(cfg, weights, attention_backend)
+        # static tails (CUDA graphs) by default on CUDA; on the CPU they run eagerly and only tests ask
+        self.forward = Forward(cfg, weights, attention_backend,
+                               static_tails=device.type == "cuda" if static_tails is None else static_tails)
         block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
         num_blocks = max(kv_cache_bytes // block_bytes, 1)
         self.pool = BlockPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, device, dtype)
@@ -67,7 +70,8 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
              attention_backend: str | None = None, block_size: int = 16, kv_cache_bytes: int | None = None,
-             chunk_cache_bytes: int | None = None, check_layer: int = 1, deviation: str = "kv") -> "Engine":
+             chunk_cache_bytes: int | None = None, check_layer: int = 1, deviation: str = "kv",
+             static_tails: bool | None = None) -> "Engine":
         """Load a Hugging Face Llama-family directory (config.json, *.safetensors, tokenizer.json).
 
         kv_cache_bytes: the paged KV pool (default 256 MiB on CPU, 60% of free memory on CUDA);
@@ -93,20 +97,21 @@ class Engine:
             chunk_cache_bytes = int(0.8 * kv_cache_bytes)
         return cls(cfg, load_weights(path, cfg, dev, dtype), fingerprint(path), dev, dtype,
                    attention_backend or _default_backend(dev), block_size, kv_cache_bytes, chunk_cache_bytes,
-                   BlendConfig(check_layer, deviation), model_dir=path)
+                   BlendConfig(check_layer, deviation), model_dir=path, static_tails=static_tails)
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, tensors: dict, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, attention_backend: str | None = None,
                         block_size: int = 16, kv_cache_bytes: int = 256 << 20, chunk_cache_bytes: int | None = None,
-                        check_layer: int = 1, deviation: str = "kv") -> "Engine":
+                        check_layer: int = 1, deviation: str = "kv", static_tails: bool | None = None) -> "Engine":
         """An engine over in-memory Hugging Face-named weights (shared, not copied, when already on
         ``device`` in ``dtype``): benchmarks and the quality testbed build models this way."""
         dev = torch.device(device)
         weights = weights_from_tensors(tensors, cfg, dev, dtype)
         return cls(cfg, weights, state_fingerprint(cfg, tensors), dev, dtype,
                    attention_backend or _default_backend(dev), block_size, kv_cache_bytes,
-                   chunk_cache_bytes or int(0.8 * kv_cache_bytes), BlendConfig(check_layer, deviation))
+                   chunk_cache_bytes or int(0.8 * kv_cache_bytes), BlendConfig(check_layer, deviation),
+                   static_tails=static_tails)
 
     # ------------------------------------------------------------------ validation
     def _validate(self, chunks, suffix, mode: str, recompute_ratio: float, extra_tokens: int = 0):
@@ -145,7 +150,7 @@ class Engine:
     def chunk_id(self, tokens) -> str:
         return chunk_id(self.fingerprint, tokens)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15) -> PrefillResult:
         """Next-token logits after chunks + suffix; the request's private KV is freed afterwards."""
         chunks, suffix = self._validate(chunks, suffix, mode, recompute_ratio)
@@ -153,7 +158,7 @@ class Engine:
         self.release(seq)
         return PrefillResult(logits, stats)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def generate(self, chunks, suffix, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, mode: str = "tessera", recompute_ratio: float = 0.15,
                  stop_token_ids: list[int] | None = None) -> list[int]:
@@ -173,7 +178,7 @@ class Engine:
         finally:
             self.release(seq)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill_handoff(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15,
                         fetch=None, on_computed=None, extra_tokens: int = 0):
         """Prefill for a disaggregated decode: returns (PrefillResult, Handoff) and keeps nothing private.
@@ -189,7 +194,7 @@ class Engine:
             self.release(seq)
         return PrefillResult(logits, stats), handoff
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def import_handoff(self, handoff: Handoff, fetch=None) -> Sequence:
         """Rebuild a prefilled request here: shared chunks from this cache, ``fetch``, or recompute."""
         if handoff.model_fingerprint != self.fingerprint:
@@ -226,7 +231,7 @@ class Engine:
         stats.total_seconds = time.perf_counter() - t0
         return logits, seq, stats
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def decode_step(self, seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
         """Append one token to each sequence and return the next-token logits [B, vocab]."""
         return self.forward.decode_step(seqs, tokens)
@@ -249,7 +254,7 @@ class Engine:
             "chunk_cache_budget_bytes": self.cache.budget_bytes,
             "chunks_resident": len(self.cache),
             "free_blocks": self.pool.num_free,
-            "total_blocks": self.pool.num_blocks,
+            "total_blocks": self.pool.usable_blocks,
         }
 
 

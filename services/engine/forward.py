@@ -17,14 +17,16 @@ from services.engine.blend import BlendConfig, ChunkLayout, select_hkvd
 from services.engine.block_table import BlockTable
 from services.engine.chunk_cache import chunk_id
 from services.engine.config import ModelConfig
+from services.engine.graphs import STATIC_MAX_TOKENS, TailCache
 from services.engine.loader import ChunkLoad, LayerGate, as_layers
 from services.engine.model import Transformer
 from services.engine.request import PlacedChunk, PrefillStats, Sequence
 
 
 class Forward:
-    def __init__(self, cfg: ModelConfig, weights, backend: str):
+    def __init__(self, cfg: ModelConfig, weights, backend: str, static_tails: bool = False):
         self.cfg = cfg
+        self.static_tails = static_tails
         self.model = Transformer(cfg, weights, rope_backend=backend)
         self.backend = backend
 
@@ -34,6 +36,20 @@ class Forward:
         self._fingerprint = fingerprint
         self.attention = BACKENDS[self.backend](pool, self.model.inv_freq, self.model.scale)
         self._gate: LayerGate | None = None  # set while a pass waits on layer-streamed chunk loads
+        # static tails replay short passes as CUDA graphs (torch backend; see graphs.py)
+        self.scratch_block = pool.reserve()
+        self.tails = TailCache(self) if self.static_tails and self.backend == "torch" else None
+
+    def _tail(self, first: int, h, pos, table: BlockTable, w_block, w_slot):
+        """Layers [first, L) for active tokens that all attend ``table``; returns h after the last layer."""
+        if self.tails is not None and self._gate is None and h.shape[0] <= STATIC_MAX_TOKENS:
+            return self.tails.run(first, h, pos, table, w_block, w_slot)
+        for layer in range(first, self.cfg.num_layers):
+            self._wait(layer)
+            q, k, v = self.model.attention_inputs(layer, h, pos)
+            self.pool.write(layer, w_block, w_slot, k, v)
+            h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, table))
+        return h
 
     def _wait(self, layer: int) -> None:
         if self._gate is not None:
@@ -58,6 +74,9 @@ class Forward:
         """Plain pass: every token active at every layer, all of them written to their slots."""
         h = self.model.embed(ids)
         n_layers = self.cfg.num_layers
+        if not skip_last_layer and all(t is tables[0] for t in tables):
+            h = self._tail(0, h, pos, tables[0], write_block, write_slot)
+            return self.model.logits(h[-1:] if last_only else h)[-1]
         for layer in range(n_layers):
             self._wait(layer)
             q, k, v = self.model.attention_inputs(layer, h, pos)
@@ -353,13 +372,10 @@ class Forward:
                 sel_block = sel_slot = torch.zeros(0, dtype=torch.long, device=dev)
             post = BlockTable.cat(tabs + [s_table])
         wb, ws = torch.cat([sel_block, s_block]), torch.cat([sel_slot, s_slot])
-        for layer in range(c, n_layers):
-            self._wait(layer)
-            if layer > c:
-                q, k, v = self.model.attention_inputs(layer, h, pos)
-            self.pool.write(layer, wb, ws, k, v)
-            tables.append(post)
-            h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, post))
+        self.pool.write(c, wb, ws, k, v)
+        h = self.model.finish_layer(c, h, self._attend(c, q, pos, post))
+        h = self._tail(c + 1, h, pos, post, wb, ws)
+        tables += [post] * (n_layers - c)
         return self.model.logits(h[-1:])[-1], tables
 
     # ------------------------------------------------------------------ decode

@@ -44,8 +44,10 @@ class Transformer:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w.embed[ids]  # [T, hidden]
 
-    def attention_inputs(self, layer: int, h: torch.Tensor, pos: torch.Tensor):
-        """h [T, hidden] at global positions pos [T] -> q [T, Hq, D], k, v [T, Hkv, D] (q, k rotated)."""
+    def attention_inputs(self, layer: int, h: torch.Tensor, pos: torch.Tensor | None, rope=None):
+        """h [T, hidden] at global positions pos [T] -> q [T, Hq, D], k, v [T, Hkv, D] (q, k rotated).
+
+        ``rope`` = (cos, sin) [T, 1, D/2] given instead of ``pos`` by static (graph-captured) passes."""
         cfg, lw = self.cfg, self.w.layers[layer]
         x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
         t = x.shape[0]
@@ -55,6 +57,8 @@ class Transformer:
         if cfg.qk_norm:
             q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+        if rope is not None:
+            return rotate(q, *rope), rotate(k, *rope), v
         return self._rope(q, pos), self._rope(k, pos), v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

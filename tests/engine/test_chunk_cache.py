@@ -78,6 +78,6 @@ def test_pinned_chunks_are_not_evicted_and_oversized_requests_fail_cleanly(tiny_
     with pytest.raises(PoolExhausted):
         eng.prefill(chunks, suffix, mode="tessera")  # 6 chunk blocks do not fit a 4-block cache
     assert all(e.refs == 0 for e in eng.cache._entries.values())
-    assert eng.pool.num_free + sum(len(e.blocks) for e in eng.cache._entries.values()) == eng.pool.num_blocks
+    assert eng.pool.num_free + sum(len(e.blocks) for e in eng.cache._entries.values()) == eng.pool.usable_blocks
     out = eng.prefill(chunks[:2], suffix, mode="tessera")  # still serves what fits
     assert torch.isfinite(out.logits).all()

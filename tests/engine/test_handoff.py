@@ -31,7 +31,7 @@ def test_decode_elsewhere_equals_generate(tiny_dir, mode, ratio):
     ref = prefill.generate(chunks, suffix, max_new_tokens=6, mode=mode, recompute_ratio=ratio, stop_token_ids=[])
     _, h = prefill.prefill_handoff(chunks, suffix, mode=mode, recompute_ratio=ratio)
     assert _decode(decode, Handoff.from_bytes(h.to_bytes()), 6) == ref
-    assert prefill.pool.num_free + sum(len(e.blocks) for e in prefill.cache._entries.values()) == prefill.pool.num_blocks
+    assert prefill.pool.num_free + sum(len(e.blocks) for e in prefill.cache._entries.values()) == prefill.pool.usable_blocks
 
 
 def test_tessera_handoff_ships_only_private_kv(tiny_dir):
