@@ -155,10 +155,11 @@ def check_small(dev) -> list:
 
 
 PC, DC = _prefill.PrefillConfig, _decode.DecodeConfig
-PREFILL_CONFIGS = [PC(128, 64, 8, 2, 1), PC(128, 64, 8, 2, 2), PC(128, 64, 8, 2, 4), PC(128, 64, 8, 3, 1),
-                   PC(128, 64, 8, 3, 2), PC(64, 64, 4, 2, 1), PC(64, 64, 4, 2, 2), PC(64, 64, 4, 3, 4),
-                   PC(128, 128, 8, 2, 2), PC(128, 32, 8, 3, 2)]
-DECODE_CONFIGS = [DC(4, 3), DC(4, 2), DC(4, 3, waves=2), DC(4, 3, waves=3), DC(4, 3, waves=6), DC(4, 3, waves=8), DC(4, 4, waves=2)]
+PREFILL_CONFIGS = [PC(64, 64, 4, 2, 1), PC(64, 64, 4, 2, 1, split_d=False), PC(64, 64, 4, 3, 1),
+                   PC(64, 64, 4, 2, 2), PC(128, 64, 8, 2, 1), PC(128, 64, 8, 2, 1, split_d=False),
+                   PC(128, 128, 8, 2, 1), PC(128, 128, 8, 2, 1, split_d=False), PC(64, 128, 4, 2, 1),
+                   PC(64, 32, 4, 3, 1)]
+DECODE_CONFIGS = [DC(4, 3), DC(4, 2), DC(4, 4), DC(4, 3, programs_per_sm=4)] + [DC(4, 3, num_splits=s) for s in (2, 3, 4, 5, 6, 8, 12, 16)]
 
 
 def bench_prefill(ctx: int, new: int, bs: int, dev, inv, smoke: bool) -> dict:
@@ -198,7 +199,7 @@ def bench_prefill(ctx: int, new: int, bs: int, dev, inv, smoke: bool) -> dict:
     res["rotate_copy_ms"] = timeit(rotate_and_copy)
     res["sdpa_plus_rotate_ms"] = timeit(sdpa_after_rotate)
     cfgs = PREFILL_CONFIGS[:1] if smoke else PREFILL_CONFIGS
-    res["configs"] = {f"{c.block_m}x{c.min_block_n}/w{c.num_warps}/s{c.num_stages}/split{c.num_splits}":
+    res["configs"] = {f"{c.block_m}x{c.min_block_n}/w{c.num_warps}/s{c.num_stages}/split{c.num_splits}/{'2dots' if c.split_d else '1dot'}":
                       timeit(lambda c=c: run(plain, cfg=c)) for c in cfgs}
     best_name = min(res["configs"], key=res["configs"].get)
     best = cfgs[list(res["configs"]).index(best_name)]
@@ -239,7 +240,8 @@ def bench_decode(n_seqs: int, ctx: int, bs: int, dev, inv, smoke: bool) -> dict:
     say(f"decode {n_seqs}x{ctx}: triton vs SDPA ({res['sdpa_backend']}) rel err {res['triton_vs_sdpa_rel']:.2e}")
     res["sdpa_ms"] = timeit(lambda: call(k4, v4))
     cfgs = DECODE_CONFIGS[:1] if smoke else DECODE_CONFIGS
-    res["configs"] = {f"w{c.num_warps}/s{c.num_stages}/waves{c.waves}": timeit(lambda c=c: run(plain, cfg=c))
+    res["configs"] = {f"w{c.num_warps}/s{c.num_stages}/splits{_decode.pick_splits(c, n_seqs, HKV, p['block_ids'].numel(), q.device)}"
+                      f"{'' if c.num_splits else f'(auto,{c.programs_per_sm}/SM)'}": timeit(lambda c=c: run(plain, cfg=c))
                       for c in cfgs}
     best_name = min(res["configs"], key=res["configs"].get)
     best = cfgs[list(res["configs"]).index(best_name)]

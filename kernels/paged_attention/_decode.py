@@ -35,7 +35,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
     """Launch shape. Lanes per step: rows // G_PAD blocks, at most max_block_n keys. num_splits None
-    picks one so that about `waves` x SMs programs run, each with at least `min_blocks_per_split` blocks."""
+    picks one (at most `waves` waves of programs, each with at least `min_blocks_per_split` blocks) whose
+    last wave is fullest."""
 
     num_warps: int = 4
     num_stages: int = 3
@@ -43,6 +44,7 @@ class DecodeConfig:
     rows: int = 16
     num_splits: int | None = None
     waves: int = 4
+    programs_per_sm: int = 3  # measured: 166 registers x 128 threads -> 3 resident programs
     min_blocks_per_split: int = 16
 
     def __post_init__(self):
@@ -83,8 +85,6 @@ def _decode_kernel(
     q2 = tl.load(q_row + D2 + d[None, :], mask=row_ok[:, None], other=0.0)
     qr1 = q1
     qr2 = q2
-    q1f = q1.to(tl.float32)
-    q2f = q2.to(tl.float32)
     if ROTATE and not USE_TABLE:
         inv_freq = tl.load(invf_ptr + d)
 
@@ -116,6 +116,10 @@ def _decode_kernel(
                     ang = off.to(tl.float32)[:, None] * inv_freq[None, :]
                     cos = tl.cos(ang)
                     sin = tl.sin(ang)
+                # re-read the original query (L1/L2) rather than keep fp32 copies live: fewer
+                # registers, more programs per SM
+                q1f = tl.load(q_row + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+                q2f = tl.load(q_row + D2 + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
                 qr1 = (q1f * cos + q2f * sin).to(q_ptr.dtype.element_ty)
                 qr2 = (q2f * cos - q1f * sin).to(q_ptr.dtype.element_ty)
                 prev = off
@@ -162,12 +166,18 @@ def _decode_kernel(
 
 
 def pick_splits(cfg: DecodeConfig, n_seqs: int, n_kv_heads: int, n_entries: int, device) -> int:
-    """Splits per sequence from the mean entry count (block_ids.numel() is known without a sync)."""
+    """Splits per sequence (block_ids.numel() is known without a sync). Programs run in waves of
+    SMs x programs_per_sm; a last wave that is nearly empty costs a whole wave (run 3 of
+    bench/kernels.md: 7 splits ran 29% slower than 5 at 8 x 32K), so take the split count whose
+    last wave is fullest, and the smallest such count."""
     if cfg.num_splits is not None:
         return cfg.num_splits
-    want = triton.cdiv(cfg.waves * sm_count(device), max(1, n_seqs * n_kv_heads))
+    base = max(1, n_seqs * n_kv_heads)
     most = max(1, (n_entries // max(1, n_seqs)) // cfg.min_blocks_per_split)
-    return max(1, min(want, most))
+    slots = sm_count(device) * cfg.programs_per_sm
+    most = min(most, max(1, triton.cdiv(cfg.waves * slots, base)))
+    fill = lambda s: (base * s / slots) / triton.cdiv(base * s, slots)  # noqa: E731
+    return max(range(1, most + 1), key=lambda s: (round(fill(s), 2), -s))
 
 
 def launch(q, k_cache, v_cache, packed: PackedTable, cu_entries, inv_freq, scale,

@@ -43,6 +43,7 @@ class PrefillConfig:
     num_warps: int = 8
     num_stages: int = 2
     num_splits: int | None = None  # KV splits (flash-decoding style); None picks from the grid
+    split_d: bool = True  # q.k as two dots over the rotate-half halves (fewer live registers)
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -59,6 +60,7 @@ def _prefill_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
     D: tl.constexpr, B_PAD: tl.constexpr,
     ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr, DOT_F32: tl.constexpr,
+    SPLIT_D: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     D2: tl.constexpr = D // 2
@@ -90,17 +92,21 @@ def _prefill_kernel(
     head = h * G + g
     dd = tl.arange(0, D)
     q_row = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-    q = tl.load(q_row + dd[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+    dh = tl.arange(0, D2)
     q_pos = tl.load(qpos_ptr + tok, mask=row_ok, other=-1)  # a padding row sees nothing
-    if ROTATE:
-        # rotate-half partner of each column and the sign of R_{-o}: [q1 c + q2 s, q2 c - q1 s]
-        q_swap = tl.load(q_row + ((dd + D2) % D)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_min = tl.min(tl.where(row_ok, q_pos, INT32_MAX), axis=0)  # keys at or before it need no causal mask
+    if SPLIT_D:  # the two halves of the rotate-half layout: q.k = q1.k1 + q2.k2, two dots of D/2
+        q1 = tl.load(q_row + dh[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D2]
+        q2 = tl.load(q_row + D2 + dh[None, :], mask=row_ok[:, None], other=0.0)
+        if ROTATE and not USE_TABLE:
+            inv_freq = tl.load(invf_ptr + dh)
+    else:  # one dot of D; the rotation re-reads the query and its rotate-half partner
+        q1 = tl.load(q_row + dd[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+        q2 = q1
+        swap = (dd + D2) % D
         sign = tl.where(dd < D2, 1.0, -1.0)
-        q_f = q.to(tl.float32)
-        if not USE_TABLE:
+        if ROTATE and not USE_TABLE:
             inv_freq = tl.load(invf_ptr + dd % D2)
-    if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
-        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -111,19 +117,34 @@ def _prefill_kernel(
         e_begin = tl.maximum(e_first, lo)
         e_end = tl.minimum(tl.load(starts_ptr + grp + 1), hi)
         if e_begin < e_end:
-            q_rot = q
+            qr1 = q1
+            qr2 = q2
             if ROTATE:
+                cols = dh if SPLIT_D else dd % D2
                 if USE_TABLE:
-                    cos = tl.load(tab_ptr + e_first * D + dd % D2)
-                    sin = tl.load(tab_ptr + e_first * D + D2 + dd % D2)
+                    cos = tl.load(tab_ptr + e_first * D + cols)
+                    sin = tl.load(tab_ptr + e_first * D + D2 + cols)
                 else:
                     ang = off.to(tl.float32) * inv_freq
                     cos = tl.cos(ang)
                     sin = tl.sin(ang)
-                q_rot = (q_f * cos[None, :] + q_swap * (sin * sign)[None, :]).to(q.dtype)
+                # R_{-off} q = [q1 c + q2 s, q2 c - q1 s], from the original query in fp32
+                if SPLIT_D:
+                    q1f = q1.to(tl.float32)
+                    q2f = q2.to(tl.float32)
+                    qr1 = (q1f * cos[None, :] + q2f * sin[None, :]).to(q1.dtype)
+                    qr2 = (q2f * cos[None, :] - q1f * sin[None, :]).to(q1.dtype)
+                else:  # NOTE: re-read rather than keep fp32 copies live across the loop (spills)
+                    qf = tl.load(q_row + dd[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+                    qs = tl.load(q_row + swap[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+                    qr1 = (qf * cos[None, :] + qs * (sin * sign)[None, :]).to(q1.dtype)
+                    qr2 = qr1
+            if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
+                qr1 = qr1.to(tl.float32)
+                qr2 = qr2.to(tl.float32)
             m_i, l_i, acc = _group_attention(
-                q_rot, q_pos, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr, mask_ptr,
-                qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32)
+                qr1, qr2, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr, mask_ptr,
+                qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32, SPLIT_D)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -135,15 +156,16 @@ def _prefill_kernel(
 
 
 @triton.jit
-def _group_attention(q_rot, q_pos, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
+def _group_attention(qr1, qr2, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
                      mask_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h,
                      BS: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, MASK_IN_WORD: tl.constexpr,
-                     DOT_F32: tl.constexpr):
+                     DOT_F32: tl.constexpr, SPLIT_D: tl.constexpr):
     """Online softmax of the (rotated) query tile over entries e_begin..e_end of one offset group."""
     BLOCK_N: tl.constexpr = NB * BS
     n = tl.arange(0, BLOCK_N)
     slot = n % BS
     dd = tl.arange(0, D)
+    dh = tl.arange(0, D // 2)
     for e_start in range(e_begin, e_end, NB):
         e = e_start + n // BS  # [BLOCK_N] entry of each key row
         e_ok = e < e_end
@@ -157,11 +179,21 @@ def _group_attention(q_rot, q_pos, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_
         k_pos = off + tl.load(slotpos_ptr + blk * BS + slot, mask=vis, other=0)
         k_pos = tl.where(vis, k_pos, INT32_MAX)
         k_row = blk * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64
-        k = tl.load(k_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
-        if DOT_F32:
-            k = k.to(tl.float32)
-        qk = tl.dot(q_rot, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
-        qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk * qk_scale, float("-inf"))
+        if SPLIT_D:
+            k1 = tl.load(k_ptr + k_row[:, None] + dh[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D2]
+            k2 = tl.load(k_ptr + k_row[:, None] + D // 2 + dh[None, :], mask=vis[:, None], other=0.0)
+            if DOT_F32:
+                k1 = k1.to(tl.float32)
+                k2 = k2.to(tl.float32)
+            qk = tl.dot(qr1, tl.trans(k1))
+            qk = tl.dot(qr2, tl.trans(k2), qk) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+        else:
+            k = tl.load(k_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
+            if DOT_F32:
+                k = k.to(tl.float32)
+            qk = tl.dot(qr1, tl.trans(k)) * qk_scale
+        if tl.max(k_pos, axis=0) > q_min:  # some key is hidden, or later than some query
+            qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
         p = tl.math.exp2(qk - m_safe[:, None])
@@ -212,7 +244,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         G=group, G_PAD=g_pad, BLOCK_T=block_t, BS=bs, NB=nb, D=dim,
         B_PAD=triton.next_power_of_2(n_seqs + 1),
         ROTATE=rotate, USE_TABLE=packed.table is not None, MASK_IN_WORD=packed.mask_in_word,
-        DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_F32=dot_f32(q.dtype), SPLIT_D=cfg.split_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if nsplit == 1:
         return out, lse
