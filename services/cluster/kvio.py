@@ -102,6 +102,7 @@ class StoreAccess:
     def _put(self, chunk_id: str, layers, fingerprint: str) -> bool:
         try:
             res = self._client.put(chunk_id, layers, model_fingerprint=fingerprint, timeout=self.put_timeout)
+            self._down_until.pop(self._client.shard_for(chunk_id), None)    # it answers again
             self.put_bytes += res.nbytes
             self.known_ids.add(chunk_id)
             return True

@@ -3,8 +3,10 @@
 Generate: resolve the input (INVALID_ARGUMENT with the reason when it is bad), route to a prefill
 worker by chunk residency and load and to a decode worker by load, prefill (the worker pushes the
 hand-off to the decode worker), then relay the decode worker's token stream. A worker that fails
-before the first token is sent is avoided and the request is sent again (``max_attempts``); a
-decode worker that fails after tokens were sent ends the call UNAVAILABLE, saying how far it got.
+before the first token is sent is avoided and the request is sent again (``max_attempts``). A
+decode worker that fails mid-stream: greedy and seeded requests resume elsewhere (regenerated
+tokens are checked against those sent, then skipped); unseeded sampling ends UNAVAILABLE, saying
+how far it got.
 """
 
 from __future__ import annotations
@@ -68,10 +70,10 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         try:
             last_error = "no attempt made"
             avoid: set[str] = set()
+            sent: list[int] = []          # tokens streamed to the client so far, over every attempt
             for attempt in range(self.max_attempts):
                 if attempt:
                     await asyncio.sleep(min(0.2 * 2 ** attempt, 2.0))   # let a restarting worker come back
-                sent = [0]
                 try:
                     async for msg in self._attempt(req, f"{rid}.{attempt}", arrival, avoid, context, sent):
                         yield msg
@@ -79,13 +81,14 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                     return
                 except _Retry as exc:
                     last_error = str(exc)
-                    log.warning("request %s attempt %d: %s", rid, attempt, exc)
+                    log.warning("request %s attempt %d (%d tokens sent): %s", rid, attempt, len(sent), exc)
                 except NoWorker as exc:
                     outcome = "unavailable"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             outcome = "unavailable"
             await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"no worker could serve request {rid} in {self.max_attempts} attempts: {last_error}")
+                                f"no worker could serve request {rid} in {self.max_attempts} attempts "
+                                f"({len(sent)} tokens were sent): {last_error}")
         finally:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(outcome).inc()
@@ -111,39 +114,51 @@ class GatewayServicer(pb_grpc.TesseraServicer):
             stats = reply.stats
             stats.queue_seconds += routed - arrival
             self.metrics.queue.observe(stats.queue_seconds)
-            first = last = None
+            replay = list(sent)           # a resumed attempt regenerates these first: checked, not re-sent
+            seen = 0
+            last = None
             finish = ""
             try:
                 call = self.peers.decode_stub(d).Decode(
                     pb.DecodeRequest(request_id=rid, sampling=req.sampling.to_proto()), timeout=self._remaining(context))
                 async for msg in call:
-                    if msg.token_ids:
-                        now = time.perf_counter()
-                        if first is None:
-                            first = now
-                            self.metrics.ttft.observe(now - arrival)
+                    fresh = []
+                    for tok in msg.token_ids:
+                        if seen < len(replay):
+                            if tok != replay[seen]:
+                                await context.abort(grpc.StatusCode.ABORTED, f"request {rid} could not be resumed on "
+                                                    f"decode worker {d.name}: token {seen} came out different")
                         else:
-                            self.metrics.tpot.observe((now - last) / len(msg.token_ids))
+                            fresh.append(tok)
+                        seen += 1
+                    if fresh:
+                        now = time.perf_counter()
+                        if not sent:
+                            self.metrics.ttft.observe(now - arrival)
+                        elif last is not None:
+                            self.metrics.tpot.observe((now - last) / len(fresh))
                         last = now
-                        sent[0] += len(msg.token_ids)
-                        yield pb.GenerateResponse(token_ids=msg.token_ids, text=self._text(msg.token_ids))
+                        sent.extend(fresh)
+                        yield pb.GenerateResponse(token_ids=fresh, text=self._text(fresh))
                     if msg.finish_reason:
                         finish = msg.finish_reason
             except grpc.aio.AioRpcError as exc:
-                if sent[0] == 0:
+                # Greedy and seeded requests are deterministic: they resume on another decode worker
+                # (the tokens already sent are regenerated, checked and skipped).
+                if not sent or req.sampling.temperature == 0 or req.sampling.seed is not None:
                     await self._failed(exc, None, d, avoid, context, "decode")
                 self.peers.mark_down(d)
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"decode worker {d.name} failed after {sent[0]} tokens of request {rid} "
+                                    f"decode worker {d.name} failed after {len(sent)} tokens of request {rid} "
                                     f"({exc.code().name}: {exc.details()}); the tokens sent are valid, the rest "
-                                    "were not produced: send the request again")
+                                    "were not produced, and unseeded sampling cannot be resumed: send it again")
         finally:
             self.router.done(d)
         self.metrics.e2e.observe(time.perf_counter() - arrival)
-        self.metrics.output_tokens.inc(sent[0])
+        self.metrics.output_tokens.inc(len(sent))
         for tier, n in stats.chunk_tokens_by_tier.items():
             self.metrics.chunk_tokens.labels(tier).inc(n)
-        stats.prompt_tokens, stats.output_tokens = req.prompt_tokens, sent[0]
+        stats.prompt_tokens, stats.output_tokens = req.prompt_tokens, len(sent)
         stats.decode_worker = d.name
         stats.chunk_ids.extend(req.chunk_ids)
         yield pb.GenerateResponse(finish_reason=finish or "length", stats=stats)
