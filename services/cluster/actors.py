@@ -36,6 +36,7 @@ class ServiceSpec:
     model_dir: str | None = None
     workers: tuple[tuple[str, str, str], ...] = ()
     token: str | None = None
+    tls: tuple[bytes, bytes] | None = None      # gateway: (certificate chain PEM, private key PEM)
     namespace: str = "tessera"
 
 
@@ -65,8 +66,8 @@ async def _create(spec: ServiceSpec, port: int):
     if spec.role == "gateway":
         from services.gateway.server import create_server
 
-        return await create_server(spec.model_dir, list(spec.workers), token=spec.token, host=spec.host, port=port,
-                                   resolve=_resolver(spec.namespace))
+        return await create_server(spec.model_dir, list(spec.workers), token=spec.token, tls=spec.tls, host=spec.host,
+                                   port=port, resolve=_resolver(spec.namespace))
     raise ValueError(f"unknown role {spec.role!r}")
 
 

@@ -34,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
     up.add_argument("--store-dir", help="RocksDB directories go here (default: a temporary directory)")
     up.add_argument("--token", default=os.environ.get("TESSERA_TOKEN"), help="bearer token clients must send")
+    up.add_argument("--tls-cert", help="serve the client API over TLS with this certificate chain (PEM)")
+    up.add_argument("--tls-key", help="the private key of --tls-cert (PEM)")
     up.set_defaults(handler=_up)
 
     down = subparsers.add_parser("down", help="stop what `tessera up` started")
@@ -95,7 +97,8 @@ def _up(args: argparse.Namespace) -> int:
     host = args.host or ("0.0.0.0" if args.address else "127.0.0.1")
     cfg = ClusterConfig(model_dir=model, prefill=args.prefill, decode=args.decode, stores=args.stores, device=device,
                         dtype=args.dtype or ("bfloat16" if cuda else "float32"), store_dir=store_dir,
-                        gateway_port=args.port, bind_host=host, token=args.token, detached=True)
+                        gateway_port=args.port, bind_host=host, token=args.token, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, detached=True)
     try:
         ensure_ray(address)
         cluster = start_cluster(cfg, progress=lambda m: print(m, file=sys.stderr))

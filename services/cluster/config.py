@@ -81,6 +81,8 @@ class ClusterConfig:
     gateway_port: int = 0
     bind_host: str = "127.0.0.1"
     token: str | None = None                # clients must send it as a bearer token
+    tls_cert: str | None = None             # gateway over TLS: certificate chain and key (PEM files)
+    tls_key: str | None = None
     max_restarts: int = 3
     namespace: str = "tessera"
     detached: bool = False                  # outlive the driver (tessera up)
@@ -99,6 +101,17 @@ class ClusterConfig:
             raise ValueError(f"max_restarts must be >= -1 (-1: always), got {self.max_restarts}")
         if self.store_dram_bytes <= 0:
             raise ValueError("store_dram_bytes must be positive")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        for path in (self.tls_cert, self.tls_key):
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"TLS file {path} does not exist")
+
+    def tls(self) -> tuple[bytes, bytes] | None:
+        """(certificate chain PEM, private key PEM), read here so that remote nodes need no copy."""
+        if self.tls_cert is None:
+            return None
+        return Path(self.tls_cert).read_bytes(), Path(self.tls_key).read_bytes()
 
     def engine(self) -> EngineSettings:
         return EngineSettings(self.model_dir, self.device, self.dtype, self.kv_cache_bytes, self.chunk_cache_bytes)

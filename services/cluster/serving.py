@@ -129,8 +129,13 @@ async def set_serving(servicer, service_names: tuple[str, ...], serving: bool) -
         await servicer.set(name, status)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int, tls: tuple[bytes, bytes] | None = None) -> int:
+    """Listen on host:port (0: any); with ``tls`` = (certificate chain PEM, private key PEM), over TLS."""
+    if tls is not None:
+        creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
+        bound = server.add_secure_port(f"{host}:{port}", creds)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise ValueError(f"cannot listen on {host}:{port}")
     return bound

@@ -251,10 +251,12 @@ class GatewayServer:
 
 
 async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, token: str | None = None,
+                        tls: tuple[bytes, bytes] | None = None,
                         host: str = "127.0.0.1", port: int = 0, resolve=None,
                         ready_timeout_s: float = 120.0) -> tuple[GatewayServer, int]:
     """Serve the client API on ``host:port`` (0: any) over ``workers`` [(name, role, address)];
-    waits until a prefill worker reports the model fingerprint. Returns (server, port)."""
+    ``tls`` = (certificate chain PEM, private key PEM) serves it over TLS. Waits until the prefill
+    workers report the model fingerprint. Returns (server, port)."""
     metrics = GatewayMetrics()
     router = Router()
     for name, role, address in workers:
@@ -272,7 +274,7 @@ async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, 
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[BearerAuth(token, SERVICE_NAME)] if token else None)
     pb_grpc.add_TesseraServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))
-    bound = bind(server, host, port)
+    bound = bind(server, host, port, tls)
     await server.start()
     peers.start()
     await set_serving(health, (SERVICE_NAME,), True)

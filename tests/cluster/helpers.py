@@ -65,3 +65,31 @@ def start_ray_cluster(model_dir: str, store_dir, namespace: str, **fields):
     cfg = ClusterConfig(model_dir=model_dir, store_dir=str(store_dir), kv_cache_bytes=64 << 20, namespace=namespace,
                         **fields)
     return start_cluster(cfg)
+
+
+def self_signed(tmp_path) -> tuple[bytes, bytes, str]:
+    """(certificate PEM, key PEM, path of the certificate) for 127.0.0.1 / localhost, valid one day."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tessera-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    path = tmp_path / "cert.pem"
+    path.write_bytes(cert_pem)
+    return cert_pem, key_pem, str(path)

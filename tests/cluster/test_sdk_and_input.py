@@ -198,3 +198,23 @@ def test_unavailable_is_retried_until_the_gateway_comes_up(tiny_model, inproc):
         t.join()
         for server in started:
             inproc.loop.run(server.stop(0.1))
+
+
+def test_tls_gateway_needs_a_tls_client(tiny_model, inproc, reference, tmp_path):
+    from services.gateway.server import create_server
+
+    from .helpers import self_signed
+
+    cert, key, cert_path = self_signed(tmp_path)
+    workers = [(w.name, w.role, w.address) for w in inproc.gateway.servicer.router.workers.values()]
+    server, port = inproc.loop.run(create_server(tiny_model, workers, tls=(cert, key)))
+    try:
+        with Client(f"127.0.0.1:{port}", tls=cert_path, timeout=30) as c:
+            chunks = docs(1, 20, seed=8)
+            got = c.complete(chunks, [1], max_new_tokens=4, stop_token_ids=[])
+            assert list(got.token_ids) == reference.generate(chunks, [1], max_new_tokens=4, stop_token_ids=[])
+        with Client(f"127.0.0.1:{port}", timeout=5, retries=0) as plain:
+            with pytest.raises(Unavailable):
+                plain.stats()
+    finally:
+        inproc.loop.run(server.stop(0.1))
