@@ -64,10 +64,14 @@ async def _create(spec: ServiceSpec, port: int):
         return await create_server(spec.name, spec.engine, list(spec.store_addresses), spec.decode,
                                    host=spec.host, port=port)
     if spec.role == "gateway":
+        from services.cluster.serving import RayKV
+        from services.gateway.inputs import ChunkRegistry
         from services.gateway.server import create_server
 
+        # registered chunk ids outlive a gateway restart in Ray's internal KV
+        registry = ChunkRegistry(RayKV(f"tessera/chunks/{spec.namespace}/"))
         return await create_server(spec.model_dir, list(spec.workers), token=spec.token, tls=spec.tls, host=spec.host,
-                                   port=port, resolve=_resolver(spec.namespace))
+                                   port=port, resolve=_resolver(spec.namespace), registry=registry)
     raise ValueError(f"unknown role {spec.role!r}")
 
 

@@ -89,6 +89,7 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
     from services.cluster.serving import forget_ports
 
     forget_ports(f"tessera/port/{cfg.namespace}/")
+    forget_ports(f"tessera/chunks/{cfg.namespace}/")     # ids registered with an earlier cluster
     actors: dict[str, object] = {}
     addresses: dict[str, str] = {}
     scratch = None

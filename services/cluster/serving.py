@@ -96,10 +96,27 @@ def remember_port(name: str, port: int) -> None:
 
 
 def forget_ports(prefix: str = "tessera/port/") -> None:
+    """Drop remembered values under ``prefix`` (ports, registered chunk ids) before a fresh start."""
     kv = _kv()
     if kv is not None:
         for key in kv._internal_kv_list(prefix):
             kv._internal_kv_del(key)
+
+
+class RayKV:
+    """Small values in Ray's internal KV under a prefix; a no-op outside Ray."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def put(self, key: str, value: bytes) -> None:
+        kv = _kv()
+        if kv is not None:
+            kv._internal_kv_put(f"{self.prefix}{key}", value, overwrite=True)
+
+    def get(self, key: str) -> bytes | None:
+        kv = _kv()
+        return None if kv is None else kv._internal_kv_get(f"{self.prefix}{key}")
 
 
 def serve_metrics(registry, host: str) -> tuple[object, int]:

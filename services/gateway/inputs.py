@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from services.engine.config import ModelConfig
 from services.rpc import tessera_pb2 as pb
 
@@ -59,18 +61,33 @@ class ResolvedRequest:
 
 
 class ChunkRegistry:
-    """Chunk ids handed out by RegisterChunks -> their token ids (in the gateway's memory)."""
+    """Chunk ids handed out by RegisterChunks -> their token ids.
 
-    def __init__(self) -> None:
+    Kept in the gateway's memory and, when ``backing`` is given (an object with ``put(key, bytes)``
+    and ``get(key) -> bytes | None``, e.g. Ray's internal KV), written through to it, so that a
+    restarted gateway still knows the ids it handed out.
+    """
+
+    def __init__(self, backing=None) -> None:
         self._tokens: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
+        self._backing = backing
 
     def add(self, chunk_id: str, tokens: tuple[int, ...]) -> None:
         with self._lock:
             self._tokens[chunk_id] = tokens
+        if self._backing is not None:
+            self._backing.put(chunk_id, np.asarray(tokens, dtype=np.int32).tobytes())
 
     def get(self, chunk_id: str) -> tuple[int, ...] | None:
-        return self._tokens.get(chunk_id)
+        tokens = self._tokens.get(chunk_id)
+        if tokens is None and self._backing is not None:
+            raw = self._backing.get(chunk_id)
+            if raw:
+                tokens = tuple(np.frombuffer(raw, dtype=np.int32).tolist())
+                with self._lock:
+                    self._tokens[chunk_id] = tokens
+        return tokens
 
     def __len__(self) -> int:
         return len(self._tokens)

@@ -251,7 +251,7 @@ class GatewayServer:
 
 
 async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, token: str | None = None,
-                        tls: tuple[bytes, bytes] | None = None,
+                        tls: tuple[bytes, bytes] | None = None, registry: ChunkRegistry | None = None,
                         host: str = "127.0.0.1", port: int = 0, resolve=None,
                         ready_timeout_s: float = 120.0) -> tuple[GatewayServer, int]:
     """Serve the client API on ``host:port`` (0: any) over ``workers`` [(name, role, address)];
@@ -265,7 +265,8 @@ async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, 
         raise ValueError("the gateway needs at least one prefill and one decode worker")
     peers = Peers(router, metrics, resolve=resolve)
     fingerprint = await _fingerprint(peers, router, ready_timeout_s)
-    resolver = await asyncio.to_thread(InputResolver, model_dir, fingerprint, ChunkRegistry())
+    resolver = await asyncio.to_thread(InputResolver, model_dir, fingerprint,
+                                       registry if registry is not None else ChunkRegistry())
     http, http_port = serve_metrics(metrics.registry, host)
     from pathlib import Path
 

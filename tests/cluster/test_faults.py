@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.sdk import Client, Unavailable
+from services.sdk import ChunkId, Client, Unavailable
 
 from .helpers import docs, start_ray_cluster, wait_until
 
@@ -186,3 +186,14 @@ def test_store_down_means_computing_until_it_is_back(tiny_model, reference, tmp_
             assert list(got.token_ids) == expect(reference, fresh, [3], 5)
     finally:
         inproc.stop()
+
+
+def test_killed_gateway_returns_on_its_address_knowing_registered_ids(cluster, local_ray, client, reference):
+    from services.cluster.launch import GATEWAY_NAME
+
+    chunks = docs(1, 30, seed=500)
+    [reg] = client.register_chunks(chunks)
+    old_pid = kill(cluster, local_ray, GATEWAY_NAME)
+    wait_restarted(cluster, local_ray, client, GATEWAY_NAME, old_pid)    # the same client, the same address
+    got = client.complete([ChunkId(reg.chunk_id)], [1], max_new_tokens=4, recompute_ratio=RATIO, stop_token_ids=[])
+    assert list(got.token_ids) == expect(reference, chunks, [1], 4)
