@@ -38,12 +38,12 @@ INT32_MAX = tl.constexpr(2**31 - 1)
 class PrefillConfig:
     """Tile shape: BLOCK_M query rows (tokens x group heads), at least min_block_n keys per step."""
 
-    block_m: int = 128
+    block_m: int = 64  # defaults: the fastest of bench/kernels.py's sweep on an H100 (run 4)
     min_block_n: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
     num_splits: int | None = None  # KV splits (flash-decoding style); None picks from the grid
-    split_d: bool = True  # q.k as two dots over the rotate-half halves (fewer live registers)
+    split_d: bool = False  # True: q.k as two dots over the rotate-half halves (10% slower, run 4)
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):

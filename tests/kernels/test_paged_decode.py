@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import DTYPE_NAME, TOL, assert_lse_close, rel_err
+from kernel_checks import DTYPE_NAME, TOL, assert_lse_close, rel_err
 from paged_cases import build, eager_attention
 
 from kernels.paged_attention import paged_decode_attention

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import DTYPE_NAME, TOL, rel_err
+from kernel_checks import DTYPE_NAME, TOL, rel_err
 
 from kernels.rope import apply_rope, rope_inv_freq
 
