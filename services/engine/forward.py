@@ -11,9 +11,8 @@ import time
 
 import torch
 
-from kernels.rope import rope_cos_sin, rotate
 from services.engine.attention import BACKENDS
-from services.engine.blend import BlendConfig, ChunkLayout, select_hkvd
+from services.engine.blend import BlendConfig, blend_pass
 from services.engine.block_table import BlockTable
 from services.engine.chunk_cache import chunk_id
 from services.engine.config import ModelConfig
@@ -266,117 +265,12 @@ class Forward:
         pinned = [p.entry for p in placed]
         private: list[int] = []
         try:
-            return self._blend(placed, chunks, pinned, private, suffix, mode, ratio, blend, stats)
+            return blend_pass(self, placed, chunks, pinned, private, suffix, mode, ratio, blend, stats)
         except BaseException:
             for e in pinned:
                 self.cache.release(e)
             self.pool.free(private)
             raise
-
-    def _blend(self, placed, chunks, pinned, private, suffix, mode, ratio, blend: BlendConfig, stats):
-        dev, bs, n_layers = self.device, self.bs, self.cfg.num_layers
-        t0 = time.perf_counter()
-        lay = ChunkLayout(placed, bs, dev)
-        n_chunk = lay.num_tokens
-        pos_s = torch.arange(n_chunk, n_chunk + len(suffix), device=dev)
-        s_blocks, s_block, s_slot, s_table = self._private(pos_s)
-        private += s_blocks
-        copy = mode == "blend_copy"
-        if copy:
-            if self._gate is not None:
-                self._gate.finish()  # the copy needs every layer before it starts
-            # CacheBlend as published: copy every chunk's KV, keys re-rotated to the global position
-            c_blocks, c_block, c_slot, c_table = self._private(lay.pos)
-            private += c_blocks
-            stats.copied_blocks = len(c_blocks)
-            cos, sin = rope_cos_sin(lay.rot, self.model.inv_freq)
-            for layer in range(n_layers):
-                k, v = self.pool.read(layer, lay.block, lay.slot)
-                self.pool.write(layer, c_block, c_slot, rotate(k, cos[:, None, :], sin[:, None, :]), v)
-            base = BlockTable.cat([c_table, s_table])
-        else:
-            base = BlockTable.cat(lay.shared_tables(bs, dev) + [s_table])
-        ids_s = torch.tensor(suffix, dtype=torch.long, device=dev)
-
-        if ratio == 0.0:
-            tables = [base] * n_layers
-            logits = self._run(ids_s, pos_s, tables, s_block, s_slot)
-        else:
-            ids_c = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
-            logits, tables = self._blend_layers(lay, ids_c, ids_s, pos_s, s_block, s_slot, s_table, base,
-                                                copy, c_block if copy else None, c_slot if copy else None,
-                                                ratio, blend, private, stats)
-        stats.private_blocks_allocated += len(private)
-        stats.forward_seconds = time.perf_counter() - t0
-        tokens = {p.entry.key: c for p, c in zip(placed, chunks)}
-        return logits, Sequence(tables, pinned, private, n_chunk + len(suffix), chunk_tokens=tokens)
-
-    def _blend_layers(self, lay, ids_c, ids_s, pos_s, s_block, s_slot, s_table, base, copy, c_block, c_slot,
-                      ratio, blend, private, stats):
-        dev, bs, n_layers, c = self.device, self.bs, self.cfg.num_layers, blend.check_layer
-        n_chunk = lay.num_tokens
-        h = self.model.embed(torch.cat([ids_c, ids_s]))
-        pos = torch.cat([lay.pos, pos_s])
-        tables: list[BlockTable] = []
-        pre_table = base
-        pre_block = pre_slot = pre_blocks = None
-        if c > 1 and not copy:
-            # layers 1..c-1 are computed in full: every chunk token gets a private slot there
-            pre_blocks, pre_block, pre_slot, t = self._private(lay.pos)
-            private += pre_blocks
-            pre_table = BlockTable.cat([t, s_table])
-        for layer in range(c):
-            self._wait(layer)
-            q, k, v = self.model.attention_inputs(layer, h, pos)
-            if layer == 0:
-                table = base  # layer-0 KV depends on the token alone: the cache holds it exactly
-                self.pool.write(layer, s_block, s_slot, k[n_chunk:], v[n_chunk:])
-            else:
-                table = pre_table
-                wb = torch.cat([c_block if copy else pre_block, s_block])
-                ws = torch.cat([c_slot if copy else pre_slot, s_slot])
-                self.pool.write(layer, wb, ws, k, v)
-            tables.append(table)
-            h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, table))
-
-        # check layer: rank chunk tokens by how far their fresh KV is from the cached KV
-        self._wait(c)
-        q, k, v = self.model.attention_inputs(c, h, pos)
-        if copy:
-            k_cached, v_cached = self.pool.read(c, c_block, c_slot)
-        else:
-            k_cached, v_cached = lay.cached_kv(self.pool, c, self.model.inv_freq)
-        n_keep = int(round(ratio * n_chunk))
-        sel = select_hkvd(k[:n_chunk], v[:n_chunk], k_cached, v_cached, n_keep, blend.deviation)
-        stats.tokens_recomputed = int(sel.numel())
-        keep = torch.cat([sel, torch.arange(n_chunk, n_chunk + pos_s.numel(), device=dev)])
-        h, pos, q, k, v = h[keep], pos[keep], q[keep], k[keep], v[keep]
-        if copy:
-            post = base
-            sel_block, sel_slot = c_block[sel], c_slot[sel]
-        elif pre_block is not None:
-            hidden = torch.zeros(n_chunk, dtype=torch.bool, device=dev)
-            hidden[sel] = True
-            pre_only = BlockTable.for_run(pre_blocks, n_chunk, bs, 0, dev, ~hidden)
-            post = BlockTable.cat(lay.shared_tables(bs, dev, hidden) + [pre_only, s_table])
-            sel_block, sel_slot = pre_block[sel], pre_slot[sel]
-        else:
-            hidden = torch.zeros(n_chunk, dtype=torch.bool, device=dev)
-            hidden[sel] = True
-            tabs = lay.shared_tables(bs, dev, hidden)
-            if sel.numel():
-                blocks, sel_block, sel_slot, sel_table = self._private(lay.pos[sel])
-                private += blocks
-                tabs.append(sel_table)
-            else:
-                sel_block = sel_slot = torch.zeros(0, dtype=torch.long, device=dev)
-            post = BlockTable.cat(tabs + [s_table])
-        wb, ws = torch.cat([sel_block, s_block]), torch.cat([sel_slot, s_slot])
-        self.pool.write(c, wb, ws, k, v)
-        h = self.model.finish_layer(c, h, self._attend(c, q, pos, post))
-        h = self._tail(c + 1, h, pos, post, wb, ws)
-        tables += [post] * (n_layers - c)
-        return self.model.logits(h[-1:])[-1], tables
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
