@@ -31,11 +31,8 @@ def probe_transport() -> TransportChoice:
 
 @dataclass(frozen=True, slots=True)
 class ReceivedHandoff:
-    """A complete hand-off as the decode worker holds it until ``Decode`` asks for it.
-
-    kind "engine": ``payload`` is ``Handoff.to_bytes()``; kind "tokens": the prompt is in ``header``
-    and the decode worker recomputes it (engines without the hand-off API).
-    """
+    """A complete hand-off as the decode worker holds it until ``Decode`` asks for it
+    (kind "engine": ``payload`` is ``services.engine.Handoff.to_bytes()``)."""
 
     header: pb.HandoffHeader
     payload: bytes

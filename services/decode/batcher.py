@@ -127,20 +127,12 @@ class Batcher:
 
     def _rebuild(self, prepared: PreparedHandoff):
         """(sequence, first-token logits) from a hand-off."""
-        h = prepared.received.header
-        if h.kind == "engine":
-            def fetch(cid: str):
-                if cid in prepared.fetched:
-                    return iter(prepared.fetched[cid])
-                return self.fetch(cid) if self.fetch is not None else None
+        def fetch(cid: str):
+            if cid in prepared.fetched:
+                return iter(prepared.fetched[cid])
+            return self.fetch(cid) if self.fetch is not None else None
 
-            return self.eng.import_handoff(prepared.handoff, fetch=fetch), prepared.handoff.logits
-        if h.kind == "tokens":
-            chunks, suffix = [list(c.ids) for c in h.chunks], list(h.suffix)
-            chunks, suffix = self.eng._validate(chunks, suffix, h.mode, h.recompute_ratio)
-            logits, seq, _ = self.eng._prefill(chunks, suffix, h.mode, float(h.recompute_ratio))
-            return seq, logits
-        raise ValueError(f"unknown hand-off kind {h.kind!r}")
+        return self.eng.import_handoff(prepared.handoff, fetch=fetch), prepared.handoff.logits
 
     def _emit(self, live: _Live) -> bool:
         """Send the newest token; True (and the sequence released) when the request is over."""

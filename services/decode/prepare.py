@@ -20,19 +20,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class PreparedHandoff:
-    """A received hand-off, parsed (``handoff``: services.engine.Handoff, None for kind "tokens"),
-    with ``fetched[chunk_id]`` = [(layer, k, v), ...] for the shared chunks streamed from the store."""
+    """A received hand-off, parsed (``handoff``: services.engine.Handoff), with ``fetched[chunk_id]``
+    = [(layer, k, v), ...] for the shared chunks streamed from the store."""
 
     received: ReceivedHandoff
-    handoff: object | None = None
+    handoff: object
     fetched: dict[str, list] = field(default_factory=dict)
 
 
 def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: DecodeMetrics) -> PreparedHandoff:
-    if received.header.kind != "engine":
-        return PreparedHandoff(received)
     from services.engine.handoff import Handoff
 
+    if received.header.kind != "engine":
+        raise ValueError(f"unknown hand-off kind {received.header.kind!r}")
     handoff = Handoff.from_bytes(received.payload)
     ids = list(dict.fromkeys(ref.chunk_id for ref in handoff.chunks))
     missing = [cid for cid in ids if cid not in engine.cache]   # a hint: the engine checks again at import

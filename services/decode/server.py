@@ -103,8 +103,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         resident = await asyncio.wrap_future(self.batcher.call(lambda: [k for k in self.eng.cache.keys() if "@" not in k]))
         return pb.WorkerStatus(name=self.name, in_flight=self.decoding, resident_chunk_ids=resident,
                                transport=self.transport.detail, metrics_url=self.metrics_url,
-                               model_fingerprint=self.eng.fingerprint,
-                               engine_api="handoff" if hasattr(self.eng, "import_handoff") else "recompute")
+                               model_fingerprint=self.eng.fingerprint)
 
     async def Reset(self, request, context):
         def clear() -> int:

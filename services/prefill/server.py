@@ -66,11 +66,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             except PoolExhausted as exc:
                 self.worker.metrics.requests.labels("exhausted").inc()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            header = pb.HandoffHeader(request_id=job.request_id, kind=out.kind, mode=job.mode,
-                                      recompute_ratio=out.ratio)
-            if out.kind == "tokens":
-                header.chunks.extend(request.chunks)
-                header.suffix.extend(request.suffix)
+            header = pb.HandoffHeader(request_id=job.request_id, kind="engine")
             remaining = context.time_remaining()
             try:
                 await self._decode_stub(request.decode_address).PushHandoff(
@@ -103,7 +99,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         resident = await self._on_engine(self.worker.resident_ids)
         return pb.WorkerStatus(name=self.name, in_flight=self.in_flight, resident_chunk_ids=resident,
                                transport=self.transport.detail, metrics_url=self.metrics_url,
-                               model_fingerprint=self.worker.eng.fingerprint, engine_api=self.worker.engine_api)
+                               model_fingerprint=self.worker.eng.fingerprint)
 
     async def Reset(self, request, context):
         return pb.ResetReply(chunks_dropped=await self._on_engine(self.worker.reset, request.device_only))
@@ -140,6 +136,5 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     bound = bind(server, host, port)
     await server.start()
     await set_serving(health, (SERVICE_NAME,), True)
-    log.info("prefill worker %s on %s:%d (%s, engine api %s)", name, host, bound, servicer.transport.detail,
-             worker.engine_api)
+    log.info("prefill worker %s on %s:%d (%s)", name, host, bound, servicer.transport.detail)
     return PrefillServer(server, servicer, health, http), bound

@@ -3,8 +3,6 @@
 Per chunk: a device cache hit, else a layer-by-layer stream from the KV store (the engine computes
 layer i while layer i+1 arrives), else computed alone and written to the store in the background.
 The result is a hand-off: the request's private KV and its chunks' ids (``Engine.prefill_handoff``).
-An engine without the hand-off API prefills here (for the stats and the routing residency) and
-hands the prompt's tokens over instead: the decode worker then recomputes it ("recompute").
 """
 
 from __future__ import annotations
@@ -33,13 +31,8 @@ class PrefillJob:
 
 @dataclass(frozen=True, slots=True)
 class PrefillOutcome:
-    """What goes to the decode worker (kind + payload) and back to the gateway (stats).
+    """What goes to the decode worker (payload = Handoff.to_bytes()) and back to the gateway (stats)."""
 
-    kind "engine": payload = Handoff.to_bytes(); kind "tokens": payload empty, the decode worker
-    recomputes the prompt from the job's tokens.
-    """
-
-    kind: str
     payload: bytes
     ratio: float
     tier_tokens: dict[str, int]
@@ -59,12 +52,7 @@ class PrefillWorker:
         self.controller = controller
         self.metrics = metrics
         self.fixed_ratio = fixed_ratio
-        self.has_handoff = hasattr(engine, "prefill_handoff")
         self.kv_bytes_per_token = engine.describe_memory()["kv_bytes_per_token"]
-
-    @property
-    def engine_api(self) -> str:
-        return "handoff" if self.has_handoff else "recompute"
 
     def resident_ids(self) -> list[str]:
         return [k for k in self.eng.cache.keys() if "@" not in k]   # position replicas are keyed id@start
@@ -83,7 +71,7 @@ class PrefillWorker:
         if job.mode == "prefix":
             return [COMPUTED] * len(ids), {}        # corrected from the engine's hit count afterwards
         missing = [cid for cid in ids if cid not in self.eng.cache]
-        present = self.store.lookup(missing) if missing and self.has_handoff else {}
+        present = self.store.lookup(missing) if missing else {}
         seen: set[str] = set()
         tiers = []
         for cid in ids:
@@ -101,17 +89,12 @@ class PrefillWorker:
         tiers, present = self._tiers(job, ids)
         ratio = self._ratio(job, tiers)
         chunks, suffix = [list(c) for c in job.chunks], list(job.suffix)
-        if self.has_handoff:
-            store = job.mode in REUSE_MODES and self.store.enabled
-            res, handoff = self.eng.prefill_handoff(
-                chunks, suffix, mode=job.mode, recompute_ratio=ratio,
-                fetch=self.store.fetcher(present) if store else None,
-                on_computed=self._on_computed if store else None, extra_tokens=job.max_new_tokens)
-            kind, payload = "engine", handoff.to_bytes()
-        else:
-            self.eng._validate(chunks, suffix, job.mode, ratio, extra_tokens=job.max_new_tokens)
-            res = self.eng.prefill(chunks, suffix, mode=job.mode, recompute_ratio=ratio)
-            kind, payload = "tokens", b""
+        store = job.mode in REUSE_MODES and self.store.enabled
+        res, handoff = self.eng.prefill_handoff(
+            chunks, suffix, mode=job.mode, recompute_ratio=ratio,
+            fetch=self.store.fetcher(present) if store else None,
+            on_computed=self._on_computed if store else None, extra_tokens=job.max_new_tokens)
+        payload = handoff.to_bytes()
         st = res.stats
         if job.mode == "prefix":
             tiers = [GPU if i < st.chunk_hits else COMPUTED for i in range(len(ids))]
@@ -137,7 +120,7 @@ class PrefillWorker:
         seconds = time.perf_counter() - started
         self.metrics.seconds.observe(seconds)
         self.metrics.queue_seconds.observe(queue_s)
-        return PrefillOutcome(kind, payload, ratio, tier_tokens, st.tokens_recomputed, loaded,
+        return PrefillOutcome(payload, ratio, tier_tokens, st.tokens_recomputed, loaded,
                               getattr(st, "load_seconds", 0.0), wait, seconds, queue_s)
 
     def _ratio(self, job: PrefillJob, tiers: list[str]) -> float:
@@ -165,7 +148,7 @@ class PrefillWorker:
                 # a chunk is computed alone whatever follows it: any one suffix token will do
                 self.eng.prefill([c], [c[-1]], mode="tessera", recompute_ratio=0.0)
             ok = False
-            if self.store.enabled and hasattr(self.eng, "export_chunk") and cid in self.eng.cache:
+            if self.store.enabled and cid in self.eng.cache:
                 layers = self.eng.export_chunk(cid)
                 ok = self.store.put(cid, layers, self.eng.fingerprint)
                 if ok:

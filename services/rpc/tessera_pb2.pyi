@@ -192,22 +192,20 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "in_flight", "resident_chunk_ids", "transport", "metrics_url", "model_fingerprint", "engine_api")
+    __slots__ = ("name", "in_flight", "resident_chunk_ids", "transport", "metrics_url", "model_fingerprint")
     NAME_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    ENGINE_API_FIELD_NUMBER: _ClassVar[int]
     name: str
     in_flight: int
     resident_chunk_ids: _containers.RepeatedScalarFieldContainer[str]
     transport: str
     metrics_url: str
     model_fingerprint: str
-    engine_api: str
-    def __init__(self, name: _Optional[str] = ..., in_flight: _Optional[int] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., metrics_url: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., engine_api: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., in_flight: _Optional[int] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., metrics_url: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "chunks", "suffix", "mode", "recompute_ratio", "decode_address", "max_new_tokens")
@@ -262,24 +260,16 @@ class ResetReply(_message.Message):
     def __init__(self, chunks_dropped: _Optional[int] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("request_id", "kind", "total_bytes", "crc32", "chunks", "suffix", "mode", "recompute_ratio")
+    __slots__ = ("request_id", "kind", "total_bytes", "crc32")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
-    CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    SUFFIX_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
-    RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: str
     total_bytes: int
     crc32: int
-    chunks: _containers.RepeatedCompositeFieldContainer[TokenIds]
-    suffix: _containers.RepeatedScalarFieldContainer[int]
-    mode: str
-    recompute_ratio: float
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., suffix: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class HandoffPart(_message.Message):
     __slots__ = ("header", "data")
