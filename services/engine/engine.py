@@ -48,8 +48,6 @@ class Engine:
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
-        if blend.check_layer >= cfg.num_layers:
-            raise ValueError(f"check_layer {blend.check_layer} must be below the model's {cfg.num_layers} layers")
         self.cfg = cfg
         self.model_dir = model_dir
         self.device = device
@@ -138,6 +136,10 @@ class Engine:
             limit = min(limit, self.cfg.sliding_window)
         if total > limit:
             raise ValueError(f"request of {total} tokens is past the model's limit of {limit}")
+        if float(recompute_ratio) > 0 and mode in ("tessera", "blend_copy", "position_aware") \
+                and self.blend.check_layer >= self.cfg.num_layers:
+            raise ValueError(f"recompute needs a check layer below the model's {self.cfg.num_layers} layers "
+                             f"(check_layer is {self.blend.check_layer}); use recompute_ratio=0 or a lower check_layer")
         if mode == "tessera":
             starts, s = [], 0
             for c in chunks:

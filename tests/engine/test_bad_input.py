@@ -71,3 +71,13 @@ def test_bad_sampling_values(engine):
                           (dict(max_new_tokens=0), "max_new_tokens")):
         with pytest.raises(ValueError, match=match):
             engine.generate(chunks, suffix, **kwargs)
+
+
+def test_one_layer_model_serves_every_mode_that_needs_no_check_layer(tmp_path):
+    eng = Engine.load(write_tiny(tmp_path / "one", num_layers=1))
+    chunks, suffix = random_request(22)
+    full = eng.prefill(chunks, suffix, mode="full").logits
+    torch.testing.assert_close(eng.prefill(chunks, suffix, mode="prefix").logits, full)
+    assert torch.isfinite(eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=0).logits).all()
+    with pytest.raises(ValueError, match="check layer below the model's 1 layers"):
+        eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.15)
