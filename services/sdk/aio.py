@@ -49,9 +49,12 @@ class AsyncClient:
             try:
                 call = self._stub.Generate(req, timeout=max(deadline - time.monotonic(), 0.001),
                                            metadata=self._s.metadata)
-                async for msg in call:
-                    started = True
-                    yield GenerateEvent.from_proto(msg)
+                try:
+                    async for msg in call:
+                        started = True
+                        yield GenerateEvent.from_proto(msg)
+                finally:
+                    call.cancel()     # a caller that stops iterating frees the request's decode slot
                 return
             except grpc.aio.AioRpcError as exc:
                 if started or not await self._retry(exc, attempt, deadline):

@@ -87,9 +87,12 @@ class Client:
             try:
                 call = self._stub.Generate(req, timeout=max(deadline - time.monotonic(), 0.001),
                                            metadata=self._s.metadata)
-                for msg in call:
-                    started = True
-                    yield GenerateEvent.from_proto(msg)
+                try:
+                    for msg in call:
+                        started = True
+                        yield GenerateEvent.from_proto(msg)
+                finally:
+                    call.cancel()     # a caller that stops iterating frees the request's decode slot
                 return
             except grpc.RpcError as exc:
                 if started or not self._retry(exc, attempt, deadline):

@@ -218,3 +218,25 @@ def test_tls_gateway_needs_a_tls_client(tiny_model, inproc, reference, tmp_path)
                 plain.stats()
     finally:
         inproc.loop.run(server.stop(0.1))
+
+
+def test_a_stream_left_early_frees_its_decode_slot(client):
+    import urllib.request
+
+    from .helpers import wait_until
+
+    decode = next(w for w in client.stats().workers if w.role == "decode")
+
+    def cancelled() -> float:
+        text = urllib.request.urlopen(decode.metrics_url, timeout=10).read().decode()
+        line = next((ln for ln in text.splitlines() if ln.startswith('tessera_decode_finished_total{reason="cancelled"}')),
+                    None)
+        return float(line.split()[-1]) if line else 0.0
+
+    before = cancelled()
+    stream = client.generate(docs(1, 16, seed=9), [1], max_new_tokens=500, stop_token_ids=[])
+    assert next(stream).token_ids
+    stream.close()                                   # the caller stops reading after one token
+    # the sequence ends as cancelled (not after its 500 tokens) and leaves the batch
+    wait_until(lambda: cancelled() == before + 1, 30, 0.1, "the decode worker to cancel the abandoned sequence")
+    wait_until(lambda: all(w.in_flight == 0 for w in client.stats().workers), 30, 0.1, "no request in flight")
