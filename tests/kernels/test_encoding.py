@@ -52,3 +52,32 @@ def test_triton_entry_points_refuse(bad):
     with pytest.raises(ValueError, match="offset|block size"):
         paged_prefill_attention(q, torch.tensor([5], dtype=torch.int32), k, k, torch.zeros(2, bs, dtype=torch.int32),
                                 ids, offs, masks, cu, cu, inv, 0.125, backend="triton")
+
+
+def test_packed_table_cache_follows_in_place_changes():
+    """The pack cache serves every layer of a step, but a table changed in place is packed again."""
+    inv = rope_inv_freq(64, 10000.0)
+    ids = torch.tensor([3, 4], dtype=torch.int32)
+    offs = torch.tensor([10, 10], dtype=torch.int32)
+    masks = torch.tensor([0xFFFF, 0x00FF], dtype=torch.int64)
+    first = pack(ids, offs, masks, 16, inv, with_table=False)
+    assert pack(ids, offs, masks, 16, inv, with_table=False) is first
+    offs[1] = 20
+    again = pack(ids, offs, masks, 16, inv, with_table=False)
+    assert again is not first and int((again.meta[1] >> 16) & 0xFFFF) == 20
+
+
+def test_empty_table():
+    """No entries at all: every query sees nothing (out 0, lse -inf), nothing is launched on garbage."""
+    inv = rope_inv_freq(64, 10000.0)
+    k = torch.randn(1, 16, 1, 64)
+    none32 = torch.zeros(0, dtype=torch.int32)
+    cu = torch.tensor([0, 0], dtype=torch.int32)
+    q = torch.randn(1, 2, 64)
+    out, lse = paged_decode_attention(q, k, k, none32, none32, torch.zeros(0, dtype=torch.int64), cu, inv, 0.125,
+                                      backend="triton")
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    out, lse = paged_prefill_attention(q, torch.tensor([3], dtype=torch.int32), k, k, torch.zeros(1, 16, dtype=torch.int32),
+                                       none32, none32, torch.zeros(0, dtype=torch.int64), torch.tensor([0, 1], dtype=torch.int32),
+                                       cu, inv, 0.125, backend="triton")
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
