@@ -12,7 +12,9 @@ The inner loop is then a plain flash-attention loop over the group's blocks, NB 
 (BLOCK_N = NB * BS keys): K tiles go from memory to the tensor cores unmodified. (The first
 version rotated every K tile forward in registers instead: 38-50% slower, see bench/kernels.md.)
 Causality compares global positions (offset + slot_pos <= q_pos), so queries may be scattered
-anywhere in the context (CacheBlend's recomputed tokens), not only a suffix.
+anywhere in the context (CacheBlend's recomputed tokens), not only a suffix. The mask is applied
+only on steps that need it: a key later than the tile's oldest query, or a hidden slot.
+Optional KV splits (flash-decoding style) write fp32 partials that kernels/lse_merge merges.
 
 Tiles are found without a host sync: sequence b owns tile ids [cu_q[b] // BLOCK_T + b, ...), a
 tile past the sequence's end does nothing. The grid is Tq // BLOCK_T + B tiles.
