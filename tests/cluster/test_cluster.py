@@ -63,6 +63,13 @@ def test_fifty_concurrent_requests_complete(client, reference):
         for tier, n in got.stats.chunk_tokens_by_tier.items():
             tiers[tier] = tiers.get(tier, 0) + n
     assert tiers.get("gpu", 0) > 0, f"six documents over 50 requests must be reused: {tiers}"
+    # continuous batching: some decode steps carried several sequences at once
+    import urllib.request
+
+    decode = next(w for w in client.stats().workers if w.role == "decode")
+    text = urllib.request.urlopen(decode.metrics_url, timeout=10).read().decode()
+    value = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("tessera_decode_batch_size")}
+    assert value['tessera_decode_batch_size_bucket{le="1.0"}'] < value["tessera_decode_batch_size_count"]
 
 
 def test_router_sends_a_request_where_its_chunks_are(client):
