@@ -27,5 +27,9 @@ test: setup
 demo: setup
 	$(VENV)/bin/tessera demo
 
+# GPU only: correctness against the twins, then timings beside SDPA (bench/kernels.md)
+bench-kernels: setup
+	$(PY) bench/kernels.py --out bench
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -3,8 +3,9 @@
 Both see the same thing: the layer's paged K/V, the slot positions, and a request's BlockTable.
   - ``TorchAttention`` gathers the entries' keys, rotates shared-chunk keys by their offsets (fp32,
     cast back), builds the causal-by-global-position mask and calls SDPA; decode uses the twin.
-  - ``TritonAttention`` calls the fused kernels in ``kernels/paged_attention`` that rotate K tiles
-    (prefill) or Q (decode) on the fly.
+  - ``TritonAttention`` calls the fused kernels in ``kernels/paged_attention``, which apply each
+    entry's offset on the fly by rotating the query backwards once per offset group (the same math:
+    (R_m q)·(R_{o+j} k) == (R_{m-o} q)·(R_j k)); nothing is re-rotated in memory.
 """
 
 from __future__ import annotations
@@ -103,12 +104,25 @@ class TorchAttention(Attention):
 class TritonAttention(Attention):
     name = "triton"
 
+    def __init__(self, pool, inv_freq, scale):
+        super().__init__(pool, inv_freq, scale)
+        # NOTE: the kernels cache their packed metadata by tensor identity, so the same (table, queries)
+        # must hand them the same tensors at every layer: one validation and packing per pass, not per layer
+        self._memo: dict[tuple[int, int], tuple] = {}
+
     def prefill(self, layer, q, q_pos, table):
-        dev = q.device
-        cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev)
-        cu_e = torch.tensor([0, table.num_entries], dtype=torch.int32, device=dev)
-        out, _ = paged_prefill_attention(q, q_pos.to(torch.int32), self.pool.k[layer], self.pool.v[layer],
-                                         self.pool.slot_pos, table.block_ids, table.offsets, table.masks, cu_q, cu_e,
+        key = (id(table), id(q_pos))
+        args = self._memo.get(key)
+        if args is None:
+            if len(self._memo) > 16:
+                self._memo.clear()
+            dev = q.device
+            cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev)
+            cu_e = torch.tensor([0, table.num_entries], dtype=torch.int32, device=dev)
+            args = self._memo[key] = (table, q_pos, q_pos.to(torch.int32), cu_q, cu_e)
+        _, _, pos32, cu_q, cu_e = args
+        out, _ = paged_prefill_attention(q, pos32, self.pool.k[layer], self.pool.v[layer], self.pool.slot_pos,
+                                         table.block_ids, table.offsets, table.masks, cu_q, cu_e,
                                          self.inv_freq, self.scale, backend="triton")
         return out
 
