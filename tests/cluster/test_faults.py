@@ -92,7 +92,7 @@ def decode_retries(client) -> float:
 def test_killed_decode_worker_resumes_or_ends_streams_clearly(cluster, local_ray, client, reference):
     """Greedy streams resume on the other decode worker (same tokens, none repeated); unseeded
     sampled streams cannot be replayed and end UNAVAILABLE saying so, unless they were elsewhere."""
-    n_new = 120
+    n_new = 200
     prompts = [(docs(2, 32, seed=200 + i), [i + 1]) for i in range(4)]
     wanted = [expect(reference, chunks, suffix, n_new) for chunks, suffix in prompts]
     jobs = [(p, 0.0) for p in prompts] + [(p, 1.0) for p in prompts]     # (prompt, temperature)
