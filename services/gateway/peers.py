@@ -3,7 +3,8 @@
 Every ``interval_s`` each worker's ``Status`` is called with a short deadline: success marks it
 healthy and refreshes its resident chunk ids; failure marks it unhealthy (the router avoids it).
 A worker that fails is asked for its address again through Ray (``resolve``), in case it came
-back elsewhere after a restart; normally it comes back on the same address.
+back elsewhere after a restart; normally it comes back on the same address. ``on_ready`` learns
+when the gateway can serve at all (a healthy worker of each role): its health status follows.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Peers:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
         self.status: dict[str, pb.WorkerStatus] = {}
+        self.on_ready = None      # async fn(bool): called when "a prefill and a decode worker are healthy" flips
+        self._ready: bool | None = None
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -51,8 +54,13 @@ class Peers:
     async def poll_once(self) -> None:
         views = [w for w in self.router.workers.values() if w.role in ("prefill", "decode")]
         await asyncio.gather(*(self._poll(w) for w in views))
-        for role in ("prefill", "decode"):
-            self.metrics.healthy.labels(role).set(sum(w.healthy for w in self.router.of_role(role)))
+        healthy = {role: sum(w.healthy for w in self.router.of_role(role)) for role in ("prefill", "decode")}
+        for role, n in healthy.items():
+            self.metrics.healthy.labels(role).set(n)
+        ready = all(healthy.values())
+        if self.on_ready is not None and ready != self._ready:
+            await self.on_ready(ready)
+            self._ready = ready
 
     async def _poll(self, w: WorkerView) -> None:
         try:

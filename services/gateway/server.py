@@ -277,8 +277,9 @@ async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, 
     health = await add_health(server, (SERVICE_NAME,))
     bound = bind(server, host, port, tls)
     await server.start()
-    peers.start()
     await set_serving(health, (SERVICE_NAME,), True)
+    peers.on_ready = lambda ok: set_serving(health, (SERVICE_NAME,), ok)    # NOT_SERVING with no worker of a role
+    peers.start()
     log.info("gateway on %s:%d", host, bound)
     return GatewayServer(server, servicer, health, http), bound
 

@@ -240,3 +240,32 @@ def test_a_stream_left_early_frees_its_decode_slot(client):
     # the sequence ends as cancelled (not after its 500 tokens) and leaves the batch
     wait_until(lambda: cancelled() == before + 1, 30, 0.1, "the decode worker to cancel the abandoned sequence")
     wait_until(lambda: all(w.in_flight == 0 for w in client.stats().workers), 30, 0.1, "no request in flight")
+
+
+def test_gateway_health_follows_its_workers(tiny_model, inproc):
+    """A gateway whose only decode worker does not answer reports NOT_SERVING (health checks see it)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.cluster.serving import free_port
+    from services.gateway.server import SERVICE_NAME, create_server
+
+    from .helpers import wait_until
+
+    prefill = next(w for w in inproc.gateway.servicer.router.workers.values() if w.role == "prefill")
+    workers = [(prefill.name, "prefill", prefill.address), ("ghost", "decode", f"127.0.0.1:{free_port()}")]
+    server, port = inproc.loop.run(create_server(tiny_model, workers))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+
+            def status():
+                return stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5).status
+
+            wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 30, 0.1, "NOT_SERVING")
+    finally:
+        inproc.loop.run(server.stop(0.1))
+    # the module's own gateway has both workers: it serves
+    with grpc.insecure_channel(inproc.address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
