@@ -112,6 +112,7 @@ class Batcher:
     def _start(self, job: DecodeJob) -> None:
         from services.engine.sampling import SamplingParams, sample
 
+        t0 = time.perf_counter()
         try:
             params = SamplingParams(job.temperature, job.top_p, job.top_k, job.seed, job.max_new_tokens)
             seq, logits = self._rebuild(job.handoff)
@@ -119,6 +120,7 @@ class Batcher:
             log.warning("decode %s: cannot rebuild the sequence: %s", job.request_id, exc)
             job.emit([], None, f"{type(exc).__name__}: {exc}")
             return
+        self.metrics.admit_seconds.observe(time.perf_counter() - t0)
         gen = params.generator(self.eng.device)
         live = _Live(job, seq, params, gen, sample(logits, params, gen), 1)
         self.metrics.admitted.inc()

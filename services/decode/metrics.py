@@ -22,4 +22,6 @@ class DecodeMetrics:
                                     registry=r)
         self.step_seconds = Histogram("tessera_decode_step_seconds", "One batched decode step", buckets=SECONDS,
                                       registry=r)
+        self.admit_seconds = Histogram("tessera_decode_admit_seconds", "Rebuilding one hand-off's sequence (the batch "
+                                       "waits meanwhile)", buckets=SECONDS, registry=r)
         self.active = Gauge("tessera_decode_active_sequences", "Sequences in the running batch", registry=r)
