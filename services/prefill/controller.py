@@ -33,8 +33,8 @@ class LoadingController:
             if stats.chunk_tokens_computed > 0 and stats.chunk_compute_seconds > 0:
                 self.seconds_per_token = self._ewma(self.seconds_per_token,
                                                     stats.chunk_compute_seconds / stats.chunk_tokens_computed)
-            loaded = getattr(stats, "loaded_bytes", 0)
-            if loaded > 0 and getattr(stats, "load_seconds", 0.0) > 0:
+            loaded = stats.loaded_bytes
+            if loaded > 0 and stats.load_seconds > 0:
                 self.seconds_per_byte = self._ewma(self.seconds_per_byte, stats.load_seconds / loaded)
 
     def ratio(self, store_bytes: int, chunk_tokens: int) -> float:

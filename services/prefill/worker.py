@@ -98,7 +98,7 @@ class PrefillWorker:
         st = res.stats
         if job.mode == "prefix":
             tiers = [GPU if i < st.chunk_hits else COMPUTED for i in range(len(ids))]
-        if getattr(st, "load_failures", 0):
+        if st.load_failures:
             # streams that broke were recomputed; count the latest store hits as computed
             bad = st.load_failures
             for i in reversed(range(len(tiers))):
@@ -110,18 +110,18 @@ class PrefillWorker:
             tier_tokens[tier] = tier_tokens.get(tier, 0) + len(c)
             self.metrics.chunks.labels(tier).inc()
             self.metrics.chunk_tokens.labels(tier).inc(len(c))
-        loaded = getattr(st, "loaded_bytes", 0)
-        wait = getattr(st, "load_wait_seconds", 0.0)
+        loaded = st.loaded_bytes
+        wait = st.load_wait_seconds
         self.metrics.recomputed.inc(st.tokens_recomputed)
         self.metrics.loaded_bytes.inc(loaded)
-        self.metrics.load_failures.inc(getattr(st, "load_failures", 0))
+        self.metrics.load_failures.inc(st.load_failures)
         self.metrics.load_wait.observe(wait)
         self.metrics.ratio.observe(ratio)
         seconds = time.perf_counter() - started
         self.metrics.seconds.observe(seconds)
         self.metrics.queue_seconds.observe(queue_s)
         return PrefillOutcome(payload, ratio, tier_tokens, st.tokens_recomputed, loaded,
-                              getattr(st, "load_seconds", 0.0), wait, seconds, queue_s)
+                              st.load_seconds, wait, seconds, queue_s)
 
     def _ratio(self, job: PrefillJob, tiers: list[str]) -> float:
         if job.recompute_ratio is not None:
