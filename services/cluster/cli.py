@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up = subparsers.add_parser("up", help="start the cluster (local Ray + tiny model by default)",
                                description="Start the gateway, prefill/decode workers and KV store shards on Ray.")
     up.add_argument("--address", help="join this Ray cluster (default: start a local one)")
-    up.add_argument("--model", help="model directory (default: the tiny model, written to a temporary directory)")
+    up.add_argument("--model", help="model directory, readable on every node (default without --address: the tiny "
+                                    "model, written to a temporary directory)")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     up.add_argument("--stores", type=int, default=1, help="KV store shards (default 1; 0: no store)")
@@ -68,6 +69,9 @@ def _up(args: argparse.Namespace) -> int:
 
     if STATE.exists():
         raise ValueError(f"a cluster is already up ({STATE}); run `tessera down` first")
+    if args.address and not args.model:
+        # the tiny model would be written on this machine only; workers may land on other nodes
+        raise ValueError("--address needs --model: a model directory every node of the Ray cluster can read")
     if args.model and not Path(args.model, "config.json").is_file():
         raise FileNotFoundError(f"{args.model} is not a model directory (no config.json)")
     cuda = args.device == "cuda" or (args.device is None and _cuda())
