@@ -77,9 +77,11 @@ def main() -> int:
     ap.add_argument("--suffix-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--kv-cache-bytes", type=float, default=24e9, help="paged KV pool per worker")
+    # two workers share one 80 GB GPU: 2 x (16 GB weights + 14 GB KV pool) leaves room for activations
+    ap.add_argument("--kv-cache-bytes", type=float, default=14e9, help="paged KV pool per worker")
+    # the hot set is --docs x 64 MiB (512 tokens x 128 KiB): 12.8 GB by default; a fifth is 2.56 GB
     ap.add_argument("--chunk-cache-bytes", type=float, default=2e9, help="device chunk cache per worker")
-    ap.add_argument("--store-dram-bytes", type=float, default=64e9)
+    ap.add_argument("--store-dram-bytes", type=float, default=32e9)
     args = ap.parse_args()
 
     import ray
