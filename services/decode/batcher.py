@@ -60,6 +60,7 @@ class Batcher:
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._live: list[_Live] = []
+        self.resident: tuple[str, ...] = ()   # chunk ids in the device cache, refreshed by the engine thread
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._thread.start()
 
@@ -106,8 +107,10 @@ class Batcher:
                     fut.set_result(fn())
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(exc)
-                continue
-            self._start(item)
+            else:
+                self._start(item)
+            # the cache only changes here (imports, resets): keep the snapshot Status reads fresh
+            self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)
 
     def _start(self, job: DecodeJob) -> None:
         from services.engine.sampling import SamplingParams, sample

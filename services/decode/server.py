@@ -100,7 +100,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             self.decoding -= 1
 
     async def Status(self, request, context):
-        resident = await asyncio.wrap_future(self.batcher.call(lambda: [k for k in self.eng.cache.keys() if "@" not in k]))
+        resident = self.batcher.resident         # a snapshot: a poll never waits for a decode step
         return pb.WorkerStatus(name=self.name, in_flight=self.decoding, resident_chunk_ids=resident,
                                transport=self.transport.detail, metrics_url=self.metrics_url,
                                model_fingerprint=self.eng.fingerprint)

@@ -96,13 +96,14 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         return pb.WarmReply(stored=stored, resident_chunk_ids=resident)
 
     async def Status(self, request, context):
-        resident = await self._on_engine(self.worker.resident_ids)
+        resident = self.worker.resident          # the snapshot: a poll never waits behind queued prefills
         return pb.WorkerStatus(name=self.name, in_flight=self.in_flight, resident_chunk_ids=resident,
                                transport=self.transport.detail, metrics_url=self.metrics_url,
                                model_fingerprint=self.worker.eng.fingerprint)
 
     async def Reset(self, request, context):
-        return pb.ResetReply(chunks_dropped=await self._on_engine(self.worker.reset, request.device_only))
+        dropped, _ = await self._on_engine(lambda: (self.worker.reset(request.device_only), self.worker.resident_ids()))
+        return pb.ResetReply(chunks_dropped=dropped)
 
 
 class PrefillServer:

@@ -53,9 +53,12 @@ class PrefillWorker:
         self.metrics = metrics
         self.fixed_ratio = fixed_ratio
         self.kv_bytes_per_token = engine.describe_memory()["kv_bytes_per_token"]
+        self.resident: tuple[str, ...] = ()   # snapshot for Status, which must not queue behind prefills
 
-    def resident_ids(self) -> list[str]:
-        return [k for k in self.eng.cache.keys() if "@" not in k]   # position replicas are keyed id@start
+    def resident_ids(self) -> tuple[str, ...]:
+        """Chunk ids in the device cache (engine thread); also refreshes the snapshot."""
+        self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)  # replicas are keyed id@start
+        return self.resident
 
     def _tiers(self, job: PrefillJob, ids: list[str]) -> tuple[list[str], dict[str, str]]:
         """Where each chunk's KV will come from, decided before the pass (one engine thread: nothing
