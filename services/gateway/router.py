@@ -46,14 +46,19 @@ class Router:
         return [w for w in self.workers.values() if w.role == role]
 
     def _candidates(self, role: str, avoid: set[str]) -> list[WorkerView]:
-        healthy = [w for w in self.of_role(role) if w.healthy and w.name not in avoid]
-        if healthy:
-            return healthy
-        # every worker of the role failed lately: try the least recently failed rather than refuse
-        fallback = [w for w in self.of_role(role) if w.name not in avoid]
-        if not fallback:
-            raise NoWorker(f"no {role} worker is available")
-        return fallback
+        """Healthy workers not tried yet for this request, else healthy ones tried before (back after a
+        restart), else untried ones, else any: a request is refused only when the role has no worker."""
+        workers = self.of_role(role)
+        for pick in (lambda w: w.healthy and w.name not in avoid, lambda w: w.healthy,
+                     lambda w: w.name not in avoid, lambda w: True):
+            cands = [w for w in workers if pick(w)]
+            if cands:
+                return cands
+        raise NoWorker(f"no {role} worker is configured")
+
+    def ready(self) -> bool:
+        """A healthy prefill and a healthy decode worker are known."""
+        return all(any(w.healthy for w in self.of_role(role)) for role in ("prefill", "decode"))
 
     def pick_prefill(self, chunk_ids: tuple[str, ...], chunk_lens: tuple[int, ...],
                      avoid: set[str] = frozenset()) -> WorkerView:

@@ -42,9 +42,10 @@ class _Retry(Exception):
 
 class GatewayServicer(pb_grpc.TesseraServicer):
     def __init__(self, resolver: InputResolver, router: Router, peers: Peers, metrics: GatewayMetrics,
-                 model_name: str, metrics_url: str, max_attempts: int = 3) -> None:
+                 model_name: str, metrics_url: str, max_attempts: int = 3, restart_wait_s: float = 60.0) -> None:
         self.resolver, self.router, self.peers, self.metrics = resolver, router, peers, metrics
         self.model_name, self.metrics_url, self.max_attempts = model_name, metrics_url, max_attempts
+        self.restart_wait_s = restart_wait_s
         self.requests_total = 0
 
     @staticmethod
@@ -73,7 +74,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
             sent: list[int] = []          # tokens streamed to the client so far, over every attempt
             for attempt in range(self.max_attempts):
                 if attempt:
-                    await asyncio.sleep(min(0.2 * 2 ** attempt, 2.0))   # let a restarting worker come back
+                    await self._await_workers(context)
                 try:
                     async for msg in self._attempt(req, f"{rid}.{attempt}", arrival, avoid, context, sent):
                         yield msg
@@ -92,6 +93,14 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         finally:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(outcome).inc()
+
+    async def _await_workers(self, context) -> None:
+        """Before a retry: a short pause, and while no worker of a role is healthy (the only one is
+        restarting) wait for one, up to ``restart_wait_s`` and the call's deadline."""
+        await asyncio.sleep(0.2)
+        deadline = time.monotonic() + min(self.restart_wait_s, self._remaining(context) / 2)
+        while not self.router.ready() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
 
     async def _attempt(self, req: ResolvedRequest, rid: str, arrival: float, avoid: set[str], context, sent):
         lens = tuple(map(len, req.chunks))

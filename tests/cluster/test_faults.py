@@ -141,6 +141,43 @@ def test_killed_decode_worker_resumes_or_ends_streams_clearly(cluster, local_ray
         assert list(got_now.token_ids) == want[:5]
 
 
+def test_greedy_streams_survive_every_decode_worker_dying(cluster, local_ray, client, reference):
+    """No decode worker left: the gateway waits for Ray to restart one, then resumes the streams."""
+    n_new = 200
+    prompts = [(docs(2, 32, seed=250 + i), [i + 1]) for i in range(2)]
+    wanted = [expect(reference, chunks, suffix, n_new) for chunks, suffix in prompts]
+    got = [[] for _ in prompts]
+    errors: list[Exception | None] = [None] * len(prompts)
+    started = threading.Semaphore(0)
+
+    def stream(i):
+        first = True
+        try:
+            for ev in client.generate(*prompts[i], max_new_tokens=n_new, recompute_ratio=RATIO, stop_token_ids=[]):
+                got[i] += ev.token_ids
+                if first and ev.token_ids:
+                    first = False
+                    started.release()
+        except Exception as exc:  # noqa: BLE001 - examined below
+            errors[i] = exc
+        finally:
+            if first:
+                started.release()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert started.acquire(timeout=120)
+    pids = {name: kill(cluster, local_ray, name) for name in ("tessera-decode-0", "tessera-decode-1")}
+    for t in threads:
+        t.join(300)
+    assert errors == [None, None], errors
+    assert got == wanted
+    for name, pid in pids.items():
+        wait_restarted(cluster, local_ray, client, name, pid)
+
+
 def test_killed_store_shard_falls_back_to_computing(cluster, local_ray, client, reference):
     chunks = docs(2, 64, seed=300)
     assert all(r.stored for r in client.register_chunks(chunks))

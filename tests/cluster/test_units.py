@@ -47,13 +47,20 @@ def test_router_spreads_equal_workers_and_counts_in_flight():
     assert r.pick_decode().name == first.name
 
 
-def test_router_avoids_failed_workers_and_says_when_none_is_left():
-    down = WorkerView("p0", "prefill", "a", resident=frozenset({"x"}), healthy=False)
-    r = router_with(down, WorkerView("p1", "prefill", "b"))
-    assert r.pick_prefill(("x",), (10,)).name == "p1"
-    assert r.pick_prefill(("x",), (10,), avoid={"p1"}).name == "p0"   # unhealthy beats nothing
-    with pytest.raises(NoWorker, match="no prefill worker"):
-        r.pick_prefill(("x",), (10,), avoid={"p0", "p1"})
+def test_router_avoids_failed_workers_then_comes_back_to_them():
+    p0 = WorkerView("p0", "prefill", "a", resident=frozenset({"x"}), healthy=False)
+    p1 = WorkerView("p1", "prefill", "b")
+    r = router_with(p0, p1, WorkerView("d0", "decode", "c"))
+    assert r.pick_prefill(("x",), (10,)).name == "p1"                 # healthy beats resident
+    assert r.pick_prefill(("x",), (10,), avoid={"p1"}).name == "p1"   # healthy, though tried, beats down
+    p1.healthy = False
+    assert not r.ready()
+    assert r.pick_prefill(("x",), (10,), avoid={"p1"}).name == "p0"   # all down: one not tried yet
+    assert r.pick_prefill(("x",), (10,), avoid={"p0", "p1"}).name in {"p0", "p1"}
+    p0.healthy = True
+    assert r.ready()
+    with pytest.raises(NoWorker, match="no decode worker"):
+        router_with(p0).pick_decode()
 
 
 def stats(**kw):
