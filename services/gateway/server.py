@@ -76,7 +76,9 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                 if attempt:
                     await self._await_workers(context)
                 try:
-                    async for msg in self._attempt(req, f"{rid}.{attempt}", arrival, avoid, context, sent):
+                    # a client-given id may repeat: the suffix keeps hand-offs of concurrent calls apart
+                    attempt_id = f"{rid}.{uuid.uuid4().hex[:8]}.{attempt}"
+                    async for msg in self._attempt(req, attempt_id, arrival, avoid, context, sent):
                         yield msg
                     outcome = "ok"
                     return
