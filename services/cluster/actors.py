@@ -89,6 +89,12 @@ class ServiceActor:
     def address(self) -> str:
         return self._address
 
+    def metrics_url(self) -> str:
+        """Where this actor serves /metrics (Prometheus text)."""
+        if self.spec.role == "store":
+            return f"http://{advertised_host(self.spec.host)}:{self._server.metrics_port}/metrics"
+        return self._server.servicer.metrics_url
+
     def ping(self) -> str:
         return "ok"
 

@@ -113,6 +113,8 @@ def _up(args: argparse.Namespace) -> int:
                  actors=sorted(cluster.actors))
     STATE.parent.mkdir(parents=True, exist_ok=True)
     STATE.write_text(json.dumps(state, indent=2))
+    for name in sorted(cluster.actors):
+        print(f"  {name:<20} {cluster.addresses[name]:<22} {cluster.metrics[name]}", file=sys.stderr)
     print(f"Tessera is up: gateway {cluster.gateway_address} "
           f"({cfg.prefill} prefill, {cfg.decode} decode, {cfg.stores} store shard(s), {device}); stop with `tessera down`")
     print(cluster.gateway_address)

@@ -51,6 +51,7 @@ class Cluster:
     addresses: dict[str, str]
     scratch: str | None = None          # temporary RocksDB directories, removed by stop()
     names: dict[str, list[str]] = field(default_factory=dict)
+    metrics: dict[str, str] = field(default_factory=dict)     # actor name -> its /metrics URL
 
     def handle(self, name: str):
         return self.actors[name]
@@ -125,12 +126,13 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
                            token=cfg.token, tls=cfg.tls(), namespace=cfg.namespace)
         actors[GATEWAY_NAME] = _remote(cfg, GATEWAY_NAME, 0, 0).remote(spec)
         addresses[GATEWAY_NAME] = ray.get(actors[GATEWAY_NAME].address.remote())
+        metrics = dict(zip(actors, ray.get([a.metrics_url.remote() for a in actors.values()])))
     except BaseException:
         stop_cluster(cfg.namespace, actors)
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
-    return Cluster(cfg, addresses[GATEWAY_NAME], actors, addresses, scratch, names)
+    return Cluster(cfg, addresses[GATEWAY_NAME], actors, addresses, scratch, names, metrics)
 
 
 def find_actors(namespace: str = "tessera") -> dict[str, object]:

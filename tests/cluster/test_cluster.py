@@ -93,6 +93,15 @@ def test_actors_are_placed_with_their_resources(cluster, local_ray):
     assert held == 3
     st = Client(cluster.gateway_address).stats()
     assert len(st.workers) == 3 and all(w.healthy for w in st.workers)
+    # every actor, store shard and gateway included, serves Prometheus metrics of its own
+    import urllib.request
+
+    prefixes = {"gateway": "tessera_gateway_", "prefill": "tessera_prefill_", "decode": "tessera_decode_",
+                "store": "tessera_kvstore_"}
+    assert set(cluster.metrics) == set(cluster.actors)
+    for name, url in cluster.metrics.items():
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert next(p for role, p in prefixes.items() if role in name) in text, name
 
 
 def test_replay_through_the_sdk_reports_tiers(cluster):
