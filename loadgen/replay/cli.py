@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
+import os
 import shlex
 import sys
 
@@ -37,7 +39,8 @@ def register_replay(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", default="tessera", choices=MODES, help="serving mode (default tessera)")
     p.add_argument("--compare", help=f"comma-separated modes to replay one after another ({','.join(MODES)})")
     p.add_argument("--slo", help="goodput objectives in ms, e.g. ttft:500,tpot:50 (also e2el:MS)")
-    p.add_argument("--vocab-size", type=int, default=32000, help="token ids drawn below this (default 32000)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="token ids drawn below this (default: the cluster's vocabulary; 32000 for fake)")
     p.add_argument("--token-low", type=int, default=0, help="token ids drawn at or above this (default 0)")
     p.add_argument("--token-seed", type=int, default=0, help="seed of document token ids (default 0)")
     p.add_argument("--max-in-flight", type=int, default=256, help="open-loop worker threads (default 256)")
@@ -46,14 +49,22 @@ def register_replay(subparsers: argparse._SubParsersAction) -> None:
 
 
 def resolve_target(spec: str):
-    """The object replay drives for ``--target``."""
+    """The object replay drives for ``--target``: the fake, or a running cluster through the SDK."""
     if spec == "fake" or spec.startswith("fake:"):
         from loadgen.replay.fake import FakeTarget, FakeTargetConfig
         return FakeTarget(FakeTargetConfig.parse(spec))
     if importlib.util.find_spec("services.sdk") is None:
         raise ValueError(_SDK_MISSING)
-    raise ValueError("the cluster SDK (services.sdk) exists but tessera replay is not hooked up "
-                     "to it yet (loadgen/README.md lists what it needs); --target fake works meanwhile")
+    from services.cluster.replay_target import ClusterTarget
+    from services.sdk import Client, TesseraError
+
+    token = os.environ.get("TESSERA_TOKEN")
+    try:  # one short Stats call first: a wrong address fails in seconds, not at the first request
+        with Client(spec, token=token, timeout=10.0, retries=1) as probe:
+            probe.stats()
+    except TesseraError as exc:
+        raise ValueError(f"cannot reach the cluster at {spec}: {exc}") from None
+    return ClusterTarget(spec, token=token)
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -80,11 +91,14 @@ def _replay_handler(args: argparse.Namespace) -> int:
         raise ValueError("--compare names no mode")
     cfg = ReplayConfig(mode=modes[0], rate=args.rate, burstiness=args.burstiness,
                        concurrency=args.concurrency, duration_s=args.duration,
-                       max_in_flight=args.max_in_flight, vocab_size=args.vocab_size,
+                       max_in_flight=args.max_in_flight, vocab_size=args.vocab_size or 32000,
                        token_low=args.token_low, token_seed=args.token_seed)
     slo = Slo.parse(args.slo) if args.slo else None
     trace = read_trace(args.trace)
     target = resolve_target(args.target)
+    if args.vocab_size is None:
+        args.vocab_size = getattr(target, "vocab_size", None) or 32000
+    cfg = dataclasses.replace(cfg, vocab_size=args.vocab_size)
     runs, summaries = replay_modes(trace, target, cfg, modes, slo)
     about = f"Trace: {args.trace}, {len(trace)} requests; target: {args.target}."
     paths = write_report(args.output, runs, summaries, _command(args), about)

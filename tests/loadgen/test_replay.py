@@ -194,9 +194,15 @@ def test_cli_replay_compare(tmp_path, capsys):
 def test_cli_replay_refuses_what_it_cannot_do(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     write_trace(trace, TRACE)
-    assert main(["replay", str(trace), "--target", "127.0.0.1:50051", "-o", str(tmp_path / "o")]) == 2
+    import socket
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["replay", str(trace), "--target", f"127.0.0.1:{port}", "-o", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "services.sdk" in err and "--target fake" in err
+    assert f"cannot reach the cluster at 127.0.0.1:{port}" in err
+    assert not (tmp_path / "o").exists()
     assert main(["replay", str(trace), "--target", "fake:warp=9", "-o", str(tmp_path / "o")]) == 2
     assert main(["replay", str(trace), "--target", "fake", "--compare", "full,turbo",
                  "-o", str(tmp_path / "o")]) == 2
