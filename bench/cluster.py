@@ -9,6 +9,11 @@ Targets (issue #5): tessera p50 TTFT >= 3x lower than full, throughput >= 2.5x f
 
     python3 bench/cluster.py --out bench/cluster            # writes cluster.json, cluster.md, runs/
     python3 bench/cluster.py --shape tiny --requests 16     # CPU smoke run of the same code path
+    python3 bench/cluster.py --no-ray --layers 8 --requests 48   # no Ray: one process per service
+
+``--no-ray`` starts the same services as child processes of this one (services/cluster/local.py),
+for machines where Ray cannot be installed. OUT.json and OUT.md are rewritten after every mode, so
+a run stopped early keeps what it measured.
 """
 
 from __future__ import annotations
@@ -59,12 +64,16 @@ def write_random_llama(path: Path, layers: int, seed: int = 0) -> Path:
                    p + "mlp.up_proj.weight": normal(inter, hid, std=hid ** -0.5),
                    p + "mlp.down_proj.weight": normal(hid, inter, std=inter ** -0.5)},
                   str(path / f"model-layer{i:03d}.safetensors"))
+    del g
+    torch.cuda.empty_cache()        # the workers, not this process, need the GPU's memory
     return path
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/cluster", help="writes OUT.json, OUT.md and OUT-runs/")
+    ap.add_argument("--runs-dir", help="per-request records and plots (default: OUT-runs)")
+    ap.add_argument("--no-ray", action="store_true", help="start the services as local processes, not Ray actors")
     ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
     ap.add_argument("--model-dir", help="reuse a model directory (default: write one to a temp dir)")
     ap.add_argument("--layers", type=int, default=32)
@@ -84,13 +93,10 @@ def main() -> int:
     ap.add_argument("--store-dram-bytes", type=float, default=32e9)
     args = ap.parse_args()
 
-    import ray
-
     from loadgen.replay import ReplayConfig, replay_modes
     from loadgen.replay.report import summary_table, write_report
     from loadgen.trace import LengthDist, SynthConfig, synthesize
     from services.cluster.config import ClusterConfig
-    from services.cluster.launch import ensure_ray, start_cluster
     from services.cluster.replay_target import ClusterTarget
 
     tiny = args.shape == "tiny"
@@ -108,14 +114,40 @@ def main() -> int:
     cfg = ClusterConfig(model_dir=str(model), device=device, dtype=dtype, kv_cache_bytes=int(args.kv_cache_bytes),
                         chunk_cache_bytes=int(args.chunk_cache_bytes), store_dram_bytes=int(args.store_dram_bytes),
                         store_dir=str(Path(tmp) / "rocksdb"))
-    ensure_ray(num_cpus=4)
-    cluster = start_cluster(cfg, progress=print)
+    if args.no_ray:
+        from services.cluster.local import start_local_cluster
+
+        cluster = start_local_cluster(cfg, progress=print)
+    else:
+        from services.cluster.launch import ensure_ray, start_cluster
+
+        ensure_ray(num_cpus=4)
+        cluster = start_cluster(cfg, progress=print)
+    started = time.monotonic()
     target = ClusterTarget(cluster.gateway_address, timeout=1800)
     vocab = min(target.vocab_size, 128000)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    results = {"date": time.strftime("%Y-%m-%d"), "shape": args.shape, "layers": args.layers, "device": device,
-               "chunk_cache_bytes": args.chunk_cache_bytes, "runs": []}
-    md = [f"# Cluster benchmark ({args.shape}, {device})", "", "Command: `" + " ".join(sys.argv) + "`", ""]
+    gpu = None
+    if device == "cuda":
+        import torch
+
+        gpu = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    launcher = "local processes (--no-ray)" if args.no_ray else "Ray actors"
+    results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shape": args.shape,
+               "layers": args.layers, "device": device, "gpu": gpu, "launcher": launcher,
+               "command": " ".join(sys.argv), "requests": args.requests, "docs": args.docs,
+               "concurrency": args.concurrency, "chunk_cache_bytes": args.chunk_cache_bytes, "runs": []}
+    shape = args.shape if tiny else f"{args.shape}, {args.layers} layers"
+    md = [f"# Cluster benchmark ({shape}, {device})", "",
+          f"Date: {results['date']}. Device: {gpu or device}. Services: {launcher}.",
+          "Command: `" + " ".join(sys.argv) + "`", ""]
+    runs_dir = Path(args.runs_dir or f"{args.out}-runs")
+
+    def save(extra: list[str]) -> None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{args.out}.json").write_text(json.dumps(results, indent=2))
+        Path(f"{args.out}.md").write_text("\n".join(md + extra))
+
     try:
         for alpha in (float(a) for a in args.alphas.split(",")):
             trace = synthesize(SynthConfig(
@@ -125,8 +157,16 @@ def main() -> int:
                 output_tokens=LengthDist("const", (float(args.output_tokens),)), rate=float("inf"),
                 requests=args.requests, seed=0))
             rcfg = ReplayConfig(mode=modes[0], concurrency=args.concurrency, vocab_size=vocab)
-            runs, summaries = replay_modes(trace, target, rcfg, modes)
-            write_report(Path(f"{args.out}-runs") / f"alpha{alpha:g}", runs, summaries, " ".join(sys.argv),
+            runs, summaries = [], []
+            for mode in modes:      # one mode at a time, so that a stopped run keeps the modes it finished
+                mode_runs, mode_summaries = replay_modes(trace, target, rcfg, [mode])
+                runs += mode_runs
+                summaries += mode_summaries
+                print(f"alpha {alpha:g} {mode}: done at {time.monotonic() - started:.0f} s", flush=True)
+                results["partial"] = {"alpha": alpha, "summaries": [s.to_json() for s in summaries]}
+                save([f"## Zipf alpha {alpha} (partial: {', '.join(s.mode for s in summaries)})", "",
+                      summary_table(summaries), ""])
+            write_report(runs_dir / f"alpha{alpha:g}", runs, summaries, " ".join(sys.argv),
                          f"Zipf alpha {alpha}, {args.requests} requests")
             by = {s.mode: s for s in summaries}
             checks = {}
@@ -136,17 +176,21 @@ def main() -> int:
                 checks["throughput_vs_full"] = t.total_token_throughput / f.total_token_throughput
             if "blend_copy" in by and "tessera" in by:
                 checks["ttft_p50_vs_blend_copy"] = by["blend_copy"].ttft_ms["p50"] / by["tessera"].ttft_ms["p50"]
+            results.pop("partial", None)
             results["runs"].append({"alpha": alpha, "summaries": [s.to_json() for s in summaries], "ratios": checks})
             md += [f"## Zipf alpha {alpha}", "", summary_table(summaries), "",
                    "Ratios (targets: TTFT vs full >= 3, throughput vs full >= 2.5, TTFT vs blend_copy >= 1.3): "
                    + ", ".join(f"{k} {v:.2f}x" for k, v in checks.items()), ""]
             print("\n".join(md[-4:]), flush=True)
+            save([])
     finally:
         target.close()
         cluster.stop()
-        ray.shutdown()
-    Path(f"{args.out}.json").write_text(json.dumps(results, indent=2))
-    Path(f"{args.out}.md").write_text("\n".join(md))
+        if not args.no_ray:
+            import ray
+
+            ray.shutdown()
+    save([])
     print(f"wrote {args.out}.json and {args.out}.md")
     return 0
 

@@ -1,0 +1,193 @@
+"""The cluster without Ray: one child process per service on this machine.
+
+Where Ray cannot be installed (a bare GPU machine), ``start_local_cluster(cfg)`` starts the same
+services ``start_cluster`` places on Ray (store shards, prefill and decode workers, the gateway),
+each in its own spawned process, as a Ray actor would be, so that no two services share an
+interpreter lock. A child builds its service with the actor code (``ServiceActor``; outside Ray
+port memory is off) and reports its address over a pipe; the gateway keeps registered chunk ids in
+its own memory and is handed fixed worker addresses. No restarts: a child that dies stays dead.
+Every worker sees every GPU of the machine, so prefill and decode share them (as on Ray with
+fractional GPUs). ``tessera up`` keeps using Ray; this is for benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.cluster.actors import ServiceSpec
+from services.cluster.config import ClusterConfig
+
+GATEWAY_NAME = "tessera-gateway"
+START_TIMEOUT_S = 900.0      # loading an 8B model from disk and warming it up
+
+
+class _Gateway:
+    """The gateway's service in a child, with ServiceActor's methods (address, metrics_url, stop)."""
+
+    def __init__(self, spec: ServiceSpec) -> None:
+        from services.cluster.serving import LoopThread, advertised_host
+        from services.gateway.inputs import ChunkRegistry
+        from services.gateway.server import create_server
+
+        self._loop = LoopThread("gateway-loop")
+        # resolve=None: no worker comes back at another address (there are no restarts here)
+        self._server, port = self._loop.run(
+            create_server(spec.model_dir, list(spec.workers), token=spec.token, tls=spec.tls, host=spec.host,
+                          port=spec.port, registry=ChunkRegistry(), resolve=None), timeout=START_TIMEOUT_S)
+        self._address = f"{advertised_host(spec.host)}:{port}"
+
+    def address(self) -> str:
+        return self._address
+
+    def metrics_url(self) -> str:
+        return self._server.servicer.metrics_url
+
+    def stop(self) -> None:
+        self._loop.run(self._server.stop(1.0), timeout=30)
+        self._loop.stop()
+
+
+def _serve(spec: ServiceSpec, conn) -> None:
+    """Child process: start the service, send ("ok", address, metrics URL) or ("error", text), then
+    serve until the parent sends "stop" or goes away (the pipe closes)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
+    try:
+        if spec.role == "gateway":
+            service = _Gateway(spec)
+        else:
+            from services.cluster.actors import ServiceActor
+
+            service = ServiceActor(spec)
+        conn.send(("ok", service.address(), service.metrics_url()))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        conn.recv()
+    except EOFError:
+        pass
+    service.stop()
+
+
+@dataclass(slots=True)
+class _Child:
+    process: mp.process.BaseProcess
+    conn: object
+
+
+@dataclass(slots=True)
+class LocalCluster:
+    """A started local cluster; the fields ``bench/cluster.py`` and the CLI read from ``Cluster``."""
+
+    config: ClusterConfig
+    gateway_address: str
+    addresses: dict[str, str]
+    children: dict[str, _Child]
+    scratch: str | None = None
+    names: dict[str, list[str]] = field(default_factory=dict)
+    metrics: dict[str, str] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        _stop_children(self.children)
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _stop_children(children: dict[str, _Child]) -> None:
+    """Gateway first (no new requests), then workers, then stores, as ``stop_cluster`` does."""
+    order = sorted(children, key=lambda n: (0 if "gateway" in n else 1 if "store" not in n else 2, n))
+    for name in order:
+        child = children[name]
+        try:
+            child.conn.send("stop")
+        except (BrokenPipeError, OSError):
+            pass
+        child.process.join(30)
+        if child.process.is_alive():
+            child.process.kill()
+            child.process.join(5)
+        child.conn.close()
+
+
+def _spawn(ctx, spec: ServiceSpec, children: dict[str, _Child]) -> None:
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_serve, args=(spec, child), name=spec.name, daemon=True)
+    process.start()
+    child.close()
+    children[spec.name] = _Child(process, parent)
+
+
+def _wait(children: dict[str, _Child], names: list[str], addresses: dict[str, str], metrics: dict[str, str]) -> None:
+    for name in names:
+        child = children[name]
+        if not child.conn.poll(START_TIMEOUT_S):
+            raise TimeoutError(f"{name} did not start within {START_TIMEOUT_S:.0f} s")
+        try:
+            reply = child.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"{name} exited while starting (exit code {child.process.exitcode})") from None
+        if reply[0] != "ok":
+            raise RuntimeError(f"{name} failed to start:\n{reply[1]}")
+        addresses[name], metrics[name] = reply[1], reply[2]
+
+
+def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _m: None) -> LocalCluster:
+    """Start every service as a child process of this one and wait until each serves.
+
+    Stores start first (workers need their addresses), then prefill and decode workers together
+    (each loads the model), then the gateway (it needs the workers' addresses).
+    """
+    from services.kvstore import StoreConfig
+
+    ctx = mp.get_context("spawn")       # CUDA cannot be used in a forked child
+    children: dict[str, _Child] = {}
+    addresses: dict[str, str] = {}
+    metrics: dict[str, str] = {}
+    scratch = None
+    if cfg.store_dir is None and cfg.stores:
+        scratch = cfg.store_dir = tempfile.mkdtemp(prefix="tessera-rocksdb-")
+    if cfg.store_dir is not None:
+        os.makedirs(cfg.store_dir, exist_ok=True)
+    names = {"store": [f"tessera-store-{i}" for i in range(cfg.stores)],
+             "prefill": [f"tessera-prefill-{i}" for i in range(cfg.prefill)],
+             "decode": [f"tessera-decode-{i}" for i in range(cfg.decode)]}
+    try:
+        progress(f"starting {cfg.stores} KV store shard(s) (local processes)")
+        for name in names["store"]:
+            store = StoreConfig(dram_bytes=cfg.store_dram_bytes, rocksdb_dir=os.path.join(cfg.store_dir, name),
+                                write_mode="behind")
+            _spawn(ctx, ServiceSpec("store", name, host=cfg.bind_host, store=store, namespace=cfg.namespace), children)
+        _wait(children, names["store"], addresses, metrics)
+        stores = tuple(addresses[n] for n in names["store"])
+        progress(f"starting {cfg.prefill} prefill and {cfg.decode} decode worker(s) on {cfg.device}")
+        workers = names["prefill"] + names["decode"]
+        for name in workers:
+            role = "prefill" if name in names["prefill"] else "decode"
+            _spawn(ctx, ServiceSpec(role, name, host=cfg.bind_host, engine=cfg.engine(), store_addresses=stores,
+                                    prefill=cfg.prefill_settings if role == "prefill" else None,
+                                    decode=cfg.decode_settings if role == "decode" else None,
+                                    namespace=cfg.namespace), children)
+        _wait(children, workers, addresses, metrics)
+        progress("starting the gateway")
+        roles = {n: r for r in ("prefill", "decode") for n in names[r]}
+        _spawn(ctx, ServiceSpec("gateway", GATEWAY_NAME, host=cfg.bind_host, port=cfg.gateway_port,
+                                model_dir=cfg.model_dir, workers=tuple((n, roles[n], addresses[n]) for n in workers),
+                                token=cfg.token, tls=cfg.tls(), namespace=cfg.namespace), children)
+        _wait(children, [GATEWAY_NAME], addresses, metrics)
+    except BaseException:
+        _stop_children(children)
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return LocalCluster(cfg, addresses[GATEWAY_NAME], addresses, children, scratch, names, metrics)
+
+
+__all__ = ["LocalCluster", "start_local_cluster"]
