@@ -37,8 +37,18 @@ def client(cluster):
         yield c
 
 
+@pytest.fixture(autouse=True)
+def settled(request):
+    """Each fault test starts from a whole cluster: a restart left over from the test before (slow on a
+    busy machine) must have finished, or this test would see its neighbour's fault instead of its own."""
+    if "client" in request.fixturenames:
+        client = request.getfixturevalue("client")
+        wait_until(lambda: all(w.healthy for w in client.stats().workers), 180, 0.5, "every worker healthy")
+
+
 def kill(cluster, local_ray, name: str) -> int:
-    pid = local_ray.get(cluster.actors[name].pid.remote(), timeout=30)
+    # the actor may still be coming back from an earlier kill: ask until it answers
+    pid = wait_until(lambda: local_ray.get(cluster.actors[name].pid.remote(), timeout=10), 180, 0.5, f"{name} pid")
     os.kill(pid, signal.SIGKILL)
     return pid
 
