@@ -125,7 +125,11 @@ _CACHE: "OrderedDict[int, tuple]" = OrderedDict()  # id(block_ids) -> (signature
 _CACHE_SIZE = 32
 
 
-def _signature(tensors, extra) -> tuple:
+def _signature(tensors, extra) -> tuple | None:
+    """Identity and in-place version of each input; None for inference tensors, whose in-place
+    writes are not versioned (a cached pack could go stale), so they are packed every call."""
+    if any(t.is_inference() for t in tensors):
+        return None
     return tuple((id(t), t._version) for t in tensors) + extra
 
 
@@ -135,6 +139,8 @@ def pack(block_ids, offsets, masks, block_size: int, inv_freq: torch.Tensor, wit
     writes the per-entry cos|sin rows; cu_entries (prefill) also builds the offset groups."""
     inputs = (block_ids, offsets, masks, inv_freq) + ((cu_entries,) if cu_entries is not None else ())
     sig = _signature(inputs, (block_size, with_table))
+    if sig is None:
+        return _pack(block_ids, offsets, masks, block_size, inv_freq, with_table, cu_entries)
     hit = _CACHE.get(id(block_ids))
     if hit is not None and hit[0] == sig and all(r() is t for r, t in zip(hit[1], inputs)):
         _CACHE.move_to_end(id(block_ids))

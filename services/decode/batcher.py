@@ -86,7 +86,7 @@ class Batcher:
     def _run(self) -> None:
         import torch
 
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: kernels cache packed tables by tensor version
             while not self._stop.is_set():
                 self._admit(block=not self._live)
                 if self._live:

@@ -81,3 +81,22 @@ def test_empty_table():
                                        none32, none32, torch.zeros(0, dtype=torch.int64), torch.tensor([0, 1], dtype=torch.int32),
                                        cu, inv, 0.125, backend="triton")
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_inference_mode_tables_are_packed_not_cached():
+    """Block tables made under torch.inference_mode carry no version counter: they must still work
+    (packed on every call) rather than fail on the cache's version check."""
+    import torch
+
+    from kernels.paged_attention import _meta
+    from kernels.rope import rope_inv_freq
+
+    inv_freq = rope_inv_freq(64, 10000.0)
+    with torch.inference_mode():
+        ids = torch.tensor([3, 1], dtype=torch.int32)
+        offs = torch.tensor([0, 70], dtype=torch.int32)
+        masks = torch.tensor([0xFFFF, 0x00FF], dtype=torch.int64)
+        a = _meta.pack(ids, offs, masks, 16, inv_freq, with_table=True)
+        b = _meta.pack(ids, offs, masks, 16, inv_freq, with_table=True)
+    assert a is not b and torch.equal(a.meta, b.meta)
+    assert int(a.meta[1]) == (1 << 32) | (70 << 16) | 0x00FF
