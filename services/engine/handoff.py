@@ -87,7 +87,11 @@ class Handoff:
 
 
 def export_sequence(fwd, seq, logits: torch.Tensor, fingerprint: str) -> Handoff:
-    """Describe a prefilled sequence by chunk ids plus its private KV, layer by layer."""
+    """Describe a prefilled sequence by chunk ids plus its private KV, layer by layer.
+
+    Layers share table objects (two distinct ones in a blend), so each distinct table is analysed once,
+    with a few whole-table tensor ops; per layer only that layer's private KV is read.
+    """
     pool, bs, dev = fwd.pool, fwd.bs, fwd.device
     by_block = {}
     for entry in seq.pinned:
@@ -95,39 +99,45 @@ def export_sequence(fwd, seq, logits: torch.Tensor, fingerprint: str) -> Handoff
             for j, b in enumerate(entry.blocks):
                 by_block[b] = (entry, j)
     refs: dict[tuple[str, int], ChunkRef] = {}
-    views: dict[int, LayerView] = {}
-    layers = []
+    views: dict[int, tuple] = {}
     bits = torch.arange(bs, device=dev, dtype=torch.int64)
+    layers = []
     for layer, table in enumerate(seq.layer_tables):
-        ids, offs = table.block_ids.tolist(), table.offsets.tolist()
-        vis = ((table.masks[:, None] >> bits) & 1).bool()  # [E, BS]
-        hidden, priv_rows = [], []
-        for e, b in enumerate(ids):
-            if b in by_block:
-                entry, j = by_block[b]
-                start = offs[e] - entry.base
-                refs.setdefault((entry.key, start), ChunkRef(entry.key, start, tuple(seq.chunk_tokens[entry.key])))
-                n = min(bs, entry.length - j * bs)
-                gone = torch.nonzero(~vis[e, :n]).flatten()
-                if gone.numel():
-                    hidden.append(start + j * bs + gone)
-            else:
-                priv_rows.append(e)
-        key = id(table)
-        if key not in views:
-            rows = torch.tensor(priv_rows, dtype=torch.long, device=dev)
-            blk = table.block_ids.long()[rows]
-            off = table.offsets.long()[rows]
-            mask = vis[rows]  # [R, BS]
-            r_idx, s_idx = torch.nonzero(mask, as_tuple=True)
-            block, slot = blk[r_idx], s_idx
-            positions = off[r_idx] + pool.slot_pos[block, slot].long()
-            views[key] = (positions, block, slot,
-                          torch.cat(hidden) if hidden else torch.zeros(0, dtype=torch.long, device=dev))
-        positions, block, slot, hid = views[key]
+        if id(table) not in views:
+            views[id(table)] = _analyse(table, by_block, refs, seq, bits, pool, bs, dev)
+        positions, block, slot, hidden = views[id(table)]
         k, v = pool.read(layer, block, slot)
-        layers.append(LayerView(hid.cpu(), positions.cpu(), k.cpu(), v.cpu()))
+        layers.append(LayerView(hidden, positions, k.cpu(), v.cpu()))
     return Handoff(fingerprint, tuple(refs.values()), tuple(layers), seq.next_pos, logits.float().cpu())
+
+
+def _analyse(table, by_block, refs, seq, bits, pool, bs, dev):
+    """(private positions, their block and slot, hidden chunk positions) of one table."""
+    ids, offs = table.block_ids.tolist(), table.offsets.tolist()
+    shared_rows, shared_base, shared_len, priv_rows = [], [], [], []
+    for e, b in enumerate(ids):
+        if b in by_block:
+            entry, j = by_block[b]
+            start = offs[e] - entry.base
+            refs.setdefault((entry.key, start), ChunkRef(entry.key, start, tuple(seq.chunk_tokens[entry.key])))
+            shared_rows.append(e)
+            shared_base.append(start + j * bs)
+            shared_len.append(min(bs, entry.length - j * bs))
+        else:
+            priv_rows.append(e)
+    vis = ((table.masks[:, None] >> bits) & 1).bool()  # [E, BS]
+    # hidden: valid slots of shared entries whose bit is cleared (their recomputed twin is private)
+    rows = torch.tensor(shared_rows, dtype=torch.long, device=dev)
+    base = torch.tensor(shared_base, dtype=torch.long, device=dev)
+    valid = bits[None, :] < torch.tensor(shared_len, dtype=torch.long, device=dev)[:, None]
+    r, c = torch.nonzero(~vis[rows] & valid, as_tuple=True)
+    hidden = (base[r] + c).cpu()
+    # private: every visible slot of the other entries, at offset + the position it was written at
+    rows = torch.tensor(priv_rows, dtype=torch.long, device=dev)
+    r, slot = torch.nonzero(vis[rows], as_tuple=True)
+    block = table.block_ids.long()[rows][r]
+    positions = table.offsets.long()[rows][r] + pool.slot_pos[block, slot].long()
+    return positions.cpu(), block, slot, hidden
 
 
 def import_sequence(fwd, h: Handoff, fetch=None):
