@@ -5,19 +5,27 @@ measured seconds per computed token); loading the store-held chunks costs about 
 bytes, l the measured seconds per loaded byte). When loading dominates, recomputing more is free:
 ratio = clamp(B * l / (T * c), floor, 1). The floor (default 0.15) is the quality guarantee.
 Measurements are exponential moving averages of what the engine reported on earlier requests.
+
+NOTE: the ratio is rounded up to a multiple of ``step`` (default 0.05). A continuous ratio gives
+nearly every request its own number of recomputed tokens, hence its own static-tail shape, and the
+engine would capture a new CUDA graph for most requests; rounding up only recomputes a little more.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 
 class LoadingController:
-    def __init__(self, floor: float = 0.15, smoothing: float = 0.2) -> None:
+    def __init__(self, floor: float = 0.15, smoothing: float = 0.2, step: float = 0.05) -> None:
         if not 0.0 <= floor <= 1.0:
             raise ValueError(f"floor must be in [0, 1], got {floor}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if not 0.0 < step <= 1.0:
+            raise ValueError(f"step must be in (0, 1], got {step}")
+        self.step = step
         self.floor = floor
         self.smoothing = smoothing
         self.seconds_per_token: float | None = None   # computing one chunk token alone
@@ -43,4 +51,5 @@ class LoadingController:
             if store_bytes <= 0 or chunk_tokens <= 0 or self.seconds_per_token is None or self.seconds_per_byte is None:
                 return self.floor
             hidden = store_bytes * self.seconds_per_byte / (chunk_tokens * self.seconds_per_token)
-        return min(1.0, max(self.floor, hidden))
+        stepped = math.ceil(hidden / self.step - 1e-9) * self.step
+        return min(1.0, max(self.floor, round(stepped, 9)))

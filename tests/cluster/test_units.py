@@ -86,6 +86,17 @@ def test_controller_recomputes_what_the_load_hides():
     assert c.ratio(0, 100) == 0.15            # nothing from the store
 
 
+def test_controller_ratios_come_in_steps():
+    """Rounded up to multiples of 0.05: a handful of recompute sizes (graph shapes), never less recompute."""
+    c = LoadingController(floor=0.15, smoothing=1.0)
+    c.observe(stats(chunk_tokens_computed=100, chunk_compute_seconds=1.0))
+    c.observe(stats(loaded_bytes=1000, load_seconds=0.5))
+    assert c.ratio(620, 100) == pytest.approx(0.35)   # the load hides 0.31
+    seen = {c.ratio(b, 100) for b in range(300, 2000, 7)}
+    assert len(seen) <= 18 and all  # 0.15, 0.20, ..., 1.0 over 243 different loads(abs(r / 0.05 - round(r / 0.05)) < 1e-9 for r in seen)
+    assert all(c.ratio(b, 100) >= min(1.0, b * 0.0005 / 1.0) for b in range(300, 2000, 7))
+
+
 @pytest.mark.parametrize("n", [0, 10, (1 << 20) + 5])
 def test_handoff_parts_round_trip(n):
     payload = bytes(i % 251 for i in range(n))
