@@ -9,7 +9,7 @@ for training (fused SDPA, an optional attention mask) and as the engine-free ref
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

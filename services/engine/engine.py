@@ -8,6 +8,7 @@ Public API (services, tests and outside checks call exactly this):
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from pathlib import Path
 
@@ -30,11 +31,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
 
 
 def _default_backend(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "torch"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return "torch"
     return "triton"
 

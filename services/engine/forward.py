@@ -14,7 +14,7 @@ import torch
 from services.engine.attention import BACKENDS
 from services.engine.blend import BlendConfig, blend_pass
 from services.engine.block_table import BlockTable
-from services.engine.chunk_cache import chunk_id
+from services.engine.chunk_cache import ChunkEntry, chunk_id
 from services.engine.config import ModelConfig
 from services.engine.graphs import STATIC_MAX_TOKENS, TailCache
 from services.engine.loader import ChunkLoad, LayerGate, as_layers
@@ -104,7 +104,7 @@ class Forward:
         finally:
             self._gate = gate
 
-    def insert_chunk(self, key: str, tokens_or_length, layers) -> "ChunkEntry":
+    def insert_chunk(self, key: str, tokens_or_length, layers) -> ChunkEntry:
         """Write a chunk's KV given per layer as (k, v) [L, Hkv, D] (keys at local positions); pinned."""
         n = tokens_or_length if isinstance(tokens_or_length, int) else len(tokens_or_length)
         blocks, block, slot, _ = self._private(torch.arange(n, device=self.device), for_cache=True)
@@ -240,7 +240,7 @@ class Forward:
             self._gate = LayerGate(loads, self._recompute_load)
         return placed
 
-    def _start_load(self, key: str, tokens: list[int], layers, loads: list) -> "ChunkEntry":
+    def _start_load(self, key: str, tokens: list[int], layers, loads: list) -> ChunkEntry:
         n = len(tokens)
         blocks, block, slot, _ = self._private(torch.arange(n, device=self.device), for_cache=True)
         entry = self.cache.insert(key, blocks, n, base=0, kind="chunk")
