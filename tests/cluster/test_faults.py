@@ -99,20 +99,15 @@ def decode_retries(client) -> float:
     return float(line.split()[-1]) if line else 0.0
 
 
-def test_killed_decode_worker_resumes_or_ends_streams_clearly(cluster, local_ray, client, reference):
-    """Greedy streams resume on the other decode worker (same tokens, none repeated); unseeded
-    sampled streams cannot be replayed and end UNAVAILABLE saying so, unless they were elsewhere."""
-    n_new = 200
-    prompts = [(docs(2, 32, seed=200 + i), [i + 1]) for i in range(4)]
-    wanted = [expect(reference, chunks, suffix, n_new) for chunks, suffix in prompts]
-    jobs = [(p, 0.0) for p in prompts] + [(p, 1.0) for p in prompts]     # (prompt, temperature)
+def streams_through_a_fault(client, jobs, n_new, fault):
+    """Run one generate stream per (chunks, suffix, temperature) job in its own thread; call ``fault()``
+    once every stream has produced its first token; return (tokens per job, exception per job)."""
     got = [[] for _ in jobs]
     errors: list[Exception | None] = [None] * len(jobs)
     started = threading.Semaphore(0)
-    retries_before = decode_retries(client)
 
     def stream(i):
-        (chunks, suffix), temperature = jobs[i]
+        chunks, suffix, temperature = jobs[i]
         first = True
         try:
             for ev in client.generate(chunks, suffix, max_new_tokens=n_new, temperature=temperature,
@@ -121,7 +116,7 @@ def test_killed_decode_worker_resumes_or_ends_streams_clearly(cluster, local_ray
                 if first and ev.token_ids:
                     first = False
                     started.release()
-        except Exception as exc:  # noqa: BLE001 - examined below
+        except Exception as exc:  # noqa: BLE001 - examined by the caller
             errors[i] = exc
         finally:
             if first:
@@ -132,9 +127,22 @@ def test_killed_decode_worker_resumes_or_ends_streams_clearly(cluster, local_ray
         t.start()
     for _ in threads:
         assert started.acquire(timeout=120)
-    old_pid = kill(cluster, local_ray, "tessera-decode-0")
+    result = fault()
     for t in threads:
         t.join(300)
+    return got, errors, result
+
+
+def test_killed_decode_worker_resumes_or_ends_streams_clearly(cluster, local_ray, client, reference):
+    """Greedy streams resume on the other decode worker (same tokens, none repeated); unseeded
+    sampled streams cannot be replayed and end UNAVAILABLE saying so, unless they were elsewhere."""
+    n_new = 200
+    prompts = [(docs(2, 32, seed=200 + i), [i + 1]) for i in range(4)]
+    wanted = [expect(reference, chunks, suffix, n_new) for chunks, suffix in prompts]
+    jobs = [(*p, 0.0) for p in prompts] + [(*p, 1.0) for p in prompts]   # (chunks, suffix, temperature)
+    retries_before = decode_retries(client)
+    got, errors, old_pid = streams_through_a_fault(
+        client, jobs, n_new, lambda: kill(cluster, local_ray, "tessera-decode-0"))
     for i, want in enumerate(wanted):           # greedy: complete and right, resumed or not
         assert errors[i] is None, repr(errors[i])
         assert got[i] == want
@@ -156,32 +164,9 @@ def test_greedy_streams_survive_every_decode_worker_dying(cluster, local_ray, cl
     n_new = 200
     prompts = [(docs(2, 32, seed=250 + i), [i + 1]) for i in range(2)]
     wanted = [expect(reference, chunks, suffix, n_new) for chunks, suffix in prompts]
-    got = [[] for _ in prompts]
-    errors: list[Exception | None] = [None] * len(prompts)
-    started = threading.Semaphore(0)
-
-    def stream(i):
-        first = True
-        try:
-            for ev in client.generate(*prompts[i], max_new_tokens=n_new, recompute_ratio=RATIO, stop_token_ids=[]):
-                got[i] += ev.token_ids
-                if first and ev.token_ids:
-                    first = False
-                    started.release()
-        except Exception as exc:  # noqa: BLE001 - examined below
-            errors[i] = exc
-        finally:
-            if first:
-                started.release()
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for _ in threads:
-        assert started.acquire(timeout=120)
-    pids = {name: kill(cluster, local_ray, name) for name in ("tessera-decode-0", "tessera-decode-1")}
-    for t in threads:
-        t.join(300)
+    got, errors, pids = streams_through_a_fault(
+        client, [(*p, 0.0) for p in prompts], n_new,
+        lambda: {name: kill(cluster, local_ray, name) for name in ("tessera-decode-0", "tessera-decode-1")})
     assert errors == [None, None], errors
     assert got == wanted
     for name, pid in pids.items():
