@@ -36,28 +36,33 @@ class Attention:
         return out
 
 
+def visible_keys(pool, table: BlockTable, inv_freq: torch.Tensor):
+    """The keys one table shows, gathered flat: (slot index [S] into a layer's [N*BS] view, global
+    position [S], and the fp32 cos/sin [S, 1, D/2] of each key's offset, or None when no entry has one).
+    Hidden twins and padding are left out, so they never enter a matmul."""
+    n_slots = pool.slot_pos.shape[1]
+    ids = table.block_ids.long()
+    bits = torch.arange(n_slots, device=ids.device, dtype=torch.int64)
+    keep = torch.nonzero(((table.masks[:, None] >> bits) & 1).bool().reshape(-1)).flatten()
+    idx = (ids[:, None] * n_slots + bits[None, :]).reshape(-1)[keep]
+    k_pos = (table.offsets.long()[:, None] + pool.slot_pos[ids].long()).reshape(-1)[keep]
+    if not table.max_offset:
+        return idx, k_pos, None, None
+    off = table.offsets.long()[:, None].expand(-1, n_slots).reshape(-1)[keep]
+    cos, sin = rope_cos_sin(off, inv_freq)
+    return idx, k_pos, cos[:, None, :], sin[:, None, :]
+
+
 class _Prepared:
     """What a (table, query positions) pair needs at every layer, computed once per pass:
-    the flat slot index of each visible key, and either the causal mask or the fact that the
-    keys are exactly the queries in order (plain causal attention, the flash path)."""
+    the visible keys, and either the causal mask or the fact that the keys are exactly the
+    queries in order (plain causal attention, the flash path)."""
 
     __slots__ = ("table", "q_pos", "idx", "cos", "sin", "mask", "causal")
 
     def __init__(self, pool, table: BlockTable, q_pos: torch.Tensor, inv_freq: torch.Tensor):
         self.table, self.q_pos = table, q_pos  # held so that their ids stay unique while memoised
-        n_slots = pool.slot_pos.shape[1]
-        ids = table.block_ids.long()
-        bits = torch.arange(n_slots, device=q_pos.device, dtype=torch.int64)
-        visible = ((table.masks[:, None] >> bits) & 1).bool().reshape(-1)
-        keep = torch.nonzero(visible).flatten()  # hidden twins and padding never enter the matmul
-        flat = (ids[:, None] * n_slots + bits[None, :]).reshape(-1)
-        self.idx = flat[keep]
-        k_pos = (table.offsets.long()[:, None] + pool.slot_pos[ids].long()).reshape(-1)[keep]
-        self.cos = self.sin = None
-        if table.max_offset:
-            off = table.offsets.long()[:, None].expand(-1, n_slots).reshape(-1)[keep]
-            cos, sin = rope_cos_sin(off, inv_freq)
-            self.cos, self.sin = cos[:, None, :], sin[:, None, :]
+        self.idx, k_pos, self.cos, self.sin = visible_keys(pool, table, inv_freq)
         q = q_pos.long()
         self.causal = bool(k_pos.numel() == q.numel() and torch.equal(k_pos, q)
                            and (q.numel() < 2 or bool((q[1:] > q[:-1]).all())))

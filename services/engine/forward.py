@@ -87,9 +87,12 @@ class Forward:
 
     def compute_chunk(self, key: str, tokens: list[int], base: int = 0, kind: str = "chunk"):
         """Compute a chunk alone at positions base..base+L-1 and cache it under ``key`` (pinned)."""
-        pos = torch.arange(base, base + len(tokens), device=self.device)
-        blocks, _, _, _ = self._private(pos, for_cache=True)  # keys rotated at pos
-        self._compute_into(blocks, tokens, base)
+        blocks = self.cache.allocate(-(-len(tokens) // self.bs), for_cache=True)
+        try:
+            self._compute_into(blocks, tokens, base)  # keys rotated at base..base+L-1
+        except BaseException:
+            self.pool.free(blocks)
+            raise
         return self.cache.insert(key, blocks, len(tokens), base=base, kind=kind)
 
     def _compute_into(self, blocks: list[int], tokens: list[int], base: int) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.rope import rope_cos_sin, rotate
+from services.engine.attention import visible_keys
 
 T_BUCKET, S_BUCKET, MAX_GRAPHS = 16, 256, 24
 STATIC_MAX_TOKENS = 1024  # longer passes keep the GPU busy on their own: they run eagerly (flash path)
@@ -63,15 +64,15 @@ class StaticTail:
             h = model.finish_layer(layer, h, out[0].transpose(0, 1))
         self.out.copy_(h)
 
-    def fill(self, h, pos, table, w_block, w_slot) -> None:
-        """Load one request's inputs into the static buffers (tokens [n], keys of ``table``)."""
+    def fill(self, h, pos, keys, w_block, w_slot) -> None:
+        """Load one request's inputs into the static buffers: tokens h [n], pos [n], and the
+        table's ``visible_keys`` (idx, k_pos, cos, sin)."""
         fwd, n = self.fwd, h.shape[0]
-        pool, inv_freq = fwd.pool, fwd.model.inv_freq
-        n_slots = pool.slot_pos.shape[1]
+        n_slots = fwd.pool.slot_pos.shape[1]
         scratch = fwd.scratch_block
         self.h.zero_()
         self.h[:n] = h
-        cos, sin = rope_cos_sin(pos, inv_freq)
+        cos, sin = rope_cos_sin(pos, fwd.model.inv_freq)
         self.q_cos.fill_(1.0)
         self.q_sin.zero_()
         self.q_cos[:n, 0] = cos
@@ -80,24 +81,17 @@ class StaticTail:
         self.w_slot.copy_(torch.arange(self.t, device=h.device) % n_slots)
         self.w_block[:n] = w_block
         self.w_slot[:n] = w_slot
-        ids = table.block_ids.long()
-        bits = torch.arange(n_slots, device=h.device, dtype=torch.int64)
-        visible = ((table.masks[:, None] >> bits) & 1).bool().reshape(-1)
-        keep = torch.nonzero(visible).flatten()
-        m = int(keep.numel())
+        idx, k_pos, k_cos, k_sin = keys
+        m = int(idx.numel())
         if m > self.s:
             raise RuntimeError(f"{m} keys do not fit a static tail of {self.s}")
-        flat = (ids[:, None] * n_slots + bits[None, :]).reshape(-1)[keep]
-        k_pos = (table.offsets.long()[:, None] + pool.slot_pos[ids].long()).reshape(-1)[keep]
         self.k_idx.fill_(scratch * n_slots)
-        self.k_idx[:m] = flat
+        self.k_idx[:m] = idx
         self.k_cos.fill_(1.0)
         self.k_sin.zero_()
         if self.rotate_keys:
-            off = table.offsets.long()[:, None].expand(-1, n_slots).reshape(-1)[keep]
-            kc, ks = rope_cos_sin(off, inv_freq)
-            self.k_cos[:m, 0] = kc
-            self.k_sin[:m, 0] = ks
+            self.k_cos[:m] = k_cos
+            self.k_sin[:m] = k_sin
         self.mask.zero_()
         self.mask[0, 0, :n, :m] = k_pos[None, :] <= pos.long()[:, None]
         self.mask[0, 0, n:, 0] = True  # padded queries see one real key: no empty softmax row
@@ -132,14 +126,14 @@ class TailCache:
     def run(self, first, h, pos, table, w_block, w_slot) -> torch.Tensor:
         """h after layers [first, L) for tokens h [n, hidden] at pos [n] against ``table``."""
         n = h.shape[0]
-        s = int(sum(bin(m & 0xFFFFFFFFFFFFFFFF).count("1") for m in table.masks.tolist()))
-        key = (first, bucket(n, T_BUCKET), bucket(s, S_BUCKET), table.max_offset > 0)
+        keys = visible_keys(self.fwd.pool, table, self.fwd.model.inv_freq)
+        key = (first, bucket(n, T_BUCKET), bucket(int(keys[0].numel()), S_BUCKET), table.max_offset > 0)
         tail = self.tails.get(key)
         if tail is None:
             if len(self.tails) >= MAX_GRAPHS:
                 self.tails.popitem(last=False)
             tail = self.tails[key] = StaticTail(self.fwd, first, key[1], key[2], key[3], self.graph_pool)
         self.tails.move_to_end(key)
-        tail.fill(h, pos, table, w_block, w_slot)
+        tail.fill(h, pos, keys, w_block, w_slot)
         self.replays += 1
         return tail.run()[:n]
