@@ -1,17 +1,17 @@
 """What the store knows about a chunk, independent of torch: dtype, shapes, per-layer checksums.
 
 A stored layer is the raw bytes of K (C order) followed by the raw bytes of V. Checksums are
-zlib.crc32 over those bytes; every read from every tier is checked against them before a byte is
-served. The metadata itself is stored as a ``ChunkHeader`` protobuf prefixed by its own crc32, so
+CRC-32 (IEEE 802.3, the values of zlib.crc32) over those bytes; every read from every tier is
+checked against them before a byte is served. The metadata itself is stored as a ``ChunkHeader`` protobuf prefixed by its own crc32, so
 a corrupt metadata record is detected too.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import struct
-import zlib
 from dataclasses import dataclass
 
 from services.rpc import kvstore_pb2 as pb
@@ -32,9 +32,19 @@ class CorruptEntry(Exception):
     """Stored bytes that fail their checksum, size or parse check."""
 
 
+try:
+    # ISA-L's crc32 (PCLMULQDQ/AVX-512 folding): the same values as zlib.crc32 at ~15x its speed
+    # here (34 vs 2.3 GB/s), which makes "verify every read" cheap. It releases the GIL too.
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:   # isal missing from an environment: same checksums, ~15x slower
+    from zlib import crc32 as _crc32
+
+    logging.getLogger(__name__).warning("isal is not installed: layer checksums use zlib.crc32 (slow)")
+
+
 def checksum(data, seed: int = 0) -> int:
-    """crc32 of a bytes-like object (zlib releases the GIL on large buffers)."""
-    return zlib.crc32(data, seed)
+    """CRC-32 (zlib's) of a bytes-like object, continuing from ``seed``."""
+    return _crc32(data, seed)
 
 
 # A layer's bytes in memory: one bytes-like object, or the frames it arrived in (kept as they
@@ -53,7 +63,7 @@ def layer_len(data: LayerData) -> int:
 def layer_checksum(data: LayerData) -> int:
     crc = 0
     for part in layer_parts(data):
-        crc = zlib.crc32(part, crc)
+        crc = _crc32(part, crc)
     return crc
 
 

@@ -9,7 +9,6 @@ unless given per call). Server errors surface as ``grpc.RpcError`` with the stat
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 
 from services.kvstore import wire
-from services.kvstore.chunk import ChunkMeta, InvalidChunk, check_chunk_id
+from services.kvstore.chunk import ChunkMeta, InvalidChunk, check_chunk_id, checksum
 from services.rpc import kvstore_pb2 as pb
 from services.rpc import kvstore_pb2_grpc as pb_grpc
 
@@ -113,7 +112,7 @@ class KVStoreClient:
         step = self.frame_bytes
         for i, (k, v) in enumerate(layers):
             parts = [memoryview(_raw(k)), memoryview(_raw(v))]
-            crc = zlib.crc32(parts[1], zlib.crc32(parts[0]))
+            crc = checksum(parts[1], checksum(parts[0]))
             for p, part in enumerate(parts):
                 for off in range(0, part.nbytes, step):
                     last = p == 1 and off + step >= part.nbytes
@@ -167,7 +166,7 @@ class KVStoreClient:
                 continue
             if pos != view.size:
                 raise ChunkCorruptError(f"chunk {chunk_id} layer {index}: {pos} bytes, expected {view.size}")
-            if self.verify and (frame.checksum != meta.checksums[index] or zlib.crc32(view) != frame.checksum):
+            if self.verify and (frame.checksum != meta.checksums[index] or checksum(view) != frame.checksum):
                 raise ChunkCorruptError(f"chunk {chunk_id} layer {index}: checksum mismatch on receipt")
             kn = meta.k_nbytes(index)
             yield (index, buf[:kn].view(dtype).reshape(meta.k_shapes[index]),
