@@ -10,7 +10,7 @@ by tier over all chunk tokens, from the target's per-request stats.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -95,6 +95,7 @@ class Summary:
     chunk_tokens: int
     hit_ratio: float | None          # chunk tokens not computed / chunk tokens
     tier_hit_ratios: dict            # tier -> share of chunk tokens ("computed" included)
+    stage_p50_ms: dict = field(default_factory=dict)  # serving stage -> median ms, over requests reporting it
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -126,4 +127,12 @@ def summarize(run: ReplayRun, slo: Slo | None = None) -> Summary:
         itl_ms=_stats_ms([g for r in ok for g in r.itl_s]), e2el_ms=_stats_ms([r.e2el_s for r in ok]),
         goodput=None if slo is None else per_s(sum(slo.met(r) for r in ok)),
         slo=None if slo is None else asdict(slo), chunk_tokens=chunk_tokens, hit_ratio=hit,
-        tier_hit_ratios=tier_ratios)
+        tier_hit_ratios=tier_ratios, stage_p50_ms=_stage_medians(ok))
+
+
+def _stage_medians(records) -> dict:
+    stages: dict[str, list[float]] = {}
+    for r in records:
+        for name, sec in r.stage_s.items():
+            stages.setdefault(name, []).append(sec)
+    return {name: float(np.median(v)) * 1000.0 for name, v in stages.items()}

@@ -75,6 +75,7 @@ class RequestRecord:
     tier_tokens: dict[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
     error: str | None = None
+    stage_s: dict[str, float] = field(default_factory=dict)   # seconds per serving stage (target's stats)
 
     @property
     def ok(self) -> bool:
@@ -139,7 +140,8 @@ def _send(target: ReplayTarget, req: ReplayRequest, scheduled: float, clock: Clo
         sent_s=sent - t0, ttft_s=None if error else first - sent, e2el_s=None if error else end - sent,
         itl_s=tuple(gaps), input_tokens=req.input_tokens, chunk_tokens=sum(req.chunk_lengths),
         output_tokens=n_out, tier_tokens=dict(stats.tier_tokens) if stats else {},
-        recomputed_tokens=stats.recomputed_tokens if stats else 0, error=error)
+        recomputed_tokens=stats.recomputed_tokens if stats else 0,
+        stage_s=dict(stats.stage_s) if stats else {}, error=error)
 
 
 def arrival_schedule(trace: Sequence[TraceRequest], cfg: ReplayConfig) -> np.ndarray:

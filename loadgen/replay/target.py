@@ -57,6 +57,7 @@ class RequestStats:
 
     tier_tokens: Mapping[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0     # chunk tokens recomputed by the blend step (hits, yet computed)
+    stage_s: Mapping[str, float] = field(default_factory=dict)  # seconds per serving stage, when the target knows them
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,15 @@ from loadgen.replay.target import ReplayRequest, RequestStats, StreamEvent
 from services.sdk import Client
 
 
+def stage_seconds(st) -> dict[str, float]:
+    """Where one request's time went inside the cluster (GenerationStats), by serving stage."""
+    stages = {"queue": st.queue_seconds, "prefill": st.prefill_seconds, "first token": st.first_token_seconds,
+              "store wait": st.load_wait_seconds}
+    if st.handoff_bytes:
+        stages["hand-off"] = st.handoff_seconds
+    return stages
+
+
 class ClusterTarget:
     def __init__(self, address: str, token: str | None = None, timeout: float = 300.0) -> None:
         self.client = Client(address, token=token, timeout=timeout)
@@ -27,8 +36,9 @@ class ClusterTarget:
                                        max_new_tokens=request.max_tokens, mode=request.mode, stop_token_ids=[]):
             stats = None
             if ev.stats is not None:
-                stats = RequestStats(tier_tokens=dict(ev.stats.chunk_tokens_by_tier),
-                                     recomputed_tokens=ev.stats.recomputed_tokens)
+                st = ev.stats
+                stats = RequestStats(tier_tokens=dict(st.chunk_tokens_by_tier), recomputed_tokens=st.recomputed_tokens,
+                                     stage_s=stage_seconds(st))
             yield StreamEvent(token_ids=ev.token_ids, stats=stats)
 
     def reset(self) -> None:

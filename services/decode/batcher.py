@@ -1,7 +1,7 @@
 """Continuous batching: one engine thread admits new sequences between steps and decodes them all.
 
 Each step: admit the hand-offs that arrived (rebuild the sequence, sample its first token from the
-hand-off's logits), then one ``Engine.decode_step`` over every live sequence, sample each next token
+hand-off's logits, or take the one the prefill worker sampled and the client already has), then one ``Engine.decode_step`` over every live sequence, sample each next token
 with that request's own sampling parameters and generator (so a sequence's tokens do not depend on
 which others share its batch), emit it, and retire finished sequences (their KV freed at once).
 Stopping mirrors ``Engine.generate``: a stop token is emitted, then the sequence ends.
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from services.cluster.sampling import WireSampling
 from services.decode.prepare import PreparedHandoff
 from services.decode.metrics import DecodeMetrics
 
@@ -31,12 +32,7 @@ class DecodeJob:
 
     request_id: str
     handoff: PreparedHandoff
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    max_new_tokens: int
-    stop_ids: frozenset[int]
+    sampling: WireSampling
     emit: Callable[[list[int], str | None, str | None], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -45,7 +41,6 @@ class DecodeJob:
 class _Live:
     job: DecodeJob
     seq: object
-    params: object
     gen: object
     last: int
     produced: int
@@ -113,21 +108,27 @@ class Batcher:
             self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)
 
     def _start(self, job: DecodeJob) -> None:
-        from services.engine.sampling import SamplingParams, sample
+        from services.engine.sampling import sample
 
         t0 = time.perf_counter()
         try:
-            params = SamplingParams(job.temperature, job.top_p, job.top_k, job.seed, job.max_new_tokens)
             seq, logits = self._rebuild(job.handoff)
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
             log.warning("decode %s: cannot rebuild the sequence: %s", job.request_id, exc)
             job.emit([], None, f"{type(exc).__name__}: {exc}")
             return
         self.metrics.admit_seconds.observe(time.perf_counter() - t0)
+        params = job.sampling.params
         gen = params.generator(self.eng.device)
-        live = _Live(job, seq, params, gen, sample(logits, params, gen), 1)
+        # drawn even when the prefill worker sent it: a seeded generator must advance as the prefill's did
+        token = sample(logits.to(self.eng.device), params, gen)
+        header = job.handoff.received.header
+        sent = header.HasField("first_token")
+        live = _Live(job, seq, gen, header.first_token if sent else token, 1)
         self.metrics.admitted.inc()
-        if not self._emit(live):
+        if sent:                     # the client has it: decode goes on from it
+            self._live.append(live)
+        elif not self._emit(live):
             self._live.append(live)
 
     def _rebuild(self, prepared: PreparedHandoff):
@@ -145,7 +146,7 @@ class Batcher:
         if job.cancelled.is_set():
             self._finish(live, None, "cancelled")
             return True
-        reason = "stop" if live.last in job.stop_ids else "length" if live.produced >= job.max_new_tokens else None
+        reason = job.sampling.finish_reason(live.last, live.produced)
         job.emit([live.last], None, None)
         self.metrics.tokens.inc()
         if reason is not None:
@@ -176,7 +177,7 @@ class Batcher:
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         keep = []
         for i, lv in enumerate(batch):
-            lv.last = sample(logits[i], lv.params, lv.gen)
+            lv.last = sample(logits[i], lv.job.sampling.params, lv.gen)
             lv.produced += 1
             if not self._emit(lv):
                 keep.append(lv)

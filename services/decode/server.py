@@ -17,6 +17,7 @@ import grpc
 
 from services.cluster.config import DecodeSettings, EngineSettings
 from services.cluster.kvio import StoreAccess
+from services.cluster.sampling import WireSampling
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.cluster.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
 from services.decode.batcher import Batcher, DecodeJob
@@ -75,15 +76,13 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             prepared = await asyncio.to_thread(prepare, received, self.eng, self.store, self.metrics)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hand-off of request {rid}: {exc}")
-        s = request.sampling
-        stops = set(s.stop_token_ids)
-        if not s.ignore_eos:
-            eos = self.eng.cfg.eos_token_id
-            stops |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        try:
+            sampling = WireSampling.read(request.sampling, self.eng.cfg.eos_token_id)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        job = DecodeJob(rid, prepared, s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None,
-                        s.max_new_tokens or 16, frozenset(stops),
+        job = DecodeJob(rid, prepared, sampling,
                         lambda toks, reason, err: loop.call_soon_threadsafe(out.put_nowait, (toks, reason, err)))
         self.decoding += 1
         self.batcher.submit(job)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from services.cluster.sampling import DEFAULT_MAX_NEW_TOKENS
 from services.engine.config import ModelConfig
 from services.rpc import tessera_pb2 as pb
 
 MODES = ("full", "prefix", "position_aware", "blend_copy", "tessera")
-DEFAULT_MAX_NEW_TOKENS = 16
 
 
 class InvalidRequest(ValueError):

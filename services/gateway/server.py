@@ -1,12 +1,12 @@
 """The gateway: the client API (``tessera.v1.Tessera``) over grpc.aio, and its async factory.
 
 Generate: resolve the input (INVALID_ARGUMENT with the reason when it is bad), route to a prefill
-worker by chunk residency and load and to a decode worker by load, prefill (the worker pushes the
-hand-off to the decode worker), then relay the decode worker's token stream. A worker that fails
-before the first token is sent is avoided and the request is sent again (``max_attempts``). A
-decode worker that fails mid-stream: greedy and seeded requests resume elsewhere (regenerated
-tokens are checked against those sent, then skipped); unseeded sampling ends UNAVAILABLE, saying
-how far it got.
+worker by chunk residency and load and to a decode worker by load, prefill (the worker samples the
+first token, which goes to the client at once, then pushes the hand-off to the decode worker), then
+relay the decode worker's token stream. A worker that fails before the first token is sent is avoided
+and the request is sent again (``max_attempts``). A worker that fails after tokens were sent: greedy
+and seeded requests resume elsewhere (regenerated tokens are checked against those sent, then
+skipped); unseeded sampling ends UNAVAILABLE, saying how far it got.
 """
 
 from __future__ import annotations
@@ -38,6 +38,40 @@ DEFAULT_DEADLINE_S = 300.0
 
 class _Retry(Exception):
     """One attempt failed in a way another worker may not."""
+
+
+class _Relay:
+    """The tokens of one attempt on their way to the client. A resumed attempt regenerates the tokens
+    an earlier attempt sent: each is checked against what was sent, then skipped. Records TTFT/TPOT."""
+
+    def __init__(self, rid: str, sent: list[int], arrival: float, metrics: GatewayMetrics) -> None:
+        self.rid, self.sent, self.arrival, self.metrics = rid, sent, arrival, metrics
+        self.replay = list(sent)
+        self.seen = 0
+        self.sent_here = False
+        self.last: float | None = None
+
+    async def accept(self, tokens, context, worker: str) -> list[int]:
+        """The tokens of ``tokens`` not sent yet (appended to ``sent``)."""
+        fresh = []
+        for tok in tokens:
+            if self.seen < len(self.replay):
+                if tok != self.replay[self.seen]:
+                    await context.abort(grpc.StatusCode.ABORTED, f"request {self.rid} could not be resumed on "
+                                                                 f"worker {worker}: token {self.seen} came out different")
+            else:
+                fresh.append(tok)
+            self.seen += 1
+        if fresh:
+            now = time.perf_counter()
+            if not self.sent:
+                self.metrics.ttft.observe(now - self.arrival)
+            elif self.last is not None:
+                self.metrics.tpot.observe((now - self.last) / len(fresh))
+            self.last = now
+            self.sent.extend(fresh)
+            self.sent_here = True
+        return fresh
 
 
 class GatewayServicer(pb_grpc.TesseraServicer):
@@ -109,60 +143,50 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         p = self.router.pick_prefill(req.chunk_ids, lens, avoid)
         d = self.router.pick_decode(avoid)
         routed = time.perf_counter()
+        relay = _Relay(rid, sent, arrival, self.metrics)
+        # greedy and seeded requests are deterministic: after a failure they resume on other workers
+        # (the tokens already sent are regenerated, checked and skipped); unseeded sampling cannot
+        resumable = req.sampling.temperature == 0 or req.sampling.seed is not None
+        stats, finish = None, ""
         try:
             preq = pb.PrefillRequest(request_id=rid, chunks=[pb.TokenIds(ids=c) for c in req.chunks],
                                      suffix=req.suffix, mode=req.mode, decode_address=d.address,
-                                     max_new_tokens=req.sampling.max_new_tokens)
+                                     max_new_tokens=req.sampling.max_new_tokens, sampling=req.sampling.to_proto())
             if req.recompute_ratio is not None:
                 preq.recompute_ratio = req.recompute_ratio
             try:
-                reply = await self.peers.prefill_stub(p).Prefill(preq, timeout=self._remaining(context))
+                # first reply: the first token (sent to the client at once); second: the hand-off is at
+                # the decode worker, with the stats
+                async for reply in self.peers.prefill_stub(p).Prefill(preq, timeout=self._remaining(context)):
+                    if reply.HasField("first_token"):
+                        fresh = await relay.accept([reply.first_token], context, p.name)
+                        if fresh:
+                            yield pb.GenerateResponse(token_ids=fresh, text=self._text(fresh))
+                    if reply.HasField("stats"):
+                        stats, finish = reply.stats, reply.finish_reason
+                        p.resident = frozenset(reply.resident_chunk_ids)
+                if stats is None:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"prefill worker {p.name} ended request {rid} "
+                                                                  "without its stats")
             except grpc.aio.AioRpcError as exc:
-                await self._failed(exc, p, d, avoid, context, "prefill")
+                await self._failed(exc, p, d, avoid, context, "prefill", relay.sent_here and not resumable)
             finally:
                 self.router.done(p)
-            p.resident = frozenset(reply.resident_chunk_ids)
-            stats = reply.stats
             stats.queue_seconds += routed - arrival
             self.metrics.queue.observe(stats.queue_seconds)
-            replay = list(sent)           # a resumed attempt regenerates these first: checked, not re-sent
-            seen = 0
-            last = None
-            finish = ""
-            try:
-                call = self.peers.decode_stub(d).Decode(
-                    pb.DecodeRequest(request_id=rid, sampling=req.sampling.to_proto()), timeout=self._remaining(context))
-                async for msg in call:
-                    fresh = []
-                    for tok in msg.token_ids:
-                        if seen < len(replay):
-                            if tok != replay[seen]:
-                                await context.abort(grpc.StatusCode.ABORTED, f"request {rid} could not be resumed on "
-                                                    f"decode worker {d.name}: token {seen} came out different")
-                        else:
-                            fresh.append(tok)
-                        seen += 1
-                    if fresh:
-                        now = time.perf_counter()
-                        if not sent:
-                            self.metrics.ttft.observe(now - arrival)
-                        elif last is not None:
-                            self.metrics.tpot.observe((now - last) / len(fresh))
-                        last = now
-                        sent.extend(fresh)
-                        yield pb.GenerateResponse(token_ids=fresh, text=self._text(fresh))
-                    if msg.finish_reason:
-                        finish = msg.finish_reason
-            except grpc.aio.AioRpcError as exc:
-                # Greedy and seeded requests are deterministic: they resume on another decode worker
-                # (the tokens already sent are regenerated, checked and skipped).
-                if not sent or req.sampling.temperature == 0 or req.sampling.seed is not None:
-                    await self._failed(exc, None, d, avoid, context, "decode")
-                self.peers.mark_down(d)
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"decode worker {d.name} failed after {len(sent)} tokens of request {rid} "
-                                    f"({exc.code().name}: {exc.details()}); the tokens sent are valid, the rest "
-                                    "were not produced, and unseeded sampling cannot be resumed: send it again")
+            if not finish:           # the first token did not end the request: the decode worker goes on
+                try:
+                    call = self.peers.decode_stub(d).Decode(
+                        pb.DecodeRequest(request_id=rid, sampling=req.sampling.to_proto()),
+                        timeout=self._remaining(context))
+                    async for msg in call:
+                        fresh = await relay.accept(msg.token_ids, context, d.name)
+                        if fresh:
+                            yield pb.GenerateResponse(token_ids=fresh, text=self._text(fresh))
+                        if msg.finish_reason:
+                            finish = msg.finish_reason
+                except grpc.aio.AioRpcError as exc:
+                    await self._failed(exc, None, d, avoid, context, "decode", bool(sent) and not resumable)
         finally:
             self.router.done(d)
         self.metrics.e2e.observe(time.perf_counter() - arrival)
@@ -175,7 +199,9 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         yield pb.GenerateResponse(finish_reason=finish or "length", stats=stats)
 
     async def _failed(self, exc: grpc.aio.AioRpcError, p: WorkerView | None, d: WorkerView, avoid: set[str],
-                      context, stage: str) -> None:
+                      context, stage: str, stranded: bool = False) -> None:
+        """Answer a worker's failure: pass bad input through, or mark the worker and retry (``_Retry``);
+        ``stranded``: tokens were sent and the request cannot be resumed, so it ends UNAVAILABLE."""
         code = exc.code()
         if code in PASS_THROUGH:
             await context.abort(code, exc.details())
@@ -183,6 +209,12 @@ class GatewayServicer(pb_grpc.TesseraServicer):
             await context.abort(code, f"{stage} failed: {exc.details()}")
         # ABORTED from a prefill worker: its hand-off to the decode worker failed
         bad = d if (stage == "decode" or code == grpc.StatusCode.ABORTED) else p
+        if stranded:
+            self.peers.mark_down(bad)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{bad.role} worker {bad.name} failed after some tokens were sent "
+                                f"({code.name}: {exc.details()}); the tokens sent are valid, the rest were not "
+                                "produced, and unseeded sampling cannot be resumed: send it again")
         if code != grpc.StatusCode.NOT_FOUND:
             self.peers.mark_down(bad)
         avoid.add(bad.name)

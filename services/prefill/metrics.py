@@ -32,5 +32,7 @@ class PrefillMetrics:
                                        buckets=SECONDS, registry=r)
         self.load_wait = Histogram("tessera_prefill_load_wait_seconds", "Prefill time spent waiting on store layers",
                                    buckets=SECONDS, registry=r)
+        self.handoff_seconds = Histogram("tessera_prefill_handoff_seconds", "Serialising and pushing a hand-off "
+                                         "to the decode worker", buckets=SECONDS, registry=r)
         self.ratio = Histogram("tessera_prefill_recompute_ratio", "Recompute ratio used", buckets=RATIO, registry=r)
         self.in_flight = Gauge("tessera_prefill_in_flight", "Requests in this worker", registry=r)

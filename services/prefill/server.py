@@ -1,8 +1,8 @@
 """The prefill worker's gRPC service (grpc.aio) and its async factory.
 
 Engine work runs on one thread (the engine is not thread-safe); the event loop only moves bytes.
-After a prefill the hand-off is pushed to the decode worker the gateway named; a push that fails is
-answered ABORTED (the gateway retries with another decode worker), bad input INVALID_ARGUMENT,
+The first token is sampled here and streamed back at once; then the hand-off is serialised (off the
+engine thread) and pushed to the decode worker the gateway named; a push that fails is answered ABORTED (the gateway retries with another decode worker), bad input INVALID_ARGUMENT,
 no KV memory RESOURCE_EXHAUSTED.
 """
 
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from services.cluster.config import EngineSettings, PrefillSettings
 from services.cluster.kvio import StoreAccess
+from services.cluster.sampling import WireSampling
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.cluster.transport import handoff_parts, probe_transport
 from services.prefill.controller import LoadingController
@@ -35,6 +37,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.metrics_url = metrics_url
         self.transport = probe_transport()
         self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-engine")
+        # hand-offs are serialised here, so the engine thread goes on to the next request meanwhile
+        self.io_threads = ThreadPoolExecutor(2, thread_name_prefix="prefill-handoff")
         self.in_flight = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -47,45 +51,77 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         return pb_grpc.DecodeWorkerStub(self._channels[address])
 
     async def Prefill(self, request: pb.PrefillRequest, context):
+        """Streams two replies: the first token as soon as it is sampled, then (hand-off delivered) the stats."""
         from services.engine.block_pool import PoolExhausted
 
         if not request.decode_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address is required")
+        try:
+            sampling = WireSampling.read(request.sampling, self.worker.eng.cfg.eos_token_id)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
         job = PrefillJob(request.request_id, tuple(tuple(c.ids) for c in request.chunks), tuple(request.suffix),
                          request.mode or "tessera",
-                         request.recompute_ratio if request.HasField("recompute_ratio") else None,
-                         request.max_new_tokens)
+                         request.recompute_ratio if request.HasField("recompute_ratio") else None, sampling)
+        loop = asyncio.get_running_loop()
+        first: asyncio.Future = loop.create_future()
+
+        def on_first(token: int) -> None:   # engine thread
+            loop.call_soon_threadsafe(lambda: first.done() or first.set_result(token))
+
         self.in_flight += 1
         self.worker.metrics.in_flight.inc()
+        work = asyncio.ensure_future(self._on_engine(
+            lambda: (self.worker.prefill(job, on_first), self.worker.resident_ids())))
         try:
+            await asyncio.wait((first, work), return_when=asyncio.FIRST_COMPLETED)
+            if first.done():
+                yield pb.PrefillReply(first_token=first.result())
             try:
-                out, resident = await self._on_engine(lambda: (self.worker.prefill(job), self.worker.resident_ids()))
+                out, resident = await work
             except ValueError as exc:
                 self.worker.metrics.requests.labels("invalid").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except PoolExhausted as exc:
                 self.worker.metrics.requests.labels("exhausted").inc()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            header = pb.HandoffHeader(request_id=job.request_id, kind="engine")
-            remaining = context.time_remaining()
-            try:
-                await self._decode_stub(request.decode_address).PushHandoff(
-                    handoff_parts(header, out.payload), timeout=max(remaining or 30.0, 0.1))
-            except grpc.aio.AioRpcError as exc:
-                self.worker.metrics.requests.labels("handoff_failed").inc()
-                await context.abort(grpc.StatusCode.ABORTED, f"hand-off to decode worker {request.decode_address} "
-                                                             f"failed: {exc.code().name}: {exc.details()}")
-            self.worker.metrics.handoff_bytes.inc(len(out.payload))
+            if not first.done():       # the pass finished before the loop ran the first-token callback
+                first.set_result(out.first_token)
+                yield pb.PrefillReply(first_token=out.first_token)
+            pushed, handoff_s = 0, 0.0
+            if out.finish is None:     # the request goes on: the decode worker needs the hand-off
+                t0 = time.perf_counter()
+                pushed = await self._push(out, job.request_id, request.decode_address, context)
+                handoff_s = time.perf_counter() - t0
+                self.worker.metrics.handoff_seconds.observe(handoff_s)
             self.worker.metrics.requests.labels("ok").inc()
             stats = pb.RequestStats(
                 chunk_tokens_by_tier=out.tier_tokens, recomputed_tokens=out.recomputed_tokens,
                 prefill_seconds=out.prefill_seconds, load_seconds=out.load_seconds,
                 load_wait_seconds=out.load_wait_seconds, loaded_bytes=out.loaded_bytes,
-                handoff_bytes=len(out.payload), transport=self.transport.name, prefill_worker=self.name, recompute_ratio=out.ratio, queue_seconds=out.queue_seconds)
-            return pb.PrefillReply(stats=stats, resident_chunk_ids=resident)
+                handoff_bytes=pushed, transport=self.transport.name, prefill_worker=self.name,
+                recompute_ratio=out.ratio, queue_seconds=out.queue_seconds,
+                first_token_seconds=out.first_token_seconds, handoff_seconds=handoff_s)
+            yield pb.PrefillReply(stats=stats, resident_chunk_ids=resident, finish_reason=out.finish or "")
         finally:
             self.in_flight -= 1
             self.worker.metrics.in_flight.dec()
+
+    async def _push(self, out, request_id: str, address: str, context) -> int:
+        """Serialise the hand-off (off the engine thread) and stream it to the decode worker; ABORTED
+        when that fails (the gateway then tries another decode worker). Returns the bytes sent."""
+        payload = await asyncio.get_running_loop().run_in_executor(self.io_threads, out.handoff.to_bytes)
+        header = pb.HandoffHeader(request_id=request_id, kind="engine", first_token=out.first_token)
+        remaining = context.time_remaining()
+        try:
+            await self._decode_stub(address).PushHandoff(handoff_parts(header, payload),
+                                                         timeout=max(remaining or 30.0, 0.1))
+        except grpc.aio.AioRpcError as exc:
+            self.worker.metrics.requests.labels("handoff_failed").inc()
+            await context.abort(grpc.StatusCode.ABORTED, f"hand-off to decode worker {address} "
+                                                         f"failed: {exc.code().name}: {exc.details()}")
+        self.worker.metrics.handoff_bytes.inc(len(payload))
+        return len(payload)
 
     async def Warm(self, request: pb.WarmRequest, context):
         chunks = [list(c.ids) for c in request.chunks]
@@ -116,6 +152,7 @@ class PrefillServer:
         for ch in self.servicer._channels.values():
             await ch.close()
         self.servicer.engine_thread.shutdown(wait=False, cancel_futures=True)
+        self.servicer.io_threads.shutdown(wait=False, cancel_futures=True)
         self.servicer.worker.store.close()
         self._http.shutdown()
 

@@ -2,6 +2,8 @@
 
 Per chunk: a device cache hit, else a layer-by-layer stream from the KV store (the engine computes
 layer i while layer i+1 arrives), else computed alone and written to the store in the background.
+The first token is sampled here, as soon as the logits exist, and announced through ``on_first`` before
+the hand-off is exported: the client gets it while the hand-off is still on its way to the decode worker.
 The result is a hand-off: the request's private KV and its chunks' ids (``Engine.prefill_handoff``).
 """
 
@@ -11,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.cluster.kvio import StoreAccess
+from services.cluster.sampling import WireSampling
 from services.prefill.controller import LoadingController
 from services.prefill.metrics import PrefillMetrics
 
@@ -25,15 +28,20 @@ class PrefillJob:
     suffix: tuple[int, ...]
     mode: str
     recompute_ratio: float | None      # None: the loading controller picks it
-    max_new_tokens: int
+    sampling: WireSampling
     enqueued: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillOutcome:
-    """What goes to the decode worker (payload = Handoff.to_bytes()) and back to the gateway (stats)."""
+    """What goes to the decode worker (``handoff``: services.engine.Handoff, serialised off the engine
+    thread) and back to the gateway (the first token, stats). ``finish`` is "stop"/"length" when the
+    first token ended the request: then no hand-off is needed."""
 
-    payload: bytes
+    handoff: object
+    first_token: int
+    finish: str | None
+    first_token_seconds: float
     ratio: float
     tier_tokens: dict[str, int]
     recomputed_tokens: int
@@ -85,7 +93,11 @@ class PrefillWorker:
             seen.add(cid)
         return tiers, present
 
-    def prefill(self, job: PrefillJob) -> PrefillOutcome:
+    def prefill(self, job: PrefillJob, on_first=None) -> PrefillOutcome:
+        """Run one request; ``on_first(token)`` is called (engine thread) with the first token as soon as
+        it is sampled."""
+        from services.engine.sampling import sample
+
         started = time.perf_counter()
         queue_s = started - job.enqueued
         ids = [self.eng.chunk_id(c) for c in job.chunks]
@@ -93,11 +105,20 @@ class PrefillWorker:
         ratio = self._ratio(job, tiers)
         chunks, suffix = [list(c) for c in job.chunks], list(job.suffix)
         store = job.mode in REUSE_MODES and self.store.enabled
+        first: list = []
+
+        def on_logits(logits) -> None:
+            params = job.sampling.params
+            first.append(sample(logits, params, params.generator(logits.device)))
+            first.append(time.perf_counter() - started)
+            if on_first is not None:
+                on_first(first[0])
+
         res, handoff = self.eng.prefill_handoff(
             chunks, suffix, mode=job.mode, recompute_ratio=ratio,
             fetch=self.store.fetcher(present) if store else None,
-            on_computed=self._on_computed if store else None, extra_tokens=job.max_new_tokens)
-        payload = handoff.to_bytes()
+            on_computed=self._on_computed if store else None,
+            extra_tokens=job.sampling.params.max_new_tokens, on_logits=on_logits)
         st = res.stats
         if job.mode == "prefix":
             tiers = [GPU if i < st.chunk_hits else COMPUTED for i in range(len(ids))]
@@ -123,8 +144,8 @@ class PrefillWorker:
         seconds = time.perf_counter() - started
         self.metrics.seconds.observe(seconds)
         self.metrics.queue_seconds.observe(queue_s)
-        return PrefillOutcome(payload, ratio, tier_tokens, st.tokens_recomputed, loaded,
-                              st.load_seconds, wait, seconds, queue_s)
+        return PrefillOutcome(handoff, first[0], job.sampling.finish_reason(first[0], 1), first[1], ratio,
+                              tier_tokens, st.tokens_recomputed, loaded, st.load_seconds, wait, seconds, queue_s)
 
     def _ratio(self, job: PrefillJob, tiers: list[str]) -> float:
         if job.recompute_ratio is not None:

@@ -59,7 +59,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkInput, _Mapping]]] = ..., suffix_text: _Optional[str] = ..., suffix_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("chunk_tokens_by_tier", "recomputed_tokens", "prompt_tokens", "output_tokens", "queue_seconds", "prefill_seconds", "load_wait_seconds", "loaded_bytes", "handoff_bytes", "transport", "prefill_worker", "decode_worker", "recompute_ratio", "chunk_ids", "load_seconds")
+    __slots__ = ("chunk_tokens_by_tier", "recomputed_tokens", "prompt_tokens", "output_tokens", "queue_seconds", "prefill_seconds", "load_wait_seconds", "loaded_bytes", "handoff_bytes", "transport", "prefill_worker", "decode_worker", "recompute_ratio", "chunk_ids", "load_seconds", "first_token_seconds", "handoff_seconds")
     class ChunkTokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class RequestStats(_message.Message):
     RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_SECONDS_FIELD_NUMBER: _ClassVar[int]
     chunk_tokens_by_tier: _containers.ScalarMap[str, int]
     recomputed_tokens: int
     prompt_tokens: int
@@ -97,7 +99,9 @@ class RequestStats(_message.Message):
     recompute_ratio: float
     chunk_ids: _containers.RepeatedScalarFieldContainer[str]
     load_seconds: float
-    def __init__(self, chunk_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., recomputed_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., load_wait_seconds: _Optional[float] = ..., loaded_bytes: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., chunk_ids: _Optional[_Iterable[str]] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+    first_token_seconds: float
+    handoff_seconds: float
+    def __init__(self, chunk_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., recomputed_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., load_wait_seconds: _Optional[float] = ..., loaded_bytes: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., chunk_ids: _Optional[_Iterable[str]] = ..., load_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., handoff_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")
@@ -208,7 +212,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., in_flight: _Optional[int] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., metrics_url: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "chunks", "suffix", "mode", "recompute_ratio", "decode_address", "max_new_tokens")
+    __slots__ = ("request_id", "chunks", "suffix", "mode", "recompute_ratio", "decode_address", "max_new_tokens", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +220,7 @@ class PrefillRequest(_message.Message):
     RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chunks: _containers.RepeatedCompositeFieldContainer[TokenIds]
     suffix: _containers.RepeatedScalarFieldContainer[int]
@@ -223,15 +228,20 @@ class PrefillRequest(_message.Message):
     recompute_ratio: float
     decode_address: str
     max_new_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., suffix: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., decode_address: _Optional[str] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., suffix: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., decode_address: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("stats", "resident_chunk_ids")
+    __slots__ = ("first_token", "stats", "resident_chunk_ids", "finish_reason")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
     stats: RequestStats
     resident_chunk_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stats: _Optional[_Union[RequestStats, _Mapping]] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    finish_reason: str
+    def __init__(self, first_token: _Optional[int] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
     __slots__ = ("chunks",)
@@ -260,16 +270,18 @@ class ResetReply(_message.Message):
     def __init__(self, chunks_dropped: _Optional[int] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("request_id", "kind", "total_bytes", "crc32")
+    __slots__ = ("request_id", "kind", "total_bytes", "crc32", "first_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: str
     total_bytes: int
     crc32: int
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+    first_token: int
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class HandoffPart(_message.Message):
     __slots__ = ("header", "data")

@@ -236,7 +236,7 @@ class PrefillWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/tessera.v1.PrefillWorker/Prefill',
                 request_serializer=services_dot_rpc_dot_tessera__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=services_dot_rpc_dot_tessera__pb2.PrefillReply.FromString,
@@ -288,7 +288,7 @@ class PrefillWorkerServicer:
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=services_dot_rpc_dot_tessera__pb2.PrefillRequest.FromString,
                     response_serializer=services_dot_rpc_dot_tessera__pb2.PrefillReply.SerializeToString,
@@ -330,7 +330,7 @@ class PrefillWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/tessera.v1.PrefillWorker/Prefill',

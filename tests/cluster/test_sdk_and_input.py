@@ -74,6 +74,29 @@ def test_stop_token_ends_like_the_engine(client, reference):
     assert got.finish_reason == "stop"
 
 
+def test_seeded_sampling_equals_the_engine_across_the_handoff(client, reference):
+    # the prefill worker samples the first token, the decode worker the rest: one seeded stream all the same
+    chunks, suffix = docs(2, 40, seed=6), [4, 5]
+    kw = dict(max_new_tokens=10, temperature=0.9, top_k=20, seed=1234, stop_token_ids=[])
+    got = client.complete(chunks, suffix, **kw)
+    assert list(got.token_ids) == reference.generate(chunks, suffix, **kw)
+
+
+def test_first_token_comes_from_the_prefill_worker(client, reference):
+    chunks, suffix = docs(2, 40, seed=7), [6]
+    got = client.complete(chunks, suffix, max_new_tokens=5, stop_token_ids=[])
+    st = got.stats
+    assert 0 < st.first_token_seconds <= st.prefill_seconds
+    assert st.handoff_bytes > 0 and st.handoff_seconds > 0
+    # a request the first token completes is never handed off
+    one = client.complete(chunks, suffix, max_new_tokens=1, stop_token_ids=[])
+    assert list(one.token_ids) == list(got.token_ids[:1]) and one.finish_reason == "length"
+    assert one.stats.handoff_bytes == 0 and one.stats.handoff_seconds == 0
+    stop = got.token_ids[0]
+    ends = client.complete(chunks, suffix, max_new_tokens=5, stop_token_ids=[stop])
+    assert list(ends.token_ids) == [stop] and ends.finish_reason == "stop" and ends.stats.handoff_bytes == 0
+
+
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(chunks=[ChunkId("not-registered")], suffix=[1]), "unknown chunk id 'not-registered'"),
     (dict(chunks=[], suffix=[]), "empty request"),
@@ -235,8 +258,9 @@ def test_a_stream_left_early_frees_its_decode_slot(client):
 
     before = cancelled()
     stream = client.generate(docs(1, 16, seed=9), [1], max_new_tokens=500, stop_token_ids=[])
-    assert next(stream).token_ids
-    stream.close()                                   # the caller stops reading after one token
+    assert next(stream).token_ids                    # the first token, sampled by the prefill worker
+    assert next(stream).token_ids                    # the second, from the decode worker
+    stream.close()                                   # the caller stops reading after two tokens
     # the sequence ends as cancelled (not after its 500 tokens) and leaves the batch
     wait_until(lambda: cancelled() == before + 1, 30, 0.1, "the decode worker to cancel the abandoned sequence")
     wait_until(lambda: all(w.in_flight == 0 for w in client.stats().workers), 30, 0.1, "no request in flight")

@@ -12,7 +12,7 @@ from loadgen.replay import (MODES, ReplayConfig, ReplayRequest, RequestRecord, R
                             StreamEvent, replay, summarize)
 from loadgen.replay.fake import FakeTarget, FakeTargetConfig, VirtualClock
 from loadgen.replay.plots import hit_ratio_series
-from loadgen.replay.report import summary_table, write_report
+from loadgen.replay.report import summary_rows, summary_table, write_report
 from loadgen.replay.runner import ReplayRun
 from loadgen.trace import BlockHasher, Chunk, TraceRequest, write_trace
 from services.cli import main
@@ -69,11 +69,11 @@ def test_a_small_gpu_tier_spills_hits_to_dram():
 
 
 def test_summary_figures_from_records():
-    def rec(i, ttft, e2el, out, error=None, tiers=None):
+    def rec(i, ttft, e2el, out, error=None, tiers=None, stages=None):
         return RequestRecord(i, f"r{i}", "tessera", 0.0, 0.0, None if error else ttft,
-                             None if error else e2el, (), 100, 80, out, tiers or {}, 0, error)
-    records = (rec(0, 0.1, 1.1, 11, tiers={"gpu": 60, "computed": 20}),
-               rec(1, 0.3, 0.3, 1, tiers={"dram": 80}),
+                             None if error else e2el, (), 100, 80, out, tiers or {}, 0, error, stages or {})
+    records = (rec(0, 0.1, 1.1, 11, tiers={"gpu": 60, "computed": 20}, stages={"prefill": 0.02, "hand-off": 0.004}),
+               rec(1, 0.3, 0.3, 1, tiers={"dram": 80}, stages={"prefill": 0.04}),
                rec(2, 0.2, 2.2, 5),
                rec(3, 0, 0, 0, error="RuntimeError: boom"))
     s = summarize(ReplayRun("tessera", records, 2.0), Slo.parse("ttft:250,tpot:200"))
@@ -85,6 +85,10 @@ def test_summary_figures_from_records():
     assert s.goodput == pytest.approx(1 / 2.0)     # only request 0 meets ttft and tpot
     assert s.chunk_tokens == 160 and s.hit_ratio == pytest.approx(140 / 160)
     assert list(s.tier_hit_ratios) == ["gpu", "dram", "computed"]
+    # stage medians over the requests that report each stage
+    assert s.stage_p50_ms == pytest.approx({"prefill": 30.0, "hand-off": 4.0})
+    rows = dict(summary_rows([s]))
+    assert rows["Stage p50 (ms): prefill"] == ["30.00"] and rows["Stage p50 (ms): hand-off"] == ["4.00"]
 
 
 @pytest.mark.parametrize("bad", ["", "ttft", "latency:5", "ttft:fast", "tpot:-1"])
