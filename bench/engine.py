@@ -5,7 +5,11 @@ chunks resident (each mode is warmed once so its cache holds them). Peer in the 
 transformers full prefill with SDPA (logits for the last position only). Times are medians of CUDA-
 synchronised wall clock over repeated calls.
 
-    python3 bench/engine.py --out bench/engine.json [--backends torch,triton] [--layers 32]
+Rows per attention backend: ``<backend>`` = the engine's default on CUDA, short passes replayed as
+CUDA-graph static tails (graphs.py; attention through that backend: SDPA for torch, the deferred-RoPE
+paged kernel for triton); ``<backend>-eager`` = the same engine with static tails off.
+
+    python3 bench/engine.py --out bench/engine.json [--backends torch,triton] [--graphs on,off] [--layers 32]
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/engine.json")
     ap.add_argument("--backends", default="torch,triton")
+    ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunks", type=int, default=6)
     ap.add_argument("--chunk-tokens", type=int, default=512)
@@ -78,9 +83,11 @@ def main() -> int:
     results["peer_transformers_sdpa_full_s"] = peer
     print(f"peer transformers SDPA full prefill of {n_tokens} tokens: {peer * 1e3:.1f} ms", flush=True)
 
-    variants = [(b, st) for b in args.backends.split(",") for st in (False, True) if not (st and b != "torch")]
+    graphs = {"on": True, "off": False}
+    logits = {}  # (backend, static, mode, ratio) -> logits: graph rows are checked against eager ones
+    variants = [(b, graphs[g]) for b in args.backends.split(",") for g in args.graphs.split(",")]
     for backend, static in variants:
-        label = backend + ("+graphs" if static else "")
+        label = backend + ("" if static else "-eager")
         try:
             eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
                                          kv_cache_bytes=12 << 30, static_tails=static)
@@ -101,11 +108,13 @@ def main() -> int:
                 print(f"{label} {mode}@{ratio}: {repr(exc)[:500]}", flush=True)
                 continue
             err = float((r.logits - ref).abs().max()) if mode in ("full", "prefix") else None
+            tails = eng.forward.tails
+            logits[(backend, static, mode, ratio)] = r.logits.float().cpu()
             row = {"backend": label, "mode": mode, "ratio": ratio, "seconds": s, "vs_peer": peer / s,
                    "first_call_seconds": first.stats.total_seconds, "stats": r.stats.as_dict(),
-                   "max_abs_logit_err_vs_peer": err}
+                   "max_abs_logit_err_vs_peer": err, "graphs_captured": len(tails.tails) if tails else 0}
             results["rows"].append(row)
-            print(f"{label:13s} {mode:15s} r={ratio:<4} {s * 1e3:8.1f} ms  ({peer / s:5.2f}x peer)"
+            print(f"{label:14s} {mode:15s} r={ratio:<4} {s * 1e3:8.1f} ms  ({peer / s:5.2f}x peer)"
                   + (f"  |dlogit|={err:.3g}" if err is not None else ""), flush=True)
         if args.profile and static:
             from torch.profiler import ProfilerActivity, profile
@@ -127,6 +136,14 @@ def main() -> int:
                 for row in results["rows"] if row.get("backend") == label and "stats" in row}}
         del eng
         torch.cuda.empty_cache()
+    for row in results["rows"]:
+        backend = row["backend"].removesuffix("-eager")
+        key = (backend, not row["backend"].endswith("-eager"), row.get("mode"), row.get("ratio"))
+        twin = logits.get((backend, not key[1], key[2], key[3]))
+        if key in logits and twin is not None:
+            row["max_abs_logit_diff_graphs_vs_eager"] = float((logits[key] - twin).abs().max())
+            print(f"{row['backend']:14s} {key[2]:15s} r={key[3]:<4} |dlogit| graphs vs eager "
+                  f"{row['max_abs_logit_diff_graphs_vs_eager']:.3g}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

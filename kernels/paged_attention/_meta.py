@@ -17,6 +17,9 @@ Built with a few device ops and no host sync.
 
 A packed table is cached against its input tensors (identity and version counter): the engine
 passes the same block table to every layer, so validation (one sync) and packing run once a step.
+A caller that knows its table's bounds on the host (the engine: block ids below its pool size, the
+table's largest offset) passes ``bounds`` and skips the sync. ``pack_into`` writes into a table made by
+``empty_packed``, whose tensors keep their addresses: what a captured CUDA graph reads.
 """
 
 from __future__ import annotations
@@ -88,8 +91,12 @@ def _pack_kernel(ids_ptr, off_ptr, mask_ptr, invf_ptr, meta_ptr, tab_ptr, n,
         tl.store(row + D2, tl.sin(ang), mask=ok[:, None])
 
 
-def validate(block_size: int, block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
-    """check_encodable with one device sync instead of four: the detailed check runs only on failure."""
+def validate(block_size: int, block_ids: torch.Tensor, offsets: torch.Tensor,
+             bounds: tuple[int, int] | None = None) -> None:
+    """check_encodable with one device sync instead of four: the detailed check runs only on failure.
+    ``bounds`` = (largest block id, largest offset) known on the host: checked there, no sync."""
+    if bounds is not None and 1 <= block_size <= 64 and bounds[0] <= MAX_BLOCK_ID and bounds[1] <= MAX_OFFSET:
+        return  # upper bounds that fit (block ids and offsets are never negative where bounds are known)
     if not 1 <= block_size <= 64 or block_ids.numel() == 0:
         check_encodable(block_size, block_ids, offsets)
         return
@@ -101,8 +108,10 @@ def validate(block_size: int, block_ids: torch.Tensor, offsets: torch.Tensor) ->
         raise AssertionError("unreachable: check_encodable accepted an out-of-range block table")
 
 
-def offset_groups(offsets: torch.Tensor, cu_entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs of equal offset inside each sequence: (group_starts int32 [E + 2], cu_groups int32 [B + 1])."""
+def offset_groups(offsets: torch.Tensor, cu_entries: torch.Tensor,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of equal offset inside each sequence: (group_starts int32 [E + 2], cu_groups int32 [B + 1]),
+    written into ``out`` when given."""
     n = offsets.numel()
     dev = offsets.device
     cu = cu_entries.long()
@@ -114,11 +123,17 @@ def offset_groups(offsets: torch.Tensor, cu_entries: torch.Tensor) -> tuple[torc
         first[0] = True
     count = torch.cumsum(first.to(torch.int32), 0)  # groups started up to and including entry i
     before = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), count])  # [E + 1]
-    starts = torch.full((n + 2,), n, dtype=torch.int32, device=dev)
+    if out is None:
+        starts = torch.full((n + 2,), n, dtype=torch.int32, device=dev)
+        cu_groups = torch.empty(cu.numel(), dtype=torch.int32, device=dev)
+    else:
+        starts, cu_groups = out
+        starts.fill_(n)
     slot = torch.where(first, count.long() - 1, n + 1)  # non-first entries write the spare slot
     starts.scatter_(0, slot, torch.arange(n, dtype=torch.int32, device=dev))
     starts[n + 1] = n
-    return starts, before[cu].to(torch.int32)
+    cu_groups.copy_(before[cu])
+    return starts, cu_groups
 
 
 _CACHE: "OrderedDict[int, tuple]" = OrderedDict()  # id(block_ids) -> (signature, weakrefs, packed)
@@ -134,39 +149,82 @@ def _signature(tensors, extra) -> tuple | None:
 
 
 def pack(block_ids, offsets, masks, block_size: int, inv_freq: torch.Tensor, with_table: bool,
-         cu_entries: torch.Tensor | None = None) -> PackedTable:
+         cu_entries: torch.Tensor | None = None, bounds: tuple[int, int] | None = None) -> PackedTable:
     """Validate and pack a block table (one launch), cached per input tensors. with_table also
-    writes the per-entry cos|sin rows; cu_entries (prefill) also builds the offset groups."""
+    writes the per-entry cos|sin rows; cu_entries (prefill) also builds the offset groups;
+    bounds (see validate) replaces the validation sync by a host check."""
     inputs = (block_ids, offsets, masks, inv_freq) + ((cu_entries,) if cu_entries is not None else ())
     sig = _signature(inputs, (block_size, with_table))
     if sig is None:
-        return _pack(block_ids, offsets, masks, block_size, inv_freq, with_table, cu_entries)
+        return _pack(block_ids, offsets, masks, block_size, inv_freq, with_table, cu_entries, bounds)
     hit = _CACHE.get(id(block_ids))
     if hit is not None and hit[0] == sig and all(r() is t for r, t in zip(hit[1], inputs)):
         _CACHE.move_to_end(id(block_ids))
         return hit[2]
-    packed = _pack(block_ids, offsets, masks, block_size, inv_freq, with_table, cu_entries)
+    packed = _pack(block_ids, offsets, masks, block_size, inv_freq, with_table, cu_entries, bounds)
     _CACHE[id(block_ids)] = (sig, tuple(weakref.ref(t) for t in inputs), packed)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return packed
 
 
-def _pack(block_ids, offsets, masks, block_size, inv_freq, with_table, cu_entries) -> PackedTable:
+def _check_shapes(block_ids, offsets, masks) -> None:
     if not (block_ids.shape == offsets.shape == masks.shape) or block_ids.dim() != 1:
         raise ValueError(f"block_ids {tuple(block_ids.shape)}, offsets {tuple(offsets.shape)} and masks "
                          f"{tuple(masks.shape)} must be 1-D of one length")
-    validate(block_size, block_ids, offsets)
+
+
+def _launch_pack(block_ids, offsets, masks64, inv_freq, meta, table) -> None:
+    n = block_ids.numel()
+    if n:
+        _pack_kernel[(triton.cdiv(n, PACK_BLOCK),)](
+            block_ids.contiguous(), offsets.contiguous(), masks64, inv_freq.to(torch.float32).contiguous(),
+            meta, table if table is not None else meta, n, D2=inv_freq.numel(), BLOCK=PACK_BLOCK,
+            WRITE_TABLE=table is not None)
+
+
+def _pack(block_ids, offsets, masks, block_size, inv_freq, with_table, cu_entries, bounds=None) -> PackedTable:
+    _check_shapes(block_ids, offsets, masks)
+    validate(block_size, block_ids, offsets, bounds)
     n = block_ids.numel()
     dev = block_ids.device
     d2 = inv_freq.numel()
     meta = torch.empty(n, dtype=torch.int64, device=dev)
     table = torch.empty((n, 2 * d2), dtype=torch.float32, device=dev) if with_table else None
     masks64 = masks.to(torch.int64).contiguous()
-    if n:
-        _pack_kernel[(triton.cdiv(n, PACK_BLOCK),)](
-            block_ids.contiguous(), offsets.contiguous(), masks64, inv_freq.to(torch.float32).contiguous(),
-            meta, table if with_table else meta, n, D2=d2, BLOCK=PACK_BLOCK, WRITE_TABLE=with_table)
+    _launch_pack(block_ids, offsets, masks64, inv_freq, meta, table)
     starts, cu_groups = offset_groups(offsets, cu_entries) if cu_entries is not None else (None, None)
     return PackedTable(meta=meta, masks=meta if block_size <= 16 else masks64, table=table,
                        group_starts=starts, cu_groups=cu_groups)
+
+
+def empty_packed(n_entries: int, n_seqs: int, block_size: int, head_dim: int, device,
+                 with_table: bool = True) -> PackedTable:
+    """Buffers of a prefill PackedTable of n_entries entries over n_seqs sequences, for ``pack_into``."""
+    meta = torch.zeros(n_entries, dtype=torch.int64, device=device)
+    return PackedTable(
+        meta=meta, masks=meta if block_size <= 16 else torch.zeros_like(meta),
+        table=torch.zeros((n_entries, head_dim), dtype=torch.float32, device=device) if with_table else None,
+        group_starts=torch.zeros(n_entries + 2, dtype=torch.int32, device=device),
+        cu_groups=torch.zeros(n_seqs + 1, dtype=torch.int32, device=device))
+
+
+def pack_into(out: PackedTable, block_ids, offsets, masks, block_size: int, inv_freq: torch.Tensor,
+              cu_entries: torch.Tensor, bounds: tuple[int, int] | None = None) -> PackedTable:
+    """Validate and pack a prefill block table into ``out``'s tensors (made by empty_packed for this
+    many entries and sequences); nothing is cached or allocated that a kernel reads. Returns out.
+    NOTE: with ``bounds`` given (see validate) it never syncs with the device."""
+    _check_shapes(block_ids, offsets, masks)
+    if block_ids.shape != out.meta.shape or cu_entries.shape != out.cu_groups.shape:
+        raise ValueError(f"{block_ids.numel()} entries / cu_entries {tuple(cu_entries.shape)} do not fit a packed "
+                         f"table of {out.meta.numel()} entries and {out.cu_groups.numel() - 1} sequences")
+    if out.table is not None and out.table.shape[1] != 2 * inv_freq.numel():
+        raise ValueError(f"packed table rows of {out.table.shape[1]} do not fit {inv_freq.numel()} frequencies")
+    validate(block_size, block_ids, offsets, bounds)
+    if out.mask_in_word != (block_size <= 16):
+        raise ValueError(f"a packed table made for another block size than {block_size}")
+    if not out.mask_in_word:
+        out.masks.copy_(masks)
+    _launch_pack(block_ids, offsets, masks.to(torch.int64).contiguous(), inv_freq, out.meta, out.table)
+    offset_groups(offsets, cu_entries, out=(out.group_starts, out.cu_groups))
+    return out

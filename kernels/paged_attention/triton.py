@@ -10,7 +10,10 @@ from __future__ import annotations
 import torch
 
 from kernels.paged_attention import _decode, _prefill
-from kernels.paged_attention._meta import pack
+from kernels.paged_attention._meta import PackedTable, empty_packed, pack, pack_into
+
+__all__ = ["paged_prefill_attention", "paged_decode_attention", "paged_prefill_packed", "pack", "pack_into",
+           "empty_packed", "PackedTable", "PREFILL_COS_SIN_TABLE"]
 
 # cos/sin of the per-entry offsets: gathered from an fp32 table (True) or evaluated in the kernel.
 # Measured (bench/kernels.md, run 4): the table is 0.5-1% faster in both kernels, so it is the default.
@@ -60,6 +63,29 @@ def paged_prefill_attention(q, q_pos, k_cache, v_cache, slot_pos, block_ids, off
     packed = pack(block_ids, offsets, masks, k_cache.shape[1], inv_freq, with_table=PREFILL_COS_SIN_TABLE,
                   cu_entries=cu_entries)
     return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale)
+
+
+def paged_prefill_packed(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_freq, scale,
+                         num_splits: int | None = None):
+    """paged_prefill_attention on a table already packed with its offset groups (pack(..., cu_entries=)
+    or pack_into). No device sync, no allocation but the outputs, the grid a function of the shapes
+    alone: a CUDA graph can capture it. q_pos, slot_pos, cu_q int32; inv_freq fp32 on q's device.
+    A query row at position -1 sees no key (out 0): how static callers make padding inert."""
+    _check(q, k_cache, v_cache, inv_freq, cu_q)
+    if packed.cu_groups is None or cu_q.shape != packed.cu_groups.shape or q_pos.shape != q.shape[:1]:
+        raise ValueError(f"cu_q {tuple(cu_q.shape)} / q_pos {tuple(q_pos.shape)} disagree with the queries or "
+                         "the packed table (pack it with cu_entries)")
+    if slot_pos.shape != k_cache.shape[:2]:
+        raise ValueError(f"slot_pos {tuple(slot_pos.shape)} must be [N, BS] = {tuple(k_cache.shape[:2])}")
+    for name, t, dt in (("q_pos", q_pos, torch.int32), ("slot_pos", slot_pos, torch.int32),
+                        ("cu_q", cu_q, torch.int32), ("inv_freq", inv_freq, torch.float32)):
+        if t.dtype != dt or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {dt}, got {t.dtype}")
+    q = q if q.stride(2) == 1 else q.contiguous()
+    if num_splits is None:  # the kernel's defaults, splits picked from the shapes
+        return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale)
+    cfg = _prefill.PrefillConfig(num_splits=num_splits)
+    return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale, cfg=cfg)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, cu_entries, inv_freq, scale):

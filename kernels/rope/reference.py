@@ -62,3 +62,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     xf = x.to(torch.float32)
     x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def gather_rotate(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor,
+                  inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot of the blocks block_ids [E] of paged caches [N, BS, H, D], gathered flat: k, v [E*BS, H, D]
+    in the caches' dtype, block e's keys rotated forward by offsets[e] (fp32 math, as ``rotate``)."""
+    ids = block_ids.long()
+    cos, sin = rope_cos_sin(offsets.long(), inv_freq)  # [E, D/2]
+    k = rotate(k_cache[ids], cos[:, None, None, :], sin[:, None, None, :])  # [E, BS, H, D]
+    return k.reshape(-1, *k_cache.shape[2:]), v_cache[ids].reshape(-1, *v_cache.shape[2:])

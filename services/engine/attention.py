@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from kernels.paged_attention import paged_decode_attention
 from kernels.rope import rope_cos_sin, rotate
 from services.engine.block_table import BlockTable
 
@@ -23,6 +23,10 @@ class Attention:
 
     def __init__(self, pool, inv_freq: torch.Tensor, scale: float):
         self.pool, self.inv_freq, self.scale = pool, inv_freq, scale
+
+    def bounds(self, table: BlockTable) -> tuple[int, int]:
+        """(largest block id, largest offset) of a table, known on the host: packing skips its sync."""
+        return self.pool.num_blocks - 1, table.max_offset
 
     def prefill(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, table: BlockTable) -> torch.Tensor:
         """q [T, Hq, D] at global positions q_pos [T] -> out [T, Hq, D]."""
@@ -110,26 +114,36 @@ class TritonAttention(Attention):
     name = "triton"
 
     def __init__(self, pool, inv_freq, scale):
-        super().__init__(pool, inv_freq, scale)
-        # NOTE: the kernels cache their packed metadata by tensor identity, so the same (table, queries)
-        # must hand them the same tensors at every layer: one validation and packing per pass, not per layer
+        from kernels.paged_attention import triton as kt  # Triton is imported only by those who use it
+
+        super().__init__(pool, inv_freq.to(torch.float32).contiguous(), scale)
+        self._kt = kt
+        # a (table, queries) pair is packed once per pass and the packed table reused at every layer
         self._memo: dict[tuple[int, int], tuple] = {}
 
     def prefill(self, layer, q, q_pos, table):
-        key = (id(table), id(q_pos))
+        kt, key = self._kt, (id(table), id(q_pos))
         args = self._memo.get(key)
         if args is None:
             if len(self._memo) > 16:
                 self._memo.clear()
-            dev = q.device
-            cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev)
-            cu_e = torch.tensor([0, table.num_entries], dtype=torch.int32, device=dev)
-            args = self._memo[key] = (table, q_pos, q_pos.to(torch.int32), cu_q, cu_e)
-        _, _, pos32, cu_q, cu_e = args
-        out, _ = paged_prefill_attention(q, pos32, self.pool.k[layer], self.pool.v[layer], self.pool.slot_pos,
-                                         table.block_ids, table.offsets, table.masks, cu_q, cu_e,
-                                         self.inv_freq, self.scale, backend="triton")
+            # bounds checked on the host, [0, n] made on the device: no sync with the GPU
+            cu_q, cu_e = cu_one(q.shape[0], q.device), cu_one(table.num_entries, q.device)
+            packed = kt.pack(table.block_ids, table.offsets, table.masks, self.pool.block_size, self.inv_freq,
+                             with_table=kt.PREFILL_COS_SIN_TABLE, cu_entries=cu_e, bounds=self.bounds(table))
+            args = self._memo[key] = (table, q_pos, q_pos.to(torch.int32), cu_q, packed)
+        _, _, pos32, cu_q, packed = args
+        out, _ = kt.paged_prefill_packed(q, pos32, self.pool.k[layer], self.pool.v[layer], self.pool.slot_pos,
+                                         packed, cu_q, self.inv_freq, self.scale)
         return out
+
+
+def cu_one(n: int, device) -> torch.Tensor:
+    """int32 [0, n], the cu bounds of one sequence, made on the device (a tensor built from a Python
+    list is copied from the host, and that copy waits for the GPU)."""
+    cu = torch.zeros(2, dtype=torch.int32, device=device)
+    cu[1] = n
+    return cu
 
 
 BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}

@@ -35,9 +35,9 @@ class Forward:
         self._fingerprint = fingerprint
         self.attention = BACKENDS[self.backend](pool, self.model.inv_freq, self.model.scale)
         self._gate: LayerGate | None = None  # set while a pass waits on layer-streamed chunk loads
-        # static tails replay short passes as CUDA graphs (torch backend; see graphs.py)
+        # static tails replay short passes as CUDA graphs, attention through either backend (see graphs.py)
         self.scratch_block = pool.reserve()
-        self.tails = TailCache(self) if self.static_tails and self.backend == "torch" else None
+        self.tails = TailCache(self) if self.static_tails else None
 
     def _tail(self, first: int, h, pos, table: BlockTable, w_block, w_slot):
         """Layers [first, L) for active tokens that all attend ``table``; returns h after the last layer."""

@@ -3,23 +3,31 @@
 A short pass (a 64-token suffix over 32 layers) is bound by kernel launches, not by the GPU: the
 same layers run for a fixed set of active tokens against one block table. ``StaticTail`` runs layers
 [first, L) with every input in a preallocated buffer whose shape is a bucket (tokens padded to a
-multiple of 16, keys to a multiple of 256), so one captured graph serves every request of that
-bucket. Padding is inert: padded queries see one real key and write to a reserved scratch block,
-padded keys are masked out and read the scratch block. On the CPU the same static code runs eagerly
-(that is how the tests check it equals the eager path).
+multiple of 16, block-table entries to a multiple of 256 key slots), so one captured graph serves
+every request of that bucket. Attention goes through the engine's backend, in a capturable form:
+  - ``TritonStatic``: the deferred-RoPE paged prefill kernel on the padded table, packed into fixed
+    buffers by ``fill``; nothing is gathered, rotated in memory or masked by a tensor.
+  - ``TorchStatic``: every slot of the table gathered flat with its keys rotated (one fused kernel on
+    CUDA), then SDPA with a boolean mask (visible, and causal by global position).
+Padding is inert: padded entries name the reserved scratch block with no slot visible, padded queries
+write their K/V to the scratch block and see no key (Triton: position -1, output 0) or one key
+(SDPA: no empty softmax row). ``fill`` runs outside the graph and never syncs with the GPU: bounds
+are checked on the host. On the CPU the same static code runs eagerly (that is how the tests check
+it equals the eager path).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 
-from kernels.rope import rope_cos_sin, rotate
-from services.engine.attention import visible_keys
+from kernels.rope import gather_rotate, rope_cos_sin
+from services.engine.attention import cu_one
 
-T_BUCKET, S_BUCKET, MAX_GRAPHS = 16, 256, 24
+T_BUCKET, KEY_BUCKET, MAX_GRAPHS = 16, 256, 24
 STATIC_MAX_TOKENS = 1024  # longer passes keep the GPU busy on their own: they run eagerly (flash path)
 
 
@@ -27,20 +35,110 @@ def bucket(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
 
 
+def entry_bucket(n_entries: int, block_size: int) -> int:
+    """Entries padded to a multiple of KEY_BUCKET key slots."""
+    return bucket(n_entries, max(1, KEY_BUCKET // block_size))
+
+
+class _StaticTable:
+    """One request's block table padded to ``e`` entries in fixed buffers (int32 ids and offsets,
+    int64 masks [e]); padding entries name the scratch block and show none of its slots."""
+
+    def __init__(self, fwd, t: int, e: int):
+        self.fwd, self.t, self.e = fwd, t, e
+        dev = fwd.device
+        self.ids = torch.full((e,), fwd.scratch_block, dtype=torch.int32, device=dev)
+        self.offs = torch.zeros(e, dtype=torch.int32, device=dev)
+        self.masks = torch.zeros(e, dtype=torch.int64, device=dev)
+
+    def _fill_table(self, table) -> None:
+        m = table.num_entries
+        if m > self.e:
+            raise RuntimeError(f"{m} entries do not fit a static tail of {self.e}")
+        self.ids[:m] = table.block_ids
+        self.ids[m:] = self.fwd.scratch_block
+        self.offs[:m] = table.offsets
+        self.offs[m:] = 0
+        self.masks[:m] = table.masks
+        self.masks[m:] = 0
+
+
+class TritonStatic(_StaticTable):
+    """The Triton prefill kernel over the padded table: packed metadata, query positions (-1 for
+    padded rows: they see nothing) and the cu bounds [0, t], [0, e] all at fixed addresses."""
+
+    def __init__(self, fwd, t: int, e: int):
+        super().__init__(fwd, t, e)
+        kt = fwd.attention._kt
+        dev = fwd.device
+        self.q_pos = torch.full((t,), -1, dtype=torch.int32, device=dev)
+        self.cu_q, self.cu_e = cu_one(t, dev), cu_one(e, dev)
+        self.packed = kt.empty_packed(e, 1, fwd.pool.block_size, fwd.cfg.head_dim, dev,
+                                      with_table=kt.PREFILL_COS_SIN_TABLE)
+
+    def fill(self, table, pos: torch.Tensor, n: int) -> None:
+        att = self.fwd.attention
+        self._fill_table(table)
+        self.q_pos[:n] = pos
+        self.q_pos[n:] = -1
+        att._kt.pack_into(self.packed, self.ids, self.offs, self.masks, att.pool.block_size, att.inv_freq,
+                          self.cu_e, bounds=att.bounds(table))
+
+    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        att = self.fwd.attention
+        out, _ = att._kt.paged_prefill_packed(q, self.q_pos, att.pool.k[layer], att.pool.v[layer], att.pool.slot_pos,
+                                              self.packed, self.cu_q, att.inv_freq, att.scale)
+        return out
+
+
+class TorchStatic(_StaticTable):
+    """SDPA over every slot of the padded table (keys gathered and rotated by one fused op) with a
+    boolean mask [1, 1, t, e*BS]: visible slot, and key position <= query position."""
+
+    def __init__(self, fwd, t: int, e: int):
+        super().__init__(fwd, t, e)
+        cuda = fwd.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.gather_backend = "triton" if cuda else "torch"
+        bs = fwd.pool.block_size
+        self.bits = torch.arange(bs, dtype=torch.int64, device=fwd.device)
+        self.mask = torch.zeros(1, 1, t, e * bs, dtype=torch.bool, device=fwd.device)
+
+    def fill(self, table, pos: torch.Tensor, n: int) -> None:
+        self._fill_table(table)
+        pool = self.fwd.pool
+        k_pos = (self.offs.long()[:, None] + pool.slot_pos[self.ids.long()]).reshape(-1)  # [e*BS]
+        visible = ((self.masks[:, None] >> self.bits) & 1).bool().reshape(-1)
+        self.mask[0, 0, :n] = visible[None, :] & (k_pos[None, :] <= pos.long()[:, None])
+        self.mask[0, 0, n:] = False
+        self.mask[0, 0, n:, 0] = True  # padded queries see one key: no empty softmax row
+
+    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        fwd = self.fwd
+        pool, model = fwd.pool, fwd.model
+        keys, vals = gather_rotate(pool.k[layer], pool.v[layer], self.ids, self.offs, model.inv_freq,
+                                   backend=self.gather_backend)  # [e*BS, Hkv, D]
+        group = q.shape[1] // keys.shape[1]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                             vals.transpose(0, 1)[None], attn_mask=self.mask,
+                                             scale=model.scale, enable_gqa=group > 1)
+        return out[0].transpose(0, 1)
+
+
+STATIC_ATTENTION = {"torch": TorchStatic, "triton": TritonStatic}
+
+
 class StaticTail:
-    def __init__(self, fwd, first: int, t: int, s: int, rotate_keys: bool, graph_pool=None):
+    def __init__(self, fwd, first: int, t: int, e: int, graph_pool=None):
         cfg, dev, dt = fwd.cfg, fwd.device, fwd.pool.k[0].dtype
-        self.fwd, self.first, self.t, self.s, self.rotate_keys = fwd, first, t, s, rotate_keys
+        self.fwd, self.first, self.t = fwd, first, t
         half = cfg.head_dim // 2
         self.h = torch.zeros(t, cfg.hidden_size, device=dev, dtype=dt)
         self.q_cos = torch.ones(t, 1, half, device=dev)
         self.q_sin = torch.zeros(t, 1, half, device=dev)
         self.w_block = torch.zeros(t, dtype=torch.long, device=dev)
         self.w_slot = torch.zeros(t, dtype=torch.long, device=dev)
-        self.k_idx = torch.zeros(s, dtype=torch.long, device=dev)
-        self.k_cos = torch.ones(s, 1, half, device=dev)
-        self.k_sin = torch.zeros(s, 1, half, device=dev)
-        self.mask = torch.zeros(1, 1, t, s, dtype=torch.bool, device=dev)
+        self.pad_slots = torch.arange(t, device=dev) % fwd.pool.block_size  # padded rows' scratch slots
+        self.attention = STATIC_ATTENTION[fwd.backend](fwd, t, e)
         self.out = torch.zeros_like(self.h)
         self.graph = None
         self.graph_pool = graph_pool
@@ -49,52 +147,28 @@ class StaticTail:
         fwd = self.fwd
         model, pool = fwd.model, fwd.pool
         h = self.h
-        group = fwd.cfg.num_heads // fwd.cfg.num_kv_heads
         for layer in range(self.first, fwd.cfg.num_layers):
             q, k, v = model.attention_inputs(layer, h, None, rope=(self.q_cos, self.q_sin))
             pool.write(layer, self.w_block, self.w_slot, k, v)
-            kc, vc = pool.k[layer], pool.v[layer]
-            keys = kc.view(-1, *kc.shape[2:])[self.k_idx]
-            vals = vc.view(-1, *vc.shape[2:])[self.k_idx]
-            if self.rotate_keys:
-                keys = rotate(keys, self.k_cos, self.k_sin)
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                                 vals.transpose(0, 1)[None], attn_mask=self.mask,
-                                                 scale=model.scale, enable_gqa=group > 1)
-            h = model.finish_layer(layer, h, out[0].transpose(0, 1))
+            h = model.finish_layer(layer, h, self.attention(layer, q))
         self.out.copy_(h)
 
-    def fill(self, h, pos, keys, w_block, w_slot) -> None:
-        """Load one request's inputs into the static buffers: tokens h [n], pos [n], and the
-        table's ``visible_keys`` (idx, k_pos, cos, sin)."""
-        fwd, n = self.fwd, h.shape[0]
-        n_slots = fwd.pool.slot_pos.shape[1]
-        scratch = fwd.scratch_block
-        self.h.zero_()
+    def fill(self, h, pos, table, w_block, w_slot) -> None:
+        """Load one request's inputs into the static buffers: tokens h [n] at positions pos [n],
+        writing their K/V at (w_block, w_slot) [n], attending ``table``."""
+        n = h.shape[0]
         self.h[:n] = h
-        cos, sin = rope_cos_sin(pos, fwd.model.inv_freq)
-        self.q_cos.fill_(1.0)
-        self.q_sin.zero_()
+        self.h[n:] = 0
+        cos, sin = rope_cos_sin(pos, self.fwd.model.inv_freq)
         self.q_cos[:n, 0] = cos
+        self.q_cos[n:] = 1.0
         self.q_sin[:n, 0] = sin
-        self.w_block.fill_(scratch)
-        self.w_slot.copy_(torch.arange(self.t, device=h.device) % n_slots)
+        self.q_sin[n:] = 0.0
         self.w_block[:n] = w_block
+        self.w_block[n:] = self.fwd.scratch_block
         self.w_slot[:n] = w_slot
-        idx, k_pos, k_cos, k_sin = keys
-        m = int(idx.numel())
-        if m > self.s:
-            raise RuntimeError(f"{m} keys do not fit a static tail of {self.s}")
-        self.k_idx.fill_(scratch * n_slots)
-        self.k_idx[:m] = idx
-        self.k_cos.fill_(1.0)
-        self.k_sin.zero_()
-        if self.rotate_keys:
-            self.k_cos[:m] = k_cos
-            self.k_sin[:m] = k_sin
-        self.mask.zero_()
-        self.mask[0, 0, :n, :m] = k_pos[None, :] <= pos.long()[:, None]
-        self.mask[0, 0, n:, 0] = True  # padded queries see one real key: no empty softmax row
+        self.w_slot[n:] = self.pad_slots[n:]
+        self.attention.fill(table, pos, n)
 
     def run(self) -> torch.Tensor:
         if self.h.device.type != "cuda":
@@ -104,10 +178,11 @@ class StaticTail:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._body()  # warm-up: allocator and kernel selection settle before capture
+                self._body()  # warm-up: allocator, kernel selection and Triton compiles settle before capture
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool):
+            # thread_local: a service's other threads (gRPC, KV streaming) may touch CUDA meanwhile
+            with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
                 self._body()
             self.graph = graph
         self.graph.replay()
@@ -115,7 +190,7 @@ class StaticTail:
 
 
 class TailCache:
-    """StaticTails by (first layer, token bucket, key bucket, rotation), least recently used dropped."""
+    """StaticTails by (first layer, token bucket, entry bucket), least recently used dropped."""
 
     def __init__(self, fwd):
         self.fwd = fwd
@@ -126,14 +201,13 @@ class TailCache:
     def run(self, first, h, pos, table, w_block, w_slot) -> torch.Tensor:
         """h after layers [first, L) for tokens h [n, hidden] at pos [n] against ``table``."""
         n = h.shape[0]
-        keys = visible_keys(self.fwd.pool, table, self.fwd.model.inv_freq)
-        key = (first, bucket(n, T_BUCKET), bucket(int(keys[0].numel()), S_BUCKET), table.max_offset > 0)
+        key = (first, bucket(n, T_BUCKET), entry_bucket(table.num_entries, self.fwd.pool.block_size))
         tail = self.tails.get(key)
         if tail is None:
             if len(self.tails) >= MAX_GRAPHS:
                 self.tails.popitem(last=False)
-            tail = self.tails[key] = StaticTail(self.fwd, first, key[1], key[2], key[3], self.graph_pool)
+            tail = self.tails[key] = StaticTail(self.fwd, first, key[1], key[2], self.graph_pool)
         self.tails.move_to_end(key)
-        tail.fill(h, pos, keys, w_block, w_slot)
+        tail.fill(h, pos, table, w_block, w_slot)
         self.replays += 1
         return tail.run()[:n]

@@ -31,3 +31,26 @@ def test_static_tails_keep_decode_exact(tiny_dir):
         eager.generate(chunks, suffix, max_new_tokens=8, stop_token_ids=[])
     # the scratch block that padded rows write to is never handed to a request
     assert static.forward.scratch_block in static.pool.reserved
+
+
+@pytest.fixture(scope="module")
+def triton_engines(tiny_dirs):
+    pytest.importorskip("triton")
+    return (Engine.load(tiny_dirs["llama"], attention_backend="triton", static_tails=False),
+            Engine.load(tiny_dirs["llama"], attention_backend="triton", static_tails=True))
+
+
+@pytest.mark.parametrize("mode, ratio", [("tessera", 0.0), ("tessera", 0.3), ("prefix", 0.0)])
+def test_triton_static_tail_equals_eager(triton_engines, mode, ratio):
+    """The tail through the Triton kernel (padded table, packed into fixed buffers) == the eager Triton pass."""
+    eager, static = triton_engines
+    before = static.forward.tails.replays
+    # the second request is shorter (fewer entries and tokens, same buckets): stale entries and rows stay inert
+    for seed, lengths, suffix_len in ((60, (13, 21, 9), 6), (61, (11, 9), 3)):
+        chunks, suffix = random_request(seed, lengths=lengths, suffix_len=suffix_len)
+        a = eager.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)
+        b = static.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)
+        assert a.stats.tokens_recomputed == b.stats.tokens_recomputed
+        torch.testing.assert_close(b.logits, a.logits, rtol=2e-4, atol=2e-4)
+    assert static.forward.tails.replays == before + 2
+    assert all(type(t.attention).__name__ == "TritonStatic" for t in static.forward.tails.tails.values())

@@ -1,0 +1,133 @@
+"""Compile the Triton kernels for an H100 (sm_90) on a machine without a GPU: Triton's frontend, LLVM
+and ptxas (bundled with Triton) all run on the CPU. Catches what the interpreter accepts and the
+compiler does not (non-constexpr globals in a kernel, bad casts, shared memory past the limit) before
+a GPU run, and prints each kernel's registers, spills and shared memory.
+
+    python tests/kernels/compile_sm90.py [--only NAME]
+
+Signatures are those of the engine's Llama-3-8B benchmark shapes (bf16, 32 query / 8 KV heads,
+head_dim 128, block size 16) with the default configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # the kernels must be JIT functions, not interpreted ones
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_kernel(fn, pointers: dict[str, str], constexprs: dict, scalars: dict[str, str] | None = None,
+                   num_warps: int = 4, num_stages: int = 3):
+    """Compile ``fn`` for sm_90. pointers: arg -> element type ("bf16", "i64", ...); scalars: arg -> type
+    (default i32); every other argument must be in constexprs. Pointers are marked 16-byte aligned,
+    as Triton marks them at launch for tensors from torch's allocator."""
+    scalars = scalars or {}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = "*" + pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = scalars.get(name, "i32")
+    src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def constexpr_names(fn) -> list[str]:
+    return [fn.arg_names[i] for i in fn.constexprs]
+
+
+def kernels():
+    """(name, thunk) of every kernel the engine's prefill path launches on CUDA."""
+    from kernels.lse_merge.triton import BLOCK_R, _merge_kernel
+    from kernels.paged_attention import _prefill
+    from kernels.paged_attention._meta import PACK_BLOCK, _pack_kernel
+    from kernels.rope.triton import _gather_rotate_kernel, _rope_kernel
+
+    cfg = _prefill.PrefillConfig()
+    d, g, bs = 128, 4, 16
+    # pointers by name; any other *_ptr argument a kernel gains is taken as int32
+    ptr_types = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", meta_ptr="i64", mask_ptr="i64", tab_ptr="fp32",
+                     invf_ptr="fp32", out_ptr="fp32", lse_ptr="fp32")
+    known = dict(G=g, G_PAD=g, BLOCK_T=cfg.block_m // g, BS=bs, BS_PAD=bs, NB=max(1, cfg.min_block_n // bs), D=d,
+                 B_PAD=2, ROTATE=True, USE_TABLE=True, MASK_IN_WORD=True, DOT_F32=False, BLOCK=256)
+
+    def jit_args(fn, **override):
+        """Pointer types and constexpr values of a kernel of the prefill module, by argument name:
+        a flag the configuration has (SPLIT_PV -> cfg.split_pv) takes its default."""
+        ptrs = {a: override.get(a, ptr_types.get(a, "i32")) for a in fn.arg_names if a.endswith("_ptr")}
+        consts = {a: override.get(a, known.get(a, getattr(cfg, a.lower(), False))) for a in constexpr_names(fn)}
+        return ptrs, consts
+
+    yield "pack", lambda: compile_kernel(
+        _pack_kernel, dict(ids_ptr="i32", off_ptr="i32", mask_ptr="i64", invf_ptr="fp32", meta_ptr="i64", tab_ptr="fp32"),
+        dict(D2=d // 2, BLOCK=PACK_BLOCK, WRITE_TABLE=True))
+    for out in ("bf16", "fp32"):  # one split writes q's dtype, several write fp32 partials
+        yield f"prefill-out-{out}", lambda out=out: compile_kernel(
+            _prefill.__dict__["_prefill_kernel"], *jit_args(_prefill._prefill_kernel, out_ptr=out),
+            dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    for name, fn in vars(_prefill).items():  # helper kernels of the prefill module (metadata passes)
+        if isinstance(fn, triton.runtime.JITFunction) and name != "_prefill_kernel" and \
+                any(a.endswith("_ptr") for a in fn.arg_names) and name.endswith("_kernel"):
+            yield name.strip("_"), lambda fn=fn: compile_kernel(fn, *jit_args(fn))
+    yield "lse-merge", lambda: compile_kernel(
+        _merge_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
+        dict(BLOCK_R=BLOCK_R, BLOCK_D=d))
+    yield "gather-rotate", lambda: compile_kernel(
+        _gather_rotate_kernel, dict(k_ptr="bf16", v_ptr="bf16", ids_ptr="i32", off_ptr="i32", invf_ptr="fp32",
+                                    ko_ptr="bf16", vo_ptr="bf16"),
+        dict(HALF=d // 2, BLOCK_R=32, BLOCK_D2=d // 2))
+    yield "rope", lambda: compile_kernel(
+        _rope_kernel, dict(x_ptr="bf16", pos_ptr="i64", invf_ptr="fp32", tab_ptr="fp32", out_ptr="bf16"),
+        dict(BLOCK_H=8, BLOCK_D2=d // 2, USE_TABLE=False))
+
+
+def resources(cubin: bytes) -> str:
+    """Registers, stack (spills land there) and shared memory per the bundled cuobjdump."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", text)
+    return f"regs {found[1]}  stack {found[2]} B  static shared {found[3]} B" if found else "resources unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="compile only kernels whose name contains this")
+    args = ap.parse_args()
+    failed = 0
+    for name, thunk in kernels():
+        if args.only and args.only not in name:
+            continue
+        t0 = time.perf_counter()
+        try:
+            k = thunk()
+        except Exception as exc:  # report every kernel, then fail
+            failed += 1
+            print(f"{name:18s} FAILED: {exc!r}"[:2000], flush=True)
+            continue
+        print(f"{name:18s} ok  {resources(k.asm['cubin'])}  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
