@@ -1,9 +1,10 @@
 """Prefill-to-decode hand-off transport: chosen once at start, reported in Stats.
 
-NIXL (UCX) moves bulk bytes where it can be imported; otherwise the hand-off is a gRPC client
-stream to the decode worker's ``PushHandoff``: a ``HandoffHeader`` then the payload in ~1 MiB
-parts, checked against the header's length and crc32 on arrival. Only gRPC is implemented: when
-NIXL is found the probe says so, and the gRPC stream is still used (the report names both).
+Between workers on one GPU the private K/V stay on the device (``cuda_ipc``: the stream carries
+only the small rest of the hand-off). Otherwise the hand-off is a gRPC client stream to the decode
+worker's ``PushHandoff``: a ``HandoffHeader`` then the payload in ~1 MiB parts, checked against the
+header's length and crc32 on arrival. NIXL (UCX) is probed and reported, but its data path is not
+wired in: where it is found the gRPC stream is still used (the report names both).
 """
 
 from __future__ import annotations
@@ -23,19 +24,24 @@ class TransportChoice:
     detail: str      # why, for Stats and logs
 
 
-def probe_transport() -> TransportChoice:
-    if importlib.util.find_spec("nixl") is None:
-        return TransportChoice("grpc", "grpc stream (nixl is not installed)")
-    return TransportChoice("grpc", "grpc stream (nixl found; its data path is not wired in yet)")
+def probe_transport(device=None) -> TransportChoice:
+    ipc = device is not None and device.type == "cuda"
+    nixl = ("nixl is not installed" if importlib.util.find_spec("nixl") is None
+            else "nixl found; its data path is not wired in yet")
+    if ipc:
+        return TransportChoice("cuda-ipc", f"cuda-ipc to decode workers on this GPU, else grpc stream ({nixl})")
+    return TransportChoice("grpc", f"grpc stream ({nixl})")
 
 
 @dataclass(frozen=True, slots=True)
 class ReceivedHandoff:
     """A complete hand-off as the decode worker holds it until ``Decode`` asks for it
-    (kind "engine": ``payload`` is ``services.engine.Handoff.to_bytes()``)."""
+    (kind "engine": ``payload`` is ``services.engine.Handoff.to_bytes()``, without the K/V when the
+    header names a CUDA IPC buffer: then ``kv`` holds them)."""
 
     header: pb.HandoffHeader
     payload: bytes
+    kv: object = None    # torch.Tensor: the K/V the payload left out (copied out of a CUDA IPC buffer)
 
 
 def handoff_parts(header: pb.HandoffHeader, payload: bytes) -> Iterator[pb.HandoffPart]:

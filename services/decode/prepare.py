@@ -33,7 +33,7 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
 
     if received.header.kind != "engine":
         raise ValueError(f"unknown hand-off kind {received.header.kind!r}")
-    handoff = Handoff.from_bytes(received.payload)
+    handoff = Handoff.from_bytes(received.payload, received.kv)
     ids = list(dict.fromkeys(ref.chunk_id for ref in handoff.chunks))
     missing = [cid for cid in ids if cid not in engine.cache]   # a hint: the engine checks again at import
     present = store.lookup(missing) if missing and store.enabled else {}

@@ -17,6 +17,7 @@ import grpc
 
 from services.cluster.config import DecodeSettings, EngineSettings
 from services.cluster.kvio import StoreAccess
+from services.cluster.cuda_ipc import copy_out, device_uuid, host_id
 from services.cluster.sampling import WireSampling
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.cluster.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
@@ -35,7 +36,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                  metrics_url: str, settings: DecodeSettings) -> None:
         self.batcher, self.eng, self.store, self.metrics = batcher, engine, store, metrics
         self.name, self.metrics_url, self.settings = name, metrics_url, settings
-        self.transport = probe_transport()
+        self.transport = probe_transport(engine.device)
         self._pending: dict[str, tuple[ReceivedHandoff, float]] = {}
         self._arrived: dict[str, asyncio.Event] = {}
         self.decoding = 0
@@ -55,6 +56,14 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             received = await receive_handoff(request_iterator)
         except HandoffError as exc:
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        if received.header.HasField("kv"):
+            # the K/V stay on the GPU: copy them out before acknowledging (the sender frees them then)
+            try:
+                kv = await asyncio.to_thread(copy_out, received.header.kv)
+            except (RuntimeError, ValueError) as exc:
+                await context.abort(grpc.StatusCode.DATA_LOSS, f"hand-off {received.header.request_id}: "
+                                                               f"cannot open its CUDA IPC buffer: {exc}")
+            received = ReceivedHandoff(received.header, received.payload, kv)
         rid = received.header.request_id
         self._sweep()
         self._pending[rid] = (received, time.monotonic())
@@ -102,7 +111,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         resident = self.batcher.resident         # a snapshot: a poll never waits for a decode step
         return pb.WorkerStatus(name=self.name, in_flight=self.decoding, resident_chunk_ids=resident,
                                transport=self.transport.detail, metrics_url=self.metrics_url,
-                               model_fingerprint=self.eng.fingerprint)
+                               model_fingerprint=self.eng.fingerprint, host_id=host_id(),
+                               device_uuid=device_uuid(self.eng.device))
 
     async def Reset(self, request, context):
         def clear() -> int:

@@ -179,20 +179,22 @@ class Engine:
 
     @torch.no_grad()
     def prefill_handoff(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15,
-                        fetch=None, on_computed=None, extra_tokens: int = 0, on_logits=None):
+                        fetch=None, on_computed=None, extra_tokens: int = 0, on_logits=None,
+                        kv_on_device: bool = False):
         """Prefill for a disaggregated decode: returns (PrefillResult, Handoff) and keeps nothing private.
 
         fetch(chunk_id) -> iterator of (layer, k, v) or None: the KV store, streamed layer by layer while
         earlier layers compute. on_computed(chunk_id, [(k, v), ...]): chunks computed here, to be stored.
         on_logits(logits [vocab]): called as soon as the pass is done, before the hand-off is exported
-        (a serving worker samples and sends the first token from there).
+        (a serving worker samples and sends the first token from there). ``kv_on_device``: the hand-off's
+        private K/V stay on this engine's device (see ``export_sequence``).
         """
         chunks, suffix = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
         logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), fetch, on_computed)
         try:
             if on_logits is not None:
                 on_logits(logits)
-            handoff = export_sequence(self.forward, seq, logits, self.fingerprint)
+            handoff = export_sequence(self.forward, seq, logits, self.fingerprint, kv_on_device)
         finally:
             self.release(seq)
         return PrefillResult(logits, stats), handoff

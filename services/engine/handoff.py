@@ -57,21 +57,33 @@ class Handoff:
     def private_bytes(self) -> int:
         return sum(lv.k.numel() * lv.k.element_size() * 2 for lv in self.layers)
 
-    def to_bytes(self) -> bytes:
-        """safetensors bytes: tensors plus a JSON header of the chunk refs."""
+    def kv_buffer(self) -> torch.Tensor:
+        """Every layer's private K then V, flat in one tensor on their device (one allocation to share)."""
+        parts = [t.reshape(-1) for lv in self.layers for t in (lv.k, lv.v)]
+        if not parts:
+            return torch.zeros(0)
+        return torch.cat(parts)
+
+    def to_bytes(self, with_kv: bool = True) -> bytes:
+        """safetensors bytes: tensors plus a JSON header of the chunk refs. ``with_kv=False`` leaves the
+        private K/V out (they travel apart, as ``kv_buffer()``; ``from_bytes`` takes them back)."""
         from safetensors.torch import save
 
         tensors = {"logits": self.logits.detach().float().cpu().contiguous()}
         for i, lv in enumerate(self.layers):
-            for name in ("hidden", "positions", "k", "v"):
+            for name in ("hidden", "positions", "k", "v") if with_kv else ("hidden", "positions"):
                 tensors[f"{i}.{name}"] = getattr(lv, name).detach().cpu().clone()  # layers may share views
         meta = {"fingerprint": self.model_fingerprint, "next_pos": str(self.next_pos),
                 "layers": str(len(self.layers)),
                 "chunks": json.dumps([[c.chunk_id, c.start, list(c.tokens)] for c in self.chunks])}
+        if self.layers:
+            k = self.layers[0].k
+            meta["kv"] = json.dumps([list(k.shape[1:]), str(k.dtype).removeprefix("torch.")])
         return save(tensors, metadata=meta)
 
     @staticmethod
-    def from_bytes(data: bytes) -> "Handoff":
+    def from_bytes(data: bytes, kv_buffer: torch.Tensor | None = None) -> "Handoff":
+        """The inverse of ``to_bytes``; ``kv_buffer``: the K/V a ``with_kv=False`` payload left out."""
         from safetensors.torch import load
 
         tensors = load(data)
@@ -80,14 +92,38 @@ class Handoff:
         meta = json.loads(data[8:8 + n]).get("__metadata__", {})
         if "fingerprint" not in meta:
             raise ValueError("not a Tessera hand-off: its header carries no model fingerprint")
+        n_layers = int(meta["layers"])
+        if kv_buffer is not None:
+            tensors.update(_split_kv(kv_buffer, meta, [tensors[f"{i}.positions"].numel() for i in range(n_layers)]))
+        missing = [i for i in range(n_layers) if f"{i}.k" not in tensors]
+        if missing:
+            raise ValueError(f"hand-off carries no K/V for layer {missing[0]} (and no separate buffer was given)")
         layers = tuple(LayerView(tensors[f"{i}.hidden"], tensors[f"{i}.positions"], tensors[f"{i}.k"], tensors[f"{i}.v"])
-                       for i in range(int(meta["layers"])))
+                       for i in range(n_layers))
         chunks = tuple(ChunkRef(c[0], int(c[1]), tuple(c[2])) for c in json.loads(meta["chunks"]))
         return Handoff(meta["fingerprint"], chunks, layers, int(meta["next_pos"]), tensors["logits"])
 
 
-def export_sequence(fwd, seq, logits: torch.Tensor, fingerprint: str) -> Handoff:
-    """Describe a prefilled sequence by chunk ids plus its private KV, layer by layer.
+def _split_kv(buf: torch.Tensor, meta: dict, counts: list[int]) -> dict[str, torch.Tensor]:
+    """Cut a ``kv_buffer()`` back into per-layer K and V [P, Hkv, D]; ValueError if it does not fit."""
+    (hkv, dim), dtype = json.loads(meta["kv"])
+    if str(buf.dtype).removeprefix("torch.") != dtype:
+        raise ValueError(f"hand-off K/V buffer is {buf.dtype}, its header says {dtype}")
+    want = 2 * sum(counts) * hkv * dim
+    if buf.numel() != want:
+        raise ValueError(f"hand-off K/V buffer holds {buf.numel()} values, its layers need {want}")
+    out, at = {}, 0
+    for i, p in enumerate(counts):
+        for name in ("k", "v"):
+            out[f"{i}.{name}"] = buf[at:at + p * hkv * dim].view(p, hkv, dim)
+            at += p * hkv * dim
+    return out
+
+
+def export_sequence(fwd, seq, logits: torch.Tensor, fingerprint: str, kv_on_device: bool = False) -> Handoff:
+    """Describe a prefilled sequence by chunk ids plus its private KV, layer by layer (copied to the
+    CPU, or kept on the engine's device with ``kv_on_device``: for a transport that shares GPU memory,
+    or to move it off the engine thread).
 
     Layers share table objects (two distinct ones in a blend), so each distinct table is analysed once,
     with a few whole-table tensor ops; per layer only that layer's private KV is read.
@@ -107,7 +143,7 @@ def export_sequence(fwd, seq, logits: torch.Tensor, fingerprint: str) -> Handoff
             views[id(table)] = _analyse(table, by_block, refs, seq, bits, pool, bs, dev)
         positions, block, slot, hidden = views[id(table)]
         k, v = pool.read(layer, block, slot)
-        layers.append(LayerView(hidden, positions, k.cpu(), v.cpu()))
+        layers.append(LayerView(hidden, positions, k if kv_on_device else k.cpu(), v if kv_on_device else v.cpu()))
     return Handoff(fingerprint, tuple(refs.values()), tuple(layers), seq.next_pos, logits.float().cpu())
 
 

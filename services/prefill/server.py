@@ -17,6 +17,7 @@ import grpc
 
 from services.cluster.config import EngineSettings, PrefillSettings
 from services.cluster.kvio import StoreAccess
+from services.cluster.cuda_ipc import device_uuid, host_id, same_gpu, share
 from services.cluster.sampling import WireSampling
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.cluster.transport import handoff_parts, probe_transport
@@ -35,7 +36,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.worker = worker
         self.name = name
         self.metrics_url = metrics_url
-        self.transport = probe_transport()
+        self.transport = probe_transport(worker.eng.device)
+        self._same_gpu: dict[str, bool] = {}
         self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-engine")
         # hand-offs are serialised here, so the engine thread goes on to the next request meanwhile
         self.io_threads = ThreadPoolExecutor(2, thread_name_prefix="prefill-handoff")
@@ -88,10 +90,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             if not first.done():       # the pass finished before the loop ran the first-token callback
                 first.set_result(out.first_token)
                 yield pb.PrefillReply(first_token=out.first_token)
-            pushed, handoff_s = 0, 0.0
+            pushed, handoff_s, transport = 0, 0.0, ""
             if out.finish is None:     # the request goes on: the decode worker needs the hand-off
                 t0 = time.perf_counter()
-                pushed = await self._push(out, job.request_id, request.decode_address, context)
+                pushed, transport = await self._push(out, job.request_id, request.decode_address, context)
                 handoff_s = time.perf_counter() - t0
                 self.worker.metrics.handoff_seconds.observe(handoff_s)
             self.worker.metrics.requests.labels("ok").inc()
@@ -99,7 +101,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 chunk_tokens_by_tier=out.tier_tokens, recomputed_tokens=out.recomputed_tokens,
                 prefill_seconds=out.prefill_seconds, load_seconds=out.load_seconds,
                 load_wait_seconds=out.load_wait_seconds, loaded_bytes=out.loaded_bytes,
-                handoff_bytes=pushed, transport=self.transport.name, prefill_worker=self.name,
+                handoff_bytes=pushed, transport=transport, prefill_worker=self.name,
                 recompute_ratio=out.ratio, queue_seconds=out.queue_seconds,
                 first_token_seconds=out.first_token_seconds, handoff_seconds=handoff_s)
             yield pb.PrefillReply(stats=stats, resident_chunk_ids=resident, finish_reason=out.finish or "")
@@ -107,11 +109,19 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             self.in_flight -= 1
             self.worker.metrics.in_flight.dec()
 
-    async def _push(self, out, request_id: str, address: str, context) -> int:
+    async def _push(self, out, request_id: str, address: str, context) -> tuple[int, str]:
         """Serialise the hand-off (off the engine thread) and stream it to the decode worker; ABORTED
-        when that fails (the gateway then tries another decode worker). Returns the bytes sent."""
-        payload = await asyncio.get_running_loop().run_in_executor(self.io_threads, out.handoff.to_bytes)
+        when that fails (the gateway then tries another decode worker). Returns (private and payload
+        bytes moved, the transport used): CUDA IPC for the K/V when the decode worker shares this GPU."""
+        loop = asyncio.get_running_loop()
         header = pb.HandoffHeader(request_id=request_id, kind="engine", first_token=out.first_token)
+        kv = None               # held until the decode worker has copied it out (its ack)
+        if self.transport.name == "cuda-ipc" and await self._shares_gpu(address):
+            kv = await loop.run_in_executor(self.io_threads, out.handoff.kv_buffer)
+            header.kv.CopyFrom(share(kv))
+            payload = await loop.run_in_executor(self.io_threads, lambda: out.handoff.to_bytes(with_kv=False))
+        else:
+            payload = await loop.run_in_executor(self.io_threads, out.handoff.to_bytes)
         remaining = context.time_remaining()
         try:
             await self._decode_stub(address).PushHandoff(handoff_parts(header, payload),
@@ -120,8 +130,19 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             self.worker.metrics.requests.labels("handoff_failed").inc()
             await context.abort(grpc.StatusCode.ABORTED, f"hand-off to decode worker {address} "
                                                          f"failed: {exc.code().name}: {exc.details()}")
-        self.worker.metrics.handoff_bytes.inc(len(payload))
-        return len(payload)
+        moved = len(payload) + (kv.numel() * kv.element_size() if kv is not None else 0)
+        self.worker.metrics.handoff_bytes.inc(moved)
+        return moved, "cuda-ipc" if kv is not None else "grpc"
+
+    async def _shares_gpu(self, address: str) -> bool:
+        """Whether the decode worker at ``address`` runs on this worker's GPU (asked once per address)."""
+        if address not in self._same_gpu:
+            try:
+                st = await self._decode_stub(address).Status(pb.WorkerStatusRequest(), timeout=5.0)
+            except grpc.aio.AioRpcError:
+                return False       # asked again next time
+            self._same_gpu[address] = same_gpu((host_id(), device_uuid(self.worker.eng.device)), st)
+        return self._same_gpu[address]
 
     async def Warm(self, request: pb.WarmRequest, context):
         chunks = [list(c.ids) for c in request.chunks]
@@ -135,7 +156,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         resident = self.worker.resident          # the snapshot: a poll never waits behind queued prefills
         return pb.WorkerStatus(name=self.name, in_flight=self.in_flight, resident_chunk_ids=resident,
                                transport=self.transport.detail, metrics_url=self.metrics_url,
-                               model_fingerprint=self.worker.eng.fingerprint)
+                               model_fingerprint=self.worker.eng.fingerprint, host_id=host_id(),
+                               device_uuid=device_uuid(self.worker.eng.device))
 
     async def Reset(self, request, context):
         dropped, _ = await self._on_engine(lambda: (self.worker.reset(request.device_only), self.worker.resident_ids()))

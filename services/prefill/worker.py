@@ -118,7 +118,8 @@ class PrefillWorker:
             chunks, suffix, mode=job.mode, recompute_ratio=ratio,
             fetch=self.store.fetcher(present) if store else None,
             on_computed=self._on_computed if store else None,
-            extra_tokens=job.sampling.params.max_new_tokens, on_logits=on_logits)
+            extra_tokens=job.sampling.params.max_new_tokens, on_logits=on_logits,
+            kv_on_device=self.eng.device.type == "cuda")   # copied to the host (or shared) off this thread
         st = res.stats
         if job.mode == "prefix":
             tiers = [GPU if i < st.chunk_hits else COMPUTED for i in range(len(ids))]

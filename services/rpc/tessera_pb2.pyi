@@ -196,20 +196,24 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "in_flight", "resident_chunk_ids", "transport", "metrics_url", "model_fingerprint")
+    __slots__ = ("name", "in_flight", "resident_chunk_ids", "transport", "metrics_url", "model_fingerprint", "host_id", "device_uuid")
     NAME_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     name: str
     in_flight: int
     resident_chunk_ids: _containers.RepeatedScalarFieldContainer[str]
     transport: str
     metrics_url: str
     model_fingerprint: str
-    def __init__(self, name: _Optional[str] = ..., in_flight: _Optional[int] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., metrics_url: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    host_id: str
+    device_uuid: str
+    def __init__(self, name: _Optional[str] = ..., in_flight: _Optional[int] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., metrics_url: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "chunks", "suffix", "mode", "recompute_ratio", "decode_address", "max_new_tokens", "sampling")
@@ -270,18 +274,46 @@ class ResetReply(_message.Message):
     def __init__(self, chunks_dropped: _Optional[int] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("request_id", "kind", "total_bytes", "crc32", "first_token")
+    __slots__ = ("request_id", "kind", "total_bytes", "crc32", "first_token", "kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: str
     total_bytes: int
     crc32: int
     first_token: int
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
+    kv: CudaIpcBuffer
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., first_token: _Optional[int] = ..., kv: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
+
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("dtype", "numel", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index", "tensor_offset")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    numel: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    device_index: int
+    tensor_offset: int
+    def __init__(self, dtype: _Optional[str] = ..., numel: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
 
 class HandoffPart(_message.Message):
     __slots__ = ("header", "data")

@@ -132,3 +132,20 @@ def test_damaged_handoff_is_refused():
 def test_transport_probe_reports_nixl():
     choice = probe_transport()
     assert choice.name == "grpc" and "nixl" in choice.detail
+    import torch
+    assert probe_transport(torch.device("cpu")).name == "grpc"
+    assert probe_transport(torch.device("cuda", 0)).name == "cuda-ipc"   # a probe only: touches no GPU
+
+
+def test_cuda_ipc_needs_one_gpu_on_one_host():
+    import torch
+
+    from services.cluster.cuda_ipc import device_uuid, host_id, same_gpu, share
+    me = pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-1")
+    assert same_gpu(me, pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-1"))
+    assert not same_gpu(me, pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-2"))
+    assert not same_gpu(me, pb.WorkerStatus(host_id="elsewhere/1", device_uuid="GPU-1"))
+    assert not same_gpu((host_id(), ""), pb.WorkerStatus(host_id=host_id(), device_uuid=""))  # CPU workers
+    assert device_uuid(torch.device("cpu")) == ""
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        share(torch.zeros(4))

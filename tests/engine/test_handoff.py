@@ -34,6 +34,24 @@ def test_decode_elsewhere_equals_generate(tiny_dir, mode, ratio):
     assert prefill.pool.num_free + sum(len(e.blocks) for e in prefill.cache._entries.values()) == prefill.pool.usable_blocks
 
 
+def test_kv_apart_from_the_payload_round_trips(tiny_dir):
+    # the CUDA IPC transport ships the K/V as one flat buffer and the rest as bytes: same hand-off
+    eng = Engine.load(tiny_dir)
+    chunks, suffix = random_request(33)
+    _, h = eng.prefill_handoff(chunks, suffix, mode="tessera", recompute_ratio=0.3, kv_on_device=True)
+    back = Handoff.from_bytes(h.to_bytes(with_kv=False), h.kv_buffer())
+    assert back.chunks == h.chunks and back.next_pos == h.next_pos and torch.equal(back.logits, h.logits)
+    for a, b in zip(back.layers, h.layers):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.positions, b.positions)
+        assert torch.equal(a.hidden, b.hidden)
+    with pytest.raises(ValueError, match="no K/V for layer 0"):
+        Handoff.from_bytes(h.to_bytes(with_kv=False))
+    with pytest.raises(ValueError, match="its layers need"):
+        Handoff.from_bytes(h.to_bytes(with_kv=False), h.kv_buffer()[:-1])
+    with pytest.raises(ValueError, match="its header says"):
+        Handoff.from_bytes(h.to_bytes(with_kv=False), h.kv_buffer().double())
+
+
 def test_tessera_handoff_ships_only_private_kv(tiny_dir):
     eng = Engine.load(tiny_dir)
     chunks, suffix = random_request(31, lengths=(40, 40, 40))

@@ -1,0 +1,79 @@
+"""Hand-offs between workers that share one GPU: the private K/V never leave the device.
+
+The prefill worker concatenates the request's private K/V into one device buffer and exports it
+with CUDA IPC (torch.multiprocessing's reduction of a CUDA tensor; its fields travel in a
+``CudaIpcBuffer`` message, not as a pickle); only the rest of the hand-off (chunk ids, positions,
+logits: a few KB) goes through the gRPC stream. The decode worker opens the buffer, copies it into
+its own memory on the device, closes it and only then acknowledges the push; the prefill worker
+holds the buffer until that acknowledgement. Without IPC this is the gRPC path's 4-8 host copies of
+every private byte, on two Python processes' CPUs.
+
+Whether two workers share a GPU is decided from their ``WorkerStatus``: same ``host_id`` (hostname
+and boot id) and same ``device_uuid``.
+"""
+
+from __future__ import annotations
+
+import socket
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from services.rpc import tessera_pb2 as pb
+
+
+@lru_cache(maxsize=1)
+def host_id() -> str:
+    """This machine: hostname plus the kernel's boot id (a container reuses a hostname)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def device_uuid(device: torch.device) -> str:
+    """The GPU's UUID, "" for a CPU device (no IPC there)."""
+    if device.type != "cuda":
+        return ""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return str(getattr(torch.cuda.get_device_properties(idx), "uuid", ""))
+
+
+def same_gpu(a: pb.WorkerStatus | tuple[str, str], b: pb.WorkerStatus) -> bool:
+    ha, da = (a.host_id, a.device_uuid) if isinstance(a, pb.WorkerStatus) else a
+    return bool(da) and ha == b.host_id and da == b.device_uuid
+
+
+def share(buf: torch.Tensor) -> pb.CudaIpcBuffer:
+    """Export a contiguous CUDA tensor; the caller keeps ``buf`` alive until the peer has copied it."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if buf.device.type != "cuda" or not buf.is_contiguous():
+        raise ValueError("only a contiguous CUDA tensor can be shared over CUDA IPC")
+    _, args = reduce_tensor(buf)
+    (_, size, _, offset, _, dtype, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset,
+     event_handle, event_sync) = args
+    return pb.CudaIpcBuffer(dtype=str(dtype).removeprefix("torch."), numel=int(torch.Size(size).numel()),
+                            storage_handle=handle, storage_size_bytes=size_bytes, storage_offset_bytes=offset_bytes,
+                            ref_counter_handle=ref_handle, ref_counter_offset=ref_offset,
+                            event_handle=event_handle or b"", event_sync_required=bool(event_sync),
+                            device_index=int(device), tensor_offset=int(offset))
+
+
+def copy_out(msg: pb.CudaIpcBuffer) -> torch.Tensor:
+    """Open a shared buffer, copy it into this process's memory on the same device, close it."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    dtype = getattr(torch, msg.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"CUDA IPC buffer of unknown dtype {msg.dtype!r}")
+    shared = rebuild_cuda_tensor(torch.Tensor, (msg.numel,), (1,), msg.tensor_offset, torch.UntypedStorage, dtype,
+                                 msg.device_index, msg.storage_handle, msg.storage_size_bytes,
+                                 msg.storage_offset_bytes, False, msg.ref_counter_handle, msg.ref_counter_offset,
+                                 msg.event_handle or None, msg.event_sync_required)
+    own = shared.clone()
+    torch.cuda.current_stream(own.device).synchronize()   # copied before the sender may free it
+    del shared
+    return own
