@@ -64,9 +64,12 @@ class Forward:
         Returns (blocks, block [n], slot [n], table with offset 0)."""
         n = int(pos.numel())
         blocks = self.cache.allocate(-(-n // self.bs), for_cache=for_cache)
-        block, slot = self.pool.slots_for(blocks, n)
+        table = BlockTable.for_run(blocks, n, self.bs, 0, self.device)
+        # slots from the table's device copy of the block ids: one host-to-device copy (a sync) less
+        idx = torch.arange(n, device=self.device)
+        block, slot = table.block_ids.long()[idx // self.bs], idx % self.bs
         self.pool.slot_pos[block, slot] = pos.to(torch.int32)
-        return blocks, block, slot, BlockTable.for_run(blocks, n, self.bs, 0, self.device)
+        return blocks, block, slot, table
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, tables, write_block, write_slot, last_only=True,
              skip_last_layer=False):

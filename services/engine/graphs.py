@@ -133,6 +133,11 @@ class StaticTail:
         self.fwd, self.first, self.t = fwd, first, t
         half = cfg.head_dim // 2
         self.h = torch.zeros(t, cfg.hidden_size, device=dev, dtype=dt)
+        # q/k RoPE: a model with a kernel backend rotates by position in one kernel each (it reads the
+        # static positions at replay); the torch model rotates by cos/sin tables filled per request
+        # (its own rope memo would be frozen into the graph)
+        self.rope_by_pos = fwd.model.rope_backend != "torch"
+        self.pos = torch.zeros(t, dtype=torch.long, device=dev)
         self.q_cos = torch.ones(t, 1, half, device=dev)
         self.q_sin = torch.zeros(t, 1, half, device=dev)
         self.w_block = torch.zeros(t, dtype=torch.long, device=dev)
@@ -148,7 +153,10 @@ class StaticTail:
         model, pool = fwd.model, fwd.pool
         h = self.h
         for layer in range(self.first, fwd.cfg.num_layers):
-            q, k, v = model.attention_inputs(layer, h, None, rope=(self.q_cos, self.q_sin))
+            if self.rope_by_pos:
+                q, k, v = model.attention_inputs(layer, h, self.pos)
+            else:
+                q, k, v = model.attention_inputs(layer, h, None, rope=(self.q_cos, self.q_sin))
             pool.write(layer, self.w_block, self.w_slot, k, v)
             h = model.finish_layer(layer, h, self.attention(layer, q))
         self.out.copy_(h)
@@ -159,11 +167,15 @@ class StaticTail:
         n = h.shape[0]
         self.h[:n] = h
         self.h[n:] = 0
-        cos, sin = rope_cos_sin(pos, self.fwd.model.inv_freq)
-        self.q_cos[:n, 0] = cos
-        self.q_cos[n:] = 1.0
-        self.q_sin[:n, 0] = sin
-        self.q_sin[n:] = 0.0
+        if self.rope_by_pos:
+            self.pos[:n] = pos
+            self.pos[n:] = 0
+        else:
+            cos, sin = rope_cos_sin(pos, self.fwd.model.inv_freq)
+            self.q_cos[:n, 0] = cos
+            self.q_cos[n:] = 1.0
+            self.q_sin[:n, 0] = sin
+            self.q_sin[n:] = 0.0
         self.w_block[:n] = w_block
         self.w_block[n:] = self.fwd.scratch_block
         self.w_slot[:n] = w_slot
