@@ -5,6 +5,11 @@ every tier and on every worker. The cache maps a key (the chunk id in ``tessera`
 its position for ``position_aware``; the hash of the whole prefix for ``prefix``) to the blocks that
 hold its KV. Entries are shared and read-only; a request pins the entries it uses (``refs``), and
 only unpinned entries are evicted, least recently used first, to honour the byte budget.
+
+The budget bounds what stays cached, not what requests in flight may use: when pinned entries
+fill it, a new chunk is still placed if the pool has the blocks (``overflows`` counts it), and
+entries over the budget are evicted as soon as their last request releases them. Only a full pool
+refuses a request.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class ChunkCache:
         self.budget_bytes = budget_bytes
         self.resident_bytes = 0
         self.evictions = 0
+        self.overflows = 0       # chunks placed past the budget because every cached entry was pinned
         self._entries: OrderedDict[str, ChunkEntry] = OrderedDict()
 
     def __len__(self) -> int:
@@ -73,19 +79,23 @@ class ChunkCache:
         if entry.refs <= 0:
             raise RuntimeError(f"chunk {entry.key[:12]} released more often than acquired")
         entry.refs -= 1
+        while self.resident_bytes > self.budget_bytes and self._evict_one():
+            pass        # back within the budget once requests let go of what overflowed it
 
     def allocate(self, n_blocks: int, for_cache: bool) -> list[int]:
         """Blocks for a new entry (``for_cache``: counted against the budget) or for private use,
-        evicting unpinned entries LRU-first until they fit."""
+        evicting unpinned entries LRU-first until they fit; past the budget only while every cached
+        entry is pinned (see the module docstring)."""
         need_bytes = n_blocks * self.pool.block_bytes if for_cache else 0
-        if need_bytes > self.budget_bytes:
-            raise PoolExhausted(f"a chunk of {n_blocks} blocks ({need_bytes} B) exceeds the chunk cache "
-                                f"budget of {self.budget_bytes} B")
         while self.pool.num_free < n_blocks or self.resident_bytes + need_bytes > self.budget_bytes:
             if not self._evict_one():
-                raise PoolExhausted(
-                    f"KV memory exhausted: {n_blocks} blocks wanted, {self.pool.num_free} free, "
-                    f"{self.resident_bytes} B of chunk cache pinned by requests in flight")
+                break
+        if self.pool.num_free < n_blocks:
+            raise PoolExhausted(
+                f"KV memory exhausted: {n_blocks} blocks wanted, {self.pool.num_free} free, "
+                f"{self.resident_bytes} B of chunk cache pinned by requests in flight")
+        if self.resident_bytes + need_bytes > self.budget_bytes:
+            self.overflows += 1
         return self.pool.allocate(n_blocks)
 
     def insert(self, key: str, blocks: list[int], length: int, base: int = 0, kind: str = "chunk") -> ChunkEntry:
