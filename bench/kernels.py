@@ -155,12 +155,19 @@ def check_small(dev) -> list:
 
 
 PC, DC = _prefill.PrefillConfig, _decode.DecodeConfig
-PREFILL_CONFIGS = [PC(), PC(split_d=True), PC(num_stages=3), PC(num_splits=2), PC(128, 64, 8, 2, 1),
-                   PC(128, 128, 8, 2, 1), PC(64, 32, 4, 3, 1)]
+# the default first; --sweep times each with and without rotation
+PREFILL_CONFIGS = [PC(), PC(num_stages=3), PC(split_pv=True), PC(split_pv=True, num_stages=3),
+                   PC(128, 64, 8, 2, split_pv=True), PC(128, 64, 8, 3, split_pv=True), PC(128, 64, 8, 3),
+                   PC(64, 128, 4, 2)]
+
+
+def cfg_name(c) -> str:
+    return (f"{c.block_m}x{c.min_block_n}/w{c.num_warps}/s{c.num_stages}/split{c.num_splits}/"
+            f"{'pv2' if c.split_pv else 'pv1'}")
 DECODE_CONFIGS = [DC(), DC(num_stages=2), DC(num_stages=4)] + [DC(num_splits=s) for s in (2, 4, 5, 8, 12)]
 
 
-def bench_prefill(ctx: int, new: int, bs: int, dev, inv, smoke: bool) -> dict:
+def bench_prefill(ctx: int, new: int, bs: int, dev, inv, smoke: bool, sweep: bool = False) -> dict:
     chunk = ctx // 8  # >= 8 chunks
     p = paged(1, ctx, chunk, new, bs, dev)
     q = torch.randn((new, HQ, D), device=dev, dtype=torch.bfloat16)
@@ -196,10 +203,17 @@ def bench_prefill(ctx: int, new: int, bs: int, dev, inv, smoke: bool) -> dict:
     res["sdpa_ms"] = timeit(lambda: call(k4, v4))
     res["rotate_copy_ms"] = timeit(rotate_and_copy)
     res["sdpa_plus_rotate_ms"] = timeit(sdpa_after_rotate)
-    cfgs = PREFILL_CONFIGS[:1] if smoke else PREFILL_CONFIGS
-    res["configs"] = {f"{c.block_m}x{c.min_block_n}/w{c.num_warps}/s{c.num_stages}/split{c.num_splits}/{'2dots' if c.split_d else '1dot'}":
-                      timeit(lambda c=c: run(plain, cfg=c)) for c in cfgs}
-    best_name = min(res["configs"], key=res["configs"].get)
+    cfgs = PREFILL_CONFIGS[:2] if smoke else PREFILL_CONFIGS
+    res["configs"] = {}
+    for c in cfgs:  # each variant checked against the default's output, then timed (cos/sin table)
+        row = {"rel_vs_default": rel(run(tabled, cfg=c)[0], out), "ms": timeit(lambda c=c: run(tabled, cfg=c))}
+        if sweep:
+            row["no_rot_ms"] = timeit(lambda c=c: run(tabled, rotate=False, cfg=c))
+            row["rot_overhead"] = row["ms"] / row["no_rot_ms"] - 1
+        row["TFLOPs"] = tf(row["ms"])
+        res["configs"][cfg_name(c)] = row
+        say(f"  {cfg_name(c)}: {json.dumps(row)}")
+    best_name = min(res["configs"], key=lambda k: res["configs"][k]["ms"])
     best = cfgs[list(res["configs"]).index(best_name)]
     res["best_config"] = best_name
     # rotation on/off and table/computed, interleaved twice at the best config: spread = noise
@@ -314,12 +328,129 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def sweep_table(results: dict) -> str:
+    """--sweep summary: each prefill variant's TFLOP/s, share of SDPA's and rotation overhead per size."""
+    lines = ["| variant | " + " | ".join(f"{r['ctx']}: TFLOP/s, /SDPA, rot. overhead" for r in results["prefill"]) + " |",
+             "|---|" + "---|" * len(results["prefill"])]
+    lines.append("| SDPA | " + " | ".join(f"{r['sdpa_TFLOPs']:.0f}" for r in results["prefill"]) + " |")
+    for name in results["prefill"][0]["configs"] if results["prefill"] else []:
+        cells = []
+        for r in results["prefill"]:
+            c = r["configs"].get(name, {})
+            cells.append(f"{c.get('TFLOPs', 0):.0f}, {c.get('TFLOPs', 0) / r['sdpa_TFLOPs']:.2f}x, "
+                         f"{c.get('rot_overhead', float('nan')) * 100:+.1f}%")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compile_sm90(configs, bs: int) -> list:
+    """Compile the prefill kernel of every config (rotating with the cos/sin table, and without
+    rotation) for sm_90 on a machine with no GPU: Triton's frontend and ptxas, through a stand-in
+    driver, specialised exactly as bench_prefill's calls are. Returns registers, stack (spills) and
+    shared memory per variant, or the error. Run it before spending GPU time on new variants."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+    from triton.runtime.driver import driver
+
+    class Sm90(DriverBase):  # what the JIT asks a driver for while compiling
+        @classmethod
+        def is_active(cls):
+            return True
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_benchmarker(self):
+            return None
+
+        def get_device_interface(self):
+            return None
+
+        def get_empty_cache_for_benchmark(self):
+            return None
+
+        def clear_cache(self, cache):
+            pass
+
+        def map_python_to_cpp_type(self, ty):
+            return ty
+
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise SystemExit("--compile-only compiles for a GPU: unset TRITON_INTERPRET")
+
+    class WarmupOnly:  # kernel[grid](...) compiles (warmup) instead of launching
+        def __init__(self, fn):
+            self.fn, self.compiled = fn, []
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: self.compiled.append(self.fn.warmup(*a, grid=grid, **kw))
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    driver.set_active(Sm90())
+    saved = (_prefill._prefill_kernel, _prefill._key_bounds_kernel, _meta._pack_kernel)
+    kernel = _prefill._prefill_kernel = WarmupOnly(saved[0])
+    _prefill._key_bounds_kernel, _meta._pack_kernel = WarmupOnly(saved[1]), WarmupOnly(saved[2])
+    rows = []
+    try:
+        dev = torch.device("cpu")
+        inv = rope_inv_freq(D, 500000.0, LLAMA3)
+        p = paged(1, 256, 128, 64, bs, dev)  # the benchmark's dtypes and strides, tiny
+        q = torch.randn((64, HQ, D), dtype=torch.bfloat16)
+        q_pos = torch.arange(256, 320, dtype=torch.int32)
+        cu_q = torch.tensor([0, 64], dtype=torch.int32)
+        packed = pack(p["block_ids"], p["offsets"], p["masks"], bs, inv, with_table=True, cu_entries=p["cu_entries"])
+        for c in configs:
+            for rotate in (True, False):
+                name = f"{cfg_name(c)}/{'rot' if rotate else 'norot'}"
+                t0 = time.perf_counter()
+                try:
+                    _prefill.launch(q, q_pos, p["k_cache"], p["v_cache"], p["slot_pos"], packed, cu_q, inv,
+                                    D ** -0.5, rotate=rotate, cfg=c)
+                    k = kernel.compiled[-1]
+                    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                        f.write(k.asm["cubin"])
+                        f.flush()
+                        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
+                                               capture_output=True, text=True).stdout
+                    fields = dict(kv.split(":", 1) for kv in usage.split("Function _prefill_kernel:")[-1].split()
+                                  if ":" in kv)
+                    rows.append({"variant": name, "regs": int(fields["REG"]), "stack": int(fields["STACK"]),
+                                 "shared": k.metadata.shared, "wgmma": k.asm["ptx"].count("wgmma.mma_async"),
+                                 "compile_s": round(time.perf_counter() - t0, 1), "triton": triton.__version__})
+                except Exception as exc:  # report and go on: the point is to find every failure
+                    rows.append({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        _prefill._prefill_kernel, _prefill._key_bounds_kernel, _meta._pack_kernel = saved
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "bench")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter): checks the script only")
     ap.add_argument("--bs", type=int, default=16, help="block size of the paged cache")
+    ap.add_argument("--sweep", action="store_true",
+                    help="prefill only: every PREFILL_CONFIGS variant timed with and without rotation")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="no GPU: compile every prefill variant for sm_90 and print registers / spills")
     args = ap.parse_args()
+    if args.compile_only:
+        rows = compile_sm90(PREFILL_CONFIGS, args.bs)
+        print("\n".join(json.dumps(r) for r in rows))
+        return 0 if all("error" not in r for r in rows) else 1
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inv = rope_inv_freq(D, 500000.0, LLAMA3).to(dev)
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -332,18 +463,25 @@ def main() -> int:
         say(f"ceilings: {results['ceilings']}")
         results["checks"] = check_small(dev)
     pre = [(256, 64)] if args.smoke else [(4096, 512), (16384, 512), (32768, 512)]
-    dec = [(2, 256)] if args.smoke else [(32, 4096), (8, 32768)]
+    dec = [] if args.sweep else [(2, 256)] if args.smoke else [(32, 4096), (8, 32768)]
     results["prefill"], results["decode"] = [], []
     jobs = [("prefill", bench_prefill, (ctx, new)) for ctx, new in pre]
     jobs += [("decode", bench_decode, (n, ctx)) for n, ctx in dec]
     for kind, fn, shape in jobs:
         try:
-            results[kind].append(fn(*shape, args.bs, dev, inv, args.smoke))
+            extra = {"sweep": args.sweep} if kind == "prefill" else {}
+            results[kind].append(fn(*shape, args.bs, dev, inv, args.smoke, **extra))
             say(json.dumps(results[kind][-1]))
         except Exception as exc:  # keep what was measured; the log says what failed
             say(f"{kind} {shape} FAILED: {type(exc).__name__}: {exc}")
         torch.cuda.empty_cache() if dev.type == "cuda" else None
         (args.out / "kernels.json").write_text(json.dumps(results | {"log": LOG}, indent=1))
+    if args.sweep:
+        results["compiled"] = compiled_report()
+        results["log"] = LOG
+        (args.out / "kernels.json").write_text(json.dumps(results, indent=1))
+        print(sweep_table(results))
+        return 0
     results["rope"] = bench_rope(64 if args.smoke else 32768, dev, inv)
     say(json.dumps(results["rope"]))
     try:

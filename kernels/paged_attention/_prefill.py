@@ -34,6 +34,7 @@ from kernels.paged_attention._meta import PackedTable, dot_f32, sm_count
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 INT32_MAX = tl.constexpr(2**31 - 1)
+BOUNDS_BLOCK = 128  # entries per program of _key_bounds_kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,7 @@ class PrefillConfig:
     num_warps: int = 4
     num_stages: int = 2
     num_splits: int | None = None  # KV splits (flash-decoding style); None picks from the grid
-    split_d: bool = False  # True: q.k as two dots over the rotate-half halves (10% slower, run 4)
+    split_pv: bool = False  # p @ V as two dots over halves of D (accumulators shaped like the score tile)
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -54,7 +55,7 @@ class PrefillConfig:
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, qpos_ptr, k_ptr, v_ptr, slotpos_ptr, meta_ptr, mask_ptr, tab_ptr, invf_ptr,
+    q_ptr, qpos_ptr, k_ptr, v_ptr, slotpos_ptr, meta_ptr, mask_ptr, tab_ptr, invf_ptr, hi_ptr,
     cu_q_ptr, starts_ptr, cu_g_ptr, out_ptr, lse_ptr,
     n_seqs, n_split, qk_scale,
     stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
@@ -62,7 +63,7 @@ def _prefill_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
     D: tl.constexpr, B_PAD: tl.constexpr,
     ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr, DOT_F32: tl.constexpr,
-    SPLIT_D: tl.constexpr,
+    SPLIT_PV: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     D2: tl.constexpr = D // 2
@@ -94,80 +95,83 @@ def _prefill_kernel(
     head = h * G + g
     dd = tl.arange(0, D)
     q_row = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-    dh = tl.arange(0, D2)
     q_pos = tl.load(qpos_ptr + tok, mask=row_ok, other=-1)  # a padding row sees nothing
     q_min = tl.min(tl.where(row_ok, q_pos, INT32_MAX), axis=0)  # keys at or before it need no causal mask
-    if SPLIT_D:  # the two halves of the rotate-half layout: q.k = q1.k1 + q2.k2, two dots of D/2
-        q1 = tl.load(q_row + dh[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D2]
-        q2 = tl.load(q_row + D2 + dh[None, :], mask=row_ok[:, None], other=0.0)
-        if ROTATE and not USE_TABLE:
+    if ROTATE:  # the query as [BLOCK_M, 2, D/2], its rotate-half halves, each read contiguously
+        half = tl.arange(0, 2)[None, :, None]
+        dh = tl.arange(0, D2)
+        q_half = q_row[:, :, None] + half * D2 + dh[None, None, :]  # [BLOCK_M, 2, D2]
+        q_partner = q_row[:, :, None] + (1 - half) * D2 + dh[None, None, :]  # the other half of each
+        sign = tl.where(half == 0, 1.0, -1.0)
+        if not USE_TABLE:
             inv_freq = tl.load(invf_ptr + dh)
-    else:  # one dot of D; the rotation re-reads the query and its rotate-half partner
-        q1 = tl.load(q_row + dd[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
-        q2 = q1
-        swap = (dd + D2) % D
-        sign = tl.where(dd < D2, 1.0, -1.0)
-        if ROTATE and not USE_TABLE:
-            inv_freq = tl.load(invf_ptr + dd % D2)
+    else:
+        qr = tl.load(q_row + dd[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+        if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
+            qr = qr.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if SPLIT_PV:  # the output as two halves of D: [BLOCK_M, D/2] accumulators like the score tile's
+        acc = tl.zeros([BLOCK_M, D2], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, D2], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        acc2 = acc
     for grp in range(g_lo, g_hi):
         e_first = tl.load(starts_ptr + grp)
         off = ((tl.load(meta_ptr + e_first) >> 16) & 0xFFFF).to(tl.int32)
         e_begin = tl.maximum(e_first, lo)
         e_end = tl.minimum(tl.load(starts_ptr + grp + 1), hi)
         if e_begin < e_end:
-            qr1 = q1
-            qr2 = q2
             if ROTATE:
-                cols = dh if SPLIT_D else dd % D2
                 if USE_TABLE:
-                    cos = tl.load(tab_ptr + e_first * D + cols)
-                    sin = tl.load(tab_ptr + e_first * D + D2 + cols)
+                    cos = tl.load(tab_ptr + e_first * D + dh)
+                    sin = tl.load(tab_ptr + e_first * D + D2 + dh)
                 else:
                     ang = off.to(tl.float32) * inv_freq
                     cos = tl.cos(ang)
                     sin = tl.sin(ang)
-                # R_{-off} q = [q1 c + q2 s, q2 c - q1 s], from the original query in fp32
-                if SPLIT_D:
-                    q1f = q1.to(tl.float32)
-                    q2f = q2.to(tl.float32)
-                    qr1 = (q1f * cos[None, :] + q2f * sin[None, :]).to(q1.dtype)
-                    qr2 = (q2f * cos[None, :] - q1f * sin[None, :]).to(q1.dtype)
-                else:  # NOTE: re-read rather than keep fp32 copies live across the loop (spills)
-                    qf = tl.load(q_row + dd[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-                    qs = tl.load(q_row + swap[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-                    qr1 = (qf * cos[None, :] + qs * (sin * sign)[None, :]).to(q1.dtype)
-                    qr2 = qr1
-            if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
-                qr1 = qr1.to(tl.float32)
-                qr2 = qr2.to(tl.float32)
-            m_i, l_i, acc = _group_attention(
-                qr1, qr2, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr, mask_ptr,
-                qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32, SPLIT_D)
+                # R_{-off} q = [q1 c + q2 s, q2 c - q1 s], in fp32 from the original query, re-read
+                # from memory per group rather than kept live across the loop (registers)
+                qf = tl.load(q_half, mask=row_ok[:, None, None], other=0.0).to(tl.float32)  # [BLOCK_M, 2, D2]
+                qs = tl.load(q_partner, mask=row_ok[:, None, None], other=0.0).to(tl.float32)
+                qr = tl.reshape(qf * cos[None, None, :] + qs * (sin[None, None, :] * sign), (BLOCK_M, D))
+                if not DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: keep fp32 there
+                    qr = qr.to(q_ptr.dtype.element_ty)
+            m_i, l_i, acc, acc2 = _group_attention(
+                qr, q_pos, q_min, m_i, l_i, acc, acc2, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr, mask_ptr,
+                hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32, SPLIT_PV)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     o_row = out_ptr + split * stride_os + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(o_row + dd[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if SPLIT_PV:
+        dh2 = tl.arange(0, D2)
+        tl.store(o_row + dh2[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_row + D2 + dh2[None, :], (acc2 / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        tl.store(o_row + dd[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + split * stride_ls + tok.to(tl.int64) * stride_lt + head, lse, mask=row_ok)
 
 
 @triton.jit
-def _group_attention(qr1, qr2, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
-                     mask_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h,
+def _group_attention(qr, q_pos, q_min, m_i, l_i, acc, acc2, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
+                     mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h,
                      BS: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, MASK_IN_WORD: tl.constexpr,
-                     DOT_F32: tl.constexpr, SPLIT_D: tl.constexpr):
-    """Online softmax of the (rotated) query tile over entries e_begin..e_end of one offset group."""
+                     DOT_F32: tl.constexpr, SPLIT_PV: tl.constexpr):
+    """Online softmax of the (rotated) query tile over entries e_begin..e_end of one offset group.
+
+    A step whose keys are all visible and no later than the tile's oldest query (hi[] of its
+    entries <= q_min: known from NB uniform loads, no cross-thread reduction) skips the mask and
+    reads no slot position; only the others (a group's partial last step, the causal diagonal,
+    hidden slots) read slot positions and mask."""
     BLOCK_N: tl.constexpr = NB * BS
     n = tl.arange(0, BLOCK_N)
     slot = n % BS
     dd = tl.arange(0, D)
-    dh = tl.arange(0, D // 2)
     for e_start in range(e_begin, e_end, NB):
         e = e_start + n // BS  # [BLOCK_N] entry of each key row
         e_ok = e < e_end
@@ -178,37 +182,67 @@ def _group_attention(qr1, qr2, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end,
         else:
             bits = tl.load(mask_ptr + e, mask=e_ok, other=0)
         vis = (((bits >> slot) & 1) != 0) & e_ok
-        k_pos = off + tl.load(slotpos_ptr + blk * BS + slot, mask=vis, other=0)
-        k_pos = tl.where(vis, k_pos, INT32_MAX)
         k_row = blk * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64
-        if SPLIT_D:
-            k1 = tl.load(k_ptr + k_row[:, None] + dh[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D2]
-            k2 = tl.load(k_ptr + k_row[:, None] + D // 2 + dh[None, :], mask=vis[:, None], other=0.0)
-            if DOT_F32:
-                k1 = k1.to(tl.float32)
-                k2 = k2.to(tl.float32)
-            qk = tl.dot(qr1, tl.trans(k1))
-            qk = tl.dot(qr2, tl.trans(k2), qk) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
-        else:
-            k = tl.load(k_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
-            if DOT_F32:
-                k = k.to(tl.float32)
-            qk = tl.dot(qr1, tl.trans(k)) * qk_scale
-        if tl.max(k_pos, axis=0) > q_min:  # some key is hidden, or later than some query
+        k = tl.load(k_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
+        k_hi = tl.load(hi_ptr + e_start, mask=e_start + NB <= e_end, other=INT32_MAX)  # a partial step masks
+        if DOT_F32:
+            k = k.to(tl.float32)
+        qk = tl.dot(qr, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32, unscaled
+        if k_hi > q_min:  # some key is hidden, missing (partial step) or later than some query
+            k_pos = off + tl.load(slotpos_ptr + blk * BS + slot, mask=vis, other=0)
+            k_pos = tl.where(vis, k_pos, INT32_MAX)
             qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)  # running max of scaled scores (log2 units)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        p = tl.math.exp2(qk - m_safe[:, None])
+        p = tl.math.exp2(qk * qk_scale - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
-        acc = acc * alpha[:, None]
-        if DOT_F32:
-            acc = tl.dot(p, v.to(tl.float32), acc)
+        if SPLIT_PV:
+            dh = tl.arange(0, D // 2)
+            v1 = tl.load(v_ptr + k_row[:, None] + dh[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D/2]
+            v2 = tl.load(v_ptr + k_row[:, None] + D // 2 + dh[None, :], mask=vis[:, None], other=0.0)
+            acc = acc * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            if DOT_F32:
+                acc = tl.dot(p, v1.to(tl.float32), acc)
+                acc2 = tl.dot(p, v2.to(tl.float32), acc2)
+            else:
+                pb = p.to(v1.dtype)
+                acc = tl.dot(pb, v1, acc)
+                acc2 = tl.dot(pb, v2, acc2)
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
+            v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
+            acc = acc * alpha[:, None]
+            if DOT_F32:
+                acc = tl.dot(p, v.to(tl.float32), acc)
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-    return m_i, l_i, acc
+    return m_i, l_i, acc, acc2
+
+
+@triton.jit
+def _key_bounds_kernel(meta_ptr, mask_ptr, slotpos_ptr, hi_ptr, n,
+                       BS: tl.constexpr, BS_PAD: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                       MASK_IN_WORD: tl.constexpr):
+    """hi[e] = the latest global key position of entries e..e+NB-1 (one step of the prefill loop),
+    or INT32_MAX when one of them has a hidden slot or lies past the table's end."""
+    e0 = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.arange(0, BS_PAD)
+    s_ok = s < BS
+    hi = tl.full([BLOCK], -1, tl.int32)
+    for j in tl.static_range(NB):
+        e = e0 + j
+        ok = e < n
+        word = tl.load(meta_ptr + e, mask=ok, other=0)
+        bits = word if MASK_IN_WORD else tl.load(mask_ptr + e, mask=ok, other=0)
+        shown = (((bits[:, None] >> s[None, :].to(tl.int64)) & 1) != 0) & s_ok[None, :]
+        full = (tl.sum(shown.to(tl.int32), axis=1) == BS) & ok
+        pos = tl.load(slotpos_ptr + (word >> 32)[:, None] * BS + s[None, :], mask=ok[:, None] & s_ok[None, :],
+                      other=0)
+        last = ((word >> 16) & 0xFFFF).to(tl.int32) + tl.max(pos, axis=1)
+        hi = tl.maximum(hi, tl.where(full, last, INT32_MAX))
+    tl.store(hi_ptr + e0, hi, mask=e0 < n)
 
 
 def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_freq, scale,
@@ -234,10 +268,11 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         lse = torch.empty((nsplit, t, hq), dtype=torch.float32, device=q.device)
     if t == 0:
         return (out, lse) if nsplit == 1 else (torch.empty_like(q), lse[0])
+    key_hi = step_key_bounds(packed, slot_pos, bs, nb)
     grid = (n_tiles, hkv, nsplit)
     _prefill_kernel[grid](
         q, q_pos, k_cache, v_cache, slot_pos, packed.meta, packed.masks,
-        packed.table if packed.table is not None else packed.meta, inv_freq,
+        packed.table if packed.table is not None else packed.meta, inv_freq, key_hi,
         cu_q, packed.group_starts, packed.cu_groups, out, lse,
         n_seqs, nsplit, float(scale) * LOG2E.value,
         q.stride(0), q.stride(1), *(out.stride()[:3] if nsplit > 1 else (0, *out.stride()[:2])),
@@ -246,12 +281,24 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         G=group, G_PAD=g_pad, BLOCK_T=block_t, BS=bs, NB=nb, D=dim,
         B_PAD=triton.next_power_of_2(n_seqs + 1),
         ROTATE=rotate, USE_TABLE=packed.table is not None, MASK_IN_WORD=packed.mask_in_word,
-        DOT_F32=dot_f32(q.dtype), SPLIT_D=cfg.split_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_F32=dot_f32(q.dtype), SPLIT_PV=cfg.split_pv, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if nsplit == 1:
         return out, lse
     merged, merged_lse = merge_rows(out.reshape(nsplit, t * hq, dim), lse.reshape(nsplit, t * hq), q.dtype)
     return merged.reshape(t, hq, dim), merged_lse.reshape(t, hq)
+
+
+def step_key_bounds(packed: PackedTable, slot_pos: torch.Tensor, bs: int, nb: int) -> torch.Tensor:
+    """int32 [max(E, 1)]: per entry e, the latest global key position of entries e..e+nb-1, or
+    INT32_MAX when one of them hides a slot or lies past the end (one launch, no sync)."""
+    n_entries = packed.meta.numel()
+    key_hi = torch.empty(max(1, n_entries), dtype=torch.int32, device=slot_pos.device)
+    if n_entries:
+        _key_bounds_kernel[(triton.cdiv(n_entries, BOUNDS_BLOCK),)](
+            packed.meta, packed.masks, slot_pos, key_hi, n_entries, BS=bs, BS_PAD=triton.next_power_of_2(bs),
+            NB=nb, BLOCK=BOUNDS_BLOCK, MASK_IN_WORD=packed.mask_in_word)
+    return key_hi
 
 
 def pick_splits(programs: int, steps: int, device) -> int:

@@ -7,7 +7,7 @@ from paged_cases import build, eager_attention, prefill_queries
 
 from kernels.paged_attention import paged_prefill_attention
 from kernels.paged_attention._meta import offset_groups, pack
-from kernels.paged_attention._prefill import PrefillConfig, launch
+from kernels.paged_attention._prefill import PrefillConfig, launch, step_key_bounds
 from kernels.rope import rope_inv_freq
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -48,10 +48,10 @@ def test_prefill_matches_twin_and_eager(spec):
     assert out_k.dtype == dtype and lse_k.dtype == torch.float32 and out_k.shape == q.shape
     assert rel_err(out_k, out_t) <= TOL[dtype]
     assert_lse_close(lse_k, lse_t, 50 * TOL[dtype])
-    # cos/sin from the table, KV split in 3 parts merged by LSE, one dot of D, smaller tiles: same result
+    # cos/sin from the table, KV split in 3 parts merged by LSE, p @ V over halves of D, smaller tiles: same result
     packed = pack(case.block_ids, case.offsets, case.masks, bs, inv, with_table=True, cu_entries=case.cu_entries)
     out_s, lse_s = launch(q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, scale,
-                          cfg=PrefillConfig(block_m=32, min_block_n=32, num_splits=3, split_d=False))
+                          cfg=PrefillConfig(block_m=32, min_block_n=32, num_splits=3, split_pv=True))
     assert rel_err(out_s, out_t) <= TOL[dtype]
     assert_lse_close(lse_s, lse_t, 50 * TOL[dtype])
     # both against attention over the whole K rotated eagerly at global positions
@@ -102,3 +102,22 @@ def test_offset_groups():
     # seq0: [0,1] [2,3]; seq2: [4] [5]; seq3: [6,7,8] [9]
     assert starts.tolist()[:7] == [0, 2, 4, 5, 6, 9, 10] and set(starts.tolist()[7:]) == {10}
     assert cu_groups.tolist() == [0, 2, 2, 4, 6, 6]
+
+
+@pytest.mark.parametrize("bs,nb", [(16, 4), (32, 2), (64, 1)])
+def test_step_key_bounds(bs, nb):
+    """The per-step bound that lets the kernel skip masking: the latest key position over entries
+    e..e+nb-1, or INT32_MAX when any of them hides a slot or lies past the table's end."""
+    inv = rope_inv_freq(64, 10000.0)
+    case = build([([70, 40], 9), ([33], 50)], bs, 1, 64, inv, hide=0.05 if bs < 64 else 0.0, base=1000)
+    packed = pack(case.block_ids, case.offsets, case.masks, bs, inv, with_table=False, cu_entries=case.cu_entries)
+    got = step_key_bounds(packed, case.slot_pos, bs, nb)
+    ids, offs = case.block_ids.long(), case.offsets.long()
+    full = (case.masks.long() == (1 << bs) - 1) if bs < 64 else (case.masks.long() == -1)
+    last = offs + case.slot_pos[ids].long().amax(dim=1)
+    big = 2**31 - 1
+    per_entry = torch.where(full, last, big)
+    n = ids.numel()
+    want = [max(int(per_entry[e + j]) if e + j < n else big for j in range(nb)) for e in range(n)]
+    assert got.tolist() == want
+    assert (per_entry < big).any() and (per_entry == big).any()  # both kinds of entry are exercised
