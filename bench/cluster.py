@@ -35,6 +35,21 @@ LLAMA3_8B = dict(
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 
+def decode_chunk_sources(client) -> dict[str, float]:
+    """Totals of tessera_decode_chunks by source over the decode workers (their /metrics)."""
+    import urllib.request
+
+    out: dict[str, float] = {}
+    for w in client.stats().workers:
+        if w.role != "decode" or not w.metrics_url:
+            continue
+        for line in urllib.request.urlopen(w.metrics_url, timeout=10).read().decode().splitlines():
+            if line.startswith("tessera_decode_chunks_total{"):
+                source = line.split('source="', 1)[1].split('"', 1)[0]
+                out[source] = out.get(source, 0.0) + float(line.split()[-1])
+    return out
+
+
 def write_random_llama(path: Path, layers: int, seed: int = 0) -> Path:
     """config.json + one safetensors file per layer (drawn on the GPU, bf16), so memory stays small."""
     import torch
@@ -141,7 +156,8 @@ def main() -> int:
                "concurrency": args.concurrency, "chunk_cache_bytes": args.chunk_cache_bytes, "runs": []}
     shape = args.shape if tiny else f"{args.shape}, {args.layers} layers"
     md = [f"# Cluster benchmark ({shape}, {device})", "",
-          f"Date: {results['date']}. Device: {gpu or device}. Services: {launcher}.",
+          f"Date: {results['date']}. Device: {gpu or device}. Services: {launcher}. "
+          f"Hand-off transport: {target.client.stats().transport}.",
           "Command: `" + " ".join(sys.argv) + "`", ""]
     runs_dir = Path(args.runs_dir or f"{args.out}-runs")
 
@@ -151,6 +167,8 @@ def main() -> int:
         Path(f"{args.out}.md").write_text("\n".join(md + extra))
 
     alphas = [float(a) for a in args.alphas.split(",")]
+    sources = results["decode_chunk_sources"] = {}   # alpha/mode -> where the decode worker found shared chunks
+    results["transport"] = target.client.stats().transport
     first_alpha = alphas[0]
     try:
         for alpha in alphas:
@@ -169,7 +187,10 @@ def main() -> int:
                       flush=True)
             runs, summaries = [], []
             for mode in modes:      # one mode at a time, so that a stopped run keeps the modes it finished
+                before = decode_chunk_sources(target.client)
                 mode_runs, mode_summaries = replay_modes(trace, target, rcfg, [mode])
+                after = decode_chunk_sources(target.client)
+                sources[f"{alpha:g}/{mode}"] = {k: after[k] - before.get(k, 0.0) for k in after}
                 runs += mode_runs
                 summaries += mode_summaries
                 print(f"alpha {alpha:g} {mode}: done at {time.monotonic() - started:.0f} s", flush=True)
@@ -189,6 +210,9 @@ def main() -> int:
             results.pop("partial", None)
             results["runs"].append({"alpha": alpha, "summaries": [s.to_json() for s in summaries], "ratios": checks})
             md += [f"## Zipf alpha {alpha}", "", summary_table(summaries), "",
+                   "Decode worker, shared chunks by source: " + "; ".join(
+                       f"{m}: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(sources.get(f"{alpha:g}/{m}", {}).items()))
+                       for m in modes), "",
                    "Ratios (targets: TTFT vs full >= 3, throughput vs full >= 2.5, TTFT vs blend_copy >= 1.3): "
                    + ", ".join(f"{k} {v:.2f}x" for k, v in checks.items()), ""]
             print("\n".join(md[-4:]), flush=True)
