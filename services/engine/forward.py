@@ -8,6 +8,7 @@ layer's block table. Modes differ only in which tokens are active and which entr
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -38,6 +39,7 @@ class Forward:
         # static tails replay short passes as CUDA graphs, attention through either backend (see graphs.py)
         self.scratch_block = pool.reserve()
         self.tails = TailCache(self) if self.static_tails else None
+        self._chunk_tables: OrderedDict[tuple, BlockTable] = OrderedDict()  # see chunk_table
 
     def _tail(self, first: int, h, pos, table: BlockTable, w_block, w_slot):
         """Layers [first, L) for active tokens that all attend ``table``; returns h after the last layer."""
@@ -57,6 +59,18 @@ class Forward:
     # ------------------------------------------------------------------ primitives
     def _attend(self, layer: int, q, q_pos, table: BlockTable):
         return self.attention.prefill(layer, q, q_pos, table)
+
+    def chunk_table(self, blocks: list[int], n_tokens: int, offset: int) -> BlockTable:
+        """The table of a cached chunk's run at ``offset`` with nothing hidden, memoised: building one
+        copies its block ids and masks from the host, and each such copy waits for the GPU."""
+        key = (tuple(blocks), n_tokens, offset)
+        table = self._chunk_tables.get(key)
+        if table is None:
+            if len(self._chunk_tables) >= 512:
+                self._chunk_tables.popitem(last=False)
+            table = self._chunk_tables[key] = BlockTable.for_run(blocks, n_tokens, self.bs, offset, self.device)
+        self._chunk_tables.move_to_end(key)
+        return table
 
     def _private(self, pos: torch.Tensor, for_cache: bool = False):
         """Slots for tokens at global positions ``pos`` [n], laid densely over new blocks.
@@ -167,7 +181,7 @@ class Forward:
                 if entry is None:
                     break
                 pinned.append(entry)
-                tables.append(BlockTable.for_run(entry.blocks, entry.length, self.bs, 0, dev))
+                tables.append(self.chunk_table(entry.blocks, entry.length, 0))
                 start += entry.length
                 n_hit += 1
         stats.chunk_hits, stats.chunk_misses = n_hit, len(chunks) - n_hit
