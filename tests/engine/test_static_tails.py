@@ -23,6 +23,21 @@ def test_static_tail_equals_eager(tiny_dir, mode, ratio):
     assert static.forward.tails.replays >= 2
 
 
+@pytest.mark.parametrize("block_size", [7, 64])
+def test_static_tail_other_block_sizes(tiny_dir, block_size):
+    """Blocks that do not divide the key bucket (7) or hold masks past 16 bits (64): entries padded,
+    hidden twins masked, all slots of a block gathered."""
+    eager = Engine.load(tiny_dir, static_tails=False, block_size=block_size)
+    static = Engine.load(tiny_dir, static_tails=True, block_size=block_size)
+    for seed in (43, 44):
+        chunks, suffix = random_request(seed, lengths=(20, 33, 17), suffix_len=4)
+        for ratio in (0.0, 0.3):
+            a = eager.prefill(chunks, suffix, mode="tessera", recompute_ratio=ratio).logits
+            b = static.prefill(chunks, suffix, mode="tessera", recompute_ratio=ratio).logits
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert static.forward.tails.replays == 4
+
+
 def test_static_tails_keep_decode_exact(tiny_dir):
     eager = Engine.load(tiny_dir, static_tails=False)
     static = Engine.load(tiny_dir, static_tails=True)
