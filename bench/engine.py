@@ -48,6 +48,24 @@ def timed(fn, warmup=2, reps=8):
     return statistics.median(samples)
 
 
+def count_syncs(fn) -> tuple[int, list[str]]:
+    """Host-device synchronisations during fn() (torch's sync debug mode: .item(), nonzero, copies from
+    pageable host memory, ...) and the first few places they came from."""
+    import traceback
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    return len(syncs), sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})[:40]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/engine.json")
@@ -107,15 +125,20 @@ def main() -> int:
                 results["rows"].append({"backend": label, "mode": mode, "ratio": ratio, "error": repr(exc)[:2000]})
                 print(f"{label} {mode}@{ratio}: {repr(exc)[:500]}", flush=True)
                 continue
+            try:
+                n_syncs, sync_sites = count_syncs(lambda: eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio))
+            except Exception as exc:  # a diagnostic: never lose the row for it
+                n_syncs, sync_sites = -1, [repr(exc)[:300]]
             err = float((r.logits - ref).abs().max()) if mode in ("full", "prefix") else None
             tails = eng.forward.tails
             logits[(backend, static, mode, ratio)] = r.logits.float().cpu()
             row = {"backend": label, "mode": mode, "ratio": ratio, "seconds": s, "vs_peer": peer / s,
                    "first_call_seconds": first.stats.total_seconds, "stats": r.stats.as_dict(),
-                   "max_abs_logit_err_vs_peer": err, "graphs_captured": len(tails.tails) if tails else 0}
+                   "max_abs_logit_err_vs_peer": err, "graphs_captured": len(tails.tails) if tails else 0,
+                   "host_syncs_per_pass": n_syncs, "host_sync_sites": sync_sites}
             results["rows"].append(row)
             print(f"{label:14s} {mode:15s} r={ratio:<4} {s * 1e3:8.1f} ms  ({peer / s:5.2f}x peer)"
-                  + (f"  |dlogit|={err:.3g}" if err is not None else ""), flush=True)
+                  + f"  {n_syncs:3d} syncs" + (f"  |dlogit|={err:.3g}" if err is not None else ""), flush=True)
         if args.profile and static:
             from torch.profiler import ProfilerActivity, profile
 
