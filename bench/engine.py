@@ -51,7 +51,6 @@ def timed(fn, warmup=2, reps=8):
 def count_syncs(fn) -> tuple[int, list[str]]:
     """Host-device synchronisations during fn() (torch's sync debug mode: .item(), nonzero, copies from
     pageable host memory, ...) and the first few places they came from."""
-    import traceback
     import warnings
 
     torch.cuda.synchronize()
