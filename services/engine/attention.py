@@ -62,7 +62,7 @@ class _Prepared:
     the visible keys, and either the causal mask or the fact that the keys are exactly the
     queries in order (plain causal attention, the flash path)."""
 
-    __slots__ = ("table", "q_pos", "idx", "cos", "sin", "mask", "causal")
+    __slots__ = ("table", "q_pos", "idx", "cos", "sin", "mask", "causal", "_additive")
 
     def __init__(self, pool, table: BlockTable, q_pos: torch.Tensor, inv_freq: torch.Tensor):
         self.table, self.q_pos = table, q_pos  # held so that their ids stay unique while memoised
@@ -71,6 +71,14 @@ class _Prepared:
         self.causal = bool(k_pos.numel() == q.numel() and torch.equal(k_pos, q)
                            and (q.numel() < 2 or bool((q[1:] > q[:-1]).all())))
         self.mask = None if self.causal else (k_pos[None, :] <= q[:, None])[None, None]  # [1, 1, T, S]
+        self._additive = None
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as 0 / -inf in ``dtype``, made once per pass: SDPA would convert a boolean one per layer."""
+        if self._additive is None or self._additive.dtype != dtype:
+            self._additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._additive.masked_fill_(~self.mask, float("-inf"))
+        return self._additive
 
 
 class TorchAttention(Attention):
@@ -106,7 +114,7 @@ class TorchAttention(Attention):
             k = k.repeat_interleave(group, dim=1) if group > 1 else k
             v = v.repeat_interleave(group, dim=1) if group > 1 else v
             out = F.scaled_dot_product_attention(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                                 attn_mask=prep.mask, scale=self.scale)
+                                                 attn_mask=prep.additive_mask(qh.dtype), scale=self.scale)
         return out[0].transpose(0, 1)
 
 

@@ -92,8 +92,9 @@ class TritonStatic(_StaticTable):
 
 
 class TorchStatic(_StaticTable):
-    """SDPA over every slot of the padded table (keys gathered and rotated by one fused op) with a
-    boolean mask [1, 1, t, e*BS]: visible slot, and key position <= query position."""
+    """SDPA over every slot of the padded table (keys gathered and rotated by one fused op) with an
+    additive mask [1, 1, t, e*BS] in the cache dtype: 0 where the slot is visible and its key position
+    <= the query position, -inf elsewhere (made once per request, not converted from bool per layer)."""
 
     def __init__(self, fwd, t: int, e: int):
         super().__init__(fwd, t, e)
@@ -101,16 +102,17 @@ class TorchStatic(_StaticTable):
         self.gather_backend = "triton" if cuda else "torch"
         bs = fwd.pool.block_size
         self.bits = torch.arange(bs, dtype=torch.int64, device=fwd.device)
-        self.mask = torch.zeros(1, 1, t, e * bs, dtype=torch.bool, device=fwd.device)
+        self.mask = torch.zeros(1, 1, t, e * bs, dtype=fwd.pool.k[0].dtype, device=fwd.device)
 
     def fill(self, table, pos: torch.Tensor, n: int) -> None:
         self._fill_table(table)
         pool = self.fwd.pool
         k_pos = (self.offs.long()[:, None] + pool.slot_pos[self.ids.long()]).reshape(-1)  # [e*BS]
         visible = ((self.masks[:, None] >> self.bits) & 1).bool().reshape(-1)
-        self.mask[0, 0, :n] = visible[None, :] & (k_pos[None, :] <= pos.long()[:, None])
-        self.mask[0, 0, n:] = False
-        self.mask[0, 0, n:, 0] = True  # padded queries see one key: no empty softmax row
+        allowed = visible[None, :] & (k_pos[None, :] <= pos.long()[:, None])
+        self.mask[0, 0, :n] = torch.where(allowed, 0.0, float("-inf"))
+        self.mask[0, 0, n:] = float("-inf")
+        self.mask[0, 0, n:, 0] = 0.0  # padded queries see one key: no empty softmax row
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         fwd = self.fwd
