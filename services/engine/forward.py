@@ -312,18 +312,19 @@ class Forward:
             seq.next_pos += 1
         gen_tables = [BlockTable.for_run(s.gen_blocks, s.gen_count, bs, 0, dev) for s in seqs]
         h = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
-        joined: dict[tuple, BlockTable] = {}
+        # Layers share table objects (one or two distinct per sequence), so the batch table and its
+        # bounds are built once per distinct combination: the same tensors at every layer let the
+        # kernels reuse their packed metadata (one validation and packing per combination, not per layer).
+        batch: dict[tuple, tuple[BlockTable, torch.Tensor]] = {}
         for layer in range(self.cfg.num_layers):
             q, k, v = self.model.attention_inputs(layer, h, pos)
             self.pool.write(layer, block, slot, k, v)
-            per_seq = []
-            for i, s in enumerate(seqs):
-                key = (i, id(s.layer_tables[layer]))
-                if key not in joined:
-                    joined[key] = BlockTable.cat([s.layer_tables[layer], gen_tables[i]])
-                per_seq.append(joined[key])
-            table = BlockTable.cat(per_seq)
-            cu = torch.tensor([0] + [t.num_entries for t in per_seq], dtype=torch.int32, device=dev).cumsum(0).to(torch.int32)
+            key = tuple(id(s.layer_tables[layer]) for s in seqs)
+            if key not in batch:
+                per_seq = [BlockTable.cat([s.layer_tables[layer], gen_tables[i]]) for i, s in enumerate(seqs)]
+                cu = torch.tensor([0] + [t.num_entries for t in per_seq], dtype=torch.int64).cumsum(0)
+                batch[key] = (BlockTable.cat(per_seq), cu.to(device=dev, dtype=torch.int32))
+            table, cu = batch[key]
             out = self.attention.decode(layer, q, table, cu)
             h = self.model.finish_layer(layer, h, out)
         return self.model.logits(h)
