@@ -8,7 +8,8 @@ every request of that bucket. Attention goes through the engine's backend, in a 
   - ``TritonStatic``: the deferred-RoPE paged prefill kernel on the padded table, packed into fixed
     buffers by ``fill``; nothing is gathered, rotated in memory or masked by a tensor.
   - ``TorchStatic``: every slot of the table gathered flat with its keys rotated (one fused kernel on
-    CUDA), then SDPA with a boolean mask (visible, and causal by global position).
+    CUDA), then SDPA with an additive mask (visible, and causal by global position). Hidden twins and
+    padding slots are gathered and masked, so no nonzero (a sync) sizes the keys.
 Padding is inert: padded entries name the reserved scratch block with no slot visible, padded queries
 write their K/V to the scratch block and see no key (Triton: position -1, output 0) or one key
 (SDPA: no empty softmax row). ``fill`` runs outside the graph and never syncs with the GPU: bounds
