@@ -42,8 +42,13 @@ class EngineSettings:
 class PrefillSettings:
     quality_floor: float = 0.15             # the loading controller never recomputes less than this
     default_ratio: float | None = None      # a fixed ratio instead of the controller (None: controller)
+    # "cost": stream a store-held chunk only when that is measured faster than computing it;
+    # "always": stream every store-held chunk
+    store_loads: str = "cost"
 
     def __post_init__(self) -> None:
+        if self.store_loads not in ("cost", "always"):
+            raise ValueError(f"store_loads must be 'cost' or 'always', got {self.store_loads!r}")
         if not 0.0 <= self.quality_floor <= 1.0:
             raise ValueError(f"quality_floor must be in [0, 1], got {self.quality_floor}")
         if self.default_ratio is not None and not 0.0 <= self.default_ratio <= 1.0:

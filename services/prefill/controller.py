@@ -6,6 +6,11 @@ bytes, l the measured seconds per loaded byte). When loading dominates, recomput
 ratio = clamp(B * l / (T * c), floor, 1). The floor (default 0.15) is the quality guarantee.
 Measurements are exponential moving averages of what the engine reported on earlier requests.
 
+The same two measurements decide whether a store-held chunk is worth loading at all (``prefer_load``):
+when streaming its bytes takes longer than computing its tokens (a small model on a fast GPU, a
+slow store), the chunk is computed instead, except for one request in ``probe_every`` that still
+loads, so that the load estimate follows the store (``probe_every=1``: every request loads).
+
 NOTE: the ratio is rounded up to a multiple of ``step`` (default 0.05). A continuous ratio gives
 nearly every request its own number of recomputed tokens, hence its own static-tail shape, and the
 engine would capture a new CUDA graph for most requests; rounding up only recomputes a little more.
@@ -18,14 +23,18 @@ import threading
 
 
 class LoadingController:
-    def __init__(self, floor: float = 0.15, smoothing: float = 0.2, step: float = 0.05) -> None:
+    def __init__(self, floor: float = 0.15, smoothing: float = 0.2, step: float = 0.05, probe_every: int = 8) -> None:
         if not 0.0 <= floor <= 1.0:
             raise ValueError(f"floor must be in [0, 1], got {floor}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         if not 0.0 < step <= 1.0:
             raise ValueError(f"step must be in (0, 1], got {step}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.step = step
+        self.probe_every = probe_every
+        self._decisions = 0
         self.floor = floor
         self.smoothing = smoothing
         self.seconds_per_token: float | None = None   # computing one chunk token alone
@@ -44,6 +53,17 @@ class LoadingController:
             loaded = stats.loaded_bytes
             if loaded > 0 and stats.load_seconds > 0:
                 self.seconds_per_byte = self._ewma(self.seconds_per_byte, stats.load_seconds / loaded)
+
+    def prefer_load(self, nbytes: int, tokens: int) -> bool:
+        """Whether to stream a chunk of ``nbytes`` (``tokens`` tokens) from the store rather than compute
+        it: yes until both costs are measured, when loading is the faster, and on probe requests."""
+        with self._lock:
+            self._decisions += 1
+            if self.seconds_per_token is None or self.seconds_per_byte is None:
+                return True
+            if self._decisions % self.probe_every == 0:
+                return True
+            return nbytes * self.seconds_per_byte <= tokens * self.seconds_per_token
 
     def ratio(self, store_bytes: int, chunk_tokens: int) -> float:
         """The recompute ratio for a request loading ``store_bytes`` over ``chunk_tokens`` chunk tokens."""

@@ -86,6 +86,12 @@ class PrefillWorker:
             return [COMPUTED] * len(ids), {}        # corrected from the engine's hit count afterwards
         missing = [cid for cid in ids if cid not in self.eng.cache]
         present = self.store.lookup(missing) if missing else {}
+        if present:
+            # stream from the store only what loads faster than it computes (one probe request in a few loads anyway)
+            length = {cid: len(c) for cid, c in zip(ids, job.chunks)}
+            store_bytes = sum(length[cid] for cid in present) * self.kv_bytes_per_token
+            if not self.controller.prefer_load(store_bytes, sum(length[cid] for cid in present)):
+                present = {}
         seen: set[str] = set()
         tiers = []
         for cid in ids:

@@ -33,7 +33,7 @@ class InProcessCluster:
     """Store shard, prefill and decode workers and a gateway served from one loop thread here."""
 
     def __init__(self, model_dir: str, store_dir, token: str | None = None) -> None:
-        from services.cluster.config import EngineSettings
+        from services.cluster.config import EngineSettings, PrefillSettings
         from services.cluster.serving import LoopThread
         from services.decode.server import create_server as decode_server
         from services.gateway.server import create_server as gateway_server
@@ -43,7 +43,9 @@ class InProcessCluster:
         self.store = BackgroundServer(StoreConfig(dram_bytes=64 << 20, rocksdb_dir=str(store_dir / "shard")))
         self.loop = LoopThread("test-cluster")
         engine = EngineSettings(model_dir, kv_cache_bytes=64 << 20)
-        self.prefill, pport = self.loop.run(prefill_server("prefill-0", engine, [self.store.address]))
+        # store-held chunks are always streamed: these tests are about that path, whatever the timings
+        self.prefill, pport = self.loop.run(prefill_server("prefill-0", engine, [self.store.address],
+                                                           PrefillSettings(store_loads="always")))
         self.decode, dport = self.loop.run(decode_server("decode-0", engine, [self.store.address]))
         workers = [("prefill-0", "prefill", f"127.0.0.1:{pport}"), ("decode-0", "decode", f"127.0.0.1:{dport}")]
         self.gateway, gport = self.loop.run(gateway_server(model_dir, workers, token=token))
@@ -59,9 +61,10 @@ class InProcessCluster:
 
 def start_ray_cluster(model_dir: str, store_dir, namespace: str, **fields):
     """A Tessera cluster on the session's local Ray, in its own namespace."""
-    from services.cluster.config import ClusterConfig
+    from services.cluster.config import ClusterConfig, PrefillSettings
     from services.cluster.launch import start_cluster
 
+    fields.setdefault("prefill_settings", PrefillSettings(store_loads="always"))   # see InProcessCluster
     cfg = ClusterConfig(model_dir=model_dir, store_dir=str(store_dir), kv_cache_bytes=64 << 20, namespace=namespace,
                         **fields)
     return start_cluster(cfg)

@@ -93,8 +93,22 @@ def test_controller_ratios_come_in_steps():
     c.observe(stats(loaded_bytes=1000, load_seconds=0.5))
     assert c.ratio(620, 100) == pytest.approx(0.35)   # the load hides 0.31
     seen = {c.ratio(b, 100) for b in range(300, 2000, 7)}
-    assert len(seen) <= 18 and all  # 0.15, 0.20, ..., 1.0 over 243 different loads(abs(r / 0.05 - round(r / 0.05)) < 1e-9 for r in seen)
+    # 0.15, 0.20, ..., 1.0 over 243 different loads
+    assert len(seen) <= 18 and all(abs(r / 0.05 - round(r / 0.05)) < 1e-9 for r in seen)
     assert all(c.ratio(b, 100) >= min(1.0, b * 0.0005 / 1.0) for b in range(300, 2000, 7))
+
+
+def test_controller_loads_only_what_loads_faster_than_it_computes():
+    c = LoadingController(smoothing=1.0, probe_every=4)
+    assert c.prefer_load(10**6, 100)                                   # nothing measured: load
+    c.observe(stats(chunk_tokens_computed=100, chunk_compute_seconds=0.1))   # 1 ms per token
+    c.observe(stats(loaded_bytes=1000, load_seconds=0.5))                     # 0.5 ms per byte
+    # 1000 B take 500 ms to load, their 100 tokens 100 ms to compute: computed, except on probes
+    decisions = [c.prefer_load(1000, 100) for _ in range(8)]
+    assert decisions.count(True) == 2 and decisions[2] and decisions[6]       # the 4th and 8th decisions
+    assert all(c.prefer_load(100, 100) for _ in range(8))               # 50 ms < 100 ms: always load
+    with pytest.raises(ValueError, match="probe_every"):
+        LoadingController(probe_every=0)
 
 
 @pytest.mark.parametrize("n", [0, 10, (1 << 20) + 5])
