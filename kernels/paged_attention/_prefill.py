@@ -46,7 +46,6 @@ class PrefillConfig:
     num_warps: int = 4
     num_stages: int = 2
     num_splits: int | None = None  # KV splits (flash-decoding style); None picks from the grid
-    split_pv: bool = False  # p @ V as two dots over halves of D (accumulators shaped like the score tile)
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -63,7 +62,6 @@ def _prefill_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
     D: tl.constexpr, B_PAD: tl.constexpr,
     ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr, DOT_F32: tl.constexpr,
-    SPLIT_PV: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     D2: tl.constexpr = D // 2
@@ -97,14 +95,13 @@ def _prefill_kernel(
     q_row = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     q_pos = tl.load(qpos_ptr + tok, mask=row_ok, other=-1)  # a padding row sees nothing
     q_min = tl.min(tl.where(row_ok, q_pos, INT32_MAX), axis=0)  # keys at or before it need no causal mask
-    if ROTATE:  # the query as [BLOCK_M, 2, D/2], its rotate-half halves, each read contiguously
-        half = tl.arange(0, 2)[None, :, None]
-        dh = tl.arange(0, D2)
-        q_half = q_row[:, :, None] + half * D2 + dh[None, None, :]  # [BLOCK_M, 2, D2]
-        q_partner = q_row[:, :, None] + (1 - half) * D2 + dh[None, None, :]  # the other half of each
-        sign = tl.where(half == 0, 1.0, -1.0)
-        if not USE_TABLE:
-            inv_freq = tl.load(invf_ptr + dh)
+    if ROTATE:
+        # NOTE: the rotated query is carried by the group loop (rotated for the next group at the end
+        # of each iteration), so that tl.dot sees a loop argument and reads it from shared memory as
+        # it does a loaded query; computed inside the iteration, Triton keeps it in registers and
+        # reloads it every step (255 registers and spills, 3-10% slower: bench/kernels.md, run 6)
+        qr = _rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_lo, g_lo < g_hi, meta_ptr, tab_ptr,
+                            invf_ptr, BLOCK_M, D, USE_TABLE, DOT_F32)
     else:
         qr = tl.load(q_row + dd[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
         if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
@@ -112,56 +109,68 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if SPLIT_PV:  # the output as two halves of D: [BLOCK_M, D/2] accumulators like the score tile's
-        acc = tl.zeros([BLOCK_M, D2], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, D2], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        acc2 = acc
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    e_first = e_lo  # group grp is entries e_first..e_next; the group after it ends where starts[grp + 2] says
+    e_next = tl.load(starts_ptr + g_lo + 1)
     for grp in range(g_lo, g_hi):
-        e_first = tl.load(starts_ptr + grp)
+        e_after = tl.load(starts_ptr + grp + 2)  # read a group early: only the next iteration waits for it
         off = ((tl.load(meta_ptr + e_first) >> 16) & 0xFFFF).to(tl.int32)
         e_begin = tl.maximum(e_first, lo)
-        e_end = tl.minimum(tl.load(starts_ptr + grp + 1), hi)
+        e_end = tl.minimum(e_next, hi)
         if e_begin < e_end:
-            if ROTATE:
-                if USE_TABLE:
-                    cos = tl.load(tab_ptr + e_first * D + dh)
-                    sin = tl.load(tab_ptr + e_first * D + D2 + dh)
-                else:
-                    ang = off.to(tl.float32) * inv_freq
-                    cos = tl.cos(ang)
-                    sin = tl.sin(ang)
-                # R_{-off} q = [q1 c + q2 s, q2 c - q1 s], in fp32 from the original query, re-read
-                # from memory per group rather than kept live across the loop (registers)
-                qf = tl.load(q_half, mask=row_ok[:, None, None], other=0.0).to(tl.float32)  # [BLOCK_M, 2, D2]
-                qs = tl.load(q_partner, mask=row_ok[:, None, None], other=0.0).to(tl.float32)
-                qr = tl.reshape(qf * cos[None, None, :] + qs * (sin[None, None, :] * sign), (BLOCK_M, D))
-                if not DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: keep fp32 there
-                    qr = qr.to(q_ptr.dtype.element_ty)
-            m_i, l_i, acc, acc2 = _group_attention(
-                qr, q_pos, q_min, m_i, l_i, acc, acc2, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr, mask_ptr,
-                hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32, SPLIT_PV)
+            m_i, l_i, acc = _group_attention(
+                qr, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr, mask_ptr,
+                hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32)
+        if ROTATE:
+            if grp + 1 < g_hi:
+                qr = _rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_next, grp + 1 < g_hi, meta_ptr,
+                                    tab_ptr, invf_ptr, BLOCK_M, D, USE_TABLE, DOT_F32)
+        e_first = e_next
+        e_next = e_after
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     o_row = out_ptr + split * stride_os + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-    if SPLIT_PV:
-        dh2 = tl.arange(0, D2)
-        tl.store(o_row + dh2[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(o_row + D2 + dh2[None, :], (acc2 / l_safe[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-    else:
-        tl.store(o_row + dd[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_row + dd[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + split * stride_ls + tok.to(tl.int64) * stride_lt + head, lse, mask=row_ok)
 
 
 @triton.jit
-def _group_attention(qr, q_pos, q_min, m_i, l_i, acc, acc2, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
+def _rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_first, valid, meta_ptr, tab_ptr, invf_ptr,
+                   BLOCK_M: tl.constexpr, D: tl.constexpr, USE_TABLE: tl.constexpr, DOT_F32: tl.constexpr):
+    """The query tile rotated BACKWARDS by the offset of the group starting at entry e_first, [BLOCK_M, D]:
+    R_{-off} q = [q1 c + q2 s, q2 c - q1 s], in fp32 from the original query (re-read from memory,
+    an L2 hit, rather than kept live; its addresses too are computed here, not hoisted and held
+    across the group loop). valid=False (no such group) reads no table row."""
+    D2: tl.constexpr = D // 2
+    dh = tl.arange(0, D2)
+    ok = tl.full([D2], 0, tl.int32) < valid.to(tl.int32)  # [D2] copies of valid
+    if USE_TABLE:
+        cos = tl.load(tab_ptr + e_first * D + dh, mask=ok, other=1.0)
+        sin = tl.load(tab_ptr + e_first * D + D2 + dh, mask=ok, other=0.0)
+    else:
+        off = ((tl.load(meta_ptr + e_first + 0 * dh, mask=ok, other=0) >> 16) & 0xFFFF).to(tl.float32)
+        ang = off * tl.load(invf_ptr + dh)
+        cos = tl.cos(ang)
+        sin = tl.sin(ang)
+    q_row = q_ptr + tok.to(tl.int64)[:, None, None] * stride_qt + head[:, None, None] * stride_qh
+    q_half = q_row + tl.arange(0, 2)[None, :, None] * D2 + dh[None, None, :]  # the rotate-half halves
+    q = tl.load(q_half, mask=row_ok[:, None, None], other=0.0).to(tl.float32)  # [BLOCK_M, 2, D2]
+    q1, q2 = tl.split(tl.permute(q, (0, 2, 1)))  # [BLOCK_M, D2] each
+    r1 = q1 * cos[None, :] + q2 * sin[None, :]
+    r2 = q2 * cos[None, :] - q1 * sin[None, :]
+    qr = tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_M, D))
+    if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: keep fp32 there
+        return qr
+    return qr.to(q_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _group_attention(qr, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
                      mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h,
                      BS: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, MASK_IN_WORD: tl.constexpr,
-                     DOT_F32: tl.constexpr, SPLIT_PV: tl.constexpr):
+                     DOT_F32: tl.constexpr):
     """Online softmax of the (rotated) query tile over entries e_begin..e_end of one offset group.
 
     A step whose keys are all visible and no later than the tile's oldest query (hi[] of its
@@ -197,28 +206,14 @@ def _group_attention(qr, q_pos, q_min, m_i, l_i, acc, acc2, off, e_begin, e_end,
         p = tl.math.exp2(qk * qk_scale - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if SPLIT_PV:
-            dh = tl.arange(0, D // 2)
-            v1 = tl.load(v_ptr + k_row[:, None] + dh[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D/2]
-            v2 = tl.load(v_ptr + k_row[:, None] + D // 2 + dh[None, :], mask=vis[:, None], other=0.0)
-            acc = acc * alpha[:, None]
-            acc2 = acc2 * alpha[:, None]
-            if DOT_F32:
-                acc = tl.dot(p, v1.to(tl.float32), acc)
-                acc2 = tl.dot(p, v2.to(tl.float32), acc2)
-            else:
-                pb = p.to(v1.dtype)
-                acc = tl.dot(pb, v1, acc)
-                acc2 = tl.dot(pb, v2, acc2)
+        v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
+        acc = acc * alpha[:, None]
+        if DOT_F32:
+            acc = tl.dot(p, v.to(tl.float32), acc)
         else:
-            v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
-            acc = acc * alpha[:, None]
-            if DOT_F32:
-                acc = tl.dot(p, v.to(tl.float32), acc)
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc)
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-    return m_i, l_i, acc, acc2
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -281,7 +276,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         G=group, G_PAD=g_pad, BLOCK_T=block_t, BS=bs, NB=nb, D=dim,
         B_PAD=triton.next_power_of_2(n_seqs + 1),
         ROTATE=rotate, USE_TABLE=packed.table is not None, MASK_IN_WORD=packed.mask_in_word,
-        DOT_F32=dot_f32(q.dtype), SPLIT_PV=cfg.split_pv, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if nsplit == 1:
         return out, lse

@@ -48,10 +48,10 @@ def test_prefill_matches_twin_and_eager(spec):
     assert out_k.dtype == dtype and lse_k.dtype == torch.float32 and out_k.shape == q.shape
     assert rel_err(out_k, out_t) <= TOL[dtype]
     assert_lse_close(lse_k, lse_t, 50 * TOL[dtype])
-    # cos/sin from the table, KV split in 3 parts merged by LSE, p @ V over halves of D, smaller tiles: same result
+    # cos/sin from the table, KV split in 3 parts merged by LSE, smaller tiles: same result
     packed = pack(case.block_ids, case.offsets, case.masks, bs, inv, with_table=True, cu_entries=case.cu_entries)
     out_s, lse_s = launch(q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, scale,
-                          cfg=PrefillConfig(block_m=32, min_block_n=32, num_splits=3, split_pv=True))
+                          cfg=PrefillConfig(block_m=32, min_block_n=32, num_splits=3))
     assert rel_err(out_s, out_t) <= TOL[dtype]
     assert_lse_close(lse_s, lse_t, 50 * TOL[dtype])
     # both against attention over the whole K rotated eagerly at global positions
