@@ -14,6 +14,7 @@ import re
 import struct
 from dataclasses import dataclass
 
+from services.kvstore.wire import FramedLayer, read_framed_layer
 from services.rpc import kvstore_pb2 as pb
 
 DTYPE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -47,12 +48,15 @@ def checksum(data, seed: int = 0) -> int:
     return _crc32(data, seed)
 
 
-# A layer's bytes in memory: one bytes-like object, or the frames it arrived in (kept as they
-# came off the wire, so a put is not joined and a get from DRAM is not sliced).
-LayerData = bytes | memoryview | tuple
+# A layer's bytes in memory: the message that carries it whole (FramedLayer: what the DRAM and
+# RocksDB tiers hold when a layer fits one message), one bytes-like object (an S3 read), or the
+# frames it arrived in (a layer larger than one message).
+LayerData = FramedLayer | bytes | memoryview | tuple
 
 
 def layer_parts(data: LayerData) -> tuple:
+    if isinstance(data, FramedLayer):
+        return (data.payload,)
     return data if isinstance(data, tuple) else (data,)
 
 
@@ -109,6 +113,10 @@ class ChunkMeta:
             raise CorruptEntry(f"chunk {self.chunk_id} layer {layer}: missing")
         if (n := layer_len(data)) != self.layer_nbytes(layer):
             raise CorruptEntry(f"chunk {self.chunk_id} layer {layer}: {n} bytes, expected {self.layer_nbytes(layer)}")
+        # A framed layer is served as it is stored, envelope included: its few envelope bytes are
+        # checked too (they name the layer and carry the checksum the client checks against).
+        if isinstance(data, FramedLayer) and read_framed_layer(data.message, layer, n, self.checksums[layer]) is None:
+            raise CorruptEntry(f"chunk {self.chunk_id} layer {layer}: stored message envelope does not match")
         if layer_checksum(data) != self.checksums[layer]:
             raise CorruptEntry(f"chunk {self.chunk_id} layer {layer}: checksum mismatch")
 

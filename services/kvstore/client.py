@@ -1,14 +1,17 @@
 """Synchronous client of one store shard: torch tensors in, torch tensors out, byte for byte.
 
 A layer travels as the raw bytes of K then V (bf16 included: tensors are moved as uint8 views),
-cut into ``frame_bytes`` messages, with a crc32 of the layer. ``get`` yields each layer as soon as
-its last frame arrived and passed the checksum, so a caller computes on layer i while later layers
-are still on the wire. Every call carries a deadline (``timeout`` seconds; the client default
-unless given per call). Server errors surface as ``grpc.RpcError`` with the status code.
+cut into ``frame_bytes`` messages on put, with a crc32 of the layer. ``get`` yields each layer as
+soon as its last frame arrived and passed the checksum, so a caller computes on layer i while later
+layers are still on the wire; a layer the store sent as one message is yielded as tensors over that
+message's bytes, without a copy (K and V of a layer share one buffer, as before). Every call
+carries a deadline (``timeout`` seconds; the client default unless given per call). Server errors
+surface as ``grpc.RpcError`` with the status code.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 
 from services.kvstore import wire
-from services.kvstore.chunk import ChunkMeta, InvalidChunk, check_chunk_id, checksum
+from services.kvstore.chunk import ChunkMeta, InvalidChunk, check_chunk_id, checksum, layer_checksum
 from services.rpc import kvstore_pb2 as pb
 from services.rpc import kvstore_pb2_grpc as pb_grpc
 
@@ -26,6 +29,15 @@ _FROM_NAME = {v: k for k, v in TORCH_DTYPES.items()}
 _DTYPE_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
 TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_ROCKSDB: "rocksdb", pb.TIER_S3: "s3"}
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+
+# A received message is a ``bytes`` object that only this client references, so a layer that came
+# whole is handed out as tensors over it (no copy). torch warns, once per process, that the buffer
+# is read-only; writing through the tensors is fine here (nothing else sees those bytes), so that
+# one-time warning is taken at import instead of surfacing in the caller's first get.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(b"\0", dtype=torch.uint8)
+
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
@@ -46,6 +58,22 @@ class ChunkLocation:
     found: bool
     tiers: tuple[str, ...]      # fastest first
     nbytes: int                 # K and V bytes over all layers
+
+
+def _layer_tensor(parts: list, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of a layer's K||V bytes. A layer that came whole in one message is viewed in
+    place (the store aligns its payload, wire.FramedLayer): no copy. Otherwise one copy."""
+    if len(parts) == 1:
+        buf = torch.frombuffer(parts[0], dtype=torch.uint8)
+        if buf.data_ptr() % wire.ALIGN == 0:
+            return buf
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    view, pos = buf.numpy(), 0
+    for part in parts:
+        n = len(part)
+        view[pos:pos + n] = np.frombuffer(part, dtype=np.uint8)
+        pos += n
+    return buf
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -148,30 +176,28 @@ class KVStoreClient:
             raise ChunkCorruptError(f"chunk {chunk_id}: header names {meta.chunk_id} or lacks checksums")
         dtype = _FROM_NAME[meta.dtype]
         index, stop = first.header.layer_start, first.header.layer_stop
-        buf = view = None
-        pos = 0
+        parts: list = []          # payloads of the current layer's frames (memoryviews into the messages)
+        got = 0
         for msg in call:
             frame = msg if isinstance(msg, wire.Frame) else msg.frame
             if index >= stop or frame.layer_index != index:
                 raise ChunkCorruptError(f"chunk {chunk_id}: frame for layer {frame.layer_index}, expected {index}")
-            if buf is None:
-                buf = torch.empty(meta.layer_nbytes(index), dtype=torch.uint8)
-                view, pos = buf.numpy(), 0
-            n = len(frame.data)
-            if pos + n > view.size:
+            nbytes = meta.layer_nbytes(index)
+            got += len(frame.data)
+            if got > nbytes:
                 raise ChunkCorruptError(f"chunk {chunk_id} layer {index}: more bytes than its shape holds")
-            view[pos:pos + n] = np.frombuffer(frame.data, dtype=np.uint8)
-            pos += n
+            parts.append(frame.data)
             if not frame.end_of_layer:
                 continue
-            if pos != view.size:
-                raise ChunkCorruptError(f"chunk {chunk_id} layer {index}: {pos} bytes, expected {view.size}")
-            if self.verify and (frame.checksum != meta.checksums[index] or checksum(view) != frame.checksum):
+            if got != nbytes:
+                raise ChunkCorruptError(f"chunk {chunk_id} layer {index}: {got} bytes, expected {nbytes}")
+            if self.verify and (frame.checksum != meta.checksums[index] or layer_checksum(tuple(parts)) != frame.checksum):
                 raise ChunkCorruptError(f"chunk {chunk_id} layer {index}: checksum mismatch on receipt")
+            buf = _layer_tensor(parts, nbytes)
             kn = meta.k_nbytes(index)
             yield (index, buf[:kn].view(dtype).reshape(meta.k_shapes[index]),
                    buf[kn:].view(dtype).reshape(meta.v_shapes[index]))
-            index, buf = index + 1, None
+            index, parts, got = index + 1, [], 0
         if index != stop:
             raise ChunkCorruptError(f"chunk {chunk_id}: stream ended at layer {index} of [{first.header.layer_start}, {stop})")
 

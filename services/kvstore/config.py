@@ -45,7 +45,7 @@ class StoreConfig:
     s3: S3Config | None = None
     policy: str = "lru"
     write_mode: str = "through"
-    frame_bytes: int = MiB
+    frame_bytes: int = 3 * MiB   # largest payload of one get message; a layer up to this travels whole
     rocksdb_sync: bool = False   # fsync the WAL on every put: only needed against power loss
     max_chunk_bytes: int = 4 << 30
 

@@ -23,9 +23,10 @@ from grpc_reflection.v1alpha import reflection
 from services.kvstore import wire
 from services.kvstore.chunk import ChunkMeta, InvalidChunk, LayerData, check_chunk_id, layer_checksum, layer_parts
 from services.kvstore.config import StoreConfig
+from services.kvstore.memory import keep_freed_memory
 from services.kvstore.metrics import StoreMetrics
 from services.kvstore.store import ChunkVanished, DataLoss, ResourceExhausted, TieredStore
-from services.kvstore.wire import Frame
+from services.kvstore.wire import Frame, FramedLayer
 from services.rpc import kvstore_pb2 as pb
 from services.rpc import kvstore_pb2_grpc as pb_grpc
 
@@ -66,7 +67,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def _receive(self, request_iterator) -> tuple[ChunkMeta, tuple[LayerData, ...]]:
         """Collect a whole put in memory; nothing is stored unless every layer arrives intact.
-        Layers are kept as the frames they arrived in (memoryviews into the received messages)."""
+        A layer that fits one get message is kept as that message (``wire.FramedLayer``), a larger
+        one as the frames it arrived in (memoryviews into the received messages)."""
         meta = None
         layers: list[LayerData] = []
         sums: list[int] = []
@@ -98,7 +100,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 data = tuple(parts)
                 if layer_checksum(data) != frame.checksum:
                     raise _BadPut(grpc.StatusCode.DATA_LOSS, f"layer {index} fails its checksum in transit")
-                layers.append(data)
+                # One copy now into the message that will carry the layer on every get (wire.py).
+                layers.append(wire.frame_layer(index, data, frame.checksum) if expected <= self.frame_bytes else data)
                 sums.append(frame.checksum)
                 parts, got = [], 0
         if meta is None:
@@ -137,8 +140,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
                 except ChunkVanished as exc:
                     await context.abort(grpc.StatusCode.ABORTED, str(exc))
-                for piece, last in _pieces(data, self.frame_bytes):
-                    yield Frame(i, piece, last, meta.checksums[i] if last else 0)
+                if isinstance(data, FramedLayer) and data.nbytes <= self.frame_bytes:
+                    yield data.message          # stored as sent: no copy in Python
+                else:
+                    for piece, last in _pieces(data, self.frame_bytes):
+                        yield Frame(i, piece, last, meta.checksums[i] if last else 0)
                 if i == start:
                     self.metrics.first_layer_seconds.labels(tier).observe(time.perf_counter() - started)
             finished = True
@@ -242,6 +248,7 @@ async def create_server(config: StoreConfig, *, host: str = "127.0.0.1", port: i
 
     ``metrics_port``: serve /metrics over HTTP on that port (0 picks one; None: no HTTP endpoint).
     """
+    keep_freed_memory()      # the process hosting a store: reuse freed layer buffers (memory.py)
     store = TieredStore(config)
     await store.start()
     metrics = StoreMetrics(store)

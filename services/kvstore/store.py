@@ -298,14 +298,15 @@ class ReadSession:
     """Verified layers of one chunk in order; falls back to a lower tier on corruption.
 
     Call ``layer(i, stop)`` with increasing i, then ``finish()`` (or ``abort()``). ``tier`` is where
-    the first layer came from. On RocksDB and S3 the reads (and checks) of the next layers before
-    ``stop`` start in threads as soon as layer i is handed over, so the disk works while layer i is
-    on the wire: up to ``READ_AHEAD`` at once where the reader allows concurrent reads (RocksDB:
-    one request at a time leaves a disk mostly idle), one where it streams (S3). A full read from a
-    lower tier is promoted into the faster tiers by ``finish()``.
+    the first layer came from. On RocksDB and S3 the read (and check) of the next layer starts in a
+    thread as soon as layer i is handed over, so the disk works while layer i is on the wire. One
+    is enough: RocksDB's reads of a chunk are sequential in its blob file and the kernel reads ahead
+    of them; several concurrent reads (4 were tried) defeated that read-ahead and were slower cold.
+    ``READ_AHEAD`` can be raised where a reader allows concurrent reads. A full read from a lower
+    tier is promoted into the faster tiers by ``finish()``.
     """
 
-    READ_AHEAD = 4
+    READ_AHEAD = 1
 
     def __init__(self, store: TieredStore, index: int, reader) -> None:
         self.store = store

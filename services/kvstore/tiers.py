@@ -14,7 +14,8 @@ import logging
 import os
 from dataclasses import dataclass
 
-from services.kvstore.chunk import ChunkMeta, CorruptEntry, LayerData, layer_bytes
+from services.kvstore.chunk import ChunkMeta, CorruptEntry, LayerData, layer_parts
+from services.kvstore.wire import FramedLayer, frame_layer, read_framed_layer
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,9 @@ def _layer_key(chunk_id: str, index: int) -> bytes:
 
 class RocksDBTier:
     """RocksDB via rocksdict in raw mode: key ``m/<id>`` holds the metadata, ``l/<id>/<layer>`` each
-    layer. Layer values go to blob files (large values kept out of the LSM tree, so compaction does
-    not rewrite them); the WAL stays on so an acknowledged put survives a process kill."""
+    layer as the message that carries it whole (``wire.FramedLayer``: what a get sends, as read).
+    Layer values go to blob files (large values kept out of the LSM tree, so compaction does not
+    rewrite them); the WAL stays on so an acknowledged put survives a process kill."""
 
     name = "rocksdb"
 
@@ -95,6 +97,10 @@ class RocksDBTier:
         opts.set_enable_blob_gc(True)        # reclaim space of evicted chunks' blobs
         opts.set_blob_gc_age_cutoff(0.5)
         opts.set_write_buffer_size(128 << 20)
+        # A chunk's layers are consecutive in its blob file (one write batch, flushed in key order),
+        # so a get reads sequentially: let the kernel read ahead. RocksDB's default (advise random
+        # access on open) made every 2 MiB layer a separate cold read: 0.45 -> 0.9-1.3 GB/s here.
+        opts.set_advise_random_on_open(False)
         self._db = Rdict(path, opts)
         self._write_opts = WriteOptions()
         self._write_opts.sync = sync
@@ -112,7 +118,9 @@ class RocksDBTier:
         # One batch: metadata and layers become visible together or not at all, also after a crash.
         self._delete_into(batch, meta.chunk_id)
         for i, data in enumerate(layers):
-            batch.put(_layer_key(meta.chunk_id, i), layer_bytes(data))
+            if not isinstance(data, FramedLayer):
+                data = frame_layer(i, layer_parts(data), meta.checksums[i])
+            batch.put(_layer_key(meta.chunk_id, i), data.message)
         batch.put(_meta_key(meta.chunk_id), meta.encode())
         self._db.write(batch, self._write_opts)
 
@@ -171,8 +179,14 @@ class RocksDBReader:
         self.meta = meta
         self._tier = tier
 
-    def layer(self, index: int) -> bytes | None:
-        return self._tier.read_layer(self.meta.chunk_id, index)
+    def layer(self, index: int) -> LayerData | None:
+        """The stored layer, unverified: a FramedLayer when its envelope is the expected one, else
+        the raw value (the store's check then fails on it, unless it is the K||V bytes alone)."""
+        value = self._tier.read_layer(self.meta.chunk_id, index)
+        if value is None:
+            return None
+        framed = read_framed_layer(value, index, self.meta.layer_nbytes(index), self.meta.checksums[index])
+        return value if framed is None else framed
 
     def close(self) -> None:
         pass

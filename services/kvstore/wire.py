@@ -8,6 +8,10 @@ memoryview into a tensor or a stored value) and not at all when decoded (the pay
 memoryview into the received message). Any other message (headers) goes through protobuf, so
 the wire format stays plain protobuf for other clients.
 
+A store keeps a layer that fits one message as a ``FramedLayer``: the serialized ``GetResponse``
+that carries the whole layer (one copy, made when the layer is stored), so a get hands the stored
+``bytes`` to gRPC as they are, with no copy in Python, from DRAM and from RocksDB alike.
+
 ``Frame`` is what decoding yields for a frame message; a header message decodes to its
 generated class (``pb.PutRequest`` / ``pb.GetResponse``).
 """
@@ -41,20 +45,63 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+def _envelope(layer_index: int, nbytes: int, end_of_layer: bool, checksum: int, align: int = 1) -> tuple[bytes, bytes]:
+    """The bytes before and after an ``nbytes`` payload in ``{PutRequest|GetResponse}.frame``
+    (proto3: default-valued fields omitted). With ``align`` > 1 a ``padding`` field goes before
+    the payload so that it starts at a multiple of ``align`` from the message's start."""
+    index = b"\x08" + _varint(layer_index) if layer_index else b""     # field 1, varint
+    data_key = b"\x12" + _varint(nbytes)                               # field 2, bytes
+    tail = (b"\x18\x01" if end_of_layer else b"") + (b"\x20" + _varint(checksum) if checksum else b"")  # fields 3, 4
+    pads = [b""] + [b"\x2a" + bytes([k]) + bytes(k) for k in range(align + 8)]   # field 5, 0..align+7 bytes
+    for pad in pads if align > 1 else pads[:1]:
+        fields = index + pad + data_key
+        head = _TAG_FRAME + _varint(len(fields) + nbytes + len(tail)) + fields
+        if len(head) % align == 0:
+            return head, tail
+    raise AssertionError("unreachable: a padding of align + 7 bytes or less always fits")
+
+
 def encode_frame(frame: Frame) -> bytes:
-    """Serialize as ``{PutRequest|GetResponse}.frame`` (proto3: default-valued fields omitted)."""
+    """Serialize as ``{PutRequest|GetResponse}.frame``."""
     n = len(frame.data) if isinstance(frame.data, bytes) else frame.data.nbytes
-    head = bytearray()
-    if frame.layer_index:
-        head += b"\x08" + _varint(frame.layer_index)            # field 1, varint
-    head += b"\x12" + _varint(n)                                # field 2, bytes
-    tail = bytearray()
-    if frame.end_of_layer:
-        tail += b"\x18\x01"                                      # field 3, bool
-    if frame.checksum:
-        tail += b"\x20" + _varint(frame.checksum)               # field 4, uint32
-    inner_len = len(head) + n + len(tail)
-    return b"".join((_TAG_FRAME, _varint(inner_len), head, frame.data, tail))
+    head, tail = _envelope(frame.layer_index, n, frame.end_of_layer, frame.checksum)
+    return b"".join((head, frame.data, tail))
+
+
+ALIGN = 16   # a CPython bytes object's data is 16-byte aligned, so the payload of a message is too
+
+
+@dataclass(frozen=True, slots=True)
+class FramedLayer:
+    """A whole layer held as the message that carries it: ``message`` is a serialized
+    ``GetResponse`` whose frame is (layer index, K||V bytes, end_of_layer, the layer's checksum);
+    the K||V bytes are ``message[start:start + nbytes]``, ``start`` a multiple of ``ALIGN`` (a
+    client can then view them as tensors of any dtype without copying)."""
+
+    message: bytes
+    start: int
+    nbytes: int
+
+    @property
+    def payload(self) -> memoryview:
+        return memoryview(self.message)[self.start:self.start + self.nbytes]
+
+
+def frame_layer(layer_index: int, parts, checksum: int) -> FramedLayer:
+    """Build the message of a whole layer from its K||V bytes (given as consecutive parts)."""
+    nbytes = sum(memoryview(p).nbytes for p in parts)
+    head, tail = _envelope(layer_index, nbytes, True, checksum, ALIGN)
+    return FramedLayer(b"".join((head, *parts, tail)), len(head), nbytes)
+
+
+def read_framed_layer(message: bytes, layer_index: int, nbytes: int, checksum: int) -> FramedLayer | None:
+    """``message`` as the whole-layer message of (layer_index, nbytes, checksum), or None when its
+    envelope says anything else (another layer, size or checksum: a damaged or foreign record).
+    The payload itself is not checked here."""
+    head, tail = _envelope(layer_index, nbytes, True, checksum, ALIGN)
+    if len(message) != len(head) + nbytes + len(tail) or not message.startswith(head) or not message.endswith(tail):
+        return None
+    return FramedLayer(message, len(head), nbytes)
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -124,6 +171,9 @@ def _decoder(message_class):
 
 
 def encode_message(message) -> bytes:
+    """A ``Frame``, a protobuf message, or ``bytes`` already serialized (a ``FramedLayer.message``)."""
+    if isinstance(message, bytes):
+        return message
     return encode_frame(message) if isinstance(message, Frame) else message.SerializeToString()
 
 

@@ -69,16 +69,18 @@ class ChunkHeader(_message.Message):
     def __init__(self, chunk_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., layers: _Optional[_Iterable[_Union[LayerShape, _Mapping]]] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., layer_checksums: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class LayerFrame(_message.Message):
-    __slots__ = ("layer_index", "data", "end_of_layer", "checksum")
+    __slots__ = ("layer_index", "data", "end_of_layer", "checksum", "padding")
     LAYER_INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     END_OF_LAYER_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
     layer_index: int
     data: bytes
     end_of_layer: bool
     checksum: int
-    def __init__(self, layer_index: _Optional[int] = ..., data: _Optional[bytes] = ..., end_of_layer: _Optional[bool] = ..., checksum: _Optional[int] = ...) -> None: ...
+    padding: bytes
+    def __init__(self, layer_index: _Optional[int] = ..., data: _Optional[bytes] = ..., end_of_layer: _Optional[bool] = ..., checksum: _Optional[int] = ..., padding: _Optional[bytes] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "frame")

@@ -6,9 +6,11 @@ import grpc
 import torch
 import pytest
 
+from services.kvstore import wire
 from services.kvstore.chunk import checksum, layer_bytes
 from services.kvstore.store import TierSlot
 from services.kvstore.tiers import StoredChunk, _layer_key, _meta_key
+from services.rpc import kvstore_pb2 as pb
 
 from .helpers import MiB, assert_roundtrip, make_layers, tiers_of
 
@@ -45,6 +47,27 @@ def test_corrupt_dram_layer_is_dropped_and_served_from_rocksdb(start_store):
     assert_roundtrip(c, "x", layers)
     assert corrupt_counts(c) == {1: 1, 2: 0}
     assert tiers_of(c, "x") == ("dram", "rocksdb")   # dropped from DRAM, then promoted back
+    assert_roundtrip(c, "x", layers)
+    assert corrupt_counts(c) == {1: 1, 2: 0}
+
+
+def test_damaged_envelope_of_a_stored_message_is_caught(start_store):
+    """A DRAM layer is kept as the message a get sends as is; a bad byte outside its K||V bytes (here
+    the layer index) is corruption too, though the payload's checksum still matches."""
+    srv, c = start_store(dram_bytes=8 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB)
+    layers = make_layers(seed=1, **SHAPE)
+    c.put("x", layers)
+
+    async def damage():
+        dram = slot(srv, "dram").storage
+        stored = dram.get("x")
+        framed = stored.layers[3]
+        assert isinstance(framed, wire.FramedLayer)
+        at = framed.message.index(b"\x08\x03", 0, framed.start) + 1           # field 1 (layer index) = 3
+        bad = wire.FramedLayer(framed.message[:at] + b"\x04" + framed.message[at + 1:], framed.start, framed.nbytes)
+        assert layer_bytes(bad) == layer_bytes(framed)
+        dram._chunks["x"] = StoredChunk(stored.meta, stored.layers[:3] + (bad,) + stored.layers[4:])
+    srv.run(damage())
     assert_roundtrip(c, "x", layers)
     assert corrupt_counts(c) == {1: 1, 2: 0}
 
@@ -93,7 +116,9 @@ def test_bad_rocksdb_layer_is_served_from_s3(start_store, s3_config):
     assert_roundtrip(c, "x", layers)
     assert corrupt_counts(c) == {1: 0, 2: 1, 3: 0}
     assert tiers_of(c, "x") == ("dram", "rocksdb", "s3")   # bad copy dropped, good one promoted back
-    assert db._db.get(_layer_key("x", 3)) == layers[3][0].view(torch.uint8).numpy().tobytes() + layers[3][1].view(torch.uint8).numpy().tobytes()
+    k, v = (t.view(torch.uint8).numpy().tobytes() for t in layers[3])
+    frame = pb.GetResponse.FromString(db._db.get(_layer_key("x", 3))).frame   # the message that carries layer 3 whole
+    assert (frame.layer_index, frame.data, frame.end_of_layer, frame.checksum) == (3, k + v, True, checksum(k + v))
 
 
 def test_corrupt_s3_object_is_data_loss(start_store, s3_config):

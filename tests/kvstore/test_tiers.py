@@ -29,6 +29,20 @@ def test_roundtrip_is_byte_exact_from_dram(start_store, dtype):
     assert_roundtrip(c, put.chunk_id, layers, (2, 3))
 
 
+def test_layers_received_without_a_copy_are_the_callers_own(start_store):
+    """Layers sent whole are yielded as tensors over the received message, no copy: writing into
+    them changes neither the other tensor of the layer nor what the store serves next."""
+    _, c = start_store()
+    layers = make_layers(n_layers=2, tokens=64, heads=8, dim=128, seed=3)
+    c.put("x", layers)
+    first = list(c.get("x"))
+    for i, k, v in first:
+        assert k.data_ptr() % 16 == 0 and v.data_ptr() == k.data_ptr() + k.numel() * k.element_size()
+        k.fill_(1.0)
+        assert torch.equal(v, layers[i][1]) and torch.equal(k, torch.ones_like(k))
+    assert_roundtrip(c, "x", layers)
+
+
 def test_layers_span_several_frames(start_store):
     _, c = start_store()
     layers = make_layers(n_layers=2, tokens=600, heads=8, dim=128, dtype=torch.float32, seed=2)  # 2.3 MiB per K

@@ -33,3 +33,27 @@ def test_headers_and_unknown_fields_go_through_protobuf():
     decoded = wire.decode_put_request(framed)
     assert (decoded.layer_index, bytes(decoded.data), decoded.end_of_layer, decoded.checksum) == (3, b"xyz", True, 7)
     assert wire.encode_message(header) == header.SerializeToString()
+
+
+@settings(max_examples=200, deadline=None)
+@given(index=st.integers(0, 2**32 - 1), data=st.binary(max_size=3000), cut=st.integers(0, 3000), crc=st.integers(0, 2**32 - 1))
+def test_a_framed_layer_is_a_frame_message_with_an_aligned_payload(index, data, cut, crc):
+    framed = wire.frame_layer(index, (data[:cut], data[cut:]), crc)
+    assert framed.start % wire.ALIGN == 0 and bytes(framed.payload) == data
+    parsed = pb.GetResponse.FromString(framed.message).frame             # protobuf reads it, padding and all
+    assert (parsed.layer_index, parsed.data, parsed.end_of_layer, parsed.checksum) == (index, data, True, crc)
+    ours = wire.decode_get_response(framed.message)                      # and so does the client's decoder
+    assert (ours.layer_index, bytes(ours.data), ours.end_of_layer, ours.checksum) == (index, data, True, crc)
+    assert wire.encode_message(framed.message) is framed.message         # sent as stored
+    assert wire.read_framed_layer(framed.message, index, len(data), crc) == framed
+
+
+def test_a_framed_layer_read_back_as_anything_else_is_refused():
+    framed = wire.frame_layer(7, (b"k" * 100, b"v" * 100), 1234)
+    assert wire.read_framed_layer(framed.message, 7, 200, 1234) == framed
+    for index, nbytes, crc in ((8, 200, 1234), (7, 199, 1234), (7, 200, 1235)):
+        assert wire.read_framed_layer(framed.message, index, nbytes, crc) is None
+    damaged = bytearray(framed.message)
+    damaged[-1] ^= 1                                                     # the checksum field itself
+    assert wire.read_framed_layer(bytes(damaged), 7, 200, 1234) is None
+    assert wire.read_framed_layer(framed.message[:-1], 7, 200, 1234) is None
