@@ -18,6 +18,7 @@ generated class (``pb.PutRequest`` / ``pb.GetResponse``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from services.rpc import kvstore_pb2 as pb
@@ -45,6 +46,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+@functools.lru_cache(maxsize=1 << 14)      # a stored layer's envelope is built once, checked on every read
 def _envelope(layer_index: int, nbytes: int, end_of_layer: bool, checksum: int, align: int = 1) -> tuple[bytes, bytes]:
     """The bytes before and after an ``nbytes`` payload in ``{PutRequest|GetResponse}.frame``
     (proto3: default-valued fields omitted). With ``align`` > 1 a ``padding`` field goes before
@@ -52,8 +54,8 @@ def _envelope(layer_index: int, nbytes: int, end_of_layer: bool, checksum: int, 
     index = b"\x08" + _varint(layer_index) if layer_index else b""     # field 1, varint
     data_key = b"\x12" + _varint(nbytes)                               # field 2, bytes
     tail = (b"\x18\x01" if end_of_layer else b"") + (b"\x20" + _varint(checksum) if checksum else b"")  # fields 3, 4
-    pads = [b""] + [b"\x2a" + bytes([k]) + bytes(k) for k in range(align + 8)]   # field 5, 0..align+7 bytes
-    for pad in pads if align > 1 else pads[:1]:
+    for k in range(-1, align + 7 if align > 1 else 0):                 # padding bytes; -1: no field 5
+        pad = b"" if k < 0 else b"\x2a" + bytes([k]) + bytes(k)
         fields = index + pad + data_key
         head = _TAG_FRAME + _varint(len(fields) + nbytes + len(tail)) + fields
         if len(head) % align == 0:
