@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.rope import rope_cos_sin, rotate
-from services.engine.block_table import BlockTable
+from services.engine.block_table import BlockTable, host_to_device
 from services.engine.request import PlacedChunk, Sequence
 
 DEVIATION_METRICS = ("k", "v", "kv")
@@ -62,7 +62,7 @@ class ChunkLayout:
         for i, p in enumerate(placed):
             n = p.entry.length
             idx = torch.arange(n, device=device)
-            blocks = torch.tensor(p.entry.blocks, dtype=torch.long, device=device)
+            blocks = host_to_device(p.entry.blocks, torch.long, device)
             pos.append(p.start + idx)
             block.append(blocks[idx // block_size])
             slot.append(idx % block_size)
@@ -120,13 +120,13 @@ def blend_pass(fwd, placed, chunks, pinned, private, suffix, mode, ratio, blend:
         base = BlockTable.cat([c_table, s_table])
     else:
         base = BlockTable.cat(lay.shared_tables(bs, dev) + [s_table])
-    ids_s = torch.tensor(suffix, dtype=torch.long, device=dev)
+    ids_s = host_to_device(suffix, torch.long, dev)
 
     if ratio == 0.0:
         tables = [base] * n_layers
         logits = fwd._run(ids_s, pos_s, tables, s_block, s_slot)
     else:
-        ids_c = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
+        ids_c = host_to_device([t for c in chunks for t in c], torch.long, dev)
         logits, tables = _blend_layers(fwd, lay, ids_c, ids_s, pos_s, s_block, s_slot, s_table, base,
                                             copy, c_block if copy else None, c_slot if copy else None,
                                             ratio, blend, private, stats)

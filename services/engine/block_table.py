@@ -14,6 +14,16 @@ from dataclasses import dataclass
 import torch
 
 
+def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without a stream sync: staged in pinned memory (the caching
+    host allocator keeps it until the copy is done) and copied asynchronously. ``torch.tensor(values,
+    device=cuda)`` copies from pageable memory, which waits for the GPU to drain first."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def full_mask(n: int) -> int:
     """Slot mask with the first n slots visible, as a signed int64 value."""
     m = (1 << n) - 1
@@ -53,16 +63,16 @@ class BlockTable:
         for j in range(len(blocks)):
             n = min(block_size, n_tokens - j * block_size)
             masks.append(full_mask(n))
-        mask_t = torch.tensor(masks, dtype=torch.int64, device=device)
-        if hidden is not None and bool(hidden.any()):
-            idx = torch.nonzero(hidden).flatten()
-            # clear bit (idx % bs) of entry (idx // bs); values are unique so index_put with accumulate is a sum
-            clear = torch.zeros(len(blocks), dtype=torch.int64, device=device)
-            bit = torch.ones_like(idx) << (idx % block_size)
-            clear.index_put_((idx // block_size,), bit, accumulate=True)
-            mask_t = mask_t & ~clear
+        mask_t = host_to_device(masks, torch.int64, device)
+        if hidden is not None and hidden.numel():
+            # clear bit (t % bs) of entry (t // bs) for every hidden token t, with device ops only (no
+            # any()/nonzero sync): the bits of one entry are distinct, so their sum is their OR
+            pad = torch.zeros(len(blocks) * block_size, dtype=torch.int64, device=device)
+            pad[:n_tokens] = hidden.to(torch.int64)
+            bits = pad.view(len(blocks), block_size) << torch.arange(block_size, device=device, dtype=torch.int64)
+            mask_t = mask_t & ~bits.sum(dim=1)
         return BlockTable(
-            torch.tensor(blocks, dtype=torch.int32, device=device),
+            host_to_device(blocks, torch.int32, device),
             torch.full((len(blocks),), offset, dtype=torch.int32, device=device),
             mask_t,
             offset,
