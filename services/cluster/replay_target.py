@@ -16,6 +16,7 @@ from services.sdk import Client
 def stage_seconds(st) -> dict[str, float]:
     """Where one request's time went inside the cluster (GenerationStats), by serving stage."""
     stages = {"queue": st.queue_seconds, "prefill": st.prefill_seconds, "first token": st.first_token_seconds,
+              "chunk compute": st.chunk_compute_seconds, "forward": st.forward_seconds,
               "store wait": st.load_wait_seconds}
     if st.handoff_bytes:
         stages["hand-off"] = st.handoff_seconds

@@ -105,7 +105,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 load_wait_seconds=out.load_wait_seconds, loaded_bytes=out.loaded_bytes,
                 handoff_bytes=pushed, transport=transport, prefill_worker=self.name,
                 recompute_ratio=out.ratio, queue_seconds=out.queue_seconds,
-                first_token_seconds=out.first_token_seconds, handoff_seconds=handoff_s)
+                first_token_seconds=out.first_token_seconds, handoff_seconds=handoff_s,
+                chunk_compute_seconds=out.chunk_compute_seconds, forward_seconds=out.forward_seconds)
             yield pb.PrefillReply(stats=stats, resident_chunk_ids=resident, finish_reason=out.finish or "")
         finally:
             self.in_flight -= 1

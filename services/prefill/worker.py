@@ -51,6 +51,8 @@ class PrefillOutcome:
     loaded_bytes: int
     load_seconds: float
     load_wait_seconds: float
+    chunk_compute_seconds: float
+    forward_seconds: float
     prefill_seconds: float
     queue_seconds: float
 
@@ -159,7 +161,8 @@ class PrefillWorker:
         self.metrics.seconds.observe(seconds)
         self.metrics.queue_seconds.observe(queue_s)
         return PrefillOutcome(handoff, first[0], job.sampling.finish_reason(first[0], 1), first[1], ratio,
-                              tier_tokens, st.tokens_recomputed, loaded, st.load_seconds, wait, seconds, queue_s)
+                              tier_tokens, st.tokens_recomputed, loaded, st.load_seconds, wait,
+                              st.chunk_compute_seconds, st.forward_seconds, seconds, queue_s)
 
     def _ratio(self, job: PrefillJob, tiers: list[str]) -> float:
         if job.recompute_ratio is not None:

@@ -59,7 +59,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkInput, _Mapping]]] = ..., suffix_text: _Optional[str] = ..., suffix_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("chunk_tokens_by_tier", "recomputed_tokens", "prompt_tokens", "output_tokens", "queue_seconds", "prefill_seconds", "load_wait_seconds", "loaded_bytes", "handoff_bytes", "transport", "prefill_worker", "decode_worker", "recompute_ratio", "chunk_ids", "load_seconds", "first_token_seconds", "handoff_seconds")
+    __slots__ = ("chunk_tokens_by_tier", "recomputed_tokens", "prompt_tokens", "output_tokens", "queue_seconds", "prefill_seconds", "load_wait_seconds", "loaded_bytes", "handoff_bytes", "transport", "prefill_worker", "decode_worker", "recompute_ratio", "chunk_ids", "load_seconds", "first_token_seconds", "handoff_seconds", "chunk_compute_seconds", "forward_seconds")
     class ChunkTokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,8 @@ class RequestStats(_message.Message):
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     chunk_tokens_by_tier: _containers.ScalarMap[str, int]
     recomputed_tokens: int
     prompt_tokens: int
@@ -101,7 +103,9 @@ class RequestStats(_message.Message):
     load_seconds: float
     first_token_seconds: float
     handoff_seconds: float
-    def __init__(self, chunk_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., recomputed_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., load_wait_seconds: _Optional[float] = ..., loaded_bytes: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., chunk_ids: _Optional[_Iterable[str]] = ..., load_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., handoff_seconds: _Optional[float] = ...) -> None: ...
+    chunk_compute_seconds: float
+    forward_seconds: float
+    def __init__(self, chunk_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., recomputed_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., load_wait_seconds: _Optional[float] = ..., loaded_bytes: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., chunk_ids: _Optional[_Iterable[str]] = ..., load_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., handoff_seconds: _Optional[float] = ..., chunk_compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")

@@ -42,13 +42,15 @@ class GenerationStats:
     load_seconds: float = 0.0        # store streaming time; load_seconds - load_wait_seconds overlapped compute
     first_token_seconds: float = 0.0  # prefill worker: taking the request to sampling its first token
     handoff_seconds: float = 0.0      # prefill worker: serialising and pushing the hand-off (0: none needed)
+    chunk_compute_seconds: float = 0.0  # prefill worker: computing missing chunks alone
+    forward_seconds: float = 0.0      # prefill worker: the pass over placed chunks and suffix
 
     @classmethod
     def from_proto(cls, s: pb.RequestStats) -> "GenerationStats":
         return cls(dict(s.chunk_tokens_by_tier), s.recomputed_tokens, s.prompt_tokens, s.output_tokens,
                    s.queue_seconds, s.prefill_seconds, s.load_wait_seconds, s.loaded_bytes, s.handoff_bytes,
                    s.transport, s.prefill_worker, s.decode_worker, s.recompute_ratio, tuple(s.chunk_ids), s.load_seconds,
-                   s.first_token_seconds, s.handoff_seconds)
+                   s.first_token_seconds, s.handoff_seconds, s.chunk_compute_seconds, s.forward_seconds)
 
 
 @dataclass(frozen=True, slots=True)
