@@ -314,6 +314,8 @@ def table(results: dict) -> str:
                      f"{r['rot_table_TFLOPs']:.0f} | {r['rot_table_TFLOPs'] / r['sdpa_TFLOPs']:.2f}x | "
                      f"{r['no_rot_TFLOPs']:.0f} | {(r['no_rot_TFLOPs'] / r['rot_table_TFLOPs'] - 1) * 100:+.1f}% | "
                      f"{r['rot_computed_TFLOPs']:.0f} | {r['public_call_TFLOPs']:.0f} / {r['public_call_first_TFLOPs']:.0f} |")
+    if not results.get("decode"):
+        return "\n".join(lines)
     lines += ["", "| decode B x ctx | SDPA TB/s | ours | ours/SDPA | ours, no rotation | rotation overhead |"
               " cos/sin computed | public call, cached / first |", "|---|---|---|---|---|---|---|---|"]
     for r in results["decode"]:
@@ -481,6 +483,7 @@ def main() -> int:
         results["log"] = LOG
         (args.out / "kernels.json").write_text(json.dumps(results, indent=1))
         print(sweep_table(results))
+        print(table(results))
         return 0
     results["rope"] = bench_rope(64 if args.smoke else 32768, dev, inv)
     say(json.dumps(results["rope"]))
