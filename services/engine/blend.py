@@ -180,13 +180,13 @@ def _blend_layers(fwd, lay, ids_c, ids_s, pos_s, s_block, s_slot, s_table, base,
         sel_block, sel_slot = c_block[sel], c_slot[sel]
     elif pre_block is not None:
         hidden = torch.zeros(n_chunk, dtype=torch.bool, device=dev)
-        hidden[sel] = True
+        hidden.index_fill_(0, sel, True)  # a Python scalar: no host-to-device copy (and no sync)
         pre_only = BlockTable.for_run(pre_blocks, n_chunk, bs, 0, dev, ~hidden)
         post = BlockTable.cat(lay.shared_tables(bs, dev, hidden) + [pre_only, s_table])
         sel_block, sel_slot = pre_block[sel], pre_slot[sel]
     else:
         hidden = torch.zeros(n_chunk, dtype=torch.bool, device=dev)
-        hidden[sel] = True
+        hidden.index_fill_(0, sel, True)  # a Python scalar: no host-to-device copy (and no sync)
         tabs = lay.shared_tables(bs, dev, hidden)
         if sel.numel():
             blocks, sel_block, sel_slot, sel_table = fwd._private(lay.pos[sel])
