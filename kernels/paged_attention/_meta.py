@@ -19,7 +19,9 @@ A packed table is cached against its input tensors (identity and version counter
 passes the same block table to every layer, so validation (one sync) and packing run once a step.
 A caller that knows its table's bounds on the host (the engine: block ids below its pool size, the
 table's largest offset) passes ``bounds`` and skips the sync. ``pack_into`` writes into a table made by
-``empty_packed``, whose tensors keep their addresses: what a captured CUDA graph reads.
+``empty_packed``, whose tensors keep their addresses: what a captured CUDA graph reads. Decode tables
+have no offset groups: ``empty_decode_packed`` / ``pack_table_into`` are their fixed-address pair, and
+take block ids, offsets and masks in any integer dtype (the decode graphs keep all three int64).
 """
 
 from __future__ import annotations
@@ -227,4 +229,42 @@ def pack_into(out: PackedTable, block_ids, offsets, masks, block_size: int, inv_
         out.masks.copy_(masks)
     _launch_pack(block_ids, offsets, masks.to(torch.int64).contiguous(), inv_freq, out.meta, out.table)
     offset_groups(offsets, cu_entries, out=(out.group_starts, out.cu_groups))
+    return out
+
+
+def empty_decode_packed(n_entries: int, block_size: int, head_dim: int, device, masks: torch.Tensor | None = None,
+                        with_table: bool = True) -> PackedTable:
+    """Buffers of a decode PackedTable (no offset groups) of n_entries entries, for ``pack_table_into``.
+    ``masks`` (int64 [n_entries]) is the caller's own mask buffer: with block_size > 16 the kernel reads
+    it in place (no copy per pack); else the masks live in the packed words."""
+    meta = torch.zeros(n_entries, dtype=torch.int64, device=device)
+    if block_size > 16:
+        if masks is None:
+            masks = torch.zeros_like(meta)
+        elif masks.shape != meta.shape or masks.dtype != torch.int64 or not masks.is_contiguous():
+            raise ValueError(f"masks must be contiguous int64 [{n_entries}], got {masks.dtype} {tuple(masks.shape)}")
+    return PackedTable(
+        meta=meta, masks=meta if block_size <= 16 else masks,
+        table=torch.zeros((n_entries, head_dim), dtype=torch.float32, device=device) if with_table else None)
+
+
+def pack_table_into(out: PackedTable, block_ids, offsets, masks, block_size: int, inv_freq: torch.Tensor,
+                    bounds: tuple[int, int] | None = None) -> PackedTable:
+    """Validate and pack a decode block table into ``out`` (made by empty_decode_packed for this many
+    entries): one launch, over every entry of the buffers (entries past a caller's bounds are packed
+    too, and never read). Inputs contiguous, any integer dtype (int64 inputs are read as they are:
+    nothing is allocated). NOTE: with ``bounds`` given (see validate) it never syncs with the device,
+    so a CUDA graph can capture it; the caller then owns the check that the bounds hold."""
+    _check_shapes(block_ids, offsets, masks)
+    if block_ids.shape != out.meta.shape or out.group_starts is not None:
+        raise ValueError(f"{block_ids.numel()} entries do not fit a decode packed table of {out.meta.numel()}")
+    if out.table is not None and out.table.shape[1] != 2 * inv_freq.numel():
+        raise ValueError(f"packed table rows of {out.table.shape[1]} do not fit {inv_freq.numel()} frequencies")
+    if out.mask_in_word != (block_size <= 16):
+        raise ValueError(f"a packed table made for another block size than {block_size}")
+    validate(block_size, block_ids, offsets, bounds)
+    masks64 = masks.to(torch.int64).contiguous()
+    if not out.mask_in_word and out.masks is not masks:
+        out.masks.copy_(masks64)
+    _launch_pack(block_ids, offsets, masks64, inv_freq, out.meta, out.table)
     return out

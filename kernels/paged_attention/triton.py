@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 
 from kernels.paged_attention import _decode, _prefill
-from kernels.paged_attention._meta import PackedTable, empty_packed, pack, pack_into
+from kernels.paged_attention._meta import (PackedTable, empty_decode_packed, empty_packed, pack, pack_into,
+                                           pack_table_into)
 
-__all__ = ["paged_prefill_attention", "paged_decode_attention", "paged_prefill_packed", "pack", "pack_into",
-           "empty_packed", "PackedTable", "PREFILL_COS_SIN_TABLE"]
+__all__ = ["paged_prefill_attention", "paged_decode_attention", "paged_prefill_packed", "paged_decode_packed",
+           "decode_splits", "pack", "pack_into", "pack_table_into", "empty_packed", "empty_decode_packed",
+           "PackedTable", "PREFILL_COS_SIN_TABLE", "DECODE_COS_SIN_TABLE"]
 
 # cos/sin of the per-entry offsets: gathered from an fp32 table (True) or evaluated in the kernel.
 # Measured (bench/kernels.md, run 4): the table is 0.5-1% faster in both kernels, so it is the default.
@@ -96,3 +98,29 @@ def paged_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, cu_en
     q, inv_freq, cu_entries = _prep(q, inv_freq, cu_entries)
     packed = pack(block_ids, offsets, masks, k_cache.shape[1], inv_freq, with_table=DECODE_COS_SIN_TABLE)
     return _decode.launch(q, k_cache, v_cache, packed, cu_entries, inv_freq, scale)
+
+
+def decode_splits(n_seqs: int, n_kv_heads: int, n_entries: int, device) -> int:
+    """The split count paged_decode_attention would pick for n_seqs sequences over n_entries entries
+    in all: what a caller with a fixed grid (a CUDA graph) fixes once per shape bucket."""
+    return _decode.pick_splits(_decode.DecodeConfig(), n_seqs, n_kv_heads, n_entries, device)
+
+
+def paged_decode_packed(q, k_cache, v_cache, packed: PackedTable, cu_entries, inv_freq, scale, num_splits: int):
+    """paged_decode_attention on a table already packed (pack or pack_table_into) with a fixed split
+    count. No device sync, no allocation but the outputs, the grid a function of the shapes and
+    num_splits alone: a CUDA graph can capture it. cu_entries int32 [B+1] may be any contiguous row
+    of a larger buffer and its bounds need not start at 0: entries outside every sequence's bounds
+    are never read. A sequence with no entries gets out 0 (how static callers make padding inert).
+    inv_freq fp32 on q's device. Returns out [B, Hq, D] (q.dtype), lse [B, Hq] fp32."""
+    _check(q, k_cache, v_cache, inv_freq, cu_entries)
+    if cu_entries.numel() != q.shape[0] + 1:
+        raise ValueError(f"cu_entries has {cu_entries.numel()} bounds for {q.shape[0]} sequences")
+    for name, t, dt in (("cu_entries", cu_entries, torch.int32), ("inv_freq", inv_freq, torch.float32)):
+        if t.dtype != dt or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {dt}, got {t.dtype}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    q = q if q.stride(2) == 1 else q.contiguous()
+    return _decode.launch(q, k_cache, v_cache, packed, cu_entries, inv_freq, scale,
+                          cfg=_decode.DecodeConfig(num_splits=num_splits))

@@ -303,13 +303,23 @@ class Forward:
                 seq.gen_blocks += self.cache.allocate(1, for_cache=False)
             blocks.append(seq.gen_blocks[seq.gen_count // bs])
             slots.append(seq.gen_count % bs)
-        block = torch.tensor(blocks, dtype=torch.long, device=dev)
-        slot = torch.tensor(slots, dtype=torch.long, device=dev)
-        pos = torch.tensor([s.next_pos for s in seqs], dtype=torch.long, device=dev)
-        self.pool.slot_pos[block, slot] = pos.to(torch.int32)
+        positions = [s.next_pos for s in seqs]
         for seq in seqs:
             seq.gen_count += 1
             seq.next_pos += 1
+        if self.static_tails:  # the step replayed as a CUDA graph when it fits a bucket (decode_graphs.py)
+            graphs = getattr(self, "decode_graphs", None)
+            if graphs is None:
+                from services.engine.decode_graphs import DecodeGraphs
+
+                graphs = self.decode_graphs = DecodeGraphs(self)
+            logits = graphs.run(seqs, tokens, blocks, slots, positions)
+            if logits is not None:
+                return logits
+        block = torch.tensor(blocks, dtype=torch.long, device=dev)
+        slot = torch.tensor(slots, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        self.pool.slot_pos[block, slot] = pos.to(torch.int32)
         gen_tables = [BlockTable.for_run(s.gen_blocks, s.gen_count, bs, 0, dev) for s in seqs]
         h = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
         # Layers share table objects (one or two distinct per sequence), so the batch table and its
