@@ -11,9 +11,13 @@ query tile BACKWARDS by the group's offset once per group, from the original que
 The inner loop is then a plain flash-attention loop over the group's blocks, NB at a time
 (BLOCK_N = NB * BS keys): K tiles go from memory to the tensor cores unmodified. (The first
 version rotated every K tile forward in registers instead: 38-50% slower, see bench/kernels.md.)
+The rotated query is carried by the group loop (see the NOTE in the kernel), so tl.dot reads it
+from shared memory, as it would a loaded query.
 Causality compares global positions (offset + slot_pos <= q_pos), so queries may be scattered
 anywhere in the context (CacheBlend's recomputed tokens), not only a suffix. The mask is applied
-only on steps that need it: a key later than the tile's oldest query, or a hidden slot.
+only on steps that need it: a key later than the tile's oldest query, a hidden slot, or a group's
+partial last step. One small launch before the kernel (step_key_bounds) writes each step's latest
+key position, so that the kernel decides this from one int per step, without reading slot positions.
 Optional KV splits (flash-decoding style) write fp32 partials that kernels/lse_merge merges.
 
 Tiles are found without a host sync: sequence b owns tile ids [cu_q[b] // BLOCK_T + b, ...), a
@@ -41,7 +45,7 @@ BOUNDS_BLOCK = 128  # entries per program of _key_bounds_kernel
 class PrefillConfig:
     """Tile shape: BLOCK_M query rows (tokens x group heads), at least min_block_n keys per step."""
 
-    block_m: int = 64  # defaults: the fastest of bench/kernels.py's sweep on an H100 (run 4)
+    block_m: int = 64  # defaults: the fastest of bench/kernels.py's sweep on an H100 (runs 6-7)
     min_block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
@@ -64,7 +68,6 @@ def _prefill_kernel(
     ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
-    D2: tl.constexpr = D // 2
     tile = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -99,7 +102,7 @@ def _prefill_kernel(
         # NOTE: the rotated query is carried by the group loop (rotated for the next group at the end
         # of each iteration), so that tl.dot sees a loop argument and reads it from shared memory as
         # it does a loaded query; computed inside the iteration, Triton keeps it in registers and
-        # reloads it every step (255 registers and spills, 3-10% slower: bench/kernels.md, run 6)
+        # reloads it every step (255 registers and spills, 3-10% slower: bench/kernels.md, runs 6-7)
         qr = _rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_lo, g_lo < g_hi, meta_ptr, tab_ptr,
                             invf_ptr, BLOCK_M, D, USE_TABLE, DOT_F32)
     else:
