@@ -14,8 +14,7 @@ class DecodeMetrics:
         self.handoff_bytes = Counter("tessera_decode_handoff_bytes", "Hand-off bytes received", registry=r)
         self.handoffs = Counter("tessera_decode_handoffs", "Hand-offs received by kind", ["kind"], registry=r)
         self.chunks = Counter("tessera_decode_chunks", "Shared chunks of hand-offs by where the decode worker found "
-                              "them (gpu: its cache, prefill: sent along by a prefill worker on its GPU, "
-                              "store: prefetched, computed: none of these)", ["source"], registry=r)
+                              "them (gpu: its cache, store: prefetched, computed: neither)", ["source"], registry=r)
         self.admitted = Counter("tessera_decode_admitted", "Sequences admitted into the batch", registry=r)
         self.finished = Counter("tessera_decode_finished", "Sequences ended, by reason", ["reason"], registry=r)
         self.tokens = Counter("tessera_decode_tokens", "Tokens generated", registry=r)

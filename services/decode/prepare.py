@@ -1,7 +1,7 @@
 """Getting a hand-off ready off the engine thread, so that admitting it stalls the batch least.
 
-Parsing the hand-off and getting the shared chunks this worker lacks (sent along by a prefill worker
-on the same GPU, else streamed from the KV store) happen on a helper thread while the batch keeps decoding; the engine thread then only writes the fetched
+Parsing the hand-off and streaming the shared chunks this worker lacks from the KV store happen
+on a helper thread while the batch keeps decoding; the engine thread then only writes the fetched
 layers into its pool (``Engine.import_handoff`` with a fetch that serves them from memory). A chunk
 neither resident here nor in the store is computed by the engine at admission (the slow case).
 """
@@ -35,19 +35,16 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
         raise ValueError(f"unknown hand-off kind {received.header.kind!r}")
     handoff = Handoff.from_bytes(received.payload, received.kv)
     ids = list(dict.fromkeys(ref.chunk_id for ref in handoff.chunks))
-    # chunks the prefill worker sent along (same GPU), then the store for what is still missing
-    fetched: dict[str, list] = {cid: [(i, k, v) for i, (k, v) in enumerate(layers)] for cid, layers in handoff.chunk_kv}
-    carried = len(fetched)
-    missing = [cid for cid in ids if cid not in engine.cache and cid not in fetched]  # a hint: import checks again
+    missing = [cid for cid in ids if cid not in engine.cache]   # a hint: the engine checks again at import
     present = store.lookup(missing) if missing and store.enabled else {}
+    fetched: dict[str, list] = {}
     fetch = store.fetcher(present)
     for cid in present:
         try:
             fetched[cid] = list(fetch(cid))
         except Exception as exc:  # noqa: BLE001 - a broken stream: the engine computes the chunk instead
             log.warning("prefetch of chunk %s failed: %s", cid[:12], exc)
-    metrics.chunks.labels("gpu").inc(len(ids) - len(missing) - carried)
-    metrics.chunks.labels("prefill").inc(carried)
-    metrics.chunks.labels("store").inc(len(fetched) - carried)
-    metrics.chunks.labels("computed").inc(len(missing) - len(fetched) + carried)
+    metrics.chunks.labels("gpu").inc(len(ids) - len(missing))
+    metrics.chunks.labels("store").inc(len(fetched))
+    metrics.chunks.labels("computed").inc(len(missing) - len(fetched))
     return PreparedHandoff(received, handoff, fetched)

@@ -10,7 +10,7 @@ are masked because a private, recomputed copy replaces them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -52,19 +52,14 @@ class Handoff:
     layers: tuple[LayerView, ...]
     next_pos: int
     logits: torch.Tensor  # [vocab] fp32, to sample the first token
-    # shared chunks whose KV travels along (for a receiver that lacks them and shares the sender's GPU):
-    # (chunk id, per layer (k, v) [length, Hkv, D] at chunk-local positions)
-    chunk_kv: tuple[tuple[str, tuple[tuple[torch.Tensor, torch.Tensor], ...]], ...] = field(default=())
 
     @property
     def private_bytes(self) -> int:
         return sum(lv.k.numel() * lv.k.element_size() * 2 for lv in self.layers)
 
     def kv_buffer(self) -> torch.Tensor:
-        """Every layer's private K then V, then each carried chunk's, flat in one tensor on their device
-        (one allocation to share)."""
+        """Every layer's private K then V, flat in one tensor on their device (one allocation to share)."""
         parts = [t.reshape(-1) for lv in self.layers for t in (lv.k, lv.v)]
-        parts += [t.reshape(-1) for _, layers in self.chunk_kv for kv in layers for t in kv]
         if not parts:
             return torch.zeros(0)
         return torch.cat(parts)
@@ -78,15 +73,9 @@ class Handoff:
         for i, lv in enumerate(self.layers):
             for name in ("hidden", "positions", "k", "v") if with_kv else ("hidden", "positions"):
                 tensors[f"{i}.{name}"] = getattr(lv, name).detach().cpu().clone()  # layers may share views
-        if with_kv:
-            for j, (_, layers) in enumerate(self.chunk_kv):
-                for i, (k, v) in enumerate(layers):
-                    tensors[f"c{j}.{i}.k"], tensors[f"c{j}.{i}.v"] = k.detach().cpu(), v.detach().cpu()
         meta = {"fingerprint": self.model_fingerprint, "next_pos": str(self.next_pos),
                 "layers": str(len(self.layers)),
-                "chunks": json.dumps([[c.chunk_id, c.start, list(c.tokens)] for c in self.chunks]),
-                "chunk_kv": json.dumps([[cid, int(layers[0][0].shape[0]) if layers else 0]
-                                        for cid, layers in self.chunk_kv])}
+                "chunks": json.dumps([[c.chunk_id, c.start, list(c.tokens)] for c in self.chunks])}
         if self.layers:
             k = self.layers[0].k
             meta["kv"] = json.dumps([list(k.shape[1:]), str(k.dtype).removeprefix("torch.")])
@@ -104,25 +93,15 @@ class Handoff:
         if "fingerprint" not in meta:
             raise ValueError("not a Tessera hand-off: its header carries no model fingerprint")
         n_layers = int(meta["layers"])
-        carried = json.loads(meta.get("chunk_kv", "[]"))
         if kv_buffer is not None:
-            counts = [tensors[f"{i}.positions"].numel() for i in range(n_layers)]
-            counts += [n for _, n in carried for _ in range(n_layers)]
-            parts = _split_kv(kv_buffer, meta, counts)
-            for j in range(len(carried)):
-                for i in range(n_layers):
-                    a = n_layers * (j + 1) + i
-                    parts[f"c{j}.{i}.k"], parts[f"c{j}.{i}.v"] = parts.pop(f"{a}.k"), parts.pop(f"{a}.v")
-            tensors.update(parts)
+            tensors.update(_split_kv(kv_buffer, meta, [tensors[f"{i}.positions"].numel() for i in range(n_layers)]))
         missing = [i for i in range(n_layers) if f"{i}.k" not in tensors]
         if missing:
             raise ValueError(f"hand-off carries no K/V for layer {missing[0]} (and no separate buffer was given)")
         layers = tuple(LayerView(tensors[f"{i}.hidden"], tensors[f"{i}.positions"], tensors[f"{i}.k"], tensors[f"{i}.v"])
                        for i in range(n_layers))
         chunks = tuple(ChunkRef(c[0], int(c[1]), tuple(c[2])) for c in json.loads(meta["chunks"]))
-        chunk_kv = tuple((cid, tuple((tensors[f"c{j}.{i}.k"], tensors[f"c{j}.{i}.v"]) for i in range(n_layers)))
-                         for j, (cid, _) in enumerate(carried))
-        return Handoff(meta["fingerprint"], chunks, layers, int(meta["next_pos"]), tensors["logits"], chunk_kv)
+        return Handoff(meta["fingerprint"], chunks, layers, int(meta["next_pos"]), tensors["logits"])
 
 
 def _split_kv(buf: torch.Tensor, meta: dict, counts: list[int]) -> dict[str, torch.Tensor]:

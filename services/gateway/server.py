@@ -151,8 +151,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         try:
             preq = pb.PrefillRequest(request_id=rid, chunks=[pb.TokenIds(ids=c) for c in req.chunks],
                                      suffix=req.suffix, mode=req.mode, decode_address=d.address,
-                                     max_new_tokens=req.sampling.max_new_tokens, sampling=req.sampling.to_proto(),
-                                     decode_resident=[cid for cid in req.chunk_ids if cid in d.resident])
+                                     max_new_tokens=req.sampling.max_new_tokens, sampling=req.sampling.to_proto())
             if req.recompute_ratio is not None:
                 preq.recompute_ratio = req.recompute_ratio
             try:

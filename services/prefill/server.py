@@ -62,11 +62,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             sampling = WireSampling.read(request.sampling, self.worker.eng.cfg.eos_token_id)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
-        ipc = self.transport.name == "cuda-ipc" and await self._shares_gpu(request.decode_address)
         job = PrefillJob(request.request_id, tuple(tuple(c.ids) for c in request.chunks), tuple(request.suffix),
                          request.mode or "tessera",
-                         request.recompute_ratio if request.HasField("recompute_ratio") else None, sampling,
-                         frozenset(request.decode_resident) if ipc else None)
+                         request.recompute_ratio if request.HasField("recompute_ratio") else None, sampling)
         loop = asyncio.get_running_loop()
         first: asyncio.Future = loop.create_future()
 
@@ -95,7 +93,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             pushed, handoff_s, transport = 0, 0.0, ""
             if out.finish is None:     # the request goes on: the decode worker needs the hand-off
                 t0 = time.perf_counter()
-                pushed, transport = await self._push(out, job.request_id, request.decode_address, ipc, context)
+                pushed, transport = await self._push(out, job.request_id, request.decode_address, context)
                 handoff_s = time.perf_counter() - t0
                 self.worker.metrics.handoff_seconds.observe(handoff_s)
             self.worker.metrics.requests.labels("ok").inc()
@@ -112,15 +110,14 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             self.in_flight -= 1
             self.worker.metrics.in_flight.dec()
 
-    async def _push(self, out, request_id: str, address: str, ipc: bool, context) -> tuple[int, str]:
+    async def _push(self, out, request_id: str, address: str, context) -> tuple[int, str]:
         """Serialise the hand-off (off the engine thread) and stream it to the decode worker; ABORTED
         when that fails (the gateway then tries another decode worker). Returns (private and payload
-        bytes moved, the transport used). ``ipc``: the decode worker shares this GPU, the K/V (private, and
-        chunks it lacks) stay on the device."""
+        bytes moved, the transport used): CUDA IPC for the K/V when the decode worker shares this GPU."""
         loop = asyncio.get_running_loop()
         header = pb.HandoffHeader(request_id=request_id, kind="engine", first_token=out.first_token)
         kv = None               # held until the decode worker has copied it out (its ack)
-        if ipc:
+        if self.transport.name == "cuda-ipc" and await self._shares_gpu(address):
             kv = await loop.run_in_executor(self.io_threads, out.handoff.kv_buffer)
             header.kv.CopyFrom(share(kv))
             payload = await loop.run_in_executor(self.io_threads, lambda: out.handoff.to_bytes(with_kv=False))

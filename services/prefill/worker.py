@@ -10,7 +10,7 @@ The result is a hand-off: the request's private KV and its chunks' ids (``Engine
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from services.cluster.kvio import StoreAccess
 from services.cluster.sampling import WireSampling
@@ -29,9 +29,6 @@ class PrefillJob:
     mode: str
     recompute_ratio: float | None      # None: the loading controller picks it
     sampling: WireSampling
-    # None: the hand-off carries no chunk KV; else the decode worker shares this GPU and holds these
-    # chunks already: the KV of the request's other resident chunks goes along (services/cluster/cuda_ipc.py)
-    decode_has: frozenset[str] | None = None
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -131,10 +128,6 @@ class PrefillWorker:
             on_computed=self._on_computed if store else None,
             extra_tokens=job.sampling.params.max_new_tokens, on_logits=on_logits,
             kv_on_device=self.eng.device.type == "cuda")   # copied to the host (or shared) off this thread
-        if job.decode_has is not None:
-            carry = [cid for cid in dict.fromkeys(ref.chunk_id for ref in handoff.chunks)
-                     if cid not in job.decode_has and cid in self.eng.cache]
-            handoff = replace(handoff, chunk_kv=tuple((cid, tuple(self.eng.export_chunk(cid))) for cid in carry))
         st = res.stats
         if job.mode == "prefix":
             tiers = [GPU if i < st.chunk_hits else COMPUTED for i in range(len(ids))]
