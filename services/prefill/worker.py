@@ -64,6 +64,7 @@ class PrefillWorker:
         self.fixed_ratio = fixed_ratio
         self.kv_bytes_per_token = engine.describe_memory()["kv_bytes_per_token"]
         self.resident: tuple[str, ...] = ()   # snapshot for Status, which must not queue behind prefills
+        self._store_held: set[str] = set()    # chunk ids of the request in flight that the store already holds
 
     def resident_ids(self) -> tuple[str, ...]:
         """Chunk ids in the device cache (engine thread); also refreshes the snapshot."""
@@ -85,6 +86,7 @@ class PrefillWorker:
             return [COMPUTED] * len(ids), {}        # corrected from the engine's hit count afterwards
         missing = [cid for cid in ids if cid not in self.eng.cache]
         present = self.store.lookup(missing) if missing else {}
+        self._store_held = set(present)      # computed instead of loaded below: no need to store them again
         if present:
             # stream from the store only what loads faster than it computes (one probe request in a few loads anyway)
             length = {cid: len(c) for cid, c in zip(ids, job.chunks)}
@@ -166,6 +168,8 @@ class PrefillWorker:
         return self.controller.ratio(store_tokens * self.kv_bytes_per_token, sum(map(len, job.chunks)))
 
     def _on_computed(self, chunk_id: str, layers) -> None:
+        if chunk_id in self._store_held:
+            return
         if self.store.put_later(chunk_id, layers, self.eng.fingerprint):
             self.metrics.stored_bytes.inc(sum(k.numel() * k.element_size() * 2 for k, _ in layers))
 

@@ -163,3 +163,44 @@ def test_cuda_ipc_needs_one_gpu_on_one_host():
     assert device_uuid(torch.device("cpu")) == ""
     with pytest.raises(ValueError, match="CUDA tensor"):
         share(torch.zeros(4))
+
+
+class _RecordingStore:
+    """StoreAccess's surface for PrefillWorker: holds ``held``, records what is written."""
+
+    enabled = True
+
+    def __init__(self, held):
+        self.held, self.puts = set(held), []
+
+    def lookup(self, ids):
+        return {cid: "dram" for cid in ids if cid in self.held}
+
+    def fetcher(self, present):
+        return lambda cid: None          # never asked: the controller prefers computing below
+
+    def put_later(self, cid, layers, fingerprint=""):
+        self.puts.append(cid)
+        return True
+
+
+def test_a_chunk_computed_instead_of_loaded_is_not_stored_again(tiny_model):
+    from services.cluster.sampling import WireSampling
+    from services.engine import Engine
+    from services.prefill.metrics import PrefillMetrics
+    from services.prefill.worker import PrefillJob, PrefillWorker
+
+    from .helpers import docs
+
+    eng = Engine.load(tiny_model, kv_cache_bytes=64 << 20)
+    a, b = docs(2, 32, seed=77)
+    store = _RecordingStore([eng.chunk_id(a)])
+    controller = LoadingController(smoothing=1.0, probe_every=1000)
+    controller.observe(stats(chunk_tokens_computed=100, chunk_compute_seconds=0.001))   # computing is cheap
+    controller.observe(stats(loaded_bytes=1000, load_seconds=1.0))                      # loading is slow
+    worker = PrefillWorker(eng, store, controller, PrefillMetrics())
+    job = PrefillJob("r", (tuple(a), tuple(b)), (1,), "tessera", 0.15,
+                     WireSampling.read(pb.SamplingParams(max_new_tokens=2), None))
+    out = worker.prefill(job)
+    assert out.tier_tokens == {"computed": 64}           # a was held by the store, yet computed here
+    assert store.puts == [eng.chunk_id(b)]               # and only b, which the store lacked, is written
