@@ -52,6 +52,7 @@ class HostTables:
 
     def __init__(self):
         self._held: dict[int, tuple] = {}
+        self.copies = 0  # device-to-host copies made (each one waits for the GPU)
 
     def get(self, tables) -> dict[int, tuple]:
         """id(table) -> (table, ids, offsets, masks) for ``tables``; the rest is forgotten."""
@@ -64,6 +65,7 @@ class HostTables:
             if now[id(t)] is None:
                 missing.append(t)
         if missing:  # one copy (one sync) for every table new to this step
+            self.copies += 1
             flat = torch.cat([torch.cat([t.block_ids.long(), t.offsets.long(), t.masks.long()])
                               for t in missing]).cpu().numpy()
             at = 0
