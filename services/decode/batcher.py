@@ -133,6 +133,7 @@ class Batcher:
 
     def _rebuild(self, prepared: PreparedHandoff):
         """(sequence, first-token logits) from a hand-off."""
+        prepared.adopt()
         def fetch(cid: str):
             if cid in prepared.fetched:
                 return iter(prepared.fetched[cid])

@@ -1,9 +1,10 @@
 """Getting a hand-off ready off the engine thread, so that admitting it stalls the batch least.
 
-Parsing the hand-off and streaming the shared chunks this worker lacks from the KV store happen
-on a helper thread while the batch keeps decoding; the engine thread then only writes the fetched
-layers into its pool (``Engine.import_handoff`` with a fetch that serves them from memory). A chunk
-neither resident here nor in the store is computed by the engine at admission (the slow case).
+Parsing the hand-off, streaming the shared chunks this worker lacks from the KV store and copying
+them to the GPU (a side stream) happen on a helper thread while the batch keeps decoding; the engine
+thread then only writes the fetched layers into its pool (``Engine.import_handoff`` with a fetch that
+serves them from memory). A chunk neither resident here nor in the store is computed by the engine
+at admission (the slow case).
 """
 
 from __future__ import annotations
@@ -26,6 +27,21 @@ class PreparedHandoff:
     received: ReceivedHandoff
     handoff: object
     fetched: dict[str, list] = field(default_factory=dict)
+    ready: object = None     # torch.cuda.Event: the fetched layers are on the device once it completes
+
+    def adopt(self) -> None:
+        """On the engine thread, before using ``fetched``: order its stream after the staging copies and
+        tell the allocator the staged tensors are used there."""
+        if self.ready is None:
+            return
+        import torch
+
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self.ready)
+        for layers in self.fetched.values():
+            for _, k, v in layers:
+                k.record_stream(stream)
+                v.record_stream(stream)
 
 
 def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: DecodeMetrics) -> PreparedHandoff:
@@ -47,4 +63,29 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
     metrics.chunks.labels("gpu").inc(len(ids) - len(missing))
     metrics.chunks.labels("store").inc(len(fetched))
     metrics.chunks.labels("computed").inc(len(missing) - len(fetched))
-    return PreparedHandoff(received, handoff, fetched)
+    fetched, ready = _stage(fetched, engine.device)
+    return PreparedHandoff(received, handoff, fetched, ready)
+
+
+_STREAMS: dict = {}
+
+
+def _stage(fetched: dict[str, list], device):
+    """Fetched host layers -> device tensors, copied from pinned memory on a side stream here, so that
+    admitting the sequence on the engine thread copies nothing (a pageable copy there would wait for
+    the batch's kernels to drain). Returns (fetched on the device, the event marking the copies done)."""
+    if device.type != "cuda" or not fetched:
+        return fetched, None
+    import torch
+
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device)
+    out: dict[str, list] = {}
+    with torch.cuda.stream(stream):
+        for cid, layers in fetched.items():
+            out[cid] = [(i, k.pin_memory().to(device, non_blocking=True), v.pin_memory().to(device, non_blocking=True))
+                        for i, k, v in layers]
+    ready = torch.cuda.Event()
+    ready.record(stream)
+    return out, ready
