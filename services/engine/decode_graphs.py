@@ -104,18 +104,19 @@ def layout(seqs, tokens, blocks, slots, positions, host: HostTables, num_layers:
     """Lay out a step whose sequences already hold their new token (gen_count counts it)."""
     views: dict[tuple, int] = {}
     view_layer, view_of = [], []  # first layer of each view; view of each layer
-    for layer in range(num_layers):
-        key = tuple(id(s.layer_tables[layer]) for s in seqs)
+    for layer, key in enumerate(zip(*(map(id, s.layer_tables[:num_layers]) for s in seqs))):
         if key not in views:
             views[key] = len(view_layer)
             view_layer.append(layer)
         view_of.append(views[key])
     tabs = host.get([s.layer_tables[layer] for layer in view_layer for s in seqs])
-    gens = []
+    gens, full = [], full_mask(bs)
     for s in seqs:  # the generated blocks, as BlockTable.for_run(gen_blocks, gen_count) lays them
         g = len(s.gen_blocks)
-        gens.append((np.asarray(s.gen_blocks, dtype=np.int64), np.zeros(g, dtype=np.int64),
-                     np.array([full_mask(min(bs, s.gen_count - j * bs)) for j in range(g)], dtype=np.int64)))
+        masks = np.full(g, full, dtype=np.int64)
+        if g:
+            masks[-1] = full_mask(min(bs, s.gen_count - (g - 1) * bs))
+        gens.append((np.asarray(s.gen_blocks, dtype=np.int64), np.zeros(g, dtype=np.int64), masks))
     parts: tuple[list, list, list] = ([], [], [])
     lens = []
     for layer in view_layer:
