@@ -122,6 +122,20 @@ def test_forced_splits_are_merged(handoffs, tiny_dir):
         _release(eng, eager, static)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_masks_past_16_bits(handoffs, tiny_dir, backend):
+    """Block size 32: slot masks live in their own int64 buffer, which the kernel reads in place."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    eng = Engine.load(tiny_dir, attention_backend=backend, static_tails=True, block_size=32)
+    eager, static, tokens = _twins(eng, handoffs, n=3)
+    try:
+        _decode_both(eng, eager, static, tokens, 2)
+        assert eng.forward.decode_graphs.replays == 2
+    finally:
+        _release(eng, eager, static)
+
+
 def test_tables_copied_to_the_host_once(tiny_dir, handoffs):
     eng = Engine.load(tiny_dir, static_tails=True, block_size=4)
     eager, static, tokens = _twins(eng, handoffs)
