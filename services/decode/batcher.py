@@ -177,8 +177,11 @@ class Batcher:
             return
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         keep = []
+        # greedy rows: one argmax over the batch and one copy to the host, not a sync per sequence
+        greedy = [i for i, lv in enumerate(batch) if lv.job.sampling.params.temperature == 0]
+        picked = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
         for i, lv in enumerate(batch):
-            lv.last = sample(logits[i], lv.job.sampling.params, lv.gen)
+            lv.last = picked[i] if i in picked else sample(logits[i], lv.job.sampling.params, lv.gen)
             lv.produced += 1
             if not self._emit(lv):
                 keep.append(lv)
