@@ -13,7 +13,10 @@ def receive(wire: bytes, out) -> None:
     from services.cluster.cuda_ipc import copy_out
     from services.rpc import tessera_pb2 as pb
 
-    out.put(copy_out(pb.CudaIpcBuffer.FromString(wire)).cpu())
+    got = copy_out(pb.CudaIpcBuffer.FromString(wire)).cpu()
+    # plain bytes back, not a tensor: a tensor would be shared by a file descriptor that this process,
+    # about to exit, could no longer hand over
+    out.put(got.view(torch.int16).numpy().tobytes())
 
 
 def round_trip(n: int = 3 * 1024 * 1024 + 7, offset: int = 5) -> bool:
@@ -29,7 +32,7 @@ def round_trip(n: int = 3 * 1024 * 1024 + 7, offset: int = 5) -> bool:
     p.start()
     got = q.get(timeout=120)
     p.join(60)
-    return p.exitcode == 0 and torch.equal(got, buf.cpu())
+    return p.exitcode == 0 and got == buf.cpu().view(torch.int16).numpy().tobytes()
 
 
 if __name__ == "__main__":
