@@ -14,7 +14,7 @@ import torch
 
 from services.engine.attention import BACKENDS
 from services.engine.blend import BlendConfig, blend_pass
-from services.engine.block_table import BlockTable
+from services.engine.block_table import BlockTable, host_to_device
 from services.engine.chunk_cache import ChunkEntry, chunk_id
 from services.engine.config import ModelConfig
 from services.engine.graphs import STATIC_MAX_TOKENS, TailCache
@@ -117,10 +117,15 @@ class Forward:
         block, slot = self.pool.slots_for(blocks, len(tokens))
         self.pool.slot_pos[block, slot] = pos.to(torch.int32)
         table = BlockTable.for_run(blocks, len(tokens), self.bs, 0, self.device)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        ids = host_to_device(tokens, torch.long, self.device)
         gate, self._gate = self._gate, None  # a chunk computed alone waits on nothing
         try:
-            self._run(ids, pos, [table] * self.cfg.num_layers, block, slot, skip_last_layer=True)
+            if self.tails is not None and len(tokens) <= STATIC_MAX_TOKENS:
+                # replayed as a CUDA graph: every layer, the last one's output unused (one layer of
+                # wasted work against ~1,000 eager launches)
+                self._tail(0, self.model.embed(ids), pos, table, block, slot)
+            else:
+                self._run(ids, pos, [table] * self.cfg.num_layers, block, slot, skip_last_layer=True)
         finally:
             self._gate = gate
 
