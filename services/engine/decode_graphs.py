@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from kernels.paged_attention import MAX_OFFSET, check_encodable
 from kernels.rope import gather_rotate, rope_cos_sin
 from services.engine.block_table import full_mask
+from services.engine.graphs import capture
 
 log = logging.getLogger(__name__)
 
@@ -269,16 +270,7 @@ class DecodeGraph:
             self._body()
             return self.out
         if self.graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._body()  # warm-up (the step itself: its writes are idempotent): compiles settle first
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a service's other threads (gRPC, hand-off imports) may touch CUDA meanwhile
-            with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
-                self._body()
-            self.graph = graph
+            self.graph = capture(self._body, self.graph_pool)   # the step's writes are idempotent
         self.graph.replay()
         return self.out
 

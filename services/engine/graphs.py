@@ -32,6 +32,21 @@ T_BUCKET, KEY_BUCKET, MAX_GRAPHS = 16, 256, 24
 STATIC_MAX_TOKENS = 1024  # longer passes keep the GPU busy on their own: they run eagerly (flash path)
 
 
+def capture(body, graph_pool) -> torch.cuda.CUDAGraph:
+    """``body`` run once on a side stream (allocator, kernel selection and Triton compiles settle; the
+    callers' bodies are idempotent), then captured into a graph drawing on ``graph_pool``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a service's other threads (gRPC, KV streaming, hand-off imports) may touch CUDA meanwhile
+    with torch.cuda.graph(graph, pool=graph_pool, capture_error_mode="thread_local"):
+        body()
+    return graph
+
+
 def bucket(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
 
@@ -190,16 +205,7 @@ class StaticTail:
             self._body()
             return self.out
         if self.graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._body()  # warm-up: allocator, kernel selection and Triton compiles settle before capture
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a service's other threads (gRPC, KV streaming) may touch CUDA meanwhile
-            with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
-                self._body()
-            self.graph = graph
+            self.graph = capture(self._body, self.graph_pool)
         self.graph.replay()
         return self.out
 
