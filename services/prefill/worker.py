@@ -111,6 +111,7 @@ class PrefillWorker:
         started = time.perf_counter()
         queue_s = started - job.enqueued
         ids = [self.eng.chunk_id(c) for c in job.chunks]
+        self._store_held = set()
         tiers, present = self._tiers(job, ids)
         ratio = self._ratio(job, tiers)
         chunks, suffix = [list(c) for c in job.chunks], list(job.suffix)
