@@ -59,10 +59,15 @@ class PrefillSettings:
 class DecodeSettings:
     max_batch: int = 32                     # sequences decoded together in one step
     handoff_wait_s: float = 30.0            # how long Decode waits for its hand-off to arrive
+    # how long a hand-off waits (off the engine thread) for a chunk the prefill worker is still writing to
+    # the store, before the decode worker computes that chunk itself, in its batch
+    store_wait_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.store_wait_s < 0:
+            raise ValueError(f"store_wait_s must be >= 0, got {self.store_wait_s}")
 
 
 @dataclass(slots=True)

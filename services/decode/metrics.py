@@ -15,6 +15,9 @@ class DecodeMetrics:
         self.handoffs = Counter("tessera_decode_handoffs", "Hand-offs received by kind", ["kind"], registry=r)
         self.chunks = Counter("tessera_decode_chunks", "Shared chunks of hand-offs by where the decode worker found "
                               "them (gpu: its cache, store: prefetched, computed: neither)", ["source"], registry=r)
+        self.store_wait_seconds = Histogram("tessera_decode_store_wait_seconds", "Time a hand-off waited for chunks "
+                                            "the prefill worker was still writing to the store", buckets=SECONDS,
+                                            registry=r)
         self.admitted = Counter("tessera_decode_admitted", "Sequences admitted into the batch", registry=r)
         self.finished = Counter("tessera_decode_finished", "Sequences ended, by reason", ["reason"], registry=r)
         self.tokens = Counter("tessera_decode_tokens", "Tokens generated", registry=r)

@@ -10,6 +10,7 @@ at admission (the slow case).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from services.cluster.kvio import StoreAccess
@@ -44,7 +45,10 @@ class PreparedHandoff:
                 v.record_stream(stream)
 
 
-def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: DecodeMetrics) -> PreparedHandoff:
+def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: DecodeMetrics,
+            store_wait_s: float = 0.0) -> PreparedHandoff:
+    """``store_wait_s``: how long to wait for chunks the prefill worker is still writing to the store
+    (the header's ``storing``) before leaving them to be computed at admission."""
     from services.engine.handoff import Handoff
 
     if received.header.kind != "engine":
@@ -53,6 +57,9 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
     ids = list(dict.fromkeys(ref.chunk_id for ref in handoff.chunks))
     missing = [cid for cid in ids if cid not in engine.cache]   # a hint: the engine checks again at import
     present = store.lookup(missing) if missing and store.enabled else {}
+    pending = [cid for cid in missing if cid not in present and cid in set(received.header.storing)]
+    if pending and store_wait_s > 0:
+        present.update(_await_writes(store, pending, store_wait_s, metrics))
     fetched: dict[str, list] = {}
     fetch = store.fetcher(present)
     for cid in present:
@@ -68,6 +75,21 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
 
 
 _STREAMS: dict = {}
+POLL_S = 0.02
+
+
+def _await_writes(store: StoreAccess, ids: list[str], wait_s: float, metrics: DecodeMetrics) -> dict[str, str]:
+    """Poll the store until it holds ``ids`` or ``wait_s`` has passed; {chunk id: tier} of those it holds.
+    Runs on the helper thread: the batch keeps decoding meanwhile."""
+    t0 = time.monotonic()
+    found: dict[str, str] = {}
+    while True:
+        found.update(store.lookup([cid for cid in ids if cid not in found]))
+        if len(found) == len(ids) or time.monotonic() - t0 >= wait_s:
+            break
+        time.sleep(POLL_S)
+    metrics.store_wait_seconds.observe(time.monotonic() - t0)
+    return found
 
 
 def _stage(fetched: dict[str, list], device):

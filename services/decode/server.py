@@ -82,7 +82,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         received, _ = self._pending.pop(rid)
         self._arrived.pop(rid, None)
         try:
-            prepared = await asyncio.to_thread(prepare, received, self.eng, self.store, self.metrics)
+            prepared = await asyncio.to_thread(prepare, received, self.eng, self.store, self.metrics,
+                                               self.settings.store_wait_s)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hand-off of request {rid}: {exc}")
         try:

@@ -115,7 +115,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         when that fails (the gateway then tries another decode worker). Returns (private and payload
         bytes moved, the transport used): CUDA IPC for the K/V when the decode worker shares this GPU."""
         loop = asyncio.get_running_loop()
-        header = pb.HandoffHeader(request_id=request_id, kind="engine", first_token=out.first_token)
+        header = pb.HandoffHeader(request_id=request_id, kind="engine", first_token=out.first_token,
+                                  storing=out.storing)
         kv = None               # held until the decode worker has copied it out (its ack)
         if self.transport.name == "cuda-ipc" and await self._shares_gpu(address):
             kv = await loop.run_in_executor(self.io_threads, out.handoff.kv_buffer)

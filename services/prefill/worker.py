@@ -39,6 +39,7 @@ class PrefillOutcome:
     first token ended the request: then no hand-off is needed."""
 
     handoff: object
+    storing: tuple[str, ...]          # chunk ids queued for a store write by this request
     first_token: int
     finish: str | None
     first_token_seconds: float
@@ -65,6 +66,7 @@ class PrefillWorker:
         self.kv_bytes_per_token = engine.describe_memory()["kv_bytes_per_token"]
         self.resident: tuple[str, ...] = ()   # snapshot for Status, which must not queue behind prefills
         self._store_held: set[str] = set()    # chunk ids of the request in flight that the store already holds
+        self._storing: list[str] = []         # chunk ids of the request in flight queued for a store write
 
     def resident_ids(self) -> tuple[str, ...]:
         """Chunk ids in the device cache (engine thread); also refreshes the snapshot."""
@@ -111,7 +113,7 @@ class PrefillWorker:
         started = time.perf_counter()
         queue_s = started - job.enqueued
         ids = [self.eng.chunk_id(c) for c in job.chunks]
-        self._store_held = set()
+        self._store_held, self._storing = set(), []
         tiers, present = self._tiers(job, ids)
         ratio = self._ratio(job, tiers)
         chunks, suffix = [list(c) for c in job.chunks], list(job.suffix)
@@ -156,7 +158,7 @@ class PrefillWorker:
         seconds = time.perf_counter() - started
         self.metrics.seconds.observe(seconds)
         self.metrics.queue_seconds.observe(queue_s)
-        return PrefillOutcome(handoff, first[0], job.sampling.finish_reason(first[0], 1), first[1], ratio,
+        return PrefillOutcome(handoff, tuple(self._storing), first[0], job.sampling.finish_reason(first[0], 1), first[1], ratio,
                               tier_tokens, st.tokens_recomputed, loaded, st.load_seconds, wait,
                               st.chunk_compute_seconds, st.forward_seconds, seconds, queue_s)
 
@@ -172,6 +174,7 @@ class PrefillWorker:
         if chunk_id in self._store_held:
             return
         if self.store.put_later(chunk_id, layers, self.eng.fingerprint):
+            self._storing.append(chunk_id)
             self.metrics.stored_bytes.inc(sum(k.numel() * k.element_size() * 2 for k, _ in layers))
 
     def warm(self, chunks: list[list[int]]) -> list[bool]:

@@ -278,20 +278,22 @@ class ResetReply(_message.Message):
     def __init__(self, chunks_dropped: _Optional[int] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("request_id", "kind", "total_bytes", "crc32", "first_token", "kv")
+    __slots__ = ("request_id", "kind", "total_bytes", "crc32", "first_token", "kv", "storing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    STORING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: str
     total_bytes: int
     crc32: int
     first_token: int
     kv: CudaIpcBuffer
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., first_token: _Optional[int] = ..., kv: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
+    storing: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., first_token: _Optional[int] = ..., kv: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., storing: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CudaIpcBuffer(_message.Message):
     __slots__ = ("dtype", "numel", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index", "tensor_offset")

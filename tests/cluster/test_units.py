@@ -204,3 +204,42 @@ def test_a_chunk_computed_instead_of_loaded_is_not_stored_again(tiny_model):
     out = worker.prefill(job)
     assert out.tier_tokens == {"computed": 64}           # a was held by the store, yet computed here
     assert store.puts == [eng.chunk_id(b)]               # and only b, which the store lacked, is written
+    assert out.storing == (eng.chunk_id(b),)              # the hand-off names it: the decode worker may wait for it
+
+
+class _LandingStore:
+    """A store where chunk ``cid`` becomes visible at the ``after``-th lookup (a write still in flight)."""
+
+    enabled = True
+
+    def __init__(self, cid, layers, after):
+        self.cid, self.layers, self.after, self.lookups = cid, layers, after, 0
+
+    def lookup(self, ids):
+        self.lookups += 1
+        return {self.cid: "dram"} if self.cid in ids and self.lookups >= self.after else {}
+
+    def fetcher(self, present):
+        return lambda cid: iter([(i, k, v) for i, (k, v) in enumerate(self.layers)]) if cid in present else None
+
+
+@pytest.mark.parametrize("wait_s, fetched", [(5.0, True), (0.0, False)])
+def test_decode_waits_for_a_chunk_still_being_stored(tiny_model, wait_s, fetched):
+    from services.cluster.transport import ReceivedHandoff
+    from services.decode.metrics import DecodeMetrics
+    from services.decode.prepare import prepare
+    from services.engine import Engine
+
+    from .helpers import docs
+
+    prefill, decode = Engine.load(tiny_model, kv_cache_bytes=64 << 20), Engine.load(tiny_model, kv_cache_bytes=64 << 20)
+    (a,) = docs(1, 32, seed=78)
+    _, h = prefill.prefill_handoff([a], [2], recompute_ratio=0.15)
+    cid = prefill.chunk_id(a)
+    store = _LandingStore(cid, prefill.export_chunk(cid), after=3)
+    header = pb.HandoffHeader(request_id="r", kind="engine", storing=[cid])
+    prepared = prepare(ReceivedHandoff(header, h.to_bytes()), decode, store, DecodeMetrics(), store_wait_s=wait_s)
+    assert (cid in prepared.fetched) is fetched          # waited for the write, or left it to be computed
+    assert store.lookups == (3 if fetched else 1)
+    seq = decode.import_handoff(prepared.handoff, fetch=lambda c: iter(prepared.fetched[c]) if c in prepared.fetched else None)
+    decode.release(seq)
