@@ -1,4 +1,5 @@
-"""PNG plots of replays: TTFT CDF per mode, chunk hit ratio over time per mode."""
+"""PNG plots of replays: TTFT CDF per mode, chunk hit ratio over time per mode, and where the
+serving time went per mode (when the target reports its stages)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,41 @@ def hit_ratio_over_time(runs: Sequence[ReplayRun], path: Path, bins: int = 20) -
     ax.grid(alpha=0.3)
     ax.legend(title="mode")
     ax.set_title("Chunk KV hit ratio over time")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# (label, how to get it from the stage medians): the segments of a request's way to its first token, then
+# the hand-off that follows it; medians of each stage, so the bar shows typical shares, not one request
+STAGE_SEGMENTS = (
+    ("queue", lambda m: m.get("queue", 0.0)),
+    ("chunk compute", lambda m: m.get("chunk compute", 0.0)),
+    ("rest of the pass to the first token", lambda m: max(0.0, m.get("first token", 0.0) - m.get("chunk compute", 0.0))),
+    ("hand-off (after the first token)", lambda m: m.get("hand-off", 0.0)),
+)
+
+
+def serving_stages(summaries, path: Path) -> Path | None:
+    """Stacked bars of the median serving stages per mode; None (no file) when no mode reports stages."""
+    rows = [(s.mode, s.stage_p50_ms) for s in summaries if s.stage_p50_ms]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.2, 0.6 * len(rows) + 1.8), dpi=120)
+    y = np.arange(len(rows))
+    left = np.zeros(len(rows))
+    for label, get in STAGE_SEGMENTS:
+        width = np.array([get(m) for _, m in rows])
+        ax.barh(y, width, left=left, label=label)
+        left += width
+    ax.set_yticks(y, [mode for mode, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (median of each stage)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("Where the serving time goes, per mode")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

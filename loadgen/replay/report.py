@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from loadgen.replay.metrics import PERCENTILES, Summary
-from loadgen.replay.plots import hit_ratio_over_time, ttft_cdf
+from loadgen.replay.plots import hit_ratio_over_time, serving_stages, ttft_cdf
 from loadgen.replay.runner import ReplayRun
 
 
@@ -97,4 +97,8 @@ def write_report(out_dir: Path, runs: Sequence[ReplayRun], summaries: Sequence[S
         {"command": command, "about": about, "modes": [s.to_json() for s in summaries]}, indent=1) + "\n")
     ttft_cdf(runs, paths["ttft_cdf"])
     hit_ratio_over_time(runs, paths["hit_ratio"])
+    stages = serving_stages(summaries, out_dir / "serving_stages.png")
+    if stages is not None:
+        paths["stages"] = stages
+        paths["summary_md"].write_text(md + "\n![serving stages](serving_stages.png)\n")
     return paths

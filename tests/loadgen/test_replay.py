@@ -179,6 +179,25 @@ def test_report_files_and_plots(tmp_path):
     assert "p50 TTFT speed-up vs full" in summary_table(summaries)
     x, y = hit_ratio_series(runs[1], bins=4)
     assert len(x) == len(y) > 0 and 0 <= y.min() <= y.max() <= 1
+    assert "stages" not in paths and not (tmp_path / "serving_stages.png").exists()   # the fake reports none
+
+
+def test_report_plots_the_serving_stages_when_the_target_reports_them(tmp_path):
+    from dataclasses import replace
+
+    from loadgen.replay.plots import STAGE_SEGMENTS
+
+    clock = VirtualClock()
+    run = replay(TRACE, FakeTarget(CFG, clock), ReplayConfig(mode="tessera", concurrency=1), clock=clock)
+    stages = {"queue": 0.01, "first token": 0.03, "chunk compute": 0.02, "hand-off": 0.005}
+    run = replace(run, records=tuple(replace(r, stage_s=stages) for r in run.records))
+    summary = summarize(run)
+    paths = write_report(tmp_path, [run], [summary], "tessera replay t.jsonl --target fake")
+    assert paths["stages"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![serving stages](serving_stages.png)" in paths["summary_md"].read_text()
+    # the bar's segments: queue, chunk compute, the rest of the pass to the first token, the hand-off after it
+    widths = [get(summary.stage_p50_ms) for _, get in STAGE_SEGMENTS]
+    assert widths == pytest.approx([10.0, 20.0, 10.0, 5.0])
 
 
 def test_cli_replay_compare(tmp_path, capsys):
