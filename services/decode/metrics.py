@@ -12,6 +12,8 @@ class DecodeMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.handoff_bytes = Counter("tessera_decode_handoff_bytes", "Hand-off bytes received", registry=r)
+        self.handoffs_dropped = Counter("tessera_decode_handoffs_dropped", "Hand-offs parked past handoff_wait_s "
+                                        "with no Decode call for them (dropped)", registry=r)
         self.handoffs = Counter("tessera_decode_handoffs", "Hand-offs received by kind", ["kind"], registry=r)
         self.chunks = Counter("tessera_decode_chunks", "Shared chunks of hand-offs by where the decode worker found "
                               "them (gpu: its cache, store: prefetched, computed: neither)", ["source"], registry=r)

@@ -44,12 +44,25 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     def _event(self, request_id: str) -> asyncio.Event:
         return self._arrived.setdefault(request_id, asyncio.Event())
 
-    def _sweep(self) -> None:
-        """Drop hand-offs nobody asked for (their gateway call failed)."""
-        old = time.monotonic() - 4 * self.settings.handoff_wait_s
-        for rid in [r for r, (_, t) in self._pending.items() if t < old]:
+    def _sweep(self) -> int:
+        """Drop hand-offs nobody asked for (their client left, or their gateway call failed): the gateway
+        asks for a hand-off as soon as its push is acknowledged, so one parked longer than
+        ``handoff_wait_s`` is abandoned. Returns how many were dropped."""
+        old = time.monotonic() - self.settings.handoff_wait_s
+        stale = [r for r, (_, t) in self._pending.items() if t < old]
+        for rid in stale:
             self._pending.pop(rid, None)
             self._arrived.pop(rid, None)
+        if stale:
+            self.metrics.handoffs_dropped.inc(len(stale))
+        return len(stale)
+
+    async def sweep_forever(self) -> None:
+        """Sweep on a timer too: a parked hand-off may hold GPU memory (a same-GPU hand-off's K/V)."""
+        every = max(0.05, self.settings.handoff_wait_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            self._sweep()
 
     async def PushHandoff(self, request_iterator, context):
         try:
@@ -126,8 +139,10 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
 class DecodeServer:
     def __init__(self, grpc_server, servicer: DecodeServicer, health, metrics_http) -> None:
         self.grpc_server, self.servicer, self.health, self._http = grpc_server, servicer, health, metrics_http
+        self._sweeper = asyncio.ensure_future(servicer.sweep_forever())
 
     async def stop(self, grace: float | None = 1.0) -> None:
+        self._sweeper.cancel()
         await set_serving(self.health, (SERVICE_NAME,), False)
         await self.grpc_server.stop(grace)
         await asyncio.to_thread(self.servicer.batcher.stop)
