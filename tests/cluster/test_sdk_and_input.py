@@ -250,14 +250,17 @@ def test_a_stream_left_early_frees_its_decode_slot(client):
 
     decode = next(w for w in client.stats().workers if w.role == "decode")
 
-    def cancelled() -> float:
+    def metric(prefix: str) -> float:
         text = urllib.request.urlopen(decode.metrics_url, timeout=10).read().decode()
-        line = next((ln for ln in text.splitlines() if ln.startswith('tessera_decode_finished_total{reason="cancelled"}')),
-                    None)
+        line = next((ln for ln in text.splitlines() if ln.startswith(prefix)), None)
         return float(line.split()[-1]) if line else 0.0
 
-    # earlier tests' abandoned calls may still be winding down: count from an idle cluster
-    wait_until(lambda: all(w.in_flight == 0 for w in client.stats().workers), 30, 0.1, "an idle cluster")
+    def cancelled() -> float:
+        return metric('tessera_decode_finished_total{reason="cancelled"}')
+
+    # earlier tests' abandoned calls may still be winding down: count from an idle cluster, no sequence in the batch
+    wait_until(lambda: all(w.in_flight == 0 for w in client.stats().workers) and metric("tessera_decode_active_sequences ") == 0,
+               30, 0.1, "an idle cluster")
     before = cancelled()
     stream = client.generate(docs(1, 16, seed=9), [1], max_new_tokens=500, stop_token_ids=[])
     assert next(stream).token_ids                    # the first token, sampled by the prefill worker
