@@ -259,8 +259,11 @@ def test_a_stream_left_early_frees_its_decode_slot(client):
         return metric('tessera_decode_finished_total{reason="cancelled"}')
 
     # earlier tests' abandoned calls may still be winding down: count from an idle cluster, no sequence in the batch
-    wait_until(lambda: all(w.in_flight == 0 for w in client.stats().workers) and metric("tessera_decode_active_sequences ") == 0,
-               30, 0.1, "an idle cluster")
+    def idle() -> bool:
+        return (all(w.in_flight == 0 for w in client.stats().workers)
+                and metric("tessera_decode_active_sequences ") == 0)
+
+    wait_until(idle, 30, 0.1, "an idle cluster")
     before = cancelled()
     stream = client.generate(docs(1, 16, seed=9), [1], max_new_tokens=500, stop_token_ids=[])
     assert next(stream).token_ids                    # the first token, sampled by the prefill worker
