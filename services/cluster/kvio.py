@@ -38,7 +38,6 @@ class StoreAccess:
         self.put_bytes = 0
         self.put_errors = 0
         self.known_ids: set[str] = set()     # chunk ids this worker stored (dropped by reset)
-        self._copy_stream = None             # CUDA stream for the device-to-host copies of puts
 
     @property
     def enabled(self) -> bool:
@@ -93,30 +92,18 @@ class StoreAccess:
         self._puts.submit(self._put, chunk_id, layers, fingerprint, ready)
         return True
 
-    def _to_host(self, layers):
-        """GPU layers -> pinned host copies made on a side stream, and the event that marks them done.
-        A plain ``.cpu()`` in the put thread would run on the engine's stream, in line with its kernels."""
-        import torch
-
+    @staticmethod
+    def _to_host(layers):
+        """GPU layers -> pinned host copies made off the engine's stream (``copy_aside``), and the event
+        that marks them done; host layers as they are."""
         if not layers or not layers[0][0].is_cuda:
             return layers, None
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(layers[0][0].device)
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(layers[0][0].device))
-        host = []
-        with torch.cuda.stream(stream):
-            for k, v in layers:
-                pair = []
-                for t in (k, v):
-                    dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    dst.copy_(t, non_blocking=True)
-                    t.record_stream(stream)      # the source may be freed by the caller meanwhile
-                    pair.append(dst)
-                host.append(tuple(pair))
-        ready = torch.cuda.Event()
-        ready.record(stream)
-        return host, ready
+        import torch
+
+        from services.cluster.staging import copy_aside
+
+        flat, ready = copy_aside([t for kv in layers for t in kv], torch.device("cpu"))
+        return list(zip(flat[0::2], flat[1::2])), ready
 
     def put(self, chunk_id: str, layers, fingerprint: str = "") -> bool:
         """Store a chunk now; True when acknowledged."""

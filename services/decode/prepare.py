@@ -57,7 +57,8 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
     ids = list(dict.fromkeys(ref.chunk_id for ref in handoff.chunks))
     missing = [cid for cid in ids if cid not in engine.cache]   # a hint: the engine checks again at import
     present = store.lookup(missing) if missing and store.enabled else {}
-    pending = [cid for cid in missing if cid not in present and cid in set(received.header.storing)]
+    storing = set(received.header.storing)
+    pending = [cid for cid in missing if cid not in present and cid in storing]
     if pending and store_wait_s > 0:
         present.update(_await_writes(store, pending, store_wait_s, metrics))
     fetched: dict[str, list] = {}
@@ -74,7 +75,6 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
     return PreparedHandoff(received, handoff, fetched, ready)
 
 
-_STREAMS: dict = {}
 POLL_S = 0.02
 
 
@@ -93,21 +93,16 @@ def _await_writes(store: StoreAccess, ids: list[str], wait_s: float, metrics: De
 
 
 def _stage(fetched: dict[str, list], device):
-    """Fetched host layers -> device tensors, copied from pinned memory on a side stream here, so that
-    admitting the sequence on the engine thread copies nothing (a pageable copy there would wait for
-    the batch's kernels to drain). Returns (fetched on the device, the event marking the copies done)."""
+    """Fetched host layers -> device tensors copied off the engine's stream (``copy_aside``), so that
+    admitting the sequence on the engine thread copies nothing. Returns (fetched on the device, the
+    event marking the copies done)."""
     if device.type != "cuda" or not fetched:
         return fetched, None
-    import torch
+    from services.cluster.staging import copy_aside
 
-    stream = _STREAMS.get(device)
-    if stream is None:
-        stream = _STREAMS[device] = torch.cuda.Stream(device)
-    out: dict[str, list] = {}
-    with torch.cuda.stream(stream):
-        for cid, layers in fetched.items():
-            out[cid] = [(i, k.pin_memory().to(device, non_blocking=True), v.pin_memory().to(device, non_blocking=True))
-                        for i, k, v in layers]
-    ready = torch.cuda.Event()
-    ready.record(stream)
+    order = [(cid, i) for cid, layers in fetched.items() for i, _, _ in layers]
+    flat, ready = copy_aside([t for layers in fetched.values() for _, k, v in layers for t in (k, v)], device)
+    out: dict[str, list] = {cid: [] for cid in fetched}
+    for n, (cid, i) in enumerate(order):
+        out[cid].append((i, flat[2 * n], flat[2 * n + 1]))
     return out, ready

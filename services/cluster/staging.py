@@ -1,0 +1,39 @@
+"""Copies between host and GPU that stay off the engine's stream.
+
+A worker's helper threads move chunk KV while its engine thread computes. A plain ``.cpu()`` or
+``.to(cuda)`` there runs on the engine's stream (in line with its kernels), and a copy from pageable
+memory first waits for that stream to drain. ``copy_aside`` copies through pinned memory on a side
+stream instead and returns the event that marks the copies done.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def copy_aside(tensors: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+    """``tensors`` copied to ``device`` on a side stream: to the CPU into pinned memory, after the
+    current stream's work on the GPU sources (marked used by the side stream, so the caller may drop
+    them at once); to a GPU from host tensors. Wait on the returned event before reading the copies,
+    and ``record_stream`` GPU copies on the stream that reads them."""
+    gpu = device if device.type == "cuda" else tensors[0].device
+    stream = _STREAMS.get(gpu)
+    if stream is None:
+        stream = _STREAMS[gpu] = torch.cuda.Stream(gpu)
+    if device.type != "cuda":     # GPU sources: after the kernels that wrote them
+        stream.wait_stream(torch.cuda.current_stream(gpu))
+    out = []
+    with torch.cuda.stream(stream):
+        for t in tensors:
+            if device.type == "cuda":
+                out.append(t.pin_memory().to(device, non_blocking=True))
+            else:
+                dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                dst.copy_(t, non_blocking=True)
+                t.record_stream(stream)
+                out.append(dst)
+    ready = torch.cuda.Event()
+    ready.record(stream)
+    return out, ready
