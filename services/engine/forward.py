@@ -211,7 +211,7 @@ class Forward:
         stats.private_blocks_allocated += len(s_blocks)
         tables.append(s_table)
         table = BlockTable.cat(tables)
-        ids = torch.tensor([t for r in runs for t in r[1]] + suffix, dtype=torch.long, device=dev)
+        ids = host_to_device([t for r in runs for t in r[1]] + suffix, torch.long, dev)
         pos = torch.arange(start - sum(len(r[1]) for r in runs), start + len(suffix), device=dev)
         wb = torch.cat([r[3] for r in runs] + [s_block])
         ws = torch.cat([r[4] for r in runs] + [s_slot])
@@ -321,12 +321,12 @@ class Forward:
             logits = graphs.run(seqs, tokens, blocks, slots, positions)
             if logits is not None:
                 return logits
-        block = torch.tensor(blocks, dtype=torch.long, device=dev)
-        slot = torch.tensor(slots, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        block = host_to_device(blocks, torch.long, dev)
+        slot = host_to_device(slots, torch.long, dev)
+        pos = host_to_device(positions, torch.long, dev)
         self.pool.slot_pos[block, slot] = pos.to(torch.int32)
         gen_tables = [BlockTable.for_run(s.gen_blocks, s.gen_count, bs, 0, dev) for s in seqs]
-        h = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
+        h = self.model.embed(host_to_device(tokens, torch.long, dev))
         # Layers share table objects (one or two distinct per sequence), so the batch table and its
         # bounds are built once per distinct combination: the same tensors at every layer let the
         # kernels reuse their packed metadata (one validation and packing per combination, not per layer).
