@@ -65,35 +65,34 @@ class PrefillWorker:
         self.fixed_ratio = fixed_ratio
         self.kv_bytes_per_token = engine.describe_memory()["kv_bytes_per_token"]
         self.resident: tuple[str, ...] = ()   # snapshot for Status, which must not queue behind prefills
-        self._store_held: set[str] = set()    # chunk ids of the request in flight that the store already holds
-        self._storing: list[str] = []         # chunk ids of the request in flight queued for a store write
 
     def resident_ids(self) -> tuple[str, ...]:
         """Chunk ids in the device cache (engine thread); also refreshes the snapshot."""
         self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)  # replicas are keyed id@start
         return self.resident
 
-    def _tiers(self, job: PrefillJob, ids: list[str]) -> tuple[list[str], dict[str, str]]:
+    def _tiers(self, job: PrefillJob, ids: list[str]) -> tuple[list[str], dict[str, str], set[str]]:
         """Where each chunk's KV will come from, decided before the pass (one engine thread: nothing
-        changes the cache in between). Returns (tier per chunk, store lookup for the fetcher)."""
+        changes the cache in between). Returns (tier per chunk, store lookup for the fetcher, ids the
+        store holds: those computed instead of loaded need not be stored again)."""
         if job.mode == "full":
-            return [COMPUTED] * len(ids), {}
+            return [COMPUTED] * len(ids), {}, set()
         if job.mode == "position_aware":
             starts, s = [], 0
             for c in job.chunks:
                 starts.append(s)
                 s += len(c)
-            return [GPU if f"{cid}@{st}" in self.eng.cache else COMPUTED for cid, st in zip(ids, starts)], {}
+            return [GPU if f"{cid}@{st}" in self.eng.cache else COMPUTED for cid, st in zip(ids, starts)], {}, set()
         if job.mode == "prefix":
-            return [COMPUTED] * len(ids), {}        # corrected from the engine's hit count afterwards
+            return [COMPUTED] * len(ids), {}, set()   # corrected from the engine's hit count afterwards
         missing = [cid for cid in ids if cid not in self.eng.cache]
         present = self.store.lookup(missing) if missing else {}
-        self._store_held = set(present)      # computed instead of loaded below: no need to store them again
+        held = set(present)
         if present:
             # stream from the store only what loads faster than it computes (one probe request in a few loads anyway)
             length = {cid: len(c) for cid, c in zip(ids, job.chunks)}
-            store_bytes = sum(length[cid] for cid in present) * self.kv_bytes_per_token
-            if not self.controller.prefer_load(store_bytes, sum(length[cid] for cid in present)):
+            tokens = sum(length[cid] for cid in present)
+            if not self.controller.prefer_load(tokens * self.kv_bytes_per_token, tokens):
                 present = {}
         seen: set[str] = set()
         tiers = []
@@ -103,7 +102,7 @@ class PrefillWorker:
             else:
                 tiers.append(present.get(cid, COMPUTED))
             seen.add(cid)
-        return tiers, present
+        return tiers, present, held
 
     def prefill(self, job: PrefillJob, on_first=None) -> PrefillOutcome:
         """Run one request; ``on_first(token)`` is called (engine thread) with the first token as soon as
@@ -113,8 +112,13 @@ class PrefillWorker:
         started = time.perf_counter()
         queue_s = started - job.enqueued
         ids = [self.eng.chunk_id(c) for c in job.chunks]
-        self._store_held, self._storing = set(), []
-        tiers, present = self._tiers(job, ids)
+        tiers, present, held = self._tiers(job, ids)
+        storing: list[str] = []           # chunk ids this request queued for a store write
+
+        def on_computed(chunk_id: str, layers) -> None:
+            if chunk_id not in held and self._store_later(chunk_id, layers):
+                storing.append(chunk_id)
+
         ratio = self._ratio(job, tiers)
         chunks, suffix = [list(c) for c in job.chunks], list(job.suffix)
         store = job.mode in REUSE_MODES and self.store.enabled
@@ -130,7 +134,7 @@ class PrefillWorker:
         res, handoff = self.eng.prefill_handoff(
             chunks, suffix, mode=job.mode, recompute_ratio=ratio,
             fetch=self.store.fetcher(present) if store else None,
-            on_computed=self._on_computed if store else None,
+            on_computed=on_computed if store else None,
             extra_tokens=job.sampling.params.max_new_tokens, on_logits=on_logits,
             kv_on_device=self.eng.device.type == "cuda")   # copied to the host (or shared) off this thread
         st = res.stats
@@ -158,8 +162,8 @@ class PrefillWorker:
         seconds = time.perf_counter() - started
         self.metrics.seconds.observe(seconds)
         self.metrics.queue_seconds.observe(queue_s)
-        return PrefillOutcome(handoff, tuple(self._storing), first[0], job.sampling.finish_reason(first[0], 1), first[1], ratio,
-                              tier_tokens, st.tokens_recomputed, loaded, st.load_seconds, wait,
+        return PrefillOutcome(handoff, tuple(storing), first[0], job.sampling.finish_reason(first[0], 1), first[1],
+                              ratio, tier_tokens, st.tokens_recomputed, loaded, st.load_seconds, wait,
                               st.chunk_compute_seconds, st.forward_seconds, seconds, queue_s)
 
     def _ratio(self, job: PrefillJob, tiers: list[str]) -> float:
@@ -170,12 +174,11 @@ class PrefillWorker:
         store_tokens = sum(len(c) for t, c in zip(tiers, job.chunks) if t not in (GPU, COMPUTED))
         return self.controller.ratio(store_tokens * self.kv_bytes_per_token, sum(map(len, job.chunks)))
 
-    def _on_computed(self, chunk_id: str, layers) -> None:
-        if chunk_id in self._store_held:
-            return
-        if self.store.put_later(chunk_id, layers, self.eng.fingerprint):
-            self._storing.append(chunk_id)
-            self.metrics.stored_bytes.inc(sum(k.numel() * k.element_size() * 2 for k, _ in layers))
+    def _store_later(self, chunk_id: str, layers) -> bool:
+        if not self.store.put_later(chunk_id, layers, self.eng.fingerprint):
+            return False
+        self.metrics.stored_bytes.inc(sum(k.numel() * k.element_size() * 2 for k, _ in layers))
+        return True
 
     def warm(self, chunks: list[list[int]]) -> list[bool]:
         """Compute each chunk alone (unless cached here or in the store) and store it; True when the
