@@ -33,6 +33,7 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+@lru_cache(maxsize=8)
 def device_uuid(device: torch.device) -> str:
     """The GPU's UUID, "" for a CPU device (no IPC there)."""
     if device.type != "cuda":
@@ -41,9 +42,13 @@ def device_uuid(device: torch.device) -> str:
     return str(getattr(torch.cuda.get_device_properties(idx), "uuid", ""))
 
 
-def same_gpu(a: pb.WorkerStatus | tuple[str, str], b: pb.WorkerStatus) -> bool:
-    ha, da = (a.host_id, a.device_uuid) if isinstance(a, pb.WorkerStatus) else a
-    return bool(da) and ha == b.host_id and da == b.device_uuid
+def placement(device: torch.device) -> dict[str, str]:
+    """This worker's machine and GPU, as the ``WorkerStatus`` fields ``same_gpu`` compares."""
+    return {"host_id": host_id(), "device_uuid": device_uuid(device)}
+
+
+def same_gpu(a: pb.WorkerStatus, b: pb.WorkerStatus) -> bool:
+    return bool(a.device_uuid) and a.host_id == b.host_id and a.device_uuid == b.device_uuid
 
 
 def share(buf: torch.Tensor) -> pb.CudaIpcBuffer:

@@ -1,8 +1,9 @@
 """Continuous batching: one engine thread admits new sequences between steps and decodes them all.
 
 Each step: admit the hand-offs that arrived (rebuild the sequence, sample its first token from the
-hand-off's logits, or take the one the prefill worker sampled and the client already has), then one ``Engine.decode_step`` over every live sequence, sample each next token
-with that request's own sampling parameters and generator (so a sequence's tokens do not depend on
+hand-off's logits, or take the one the prefill worker sampled and the client already has), then one
+``Engine.decode_step`` over every live sequence, sample each next token with that request's own
+sampling parameters and generator (so a sequence's tokens do not depend on
 which others share its batch), emit it, and retire finished sequences (their KV freed at once).
 Stopping mirrors ``Engine.generate``: a stop token is emitted, then the sequence ends.
 Engine calls that are not decoding (reset, cache listing) run between steps through ``call``.

@@ -17,7 +17,7 @@ import grpc
 
 from services.cluster.config import DecodeSettings, EngineSettings
 from services.cluster.kvio import StoreAccess
-from services.cluster.cuda_ipc import copy_out, device_uuid, host_id
+from services.cluster.cuda_ipc import copy_out, placement
 from services.cluster.sampling import WireSampling
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.cluster.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
@@ -125,8 +125,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         resident = self.batcher.resident         # a snapshot: a poll never waits for a decode step
         return pb.WorkerStatus(name=self.name, in_flight=self.decoding, resident_chunk_ids=resident,
                                transport=self.transport.detail, metrics_url=self.metrics_url,
-                               model_fingerprint=self.eng.fingerprint, host_id=host_id(),
-                               device_uuid=device_uuid(self.eng.device))
+                               model_fingerprint=self.eng.fingerprint, **placement(self.eng.device))
 
     async def Reset(self, request, context):
         def clear() -> int:

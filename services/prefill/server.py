@@ -2,8 +2,9 @@
 
 Engine work runs on one thread (the engine is not thread-safe); the event loop only moves bytes.
 The first token is sampled here and streamed back at once; then the hand-off is serialised (off the
-engine thread) and pushed to the decode worker the gateway named; a push that fails is answered ABORTED (the gateway retries with another decode worker), bad input INVALID_ARGUMENT,
-no KV memory RESOURCE_EXHAUSTED.
+engine thread) and pushed to the decode worker the gateway named. A push that fails is answered
+ABORTED (the gateway retries with another decode worker), bad input INVALID_ARGUMENT, no KV memory
+RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import grpc
 
 from services.cluster.config import EngineSettings, PrefillSettings
 from services.cluster.kvio import StoreAccess
-from services.cluster.cuda_ipc import device_uuid, host_id, same_gpu, share
+from services.cluster.cuda_ipc import placement, same_gpu, share
 from services.cluster.sampling import WireSampling
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.cluster.transport import handoff_parts, probe_transport
@@ -143,7 +144,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 st = await self._decode_stub(address).Status(pb.WorkerStatusRequest(), timeout=5.0)
             except grpc.aio.AioRpcError:
                 return False       # asked again next time
-            self._same_gpu[address] = same_gpu((host_id(), device_uuid(self.worker.eng.device)), st)
+            self._same_gpu[address] = same_gpu(pb.WorkerStatus(**placement(self.worker.eng.device)), st)
         return self._same_gpu[address]
 
     async def Warm(self, request: pb.WarmRequest, context):
@@ -158,8 +159,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         resident = self.worker.resident          # the snapshot: a poll never waits behind queued prefills
         return pb.WorkerStatus(name=self.name, in_flight=self.in_flight, resident_chunk_ids=resident,
                                transport=self.transport.detail, metrics_url=self.metrics_url,
-                               model_fingerprint=self.worker.eng.fingerprint, host_id=host_id(),
-                               device_uuid=device_uuid(self.worker.eng.device))
+                               model_fingerprint=self.worker.eng.fingerprint, **placement(self.worker.eng.device))
 
     async def Reset(self, request, context):
         dropped, _ = await self._on_engine(lambda: (self.worker.reset(request.device_only), self.worker.resident_ids()))

@@ -154,13 +154,15 @@ def test_transport_probe_reports_nixl():
 def test_cuda_ipc_needs_one_gpu_on_one_host():
     import torch
 
-    from services.cluster.cuda_ipc import device_uuid, host_id, same_gpu, share
+    from services.cluster.cuda_ipc import device_uuid, host_id, placement, same_gpu, share
     me = pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-1")
     assert same_gpu(me, pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-1"))
     assert not same_gpu(me, pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-2"))
     assert not same_gpu(me, pb.WorkerStatus(host_id="elsewhere/1", device_uuid="GPU-1"))
-    assert not same_gpu((host_id(), ""), pb.WorkerStatus(host_id=host_id(), device_uuid=""))  # CPU workers
+    assert not same_gpu(pb.WorkerStatus(host_id=host_id(), device_uuid=""),
+                        pb.WorkerStatus(host_id=host_id(), device_uuid=""))   # CPU workers
     assert device_uuid(torch.device("cpu")) == ""
+    assert placement(torch.device("cpu")) == {"host_id": host_id(), "device_uuid": ""}
     with pytest.raises(ValueError, match="CUDA tensor"):
         share(torch.zeros(4))
 
