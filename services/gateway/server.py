@@ -57,8 +57,9 @@ class _Relay:
         for tok in tokens:
             if self.seen < len(self.replay):
                 if tok != self.replay[self.seen]:
-                    await context.abort(grpc.StatusCode.ABORTED, f"request {self.rid} could not be resumed on "
-                                                                 f"worker {worker}: token {self.seen} came out different")
+                    await context.abort(grpc.StatusCode.ABORTED,
+                                        f"request {self.rid} could not be resumed on worker {worker}: "
+                                        f"token {self.seen} came out different")
             else:
                 fresh.append(tok)
             self.seen += 1
@@ -148,10 +149,10 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         # (the tokens already sent are regenerated, checked and skipped); unseeded sampling cannot
         resumable = req.sampling.temperature == 0 or req.sampling.seed is not None
         stats, finish = None, ""
+        sampling = req.sampling.to_proto()
         try:
             preq = pb.PrefillRequest(request_id=rid, chunks=[pb.TokenIds(ids=c) for c in req.chunks],
-                                     suffix=req.suffix, mode=req.mode, decode_address=d.address,
-                                     max_new_tokens=req.sampling.max_new_tokens, sampling=req.sampling.to_proto())
+                                     suffix=req.suffix, mode=req.mode, decode_address=d.address, sampling=sampling)
             if req.recompute_ratio is not None:
                 preq.recompute_ratio = req.recompute_ratio
             try:
@@ -177,7 +178,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
             if not finish:           # the first token did not end the request: the decode worker goes on
                 try:
                     call = self.peers.decode_stub(d).Decode(
-                        pb.DecodeRequest(request_id=rid, sampling=req.sampling.to_proto()),
+                        pb.DecodeRequest(request_id=rid, sampling=sampling),
                         timeout=self._remaining(context))
                     async for msg in call:
                         fresh = await relay.accept(msg.token_ids, context, d.name)

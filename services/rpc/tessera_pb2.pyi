@@ -220,14 +220,13 @@ class WorkerStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., in_flight: _Optional[int] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., metrics_url: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "chunks", "suffix", "mode", "recompute_ratio", "decode_address", "max_new_tokens", "sampling")
+    __slots__ = ("request_id", "chunks", "suffix", "mode", "recompute_ratio", "decode_address", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chunks: _containers.RepeatedCompositeFieldContainer[TokenIds]
@@ -235,9 +234,8 @@ class PrefillRequest(_message.Message):
     mode: str
     recompute_ratio: float
     decode_address: str
-    max_new_tokens: int
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., suffix: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., decode_address: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., suffix: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., decode_address: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "stats", "resident_chunk_ids", "finish_reason")
