@@ -1,0 +1,188 @@
+"""Host work of one prefill pass, measured on the CPU: aten ops dispatched and host time per phase.
+
+On a GPU every non-view aten op is a kernel launch (or a copy) that the host issues one by one; a
+pass whose GPU work is short (tessera@0: one graph replay) is bound by them. This meter runs the
+engine on the CPU with a small random Llama (the request shape of bench/engine.py: 6 chunks x 512
+tokens + 64, few layers, static tails forced on as on CUDA) and counts, per phase of one pass:
+  ops      every aten op dispatched (TorchDispatchMode), views included;
+  launches the ops that would launch a kernel or a copy on CUDA (views and bare allocations left out);
+  syncs    ops that would make the host wait for the GPU: item()/tolist()/bool(tensor) (a local
+           scalar read), nonzero/masked_select/equal, and a Python scalar written into a tensor
+           element (``t[i] = x`` copies a 0-dim host tensor);
+  host ms  wall time of the phase's ops and of the Python between them (on the CPU this includes
+           the ops' own compute; the model here is small so that it stays a minor part).
+Phases are named by the engine function an op comes from (innermost match on the Python stack; ops
+inside a static tail's body count as ``tail graph``: on CUDA they are one graph replay). ``before
+model`` counts the launches issued before the first model op (embedding, layer 0): on a GPU idle
+at the start of a request, the time it waits for its first real work.
+
+    .venv/bin/python bench/host_ops.py [--layers 4] [--modes tessera@0.15,tessera@0,prefix] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.engine import Engine  # noqa: E402
+from services.engine.tiny import random_weights, tiny_config  # noqa: E402
+
+# (phase, qualified names of engine functions): the innermost frame that matches names an op's phase
+PHASES = [
+    ("validate", {"Engine._validate"}),
+    ("place", {"Forward._place", "chunk_id"}),
+    ("tables", {"ChunkLayout.__init__", "ChunkLayout.shared_tables", "BlockTable.for_run", "BlockTable.cat",
+                "BlockTable.from_host", "Forward._private", "Forward.chunk_table", "host_to_device",
+                "RequestTables.__init__", "RequestTables.post_selection", "ChunkEntry.device_view",
+                "Forward.chunk_view"}),
+    ("selection", {"select_hkvd", "ChunkLayout.cached_kv", "RequestTables.cached_kv"}),
+    ("attention", {"TorchAttention.prefill", "TritonAttention.prefill"}),
+    ("kv write", {"BlockPool.write"}),
+    ("model", {"Transformer.embed", "Transformer.attention_inputs", "Transformer.finish_layer",
+               "Transformer.logits"}),
+    ("tail fill", {"StaticTail.fill", "TailCache.run", "TorchStatic.fill", "TritonStatic.fill"}),
+]
+GRAPH = "StaticTail._body"
+NAME_TO_PHASE = {name: phase for phase, names in PHASES for name in names}
+ORDER = ["validate", "place", "tables", "model", "attention", "kv write", "selection", "tail fill", "other",
+         "tail graph"]
+ALLOC = {"empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
+         "new_empty_strided.default", "lift_fresh.default", "_to_copy.default"}
+SYNC = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "unique", "_unique2"}
+
+
+def is_view(func) -> bool:
+    return func.is_view or func.__name__ in ("view.default", "_unsafe_view.default", "alias.default")
+
+
+class HostMeter(TorchDispatchMode):
+    """Counts ops, kernel-launching ops, likely syncs and host time per phase while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.launches, self.syncs = Counter(), Counter(), Counter()
+        self.seconds = defaultdict(float)
+        self.sync_sites: Counter = Counter()
+        self.before_model = None   # launches before the first model op
+        self._launched = 0
+        self._last = None
+
+    def _phase(self):
+        frame, found, site = sys._getframe(2), None, None
+        while frame is not None:
+            code = frame.f_code
+            if code.co_qualname == GRAPH:
+                return "tail graph", site
+            if "services/engine" in code.co_filename and site is None:
+                site = f"{Path(code.co_filename).name}:{frame.f_lineno}"
+            if found is None:
+                found = NAME_TO_PHASE.get(code.co_qualname)
+            frame = frame.f_back
+        return found or "other", site
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t_in = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        t_done = time.perf_counter()
+        phase, site = self._phase()
+        self.ops[phase] += 1
+        view = is_view(func)
+        name = func.__name__
+        if not view and name not in ALLOC:
+            self.launches[phase] += 1
+            self._launched += 1
+        base = func._schema.name.split("::")[-1]
+        scalar_set = (base in ("copy_", "index_put_") and len(args) > 1 and isinstance(args[1], torch.Tensor)
+                      and args[1].dim() == 0 and (base == "index_put_" or args[0].dim() == 0))
+        if base in SYNC or scalar_set:
+            self.syncs[phase] += 1
+            self.sync_sites[f"{site} ({base})"] += 1
+        if phase == "model" and self.before_model is None:
+            self.before_model = self._launched - 1
+        self.seconds[phase] += (t_in - self._last if self._last is not None else 0.0) + (t_done - t_in)
+        self._last = time.perf_counter()
+        return out
+
+
+def build_engine(args, backend: str) -> Engine:
+    cfg = tiny_config("llama3", num_layers=args.layers, vocab_size=1024, hidden_size=args.hidden,
+                      intermediate_size=2 * args.hidden, num_heads=4, num_kv_heads=2, head_dim=args.hidden // 4)
+    return Engine.from_state_dict(cfg, random_weights(cfg, 0), device="cpu", dtype=torch.float32,
+                                  attention_backend=backend, static_tails=True, kv_cache_bytes=256 << 20)
+
+
+def measure(eng: Engine, chunks, suffix, mode: str, ratio: float, reps: int) -> dict:
+    call = lambda: eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)  # noqa: E731
+    call()  # warms the chunk cache and the tails
+    call()
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        walls.append(time.perf_counter() - t0)
+    meter = HostMeter()
+    with meter:
+        call()
+    return {"mode": mode, "ratio": ratio, "wall_ms": statistics.median(walls) * 1e3,
+            "ops": dict(meter.ops), "launches": dict(meter.launches), "syncs": dict(meter.syncs),
+            "host_ms": {k: v * 1e3 for k, v in meter.seconds.items()}, "before_model": meter.before_model,
+            "sync_sites": dict(meter.sync_sites.most_common(12))}
+
+
+def table(row: dict) -> str:
+    lines = [f"{row['mode']}@{row['ratio']}: {row['wall_ms']:.1f} ms a pass unmetered on this CPU; "
+             f"{row['before_model']} launches before the first model op",
+             f"  {'phase':12s} {'ops':>6s} {'launches':>9s} {'syncs':>6s} {'host ms':>8s}"]
+    for phase in ORDER:
+        if phase in row["ops"]:
+            lines.append(f"  {phase:12s} {row['ops'][phase]:6d} {row['launches'].get(phase, 0):9d} "
+                         f"{row['syncs'].get(phase, 0):6d} {row['host_ms'].get(phase, 0.0):8.2f}")
+    eager = {k: v for k, v in row["launches"].items() if k != "tail graph"}
+    lines.append(f"  {'outside graph':12s} {sum(v for k, v in row['ops'].items() if k != 'tail graph'):6d} "
+                 f"{sum(eager.values()):9d} {sum(v for k, v in row['syncs'].items() if k != 'tail graph'):6d} "
+                 f"{sum(v for k, v in row['host_ms'].items() if k != 'tail graph'):8.2f}")
+    if row["sync_sites"]:
+        lines.append("  sync sites: " + ", ".join(f"{k} x{v}" for k, v in row["sync_sites"].items()))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--chunks", type=int, default=6)
+    ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--suffix-tokens", type=int, default=64)
+    ap.add_argument("--modes", default="tessera@0.15,tessera@0,prefix@0")
+    ap.add_argument("--backend", default="torch", help="torch (the Triton backend runs only interpreted on a CPU)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    chunks = [torch.randint(0, 1000, (args.chunk_tokens,), generator=g).tolist() for _ in range(args.chunks)]
+    suffix = torch.randint(0, 1000, (args.suffix_tokens,), generator=g).tolist()
+    eng = build_engine(args, args.backend)
+    rows = []
+    with torch.no_grad():
+        for spec in args.modes.split(","):
+            mode, _, ratio = spec.partition("@")
+            rows.append(measure(eng, chunks, suffix, mode, float(ratio or 0.0), args.reps))
+            print(table(rows[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
