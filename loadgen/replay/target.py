@@ -16,7 +16,7 @@ from typing import Iterable, Mapping, Protocol, runtime_checkable
 # The serving modes, as in services/engine/request.py MODES (a test keeps the two equal).
 MODES = ("full", "prefix", "position_aware", "blend_copy", "tessera")
 # Where a chunk's KV came from, best first; "computed" means a miss (prefilled from scratch).
-TIER_ORDER = ("gpu", "dram", "rocksdb", "s3", "computed")
+TIER_ORDER = ("gpu", "host", "dram", "rocksdb", "s3", "computed")   # host: the worker's own host memory
 MISS_TIER = "computed"
 
 

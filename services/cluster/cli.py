@@ -34,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     up.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
     up.add_argument("--store-dir", help="RocksDB directories go here (default: a temporary directory)")
+    up.add_argument("--host-cache-gb", type=float, default=0.0,
+                    help="each worker's own host-memory chunk tier, GB (default 0: off); pinned on a GPU")
     up.add_argument("--token", default=os.environ.get("TESSERA_TOKEN"), help="bearer token clients must send")
     up.add_argument("--tls-cert", help="serve the client API over TLS with this certificate chain (PEM)")
     up.add_argument("--tls-key", help="the private key of --tls-cert (PEM)")
@@ -64,7 +66,7 @@ def _ray_cli() -> str:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.cluster.config import ClusterConfig
+    from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
     from services.cluster.launch import ensure_ray, start_cluster
 
     if STATE.exists():
@@ -102,7 +104,9 @@ def _up(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(model_dir=model, prefill=args.prefill, decode=args.decode, stores=args.stores, device=device,
                         dtype=args.dtype or ("bfloat16" if cuda else "float32"), store_dir=store_dir,
                         gateway_port=args.port, bind_host=host, token=args.token, tls_cert=args.tls_cert,
-                        tls_key=args.tls_key, detached=True)
+                        tls_key=args.tls_key, detached=True,
+                        prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9)),
+                        decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9)))
     try:
         ensure_ray(address)
         cluster = start_cluster(cfg, progress=lambda m: print(m, file=sys.stderr))

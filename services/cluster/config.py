@@ -45,8 +45,13 @@ class PrefillSettings:
     # "cost": stream a store-held chunk only when that is measured faster than computing it;
     # "always": stream every store-held chunk
     store_loads: str = "cost"
+    # the worker's own host-memory chunk tier (services/cluster/hostcache.py): chunks it wrote to or read
+    # from the store, kept pinned for a fast way back to the GPU; 0: off
+    host_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if self.store_loads not in ("cost", "always"):
             raise ValueError(f"store_loads must be 'cost' or 'always', got {self.store_loads!r}")
         if not 0.0 <= self.quality_floor <= 1.0:
@@ -62,8 +67,11 @@ class DecodeSettings:
     # how long a hand-off waits (off the engine thread) for a chunk the prefill worker is still writing to
     # the store, before the decode worker computes that chunk itself, in its batch
     store_wait_s: float = 1.0
+    host_cache_bytes: int = 0               # as PrefillSettings': chunks read from the store kept in host memory
 
     def __post_init__(self) -> None:
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.store_wait_s < 0:

@@ -4,6 +4,9 @@ The store is an accelerator, never a dependency: a shard that is down or slow ma
 misses (the worker computes them), a failed put is counted and dropped. A shard that failed is
 skipped for ``backoff_s`` so that requests do not each pay its timeout; Ray restarts it on the
 same address and it is tried again after that.
+
+With ``host_bytes`` > 0 the worker also keeps the chunks it writes to or reads from the store in its
+own host memory (``hostcache.HostChunks``, tier "host"), looked up before the shards.
 """
 
 from __future__ import annotations
@@ -16,17 +19,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from services.cluster.hostcache import HOST, HostChunks
+
 log = logging.getLogger(__name__)
 
 
 class StoreAccess:
     def __init__(self, addresses: Sequence[str], *, lookup_timeout: float = 2.0, get_timeout: float = 30.0,
                  put_timeout: float = 30.0, backoff_s: float = 2.0, max_pending_puts: int = 64,
-                 on_error: Callable[[str], None] | None = None) -> None:
+                 on_error: Callable[[str], None] | None = None, host_bytes: int = 0) -> None:
         from services.kvstore import ShardedKVStoreClient
 
         self.addresses = list(addresses)
         self._client = ShardedKVStoreClient(self.addresses, timeout=put_timeout) if self.addresses else None
+        self.host = HostChunks(host_bytes) if host_bytes > 0 else None
         self.lookup_timeout, self.get_timeout, self.put_timeout = lookup_timeout, get_timeout, put_timeout
         self.backoff_s = backoff_s
         self.max_pending_puts = max_pending_puts
@@ -41,7 +47,7 @@ class StoreAccess:
 
     @property
     def enabled(self) -> bool:
-        return self._client is not None
+        return self._client is not None or self.host is not None
 
     def _up(self, shard: str) -> bool:
         return time.monotonic() >= self._down_until.get(shard, 0.0)
@@ -51,14 +57,19 @@ class StoreAccess:
         self._on_error(kind)
         log.warning("kv store %s %s failed: %s", shard, kind, getattr(exc, "details", lambda: exc)())
 
-    def lookup(self, chunk_ids: Sequence[str]) -> dict[str, str]:
-        """{chunk id: fastest tier holding it} for the ids some reachable shard holds."""
-        if self._client is None or not chunk_ids:
-            return {}
-        by_shard: dict[str, list[str]] = {}
-        for cid in dict.fromkeys(chunk_ids):
-            by_shard.setdefault(self._client.shard_for(cid), []).append(cid)
+    def lookup(self, chunk_ids: Sequence[str], host: bool = True) -> dict[str, str]:
+        """{chunk id: fastest tier holding it} for the ids this worker's host tier (unless ``host`` is
+        False) or some reachable shard holds."""
         found: dict[str, str] = {}
+        rest = list(dict.fromkeys(chunk_ids))
+        if host and self.host is not None:
+            found = {cid: HOST for cid in rest if cid in self.host}
+            rest = [cid for cid in rest if cid not in found]
+        if self._client is None or not rest:
+            return found
+        by_shard: dict[str, list[str]] = {}
+        for cid in rest:
+            by_shard.setdefault(self._client.shard_for(cid), []).append(cid)
         for shard, ids in by_shard.items():
             if not self._up(shard):
                 continue
@@ -74,23 +85,45 @@ class StoreAccess:
         """``fetch(chunk_id)`` for the engine: a layer stream for chunks ``lookup`` found, else None.
         A stream that breaks midway is recomputed by the engine."""
         def fetch(cid: str):
-            if self._client is None or cid not in present:
+            if cid not in present:
                 return None
-            return self._client.get(cid, timeout=self.get_timeout)
+            if present[cid] == HOST:
+                entry = self.host.get(cid)
+                if entry is not None:
+                    return entry.stream()
+                # evicted since the lookup: the store may still hold it
+            if self._client is None:
+                return None
+            stream = self._client.get(cid, timeout=self.get_timeout)
+            return stream if self.host is None else self._keeping(cid, stream)
         return fetch
 
+    def _keeping(self, cid: str, stream: Iterator) -> Iterator:
+        """``stream`` passed through; its layers kept in the host tier once it has ended whole."""
+        layers = []
+        for layer, k, v in stream:
+            layers.append((k, v))
+            yield layer, k, v
+        self.host.put(cid, layers)
+
     def put_later(self, chunk_id: str, layers, fingerprint: str = "") -> bool:
-        """Queue a put; False (dropped) when too many are pending or the shard is backing off."""
-        if self._client is None:
+        """Keep the chunk in the host tier and queue a store put; False when no put was queued (no
+        store, too many pending, or the shard is backing off)."""
+        queued = False
+        if self._client is not None:
+            shard = self._client.shard_for(chunk_id)
+            with self._lock:
+                if self._pending < self.max_pending_puts and self._up(shard):
+                    self._pending += 1
+                    queued = True
+        if not queued and self.host is None:
             return False
-        shard = self._client.shard_for(chunk_id)
-        with self._lock:
-            if self._pending >= self.max_pending_puts or not self._up(shard):
-                return False
-            self._pending += 1
         layers, ready = self._to_host(layers)
-        self._puts.submit(self._put, chunk_id, layers, fingerprint, ready)
-        return True
+        if self.host is not None:
+            self.host.put(chunk_id, layers, ready)
+        if queued:
+            self._puts.submit(self._put, chunk_id, layers, fingerprint, ready)
+        return queued
 
     @staticmethod
     def _to_host(layers):
@@ -106,12 +139,16 @@ class StoreAccess:
         return list(zip(flat[0::2], flat[1::2])), ready
 
     def put(self, chunk_id: str, layers, fingerprint: str = "") -> bool:
-        """Store a chunk now; True when acknowledged."""
+        """Store a chunk now (and keep it in the host tier); True when the store acknowledged it."""
+        ready = None
+        if self.host is not None:
+            layers, ready = self._to_host(layers)
+            self.host.put(chunk_id, layers, ready)
         if self._client is None:
             return False
         with self._lock:
             self._pending += 1
-        return self._put(chunk_id, layers, fingerprint)
+        return self._put(chunk_id, layers, fingerprint, ready)
 
     def _put(self, chunk_id: str, layers, fingerprint: str, ready=None) -> bool:
         try:
@@ -131,7 +168,10 @@ class StoreAccess:
                 self._pending -= 1
 
     def drop_known(self) -> int:
-        """Delete every chunk this worker stored (cold start between benchmark modes)."""
+        """Delete every chunk this worker stored, and empty its host tier (cold start between benchmark
+        modes). Returns how many the store deleted."""
+        if self.host is not None:
+            self.host.clear()
         dropped = 0
         for cid in list(self.known_ids):
             try:

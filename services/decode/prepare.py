@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from services.cluster.hostcache import HOST
 from services.cluster.kvio import StoreAccess
 from services.cluster.transport import ReceivedHandoff
 from services.decode.metrics import DecodeMetrics
@@ -69,7 +70,9 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
         except Exception as exc:  # noqa: BLE001 - a broken stream: the engine computes the chunk instead
             log.warning("prefetch of chunk %s failed: %s", cid[:12], exc)
     metrics.chunks.labels("gpu").inc(len(ids) - len(missing))
-    metrics.chunks.labels("store").inc(len(fetched))
+    from_host = sum(1 for cid in fetched if present[cid] == HOST)
+    metrics.chunks.labels(HOST).inc(from_host)
+    metrics.chunks.labels("store").inc(len(fetched) - from_host)
     metrics.chunks.labels("computed").inc(len(missing) - len(fetched))
     fetched, ready = _stage(fetched, engine.device)
     return PreparedHandoff(received, handoff, fetched, ready)

@@ -131,6 +131,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         def clear() -> int:
             before = len(self.eng.cache)
             self.eng.cache.clear()
+            if self.store.host is not None and not request.device_only:
+                self.store.host.clear()
             return before - len(self.eng.cache)
         return pb.ResetReply(chunks_dropped=await asyncio.wrap_future(self.batcher.call(clear)))
 
@@ -156,7 +158,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     settings = settings or DecodeSettings()
     metrics = DecodeMetrics()
     eng = await asyncio.to_thread(engine.load)
-    store = StoreAccess(store_addresses)
+    store = StoreAccess(store_addresses, host_bytes=settings.host_cache_bytes)
 
     def fetch(cid: str):
         # the decode worker has no lookup ahead of the pass: ask now, stream if present

@@ -44,14 +44,15 @@ class LoadingController:
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
-    def observe(self, stats) -> None:
-        """Learn from a PrefillStats: chunk compute time per token, store load time per byte."""
+    def observe(self, stats, loads: bool = True) -> None:
+        """Learn from a PrefillStats: chunk compute time per token, and (unless ``loads`` is False) store
+        load time per byte."""
         with self._lock:
             if stats.chunk_tokens_computed > 0 and stats.chunk_compute_seconds > 0:
                 self.seconds_per_token = self._ewma(self.seconds_per_token,
                                                     stats.chunk_compute_seconds / stats.chunk_tokens_computed)
             loaded = stats.loaded_bytes
-            if loaded > 0 and stats.load_seconds > 0:
+            if loads and loaded > 0 and stats.load_seconds > 0:
                 self.seconds_per_byte = self._ewma(self.seconds_per_byte, stats.load_seconds / loaded)
 
     def prefer_load(self, nbytes: int, tokens: int) -> bool:

@@ -188,7 +188,8 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     settings = settings or PrefillSettings()
     metrics = PrefillMetrics()
     eng = await asyncio.to_thread(engine.load)
-    store = StoreAccess(store_addresses, on_error=lambda call: metrics.store_errors.labels(call).inc())
+    store = StoreAccess(store_addresses, on_error=lambda call: metrics.store_errors.labels(call).inc(),
+                        host_bytes=settings.host_cache_bytes)
     controller = LoadingController(settings.quality_floor, probe_every=8 if settings.store_loads == "cost" else 1)
     worker = PrefillWorker(eng, store, controller, metrics, settings.default_ratio)
     http, http_port = serve_metrics(metrics.registry, host)

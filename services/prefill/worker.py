@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from services.cluster.hostcache import HOST
 from services.cluster.kvio import StoreAccess
 from services.cluster.sampling import WireSampling
 from services.prefill.controller import LoadingController
@@ -88,12 +89,14 @@ class PrefillWorker:
         missing = [cid for cid in ids if cid not in self.eng.cache]
         present = self.store.lookup(missing) if missing else {}
         held = set(present)
-        if present:
-            # stream from the store only what loads faster than it computes (one probe request in a few loads anyway)
+        remote = [cid for cid, tier in present.items() if tier != HOST]
+        if remote:
+            # stream from the shards only what loads faster than it computes (one probe request in a few loads
+            # anyway); the worker's own host tier always loads faster
             length = {cid: len(c) for cid, c in zip(ids, job.chunks)}
-            tokens = sum(length[cid] for cid in present)
+            tokens = sum(length[cid] for cid in remote)
             if not self.controller.prefer_load(tokens * self.kv_bytes_per_token, tokens):
-                present = {}
+                present = {cid: tier for cid, tier in present.items() if tier == HOST}
         seen: set[str] = set()
         tiers = []
         for cid in ids:
@@ -146,7 +149,8 @@ class PrefillWorker:
             for i in reversed(range(len(tiers))):
                 if bad and tiers[i] not in (GPU, COMPUTED):
                     tiers[i], bad = COMPUTED, bad - 1
-        self.controller.observe(st)
+        # the load speed it learns is the shards': a pass that also copied from the host tier says little of it
+        self.controller.observe(st, loads=HOST not in tiers)
         tier_tokens: dict[str, int] = {}
         for tier, c in zip(tiers, job.chunks):
             tier_tokens[tier] = tier_tokens.get(tier, 0) + len(c)
@@ -171,7 +175,7 @@ class PrefillWorker:
             return job.recompute_ratio
         if self.fixed_ratio is not None:
             return self.fixed_ratio
-        store_tokens = sum(len(c) for t, c in zip(tiers, job.chunks) if t not in (GPU, COMPUTED))
+        store_tokens = sum(len(c) for t, c in zip(tiers, job.chunks) if t not in (GPU, COMPUTED, HOST))
         return self.controller.ratio(store_tokens * self.kv_bytes_per_token, sum(map(len, job.chunks)))
 
     def _store_later(self, chunk_id: str, layers) -> bool:
@@ -186,7 +190,7 @@ class PrefillWorker:
         stored = []
         for c in chunks:
             cid = self.eng.chunk_id(c)
-            if self.store.enabled and self.store.lookup([cid]):
+            if self.store.enabled and self.store.lookup([cid], host=False):
                 stored.append(True)
                 continue
             if cid not in self.eng.cache:
