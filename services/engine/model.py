@@ -11,35 +11,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq, rotate
+from kernels.fused import add_rms_norm, default_backend, qkv_heads, rms_norm, silu_mul
+from kernels.rope import rope_cos_sin, rope_inv_freq
 from services.engine.config import ModelConfig
 from services.engine.weights import LayerWeights, ModelWeights
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's RMSNorm: normalise in fp32, cast back, then scale."""
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 class Transformer:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope_backend: str = "torch"):
+    """``kernel_backend`` runs the layer's elementwise work (kernels/fused): ``triton`` on CUDA when
+    Triton imports (the default), the plain-torch twin otherwise. ``rope_backend`` says how q/k are
+    rotated when positions are given: ``torch`` from cos/sin tables made once per pass (memoised by
+    the position tensor), any other value from the positions inside the kernel (what CUDA graphs
+    need: a memo would be frozen into the graph)."""
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope_backend: str = "torch",
+                 kernel_backend: str | None = None):
         self.cfg = cfg
         self.w = weights
         self.rope_backend = rope_backend
+        self.kernels = kernel_backend or default_backend(weights.embed.device)
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(weights.embed.device)
         self.scale = cfg.head_dim ** -0.5
         self._rope_memo: tuple | None = None  # (pos, cos, sin): one table per pass, not per layer
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        if self.rope_backend != "torch":
-            return apply_rope(x, pos, self.inv_freq, backend=self.rope_backend)
+    def _rope_table(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         memo = self._rope_memo
         if memo is None or memo[0] is not pos:
             cos, sin = rope_cos_sin(pos, self.inv_freq)
             memo = self._rope_memo = (pos, cos[:, None, :], sin[:, None, :])
-        return rotate(x, memo[1], memo[2])
+        return memo[1], memo[2]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w.embed[ids]  # [T, hidden]
@@ -47,27 +47,30 @@ class Transformer:
     def attention_inputs(self, layer: int, h: torch.Tensor, pos: torch.Tensor | None, rope=None):
         """h [T, hidden] at global positions pos [T] -> q [T, Hq, D], k, v [T, Hkv, D] (q, k rotated).
 
-        ``rope`` = (cos, sin) [T, 1, D/2] given instead of ``pos`` by static (graph-captured) passes."""
+        ``rope`` = (cos, sin) [T, 1, D/2] given instead of ``pos`` by static (graph-captured) passes.
+        Three kernels on CUDA: RMSNorm, the q|k|v matmul, and one pass splitting q, k, v with q/k norm
+        and RoPE."""
         cfg, lw = self.cfg, self.w.layers[layer]
-        x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
-        t = x.shape[0]
-        q = F.linear(x, lw.q_proj, lw.q_bias).view(t, cfg.num_heads, cfg.head_dim)
-        k = F.linear(x, lw.k_proj, lw.k_bias).view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(x, lw.v_proj, lw.v_bias).view(t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-        if rope is not None:
-            return rotate(q, *rope), rotate(k, *rope), v
-        return self._rope(q, pos), self._rope(k, pos), v
+        x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps, backend=self.kernels)
+        qkv = F.linear(x, lw.qkv_proj, lw.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
+        if rope is None and self.rope_backend == "torch":
+            rope = self._rope_table(pos)
+        cos, sin = rope if rope is not None else (None, None)
+        return qkv_heads(qkv, cfg.num_heads, cfg.num_kv_heads, cos=cos, sin=sin,
+                         positions=pos if rope is None else None, inv_freq=self.inv_freq,
+                         q_norm=lw.q_norm, k_norm=lw.k_norm, eps=cfg.rms_norm_eps, backend=self.kernels)
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual attention output and the SwiGLU MLP. attn [T, Hq, D] -> h [T, hidden]."""
+        """Residual attention output and the SwiGLU MLP. attn [T, Hq, D] -> h [T, hidden] (a new tensor;
+        the input h is not written). Five kernels on CUDA: o_proj, residual add + RMSNorm, the gate|up
+        matmul, SiLU*up, and the down matmul accumulating onto the residual (beta = 1)."""
         lw: LayerWeights = self.w.layers[layer]
-        h = h + F.linear(attn.reshape(attn.shape[0], -1), lw.o_proj)
-        x = rms_norm(h, lw.post_norm, self.cfg.rms_norm_eps)
-        return h + F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj)
+        o = F.linear(attn.reshape(attn.shape[0], -1), lw.o_proj)
+        x, h = add_rms_norm(o, h, lw.post_norm, self.cfg.rms_norm_eps, backend=self.kernels)
+        act = silu_mul(F.linear(x, lw.gate_up_proj), backend=self.kernels)  # [T, inter]
+        # NOTE: h is add_rms_norm's fresh output, so adding in place writes no caller's tensor
+        return h.addmm_(act, lw.down_proj.t())
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, hidden] -> fp32 logits [T, vocab]."""
-        return F.linear(rms_norm(h, self.w.norm, self.cfg.rms_norm_eps), self.w.lm_head).float()
+        return F.linear(rms_norm(h, self.w.norm, self.cfg.rms_norm_eps, backend=self.kernels), self.w.lm_head).float()

@@ -1,0 +1,217 @@
+"""A decoder layer's elementwise work as three Triton kernels (twin: reference.py, same numerics).
+
+  - ``rms_norm`` / ``add_rms_norm``: one program per row; the residual sum (rounded to the activations'
+    dtype, as ``residual + x`` is) is written and normalised in the same pass. Replaces ~6 torch
+    kernels (cast, pow, mean, rsqrt-add, mul, cast, mul by weight) and the residual add.
+  - ``silu_mul``: silu(gate) * up over the fused gate|up projection's output, read once.
+  - ``qkv_heads``: splits the fused q|k|v projection's output into contiguous q, k, v, with Qwen3's
+    per-head q/k RMSNorm and RoPE on q and k in the same pass (one program per token and BLOCK_H
+    heads of q, k and v together). Replaces ~20 torch kernels of the rotate-half rotation.
+
+No kernel syncs with the host or sizes anything from device data: all are CUDA-graph capturable.
+Only long-standing ``tl`` operations are used (the kernels run on Triton 3.6 and later).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols,
+                     stride_x, stride_res, stride_out, stride_res_out, eps,
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < n_cols
+    x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_res + c, mask=ok, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(x_ptr.dtype.element_ty)  # residual + x, in x's dtype
+        tl.store(res_out_ptr + row * stride_res_out + c, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    y = (xf * inv).to(x_ptr.dtype.element_ty)  # normalised, cast back, THEN scaled (Hugging Face order)
+    w = tl.load(w_ptr + c, mask=ok, other=0.0)
+    tl.store(out_ptr + row * stride_out + c, (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, n_inter, stride_gu, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < n_inter
+    g = tl.load(gu_ptr + row * stride_gu + c, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + n_inter + c, mask=ok, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # silu rounded, then the product rounded
+    tl.store(out_ptr + row * stride_out + c, (s.to(tl.float32) * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _qkv_heads_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, invf_ptr, qn_ptr, kn_ptr,
+                      n_q, n_kv, stride_qkv, stride_cos, stride_sin, eps,
+                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr,
+                      USE_TABLE: tl.constexpr, QK_NORM: tl.constexpr):
+    """Program (token t, heads [h0, h0 + BLOCK_H) of the q|k|v row): heads < n_q are q, then n_kv k,
+    then n_kv v. Each head vector is read as two halves [BLOCK_H, HALF] (rotate-half layout)."""
+    t = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D2)
+    d_ok = d < HALF
+    is_q = hh < n_q
+    is_k = (hh >= n_q) & (hh < n_q + n_kv)
+    is_v = (hh >= n_q + n_kv) & (hh < n_q + 2 * n_kv)
+    rot = (is_q | is_k)[:, None]
+    ok = (hh < n_q + 2 * n_kv)[:, None] & d_ok[None, :]
+    src = qkv_ptr + t * stride_qkv + hh[:, None] * (2 * HALF) + d[None, :]
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D2]
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    dt = q_ptr.dtype.element_ty
+    if QK_NORM:  # Qwen3: RMSNorm over each q/k head's D values, Hugging Face order, before RoPE
+        inv = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)[:, None]
+        qw1 = tl.load(qn_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        qw2 = tl.load(qn_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        kw1 = tl.load(kn_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        kw2 = tl.load(kn_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        w1 = tl.where(is_q[:, None], qw1, kw1)
+        w2 = tl.where(is_q[:, None], qw2, kw2)
+        n1 = ((x1 * inv).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        n2 = ((x2 * inv).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+        x1 = tl.where(rot, n1, x1)
+        x2 = tl.where(rot, n2, x2)
+    if USE_TABLE:
+        cos = tl.load(cos_ptr + t * stride_cos + d, mask=d_ok, other=1.0)[None, :]
+        sin = tl.load(sin_ptr + t * stride_sin + d, mask=d_ok, other=0.0)[None, :]
+    else:
+        ang = tl.load(pos_ptr + t).to(tl.float32) * tl.load(invf_ptr + d, mask=d_ok, other=0.0)
+        cos = tl.cos(ang)[None, :]
+        sin = tl.sin(ang)[None, :]
+    y1 = tl.where(rot, x1 * cos - x2 * sin, x1).to(dt)
+    y2 = tl.where(rot, x2 * cos + x1 * sin, x2).to(dt)
+    # each head goes to its own contiguous output; the other two stores of the head are masked off
+    qh = tl.where(is_q, hh, 0)[:, None]
+    kh = tl.where(is_k, hh - n_q, 0)[:, None]
+    vh = tl.where(is_v, hh - n_q - n_kv, 0)[:, None]
+    q_dst = q_ptr + (t * n_q + qh) * (2 * HALF) + d[None, :]
+    k_dst = k_ptr + (t * n_kv + kh) * (2 * HALF) + d[None, :]
+    v_dst = v_ptr + (t * n_kv + vh) * (2 * HALF) + d[None, :]
+    q_ok = ok & is_q[:, None]
+    k_ok = ok & is_k[:, None]
+    v_ok = ok & is_v[:, None]
+    tl.store(q_dst, y1, mask=q_ok)
+    tl.store(q_dst + HALF, y2, mask=q_ok)
+    tl.store(k_dst, y1, mask=k_ok)
+    tl.store(k_dst + HALF, y2, mask=k_ok)
+    tl.store(v_dst, y1, mask=v_ok)
+    tl.store(v_dst + HALF, y2, mask=v_ok)
+
+
+def _row_warps(block: int) -> int:
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., n] as rows [R, n] with unit column stride (a view when it can be)."""
+    x = x.reshape(-1, n)
+    return x if x.stride(1) == 1 or x.shape[0] == 0 else x.contiguous()
+
+
+def _norm(x, residual, weight, eps):
+    n = x.shape[-1]
+    if weight.dim() != 1 or weight.numel() != n:
+        raise ValueError(f"rms_norm weight {tuple(weight.shape)} does not match the last dimension {n} of x")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+    x2 = _rows(x, n)
+    rows = x2.shape[0]
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    if rows == 0 or n == 0:
+        return out, res_out
+    r2 = _rows(residual, n) if residual is not None else x2
+    ro2 = res_out.view(-1, n) if res_out is not None else x2
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows,)](x2, r2, weight.contiguous(), out, ro2, n, x2.stride(0), r2.stride(0), n,
+                              ro2.stride(0), float(eps), BLOCK=block, HAS_RES=residual is not None,
+                              num_warps=_row_warps(block))
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N] normalised over its last dimension and scaled by weight [N] (a new tensor)."""
+    return _norm(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x) for x, residual [T, N] in one pass (two new tensors)."""
+    return _norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """gate_up [T, 2*I] -> silu(gate) * up [T, I] in gate_up's dtype."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul expects gate|up [T, 2*I], got {tuple(gate_up.shape)}")
+    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    gu = gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()
+    out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0 or inter == 0:
+        return out
+    _silu_mul_kernel[(t, triton.cdiv(inter, block))](gu, out, inter, gu.stride(0), out.stride(0), BLOCK=block)
+    return out
+
+
+def _table(x: torch.Tensor, t: int, half: int) -> torch.Tensor:
+    """A cos or sin table broadcastable to [T, 1, D/2] as fp32 rows [T, D/2] with unit column stride."""
+    x = x.reshape(t, half)
+    if x.dtype != torch.float32:
+        x = x.float()
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, *, cos: torch.Tensor | None = None,
+              sin: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              inv_freq: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+              k_norm: torch.Tensor | None = None, eps: float = 1e-6, block_h: int = 16):
+    """qkv [T, (Hq + 2*Hkv) * D] -> q [T, Hq, D], k, v [T, Hkv, D] (new, contiguous): q and k per-head
+    normed (when q_norm/k_norm are given) and rotated by cos/sin tables or by positions * inv_freq."""
+    if qkv.dim() != 2 or qkv.shape[1] % (num_heads + 2 * num_kv_heads):
+        raise ValueError(f"qkv {tuple(qkv.shape)} is not [T, (Hq + 2*Hkv) * D] for Hq={num_heads}, Hkv={num_kv_heads}")
+    t = qkv.shape[0]
+    d = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    half = d // 2
+    if d % 2:
+        raise ValueError(f"head_dim {d} must be even for RoPE")
+    if (cos is None) == (positions is None):
+        raise ValueError("give the rotation either as cos/sin tables or as positions with inv_freq")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((t, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty_like(k)
+    if t == 0:
+        return q, k, v
+    if cos is not None:
+        cos_t, sin_t = _table(cos, t, half), _table(sin, t, half)
+        pos = invf = cos_t  # unread
+    else:
+        if positions.shape != (t,) or inv_freq is None or inv_freq.numel() != half:
+            raise ValueError(f"positions {tuple(positions.shape)} must be [{t}] with {half} inverse frequencies")
+        pos = positions.contiguous()
+        invf = inv_freq.to(device=qkv.device, dtype=torch.float32).contiguous()
+        cos_t = sin_t = invf  # unread
+    qn = q_norm.contiguous() if q_norm is not None else qkv
+    kn = k_norm.contiguous() if k_norm is not None else qkv
+    heads = num_heads + 2 * num_kv_heads
+    block_h = min(block_h, triton.next_power_of_2(heads))
+    _qkv_heads_kernel[(t, triton.cdiv(heads, block_h))](
+        qkv, q, k, v, cos_t, sin_t, pos, invf, qn, kn, num_heads, num_kv_heads, qkv.stride(0),
+        cos_t.stride(0), sin_t.stride(0), float(eps),
+        HALF=half, BLOCK_H=block_h, BLOCK_D2=triton.next_power_of_2(half),
+        USE_TABLE=cos is not None, QK_NORM=q_norm is not None)
+    return q, k, v
