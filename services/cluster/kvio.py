@@ -40,6 +40,7 @@ class StoreAccess:
         self._pending = 0
         self._lock = threading.Lock()
         self._puts = ThreadPoolExecutor(1, thread_name_prefix="kv-put")
+        self._keeper = ThreadPoolExecutor(1, thread_name_prefix="kv-keep")
         self._on_error = on_error or (lambda _kind: None)
         self.put_bytes = 0
         self.put_errors = 0
@@ -99,12 +100,38 @@ class StoreAccess:
         return fetch
 
     def _keeping(self, cid: str, stream: Iterator) -> Iterator:
-        """``stream`` passed through; its layers kept in the host tier once it has ended whole."""
+        """``stream`` passed through; its layers kept in the host tier once it has ended whole (pinned
+        first on a GPU host, by the keeper thread: the reader does not wait for that copy)."""
         layers = []
         for layer, k, v in stream:
             layers.append((k, v))
             yield layer, k, v
+        self._keeper.submit(self._keep, cid, layers)
+
+    def _keep(self, cid: str, layers) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            layers = [(k.pin_memory(), v.pin_memory()) for k, v in layers]
         self.host.put(cid, layers)
+
+    def prefetch(self, chunk_ids: Sequence[str]) -> int:
+        """Read the chunks the shards hold into the host tier (blocking); returns how many of ``chunk_ids``
+        it holds afterwards. Without a host tier, 0."""
+        if self.host is None:
+            return 0
+        present = self.lookup(chunk_ids)
+        fetch = self.fetcher(present)
+        for cid, tier in present.items():
+            if tier == HOST:
+                continue
+            try:
+                for _ in fetch(cid):
+                    pass
+            except (grpc.RpcError, ValueError) as exc:
+                log.warning("prefetch of chunk %s failed: %s", cid[:12], exc)
+        self._keeper.submit(lambda: None).result()       # the keeps queued above are done
+        return sum(1 for cid in chunk_ids if cid in self.host)
 
     def put_later(self, chunk_id: str, layers, fingerprint: str = "") -> bool:
         """Keep the chunk in the host tier and queue a store put; False when no put was queued (no
@@ -183,5 +210,6 @@ class StoreAccess:
 
     def close(self) -> None:
         self._puts.shutdown(wait=False, cancel_futures=True)
+        self._keeper.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             self._client.close()

@@ -127,6 +127,10 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                                transport=self.transport.detail, metrics_url=self.metrics_url,
                                model_fingerprint=self.eng.fingerprint, **placement(self.eng.device))
 
+    async def Prefetch(self, request: pb.PrefetchRequest, context):
+        ids = list(dict.fromkeys(request.chunk_ids))
+        return pb.PrefetchReply(kept=await asyncio.to_thread(self.store.prefetch, ids))
+
     async def Reset(self, request, context):
         def clear() -> int:
             before = len(self.eng.cache)

@@ -256,9 +256,23 @@ class GatewayServicer(pb_grpc.TesseraServicer):
             w.resident = frozenset(reply.resident_chunk_ids)
             for cid, c in zip(ids, chunks):
                 self.resolver.registry.add(cid, c)
+            await self._prefetch([cid for cid, s in zip(ids, reply.stored) if s], context)
             return pb.RegisterChunksResponse(chunks=[pb.RegisteredChunk(chunk_id=cid, num_tokens=len(c), stored=s)
                                                      for cid, c, s in zip(ids, chunks, reply.stored)])
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"no prefill worker could register the chunks: {last}")
+
+    async def _prefetch(self, ids: list[str], context) -> None:
+        """Have every decode worker read newly stored chunks into its host tier, so that their first
+        requests find them there. Best effort: a worker that cannot is logged, not an error."""
+        if not ids:
+            return
+        workers = [w for w in self.router.of_role("decode") if w.healthy]
+        replies = await asyncio.gather(*[self.peers.decode_stub(w).Prefetch(pb.PrefetchRequest(chunk_ids=ids),
+                                                                            timeout=self._remaining(context))
+                                         for w in workers], return_exceptions=True)
+        for w, r in zip(workers, replies):
+            if isinstance(r, BaseException):
+                log.warning("decode worker %s could not prefetch %d registered chunk(s): %s", w.name, len(ids), r)
 
     async def Stats(self, request, context):
         workers = [pb.WorkerInfo(name=w.name, role=w.role, address=w.address, healthy=w.healthy, in_flight=w.in_flight,

@@ -263,6 +263,18 @@ class WarmReply(_message.Message):
     resident_chunk_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, stored: _Optional[_Iterable[bool]] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("chunk_ids",)
+    CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
+    chunk_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrefetchReply(_message.Message):
+    __slots__ = ("kept",)
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    kept: int
+    def __init__(self, kept: _Optional[int] = ...) -> None: ...
+
 class ResetRequest(_message.Message):
     __slots__ = ("device_only",)
     DEVICE_ONLY_FIELD_NUMBER: _ClassVar[int]

@@ -457,6 +457,11 @@ class DecodeWorkerStub:
                 request_serializer=services_dot_rpc_dot_tessera__pb2.ResetRequest.SerializeToString,
                 response_deserializer=services_dot_rpc_dot_tessera__pb2.ResetReply.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/tessera.v1.DecodeWorker/Prefetch',
+                request_serializer=services_dot_rpc_dot_tessera__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=services_dot_rpc_dot_tessera__pb2.PrefetchReply.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -486,6 +491,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Read registered chunks from the KV store into the worker's host-memory tier ahead of their requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -508,6 +520,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=services_dot_rpc_dot_tessera__pb2.ResetRequest.FromString,
                     response_serializer=services_dot_rpc_dot_tessera__pb2.ResetReply.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=services_dot_rpc_dot_tessera__pb2.PrefetchRequest.FromString,
+                    response_serializer=services_dot_rpc_dot_tessera__pb2.PrefetchReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -618,6 +635,33 @@ class DecodeWorker:
             '/tessera.v1.DecodeWorker/Reset',
             services_dot_rpc_dot_tessera__pb2.ResetRequest.SerializeToString,
             services_dot_rpc_dot_tessera__pb2.ResetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.DecodeWorker/Prefetch',
+            services_dot_rpc_dot_tessera__pb2.PrefetchRequest.SerializeToString,
+            services_dot_rpc_dot_tessera__pb2.PrefetchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,7 +33,7 @@ class InProcessCluster:
     """Store shard, prefill and decode workers and a gateway served from one loop thread here."""
 
     def __init__(self, model_dir: str, store_dir, token: str | None = None) -> None:
-        from services.cluster.config import EngineSettings, PrefillSettings
+        from services.cluster.config import DecodeSettings, EngineSettings, PrefillSettings
         from services.cluster.serving import LoopThread
         from services.decode.server import create_server as decode_server
         from services.gateway.server import create_server as gateway_server
@@ -46,7 +46,9 @@ class InProcessCluster:
         # store-held chunks are always streamed: these tests are about that path, whatever the timings
         self.prefill, pport = self.loop.run(prefill_server("prefill-0", engine, [self.store.address],
                                                            PrefillSettings(store_loads="always")))
-        self.decode, dport = self.loop.run(decode_server("decode-0", engine, [self.store.address]))
+        # the decode worker keeps what it reads from the store in a host tier (registered chunks are prefetched)
+        self.decode, dport = self.loop.run(decode_server("decode-0", engine, [self.store.address],
+                                                         DecodeSettings(host_cache_bytes=32 << 20)))
         workers = [("prefill-0", "prefill", f"127.0.0.1:{pport}"), ("decode-0", "decode", f"127.0.0.1:{dport}")]
         self.gateway, gport = self.loop.run(gateway_server(model_dir, workers, token=token))
         self.address = f"127.0.0.1:{gport}"

@@ -97,3 +97,36 @@ def test_a_chunk_evicted_from_the_device_comes_back_from_the_host_tier(tiny_mode
     assert again.first_token == first.first_token
     worker.reset()                                   # a full reset empties the host tier too
     assert store.lookup([eng.chunk_id(a)]) == {}
+
+
+def test_store_access_prefetch_reads_shard_chunks_into_the_host_tier():
+    from services.kvstore import BackgroundServer, KVStoreClient, StoreConfig
+
+    srv = BackgroundServer(StoreConfig(dram_bytes=64 << 20))
+    try:
+        with KVStoreClient(srv.address, timeout=30) as client:
+            for name in ("p", "q"):
+                client.put(name, layers(2, 3, 1.0), model_fingerprint="m")
+        store = StoreAccess([srv.address], host_bytes=1 << 20)
+        assert store.prefetch(["p", "q", "missing"]) == 2
+        assert store.lookup(["p", "q", "missing"]) == {"p": HOST, "q": HOST}
+        assert store.prefetch(["p"]) == 1                      # already held: nothing read again
+        store.close()
+        assert StoreAccess([srv.address]).prefetch(["p"]) == 0   # no host tier: nothing kept
+    finally:
+        srv.stop()
+
+
+def test_registered_chunks_reach_the_decode_workers_host_tier(inproc, reference):
+    from services.sdk import ChunkId, Client
+
+    a, b = docs(2, 24, seed=93)
+    with Client(inproc.address, token=inproc.token, timeout=60) as client:
+        registered = client.register_chunks([a, b])
+        assert all(r.stored for r in registered)
+        host = inproc.decode.servicer.store.host
+        assert all(r.chunk_id in host for r in registered)     # prefetched before RegisterChunks returned
+        out = list(client.generate(chunks=[ChunkId(r.chunk_id) for r in registered], suffix=[3, 4],
+                                   max_new_tokens=4, temperature=0.0))
+    tokens = [t for ev in out for t in ev.token_ids]
+    assert tokens == reference.generate(chunks=[a, b], suffix=[3, 4], max_new_tokens=4, temperature=0.0)
