@@ -5,15 +5,24 @@ thread, writing each layer into the chunk's blocks as it lands. The forward pass
 ``LayerGate.wait(i)`` before it touches layer i: it returns as soon as every load has delivered layer i,
 so fetching and computing overlap. A load that fails midway (store gone, checksum refused) is
 recomputed from the chunk's tokens at the first wait that sees it: the request still gets right KV.
+
+On a GPU the loads write on a side stream, so that their host-to-device copies overlap the pass's
+kernels instead of queueing between them: the side stream starts after what the engine's stream had
+queued when the load was made (the chunk's blocks may have just been freed by kernels still queued),
+each layer records an event that ``LayerGate.wait`` makes the engine's stream wait for, and joining
+a load makes the joining thread's stream wait for all of its writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Callable, Iterable, Iterator
 
 import torch
+
+_SIDE: dict[int, torch.cuda.Stream] = {}   # one load stream per GPU
 
 
 class ChunkLoad(threading.Thread):
@@ -27,30 +36,63 @@ class ChunkLoad(threading.Thread):
         self.bytes = 0
         self.seconds = 0.0
         self.cond = threading.Condition()
+        # GPU only (see the module's docstring): the side stream, when it may start, per-layer and last events
+        self.stream = self.after = self.finished = None
+        self.layer_done: list = []
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            dev = torch.cuda.current_device()
+            self.stream = _SIDE.get(dev) or _SIDE.setdefault(dev, torch.cuda.Stream(dev))
+            self.after = torch.cuda.Event()
+            self.after.record()          # on the constructing (engine) thread's stream
 
     def run(self) -> None:
         t0 = time.perf_counter()
+        side = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         try:
-            expect = 0
-            for layer, k, v in self.layers:
-                if layer != expect:
-                    raise ValueError(f"chunk {self.key[:12]}: layer {layer} arrived, {expect} expected")
-                if layer >= self.num_layers:
-                    raise ValueError(f"chunk {self.key[:12]}: layer {layer} is past the model's {self.num_layers}")
-                self.write(layer, k, v)
-                self.bytes += k.numel() * k.element_size() + v.numel() * v.element_size()
-                expect += 1
-                with self.cond:
-                    self.delivered = expect
-                    self.cond.notify_all()
-            if expect != self.num_layers:
-                raise ValueError(f"chunk {self.key[:12]}: stream ended after {expect} of {self.num_layers} layers")
+            with side:
+                if self.stream is not None:
+                    self.stream.wait_event(self.after)
+                self._drain()
         except BaseException as exc:  # noqa: BLE001 - any failure means: recompute this chunk
             with self.cond:
                 self.error = exc
                 self.cond.notify_all()
         finally:
+            if self.stream is not None:
+                self.finished = torch.cuda.Event()
+                self.finished.record(self.stream)
             self.seconds = time.perf_counter() - t0
+
+    def _drain(self) -> None:
+        expect = 0
+        for layer, k, v in self.layers:
+            if layer != expect:
+                raise ValueError(f"chunk {self.key[:12]}: layer {layer} arrived, {expect} expected")
+            if layer >= self.num_layers:
+                raise ValueError(f"chunk {self.key[:12]}: layer {layer} is past the model's {self.num_layers}")
+            self.write(layer, k, v)
+            if self.stream is not None:
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                self.layer_done.append(done)
+            self.bytes += k.numel() * k.element_size() + v.numel() * v.element_size()
+            expect += 1
+            with self.cond:
+                self.delivered = expect
+                self.cond.notify_all()
+        if expect != self.num_layers:
+            raise ValueError(f"chunk {self.key[:12]}: stream ended after {expect} of {self.num_layers} layers")
+
+    def join(self, timeout: float | None = None) -> None:
+        """Thread join; then the caller's stream waits for every write of the load."""
+        super().join(timeout)
+        if self.finished is not None and not self.is_alive():
+            torch.cuda.current_stream().wait_event(self.finished)
+
+    def ready(self, layer: int) -> None:
+        """The caller's stream waits for layer ``layer``'s writes (delivered, on a GPU)."""
+        if self.stream is not None and layer < len(self.layer_done):
+            torch.cuda.current_stream().wait_event(self.layer_done[layer])
 
 
 class LayerGate:
@@ -69,6 +111,8 @@ class LayerGate:
                 load.join()
                 self.recompute(load)
                 load.recovered = True
+            elif load.error is None:
+                load.ready(layer)
         self.wait_seconds += time.perf_counter() - t0
 
     def finish(self) -> None:
