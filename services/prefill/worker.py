@@ -193,12 +193,15 @@ class PrefillWorker:
             if self.store.enabled and self.store.lookup([cid], host=False):
                 stored.append(True)
                 continue
+            computed: list = []
             if cid not in self.eng.cache:
-                # a chunk is computed alone whatever follows it: any one suffix token will do
-                self.eng.prefill([c], [c[-1]], mode="tessera", recompute_ratio=0.0)
+                # a chunk is computed alone whatever follows it: any one suffix token will do; its KV is
+                # taken while the pass holds it (a device cache smaller than the chunk evicts it after)
+                self.eng.prefill_handoff([c], [c[-1]], mode="tessera", recompute_ratio=0.0,
+                                         on_computed=lambda _cid, layers: computed.append(layers))
             ok = False
-            if self.store.enabled and cid in self.eng.cache:
-                layers = self.eng.export_chunk(cid)
+            if self.store.enabled and (computed or cid in self.eng.cache):
+                layers = computed[0] if computed else self.eng.export_chunk(cid)
                 ok = self.store.put(cid, layers, self.eng.fingerprint)
                 if ok:
                     self.metrics.stored_bytes.inc(sum(k.numel() * k.element_size() * 2 for k, _ in layers))

@@ -130,3 +130,25 @@ def test_registered_chunks_reach_the_decode_workers_host_tier(inproc, reference)
                                    max_new_tokens=4, temperature=0.0))
     tokens = [t for ev in out for t in ev.token_ids]
     assert tokens == reference.generate(chunks=[a, b], suffix=[3, 4], max_new_tokens=4, temperature=0.0)
+
+
+def test_registering_stores_a_chunk_larger_than_the_device_cache(tiny_model):
+    from services.engine import Engine
+    from services.kvstore import BackgroundServer, StoreConfig
+    from services.prefill.controller import LoadingController
+    from services.prefill.metrics import PrefillMetrics
+    from services.prefill.worker import PrefillWorker
+
+    eng = Engine.load(tiny_model, kv_cache_bytes=64 << 20, chunk_cache_bytes=32768)   # one block: a chunk is evicted on release
+    (a,) = docs(1, 40, seed=95)
+    srv = BackgroundServer(StoreConfig(dram_bytes=64 << 20))
+    try:
+        store = StoreAccess([srv.address], host_bytes=64 << 20)
+        worker = PrefillWorker(eng, store, LoadingController(), PrefillMetrics())
+        assert worker.warm([a]) == [True]
+        cid = eng.chunk_id(a)
+        assert cid not in eng.cache                          # gone from the device, yet stored and kept
+        assert store.lookup([cid], host=False) == {cid: "dram"} and cid in store.host
+        store.close()
+    finally:
+        srv.stop()
