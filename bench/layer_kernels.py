@@ -166,8 +166,11 @@ def run_cuda(args) -> None:
             end.record()
             torch.cuda.synchronize()
             us = start.elapsed_time(end) / 50 * 1e3
+            busy = Counter()
+            for e in kernels:  # GPU time by kernel (eager, profiled): matmuls apart from the rest
+                busy[e.name[:28]] += e.time_range.elapsed_us()
             print(f"T={t:5d} {label}  {len(kernels):3d} kernels/layer  {us:7.1f} us/layer (graph)  "
-                  + ", ".join(sorted({e.name[:40] for e in kernels})), flush=True)
+                  + ", ".join(f"{n} {v:.1f}" for n, v in busy.most_common()), flush=True)
 
 
 def check_kernels(dev) -> None:
