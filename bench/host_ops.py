@@ -17,6 +17,11 @@ model`` counts the launches issued before the first model op (embedding, layer 0
 at the start of a request, the time it waits for its first real work.
 
     .venv/bin/python bench/host_ops.py [--layers 4] [--modes tessera@0.15,tessera@0,prefix] [--json out.json]
+
+On a GPU (``--device cuda``, the Llama-3-8B shape of bench/engine.py unless --layers/--hidden say
+otherwise) it also times each pass: ``issue`` = host time until prefill returns (nothing waits for the
+GPU at the end of a pass), ``wall`` = until the GPU is done, both after a synchronise; issue close to
+wall means the host paced the pass, and its GPU was idle for part of it.
 """
 
 from __future__ import annotations
@@ -114,7 +119,37 @@ class HostMeter(TorchDispatchMode):
         return out
 
 
+def llama_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Hugging Face names and shapes of a Llama checkpoint's tensors."""
+    hd, hid = cfg.head_dim, cfg.hidden_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, hid), "model.norm.weight": (hid,),
+              "lm_head.weight": (cfg.vocab_size, hid)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hid,), p + "post_attention_layernorm.weight": (hid,),
+                       p + "self_attn.q_proj.weight": (cfg.num_heads * hd, hid),
+                       p + "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, hid),
+                       p + "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, hid),
+                       p + "self_attn.o_proj.weight": (hid, cfg.num_heads * hd),
+                       p + "mlp.gate_proj.weight": (cfg.intermediate_size, hid),
+                       p + "mlp.up_proj.weight": (cfg.intermediate_size, hid),
+                       p + "mlp.down_proj.weight": (hid, cfg.intermediate_size)})
+    return shapes
+
+
 def build_engine(args, backend: str) -> Engine:
+    if args.device == "cuda":
+        from bench.engine import LLAMA3_8B
+        from services.engine import ModelConfig
+
+        hf = dict(LLAMA3_8B, num_hidden_layers=args.layers or 32)
+        cfg = ModelConfig.from_hf_dict(hf)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        state = {name: (torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+                        if not name.endswith("norm.weight") else torch.ones(shape, device="cuda", dtype=torch.bfloat16))
+                 for name, shape in llama_shapes(cfg).items()}
+        return Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
+                                      kv_cache_bytes=12 << 30)
     cfg = tiny_config("llama3", num_layers=args.layers, vocab_size=1024, hidden_size=args.hidden,
                       intermediate_size=2 * args.hidden, num_heads=4, num_kv_heads=2, head_dim=args.hidden // 4)
     return Engine.from_state_dict(cfg, random_weights(cfg, 0), device="cpu", dtype=torch.float32,
@@ -123,25 +158,32 @@ def build_engine(args, backend: str) -> Engine:
 
 def measure(eng: Engine, chunks, suffix, mode: str, ratio: float, reps: int) -> dict:
     call = lambda: eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)  # noqa: E731
+    cuda = eng.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     call()  # warms the chunk cache and the tails
     call()
-    walls = []
+    walls, issues = [], []
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         call()
+        issues.append(time.perf_counter() - t0)
+        sync()
         walls.append(time.perf_counter() - t0)
     meter = HostMeter()
     with meter:
         call()
+    sync()
     return {"mode": mode, "ratio": ratio, "wall_ms": statistics.median(walls) * 1e3,
+            "issue_ms": statistics.median(issues) * 1e3,
             "ops": dict(meter.ops), "launches": dict(meter.launches), "syncs": dict(meter.syncs),
             "host_ms": {k: v * 1e3 for k, v in meter.seconds.items()}, "before_model": meter.before_model,
             "sync_sites": dict(meter.sync_sites.most_common(12))}
 
 
 def table(row: dict) -> str:
-    lines = [f"{row['mode']}@{row['ratio']}: {row['wall_ms']:.1f} ms a pass unmetered on this CPU; "
-             f"{row['before_model']} launches before the first model op",
+    lines = [f"{row['mode']}@{row['ratio']}: {row['wall_ms']:.1f} ms a pass unmetered ({row['issue_ms']:.1f} ms "
+             f"until it returned); {row['before_model']} launches before the first model op",
              f"  {'phase':12s} {'ops':>6s} {'launches':>9s} {'syncs':>6s} {'host ms':>8s}"]
     for phase in ORDER:
         if phase in row["ops"]:
@@ -158,27 +200,33 @@ def table(row: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--layers", type=int, default=None, help="4 on the CPU, 32 on CUDA")
+    ap.add_argument("--hidden", type=int, default=64, help="the CPU model's width")
     ap.add_argument("--chunks", type=int, default=6)
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--suffix-tokens", type=int, default=64)
     ap.add_argument("--modes", default="tessera@0.15,tessera@0,prefix@0")
-    ap.add_argument("--backend", default="torch", help="torch (the Triton backend runs only interpreted on a CPU)")
+    ap.add_argument("--backends", default="torch", help="torch,triton on CUDA (on a CPU Triton runs only interpreted)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
+    if args.device == "cpu":
+        args.layers = args.layers or 4
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     chunks = [torch.randint(0, 1000, (args.chunk_tokens,), generator=g).tolist() for _ in range(args.chunks)]
     suffix = torch.randint(0, 1000, (args.suffix_tokens,), generator=g).tolist()
-    eng = build_engine(args, args.backend)
     rows = []
-    with torch.no_grad():
-        for spec in args.modes.split(","):
-            mode, _, ratio = spec.partition("@")
-            rows.append(measure(eng, chunks, suffix, mode, float(ratio or 0.0), args.reps))
-            print(table(rows[-1]), flush=True)
+    for backend in args.backends.split(","):
+        eng = build_engine(args, backend)
+        print(f"backend {backend}, {args.device}, {eng.cfg.num_layers} layers", flush=True)
+        with torch.no_grad():
+            for spec in args.modes.split(","):
+                mode, _, ratio = spec.partition("@")
+                rows.append(dict(measure(eng, chunks, suffix, mode, float(ratio or 0.0), args.reps), backend=backend))
+                print(table(rows[-1]), flush=True)
+        del eng
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -28,8 +28,10 @@ class Attention:
         """(largest block id, largest offset) of a table, known on the host: packing skips its sync."""
         return self.pool.num_blocks - 1, table.max_offset
 
-    def prefill(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, table: BlockTable) -> torch.Tensor:
-        """q [T, Hq, D] at global positions q_pos [T] -> out [T, Hq, D]."""
+    def prefill(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, table: BlockTable,
+                causal: bool | None = None) -> torch.Tensor:
+        """q [T, Hq, D] at global positions q_pos [T] -> out [T, Hq, D]. ``causal``: the caller's word that
+        the table's visible keys, in entry order, are exactly q_pos (True) or are not (False); None: checked."""
         raise NotImplementedError
 
     def decode(self, layer: int, q: torch.Tensor, table: BlockTable, cu_entries: torch.Tensor) -> torch.Tensor:
@@ -43,11 +45,16 @@ class Attention:
 def visible_keys(pool, table: BlockTable, inv_freq: torch.Tensor):
     """The keys one table shows, gathered flat: (slot index [S] into a layer's [N*BS] view, global
     position [S], and the fp32 cos/sin [S, 1, D/2] of each key's offset, or None when no entry has one).
-    Hidden twins and padding are left out, so they never enter a matmul."""
+    Hidden twins and padding are left out, so they never enter a matmul. Their number S comes from the
+    table's host-side count when it has one (no sync), else from the device (nonzero waits for it)."""
     n_slots = pool.slot_pos.shape[1]
     ids = table.block_ids.long()
     bits = torch.arange(n_slots, device=ids.device, dtype=torch.int64)
-    keep = torch.nonzero(((table.masks[:, None] >> bits) & 1).bool().reshape(-1)).flatten()
+    shown = ((table.masks[:, None] >> bits) & 1).bool().reshape(-1)
+    if table.visible is not None:
+        keep = torch.nonzero_static(shown, size=table.visible).flatten()
+    else:
+        keep = torch.nonzero(shown).flatten()
     idx = (ids[:, None] * n_slots + bits[None, :]).reshape(-1)[keep]
     k_pos = (table.offsets.long()[:, None] + pool.slot_pos[ids].long()).reshape(-1)[keep]
     if not table.max_offset:
@@ -64,12 +71,15 @@ class _Prepared:
 
     __slots__ = ("table", "q_pos", "idx", "cos", "sin", "mask", "causal", "_additive")
 
-    def __init__(self, pool, table: BlockTable, q_pos: torch.Tensor, inv_freq: torch.Tensor):
+    def __init__(self, pool, table: BlockTable, q_pos: torch.Tensor, inv_freq: torch.Tensor,
+                 causal: bool | None = None):
         self.table, self.q_pos = table, q_pos  # held so that their ids stay unique while memoised
         self.idx, k_pos, self.cos, self.sin = visible_keys(pool, table, inv_freq)
         q = q_pos.long()
-        self.causal = bool(k_pos.numel() == q.numel() and torch.equal(k_pos, q)
-                           and (q.numel() < 2 or bool((q[1:] > q[:-1]).all())))
+        if causal is None:  # checked on the device: two syncs
+            causal = bool(k_pos.numel() == q.numel() and torch.equal(k_pos, q)
+                          and (q.numel() < 2 or bool((q[1:] > q[:-1]).all())))
+        self.causal = causal
         self.mask = None if self.causal else (k_pos[None, :] <= q[:, None])[None, None]  # [1, 1, T, S]
         self._additive = None
 
@@ -88,17 +98,17 @@ class TorchAttention(Attention):
         super().__init__(pool, inv_freq, scale)
         self._memo: dict[tuple[int, int], _Prepared] = {}
 
-    def _prepare(self, table, q_pos) -> _Prepared:
+    def _prepare(self, table, q_pos, causal) -> _Prepared:
         key = (id(table), id(q_pos))
         prep = self._memo.get(key)
         if prep is None:
             if len(self._memo) > 16:
                 self._memo.clear()
-            prep = self._memo[key] = _Prepared(self.pool, table, q_pos, self.inv_freq)
+            prep = self._memo[key] = _Prepared(self.pool, table, q_pos, self.inv_freq, causal)
         return prep
 
-    def prefill(self, layer, q, q_pos, table):
-        prep = self._prepare(table, q_pos)
+    def prefill(self, layer, q, q_pos, table, causal=None):
+        prep = self._prepare(table, q_pos, causal)
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         k = kc.view(-1, *kc.shape[2:])[prep.idx]  # [S, Hkv, D]
         v = vc.view(-1, *vc.shape[2:])[prep.idx]
@@ -129,7 +139,7 @@ class TritonAttention(Attention):
         # a (table, queries) pair is packed once per pass and the packed table reused at every layer
         self._memo: dict[tuple[int, int], tuple] = {}
 
-    def prefill(self, layer, q, q_pos, table):
+    def prefill(self, layer, q, q_pos, table, causal=None):
         kt, key = self._kt, (id(table), id(q_pos))
         args = self._memo.get(key)
         if args is None:
@@ -148,10 +158,9 @@ class TritonAttention(Attention):
 
 def cu_one(n: int, device) -> torch.Tensor:
     """int32 [0, n], the cu bounds of one sequence, made on the device (a tensor built from a Python
-    list is copied from the host, and that copy waits for the GPU)."""
-    cu = torch.zeros(2, dtype=torch.int32, device=device)
-    cu[1] = n
-    return cu
+    list is copied from the host, and that copy waits for the GPU; so does ``cu[1] = n``, which copies
+    a host scalar into one element)."""
+    return torch.arange(2, dtype=torch.int32, device=device) * n
 
 
 BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}

@@ -11,6 +11,12 @@ the entries' slot masks: no shared block is copied or written (``copy=False``). 
 CacheBlend as published: each chunk's KV is first copied and re-rotated to its global position and the
 recomputed tokens overwrite their copies.
 Causality is by global position in every kernel, so a recomputed token never sees a later token.
+
+Host work is arranged so that the GPU never waits for it: everything the pass knows before it runs
+(block tables, write slots, token ids; the number of recomputed tokens is round(ratio * n), so their
+private blocks too) goes to the device in one copy (``RequestTables``), layer 0 over all tokens is
+issued next, and what depends on the selection is built afterwards with a handful of device ops over
+the whole request, never a per-chunk loop or a sync, while the GPU is still busy with layers 0..c.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.rope import rope_cos_sin, rotate
-from services.engine.block_table import BlockTable, host_to_device
+from services.engine.block_table import BlockTable, dense_run, full_mask, host_rows
 from services.engine.request import PlacedChunk, Sequence
 
 DEVIATION_METRICS = ("k", "v", "kv")
@@ -54,150 +60,215 @@ def select_hkvd(k_fresh, v_fresh, k_cached, v_cached, n_keep: int, metric: str) 
     return torch.topk(dev, n_keep, sorted=False).indices.sort().values
 
 
-class ChunkLayout:
-    """Where each chunk token of a request lives: its global position and its cached slot."""
+class RequestTables:
+    """Where every token of one reuse request reads and writes its KV, from one host-to-device copy.
 
-    def __init__(self, placed: list[PlacedChunk], block_size: int, device: torch.device):
-        pos, block, slot, rot, owner = [], [], [], [], []
-        for i, p in enumerate(placed):
+    Entries, in this order: [extra | chunks | suffix]
+      extra  : private blocks laid densely for ``n_extra`` tokens: the recomputed tokens (tessera with
+               check layer 1), every chunk token (blend_copy's copies; tessera's layers 1..c-1 with a
+               later check layer), or none (ratio 0);
+      chunks : each placed chunk's shared blocks, offset = its rot, every slot of its tokens visible;
+      suffix : the suffix's private blocks.
+    ``w_block``/``w_slot`` [n_extra + n_suffix] are the extra tokens' then the suffix's private slots.
+    Private blocks are allocated here and appended to ``private`` (the caller frees them on failure).
+    """
+
+    def __init__(self, fwd, placed: list[PlacedChunk], chunks, suffix, n_extra: int, private: list[int],
+                 with_chunk_ids: bool):
+        bs, dev, cache = fwd.bs, fwd.device, fwd.cache
+        self.fwd, self.placed, self.bs = fwd, placed, bs
+        lengths = [p.entry.length for p in placed]
+        self.n_chunk, self.n_suffix, self.n_extra = sum(lengths), len(suffix), n_extra
+        x_blocks = cache.allocate(-(-n_extra // bs), for_cache=False)
+        private += x_blocks
+        s_blocks = cache.allocate(-(-len(suffix) // bs), for_cache=False)
+        private += s_blocks
+        x_ids, x_offs, x_masks, x_block, x_slot = dense_run(x_blocks, n_extra, bs)
+        s_ids, s_offs, s_masks, s_block, s_slot = dense_run(s_blocks, len(suffix), bs)
+        c_ids, c_offs, c_masks, pad_before, rots = [], [], [], [], []
+        for p in placed:
             n = p.entry.length
-            idx = torch.arange(n, device=device)
-            blocks = host_to_device(p.entry.blocks, torch.long, device)
-            pos.append(p.start + idx)
-            block.append(blocks[idx // block_size])
-            slot.append(idx % block_size)
-            rot.append(torch.full((n,), p.rot, dtype=torch.long, device=device))
-            owner.append(torch.full((n,), i, dtype=torch.long, device=device))
-        self.placed = placed
-        self.pos = torch.cat(pos)        # [N] global positions
-        self.block = torch.cat(block)    # [N] cached block of each token
-        self.slot = torch.cat(slot)      # [N]
-        self.rot = torch.cat(rot)        # [N] RoPE offset from cached to global position
-        self.owner = torch.cat(owner)    # [N] index of the chunk in ``placed``
+            pad_before.append((len(x_ids) + len(c_ids)) * bs - p.start)  # token -> its slot in entry order
+            rots.append(p.rot)
+            c_ids += p.entry.blocks
+            c_offs += [p.rot] * len(p.entry.blocks)
+            c_masks += [full_mask(min(bs, n - j * bs)) for j in range(len(p.entry.blocks))]
+        self.n_x_entries, self.n_c_entries = len(x_ids), len(c_ids)
+        ids = ([t for c in chunks for t in c] if with_chunk_ids else []) + list(suffix)
+        rows = [x_ids + c_ids + s_ids, x_offs + c_offs + s_offs, x_masks + c_masks + s_masks]
+        e, w, k = len(rows[0]), n_extra + len(suffix), len(placed)
+        flat = host_rows([ids + rows[0] + rows[1] + rows[2] + x_block + s_block + x_slot + s_slot
+                          + pad_before + rots + lengths], dev)[0]
+        self.ids, at = flat[:len(ids)], len(ids)
+        self.rows, at = flat[at:at + 3 * e].view(3, e), at + 3 * e
+        self.w_block, self.w_slot, at = flat[at:at + w], flat[at + w:at + 2 * w], at + 2 * w
+        self._per_chunk = flat[at:at + 3 * k].view(3, k)  # pad_before, rot, length of each chunk
+        self.max_offset = max(c_offs + [0])
+        self.ids_offs = self.rows[:2].to(torch.int32)
+        n_all = self.n_chunk + self.n_suffix
+        self.pos = torch.arange(self.n_chunk if not with_chunk_ids else 0, n_all, device=dev)
+        self.pos_s = self.pos[-self.n_suffix:]
+        # the suffix's slots hold their global positions (read by every kernel's causal test)
+        fwd.pool.slot_pos[self.s_block, self.s_slot] = self.pos_s.to(torch.int32)
+        self._chunk_tokens = None
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.pos.numel())
+    def s_block(self):
+        return self.w_block[self.n_extra:]
 
-    def shared_tables(self, block_size: int, device, hidden: torch.Tensor | None = None) -> list[BlockTable]:
-        """One table per chunk (offset = rot), hiding tokens where ``hidden`` [N] is set."""
-        tables, start = [], 0
-        for p in self.placed:
-            n = p.entry.length
-            h = None if hidden is None else hidden[start:start + n]
-            tables.append(BlockTable.for_run(p.entry.blocks, n, block_size, p.rot, device, h))
-            start += n
-        return tables
+    @property
+    def s_slot(self):
+        return self.w_slot[self.n_extra:]
 
-    def cached_kv(self, pool, layer: int, inv_freq) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def x_block(self):
+        return self.w_block[:self.n_extra]
+
+    @property
+    def x_slot(self):
+        return self.w_slot[:self.n_extra]
+
+    def table(self, start: int, stop: int, masks=None, visible: int | None = None) -> BlockTable:
+        """Entries [start, stop) as a table (views of the request's rows), ``masks`` replacing theirs."""
+        masks = self.rows[2, start:stop] if masks is None else masks[start:stop]
+        return BlockTable(self.ids_offs[0, start:stop], self.ids_offs[1, start:stop], masks, self.max_offset,
+                          self.n_chunk + self.n_suffix if visible is None else visible,
+                          id_rows=self.rows[:2, start:stop])
+
+    def shared_base(self) -> BlockTable:
+        """Chunks then suffix: what layers before the check layer attend to (and every layer at ratio 0)."""
+        return self.table(self.n_x_entries, self.rows.shape[1])
+
+    def private_base(self) -> BlockTable:
+        """Extra (every chunk token, private) then suffix: blend_copy's copies, or layers 1..c-1."""
+        x, c = self.n_x_entries, self.n_c_entries
+        rows = torch.cat([self.rows[:, :x], self.rows[:, x + c:]], dim=1)
+        return BlockTable.from_rows(rows, 0, self.n_chunk + self.n_suffix)
+
+    def set_extra_positions(self, pos: torch.Tensor) -> None:
+        """The extra tokens' private slots hold global positions pos [n_extra]."""
+        self.fwd.pool.slot_pos[self.x_block, self.x_slot] = pos.to(torch.int32)
+
+    def chunk_tokens(self):
+        """(flat slot [n_chunk] of each chunk token's cached KV in a layer's [N*BS] view, its index in
+        entry order [n_chunk] (entry = // BS, slot = % BS), its rot [n_chunk]); built once per pass."""
+        if self._chunk_tokens is None:
+            flat = torch.cat([self.fwd.chunk_slots(p.entry) for p in self.placed])
+            rep = torch.repeat_interleave(self._per_chunk[:2], self._per_chunk[2], dim=1, output_size=self.n_chunk)
+            virtual = torch.arange(self.n_chunk, device=flat.device) + rep[0]
+            cos, sin = rope_cos_sin(rep[1], self.fwd.model.inv_freq)
+            self._chunk_tokens = (flat, virtual, rep[1], cos[:, None, :], sin[:, None, :])
+        return self._chunk_tokens
+
+    def cached_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K (rotated to global positions, in the cache dtype) and V of every chunk token."""
-        k, v = pool.read(layer, self.block, self.slot)
-        cos, sin = rope_cos_sin(self.rot, inv_freq)
-        return rotate(k, cos[:, None, :], sin[:, None, :]), v
+        flat, _, _, cos, sin = self.chunk_tokens()
+        pool = self.fwd.pool
+        k = pool.k[layer].view(-1, *pool.k[layer].shape[2:])[flat]
+        v = pool.v[layer].view(-1, *pool.v[layer].shape[2:])[flat]
+        return rotate(k, cos, sin), v
+
+    def hidden_masks(self, sel: torch.Tensor, extra_shows_selected: bool) -> torch.Tensor:
+        """Every entry's mask with the selected chunk tokens sel [n] hidden in their shared entries, and,
+        when ``extra_shows_selected`` (extra = every chunk token, densely), shown alone in the extra ones."""
+        _, virtual, _, _, _ = self.chunk_tokens()
+        bs = self.bs
+        where = virtual[sel]
+        idx, bit = where // bs, torch.bitwise_left_shift(1, where % bs)
+        if extra_shows_selected:
+            idx, bit = torch.cat([idx, sel // bs]), torch.cat([bit, torch.bitwise_left_shift(1, sel % bs)])
+        # the bits of one entry are distinct, so their sum is their OR
+        bits = torch.zeros(self.rows.shape[1], dtype=torch.int64, device=sel.device).index_add_(0, idx, bit)
+        masks = self.rows[2] ^ bits  # hides: every hidden bit was set
+        if extra_shows_selected:
+            masks[:self.n_x_entries] = bits[:self.n_x_entries]
+        return masks
 
 
 def blend_pass(fwd, placed, chunks, pinned, private, suffix, mode, ratio, blend: BlendConfig, stats):
     """Reuse pass over placed chunks (tessera, blend_copy, position_aware) -> (logits, Sequence)."""
-    dev, bs, n_layers = fwd.device, fwd.bs, fwd.cfg.num_layers
+    n_layers, c = fwd.cfg.num_layers, blend.check_layer
     t0 = time.perf_counter()
-    lay = ChunkLayout(placed, bs, dev)
-    n_chunk = lay.num_tokens
-    pos_s = torch.arange(n_chunk, n_chunk + len(suffix), device=dev)
-    s_blocks, s_block, s_slot, s_table = fwd._private(pos_s)
-    private += s_blocks
     copy = mode == "blend_copy"
+    n_chunk = sum(p.entry.length for p in placed)
+    n_keep = int(round(ratio * n_chunk))
+    # extra private tokens: blend_copy copies every chunk token; a later check layer computes every
+    # chunk token in layers 1..c-1; otherwise only the recomputed ones (their count is known now)
+    full_extra = copy or (ratio > 0.0 and c > 1)
+    n_extra = n_chunk if full_extra else (n_keep if ratio > 0.0 else 0)
+    rt = RequestTables(fwd, placed, chunks, suffix, n_extra, private, with_chunk_ids=ratio > 0.0)
     if copy:
         if fwd._gate is not None:
             fwd._gate.finish()  # the copy needs every layer before it starts
         # CacheBlend as published: copy every chunk's KV, keys re-rotated to the global position
-        c_blocks, c_block, c_slot, c_table = fwd._private(lay.pos)
-        private += c_blocks
-        stats.copied_blocks = len(c_blocks)
-        cos, sin = rope_cos_sin(lay.rot, fwd.model.inv_freq)
+        stats.copied_blocks = rt.n_x_entries
+        rt.set_extra_positions(torch.arange(n_chunk, device=fwd.device))
         for layer in range(n_layers):
-            k, v = fwd.pool.read(layer, lay.block, lay.slot)
-            fwd.pool.write(layer, c_block, c_slot, rotate(k, cos[:, None, :], sin[:, None, :]), v)
-        base = BlockTable.cat([c_table, s_table])
+            k, v = rt.cached_kv(layer)
+            fwd.pool.write(layer, rt.x_block, rt.x_slot, k, v)
+        base = rt.private_base()
     else:
-        base = BlockTable.cat(lay.shared_tables(bs, dev) + [s_table])
-    ids_s = host_to_device(suffix, torch.long, dev)
+        base = rt.shared_base()
 
     if ratio == 0.0:
         tables = [base] * n_layers
-        logits = fwd._run(ids_s, pos_s, tables, s_block, s_slot)
+        logits = fwd._run(rt.ids, rt.pos_s, tables, rt.s_block, rt.s_slot, causal=False)
     else:
-        ids_c = host_to_device([t for c in chunks for t in c], torch.long, dev)
-        logits, tables = _blend_layers(fwd, lay, ids_c, ids_s, pos_s, s_block, s_slot, s_table, base,
-                                            copy, c_block if copy else None, c_slot if copy else None,
-                                            ratio, blend, private, stats)
+        logits, tables = _blend_layers(fwd, rt, base, copy, full_extra, n_keep, blend, stats)
     stats.private_blocks_allocated += len(private)
     stats.forward_seconds = time.perf_counter() - t0
     tokens = {p.entry.key: c for p, c in zip(placed, chunks)}
     return logits, Sequence(tables, pinned, private, n_chunk + len(suffix), chunk_tokens=tokens)
 
-def _blend_layers(fwd, lay, ids_c, ids_s, pos_s, s_block, s_slot, s_table, base, copy, c_block, c_slot,
-                  ratio, blend, private, stats):
-    dev, bs, n_layers, c = fwd.device, fwd.bs, fwd.cfg.num_layers, blend.check_layer
-    n_chunk = lay.num_tokens
-    h = fwd.model.embed(torch.cat([ids_c, ids_s]))
-    pos = torch.cat([lay.pos, pos_s])
+
+def _blend_layers(fwd, rt: RequestTables, base, copy, full_extra, n_keep, blend, stats):
+    n_layers, c, n_chunk = fwd.cfg.num_layers, blend.check_layer, rt.n_chunk
+    # the big GPU work first: every token through layers 0..c-1, issued before any host work that
+    # depends on it (the selection's tables are built while these layers run)
+    h = fwd.model.embed(rt.ids)
+    pos = rt.pos
     tables: list[BlockTable] = []
     pre_table = base
-    pre_block = pre_slot = pre_blocks = None
     if c > 1 and not copy:
-        # layers 1..c-1 are computed in full: every chunk token gets a private slot there
-        pre_blocks, pre_block, pre_slot, t = fwd._private(lay.pos)
-        private += pre_blocks
-        pre_table = BlockTable.cat([t, s_table])
+        # layers 1..c-1 are computed in full: every chunk token has a private slot there (extra)
+        rt.set_extra_positions(pos[:n_chunk])
+        pre_table = rt.private_base()
     for layer in range(c):
         fwd._wait(layer)
         q, k, v = fwd.model.attention_inputs(layer, h, pos)
         if layer == 0:
             table = base  # layer-0 KV depends on the token alone: the cache holds it exactly
-            fwd.pool.write(layer, s_block, s_slot, k[n_chunk:], v[n_chunk:])
+            fwd.pool.write(layer, rt.s_block, rt.s_slot, k[n_chunk:], v[n_chunk:])
         else:
             table = pre_table
-            wb = torch.cat([c_block if copy else pre_block, s_block])
-            ws = torch.cat([c_slot if copy else pre_slot, s_slot])
-            fwd.pool.write(layer, wb, ws, k, v)
+            fwd.pool.write(layer, rt.w_block, rt.w_slot, k, v)
         tables.append(table)
-        h = fwd.model.finish_layer(layer, h, fwd._attend(layer, q, pos, table))
+        # every token in order against keys laid in that order: plain causal attention
+        h = fwd.model.finish_layer(layer, h, fwd._attend(layer, q, pos, table, causal=True))
 
     # check layer: rank chunk tokens by how far their fresh KV is from the cached KV
     fwd._wait(c)
     q, k, v = fwd.model.attention_inputs(c, h, pos)
     if copy:
-        k_cached, v_cached = fwd.pool.read(c, c_block, c_slot)
+        k_cached, v_cached = fwd.pool.read(c, rt.x_block, rt.x_slot)
     else:
-        k_cached, v_cached = lay.cached_kv(fwd.pool, c, fwd.model.inv_freq)
-    n_keep = int(round(ratio * n_chunk))
+        k_cached, v_cached = rt.cached_kv(c)
     sel = select_hkvd(k[:n_chunk], v[:n_chunk], k_cached, v_cached, n_keep, blend.deviation)
     stats.tokens_recomputed = int(sel.numel())
-    keep = torch.cat([sel, torch.arange(n_chunk, n_chunk + pos_s.numel(), device=dev)])
+    keep = torch.cat([sel, pos[n_chunk:]])  # chunk token t sits at position t: indices == positions
     h, pos, q, k, v = h[keep], pos[keep], q[keep], k[keep], v[keep]
     if copy:
         post = base
-        sel_block, sel_slot = c_block[sel], c_slot[sel]
-    elif pre_block is not None:
-        hidden = torch.zeros(n_chunk, dtype=torch.bool, device=dev)
-        hidden.index_fill_(0, sel, True)  # a Python scalar: no host-to-device copy (and no sync)
-        pre_only = BlockTable.for_run(pre_blocks, n_chunk, bs, 0, dev, ~hidden)
-        post = BlockTable.cat(lay.shared_tables(bs, dev, hidden) + [pre_only, s_table])
-        sel_block, sel_slot = pre_block[sel], pre_slot[sel]
+        wb, ws = torch.cat([rt.x_block[sel], rt.s_block]), torch.cat([rt.x_slot[sel], rt.s_slot])
+    elif full_extra:
+        post = rt.table(0, rt.rows.shape[1], rt.hidden_masks(sel, extra_shows_selected=True))
+        wb, ws = torch.cat([rt.x_block[sel], rt.s_block]), torch.cat([rt.x_slot[sel], rt.s_slot])
     else:
-        hidden = torch.zeros(n_chunk, dtype=torch.bool, device=dev)
-        hidden.index_fill_(0, sel, True)  # a Python scalar: no host-to-device copy (and no sync)
-        tabs = lay.shared_tables(bs, dev, hidden)
-        if sel.numel():
-            blocks, sel_block, sel_slot, sel_table = fwd._private(lay.pos[sel])
-            private += blocks
-            tabs.append(sel_table)
-        else:
-            sel_block = sel_slot = torch.zeros(0, dtype=torch.long, device=dev)
-        post = BlockTable.cat(tabs + [s_table])
-    wb, ws = torch.cat([sel_block, s_block]), torch.cat([sel_slot, s_slot])
+        post = rt.table(0, rt.rows.shape[1], rt.hidden_masks(sel, extra_shows_selected=False))
+        rt.set_extra_positions(sel)
+        wb, ws = rt.w_block, rt.w_slot  # the recomputed tokens' private slots, then the suffix's
     fwd.pool.write(c, wb, ws, k, v)
-    h = fwd.model.finish_layer(c, h, fwd._attend(c, q, pos, post))
-    h = fwd._tail(c + 1, h, pos, post, wb, ws)
+    h = fwd.model.finish_layer(c, h, fwd._attend(c, q, pos, post, causal=False))
+    h = fwd._tail(c + 1, h, pos, post, wb, ws, causal=False)
     tables += [post] * (n_layers - c)
     return fwd.model.logits(h[-1:])[-1], tables

@@ -24,10 +24,23 @@ def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Te
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def host_rows(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Several host lists of one length as one int64 device tensor [len(rows), n]: one copy for all."""
+    return host_to_device(rows, torch.int64, device)
+
+
 def full_mask(n: int) -> int:
     """Slot mask with the first n slots visible, as a signed int64 value."""
     m = (1 << n) - 1
     return m - (1 << 64) if m >= (1 << 63) else m
+
+
+def dense_run(blocks: list[int], n: int, block_size: int):
+    """n tokens laid densely over ``blocks`` (offset 0), on the host: the entries' (ids, offsets, masks)
+    and each token's (block, slot)."""
+    masks = [full_mask(min(block_size, n - j * block_size)) for j in range(len(blocks))]
+    return (blocks, [0] * len(blocks), masks, [blocks[t // block_size] for t in range(n)],
+            [t % block_size for t in range(n)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,13 +48,31 @@ class BlockTable:
     """Entries of one sequence for one layer.
 
     block_ids int32 [E], offsets int32 [E] (RoPE offset applied in attention), masks int64 [E]
-    (bit t = slot t visible).
+    (bit t = slot t visible). Host-side facts that spare the backends a sync: ``max_offset`` (offsets.max()),
+    ``visible`` (the number of visible slots, None when only the device knows it). ``id_rows`` int64 [2, E]:
+    the block ids and offsets the int32 ones were cast from, when the table was built from rows (static
+    tails copy them as they are).
     """
 
     block_ids: torch.Tensor
     offsets: torch.Tensor
     masks: torch.Tensor
-    max_offset: int = 0   # host-side copy of offsets.max(): lets backends skip rotation without a sync
+    max_offset: int = 0
+    visible: int | None = None
+    id_rows: torch.Tensor | None = None
+
+    @staticmethod
+    def from_host(block_ids: list[int], offsets: list[int], masks: list[int], device: torch.device,
+                  visible: int | None = None) -> "BlockTable":
+        """A table from host lists [E] with one host-to-device copy and one cast."""
+        rows = host_rows([block_ids, offsets, masks], device)
+        return BlockTable.from_rows(rows, max(offsets, default=0), visible)
+
+    @staticmethod
+    def from_rows(rows: torch.Tensor, max_offset: int, visible: int | None = None) -> "BlockTable":
+        """A table over int64 rows [3, E] (block ids, offsets, masks) on the device: the masks are a view."""
+        ids_offs = rows[:2].to(torch.int32)
+        return BlockTable(ids_offs[0], ids_offs[1], rows[2], max_offset, visible, rows[:2])
 
     @property
     def num_entries(self) -> int:
@@ -50,7 +81,7 @@ class BlockTable:
     @staticmethod
     def empty(device: torch.device) -> "BlockTable":
         z = torch.zeros(0, dtype=torch.int32, device=device)
-        return BlockTable(z, z.clone(), torch.zeros(0, dtype=torch.int64, device=device), 0)
+        return BlockTable(z, z.clone(), torch.zeros(0, dtype=torch.int64, device=device), 0, 0)
 
     @staticmethod
     def for_run(blocks: list[int], n_tokens: int, block_size: int, offset: int, device: torch.device,
@@ -76,6 +107,7 @@ class BlockTable:
             torch.full((len(blocks),), offset, dtype=torch.int32, device=device),
             mask_t,
             offset,
+            n_tokens if hidden is None else None,
         )
 
     @staticmethod
@@ -88,4 +120,6 @@ class BlockTable:
             torch.cat([t.offsets for t in tables]),
             torch.cat([t.masks for t in tables]),
             max(t.max_offset for t in tables),
+            None if any(t.visible is None for t in tables) else sum(t.visible for t in tables),
+            None if any(t.id_rows is None for t in tables) else torch.cat([t.id_rows for t in tables], dim=1),
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
@@ -36,6 +36,9 @@ class ChunkEntry:
     """KV of one chunk: ``length`` tokens laid densely over ``blocks`` (all layers).
 
     ``base`` is the position its first key was rotated at (0 for position-agnostic entries).
+    ``slots``: the device index of each token's slot in a layer's flat [N*BS] view, made on first use
+    (Forward.chunk_slots). An entry's blocks never change while it is cached, and an evicted chunk comes
+    back as a new entry, so the memo can never name another chunk's slots.
     """
 
     key: str
@@ -45,6 +48,7 @@ class ChunkEntry:
     nbytes: int
     refs: int = 0
     kind: str = "chunk"   # chunk (position-agnostic, by content id) | position (a replica) | prefix (chain hash)
+    slots: object = field(default=None, repr=False, compare=False)  # torch.Tensor int64 [length] once made
 
 
 class ChunkCache:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.paged_attention import MAX_BLOCK_SIZE, check_encodable
+from kernels.paged_attention import MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
 from services.engine.blend import BlendConfig
 from services.engine.block_pool import BlockPool
 from services.engine.block_table import BlockTable
@@ -124,8 +124,8 @@ class Engine:
                 raise ValueError(f"chunk {i} is empty")
         vocab = self.cfg.vocab_size
         for where, ids in [*((f"chunk {i}", c) for i, c in enumerate(chunks)), ("suffix", suffix)]:
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
+            if min(ids) < 0 or max(ids) >= vocab:  # min/max run at C speed; the offender is looked up only then
+                bad = next(t for t in ids if not 0 <= t < vocab)
                 raise ValueError(f"token id {bad} in {where} is outside the vocabulary [0, {vocab})")
         total = sum(map(len, chunks)) + len(suffix) + extra_tokens
         limit = self.cfg.max_position_embeddings
@@ -137,12 +137,12 @@ class Engine:
                 and self.blend.check_layer >= self.cfg.num_layers:
             raise ValueError(f"recompute needs a check layer below the model's {self.cfg.num_layers} layers "
                              f"(check_layer is {self.blend.check_layer}); use recompute_ratio=0 or a lower check_layer")
-        if mode == "tessera":
-            starts, s = [], 0
-            for c in chunks:
-                starts.append(s)
-                s += len(c)
-            check_encodable(self.block_size, torch.zeros(0, dtype=torch.int32), torch.tensor(starts, dtype=torch.int64))
+        # a chunk's start is its offset in the kernels' metadata (tessera): checked on the host, and by
+        # check_encodable (for its message) only when it does not fit
+        last_start = total - len(suffix) - extra_tokens - (len(chunks[-1]) if chunks else 0)
+        if mode == "tessera" and last_start > MAX_OFFSET:
+            starts = torch.tensor([sum(map(len, chunks[:i])) for i in range(len(chunks))], dtype=torch.int64)
+            check_encodable(self.block_size, torch.zeros(0, dtype=torch.int32), starts)
         return chunks, suffix
 
     # ------------------------------------------------------------------ public API

@@ -14,7 +14,7 @@ import torch
 
 from services.engine.attention import BACKENDS
 from services.engine.blend import BlendConfig, blend_pass
-from services.engine.block_table import BlockTable, host_to_device
+from services.engine.block_table import BlockTable, dense_run, host_rows, host_to_device
 from services.engine.chunk_cache import ChunkEntry, chunk_id
 from services.engine.config import ModelConfig
 from services.engine.graphs import STATIC_MAX_TOKENS, TailCache
@@ -41,15 +41,16 @@ class Forward:
         self.tails = TailCache(self) if self.static_tails else None
         self._chunk_tables: OrderedDict[tuple, BlockTable] = OrderedDict()  # see chunk_table
 
-    def _tail(self, first: int, h, pos, table: BlockTable, w_block, w_slot):
-        """Layers [first, L) for active tokens that all attend ``table``; returns h after the last layer."""
+    def _tail(self, first: int, h, pos, table: BlockTable, w_block, w_slot, causal: bool | None = None):
+        """Layers [first, L) for active tokens that all attend ``table``; returns h after the last layer
+        (``causal`` as in _attend)."""
         if self.tails is not None and self._gate is None and h.shape[0] <= STATIC_MAX_TOKENS:
             return self.tails.run(first, h, pos, table, w_block, w_slot)
         for layer in range(first, self.cfg.num_layers):
             self._wait(layer)
             q, k, v = self.model.attention_inputs(layer, h, pos)
             self.pool.write(layer, w_block, w_slot, k, v)
-            h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, table))
+            h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, table, causal))
         return h
 
     def _wait(self, layer: int) -> None:
@@ -57,8 +58,18 @@ class Forward:
             self._gate.wait(layer)
 
     # ------------------------------------------------------------------ primitives
-    def _attend(self, layer: int, q, q_pos, table: BlockTable):
-        return self.attention.prefill(layer, q, q_pos, table)
+    def _attend(self, layer: int, q, q_pos, table: BlockTable, causal: bool | None = None):
+        """``causal``: True when the caller knows that the table's visible keys, in entry order, are exactly
+        the queries' positions (plain causal attention), False when they are not, None to have it checked."""
+        return self.attention.prefill(layer, q, q_pos, table, causal=causal)
+
+    def chunk_slots(self, entry: ChunkEntry) -> torch.Tensor:
+        """Index of each token's slot in a layer's flat [N*BS] KV view, int64 [length], memoised on the entry."""
+        if entry.slots is None:
+            idx = torch.arange(entry.length, device=self.device)
+            blocks = host_to_device(entry.blocks, torch.long, self.device)
+            entry.slots = blocks[idx // self.bs] * self.bs + idx % self.bs
+        return entry.slots
 
     def chunk_table(self, blocks: list[int], n_tokens: int, offset: int) -> BlockTable:
         """The table of a cached chunk's run at ``offset`` with nothing hidden, memoised: building one
@@ -78,20 +89,24 @@ class Forward:
         Returns (blocks, block [n], slot [n], table with offset 0)."""
         n = int(pos.numel())
         blocks = self.cache.allocate(-(-n // self.bs), for_cache=for_cache)
-        table = BlockTable.for_run(blocks, n, self.bs, 0, self.device)
-        # slots from the table's device copy of the block ids: one host-to-device copy (a sync) less
-        idx = torch.arange(n, device=self.device)
-        block, slot = table.block_ids.long()[idx // self.bs], idx % self.bs
+        table, block, slot = self._dense_table(blocks, n)
         self.pool.slot_pos[block, slot] = pos.to(torch.int32)
         return blocks, block, slot, table
 
+    def _dense_table(self, blocks: list[int], n: int):
+        """(table, block [n], slot [n]) of n tokens laid densely over ``blocks``: one host-to-device copy."""
+        ids, offs, masks, block, slot = dense_run(blocks, n, self.bs)
+        e = len(ids)
+        flat = host_rows([ids + offs + masks + block + slot], self.device)[0]
+        return BlockTable.from_rows(flat[:3 * e].view(3, e), 0, n), flat[3 * e:3 * e + n], flat[3 * e + n:]
+
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, tables, write_block, write_slot, last_only=True,
-             skip_last_layer=False):
+             skip_last_layer=False, causal: bool | None = None):
         """Plain pass: every token active at every layer, all of them written to their slots."""
         h = self.model.embed(ids)
         n_layers = self.cfg.num_layers
         if not skip_last_layer and all(t is tables[0] for t in tables):
-            h = self._tail(0, h, pos, tables[0], write_block, write_slot)
+            h = self._tail(0, h, pos, tables[0], write_block, write_slot, causal)
             return self.model.logits(h[-1:] if last_only else h)[-1]
         for layer in range(n_layers):
             self._wait(layer)
@@ -99,7 +114,7 @@ class Forward:
             self.pool.write(layer, write_block, write_slot, k, v)
             if skip_last_layer and layer == n_layers - 1:
                 return None
-            h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, tables[layer]))
+            h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, tables[layer], causal))
         return self.model.logits(h[-1:] if last_only else h)[-1]
 
     def compute_chunk(self, key: str, tokens: list[int], base: int = 0, kind: str = "chunk"):
@@ -114,9 +129,8 @@ class Forward:
 
     def _compute_into(self, blocks: list[int], tokens: list[int], base: int) -> None:
         pos = torch.arange(base, base + len(tokens), device=self.device)
-        block, slot = self.pool.slots_for(blocks, len(tokens))
+        table, block, slot = self._dense_table(blocks, len(tokens))
         self.pool.slot_pos[block, slot] = pos.to(torch.int32)
-        table = BlockTable.for_run(blocks, len(tokens), self.bs, 0, self.device)
         ids = host_to_device(tokens, torch.long, self.device)
         gate, self._gate = self._gate, None  # a chunk computed alone waits on nothing
         try:
@@ -125,7 +139,7 @@ class Forward:
                 # wasted work against ~1,000 eager launches)
                 self._tail(0, self.model.embed(ids), pos, table, block, slot)
             else:
-                self._run(ids, pos, [table] * self.cfg.num_layers, block, slot, skip_last_layer=True)
+                self._run(ids, pos, [table] * self.cfg.num_layers, block, slot, skip_last_layer=True, causal=True)
         finally:
             self._gate = gate
 
@@ -215,7 +229,8 @@ class Forward:
         pos = torch.arange(start - sum(len(r[1]) for r in runs), start + len(suffix), device=dev)
         wb = torch.cat([r[3] for r in runs] + [s_block])
         ws = torch.cat([r[4] for r in runs] + [s_slot])
-        logits = self._run(ids, pos, [table] * self.cfg.num_layers, wb, ws)
+        # with no cached prefix the keys are the queries, in order
+        logits = self._run(ids, pos, [table] * self.cfg.num_layers, wb, ws, causal=n_hit == 0)
         for key, c, blocks, _, _, base in runs:
             if key is None:
                 continue

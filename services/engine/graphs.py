@@ -11,10 +11,11 @@ every request of that bucket. Attention goes through the engine's backend, in a 
     CUDA), then SDPA with an additive mask (visible, and causal by global position). Hidden twins and
     padding slots are gathered and masked, so no nonzero (a sync) sizes the keys.
 Padding is inert: padded entries name the reserved scratch block with no slot visible, padded queries
-write their K/V to the scratch block and see no key (Triton: position -1, output 0) or one key
-(SDPA: no empty softmax row). ``fill`` runs outside the graph and never syncs with the GPU: bounds
-are checked on the host. On the CPU the same static code runs eagerly (that is how the tests check
-it equals the eager path).
+write their K/V to the scratch block and see no key (Triton: position -1, output 0) or every visible
+key (SDPA: no empty softmax row). ``fill`` runs outside the graph with a few copies and never syncs
+with the GPU (bounds are checked on the host); what can be derived from the static buffers (the SDPA
+mask, RoPE tables, the kernel's query positions) is derived inside the graph. On the CPU the same
+static code runs eagerly (that is how the tests check it equals the eager path).
 """
 
 from __future__ import annotations
@@ -56,27 +57,40 @@ def entry_bucket(n_entries: int, block_size: int) -> int:
     return bucket(n_entries, max(1, KEY_BUCKET // block_size))
 
 
+PAD_POS = 1 << 30  # padded query rows sit after every key: they see every visible one (never an empty row)
+
+
 class _StaticTable:
-    """One request's block table padded to ``e`` entries in fixed buffers (int32 ids and offsets,
-    int64 masks [e]); padding entries name the scratch block and show none of its slots."""
+    """One request's block table padded to ``e`` entries in fixed int64 buffers (block ids and offsets
+    ``id_rows`` [2, e], masks [e]); padding entries name the scratch block and show none of its slots.
+    Filling costs two copies, plus one when the table shrank (stale entries become padding again)."""
 
     def __init__(self, fwd, t: int, e: int):
         self.fwd, self.t, self.e = fwd, t, e
         dev = fwd.device
-        self.ids = torch.full((e,), fwd.scratch_block, dtype=torch.int32, device=dev)
-        self.offs = torch.zeros(e, dtype=torch.int32, device=dev)
+        self.id_rows = torch.zeros(2, e, dtype=torch.int64, device=dev)
+        self.id_rows[0] = fwd.scratch_block
         self.masks = torch.zeros(e, dtype=torch.int64, device=dev)
+        self._pad = self.id_rows.clone()
+        self._filled = 0   # entries that may hold another table's values
 
     def _fill_table(self, table) -> None:
         m = table.num_entries
         if m > self.e:
             raise RuntimeError(f"{m} entries do not fit a static tail of {self.e}")
-        self.ids[:m] = table.block_ids
-        self.ids[m:] = self.fwd.scratch_block
-        self.offs[:m] = table.offsets
-        self.offs[m:] = 0
+        if table.id_rows is not None:
+            self.id_rows[:, :m] = table.id_rows
+        else:
+            self.id_rows[0, :m] = table.block_ids
+            self.id_rows[1, :m] = table.offsets
         self.masks[:m] = table.masks
-        self.masks[m:] = 0
+        if m < self._filled:
+            self.id_rows[:, m:self._filled] = self._pad[:, m:self._filled]
+            self.masks[m:self._filled] = 0
+        self._filled = m
+
+    def prepare(self, pos: torch.Tensor) -> None:
+        """Inside the graph, once per replay: what the layers' attention needs from the static inputs."""
 
 
 class TritonStatic(_StaticTable):
@@ -92,13 +106,14 @@ class TritonStatic(_StaticTable):
         self.packed = kt.empty_packed(e, 1, fwd.pool.block_size, fwd.cfg.head_dim, dev,
                                       with_table=kt.PREFILL_COS_SIN_TABLE)
 
-    def fill(self, table, pos: torch.Tensor, n: int) -> None:
+    def fill(self, table) -> None:
         att = self.fwd.attention
         self._fill_table(table)
-        self.q_pos[:n] = pos
-        self.q_pos[n:] = -1
-        att._kt.pack_into(self.packed, self.ids, self.offs, self.masks, att.pool.block_size, att.inv_freq,
-                          self.cu_e, bounds=att.bounds(table))
+        att._kt.pack_into(self.packed, self.id_rows[0], self.id_rows[1], self.masks, att.pool.block_size,
+                          att.inv_freq, self.cu_e, bounds=att.bounds(table))
+
+    def prepare(self, pos: torch.Tensor) -> None:
+        self.q_pos.copy_(torch.where(pos < PAD_POS, pos, -1))
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         att = self.fwd.attention
@@ -110,7 +125,7 @@ class TritonStatic(_StaticTable):
 class TorchStatic(_StaticTable):
     """SDPA over every slot of the padded table (keys gathered and rotated by one fused op) with an
     additive mask [1, 1, t, e*BS] in the cache dtype: 0 where the slot is visible and its key position
-    <= the query position, -inf elsewhere (made once per request, not converted from bool per layer)."""
+    <= the query position, -inf elsewhere (built once per replay inside the graph, not per layer)."""
 
     def __init__(self, fwd, t: int, e: int):
         super().__init__(fwd, t, e)
@@ -120,20 +135,21 @@ class TorchStatic(_StaticTable):
         self.bits = torch.arange(bs, dtype=torch.int64, device=fwd.device)
         self.mask = torch.zeros(1, 1, t, e * bs, dtype=fwd.pool.k[0].dtype, device=fwd.device)
 
-    def fill(self, table, pos: torch.Tensor, n: int) -> None:
+    def fill(self, table) -> None:
         self._fill_table(table)
+
+    def prepare(self, pos: torch.Tensor) -> None:
         pool = self.fwd.pool
-        k_pos = (self.offs.long()[:, None] + pool.slot_pos[self.ids.long()]).reshape(-1)  # [e*BS]
+        ids, offs = self.id_rows[0], self.id_rows[1]
+        k_pos = (offs[:, None] + pool.slot_pos[ids]).reshape(-1)  # [e*BS]
         visible = ((self.masks[:, None] >> self.bits) & 1).bool().reshape(-1)
-        allowed = visible[None, :] & (k_pos[None, :] <= pos.long()[:, None])
-        self.mask[0, 0, :n] = torch.where(allowed, 0.0, float("-inf"))
-        self.mask[0, 0, n:] = float("-inf")
-        self.mask[0, 0, n:, 0] = 0.0  # padded queries see one key: no empty softmax row
+        allowed = visible[None, :] & (k_pos[None, :] <= pos[:, None])
+        self.mask[0, 0].copy_(torch.where(allowed, 0.0, float("-inf")))
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         fwd = self.fwd
         pool, model = fwd.pool, fwd.model
-        keys, vals = gather_rotate(pool.k[layer], pool.v[layer], self.ids, self.offs, model.inv_freq,
+        keys, vals = gather_rotate(pool.k[layer], pool.v[layer], self.id_rows[0], self.id_rows[1], model.inv_freq,
                                    backend=self.gather_backend)  # [e*BS, Hkv, D]
         group = q.shape[1] // keys.shape[1]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
@@ -146,21 +162,25 @@ STATIC_ATTENTION = {"torch": TorchStatic, "triton": TritonStatic}
 
 
 class StaticTail:
+    """Layers [first, L) of t token rows: hidden states ``h`` [t, hidden] and ``tokens`` int64 [3, t]
+    (position, write block, write slot) in fixed buffers, the table in the attention's buffers.
+    Padded rows sit at PAD_POS and write to the scratch block; their hidden states are whatever the
+    buffer held (finite: zeros or an earlier request's rows), and no real row reads them."""
+
     def __init__(self, fwd, first: int, t: int, e: int, graph_pool=None):
         cfg, dev, dt = fwd.cfg, fwd.device, fwd.pool.k[0].dtype
         self.fwd, self.first, self.t = fwd, first, t
-        half = cfg.head_dim // 2
         self.h = torch.zeros(t, cfg.hidden_size, device=dev, dtype=dt)
-        # q/k RoPE: a model with a kernel backend rotates by position in one kernel each (it reads the
-        # static positions at replay); the torch model rotates by cos/sin tables filled per request
-        # (its own rope memo would be frozen into the graph)
+        # q/k RoPE: a model with a kernel backend rotates by position in one kernel each; the torch
+        # model takes cos/sin tables, made inside the graph from the static positions (its own rope
+        # memo would be frozen into the graph)
         self.rope_by_pos = fwd.model.rope_backend != "torch"
-        self.pos = torch.zeros(t, dtype=torch.long, device=dev)
-        self.q_cos = torch.ones(t, 1, half, device=dev)
-        self.q_sin = torch.zeros(t, 1, half, device=dev)
-        self.w_block = torch.zeros(t, dtype=torch.long, device=dev)
-        self.w_slot = torch.zeros(t, dtype=torch.long, device=dev)
-        self.pad_slots = torch.arange(t, device=dev) % fwd.pool.block_size  # padded rows' scratch slots
+        self.tokens = torch.zeros(3, t, dtype=torch.long, device=dev)
+        self.tokens[0] = PAD_POS
+        self.tokens[1] = fwd.scratch_block
+        self.tokens[2] = torch.arange(t, device=dev) % fwd.pool.block_size  # padded rows' scratch slots
+        self._pad = self.tokens.clone()
+        self._filled = 0
         self.attention = STATIC_ATTENTION[fwd.backend](fwd, t, e)
         self.out = torch.zeros_like(self.h)
         self.graph = None
@@ -169,13 +189,18 @@ class StaticTail:
     def _body(self) -> None:
         fwd = self.fwd
         model, pool = fwd.model, fwd.pool
+        pos, w_block, w_slot = self.tokens
+        self.attention.prepare(pos)
+        if not self.rope_by_pos:
+            cos, sin = rope_cos_sin(pos, model.inv_freq)
+            rope = (cos[:, None, :], sin[:, None, :])
         h = self.h
         for layer in range(self.first, fwd.cfg.num_layers):
             if self.rope_by_pos:
-                q, k, v = model.attention_inputs(layer, h, self.pos)
+                q, k, v = model.attention_inputs(layer, h, pos)
             else:
-                q, k, v = model.attention_inputs(layer, h, None, rope=(self.q_cos, self.q_sin))
-            pool.write(layer, self.w_block, self.w_slot, k, v)
+                q, k, v = model.attention_inputs(layer, h, None, rope=rope)
+            pool.write(layer, w_block, w_slot, k, v)
             h = model.finish_layer(layer, h, self.attention(layer, q))
         self.out.copy_(h)
 
@@ -184,21 +209,11 @@ class StaticTail:
         writing their K/V at (w_block, w_slot) [n], attending ``table``."""
         n = h.shape[0]
         self.h[:n] = h
-        self.h[n:] = 0
-        if self.rope_by_pos:
-            self.pos[:n] = pos
-            self.pos[n:] = 0
-        else:
-            cos, sin = rope_cos_sin(pos, self.fwd.model.inv_freq)
-            self.q_cos[:n, 0] = cos
-            self.q_cos[n:] = 1.0
-            self.q_sin[:n, 0] = sin
-            self.q_sin[n:] = 0.0
-        self.w_block[:n] = w_block
-        self.w_block[n:] = self.fwd.scratch_block
-        self.w_slot[:n] = w_slot
-        self.w_slot[n:] = self.pad_slots[n:]
-        self.attention.fill(table, pos, n)
+        self.tokens[:, :n] = torch.stack([pos, w_block, w_slot])
+        if n < self._filled:  # rows of a longer request become padding again
+            self.tokens[:, n:self._filled] = self._pad[:, n:self._filled]
+        self._filled = n
+        self.attention.fill(table)
 
     def run(self) -> torch.Tensor:
         if self.h.device.type != "cuda":
@@ -208,7 +223,6 @@ class StaticTail:
             self.graph = capture(self._body, self.graph_pool)
         self.graph.replay()
         return self.out
-
 
 class TailCache:
     """StaticTails by (first layer, token bucket, entry bucket), least recently used dropped."""

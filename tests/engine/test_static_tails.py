@@ -73,3 +73,17 @@ def test_triton_static_tail_equals_eager(triton_engines, mode, ratio):
         torch.testing.assert_close(b.logits, a.logits, rtol=2e-4, atol=2e-4)
     assert static.forward.tails.replays == before + 2 + computed   # chunks computed alone replay tails too
     assert all(type(t.attention).__name__ == "TritonStatic" for t in static.forward.tails.tails.values())
+
+
+def test_static_tail_refilled_by_shorter_and_longer_requests(tiny_dir):
+    """One bucket serves a long, a short, then a long request again: rows and entries of the longer
+    request that the shorter one does not overwrite go back to padding (inert), and come back in use."""
+    eager = Engine.load(tiny_dir, static_tails=False)
+    static = Engine.load(tiny_dir, static_tails=True)
+    for seed, lengths, suffix_len in ((80, (20, 33, 17), 9), (81, (20, 9), 2), (82, (17, 33, 20), 8)):
+        chunks, suffix = random_request(seed, lengths=lengths, suffix_len=suffix_len)
+        for ratio in (0.0, 0.3):
+            a = eager.prefill(chunks, suffix, mode="tessera", recompute_ratio=ratio).logits
+            b = static.prefill(chunks, suffix, mode="tessera", recompute_ratio=ratio).logits
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert len(static.forward.tails.tails) < static.forward.tails.replays  # buckets were reused
