@@ -115,6 +115,11 @@ class LayerGate:
                 load.ready(layer)
         self.wait_seconds += time.perf_counter() - t0
 
+    def settled(self) -> bool:
+        """Every load has handed over all of its layers (or failed): a pass may then stop waiting layer
+        by layer (``finish()``) and run its remaining layers in one CUDA-graph replay."""
+        return all(load.delivered == load.num_layers or load.error is not None for load in self.loads)
+
     def finish(self) -> None:
         for load in self.loads:
             load.join()
