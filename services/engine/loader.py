@@ -115,10 +115,17 @@ class LayerGate:
                 load.ready(layer)
         self.wait_seconds += time.perf_counter() - t0
 
-    def settled(self) -> bool:
-        """Every load has handed over all of its layers (or failed): a pass may then stop waiting layer
-        by layer (``finish()``) and run its remaining layers in one CUDA-graph replay."""
-        return all(load.delivered == load.num_layers or load.error is not None for load in self.loads)
+    def settled(self, timeout: float = 0.0) -> bool:
+        """Whether every load has handed over all of its layers (or failed), waiting up to ``timeout``
+        seconds for that: a pass may then stop waiting layer by layer (``finish()``) and run its
+        remaining layers in one CUDA-graph replay."""
+        deadline = time.perf_counter() + timeout
+        for load in self.loads:
+            with load.cond:
+                if not load.cond.wait_for(lambda: load.delivered == load.num_layers or load.error is not None,
+                                          max(0.0, deadline - time.perf_counter())):
+                    return False
+        return True
 
     def finish(self) -> None:
         for load in self.loads:
