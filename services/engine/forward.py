@@ -23,6 +23,9 @@ from services.engine.model import Transformer
 from services.engine.request import PlacedChunk, PrefillStats, Sequence
 
 
+SETTLE_S = 0.01  # how long a pass waits for its chunk loads to finish before it goes on layer by layer
+
+
 class Forward:
     def __init__(self, cfg: ModelConfig, weights, backend: str, static_tails: bool = False):
         self.cfg = cfg
@@ -44,7 +47,7 @@ class Forward:
     def _tail(self, first: int, h, pos, table: BlockTable, w_block, w_slot, causal: bool | None = None):
         """Layers [first, L) for active tokens that all attend ``table``; returns h after the last layer
         (``causal`` as in _attend)."""
-        if self.tails is not None and self._gate is None and h.shape[0] <= STATIC_MAX_TOKENS:
+        if self.tails is not None and h.shape[0] <= STATIC_MAX_TOKENS and self._settled():
             return self.tails.run(first, h, pos, table, w_block, w_slot)
         for layer in range(first, self.cfg.num_layers):
             self._wait(layer)
@@ -56,6 +59,18 @@ class Forward:
     def _wait(self, layer: int) -> None:
         if self._gate is not None:
             self._gate.wait(layer)
+
+    def _settled(self) -> bool:
+        """No chunk is still streaming in: none was, or every load has delivered (chunks from a worker's
+        host memory come in within milliseconds; ``SETTLE_S`` bounds the wait for them). The pass then
+        stops waiting layer by layer and may replay its remaining layers as one graph; a slower stream
+        keeps the layer-by-layer pipeline, which overlaps its arrival with the compute."""
+        if self._gate is None:
+            return True
+        if not self._gate.settled(SETTLE_S):
+            return False
+        self._gate.finish()
+        return True
 
     # ------------------------------------------------------------------ primitives
     def _attend(self, layer: int, q, q_pos, table: BlockTable, causal: bool | None = None):

@@ -16,17 +16,23 @@ from pathlib import Path
 import torch
 
 
-def check(device: str = "cuda", n_chunks: int = 6, length: int = 300, rounds: int = 3) -> float:
-    """Largest |logit difference| between streamed and computed chunks over ``rounds`` requests."""
+GRAPH_TOLERANCE = 0.1   # bf16 logits of the tiny model through different kernels; stale KV is far off
+
+
+def check(device: str = "cuda", n_chunks: int = 6, length: int = 300, rounds: int = 3, graphs: bool = False) -> float:
+    """Largest |logit difference| between streamed and computed chunks over ``rounds`` requests. With
+    ``graphs`` the passes may replay graph tails (a pass whose loads have all landed does): the two
+    sides may then run different kernels, so only closeness is expected, not equality."""
     from services.engine import Engine
     from services.engine.tiny import write_tiny
 
     model = write_tiny(Path(tempfile.mkdtemp()) / "tiny", max_position_embeddings=4096)
     eng = Engine.load(str(model), device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     pin = device == "cuda"
-    # a pass that waits on loads runs its layers eagerly (no graph tails); so does the reference here, so
-    # that both run the same kernels and any difference is the loads' doing
-    eng.forward.tails = None
+    # a pass that waits on loads layer by layer runs them eagerly (no graph tails); so does the reference
+    # here, so that both run the same kernels and any difference is the loads' doing
+    if not graphs:
+        eng.forward.tails = None
     rng = random.Random(0)
     worst = 0.0
     for r in range(rounds):
@@ -59,7 +65,11 @@ def main() -> int:
     if worst != 0.0:
         print(f"streamed chunk loads on cuda: logits differ by up to {worst:g}")
         return 1
-    print("streamed chunk loads on cuda: ok")
+    near = check(graphs=True)
+    if near > GRAPH_TOLERANCE:
+        print(f"streamed chunk loads on cuda, graph tails: logits differ by up to {near:g} (> {GRAPH_TOLERANCE})")
+        return 1
+    print(f"streamed chunk loads on cuda: ok (equal eagerly; within {near:.3g} with graph tails)")
     return 0
 
 
