@@ -2,6 +2,7 @@
 
     python bench/kernels.py --out /tmp/bench        # on the GPU machine; writes kernels.json there
     python bench/kernels.py --sweep --out /tmp/bench  # also each prefill variant without rotation
+    python bench/kernels.py --rotation --out /tmp/bench  # only the query-rotation variants, interleaved
     python bench/kernels.py --compile-only          # no GPU: every prefill variant compiled for sm_90
     TRITON_INTERPRET=1 python bench/kernels.py --smoke   # tiny shapes on the CPU: checks the script only
 
@@ -16,6 +17,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,6 +31,7 @@ import triton  # noqa: E402
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 from kernels.paged_attention import _decode, _meta, _prefill  # noqa: E402
 from kernels.paged_attention._meta import pack  # noqa: E402
+from kernels.paged_attention._prefill_query import ROT_MODES  # noqa: E402
 from kernels.rope import apply_rope, rope_inv_freq, rotate, rope_cos_sin  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -158,11 +161,18 @@ def check_small(dev) -> list:
 
 PC, DC = _prefill.PrefillConfig, _decode.DecodeConfig
 # the default first; --sweep times each with and without rotation
-PREFILL_CONFIGS = [PC(), PC(num_stages=3), PC(128, 64, 8, 2), PC(128, 64, 8, 3), PC(64, 32, 4, 3)]
+# the ways of rotating the query per offset group (PrefillConfig.rot_mode / rot_narrow) at the default
+# tile, the default first: --rotation times only these, interleaved
+ROTATION_CONFIGS = [PC()] + [PC(rot_mode=m) for m in ROT_MODES if m != PC().rot_mode] + [
+    PC(rot_mode=m, rot_narrow=True) for m in ("carried", "prefetch_cs")]
+PREFILL_CONFIGS = [PC(), PC(num_stages=3), PC(128, 64, 8, 2), PC(128, 64, 8, 3), PC(64, 32, 4, 3),
+                   *ROTATION_CONFIGS[1:]]
 
 
 def cfg_name(c) -> str:
-    return f"{c.block_m}x{c.min_block_n}/w{c.num_warps}/s{c.num_stages}/split{c.num_splits}"
+    mode = "" if c.rot_mode == PC().rot_mode else f"/{c.rot_mode}"
+    mode += "/narrow" if c.rot_narrow else ""
+    return f"{c.block_m}x{c.min_block_n}/w{c.num_warps}/s{c.num_stages}/split{c.num_splits}{mode}"
 DECODE_CONFIGS = [DC(), DC(num_stages=2), DC(num_stages=4)] + [DC(num_splits=s) for s in (2, 4, 5, 8, 12)]
 
 
@@ -228,6 +238,53 @@ def bench_prefill(ctx: int, new: int, bs: int, dev, inv, smoke: bool, sweep: boo
         ms = res[f"{key}_ms"] if f"{key}_ms" in res else (res[f"{key}_ms_1"] + res[f"{key}_ms_2"]) / 2
         res[f"{key}_TFLOPs"] = tf(ms)
     return res
+
+
+def bench_rotation(ctx: int, new: int, bs: int, dev, inv, reps: int, smoke: bool) -> dict:
+    """Every ROTATION_CONFIGS variant with and without rotation, and SDPA, interleaved in `reps`
+    rounds at one prefill size (the --sweep's scenario): medians per variant, and every round's
+    time, whose spread is the noise the overhead is read against."""
+    p = paged(1, ctx, ctx // 8, new, bs, dev)
+    q = torch.randn((new, HQ, D), device=dev, dtype=torch.bfloat16)
+    q_pos = torch.arange(ctx, ctx + new, device=dev, dtype=torch.int32)
+    cu_q = torch.tensor([0, new], device=dev, dtype=torch.int32)
+    flops = 4 * D * HQ * (new * ctx + new * (new + 1) / 2)
+    tabled = pack(p["block_ids"], p["offsets"], p["masks"], bs, inv, with_table=True, cu_entries=p["cu_entries"])
+    run = lambda cfg, rotate=True: _prefill.launch(  # noqa: E731
+        q, q_pos, p["k_cache"], p["v_cache"], p["slot_pos"], tabled, cu_q, inv, D ** -0.5, rotate=rotate, cfg=cfg)
+    want = run(PC())[0]
+    k4, v4 = contiguous_kv(p, inv)
+    q4 = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, T, D]
+    call, backend, err = sdpa_peer(q4, k4, v4, True, want.transpose(0, 1).unsqueeze(0))
+    cfgs = ROTATION_CONFIGS[:2] if smoke else ROTATION_CONFIGS
+    rows = {cfg_name(c): {"rel_vs_default": rel(run(c)[0], want), "rot_ms": [], "no_rot_ms": []} for c in cfgs}
+    sdpa_ms = []
+    for _ in range(reps):
+        sdpa_ms.append(timeit(lambda: call(k4, v4)))
+        for c, row in zip(cfgs, rows.values()):
+            row["rot_ms"].append(timeit(lambda c=c: run(c)))
+            row["no_rot_ms"].append(timeit(lambda c=c: run(c, False)))
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    res = {"ctx": ctx, "new": new, "flops": flops, "sdpa_backend": backend, "triton_vs_sdpa_rel": err,
+           "sdpa_ms": sdpa_ms, "sdpa_TFLOPs": flops / median(sdpa_ms) / 1e9, "variants": rows}
+    for name, row in rows.items():
+        rot, no_rot = median(row["rot_ms"]), median(row["no_rot_ms"])
+        row |= {"TFLOPs": flops / rot / 1e9, "vs_sdpa": median(sdpa_ms) / rot,
+                "no_rot_vs_sdpa": median(sdpa_ms) / no_rot, "rot_overhead": rot / no_rot - 1}
+        say(f"  {ctx}: {name}: {row['TFLOPs']:.0f} TFLOP/s, {row['vs_sdpa']:.3f}x SDPA, "
+            f"rotation {row['rot_overhead']:+.1%} (rel vs default {row['rel_vs_default']:.1e})")
+    return res
+
+
+def rotation_table(results: list) -> str:
+    """--rotation summary: per variant and size, medians of the interleaved rounds."""
+    head = " | ".join(f"{r['ctx']}: TFLOP/s, /SDPA, no-rot /SDPA, overhead" for r in results)
+    lines = [f"| rotation variant | {head} |", "|---|" + "---|" * len(results)]
+    for name in results[0]["variants"] if results else []:
+        cells = [f"{v['TFLOPs']:.0f}, {v['vs_sdpa']:.3f}x, {v['no_rot_vs_sdpa']:.3f}x, {v['rot_overhead'] * 100:+.1f}%"
+                 for v in (r["variants"][name] for r in results)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def bench_decode(n_seqs: int, ctx: int, bs: int, dev, inv, smoke: bool) -> dict:
@@ -344,7 +401,24 @@ def sweep_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def compile_sm90(configs, bs: int) -> list:
+def sass_counts(sass: str) -> dict:
+    """SASS instruction counts that tell a variant's cost without a GPU: tensor-core ops, local-memory
+    spills (LDL/STL) in all and inside the step loop (the innermost backward branch around the first
+    HGMMA), shared-memory stores/loads (layout conversions) and MUFU ops (the exponentials)."""
+    ins = [(int(m[1], 16), m[2].split(".")[0], m[3]) for m in re.finditer(
+        r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass, re.M)]
+    mma = [a for a, op, _ in ins if op == "HGMMA"]
+    loops = [(int(t.group(1), 16), a) for a, op, rest in ins if op == "BRA"
+             for t in [re.search(r"0x([0-9a-f]+)", rest)] if t and int(t.group(1), 16) < a]
+    around = [(lo, hi) for lo, hi in loops if mma and lo <= mma[0] <= hi]
+    lo, hi = min(around, key=lambda r: r[1] - r[0]) if around else (0, -1)
+    spill = [a for a, op, _ in ins if op in ("LDL", "STL")]
+    return {"hgmma": len(mma), "ldl_stl": len(spill), "ldl_stl_in_loop": sum(lo <= a <= hi for a in spill),
+            "loop_instrs": sum(lo <= a <= hi for a, _, _ in ins), "sts": sum(op == "STS" for _, op, _ in ins),
+            "lds": sum(op == "LDS" for _, op, _ in ins), "mufu": sum(op == "MUFU" for _, op, _ in ins)}
+
+
+def compile_sm90(configs, bs: int, dump: Path | None = None) -> list:
     """Compile the prefill kernel of every config (rotating with the cos/sin table, and without
     rotation) for sm_90 on a machine with no GPU: Triton's frontend and ptxas, through a stand-in
     driver, specialised exactly as bench_prefill's calls are. Returns registers, stack (spills) and
@@ -425,11 +499,17 @@ def compile_sm90(configs, bs: int) -> list:
                         f.flush()
                         usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
                                                capture_output=True, text=True).stdout
+                        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
                     fields = dict(kv.split(":", 1) for kv in usage.split("Function _prefill_kernel:")[-1].split()
                                   if ":" in kv)
                     rows.append({"variant": name, "regs": int(fields["REG"]), "stack": int(fields["STACK"]),
                                  "shared": k.metadata.shared, "wgmma": k.asm["ptx"].count("wgmma.mma_async"),
-                                 "compile_s": round(time.perf_counter() - t0, 1), "triton": triton.__version__})
+                                 **sass_counts(sass), "compile_s": round(time.perf_counter() - t0, 1),
+                                 "triton": triton.__version__})
+                    if dump:  # TTGIR and SASS per variant, to read where the time goes
+                        stem = name.replace("/", "_")
+                        (dump / f"{stem}.ttgir").write_text(k.asm["ttgir"])
+                        (dump / f"{stem}.sass").write_text(sass)
                 except Exception as exc:  # report and go on: the point is to find every failure
                     rows.append({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 print(json.dumps(rows[-1]), flush=True)
@@ -448,9 +528,15 @@ def main() -> int:
     ap.add_argument("--prefill-only", action="store_true", help="skip decode and RoPE")
     ap.add_argument("--compile-only", action="store_true",
                     help="no GPU: compile every prefill variant for sm_90 and print registers / spills")
+    ap.add_argument("--dump-asm", type=Path, help="with --compile-only: write each variant's TTGIR and SASS here")
+    ap.add_argument("--rotation", action="store_true",
+                    help="only the query-rotation variants, with and without rotation, interleaved (4K, 16K)")
+    ap.add_argument("--reps", type=int, default=5, help="rounds of --rotation")
     args = ap.parse_args()
     if args.compile_only:
-        rows = compile_sm90(PREFILL_CONFIGS, args.bs)
+        if args.dump_asm:
+            args.dump_asm.mkdir(parents=True, exist_ok=True)
+        rows = compile_sm90(PREFILL_CONFIGS, args.bs, args.dump_asm)
         print("\n".join(json.dumps(r) for r in rows))
         return 0 if all("error" not in r for r in rows) else 1
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -460,6 +546,14 @@ def main() -> int:
                "torch": torch.__version__, "triton": triton.__version__, "heads": [HQ, HKV, D], "dtype": "bfloat16"}
     say(json.dumps(results))
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.rotation:
+        results["rotation"] = [bench_rotation(ctx, new, args.bs, dev, inv, 1 if args.smoke else args.reps, args.smoke)
+                               for ctx, new in ([(256, 64)] if args.smoke else [(4096, 512), (16384, 512)])]
+        results["compiled"] = compiled_report()
+        results["log"] = LOG
+        (args.out / "kernels_rotation.json").write_text(json.dumps(results, indent=1))
+        print(rotation_table(results["rotation"]))
+        return 0
     if not args.smoke:
         results["ceilings"] = ceilings(dev)
         say(f"ceilings: {results['ceilings']}")

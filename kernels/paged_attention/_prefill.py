@@ -34,6 +34,8 @@ import triton.language as tl
 
 from kernels.lse_merge.triton import merge_rows
 from kernels.paged_attention._meta import PackedTable, dot_f32, sm_count
+from kernels.paged_attention._prefill_query import ROT_MODES, cos_sin, join_halves, query_halves, rotate_halves, \
+    rotated_query
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -50,10 +52,22 @@ class PrefillConfig:
     num_warps: int = 4
     num_stages: int = 2
     num_splits: int | None = None  # KV splits (flash-decoding style); None picks from the grid
+    # how the query is rotated per offset group (_prefill_query.py): "carried" (the default): rotated
+    # after each group's step loop for the next group and carried by the group loop; "split": the same,
+    # kept as its two halves, QK^T as two dots over D/2 on K's halves (no [r1 | r2] join);
+    # "prefetch": the next group's query and cos/sin loaded before the current group's step loop
+    # (held in registers across it), the arithmetic after; "prefetch_cs": only cos/sin loaded early;
+    # "early": the next group's query rotated before the current group's step loop
+    rot_mode: str = "carried"
+    # the rotation's arithmetic in q's 16-bit type (packed two-lane FMAs, cos/sin rounded to it, as
+    # Hugging Face's eager RoPE does in bf16 models) instead of fp32: a quarter of the instructions
+    rot_narrow: bool = False
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
             raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
+        if self.rot_mode not in ROT_MODES:
+            raise ValueError(f"rot_mode must be one of {ROT_MODES}, got {self.rot_mode!r}")
 
 
 @triton.jit
@@ -66,6 +80,7 @@ def _prefill_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
     D: tl.constexpr, B_PAD: tl.constexpr,
     ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr, DOT_F32: tl.constexpr,
+    ROT_MODE: tl.constexpr, ROT_NARROW: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     tile = tl.program_id(0)
@@ -98,17 +113,21 @@ def _prefill_kernel(
     q_row = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     q_pos = tl.load(qpos_ptr + tok, mask=row_ok, other=-1)  # a padding row sees nothing
     q_min = tl.min(tl.where(row_ok, q_pos, INT32_MAX), axis=0)  # keys at or before it need no causal mask
+    SPLIT: tl.constexpr = ROT_MODE == "split"
+    PREFETCH: tl.constexpr = ROT_MODE == "prefetch" or ROT_MODE == "prefetch_cs"
+    q_dtype: tl.constexpr = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty  # the interpreter's dot: fp32
     if ROTATE:
         # NOTE: the rotated query is carried by the group loop (rotated for the next group at the end
-        # of each iteration), so that tl.dot sees a loop argument and reads it from shared memory as
-        # it does a loaded query; computed inside the iteration, Triton keeps it in registers and
-        # reloads it every step (255 registers and spills, 3-10% slower: bench/kernels.md, runs 6-7)
-        qr = _rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_lo, g_lo < g_hi, meta_ptr, tab_ptr,
-                            invf_ptr, BLOCK_M, D, USE_TABLE, DOT_F32)
+        # of each iteration, or before its step loop in "early" mode), so that tl.dot sees a loop
+        # argument and reads it from shared memory as it does a loaded query; computed inside the
+        # iteration, Triton keeps it in registers and reloads it every step (255 registers and
+        # spills, 3-10% slower: bench/kernels.md, runs 6-7)
+        qa, qb = rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_lo, g_lo < g_hi, meta_ptr, tab_ptr,
+                               invf_ptr, q_dtype, BLOCK_M, D, USE_TABLE, SPLIT, ROT_NARROW, DOT_F32)
+    elif SPLIT:
+        qa, qb = query_halves(q_ptr, tok, head, row_ok, stride_qt, stride_qh, D, q_dtype)
     else:
-        qr = tl.load(q_row + dd[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
-        if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
-            qr = qr.to(tl.float32)
+        qa, qb = tl.load(q_row + dd[None, :], mask=row_ok[:, None], other=0.0).to(q_dtype), 0  # [BLOCK_M, D]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -120,14 +139,36 @@ def _prefill_kernel(
         off = ((tl.load(meta_ptr + e_first) >> 16) & 0xFFFF).to(tl.int32)
         e_begin = tl.maximum(e_first, lo)
         e_end = tl.minimum(e_next, hi)
+        if ROTATE:  # the next group's rotation, or its loads, before this group's step loop
+            has_next = grp + 1 < g_hi
+            if ROT_MODE == "early":
+                qn, _ = rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_next, has_next, meta_ptr,
+                                      tab_ptr, invf_ptr, q_dtype, BLOCK_M, D, USE_TABLE, False, ROT_NARROW, DOT_F32)
+            if PREFETCH:
+                cos_n, sin_n = cos_sin(e_next, has_next, meta_ptr, tab_ptr, invf_ptr, D, USE_TABLE)
+                if ROT_NARROW:  # held across the step loop in 16 bits: half the registers
+                    cos_n, sin_n = cos_n.to(q_ptr.dtype.element_ty), sin_n.to(q_ptr.dtype.element_ty)
+            if ROT_MODE == "prefetch":
+                qn1, qn2 = query_halves(q_ptr, tok, head, row_ok, stride_qt, stride_qh, D, q_ptr.dtype.element_ty)
         if e_begin < e_end:
             m_i, l_i, acc = _group_attention(
-                qr, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr, mask_ptr,
-                hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32)
+                qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
+                mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32,
+                SPLIT)
         if ROTATE:
-            if grp + 1 < g_hi:
-                qr = _rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_next, grp + 1 < g_hi, meta_ptr,
-                                    tab_ptr, invf_ptr, BLOCK_M, D, USE_TABLE, DOT_F32)
+            if ROT_MODE == "early":
+                qa = qn
+            elif grp + 1 < g_hi:
+                if PREFETCH:
+                    if ROT_MODE == "prefetch_cs":
+                        qn1, qn2 = query_halves(q_ptr, tok, head, row_ok, stride_qt, stride_qh, D,
+                                                q_ptr.dtype.element_ty)
+                    r1, r2 = rotate_halves(qn1, qn2, cos_n, sin_n, ROT_NARROW, DOT_F32)
+                    qa = join_halves(r1, r2, BLOCK_M, D).to(q_dtype)
+                else:
+                    qa, qb = rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_next, grp + 1 < g_hi,
+                                           meta_ptr, tab_ptr, invf_ptr, q_dtype, BLOCK_M, D, USE_TABLE, SPLIT,
+                                           ROT_NARROW, DOT_F32)
         e_first = e_next
         e_next = e_after
 
@@ -140,41 +181,12 @@ def _prefill_kernel(
 
 
 @triton.jit
-def _rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_first, valid, meta_ptr, tab_ptr, invf_ptr,
-                   BLOCK_M: tl.constexpr, D: tl.constexpr, USE_TABLE: tl.constexpr, DOT_F32: tl.constexpr):
-    """The query tile rotated BACKWARDS by the offset of the group starting at entry e_first, [BLOCK_M, D]:
-    R_{-off} q = [q1 c + q2 s, q2 c - q1 s], in fp32 from the original query (re-read from memory,
-    an L2 hit, rather than kept live; its addresses too are computed here, not hoisted and held
-    across the group loop). valid=False (no such group) reads no table row."""
-    D2: tl.constexpr = D // 2
-    dh = tl.arange(0, D2)
-    ok = tl.full([D2], 0, tl.int32) < valid.to(tl.int32)  # [D2] copies of valid
-    if USE_TABLE:
-        cos = tl.load(tab_ptr + e_first * D + dh, mask=ok, other=1.0)
-        sin = tl.load(tab_ptr + e_first * D + D2 + dh, mask=ok, other=0.0)
-    else:
-        off = ((tl.load(meta_ptr + e_first + 0 * dh, mask=ok, other=0) >> 16) & 0xFFFF).to(tl.float32)
-        ang = off * tl.load(invf_ptr + dh)
-        cos = tl.cos(ang)
-        sin = tl.sin(ang)
-    q_row = q_ptr + tok.to(tl.int64)[:, None, None] * stride_qt + head[:, None, None] * stride_qh
-    q_half = q_row + tl.arange(0, 2)[None, :, None] * D2 + dh[None, None, :]  # the rotate-half halves
-    q = tl.load(q_half, mask=row_ok[:, None, None], other=0.0).to(tl.float32)  # [BLOCK_M, 2, D2]
-    q1, q2 = tl.split(tl.permute(q, (0, 2, 1)))  # [BLOCK_M, D2] each
-    r1 = q1 * cos[None, :] + q2 * sin[None, :]
-    r2 = q2 * cos[None, :] - q1 * sin[None, :]
-    qr = tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_M, D))
-    if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: keep fp32 there
-        return qr
-    return qr.to(q_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _group_attention(qr, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
+def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
                      mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h,
                      BS: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, MASK_IN_WORD: tl.constexpr,
-                     DOT_F32: tl.constexpr):
+                     DOT_F32: tl.constexpr, SPLIT: tl.constexpr):
     """Online softmax of the (rotated) query tile over entries e_begin..e_end of one offset group.
+    The query is qa [BLOCK_M, D], or (SPLIT) its halves qa, qb [BLOCK_M, D/2] against K's halves.
 
     A step whose keys are all visible and no later than the tile's oldest query (hi[] of its
     entries <= q_min: known from NB uniform loads, no cross-thread reduction) skips the mask and
@@ -184,6 +196,7 @@ def _group_attention(qr, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr
     n = tl.arange(0, BLOCK_N)
     slot = n % BS
     dd = tl.arange(0, D)
+    dh = tl.arange(0, D // 2)
     for e_start in range(e_begin, e_end, NB):
         e = e_start + n // BS  # [BLOCK_N] entry of each key row
         e_ok = e < e_end
@@ -195,11 +208,20 @@ def _group_attention(qr, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr
             bits = tl.load(mask_ptr + e, mask=e_ok, other=0)
         vis = (((bits >> slot) & 1) != 0) & e_ok
         k_row = blk * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64
-        k = tl.load(k_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
+        if SPLIT:  # two [BLOCK_N, D/2] tiles, one dot each
+            k1 = tl.load(k_ptr + k_row[:, None] + dh[None, :], mask=vis[:, None], other=0.0)
+            k2 = tl.load(k_ptr + k_row[:, None] + (dh + D // 2)[None, :], mask=vis[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
         k_hi = tl.load(hi_ptr + e_start, mask=e_start + NB <= e_end, other=INT32_MAX)  # a partial step masks
-        if DOT_F32:
-            k = k.to(tl.float32)
-        qk = tl.dot(qr, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32, unscaled
+        if SPLIT:
+            if DOT_F32:
+                k1, k2 = k1.to(tl.float32), k2.to(tl.float32)
+            qk = tl.dot(qb, tl.trans(k2), tl.dot(qa, tl.trans(k1)))  # [BLOCK_M, BLOCK_N] fp32, unscaled
+        else:
+            if DOT_F32:
+                k = k.to(tl.float32)
+            qk = tl.dot(qa, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32, unscaled
         if k_hi > q_min:  # some key is hidden, missing (partial step) or later than some query
             k_pos = off + tl.load(slotpos_ptr + blk * BS + slot, mask=vis, other=0)
             k_pos = tl.where(vis, k_pos, INT32_MAX)
@@ -279,7 +301,8 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         G=group, G_PAD=g_pad, BLOCK_T=block_t, BS=bs, NB=nb, D=dim,
         B_PAD=triton.next_power_of_2(n_seqs + 1),
         ROTATE=rotate, USE_TABLE=packed.table is not None, MASK_IN_WORD=packed.mask_in_word,
-        DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_F32=dot_f32(q.dtype), ROT_MODE=cfg.rot_mode, ROT_NARROW=cfg.rot_narrow,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if nsplit == 1:
         return out, lse

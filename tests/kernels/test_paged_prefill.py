@@ -8,6 +8,7 @@ from paged_cases import build, eager_attention, prefill_queries
 from kernels.paged_attention import paged_prefill_attention
 from kernels.paged_attention._meta import offset_groups, pack
 from kernels.paged_attention._prefill import PrefillConfig, launch, step_key_bounds
+from kernels.paged_attention._prefill_query import ROT_MODES
 from kernels.rope import rope_inv_freq
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -121,3 +122,35 @@ def test_step_key_bounds(bs, nb):
     want = [max(int(per_entry[e + j]) if e + j < n else big for j in range(nb)) for e in range(n)]
     assert got.tolist() == want
     assert (per_entry < big).any() and (per_entry == big).any()  # both kinds of entry are exercised
+
+
+# every way of rotating the query (bench/kernels.py --rotation times them): same result as the twin
+ROTATION_VARIANTS = [PrefillConfig(block_m=32, min_block_n=32, rot_mode=m, rot_narrow=n)
+                     for m in ROT_MODES for n in (False, True) if not n or m in ("carried", "prefetch_cs")]
+
+
+@pytest.mark.parametrize("cfg", ROTATION_VARIANTS, ids=[f"{c.rot_mode}{'-narrow' if c.rot_narrow else ''}"
+                                                        for c in ROTATION_VARIANTS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_NAME.get)
+def test_rotation_variants_match_twin(cfg, dtype):
+    """Three offset groups and a private suffix per sequence (so a tile rotates its query for several
+    groups, the first and last included), hidden slots, GQA 4, scattered queries, a one-token sequence;
+    with rotation switched off, each variant computes what the default computes without it."""
+    inv = rope_inv_freq(64, 500000.0, LLAMA3)
+    case = build([([40, 23, 30], 5), ([1], 1)], 16, 2, 64, inv, dtype=dtype, hide=0.1, base=700)
+    q, q_pos, cu_q = prefill_queries(case, [5, 1], [3, 0], 8, dtype)
+    want, want_lse = _run(case, q, q_pos, cu_q, 0.125, "torch")
+    packed = pack(case.block_ids, case.offsets, case.masks, 16, inv, with_table=dtype != torch.float32,
+                  cu_entries=case.cu_entries)  # cos/sin from the table (bf16) or computed (fp32)
+    args = (q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, 0.125)
+    out, lse = launch(*args, cfg=cfg)
+    assert rel_err(out, want) <= TOL[dtype]
+    assert_lse_close(lse, want_lse, 50 * TOL[dtype])
+    plain, _ = launch(*args, rotate=False, cfg=PrefillConfig(block_m=32, min_block_n=32))
+    assert rel_err(launch(*args, rotate=False, cfg=cfg)[0], plain) <= TOL[dtype]
+    assert rel_err(plain, want) > 10 * TOL[dtype]  # the rotation matters in this case
+
+
+def test_rotation_mode_is_checked():
+    with pytest.raises(ValueError, match="rot_mode"):
+        PrefillConfig(rot_mode="sideways")
