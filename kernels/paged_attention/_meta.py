@@ -121,11 +121,13 @@ def offset_groups(offsets: torch.Tensor, cu_entries: torch.Tensor,
     dev = offsets.device
     cu = cu_entries.long()
     first = torch.zeros(n + 1, dtype=torch.bool, device=dev)
-    first[cu[:-1]] = True  # an empty sequence marks the next one's first entry (or the pad slot)
+    # NOTE: fill_/index_fill_ with Python scalars, not ``x[i] = scalar``: that copies a host scalar to
+    # the device, which waits for the GPU (three host syncs per packed table, bench/engine.json)
+    first.index_fill_(0, cu[:-1], True)  # an empty sequence marks the next one's first entry (or the pad slot)
     first = first[:n]
     if n:
         first[1:] |= offsets[1:] != offsets[:-1]
-        first[0] = True
+        first[:1].fill_(True)
     count = torch.cumsum(first.to(torch.int32), 0)  # groups started up to and including entry i
     before = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), count])  # [E + 1]
     if out is None:
@@ -136,7 +138,7 @@ def offset_groups(offsets: torch.Tensor, cu_entries: torch.Tensor,
         starts.fill_(n)
     slot = torch.where(first, count.long() - 1, n + 1)  # non-first entries write the spare slot
     starts.scatter_(0, slot, torch.arange(n, dtype=torch.int32, device=dev))
-    starts[n + 1] = n
+    starts[n + 1:].fill_(n)
     cu_groups.copy_(before[cu])
     return starts, cu_groups
 
