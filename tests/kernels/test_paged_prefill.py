@@ -49,12 +49,14 @@ def test_prefill_matches_twin_and_eager(spec):
     assert out_k.dtype == dtype and lse_k.dtype == torch.float32 and out_k.shape == q.shape
     assert rel_err(out_k, out_t) <= TOL[dtype]
     assert_lse_close(lse_k, lse_t, 50 * TOL[dtype])
-    # cos/sin from the table, KV split in 3 parts merged by LSE, smaller tiles: same result
+    # cos/sin from the table, KV split in 3 parts merged by LSE, smaller tiles: same result, with the
+    # step loop guarded per group or not (a split's groups outside its entries then loop zero times)
     packed = pack(case.block_ids, case.offsets, case.masks, bs, inv, with_table=True, cu_entries=case.cu_entries)
-    out_s, lse_s = launch(q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, scale,
-                          cfg=PrefillConfig(block_m=32, min_block_n=32, num_splits=3))
-    assert rel_err(out_s, out_t) <= TOL[dtype]
-    assert_lse_close(lse_s, lse_t, 50 * TOL[dtype])
+    for guard in (True, False):
+        out_s, lse_s = launch(q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, scale,
+                              cfg=PrefillConfig(block_m=32, min_block_n=32, num_splits=3, group_guard=guard))
+        assert rel_err(out_s, out_t) <= TOL[dtype]
+        assert_lse_close(lse_s, lse_t, 50 * TOL[dtype])
     # both against attention over the whole K rotated eagerly at global positions
     for b in range(len(seqs)):
         k, v, k_pos = case.eager_keys(b)
@@ -126,11 +128,12 @@ def test_step_key_bounds(bs, nb):
 
 # every way of rotating the query (bench/kernels.py --rotation times them): same result as the twin
 ROTATION_VARIANTS = [PrefillConfig(block_m=32, min_block_n=32, rot_mode=m, rot_narrow=n)
-                     for m in ROT_MODES for n in (False, True) if not n or m in ("carried", "prefetch_cs")]
+                     for m in ROT_MODES for n in (False, True) if not n or m in ("carried", "prefetch_cs")] + [
+    PrefillConfig(block_m=32, min_block_n=32, rot_mode="prefetch_cs", rot_narrow=True, group_guard=False)]
 
 
-@pytest.mark.parametrize("cfg", ROTATION_VARIANTS, ids=[f"{c.rot_mode}{'-narrow' if c.rot_narrow else ''}"
-                                                        for c in ROTATION_VARIANTS])
+@pytest.mark.parametrize("cfg", ROTATION_VARIANTS, ids=[
+    f"{c.rot_mode}{'-narrow' if c.rot_narrow else ''}{'' if c.group_guard else '-noguard'}" for c in ROTATION_VARIANTS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_NAME.get)
 def test_rotation_variants_match_twin(cfg, dtype):
     """Three offset groups and a private suffix per sequence (so a tile rotates its query for several
