@@ -162,28 +162,100 @@ def measure(eng: Engine, chunks, suffix, mode: str, ratio: float, reps: int) -> 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     call()  # warms the chunk cache and the tails
     call()
-    walls, issues = [], []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        call()
-        issues.append(time.perf_counter() - t0)
-        sync()
-        walls.append(time.perf_counter() - t0)
+    walls, issues, firsts = [], [], []
+    model = eng.forward.model
+    embed = model.embed
+    seen = []
+    model.embed = lambda ids: (seen.append(time.perf_counter()), embed(ids))[1]  # the first model op
+    try:
+        for _ in range(reps):
+            sync()
+            seen.clear()
+            t0 = time.perf_counter()
+            call()
+            issues.append(time.perf_counter() - t0)
+            sync()
+            walls.append(time.perf_counter() - t0)
+            firsts.append(seen[0] - t0)
+    finally:
+        del model.embed
+    replay_ms = []
+    if cuda:  # host time of each graph launch in one pass
+        replay = torch.cuda.CUDAGraph.replay
+
+        def timed_replay(graph):
+            t0 = time.perf_counter()
+            replay(graph)
+            replay_ms.append((time.perf_counter() - t0) * 1e3)
+
+        torch.cuda.CUDAGraph.replay = timed_replay
+        try:
+            sync()
+            call()
+            sync()
+        finally:
+            torch.cuda.CUDAGraph.replay = replay
     meter = HostMeter()
     with meter:
         call()
     sync()
     return {"mode": mode, "ratio": ratio, "wall_ms": statistics.median(walls) * 1e3,
-            "issue_ms": statistics.median(issues) * 1e3,
+            "issue_ms": statistics.median(issues) * 1e3, "graph_launch_ms": replay_ms,
+            "first_model_op_ms": statistics.median(firsts) * 1e3,
             "ops": dict(meter.ops), "launches": dict(meter.launches), "syncs": dict(meter.syncs),
             "host_ms": {k: v * 1e3 for k, v in meter.seconds.items()}, "before_model": meter.before_model,
             "sync_sites": dict(meter.sync_sites.most_common(12))}
 
 
+def gpu_gaps(eng: Engine, chunks, suffix, mode: str, ratio: float, top: int = 12) -> str:
+    """Where the GPU of one pass stands idle: a torch profile's kernels in time order, each gap of 20 us or
+    more attributed to the engine function that launched the kernel after it (the GPU waited for it)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                 key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime" and "args" in e}
+    pyfuncs = [e for e in events if e.get("cat") == "python_function" and "dur" in e
+               and ("services/engine" in e["name"] or "kernels/" in e["name"])]
+    call = [e for e in events if e.get("cat") == "cpu_op" or e.get("cat") == "python_function"]
+    start = min(e["ts"] for e in call)
+    busy = sum(e["dur"] for e in gpu)
+    gaps, prev_end = [], start
+    for e in gpu:
+        gap = e["ts"] - prev_end
+        if gap >= 20:
+            launch = launches.get(e["args"].get("correlation"))
+            t = launch["ts"] if launch else e["ts"]
+            inner = [p for p in pyfuncs if p["ts"] <= t <= p["ts"] + p["dur"]]
+            where = min(inner, key=lambda p: p["dur"])["name"] if inner else "?"
+            gaps.append((gap, where.split("/")[-1][:70], e["name"][:40]))
+        prev_end = max(prev_end, e["ts"] + e["dur"])
+    end = max(e["ts"] + e["dur"] for e in gpu)
+    lines = [f"{mode}@{ratio}: GPU busy {busy / 1e3:.2f} ms of {(end - start) / 1e3:.2f} ms from the call's first "
+             f"host op to its last kernel; idle {sum(g[0] for g in gaps) / 1e3:.2f} ms in {len(gaps)} gaps >= 20 us"]
+    by_site: dict = defaultdict(float)
+    for gap, where, _ in gaps:
+        by_site[where] += gap
+    for where, us in sorted(by_site.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {us / 1e3:6.2f} ms waiting for {where}")
+    return "\n".join(lines)
+
+
 def table(row: dict) -> str:
     lines = [f"{row['mode']}@{row['ratio']}: {row['wall_ms']:.1f} ms a pass unmetered ({row['issue_ms']:.1f} ms "
-             f"until it returned); {row['before_model']} launches before the first model op",
+             f"until it returned); {row['before_model']} launches and {row['first_model_op_ms']:.2f} ms before the first "
+             "model op"
+             + (f"; graph launches {', '.join(f'{m:.2f}' for m in row['graph_launch_ms'])} ms of host time"
+                if row["graph_launch_ms"] else ""),
              f"  {'phase':12s} {'ops':>6s} {'launches':>9s} {'syncs':>6s} {'host ms':>8s}"]
     for phase in ORDER:
         if phase in row["ops"]:
@@ -210,6 +282,7 @@ def main() -> int:
     ap.add_argument("--backends", default="torch", help="torch,triton on CUDA (on a CPU Triton runs only interpreted)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--gaps", action="store_true", help="CUDA: where the GPU stands idle in each pass (profiled)")
     args = ap.parse_args()
     if args.device == "cpu":
         args.layers = args.layers or 4
@@ -226,6 +299,8 @@ def main() -> int:
                 mode, _, ratio = spec.partition("@")
                 rows.append(dict(measure(eng, chunks, suffix, mode, float(ratio or 0.0), args.reps), backend=backend))
                 print(table(rows[-1]), flush=True)
+                if args.gaps and args.device == "cuda":
+                    print(gpu_gaps(eng, chunks, suffix, mode, float(ratio or 0.0)), flush=True)
         del eng
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

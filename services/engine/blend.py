@@ -256,7 +256,6 @@ def _blend_layers(fwd, rt: RequestTables, base, copy, full_extra, n_keep, blend,
     sel = select_hkvd(k[:n_chunk], v[:n_chunk], k_cached, v_cached, n_keep, blend.deviation)
     stats.tokens_recomputed = int(sel.numel())
     keep = torch.cat([sel, pos[n_chunk:]])  # chunk token t sits at position t: indices == positions
-    h, pos, q, k, v = h[keep], pos[keep], q[keep], k[keep], v[keep]
     if copy:
         post = base
         wb, ws = torch.cat([rt.x_block[sel], rt.s_block]), torch.cat([rt.x_slot[sel], rt.s_slot])
@@ -267,8 +266,14 @@ def _blend_layers(fwd, rt: RequestTables, base, copy, full_extra, n_keep, blend,
         post = rt.table(0, rt.rows.shape[1], rt.hidden_masks(sel, extra_shows_selected=False))
         rt.set_extra_positions(sel)
         wb, ws = rt.w_block, rt.w_slot  # the recomputed tokens' private slots, then the suffix's
+    tables += [post] * (n_layers - c)
+    if fwd.static_tail(keep.shape[0]):
+        # the rest of the check layer (K/V write, attention, MLP) replays with the tail: the kept rows
+        # are gathered straight into its buffers
+        h = fwd.tails.run(c, h, keep, post, wb, ws, qkv=(q, k, v), rows=keep)
+        return fwd.model.logits(h[-1:])[-1], tables
+    h, pos, q, k, v = h[keep], keep, q[keep], k[keep], v[keep]
     fwd.pool.write(c, wb, ws, k, v)
     h = fwd.model.finish_layer(c, h, fwd._attend(c, q, pos, post, causal=False))
     h = fwd._tail(c + 1, h, pos, post, wb, ws, causal=False)
-    tables += [post] * (n_layers - c)
     return fwd.model.logits(h[-1:])[-1], tables

@@ -44,10 +44,14 @@ class Forward:
         self.tails = TailCache(self) if self.static_tails else None
         self._chunk_tables: OrderedDict[tuple, BlockTable] = OrderedDict()  # see chunk_table
 
+    def static_tail(self, n_tokens: int) -> bool:
+        """Whether a pass of n_tokens active tokens replays its remaining layers as a static tail."""
+        return self.tails is not None and n_tokens <= STATIC_MAX_TOKENS and self._settled()
+
     def _tail(self, first: int, h, pos, table: BlockTable, w_block, w_slot, causal: bool | None = None):
         """Layers [first, L) for active tokens that all attend ``table``; returns h after the last layer
         (``causal`` as in _attend)."""
-        if self.tails is not None and h.shape[0] <= STATIC_MAX_TOKENS and self._settled():
+        if self.static_tail(h.shape[0]):
             return self.tails.run(first, h, pos, table, w_block, w_slot)
         for layer in range(first, self.cfg.num_layers):
             self._wait(layer)

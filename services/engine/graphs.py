@@ -165,12 +165,20 @@ class StaticTail:
     """Layers [first, L) of t token rows: hidden states ``h`` [t, hidden] and ``tokens`` int64 [3, t]
     (position, write block, write slot) in fixed buffers, the table in the attention's buffers.
     Padded rows sit at PAD_POS and write to the scratch block; their hidden states are whatever the
-    buffer held (finite: zeros or an earlier request's rows), and no real row reads them."""
+    buffer held (finite: zeros or an earlier request's rows), and no real row reads them.
+    ``with_qkv``: layer ``first`` arrives half done (its q, k, v computed for more rows than go on, as
+    at the blend's check layer): the graph starts at its K/V write, so the rest of that layer is
+    replayed too; the rows that go on are gathered straight into the buffers."""
 
-    def __init__(self, fwd, first: int, t: int, e: int, graph_pool=None):
+    def __init__(self, fwd, first: int, t: int, e: int, graph_pool=None, with_qkv: bool = False):
         cfg, dev, dt = fwd.cfg, fwd.device, fwd.pool.k[0].dtype
         self.fwd, self.first, self.t = fwd, first, t
         self.h = torch.zeros(t, cfg.hidden_size, device=dev, dtype=dt)
+        self.qkv = None
+        if with_qkv:
+            self.qkv = (torch.zeros(t, cfg.num_heads, cfg.head_dim, device=dev, dtype=dt),
+                        torch.zeros(t, cfg.num_kv_heads, cfg.head_dim, device=dev, dtype=dt),
+                        torch.zeros(t, cfg.num_kv_heads, cfg.head_dim, device=dev, dtype=dt))
         # q/k RoPE: a model with a kernel backend rotates by position in one kernel each; the torch
         # model takes cos/sin tables, made inside the graph from the static positions (its own rope
         # memo would be frozen into the graph)
@@ -196,7 +204,9 @@ class StaticTail:
             rope = (cos[:, None, :], sin[:, None, :])
         h = self.h
         for layer in range(self.first, fwd.cfg.num_layers):
-            if self.rope_by_pos:
+            if layer == self.first and self.qkv is not None:
+                q, k, v = self.qkv
+            elif self.rope_by_pos:
                 q, k, v = model.attention_inputs(layer, h, pos)
             else:
                 q, k, v = model.attention_inputs(layer, h, None, rope=rope)
@@ -204,11 +214,17 @@ class StaticTail:
             h = model.finish_layer(layer, h, self.attention(layer, q))
         self.out.copy_(h)
 
-    def fill(self, h, pos, table, w_block, w_slot) -> None:
+    def fill(self, h, pos, table, w_block, w_slot, qkv=None, rows=None) -> None:
         """Load one request's inputs into the static buffers: tokens h [n] at positions pos [n],
-        writing their K/V at (w_block, w_slot) [n], attending ``table``."""
-        n = h.shape[0]
-        self.h[:n] = h
+        writing their K/V at (w_block, w_slot) [n], attending ``table``. With ``rows`` [n], h (and
+        each of ``qkv``, layer first's q, k, v) hold more rows, and rows says which go on."""
+        n = pos.shape[0]
+        if rows is None:
+            self.h[:n] = h
+        else:
+            torch.index_select(h, 0, rows, out=self.h[:n])
+            for src, buf in zip(qkv, self.qkv):
+                torch.index_select(src, 0, rows, out=buf[:n])
         self.tokens[:, :n] = torch.stack([pos, w_block, w_slot])
         if n < self._filled:  # rows of a longer request become padding again
             self.tokens[:, n:self._filled] = self._pad[:, n:self._filled]
@@ -224,8 +240,10 @@ class StaticTail:
         self.graph.replay()
         return self.out
 
+
 class TailCache:
-    """StaticTails by (first layer, token bucket, entry bucket), least recently used dropped."""
+    """StaticTails by (first layer, token bucket, entry bucket, half-done first layer), least recently
+    used dropped."""
 
     def __init__(self, fwd):
         self.fwd = fwd
@@ -233,16 +251,17 @@ class TailCache:
         self.graph_pool = torch.cuda.graph_pool_handle() if fwd.device.type == "cuda" else None
         self.replays = 0
 
-    def run(self, first, h, pos, table, w_block, w_slot) -> torch.Tensor:
-        """h after layers [first, L) for tokens h [n, hidden] at pos [n] against ``table``."""
-        n = h.shape[0]
-        key = (first, bucket(n, T_BUCKET), entry_bucket(table.num_entries, self.fwd.pool.block_size))
+    def run(self, first, h, pos, table, w_block, w_slot, qkv=None, rows=None) -> torch.Tensor:
+        """h after layers [first, L) for tokens h [n, hidden] at pos [n] against ``table``; see
+        StaticTail.fill for ``qkv`` and ``rows``."""
+        n = pos.shape[0]
+        key = (first, bucket(n, T_BUCKET), entry_bucket(table.num_entries, self.fwd.pool.block_size), qkv is not None)
         tail = self.tails.get(key)
         if tail is None:
             if len(self.tails) >= MAX_GRAPHS:
                 self.tails.popitem(last=False)
-            tail = self.tails[key] = StaticTail(self.fwd, first, key[1], key[2], self.graph_pool)
+            tail = self.tails[key] = StaticTail(self.fwd, first, key[1], key[2], self.graph_pool, key[3])
         self.tails.move_to_end(key)
-        tail.fill(h, pos, table, w_block, w_slot)
+        tail.fill(h, pos, table, w_block, w_slot, qkv, rows)
         self.replays += 1
         return tail.run()[:n]
