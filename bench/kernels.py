@@ -166,8 +166,9 @@ PC, DC = _prefill.PrefillConfig, _decode.DecodeConfig
 # times only these, interleaved
 ROTATION_CONFIGS = [PC()] + [PC(rot_mode=m) for m in ROT_MODES if m != PC().rot_mode] + [
     PC(rot_mode=m, rot_narrow=True) for m in ("carried", "prefetch_cs")] + [
-    PC(group_guard=False, rot_mode=m, rot_narrow=n) for m, n in (("carried", False), ("carried", True),
-                                                                 ("prefetch_cs", False), ("prefetch_cs", True))]
+    PC(group_guard=False, rot_mode=m, rot_narrow=n) for m, n in (
+        ("carried", False), ("carried", True), ("prefetch_cs", False), ("prefetch_cs", True), ("early", False),
+        ("early", True), ("prefetch", False), ("prefetch", True))]
 PREFILL_CONFIGS = [PC(), PC(num_stages=3), PC(128, 64, 8, 2), PC(128, 64, 8, 3), PC(64, 32, 4, 3),
                    *ROTATION_CONFIGS[1:]]
 

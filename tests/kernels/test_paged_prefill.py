@@ -128,8 +128,8 @@ def test_step_key_bounds(bs, nb):
 
 # every way of rotating the query (bench/kernels.py --rotation times them): same result as the twin
 ROTATION_VARIANTS = [PrefillConfig(block_m=32, min_block_n=32, rot_mode=m, rot_narrow=n)
-                     for m in ROT_MODES for n in (False, True) if not n or m in ("carried", "prefetch_cs")] + [
-    PrefillConfig(block_m=32, min_block_n=32, rot_mode="prefetch_cs", rot_narrow=True, group_guard=False)]
+                     for m in ROT_MODES for n in (False, True)] + [
+    PrefillConfig(block_m=32, min_block_n=32, rot_mode="early", rot_narrow=True, group_guard=False)]
 
 
 @pytest.mark.parametrize("cfg", ROTATION_VARIANTS, ids=[
