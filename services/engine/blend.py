@@ -24,10 +24,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.rope import rope_cos_sin, rotate
-from services.engine.block_table import BlockTable, dense_run, full_mask, host_rows
+from services.engine.block_table import BlockTable, dense_run, full_mask, host_to_device
 from services.engine.request import PlacedChunk, Sequence
 
 DEVIATION_METRICS = ("k", "v", "kv")
@@ -83,27 +84,31 @@ class RequestTables:
         private += x_blocks
         s_blocks = cache.allocate(-(-len(suffix) // bs), for_cache=False)
         private += s_blocks
-        x_ids, x_offs, x_masks, x_block, x_slot = dense_run(x_blocks, n_extra, bs)
-        s_ids, s_offs, s_masks, s_block, s_slot = dense_run(s_blocks, len(suffix), bs)
-        c_ids, c_offs, c_masks, pad_before, rots = [], [], [], [], []
-        for p in placed:
-            n = p.entry.length
-            pad_before.append((len(x_ids) + len(c_ids)) * bs - p.start)  # token -> its slot in entry order
-            rots.append(p.rot)
-            c_ids += p.entry.blocks
-            c_offs += [p.rot] * len(p.entry.blocks)
-            c_masks += [full_mask(min(bs, n - j * bs)) for j in range(len(p.entry.blocks))]
-        self.n_x_entries, self.n_c_entries = len(x_ids), len(c_ids)
-        ids = ([t for c in chunks for t in c] if with_chunk_ids else []) + list(suffix)
-        rows = [x_ids + c_ids + s_ids, x_offs + c_offs + s_offs, x_masks + c_masks + s_masks]
-        e, w, k = len(rows[0]), n_extra + len(suffix), len(placed)
-        flat = host_rows([ids + rows[0] + rows[1] + rows[2] + x_block + s_block + x_slot + s_slot
-                          + pad_before + rots + lengths], dev)[0]
-        self.ids, at = flat[:len(ids)], len(ids)
+        x = dense_run(x_blocks, n_extra, bs)
+        sfx = dense_run(s_blocks, len(suffix), bs)
+        c_ids = np.asarray([b for p in placed for b in p.entry.blocks], dtype=np.int64)
+        n_blocks = [len(p.entry.blocks) for p in placed]
+        c_masks = np.full(len(c_ids), full_mask(bs), dtype=np.int64)
+        ends = np.cumsum(n_blocks, dtype=np.int64) - 1
+        c_masks[ends] = [full_mask(n - (nb - 1) * bs) for n, nb in zip(lengths, n_blocks)]  # each chunk's last
+        rots = [p.rot for p in placed]
+        # a chunk token's index in entry order (its entry = // BS, its slot = % BS) is its position plus this
+        first_entry = len(x[0]) + ends + 1 - np.asarray(n_blocks, dtype=np.int64)
+        pad_before = first_entry * bs - np.asarray([p.start for p in placed], dtype=np.int64)
+        self.n_x_entries, self.n_c_entries = len(x[0]), len(c_ids)
+        rows = [np.concatenate([x[i], part, sfx[i]]) for i, part in enumerate(
+            (c_ids, np.repeat(np.asarray(rots, dtype=np.int64), n_blocks), c_masks))]
+        e, w, k, n_s = len(rows[0]), n_extra + len(suffix), len(placed), len(suffix)
+        flat = host_to_device(np.concatenate([np.asarray(suffix, dtype=np.int64), *rows, x[3], sfx[3], x[4], sfx[4],
+                                              pad_before, rots, lengths]), torch.int64, dev)
+        ids_s, at = flat[:n_s], n_s
         self.rows, at = flat[at:at + 3 * e].view(3, e), at + 3 * e
         self.w_block, self.w_slot, at = flat[at:at + w], flat[at + w:at + 2 * w], at + 2 * w
         self._per_chunk = flat[at:at + 3 * k].view(3, k)  # pad_before, rot, length of each chunk
-        self.max_offset = max(c_offs + [0])
+        # chunk ids memoised on their entries: the token lists do not cross to the device again
+        self.ids = torch.cat([fwd.chunk_ids(p.entry, c) for p, c in zip(placed, chunks)] + [ids_s]) \
+            if with_chunk_ids else ids_s
+        self.max_offset = max(rots + [0])
         self.ids_offs = self.rows[:2].to(torch.int32)
         n_all = self.n_chunk + self.n_suffix
         self.pos = torch.arange(self.n_chunk if not with_chunk_ids else 0, n_all, device=dev)

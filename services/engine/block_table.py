@@ -11,22 +11,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor without a stream sync: staged in pinned memory (the caching
-    host allocator keeps it until the copy is done) and copied asynchronously. ``torch.tensor(values,
-    device=cuda)`` copies from pageable memory, which waits for the GPU to drain first."""
-    t = torch.tensor(values, dtype=dtype)
+    """A small host list (or numpy array) as a device tensor without a stream sync: staged in pinned
+    memory (the caching host allocator keeps it until the copy is done) and copied asynchronously.
+    ``torch.tensor(values, device=cuda)`` copies from pageable memory, which waits for the GPU first."""
+    t = torch.as_tensor(values, dtype=dtype) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def host_rows(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Several host lists of one length as one int64 device tensor [len(rows), n]: one copy for all."""
-    return host_to_device(rows, torch.int64, device)
 
 
 def full_mask(n: int) -> int:
@@ -35,12 +31,15 @@ def full_mask(n: int) -> int:
     return m - (1 << 64) if m >= (1 << 63) else m
 
 
-def dense_run(blocks: list[int], n: int, block_size: int):
-    """n tokens laid densely over ``blocks`` (offset 0), on the host: the entries' (ids, offsets, masks)
-    and each token's (block, slot)."""
-    masks = [full_mask(min(block_size, n - j * block_size)) for j in range(len(blocks))]
-    return (blocks, [0] * len(blocks), masks, [blocks[t // block_size] for t in range(n)],
-            [t % block_size for t in range(n)])
+def dense_run(blocks: list[int], n: int, block_size: int) -> tuple[np.ndarray, ...]:
+    """n tokens laid densely over ``blocks`` (offset 0), on the host as int64 arrays: the entries' ids,
+    offsets and masks [len(blocks)], and each token's block and slot [n]."""
+    ids = np.asarray(blocks, dtype=np.int64)
+    masks = np.full(len(blocks), full_mask(block_size), dtype=np.int64)
+    if len(blocks) and n % block_size:
+        masks[-1] = full_mask(n % block_size)
+    slots = np.tile(np.arange(block_size, dtype=np.int64), len(blocks))[:n]
+    return ids, np.zeros(len(blocks), dtype=np.int64), masks, np.repeat(ids, block_size)[:n], slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +64,7 @@ class BlockTable:
     def from_host(block_ids: list[int], offsets: list[int], masks: list[int], device: torch.device,
                   visible: int | None = None) -> "BlockTable":
         """A table from host lists [E] with one host-to-device copy and one cast."""
-        rows = host_rows([block_ids, offsets, masks], device)
+        rows = host_to_device([block_ids, offsets, masks], torch.int64, device)
         return BlockTable.from_rows(rows, max(offsets, default=0), visible)
 
     @staticmethod

@@ -27,7 +27,7 @@ from services.engine.block_pool import BlockPool, PoolExhausted
 def chunk_id(fingerprint: str, tokens: Iterable[int]) -> str:
     """Content id of a chunk: sha256 over the model fingerprint and the int64 token ids."""
     h = hashlib.sha256(fingerprint.encode())
-    h.update(np.asarray(list(tokens), dtype=np.int64).tobytes())
+    h.update(np.asarray(tokens if isinstance(tokens, (list, tuple, np.ndarray)) else list(tokens), dtype=np.int64).tobytes())
     return h.hexdigest()
 
 
@@ -36,8 +36,8 @@ class ChunkEntry:
     """KV of one chunk: ``length`` tokens laid densely over ``blocks`` (all layers).
 
     ``base`` is the position its first key was rotated at (0 for position-agnostic entries).
-    ``slots``: the device index of each token's slot in a layer's flat [N*BS] view, made on first use
-    (Forward.chunk_slots). An entry's blocks never change while it is cached, and an evicted chunk comes
+    ``slots``: the device index of each token's slot in a layer's flat [N*BS] view, and ``ids``, its
+    token ids on the device, made on first use (Forward.chunk_slots, chunk_ids). An entry's blocks never change while it is cached, and an evicted chunk comes
     back as a new entry, so the memo can never name another chunk's slots.
     """
 
@@ -49,6 +49,7 @@ class ChunkEntry:
     refs: int = 0
     kind: str = "chunk"   # chunk (position-agnostic, by content id) | position (a replica) | prefix (chain hash)
     slots: object = field(default=None, repr=False, compare=False)  # torch.Tensor int64 [length] once made
+    ids: object = field(default=None, repr=False, compare=False)    # its token ids on the device, likewise
 
 
 class ChunkCache:

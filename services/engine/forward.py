@@ -10,11 +10,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from services.engine.attention import BACKENDS
 from services.engine.blend import BlendConfig, blend_pass
-from services.engine.block_table import BlockTable, dense_run, host_rows, host_to_device
+from services.engine.block_table import BlockTable, dense_run, host_to_device
 from services.engine.chunk_cache import ChunkEntry, chunk_id
 from services.engine.config import ModelConfig
 from services.engine.graphs import STATIC_MAX_TOKENS, TailCache
@@ -82,6 +83,12 @@ class Forward:
         the queries' positions (plain causal attention), False when they are not, None to have it checked."""
         return self.attention.prefill(layer, q, q_pos, table, causal=causal)
 
+    def chunk_ids(self, entry: ChunkEntry, tokens: list[int]) -> torch.Tensor:
+        """The chunk's token ids on the device, int64 [length], memoised on the entry (named by them)."""
+        if entry.ids is None:
+            entry.ids = host_to_device(tokens, torch.long, self.device)
+        return entry.ids
+
     def chunk_slots(self, entry: ChunkEntry) -> torch.Tensor:
         """Index of each token's slot in a layer's flat [N*BS] KV view, int64 [length], memoised on the entry."""
         if entry.slots is None:
@@ -116,7 +123,7 @@ class Forward:
         """(table, block [n], slot [n]) of n tokens laid densely over ``blocks``: one host-to-device copy."""
         ids, offs, masks, block, slot = dense_run(blocks, n, self.bs)
         e = len(ids)
-        flat = host_rows([ids + offs + masks + block + slot], self.device)[0]
+        flat = host_to_device(np.concatenate([ids, offs, masks, block, slot]), torch.int64, self.device)
         return BlockTable.from_rows(flat[:3 * e].view(3, e), 0, n), flat[3 * e:3 * e + n], flat[3 * e + n:]
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, tables, write_block, write_slot, last_only=True,
