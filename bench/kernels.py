@@ -14,6 +14,7 @@ decode and RoPE with every variant beside its peer. Llama-3-8B heads: 32 query, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -156,6 +157,31 @@ def check_small(dev) -> list:
         rows.append(row)
         say(f"check {row['case']}: prefill rel {row['prefill_rel']:.2e}, decode rel {row['decode_rel']:.2e}"
             f" {'ok' if row['ok'] else 'FAILED'}")
+    return rows
+
+
+def check_variants(dev, cfgs) -> list:
+    """Each prefill variant against the twin on check_small's first case (the benchmark's heads, bf16,
+    block size 16, three sequences, hidden slots), its KV split in 3 so that some offset groups lie
+    outside a split's entries (what group_guard=False loops zero times over)."""
+    from paged_cases import build, prefill_queries
+
+    inv = rope_inv_freq(D, 500000.0, LLAMA3)
+    case = build([([300, 77, 129], 40), ([63], 1), ([1000], 200)], 16, HKV, D, inv, dtype=torch.bfloat16,
+                 device=dev, hide=0.1)
+    q, q_pos, cu_q = prefill_queries(case, [40, 1, 200], [9, 0, 30], HQ, torch.bfloat16)
+    kv = (case.k_cache, case.v_cache, case.slot_pos)
+    want, _ = paged_prefill_attention(q, q_pos, *kv, case.block_ids, case.offsets, case.masks, cu_q, case.cu_entries,
+                                      case.inv_freq, D ** -0.5, backend="torch")
+    packed = pack(case.block_ids, case.offsets, case.masks, 16, case.inv_freq, with_table=True,
+                  cu_entries=case.cu_entries)
+    rows = []
+    for c in cfgs:
+        out, _ = _prefill.launch(q, q_pos, *kv, packed, cu_q, case.inv_freq, D ** -0.5,
+                                 cfg=dataclasses.replace(c, num_splits=3))
+        rows.append({"variant": cfg_name(c), "rel_vs_twin": rel(out, want), "ok": rel(out, want) < 2e-2})
+        say(f"check {rows[-1]['variant']} (3 splits): rel vs twin {rows[-1]['rel_vs_twin']:.2e}"
+            f" {'ok' if rows[-1]['ok'] else 'FAILED'}")
     return rows
 
 
@@ -551,6 +577,7 @@ def main() -> int:
     say(json.dumps(results))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.rotation:
+        results["checks"] = [] if args.smoke else check_variants(dev, ROTATION_CONFIGS)
         results["rotation"] = [bench_rotation(ctx, new, args.bs, dev, inv, 1 if args.smoke else args.reps, args.smoke)
                                for ctx, new in ([(256, 64)] if args.smoke else [(4096, 512), (16384, 512)])]
         results["compiled"] = compiled_report()
@@ -561,7 +588,7 @@ def main() -> int:
     if not args.smoke:
         results["ceilings"] = ceilings(dev)
         say(f"ceilings: {results['ceilings']}")
-        results["checks"] = check_small(dev)
+        results["checks"] = check_small(dev) + check_variants(dev, PREFILL_CONFIGS)
     pre = [(256, 64)] if args.smoke else [(4096, 512), (16384, 512), (32768, 512)]
     dec = [] if args.prefill_only else [(2, 256)] if args.smoke else [(32, 4096), (8, 32768)]
     results["prefill"], results["decode"] = [], []

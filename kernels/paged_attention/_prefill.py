@@ -12,7 +12,8 @@ The inner loop is then a plain flash-attention loop over the group's blocks, NB 
 (BLOCK_N = NB * BS keys): K tiles go from memory to the tensor cores unmodified. (The first
 version rotated every K tile forward in registers instead: 38-50% slower, see bench/kernels.md.)
 The rotated query is carried by the group loop (see the NOTE in the kernel), so tl.dot reads it
-from shared memory, as it would a loaded query.
+from shared memory, as it would a loaded query; PrefillConfig.rot_mode picks when the next group's
+rotation is loaded and computed (_prefill_query.py).
 Causality compares global positions (offset + slot_pos <= q_pos), so queries may be scattered
 anywhere in the context (CacheBlend's recomputed tokens), not only a suffix. The mask is applied
 only on steps that need it: a key later than the tile's oldest query, a hidden slot, or a group's
@@ -34,8 +35,8 @@ import triton.language as tl
 
 from kernels.lse_merge.triton import merge_rows
 from kernels.paged_attention._meta import PackedTable, dot_f32, sm_count
-from kernels.paged_attention._prefill_query import ROT_MODES, cos_sin, join_halves, query_halves, rotate_halves, \
-    rotated_query
+from kernels.paged_attention._prefill_query import (ROT_MODES, cos_sin, join_halves, query_halves, rotate_halves,
+                                                    rotated_query)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -52,15 +53,17 @@ class PrefillConfig:
     num_warps: int = 4
     num_stages: int = 2
     num_splits: int | None = None  # KV splits (flash-decoding style); None picks from the grid
-    # how the query is rotated per offset group (_prefill_query.py): "carried" (the default): rotated
-    # after each group's step loop for the next group and carried by the group loop; "split": the same,
-    # kept as its two halves, QK^T as two dots over D/2 on K's halves (no [r1 | r2] join);
-    # "prefetch": the next group's query and cos/sin loaded before the current group's step loop
-    # (held in registers across it), the arithmetic after; "prefetch_cs": only cos/sin loaded early;
-    # "early": the next group's query rotated before the current group's step loop
+    # how the query is rotated per offset group (_prefill_query.py; compared in bench/kernels.md, note 9):
+    # "carried" (the default): rotated after each group's step loop for the next group and carried by
+    # the group loop; "split": the same, kept as its two halves, QK^T as two dots over D/2 on K's
+    # halves (no [r1 | r2] join); "prefetch": the next group's query and cos/sin loaded before the
+    # current group's step loop, the arithmetic after; "prefetch_cs": only cos/sin loaded early;
+    # "early": the next group's query rotated before the current group's step loop. What is held
+    # across the step loop lands in local memory (L1): the loop has no registers to spare
     rot_mode: str = "carried"
     # the rotation's arithmetic in q's 16-bit type (packed two-lane FMAs, cos/sin rounded to it, as
-    # Hugging Face's eager RoPE does in bf16 models) instead of fp32: a quarter of the instructions
+    # Hugging Face's eager RoPE does in bf16 models) instead of fp32: half the instructions after the
+    # step loop, but about 3.5x the output error in bf16 (bench/kernels.md, note 9)
     rot_narrow: bool = False
     # each group's step loop inside `if the group has entries in this split` (True, runs 6-8), or not
     # (False: such a group loops zero times). Without that if, Triton 3.6 keeps the softmax in one
