@@ -27,7 +27,8 @@ from services.engine.block_pool import BlockPool, PoolExhausted
 def chunk_id(fingerprint: str, tokens: Iterable[int]) -> str:
     """Content id of a chunk: sha256 over the model fingerprint and the int64 token ids."""
     h = hashlib.sha256(fingerprint.encode())
-    h.update(np.asarray(tokens if isinstance(tokens, (list, tuple, np.ndarray)) else list(tokens), dtype=np.int64).tobytes())
+    ids = tokens if isinstance(tokens, (list, tuple, np.ndarray)) else list(tokens)
+    h.update(np.asarray(ids, dtype=np.int64).tobytes())
     return h.hexdigest()
 
 
