@@ -196,7 +196,7 @@ ROTATION_CONFIGS = [PC()] + [PC(rot_mode=m) for m in ROT_MODES if m != PC().rot_
         ("carried", False), ("carried", True), ("prefetch_cs", False), ("prefetch_cs", True), ("early", False),
         ("early", True), ("prefetch", False), ("prefetch", True))]
 PREFILL_CONFIGS = [PC(), PC(num_stages=3), PC(128, 64, 8, 2), PC(128, 64, 8, 3), PC(64, 32, 4, 3),
-                   PC(128, 64, 8, 2, group_guard=False), *ROTATION_CONFIGS[1:]]
+                   PC(num_stages=3, group_guard=False), PC(128, 64, 8, 2, group_guard=False), *ROTATION_CONFIGS[1:]]
 
 
 def cfg_name(c) -> str:
