@@ -42,9 +42,10 @@ class Attention:
         return out
 
 
-def visible_keys(pool, table: BlockTable, inv_freq: torch.Tensor):
+def visible_keys(pool, table: BlockTable, inv_freq: torch.Tensor, positions: bool = True):
     """The keys one table shows, gathered flat: (slot index [S] into a layer's [N*BS] view, global
-    position [S], and the fp32 cos/sin [S, 1, D/2] of each key's offset, or None when no entry has one).
+    position [S] (None unless ``positions``), and the fp32 cos/sin [S, 1, D/2] of each key's offset, or
+    None when no entry has one).
     Hidden twins and padding are left out, so they never enter a matmul. Their number S comes from the
     table's host-side count when it has one (no sync), else from the device (nonzero waits for it)."""
     n_slots = pool.slot_pos.shape[1]
@@ -56,7 +57,7 @@ def visible_keys(pool, table: BlockTable, inv_freq: torch.Tensor):
     else:
         keep = torch.nonzero(shown).flatten()
     idx = (ids[:, None] * n_slots + bits[None, :]).reshape(-1)[keep]
-    k_pos = (table.offsets.long()[:, None] + pool.slot_pos[ids].long()).reshape(-1)[keep]
+    k_pos = (table.offsets.long()[:, None] + pool.slot_pos[ids].long()).reshape(-1)[keep] if positions else None
     if not table.max_offset:
         return idx, k_pos, None, None
     off = table.offsets.long()[:, None].expand(-1, n_slots).reshape(-1)[keep]
@@ -74,7 +75,8 @@ class _Prepared:
     def __init__(self, pool, table: BlockTable, q_pos: torch.Tensor, inv_freq: torch.Tensor,
                  causal: bool | None = None):
         self.table, self.q_pos = table, q_pos  # held so that their ids stay unique while memoised
-        self.idx, k_pos, self.cos, self.sin = visible_keys(pool, table, inv_freq)
+        # plain causal attention needs no key positions: they are the queries'
+        self.idx, k_pos, self.cos, self.sin = visible_keys(pool, table, inv_freq, positions=causal is not True)
         q = q_pos.long()
         if causal is None:  # checked on the device: two syncs
             causal = bool(k_pos.numel() == q.numel() and torch.equal(k_pos, q)

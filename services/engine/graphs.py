@@ -6,7 +6,7 @@ same layers run for a fixed set of active tokens against one block table. ``Stat
 multiple of 16, block-table entries to a multiple of 256 key slots), so one captured graph serves
 every request of that bucket. Attention goes through the engine's backend, in a capturable form:
   - ``TritonStatic``: the deferred-RoPE paged prefill kernel on the padded table, packed into fixed
-    buffers by ``fill``; nothing is gathered, rotated in memory or masked by a tensor.
+    buffers inside the graph; nothing is gathered, rotated in memory or masked by a tensor.
   - ``TorchStatic``: every slot of the table gathered flat with its keys rotated (one fused kernel on
     CUDA), then SDPA with an additive mask (visible, and causal by global position). Hidden twins and
     padding slots are gathered and masked, so no nonzero (a sync) sizes the keys.
@@ -14,8 +14,8 @@ Padding is inert: padded entries name the reserved scratch block with no slot vi
 write their K/V to the scratch block and see no key (Triton: position -1, output 0) or every visible
 key (SDPA: no empty softmax row). ``fill`` runs outside the graph with a few copies and never syncs
 with the GPU (bounds are checked on the host); what can be derived from the static buffers (the SDPA
-mask, RoPE tables, the kernel's query positions) is derived inside the graph. On the CPU the same
-static code runs eagerly (that is how the tests check it equals the eager path).
+mask, RoPE tables, the Triton kernel's packed table and query positions) is derived inside the graph.
+On the CPU the same static code runs eagerly (that is how the tests check it equals the eager path).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
+from kernels.paged_attention import MAX_OFFSET
 from kernels.rope import gather_rotate, rope_cos_sin
 from services.engine.attention import cu_one
 
@@ -107,12 +108,16 @@ class TritonStatic(_StaticTable):
                                       with_table=kt.PREFILL_COS_SIN_TABLE)
 
     def fill(self, table) -> None:
-        att = self.fwd.attention
+        if table.max_offset > MAX_OFFSET:  # what packing inside the graph would not see (engine input checks it too)
+            raise ValueError(f"position offset {table.max_offset} does not fit the kernels' 16-bit offset field")
         self._fill_table(table)
-        att._kt.pack_into(self.packed, self.id_rows[0], self.id_rows[1], self.masks, att.pool.block_size,
-                          att.inv_freq, self.cu_e, bounds=att.bounds(table))
 
     def prepare(self, pos: torch.Tensor) -> None:
+        att = self.fwd.attention
+        # packed inside the graph: every bound is checked on the host (block ids below the pool's size,
+        # offsets checked in fill), so packing never syncs
+        att._kt.pack_into(self.packed, self.id_rows[0], self.id_rows[1], self.masks, att.pool.block_size,
+                          att.inv_freq, self.cu_e, bounds=(att.pool.num_blocks - 1, MAX_OFFSET))
         self.q_pos.copy_(torch.where(pos < PAD_POS, pos, -1))
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
