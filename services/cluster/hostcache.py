@@ -34,12 +34,32 @@ class HostEntry:
     nbytes: int
     ready: object = None
 
-    def stream(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def stream(self) -> "HostStream":
         """(layer, k, v) triples, as a store read yields them."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        for i, (k, v) in enumerate(self.layers):
-            yield i, k, v
+        return HostStream(self)
+
+
+class HostStream:
+    """An entry's layers as an iterator marked ``local``: the engine then knows they land within
+    milliseconds (services/engine/loader.py) and waits for all of them before replaying its graphs."""
+
+    local = True
+
+    def __init__(self, entry: HostEntry) -> None:
+        self._entry, self._next = entry, 0
+
+    def __iter__(self) -> "HostStream":
+        return self
+
+    def __next__(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        if self._next == 0 and self._entry.ready is not None:
+            self._entry.ready.synchronize()
+        if self._next >= len(self._entry.layers):
+            raise StopIteration
+        i = self._next
+        self._next += 1
+        k, v = self._entry.layers[i]
+        return i, k, v
 
 
 def layers_nbytes(layers) -> int:

@@ -317,7 +317,8 @@ class Forward:
                 raise ValueError(f"layer {layer} of chunk {key[:12]} has shape {tuple(k.shape)}, expected {shape}")
             self.pool.write(layer, block, slot, k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True))
 
-        load = ChunkLoad(key, tokens, as_layers(iter(layers)), write, self.cfg.num_layers)
+        load = ChunkLoad(key, tokens, as_layers(iter(layers)), write, self.cfg.num_layers,
+                         local=getattr(layers, "local", False))
         load.entry = entry
         loads.append(load)
         load.start()

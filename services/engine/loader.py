@@ -25,10 +25,18 @@ import torch
 _SIDE: dict[int, torch.cuda.Stream] = {}   # one load stream per GPU
 
 
+LOCAL_SETTLE_S = 0.5   # the longest a pass waits for a load from host memory to land (milliseconds, normally)
+
+
 class ChunkLoad(threading.Thread):
-    def __init__(self, key: str, tokens: list[int], layers: Iterable, write: Callable, num_layers: int):
+    """``local``: the layers come from this process's host memory (an iterator marked ``local = True``),
+    so they all land within milliseconds: a pass waits for them rather than going on layer by layer."""
+
+    def __init__(self, key: str, tokens: list[int], layers: Iterable, write: Callable, num_layers: int,
+                 local: bool = False):
         super().__init__(name=f"chunk-load-{key[:8]}", daemon=True)
         self.key, self.tokens, self.layers, self.write = key, tokens, layers, write
+        self.local = local
         self.num_layers = num_layers
         self.delivered = 0           # layers 0..delivered-1 are in place
         self.error: BaseException | None = None
@@ -117,10 +125,11 @@ class LayerGate:
 
     def settled(self, timeout: float = 0.0) -> bool:
         """Whether every load has handed over all of its layers (or failed), waiting up to ``timeout``
-        seconds for that: a pass may then stop waiting layer by layer (``finish()``) and run its
-        remaining layers in one CUDA-graph replay."""
-        deadline = time.perf_counter() + timeout
-        for load in self.loads:
+        seconds for that (``LOCAL_SETTLE_S`` for loads from host memory): a pass may then stop waiting
+        layer by layer (``finish()``) and run its remaining layers in one CUDA-graph replay."""
+        t0 = time.perf_counter()
+        for load in sorted(self.loads, key=lambda ld: not ld.local):   # the bounded-by-LOCAL waits first
+            deadline = t0 + (max(timeout, LOCAL_SETTLE_S) if load.local else timeout)
             with load.cond:
                 if not load.cond.wait_for(lambda: load.delivered == load.num_layers or load.error is not None,
                                           max(0.0, deadline - time.perf_counter())):

@@ -152,3 +152,31 @@ def test_registering_stores_a_chunk_larger_than_the_device_cache(tiny_model):
         store.close()
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_pass_waits_for_loads_from_host_memory_but_not_for_slow_streams(local):
+    import threading
+
+    from services.engine.loader import ChunkLoad, LayerGate
+
+    gate_open = threading.Event()
+
+    def layers():
+        gate_open.wait(5)                 # the load delivers only once the test lets it
+        for i in range(2):
+            yield i, torch.zeros(1), torch.zeros(1)
+
+    load = ChunkLoad("c" * 12, [1], layers(), lambda *a: None, 2, local=local)
+    load.start()
+    threading.Timer(0.05, gate_open.set).start()
+    assert LayerGate([load], lambda ld: None).settled(0.0) is local   # a local load is waited for
+    load.join()
+    assert LayerGate([load], lambda ld: None).settled(0.0)
+
+
+def test_host_streams_are_marked_local():
+    host = HostChunks(1 << 20)
+    host.put("x", layers(2, 2, 1.0))
+    stream = host.get("x").stream()
+    assert stream.local and [i for i, _, _ in stream] == [0, 1]
