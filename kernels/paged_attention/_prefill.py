@@ -54,21 +54,23 @@ class PrefillConfig:
     num_stages: int = 2
     num_splits: int | None = None  # KV splits (flash-decoding style); None picks from the grid
     # how the query is rotated per offset group (_prefill_query.py; compared in bench/kernels.md, note 9):
-    # "carried" (the default): rotated after each group's step loop for the next group and carried by
-    # the group loop; "split": the same, kept as its two halves, QK^T as two dots over D/2 on K's
-    # halves (no [r1 | r2] join); "prefetch": the next group's query and cos/sin loaded before the
-    # current group's step loop, the arithmetic after; "prefetch_cs": only cos/sin loaded early;
+    # "carried": rotated after each group's step loop for the next group and carried by the group
+    # loop; "split": the same, kept as its two halves, QK^T as two dots over D/2 on K's halves (no
+    # [r1 | r2] join); "prefetch": the next group's query and cos/sin loaded before the current
+    # group's step loop, the arithmetic after; "prefetch_cs" (the default since run 9: rotation
+    # +0.1% at 4K, with group_guard off): only cos/sin loaded early;
     # "early": the next group's query rotated before the current group's step loop. What is held
     # across the step loop lands in local memory (L1): the loop has no registers to spare
-    rot_mode: str = "carried"
+    rot_mode: str = "prefetch_cs"
     # the rotation's arithmetic in q's 16-bit type (packed two-lane FMAs, cos/sin rounded to it, as
     # Hugging Face's eager RoPE does in bf16 models) instead of fp32: half the instructions after the
     # step loop, but about 3.5x the output error in bf16 (bench/kernels.md, note 9)
     rot_narrow: bool = False
     # each group's step loop inside `if the group has entries in this split` (True, runs 6-8), or not
-    # (False: such a group loops zero times). Without that if, Triton 3.6 keeps the softmax in one
-    # layout: half the exponentials and ~9% fewer instructions per step (bench/kernels.md, run 9)
-    group_guard: bool = True
+    # (False, the default since run 9: such a group loops zero times). Without that if, Triton 3.6
+    # keeps the softmax in one layout: half the exponentials and ~9% fewer instructions per step
+    # (bench/kernels.md, run 9)
+    group_guard: bool = False
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
