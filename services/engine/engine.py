@@ -114,7 +114,9 @@ class Engine:
                         block_size: int = 16, kv_cache_bytes: int = 256 << 20, chunk_cache_bytes: int | None = None,
                         check_layer: int = 1, deviation: str = "kv", static_tails: bool | None = None) -> "Engine":
         """An engine over in-memory Hugging Face-named weights (shared, not copied, when already on
-        ``device`` in ``dtype``): benchmarks and the quality testbed build models this way."""
+        ``device`` in ``dtype``, except q|k|v and gate|up, which are concatenated into one new tensor
+        each: a caller that keeps its own tensors holds those twice): benchmarks and the quality
+        testbed build models this way."""
         dev = torch.device(device)
         weights = weights_from_tensors(tensors, cfg, dev, dtype)
         return cls(cfg, weights, state_fingerprint(cfg, tensors), dev, dtype,
