@@ -8,11 +8,10 @@ signatures of the engine's Llama-3-8B benchmark (bf16, 32 query / 8 KV heads, he
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compile_sm90 import compile_kernel, resources  # noqa: E402  (sets TRITON_INTERPRET=0 first)
+from compile_sm90 import compile_all, compile_kernel  # noqa: E402  (sets TRITON_INTERPRET=0 first)
 
 
 def kernels():
@@ -33,17 +32,7 @@ def kernels():
 
 
 def main() -> int:
-    failed = 0
-    for name, thunk in kernels():
-        t0 = time.perf_counter()
-        try:
-            k = thunk()
-        except Exception as exc:  # report every kernel, then fail
-            failed += 1
-            print(f"{name:24s} FAILED: {exc!r}"[:2000], flush=True)
-            continue
-        print(f"{name:24s} ok  {resources(k.asm['cubin'])}  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    return 1 if failed else 0
+    return 1 if compile_all(kernels(), width=24) else 0
 
 
 if __name__ == "__main__":

@@ -110,23 +110,29 @@ def resources(cubin: bytes) -> str:
     return f"regs {found[1]}  stack {found[2]} B  static shared {found[3]} B" if found else "resources unknown"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", help="compile only kernels whose name contains this")
-    args = ap.parse_args()
+def compile_all(named_thunks, only: str | None = None, width: int = 18) -> int:
+    """Compile every (name, thunk) whose name contains ``only``, printing each one's resources; the
+    number that failed (every kernel is tried and reported)."""
     failed = 0
-    for name, thunk in kernels():
-        if args.only and args.only not in name:
+    for name, thunk in named_thunks:
+        if only and only not in name:
             continue
         t0 = time.perf_counter()
         try:
             k = thunk()
         except Exception as exc:  # report every kernel, then fail
             failed += 1
-            print(f"{name:18s} FAILED: {exc!r}"[:2000], flush=True)
+            print(f"{name:{width}s} FAILED: {exc!r}"[:2000], flush=True)
             continue
-        print(f"{name:18s} ok  {resources(k.asm['cubin'])}  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    return 1 if failed else 0
+        print(f"{name:{width}s} ok  {resources(k.asm['cubin'])}  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    return failed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="compile only kernels whose name contains this")
+    args = ap.parse_args()
+    return 1 if compile_all(kernels(), args.only) else 0
 
 
 if __name__ == "__main__":
