@@ -144,7 +144,9 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--suffix-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=32)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight (unless --rate)")
+    ap.add_argument("--rate", type=float, help="open loop instead: Poisson arrivals at this many requests/s "
+                    "(a rate below every mode's capacity shows latencies without a saturated queue)")
     ap.add_argument("--warmup", type=int, default=8,
                     help="requests replayed in every mode before measuring (kernel compiles, graph captures)")
     # two workers share one 80 GB GPU: 2 x (16 GB weights + 14 GB KV pool) leaves room for activations
@@ -204,7 +206,8 @@ def main() -> int:
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shape": args.shape,
                "layers": args.layers, "device": device, "gpu": gpu, "launcher": launcher,
                "command": " ".join(sys.argv), "requests": args.requests, "docs": args.docs,
-               "concurrency": args.concurrency, "chunk_cache_bytes": args.chunk_cache_bytes,
+               "concurrency": None if args.rate else args.concurrency, "rate": args.rate,
+               "chunk_cache_bytes": args.chunk_cache_bytes,
                "host_cache_bytes": args.host_cache_bytes, "register_corpus": args.register_corpus, "runs": []}
     shape = args.shape if tiny else f"{args.shape}, {args.layers} layers"
     md = [f"# Cluster benchmark ({shape}, {device})", "",
@@ -230,7 +233,8 @@ def main() -> int:
                 suffix_tokens=LengthDist("const", (float(args.suffix_tokens),)),
                 output_tokens=LengthDist("const", (float(args.output_tokens),)), rate=float("inf"),
                 requests=args.requests, seed=0))
-            rcfg = ReplayConfig(mode=modes[0], concurrency=args.concurrency, vocab_size=vocab)
+            rcfg = ReplayConfig(mode=modes[0], concurrency=None if args.rate else args.concurrency, rate=args.rate,
+                                vocab_size=vocab)
             replay_target = target
             if args.register_corpus:
                 docs = sorted({(ch.doc, ch.tokens) for r in trace for ch in r.chunks})
