@@ -146,7 +146,7 @@ def main() -> int:
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight (unless --rate)")
     ap.add_argument("--rate", type=float, help="open loop instead: Poisson arrivals at this many requests/s "
-                    "(a rate below every mode's capacity shows latencies without a saturated queue)")
+                    "(a rate below every mode's capacity shows latencies without a saturated queue; throughput then follows the rate)")
     ap.add_argument("--warmup", type=int, default=8,
                     help="requests replayed in every mode before measuring (kernel compiles, graph captures)")
     # two workers share one 80 GB GPU: 2 x (16 GB weights + 14 GB KV pool) leaves room for activations
