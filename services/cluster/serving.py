@@ -16,8 +16,13 @@ from typing import Any
 
 import grpc
 
+# Reconnect backoff capped at 1 s (gRPC's default grows to 120 s): a channel to a worker that Ray is
+# restarting on the same address fails calls fast while it is down and reconnects within a second of
+# its return, instead of failing every retry until a long backoff ends.
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20),
-                ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+                ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1_000)]
 PART_BYTES = 1 << 20          # bulk payloads travel in ~1 MiB messages
 
 
