@@ -96,6 +96,8 @@ class Summary:
     hit_ratio: float | None          # chunk tokens not computed / chunk tokens
     tier_hit_ratios: dict            # tier -> share of chunk tokens ("computed" included)
     stage_p50_ms: dict = field(default_factory=dict)  # serving stage -> median ms, over requests reporting it
+    # and the mean: what a queue in front of a stage follows (a few slow requests move it, not the median)
+    stage_mean_ms: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -127,12 +129,13 @@ def summarize(run: ReplayRun, slo: Slo | None = None) -> Summary:
         itl_ms=_stats_ms([g for r in ok for g in r.itl_s]), e2el_ms=_stats_ms([r.e2el_s for r in ok]),
         goodput=None if slo is None else per_s(sum(slo.met(r) for r in ok)),
         slo=None if slo is None else asdict(slo), chunk_tokens=chunk_tokens, hit_ratio=hit,
-        tier_hit_ratios=tier_ratios, stage_p50_ms=_stage_medians(ok))
+        tier_hit_ratios=tier_ratios, stage_p50_ms=_stage_ms(ok, np.median), stage_mean_ms=_stage_ms(ok, np.mean))
 
 
-def _stage_medians(records) -> dict:
+def _stage_ms(records, reduce) -> dict:
+    """Serving stage -> ``reduce`` of its seconds over the records reporting it, in ms."""
     stages: dict[str, list[float]] = {}
     for r in records:
         for name, sec in r.stage_s.items():
             stages.setdefault(name, []).append(sec)
-    return {name: float(np.median(v)) * 1000.0 for name, v in stages.items()}
+    return {name: float(reduce(v)) * 1000.0 for name, v in stages.items()}

@@ -50,6 +50,8 @@ def summary_rows(summaries: Sequence[Summary]) -> list[tuple[str, list[str]]]:
         rows.append((f"  chunk tokens from {tier} (%)", [_pct(s.tier_hit_ratios.get(tier)) for s in summaries]))
     for stage in dict.fromkeys(k for s in summaries for k in s.stage_p50_ms):
         rows.append((f"Stage p50 (ms): {stage}", [_num(s.stage_p50_ms.get(stage)) for s in summaries]))
+    for stage in dict.fromkeys(k for s in summaries for k in s.stage_mean_ms):
+        rows.append((f"Stage mean (ms): {stage}", [_num(s.stage_mean_ms.get(stage)) for s in summaries]))
     if len(summaries) > 1:
         base = summaries[0]
         def ratio(a: float | None, b: float | None) -> str:

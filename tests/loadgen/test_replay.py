@@ -89,6 +89,11 @@ def test_summary_figures_from_records():
     assert s.stage_p50_ms == pytest.approx({"prefill": 30.0, "hand-off": 4.0})
     rows = dict(summary_rows([s]))
     assert rows["Stage p50 (ms): prefill"] == ["30.00"] and rows["Stage p50 (ms): hand-off"] == ["4.00"]
+    # and their means, which one slow request moves and the median does not
+    slow = records[:2] + (rec(3, 0.2, 0.5, 4, stages={"prefill": 0.15}),)
+    m = summarize(ReplayRun("tessera", slow, 2.0))
+    assert m.stage_p50_ms["prefill"] == pytest.approx(40.0) and m.stage_mean_ms["prefill"] == pytest.approx(70.0)
+    assert dict(summary_rows([m]))["Stage mean (ms): prefill"] == ["70.00"]
 
 
 @pytest.mark.parametrize("bad", ["", "ttft", "latency:5", "ttft:fast", "tpot:-1"])
