@@ -58,8 +58,6 @@ class CorpusTarget:
     """The cluster target, whose ``reset()`` before a reuse mode also registers ``corpus`` (token lists)
     and then drops the device caches only: the store (and the workers' host tiers) keep the chunks."""
 
-    REUSE_MODES = ("tessera", "blend_copy")
-
     def __init__(self, target, corpus: list[list[int]], batch: int = 8) -> None:
         self.target, self.corpus, self.batch = target, corpus, batch
         self.mode: str | None = None
@@ -77,8 +75,10 @@ class CorpusTarget:
         return self.target.generate(request)
 
     def reset(self) -> None:
+        from services.prefill.worker import REUSE_MODES    # the modes whose chunks the store keeps
+
         self.target.reset()
-        if self.mode not in self.REUSE_MODES:
+        if self.mode not in REUSE_MODES:
             return
         t0 = time.monotonic()
         for i in range(0, len(self.corpus), self.batch):

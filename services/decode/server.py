@@ -135,8 +135,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         def clear() -> int:
             before = len(self.eng.cache)
             self.eng.cache.clear()
-            if self.store.host is not None and not request.device_only:
-                self.store.host.clear()
+            if not request.device_only:
+                self.store.drop_known()          # empties the host tier (a decode worker stores nothing)
             return before - len(self.eng.cache)
         return pb.ResetReply(chunks_dropped=await asyncio.wrap_future(self.batcher.call(clear)))
 

@@ -66,10 +66,10 @@ class Forward:
             self._gate.wait(layer)
 
     def _settled(self) -> bool:
-        """No chunk is still streaming in: none was, or every load has delivered (chunks from a worker's
-        host memory come in within milliseconds; ``SETTLE_S`` bounds the wait for them). The pass then
-        stops waiting layer by layer and may replay its remaining layers as one graph; a slower stream
-        keeps the layer-by-layer pipeline, which overlaps its arrival with the compute."""
+        """No chunk is still streaming in: none was, or every load has delivered (loads from a worker's
+        host memory are waited for, up to loader.LOCAL_SETTLE_S; store streams up to ``SETTLE_S``). The
+        pass then stops waiting layer by layer and may replay its remaining layers as one graph; a
+        slower stream keeps the layer-by-layer pipeline, which overlaps its arrival with the compute."""
         if self._gate is None:
             return True
         if not self._gate.settled(SETTLE_S):

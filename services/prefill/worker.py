@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from services.cluster.hostcache import HOST
+from services.cluster.hostcache import HOST, layers_nbytes
 from services.cluster.kvio import StoreAccess
 from services.cluster.sampling import WireSampling
 from services.prefill.controller import LoadingController
@@ -181,7 +181,7 @@ class PrefillWorker:
     def _store_later(self, chunk_id: str, layers) -> bool:
         if not self.store.put_later(chunk_id, layers, self.eng.fingerprint):
             return False
-        self.metrics.stored_bytes.inc(sum(k.numel() * k.element_size() * 2 for k, _ in layers))
+        self.metrics.stored_bytes.inc(layers_nbytes(layers))
         return True
 
     def warm(self, chunks: list[list[int]]) -> list[bool]:
@@ -204,7 +204,7 @@ class PrefillWorker:
                 layers = computed[0] if computed else self.eng.export_chunk(cid)
                 ok = self.store.put(cid, layers, self.eng.fingerprint)
                 if ok:
-                    self.metrics.stored_bytes.inc(sum(k.numel() * k.element_size() * 2 for k, _ in layers))
+                    self.metrics.stored_bytes.inc(layers_nbytes(layers))
             stored.append(ok)
         return stored
 
