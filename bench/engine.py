@@ -74,7 +74,10 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=6)
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--suffix-tokens", type=int, default=64)
-    ap.add_argument("--profile", action="store_true", help="print a torch profile of tessera@0")
+    ap.add_argument("--profile", action="store_true",
+                    help="print (and keep in the JSON) a torch profile of tessera@0 and @0.15 per backend")
+    ap.add_argument("--modes", default="full@0.0,prefix@0.0,position_aware@0.0,blend_copy@0.15,tessera@0.15,"
+                                       "tessera@0.0,tessera@0.3", help="rows to time, mode@ratio")
     args = ap.parse_args()
     import transformers
 
@@ -100,6 +103,7 @@ def main() -> int:
     results["peer_transformers_sdpa_full_s"] = peer
     print(f"peer transformers SDPA full prefill of {n_tokens} tokens: {peer * 1e3:.1f} ms", flush=True)
 
+    rows = [(m, float(r)) for m, r in (item.split("@") for item in args.modes.split(","))]
     graphs = {"on": True, "off": False}
     logits = {}  # (backend, static, mode, ratio) -> logits: graph rows are checked against eager ones
     variants = [(b, graphs[g]) for b in args.backends.split(",") for g in args.graphs.split(",")]
@@ -114,8 +118,7 @@ def main() -> int:
             continue
         with torch.inference_mode():
             ref = hf(ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
-        for mode, ratio in (("full", 0.0), ("prefix", 0.0), ("position_aware", 0.0), ("blend_copy", 0.15),
-                            ("tessera", 0.15), ("tessera", 0.0), ("tessera", 0.3)):
+        for mode, ratio in rows:
             try:
                 first = eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)  # warms the cache
                 s = timed(lambda: eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio))
@@ -145,10 +148,12 @@ def main() -> int:
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=ratio)
                     torch.cuda.synchronize()
-                print(f"profile of tessera@{ratio}, by GPU time:")
-                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10), flush=True)
-                print(f"profile of tessera@{ratio}, by CPU time:")
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8), flush=True)
+                by_gpu = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
+                print(f"profile of {label} tessera@{ratio}, by GPU time:\n{by_gpu}", flush=True)
+                results.setdefault("profiles", {})[f"{label} tessera@{ratio}"] = [
+                    {"name": e.key, "calls": e.count, "gpu_us": e.self_device_time_total,
+                     "cpu_us": e.self_cpu_time_total}
+                    for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:40]]
         mem = eng.describe_memory()
         per_chunk = -(-args.chunk_tokens // eng.block_size) * mem["block_bytes"]
         results.setdefault("memory", {})[label] = {
