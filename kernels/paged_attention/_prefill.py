@@ -89,7 +89,7 @@ def _prefill_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
     D: tl.constexpr, B_PAD: tl.constexpr,
     ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr, DOT_F32: tl.constexpr,
-    ROT_MODE: tl.constexpr, ROT_NARROW: tl.constexpr, GROUP_GUARD: tl.constexpr,
+    ROT_MODE: tl.constexpr, ROT_NARROW: tl.constexpr, GROUP_GUARD: tl.constexpr, SEARCH: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     tile = tl.program_id(0)
@@ -112,6 +112,28 @@ def _prefill_kernel(
     per = tl.cdiv(e_hi - e_lo, n_split)
     lo = e_lo + split * per
     hi = tl.minimum(lo + per, e_hi)
+    if SEARCH:
+        # the groups this split's entries [lo, hi) touch (binary searches over the group starts): a split
+        # rotates its query only for those, not for every group of the sequence (a short suffix over
+        # many chunks runs on many splits, each a group or two wide)
+        a = g_lo
+        b = g_hi
+        while a < b:  # the first group ending after lo
+            mid = (a + b) // 2
+            if tl.load(starts_ptr + mid + 1) > lo:
+                b = mid
+            else:
+                a = mid + 1
+        g_lo = a
+        b = g_hi
+        while a < b:  # the first group starting at or after hi
+            mid = (a + b) // 2
+            if tl.load(starts_ptr + mid) >= hi:
+                b = mid
+            else:
+                a = mid + 1
+        g_hi = a
+        e_lo = tl.load(starts_ptr + g_lo)
 
     r = tl.arange(0, BLOCK_M)
     tok = t0 + r // G_PAD
@@ -279,8 +301,9 @@ def _key_bounds_kernel(meta_ptr, mask_ptr, slotpos_ptr, hi_ptr, n,
 
 
 def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_freq, scale,
-           *, rotate: bool = True, cfg: PrefillConfig = PrefillConfig()):
+           *, rotate: bool = True, cfg: PrefillConfig = PrefillConfig(), key_hi: torch.Tensor | None = None):
     """Run the prefill kernel on a table packed with its offset groups (pack(..., cu_entries=)).
+    ``key_hi``: step_key_bounds of this table at cfg's step, when the caller computed it already.
     Returns out [Tq, Hq, D] (q.dtype), lse [Tq, Hq] fp32."""
     if packed.cu_groups is None:
         raise ValueError("prefill needs the table's offset groups: pack it with cu_entries")
@@ -301,7 +324,10 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         lse = torch.empty((nsplit, t, hq), dtype=torch.float32, device=q.device)
     if t == 0:
         return (out, lse) if nsplit == 1 else (torch.empty_like(q), lse[0])
-    key_hi = step_key_bounds(packed, slot_pos, bs, nb)
+    if key_hi is None:
+        key_hi = step_key_bounds(packed, slot_pos, bs, nb)
+    elif key_hi.numel() < packed.meta.numel():
+        raise ValueError(f"key_hi has {key_hi.numel()} bounds for {packed.meta.numel()} entries")
     grid = (n_tiles, hkv, nsplit)
     _prefill_kernel[grid](
         q, q_pos, k_cache, v_cache, slot_pos, packed.meta, packed.masks,
@@ -315,7 +341,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         B_PAD=triton.next_power_of_2(n_seqs + 1),
         ROTATE=rotate, USE_TABLE=packed.table is not None, MASK_IN_WORD=packed.mask_in_word,
         DOT_F32=dot_f32(q.dtype), ROT_MODE=cfg.rot_mode, ROT_NARROW=cfg.rot_narrow, GROUP_GUARD=cfg.group_guard,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SEARCH=nsplit > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if nsplit == 1:
         return out, lse

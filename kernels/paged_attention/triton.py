@@ -14,7 +14,7 @@ from kernels.paged_attention._meta import (PackedTable, empty_decode_packed, emp
                                            pack_table_into)
 
 __all__ = ["paged_prefill_attention", "paged_decode_attention", "paged_prefill_packed", "paged_decode_packed",
-           "decode_splits", "pack", "pack_into", "pack_table_into", "empty_packed", "empty_decode_packed",
+           "decode_splits", "prefill_key_bounds", "pack", "pack_into", "pack_table_into", "empty_packed", "empty_decode_packed",
            "PackedTable", "PREFILL_COS_SIN_TABLE", "DECODE_COS_SIN_TABLE"]
 
 # cos/sin of the per-entry offsets: gathered from an fp32 table (True) or evaluated in the kernel.
@@ -67,12 +67,21 @@ def paged_prefill_attention(q, q_pos, k_cache, v_cache, slot_pos, block_ids, off
     return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale)
 
 
+def prefill_key_bounds(packed: PackedTable, slot_pos: torch.Tensor) -> torch.Tensor:
+    """The per-step key bounds the prefill kernel reads (one small launch): a caller running many
+    layers over one packed table computes them once and passes them to every paged_prefill_packed
+    (the table and the slot positions must not change in between)."""
+    bs = slot_pos.shape[1]
+    return _prefill.step_key_bounds(packed, slot_pos, bs, max(1, _prefill.PrefillConfig().min_block_n // bs))
+
+
 def paged_prefill_packed(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_freq, scale,
-                         num_splits: int | None = None):
+                         num_splits: int | None = None, key_hi: torch.Tensor | None = None):
     """paged_prefill_attention on a table already packed with its offset groups (pack(..., cu_entries=)
     or pack_into). No device sync, no allocation but the outputs, the grid a function of the shapes
     alone: a CUDA graph can capture it. q_pos, slot_pos, cu_q int32; inv_freq fp32 on q's device.
-    A query row at position -1 sees no key (out 0): how static callers make padding inert."""
+    A query row at position -1 sees no key (out 0): how static callers make padding inert.
+    ``key_hi``: prefill_key_bounds(packed, slot_pos), when the caller keeps it across layers."""
     _check(q, k_cache, v_cache, inv_freq, cu_q)
     if packed.cu_groups is None or cu_q.shape != packed.cu_groups.shape or q_pos.shape != q.shape[:1]:
         raise ValueError(f"cu_q {tuple(cu_q.shape)} / q_pos {tuple(q_pos.shape)} disagree with the queries or "
@@ -84,10 +93,9 @@ def paged_prefill_packed(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTab
         if t.dtype != dt or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous {dt}, got {t.dtype}")
     q = q if q.stride(2) == 1 else q.contiguous()
-    if num_splits is None:  # the kernel's defaults, splits picked from the shapes
-        return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale)
-    cfg = _prefill.PrefillConfig(num_splits=num_splits)
-    return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale, cfg=cfg)
+    cfg = _prefill.PrefillConfig(num_splits=num_splits)  # None: the kernel picks its splits from the shapes
+    return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale, cfg=cfg,
+                           key_hi=key_hi)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, cu_entries, inv_freq, scale):

@@ -157,3 +157,27 @@ def test_rotation_variants_match_twin(cfg, dtype):
 def test_rotation_mode_is_checked():
     with pytest.raises(ValueError, match="rot_mode"):
         PrefillConfig(rot_mode="sideways")
+
+
+@pytest.mark.parametrize("splits", [2, 5, 16])
+def test_kv_splits_touch_only_their_groups(splits):
+    """KV splits search the offset groups their entries touch: a split narrower than a group, one
+    spanning several, and (16 splits over a sequence of 4 entries) splits with no entry at all all
+    merge to the twin's result; the key bounds computed once and passed in give the same result."""
+    from kernels.paged_attention.triton import paged_prefill_packed, prefill_key_bounds
+
+    inv = rope_inv_freq(64, 500000.0, LLAMA3)
+    case = build([([40, 23, 30, 17], 6), ([50], 2), ([1], 1)], 16, 2, 64, inv, dtype=torch.float32, hide=0.1,
+                 base=300)
+    q, q_pos, cu_q = prefill_queries(case, [6, 2, 1], [4, 0, 0], 8, torch.float32)
+    want, want_lse = _run(case, q, q_pos, cu_q, 0.125, "torch")
+    packed = pack(case.block_ids, case.offsets, case.masks, 16, inv, with_table=False, cu_entries=case.cu_entries)
+    args = (q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, 0.125)
+    out, lse = launch(*args, cfg=PrefillConfig(block_m=32, min_block_n=32, num_splits=splits))
+    assert rel_err(out, want) <= TOL[torch.float32]
+    assert_lse_close(lse, want_lse, 50 * TOL[torch.float32])
+    key_hi = prefill_key_bounds(packed, case.slot_pos)
+    out_k, _ = paged_prefill_packed(*args, num_splits=splits, key_hi=key_hi)
+    assert rel_err(out_k, want) <= TOL[torch.float32]
+    with pytest.raises(ValueError, match="key_hi"):
+        paged_prefill_packed(*args, num_splits=splits, key_hi=key_hi[:1])
