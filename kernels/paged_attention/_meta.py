@@ -37,10 +37,10 @@ import triton.language as tl
 
 from kernels.paged_attention import MAX_BLOCK_ID, MAX_OFFSET, check_encodable
 
-PACK_BLOCK = 256
-# decode packs every entry of its fixed buffers each step: 32 entries a program keep the [BLOCK, D/2]
-# cos/sin tiles in registers (256 spill 2.4 KB of stack on sm_90, tests/kernels/compile_sm90.py)
-DECODE_PACK_BLOCK = 32
+# entries per program of the pack kernel: 32 keep the [BLOCK, D/2] cos/sin tiles in registers (256 spill
+# 2.4 KB of stack on sm_90, tests/kernels/compile_sm90.py) and spread a table's cos/sin over many SMs
+# (a 200-entry prefill table on one program of 256 took 106 us on an H100, bench/engine_prof_triton.json)
+PACK_BLOCK = 32
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -181,12 +181,12 @@ def _check_shapes(block_ids, offsets, masks) -> None:
                          f"{tuple(masks.shape)} must be 1-D of one length")
 
 
-def _launch_pack(block_ids, offsets, masks64, inv_freq, meta, table, block: int = PACK_BLOCK) -> None:
+def _launch_pack(block_ids, offsets, masks64, inv_freq, meta, table) -> None:
     n = block_ids.numel()
     if n:
-        _pack_kernel[(triton.cdiv(n, block),)](
+        _pack_kernel[(triton.cdiv(n, PACK_BLOCK),)](
             block_ids.contiguous(), offsets.contiguous(), masks64, inv_freq.to(torch.float32).contiguous(),
-            meta, table if table is not None else meta, n, D2=inv_freq.numel(), BLOCK=block,
+            meta, table if table is not None else meta, n, D2=inv_freq.numel(), BLOCK=PACK_BLOCK,
             WRITE_TABLE=table is not None)
 
 
@@ -271,5 +271,5 @@ def pack_table_into(out: PackedTable, block_ids, offsets, masks, block_size: int
     masks64 = masks.to(torch.int64).contiguous()
     if not out.mask_in_word and out.masks is not masks:
         out.masks.copy_(masks64)
-    _launch_pack(block_ids, offsets, masks64, inv_freq, out.meta, out.table, block=DECODE_PACK_BLOCK)
+    _launch_pack(block_ids, offsets, masks64, inv_freq, out.meta, out.table)
     return out

@@ -83,6 +83,9 @@ def kernels():
         yield f"prefill-out-{out}", lambda out=out: compile_kernel(
             _prefill.__dict__["_prefill_kernel"], *jit_args(_prefill._prefill_kernel, out_ptr=out),
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    yield "prefill-splits-search", lambda: compile_kernel(  # several KV splits: each searches its groups
+        _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True),
+        dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for name, fn in vars(_prefill).items():  # helper kernels of the prefill module (metadata passes)
         if isinstance(fn, triton.runtime.JITFunction) and name != "_prefill_kernel" and \
                 any(a.endswith("_ptr") for a in fn.arg_names) and name.endswith("_kernel"):
