@@ -6,7 +6,10 @@
   - ``silu_mul``: silu(gate) * up over the fused gate|up projection's output, read once.
   - ``qkv_heads``: splits the fused q|k|v projection's output into contiguous q, k, v, with Qwen3's
     per-head q/k RMSNorm and RoPE on q and k in the same pass (one program per token and BLOCK_H
-    heads of q, k and v together). Replaces ~20 torch kernels of the rotate-half rotation.
+    heads of q, k and v together). Replaces ~20 torch kernels of the rotate-half rotation. Given a
+    ``KVWrite``, it also stores k and v into the paged cache (replacing the two index writes of
+    ``BlockPool.write``), and may skip the k, v outputs when the caller only needs the cache.
+  - ``write_kv``: k and v given, stored into the paged cache by one kernel (two index writes in torch).
 
 No kernel syncs with the host or sizes anything from device data: all are CUDA-graph capturable.
 Only long-standing ``tl`` operations are used (the kernels run on Triton 3.6 and later).
@@ -17,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fused.kv_write import KVWrite
 
 
 @triton.jit
@@ -52,11 +57,13 @@ def _silu_mul_kernel(gu_ptr, out_ptr, n_inter, stride_gu, stride_out, BLOCK: tl.
 
 @triton.jit
 def _qkv_heads_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, invf_ptr, qn_ptr, kn_ptr,
-                      n_q, n_kv, stride_qkv, stride_cos, stride_sin, eps,
-                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr,
-                      USE_TABLE: tl.constexpr, QK_NORM: tl.constexpr):
+                      kc_ptr, vc_ptr, blk_ptr, slot_ptr, n_q, n_kv, stride_qkv, stride_cos, stride_sin,
+                      block_size, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr,
+                      USE_TABLE: tl.constexpr, QK_NORM: tl.constexpr, KV_OUT: tl.constexpr,
+                      TO_CACHE: tl.constexpr):
     """Program (token t, heads [h0, h0 + BLOCK_H) of the q|k|v row): heads < n_q are q, then n_kv k,
-    then n_kv v. Each head vector is read as two halves [BLOCK_H, HALF] (rotate-half layout)."""
+    then n_kv v. Each head vector is read as two halves [BLOCK_H, HALF] (rotate-half layout).
+    TO_CACHE: k and v heads are also stored at row block[t] * block_size + slot[t] of the caches."""
     t = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D2)
@@ -103,10 +110,34 @@ def _qkv_heads_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, i
     v_ok = ok & is_v[:, None]
     tl.store(q_dst, y1, mask=q_ok)
     tl.store(q_dst + HALF, y2, mask=q_ok)
-    tl.store(k_dst, y1, mask=k_ok)
-    tl.store(k_dst + HALF, y2, mask=k_ok)
-    tl.store(v_dst, y1, mask=v_ok)
-    tl.store(v_dst + HALF, y2, mask=v_ok)
+    if KV_OUT:
+        tl.store(k_dst, y1, mask=k_ok)
+        tl.store(k_dst + HALF, y2, mask=k_ok)
+        tl.store(v_dst, y1, mask=v_ok)
+        tl.store(v_dst + HALF, y2, mask=v_ok)
+    if TO_CACHE:  # the rows just rounded to the activations' dtype, then cast to the cache's (as .to() twice)
+        row = tl.load(blk_ptr + t) * block_size + tl.load(slot_ptr + t)  # int64
+        kc_dst = kc_ptr + (row * n_kv + kh) * (2 * HALF) + d[None, :]
+        vc_dst = vc_ptr + (row * n_kv + vh) * (2 * HALF) + d[None, :]
+        tl.store(kc_dst, y1.to(kc_ptr.dtype.element_ty), mask=k_ok)
+        tl.store(kc_dst + HALF, y2.to(kc_ptr.dtype.element_ty), mask=k_ok)
+        tl.store(vc_dst, y1.to(vc_ptr.dtype.element_ty), mask=v_ok)
+        tl.store(vc_dst + HALF, y2.to(vc_ptr.dtype.element_ty), mask=v_ok)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, blk_ptr, slot_ptr, row_len, stride_k, stride_v, block_size,
+                     BLOCK: tl.constexpr):
+    """Program (token t, columns [c0, c0 + BLOCK) of its Hkv * D row): k's and v's, to cache row
+    block[t] * block_size + slot[t]."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < row_len
+    row = tl.load(blk_ptr + t) * block_size + tl.load(slot_ptr + t)  # int64
+    k = tl.load(k_ptr + t * stride_k + c, mask=ok)
+    v = tl.load(v_ptr + t * stride_v + c, mask=ok)
+    tl.store(kc_ptr + row * row_len + c, k.to(kc_ptr.dtype.element_ty), mask=ok)
+    tl.store(vc_ptr + row * row_len + c, v.to(vc_ptr.dtype.element_ty), mask=ok)
 
 
 def _row_warps(block: int) -> int:
@@ -175,9 +206,11 @@ def _table(x: torch.Tensor, t: int, half: int) -> torch.Tensor:
 def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, *, cos: torch.Tensor | None = None,
               sin: torch.Tensor | None = None, positions: torch.Tensor | None = None,
               inv_freq: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
-              k_norm: torch.Tensor | None = None, eps: float = 1e-6, block_h: int = 16):
+              k_norm: torch.Tensor | None = None, eps: float = 1e-6, write: KVWrite | None = None,
+              return_kv: bool = True, block_h: int = 16):
     """qkv [T, (Hq + 2*Hkv) * D] -> q [T, Hq, D], k, v [T, Hkv, D] (new, contiguous): q and k per-head
-    normed (when q_norm/k_norm are given) and rotated by cos/sin tables or by positions * inv_freq."""
+    normed (when q_norm/k_norm are given) and rotated by cos/sin tables or by positions * inv_freq.
+    ``write``: k and v also stored into the paged cache; ``return_kv=False``: k, v not made (None)."""
     if qkv.dim() != 2 or qkv.shape[1] % (num_heads + 2 * num_kv_heads):
         raise ValueError(f"qkv {tuple(qkv.shape)} is not [T, (Hq + 2*Hkv) * D] for Hq={num_heads}, Hkv={num_kv_heads}")
     t = qkv.shape[0]
@@ -189,11 +222,15 @@ def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, *, cos: torc
         raise ValueError("give the rotation either as cos/sin tables or as positions with inv_freq")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm come together")
+    if write is not None:
+        write.check(t, num_kv_heads, d)
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((t, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
-    v = torch.empty_like(k)
+    k = v = None
+    if return_kv:
+        k = torch.empty((t, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
+        v = torch.empty_like(k)
     if t == 0:
         return q, k, v
     if cos is not None:
@@ -207,11 +244,33 @@ def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, *, cos: torc
         cos_t = sin_t = invf  # unread
     qn = q_norm.contiguous() if q_norm is not None else qkv
     kn = k_norm.contiguous() if k_norm is not None else qkv
+    k_out, v_out = (k, v) if return_kv else (q, q)  # unread without KV_OUT
+    if write is not None:
+        kc, vc, blk, slot, bs = write.k_cache, write.v_cache, write.block, write.slot, write.k_cache.shape[1]
+    else:
+        kc = vc = blk = slot = q  # unread
+        bs = 1
     heads = num_heads + 2 * num_kv_heads
     block_h = min(block_h, triton.next_power_of_2(heads))
     _qkv_heads_kernel[(t, triton.cdiv(heads, block_h))](
-        qkv, q, k, v, cos_t, sin_t, pos, invf, qn, kn, num_heads, num_kv_heads, qkv.stride(0),
-        cos_t.stride(0), sin_t.stride(0), float(eps),
+        qkv, q, k_out, v_out, cos_t, sin_t, pos, invf, qn, kn, kc, vc, blk, slot, num_heads, num_kv_heads,
+        qkv.stride(0), cos_t.stride(0), sin_t.stride(0), bs, float(eps),
         HALF=half, BLOCK_H=block_h, BLOCK_D2=triton.next_power_of_2(half),
-        USE_TABLE=cos is not None, QK_NORM=q_norm is not None)
+        USE_TABLE=cos is not None, QK_NORM=q_norm is not None, KV_OUT=return_kv, TO_CACHE=write is not None)
     return q, k, v
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, write: KVWrite, block: int = 1024) -> None:
+    """Store k, v [T, Hkv, D] at ``write``'s (block, slot) rows, cast to the cache's dtype: one launch."""
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, Hkv, D]")
+    t, n = k.shape[0], k.shape[1] * k.shape[2]
+    write.check(t, k.shape[1], k.shape[2])
+    if k.device != write.k_cache.device or v.device != write.k_cache.device:
+        raise ValueError(f"k, v on {k.device}/{v.device}, the cache on {write.k_cache.device}")
+    if t == 0 or n == 0:
+        return
+    k2, v2 = _rows(k, n), _rows(v, n)
+    block = min(block, triton.next_power_of_2(n))
+    _write_kv_kernel[(t, triton.cdiv(n, block))](k2, v2, write.k_cache, write.v_cache, write.block, write.slot, n,
+                                                k2.stride(0), v2.stride(0), write.k_cache.shape[1], BLOCK=block)

@@ -4,11 +4,16 @@ A block id names the same slots in every layer's K and V tensors. ``slot_pos`` r
 position each slot's key was rotated at when it was written: chunk-local for shared chunk blocks,
 global for private blocks. Blocks are handed out and returned whole; who owns a block (a cached
 chunk or a request) is tracked by the chunk cache and the request, not here.
+
+New K/V reach the pool two ways: ``at`` names the slots for the model's q|k|v kernel, which stores
+the rows it makes (the layer passes), and ``write`` stores given rows (loads, hand-offs, blend copies).
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.fused import KVWrite, default_backend, write_kv
 
 
 class PoolExhausted(RuntimeError):
@@ -30,6 +35,7 @@ class BlockPool:
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._used: set[int] = set()
         self.reserved: set[int] = set()
+        self.kernels = default_backend(torch.device(device))  # write: one Triton kernel for K and V on CUDA
 
     @property
     def num_free(self) -> int:
@@ -65,10 +71,13 @@ class BlockPool:
         table = torch.tensor(blocks, dtype=torch.long, device=self.slot_pos.device)
         return table[idx // self.block_size], idx % self.block_size
 
+    def at(self, layer: int, block: torch.Tensor, slot: torch.Tensor) -> KVWrite:
+        """Slots (block[n], slot[n]) int64 of one layer, as the fused kernels' write destination."""
+        return KVWrite(self.k[layer], self.v[layer], block, slot)
+
     def write(self, layer: int, block: torch.Tensor, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [n, Hkv, D] at (block[n], slot[n]) of one layer."""
-        self.k[layer][block, slot] = k.to(self.k[layer].dtype)
-        self.v[layer][block, slot] = v.to(self.v[layer].dtype)
+        """Store k, v [n, Hkv, D] at (block[n], slot[n]) int64 of one layer, in the pool's dtype."""
+        write_kv(k, v, self.at(layer, block, slot), backend=self.kernels)
 
     def read(self, layer: int, block: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][block, slot], self.v[layer][block, slot]

@@ -260,8 +260,7 @@ class DecodeGraph:
             rope = (cos[:, None, :], sin[:, None, :])
         h = model.embed(inp.tokens[:b])
         for layer in range(fwd.cfg.num_layers):
-            q, k, v = model.attention_inputs(layer, h, pos, rope=rope)
-            pool.write(layer, w_block, w_slot, k, v)
+            q, _, _ = model.attention_inputs(layer, h, pos, rope=rope, write=pool.at(layer, w_block, w_slot))
             h = model.finish_layer(layer, h, self.attention(layer, q, inp.cu32[layer, :b + 1]))
         self.out.copy_(model.logits(h))
 

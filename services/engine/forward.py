@@ -1,8 +1,8 @@
 """Layer-by-layer passes over the paged KV: chunk computation, every prefill mode, batched decode.
 
 Every pass is the same loop: at each layer the *active* tokens (those whose hidden state is computed)
-produce q/k/v, the tokens that own private slots write their k/v, and the active queries attend to the
-layer's block table. Modes differ only in which tokens are active and which entries each layer sees.
+produce q/k/v, the tokens that own private slots write their k/v (in the q|k|v kernel itself where every
+active token writes), and the active queries attend to the layer's block table. Modes differ only in which tokens are active and which entries each layer sees.
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ class Forward:
             return self.tails.run(first, h, pos, table, w_block, w_slot)
         for layer in range(first, self.cfg.num_layers):
             self._wait(layer)
-            q, k, v = self.model.attention_inputs(layer, h, pos)
-            self.pool.write(layer, w_block, w_slot, k, v)
+            q, _, _ = self.model.attention_inputs(layer, h, pos, write=self.pool.at(layer, w_block, w_slot))
             h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, table, causal))
         return h
 
@@ -136,8 +135,7 @@ class Forward:
             return self.model.logits(h[-1:] if last_only else h)[-1]
         for layer in range(n_layers):
             self._wait(layer)
-            q, k, v = self.model.attention_inputs(layer, h, pos)
-            self.pool.write(layer, write_block, write_slot, k, v)
+            q, _, _ = self.model.attention_inputs(layer, h, pos, write=self.pool.at(layer, write_block, write_slot))
             if skip_last_layer and layer == n_layers - 1:
                 return None
             h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, tables[layer], causal))
@@ -374,8 +372,7 @@ class Forward:
         # kernels reuse their packed metadata (one validation and packing per combination, not per layer).
         batch: dict[tuple, tuple[BlockTable, torch.Tensor]] = {}
         for layer in range(self.cfg.num_layers):
-            q, k, v = self.model.attention_inputs(layer, h, pos)
-            self.pool.write(layer, block, slot, k, v)
+            q, _, _ = self.model.attention_inputs(layer, h, pos, write=self.pool.at(layer, block, slot))
             key = tuple(id(s.layer_tables[layer]) for s in seqs)
             if key not in batch:
                 per_seq = [BlockTable.cat([s.layer_tables[layer], gen_tables[i]]) for i, s in enumerate(seqs)]

@@ -212,12 +212,14 @@ class StaticTail:
         h = self.h
         for layer in range(self.first, fwd.cfg.num_layers):
             if layer == self.first and self.qkv is not None:
-                q, k, v = self.qkv
-            elif self.rope_by_pos:
-                q, k, v = model.attention_inputs(layer, h, pos)
-            else:
-                q, k, v = model.attention_inputs(layer, h, None, rope=rope)
-            pool.write(layer, w_block, w_slot, k, v)
+                q, k, v = self.qkv  # made before the graph: written here
+                pool.write(layer, w_block, w_slot, k, v)
+            else:  # k, v stored by the q|k|v kernel itself (padded rows to the scratch block)
+                write = pool.at(layer, w_block, w_slot)
+                if self.rope_by_pos:
+                    q, _, _ = model.attention_inputs(layer, h, pos, write=write)
+                else:
+                    q, _, _ = model.attention_inputs(layer, h, None, rope=rope, write=write)
             h = model.finish_layer(layer, h, self.attention(layer, q))
         self.out.copy_(h)
 

@@ -3,6 +3,8 @@ tokens attend to which KV (paged, deferred RoPE) and which tokens are computed a
 
   h -> attention_inputs(layer, h, pos) -> q, k, v      (norm, projections, Qwen3 q/k norm, RoPE)
      -> [engine: write k, v to paged slots; paged attention over the request's block table]
+     (or attention_inputs(layer, h, pos, write=pool.at(layer, block, slot)) -> q: k, v stored in the
+      same kernel that makes them)
      -> finish_layer(layer, h, attn) -> h             (o_proj + residual, MLP + residual)
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.fused import add_rms_norm, default_backend, qkv_heads, rms_norm, silu_mul
+from kernels.fused import KVWrite, add_rms_norm, default_backend, qkv_heads, rms_norm, silu_mul
 from kernels.rope import rope_cos_sin, rope_inv_freq
 from services.engine.config import ModelConfig
 from services.engine.weights import LayerWeights, ModelWeights
@@ -44,12 +46,15 @@ class Transformer:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w.embed[ids]  # [T, hidden]
 
-    def attention_inputs(self, layer: int, h: torch.Tensor, pos: torch.Tensor | None, rope=None):
+    def attention_inputs(self, layer: int, h: torch.Tensor, pos: torch.Tensor | None, rope=None,
+                         write: KVWrite | None = None):
         """h [T, hidden] at global positions pos [T] -> q [T, Hq, D], k, v [T, Hkv, D] (q, k rotated).
 
         ``rope`` = (cos, sin) [T, 1, D/2] given instead of ``pos`` by static (graph-captured) passes.
+        ``write`` (``BlockPool.at``): k and v go straight into that layer's paged cache and are not
+        returned (None): the caller only attends with q.
         Three kernels on CUDA: RMSNorm, the q|k|v matmul, and one pass splitting q, k, v with q/k norm
-        and RoPE."""
+        and RoPE (and the K/V write)."""
         cfg, lw = self.cfg, self.w.layers[layer]
         x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps, backend=self.kernels)
         qkv = F.linear(x, lw.qkv_proj, lw.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
@@ -58,7 +63,8 @@ class Transformer:
         cos, sin = rope if rope is not None else (None, None)
         return qkv_heads(qkv, cfg.num_heads, cfg.num_kv_heads, cos=cos, sin=sin,
                          positions=pos if rope is None else None, inv_freq=self.inv_freq,
-                         q_norm=lw.q_norm, k_norm=lw.k_norm, eps=cfg.rms_norm_eps, backend=self.kernels)
+                         q_norm=lw.q_norm, k_norm=lw.k_norm, eps=cfg.rms_norm_eps, write=write,
+                         return_kv=write is None, backend=self.kernels)
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual attention output and the SwiGLU MLP. attn [T, Hq, D] -> h [T, hidden] (a new tensor;

@@ -15,24 +15,33 @@ from compile_sm90 import compile_all, compile_kernel  # noqa: E402  (sets TRITON
 
 
 def kernels():
-    from kernels.fused.triton import _qkv_heads_kernel, _rms_norm_kernel, _silu_mul_kernel
+    from kernels.fused.triton import _qkv_heads_kernel, _rms_norm_kernel, _silu_mul_kernel, _write_kv_kernel
 
     for res in (False, True):
         yield f"rms-norm{'-add' if res else ''}", lambda res=res: compile_kernel(
             _rms_norm_kernel, dict(x_ptr="bf16", res_ptr="bf16", w_ptr="bf16", out_ptr="bf16", res_out_ptr="bf16"),
             dict(BLOCK=4096, HAS_RES=res), scalars=dict(eps="fp32"), num_warps=8)
     yield "silu-mul", lambda: compile_kernel(_silu_mul_kernel, dict(gu_ptr="bf16", out_ptr="bf16"), dict(BLOCK=1024))
+    qkv_ptrs = dict(qkv_ptr="bf16", q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", cos_ptr="fp32", sin_ptr="fp32",
+                    pos_ptr="i64", invf_ptr="fp32", qn_ptr="bf16", kn_ptr="bf16", kc_ptr="bf16", vc_ptr="bf16",
+                    blk_ptr="i64", slot_ptr="i64")
+    # the engine's layer passes: k, v only into the cache; the plain split: k, v returned, no cache
     for table in (False, True):
         for norm in (False, True):
-            yield f"qkv-heads{'-table' if table else '-pos'}{'-qknorm' if norm else ''}", \
-                lambda table=table, norm=norm: compile_kernel(
-                    _qkv_heads_kernel, dict(qkv_ptr="bf16", q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", cos_ptr="fp32",
-                                            sin_ptr="fp32", pos_ptr="i64", invf_ptr="fp32", qn_ptr="bf16", kn_ptr="bf16"),
-                    dict(HALF=64, BLOCK_H=16, BLOCK_D2=64, USE_TABLE=table, QK_NORM=norm), scalars=dict(eps="fp32"))
+            for to_cache in (True, False):
+                yield f"qkv-heads{'-table' if table else '-pos'}{'-qknorm' if norm else ''}" \
+                      f"{'-cache' if to_cache else ''}", \
+                    lambda table=table, norm=norm, to_cache=to_cache: compile_kernel(
+                        _qkv_heads_kernel, qkv_ptrs,
+                        dict(HALF=64, BLOCK_H=16, BLOCK_D2=64, USE_TABLE=table, QK_NORM=norm,
+                             KV_OUT=not to_cache, TO_CACHE=to_cache), scalars=dict(eps="fp32"))
+    yield "write-kv", lambda: compile_kernel(
+        _write_kv_kernel, dict(k_ptr="bf16", v_ptr="bf16", kc_ptr="bf16", vc_ptr="bf16", blk_ptr="i64",
+                               slot_ptr="i64"), dict(BLOCK=1024))
 
 
 def main() -> int:
-    return 1 if compile_all(kernels(), width=24) else 0
+    return 1 if compile_all(kernels(), width=30) else 0
 
 
 if __name__ == "__main__":

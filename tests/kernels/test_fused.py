@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_checks import DTYPE_NAME, TOL, rel_err
 
-from kernels.fused import add_rms_norm, qkv_heads, rms_norm, silu_mul
+from kernels.fused import KVWrite, add_rms_norm, qkv_heads, rms_norm, silu_mul, write_kv
 from kernels.rope import rope_cos_sin, rope_inv_freq
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -124,6 +124,136 @@ def test_qkv_heads_matches_twin(t, hq, hkv, d, qk_norm, dtype, rope_by):
         assert g.shape == (t, h, d) and g.dtype == dtype and g.is_contiguous()
         assert rel_err(g, w) <= TOL[dtype]
     assert torch.equal(got[2], want[2])  # v is copied, untouched
+
+
+# (T, Hq, Hkv, D, q/k norm, activations' dtype, cache dtype, block size): odd token counts, GQA 1/4,
+# head_dim 64/128, a block size that is no power of two, and caches in another dtype than the activations
+KV_WRITE_CASES = [
+    (1, 4, 4, 64, False, torch.float32, torch.float32, 16, "positions"),
+    (7, 8, 2, 64, True, torch.bfloat16, torch.bfloat16, 16, "table"),
+    (13, 8, 2, 128, False, torch.bfloat16, torch.float32, 5, "positions"),
+    (21, 4, 1, 64, True, torch.float32, torch.bfloat16, 4, "table"),
+    (9, 8, 4, 128, True, torch.float16, torch.float16, 16, "positions"),
+]
+KV_WRITE_IDS = [f"T{t}-Hq{hq}-Hkv{hkv}-D{d}" + ("-qknorm" if n else "") + f"-{DTYPE_NAME[dt]}-cache{DTYPE_NAME[ct]}"
+                f"-BS{bs}-{by}" for t, hq, hkv, d, n, dt, ct, bs, by in KV_WRITE_CASES]
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype, triton: bool) -> torch.Tensor:
+    """x cast to the cache's dtype as the writer under test casts it: the interpreted Triton kernel
+    truncates fp32 to bf16 (a GPU rounds to nearest, as torch does)."""
+    if triton and INTERPRETED and x.dtype == torch.float32 and dtype == torch.bfloat16:
+        return (x.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return x.to(dtype)
+
+
+def _scattered(t: int, n_blocks: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """T distinct (block, slot) pairs spread over the pool in no order."""
+    flat = torch.randperm(n_blocks * bs)[:t]
+    return flat // bs, flat % bs
+
+
+def _caches(n_blocks, bs, hkv, d, dtype):
+    """Random normal caches (never zeros: a row written to the wrong place must show)."""
+    return torch.randn(n_blocks, bs, hkv, d).to(dtype), torch.randn(n_blocks, bs, hkv, d).to(dtype)
+
+
+def _assert_written(kc, vc, before, blk, slot, k, v, triton: bool):
+    """Rows (blk, slot) of the caches hold k, v bit for bit; every other row is as it was."""
+    assert torch.equal(kc[blk, slot], _to_cache(k, kc.dtype, triton))
+    assert torch.equal(vc[blk, slot], _to_cache(v, vc.dtype, triton))
+    rest = torch.ones(kc.shape[:2], dtype=torch.bool)
+    rest[blk, slot] = False
+    assert torch.equal(kc[rest], before[0][rest]) and torch.equal(vc[rest], before[1][rest])
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,qk_norm,dtype,cache_dtype,bs,rope_by", KV_WRITE_CASES, ids=KV_WRITE_IDS)
+def test_qkv_heads_writes_the_cache(t, hq, hkv, d, qk_norm, dtype, cache_dtype, bs, rope_by):
+    """With a KVWrite, the kernel and the twin store exactly the k, v they return (cast to the cache's
+    dtype) at the given slots and touch no other row; without the k, v outputs, q and the cache are the
+    same bits."""
+    from kernels.fused import triton as kt
+
+    n_blocks = -(-t // bs) + 3
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
+    inv = rope_inv_freq(d, 500000.0)
+    pos = torch.randint(0, 9000, (t,))
+    norms = dict(q_norm=(1 + 0.2 * torch.randn(d)).to(dtype), k_norm=(1 + 0.2 * torch.randn(d)).to(dtype)) \
+        if qk_norm else {}
+    if rope_by == "table":
+        cos, sin = rope_cos_sin(pos, inv)
+        rope = dict(cos=cos[:, None, :], sin=sin[:, None, :])
+    else:
+        rope = dict(positions=pos, inv_freq=inv)
+    blk, slot = _scattered(t, n_blocks, bs)
+    kc0, vc0 = _caches(n_blocks, bs, hkv, d, cache_dtype)
+    plain = qkv_heads(qkv, hq, hkv, eps=1e-6, **rope, **norms)
+    results = {}
+    for name, fn in (("twin", qkv_heads), ("triton", kt.qkv_heads)):
+        kc, vc = kc0.clone(), vc0.clone()
+        q, k, v = fn(qkv, hq, hkv, eps=1e-6, write=KVWrite(kc, vc, blk, slot), **rope, **norms)
+        _assert_written(kc, vc, (kc0, vc0), blk, slot, k, v, triton=name == "triton")
+        kc2, vc2 = kc0.clone(), vc0.clone()
+        q2, k2, v2 = fn(qkv, hq, hkv, eps=1e-6, write=KVWrite(kc2, vc2, blk, slot), return_kv=False, **rope, **norms)
+        assert k2 is None and v2 is None
+        assert torch.equal(q2, q) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
+        results[name] = q, k, v, kc, vc
+    for got, want in zip(results["twin"][:3], plain):  # the write changes nothing the twin returns
+        assert torch.equal(got, want)
+    for g, w in zip(results["triton"][:3], results["twin"][:3]):
+        assert g.dtype == w.dtype == dtype and g.shape == w.shape
+        assert rel_err(g, w) <= TOL[dtype]
+    assert torch.equal(results["triton"][2], results["twin"][2])  # v is a copy either way
+    for g, w in zip(results["triton"][3:], results["twin"][3:]):  # the written rows, in the cache's dtype
+        assert rel_err(g[blk, slot], w[blk, slot]) <= max(TOL[dtype], TOL[cache_dtype])
+
+
+WRITE_KV_CASES = [(1, 1, 64, torch.float32, torch.float32, 16), (19, 2, 64, torch.bfloat16, torch.bfloat16, 5),
+                  (40, 8, 128, torch.float32, torch.bfloat16, 16), (9, 4, 128, torch.bfloat16, torch.float32, 4)]
+
+
+@pytest.mark.parametrize("t,hkv,d,dtype,cache_dtype,bs", WRITE_KV_CASES,
+                         ids=[f"T{t}-Hkv{h}-D{d}-{DTYPE_NAME[dt]}-cache{DTYPE_NAME[ct]}-BS{bs}"
+                              for t, h, d, dt, ct, bs in WRITE_KV_CASES])
+def test_write_kv_matches_twin(t, hkv, d, dtype, cache_dtype, bs):
+    """write_kv (one kernel for K and V) stores what the twin's indexed assignments store, from strided
+    inputs (rows of a longer tensor, a transposed one), touching no other row."""
+    from kernels.fused import triton as kt
+
+    n_blocks = -(-t // bs) + 2
+    blk, slot = _scattered(t, n_blocks, bs)
+    k = torch.randn(t + 3, hkv, d).to(dtype)[3:]  # rows of a longer tensor
+    v = torch.randn(hkv, t, d).to(dtype).transpose(0, 1)  # not viewable as rows: copied
+    kc0, vc0 = _caches(n_blocks, bs, hkv, d, cache_dtype)
+    for fn in (write_kv, kt.write_kv):
+        kc, vc = kc0.clone(), vc0.clone()
+        fn(k, v, KVWrite(kc, vc, blk, slot))
+        _assert_written(kc, vc, (kc0, vc0), blk, slot, k, v, triton=fn is kt.write_kv)
+    kc, vc = kc0.clone(), vc0.clone()
+    write_kv(k[:0], v[:0], KVWrite(kc, vc, blk[:0], slot[:0]), backend="triton")  # nothing to write
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+
+
+def test_kv_write_refuses_bad_destinations():
+    from kernels.fused import triton as kt
+
+    qkv, kc, vc = torch.randn(3, 4 * 16), torch.randn(2, 4, 1, 16), torch.randn(2, 4, 1, 16)
+    blk, slot = torch.tensor([0, 1, 1]), torch.tensor([3, 0, 2])
+    rope = dict(positions=torch.arange(3), inv_freq=torch.ones(8))
+    for fn in (qkv_heads, kt.qkv_heads):
+        with pytest.raises(ValueError, match="int64"):
+            fn(qkv, 2, 1, write=KVWrite(kc, vc, blk.int(), slot), **rope)
+        with pytest.raises(ValueError, match=r"int64 \[3\]"):
+            fn(qkv, 2, 1, write=KVWrite(kc, vc, blk[:2], slot[:2]), **rope)
+        with pytest.raises(ValueError, match="alike"):
+            fn(qkv, 2, 1, write=KVWrite(kc, vc[:, :, :, :8], blk, slot), **rope)
+        with pytest.raises(ValueError, match="contiguous"):
+            fn(qkv, 2, 1, write=KVWrite(kc, vc.transpose(0, 1).contiguous().transpose(0, 1), blk, slot), **rope)
+    for fn in (write_kv, kt.write_kv):
+        with pytest.raises(ValueError, match="both"):
+            fn(torch.randn(3, 1, 16), torch.randn(3, 1, 8), KVWrite(kc, vc, blk, slot))
+        with pytest.raises(ValueError, match="alike"):
+            fn(torch.randn(3, 2, 8), torch.randn(3, 2, 8), KVWrite(kc, vc, blk, slot))
 
 
 def test_qkv_twin_is_hugging_face_qwen3_order():
