@@ -15,6 +15,15 @@ Targets (issue #5): tessera p50 TTFT >= 3x lower than full, throughput >= 2.5x f
     python3 bench/cluster.py --shape tiny --requests 16     # CPU smoke run of the same code path
     python3 bench/cluster.py --no-ray --layers 8 --requests 48   # no Ray: one process per service
 
+``--rates R1,R2,...`` adds an open-loop sweep: per skew and mode, one set-up (reset, corpus
+registration), then the trace replayed with Poisson arrivals at each rate, lowest first (each rate
+starts from the caches the previous one left), sending stopped after ``--max-seconds-per-rate``.
+It writes a table per skew (p50/p90 TTFT, achieved req/s and requests done per mode, the target
+ratios at each rate) and OUT_rates_alpha<A>.png. With ``--rates`` the closed-loop pass runs only
+when ``--concurrency`` (or ``--rate``) is also given.
+
+    python3 bench/cluster.py --rates 2,4,6,8,10,12 --register-corpus --out bench/cluster_rates
+
 ``--no-ray`` starts the same services as child processes of this one (services/cluster/local.py),
 for machines where Ray cannot be installed. OUT.json and OUT.md are rewritten after every mode, so
 a run stopped early keeps what it measured.
@@ -27,6 +36,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -94,6 +104,70 @@ class CorpusTarget:
         self.target.close()
 
 
+# The ratios issue #5 sets targets for, at each rate of a sweep: (metric, numerator mode, denominator mode)
+RATE_RATIOS = (("ttft_p50", "full", "tessera"), ("ttft_p50", "blend_copy", "tessera"),
+               ("throughput", "tessera", "full"))
+
+
+def parse_rates(text: str) -> list[float]:
+    """``--rates``: comma-separated requests/s, returned distinct and lowest first."""
+    try:
+        rates = sorted({float(r) for r in text.split(",") if r.strip()})
+    except ValueError:
+        raise ValueError(f"--rates takes comma-separated requests/s, e.g. 2,4,8; got {text!r}") from None
+    if not rates or not all(0 < r < float("inf") for r in rates):
+        raise ValueError(f"--rates needs rates > 0 req/s; got {text!r}")
+    return rates
+
+
+def sweep_rates(trace, target, rcfg, modes, rates, max_seconds, on_mode=None) -> dict:
+    """Per mode: one ``target.reset()`` (the corpus registration with a CorpusTarget), then the trace
+    open loop at each rate. Returns rate -> mode -> (ReplayRun, Summary); ``on_mode(mode, sweep)``
+    after each mode, so that a stopped sweep keeps the modes it finished."""
+    from loadgen.replay.compare import replay_rates
+
+    sweep: dict[float, dict] = {r: {} for r in rates}
+    for mode in modes:
+        if isinstance(target, CorpusTarget):
+            target.mode = mode
+        runs, summaries = replay_rates(trace, target, replace(rcfg, mode=mode), rates, duration_s=max_seconds)
+        for rate, run, summary in zip(rates, runs, summaries):
+            sweep[rate][mode] = (run, summary)
+        if on_mode is not None:
+            on_mode(mode, sweep)
+    return sweep
+
+
+def sweep_summaries(sweep: dict) -> dict:
+    """rate -> mode -> Summary, from ``sweep_rates``' rate -> mode -> (ReplayRun, Summary)."""
+    return {rate: {mode: summary for mode, (_, summary) in by_mode.items()} for rate, by_mode in sweep.items()}
+
+
+def rate_sweep_md(alpha: str, rows: list[dict], requests: int, max_seconds: float, registered: dict,
+                  plot: str | None) -> list[str]:
+    """The markdown section of one skew's rate sweep (``alpha``: its value, as the heading shows it)."""
+    from loadgen.replay.report import rate_sweep_table
+
+    md = [f"## Zipf alpha {alpha}: open-loop rate sweep", "",
+          f"Poisson arrivals at each offered rate over the same {requests}-request trace. Each mode is set up once "
+          "(caches reset" + (", the corpus registered for a reuse mode" if registered else "") + "), then "
+          "replays the rates lowest "
+          f"first, each starting from the caches the previous one left. Sending stops after {max_seconds:g} s of "
+          "a rate (requests in flight finish): done/sent counts the requests completed and sent, of "
+          f"{requests}. Achieved: the steady request throughput (completions per second between the first "
+          "completion and the last send; in parentheses, completed / duration where fewer than two requests "
+          "completed before the last send, i.e. a short trace sent faster than the mode serves; the plot and "
+          "the ratios leave those out). Targets: p50 TTFT full/tessera >= 3, blend_copy/tessera >= 1.3, "
+          "req/s tessera/full >= 2.5 (below full's capacity every mode keeps up and the throughput ratio is ~1).",
+          "", rate_sweep_table(rows), ""]
+    if plot:
+        md += [f"![rate sweep, alpha {alpha}]({plot})", ""]
+    if registered:
+        md += ["Corpus registered before the mode (not timed): " + ", ".join(
+            f"{m} {sec:.1f} s" for m, sec in registered.items()), ""]
+    return md
+
+
 def write_random_llama(path: Path, layers: int, seed: int = 0) -> Path:
     """config.json + one safetensors file per layer (drawn on the GPU, bf16), so memory stays small."""
     import torch
@@ -144,9 +218,14 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--suffix-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=32)
-    ap.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight (unless --rate)")
+    ap.add_argument("--concurrency", type=int, help="closed loop: requests in flight (default 8; not with --rate)")
     ap.add_argument("--rate", type=float, help="open loop instead: Poisson arrivals at this many requests/s "
                     "(a rate below every mode's capacity shows latencies without a saturated queue; throughput then follows the rate)")
+    ap.add_argument("--rates", help="open-loop sweep: comma-separated requests/s, each replayed per mode after one "
+                    "set-up; with --rates the closed-loop (or --rate) pass runs only if --concurrency (or --rate) "
+                    "is given too")
+    ap.add_argument("--max-seconds-per-rate", type=float, default=60.0,
+                    help="stop sending new requests after this many seconds of a swept rate (default 60)")
     ap.add_argument("--warmup", type=int, default=8,
                     help="requests replayed in every mode before measuring (kernel compiles, graph captures)")
     # two workers share one 80 GB GPU: 2 x (16 GB weights + 14 GB KV pool) leaves room for activations
@@ -159,9 +238,20 @@ def main() -> int:
     ap.add_argument("--register-corpus", action="store_true",
                     help="register the trace's documents before each reuse mode (then drop device caches)")
     args = ap.parse_args()
+    if args.rate is not None and args.concurrency is not None:
+        ap.error("give --rate or --concurrency, not both")
+    if not args.max_seconds_per_rate > 0:
+        ap.error("--max-seconds-per-rate must be > 0")
+    try:
+        rates = parse_rates(args.rates) if args.rates else []
+    except ValueError as exc:
+        ap.error(str(exc))
+    main_pass = not rates or args.rate is not None or args.concurrency is not None
+    concurrency = None if args.rate else (args.concurrency or 8)
 
     from loadgen.replay import ReplayConfig, replay_modes
-    from loadgen.replay.report import summary_table, write_report
+    from loadgen.replay.plots import rate_sweep
+    from loadgen.replay.report import rate_sweep_rows, summary_table, write_report
     from loadgen.trace import LengthDist, SynthConfig, synthesize
     from loadgen.trace.tokens import doc_token_ids
     from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
@@ -206,9 +296,11 @@ def main() -> int:
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shape": args.shape,
                "layers": args.layers, "device": device, "gpu": gpu, "launcher": launcher,
                "command": " ".join(sys.argv), "requests": args.requests, "docs": args.docs,
-               "concurrency": None if args.rate else args.concurrency, "rate": args.rate,
+               "concurrency": concurrency if main_pass else None, "rate": args.rate,
+               "rates": rates, "max_seconds_per_rate": args.max_seconds_per_rate if rates else None,
                "chunk_cache_bytes": args.chunk_cache_bytes,
-               "host_cache_bytes": args.host_cache_bytes, "register_corpus": args.register_corpus, "runs": []}
+               "host_cache_bytes": args.host_cache_bytes, "register_corpus": args.register_corpus, "runs": [],
+               "rate_sweeps": []}
     shape = args.shape if tiny else f"{args.shape}, {args.layers} layers"
     md = [f"# Cluster benchmark ({shape}, {device})", "",
           f"Date: {results['date']}. Device: {gpu or device}. Services: {launcher}. "
@@ -233,58 +325,90 @@ def main() -> int:
                 suffix_tokens=LengthDist("const", (float(args.suffix_tokens),)),
                 output_tokens=LengthDist("const", (float(args.output_tokens),)), rate=float("inf"),
                 requests=args.requests, seed=0))
-            rcfg = ReplayConfig(mode=modes[0], concurrency=None if args.rate else args.concurrency, rate=args.rate,
-                                vocab_size=vocab)
-            replay_target = target
+            rcfg = ReplayConfig(mode=modes[0], concurrency=concurrency, rate=args.rate, vocab_size=vocab)
+            replay_target = sweep_target = target
             if args.register_corpus:
                 docs = sorted({(ch.doc, ch.tokens) for r in trace for ch in r.chunks})
                 corpus = [doc_token_ids(d, n, vocab, seed=rcfg.token_seed, low=rcfg.token_low).tolist() for d, n in docs]
-                replay_target = CorpusTarget(target, corpus)
+                replay_target, sweep_target = CorpusTarget(target, corpus), CorpusTarget(target, corpus)
             if args.warmup and alpha == first_alpha:
                 # unmeasured: the first mode would otherwise pay every compile and capture (each mode
                 # resets the caches before it is measured, so the warm-up leaves no chunk behind)
                 replay_modes(trace[:args.warmup], target, rcfg, modes)
                 print(f"warm-up ({args.warmup} requests per mode) done at {time.monotonic() - started:.0f} s",
                       flush=True)
-            runs, summaries = [], []
-            for mode in modes:      # one mode at a time, so that a stopped run keeps the modes it finished
-                before = decode_chunk_sources(target.client)
-                if replay_target is not target:
-                    replay_target.mode = mode
-                mode_runs, mode_summaries = replay_modes(trace, replay_target, rcfg, [mode])
-                after = decode_chunk_sources(target.client)
-                sources[f"{alpha:g}/{mode}"] = {k: after[k] - before.get(k, 0.0) for k in after}
-                runs += mode_runs
-                summaries += mode_summaries
-                print(f"alpha {alpha:g} {mode}: done at {time.monotonic() - started:.0f} s", flush=True)
-                results["partial"] = {"alpha": alpha, "summaries": [s.to_json() for s in summaries]}
-                save([f"## Zipf alpha {alpha} (partial: {', '.join(s.mode for s in summaries)})", "",
-                      summary_table(summaries), ""])
-            write_report(runs_dir / f"alpha{alpha:g}", runs, summaries, " ".join(sys.argv),
-                         f"Zipf alpha {alpha}, {args.requests} requests")
-            by = {s.mode: s for s in summaries if s.ttft_ms.get("p50")}     # modes where some request succeeded
-            checks = {}
-            if "full" in by and "tessera" in by:
-                t, f = by["tessera"], by["full"]
-                checks["ttft_p50_vs_full"] = f.ttft_ms["p50"] / t.ttft_ms["p50"]
-                checks["throughput_vs_full"] = t.total_token_throughput / f.total_token_throughput
-            if "blend_copy" in by and "tessera" in by:
-                checks["ttft_p50_vs_blend_copy"] = by["blend_copy"].ttft_ms["p50"] / by["tessera"].ttft_ms["p50"]
-            results.pop("partial", None)
-            registered = getattr(replay_target, "register_seconds", {})
-            results["runs"].append({"alpha": alpha, "summaries": [s.to_json() for s in summaries], "ratios": checks,
-                                    "register_seconds": registered})
-            md += [f"## Zipf alpha {alpha}", "", summary_table(summaries), "",
-                   "Decode worker, shared chunks by source: " + "; ".join(
-                       f"{m}: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(sources.get(f"{alpha:g}/{m}", {}).items()))
-                       for m in modes), "",
-                   "Ratios (targets: TTFT vs full >= 3, throughput vs full >= 2.5, TTFT vs blend_copy >= 1.3): "
-                   + ", ".join(f"{k} {v:.2f}x" for k, v in checks.items()), ""]
-            if registered:
-                md += ["Corpus registered before the mode (not timed): " + ", ".join(
-                    f"{m} {sec:.1f} s" for m, sec in registered.items()), ""]
-            print("\n".join(md[-4:]), flush=True)
-            save([])
+            if main_pass:
+                runs, summaries = [], []
+                for mode in modes:      # one mode at a time, so that a stopped run keeps the modes it finished
+                    before = decode_chunk_sources(target.client)
+                    if replay_target is not target:
+                        replay_target.mode = mode
+                    mode_runs, mode_summaries = replay_modes(trace, replay_target, rcfg, [mode])
+                    after = decode_chunk_sources(target.client)
+                    sources[f"{alpha:g}/{mode}"] = {k: after[k] - before.get(k, 0.0) for k in after}
+                    runs += mode_runs
+                    summaries += mode_summaries
+                    print(f"alpha {alpha:g} {mode}: done at {time.monotonic() - started:.0f} s", flush=True)
+                    results["partial"] = {"alpha": alpha, "summaries": [s.to_json() for s in summaries]}
+                    save([f"## Zipf alpha {alpha} (partial: {', '.join(s.mode for s in summaries)})", "",
+                          summary_table(summaries), ""])
+                write_report(runs_dir / f"alpha{alpha:g}", runs, summaries, " ".join(sys.argv),
+                             f"Zipf alpha {alpha}, {args.requests} requests")
+                by = {s.mode: s for s in summaries if s.ttft_ms.get("p50")}     # modes where some request succeeded
+                checks = {}
+                if "full" in by and "tessera" in by:
+                    t, f = by["tessera"], by["full"]
+                    checks["ttft_p50_vs_full"] = f.ttft_ms["p50"] / t.ttft_ms["p50"]
+                    checks["throughput_vs_full"] = t.total_token_throughput / f.total_token_throughput
+                    # the same, counted while the load was on (no start-up, no drain); None: no such window
+                    steady = t.steady_total_token_throughput, f.steady_total_token_throughput
+                    checks["steady_throughput_vs_full"] = steady[0] / steady[1] if all(steady) else None
+                if "blend_copy" in by and "tessera" in by:
+                    checks["ttft_p50_vs_blend_copy"] = by["blend_copy"].ttft_ms["p50"] / by["tessera"].ttft_ms["p50"]
+                results.pop("partial", None)
+                registered = getattr(replay_target, "register_seconds", {})
+                results["runs"].append({"alpha": alpha, "summaries": [s.to_json() for s in summaries],
+                                        "ratios": checks, "register_seconds": registered})
+                md += [f"## Zipf alpha {alpha}", "", summary_table(summaries), "",
+                       "Decode worker, shared chunks by source: " + "; ".join(
+                           f"{m}: " + ", ".join(f"{k} {v:.0f}"
+                                                for k, v in sorted(sources.get(f"{alpha:g}/{m}", {}).items()))
+                           for m in modes), "",
+                       "Ratios (targets: TTFT vs full >= 3, throughput vs full >= 2.5, TTFT vs blend_copy >= 1.3): "
+                       + ", ".join(f"{k} " + ("-" if v is None else f"{v:.2f}x") for k, v in checks.items()), ""]
+                if registered:
+                    md += ["Corpus registered before the mode (not timed): " + ", ".join(
+                        f"{m} {sec:.1f} s" for m, sec in registered.items()), ""]
+                print("\n".join(md[-4:]), flush=True)
+                save([])
+            if rates:
+                ratios = [r for r in RATE_RATIOS if {r[1], r[2]} <= set(modes)]    # those the modes run allow
+                rate_note = dict(requests=args.requests, max_seconds=args.max_seconds_per_rate,
+                                 registered=getattr(sweep_target, "register_seconds", {}))
+
+                def partial(mode: str, sweep: dict) -> None:
+                    rows = rate_sweep_rows(sweep_summaries(sweep), ratios)
+                    print(f"alpha {alpha:g} {mode}: rates done at {time.monotonic() - started:.0f} s", flush=True)
+                    results["partial_rates"] = {"alpha": alpha, "rows": rows}
+                    save(rate_sweep_md(f"{alpha} (partial: to {mode})", rows, plot=None, **rate_note))
+
+                sweep = sweep_rates(trace, sweep_target, rcfg, modes, rates, args.max_seconds_per_rate, partial)
+                for rate, by_mode in sweep.items():
+                    write_report(runs_dir / f"alpha{alpha:g}-rate{rate:g}", [run for run, _ in by_mode.values()],
+                                 [s for _, s in by_mode.values()], " ".join(sys.argv),
+                                 f"Zipf alpha {alpha}, {args.requests} requests, Poisson at {rate:g} req/s")
+                rows = rate_sweep_rows(sweep_summaries(sweep), ratios)
+                plot = Path(f"{args.out}_rates_alpha{alpha:g}.png")
+                plot.parent.mkdir(parents=True, exist_ok=True)
+                rate_sweep(rows, plot, f"Zipf alpha {alpha:g}: open loop, Poisson arrivals")
+                results.pop("partial_rates", None)
+                results["rate_sweeps"].append({
+                    "alpha": alpha, "rates": rates, "max_seconds_per_rate": args.max_seconds_per_rate,
+                    "rows": rows, "register_seconds": rate_note["registered"], "plot": plot.name,
+                    "summaries": {f"{r:g}": [s.to_json() for _, s in by.values()] for r, by in sweep.items()}})
+                md += rate_sweep_md(f"{alpha}", rows, plot=plot.name, **rate_note)
+                print("\n".join(md[-8:]), flush=True)
+                save([])
     finally:
         target.close()
         cluster.stop()

@@ -5,6 +5,20 @@ than one token (the first token excluded). ITL: every gap between successive str
 events. E2EL: send to end of stream. Each as mean/p50/p90/p99 in ms over successful
 requests. Goodput: requests per second meeting every SLO given. Hit ratios: chunk tokens
 by tier over all chunk tokens, from the target's per-request stats.
+
+Throughput comes twice. ``request_throughput`` (and the token ones) divide by the whole run,
+start-up and drain included: a closed loop of C clients over N requests ends with a drain in
+which only the last requests decode and none arrives (a large share of a short run), which
+penalises most the mode whose prefill is short. The *steady* throughputs count only while the
+offered load was on: the window opens at the first completion and closes at the last send
+(send: ``sent_s``; completion: ``sent_s + e2el_s``; successful requests only), and
+
+    steady_request_throughput = (completions in [first completion, last send] - 1) / window
+
+(the first completion opens the window, so it is not counted: completions per second between
+the opening one and the last send). The steady token throughputs take the tokens of the same
+completions (the opening one left out) over the same window. All are None when the window is
+empty or holds fewer than 2 completions.
 """
 
 from __future__ import annotations
@@ -98,6 +112,12 @@ class Summary:
     stage_p50_ms: dict = field(default_factory=dict)  # serving stage -> median ms, over requests reporting it
     # and the mean: what a queue in front of a stage follows (a few slow requests move it, not the median)
     stage_mean_ms: dict = field(default_factory=dict)
+    # while the load was on (module docstring): window [first completion, last send]
+    steady_window_s: float | None = None             # last send - first completion (None: no window)
+    steady_completed: int = 0                        # completions in the window, the opening one included
+    steady_request_throughput: float | None = None   # (steady_completed - 1) / steady_window_s
+    steady_output_throughput: float | None = None    # output tokens of those completions / s
+    steady_total_token_throughput: float | None = None   # (input + output) tokens of those completions / s
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -129,7 +149,27 @@ def summarize(run: ReplayRun, slo: Slo | None = None) -> Summary:
         itl_ms=_stats_ms([g for r in ok for g in r.itl_s]), e2el_ms=_stats_ms([r.e2el_s for r in ok]),
         goodput=None if slo is None else per_s(sum(slo.met(r) for r in ok)),
         slo=None if slo is None else asdict(slo), chunk_tokens=chunk_tokens, hit_ratio=hit,
-        tier_hit_ratios=tier_ratios, stage_p50_ms=_stage_ms(ok, np.median), stage_mean_ms=_stage_ms(ok, np.mean))
+        tier_hit_ratios=tier_ratios, stage_p50_ms=_stage_ms(ok, np.median), stage_mean_ms=_stage_ms(ok, np.mean),
+        **_steady(ok))
+
+
+def _steady(ok: Sequence[RequestRecord]) -> dict:
+    """The ``steady_*`` fields of Summary over successful records (definition: module docstring)."""
+    none = {"steady_window_s": None, "steady_completed": 0, "steady_request_throughput": None,
+            "steady_output_throughput": None, "steady_total_token_throughput": None}
+    if not ok:
+        return none
+    done = sorted(ok, key=lambda r: r.sent_s + r.e2el_s)
+    start, end = done[0].sent_s + done[0].e2el_s, max(r.sent_s for r in ok)
+    inside = [r for r in done if r.sent_s + r.e2el_s <= end]   # all at or after ``start`` (sorted)
+    window = end - start
+    if window <= 0 or len(inside) < 2:
+        return {**none, "steady_window_s": window if window > 0 else None, "steady_completed": len(inside)}
+    counted = inside[1:]                                       # the opening completion is not counted
+    n_out = sum(r.output_tokens for r in counted)
+    return {"steady_window_s": window, "steady_completed": len(inside),
+            "steady_request_throughput": len(counted) / window, "steady_output_throughput": n_out / window,
+            "steady_total_token_throughput": (n_out + sum(r.input_tokens for r in counted)) / window}
 
 
 def _stage_ms(records, reduce) -> dict:

@@ -106,3 +106,32 @@ def serving_stages(summaries, path: Path) -> Path | None:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def rate_sweep(rows, path: Path, title: str = "") -> Path:
+    """Two panels over the offered rate, one line per mode, from ``report.rate_sweep_rows``: p50 TTFT
+    (log scale) and the achieved (steady) request throughput beside the offered one."""
+    plt = _pyplot()
+    fig, (ttft, done) = plt.subplots(1, 2, figsize=(10.0, 4.0), dpi=120)
+    rates = [row["rate"] for row in rows]
+    for mode in dict.fromkeys(m for row in rows for m in row["modes"]):
+        points = [(row["rate"], row["modes"][mode]) for row in rows if mode in row["modes"]]
+        for ax, key in ((ttft, "ttft_p50_ms"), (done, "throughput")):
+            xy = [(r, p[key]) for r, p in points if p[key] is not None]
+            if xy:
+                ax.plot(*zip(*xy), marker="o", markersize=4, label=mode)
+    if rates:
+        done.plot([0, max(rates)], [0, max(rates)], color="grey", linestyle="--", linewidth=1, label="offered")
+    ttft.set_yscale("log")
+    ttft.set_ylabel("p50 TTFT (ms, log scale)")
+    done.set_ylabel("achieved throughput (req/s, steady)")
+    for ax in (ttft, done):
+        ax.set_xlabel("offered rate (req/s, Poisson)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(title="mode", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
