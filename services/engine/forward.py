@@ -2,7 +2,8 @@
 
 Every pass is the same loop: at each layer the *active* tokens (those whose hidden state is computed)
 produce q/k/v, the tokens that own private slots write their k/v (in the q|k|v kernel itself where every
-active token writes), and the active queries attend to the layer's block table. Modes differ only in which tokens are active and which entries each layer sees.
+active token writes), and the active queries attend to the layer's block table. Modes differ only in
+which tokens are active and which entries each layer sees.
 """
 
 from __future__ import annotations
