@@ -5,6 +5,8 @@ Each check runs with the plain-torch twins and with the Triton kernels (interpre
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -16,8 +18,8 @@ from services.engine.weights import weights_from_tensors
 
 from .conftest import random_request
 
-KERNELS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    __import__("importlib").util.find_spec("triton") is None, reason="triton not installed"))]
+KERNELS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                                                   reason="triton is not installed"))]
 
 
 def _use_kernels(eng: Engine, kernels: str) -> Engine:
