@@ -22,7 +22,7 @@ from services.engine.block_table import BlockTable
 from services.engine.chunk_cache import ChunkCache, chunk_id
 from services.engine.config import ModelConfig
 from services.engine.forward import Forward
-from services.engine.handoff import Handoff, export_sequence, import_sequence
+from services.engine.handoff import Handoff, export_sequence, import_sequence, stage_export
 from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
 from services.engine.sampling import SamplingParams, sample
 from services.engine.weights import ModelWeights, fingerprint, load_weights, state_fingerprint, weights_from_tensors
@@ -210,9 +210,12 @@ class Engine:
         chunks, suffix = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
         logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), fetch, on_computed)
         try:
+            # what the export reads on the host starts on its way first: reading the first token (a sync)
+            # then delivers it, and the export after the first token waits for nothing on the device
+            staged = stage_export(self.forward, seq, logits)
             if on_logits is not None:
                 on_logits(logits)
-            handoff = export_sequence(self.forward, seq, logits, self.fingerprint, kv_on_device)
+            handoff = export_sequence(self.forward, seq, logits, self.fingerprint, kv_on_device, staged)
         finally:
             self.release(seq)
         return PrefillResult(logits, stats), handoff
