@@ -11,6 +11,7 @@ the rows it makes (the layer passes), and ``write`` stores given rows (loads, ha
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels.fused import KVWrite, default_backend, write_kv
@@ -32,14 +33,16 @@ class BlockPool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * self.k[0].element_size()
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self._used: set[int] = set()
+        # free blocks as a mask: allocation hands out the lowest free ids, and finds runs of consecutive
+        # ones (a chunk on a run is written by plain copies, see ``run``) with a few numpy ops
+        self._is_free = np.ones(num_blocks, dtype=bool)
+        self._n_free = num_blocks
         self.reserved: set[int] = set()
         self.kernels = default_backend(torch.device(device))  # write: one Triton kernel for K and V on CUDA
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._n_free
 
     def reserve(self) -> int:
         """Take one block out of circulation for good (the static tails' scratch block)."""
@@ -51,19 +54,50 @@ class BlockPool:
     def usable_blocks(self) -> int:
         return self.num_blocks - len(self.reserved)
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise PoolExhausted(f"KV pool exhausted: {n} blocks wanted, {len(self._free)} free of {self.num_blocks}")
-        ids = [self._free.pop() for _ in range(n)]
-        self._used.update(ids)
-        return ids
+    def allocate(self, n: int, contiguous: bool = False) -> list[int]:
+        """n free blocks, the lowest ids first; ``contiguous``: consecutive ids where some run of n is
+        free (else any n)."""
+        if n > self._n_free:
+            raise PoolExhausted(f"KV pool exhausted: {n} blocks wanted, {self._n_free} free of {self.num_blocks}")
+        ids = None
+        if contiguous and n > 1:
+            free = np.concatenate([[0], np.cumsum(self._is_free, dtype=np.int64)])
+            starts = np.flatnonzero(free[n:] - free[:-n] == n)  # i where blocks i..i+n-1 are all free
+            if starts.size:
+                ids = np.arange(starts[0], starts[0] + n)
+        if ids is None:
+            ids = np.flatnonzero(self._is_free)[:n]
+        self._is_free[ids] = False
+        self._n_free -= n
+        return ids.tolist()
 
     def free(self, ids: list[int]) -> None:
-        for i in ids:
-            if i not in self._used:
-                raise RuntimeError(f"block {i} freed twice or never allocated")
-            self._used.remove(i)
-            self._free.append(i)
+        if not len(ids):
+            return
+        idx = np.asarray(ids, dtype=np.int64)
+        outside = (idx < 0) | (idx >= self.num_blocks)
+        if outside.any():
+            raise RuntimeError(f"block {int(idx[outside][0])} is not in the pool of {self.num_blocks}")
+        if self._is_free[idx].any():
+            raise RuntimeError(f"block {int(idx[self._is_free[idx]][0])} freed twice or never allocated")
+        if np.unique(idx).size != idx.size:
+            raise RuntimeError(f"blocks {ids} name one block twice")
+        self._is_free[idx] = True
+        self._n_free += idx.size
+
+    def run(self, blocks: list[int]) -> slice | None:
+        """The blocks as one slice of every layer's K/V when they are consecutive ids, else None: a
+        chunk laid densely over a run is one contiguous [n, Hkv, D] range, written by a plain copy."""
+        if blocks and blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[-1] + 1)):
+            return slice(blocks[0], blocks[-1] + 1)
+        return None
+
+    def write_run(self, layer: int, run: slice, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [n, Hkv, D] densely from the first slot of the blocks ``run`` (see ``run``): two
+        copies (host-to-device straight into the pool when k, v are pinned host tensors)."""
+        n = k.shape[0]
+        self.k[layer][run].view(-1, *self.k[layer].shape[2:])[:n].copy_(k, non_blocking=True)
+        self.v[layer][run].view(-1, *self.v[layer].shape[2:])[:n].copy_(v, non_blocking=True)
 
     def slots_for(self, blocks: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block id and slot index of tokens 0..n-1 laid out densely over ``blocks``: ([n], [n])."""

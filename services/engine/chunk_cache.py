@@ -88,10 +88,10 @@ class ChunkCache:
         while self.resident_bytes > self.budget_bytes and self._evict_one():
             pass        # back within the budget once requests let go of what overflowed it
 
-    def allocate(self, n_blocks: int, for_cache: bool) -> list[int]:
+    def allocate(self, n_blocks: int, for_cache: bool, contiguous: bool = False) -> list[int]:
         """Blocks for a new entry (``for_cache``: counted against the budget) or for private use,
         evicting unpinned entries LRU-first until they fit; past the budget only while every cached
-        entry is pinned (see the module docstring)."""
+        entry is pinned (see the module docstring). ``contiguous``: consecutive ids when a run is free."""
         need_bytes = n_blocks * self.pool.block_bytes if for_cache else 0
         while self.pool.num_free < n_blocks or self.resident_bytes + need_bytes > self.budget_bytes:
             if not self._evict_one():
@@ -102,7 +102,7 @@ class ChunkCache:
                 f"{self.resident_bytes} B of chunk cache pinned by requests in flight")
         if self.resident_bytes + need_bytes > self.budget_bytes:
             self.overflows += 1
-        return self.pool.allocate(n_blocks)
+        return self.pool.allocate(n_blocks, contiguous=contiguous)
 
     def insert(self, key: str, blocks: list[int], length: int, base: int = 0, kind: str = "chunk") -> ChunkEntry:
         """Register freshly written blocks under ``key``; returned pinned (refs = 1)."""

@@ -109,12 +109,13 @@ class Forward:
         self._chunk_tables.move_to_end(key)
         return table
 
-    def _private(self, pos: torch.Tensor, for_cache: bool = False):
-        """Slots for tokens at global positions ``pos`` [n], laid densely over new blocks.
+    def _private(self, pos: torch.Tensor, for_cache: bool = False, contiguous: bool = False):
+        """Slots for tokens at global positions ``pos`` [n], laid densely over new blocks (consecutive
+        ones where a run is free, with ``contiguous``).
 
         Returns (blocks, block [n], slot [n], table with offset 0)."""
         n = int(pos.numel())
-        blocks = self.cache.allocate(-(-n // self.bs), for_cache=for_cache)
+        blocks = self.cache.allocate(-(-n // self.bs), for_cache=for_cache, contiguous=contiguous)
         table, block, slot = self._dense_table(blocks, n)
         self.pool.slot_pos[block, slot] = pos.to(torch.int32)
         return blocks, block, slot, table
@@ -171,14 +172,12 @@ class Forward:
     def insert_chunk(self, key: str, tokens_or_length, layers) -> ChunkEntry:
         """Write a chunk's KV given per layer as (k, v) [L, Hkv, D] (keys at local positions); pinned."""
         n = tokens_or_length if isinstance(tokens_or_length, int) else len(tokens_or_length)
-        blocks, block, slot, _ = self._private(torch.arange(n, device=self.device), for_cache=True)
+        blocks, block, slot, _ = self._private(torch.arange(n, device=self.device), for_cache=True, contiguous=True)
+        write = self._chunk_writer(key, n, blocks, block, slot)
         count = 0
         try:
             for layer, k, v in as_layers(iter(layers)):
-                if tuple(k.shape) != (n, self.cfg.num_kv_heads, self.cfg.head_dim) or k.shape != v.shape:
-                    raise ValueError(f"layer {layer} of chunk {key[:12]} has shapes {tuple(k.shape)}/{tuple(v.shape)}, "
-                                     f"expected ({n}, {self.cfg.num_kv_heads}, {self.cfg.head_dim})")
-                self.pool.write(layer, block, slot, k.to(self.device), v.to(self.device))
+                write(layer, k, v)
                 count += 1
             if count != self.cfg.num_layers:
                 raise ValueError(f"chunk {key[:12]} came with {count} layers, the model has {self.cfg.num_layers}")
@@ -305,17 +304,29 @@ class Forward:
             self._gate = LayerGate(loads, self._recompute_load)
         return placed
 
-    def _start_load(self, key: str, tokens: list[int], layers, loads: list) -> ChunkEntry:
-        n = len(tokens)
-        blocks, block, slot, _ = self._private(torch.arange(n, device=self.device), for_cache=True)
-        entry = self.cache.insert(key, blocks, n, base=0, kind="chunk")
+    def _chunk_writer(self, key: str, n: int, blocks: list[int], block: torch.Tensor, slot: torch.Tensor):
+        """write(layer, k, v) of a chunk's n tokens laid densely over ``blocks``: shapes checked, then two
+        plain copies when the blocks are consecutive (from pinned host memory: host-to-device straight
+        into the pool, no staging tensor, no kernel), else through the indexed write."""
         shape = (n, self.cfg.num_kv_heads, self.cfg.head_dim)
+        run = self.pool.run(blocks)
 
         def write(layer, k, v):
             if tuple(k.shape) != shape or tuple(v.shape) != shape:
-                raise ValueError(f"layer {layer} of chunk {key[:12]} has shape {tuple(k.shape)}, expected {shape}")
-            self.pool.write(layer, block, slot, k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True))
+                raise ValueError(f"layer {layer} of chunk {key[:12]} has shapes {tuple(k.shape)}/{tuple(v.shape)}, "
+                                 f"expected {shape}")
+            if run is not None:
+                self.pool.write_run(layer, run, k, v)
+            else:
+                self.pool.write(layer, block, slot, k.to(self.device, non_blocking=True),
+                                v.to(self.device, non_blocking=True))
+        return write
 
+    def _start_load(self, key: str, tokens: list[int], layers, loads: list) -> ChunkEntry:
+        n = len(tokens)
+        blocks, block, slot, _ = self._private(torch.arange(n, device=self.device), for_cache=True, contiguous=True)
+        entry = self.cache.insert(key, blocks, n, base=0, kind="chunk")
+        write = self._chunk_writer(key, n, blocks, block, slot)
         load = ChunkLoad(key, tokens, as_layers(iter(layers)), write, self.cfg.num_layers,
                          local=getattr(layers, "local", False))
         load.entry = entry
