@@ -14,8 +14,11 @@ Syncs: on CUDA torch's sync debug mode counts them (as bench/engine.py's count_s
 CPU the ops that would sync on CUDA are counted instead (nonzero, item, unique, Tensor.tolist, and
 ``torch.tensor(..., device=...)`` from a Python list).
 
-    .venv/bin/python bench/handoff_export.py                  # CPU: a small random Llama, 32 layers
-    python3 bench/handoff_export.py --device cuda [--contend]  # Llama-3-8B shape, bf16 (GPU)
+    .venv/bin/python bench/handoff_export.py [--baseline]                  # CPU: a small random Llama, 32 layers
+    python3 bench/handoff_export.py --device cuda [--baseline] [--contend]  # Llama-3-8B shape, bf16 (GPU)
+
+``--baseline`` also runs the export as it was before it was staged (tests/engine/handoff_reference.py),
+interleaved with the current one pass by pass.
 
 ``--contend`` (CUDA) runs a second process issuing matmuls on the same GPU while measuring: the GPU is
 then time-sliced between two processes as in the cluster benchmark (prefill and decode workers sharing

@@ -280,8 +280,9 @@ def _analyse(rows: np.ndarray, chunks: _ChunkBlocks, own: np.ndarray, slot_pos: 
     which, j = chunks.entry[at[srow]], chunks.j[at[srow]]
     start = offs[srow] - chunks.base[which]
     for w, s in dict.fromkeys(zip(which.tolist(), start.tolist())):  # one ref per (chunk, start), in entry order
-        entry = chunks.entries[w]
-        refs.setdefault((entry.key, s), ChunkRef(entry.key, s, tuple(seq.chunk_tokens[entry.key])))
+        key = chunks.entries[w].key
+        if (key, s) not in refs:
+            refs[key, s] = ChunkRef(key, s, tuple(seq.chunk_tokens[key]))
     # hidden: valid slots of shared entries whose bit is cleared (their recomputed twin is private)
     valid = bits[None, :] < np.minimum(bs, chunks.length[which] - j * bs)[:, None]
     r, c = np.nonzero(~vis[srow] & valid)

@@ -132,3 +132,25 @@ def test_prefill_handoff_stages_before_the_first_token(engine):
     assert len(seen) == 1 and torch.equal(seen[0], res.logits) and torch.equal(h.logits, res.logits)
     assert h.kv_buffer() is h.kv and h.layers[0].k.data_ptr() == h.kv.data_ptr()
     assert engine.pool.num_free + sum(len(e.blocks) for e in engine.cache._entries.values()) == engine.pool.usable_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv_on_device", [True, False])
+def test_cuda_export_equals_the_reference_and_never_syncs(tiny_dir, kv_on_device):
+    eng = Engine.load(tiny_dir, device="cuda", dtype=torch.bfloat16)
+    chunks, suffix = random_request(45)
+    eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.15)  # chunks resident
+    logits, seq = _prefilled(eng, chunks, suffix, "tessera", 0.15)
+    try:
+        ref = reference_export(eng.forward, seq, logits, eng.fingerprint, kv_on_device)
+        staged = stage_export(eng.forward, seq, logits)
+        staged.ready.synchronize()   # what the first token's read does in a worker
+        if kv_on_device:             # every device op after the first token is then asynchronous
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            new = export_sequence(eng.forward, seq, logits, eng.fingerprint, kv_on_device, staged)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        eng.release(seq)
+    _assert_same(new, ref)
