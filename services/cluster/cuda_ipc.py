@@ -74,11 +74,26 @@ def copy_out(msg: pb.CudaIpcBuffer) -> torch.Tensor:
     dtype = getattr(torch, msg.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"CUDA IPC buffer of unknown dtype {msg.dtype!r}")
-    shared = rebuild_cuda_tensor(torch.Tensor, (msg.numel,), (1,), msg.tensor_offset, torch.UntypedStorage, dtype,
-                                 msg.device_index, msg.storage_handle, msg.storage_size_bytes,
-                                 msg.storage_offset_bytes, False, msg.ref_counter_handle, msg.ref_counter_offset,
-                                 msg.event_handle or None, msg.event_sync_required)
-    own = shared.clone()
-    torch.cuda.current_stream(own.device).synchronize()   # copied before the sender may free it
+    # on a stream of its own: the copy waits for the sender's export event, not behind this process's
+    # queued work (the decode steps its engine thread keeps issuing on the current stream)
+    consumer = torch.cuda.current_stream(msg.device_index)
+    side = _copy_stream(msg.device_index)
+    with torch.cuda.stream(side):
+        shared = rebuild_cuda_tensor(torch.Tensor, (msg.numel,), (1,), msg.tensor_offset, torch.UntypedStorage,
+                                     dtype, msg.device_index, msg.storage_handle, msg.storage_size_bytes,
+                                     msg.storage_offset_bytes, False, msg.ref_counter_handle, msg.ref_counter_offset,
+                                     msg.event_handle or None, msg.event_sync_required)
+        own = shared.clone()
+    side.synchronize()                  # copied before the sender may free it
+    own.record_stream(consumer)         # its memory is not reused while the consumer's kernels may read it
     del shared
     return own
+
+
+_COPY_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _copy_stream(device_index: int) -> "torch.cuda.Stream":
+    if device_index not in _COPY_STREAMS:
+        _COPY_STREAMS[device_index] = torch.cuda.Stream(device_index)
+    return _COPY_STREAMS[device_index]

@@ -62,6 +62,10 @@ class Handoff:
     logits: torch.Tensor  # [vocab] fp32, to sample the first token
     # every layer's K then V flat, when the layers' k/v are views of it in that order (kv_buffer() is it)
     kv: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # CUDA event recorded on the exporting thread's stream once the K/V gathers are queued: another thread
+    # that reads ``kv`` orders its own stream after it, not after whatever that stream queued since (the
+    # next request's pass)
+    ready: object = field(default=None, repr=False, compare=False)
 
     @property
     def private_bytes(self) -> int:
@@ -215,12 +219,16 @@ def export_sequence(fwd, seq, logits: torch.Tensor, fingerprint: str, kv_on_devi
         rows = slots[first[i]:first[i + 1]]
         torch.index_select(k_src[layer], 0, rows, out=kv[2 * layer])
         torch.index_select(v_src[layer], 0, rows, out=kv[2 * layer + 1])
+    ready = None
     if not kv_on_device and buf.device.type != "cpu":
         buf = buf.cpu()  # one copy for every layer
         kv = _views(buf, counts, shape)
+    elif buf.device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record()
     layers = tuple(LayerView(views[i][1], views[i][0], kv[2 * layer], kv[2 * layer + 1])
                    for layer, i in enumerate(staged.layer_table))
-    return Handoff(fingerprint, tuple(refs.values()), layers, seq.next_pos, staged.logits, kv=buf)
+    return Handoff(fingerprint, tuple(refs.values()), layers, seq.next_pos, staged.logits, kv=buf, ready=ready)
 
 
 _FLAT = weakref.WeakKeyDictionary()  # BlockPool -> its layers' K and V as flat views

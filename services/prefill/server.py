@@ -44,6 +44,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.io_threads = ThreadPoolExecutor(2, thread_name_prefix="prefill-handoff")
         self.in_flight = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._side = None       # CUDA stream for the io threads' device reads of hand-offs (_after_export)
 
     async def _on_engine(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.engine_thread, fn, *args)
@@ -121,10 +122,12 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         kv = None               # held until the decode worker has copied it out (its ack)
         if self.transport.name == "cuda-ipc" and await self._shares_gpu(address):
             kv = await loop.run_in_executor(self.io_threads, out.handoff.kv_buffer)
-            header.kv.CopyFrom(share(kv))
+            header.kv.CopyFrom(await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
+                                                          lambda: share(kv)))
             payload = await loop.run_in_executor(self.io_threads, lambda: out.handoff.to_bytes(with_kv=False))
         else:
-            payload = await loop.run_in_executor(self.io_threads, out.handoff.to_bytes)
+            payload = await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
+                                                 out.handoff.to_bytes)
         remaining = context.time_remaining()
         try:
             await self._decode_stub(address).PushHandoff(handoff_parts(header, payload),
@@ -136,6 +139,21 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         moved = len(payload) + (kv.numel() * kv.element_size() if kv is not None else 0)
         self.worker.metrics.handoff_bytes.inc(moved)
         return moved, "cuda-ipc" if kv is not None else "grpc"
+
+    def _after_export(self, handoff, fn):
+        """fn() (an io thread) on a side stream ordered after the hand-off's gathers only: on the engine's
+        stream its device reads (the device-to-host copy, the IPC export's event) would queue behind the
+        next request's pass, which the engine thread issues meanwhile."""
+        import torch
+
+        ready = getattr(handoff, "ready", None)
+        if ready is None:
+            return fn()
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.worker.eng.device)
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(ready)
+            return fn()
 
     async def _shares_gpu(self, address: str) -> bool:
         """Whether the decode worker at ``address`` runs on this worker's GPU (asked once per address)."""
