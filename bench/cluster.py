@@ -221,6 +221,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, help="closed loop: requests in flight (default 8; not with --rate)")
     ap.add_argument("--rate", type=float, help="open loop instead: Poisson arrivals at this many requests/s "
                     "(a rate below every mode's capacity shows latencies without a saturated queue; throughput then follows the rate)")
+    ap.add_argument("--rate-modes", help="modes of the --rates sweep (default: --modes)")
     ap.add_argument("--rates", help="open-loop sweep: comma-separated requests/s, each replayed per mode after one "
                     "set-up; with --rates the closed-loop (or --rate) pass runs only if --concurrency (or --rate) "
                     "is given too")
@@ -382,7 +383,8 @@ def main() -> int:
                 print("\n".join(md[-4:]), flush=True)
                 save([])
             if rates:
-                ratios = [r for r in RATE_RATIOS if {r[1], r[2]} <= set(modes)]    # those the modes run allow
+                rate_modes = [m.strip() for m in (args.rate_modes or args.modes).split(",") if m.strip()]
+                ratios = [r for r in RATE_RATIOS if {r[1], r[2]} <= set(rate_modes)]    # those the modes run allow
                 rate_note = dict(requests=args.requests, max_seconds=args.max_seconds_per_rate,
                                  registered=getattr(sweep_target, "register_seconds", {}))
 
@@ -392,7 +394,7 @@ def main() -> int:
                     results["partial_rates"] = {"alpha": alpha, "rows": rows}
                     save(rate_sweep_md(f"{alpha} (partial: to {mode})", rows, plot=None, **rate_note))
 
-                sweep = sweep_rates(trace, sweep_target, rcfg, modes, rates, args.max_seconds_per_rate, partial)
+                sweep = sweep_rates(trace, sweep_target, rcfg, rate_modes, rates, args.max_seconds_per_rate, partial)
                 for rate, by_mode in sweep.items():
                     write_report(runs_dir / f"alpha{alpha:g}-rate{rate:g}", [run for run, _ in by_mode.values()],
                                  [s for _, s in by_mode.values()], " ".join(sys.argv),
