@@ -104,10 +104,9 @@ QKV_RUNS = dict(  # both ways of giving the rotation; the long case by positions
          if r[0] < 500 or by == "positions"])
 
 
-@pytest.mark.parametrize("t,hq,hkv,d,qk_norm,dtype,rope_by", **QKV_RUNS)
-def test_qkv_heads_matches_twin(t, hq, hkv, d, qk_norm, dtype, rope_by):
-    from kernels.fused import triton as kt
-
+def _qkv_inputs(t, hq, hkv, d, qk_norm, dtype, rope_by):
+    """Random fused q|k|v rows [t, (hq + 2 hkv) d], the rotation (cos/sin tables or positions) and,
+    with qk_norm, q/k norm weights: the keyword arguments of qkv_heads."""
     qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
     inv = rope_inv_freq(d, 500000.0)
     pos = torch.randint(0, 9000, (t,))
@@ -115,9 +114,15 @@ def test_qkv_heads_matches_twin(t, hq, hkv, d, qk_norm, dtype, rope_by):
         if qk_norm else {}
     if rope_by == "table":
         cos, sin = rope_cos_sin(pos, inv)
-        rope = dict(cos=cos[:, None, :], sin=sin[:, None, :])
-    else:
-        rope = dict(positions=pos, inv_freq=inv)
+        return qkv, dict(cos=cos[:, None, :], sin=sin[:, None, :]), norms
+    return qkv, dict(positions=pos, inv_freq=inv), norms
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,qk_norm,dtype,rope_by", **QKV_RUNS)
+def test_qkv_heads_matches_twin(t, hq, hkv, d, qk_norm, dtype, rope_by):
+    from kernels.fused import triton as kt
+
+    qkv, rope, norms = _qkv_inputs(t, hq, hkv, d, qk_norm, dtype, rope_by)
     want = qkv_heads(qkv, hq, hkv, eps=1e-6, **rope, **norms)
     got = kt.qkv_heads(qkv, hq, hkv, eps=1e-6, block_h=4, **rope, **norms)  # blocks straddle q|k|v
     for g, w, h in zip(got, want, (hq, hkv, hkv)):
@@ -175,16 +180,7 @@ def test_qkv_heads_writes_the_cache(t, hq, hkv, d, qk_norm, dtype, cache_dtype, 
     from kernels.fused import triton as kt
 
     n_blocks = -(-t // bs) + 3
-    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
-    inv = rope_inv_freq(d, 500000.0)
-    pos = torch.randint(0, 9000, (t,))
-    norms = dict(q_norm=(1 + 0.2 * torch.randn(d)).to(dtype), k_norm=(1 + 0.2 * torch.randn(d)).to(dtype)) \
-        if qk_norm else {}
-    if rope_by == "table":
-        cos, sin = rope_cos_sin(pos, inv)
-        rope = dict(cos=cos[:, None, :], sin=sin[:, None, :])
-    else:
-        rope = dict(positions=pos, inv_freq=inv)
+    qkv, rope, norms = _qkv_inputs(t, hq, hkv, d, qk_norm, dtype, rope_by)
     blk, slot = _scattered(t, n_blocks, bs)
     kc0, vc0 = _caches(n_blocks, bs, hkv, d, cache_dtype)
     plain = qkv_heads(qkv, hq, hkv, eps=1e-6, **rope, **norms)
