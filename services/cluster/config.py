@@ -68,8 +68,13 @@ class DecodeSettings:
     # the store, before the decode worker computes that chunk itself, in its batch
     store_wait_s: float = 1.0
     host_cache_bytes: int = 0               # as PrefillSettings': chunks read from the store kept in host memory
+    # engine-thread time spent admitting new hand-offs between two steps while sequences are decoding (at
+    # least one is admitted per step): a burst of arrivals is spread over steps, not taken in one stall
+    admit_budget_s: float = 0.01
 
     def __post_init__(self) -> None:
+        if self.admit_budget_s < 0:
+            raise ValueError(f"admit_budget_s must be >= 0, got {self.admit_budget_s}")
         if self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if self.max_batch < 1:

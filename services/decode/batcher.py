@@ -1,6 +1,8 @@
 """Continuous batching: one engine thread admits new sequences between steps and decodes them all.
 
-Each step: admit the hand-offs that arrived (rebuild the sequence, sample its first token from the
+Each step: admit the hand-offs that arrived (at most ``admit_budget_s`` of engine time while others
+are decoding, so that a burst of arrivals does not stall every live sequence at once; rebuild the
+sequence, sample its first token from the
 hand-off's logits, or take the one the prefill worker sampled and the client already has), then one
 ``Engine.decode_step`` over every live sequence, sample each next token with that request's own
 sampling parameters and generator (so a sequence's tokens do not depend on
@@ -48,10 +50,12 @@ class _Live:
 
 
 class Batcher:
-    def __init__(self, engine, metrics: DecodeMetrics, max_batch: int, fetch=None) -> None:
+    def __init__(self, engine, metrics: DecodeMetrics, max_batch: int, fetch=None,
+                 admit_budget_s: float = 0.01) -> None:
         self.eng = engine
         self.metrics = metrics
         self.max_batch = max_batch
+        self.admit_budget_s = admit_budget_s
         self.fetch = fetch                    # fetch(chunk_id) for import_handoff, or None
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -89,7 +93,11 @@ class Batcher:
                     self._step()
 
     def _admit(self, block: bool) -> None:
+        t0 = time.perf_counter()
+        admitted = 0
         while len(self._live) < self.max_batch:
+            if admitted and self._live and time.perf_counter() - t0 >= self.admit_budget_s:
+                return  # the rest waits for the next step: the live sequences have waited long enough
             try:
                 item = self._inbox.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
@@ -105,6 +113,7 @@ class Batcher:
                     fut.set_exception(exc)
             else:
                 self._start(item)
+                admitted += 1
             # the cache only changes here (imports, resets): keep the snapshot Status reads fresh
             self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)
 

@@ -168,7 +168,8 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
         # the decode worker has no lookup ahead of the pass: ask now, stream if present
         return store.fetcher(store.lookup([cid]))(cid)
 
-    batcher = Batcher(eng, metrics, settings.max_batch, fetch if store.enabled else None)
+    batcher = Batcher(eng, metrics, settings.max_batch, fetch if store.enabled else None,
+                      admit_budget_s=settings.admit_budget_s)
     http, http_port = serve_metrics(metrics.registry, host)
     servicer = DecodeServicer(batcher, eng, store, metrics, name, f"http://{advertised_host(host)}:{http_port}/metrics", settings)
     server = grpc.aio.server(options=GRPC_OPTIONS)

@@ -1,0 +1,98 @@
+"""The decode batcher's admission between steps, against a stand-in engine (no model): with a zero
+admission budget a burst of hand-offs is spread over steps, one per step while others decode; with an
+unbounded one it is taken between two steps, as before the budget."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from services.cluster.config import DecodeSettings
+from services.cluster.sampling import WireSampling
+from services.decode.batcher import Batcher, DecodeJob
+from services.decode.metrics import DecodeMetrics
+from services.engine.sampling import SamplingParams
+
+VOCAB = 8
+
+
+class StandInEngine:
+    """Logs the batcher's engine calls: ("import", request) and ("step", batch size)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, object]] = []
+        self.cache = SimpleNamespace(keys=lambda: [])
+        self.step_gate = threading.Event()   # steps wait for it: the test decides when decoding starts
+
+    def import_handoff(self, handoff, fetch=None):
+        self.log.append(("import", handoff.request_id))
+        return SimpleNamespace(request_id=handoff.request_id)
+
+    def decode_step(self, seqs, tokens):
+        assert self.step_gate.wait(10)
+        self.log.append(("step", len(seqs)))
+        return torch.zeros(len(seqs), VOCAB)
+
+    def release(self, seq) -> None:
+        pass
+
+
+def _job(rid: str, tokens: int, done: threading.Event) -> DecodeJob:
+    handoff = SimpleNamespace(request_id=rid, logits=torch.zeros(VOCAB))
+    header = SimpleNamespace(HasField=lambda name: False)
+    prepared = SimpleNamespace(adopt=lambda: None, handoff=handoff, fetched={}, received=SimpleNamespace(header=header))
+    sampling = WireSampling(SamplingParams(0.0, 1.0, 0, None, tokens), frozenset())
+
+    def emit(new, reason, error):
+        assert error is None
+        if reason is not None:
+            done.set()
+    return DecodeJob(rid, prepared, sampling, emit)
+
+
+def _run(budget: float, burst: int = 4) -> list[tuple[str, object]]:
+    eng = StandInEngine()
+    batcher = Batcher(eng, DecodeMetrics(), max_batch=8, admit_budget_s=budget)
+    done = [threading.Event() for _ in range(burst + 1)]
+    try:
+        batcher.submit(_job("first", 40, done[0]))
+        for _ in range(1000):                   # bounded: the first sequence is live, its first step waiting
+            if batcher.active == 1:
+                break
+            threading.Event().wait(0.005)
+        assert batcher.active == 1
+        for i in range(burst):                  # a burst arrives while a step is pending
+            batcher.submit(_job(f"burst{i}", 6, done[i + 1]))
+        eng.step_gate.set()
+        assert all(d.wait(10) for d in done)
+    finally:
+        batcher.stop()
+    return eng.log
+
+
+def test_zero_budget_admits_one_hand_off_per_step_while_others_decode():
+    log = _run(0.0)
+    kinds = [k for k, _ in log]
+    first_step = kinds.index("step")
+    # after decoding has started, never two imports between two steps
+    assert all(not (a == b == "import") for a, b in zip(kinds[first_step:], kinds[first_step + 1:]))
+    assert kinds.count("import") == 5
+    assert max(n for k, n in log if k == "step") >= 2    # the burst did join the batch
+
+
+def test_unbounded_budget_takes_a_burst_between_two_steps():
+    log = _run(3600.0)
+    kinds = [k for k, _ in log]
+    first_step = kinds.index("step")
+    # the burst was queued before the first step returned: it is admitted in one go right after it
+    assert kinds[first_step + 1:first_step + 5] == ["import"] * 4
+
+
+def test_admit_budget_is_validated():
+    with pytest.raises(ValueError, match="admit_budget_s"):
+        DecodeSettings(admit_budget_s=-1)
