@@ -1,7 +1,8 @@
 """Continuous batching: one engine thread admits new sequences between steps and decodes them all.
 
-Each step: admit the hand-offs that arrived (at most ``admit_budget_s`` of engine time while others
-are decoding, so that a burst of arrivals does not stall every live sequence at once; rebuild the
+Each step: admit the hand-offs that arrived (with ``admit_budget_s``, at most that much engine time
+while others are decoding, so that a burst of arrivals does not stall every live sequence at once; off
+by default, see DecodeSettings; rebuild the
 sequence, sample its first token from the
 hand-off's logits, or take the one the prefill worker sampled and the client already has), then one
 ``Engine.decode_step`` over every live sequence, sample each next token with that request's own
@@ -51,7 +52,7 @@ class _Live:
 
 class Batcher:
     def __init__(self, engine, metrics: DecodeMetrics, max_batch: int, fetch=None,
-                 admit_budget_s: float = 0.01) -> None:
+                 admit_budget_s: float = float("inf")) -> None:
         self.eng = engine
         self.metrics = metrics
         self.max_batch = max_batch

@@ -1,6 +1,6 @@
 """The decode batcher's admission between steps, against a stand-in engine (no model): with a zero
 admission budget a burst of hand-offs is spread over steps, one per step while others decode; with an
-unbounded one it is taken between two steps, as before the budget."""
+unbounded one (the default) it is taken between two steps."""
 
 from __future__ import annotations
 
