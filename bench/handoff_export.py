@@ -7,7 +7,7 @@ chunks resident, as after warm-up) and reports, per pass:
   after   engine-thread time from ``on_logits`` returning to ``prefill_handoff`` returning (the export and
           the release of the sequence), its aten ops, the ops that launch a kernel or a copy on CUDA, and
           its host syncs;
-  before  the export's own work before ``on_logits`` (calls into services.engine.handoff made then):
+  before  the export's own work before ``on_logits`` (calls into services.engine.handoff_export made then):
           it delays the first token by that much;
   gpu     (CUDA) from ``on_logits`` returning until the GPU has finished the export's work.
 Syncs: on CUDA torch's sync debug mode counts them (as bench/engine.py's count_syncs does); on the
@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import services.engine.engine as engine_mod  # noqa: E402
-import services.engine.handoff as handoff_mod  # noqa: E402
+import services.engine.handoff_export as handoff_mod  # noqa: E402
 from services.engine import Engine, ModelConfig  # noqa: E402
 from services.engine.tiny import random_weights, tiny_config  # noqa: E402
 

@@ -22,7 +22,8 @@ from services.engine.block_table import BlockTable
 from services.engine.chunk_cache import ChunkCache, chunk_id
 from services.engine.config import ModelConfig
 from services.engine.forward import Forward
-from services.engine.handoff import Handoff, export_sequence, import_sequence, stage_export
+from services.engine.handoff import Handoff, import_sequence
+from services.engine.handoff_export import export_sequence, stage_export
 from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
 from services.engine.sampling import SamplingParams, sample
 from services.engine.weights import ModelWeights, fingerprint, load_weights, state_fingerprint, weights_from_tensors
