@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from services.cluster.staging import side_stream
 from services.rpc import tessera_pb2 as pb
 
 
@@ -77,7 +78,7 @@ def copy_out(msg: pb.CudaIpcBuffer) -> torch.Tensor:
     # on a stream of its own: the copy waits for the sender's export event, not behind this process's
     # queued work (the decode steps its engine thread keeps issuing on the current stream)
     consumer = torch.cuda.current_stream(msg.device_index)
-    side = _copy_stream(msg.device_index)
+    side = side_stream(torch.device("cuda", msg.device_index), "ipc-copy")
     with torch.cuda.stream(side):
         shared = rebuild_cuda_tensor(torch.Tensor, (msg.numel,), (1,), msg.tensor_offset, torch.UntypedStorage,
                                      dtype, msg.device_index, msg.storage_handle, msg.storage_size_bytes,
@@ -89,11 +90,3 @@ def copy_out(msg: pb.CudaIpcBuffer) -> torch.Tensor:
     del shared
     return own
 
-
-_COPY_STREAMS: dict[int, "torch.cuda.Stream"] = {}
-
-
-def _copy_stream(device_index: int) -> "torch.cuda.Stream":
-    if device_index not in _COPY_STREAMS:
-        _COPY_STREAMS[device_index] = torch.cuda.Stream(device_index)
-    return _COPY_STREAMS[device_index]

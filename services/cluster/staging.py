@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import torch
 
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_STREAMS: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
+
+
+def side_stream(device, purpose: str = "staging") -> torch.cuda.Stream:
+    """This process's side stream on a GPU for one purpose (made on first use): helper threads queue
+    their copies there, apart from the engine's stream and from each other purpose's copies."""
+    key = (purpose, torch.device(device))
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(key[1])
+    return _STREAMS[key]
 
 
 def copy_aside(tensors: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], torch.cuda.Event]:
@@ -19,9 +28,7 @@ def copy_aside(tensors: list[torch.Tensor], device: torch.device) -> tuple[list[
     them at once); to a GPU from host tensors. Wait on the returned event before reading the copies,
     and ``record_stream`` GPU copies on the stream that reads them."""
     gpu = device if device.type == "cuda" else tensors[0].device
-    stream = _STREAMS.get(gpu)
-    if stream is None:
-        stream = _STREAMS[gpu] = torch.cuda.Stream(gpu)
+    stream = side_stream(gpu)
     if device.type != "cuda":     # GPU sources: after the kernels that wrote them
         stream.wait_stream(torch.cuda.current_stream(gpu))
     out = []

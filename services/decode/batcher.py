@@ -1,10 +1,9 @@
 """Continuous batching: one engine thread admits new sequences between steps and decodes them all.
 
-Each step: admit the hand-offs that arrived (with ``admit_budget_s``, at most that much engine time
-while others are decoding, so that a burst of arrivals does not stall every live sequence at once; off
-by default, see DecodeSettings; rebuild the
-sequence, sample its first token from the
-hand-off's logits, or take the one the prefill worker sampled and the client already has), then one
+Each step: admit the hand-offs that arrived (rebuild the sequence, sample its first token from the
+hand-off's logits, or take the one the prefill worker sampled and the client already has; with
+``admit_budget_s``, for at most that much engine time while others are decoding, so that a burst of
+arrivals does not stall every live sequence at once: off by default, see DecodeSettings), then one
 ``Engine.decode_step`` over every live sequence, sample each next token with that request's own
 sampling parameters and generator (so a sequence's tokens do not depend on
 which others share its batch), emit it, and retire finished sequences (their KV freed at once).

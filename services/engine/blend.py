@@ -261,11 +261,9 @@ def _blend_layers(fwd, rt: RequestTables, base, copy, full_extra, n_keep, blend,
     sel = select_hkvd(k[:n_chunk], v[:n_chunk], k_cached, v_cached, n_keep, blend.deviation)
     stats.tokens_recomputed = int(sel.numel())
     keep = torch.cat([sel, pos[n_chunk:]])  # chunk token t sits at position t: indices == positions
-    if copy:
-        post = base
-        wb, ws = torch.cat([rt.x_block[sel], rt.s_block]), torch.cat([rt.x_slot[sel], rt.s_slot])
-    elif full_extra:
-        post = rt.table(0, rt.rows.shape[1], rt.hidden_masks(sel, extra_shows_selected=True))
+    if full_extra:
+        # every chunk token has a private slot (blend_copy's copy, or layers 1..c-1): the kept ones write there
+        post = base if copy else rt.table(0, rt.rows.shape[1], rt.hidden_masks(sel, extra_shows_selected=True))
         wb, ws = torch.cat([rt.x_block[sel], rt.s_block]), torch.cat([rt.x_slot[sel], rt.s_slot])
     else:
         post = rt.table(0, rt.rows.shape[1], rt.hidden_masks(sel, extra_shows_selected=False))

@@ -88,8 +88,8 @@ class BlockPool:
     def run(self, blocks: list[int]) -> slice | None:
         """The blocks as one slice of every layer's K/V when they are consecutive ids, else None: a
         chunk laid densely over a run is one contiguous [n, Hkv, D] range, written by a plain copy."""
-        if blocks and blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[-1] + 1)):
-            return slice(blocks[0], blocks[-1] + 1)
+        if blocks and blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+            return slice(blocks[0], blocks[0] + len(blocks))
         return None
 
     def write_run(self, layer: int, run: slice, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from services.cluster.config import EngineSettings, PrefillSettings
 from services.cluster.kvio import StoreAccess
 from services.cluster.cuda_ipc import placement, same_gpu, share
 from services.cluster.sampling import WireSampling
+from services.cluster.staging import side_stream
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.cluster.transport import handoff_parts, probe_transport
 from services.prefill.controller import LoadingController
@@ -44,7 +45,6 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.io_threads = ThreadPoolExecutor(2, thread_name_prefix="prefill-handoff")
         self.in_flight = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._side = None       # CUDA stream for the io threads' device reads of hand-offs (_after_export)
 
     async def _on_engine(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.engine_thread, fn, *args)
@@ -149,10 +149,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         ready = getattr(handoff, "ready", None)
         if ready is None:
             return fn()
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.worker.eng.device)
-        with torch.cuda.stream(self._side):
-            self._side.wait_event(ready)
+        side = side_stream(self.worker.eng.device, "handoff")
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
             return fn()
 
     async def _shares_gpu(self, address: str) -> bool:
