@@ -41,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # bench/ is on the path as this script's folder (behind the repository: bench/kernels.py must not hide kernels/)
+from cluster_probe import BUDGET_HEADER, GpuSampler, WorkerMeter, budget_line, chunk_sources, delta, time_budget  # noqa: E402
 from cluster_rates import RATE_RATIOS, parse_rates, rate_sweep_md, sweep_rates, sweep_summaries  # noqa: E402
 
 LLAMA3_8B = dict(
@@ -49,21 +50,6 @@ LLAMA3_8B = dict(
     rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
     hidden_act="silu", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-
-
-def decode_chunk_sources(client) -> dict[str, float]:
-    """Totals of tessera_decode_chunks by source over the decode workers (their /metrics)."""
-    import urllib.request
-
-    out: dict[str, float] = {}
-    for w in client.stats().workers:
-        if w.role != "decode" or not w.metrics_url:
-            continue
-        for line in urllib.request.urlopen(w.metrics_url, timeout=10).read().decode().splitlines():
-            if line.startswith("tessera_decode_chunks_total{"):
-                source = line.split('source="', 1)[1].split('"', 1)[0]
-                out[source] = out.get(source, 0.0) + float(line.split()[-1])
-    return out
 
 
 class CorpusTarget:
@@ -104,6 +90,21 @@ class CorpusTarget:
 
     def close(self) -> None:
         self.target.close()
+
+
+class Prepared:
+    """A target whose set-up already ran: replay_modes would reset one that has ``reset``, and the
+    counters and GPU samples of a mode must cover its replay only."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    def generate(self, request):
+        return self.target.generate(request)
 
 
 def write_random_llama(path: Path, layers: int, seed: int = 0) -> Path:
@@ -277,13 +278,17 @@ def main() -> int:
                       flush=True)
             if main_pass:
                 runs, summaries = [], []
+                meter, budgets = WorkerMeter(target.client), {}
                 for mode in modes:      # one mode at a time, so that a stopped run keeps the modes it finished
-                    before = decode_chunk_sources(target.client)
                     if replay_target is not target:
                         replay_target.mode = mode
-                    mode_runs, mode_summaries = replay_modes(trace, replay_target, rcfg, [mode])
-                    after = decode_chunk_sources(target.client)
-                    sources[f"{alpha:g}/{mode}"] = {k: after[k] - before.get(k, 0.0) for k in after}
+                    replay_target.reset()
+                    before = meter.snapshot()
+                    with GpuSampler() as gpu_samples:
+                        mode_runs, mode_summaries = replay_modes(trace, Prepared(replay_target), rcfg, [mode])
+                    used = delta(meter.snapshot(), before)
+                    sources[f"{alpha:g}/{mode}"] = chunk_sources(used)
+                    budgets[mode] = time_budget(used, mode_runs[0].duration_s, gpu_samples.busy)
                     runs += mode_runs
                     summaries += mode_summaries
                     print(f"alpha {alpha:g} {mode}: done at {time.monotonic() - started:.0f} s", flush=True)
@@ -306,12 +311,15 @@ def main() -> int:
                 results.pop("partial", None)
                 registered = getattr(replay_target, "register_seconds", {})
                 results["runs"].append({"alpha": alpha, "summaries": [s.to_json() for s in summaries],
-                                        "ratios": checks, "register_seconds": registered})
+                                        "ratios": checks, "register_seconds": registered, "time_budget": budgets})
                 md += [f"## Zipf alpha {alpha}", "", summary_table(summaries), "",
                        "Decode worker, shared chunks by source: " + "; ".join(
                            f"{m}: " + ", ".join(f"{k} {v:.0f}"
                                                 for k, v in sorted(sources.get(f"{alpha:g}/{m}", {}).items()))
                            for m in modes), "",
+                       "Where the time went (the workers' counters over each mode's replay; busy: share of the "
+                       "replay's wall time; GPU busy: nvidia-smi's utilisation, any kernel of any process):", "",
+                       *BUDGET_HEADER, *(budget_line(m, budgets[m]) for m in modes if m in budgets), "",
                        "Ratios (targets: TTFT vs full >= 3, throughput vs full >= 2.5, TTFT vs blend_copy >= 1.3): "
                        + ", ".join(f"{k} " + ("-" if v is None else f"{v:.2f}x") for k, v in checks.items()), ""]
                 if registered:
