@@ -51,12 +51,13 @@ class _Live:
 
 class Batcher:
     def __init__(self, engine, metrics: DecodeMetrics, max_batch: int, fetch=None,
-                 admit_budget_s: float = float("inf")) -> None:
+                 admit_budget_s: float = float("inf"), profile=None) -> None:
         self.eng = engine
         self.metrics = metrics
         self.max_batch = max_batch
         self.admit_budget_s = admit_budget_s
         self.fetch = fetch                    # fetch(chunk_id) for import_handoff, or None
+        self.profile = profile                # services.cluster.profiling.ProfileWindow: ticks once a step
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._live: list[_Live] = []
@@ -175,6 +176,8 @@ class Batcher:
         from services.engine.sampling import sample
 
         batch = self._live
+        if self.profile is not None:
+            self.profile.tick()
         self.metrics.batch_size.observe(len(batch))
         t0 = time.perf_counter()
         try:

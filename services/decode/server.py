@@ -18,6 +18,7 @@ import grpc
 from services.cluster.config import DecodeSettings, EngineSettings
 from services.cluster.kvio import StoreAccess
 from services.cluster.cuda_ipc import copy_out, placement
+from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import WireSampling
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.cluster.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
@@ -169,7 +170,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
         return store.fetcher(store.lookup([cid]))(cid)
 
     batcher = Batcher(eng, metrics, settings.max_batch, fetch if store.enabled else None,
-                      admit_budget_s=settings.admit_budget_s)
+                      admit_budget_s=settings.admit_budget_s, profile=ProfileWindow(name, "decode"))
     http, http_port = serve_metrics(metrics.registry, host)
     servicer = DecodeServicer(batcher, eng, store, metrics, name, f"http://{advertised_host(host)}:{http_port}/metrics", settings)
     server = grpc.aio.server(options=GRPC_OPTIONS)

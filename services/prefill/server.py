@@ -19,6 +19,7 @@ import grpc
 from services.cluster.config import EngineSettings, PrefillSettings
 from services.cluster.kvio import StoreAccess
 from services.cluster.cuda_ipc import placement, same_gpu, share
+from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import WireSampling
 from services.cluster.staging import side_stream
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
@@ -45,6 +46,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.io_threads = ThreadPoolExecutor(2, thread_name_prefix="prefill-handoff")
         self.in_flight = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.profile = ProfileWindow(name, "prefill")      # off unless TESSERA_TORCH_PROFILE is set
 
     async def _on_engine(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.engine_thread, fn, *args)
@@ -75,8 +77,11 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
         self.in_flight += 1
         self.worker.metrics.in_flight.inc()
-        work = asyncio.ensure_future(self._on_engine(
-            lambda: (self.worker.prefill(job, on_first), self.worker.resident_ids())))
+        def run():
+            self.profile.tick()
+            return self.worker.prefill(job, on_first), self.worker.resident_ids()
+
+        work = asyncio.ensure_future(self._on_engine(run))
         try:
             await asyncio.wait((first, work), return_when=asyncio.FIRST_COMPLETED)
             if first.done():
