@@ -4,10 +4,12 @@ Per tier, through a `tessera kvstore serve` process on loopback: time to first l
 GB/s for one stream and for 4 concurrent streams; beside them, in the same round, the raw medium:
 memcpy for DRAM, a sequential read of a file on the RocksDB disk (page cache dropped, then warm),
 the ceiling of a bare Python gRPC stream of the same bytes (no store, no checksums), and the
-RocksDB tier's read path alone (in process, no gRPC). Every figure is measured once per round;
-ratios are taken within a round, then the median over rounds is reported.
+RocksDB tier's read path alone (in process, no gRPC). Puts: one stream (chunks one after another)
+and 4 concurrent streams into a fresh store, write-behind (acknowledged from DRAM, as the cluster's
+store runs) and write-through (DRAM and RocksDB before the acknowledgement). Every figure is
+measured once per round; ratios are taken within a round, then the median over rounds is reported.
 
-    .venv/bin/python bench/kvstore.py [--chunks 4] [--workdir /var/tmp/tessera-kvbench]
+    .venv/bin/python bench/kvstore.py [--chunks 4] [--workdir /var/tmp/tessera-kvbench] [--puts-only]
 
 Writes bench/kvstore.json (bench/kvstore.md discusses it). GB = 1e9 bytes. Dropping the page cache needs root;
 without it the "cold" rows are skipped.
@@ -55,10 +57,11 @@ def drop_page_cache() -> bool:
         return False
 
 
-def start_server(rocksdb_dir: Path, dram_bytes: int) -> tuple[subprocess.Popen, str]:
+def start_server(rocksdb_dir: Path, dram_bytes: int, write_mode: str = "through") -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "kvstore", "serve", "--port", "0", "--dram-bytes", str(dram_bytes),
-         "--rocksdb-dir", str(rocksdb_dir), "--rocksdb-bytes", str(64 << 30), "--log-level", "WARNING"],
+         "--rocksdb-dir", str(rocksdb_dir), "--rocksdb-bytes", str(64 << 30), "--write-mode", write_mode,
+         "--log-level", "WARNING"],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line.startswith("kvstore listening on"):
@@ -112,6 +115,61 @@ def concurrent_gets(address: str, chunk_ids: list[str]) -> float:
     for c in clients:
         c.close()
     return sum(results) / wall / GB
+
+
+def concurrent_puts(address: str, puts: list[tuple[str, list]]) -> float:
+    """Aggregate GB/s of one put per (chunk id, layers), all at once, one client (channel) per stream."""
+    ids = [cid for cid, _ in puts]
+    clients = [KVStoreClient(address, timeout=300) for _ in ids]
+    barrier = threading.Barrier(len(ids) + 1)
+    results = [0] * len(ids)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        results[i] = clients[i].put(*puts[i]).nbytes
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ids))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for c in clients:
+        c.close()
+    if not all(results):
+        raise RuntimeError("a concurrent put did not complete")
+    return sum(results) / wall / GB
+
+
+def put_row(work: Path, chunks: dict, chunk_bytes: int, n: int, write_mode: str, tag: str) -> dict:
+    """Puts into a fresh store (DRAM and RocksDB, ``write_mode``), as the cluster's store runs
+    (DRAM large enough for every chunk): ``n`` puts one after another on one stream (wall time
+    from the first call to the last acknowledgement), then 4 puts at once (4 streams); server and
+    client CPU per chunk over the single stream. Chunk ids are fresh: no put replaces a chunk."""
+    ids = list(chunks)
+    proc, address = start_server(work / f"db-put-{tag}", dram_bytes=(n + 8) * chunk_bytes, write_mode=write_mode)
+    try:
+        with KVStoreClient(address, timeout=300) as c:
+            c.put("warmup", chunks[ids[0]][:1])             # connection, allocator
+            s0, c0 = process_cpu_seconds(proc.pid), process_cpu_seconds()
+            t0 = time.perf_counter()
+            times = []
+            for cid in ids[:n]:
+                t1 = time.perf_counter()
+                c.put(f"one-{cid}", chunks[cid])
+                times.append(time.perf_counter() - t1)
+            wall = time.perf_counter() - t0
+            server, client = process_cpu_seconds(proc.pid) - s0, process_cpu_seconds() - c0
+            settle()          # write-behind: let the queue drain before the concurrent puts
+            four = concurrent_puts(address, [(f"four-{cid}", chunks[cid]) for cid in ids[:4]])
+    finally:
+        stop_server(proc)
+        shutil.rmtree(work / f"db-put-{tag}", ignore_errors=True)
+    return {"write_mode": write_mode, "one_stream_GBps": n * chunk_bytes / wall / GB, "four_streams_GBps": four,
+            "put_ms": [round(1e3 * t, 1) for t in times],
+            "server_cpu_ms_per_chunk": 1e3 * server / n, "client_cpu_ms_per_chunk": 1e3 * client / n}
 
 
 def process_cpu_seconds(pid: int | None = None) -> float:
@@ -271,18 +329,21 @@ def _raw_grpc_server(nbytes: int, frame: int) -> None:
     asyncio.run(main())
 
 
-def measure_round(work: Path, chunks: dict, chunk_bytes: int, n: int, r: int, console) -> dict:
+def measure_round(work: Path, chunks: dict, chunk_bytes: int, n: int, r: int, console, puts_only: bool = False) -> dict:
     """One round of every measurement, stores and peers back to back (the host is shared, so
     a ratio is only meaningful between figures of the same round)."""
     out: dict = {"loadavg_1min": os.getloadavg()[0]}
     ids = list(chunks)
+    if puts_only:
+        out["put_behind"] = put_row(work, chunks, chunk_bytes, n, "behind", f"behind-{r}")
+        settle()
+        out["put_through"] = put_row(work, chunks, chunk_bytes, n, "through", f"through-{r}")
+        return out
     proc, address = start_server(work / f"db-dram-{r}", dram_bytes=(n + 1) * chunk_bytes)
     try:
         with KVStoreClient(address, timeout=300) as c, KVStoreClient(address, timeout=300, verify=False) as nv:
-            t0 = time.perf_counter()
             for cid in ids[:n]:
                 c.put(cid, chunks[cid])
-            out["put_GBps"] = n * chunk_bytes / (time.perf_counter() - t0) / GB
             settle()
             timed_get(c, ids[0])                          # warm-up: connection, allocator
             singles, *cpu = cpu_timed(proc.pid, lambda: [timed_get(c, cid) for cid in ids[:n]])
@@ -312,6 +373,9 @@ def measure_round(work: Path, chunks: dict, chunk_bytes: int, n: int, r: int, co
             out["rocksdb_tier_hits"] = hits.get(2, 0)
     finally:
         stop_server(proc)
+    out["put_behind"] = put_row(work, chunks, chunk_bytes, n, "behind", f"behind-{r}")
+    settle()
+    out["put_through"] = put_row(work, chunks, chunk_bytes, n, "through", f"through-{r}")
     shutil.rmtree(work / f"db-dram-{r}", ignore_errors=True)
     shutil.rmtree(work / f"db-rocks-{r}", ignore_errors=True)
     out["inproc_rocksdb_cold_GBps"] = in_process_tier_reads(work, chunks, cold=True)
@@ -335,6 +399,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--workdir", default="/var/tmp/tessera-kvbench", help="where RocksDB lives (the disk measured)")
     p.add_argument("--out", default=str(REPO / "bench" / "kvstore.json"))
+    p.add_argument("--puts-only", action="store_true", help="measure the put rows only (a quick before/after)")
     args = p.parse_args()
     if args.chunks < 4 or args.rounds < 1:
         raise SystemExit("--chunks must be >= 4 and --rounds >= 1")
@@ -353,13 +418,24 @@ def main() -> None:
     rounds = []
     for r in range(args.rounds):
         with console.status(f"round {r + 1}/{args.rounds}"):
-            rounds.append(measure_round(work, chunks, chunk_bytes, args.chunks, r, console))
+            rounds.append(measure_round(work, chunks, chunk_bytes, args.chunks, r, console, args.puts_only))
+        if args.puts_only:
+            console.log(f"round {r + 1}: put behind {rounds[-1]['put_behind']['one_stream_GBps']:.2f}, "
+                        f"through {rounds[-1]['put_through']['one_stream_GBps']:.2f} GB/s, load {rounds[-1]['loadavg_1min']:.1f}")
+            continue
         console.log(f"round {r + 1}: dram {rounds[-1]['dram']['one_stream_GBps_median']:.2f} GB/s, "
+                    f"put behind {rounds[-1]['put_behind']['one_stream_GBps']:.2f}, "
+                    f"through {rounds[-1]['put_through']['one_stream_GBps']:.2f} GB/s, "
                     f"grpc ceiling {rounds[-1]['grpc_python_stream_ceiling_GBps']:.2f} GB/s, load {rounds[-1]['loadavg_1min']:.1f}")
     shutil.rmtree(work, ignore_errors=True)
 
     def med(path) -> float | None:
-        vals = [path(r) for r in rounds]
+        vals = []
+        for r in rounds:
+            try:
+                vals.append(path(r))
+            except KeyError:        # --puts-only: the get rows were not measured
+                vals.append(None)
         vals = [v for v in vals if v is not None]
         return float(np.median(vals)) if vals else None
 
@@ -383,7 +459,17 @@ def main() -> None:
         "rocksdb_cold_cpu_ms_per_chunk_server": med(lambda r: r.get("rocksdb_cold", {}).get("server_cpu_ms_per_chunk")),
         "rocksdb_warm_cpu_ms_per_chunk_server": med(lambda r: r["rocksdb_warm"]["server_cpu_ms_per_chunk"]),
         "rocksdb_warm_cpu_bound_one_stream_GBps": med(lambda r: r["rocksdb_warm"]["cpu_bound_one_stream_GBps"]),
-        "put_GBps": med(lambda r: r["put_GBps"]),
+        "put_behind_one_stream_GBps": med(lambda r: r["put_behind"]["one_stream_GBps"]),
+        "put_behind_four_streams_GBps": med(lambda r: r["put_behind"]["four_streams_GBps"]),
+        "put_behind_cpu_ms_per_chunk_server": med(lambda r: r["put_behind"]["server_cpu_ms_per_chunk"]),
+        "put_behind_cpu_ms_per_chunk_client": med(lambda r: r["put_behind"]["client_cpu_ms_per_chunk"]),
+        "put_through_one_stream_GBps": med(lambda r: r["put_through"]["one_stream_GBps"]),
+        "put_through_four_streams_GBps": med(lambda r: r["put_through"]["four_streams_GBps"]),
+        "put_through_cpu_ms_per_chunk_server": med(lambda r: r["put_through"]["server_cpu_ms_per_chunk"]),
+        "put_through_cpu_ms_per_chunk_client": med(lambda r: r["put_through"]["client_cpu_ms_per_chunk"]),
+        # ratios within each round, then the median over rounds
+        "put_behind_over_dram_get": med(lambda r: r["put_behind"]["one_stream_GBps"] / r["dram"]["one_stream_GBps_median"]),
+        "put_through_over_dram_get": med(lambda r: r["put_through"]["one_stream_GBps"] / r["dram"]["one_stream_GBps_median"]),
         "memcpy_GBps": med(lambda r: r["memcpy_GBps"]),
         "memcpy_fresh_alloc_GBps": med(lambda r: r["memcpy_fresh_alloc_GBps"]),
         "disk_seq_read_cold_GBps": med(lambda r: r["disk_seq_read_cold_GBps"]),
@@ -427,6 +513,10 @@ def markdown_table(result: dict) -> str:
          f(s["rocksdb_warm_four_streams_GBps"]), f"sequential file read, warm {f(s['disk_seq_read_warm_GBps'])}"),
         ("RocksDB read path alone, cache dropped (no gRPC)", "", f(s["inproc_rocksdb_cold_GBps"]), "", ""),
         ("RocksDB read path alone, warm (no gRPC)", "", f(s["inproc_rocksdb_warm_GBps"]), "", ""),
+        ("put, write-behind (DRAM ack, as the cluster runs)", "", f(s.get("put_behind_one_stream_GBps")),
+         f(s.get("put_behind_four_streams_GBps")), f"put / DRAM get, same round: {f(s.get('put_behind_over_dram_get'))}"),
+        ("put, write-through (DRAM and RocksDB)", "", f(s.get("put_through_one_stream_GBps")),
+         f(s.get("put_through_four_streams_GBps")), f"put / DRAM get, same round: {f(s.get('put_through_over_dram_get'))}"),
     ]
     out = ["| path | time to first layer | 1 stream GB/s | 4 streams GB/s (total) | raw medium, same rounds, GB/s |",
            "| --- | --- | --- | --- | --- |"]
@@ -435,7 +525,10 @@ def markdown_table(result: dict) -> str:
            f"{f(s['dram_cpu_bound_one_stream_GBps'])} GB/s ({f(s['dram_client_check_off_cpu_bound_GBps'])} with the client's "
            f"check off). RocksDB tier, warm: server {f(s['rocksdb_warm_cpu_ms_per_chunk_server'], ' ms')}, "
            f"{f(s['rocksdb_warm_cpu_bound_one_stream_GBps'])} GB/s; cache dropped: server "
-           f"{f(s['rocksdb_cold_cpu_ms_per_chunk_server'], ' ms')}. Put (write-through to RocksDB): {f(s['put_GBps'])} GB/s.")
+           f"{f(s['rocksdb_cold_cpu_ms_per_chunk_server'], ' ms')}. Puts, server / client CPU per chunk: write-behind "
+           f"{f(s.get('put_behind_cpu_ms_per_chunk_server'), ' ms')} / {f(s.get('put_behind_cpu_ms_per_chunk_client'), ' ms')}, "
+           f"write-through {f(s.get('put_through_cpu_ms_per_chunk_server'), ' ms')} / "
+           f"{f(s.get('put_through_cpu_ms_per_chunk_client'), ' ms')}.")
     out += [f"| {' | '.join(r)} |" for r in rows]
     return "\n".join(out) + "\n\n" + cpu
 

@@ -259,6 +259,8 @@ class TieredStore:
                     corrupt.append(exc)
                 continue
             if reader is None or (expect is not None and reader.meta != expect):
+                if reader is not None:
+                    reader.close()
                 if reader is None and slot.residency is not None:
                     slot.residency.discard(chunk_id)     # bookkeeping said present: forget it
                 slot.counters.misses += count

@@ -47,7 +47,7 @@ def _varint(value: int) -> bytes:
 
 
 @functools.lru_cache(maxsize=1 << 14)      # a stored layer's envelope is built once, checked on every read
-def _envelope(layer_index: int, nbytes: int, end_of_layer: bool, checksum: int, align: int = 1) -> tuple[bytes, bytes]:
+def envelope(layer_index: int, nbytes: int, end_of_layer: bool, checksum: int, align: int = 1) -> tuple[bytes, bytes]:
     """The bytes before and after an ``nbytes`` payload in ``{PutRequest|GetResponse}.frame``
     (proto3: default-valued fields omitted). With ``align`` > 1 a ``padding`` field goes before
     the payload so that it starts at a multiple of ``align`` from the message's start."""
@@ -66,7 +66,7 @@ def _envelope(layer_index: int, nbytes: int, end_of_layer: bool, checksum: int, 
 def encode_frame(frame: Frame) -> bytes:
     """Serialize as ``{PutRequest|GetResponse}.frame``."""
     n = len(frame.data) if isinstance(frame.data, bytes) else frame.data.nbytes
-    head, tail = _envelope(frame.layer_index, n, frame.end_of_layer, frame.checksum)
+    head, tail = envelope(frame.layer_index, n, frame.end_of_layer, frame.checksum)
     return b"".join((head, frame.data, tail))
 
 
@@ -92,7 +92,7 @@ class FramedLayer:
 def frame_layer(layer_index: int, parts, checksum: int) -> FramedLayer:
     """Build the message of a whole layer from its K||V bytes (given as consecutive parts)."""
     nbytes = sum(memoryview(p).nbytes for p in parts)
-    head, tail = _envelope(layer_index, nbytes, True, checksum, ALIGN)
+    head, tail = envelope(layer_index, nbytes, True, checksum, ALIGN)
     return FramedLayer(b"".join((head, *parts, tail)), len(head), nbytes)
 
 
@@ -100,7 +100,7 @@ def read_framed_layer(message: bytes, layer_index: int, nbytes: int, checksum: i
     """``message`` as the whole-layer message of (layer_index, nbytes, checksum), or None when its
     envelope says anything else (another layer, size or checksum: a damaged or foreign record).
     The payload itself is not checked here."""
-    head, tail = _envelope(layer_index, nbytes, True, checksum, ALIGN)
+    head, tail = envelope(layer_index, nbytes, True, checksum, ALIGN)
     if len(message) != len(head) + nbytes + len(tail) or not message.startswith(head) or not message.endswith(tail):
         return None
     return FramedLayer(message, len(head), nbytes)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import torch
 import pytest
@@ -9,7 +11,7 @@ import pytest
 from services.kvstore import wire
 from services.kvstore.chunk import checksum, layer_bytes
 from services.kvstore.store import TierSlot
-from services.kvstore.tiers import StoredChunk, _layer_key, _meta_key
+from services.kvstore.tiers import StoredChunk, _meta_key, layer_spans
 from services.rpc import kvstore_pb2 as pb
 
 from .helpers import MiB, assert_roundtrip, make_layers, tiers_of
@@ -33,6 +35,22 @@ def corrupt_dram_layer(srv, chunk_id, layer):
         layers[layer] = flip(layer_bytes(layers[layer]))
         dram._chunks[chunk_id] = StoredChunk(stored.meta, tuple(layers))
     srv.run(damage())
+
+
+def rewrite_layer(db, chunk_id, layer, damage) -> bytes:
+    """Apply ``damage`` (bytes -> bytes) to a layer in the RocksDB tier's layer file; a shorter
+    result cuts the file there. Returns the layer's stored bytes as they were."""
+    path = db.layer_file(chunk_id)
+    data = open(path, "rb").read()
+    offset, length = layer_spans(db.open(chunk_id).meta)[layer]
+    before = data[offset:offset + length]
+    after = damage(before)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(after)
+        if len(after) < length:
+            f.truncate(offset + len(after))
+    return before
 
 
 def corrupt_counts(client) -> dict[int, int]:
@@ -98,8 +116,7 @@ def test_bad_rocksdb_entry_is_data_loss_without_a_lower_tier(start_store, damage
         raw = db._db.get(_meta_key("x"))
         db.put_raw(_meta_key("x"), flip(raw, at=len(raw) - 3))
     else:
-        raw = db._db.get(_layer_key("x", 1))
-        db.put_raw(_layer_key("x", 1), flip(raw) if damage == "flipped" else raw[: len(raw) // 2])
+        rewrite_layer(db, "x", 1, flip if damage == "flipped" else lambda raw: raw[: len(raw) // 2])
     with pytest.raises(grpc.RpcError) as err:
         list(c.get("x"))
     assert err.value.code() == grpc.StatusCode.DATA_LOSS
@@ -112,12 +129,13 @@ def test_bad_rocksdb_layer_is_served_from_s3(start_store, s3_config):
     layers = make_layers(seed=3, **SHAPE)
     c.put("x", layers), c.put("evictor", make_layers(seed=4, **SHAPE))
     db = slot(srv, "rocksdb").storage
-    db.put_raw(_layer_key("x", 3), db._db.get(_layer_key("x", 3))[:100])   # truncated
+    rewrite_layer(db, "x", 3, lambda raw: raw[:100])    # the file cut inside layer 3
     assert_roundtrip(c, "x", layers)
     assert corrupt_counts(c) == {1: 0, 2: 1, 3: 0}
     assert tiers_of(c, "x") == ("dram", "rocksdb", "s3")   # bad copy dropped, good one promoted back
     k, v = (t.view(torch.uint8).numpy().tobytes() for t in layers[3])
-    frame = pb.GetResponse.FromString(db._db.get(_layer_key("x", 3))).frame   # the message that carries layer 3 whole
+    stored = rewrite_layer(db, "x", 3, lambda raw: raw)   # the promoted copy, as the file holds it
+    frame = pb.GetResponse.FromString(stored).frame        # the message that carries layer 3 whole
     assert (frame.layer_index, frame.data, frame.end_of_layer, frame.checksum) == (3, k + v, True, checksum(k + v))
 
 
@@ -160,17 +178,31 @@ def _expected(layers):
     return [k.view(torch.uint8).numpy().tobytes() + v.view(torch.uint8).numpy().tobytes() for k, v in layers]
 
 
-def test_eviction_during_a_rocksdb_read_is_aborted_not_called_corruption(start_store):
-    from services.kvstore.store import ChunkVanished
-
+def test_removal_during_a_rocksdb_read_finishes_the_version_opened(start_store):
     srv, c = start_store(dram_bytes=1 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB)
     layers = make_layers(seed=3, **SHAPE)
     c.put("x", layers), c.put("evictor", make_layers(seed=4, **SHAPE))
+    path = slot(srv, "rocksdb").storage.layer_file("x")
 
-    async def evict(store):
+    async def delete(store):
+        await store.delete("x")
+    assert _read_with_interference(srv, "x", delete) == _expected(layers)   # the open file keeps its bytes
+    assert corrupt_counts(c) == {1: 0, 2: 0}
+    assert not c.lookup(["x"])[0].found and not os.path.exists(path)
+
+
+def test_a_copy_lost_during_a_read_is_aborted_not_called_corruption(start_store):
+    from services.kvstore.store import ChunkVanished
+
+    srv, c = start_store(dram_bytes=1 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB)
+    c.put("x", make_layers(seed=3, **SHAPE)), c.put("evictor", make_layers(seed=4, **SHAPE))
+    path = slot(srv, "rocksdb").storage.layer_file("x")
+
+    async def lose(store):
+        os.truncate(path, 0)            # the bytes under the open reader gone (e.g. the disk), then the chunk deleted
         await store.delete("x")
     with pytest.raises(ChunkVanished):
-        _read_with_interference(srv, "x", evict)
+        _read_with_interference(srv, "x", lose)
     assert corrupt_counts(c) == {1: 0, 2: 0}
 
 
@@ -189,8 +221,6 @@ def test_eviction_during_a_rocksdb_read_continues_from_s3(start_store, s3_config
 
 
 def test_replacement_during_a_read_never_mixes_versions(start_store):
-    from services.kvstore.store import ChunkVanished
-
     srv, c = start_store(dram_bytes=1 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB)
     old, new = make_layers(seed=3, **SHAPE), make_layers(seed=5, **SHAPE)
     c.put("x", old), c.put("evictor", make_layers(seed=4, **SHAPE))
@@ -199,7 +229,6 @@ def test_replacement_during_a_read_never_mixes_versions(start_store):
         reader = slot(srv, "rocksdb").storage.open("x")
         meta = reader.meta.with_checksums([checksum(b) for b in _expected(new)])
         await store.put(meta, tuple(_expected(new)))
-    with pytest.raises(ChunkVanished):
-        _read_with_interference(srv, "x", replace)
+    assert _read_with_interference(srv, "x", replace) == _expected(old)    # the version opened, whole
     assert corrupt_counts(c) == {1: 0, 2: 0}
     assert_roundtrip(c, "x", new)
