@@ -99,6 +99,16 @@ class BlockPool:
         self.k[layer][run].view(-1, *self.k[layer].shape[2:])[:n].copy_(k, non_blocking=True)
         self.v[layer][run].view(-1, *self.v[layer].shape[2:])[:n].copy_(v, non_blocking=True)
 
+    def write_runs(self, run: slice, items) -> None:
+        """``write_run`` for many layers, [(layer, k, v), ...], issued as one batched copy."""
+        dst, src = [], []
+        for layer, k, v in items:
+            n = k.shape[0]
+            dst += [self.k[layer][run].view(-1, *self.k[layer].shape[2:])[:n],
+                    self.v[layer][run].view(-1, *self.v[layer].shape[2:])[:n]]
+            src += [k, v]
+        torch._foreach_copy_(dst, src, non_blocking=True)
+
     def slots_for(self, blocks: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block id and slot index of tokens 0..n-1 laid out densely over ``blocks``: ([n], [n])."""
         idx = torch.arange(n_tokens, device=self.slot_pos.device)

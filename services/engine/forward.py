@@ -307,19 +307,35 @@ class Forward:
     def _chunk_writer(self, key: str, n: int, blocks: list[int], block: torch.Tensor, slot: torch.Tensor):
         """write(layer, k, v) of a chunk's n tokens laid densely over ``blocks``: shapes checked, then two
         plain copies when the blocks are consecutive (from pinned host memory: host-to-device straight
-        into the pool, no staging tensor, no kernel), else through the indexed write."""
+        into the pool, no staging tensor, no kernel), else through the indexed write. ``write.many(items)``
+        writes every layer's [(layer, k, v), ...] at once (one batched copy over a run)."""
         shape = (n, self.cfg.num_kv_heads, self.cfg.head_dim)
         run = self.pool.run(blocks)
 
-        def write(layer, k, v):
+        def check(layer, k, v):
             if tuple(k.shape) != shape or tuple(v.shape) != shape:
                 raise ValueError(f"layer {layer} of chunk {key[:12]} has shapes {tuple(k.shape)}/{tuple(v.shape)}, "
                                  f"expected {shape}")
+
+        def write(layer, k, v):
+            check(layer, k, v)
             if run is not None:
                 self.pool.write_run(layer, run, k, v)
             else:
                 self.pool.write(layer, block, slot, k.to(self.device, non_blocking=True),
                                 v.to(self.device, non_blocking=True))
+
+        def many(items):
+            """Every layer at once: shapes checked first, then one batched copy over a run."""
+            for layer, k, v in items:
+                check(layer, k, v)
+            if run is not None:
+                self.pool.write_runs(run, items)
+            else:
+                for layer, k, v in items:
+                    write(layer, k, v)
+
+        write.many = many
         return write
 
     def _start_load(self, key: str, tokens: list[int], layers, loads: list) -> ChunkEntry:
@@ -327,11 +343,15 @@ class Forward:
         blocks, block, slot, _ = self._private(torch.arange(n, device=self.device), for_cache=True, contiguous=True)
         entry = self.cache.insert(key, blocks, n, base=0, kind="chunk")
         write = self._chunk_writer(key, n, blocks, block, slot)
-        load = ChunkLoad(key, tokens, as_layers(iter(layers)), write, self.cfg.num_layers,
-                         local=getattr(layers, "local", False))
+        local = getattr(layers, "local", False)
+        load = ChunkLoad(key, tokens, as_layers(iter(layers)), write, self.cfg.num_layers, local=local,
+                         write_many=write.many if local else None)
         load.entry = entry
         loads.append(load)
-        load.start()
+        if load.write_many is not None:
+            load.issue()       # from this process's memory: every copy queued now, on the load stream
+        else:
+            load.start()       # streamed: layer by layer, as the layers arrive
         return entry
 
     def _recompute_load(self, load: ChunkLoad) -> None:

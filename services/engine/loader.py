@@ -30,12 +30,18 @@ LOCAL_SETTLE_S = 0.5   # the longest a pass waits for a load from host memory to
 
 class ChunkLoad(threading.Thread):
     """``local``: the layers come from this process's host memory (an iterator marked ``local = True``),
-    so they all land within milliseconds: a pass waits for them rather than going on layer by layer."""
+    so they all land within milliseconds: a pass waits for them rather than going on layer by layer.
+
+    ``write_many(items)``, when given, writes every layer's [(layer, k, v), ...] at once (one batched
+    copy); ``issue()`` then runs the load on the calling thread instead of ``start()`` in its own: a
+    local chunk's copies take well under a millisecond to issue, and a loader thread per chunk would
+    only contend with the engine thread for the interpreter."""
 
     def __init__(self, key: str, tokens: list[int], layers: Iterable, write: Callable, num_layers: int,
-                 local: bool = False):
+                 local: bool = False, write_many: Callable | None = None):
         super().__init__(name=f"chunk-load-{key[:8]}", daemon=True)
         self.key, self.tokens, self.layers, self.write = key, tokens, layers, write
+        self.write_many = write_many
         self.local = local
         self.num_layers = num_layers
         self.delivered = 0           # layers 0..delivered-1 are in place
@@ -71,7 +77,14 @@ class ChunkLoad(threading.Thread):
                 self.finished.record(self.stream)
             self.seconds = time.perf_counter() - t0
 
+    def issue(self) -> None:
+        """Run the load on this thread, now (with ``write_many``): returns once its copies are queued."""
+        self.run()
+
     def _drain(self) -> None:
+        if self.write_many is not None:
+            self._drain_at_once()
+            return
         expect = 0
         for layer, k, v in self.layers:
             if layer != expect:
@@ -91,9 +104,27 @@ class ChunkLoad(threading.Thread):
         if expect != self.num_layers:
             raise ValueError(f"chunk {self.key[:12]}: stream ended after {expect} of {self.num_layers} layers")
 
+    def _drain_at_once(self) -> None:
+        items = list(self.layers)
+        for expect, (layer, _, _) in enumerate(items):
+            if layer != expect:
+                raise ValueError(f"chunk {self.key[:12]}: layer {layer} arrived, {expect} expected")
+        if len(items) != self.num_layers:
+            raise ValueError(f"chunk {self.key[:12]}: {len(items)} layers came, the model has {self.num_layers}")
+        self.write_many(items)
+        if self.stream is not None:
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            self.layer_done = [done] * len(items)
+        self.bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for _, k, v in items)
+        with self.cond:
+            self.delivered = len(items)
+            self.cond.notify_all()
+
     def join(self, timeout: float | None = None) -> None:
-        """Thread join; then the caller's stream waits for every write of the load."""
-        super().join(timeout)
+        """Thread join (when it ran as one); then the caller's stream waits for every write of the load."""
+        if self.ident is not None:
+            super().join(timeout)
         if self.finished is not None and not self.is_alive():
             torch.cuda.current_stream().wait_event(self.finished)
 

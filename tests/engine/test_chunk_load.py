@@ -1,0 +1,54 @@
+"""Chunk loads from this process's memory, written at once on the calling thread (ChunkLoad.issue)."""
+
+import pytest
+import torch
+
+from services.engine.block_pool import BlockPool
+from services.engine.loader import ChunkLoad, LayerGate
+
+
+def _layers(n_layers, n, heads, dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(i, torch.randn(n, heads, dim, generator=g), torch.randn(n, heads, dim, generator=g))
+            for i in range(n_layers)]
+
+
+def test_write_runs_equals_one_write_run_per_layer():
+    a = BlockPool(3, 9, 4, 2, 8, torch.device("cpu"), torch.float32)
+    b = BlockPool(3, 9, 4, 2, 8, torch.device("cpu"), torch.float32)
+    items = _layers(3, 10, 2, 8)               # 10 tokens over 3 blocks: the last one partly filled
+    run = slice(2, 5)
+    a.write_runs(run, items)
+    for layer, k, v in items:
+        b.write_run(layer, run, k, v)
+    for layer in range(3):
+        assert torch.equal(a.k[layer], b.k[layer]) and torch.equal(a.v[layer], b.v[layer])
+    assert a.k[0][2:5].reshape(-1, 2, 8)[:10].equal(items[0][1]) and not a.k[0][5].any()
+
+
+def test_an_issued_load_is_delivered_before_issue_returns_and_runs_no_thread():
+    got = []
+    load = ChunkLoad("c" * 12, [1, 2], iter(_layers(2, 2, 1, 4)), lambda *a: pytest.fail("per-layer write"),
+                     2, local=True, write_many=got.extend)
+    load.issue()
+    assert load.ident is None and load.delivered == 2 and load.error is None
+    assert [i for i, _, _ in got] == [0, 1] and load.bytes == 2 * 2 * (2 * 1 * 4 * 4)
+    gate = LayerGate([load], lambda ld: pytest.fail("recomputed"))
+    assert gate.settled(0.0)
+    gate.wait(1)
+    gate.finish()                               # joins a load that never ran as a thread
+    assert gate.failed == 0
+
+
+@pytest.mark.parametrize("layers", [
+    [(0, torch.zeros(1), torch.zeros(1))],                                          # one layer short
+    [(1, torch.zeros(1), torch.zeros(1)), (0, torch.zeros(1), torch.zeros(1))],    # out of order
+])
+def test_a_bad_local_chunk_writes_nothing_and_is_recomputed(layers):
+    written, recomputed = [], []
+    load = ChunkLoad("c" * 12, [1], iter(layers), lambda *a: None, 2, local=True, write_many=written.extend)
+    load.issue()
+    assert isinstance(load.error, ValueError) and not written
+    gate = LayerGate([load], recomputed.append)
+    gate.wait(0)
+    assert recomputed == [load] and gate.failed == 1
