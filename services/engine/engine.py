@@ -208,18 +208,27 @@ class Engine:
         (a serving worker samples and sends the first token from there). ``kv_on_device``: the hand-off's
         private K/V stay on this engine's device (see ``export_sequence``).
         """
+        return self.begin_prefill_handoff(chunks, suffix, mode, recompute_ratio, fetch, on_computed,
+                                          extra_tokens, kv_on_device).finish(on_logits)
+
+    def begin_prefill_handoff(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15,
+                              fetch=None, on_computed=None, extra_tokens: int = 0,
+                              kv_on_device: bool = False) -> "PendingHandoff":
+        """``prefill_handoff`` in two halves: this one issues the pass (and the export's first copies)
+        and returns without waiting for the device; ``finish(on_logits)`` on the result waits, calls
+        ``on_logits``, exports and releases. A serving worker issues the next request's pass between the
+        two, so that its host work overlaps this pass on the device. Nothing else may use the engine
+        until ``finish`` is called, but another ``begin_prefill_handoff``."""
         chunks, suffix = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
         logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), fetch, on_computed)
         try:
             # what the export reads on the host starts on its way first: reading the first token (a sync)
             # then delivers it, and the export after the first token waits for nothing on the device
             staged = stage_export(self.forward, seq, logits)
-            if on_logits is not None:
-                on_logits(logits)
-            handoff = export_sequence(self.forward, seq, logits, self.fingerprint, kv_on_device, staged)
-        finally:
+        except BaseException:
             self.release(seq)
-        return PrefillResult(logits, stats), handoff
+            raise
+        return PendingHandoff(self, logits, seq, stats, staged, kv_on_device)
 
     @torch.no_grad()
     def import_handoff(self, handoff: Handoff, fetch=None) -> Sequence:
@@ -286,3 +295,25 @@ class Engine:
 
 
 __all__ = ["Engine", "BlockTable"]
+
+
+class PendingHandoff:
+    """A prefill whose pass is issued (``Engine.begin_prefill_handoff``); ``finish`` completes it once."""
+
+    def __init__(self, engine: Engine, logits, seq, stats, staged, kv_on_device: bool) -> None:
+        self.engine, self.logits, self.seq, self.stats = engine, logits, seq, stats
+        self.staged, self.kv_on_device = staged, kv_on_device
+
+    def finish(self, on_logits=None):
+        """(PrefillResult, Handoff): ``on_logits(logits)`` first (its read of the logits waits for the pass)."""
+        eng = self.engine
+        if self.seq.released:
+            raise RuntimeError("this prefill was finished already")
+        try:
+            if on_logits is not None:
+                on_logits(self.logits)
+            handoff = export_sequence(eng.forward, self.seq, self.logits, eng.fingerprint, self.kv_on_device,
+                                      self.staged)
+        finally:
+            eng.release(self.seq)
+        return PrefillResult(self.logits, self.stats), handoff

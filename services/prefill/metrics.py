@@ -26,8 +26,11 @@ class PrefillMetrics:
         self.handoff_bytes = Counter("tessera_prefill_handoff_bytes", "Hand-off bytes sent to decode workers",
                                      registry=r)
         self.requests = Counter("tessera_prefill_requests", "Prefill requests by outcome", ["outcome"], registry=r)
-        self.seconds = Histogram("tessera_prefill_seconds", "Engine prefill time per request", buckets=SECONDS,
-                                 registry=r)
+        self.seconds = Histogram("tessera_prefill_seconds", "Prefill time per request, from its pass being "
+                                 "issued to its hand-off exported (the next request's pass may be issued "
+                                 "in between)", buckets=SECONDS, registry=r)
+        self.engine_seconds = Counter("tessera_prefill_engine_seconds", "Engine-thread time spent on prefill "
+                                      "requests (issuing passes, finishing them)", registry=r)
         self.queue_seconds = Histogram("tessera_prefill_queue_seconds", "Wait for the engine before prefill",
                                        buckets=SECONDS, registry=r)
         self.load_wait = Histogram("tessera_prefill_load_wait_seconds", "Prefill time spent waiting on store layers",

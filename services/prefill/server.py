@@ -25,6 +25,7 @@ from services.cluster.staging import side_stream
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.cluster.transport import handoff_parts, probe_transport
 from services.prefill.controller import LoadingController
+from services.prefill.engine_loop import EngineLoop
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.worker import PrefillJob, PrefillWorker
 from services.rpc import tessera_pb2 as pb
@@ -41,15 +42,15 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.metrics_url = metrics_url
         self.transport = probe_transport(worker.eng.device)
         self._same_gpu: dict[str, bool] = {}
-        self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-engine")
+        self.engine = EngineLoop()          # one engine thread, pipelined by one request (engine_loop.py)
         # hand-offs are serialised here, so the engine thread goes on to the next request meanwhile
         self.io_threads = ThreadPoolExecutor(2, thread_name_prefix="prefill-handoff")
         self.in_flight = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.profile = ProfileWindow(name, "prefill")      # off unless TESSERA_TORCH_PROFILE is set
 
-    async def _on_engine(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.engine_thread, fn, *args)
+    async def _on_engine(self, fn):
+        return await asyncio.wrap_future(self.engine.call(fn))
 
     def _decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
         if address not in self._channels:
@@ -77,11 +78,12 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
         self.in_flight += 1
         self.worker.metrics.in_flight.inc()
-        def run():
+        def begin():
             self.profile.tick()
-            return self.worker.prefill(job, on_first), self.worker.resident_ids()
+            finish = self.worker.begin(job, on_first)
+            return lambda: (finish(), self.worker.resident_ids())
 
-        work = asyncio.ensure_future(self._on_engine(run))
+        work = asyncio.wrap_future(self.engine.prefill(begin))
         try:
             await asyncio.wait((first, work), return_when=asyncio.FIRST_COMPLETED)
             if first.done():
@@ -197,7 +199,7 @@ class PrefillServer:
         await self.grpc_server.stop(grace)
         for ch in self.servicer._channels.values():
             await ch.close()
-        self.servicer.engine_thread.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self.servicer.engine.stop)
         self.servicer.io_threads.shutdown(wait=False, cancel_futures=True)
         self.servicer.worker.store.close()
         self._http.shutdown()

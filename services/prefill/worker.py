@@ -110,6 +110,13 @@ class PrefillWorker:
     def prefill(self, job: PrefillJob, on_first=None) -> PrefillOutcome:
         """Run one request; ``on_first(token)`` is called (engine thread) with the first token as soon as
         it is sampled."""
+        return self.begin(job, on_first)()
+
+    def begin(self, job: PrefillJob, on_first=None):
+        """Issue one request's pass and return ``finish()`` -> PrefillOutcome, which waits for it,
+        samples the first token (``on_first``), exports the hand-off and records the request. The engine
+        thread may begin the next request before finishing this one: its host work then overlaps this
+        pass on the device (``EngineLoop``)."""
         from services.engine.sampling import sample
 
         started = time.perf_counter()
@@ -134,15 +141,28 @@ class PrefillWorker:
             if on_first is not None:
                 on_first(first[0])
 
-        res, handoff = self.eng.prefill_handoff(
+        pending = self.eng.begin_prefill_handoff(
             chunks, suffix, mode=job.mode, recompute_ratio=ratio,
             fetch=self.store.fetcher(present) if store else None,
             on_computed=on_computed if store else None,
-            extra_tokens=job.sampling.params.max_new_tokens, on_logits=on_logits,
+            extra_tokens=job.sampling.params.max_new_tokens,
             kv_on_device=self.eng.device.type == "cuda")   # copied to the host (or shared) off this thread
-        st = res.stats
+        self.metrics.engine_seconds.inc(time.perf_counter() - started)
+
+        def finish() -> PrefillOutcome:
+            t0 = time.perf_counter()
+            res, handoff = pending.finish(on_logits)
+            out = self._record(job, res.stats, handoff, tiers, ratio, tuple(storing), first, started, queue_s)
+            self.metrics.engine_seconds.inc(time.perf_counter() - t0)
+            return out
+
+        return finish
+
+    def _record(self, job: PrefillJob, st, handoff, tiers: list[str], ratio: float, storing: tuple[str, ...],
+                first: list, started: float, queue_s: float) -> PrefillOutcome:
+        """A finished request's outcome, its tiers corrected from the pass's stats, and its metrics."""
         if job.mode == "prefix":
-            tiers = [GPU if i < st.chunk_hits else COMPUTED for i in range(len(ids))]
+            tiers = [GPU if i < st.chunk_hits else COMPUTED for i in range(len(tiers))]
         if st.load_failures:
             # streams that broke were recomputed; count the latest store hits as computed
             bad = st.load_failures
@@ -166,7 +186,7 @@ class PrefillWorker:
         seconds = time.perf_counter() - started
         self.metrics.seconds.observe(seconds)
         self.metrics.queue_seconds.observe(queue_s)
-        return PrefillOutcome(handoff, tuple(storing), first[0], job.sampling.finish_reason(first[0], 1), first[1],
+        return PrefillOutcome(handoff, storing, first[0], job.sampling.finish_reason(first[0], 1), first[1],
                               ratio, tier_tokens, st.tokens_recomputed, loaded, st.load_seconds, wait,
                               st.chunk_compute_seconds, st.forward_seconds, seconds, queue_s)
 
@@ -186,12 +206,18 @@ class PrefillWorker:
 
     def warm(self, chunks: list[list[int]]) -> list[bool]:
         """Compute each chunk alone (unless cached here or in the store) and store it; True when the
-        store holds it afterwards."""
-        stored = []
-        for c in chunks:
-            cid = self.eng.chunk_id(c)
-            if self.store.enabled and self.store.lookup([cid], host=False):
-                stored.append(True)
+        store holds it afterwards. Pipelined: chunk i's store write (on the put thread) runs while chunk
+        i+1 is computed; the answer waits for every write's acknowledgement."""
+        most_in_flight = 3      # writes queued at once: each holds a host copy of its chunk (64 MiB on Llama-3-8B)
+        ids = [self.eng.chunk_id(c) for c in chunks]
+        held = set(self.store.lookup(ids, host=False)) if self.store.enabled else set()   # one round trip
+        outcome: dict[str, object] = {}        # chunk id -> True/False, or the Future of its put
+        in_flight: list = []
+        for c, cid in zip(chunks, ids):
+            if cid in outcome:
+                continue
+            if cid in held:
+                outcome[cid] = True
                 continue
             computed: list = []
             if cid not in self.eng.cache:
@@ -199,14 +225,17 @@ class PrefillWorker:
                 # taken while the pass holds it (a device cache smaller than the chunk evicts it after)
                 self.eng.prefill_handoff([c], [c[-1]], mode="tessera", recompute_ratio=0.0,
                                          on_computed=lambda _cid, layers: computed.append(layers))
-            ok = False
+            outcome[cid] = False
             if self.store.enabled and (computed or cid in self.eng.cache):
                 layers = computed[0] if computed else self.eng.export_chunk(cid)
-                ok = self.store.put(cid, layers, self.eng.fingerprint)
-                if ok:
-                    self.metrics.stored_bytes.inc(layers_nbytes(layers))
-            stored.append(ok)
-        return stored
+                nbytes = layers_nbytes(layers)
+                while len(in_flight) >= most_in_flight:
+                    in_flight.pop(0).result()
+                put = self.store.put_async(cid, layers, self.eng.fingerprint)
+                put.add_done_callback(lambda f, n=nbytes: f.result() and self.metrics.stored_bytes.inc(n))
+                outcome[cid] = put
+                in_flight.append(put)
+        return [o if isinstance(o, bool) else o.result() for o in (outcome[cid] for cid in ids)]
 
     def reset(self, device_only: bool = False) -> int:
         before = len(self.eng.cache)

@@ -1,0 +1,73 @@
+"""The prefill worker's engine loop: one thread, a prefill finished after the next one has begun."""
+
+import threading
+
+import pytest
+
+from services.prefill.engine_loop import EngineLoop
+
+
+def _prefill(log, name, gate=None):
+    def begin():
+        if gate is not None:
+            gate.wait(5)
+        log.append(f"begin {name}")
+        return lambda: log.append(f"finish {name}") or name
+    return begin
+
+
+def test_a_queued_prefill_begins_before_the_earlier_one_finishes():
+    loop, log, gate = EngineLoop(), [], threading.Event()
+    try:
+        futs = [loop.prefill(_prefill(log, "a", gate)), loop.prefill(_prefill(log, "b")),
+                loop.prefill(_prefill(log, "c"))]
+        gate.set()
+        assert [f.result(5) for f in futs] == ["a", "b", "c"]
+        # each finish follows the next begin, never more than one prefill waits unfinished
+        assert log == ["begin a", "begin b", "finish a", "begin c", "finish b", "finish c"]
+    finally:
+        loop.stop()
+
+
+def test_a_lone_prefill_is_finished_at_once_and_calls_run_alone():
+    loop, log = EngineLoop(), []
+    try:
+        assert loop.prefill(_prefill(log, "a")).result(5) == "a"
+        assert log == ["begin a", "finish a"]
+        gate = threading.Event()
+        first = loop.prefill(_prefill(log, "b", gate))
+        call = loop.call(lambda: log.append("call") or 7)
+        gate.set()
+        assert call.result(5) == 7 and first.result(5) == "b"
+        assert log[2:] == ["begin b", "finish b", "call"]      # the waiting prefill finished before the call
+    finally:
+        loop.stop()
+
+
+def test_errors_reach_their_own_request_and_the_loop_goes_on():
+    loop, log = EngineLoop(), []
+
+    def bad_begin():
+        raise ValueError("empty request")
+
+    def bad_finish():
+        return lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
+
+    try:
+        futs = [loop.prefill(bad_begin), loop.prefill(bad_finish), loop.prefill(_prefill(log, "ok"))]
+        with pytest.raises(ValueError, match="empty request"):
+            futs[0].result(5)
+        with pytest.raises(RuntimeError, match="device lost"):
+            futs[1].result(5)
+        assert futs[2].result(5) == "ok"
+    finally:
+        loop.stop()
+
+
+def test_stop_cancels_what_has_not_started():
+    loop, log, gate = EngineLoop(), [], threading.Event()
+    started = loop.prefill(_prefill(log, "a", gate))
+    queued = loop.prefill(_prefill(log, "b"))
+    threading.Timer(0.05, gate.set).start()
+    loop.stop()
+    assert started.result(5) == "a" and queued.cancelled() and "begin b" not in log
