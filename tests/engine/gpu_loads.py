@@ -19,10 +19,27 @@ import torch
 GRAPH_TOLERANCE = 0.1   # bf16 logits of the tiny model through different kernels; stale KV is far off
 
 
-def check(device: str = "cuda", n_chunks: int = 6, length: int = 300, rounds: int = 3, graphs: bool = False) -> float:
+class LocalLayers:
+    """Layers from this process's memory, marked as the host tier marks them: loaded at once, not streamed."""
+
+    local = True
+
+    def __init__(self, items) -> None:
+        self._it = iter(items)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+
+def check(device: str = "cuda", n_chunks: int = 6, length: int = 300, rounds: int = 3, graphs: bool = False,
+          local: bool = False) -> float:
     """Largest |logit difference| between streamed and computed chunks over ``rounds`` requests. With
     ``graphs`` the passes may replay graph tails (a pass whose loads have all landed does): the two
-    sides may then run different kernels, so only closeness is expected, not equality."""
+    sides may then run different kernels, so only closeness is expected, not equality. ``local``: the
+    chunks come as the host tier gives them (one batched copy each, issued by the engine thread)."""
     from services.engine import Engine
     from services.engine.tiny import write_tiny
 
@@ -45,7 +62,10 @@ def check(device: str = "cuda", n_chunks: int = 6, length: int = 300, rounds: in
         eng.cache.clear()
 
         def fetch(cid):
-            return iter([(i, k, v) for i, (k, v) in enumerate(held[cid])]) if cid in held else None
+            if cid not in held:
+                return None
+            items = [(i, k, v) for i, (k, v) in enumerate(held[cid])]
+            return LocalLayers(items) if local else iter(items)
 
         res, _ = eng.prefill_handoff(chunks, suffix, recompute_ratio=0.15, fetch=fetch)
         if res.stats.load_failures or res.stats.loaded_bytes != sum(
@@ -69,7 +89,12 @@ def main() -> int:
     if near > GRAPH_TOLERANCE:
         print(f"streamed chunk loads on cuda, graph tails: logits differ by up to {near:g} (> {GRAPH_TOLERANCE})")
         return 1
-    print(f"streamed chunk loads on cuda: ok (equal eagerly; within {near:.3g} with graph tails)")
+    local = check(local=True)
+    if local != 0.0:
+        print(f"chunk loads from host memory (one batched copy) on cuda: logits differ by up to {local:g}")
+        return 1
+    print(f"streamed chunk loads on cuda: ok (equal eagerly; within {near:.3g} with graph tails); "
+          "loads from host memory: equal")
     return 0
 
 
