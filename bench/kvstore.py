@@ -11,6 +11,12 @@ measured once per round; ratios are taken within a round, then the median over r
 
     .venv/bin/python bench/kvstore.py [--chunks 4] [--workdir /var/tmp/tessera-kvbench] [--puts-only]
 
+With ``--register-docs N`` it measures corpus registration end to end instead: a local cluster
+(services/cluster/local.py: one store shard, write-behind, one prefill and one decode worker, each
+with a host tier) on the CPU with a tiny model whose KV per token is Llama-3-8B's (32 layers x 8 KV
+heads x 128, fp32 here: 128 MiB per 512-token chunk, ``--kv-layers`` to change), and N documents of
+512 tokens registered through the gateway's RegisterChunks, 8 per call as bench/cluster.py does.
+
 Writes bench/kvstore.json (bench/kvstore.md discusses it). GB = 1e9 bytes. Dropping the page cache needs root;
 without it the "cold" rows are skipped.
 """
@@ -400,7 +406,15 @@ def main() -> None:
     p.add_argument("--workdir", default="/var/tmp/tessera-kvbench", help="where RocksDB lives (the disk measured)")
     p.add_argument("--out", default=str(REPO / "bench" / "kvstore.json"))
     p.add_argument("--puts-only", action="store_true", help="measure the put rows only (a quick before/after)")
+    p.add_argument("--register-docs", type=int, help="measure corpus registration through a local cluster instead")
+    p.add_argument("--kv-layers", type=int, default=32, help="--register-docs: layers of the tiny model")
     args = p.parse_args()
+    if args.register_docs is not None:
+        if args.register_docs < 1 or args.kv_layers < 1:
+            raise SystemExit("--register-docs and --kv-layers must be >= 1")
+        out = Path(args.out) if args.out != p.get_default("out") else None     # bench/kvstore.json keeps the store's rows
+        register_corpus(args.register_docs, args.kv_layers, 8, out)
+        return
     if args.chunks < 4 or args.rounds < 1:
         raise SystemExit("--chunks must be >= 4 and --rounds >= 1")
     if not drop_page_cache():
@@ -531,6 +545,53 @@ def markdown_table(result: dict) -> str:
            f"{f(s.get('put_through_cpu_ms_per_chunk_client'), ' ms')}.")
     out += [f"| {' | '.join(r)} |" for r in rows]
     return "\n".join(out) + "\n\n" + cpu
+
+
+def register_corpus(docs: int, layers: int, batch: int, out: Path | None) -> dict:
+    """Seconds to register ``docs`` 512-token documents through a local cluster's gateway (see the
+    module docstring), per call and in all; also how long the prefill worker's store puts took."""
+    import tempfile
+
+    from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
+    from services.cluster.local import start_local_cluster
+    from services.engine.tiny import write_tiny
+    from services.sdk import Client
+
+    tmp = Path(tempfile.mkdtemp(prefix="tessera-register-"))
+    model = write_tiny(tmp / "model", num_layers=layers, num_heads=8, num_kv_heads=8, head_dim=128)
+    chunk_bytes = layers * 2 * 512 * 8 * 128 * 4
+    host = (docs + 8) * chunk_bytes
+    cfg = ClusterConfig(model_dir=str(model), store_dir=str(tmp / "rocksdb"), store_dram_bytes=(docs + 8) * chunk_bytes,
+                        kv_cache_bytes=4 * chunk_bytes, chunk_cache_bytes=2 * chunk_bytes,
+                        prefill_settings=PrefillSettings(host_cache_bytes=host),
+                        decode_settings=DecodeSettings(host_cache_bytes=host))
+    cluster = start_local_cluster(cfg)
+    rng = np.random.default_rng(0)
+    corpus = [rng.integers(0, 256, 512).tolist() for _ in range(docs + batch)]
+    try:
+        with Client(cluster.gateway_address, timeout=1800) as client:
+            client.register_chunks(corpus[docs:])             # warm-up: connections, first pass
+            calls = []
+            t0 = time.perf_counter()
+            for i in range(0, docs, batch):
+                t1 = time.perf_counter()
+                got = client.register_chunks(corpus[i:i + batch])
+                calls.append(time.perf_counter() - t1)
+                if not all(c.stored for c in got):
+                    raise RuntimeError(f"{sum(not c.stored for c in got)} chunk(s) not stored")
+            total = time.perf_counter() - t0
+    finally:
+        cluster.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "docs": docs, "batch": batch,
+              "layers": layers, "chunk_bytes": chunk_bytes, "seconds": total, "seconds_per_doc": total / docs,
+              "GBps": docs * chunk_bytes / total / GB, "call_seconds": [round(c, 3) for c in calls],
+              "loadavg_1min": os.getloadavg()[0], "command": " ".join(["python", "bench/kvstore.py", *sys.argv[1:]])}
+    if out is not None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"registered {docs} documents ({chunk_bytes / 2**20:.0f} MiB of KV each) in {total:.2f} s: "
+          f"{1e3 * total / docs:.0f} ms per document, {result['GBps']:.2f} GB/s; calls (s): {result['call_seconds']}")
+    return result
 
 
 def _cpu_model() -> str:

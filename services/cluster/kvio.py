@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
@@ -176,6 +176,23 @@ class StoreAccess:
         with self._lock:
             self._pending += 1
         return self._put(chunk_id, layers, fingerprint, ready)
+
+    def put_async(self, chunk_id: str, layers, fingerprint: str = "") -> Future:
+        """``put`` without waiting: the device-to-host copy is queued here (the caller's thread), the store
+        write runs on the put thread; the future's result is True once the store acknowledged the chunk
+        (False: no store, or the put failed). The caller may compute the next chunk meanwhile."""
+        ready = None
+        if self.host is not None or (layers and layers[0][0].is_cuda):
+            layers, ready = self._to_host(layers)
+            if self.host is not None:
+                self.host.put(chunk_id, layers, ready)
+        if self._client is None:
+            done: Future = Future()
+            done.set_result(False)
+            return done
+        with self._lock:
+            self._pending += 1
+        return self._puts.submit(self._put, chunk_id, layers, fingerprint, ready)
 
     def _put(self, chunk_id: str, layers, fingerprint: str, ready=None) -> bool:
         try:

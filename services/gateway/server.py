@@ -76,6 +76,10 @@ class _Relay:
 
 
 class GatewayServicer(pb_grpc.TesseraServicer):
+    # RegisterChunks: chunks per Warm call; the decode workers read one group while the next is computed
+    # (a group's last store write is not overlapped by a computation: larger groups lose less of that)
+    REGISTER_GROUP = 4
+
     def __init__(self, resolver: InputResolver, router: Router, peers: Peers, metrics: GatewayMetrics,
                  model_name: str, metrics_url: str, max_attempts: int = 3, restart_wait_s: float = 60.0) -> None:
         self.resolver, self.router, self.peers, self.metrics = resolver, router, peers, metrics
@@ -234,6 +238,30 @@ class GatewayServicer(pb_grpc.TesseraServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {too_long} of {len(chunks[too_long])} tokens "
                                                                   f"is past the model's limit of {self.resolver.limit}")
         ids = [self.resolver.chunk_id(c) for c in chunks]
+        # In groups: the decode workers read a group's stored chunks (``_prefetch``) while the prefill
+        # worker computes and stores the next group; the reply waits for every read.
+        stored: list[bool] = []
+        reads: list[asyncio.Task] = []
+        try:
+            for at in range(0, len(chunks), self.REGISTER_GROUP):
+                group_ids, group = ids[at:at + self.REGISTER_GROUP], chunks[at:at + self.REGISTER_GROUP]
+                reply = await self._warm(group_ids, group, context)
+                for cid, c in zip(group_ids, group):
+                    self.resolver.registry.add(cid, c)
+                stored += reply.stored
+                new = [cid for cid, s in zip(group_ids, reply.stored) if s]
+                if new:
+                    reads.append(asyncio.ensure_future(self._prefetch(new, context)))
+            await asyncio.gather(*reads)
+        finally:
+            for task in reads:
+                task.cancel()           # no-op once done; a refused group stops the reads still going
+        return pb.RegisterChunksResponse(chunks=[pb.RegisteredChunk(chunk_id=cid, num_tokens=len(c), stored=s)
+                                                 for cid, c, s in zip(ids, chunks, stored)])
+
+    async def _warm(self, ids: list[str], chunks: list[list[int]], context) -> pb.WarmReply:
+        """Compute and store ``chunks`` on a prefill worker (another one if it fails); aborts the call
+        when none can."""
         avoid: set[str] = set()
         last = ""
         for _ in range(self.max_attempts):
@@ -254,11 +282,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
             finally:
                 self.router.done(w)
             w.resident = frozenset(reply.resident_chunk_ids)
-            for cid, c in zip(ids, chunks):
-                self.resolver.registry.add(cid, c)
-            await self._prefetch([cid for cid, s in zip(ids, reply.stored) if s], context)
-            return pb.RegisterChunksResponse(chunks=[pb.RegisteredChunk(chunk_id=cid, num_tokens=len(c), stored=s)
-                                                     for cid, c, s in zip(ids, chunks, reply.stored)])
+            return reply
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"no prefill worker could register the chunks: {last}")
 
     async def _prefetch(self, ids: list[str], context) -> None:

@@ -1,7 +1,9 @@
 """Synchronous client of one store shard: torch tensors in, torch tensors out, byte for byte.
 
 A layer travels as the raw bytes of K then V (bf16 included: tensors are moved as uint8 views),
-cut into ``frame_bytes`` messages on put, with a crc32 of the layer. ``get`` yields each layer as
+with a crc32 of the layer: on put, a layer of up to ``frame_bytes`` (3 MiB) goes in one message
+laid out as the store keeps it (``wire.frame_layer``; one copy here, none in the store's Python),
+a larger one in ``frame_bytes`` pieces. ``get`` yields each layer as
 soon as its last frame arrived and passed the checksum, so a caller computes on layer i while later
 layers are still on the wire; a layer the store sent as one message is yielded as tensors over that
 message's bytes, without a copy (K and V of a layer share one buffer, as before). Every call
@@ -84,12 +86,13 @@ def _raw(t: torch.Tensor) -> np.ndarray:
 class KVStoreClient:
     """One store shard at ``address`` ("host:port").
 
-    ``timeout``: default deadline of every call, seconds. ``frame_bytes``: payload per put message.
+    ``timeout``: default deadline of every call, seconds. ``frame_bytes``: largest payload of a put
+    message; a layer up to that size travels whole, in the message the store keeps and serves as it is.
     ``verify``: check each received layer's crc32 end to end (the server checks every tier read
     regardless; turning this off saves the client ~a third of its CPU per byte).
     """
 
-    def __init__(self, address: str, *, timeout: float = 30.0, frame_bytes: int = 1 << 20, verify: bool = True) -> None:
+    def __init__(self, address: str, *, timeout: float = 30.0, frame_bytes: int = 3 << 20, verify: bool = True) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if not 4096 <= frame_bytes <= 3 << 20:
@@ -135,12 +138,17 @@ class KVStoreClient:
         return pb.ChunkHeader(chunk_id=chunk_id, model_fingerprint=model_fingerprint, num_layers=len(layers),
                               dtype=_DTYPE_PB[TORCH_DTYPES[dtype]], layers=shapes, checksum_algorithm=pb.CHECKSUM_CRC32)
 
-    def _put_requests(self, header: pb.ChunkHeader, layers) -> Iterator[pb.PutRequest | wire.Frame]:
+    def _put_requests(self, header: pb.ChunkHeader, layers) -> Iterator[pb.PutRequest | wire.Frame | bytes]:
         yield pb.PutRequest(header=header)
         step = self.frame_bytes
         for i, (k, v) in enumerate(layers):
             parts = [memoryview(_raw(k)), memoryview(_raw(v))]
             crc = checksum(parts[1], checksum(parts[0]))
+            if parts[0].nbytes + parts[1].nbytes <= step:
+                # one message, laid out as the store keeps a layer and a get sends it back (the
+                # payload aligned): the store keeps the received bytes as they are
+                yield wire.frame_layer(i, parts, crc).message
+                continue
             for p, part in enumerate(parts):
                 for off in range(0, part.nbytes, step):
                     last = p == 1 and off + step >= part.nbytes

@@ -95,13 +95,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             if got > expected or (frame.end_of_layer and got != expected):
                 raise InvalidChunk(f"layer {index}: {got} bytes do not match shapes "
                                    f"{meta.k_shapes[index]}/{meta.v_shapes[index]} of {meta.dtype} ({expected} bytes)")
+            received = wire.received_layer(frame) if not parts and expected <= self.frame_bytes else None
             parts.append(frame.data)
             if frame.end_of_layer:
                 data = tuple(parts)
                 if layer_checksum(data) != frame.checksum:
                     raise _BadPut(grpc.StatusCode.DATA_LOSS, f"layer {index} fails its checksum in transit")
-                # One copy now into the message that will carry the layer on every get (wire.py).
-                layers.append(wire.frame_layer(index, data, frame.checksum) if expected <= self.frame_bytes else data)
+                if received is not None:
+                    layers.append(received)     # sent as a get will send it: kept as received, no copy
+                else:                           # one copy now into the message that carries it on every get
+                    layers.append(wire.frame_layer(index, data, frame.checksum) if expected <= self.frame_bytes else data)
                 sums.append(frame.checksum)
                 parts, got = [], 0
         if meta is None:

@@ -106,6 +106,16 @@ def read_framed_layer(message: bytes, layer_index: int, nbytes: int, checksum: i
     return FramedLayer(message, len(head), nbytes)
 
 
+def received_layer(frame: Frame) -> FramedLayer | None:
+    """A whole layer's frame as the message it was decoded from, when that message is laid out as a
+    stored layer (``frame_layer``'s envelope: the client sends layers so); None otherwise (the
+    layer came in pieces, or through protobuf). The store keeps that message as it is: no copy."""
+    data = frame.data
+    if not frame.end_of_layer or not isinstance(data, memoryview) or not isinstance(data.obj, bytes):
+        return None
+    return read_framed_layer(data.obj, frame.layer_index, data.nbytes, frame.checksum)
+
+
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:

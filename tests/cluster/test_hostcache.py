@@ -120,12 +120,14 @@ def test_store_access_prefetch_reads_shard_chunks_into_the_host_tier():
 def test_registered_chunks_reach_the_decode_workers_host_tier(inproc, reference):
     from services.sdk import ChunkId, Client
 
-    a, b = docs(2, 24, seed=93)
+    a, b, *more = docs(7, 24, seed=93)        # more chunks than the gateway warms at once (REGISTER_GROUP)
     with Client(inproc.address, token=inproc.token, timeout=60) as client:
-        registered = client.register_chunks([a, b])
+        registered = client.register_chunks([a, b, *more, a])
+        assert [r.num_tokens for r in registered] == [24] * 8 and registered[0].chunk_id == registered[-1].chunk_id
         assert all(r.stored for r in registered)
         host = inproc.decode.servicer.store.host
         assert all(r.chunk_id in host for r in registered)     # prefetched before RegisterChunks returned
+        registered = registered[:2]
         out = list(client.generate(chunks=[ChunkId(r.chunk_id) for r in registered], suffix=[3, 4],
                                    max_new_tokens=4, temperature=0.0))
     tokens = [t for ev in out for t in ev.token_ids]

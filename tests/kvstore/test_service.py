@@ -23,10 +23,13 @@ SHAPE = dict(n_layers=3, tokens=32, heads=2, dim=64)
 
 
 def requests_for(client: KVStoreClient, chunk_id: str, layers) -> list[pb.PutRequest]:
-    """The client's put stream as generated-protobuf messages (so tests can edit them)."""
+    """The client's put stream as generated-protobuf messages (so tests can edit them); a small
+    ``frame_bytes`` client cuts each layer in pieces."""
     out = []
     for item in client._put_requests(client._header(chunk_id, layers, ""), layers):
-        if isinstance(item, Frame):
+        if isinstance(item, bytes):          # a whole layer, already serialized
+            item = pb.PutRequest.FromString(item)
+        elif isinstance(item, Frame):
             item = pb.PutRequest(frame=pb.LayerFrame(layer_index=item.layer_index, data=bytes(item.data),
                                                      end_of_layer=item.end_of_layer, checksum=item.checksum))
         out.append(item)
@@ -76,8 +79,8 @@ def _mutations(c):
                 setattr(h, key, value)
         return [pb.PutRequest(header=h), *good[1:]]
 
-    frames = good[1:]
-    swapped = [good[0], *frames[2:4], *frames[0:2], *frames[4:]]   # layer 1 before layer 0
+    frames = good[1:]                   # one message per layer
+    swapped = [good[0], frames[1], frames[0], *frames[2:]]   # layer 1 before layer 0
     fat = pb.PutRequest(frame=pb.LayerFrame(layer_index=0, data=b"\0" * 64))
     wrong_shape = [pb.LayerShape(k_shape=[32, 2, 65], v_shape=[32, 2, 64])] + list(header.layers[1:])
     return {
@@ -111,10 +114,23 @@ def test_layer_failing_its_checksum_in_transit_is_data_loss(store):
     srv, c = store
     requests = requests_for(c, "bad", make_layers(seed=1, **SHAPE))
     last = requests[2].frame
-    assert last.end_of_layer
+    assert last.end_of_layer and last.layer_index == 1
     last.checksum ^= 1
     assert status_of(lambda: raw_put(srv.address, requests)) == grpc.StatusCode.DATA_LOSS
     assert not c.lookup(["bad"])[0].found
+
+
+def test_a_put_laid_out_by_protobuf_is_stored_too(store):
+    """Another client's put (protobuf's layout: no aligned payload, or layers in pieces) is
+    copied into the stored layout, served the same."""
+    srv, c = store
+    layers = make_layers(seed=5, **SHAPE)
+    raw_put(srv.address, requests_for(c, "whole", layers))
+    pieces = KVStoreClient(srv.address, frame_bytes=4096)
+    raw_put(srv.address, requests_for(pieces, "pieces", layers))
+    pieces.close()
+    assert_roundtrip(c, "whole", layers)
+    assert_roundtrip(c, "pieces", layers)
 
 
 def test_bad_get_arguments(store):
@@ -131,7 +147,7 @@ def test_a_put_that_dies_midway_leaves_nothing(store):
     requests = requests_for(c, "dies", make_layers(seed=1, **SHAPE))
 
     def dying():
-        yield from requests[:4]
+        yield from requests[:3]
         raise RuntimeError("worker crashed mid-put")
 
     with pytest.raises(grpc.RpcError) as err:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 import torch
@@ -44,9 +46,12 @@ def test_layers_received_without_a_copy_are_the_callers_own(start_store):
 
 
 def test_layers_span_several_frames(start_store):
-    _, c = start_store()
+    _, c = start_store(dram_bytes=10 * MiB, rocksdb_dir="tmp", rocksdb_bytes=32 * MiB)
     layers = make_layers(n_layers=2, tokens=600, heads=8, dim=128, dtype=torch.float32, seed=2)  # 2.3 MiB per K
     c.put("big", layers)
+    assert_roundtrip(c, "big", layers)
+    c.put("evictor", make_layers(n_layers=2, tokens=600, heads=8, dim=128, dtype=torch.float32, seed=3))
+    assert tiers_of(c, "big") == ("rocksdb",)     # written to the layer file in its pieces, read back whole
     assert_roundtrip(c, "big", layers)
 
 
@@ -158,3 +163,40 @@ def test_a_tier_failing_mid_put_leaves_the_chunk_in_no_tier(start_store, s3_conf
     layers = make_layers(seed=2, **SHAPE)
     c.put("fine", layers)
     assert_roundtrip(c, "fine", layers)
+
+
+def test_reopening_the_disk_tier_drops_what_no_record_commits(tmp_path):
+    """A layer file no metadata record names (a write cut short) is removed when the tier opens,
+    and a record whose file is gone is dropped; complete chunks stay."""
+    from services.kvstore.chunk import ChunkMeta, checksum
+    from services.kvstore.tiers import RocksDBTier
+
+    def meta_of(chunk_id, layers):          # K and V of layer i: the bytes ``layers[i]`` each, as float32
+        shapes = tuple((len(b) // 4,) for b in layers)
+        return ChunkMeta(chunk_id, "", "float32", shapes, shapes, tuple(checksum(b + b) for b in layers))
+
+    def as_kv(layers):          # each layer's K||V: K and V the same bytes here
+        return tuple(b + b for b in layers)
+
+    kept, lost = [b"\1" * 4096, b"\2" * 8192], [b"\3" * 4096]
+    tier = RocksDBTier(str(tmp_path / "db"))
+    tier.write(meta_of("kept", kept), as_kv(kept))
+    tier.write(meta_of("lost", lost), as_kv(lost))
+    os.unlink(tier.layer_file("lost"))
+    orphan = os.path.join(tier.files, ".cut.short.0123")
+    open(orphan, "wb").write(b"partial")
+    tier.close()
+
+    tier = RocksDBTier(str(tmp_path / "db"))
+    try:
+        assert tier.scan() == [("kept", 2 * (4096 + 8192))]
+        assert not os.path.exists(orphan) and tier.open("lost") is None
+        reader = tier.open("kept")
+        for i, layer in enumerate(kept):
+            data = reader.layer(i)
+            reader.meta.verify_layer(i, data)
+            assert bytes(data.payload) == layer + layer
+        reader.close()
+        assert sorted(os.listdir(tier.files)) == [os.path.basename(tier.layer_file("kept"))]
+    finally:
+        tier.close()
