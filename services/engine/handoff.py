@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from services.engine.block_table import BlockTable
+from services.engine.block_table import BlockTable, dense_run, host_to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,58 +153,184 @@ def _views(flat: torch.Tensor, counts: list[int], shape) -> list[torch.Tensor]:
 
 
 def import_sequence(fwd, h: Handoff, fetch=None):
-    """Rebuild a Sequence on this engine from a hand-off (chunks from cache, store or recompute)."""
+    """Rebuild a Sequence on this engine from a hand-off (chunks from cache, store or recompute).
+
+    The private tokens (every layer's positions, ascending) are laid densely over new blocks. Their
+    slots, each layer's write rows and the tables are worked out on the host from the hand-off's
+    host-side positions and hidden lists (``_ImportLayout``) and reach the device in one copy; each
+    layer's private K/V is then one indexed write. Nothing here waits for the GPU, unless a chunk is
+    nowhere to be had and is computed.
+    """
     from services.engine.request import Sequence
 
-    pool, cache, bs, dev = fwd.pool, fwd.cache, fwd.bs, fwd.device
+    cache, bs, dev = fwd.cache, fwd.bs, fwd.device
     if len(h.layers) != fwd.cfg.num_layers:
         raise ValueError(f"hand-off has {len(h.layers)} layers, this model {fwd.cfg.num_layers}")
     pinned, private = [], []
     try:
-        entries = []
         for ref in h.chunks:
-            entry = cache.acquire(ref.chunk_id)
-            layers = None if entry is not None or fetch is None else fetch(ref.chunk_id)
-            if entry is None and layers is not None:
-                try:
-                    entry = fwd.insert_chunk(ref.chunk_id, list(ref.tokens), layers)
-                except Exception:  # noqa: BLE001 - a broken stream falls back to computing the chunk
-                    entry = None
-            if entry is None:
-                entry = fwd.compute_chunk(ref.chunk_id, list(ref.tokens))
-            pinned.append(entry)
-            entries.append(entry)
-        all_pos = torch.unique(torch.cat([lv.positions for lv in h.layers])) if h.layers else torch.zeros(0, dtype=torch.long)
-        all_pos = all_pos.to(dev)
-        n = int(all_pos.numel())
-        blocks = cache.allocate(-(-n // bs), for_cache=False) if n else []
+            pinned.append(_place_chunk(fwd, ref, fetch))
+        layout = _ImportLayout(h)
+        blocks = cache.allocate(-(-layout.n // bs), for_cache=False) if layout.n else []
         private += blocks
-        block, slot = pool.slots_for(blocks, n)
-        pool.slot_pos[block, slot] = all_pos.to(torch.int32)
-        tables, memo = [], {}
-        for layer, lv in enumerate(h.layers):
-            pos = lv.positions.to(dev)
-            idx = torch.searchsorted(all_pos, pos)
-            pool.write(layer, block[idx], slot[idx], lv.k.to(dev), lv.v.to(dev))
-            key = (lv.hidden.numpy().tobytes(), lv.positions.numpy().tobytes())
-            if key not in memo:
-                hid = lv.hidden.to(dev)
-                tabs = []
-                for ref, entry in zip(h.chunks, entries):
-                    local = hid[(hid >= ref.start) & (hid < ref.start + ref.length)] - ref.start
-                    hidden = torch.zeros(ref.length, dtype=torch.bool, device=dev)
-                    hidden[local] = True
-                    tabs.append(BlockTable.for_run(entry.blocks, ref.length, bs, ref.start, dev, hidden))
-                if n:
-                    visible = torch.zeros(n, dtype=torch.bool, device=dev)
-                    visible[idx] = True
-                    tabs.append(BlockTable.for_run(blocks, n, bs, 0, dev, ~visible))
-                memo[key] = BlockTable.cat(tabs)
-            tables.append(memo[key])
+        on_dev = layout.to_device(h.chunks, pinned, blocks, bs, dev)
+        if layout.n:
+            fwd.pool.slot_pos[on_dev.block, on_dev.slot] = on_dev.pos
+        for layer, (k, v) in enumerate(_device_kv(h, dev)):
+            block, slot = on_dev.writes[layout.write_of[layer]]
+            if block.numel():
+                fwd.pool.write(layer, block, slot, k, v)
         tokens = {ref.chunk_id: list(ref.tokens) for ref in h.chunks}
-        return Sequence(tables, pinned, private, h.next_pos, chunk_tokens=tokens)
+        return Sequence([on_dev.tables[i] for i in layout.table_of], pinned, private, h.next_pos,
+                        chunk_tokens=tokens)
     except BaseException:
         for e in pinned:
             cache.release(e)
-        pool.free(private)
+        fwd.pool.free(private)
         raise
+
+
+def _place_chunk(fwd, ref: ChunkRef, fetch):
+    """A shared chunk, pinned: resident here, else written from ``fetch`` (layers already on the device
+    when the decode worker staged them), else computed (a broken stream falls back to that)."""
+    entry = fwd.cache.acquire(ref.chunk_id)
+    layers = None if entry is not None or fetch is None else fetch(ref.chunk_id)
+    if entry is None and layers is not None:
+        try:
+            entry = fwd.insert_chunk(ref.chunk_id, list(ref.tokens), layers)
+        except Exception:  # noqa: BLE001 - a broken stream falls back to computing the chunk
+            entry = None
+    return entry if entry is not None else fwd.compute_chunk(ref.chunk_id, list(ref.tokens))
+
+
+class _ImportLayout:
+    """Which private tokens each layer of a hand-off writes and shows, and which chunk tokens it hides,
+    worked out on the host (numpy).
+
+    pos int64 [n]: every layer's private positions, ascending (their slots: token i of a dense run);
+    layers with equal positions share one write set (``write_of[layer]``: rows [P] into ``pos``), and
+    layers with equal (hidden, positions) one table (``table_of[layer]``: (hidden [H], write set)).
+    """
+
+    def __init__(self, h: Handoff):
+        # NOTE: arrays are matched against the few distinct ones met so far rather than hashed as dict
+        # keys: a comparison costs less than hashing a layer's bytes
+        sets, hiddens, self.write_of = [], [], []
+        for lv in h.layers:
+            self.write_of.append(_index_of(sets, lv.positions.numpy()))
+        self.pos = _sorted_unique(np.concatenate(sets)) if sets else np.zeros(0, dtype=np.int64)
+        self.n = len(self.pos)
+        self.rows = [np.searchsorted(self.pos, p) for p in sets]
+        self.views, self.table_of, views = [], [], {}
+        for lv, w in zip(h.layers, self.write_of):
+            key = (_index_of(hiddens, lv.hidden.numpy()), w)
+            if key not in views:
+                views[key] = len(self.views)
+                self.views.append((hiddens[key[0]].astype(np.int64, copy=False), w))
+            self.table_of.append(views[key])
+
+    def to_device(self, refs, entries, blocks: list[int], bs: int, dev: torch.device) -> "_OnDevice":
+        """The tables and write slots of the sequence whose chunks are ``entries`` (pinned, one per ref)
+        and private blocks ``blocks``, as views of one host-to-device copy.
+
+        Entries of every table: each chunk's blocks (offset its start) in hand-off order, then the
+        private blocks (offset 0): one block id and offset row shared by all tables, masks per table.
+        """
+        n, n_views = self.n, len(self.views)
+        lengths = np.asarray([ref.length for ref in refs], dtype=np.int64)
+        starts = np.asarray([ref.start for ref in refs], dtype=np.int64)
+        n_blocks = np.asarray([len(e.blocks) for e in entries], dtype=np.int64)
+        p_ids, _, _, p_block, p_slot = dense_run(blocks, n, bs)
+        ids = np.concatenate([np.asarray([b for e in entries for b in e.blocks], dtype=np.int64), p_ids])
+        n_shared = int(n_blocks.sum())
+        e = len(ids)
+        if not e:
+            raise ValueError("a block table needs at least one entry")
+        offs = np.concatenate([np.repeat(starts, n_blocks), np.zeros(len(p_ids), dtype=np.int64)])
+        # a chunk token's index in entry order (entry = // BS, slot = % BS) is its position plus pad
+        first = (np.cumsum(n_blocks) - n_blocks) * bs
+        pad = first - starts
+        chunk_slots = np.zeros(e * bs, dtype=bool)  # the chunks' token slots (their last blocks' padding not)
+        chunk_slots[:n_shared * bs] = np.arange(n_shared * bs) - np.repeat(first, n_blocks * bs) \
+            < np.repeat(lengths, n_blocks * bs)
+        masks, visible = np.empty((n_views, e), dtype=np.int64), []
+        for i, (hidden, w) in enumerate(self.views):
+            shown = chunk_slots.copy()
+            inside = (hidden >= starts[:, None]) & (hidden < (starts + lengths)[:, None])  # [chunks, H]
+            c, j = np.nonzero(inside)
+            shown[hidden[j] + pad[c]] = False
+            shown[n_shared * bs + self.rows[w]] = True
+            masks[i] = _mask_words(shown.reshape(e, bs))
+            visible.append(int(np.count_nonzero(shown)))
+        int32 = lambda a: np.asarray(a, dtype=np.int32)  # noqa: E731
+        pos32 = np.zeros(-(-n // 2) * 2, dtype=np.int32)
+        pos32[:n] = self.pos
+        # int32 parts ride two to an int64 word: the device reads them as int32 views (no cast kernel)
+        parts = [np.concatenate([int32(ids), int32(offs)]).view(np.int64), masks.reshape(-1),
+                 *(a for r in self.rows for a in (p_block[r], p_slot[r])), p_block, p_slot, pos32.view(np.int64)]
+        flat = host_to_device(np.concatenate(parts), torch.int64, dev)
+        ids_offs = flat[:e].view(torch.int32)
+        rows = flat[e:e + n_views * e].view(n_views, e)
+        max_offset = max([int(s) for s, nb in zip(starts, n_blocks) if nb] + ([0] if n else []))
+        tables = [BlockTable(ids_offs[:e], ids_offs[e:], rows[i], max_offset, visible[i]) for i in range(n_views)]
+        at, writes = e + n_views * e, []
+        for r in self.rows:
+            writes.append((flat[at:at + len(r)], flat[at + len(r):at + 2 * len(r)]))
+            at += 2 * len(r)
+        return _OnDevice(tables, writes, flat[at:at + n], flat[at + n:at + 2 * n],
+                         flat[at + 2 * n:].view(torch.int32)[:n])
+
+
+@dataclass(frozen=True, slots=True)
+class _OnDevice:
+    """An import's tables and slots on the device (views of one copy).
+
+    tables: the distinct tables (``_ImportLayout.table_of`` names each layer's); writes[w]: (block, slot)
+    int64 [P] of write set w's tokens; block, slot int64 [n], pos int32 [n]: every private token's slot
+    and position.
+    """
+
+    tables: list[BlockTable]
+    writes: list[tuple[torch.Tensor, torch.Tensor]]
+    block: torch.Tensor
+    slot: torch.Tensor
+    pos: torch.Tensor
+
+
+def _index_of(seen: list[np.ndarray], a: np.ndarray) -> int:
+    """The index of an array equal to ``a`` in ``seen``, which takes ``a`` when none is."""
+    for i, b in enumerate(seen):
+        if b.shape == a.shape and np.array_equal(b, a):
+            return i
+    seen.append(a)
+    return len(seen) - 1
+
+
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """np.unique by sorting (numpy's hashing unique is several times slower on a few thousand ints)."""
+    a = np.sort(a)
+    keep = np.ones(len(a), dtype=bool)
+    keep[1:] = a[1:] != a[:-1]
+    return a[keep]
+
+
+def _mask_words(flags: np.ndarray) -> np.ndarray:
+    """bool [E, BS] -> int64 [E]: bit t of entry i set where flags[i, t] (BS <= 64)."""
+    bits = np.zeros((len(flags), 64), dtype=bool)
+    bits[:, :flags.shape[1]] = flags
+    return np.packbits(bits, axis=1, bitorder="little").view("<i8").reshape(-1).astype(np.int64, copy=False)
+
+
+def _device_kv(h: Handoff, dev: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's private (k, v) [P, Hkv, D] on ``dev``: as they are when already there (a CUDA IPC
+    hand-off's views of one buffer), else gathered into one pinned host buffer and copied over at once."""
+    if h.ready is not None and dev.type == "cuda":  # exported by another thread of this process: after its gathers
+        torch.cuda.current_stream(dev).wait_event(h.ready)
+    pairs = [(lv.k, lv.v) for lv in h.layers]
+    if all(k.device == dev and v.device == dev for k, v in pairs) or not pairs:
+        return pairs
+    parts = [t.reshape(-1) for kv in pairs for t in kv]
+    host = torch.empty(sum(t.numel() for t in parts), dtype=parts[0].dtype, pin_memory=dev.type == "cuda")
+    torch.cat([t.cpu() for t in parts], out=host)
+    kv = _views(host.to(dev, non_blocking=True), [k.shape[0] for k, _ in pairs], pairs[0][0].shape[1:])
+    return [(kv[2 * i], kv[2 * i + 1]) for i in range(len(pairs))]
