@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.engine import Engine, Handoff
-from services.engine.handoff import ChunkRef, LayerView, import_sequence
+from services.engine.handoff import LayerView, import_sequence
 
 from .conftest import random_request
 from .handoff_import_reference import reference_import
@@ -193,12 +193,16 @@ def test_import_issues_no_syncing_op_and_one_write_per_layer(engine, mode, ratio
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode, ratio", [("tessera", 0.15), ("full", 0.0)])
-def test_cuda_import_equals_the_reference_and_never_syncs(tiny_dir, mode, ratio):
+@pytest.mark.parametrize("mode, ratio, kv_on_device", [("tessera", 0.15, True), ("full", 0.0, True),
+                                                       ("tessera", 0.15, False)])
+def test_cuda_import_equals_the_reference_and_never_syncs(tiny_dir, mode, ratio, kv_on_device):
     prefill, a, b = (Engine.load(tiny_dir, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     chunks, suffix = random_request(56)
+    prefill.prefill(chunks, suffix, mode="tessera")   # its chunks resident, to be exported below
     _, h = prefill.prefill_handoff(chunks, suffix, mode=mode, recompute_ratio=ratio, kv_on_device=True)
-    h = Handoff.from_bytes(h.to_bytes(with_kv=False), h.kv_buffer())   # as over CUDA IPC: K/V on the device
+    torch.cuda.synchronize()
+    # as over CUDA IPC (K/V one device buffer) or a byte stream (K/V host tensors of the payload)
+    h = Handoff.from_bytes(h.to_bytes(with_kv=False), h.kv_buffer()) if kv_on_device else Handoff.from_bytes(h.to_bytes())
     store = {prefill.chunk_id(c): [(i, k.cuda(), v.cuda()) for i, (k, v) in enumerate(
         prefill.export_chunk(prefill.chunk_id(c)))] for c in chunks[1:]}
     fetch = lambda cid: iter(store[cid]) if cid in store else None  # noqa: E731
