@@ -175,6 +175,8 @@ class RocksDBTier:
                 if self._db.get(_meta_key(chunk_id)) != raw:
                     continue                        # replaced or removed meanwhile: look again
                 raise CorruptEntry(f"chunk {chunk_id}: its layer file is missing") from None
+            # read front to back: a larger kernel read-ahead window from the first layer on
+            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             return RocksDBReader(meta, self, file)
         return None
 
@@ -229,6 +231,8 @@ class RocksDBTier:
             found.append((meta.chunk_id, meta.nbytes))
         for chunk_id in bad:
             self.remove(chunk_id)
+        if bad:
+            self._db.compact_range(None, None)      # frees the space of layers an older version kept in RocksDB
         for name in os.listdir(self.files):
             if name not in named:           # a write cut short, or a version replaced or removed by a crash
                 self._unlink(name)
