@@ -119,6 +119,7 @@ class Batcher:
             self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)
 
     def _start(self, job: DecodeJob) -> None:
+        from services.engine.block_table import host_to_device
         from services.engine.sampling import sample
 
         t0 = time.perf_counter()
@@ -131,11 +132,15 @@ class Batcher:
         self.metrics.admit_seconds.observe(time.perf_counter() - t0)
         params = job.sampling.params
         gen = params.generator(self.eng.device)
-        # drawn even when the prefill worker sent it: a seeded generator must advance as the prefill's did
-        token = sample(logits.to(self.eng.device), params, gen)
         header = job.handoff.received.header
         sent = header.HasField("first_token")
-        live = _Live(job, seq, gen, header.first_token if sent else token, 1)
+        token = header.first_token if sent else None
+        if not sent or gen is not None:
+            # drawn even when the prefill worker sent it: a seeded generator must advance as the prefill's
+            # did (a greedy pick draws nothing, and the one sent is taken as it is: no wait on the GPU)
+            drawn = sample(host_to_device(logits, logits.dtype, self.eng.device), params, gen)
+            token = token if sent else drawn
+        live = _Live(job, seq, gen, token, 1)
         self.metrics.admitted.inc()
         if sent:                     # the client has it: decode goes on from it
             self._live.append(live)

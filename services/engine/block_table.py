@@ -16,10 +16,13 @@ import torch
 
 
 def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list (or numpy array) as a device tensor without a stream sync: staged in pinned
-    memory (the caching host allocator keeps it until the copy is done) and copied asynchronously.
+    """A small host list (numpy array, CPU tensor) as a device tensor without a stream sync: staged in
+    pinned memory (the caching host allocator keeps it until the copy is done) and copied asynchronously.
     ``torch.tensor(values, device=cuda)`` copies from pageable memory, which waits for the GPU first."""
-    t = torch.as_tensor(values, dtype=dtype) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+    if isinstance(values, (np.ndarray, torch.Tensor)):
+        t = torch.as_tensor(values, dtype=dtype)
+    else:
+        t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -50,7 +53,8 @@ class BlockTable:
     (bit t = slot t visible). Host-side facts that spare the backends a sync: ``max_offset`` (offsets.max()),
     ``visible`` (the number of visible slots, None when only the device knows it). ``id_rows`` int64 [2, E]:
     the block ids and offsets the int32 ones were cast from, when the table was built from rows (static
-    tails copy them as they are).
+    tails copy them as they are). ``host_rows`` int64 numpy [3, E]: the same ids, offsets and masks on the
+    host, when the table was built there (a decode step's layout then reads them without a device copy).
     """
 
     block_ids: torch.Tensor
@@ -59,6 +63,7 @@ class BlockTable:
     max_offset: int = 0
     visible: int | None = None
     id_rows: torch.Tensor | None = None
+    host_rows: np.ndarray | None = None
 
     @staticmethod
     def from_host(block_ids: list[int], offsets: list[int], masks: list[int], device: torch.device,
@@ -121,4 +126,5 @@ class BlockTable:
             max(t.max_offset for t in tables),
             None if any(t.visible is None for t in tables) else sum(t.visible for t in tables),
             None if any(t.id_rows is None for t in tables) else torch.cat([t.id_rows for t in tables], dim=1),
+            None if any(t.host_rows is None for t in tables) else np.concatenate([t.host_rows for t in tables], axis=1),
         )

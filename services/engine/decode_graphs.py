@@ -49,7 +49,8 @@ ROW = -(-(BATCH_BUCKETS[-1] + 1) // 4) * 4  # cu row length: rows 16-byte aligne
 
 class HostTables:
     """Host copies (int64 numpy ids, offsets, masks) of block tables by identity, kept while a step
-    decodes a sequence that holds them (a sequence's tables never change once it holds them)."""
+    decodes a sequence that holds them (a sequence's tables never change once it holds them). A table
+    built on the host brings its rows (``BlockTable.host_rows``) and costs no copy."""
 
     def __init__(self):
         self._held: dict[int, tuple] = {}
@@ -62,8 +63,11 @@ class HostTables:
             if id(t) in now:
                 continue
             hit = self._held.get(id(t))
-            now[id(t)] = hit if hit is not None and hit[0] is t else None
-            if now[id(t)] is None:
+            if hit is None or hit[0] is not t:
+                rows = t.host_rows        # built on the host (an imported hand-off): no copy back
+                hit = None if rows is None else (t, rows[0], rows[1], rows[2])
+            now[id(t)] = hit
+            if hit is None:
                 missing.append(t)
         if missing:  # one copy (one sync) for every table new to this step
             self.copies += 1

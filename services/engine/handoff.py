@@ -272,7 +272,8 @@ class _ImportLayout:
         ids_offs = flat[:e].view(torch.int32)
         rows = flat[e:e + n_views * e].view(n_views, e)
         max_offset = max([int(s) for s, nb in zip(starts, n_blocks) if nb] + ([0] if n else []))
-        tables = [BlockTable(ids_offs[:e], ids_offs[e:], rows[i], max_offset, visible[i]) for i in range(n_views)]
+        tables = [BlockTable(ids_offs[:e], ids_offs[e:], rows[i], max_offset, visible[i],
+                             host_rows=np.stack([ids, offs, masks[i]])) for i in range(n_views)]
         at, writes = e + n_views * e, []
         for r in self.rows:
             writes.append((flat[at:at + len(r)], flat[at + len(r):at + 2 * len(r)]))

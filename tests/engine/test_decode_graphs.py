@@ -139,11 +139,20 @@ def test_masks_past_16_bits(handoffs, tiny_dir, backend):
 def test_tables_copied_to_the_host_once(tiny_dir, handoffs):
     eng = Engine.load(tiny_dir, static_tails=True, block_size=4)
     eager, static, tokens = _twins(eng, handoffs)
+    # imported sequences' tables were built on the host: their rows come along, no copy back
+    assert all(t.host_rows is not None for s in static for t in s.layer_tables)
     _decode_both(eng, eager, static, tokens, 3)
     host = eng.forward.decode_graphs.host
-    # one copy at the first step for all the tables of the batch, none after: the step never waits on the GPU
-    assert host.copies == 1
+    assert host.copies == 0
     assert len(host._held) == len({id(t) for s in static for t in s.layer_tables})
+    # a sequence prefilled here has device-built tables: one copy at its first step for all of them, none after
+    chunks, suffix = random_request(77)
+    logits, seq, _ = eng._prefill(chunks, suffix, "tessera", 0.15)
+    batch, toks = static + [seq], tokens + [int(logits.argmax())]
+    for _ in range(3):
+        toks = eng.decode_step(batch, toks).argmax(-1).tolist()
+    assert host.copies == 1
+    eng.release(seq)
 
 
 def test_past_the_buckets_runs_eagerly(tiny_dir, handoffs):
