@@ -174,6 +174,8 @@ def main() -> int:
     ap.add_argument("--store-dram-bytes", type=float, default=32e9)
     ap.add_argument("--host-cache-bytes", type=float, default=0,
                     help="each worker's host-memory chunk tier (0: off)")
+    ap.add_argument("--decode-step-interval-ms", type=float, default=0.0,
+                    help="DecodeSettings.min_step_interval_s, in ms (0: decode steps back to back)")
     ap.add_argument("--register-corpus", action="store_true",
                     help="register the trace's documents before each reuse mode (then drop device caches)")
     args = ap.parse_args()
@@ -212,7 +214,8 @@ def main() -> int:
                         chunk_cache_bytes=int(args.chunk_cache_bytes), store_dram_bytes=int(args.store_dram_bytes),
                         store_dir=str(Path(tmp) / "rocksdb"),
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_bytes)),
-                        decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_bytes)))
+                        decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_bytes),
+                                                       min_step_interval_s=args.decode_step_interval_ms / 1e3))
     if args.no_ray:
         from services.cluster.local import start_local_cluster
 

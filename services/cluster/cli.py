@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--store-dir", help="RocksDB directories go here (default: a temporary directory)")
     up.add_argument("--host-cache-gb", type=float, default=0.0,
                     help="each worker's own host-memory chunk tier, GB (default 0: off); pinned on a GPU")
+    up.add_argument("--decode-step-interval-ms", type=float, default=0.0,
+                    help="shortest time between two decode steps (0: as soon as the last one ends); on a GPU "
+                         "shared with prefill workers, steps of a few sequences take GPU time the prefills need")
     up.add_argument("--token", default=os.environ.get("TESSERA_TOKEN"), help="bearer token clients must send")
     up.add_argument("--tls-cert", help="serve the client API over TLS with this certificate chain (PEM)")
     up.add_argument("--tls-key", help="the private key of --tls-cert (PEM)")
@@ -106,7 +109,8 @@ def _up(args: argparse.Namespace) -> int:
                         gateway_port=args.port, bind_host=host, token=args.token, tls_cert=args.tls_cert,
                         tls_key=args.tls_key, detached=True,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9)),
-                        decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9)))
+                        decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
+                                                       min_step_interval_s=args.decode_step_interval_ms / 1e3))
     try:
         ensure_ray(address)
         cluster = start_cluster(cfg, progress=lambda m: print(m, file=sys.stderr))

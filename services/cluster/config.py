@@ -74,8 +74,15 @@ class DecodeSettings:
     # round 4) 0.01 s cut tessera's ITL p99 from 1,025 to 216 ms (alpha 2.1) but its steady throughput from
     # 19.7 to 15.9 req/s: about one admission per ~60 ms step fell behind the arrivals
     admit_budget_s: float = float("inf")
+    # the shortest time between the starts of two decode steps (0: step as soon as the last one is done).
+    # A decode step reads every weight whatever its batch, so on a GPU shared with prefill work, steps of a
+    # few sequences each take GPU time the prefills need; an interval trades time per output token for
+    # larger batches and that GPU time (the wait admits newly arrived hand-offs)
+    min_step_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.min_step_interval_s < 10:
+            raise ValueError(f"min_step_interval_s must be in [0, 10) seconds, got {self.min_step_interval_s}")
         if self.admit_budget_s < 0:
             raise ValueError(f"admit_budget_s must be >= 0, got {self.admit_budget_s}")
         if self.host_cache_bytes < 0:

@@ -7,7 +7,8 @@ arrivals does not stall every live sequence at once: off by default, see DecodeS
 ``Engine.decode_step`` over every live sequence, sample each next token with that request's own
 sampling parameters and generator (so a sequence's tokens do not depend on
 which others share its batch), emit it, and retire finished sequences (their KV freed at once).
-Stopping mirrors ``Engine.generate``: a stop token is emitted, then the sequence ends.
+With ``min_step_interval_s`` (DecodeSettings) a step starts no sooner than that after the last one
+began, admitting what arrives meanwhile. Stopping mirrors ``Engine.generate``: a stop token is emitted, then the sequence ends.
 Engine calls that are not decoding (reset, cache listing) run between steps through ``call``.
 """
 
@@ -51,11 +52,13 @@ class _Live:
 
 class Batcher:
     def __init__(self, engine, metrics: DecodeMetrics, max_batch: int, fetch=None,
-                 admit_budget_s: float = float("inf"), profile=None) -> None:
+                 admit_budget_s: float = float("inf"), profile=None, min_step_interval_s: float = 0.0) -> None:
         self.eng = engine
         self.metrics = metrics
         self.max_batch = max_batch
         self.admit_budget_s = admit_budget_s
+        self.min_step_interval_s = min_step_interval_s   # DecodeSettings.min_step_interval_s
+        self._last_step = float("-inf")
         self.fetch = fetch                    # fetch(chunk_id) for import_handoff, or None
         self.profile = profile                # services.cluster.profiling.ProfileWindow: ticks once a step
         self._inbox: queue.Queue = queue.Queue()
@@ -91,16 +94,29 @@ class Batcher:
             while not self._stop.is_set():
                 self._admit(block=not self._live)
                 if self._live:
+                    if self.min_step_interval_s:
+                        self._pace()
+                    self._last_step = time.perf_counter()
                     self._step()
 
-    def _admit(self, block: bool) -> None:
+    def _pace(self) -> None:
+        """Until ``min_step_interval_s`` has passed since the last step began (or the batch is full),
+        admit the hand-offs that arrive meanwhile."""
+        while len(self._live) < self.max_batch and not self._stop.is_set():
+            left = self._last_step + self.min_step_interval_s - time.perf_counter()
+            if left <= 0:
+                return
+            self._admit(block=True, timeout=left)
+
+    def _admit(self, block: bool, timeout: float = 0.5) -> None:
+        """Take what the inbox holds, waiting up to ``timeout`` for a first item when ``block``."""
         t0 = time.perf_counter()
         admitted = 0
         while len(self._live) < self.max_batch:
             if admitted and self._live and time.perf_counter() - t0 >= self.admit_budget_s:
                 return  # the rest waits for the next step: the live sequences have waited long enough
             try:
-                item = self._inbox.get(block=block, timeout=0.5 if block else None)
+                item = self._inbox.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return
             block = False

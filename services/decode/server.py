@@ -170,7 +170,8 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
         return store.fetcher(store.lookup([cid]))(cid)
 
     batcher = Batcher(eng, metrics, settings.max_batch, fetch if store.enabled else None,
-                      admit_budget_s=settings.admit_budget_s, profile=ProfileWindow(name, "decode"))
+                      admit_budget_s=settings.admit_budget_s, profile=ProfileWindow(name, "decode"),
+                      min_step_interval_s=settings.min_step_interval_s)
     http, http_port = serve_metrics(metrics.registry, host)
     servicer = DecodeServicer(batcher, eng, store, metrics, name, f"http://{advertised_host(host)}:{http_port}/metrics", settings)
     server = grpc.aio.server(options=GRPC_OPTIONS)

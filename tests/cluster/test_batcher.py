@@ -96,3 +96,42 @@ def test_unbounded_budget_takes_a_burst_between_two_steps():
 def test_admit_budget_is_validated():
     with pytest.raises(ValueError, match="admit_budget_s"):
         DecodeSettings(admit_budget_s=-1)
+
+
+def test_paced_steps_start_no_sooner_than_the_interval_and_admit_what_arrives_meanwhile():
+    import time
+
+    eng = StandInEngine()
+    starts: list[float] = []
+    step = eng.decode_step
+
+    def timed_step(seqs, tokens):
+        starts.append(time.perf_counter())
+        return step(seqs, tokens)
+
+    eng.decode_step = timed_step
+    eng.step_gate.set()
+    interval = 0.3
+    batcher = Batcher(eng, DecodeMetrics(), max_batch=8, min_step_interval_s=interval)
+    done = [threading.Event() for _ in range(2)]
+    try:
+        batcher.submit(_job("first", 4, done[0]))
+        for _ in range(1000):                   # bounded: wait for the first step
+            if starts:
+                break
+            threading.Event().wait(0.005)
+        batcher.submit(_job("second", 2, done[1]))   # arrives while the batcher waits out the interval
+        assert all(d.wait(10) for d in done)
+    finally:
+        batcher.stop()
+    assert all(b - a >= interval for a, b in zip(starts, starts[1:]))
+    steps = [n for k, n in eng.log if k == "step"]
+    # the second hand-off joined the very next step instead of waiting a step of its own
+    assert steps[:2] == [1, 2] and eng.log.index(("import", "second")) < [i for i, e in enumerate(eng.log)
+                                                                         if e[0] == "step"][1]
+
+
+def test_step_interval_is_validated():
+    for bad in (-0.1, 10.0):
+        with pytest.raises(ValueError, match="min_step_interval_s"):
+            DecodeSettings(min_step_interval_s=bad)
