@@ -227,14 +227,38 @@ def report(row: dict) -> str:
     return line
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def interleaved(run, variants: list[str], reps: int, times: tuple[str, ...]) -> list[dict]:
+    """``run(variant, meter) -> dict`` for each variant: twice to warm up, ``reps`` times interleaved (a busy
+    machine slows every variant alike), then once metered. A row per variant: its name, the medians of
+    ``times`` and the metered call's other fields."""
+    for variant in variants:
+        run(variant, False)
+        run(variant, False)
+    timed = {v: [] for v in variants}
+    for _ in range(reps):
+        for variant in variants:
+            timed[variant].append(run(variant, False))
+    rows = []
+    for variant in variants:
+        metered = run(variant, True)
+        rows.append({"variant": variant, **{k: statistics.median(r[k] for r in timed[variant]) for k in times},
+                     **{k: v for k, v in metered.items() if k not in times}})
+    return rows
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model and request shape options this meter and bench/handoff_import.py share (see ``build``)."""
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=64, help="the CPU model's width")
     ap.add_argument("--chunks", type=int, default=6)
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--suffix-tokens", type=int, default=64)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(ap)
     ap.add_argument("--modes", default="tessera@0.15,tessera@0")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--host-kv", action="store_true", help="copy the K/V to the host (kv_on_device=False)")
@@ -266,20 +290,9 @@ def main() -> int:
                 ratio = float(ratio or 0.0)
                 run = lambda variant, meter: one_pass(eng, chunks, suffix, mode, ratio, kv_on_device,  # noqa: E731
                                                       meter, baseline=variant == "reference")
-                for variant in variants:   # chunks resident, graphs captured
-                    run(variant, False)
-                    run(variant, False)
-                timed = {v: [] for v in variants}
-                for _ in range(args.reps):   # interleaved: a busy machine slows both alike
-                    for variant in variants:
-                        timed[variant].append(run(variant, False))
-                for variant in variants:
-                    metered = run(variant, True)
-                    row = {"mode": mode, "ratio": ratio, "export": variant,
-                           **{k: statistics.median(r[k] for r in timed[variant]) for k in times},
-                           **{k: v for k, v in metered.items() if k not in times}}
-                    rows.append(row)
-                    print(report(row), flush=True)
+                for row in interleaved(run, variants, args.reps, times):   # chunks resident, graphs captured
+                    rows.append({"mode": mode, "ratio": ratio, "export": row.pop("variant"), **row})
+                    print(report(rows[-1]), flush=True)
     finally:
         if other is not None:
             other.kill()

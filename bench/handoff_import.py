@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import services.engine.block_pool as pool_mod  # noqa: E402
 import services.engine.engine as engine_mod  # noqa: E402
-from bench.handoff_export import CONTEND, OpMeter, build  # noqa: E402
+from bench.handoff_export import CONTEND, OpMeter, add_model_args, build, interleaved  # noqa: E402
 from services.engine import Engine, Handoff  # noqa: E402
 
 aten = torch.ops.aten
@@ -183,12 +182,7 @@ def report(row: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=64, help="the CPU model's width")
-    ap.add_argument("--chunks", type=int, default=6)
-    ap.add_argument("--chunk-tokens", type=int, default=512)
-    ap.add_argument("--suffix-tokens", type=int, default=64)
+    add_model_args(ap)
     ap.add_argument("--modes", default="tessera@0.15,full")
     ap.add_argument("--sources", default="resident,fetched", help="where the shared chunks come from")
     ap.add_argument("--reps", type=int, default=10)
@@ -229,20 +223,10 @@ def main() -> int:
                         if source == "fetched":
                             eng.cache.clear()    # evicted: the import writes them from the staged copies
                         return one_import(eng, h, lambda cid: iter(store[cid]), meter, variant == "reference")
-                    for variant in variants:   # warm-up (chunks resident or inserted once, kernels compiled)
-                        run(variant, False)
-                        run(variant, False)
-                    timed = {v: [] for v in variants}
-                    for _ in range(args.reps):   # interleaved: a busy machine slows both alike
-                        for variant in variants:
-                            timed[variant].append(run(variant, False))
-                    for variant in variants:
-                        metered = run(variant, True)
-                        row = {"mode": mode, "ratio": ratio, "source": source, "import": variant,
-                               **{k: statistics.median(r[k] for r in timed[variant]) for k in times},
-                               **{k: v for k, v in metered.items() if k not in times}}
-                        rows.append(row)
-                        print(report(row), flush=True)
+                    # warm-up: chunks resident or inserted once, kernels compiled
+                    for row in interleaved(run, variants, args.reps, times):
+                        rows.append({"mode": mode, "ratio": ratio, "source": source, "import": row.pop("variant"), **row})
+                        print(report(rows[-1]), flush=True)
     finally:
         if other is not None:
             other.kill()

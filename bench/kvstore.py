@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import signal
@@ -100,41 +99,18 @@ def timed_get(client: KVStoreClient, chunk_id: str) -> tuple[float, float, int]:
     return first, time.perf_counter() - t0, nbytes
 
 
-def concurrent_gets(address: str, chunk_ids: list[str]) -> float:
-    """Aggregate GB/s of one get per chunk id, all at once, one client (channel) per stream."""
-    clients = [KVStoreClient(address, timeout=300) for _ in chunk_ids]
-    results = [0] * len(chunk_ids)
-    barrier = threading.Barrier(len(chunk_ids) + 1)
+def _at_once(address: str, calls: list) -> float:
+    """Aggregate GB/s of ``call(client) -> bytes moved`` for every call, all started together behind a
+    barrier, one client (channel) each."""
+    clients = [KVStoreClient(address, timeout=300) for _ in calls]
+    results = [0] * len(calls)
+    barrier = threading.Barrier(len(calls) + 1)
 
     def run(i: int) -> None:
         barrier.wait()
-        results[i] = timed_get(clients[i], chunk_ids[i])[2]
+        results[i] = calls[i](clients[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(chunk_ids))]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    for c in clients:
-        c.close()
-    return sum(results) / wall / GB
-
-
-def concurrent_puts(address: str, puts: list[tuple[str, list]]) -> float:
-    """Aggregate GB/s of one put per (chunk id, layers), all at once, one client (channel) per stream."""
-    ids = [cid for cid, _ in puts]
-    clients = [KVStoreClient(address, timeout=300) for _ in ids]
-    barrier = threading.Barrier(len(ids) + 1)
-    results = [0] * len(ids)
-
-    def run(i: int) -> None:
-        barrier.wait()
-        results[i] = clients[i].put(*puts[i]).nbytes
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ids))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
     for t in threads:
         t.start()
     barrier.wait()
@@ -145,8 +121,18 @@ def concurrent_puts(address: str, puts: list[tuple[str, list]]) -> float:
     for c in clients:
         c.close()
     if not all(results):
-        raise RuntimeError("a concurrent put did not complete")
+        raise RuntimeError("a concurrent call did not complete")
     return sum(results) / wall / GB
+
+
+def concurrent_gets(address: str, chunk_ids: list[str]) -> float:
+    """Aggregate GB/s of one get per chunk id, all at once, one client (channel) per stream."""
+    return _at_once(address, [lambda c, cid=cid: timed_get(c, cid)[2] for cid in chunk_ids])
+
+
+def concurrent_puts(address: str, puts: list[tuple[str, list]]) -> float:
+    """Aggregate GB/s of one put per (chunk id, layers), all at once, one client (channel) per stream."""
+    return _at_once(address, [lambda c, p=p: c.put(*p).nbytes for p in puts])
 
 
 def put_row(work: Path, chunks: dict, chunk_bytes: int, n: int, write_mode: str, tag: str) -> dict:
