@@ -3,8 +3,8 @@
 ``TESSERA_TORCH_PROFILE=DIR[,START[,COUNT]]`` in a worker's environment (or
 ``TESSERA_TORCH_PROFILE_PREFILL`` / ``_DECODE`` for one role, which wins over it): the worker's engine thread
 calls ``tick()`` once per unit of work (a prefill request, a decode step); the profiler records units
-START .. START+COUNT-1 (defaults 64 and 32), host ops of every thread and the GPU's kernels and copies,
-then writes ``DIR/<name>-<pid>.json.gz`` (a Chrome trace: chrome://tracing or ui.perfetto.dev) and
+START .. START+COUNT-1 (defaults 64 and 32; one window at a time per process), host ops of every thread and the GPU's kernels and copies,
+then (or when the worker stops inside the window) writes ``DIR/<name>-<pid>.json.gz`` (a Chrome trace: chrome://tracing or ui.perfetto.dev) and
 ``DIR/<name>-<pid>.txt`` (the ops' totals). Unset, ``tick()`` costs one comparison. Workers of one
 benchmark each write their own files, so the prefill and decode timelines can be laid side by side.
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 ENV = "TESSERA_TORCH_PROFILE"
+_ACTIVE: list = []          # the window recording in this process: torch runs one profiler per process
 
 
 def parse(spec: str) -> tuple[Path, int, int]:
@@ -54,6 +55,13 @@ class ProfileWindow:
         if self.units == self.start:
             from torch.profiler import ProfilerActivity, profile
 
+            if _ACTIVE:           # workers sharing a process (tests, one machine): the first window only
+                log.warning("%s: a torch profile is already recording in this process (%s); not profiling",
+                            self.name, _ACTIVE[0].name)
+                self.dir = None
+                return
+            _ACTIVE.append(self)
+
             acts = [ProfilerActivity.CPU]
             import torch
 
@@ -65,9 +73,15 @@ class ProfileWindow:
             self._write()
         self.units += 1
 
+    def close(self) -> None:
+        """Write a window the run ended inside of (engine thread; a worker calls it as it stops)."""
+        if self._prof is not None:
+            self._write()
+
     def _write(self) -> None:
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
+        _ACTIVE.remove(self)
         self.dir.mkdir(parents=True, exist_ok=True)
         stem = self.dir / f"{self.name}-{os.getpid()}"
         trace = stem.with_suffix(".json")

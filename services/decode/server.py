@@ -151,6 +151,9 @@ class DecodeServer:
         self._sweeper.cancel()
         await set_serving(self.health, (SERVICE_NAME,), False)
         await self.grpc_server.stop(grace)
+        profile = self.servicer.batcher.profile
+        if profile is not None and profile.enabled:    # a profiled window the run ended inside of is written
+            await asyncio.wait_for(asyncio.wrap_future(self.servicer.batcher.call(profile.close)), 60)
         await asyncio.to_thread(self.servicer.batcher.stop)
         self.servicer.store.close()
         self._http.shutdown()

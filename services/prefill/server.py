@@ -199,6 +199,8 @@ class PrefillServer:
         await self.grpc_server.stop(grace)
         for ch in self.servicer._channels.values():
             await ch.close()
+        if self.servicer.profile.enabled:    # a profiled window the run ended inside of is written
+            await asyncio.wait_for(asyncio.wrap_future(self.servicer.engine.call(self.servicer.profile.close)), 60)
         await asyncio.to_thread(self.servicer.engine.stop)
         self.servicer.io_threads.shutdown(wait=False, cancel_futures=True)
         self.servicer.worker.store.close()
