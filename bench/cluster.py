@@ -168,10 +168,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=8,
                     help="requests replayed in every mode before measuring (kernel compiles, graph captures)")
     # two workers share one 80 GB GPU: 2 x (16 GB weights + 14 GB KV pool) leaves room for activations
-    ap.add_argument("--kv-cache-bytes", type=float, default=14e9, help="paged KV pool per worker")
+    ap.add_argument("--kv-cache-bytes", type=float, help="paged KV pool per worker (default 14e9; --shape tiny: 2e8)")
     # the hot set is --docs x 64 MiB (512 tokens x 128 KiB): 12.8 GB by default; a fifth is 2.56 GB
-    ap.add_argument("--chunk-cache-bytes", type=float, default=2e9, help="device chunk cache per worker")
-    ap.add_argument("--store-dram-bytes", type=float, default=32e9)
+    ap.add_argument("--chunk-cache-bytes", type=float, help="device chunk cache per worker (default 2e9; --shape tiny: "
+                    "2e6, under a fifth of its hot set as well)")
+    ap.add_argument("--store-dram-bytes", type=float, help="the store shard's DRAM tier (default 32e9; --shape tiny: 1e9)")
     ap.add_argument("--host-cache-bytes", type=float, default=0,
                     help="each worker's host-memory chunk tier (0: off)")
     ap.add_argument("--decode-step-interval-ms", type=float, default=0.0,
@@ -199,6 +200,11 @@ def main() -> int:
     from services.cluster.replay_target import ClusterTarget
 
     tiny = args.shape == "tiny"
+    # sizes for a GPU's memory by default; the tiny CPU model gets sizes a small machine holds
+    for name, gpu_default, tiny_default in (("kv_cache_bytes", 14e9, 2e8), ("chunk_cache_bytes", 2e9, 2e6),
+                                            ("store_dram_bytes", 32e9, 1e9)):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny_default if tiny else gpu_default)
     tmp = tempfile.mkdtemp(prefix="tessera-bench-")
     if args.model_dir:
         model = Path(args.model_dir)
