@@ -1,0 +1,50 @@
+"""bench/cluster_probe.py reads the workers' real metric names: a renamed metric would otherwise be read
+as zero and the benchmark's time budget would silently go blank."""
+
+import importlib.util
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from services.decode.metrics import DecodeMetrics
+from services.prefill.metrics import PrefillMetrics
+
+_spec = importlib.util.spec_from_file_location(
+    "cluster_probe", Path(__file__).resolve().parents[2] / "bench" / "cluster_probe.py")
+probe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(probe)
+
+
+def test_time_budget_from_the_workers_metrics():
+    p, d = PrefillMetrics(), DecodeMetrics()
+    for s in (0.05, 0.07):
+        p.seconds.observe(s)
+    p.engine_seconds.inc(0.08)
+    p.handoff_seconds.observe(0.01)
+    for batch, s in ((4, 0.02), (6, 0.03)):
+        d.batch_size.observe(batch)
+        d.step_seconds.observe(s)
+    d.admit_seconds.observe(0.004)
+    d.chunks.labels("gpu").inc(5)
+    d.chunks.labels("host").inc(2)
+    before = {}
+    after = {}
+    for reg in (p.registry, d.registry):
+        for k, v in probe.parse_metrics(generate_latest(reg).decode()).items():
+            after[k] = after.get(k, 0.0) + v
+    used = probe.delta(after, before)
+    assert probe.chunk_sources(used) == {"gpu": 5.0, "host": 2.0}
+    b = probe.time_budget(used, duration_s=1.0, gpu_busy=50.0)
+    assert b["prefills"] == 2 and abs(b["prefill_mean_ms"] - 60.0) < 1e-6
+    assert abs(b["prefill_engine_busy_pct"] - 8.0) < 1e-6        # the engine thread's own time, not per-request spans
+    assert abs(b["handoff_mean_ms"] - 5.0) < 1e-6
+    assert b["decode_steps"] == 2 and b["decode_mean_batch"] == 5.0 and abs(b["decode_step_mean_ms"] - 25.0) < 1e-6
+    assert b["admits"] == 1 and abs(b["admit_mean_ms"] - 4.0) < 1e-6 and b["gpu_busy_pct"] == 50.0
+    row = probe.budget_line("tessera", b)
+    assert row.startswith("| tessera | 50% | 60.0 |") and row.count("|") == probe.BUDGET_HEADER[1].count("|")
+
+
+def test_an_idle_run_reads_as_dashes_not_zero_division():
+    b = probe.time_budget({}, duration_s=2.0, gpu_busy=None)
+    assert b["prefill_mean_ms"] is None and b["decode_mean_batch"] is None
+    assert "| - |" in probe.budget_line("full", b)
