@@ -28,6 +28,7 @@ one GPU), and each host sync waits for this process's turn.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -246,6 +247,28 @@ def interleaved(run, variants: list[str], reps: int, times: tuple[str, ...]) -> 
     return rows
 
 
+@contextlib.contextmanager
+def contention(on: bool):
+    """With ``on`` (``--contend``, CUDA), a second process issues matmuls on the GPU while the block runs, so
+    that the GPU is time-sliced as between the cluster's two workers; yields whether it does."""
+    other = subprocess.Popen([sys.executable, "-c", CONTEND]) if on else None
+    if other is not None:
+        time.sleep(3.0)
+    try:
+        yield other is not None
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait()
+
+
+def request(args) -> tuple[list[list[int]], list[int]]:
+    """The measured request: ``--chunks`` chunks of ``--chunk-tokens`` and a ``--suffix-tokens`` suffix."""
+    g = torch.Generator().manual_seed(1)
+    chunks = [torch.randint(0, 1000, (args.chunk_tokens,), generator=g).tolist() for _ in range(args.chunks)]
+    return chunks, torch.randint(0, 1000, (args.suffix_tokens,), generator=g).tolist()
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model and request shape options this meter and bench/handoff_import.py share (see ``build``)."""
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -269,34 +292,23 @@ def main() -> int:
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device")
-    g = torch.Generator().manual_seed(1)
-    chunks = [torch.randint(0, 1000, (args.chunk_tokens,), generator=g).tolist() for _ in range(args.chunks)]
-    suffix = torch.randint(0, 1000, (args.suffix_tokens,), generator=g).tolist()
+    chunks, suffix = request(args)
     eng = build(args)
     kv_on_device = args.device == "cuda" and not args.host_kv
-    other = None
-    if args.contend:
-        other = subprocess.Popen([sys.executable, "-c", CONTEND])
-        time.sleep(3.0)
     variants = ["reference", "staged"] if args.baseline else ["staged"]
     times = ("after_ms", "after_cpu_ms", "before_ms", "gpu_ms", "pass_ms")
     rows = []
-    try:
+    with contention(args.contend) as contended, torch.no_grad():
         print(f"{args.device}, {eng.cfg.num_layers} layers, {args.chunks} x {args.chunk_tokens} + {args.suffix_tokens} "
-              f"tokens, kv_on_device={kv_on_device}{', GPU contended' if other else ''}", flush=True)
-        with torch.no_grad():
-            for spec in args.modes.split(","):
-                mode, _, ratio = spec.partition("@")
-                ratio = float(ratio or 0.0)
-                run = lambda variant, meter: one_pass(eng, chunks, suffix, mode, ratio, kv_on_device,  # noqa: E731
-                                                      meter, baseline=variant == "reference")
-                for row in interleaved(run, variants, args.reps, times):   # chunks resident, graphs captured
-                    rows.append({"mode": mode, "ratio": ratio, "export": row.pop("variant"), **row})
-                    print(report(rows[-1]), flush=True)
-    finally:
-        if other is not None:
-            other.kill()
-            other.wait()
+              f"tokens, kv_on_device={kv_on_device}{', GPU contended' if contended else ''}", flush=True)
+        for spec in args.modes.split(","):
+            mode, _, ratio = spec.partition("@")
+            ratio = float(ratio or 0.0)
+            run = lambda variant, meter: one_pass(eng, chunks, suffix, mode, ratio, kv_on_device,  # noqa: E731
+                                                  meter, baseline=variant == "reference")
+            for row in interleaved(run, variants, args.reps, times):   # chunks resident, graphs captured
+                rows.append({"mode": mode, "ratio": ratio, "export": row.pop("variant"), **row})
+                print(report(rows[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

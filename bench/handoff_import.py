@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 import warnings
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import services.engine.block_pool as pool_mod  # noqa: E402
 import services.engine.engine as engine_mod  # noqa: E402
-from bench.handoff_export import CONTEND, OpMeter, add_model_args, build, interleaved  # noqa: E402
+from bench.handoff_export import OpMeter, add_model_args, build, contention, interleaved, request  # noqa: E402
 from services.engine import Engine, Handoff  # noqa: E402
 
 aten = torch.ops.aten
@@ -193,9 +192,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device")
-    g = torch.Generator().manual_seed(1)
-    chunks = [torch.randint(0, 1000, (args.chunk_tokens,), generator=g).tolist() for _ in range(args.chunks)]
-    suffix = torch.randint(0, 1000, (args.suffix_tokens,), generator=g).tolist()
+    chunks, suffix = request(args)
     if args.device == "cpu":
         torch.set_num_threads(1)   # the engine thread does all of the work: its CPU time is the import's
     eng = build(args)
@@ -203,34 +200,25 @@ def main() -> int:
         eng.prefill(chunks, suffix, mode="tessera")
         store = {cid: [(i, k, v) for i, (k, v) in enumerate(eng.export_chunk(cid))]
                  for cid in map(eng.chunk_id, chunks)}
-    other = None
-    if args.contend:
-        other = subprocess.Popen([sys.executable, "-c", CONTEND])
-        time.sleep(3.0)
     variants = ["reference", "host-built"] if args.baseline else ["host-built"]
     times = ("import_ms", "import_cpu_ms", "gpu_ms")
     rows = []
-    try:
+    with contention(args.contend) as contended, torch.no_grad():
         print(f"{args.device}, {eng.cfg.num_layers} layers, {args.chunks} x {args.chunk_tokens} + {args.suffix_tokens} "
-              f"tokens{', GPU contended' if other else ''}", flush=True)
-        with torch.no_grad():
-            for spec in args.modes.split(","):
-                mode, _, ratio = spec.partition("@")
-                ratio = float(ratio or 0.0)
-                h = received(eng, chunks, suffix, mode, ratio)
-                for source in args.sources.split(",") if h.chunks else ["none"]:
-                    def run(variant, meter):
-                        if source == "fetched":
-                            eng.cache.clear()    # evicted: the import writes them from the staged copies
-                        return one_import(eng, h, lambda cid: iter(store[cid]), meter, variant == "reference")
-                    # warm-up: chunks resident or inserted once, kernels compiled
-                    for row in interleaved(run, variants, args.reps, times):
-                        rows.append({"mode": mode, "ratio": ratio, "source": source, "import": row.pop("variant"), **row})
-                        print(report(rows[-1]), flush=True)
-    finally:
-        if other is not None:
-            other.kill()
-            other.wait()
+              f"tokens{', GPU contended' if contended else ''}", flush=True)
+        for spec in args.modes.split(","):
+            mode, _, ratio = spec.partition("@")
+            ratio = float(ratio or 0.0)
+            h = received(eng, chunks, suffix, mode, ratio)
+            for source in args.sources.split(",") if h.chunks else ["none"]:
+                def run(variant, meter):
+                    if source == "fetched":
+                        eng.cache.clear()    # evicted: the import writes them from the staged copies
+                    return one_import(eng, h, lambda cid: iter(store[cid]), meter, variant == "reference")
+                # warm-up: chunks resident or inserted once, kernels compiled
+                for row in interleaved(run, variants, args.reps, times):
+                    rows.append({"mode": mode, "ratio": ratio, "source": source, "import": row.pop("variant"), **row})
+                    print(report(rows[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

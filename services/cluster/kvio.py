@@ -165,22 +165,11 @@ class StoreAccess:
         flat, ready = copy_aside([t for kv in layers for t in kv], torch.device("cpu"))
         return list(zip(flat[0::2], flat[1::2])), ready
 
-    def put(self, chunk_id: str, layers, fingerprint: str = "") -> bool:
-        """Store a chunk now (and keep it in the host tier); True when the store acknowledged it."""
-        ready = None
-        if self.host is not None:
-            layers, ready = self._to_host(layers)
-            self.host.put(chunk_id, layers, ready)
-        if self._client is None:
-            return False
-        with self._lock:
-            self._pending += 1
-        return self._put(chunk_id, layers, fingerprint, ready)
-
     def put_async(self, chunk_id: str, layers, fingerprint: str = "") -> Future:
-        """``put`` without waiting: the device-to-host copy is queued here (the caller's thread), the store
-        write runs on the put thread; the future's result is True once the store acknowledged the chunk
-        (False: no store, or the put failed). The caller may compute the next chunk meanwhile."""
+        """Store a chunk (and keep it in the host tier) without waiting: the device-to-host copy is queued
+        here (the caller's thread), the store write runs on the put thread; the future's result is True
+        once the store acknowledged the chunk (False: no store, or the put failed). The caller may compute
+        the next chunk meanwhile."""
         ready = None
         if self.host is not None or (layers and layers[0][0].is_cuda):
             layers, ready = self._to_host(layers)

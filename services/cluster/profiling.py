@@ -1,12 +1,13 @@
 """An opt-in torch-profiler window over a worker's engine loop, for finding where its time goes.
 
-``TESSERA_TORCH_PROFILE=DIR[,START[,COUNT]]`` in a worker's environment (or
-``TESSERA_TORCH_PROFILE_PREFILL`` / ``_DECODE`` for one role, which wins over it): the worker's engine thread
-calls ``tick()`` once per unit of work (a prefill request, a decode step); the profiler records units
-START .. START+COUNT-1 (defaults 64 and 32; one window at a time per process), host ops of every thread and the GPU's kernels and copies,
-then (or when the worker stops inside the window) writes ``DIR/<name>-<pid>.json.gz`` (a Chrome trace: chrome://tracing or ui.perfetto.dev) and
-``DIR/<name>-<pid>.txt`` (the ops' totals). Unset, ``tick()`` costs one comparison. Workers of one
-benchmark each write their own files, so the prefill and decode timelines can be laid side by side.
+``TESSERA_TORCH_PROFILE=DIR[,START[,COUNT]]`` in a worker's environment (or ``TESSERA_TORCH_PROFILE_PREFILL``
+/ ``_DECODE`` for one role, which wins over it): the worker's engine thread calls ``tick()`` once per unit
+of work (a prefill request, a decode step); the profiler records units START .. START+COUNT-1 (defaults
+64 and 32; one window at a time per process), host ops of every thread and the GPU's kernels and copies,
+then (or when the worker stops inside the window) writes ``DIR/<name>-<pid>.json.gz`` (a Chrome trace:
+chrome://tracing or ui.perfetto.dev) and ``DIR/<name>-<pid>.txt`` (the ops' totals). Unset, ``tick()``
+costs one comparison. Workers of one benchmark each write their own files, so the prefill and decode
+timelines can be laid side by side.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ProfileWindow:
         if self.dir is None:
             return
         if self.units == self.start:
+            import torch
             from torch.profiler import ProfilerActivity, profile
 
             if _ACTIVE:           # workers sharing a process (tests, one machine): the first window only
@@ -61,12 +63,7 @@ class ProfileWindow:
                 self.dir = None
                 return
             _ACTIVE.append(self)
-
-            acts = [ProfilerActivity.CPU]
-            import torch
-
-            if torch.cuda.is_available():
-                acts.append(ProfilerActivity.CUDA)
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self._prof = profile(activities=acts, record_shapes=False, with_stack=False)
             self._prof.__enter__()
         elif self.units == self.start + self.count and self._prof is not None:

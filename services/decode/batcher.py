@@ -8,7 +8,8 @@ arrivals does not stall every live sequence at once: off by default, see DecodeS
 sampling parameters and generator (so a sequence's tokens do not depend on
 which others share its batch), emit it, and retire finished sequences (their KV freed at once).
 With ``min_step_interval_s`` (DecodeSettings) a step starts no sooner than that after the last one
-began, admitting what arrives meanwhile. Stopping mirrors ``Engine.generate``: a stop token is emitted, then the sequence ends.
+began, admitting what arrives meanwhile. Stopping mirrors ``Engine.generate``: a stop token is
+emitted, then the sequence ends.
 Engine calls that are not decoding (reset, cache listing) run between steps through ``call``.
 """
 
@@ -155,7 +156,8 @@ class Batcher:
             # drawn even when the prefill worker sent it: a seeded generator must advance as the prefill's
             # did (a greedy pick draws nothing, and the one sent is taken as it is: no wait on the GPU)
             drawn = sample(host_to_device(logits, logits.dtype, self.eng.device), params, gen)
-            token = token if sent else drawn
+            if not sent:
+                token = drawn
         live = _Live(job, seq, gen, token, 1)
         self.metrics.admitted.inc()
         if sent:                     # the client has it: decode goes on from it

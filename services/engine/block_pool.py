@@ -95,19 +95,22 @@ class BlockPool:
     def write_run(self, layer: int, run: slice, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [n, Hkv, D] densely from the first slot of the blocks ``run`` (see ``run``): two
         copies (host-to-device straight into the pool when k, v are pinned host tensors)."""
-        n = k.shape[0]
-        self.k[layer][run].view(-1, *self.k[layer].shape[2:])[:n].copy_(k, non_blocking=True)
-        self.v[layer][run].view(-1, *self.v[layer].shape[2:])[:n].copy_(v, non_blocking=True)
+        dst_k, dst_v = self._run_views(layer, run, k.shape[0])
+        dst_k.copy_(k, non_blocking=True)
+        dst_v.copy_(v, non_blocking=True)
 
     def write_runs(self, run: slice, items) -> None:
         """``write_run`` for many layers, [(layer, k, v), ...], issued as one batched copy."""
         dst, src = [], []
         for layer, k, v in items:
-            n = k.shape[0]
-            dst += [self.k[layer][run].view(-1, *self.k[layer].shape[2:])[:n],
-                    self.v[layer][run].view(-1, *self.v[layer].shape[2:])[:n]]
+            dst += self._run_views(layer, run, k.shape[0])
             src += [k, v]
         torch._foreach_copy_(dst, src, non_blocking=True)
+
+    def _run_views(self, layer: int, run: slice, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V slots of the blocks ``run``, the first n of them: [n, Hkv, D] views."""
+        k, v = self.k[layer], self.v[layer]
+        return k[run].view(-1, *k.shape[2:])[:n], v[run].view(-1, *v.shape[2:])[:n]
 
     def slots_for(self, blocks: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block id and slot index of tokens 0..n-1 laid out densely over ``blocks``: ([n], [n])."""
