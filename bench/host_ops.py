@@ -250,6 +250,78 @@ def gpu_gaps(eng: Engine, chunks, suffix, mode: str, ratio: float, top: int = 12
     return "\n".join(lines)
 
 
+# host functions of a pass, timed by --timeline: (module, qualified name)
+TIMELINE = [
+    ("services.engine.engine", "Engine.prefill"), ("services.engine.engine", "Engine._validate"),
+    ("services.engine.forward", "Forward._place"), ("services.engine.forward", "chunk_id"),
+    ("services.engine.blend", "RequestTables.__init__"), ("services.engine.blend", "RequestTables.shared_base"),
+    ("services.engine.model", "Transformer.embed"), ("services.engine.forward", "Forward._run"),
+    ("services.engine.graphs", "TailCache.run"), ("services.engine.graphs", "StaticTail.fill"),
+    ("services.engine.graphs", "StaticTail.run"), ("services.engine.model", "Transformer.logits"),
+    ("services.engine.engine", "Engine.release"),
+]
+
+
+def timeline(eng: Engine, chunks, suffix, mode: str, ratio: float, reps: int) -> dict:
+    """Unmetered host timeline of a pass: each TIMELINE function's inclusive time and when it first starts
+    (from the call's start), by light wrappers (~1 us each); ``graph`` = when the first graph replay is
+    issued: on a GPU idle at the start of a request, what the request waits before its real work."""
+    import importlib
+
+    cuda = eng.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    spans: dict[str, list] = defaultdict(list)
+    undo = []
+
+    def wrap(owner, attr, name):
+        fn = getattr(owner, attr)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spans[name].append((t0, time.perf_counter()))
+        setattr(owner, attr, timed)
+        undo.append((owner, attr, fn))
+
+    for module, qual in TIMELINE:
+        mod = importlib.import_module(module)
+        owner, _, attr = qual.rpartition(".")
+        wrap(getattr(mod, owner) if owner else mod, attr, qual)
+    if cuda:
+        wrap(torch.cuda.CUDAGraph, "replay", "graph replay")
+    rows: dict[str, list] = defaultdict(list)
+    try:
+        for i in range(reps + 2):
+            sync()
+            spans.clear()
+            t0 = time.perf_counter()
+            eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)
+            t_ret = time.perf_counter()
+            sync()
+            t_end = time.perf_counter()
+            if i < 2:
+                continue  # warm-up
+            rows["returned"].append((t_ret - t0, t_ret - t0))
+            rows["GPU done"].append((t_end - t0, t_end - t0))
+            for name, s in spans.items():
+                rows[name].append((s[0][0] - t0, sum(b - a for a, b in s)))
+    finally:
+        for owner, attr, fn in reversed(undo):
+            setattr(owner, attr, fn)
+    return {name: {"start_ms": statistics.median(a for a, _ in v) * 1e3,
+                   "total_ms": statistics.median(b for _, b in v) * 1e3} for name, v in rows.items()}
+
+
+def timeline_table(label: str, tl: dict) -> str:
+    lines = [f"{label}: host timeline (median of passes; ms from the call's start)",
+             f"  {'function':28s} {'starts at':>9s} {'inclusive':>9s}"]
+    for name, r in sorted(tl.items(), key=lambda kv: kv[1]["start_ms"]):
+        lines.append(f"  {name:28s} {r['start_ms']:9.3f} {r['total_ms']:9.3f}")
+    return "\n".join(lines)
+
+
 def table(row: dict) -> str:
     lines = [f"{row['mode']}@{row['ratio']}: {row['wall_ms']:.1f} ms a pass unmetered ({row['issue_ms']:.1f} ms "
              f"until it returned); {row['before_model']} launches and {row['first_model_op_ms']:.2f} ms before the first "
@@ -283,6 +355,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--gaps", action="store_true", help="CUDA: where the GPU stands idle in each pass (profiled)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also an unmetered host timeline of each pass (when each engine function runs, and for how long)")
     args = ap.parse_args()
     if args.device == "cpu":
         args.layers = args.layers or 4
@@ -299,6 +373,9 @@ def main() -> int:
                 mode, _, ratio = spec.partition("@")
                 rows.append(dict(measure(eng, chunks, suffix, mode, float(ratio or 0.0), args.reps), backend=backend))
                 print(table(rows[-1]), flush=True)
+                if args.timeline:
+                    rows[-1]["timeline"] = timeline(eng, chunks, suffix, mode, float(ratio or 0.0), args.reps)
+                    print(timeline_table(f"{backend} {spec}", rows[-1]["timeline"]), flush=True)
                 if args.gaps and args.device == "cuda":
                     print(gpu_gaps(eng, chunks, suffix, mode, float(ratio or 0.0)), flush=True)
         del eng
