@@ -1,0 +1,57 @@
+"""Launch configuration of the skinny-GEMM kernel (kernels/linear/triton.py), kept free of Triton so the
+dispatcher, the bench and the tests can build and print configurations anywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REDUCES = ("arrive", "kernel")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearConfig:
+    """One launch of y[M, N] = x[M, K] @ w[N, K].T.
+
+    Tiles of block_m rows x block_n weight rows, stepping block_k along K; ``split_k`` programs share a
+    tile's K range (each a contiguous slice of whole block_k steps). With split_k > 1 each program
+    writes an fp32 partial [split, M, N] and the partials are summed in split order (deterministic) by
+    either the last program of the tile to arrive (``reduce="arrive"``: one launch, a per-tile counter
+    that the reducing program resets) or a second small kernel (``reduce="kernel"``)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    reduce: str = "arrive"
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {v}")
+        if not 1 <= self.split_k <= 64:
+            raise ValueError(f"split_k must be in [1, 64], got {self.split_k}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages must be in [1, 8], got {self.num_stages}")
+        if self.reduce not in REDUCES:
+            raise ValueError(f"reduce must be one of {REDUCES}, got {self.reduce!r}")
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        """Shared memory the pipelined x and w tiles take (what Triton allocates for the K loop)."""
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
+
+    def short(self) -> str:
+        """A compact name for tables: m16 n64 k128 s2 w4 st4 (+ 'K' when split partials are reduced by a kernel)."""
+        red = "K" if self.split_k > 1 and self.reduce == "kernel" else ""
+        return (f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k}{red} "
+                f"w{self.num_warps} st{self.num_stages}")
+
+    def literal(self) -> str:
+        """The config as Python source, in the form kernels/linear/triton.py's CONFIGS table holds it."""
+        extra = f", reduce={self.reduce!r}" if self.split_k > 1 and self.reduce != "arrive" else ""
+        return (f"LinearConfig({self.block_m}, {self.block_n}, {self.block_k}, split_k={self.split_k}, "
+                f"num_warps={self.num_warps}, num_stages={self.num_stages}{extra})")

@@ -1,0 +1,213 @@
+"""Skinny GEMM for short passes and decode steps: y[M, N] = x[M, K] @ w[N, K].T with M <= ~128.
+
+At such M the work is reading the weight once (a Llama-3-8B layer's 436 MB at 64 rows is ~0.9 FLOP per
+byte): the kernel streams w through a pipelined K loop (``num_stages`` tiles in flight per program)
+and fills the GPU with N tiles x K splits rather than M tiles. Twin: reference.py (fp32 sums, one
+rounding).
+
+  - grid (M tiles, N tiles, K splits); M tiles of one weight tile are neighbours, so their repeated
+    reads of it hit L2;
+  - split K: each program writes an fp32 partial [split, M, N]; the partials are summed in split order
+    (deterministic, whoever finishes first) by the tile's last program to arrive (a per-tile counter,
+    reset by that program: one launch) or by a second kernel (``reduce="kernel"``);
+  - epilogue in fp32: + bias, + the fp32 value of ``accumulate`` (the down projection onto the
+    residual), one rounding to the output dtype.
+
+CUDA-graph capturable: no host sync, the grid and the workspace are functions of the shapes alone (the
+workspace is allocated per call, the counters once per device and kept zeroed by the kernel itself).
+Only long-standing ``tl`` operations are used (Triton 3.6 and later).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.linear.config import LinearConfig
+
+# Filled from bench/skinny_gemm.py's sweep on the H100: (N, K) -> ((largest M, config), ...), ascending M.
+# A shape or an M past its last entry falls back to ``heuristic_config``.
+CONFIGS: dict[tuple[int, int], tuple[tuple[int, LinearConfig], ...]] = {}
+
+MAX_TILES_COUNTED = 1 << 16  # per-tile arrival counters kept per device (grown when a launch needs more)
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, n_split, stride_ws,
+                   stride_xm, stride_wn, stride_cm, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Program (M tile, N tile, K split). MODE 0: one split, the epilogue writes out. MODE 1: writes its
+    fp32 partial to ws[split]; a second kernel reduces. MODE 2: writes its partial, and the tile's last
+    program to arrive sums ws[0..n_split) in order and writes out."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    # weight rows past N wrap onto valid ones (their columns are never stored): no mask on the stream
+    rn = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    k0 = pid_k * k_split
+    k_end = tl.minimum(K, k0 + k_split)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k0 + offs_k)[None, :]
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_k)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k0, k_end, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            b = tl.load(w_ptrs)
+        else:
+            k_ok = (k + offs_k) < k_end
+            a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    ok = m_ok[:, None] & n_ok[None, :]
+    mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    if MODE == 0:
+        _epilogue(acc, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om, HAS_BIAS, ACCUMULATE)
+    else:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * stride_ws + mn, acc, mask=ok)
+        if MODE == 2:
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            tile = pid_m * tl.num_programs(1) + pid_n
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if arrived == n_split - 1:  # the last of the tile: sum the splits in order, then reset the counter
+                tl.debug_barrier()
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                part_ptrs = ws_ptr + mn
+                for _ in range(0, n_split):  # .cg: read past L1, which may hold a previous call's partials
+                    total += tl.load(part_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+                    part_ptrs += stride_ws
+                _epilogue(total, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om,
+                          HAS_BIAS, ACCUMULATE)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om,
+              HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """acc (fp32) + bias + accumulate's fp32 value, rounded once to the output's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    if ACCUMULATE:
+        acc += tl.load(c_ptr + rows * stride_cm + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _reduce_kernel(ws_ptr, b_ptr, c_ptr, out_ptr, M, N, n_split, stride_ws, stride_cm, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   ACCUMULATE: tl.constexpr):
+    """Program (M tile, N tile): sums the split partials ws[0..n_split) in order, then the epilogue."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    ok = (offs_m < M)[:, None] & n_ok[None, :]
+    mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part_ptrs = ws_ptr + mn
+    for _ in range(0, n_split):
+        total += tl.load(part_ptrs, mask=ok, other=0.0)
+        part_ptrs += stride_ws
+    _epilogue(total, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om, HAS_BIAS, ACCUMULATE)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (132 for an H100 SXM, assumed off CUDA)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
+
+
+def heuristic_config(m: int, n: int, k: int, sms: int = 132) -> LinearConfig:
+    """A config for a shape the table does not hold: one M tile up to 64 rows, 64-wide N tiles, and
+    enough K splits (each of at least 4 block_k steps) for ~2 programs per SM."""
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(k)))
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = 1
+    while split < 8 and tiles * split * 2 <= 2 * sms and k // (block_k * split * 2) >= 4:
+        split *= 2
+    return LinearConfig(block_m, block_n, block_k, split_k=split, num_warps=4, num_stages=4)
+
+
+def pick_config(m: int, n: int, k: int, sms: int = 132) -> LinearConfig:
+    """The table's config for (N, K) and the smallest listed M bound >= m, else the heuristic."""
+    for max_m, cfg in CONFIGS.get((n, k), ()):
+        if m <= max_m:
+            return cfg
+    return heuristic_config(m, n, k, sms)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed per-tile arrival counters, each reset to 0 by the program that reduces its tile.
+
+    Kept per device and shared by every launch there, so launches that use them must be ordered (one
+    stream, as the engine runs). Made on first use outside CUDA-graph capture (a tensor born in a
+    capture belongs to the graph's pool); a launch in a capture before that, or needing more than
+    MAX_TILES_COUNTED, gets fresh zeros of its own (one memset)."""
+    kept = _COUNTERS.get(device)
+    if kept is None and tiles <= MAX_TILES_COUNTED and not (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        kept = _COUNTERS[device] = torch.zeros(MAX_TILES_COUNTED, dtype=torch.int32, device=device)
+    if kept is not None and tiles <= kept.numel():
+        return kept
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
+
+
+def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(K elements per split, a multiple of block_k; number of non-empty splits)."""
+    steps = triton.cdiv(k, block_k)
+    per = triton.cdiv(steps, split_k) * block_k
+    return per, triton.cdiv(k, per)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+           accumulate: torch.Tensor | None = None, config: LinearConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T (+ bias [N]) as a new [M, N] tensor of x's dtype, or added into
+    ``accumulate`` [M, N] in place (returned). Inputs are validated by the caller (kernels.linear)."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = accumulate if accumulate is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:  # an empty sum: the twin adds the bias (or nothing)
+        from kernels.linear import reference
+
+        return reference.linear(x, w, bias, accumulate=accumulate)
+    cfg = config or pick_config(m, n, k, sm_count(x.device))
+    k_split, n_split = split_plan(k, cfg.block_k, cfg.split_k)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), n_split)
+    mode = 0 if n_split == 1 else (2 if cfg.reduce == "arrive" else 1)
+    ws = torch.empty((n_split, m, n), dtype=torch.float32, device=x.device) if mode else out
+    cnt = _counters(x.device, grid[0] * grid[1]) if mode == 2 else out
+    b = bias if bias is not None else out  # unread without HAS_BIAS / ACCUMULATE
+    c = accumulate if accumulate is not None else out
+    _linear_kernel[grid](
+        x, w, b, c, out, ws, cnt, m, n, k, k_split, n_split, m * n, x.stride(0), w.stride(0), c.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MODE=mode, HAS_BIAS=bias is not None,
+        ACCUMULATE=accumulate is not None, EVEN_K=k % k_split == 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if mode == 1:
+        _reduce_kernel[grid[:2]](ws, b, c, out, m, n, n_split, m * n, c.stride(0), out.stride(0), BLOCK_M=cfg.block_m,
+                                 BLOCK_N=cfg.block_n, HAS_BIAS=bias is not None,
+                                 ACCUMULATE=accumulate is not None, num_warps=4)
+    return out
