@@ -21,6 +21,7 @@ Only long-standing ``tl`` operations are used (Triton 3.6 and later).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -32,7 +33,8 @@ from kernels.linear.config import LinearConfig
 # A shape or an M past its last entry falls back to ``heuristic_config``.
 CONFIGS: dict[tuple[int, int], tuple[tuple[int, LinearConfig], ...]] = {}
 
-MAX_TILES_COUNTED = 1 << 16  # per-tile arrival counters kept per device (grown when a launch needs more)
+MAX_TILES_COUNTED = 1 << 16
+_UPCAST_BF16 = os.environ.get("TRITON_INTERPRET") == "1"  # never on a compiled launch  # per-tile arrival counters kept per device (grown when a launch needs more)
 
 
 @triton.jit
@@ -40,7 +42,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
                    stride_xm, stride_wn, stride_cm, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Program (M tile, N tile, K split). MODE 0: one split, the epilogue writes out. MODE 1: writes its
     fp32 partial to ws[split]; a second kernel reduces. MODE 2: writes its partial, and the tile's last
     program to arrive sums ws[0..n_split) in order and writes out."""
@@ -67,6 +69,9 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
             k_ok = (k + offs_k) < k_end
             a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot multiplies garbage: exact fp32 products of the same values
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -204,7 +209,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
         x, w, b, c, out, ws, cnt, m, n, k, k_split, n_split, m * n, x.stride(0), w.stride(0), c.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MODE=mode, HAS_BIAS=bias is not None,
         ACCUMULATE=accumulate is not None, EVEN_K=k % k_split == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if x.dtype == torch.float32 or _UPCAST_BF16 and x.dtype == torch.bfloat16 else "tf32",
+        UPCAST=_UPCAST_BF16 and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if mode == 1:
         _reduce_kernel[grid[:2]](ws, b, c, out, m, n, n_split, m * n, c.stride(0), out.stride(0), BLOCK_M=cfg.block_m,
