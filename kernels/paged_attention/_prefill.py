@@ -27,6 +27,7 @@ tile past the sequence's end does nothing. The grid is Tq // BLOCK_T + B tiles.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ from kernels.lse_merge.triton import merge_rows
 from kernels.paged_attention._meta import PackedTable, dot_f32, sm_count
 from kernels.paged_attention._prefill_query import (ROT_MODES, cos_sin, join_halves, query_halves, rotate_halves,
                                                     rotated_query)
+from kernels.paged_attention._prefill_split import MAX_PLAN_GROUPS, PLANS, plan_by_steps, prefetch_kv
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -71,12 +73,29 @@ class PrefillConfig:
     # keeps the softmax in one layout: half the exponentials and ~9% fewer instructions per step
     # (bench/kernels.md, run 9)
     group_guard: bool = False
+    # short queries (a 64-token suffix over many chunks: few query tiles, many KV splits; bench/short_attention.md):
+    # one tile per BLOCK_T tokens when there is one sequence (else one spare tile per sequence, past its end)
+    exact_tiles: bool = False
+    # how KV splits cut a sequence (_prefill_split.py): "entries" (equal entry runs, binary-searched groups) or
+    # "steps" (equal runs of whole steps, groups found from one vector load)
+    plan: str = "entries"
+    # each split asks L2 for all its K/V rows before its first step (PTX prefetch; off in the interpreter)
+    prefetch_kv: bool = False
+    prefetch_entries: int = 32  # entries per prefetch round
+    # how split partials are merged (kernels/lse_merge): "loop" over parts, or "all" parts loaded at once
+    merge: str = "loop"
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
             raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
         if self.rot_mode not in ROT_MODES:
             raise ValueError(f"rot_mode must be one of {ROT_MODES}, got {self.rot_mode!r}")
+        if self.plan not in PLANS:
+            raise ValueError(f"plan must be one of {PLANS}, got {self.plan!r}")
+        if self.merge not in ("loop", "all"):
+            raise ValueError(f"merge must be 'loop' or 'all', got {self.merge!r}")
+        if self.prefetch_entries < 1 or self.prefetch_entries & (self.prefetch_entries - 1):
+            raise ValueError(f"prefetch_entries must be a power of two, got {self.prefetch_entries}")
 
 
 @triton.jit
@@ -90,6 +109,8 @@ def _prefill_kernel(
     D: tl.constexpr, B_PAD: tl.constexpr,
     ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr, DOT_F32: tl.constexpr,
     ROT_MODE: tl.constexpr, ROT_NARROW: tl.constexpr, GROUP_GUARD: tl.constexpr, SEARCH: tl.constexpr,
+    PLAN_STEPS: tl.constexpr = False, GP: tl.constexpr = 1, PREFETCH_KV: tl.constexpr = False,
+    EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     tile = tl.program_id(0)
@@ -112,7 +133,11 @@ def _prefill_kernel(
     per = tl.cdiv(e_hi - e_lo, n_split)
     lo = e_lo + split * per
     hi = tl.minimum(lo + per, e_hi)
-    if SEARCH:
+    if PLAN_STEPS:  # whole steps per split, groups from one vector load (_prefill_split.py)
+        g_lo, g_hi, e_lo, e_next, p_step, a_step, b_step, hi = plan_by_steps(starts_ptr, g_lo, g_hi, split, n_split,
+                                                                            NB, GP)
+        lo = e_lo + tl.maximum(a_step - p_step, 0) * NB
+    elif SEARCH:
         # the groups this split's entries [lo, hi) touch (binary searches over the group starts): a split
         # rotates its query only for those, not for every group of the sequence (a short suffix over
         # many chunks runs on many splits, each a group or two wide)
@@ -134,6 +159,8 @@ def _prefill_kernel(
                 a = mid + 1
         g_hi = a
         e_lo = tl.load(starts_ptr + g_lo)
+    if PREFETCH_KV:
+        prefetch_kv(k_ptr, v_ptr, meta_ptr, lo, hi, h, stride_kb, stride_ks, stride_kh, BS, EPS, LINES, LINE)
 
     r = tl.arange(0, BLOCK_M)
     tok = t0 + r // G_PAD
@@ -164,12 +191,18 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     e_first = e_lo  # group grp is entries e_first..e_next; the group after it ends where starts[grp + 2] says
-    e_next = tl.load(starts_ptr + g_lo + 1)
+    if not PLAN_STEPS:
+        e_next = tl.load(starts_ptr + g_lo + 1)
     for grp in range(g_lo, g_hi):
         e_after = tl.load(starts_ptr + grp + 2)  # read a group early: only the next iteration waits for it
         off = ((tl.load(meta_ptr + e_first) >> 16) & 0xFFFF).to(tl.int32)
-        e_begin = tl.maximum(e_first, lo)
-        e_end = tl.minimum(e_next, hi)
+        if PLAN_STEPS:  # steps [a_step, b_step) of the sequence; this group starts at step p_step
+            e_begin = e_first + tl.maximum(a_step - p_step, 0) * NB
+            e_end = tl.minimum(e_first + (b_step - p_step) * NB, e_next)
+            p_step += (e_next - e_first + NB - 1) // NB
+        else:
+            e_begin = tl.maximum(e_first, lo)
+            e_end = tl.minimum(e_next, hi)
         if ROTATE:  # the next group's rotation, or its loads, before this group's step loop
             has_next = grp + 1 < g_hi
             if ROT_MODE == "early":
@@ -314,8 +347,14 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
     block_t = max(1, cfg.block_m // g_pad)
     n_seqs = cu_q.numel() - 1
     nb = max(1, cfg.min_block_n // bs)
-    n_tiles = t // block_t + n_seqs
-    nsplit = cfg.num_splits or pick_splits(n_tiles * hkv, packed.meta.numel() // max(1, n_seqs) // nb, q.device)
+    n_entries = packed.meta.numel()
+    # sequence b's tiles start at cu_q[b] // BLOCK_T + b (no host sync), so each sequence may own one tile past
+    # its end; with one sequence the exact count is known
+    n_tiles = triton.cdiv(t, block_t) if cfg.exact_tiles and n_seqs == 1 else t // block_t + n_seqs
+    nsplit = cfg.num_splits or pick_splits(n_tiles * hkv, n_entries // max(1, n_seqs) // nb, q.device)
+    gp = triton.next_power_of_2(n_entries + 2)  # lanes of the "steps" plan: more than any sequence's groups
+    plan_steps = cfg.plan == "steps" and nsplit > 1 and gp <= MAX_PLAN_GROUPS
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no inline assembly there
     if nsplit == 1:
         out = torch.empty_like(q)
         lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
@@ -341,11 +380,15 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         B_PAD=triton.next_power_of_2(n_seqs + 1),
         ROTATE=rotate, USE_TABLE=packed.table is not None, MASK_IN_WORD=packed.mask_in_word,
         DOT_F32=dot_f32(q.dtype), ROT_MODE=cfg.rot_mode, ROT_NARROW=cfg.rot_narrow, GROUP_GUARD=cfg.group_guard,
-        SEARCH=nsplit > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SEARCH=nsplit > 1, PLAN_STEPS=plan_steps, GP=gp if plan_steps else 1,
+        PREFETCH_KV=cfg.prefetch_kv and not interpreted, EPS=cfg.prefetch_entries,
+        LINES=max(1, dim * k_cache.element_size() // 128), LINE=max(1, 128 // k_cache.element_size()),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if nsplit == 1:
         return out, lse
-    merged, merged_lse = merge_rows(out.reshape(nsplit, t * hq, dim), lse.reshape(nsplit, t * hq), q.dtype)
+    merged, merged_lse = merge_rows(out.reshape(nsplit, t * hq, dim), lse.reshape(nsplit, t * hq), q.dtype,
+                                    all_parts=cfg.merge == "all")
     return merged.reshape(t, hq, dim), merged_lse.reshape(t, hq)
 
 

@@ -56,7 +56,7 @@ def constexpr_names(fn) -> list[str]:
 
 def kernels():
     """(name, thunk) of every kernel the engine's prefill path launches on CUDA."""
-    from kernels.lse_merge.triton import BLOCK_R, _merge_kernel
+    from kernels.lse_merge.triton import BLOCK_R, _merge_all_kernel, _merge_kernel
     from kernels.paged_attention import _prefill
     from kernels.paged_attention._meta import PACK_BLOCK, _pack_kernel
     from kernels.rope.triton import _gather_rotate_kernel, _rope_kernel
@@ -86,6 +86,11 @@ def kernels():
     yield "prefill-splits-search", lambda: compile_kernel(  # several KV splits: each searches its groups
         _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True),
         dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    for nb in (4, 8):  # the short-query knobs: whole-step split plan, K/V prefetched to L2 (64 / 128 keys a step)
+        yield f"prefill-short-plan-nb{nb}", lambda nb=nb: compile_kernel(
+            _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True, NB=nb,
+                                                PLAN_STEPS=True, GP=256, PREFETCH_KV=True, EPS=32, LINES=2, LINE=64),
+            dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for name, fn in vars(_prefill).items():  # helper kernels of the prefill module (metadata passes)
         if isinstance(fn, triton.runtime.JITFunction) and name != "_prefill_kernel" and \
                 any(a.endswith("_ptr") for a in fn.arg_names) and name.endswith("_kernel"):
@@ -93,6 +98,9 @@ def kernels():
     yield "lse-merge", lambda: compile_kernel(
         _merge_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
         dict(BLOCK_R=BLOCK_R, BLOCK_D=d))
+    yield "lse-merge-all", lambda: compile_kernel(
+        _merge_all_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
+        dict(P_PAD=8, BLOCK_R=8, BLOCK_D=d))
     yield "gather-rotate", lambda: compile_kernel(
         _gather_rotate_kernel, dict(k_ptr="bf16", v_ptr="bf16", ids_ptr="i32", off_ptr="i32", invf_ptr="fp32",
                                     ko_ptr="bf16", vo_ptr="bf16"),
