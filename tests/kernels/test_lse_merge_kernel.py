@@ -44,3 +44,22 @@ def test_merge_with_no_key_anywhere(backend):
     assert torch.equal(out.flatten(0, 1)[1:], torch.zeros(9, 64)) and torch.isneginf(lse.flatten()[1:]).all()
     with pytest.raises(ValueError, match="disagree"):
         merge_attention(outs, lses[:, :1], backend=backend)
+
+
+@pytest.mark.parametrize("parts", [1, 3, 8, 13])
+def test_merge_all_parts_at_once_equals_the_loop(parts):
+    """merge_rows(all_parts=True) (every part of a row block loaded at once) == the loop and the twin, with
+    parts that saw nothing and rows no part saw; D = 96 pads its tile."""
+    from kernels.lse_merge.triton import merge_rows
+
+    outs = torch.randn(parts, 37, 96)
+    lses = torch.randn(parts, 37) * 4
+    lses[0, :5] = float("-inf")
+    lses[:, 5] = float("-inf")
+    want, want_lse = merge_attention(outs, lses, backend="torch")
+    for all_parts in (False, True):
+        out, lse = merge_rows(outs, lses, torch.bfloat16, all_parts=all_parts)
+        assert out.dtype == torch.bfloat16
+        assert rel_err(out, want) <= TOL[torch.bfloat16]
+        assert_lse_close(lse, want_lse, 1e-4)
+        assert torch.equal(out[5].float(), torch.zeros(96))

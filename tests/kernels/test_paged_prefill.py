@@ -181,3 +181,42 @@ def test_kv_splits_touch_only_their_groups(splits):
     assert rel_err(out_k, want) <= TOL[torch.float32]
     with pytest.raises(ValueError, match="key_hi"):
         paged_prefill_packed(*args, num_splits=splits, key_hi=key_hi[:1])
+
+
+# the short-query knobs (bench/short_attention.py times them): whole-step split plan, exact tiles, the merge
+# that loads every part at once, 128 keys a step; prefetch_kv is a hint the interpreter skips (GPU-checked)
+SHORT_VARIANTS = [
+    PrefillConfig(block_m=32, min_block_n=32, num_splits=s, plan="steps", exact_tiles=True, merge=m, prefetch_kv=True)
+    for s, m in ((2, "loop"), (5, "all"), (8, "all"))] + [
+    PrefillConfig(block_m=32, min_block_n=64, num_splits=3, plan="steps", merge="all")]
+
+
+@pytest.mark.parametrize("cfg", SHORT_VARIANTS, ids=[
+    f"splits{c.num_splits}-{c.merge}-n{c.min_block_n}" + ("-exact" if c.exact_tiles else "") for c in SHORT_VARIANTS])
+def test_short_query_knobs_match_twin(cfg):
+    """Several sequences (groups narrower and wider than a split, a one-entry sequence, more splits than
+    steps), hidden slots, scattered queries, a 17-token suffix (a partial tile): equal to the twin; then one
+    sequence alone, where exact_tiles drops the spare tile."""
+    inv = rope_inv_freq(64, 500000.0, LLAMA3)
+    case = build([([40, 23, 30, 17], 17), ([50], 2), ([1], 1)], 16, 2, 64, inv, dtype=torch.float32, hide=0.1,
+                 base=300)
+    q, q_pos, cu_q = prefill_queries(case, [17, 2, 1], [4, 0, 0], 8, torch.float32)
+    want, want_lse = _run(case, q, q_pos, cu_q, 0.125, "torch")
+    packed = pack(case.block_ids, case.offsets, case.masks, 16, inv, with_table=True, cu_entries=case.cu_entries)
+    args = (q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, 0.125)
+    out, lse = launch(*args, cfg=cfg)
+    assert rel_err(out, want) <= TOL[torch.float32]
+    assert_lse_close(lse, want_lse, 50 * TOL[torch.float32])
+    one = build([([70, 33, 16], 21)], 16, 2, 64, inv, dtype=torch.bfloat16, hide=0.05, base=5000)
+    q1, p1, cu1 = prefill_queries(one, [21], [2], 8, torch.bfloat16)
+    want1, _ = _run(one, q1, p1, cu1, 0.125, "torch")
+    packed1 = pack(one.block_ids, one.offsets, one.masks, 16, inv, with_table=True, cu_entries=one.cu_entries)
+    out1, _ = launch(q1, p1, one.k_cache, one.v_cache, one.slot_pos, packed1, cu1, inv, 0.125, cfg=cfg)
+    assert rel_err(out1, want1) <= TOL[torch.bfloat16]
+
+
+def test_short_query_knobs_are_checked():
+    with pytest.raises(ValueError, match="plan"):
+        PrefillConfig(plan="diagonal")
+    with pytest.raises(ValueError, match="merge"):
+        PrefillConfig(merge="tree")
