@@ -184,6 +184,34 @@ def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return per, triton.cdiv(k, per)
 
 
+def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: bool, accumulate: bool):
+    """(grid, mode, splits, the kernel's integer arguments up to the strides, its constexprs and options)."""
+    k_split, n_split = split_plan(k, cfg.block_k, cfg.split_k)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), n_split)
+    mode = 0 if n_split == 1 else (2 if cfg.reduce == "arrive" else 1)
+    upcast = _UPCAST_BF16 and dtype == torch.bfloat16
+    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MODE=mode, HAS_BIAS=bias,
+                  ACCUMULATE=accumulate, EVEN_K=k % k_split == 0,
+                  PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return grid, mode, n_split, (m, n, k, k_split, n_split, m * n), consts
+
+
+def warmup(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, *, bias: bool = False,
+           accumulate: bool = False, stride_w: int | None = None) -> None:
+    """Compile (into Triton's cache) the kernels a launch of this shape and config would run, without
+    tensors or a launch: the bench compiles its sweep on many processes at once with this. Strides are
+    those of contiguous x, out and accumulate, and ``stride_w`` (default K) for w."""
+    grid, mode, n_split, ints, consts = _plan(m, n, k, dtype, cfg, bias, accumulate)
+    ws, cnt = (torch.float32 if mode else dtype), (torch.int32 if mode == 2 else dtype)  # as linear() passes
+    _linear_kernel.warmup(dtype, dtype, dtype, dtype, dtype, ws, cnt, *ints, k,
+                          k if stride_w is None else stride_w, n, n, grid=grid, **consts)
+    if mode == 1:
+        _reduce_kernel.warmup(torch.float32, dtype, dtype, dtype, m, n, n_split, m * n, n, n, grid=grid[:2],
+                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_BIAS=bias, ACCUMULATE=accumulate,
+                              num_warps=4)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
            accumulate: torch.Tensor | None = None, config: LinearConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K].T (+ bias [N]) as a new [M, N] tensor of x's dtype, or added into
@@ -198,22 +226,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
 
         return reference.linear(x, w, bias, accumulate=accumulate)
     cfg = config or pick_config(m, n, k, sm_count(x.device))
-    k_split, n_split = split_plan(k, cfg.block_k, cfg.split_k)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), n_split)
-    mode = 0 if n_split == 1 else (2 if cfg.reduce == "arrive" else 1)
+    grid, mode, n_split, ints, consts = _plan(m, n, k, x.dtype, cfg, bias is not None, accumulate is not None)
     ws = torch.empty((n_split, m, n), dtype=torch.float32, device=x.device) if mode else out
     cnt = _counters(x.device, grid[0] * grid[1]) if mode == 2 else out
     b = bias if bias is not None else out  # unread without HAS_BIAS / ACCUMULATE
     c = accumulate if accumulate is not None else out
-    _linear_kernel[grid](
-        x, w, b, c, out, ws, cnt, m, n, k, k_split, n_split, m * n, x.stride(0), w.stride(0), c.stride(0), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MODE=mode, HAS_BIAS=bias is not None,
-        ACCUMULATE=accumulate is not None, EVEN_K=k % k_split == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 or _UPCAST_BF16 and x.dtype == torch.bfloat16 else "tf32",
-        UPCAST=_UPCAST_BF16 and x.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _linear_kernel[grid](x, w, b, c, out, ws, cnt, *ints, x.stride(0), w.stride(0), c.stride(0), out.stride(0),
+                         **consts)
     if mode == 1:
-        _reduce_kernel[grid[:2]](ws, b, c, out, m, n, n_split, m * n, c.stride(0), out.stride(0), BLOCK_M=cfg.block_m,
-                                 BLOCK_N=cfg.block_n, HAS_BIAS=bias is not None,
+        _reduce_kernel[grid[:2]](ws, b, c, out, m, n, n_split, m * n, c.stride(0), out.stride(0),
+                                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_BIAS=bias is not None,
                                  ACCUMULATE=accumulate is not None, num_warps=4)
     return out

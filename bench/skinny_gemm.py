@@ -1,0 +1,427 @@
+"""Skinny GEMM sweep (issue #2's ratio-0 pass): kernels/linear's Triton kernel against cuBLAS at few rows.
+
+Llama-3-8B's projections (q|k|v, o, gate|up, down accumulating onto the residual, lm_head), bf16, at M in
+{1, 8, 32, 64, 128}. Each shape has 32 distinct weights (the 32 layers: the H100's 50 MB L2 cannot keep a
+weight between repeats; lm_head 4, each 1 GB); one CUDA graph runs the 32 GEMMs in sequence
+(``do_bench_cudagraph``, median). Reported: us per GEMM and TB/s of weight read, cuBLAS (F.linear /
+addmm_) beside every config of the sweep grid, each config first checked against the twin on the GPU.
+Then a read-bandwidth ceiling and a whole layer stack (32 x q|k|v, o, gate|up, down) with the best
+configs against cuBLAS at M = 64 and 8. Prints the best configs as kernels/linear/triton.py's CONFIGS.
+
+    python3 bench/skinny_gemm.py --out DIR/skinny_gemm.json [--quick] [--jobs 16]
+    python3 bench/skinny_gemm.py --compile-only [--quick]      # no GPU: every config compiled for sm_90
+    TRITON_INTERPRET=1 python3 bench/skinny_gemm.py --smoke    # no GPU: the whole flow on tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "kernels")]
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kernels.linear import LinearConfig, reference  # noqa: E402
+
+# name -> (N, K, accumulate onto the residual, distinct weights)
+SHAPES = {"qkv": (6144, 4096, False, 32), "o": (4096, 4096, False, 32), "gate_up": (28672, 4096, False, 32),
+          "down": (4096, 14336, True, 32), "lm_head": (128256, 4096, False, 4)}
+SMOKE_SHAPES = {"qkv": (96, 128, False, 2), "o": (128, 128, False, 2), "gate_up": (192, 128, False, 2),
+                "down": (128, 96, True, 2)}  # a tiny layer: the whole flow, layer stack included
+MS = (1, 8, 32, 64, 128)
+SMS = 132
+SMEM_LIMIT = 220 * 1024
+MIN_IN_FLIGHT = 32 * 1024
+TOL = 1e-2  # max |error| over max |twin|: bf16 rounding of the same fp32 sums is ~4e-3
+
+
+def block_ms(m: int) -> list[int]:
+    return [16] if m <= 16 else [32] if m <= 32 else [64] if m <= 64 else [64, 128]
+
+
+def grid(m: int, n: int, k: int, quick: bool) -> list[LinearConfig]:
+    """The sweep for one (M, N, K), pruned to launches that can win: tiles in shared memory, >= 2 K steps
+    a split (and no more stages than steps), enough programs for half the SMs, no split once the
+    unsplit grid already fills 4 waves, 8 warps only for tiles of >= 64 x 64 rows and columns, and at least
+    MIN_IN_FLIGHT bytes of weight loads in flight per program (latency hiding of a streamed read)."""
+    bns, bks = ((64, 128), (128, 256)) if quick else ((32, 64, 128), (64, 128, 256))
+    warps, stages = ((4,), (3, 4)) if quick else ((4, 8), (3, 4, 5))
+    out = []
+    for bm in block_ms(m):
+        for bn in bns:
+            tiles = -(-m // bm) * -(-n // bn)
+            for bk in bks:
+                for s in (1, 2, 4, 8):
+                    steps = k // (bk * s)
+                    if s > 1 and (steps < 2 or tiles * s // 2 >= 4 * SMS):
+                        continue
+                    if tiles * s < SMS // 2:
+                        continue
+                    for w in warps:
+                        if w == 8 and (bm < 64 or bn < 64):
+                            continue
+                        for st in stages:
+                            cfg = LinearConfig(bm, bn, bk, split_k=s, num_warps=w, num_stages=st)
+                            if st > steps + 1 or (st - 1) * (bm + bn) * bk * 2 > SMEM_LIMIT:
+                                continue
+                            if (st - 1) * bn * bk * 2 < MIN_IN_FLIGHT:  # too few weight bytes in flight
+                                continue
+                            out.append(cfg)
+    return out
+
+
+def smoke_grid(m: int, n: int, k: int, quick: bool) -> list[LinearConfig]:
+    return [LinearConfig(16, 32, 32, num_stages=2), LinearConfig(16, 32, 64, split_k=2, num_stages=2),
+            LinearConfig(16, 32, 32, split_k=4, num_stages=2)]
+
+
+def time_ms(fn, rep: int) -> float:
+    """Median ms of fn: replayed as a CUDA graph on CUDA; on the CPU (smoke) wall time of 3 calls."""
+    if torch.cuda.is_available():
+        import triton
+
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def check(cfg: LinearConfig | None, x, w, acc, want) -> float:
+    """Max |kernel - twin| / max |twin| of one GEMM (cfg None: cuBLAS)."""
+    from kernels.linear import linear
+
+    if acc is not None:
+        c = acc.clone()
+        got = c.addmm_(x, w.t()) if cfg is None else linear(x, w, accumulate=c, backend="triton", config=cfg)
+    else:
+        got = F.linear(x, w) if cfg is None else linear(x, w, backend="triton", config=cfg)
+    return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def gemms(cfg: LinearConfig | None, x, ws, acc):
+    """The callable timed: one GEMM per distinct weight (cfg None: cuBLAS as the model calls it)."""
+    from kernels.linear import linear
+
+    if cfg is None:
+        return (lambda: [acc.addmm_(x, w.t()) for w in ws]) if acc is not None else (
+            lambda: [F.linear(x, w) for w in ws])
+    return lambda: [linear(x, w, accumulate=acc, backend="triton", config=cfg) for w in ws]
+
+
+def precompile(tasks: list[tuple], jobs: int) -> tuple[int, list[str]]:
+    """Compile every (m, n, k, cfg, accumulate) on ``jobs`` spawned processes (Triton's disk cache is
+    shared, so the timing process then only loads them); (compiled, errors). Best effort: a failure here
+    is reported, and the config is tried (and caught) again when timed."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    if jobs <= 1 or not tasks:
+        return 0, []
+    errors, done = [], 0
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+            for err in pool.map(_warm_one, tasks, chunksize=max(1, len(tasks) // (4 * jobs))):
+                done += err is None
+                if err:
+                    errors.append(err)
+    except Exception as exc:  # no pool (sandbox, CUDA in workers): compile on first launch instead
+        errors.append(f"pool: {exc!r}"[:300])
+    return done, errors
+
+
+def _warm_one(task) -> str | None:
+    m, n, k, cfg, acc = task
+    try:
+        from kernels.linear import triton as kt
+
+        kt.warmup(m, n, k, torch.bfloat16, cfg, accumulate=acc)
+        return None
+    except Exception as exc:
+        return f"{cfg.short()} M{m} N{n} K{k}: {exc!r}"[:300]
+
+
+def sweep_one(name, m, n, k, acc_on, ws, configs, progress, task, retime: int, rep: tuple[int, int]) -> dict:
+    dev, dt = ws[0].device, ws[0].dtype
+    x = torch.randn(m, k, device=dev, dtype=dt)
+    acc = torch.randn(m, n, device=dev, dtype=dt) if acc_on else None
+    want = reference.linear(x, ws[0], accumulate=acc.clone() if acc_on else None).float()
+    wbytes = len(ws) * ws[0].numel() * ws[0].element_size()
+    row = {"shape": name, "M": m, "N": n, "K": k, "copies": len(ws), "configs": {}}
+
+    acc_t = acc.clone() if acc_on else None  # timing accumulates into this one; checks start from acc
+
+    def timed(cfg, rep_ms):
+        ms = time_ms(gemms(cfg, x, ws, acc_t), rep_ms)
+        return {"us_per_gemm": ms * 1e3 / len(ws), "tb_s": wbytes / (ms * 1e-3) / 1e12}
+
+    row["cublas"] = dict(timed(None, rep[1]), max_err=check(None, x, ws[0], acc, want))
+    for cfg in configs:
+        key = cfg.short()
+        try:
+            err = check(cfg, x, ws[0], acc, want)
+            rec = {"max_err": err, "ok": err <= TOL}
+            if rec["ok"]:
+                rec.update(timed(cfg, rep[0]))
+        except Exception as exc:  # compile failure, out of resources: reported and skipped
+            rec = {"ok": False, "error": repr(exc)[:300]}
+        row["configs"][key] = dict(rec, config=cfg.literal())
+        progress.advance(task)
+    ok = sorted((r["us_per_gemm"], key) for key, r in row["configs"].items() if r.get("ok"))
+    # the few fastest again with longer repeats, and split ones also with the kernel reduction
+    finals = {}
+    for _, key in ok[:retime]:
+        cfg = eval(row["configs"][key]["config"], {"LinearConfig": LinearConfig})
+        finals[key] = timed(cfg, rep[1])
+        if cfg.split_k > 1:
+            alt = LinearConfig(cfg.block_m, cfg.block_n, cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages, reduce="kernel")
+            try:
+                err = check(alt, x, ws[0], acc, want)
+                rec = dict(timed(alt, rep[1]), max_err=err, ok=err <= TOL, config=alt.literal())
+            except Exception as exc:
+                rec = {"ok": False, "error": repr(exc)[:300], "config": alt.literal()}
+            row["configs"][alt.short()] = rec
+            if rec.get("ok"):
+                finals[alt.short()] = {k2: rec[k2] for k2 in ("us_per_gemm", "tb_s")}
+    for key, rec in finals.items():
+        row["configs"][key]["final"] = rec
+    if finals:
+        best = min(finals, key=lambda k2: finals[k2]["us_per_gemm"])
+        row["best"] = dict(finals[best], key=best, config=row["configs"][best]["config"])
+    return row
+
+
+def ceiling(dev, smoke: bool) -> dict:
+    """Plain read bandwidth: sum over a 4 GB tensor, and a 2 GB copy (read + write)."""
+    n = (1 << 20) if smoke else (2 << 30)
+    t = torch.ones(n, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(1, device=dev, dtype=torch.float32)
+    sum_ms = time_ms(lambda: torch.sum(t, dtype=torch.float32, out=out), 100)
+    half = t[: n // 2]
+    dst = torch.empty_like(half)
+    copy_ms = time_ms(lambda: dst.copy_(half), 100)
+    res = {"sum_bytes": t.numel() * 2, "sum_tb_s": t.numel() * 2 / (sum_ms * 1e-3) / 1e12,
+           "copy_tb_s": 2 * half.numel() * 2 / (copy_ms * 1e-3) / 1e12}
+    del t, half, dst
+    return res
+
+
+def layer_stack(weights: dict, best: dict, m: int, dev) -> dict:
+    """32 x (q|k|v, o, gate|up, down onto the residual) at m rows: the best configs against cuBLAS."""
+    from kernels.linear import linear
+
+    k = weights["qkv"][0].shape[1]
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    act = torch.randn(m, weights["down"][0].shape[1], device=dev, dtype=torch.bfloat16)
+    h = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    layers = list(zip(*(weights[s] for s in ("qkv", "o", "gate_up", "down"))))
+    cfg = {s: best.get((s, m)) for s in ("qkv", "o", "gate_up", "down")}
+
+    def cublas():
+        for wq, wo, wg, wd in layers:
+            F.linear(x, wq), F.linear(x, wo), F.linear(x, wg), h.addmm_(act, wd.t())
+
+    def ours():
+        for wq, wo, wg, wd in layers:
+            linear(x, wq, backend="triton", config=cfg["qkv"])
+            linear(x, wo, backend="triton", config=cfg["o"])
+            linear(x, wg, backend="triton", config=cfg["gate_up"])
+            linear(act, wd, accumulate=h, backend="triton", config=cfg["down"])
+
+    wbytes = sum(w.numel() * 2 for ws in layers for w in ws)
+    res = {"M": m, "configs": {s: (c.literal() if c else "table/heuristic") for s, c in cfg.items()}}
+    for name, fn in (("cublas", cublas), ("triton", ours)):
+        ms = time_ms(fn, 200)
+        res[name] = {"ms": ms, "tb_s": wbytes / (ms * 1e-3) / 1e12}
+    return res
+
+
+def print_results(results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    t = Table(title=f"skinny GEMM, {results['device']} (us per GEMM / TB/s of weights)")
+    for col in ("shape", "M", "cuBLAS us", "TB/s", "best Triton", "us", "TB/s", "vs cuBLAS", "configs ok/all"):
+        t.add_column(col)
+    for r in results["rows"]:
+        b, c = r.get("best"), r["cublas"]
+        ok = sum(1 for v in r["configs"].values() if v.get("ok"))
+        t.add_row(r["shape"], str(r["M"]), f"{c['us_per_gemm']:.1f}", f"{c['tb_s']:.2f}",
+                  b["key"] if b else "-", f"{b['us_per_gemm']:.1f}" if b else "-", f"{b['tb_s']:.2f}" if b else "-",
+                  f"{c['us_per_gemm'] / b['us_per_gemm']:.2f}x" if b else "-", f"{ok}/{len(r['configs'])}")
+    con.print(t)
+    if results.get("ceiling"):
+        c = results["ceiling"]
+        con.print(f"read ceiling: sum {c['sum_tb_s']:.2f} TB/s, copy (read + write) {c['copy_tb_s']:.2f} TB/s")
+    for s in results.get("layer_stack", []):
+        con.print(f"layer stack M={s['M']}: cuBLAS {s['cublas']['ms']:.3f} ms ({s['cublas']['tb_s']:.2f} TB/s), "
+                  f"Triton {s['triton']['ms']:.3f} ms ({s['triton']['tb_s']:.2f} TB/s)")
+    bad = [(r["shape"], r["M"], k) for r in results["rows"] for k, v in r["configs"].items() if not v.get("ok")]
+    if bad:
+        con.print(f"[yellow]{len(bad)} configs failed the check or did not compile (see the JSON), e.g. {bad[:5]}")
+    con.print("\n# paste into kernels/linear/triton.py (best per (N, K) and M; cuBLAS faster where marked)")
+    print(config_table(results["rows"]))
+
+
+def config_table(rows: list[dict]) -> str:
+    by_shape: dict[tuple[int, int], list[str]] = {}
+    for r in sorted(rows, key=lambda r: (r["N"], r["K"], r["M"])):
+        if r.get("best"):
+            note = "" if r["best"]["us_per_gemm"] < r["cublas"]["us_per_gemm"] else "  # cuBLAS faster"
+            by_shape.setdefault((r["N"], r["K"]), []).append(f"        ({r['M']}, {r['best']['config']}),{note}")
+    lines = ["CONFIGS: dict[tuple[int, int], tuple[tuple[int, LinearConfig], ...]] = {"]
+    for (n, k), entries in by_shape.items():
+        lines += [f"    ({n}, {k}): ("] + entries + ["    ),"]
+    return "\n".join(lines + ["}"])
+
+
+def compile_only(quick: bool, jobs: int) -> int:
+    """Every kernel variant of the sweep compiled for sm_90 on this machine's Triton (no GPU): the
+    launch's specialisation is mirrored (pointers 16-byte aligned, integer arguments that are multiples
+    of 16 marked so, M = 1 a constant). Prints failures and the variants that spill."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    variants = {}
+    for n, k, acc, _ in SHAPES.values():
+        for m in MS:
+            for cfg in grid(m, n, k, quick):
+                variants.setdefault(_variant_key(m, n, k, cfg, acc), (m, n, k, cfg, acc))
+    print(f"{len(variants)} kernel variants to compile (Triton at {Path(__import__('triton').__file__).parent})")
+    failed = spills = 0
+    with ProcessPoolExecutor(max(1, jobs)) as pool:
+        for (m, n, k, cfg, acc), res in zip(variants.values(), pool.map(_compile_sm90, variants.values())):
+            if res.startswith("FAILED") or "stack 0 B" not in res:
+                failed += res.startswith("FAILED")
+                spills += not res.startswith("FAILED")
+                print(f"M{m} N{n} K{k} acc={acc} {cfg.short()}: {res}", flush=True)
+    print(f"{len(variants)} compiled: {failed} failed, {spills} spill")
+    return 1 if failed else 0
+
+
+def _variant_key(m, n, k, cfg, acc):
+    from kernels.linear.triton import split_plan
+
+    per, n_split = split_plan(k, cfg.block_k, cfg.split_k)
+    return (m == 1, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, n_split > 1,
+            k % per == 0, acc)
+
+
+def _compile_sm90(task) -> str:
+    os.environ["TRITON_INTERPRET"] = "0"
+    import triton
+    from compile_sm90 import TARGET, resources
+    from triton.compiler import ASTSource
+
+    from kernels.linear import triton as kt
+
+    m, n, k, cfg, acc = task
+    _, _, _, ints, consts = kt._plan(m, n, k, torch.bfloat16, cfg, False, acc)
+    opts = {o: consts.pop(o) for o in ("num_warps", "num_stages")}
+    fn = kt._linear_kernel
+    values = dict(zip(fn.arg_names[7:], (*ints, k, k, n, n)))
+    sig, attrs, consts_ = {}, {}, dict(consts)
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + ("fp32" if name == "ws_ptr" else "i32" if name == "cnt_ptr" else "bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif values[name] == 1:
+            sig[name], consts_[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if values[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    try:
+        kern = triton.compile(ASTSource(fn, sig, constexprs=consts_, attrs=attrs), target=TARGET, options=opts)
+    except Exception as exc:
+        return f"FAILED {exc!r}"[:500]
+    return f"{resources(kern.asm['cubin'])} shared {kern.metadata.shared} B"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("skinny_gemm.json"))
+    ap.add_argument("--quick", action="store_true", help="a smaller grid (BLOCK_N 64/128, BLOCK_K 128/256, 4 warps)")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows to sweep")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
+    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compiling processes")
+    ap.add_argument("--retime", type=int, default=4, help="fastest configs re-timed with longer repeats")
+    ap.add_argument("--budget-s", type=float, default=150.0,
+                    help="past this many seconds of sweeping, the remaining (shape, M) take the quick grid")
+    ap.add_argument("--compile-only", action="store_true", help="no GPU: compile every variant for sm_90")
+    ap.add_argument("--smoke", action="store_true", help="no GPU: tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    if args.compile_only:
+        return compile_only(args.quick, args.jobs)
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: use --smoke (with TRITON_INTERPRET=1) or --compile-only")
+    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--smoke runs the kernel under the interpreter: set TRITON_INTERPRET=1")
+    import triton
+    from rich.progress import Progress
+
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    shapes = SMOKE_SHAPES if args.smoke else {s: SHAPES[s] for s in args.shapes.split(",")}
+    ms = (1, 8) if args.smoke else tuple(int(m) for m in args.ms.split(","))
+    make_grid = smoke_grid if args.smoke else grid
+    rep = (1, 1) if args.smoke else (3, 25)
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter smoke)",
+               "torch": torch.__version__, "triton": triton.__version__, "quick": args.quick, "tolerance": TOL,
+               "rows": [], "compile_errors": []}
+    t0 = time.perf_counter()
+    if dev.type == "cuda":
+        results["ceiling"] = ceiling(dev, False)
+        tasks = {}
+        for n, k, acc, _ in shapes.values():
+            for m in ms:
+                for cfg in make_grid(m, n, k, args.quick):
+                    tasks.setdefault(_variant_key(m, n, k, cfg, acc), (m, n, k, cfg, acc))
+        print(f"compiling {len(tasks)} kernel variants on {args.jobs} processes", flush=True)
+        done, results["compile_errors"] = precompile(list(tasks.values()), args.jobs)
+        results["precompile_s"] = time.perf_counter() - t0
+        print(f"  {done} compiled in {results['precompile_s']:.0f} s, {len(results['compile_errors'])} errors",
+              flush=True)
+    weights, best = {}, {}
+    keep = {"qkv", "o", "gate_up", "down"}
+    with Progress() as progress:
+        for name, (n, k, acc, copies) in shapes.items():
+            ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            for m in ms:
+                quick = args.quick or time.perf_counter() - t0 > args.budget_s
+                configs = make_grid(m, n, k, quick)
+                task = progress.add_task(f"{name} M={m} ({len(configs)} configs)", total=len(configs))
+                row = sweep_one(name, m, n, k, acc, ws, configs, progress, task, args.retime, rep)
+                row["grid"] = "quick" if quick else "full"
+                results["rows"].append(row)
+                if row.get("best"):
+                    best[(name, m)] = eval(row["best"]["config"], {"LinearConfig": LinearConfig})
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(results, indent=1))
+            if name in keep:
+                weights[name] = ws
+            del ws
+    if keep <= set(weights):  # every layer shape swept (~14 GB of weights kept on the GPU)
+        results["layer_stack"] = [layer_stack(weights, best, m, dev) for m in (64, 8)]
+    results["elapsed_s"] = time.perf_counter() - t0
+    args.out.write_text(json.dumps(results, indent=1))
+    print_results(results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
