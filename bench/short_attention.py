@@ -78,19 +78,27 @@ def variants(new: int, quick: bool) -> list[PC]:
     out += [PC(**pre, min_block_n=128, num_splits=s) for s in (6, 8, 12)]
     out += [PC(**pre, block_m=128, num_warps=8, num_splits=s) for s in (4, 6, 8)]
     out += [PC(**pre, num_stages=3, num_splits=s) for s in (8, 12)]
-    out += [PC(**pre, merge="all")]  # automatic split count
+    out += [PC(**pre, merge="all"), PC(**pre, merge="all", min_split_steps=6)]  # automatic split counts
     return out[:6] if quick else out
 
 
 def name(c: PC) -> str:
     knobs = [f"{c.block_m}x{c.min_block_n}", f"w{c.num_warps}", f"s{c.num_stages}", f"splits={c.num_splits or 'auto'}"]
+    knobs += [f"min{c.min_split_steps}"] if c.min_split_steps != PC().min_split_steps else []
     knobs += [k for k, on in (("exact", c.exact_tiles), ("steps", c.plan == "steps"), ("prefetch", c.prefetch_kv),
                               ("merge-all", c.merge == "all")) if on]
     return "/".join(knobs)
 
 
-def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool) -> dict:
+def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool, pad: bool) -> dict:
     p = kb.paged(1, ctx, chunk, new, bs, dev)
+    k4, v4 = kb.contiguous_kv(p, inv)  # the peer's keys, before the table is padded
+    if pad:  # as the engine's static tail: entries padded to 256 key slots, naming a block with no slot visible
+        n_pad = -p["block_ids"].numel() % max(1, 256 // bs)
+        z = torch.zeros(n_pad, dtype=torch.int32, device=dev)
+        p["block_ids"], p["offsets"] = torch.cat([p["block_ids"], z]), torch.cat([p["offsets"], z])
+        p["masks"] = torch.cat([p["masks"], z.long()])
+        p["cu_entries"] = torch.tensor([0, p["block_ids"].numel()], dtype=torch.int32, device=dev)
     q = torch.randn((new, kb.HQ, kb.D), device=dev, dtype=torch.bfloat16)
     q_pos = torch.arange(ctx, ctx + new, device=dev, dtype=torch.int32)
     cu_q = torch.tensor([0, new], device=dev, dtype=torch.int32)
@@ -101,8 +109,8 @@ def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool) -> 
     want, _ = paged_prefill_attention(q.float(), q_pos, p["k_cache"].float(), p["v_cache"].float(), p["slot_pos"],
                                       p["block_ids"], p["offsets"], p["masks"], cu_q, p["cu_entries"], inv, scale,
                                       backend="torch")
-    res = {"ctx": ctx, "chunk": chunk, "new": new, "block_size": bs, "layers_cold": LAYERS, "variants": {}}
-    k4, v4 = kb.contiguous_kv(p, inv)
+    res = {"ctx": ctx, "chunk": chunk, "new": new, "block_size": bs, "layers_cold": LAYERS,
+           "entries": p["block_ids"].numel(), "variants": {}}
     peers = [(k4, v4)] + [(k4.clone(), v4.clone()) for _ in range(LAYERS - 1)]
     q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
     call, res["sdpa_backend"], res["sdpa_rel"] = kb.sdpa_peer(q4, k4, v4, True, want.transpose(0, 1).unsqueeze(0))
@@ -153,6 +161,7 @@ def main() -> int:
     ap.add_argument("--new", default="64,528", help="query counts (the suffix; 528 = ratio 0.15's tail)")
     ap.add_argument("--bs", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="a few variants only (checks the script)")
+    ap.add_argument("--no-pad", action="store_true", help="leave the table unpadded (the engine pads it)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     inv = rope_inv_freq(kb.D, 500000.0, kb.LLAMA3).to(dev)
@@ -160,7 +169,7 @@ def main() -> int:
                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "default": name(PC()), "scenarios": []}
     for new in (int(n) for n in args.new.split(",")):
-        results["scenarios"].append(scenario(3072, 512, new, args.bs, dev, inv, args.quick))
+        results["scenarios"].append(scenario(3072, 512, new, args.bs, dev, inv, args.quick, not args.no_pad))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))
     for s in results["scenarios"]:

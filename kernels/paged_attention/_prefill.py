@@ -84,6 +84,7 @@ class PrefillConfig:
     prefetch_entries: int = 32  # entries per prefetch round
     # how split partials are merged (kernels/lse_merge): "loop" over parts, or "all" parts loaded at once
     merge: str = "loop"
+    min_split_steps: int = 8  # the automatic split count leaves each split at least this many steps
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -351,7 +352,8 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
     # sequence b's tiles start at cu_q[b] // BLOCK_T + b (no host sync), so each sequence may own one tile past
     # its end; with one sequence the exact count is known
     n_tiles = triton.cdiv(t, block_t) if cfg.exact_tiles and n_seqs == 1 else t // block_t + n_seqs
-    nsplit = cfg.num_splits or pick_splits(n_tiles * hkv, n_entries // max(1, n_seqs) // nb, q.device)
+    nsplit = cfg.num_splits or pick_splits(n_tiles * hkv, n_entries // max(1, n_seqs) // nb, q.device,
+                                           cfg.min_split_steps)
     gp = triton.next_power_of_2(n_entries + 2)  # lanes of the "steps" plan: more than any sequence's groups
     plan_steps = cfg.plan == "steps" and nsplit > 1 and gp <= MAX_PLAN_GROUPS
     interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no inline assembly there
@@ -404,9 +406,9 @@ def step_key_bounds(packed: PackedTable, slot_pos: torch.Tensor, bs: int, nb: in
     return key_hi
 
 
-def pick_splits(programs: int, steps: int, device) -> int:
-    """KV splits so that about two programs run per SM, each with at least 8 steps of keys. (A 64-token
+def pick_splits(programs: int, steps: int, device, min_steps: int = 8) -> int:
+    """KV splits so that about two programs run per SM, each with at least min_steps steps of keys. (A 64-token
     suffix over 6 x 512 cached tokens on an H100, bench/short_attention.json: 3 splits of ~17 steps
     34.2 us, 6 of ~9 steps 30.9 us, 12 of ~4 steps 41.2 us; each split searches its own offset groups.)"""
     want = triton.cdiv(2 * sm_count(device), max(1, programs))
-    return max(1, min(want, steps // 8))
+    return max(1, min(want, steps // max(1, min_steps)))
