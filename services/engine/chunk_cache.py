@@ -32,6 +32,18 @@ def chunk_id(fingerprint: str, tokens: Iterable[int]) -> str:
     return h.hexdigest()
 
 
+def chunk_ids_of(fingerprint: str, flat: np.ndarray, lengths: list[int]) -> list[str]:
+    """chunk_id of each of the chunks laid one after another in ``flat`` (int64), ``lengths`` [chunks]:
+    the hashes read the array's slices in place."""
+    ids, at = [], 0
+    for n in lengths:
+        h = hashlib.sha256(fingerprint.encode())
+        h.update(flat[at:at + n])
+        ids.append(h.hexdigest())
+        at += n
+    return ids
+
+
 @dataclass(slots=True)
 class ChunkEntry:
     """KV of one chunk: ``length`` tokens laid densely over ``blocks`` (all layers).

@@ -9,6 +9,7 @@ Public API (services, tests and outside checks call exactly this):
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from kernels.paged_attention import MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
 from services.engine.blend import BlendConfig
 from services.engine.block_pool import BlockPool
 from services.engine.block_table import BlockTable
-from services.engine.chunk_cache import ChunkCache, chunk_id
+from services.engine.chunk_cache import ChunkCache, chunk_id, chunk_ids_of
 from services.engine.config import ModelConfig
 from services.engine.forward import Forward
 from services.engine.handoff import Handoff, import_sequence
@@ -32,17 +33,25 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def _token_ids(tokens) -> tuple[list[int], tuple[int, int] | None]:
-    """Token ids as a list of Python ints, and their (min, max) (None when there are none): through
-    numpy when it takes them (several times faster than int() per token), else one by one."""
-    try:
-        arr = np.asarray(tokens, dtype=np.int64)
-        if arr.ndim == 1:
-            return arr.tolist(), (int(arr.min()), int(arr.max())) if arr.size else None
-    except (OverflowError, TypeError, ValueError):
-        pass  # ids past int64 or not numbers: int() says which
-    ids = list(map(int, tokens))
-    return ids, (min(ids), max(ids)) if ids else None
+def _request_ids(chunks, suffix) -> tuple[list[list[int]], list[int], np.ndarray | None]:
+    """The request's parts as lists of Python ints, and every id, chunks then suffix, in one int64 array
+    (None when some id does not fit int64: the caller then names it). One numpy conversion per part:
+    the bounds check and the chunk ids read the array."""
+    arrays, parts = [], []
+    for p in (*chunks, suffix):
+        try:
+            arr = np.asarray(p, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            arr = None  # ids past int64 or not numbers: int() says which
+        if arr is None or arr.ndim != 1:
+            parts.append(list(map(int, p)))
+            arrays = None
+            continue
+        parts.append(arr.tolist())
+        if arrays is not None:
+            arrays.append(arr)
+    flat = np.concatenate(arrays) if arrays else None
+    return parts[:-1], parts[-1], flat
 
 
 def _default_backend(device: torch.device) -> str:
@@ -127,13 +136,12 @@ class Engine:
 
     # ------------------------------------------------------------------ validation
     def _validate(self, chunks, suffix, mode: str, recompute_ratio: float, extra_tokens: int = 0):
+        """-> (chunks, suffix) as lists of ints, and the chunks' ids; a clear ValueError for bad input."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
         if not 0.0 <= float(recompute_ratio) <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
-        chunks, bounds = zip(*map(_token_ids, chunks or [])) if chunks else ((), ())
-        chunks = list(chunks)
-        suffix, suffix_bounds = _token_ids(suffix or [])
+        chunks, suffix, flat = _request_ids(list(chunks if chunks is not None else []), [] if suffix is None else suffix)
         if not suffix:
             raise ValueError("empty request: the suffix must hold at least one token" if not any(chunks)
                              else "the suffix must hold at least one token (logits are taken after it)")
@@ -141,11 +149,11 @@ class Engine:
             if not c:
                 raise ValueError(f"chunk {i} is empty")
         vocab = self.cfg.vocab_size
-        for where, ids, (lo, hi) in [*((f"chunk {i}", c, b) for i, (c, b) in enumerate(zip(chunks, bounds))),
-                                     ("suffix", suffix, suffix_bounds)]:
-            if lo < 0 or hi >= vocab:  # the offender is looked up only then
-                bad = next(t for t in ids if not 0 <= t < vocab)
-                raise ValueError(f"token id {bad} in {where} is outside the vocabulary [0, {vocab})")
+        if flat is None or flat.min() < 0 or flat.max() >= vocab:  # the offender is looked up only then
+            for where, ids in [*((f"chunk {i}", c) for i, c in enumerate(chunks)), ("suffix", suffix)]:
+                bad = next((t for t in ids if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise ValueError(f"token id {bad} in {where} is outside the vocabulary [0, {vocab})")
         total = sum(map(len, chunks)) + len(suffix) + extra_tokens
         limit = self.cfg.max_position_embeddings
         if self.cfg.sliding_window:
@@ -162,7 +170,7 @@ class Engine:
         if mode == "tessera" and last_start > MAX_OFFSET:
             starts = torch.tensor([sum(map(len, chunks[:i])) for i in range(len(chunks))], dtype=torch.int64)
             check_encodable(self.block_size, torch.zeros(0, dtype=torch.int32), starts)
-        return chunks, suffix
+        return chunks, suffix, chunk_ids_of(self.fingerprint, flat, list(map(len, chunks)))
 
     # ------------------------------------------------------------------ public API
     def chunk_id(self, tokens) -> str:
@@ -171,8 +179,8 @@ class Engine:
     @torch.no_grad()
     def prefill(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15) -> PrefillResult:
         """Next-token logits after chunks + suffix; the request's private KV is freed afterwards."""
-        chunks, suffix = self._validate(chunks, suffix, mode, recompute_ratio)
-        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio))
+        chunks, suffix, ids = self._validate(chunks, suffix, mode, recompute_ratio)
+        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids)
         self.release(seq)
         return PrefillResult(logits, stats)
 
@@ -181,9 +189,9 @@ class Engine:
                  top_k: int = 0, seed: int | None = None, mode: str = "tessera", recompute_ratio: float = 0.15,
                  stop_token_ids: list[int] | None = None) -> list[int]:
         params = SamplingParams(temperature, top_p, top_k, seed, max_new_tokens)
-        chunks, suffix = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=max_new_tokens)
+        chunks, suffix, ids = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=max_new_tokens)
         stops = set(self._stop_ids() if stop_token_ids is None else stop_token_ids)
-        logits, seq, _ = self._prefill(chunks, suffix, mode, float(recompute_ratio))
+        logits, seq, _ = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids)
         out: list[int] = []
         try:
             gen = params.generator(self.device)
@@ -219,8 +227,8 @@ class Engine:
         ``on_logits``, exports and releases. A serving worker issues the next request's pass between the
         two, so that its host work overlaps this pass on the device. Nothing else may use the engine
         until ``finish`` is called, but another ``begin_prefill_handoff``."""
-        chunks, suffix = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
-        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), fetch, on_computed)
+        chunks, suffix, ids = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
+        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), fetch, on_computed, ids)
         try:
             # what the export reads on the host starts on its way first: reading the first token (a sync)
             # then delivers it, and the export after the first token waits for nothing on the device
@@ -259,11 +267,11 @@ class Engine:
             return []
         return list(eos) if isinstance(eos, list) else [eos]
 
-    def _prefill(self, chunks, suffix, mode, ratio, fetch=None, on_computed=None):
+    def _prefill(self, chunks, suffix, mode, ratio, fetch=None, on_computed=None, ids=None):
         stats = PrefillStats(mode=mode, recompute_ratio=ratio, check_layer=self.blend.check_layer,
                              chunks=len(chunks), chunk_tokens=sum(map(len, chunks)), suffix_tokens=len(suffix))
         t0 = time.perf_counter()
-        logits, seq = self.forward.prefill(chunks, suffix, mode, ratio, self.blend, stats, fetch, on_computed)
+        logits, seq = self.forward.prefill(chunks, suffix, mode, ratio, self.blend, stats, fetch, on_computed, ids)
         stats.total_seconds = time.perf_counter() - t0
         return logits, seq, stats
 

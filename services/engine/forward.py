@@ -193,11 +193,12 @@ class Forward:
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, chunks, suffix, mode: str, ratio: float, blend: BlendConfig, stats: PrefillStats,
-                fetch=None, on_computed=None):
+                fetch=None, on_computed=None, ids: list[str] | None = None):
+        """``ids``: the chunks' ids (chunk_id of each, as Engine._validate computed them), or None."""
         if mode in ("full", "prefix"):
             return self._prefill_dense(chunks, suffix, mode, stats)
         try:
-            return self._prefill_reuse(chunks, suffix, mode, ratio, blend, stats, fetch, on_computed)
+            return self._prefill_reuse(chunks, suffix, mode, ratio, blend, stats, fetch, on_computed, ids)
         finally:
             gate, self._gate = self._gate, None
             if gate is not None:
@@ -265,14 +266,14 @@ class Forward:
         stats.forward_seconds = time.perf_counter() - t0
         return logits, Sequence([table] * self.cfg.num_layers, pinned, private, start + len(suffix))
 
-    def _place(self, chunks, mode, stats, fetch=None, on_computed=None) -> list[PlacedChunk]:
+    def _place(self, chunks, mode, stats, fetch=None, on_computed=None, ids=None) -> list[PlacedChunk]:
         """Find every chunk in the device cache, else stream it from the store (``fetch``), else compute
         it alone: position-agnostic (tessera, blend_copy) or one replica per position (position_aware)."""
         placed, start, loads = [], 0, []
         t0 = time.perf_counter()
         try:
-            for c in chunks:
-                cid = chunk_id(self._fingerprint, c)
+            for i, c in enumerate(chunks):
+                cid = ids[i] if ids is not None else chunk_id(self._fingerprint, c)
                 aware = mode == "position_aware"
                 key = f"{cid}@{start}" if aware else cid
                 entry = self.cache.acquire(key)
@@ -357,8 +358,9 @@ class Forward:
     def _recompute_load(self, load: ChunkLoad) -> None:
         self._compute_into(load.entry.blocks, load.tokens, 0)
 
-    def _prefill_reuse(self, chunks, suffix, mode, ratio, blend: BlendConfig, stats, fetch=None, on_computed=None):
-        placed = self._place(chunks, mode, stats, fetch, on_computed)
+    def _prefill_reuse(self, chunks, suffix, mode, ratio, blend: BlendConfig, stats, fetch=None, on_computed=None,
+                       ids=None):
+        placed = self._place(chunks, mode, stats, fetch, on_computed, ids)
         pinned = [p.entry for p in placed]
         private: list[int] = []
         try:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from services.engine import Engine
 from services.engine.block_pool import PoolExhausted
+from services.engine.chunk_cache import chunk_id, chunk_ids_of
 
 from .conftest import random_request
 
@@ -89,3 +91,20 @@ def test_pinned_chunks_overflow_the_budget_only_while_in_flight(tiny_dir):
     assert eng.pool.num_free + sum(len(e.blocks) for e in eng.cache._entries.values()) == eng.pool.usable_blocks
     out = eng.prefill(chunks[:2], suffix, mode="tessera")  # still serves what fits
     assert torch.isfinite(out.logits).all()
+
+
+def test_request_chunk_ids_are_the_chunk_ids_the_cache_keys_by(engine):
+    """The ids a request's validation computes from its one int64 array equal chunk_id of each chunk, from
+    lists, tuples, numpy arrays and tensors alike, and the chunks come back as lists of Python ints."""
+    chunks, suffix = random_request(11, lengths=(5, 17, 1))
+    forms = [chunks, [tuple(c) for c in chunks], [np.asarray(c, dtype=np.int32) for c in chunks],
+             [torch.tensor(c) for c in chunks]]
+    for form in forms:
+        got, sfx, ids = engine._validate(form, torch.tensor(suffix), "tessera", 0.0)
+        assert got == chunks and sfx == suffix
+        assert all(type(t) is int for c in got for t in c) and all(type(t) is int for t in sfx)
+        assert ids == [chunk_id(engine.fingerprint, c) for c in chunks] == [engine.chunk_id(c) for c in chunks]
+    flat = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])
+    assert chunk_ids_of("fp", flat, [len(c) for c in chunks]) == [chunk_id("fp", c) for c in chunks]
+    engine.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.0)
+    assert all(i in engine.cache for i in ids)

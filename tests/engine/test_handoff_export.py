@@ -30,8 +30,8 @@ class Ops(TorchDispatchMode):
 
 
 def _prefilled(eng, chunks, suffix, mode, ratio):
-    chunks, suffix = eng._validate(chunks, suffix, mode, ratio)
-    logits, seq, _ = eng._prefill(chunks, suffix, mode, float(ratio))
+    chunks, suffix, ids = eng._validate(chunks, suffix, mode, ratio)
+    logits, seq, _ = eng._prefill(chunks, suffix, mode, float(ratio), ids=ids)
     return logits, seq
 
 
