@@ -155,6 +155,18 @@ def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool, pad
     return res
 
 
+def compile_report(dump: Path | None) -> list:
+    """No GPU: every 64-query variant compiled for sm_90 (bench/kernels.py's compile_sm90: registers, stack,
+    SASS counts of the step loop), one variant at a time, the split merge stubbed out (it would launch)."""
+    rows = []
+    _prefill.merge_rows = lambda o, l, dt, all_parts=False: (o[0].to(dt), l[0])  # noqa: E731, E741
+    for c in variants(64, False):
+        for row in kb.compile_sm90([c], 16, dump):
+            if row["variant"].endswith("/rot"):
+                rows.append({**row, "variant": name(c)})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "short_attention.json")
@@ -162,7 +174,14 @@ def main() -> int:
     ap.add_argument("--bs", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="a few variants only (checks the script)")
     ap.add_argument("--no-pad", action="store_true", help="leave the table unpadded (the engine pads it)")
+    ap.add_argument("--compile-only", action="store_true", help="no GPU: compile every variant for sm_90")
+    ap.add_argument("--dump-asm", type=Path, help="with --compile-only: write each variant's TTGIR and SASS here")
     args = ap.parse_args()
+    if args.compile_only:
+        rows = compile_report(args.dump_asm)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"triton": triton.__version__, "compile": rows}, indent=1))
+        return 0
     dev = torch.device("cuda")
     inv = rope_inv_freq(kb.D, 500000.0, kb.LLAMA3).to(dev)
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
