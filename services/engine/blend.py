@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kernels.rope import rope_cos_sin, rotate
-from services.engine.block_table import BlockTable, dense_run, full_mask, host_to_device
+from services.engine.block_table import BlockTable, dense_run, full_mask, host_to_device_many
 from services.engine.request import PlacedChunk, Sequence
 
 DEVIATION_METRICS = ("k", "v", "kv")
@@ -96,25 +96,28 @@ class RequestTables:
         first_entry = len(x[0]) + ends + 1 - np.asarray(n_blocks, dtype=np.int64)
         pad_before = first_entry * bs - np.asarray([p.start for p in placed], dtype=np.int64)
         self.n_x_entries, self.n_c_entries = len(x[0]), len(c_ids)
-        rows = [np.concatenate([x[i], part, sfx[i]]) for i, part in enumerate(
-            (c_ids, np.repeat(np.asarray(rots, dtype=np.int64), n_blocks), c_masks))]
-        e, w, k, n_s = len(rows[0]), n_extra + len(suffix), len(placed), len(suffix)
-        flat = host_to_device(np.concatenate([np.asarray(suffix, dtype=np.int64), *rows, x[3], sfx[3], x[4], sfx[4],
-                                              pad_before, rots, lengths]), torch.int64, dev)
-        ids_s, at = flat[:n_s], n_s
-        self.rows, at = flat[at:at + 3 * e].view(3, e), at + 3 * e
-        self.w_block, self.w_slot, at = flat[at:at + w], flat[at + w:at + 2 * w], at + 2 * w
-        self._per_chunk = flat[at:at + 3 * k].view(3, k)  # pad_before, rot, length of each chunk
+        rows = np.stack([np.concatenate([x[i], part, sfx[i]]) for i, part in enumerate(
+            (c_ids, np.repeat(np.asarray(rots, dtype=np.int64), n_blocks), c_masks))])
+        n_s, n_all = len(suffix), self.n_chunk + len(suffix)
+        # positions of every token that runs (all of them when chunk tokens run too), then the write slots:
+        # with no extra tokens the suffix's (position, block, slot) rows lie together (``tokens``)
+        pos = np.arange(0 if with_chunk_ids else self.n_chunk, n_all, dtype=np.int64)
+        w_block, w_slot = np.concatenate([x[3], sfx[3]]), np.concatenate([x[4], sfx[4]])
+        ids_s, lanes, self.rows, self._per_chunk, s_flat, ids_offs, pos_s32 = host_to_device_many([
+            np.asarray(suffix, dtype=np.int64), np.concatenate([pos, w_block, w_slot]), rows,
+            np.stack([pad_before, np.asarray(rots, dtype=np.int64), np.asarray(lengths, dtype=np.int64)]),
+            sfx[3] * bs + sfx[4], rows[:2].astype(np.int32), pos[-n_s:].astype(np.int32)], dev)
+        n_pos, w = len(pos), n_extra + n_s
+        self.pos, self.w_block, self.w_slot = lanes[:n_pos], lanes[n_pos:n_pos + w], lanes[n_pos + w:]
+        self.pos_s = self.pos[-n_s:]
+        self.tokens = lanes[n_pos - n_s:].view(3, n_s) if n_extra == 0 else None  # pos_s, s_block, s_slot
         # chunk ids memoised on their entries: the token lists do not cross to the device again
         self.ids = torch.cat([fwd.chunk_ids(p.entry, c) for p, c in zip(placed, chunks)] + [ids_s]) \
             if with_chunk_ids else ids_s
         self.max_offset = max(rots + [0])
-        self.ids_offs = self.rows[:2].to(torch.int32)
-        n_all = self.n_chunk + self.n_suffix
-        self.pos = torch.arange(self.n_chunk if not with_chunk_ids else 0, n_all, device=dev)
-        self.pos_s = self.pos[-self.n_suffix:]
+        self.ids_offs = ids_offs
         # the suffix's slots hold their global positions (read by every kernel's causal test)
-        fwd.pool.slot_pos[self.s_block, self.s_slot] = self.pos_s.to(torch.int32)
+        fwd.pool.slot_pos.view(-1).index_copy_(0, s_flat, pos_s32)
         self._chunk_tokens = None
 
     @property
@@ -217,7 +220,7 @@ def blend_pass(fwd, placed, chunks, pinned, private, suffix, mode, ratio, blend:
 
     if ratio == 0.0:
         tables = [base] * n_layers
-        logits = fwd._run(rt.ids, rt.pos_s, tables, rt.s_block, rt.s_slot, causal=False)
+        logits = fwd._run(rt.ids, rt.pos_s, tables, rt.s_block, rt.s_slot, causal=False, tokens=rt.tokens)
     else:
         logits, tables = _blend_layers(fwd, rt, base, copy, full_extra, n_keep, blend, stats)
     stats.private_blocks_allocated += len(private)

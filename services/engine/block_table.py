@@ -28,6 +28,29 @@ def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Te
     return t.pin_memory().to(device, non_blocking=True)
 
 
+_TORCH_INT = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+
+
+def host_to_device_many(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host int64/int32 arrays as device tensors of the same dtypes and shapes, from ONE pinned
+    asynchronous copy of their bytes (int64 ones first, so each view is aligned): what a pass knows on
+    the host goes over without a cast or an arange on the device."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    order = sorted(range(len(arrays)), key=lambda i: -arrays[i].itemsize)
+    starts, total = {}, 0
+    for i in order:
+        if arrays[i].dtype not in _TORCH_INT:
+            raise ValueError(f"host_to_device_many takes int64/int32 arrays, got {arrays[i].dtype}")
+        starts[i] = total
+        total += arrays[i].nbytes
+    staged = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    raw = staged.numpy()
+    for i in order:
+        raw[starts[i]:starts[i] + arrays[i].nbytes] = arrays[i].reshape(-1).view(np.uint8)
+    dev = staged.to(device, non_blocking=True) if device.type == "cuda" else staged.to(device)
+    return [dev[starts[i]:starts[i] + a.nbytes].view(_TORCH_INT[a.dtype]).view(a.shape) for i, a in enumerate(arrays)]
+
+
 def full_mask(n: int) -> int:
     """Slot mask with the first n slots visible, as a signed int64 value."""
     m = (1 << n) - 1

@@ -50,11 +50,12 @@ class Forward:
         """Whether a pass of n_tokens active tokens replays its remaining layers as a static tail."""
         return self.tails is not None and n_tokens <= STATIC_MAX_TOKENS and self._settled()
 
-    def _tail(self, first: int, h, pos, table: BlockTable, w_block, w_slot, causal: bool | None = None):
+    def _tail(self, first: int, h, pos, table: BlockTable, w_block, w_slot, causal: bool | None = None,
+              tokens: torch.Tensor | None = None):
         """Layers [first, L) for active tokens that all attend ``table``; returns h after the last layer
-        (``causal`` as in _attend)."""
+        (``causal`` as in _attend; ``tokens`` as in _run)."""
         if self.static_tail(h.shape[0]):
-            return self.tails.run(first, h, pos, table, w_block, w_slot)
+            return self.tails.run(first, h, pos, table, w_block, w_slot, tokens=tokens)
         for layer in range(first, self.cfg.num_layers):
             self._wait(layer)
             q, _, _ = self.model.attention_inputs(layer, h, pos, write=self.pool.at(layer, w_block, w_slot))
@@ -128,12 +129,13 @@ class Forward:
         return BlockTable.from_rows(flat[:3 * e].view(3, e), 0, n), flat[3 * e:3 * e + n], flat[3 * e + n:]
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, tables, write_block, write_slot, last_only=True,
-             skip_last_layer=False, causal: bool | None = None):
-        """Plain pass: every token active at every layer, all of them written to their slots."""
+             skip_last_layer=False, causal: bool | None = None, tokens: torch.Tensor | None = None):
+        """Plain pass: every token active at every layer, all of them written to their slots. ``tokens``:
+        pos, write_block and write_slot as the rows of one [3, n] tensor, when the caller has them so."""
         h = self.model.embed(ids)
         n_layers = self.cfg.num_layers
         if not skip_last_layer and all(t is tables[0] for t in tables):
-            h = self._tail(0, h, pos, tables[0], write_block, write_slot, causal)
+            h = self._tail(0, h, pos, tables[0], write_block, write_slot, causal, tokens)
             return self.model.logits(h[-1:] if last_only else h)[-1]
         for layer in range(n_layers):
             self._wait(layer)

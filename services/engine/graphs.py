@@ -223,10 +223,11 @@ class StaticTail:
             h = model.finish_layer(layer, h, self.attention(layer, q))
         self.out.copy_(h)
 
-    def fill(self, h, pos, table, w_block, w_slot, qkv=None, rows=None) -> None:
+    def fill(self, h, pos, table, w_block, w_slot, qkv=None, rows=None, tokens=None) -> None:
         """Load one request's inputs into the static buffers: tokens h [n] at positions pos [n],
         writing their K/V at (w_block, w_slot) [n], attending ``table``. With ``rows`` [n], h (and
-        each of ``qkv``, layer first's q, k, v) hold more rows, and rows says which go on."""
+        each of ``qkv``, layer first's q, k, v) hold more rows, and rows says which go on.
+        ``tokens``: pos, w_block, w_slot as the rows of one [3, n] tensor (one copy fewer)."""
         n = pos.shape[0]
         if rows is None:
             self.h[:n] = h
@@ -234,7 +235,7 @@ class StaticTail:
             torch.index_select(h, 0, rows, out=self.h[:n])
             for src, buf in zip(qkv, self.qkv):
                 torch.index_select(src, 0, rows, out=buf[:n])
-        self.tokens[:, :n] = torch.stack([pos, w_block, w_slot])
+        self.tokens[:, :n] = tokens if tokens is not None else torch.stack([pos, w_block, w_slot])
         if n < self._filled:  # rows of a longer request become padding again
             self.tokens[:, n:self._filled] = self._pad[:, n:self._filled]
         self._filled = n
@@ -260,9 +261,9 @@ class TailCache:
         self.graph_pool = torch.cuda.graph_pool_handle() if fwd.device.type == "cuda" else None
         self.replays = 0
 
-    def run(self, first, h, pos, table, w_block, w_slot, qkv=None, rows=None) -> torch.Tensor:
+    def run(self, first, h, pos, table, w_block, w_slot, qkv=None, rows=None, tokens=None) -> torch.Tensor:
         """h after layers [first, L) for tokens h [n, hidden] at pos [n] against ``table``; see
-        StaticTail.fill for ``qkv`` and ``rows``."""
+        StaticTail.fill for ``qkv``, ``rows`` and ``tokens``."""
         n = pos.shape[0]
         key = (first, bucket(n, T_BUCKET), entry_bucket(table.num_entries, self.fwd.pool.block_size), qkv is not None)
         tail = self.tails.get(key)
@@ -271,6 +272,6 @@ class TailCache:
                 self.tails.popitem(last=False)
             tail = self.tails[key] = StaticTail(self.fwd, first, key[1], key[2], self.graph_pool, key[3])
         self.tails.move_to_end(key)
-        tail.fill(h, pos, table, w_block, w_slot, qkv, rows)
+        tail.fill(h, pos, table, w_block, w_slot, qkv, rows, tokens)
         self.replays += 1
         return tail.run()[:n]
