@@ -78,7 +78,10 @@ def variants(new: int, quick: bool) -> list[PC]:
     out += [PC(**pre, min_block_n=128, num_splits=s) for s in (6, 8, 12)]
     out += [PC(**pre, block_m=128, num_warps=8, num_splits=s) for s in (4, 6, 8)]
     out += [PC(**pre, num_stages=3, num_splits=s) for s in (8, 12)]
-    out += [PC(**pre, merge="all"), PC(**pre, merge="all", min_split_steps=6)]  # automatic split counts
+    best = dict(pre, merge="all")
+    out += [PC(**best, index32=True, num_splits=s) for s in (6, 8, 12)]
+    out += [PC(**best, narrow_partials=True, num_splits=8), PC(**best, index32=True, narrow_partials=True, num_splits=8)]
+    out += [PC(**best), PC(**best, min_split_steps=6), PC(**best, index32=True, min_split_steps=6)]  # automatic counts
     return out[:6] if quick else out
 
 
@@ -86,7 +89,8 @@ def name(c: PC) -> str:
     knobs = [f"{c.block_m}x{c.min_block_n}", f"w{c.num_warps}", f"s{c.num_stages}", f"splits={c.num_splits or 'auto'}"]
     knobs += [f"min{c.min_split_steps}"] if c.min_split_steps != PC().min_split_steps else []
     knobs += [k for k, on in (("exact", c.exact_tiles), ("steps", c.plan == "steps"), ("prefetch", c.prefetch_kv),
-                              ("merge-all", c.merge == "all")) if on]
+                              ("merge-all", c.merge == "all"), ("idx32", c.index32),
+                              ("bf16-partials", c.narrow_partials)) if on]
     return "/".join(knobs)
 
 

@@ -85,6 +85,11 @@ class PrefillConfig:
     # how split partials are merged (kernels/lse_merge): "loop" over parts, or "all" parts loaded at once
     merge: str = "loop"
     min_split_steps: int = 8  # the automatic split count leaves each split at least this many steps
+    # the step loop's block ids, slot masks and K/V row offsets in 32 bits (used only where the caches have
+    # fewer than 2**31 elements, the launcher checks): ~490 of a step's 930 SASS instructions are integer work
+    index32: bool = False
+    # split partials written in q's dtype instead of fp32 (half the merge's reads, one more rounding)
+    narrow_partials: bool = False
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -111,7 +116,7 @@ def _prefill_kernel(
     ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr, DOT_F32: tl.constexpr,
     ROT_MODE: tl.constexpr, ROT_NARROW: tl.constexpr, GROUP_GUARD: tl.constexpr, SEARCH: tl.constexpr,
     PLAN_STEPS: tl.constexpr = False, GP: tl.constexpr = 1, PREFETCH_KV: tl.constexpr = False,
-    EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1,
+    EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1, IDX32: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     tile = tl.program_id(0)
@@ -223,7 +228,7 @@ def _prefill_kernel(
             m_i, l_i, acc = _group_attention(
                 qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
                 mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32,
-                SPLIT)
+                SPLIT, IDX32)
         if ROTATE:
             if ROT_MODE == "early":
                 qa = qn
@@ -253,7 +258,7 @@ def _prefill_kernel(
 def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
                      mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h,
                      BS: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, MASK_IN_WORD: tl.constexpr,
-                     DOT_F32: tl.constexpr, SPLIT: tl.constexpr):
+                     DOT_F32: tl.constexpr, SPLIT: tl.constexpr, IDX32: tl.constexpr = False):
     """Online softmax of the (rotated) query tile over entries e_begin..e_end of one offset group.
     The query is qa [BLOCK_M, D], or (SPLIT) its halves qa, qb [BLOCK_M, D/2] against K's halves.
 
@@ -270,13 +275,18 @@ def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k
         e = e_start + n // BS  # [BLOCK_N] entry of each key row
         e_ok = e < e_end
         word = tl.load(meta_ptr + e, mask=e_ok, other=0)
-        blk = word >> 32
-        if MASK_IN_WORD:
+        if IDX32:  # 32-bit block ids, masks and row offsets: about half the integer work of a step
+            blk = (word >> 32).to(tl.int32)
+        else:
+            blk = word >> 32
+        if MASK_IN_WORD and IDX32:
+            bits = word.to(tl.int32) & 0xFFFF
+        elif MASK_IN_WORD:
             bits = word
         else:
             bits = tl.load(mask_ptr + e, mask=e_ok, other=0)
         vis = (((bits >> slot) & 1) != 0) & e_ok
-        k_row = blk * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64
+        k_row = blk * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64 (int32 with IDX32)
         if SPLIT:  # two [BLOCK_N, D/2] tiles, one dot each
             k1 = tl.load(k_ptr + k_row[:, None] + dh[None, :], mask=vis[:, None], other=0.0)
             k2 = tl.load(k_ptr + k_row[:, None] + (dh + D // 2)[None, :], mask=vis[:, None], other=0.0)
@@ -361,7 +371,8 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         out = torch.empty_like(q)
         lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
     else:  # partial results per split, merged by LSE below
-        out = torch.empty((nsplit, t, hq, dim), dtype=torch.float32, device=q.device)
+        out = torch.empty((nsplit, t, hq, dim), dtype=q.dtype if cfg.narrow_partials else torch.float32,
+                          device=q.device)
         lse = torch.empty((nsplit, t, hq), dtype=torch.float32, device=q.device)
     if t == 0:
         return (out, lse) if nsplit == 1 else (torch.empty_like(q), lse[0])
@@ -385,6 +396,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         SEARCH=nsplit > 1, PLAN_STEPS=plan_steps, GP=gp if plan_steps else 1,
         PREFETCH_KV=cfg.prefetch_kv and not interpreted, EPS=cfg.prefetch_entries,
         LINES=max(1, dim * k_cache.element_size() // 128), LINE=max(1, 128 // k_cache.element_size()),
+        IDX32=cfg.index32 and max(_span(k_cache), _span(slot_pos)) < 2**31,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if nsplit == 1:
@@ -392,6 +404,11 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
     merged, merged_lse = merge_rows(out.reshape(nsplit, t * hq, dim), lse.reshape(nsplit, t * hq), q.dtype,
                                     all_parts=cfg.merge == "all")
     return merged.reshape(t, hq, dim), merged_lse.reshape(t, hq)
+
+
+def _span(x: torch.Tensor) -> int:
+    """Elements from x's first to its last (its largest offset + 1, whatever its strides)."""
+    return 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
 
 
 def step_key_bounds(packed: PackedTable, slot_pos: torch.Tensor, bs: int, nb: int) -> torch.Tensor:

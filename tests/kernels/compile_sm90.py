@@ -86,10 +86,12 @@ def kernels():
     yield "prefill-splits-search", lambda: compile_kernel(  # several KV splits: each searches its groups
         _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True),
         dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    for nb in (4, 8):  # the short-query knobs: whole-step split plan, K/V prefetched to L2 (64 / 128 keys a step)
-        yield f"prefill-short-plan-nb{nb}", lambda nb=nb: compile_kernel(
+    for nb, idx32 in ((4, False), (4, True), (8, False)):  # the short-query knobs: whole-step split plan, K/V
+        # prefetched to L2, 64 / 128 keys a step, 32-bit indices in the step loop
+        yield f"prefill-short-plan-nb{nb}{'-idx32' if idx32 else ''}", lambda nb=nb, idx32=idx32: compile_kernel(
             _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True, NB=nb,
-                                                PLAN_STEPS=True, GP=256, PREFETCH_KV=True, EPS=32, LINES=2, LINE=64),
+                                                PLAN_STEPS=True, GP=256, PREFETCH_KV=True, EPS=32, LINES=2, LINE=64,
+                                                IDX32=idx32),
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for name, fn in vars(_prefill).items():  # helper kernels of the prefill module (metadata passes)
         if isinstance(fn, triton.runtime.JITFunction) and name != "_prefill_kernel" and \

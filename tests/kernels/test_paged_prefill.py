@@ -188,11 +188,13 @@ def test_kv_splits_touch_only_their_groups(splits):
 SHORT_VARIANTS = [
     PrefillConfig(block_m=32, min_block_n=32, num_splits=s, plan="steps", exact_tiles=True, merge=m, prefetch_kv=True)
     for s, m in ((2, "loop"), (5, "all"), (8, "all"))] + [
-    PrefillConfig(block_m=32, min_block_n=64, num_splits=3, plan="steps", merge="all")]
+    PrefillConfig(block_m=32, min_block_n=64, num_splits=3, plan="steps", merge="all", index32=True,
+                  narrow_partials=True)]
 
 
 @pytest.mark.parametrize("cfg", SHORT_VARIANTS, ids=[
-    f"splits{c.num_splits}-{c.merge}-n{c.min_block_n}" + ("-exact" if c.exact_tiles else "") for c in SHORT_VARIANTS])
+    f"splits{c.num_splits}-{c.merge}-n{c.min_block_n}" + ("-exact" if c.exact_tiles else "") +
+    ("-idx32-narrow" if c.index32 else "") for c in SHORT_VARIANTS])
 def test_short_query_knobs_match_twin(cfg):
     """Several sequences (groups narrower and wider than a split, a one-entry sequence, more splits than
     steps), hidden slots, scattered queries, a 17-token suffix (a partial tile): equal to the twin; then one
