@@ -98,8 +98,8 @@ def time_ms(fn, rep: int) -> float:
     return statistics.median(times)
 
 
-def check(cfg: LinearConfig | None, x, w, acc, want) -> float:
-    """Max |kernel - twin| / max |twin| of one GEMM (cfg None: cuBLAS)."""
+def run_one(cfg: LinearConfig | None, x, w, acc) -> torch.Tensor:
+    """One GEMM's output (cfg None: cuBLAS), accumulating onto a copy of acc."""
     from kernels.linear import linear
 
     if acc is not None:
@@ -107,6 +107,12 @@ def check(cfg: LinearConfig | None, x, w, acc, want) -> float:
         got = c.addmm_(x, w.t()) if cfg is None else linear(x, w, accumulate=c, backend="triton", config=cfg)
     else:
         got = F.linear(x, w) if cfg is None else linear(x, w, backend="triton", config=cfg)
+    return got
+
+
+def check(cfg: LinearConfig | None, x, w, acc, want) -> float:
+    """Max |kernel - twin| / max |twin| of one GEMM (cfg None: cuBLAS)."""
+    got = run_one(cfg, x, w, acc)
     return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
@@ -172,6 +178,9 @@ def sweep_one(name, m, n, k, acc_on, ws, configs, progress, task, retime: int, r
         try:
             err = check(cfg, x, ws[0], acc, want)
             rec = {"max_err": err, "ok": err <= TOL}
+            if cfg.split_k > 1 and rec["ok"]:  # the split reduction's order is fixed: the same bits again
+                rec["ok"] = rec["repeatable"] = bool(torch.equal(run_one(cfg, x, ws[0], acc),
+                                                                 run_one(cfg, x, ws[0], acc)))
             if rec["ok"]:
                 rec.update(timed(cfg, rep[0]))
         except Exception as exc:  # compile failure, out of resources: reported and skipped

@@ -54,7 +54,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
     m_ok = offs_m < M
     n_ok = offs_n < N
     # weight rows past N wrap onto valid ones (their columns are never stored): no mask on the stream
-    rn = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N).to(tl.int64)
+    rn = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     k0 = pid_k * k_split
     k_end = tl.minimum(K, k0 + k_split)
