@@ -125,13 +125,24 @@ def _prefill_kernel(
 
     # which sequence owns this tile: the last b with cu_q[b] // BLOCK_T + b <= tile
     bi = tl.arange(0, B_PAD)
-    starts = tl.load(cu_q_ptr + bi, mask=bi < n_seqs, other=0) // BLOCK_T + bi
+    if PLAN_STEPS:  # both bound vectors at once, the sequence's bounds taken from their lanes: no dependent load
+        cu_all = tl.load(cu_q_ptr + bi, mask=bi <= n_seqs, other=0)
+        cg_all = tl.load(cu_g_ptr + bi, mask=bi <= n_seqs, other=0)
+        starts = cu_all // BLOCK_T + bi
+    else:
+        starts = tl.load(cu_q_ptr + bi, mask=bi < n_seqs, other=0) // BLOCK_T + bi
     b = tl.sum(((starts <= tile) & (bi < n_seqs)).to(tl.int32), axis=0) - 1
-    q_lo = tl.load(cu_q_ptr + b)
-    q_hi = tl.load(cu_q_ptr + b + 1)
+    if PLAN_STEPS:
+        q_lo = tl.sum(tl.where(bi == b, cu_all, 0), axis=0)
+        q_hi = tl.sum(tl.where(bi == b + 1, cu_all, 0), axis=0)
+        g_lo = tl.sum(tl.where(bi == b, cg_all, 0), axis=0)
+        g_hi = tl.sum(tl.where(bi == b + 1, cg_all, 0), axis=0)
+    else:
+        q_lo = tl.load(cu_q_ptr + b)
+        q_hi = tl.load(cu_q_ptr + b + 1)
+        g_lo = tl.load(cu_g_ptr + b)
+        g_hi = tl.load(cu_g_ptr + b + 1)
     t0 = q_lo + (tile - (q_lo // BLOCK_T + b)) * BLOCK_T
-    g_lo = tl.load(cu_g_ptr + b)
-    g_hi = tl.load(cu_g_ptr + b + 1)
     g_hi = tl.where(t0 < q_hi, g_hi, g_lo)  # a tile past the sequence's end loops zero times
     # this split's share of the sequence's entries
     e_lo = tl.load(starts_ptr + g_lo)
