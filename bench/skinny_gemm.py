@@ -51,7 +51,8 @@ def block_ms(m: int) -> list[int]:
 def grid(m: int, n: int, k: int, quick: bool) -> list[LinearConfig]:
     """The sweep for one (M, N, K), pruned to launches that can win: tiles in shared memory, >= 2 K steps
     a split (and no more stages than steps), enough programs for half the SMs, no split once the
-    unsplit grid already fills 4 waves, 8 warps only for tiles of >= 64 x 64 rows and columns, and at least
+    unsplit grid already fills 4 waves, 8 warps only for tiles of >= 64 x 64 rows and columns, at most 64
+    fp32 accumulators a thread (128 x 128 on 4 warps spills on Triton 3.6), and at least
     MIN_IN_FLIGHT bytes of weight loads in flight per program (latency hiding of a streamed read)."""
     bns, bks = ((64, 128), (128, 256)) if quick else ((32, 64, 128), (64, 128, 256))
     warps, stages = ((4,), (3, 4)) if quick else ((4, 8), (3, 4, 5))
@@ -67,8 +68,8 @@ def grid(m: int, n: int, k: int, quick: bool) -> list[LinearConfig]:
                     if tiles * s < SMS // 2:
                         continue
                     for w in warps:
-                        if w == 8 and (bm < 64 or bn < 64):
-                            continue
+                        if w == 8 and (bm < 64 or bn < 64) or bm * bn > 64 * 32 * w:
+                            continue  # 8 warps for small tiles idle; > 64 fp32 accumulators a thread spill
                         for st in stages:
                             cfg = LinearConfig(bm, bn, bk, split_k=s, num_warps=w, num_stages=st)
                             if st > steps + 1 or (st - 1) * (bm + bn) * bk * 2 > SMEM_LIMIT:
@@ -216,7 +217,7 @@ def ceiling(dev, smoke: bool) -> dict:
     """Plain read bandwidth: sum over a 4 GB tensor, and a 2 GB copy (read + write)."""
     n = (1 << 20) if smoke else (2 << 30)
     t = torch.ones(n, device=dev, dtype=torch.bfloat16)
-    out = torch.empty(1, device=dev, dtype=torch.float32)
+    out = torch.empty((), device=dev, dtype=torch.float32)
     sum_ms = time_ms(lambda: torch.sum(t, dtype=torch.float32, out=out), 100)
     half = t[: n // 2]
     dst = torch.empty_like(half)
