@@ -73,6 +73,20 @@ def test_half_dtypes(dtype, name):
         assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -10
 
 
+def test_strided_rows_of_x_and_accumulate():
+    """x and accumulate as row slices of wider buffers (a row stride past their width)."""
+    x = torch.randn(5, 96)[:, :64]
+    w = torch.randn(40, 64)
+    c_base = torch.randn(5, 56)
+    c = c_base[:, 8:48]
+    outside = torch.cat([c_base[:, :8], c_base[:, 48:]], dim=1)
+    want = linear(x, w, accumulate=c.clone())
+    got = linear(x, w, accumulate=c, backend="triton", config=CONFIGS["s2-arrive"])
+    assert got.data_ptr() == c.data_ptr() and rel_err(got, want) <= TOL[torch.float32]
+    assert torch.equal(torch.cat([c_base[:, :8], c_base[:, 48:]], dim=1), outside)  # columns beside it untouched
+    assert rel_err(linear(x, w, backend="triton", config=SMALL), x @ w.t()) <= TOL[torch.float32]
+
+
 def test_split_reduction_is_deterministic_and_counters_reset():
     """Repeated last-arrival launches give the same bits (fixed split order) and leave every counter 0."""
     x, w, b, _ = _operands(3, 70, 80, torch.float32, bias=True)
