@@ -7,6 +7,8 @@ bench/kernels.py measured fastest on an H100 (see bench/kernels.md).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kernels.paged_attention import _decode, _prefill
@@ -21,6 +23,12 @@ __all__ = ["paged_prefill_attention", "paged_decode_attention", "paged_prefill_p
 # Measured (bench/kernels.md, run 4): the table is 0.5-1% faster in both kernels, so it is the default.
 PREFILL_COS_SIN_TABLE = True
 DECODE_COS_SIN_TABLE = True
+
+# paged_prefill_packed's configuration for calls of at most SHORT_PREFILL_TOKENS query tokens (a short suffix
+# over many chunks: few query tiles, the grid made of KV splits; bench/short_attention.py times the candidates);
+# None: the default PrefillConfig for every call
+SHORT_PREFILL: _prefill.PrefillConfig | None = None
+SHORT_PREFILL_TOKENS = 128
 
 
 def _check(q, k_cache, v_cache, inv_freq, cu_entries) -> None:
@@ -93,9 +101,20 @@ def paged_prefill_packed(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTab
         if t.dtype != dt or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous {dt}, got {t.dtype}")
     q = q if q.stride(2) == 1 else q.contiguous()
-    cfg = _prefill.PrefillConfig(num_splits=num_splits)  # None: the kernel picks its splits from the shapes
+    cfg = prefill_config(q.shape[0], num_splits)
+    if key_hi is not None and cfg.min_block_n != _prefill.PrefillConfig().min_block_n:
+        key_hi = None  # prefill_key_bounds computed them for the default's step: recompute for this one
     return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale, cfg=cfg,
                            key_hi=key_hi)
+
+
+def prefill_config(n_tokens: int, num_splits: int | None = None) -> _prefill.PrefillConfig:
+    """The configuration paged_prefill_packed launches n_tokens queries with (SHORT_PREFILL for short calls);
+    num_splits None: the kernel picks its splits from the shapes."""
+    base = SHORT_PREFILL if SHORT_PREFILL is not None and n_tokens <= SHORT_PREFILL_TOKENS else None
+    if base is None:
+        return _prefill.PrefillConfig(num_splits=num_splits)
+    return dataclasses.replace(base, num_splits=num_splits if num_splits is not None else base.num_splits)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, cu_entries, inv_freq, scale):

@@ -222,3 +222,28 @@ def test_short_query_knobs_are_checked():
         PrefillConfig(plan="diagonal")
     with pytest.raises(ValueError, match="merge"):
         PrefillConfig(merge="tree")
+
+
+@pytest.mark.parametrize("min_block_n", [64, 128])
+def test_short_prefill_config_is_used_for_short_calls(monkeypatch, min_block_n):
+    """triton.SHORT_PREFILL configures paged_prefill_packed's calls of few tokens (and only those); key bounds
+    computed for the default's step are recomputed when the short configuration steps differently."""
+    from kernels.paged_attention import triton as kt
+
+    inv = rope_inv_freq(64, 500000.0, LLAMA3)
+    case = build([([200, 150], 9)], 16, 2, 64, inv, dtype=torch.float32, base=900)  # groups of 13 and 10 entries
+    case.masks[5] &= ~(1 << 3)  # a slot hidden in the second half of a 128-key step whose first half is whole
+    case.masks[19] &= ~(1 << 9)
+    q, q_pos, cu_q = prefill_queries(case, [9], [2], 8, torch.float32)
+    want, want_lse = _run(case, q, q_pos, cu_q, 0.125, "torch")
+    packed = pack(case.block_ids, case.offsets, case.masks, 16, inv, with_table=False, cu_entries=case.cu_entries)
+    short = PrefillConfig(block_m=32, min_block_n=min_block_n, num_splits=3, exact_tiles=True, plan="steps",
+                          merge="all", index32=True)
+    monkeypatch.setattr(kt, "SHORT_PREFILL", short)
+    assert kt.prefill_config(11) == short and kt.prefill_config(11, 2).num_splits == 2
+    assert kt.prefill_config(kt.SHORT_PREFILL_TOKENS + 1) == PrefillConfig()
+    key_hi = kt.prefill_key_bounds(packed, case.slot_pos)
+    out, lse = kt.paged_prefill_packed(q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, 0.125,
+                                       key_hi=key_hi)
+    assert rel_err(out, want) <= TOL[torch.float32]
+    assert_lse_close(lse, want_lse, 50 * TOL[torch.float32])
