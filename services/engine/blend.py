@@ -21,6 +21,7 @@ the whole request, never a per-chunk loop or a sync, while the GPU is still busy
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -84,25 +85,33 @@ class RequestTables:
         private += x_blocks
         s_blocks = cache.allocate(-(-len(suffix) // bs), for_cache=False)
         private += s_blocks
-        x = dense_run(x_blocks, n_extra, bs)
+        x = dense_run(x_blocks, n_extra, bs) if n_extra else None
         sfx = dense_run(s_blocks, len(suffix), bs)
-        c_ids = np.asarray([b for p in placed for b in p.entry.blocks], dtype=np.int64)
+        c_ids = np.fromiter(itertools.chain.from_iterable(p.entry.blocks for p in placed), dtype=np.int64)
         n_blocks = [len(p.entry.blocks) for p in placed]
-        c_masks = np.full(len(c_ids), full_mask(bs), dtype=np.int64)
+        rots = [p.rot for p in placed]
+        n_x, n_c = len(x_blocks), len(c_ids)
+        # entries [extra | chunks | suffix] as (block id, offset, mask) rows
+        rows = np.empty((3, n_x + n_c + len(s_blocks)), dtype=np.int64)
+        for i in range(3):
+            if x is not None:
+                rows[i, :n_x] = x[i]
+            rows[i, n_x + n_c:] = sfx[i]
+        rows[0, n_x:n_x + n_c] = c_ids
+        rows[1, n_x:n_x + n_c] = np.repeat(np.asarray(rots, dtype=np.int64), n_blocks)
+        c_masks = rows[2, n_x:n_x + n_c]
+        c_masks[:] = full_mask(bs)
         ends = np.cumsum(n_blocks, dtype=np.int64) - 1
         c_masks[ends] = [full_mask(n - (nb - 1) * bs) for n, nb in zip(lengths, n_blocks)]  # each chunk's last
-        rots = [p.rot for p in placed]
         # a chunk token's index in entry order (its entry = // BS, its slot = % BS) is its position plus this
-        first_entry = len(x[0]) + ends + 1 - np.asarray(n_blocks, dtype=np.int64)
+        first_entry = n_x + ends + 1 - np.asarray(n_blocks, dtype=np.int64)
         pad_before = first_entry * bs - np.asarray([p.start for p in placed], dtype=np.int64)
-        self.n_x_entries, self.n_c_entries = len(x[0]), len(c_ids)
-        rows = np.stack([np.concatenate([x[i], part, sfx[i]]) for i, part in enumerate(
-            (c_ids, np.repeat(np.asarray(rots, dtype=np.int64), n_blocks), c_masks))])
+        self.n_x_entries, self.n_c_entries = n_x, n_c
         n_s, n_all = len(suffix), self.n_chunk + len(suffix)
         # positions of every token that runs (all of them when chunk tokens run too), then the write slots:
         # with no extra tokens the suffix's (position, block, slot) rows lie together (``tokens``)
         pos = np.arange(0 if with_chunk_ids else self.n_chunk, n_all, dtype=np.int64)
-        w_block, w_slot = np.concatenate([x[3], sfx[3]]), np.concatenate([x[4], sfx[4]])
+        w_block, w_slot = (sfx[3], sfx[4]) if x is None else (np.concatenate([x[3], sfx[3]]), np.concatenate([x[4], sfx[4]]))
         ids_s, lanes, self.rows, self._per_chunk, s_flat, ids_offs, pos_s32 = host_to_device_many([
             np.asarray(suffix, dtype=np.int64), np.concatenate([pos, w_block, w_slot]), rows,
             np.stack([pad_before, np.asarray(rots, dtype=np.int64), np.asarray(lengths, dtype=np.int64)]),

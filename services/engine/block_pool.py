@@ -57,6 +57,8 @@ class BlockPool:
     def allocate(self, n: int, contiguous: bool = False) -> list[int]:
         """n free blocks, the lowest ids first; ``contiguous``: consecutive ids where some run of n is
         free (else any n)."""
+        if n <= 0:
+            return []
         if n > self._n_free:
             raise PoolExhausted(f"KV pool exhausted: {n} blocks wanted, {self._n_free} free of {self.num_blocks}")
         ids = None

@@ -35,20 +35,28 @@ def host_to_device_many(arrays: list[np.ndarray], device: torch.device) -> list[
     """Host int64/int32 arrays as device tensors of the same dtypes and shapes, from ONE pinned
     asynchronous copy of their bytes (int64 ones first, so each view is aligned): what a pass knows on
     the host goes over without a cast or an arange on the device."""
-    arrays = [np.ascontiguousarray(a) for a in arrays]
-    order = sorted(range(len(arrays)), key=lambda i: -arrays[i].itemsize)
-    starts, total = {}, 0
-    for i in order:
-        if arrays[i].dtype not in _TORCH_INT:
-            raise ValueError(f"host_to_device_many takes int64/int32 arrays, got {arrays[i].dtype}")
-        starts[i] = total
-        total += arrays[i].nbytes
-    staged = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    for a in arrays:
+        if a.dtype not in _TORCH_INT:
+            raise ValueError(f"host_to_device_many takes int64/int32 arrays, got {a.dtype}")
+    wide = [a.dtype.itemsize == 8 for a in arrays]
+    n64 = sum(a.size for a, w in zip(arrays, wide) if w)
+    n32 = sum(a.size for a, w in zip(arrays, wide) if not w)
+    staged = torch.empty(8 * n64 + 4 * n32 + 8, dtype=torch.uint8, pin_memory=device.type == "cuda")
     raw = staged.numpy()
-    for i in order:
-        raw[starts[i]:starts[i] + arrays[i].nbytes] = arrays[i].reshape(-1).view(np.uint8)
-    dev = staged.to(device, non_blocking=True) if device.type == "cuda" else staged.to(device)
-    return [dev[starts[i]:starts[i] + a.nbytes].view(_TORCH_INT[a.dtype]).view(a.shape) for i, a in enumerate(arrays)]
+    lanes = (raw[:8 * n64].view(np.int64), raw[8 * n64:8 * n64 + 4 * n32].view(np.int32))
+    at, spans = [0, 0], []
+    for a, w in zip(arrays, wide):
+        lane = 0 if w else 1
+        lanes[lane][at[lane]:at[lane] + a.size] = a.reshape(-1)
+        spans.append((lane, at[lane], a.size))
+        at[lane] += a.size
+    dev = staged.to(device, non_blocking=True)
+    typed = (dev[:8 * n64].view(torch.int64), dev[8 * n64:8 * n64 + 4 * n32].view(torch.int32))
+    out = []
+    for a, (lane, start, size) in zip(arrays, spans):
+        t = typed[lane][start:start + size]
+        out.append(t if a.ndim == 1 else t.view(a.shape))
+    return out
 
 
 def full_mask(n: int) -> int:
