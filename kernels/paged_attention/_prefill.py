@@ -79,7 +79,7 @@ class PrefillConfig:
     # how KV splits cut a sequence (_prefill_split.py): "entries" (equal entry runs, binary-searched groups) or
     # "steps" (equal runs of whole steps, groups found from one vector load)
     plan: str = "entries"
-    # each split asks L2 for all its K/V rows before its first step (PTX prefetch; off in the interpreter)
+    # each split asks L2 for its share of its K/V rows before its first step (PTX prefetch; loads in the interpreter)
     prefetch_kv: bool = False
     prefetch_entries: int = 32  # entries per prefetch round
     # how split partials are merged (kernels/lse_merge): "loop" over parts, or "all" parts loaded at once
@@ -117,6 +117,7 @@ def _prefill_kernel(
     ROT_MODE: tl.constexpr, ROT_NARROW: tl.constexpr, GROUP_GUARD: tl.constexpr, SEARCH: tl.constexpr,
     PLAN_STEPS: tl.constexpr = False, GP: tl.constexpr = 1, PREFETCH_KV: tl.constexpr = False,
     EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1, IDX32: tl.constexpr = False,
+    PREFETCH_EMULATE: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     tile = tl.program_id(0)
@@ -143,6 +144,7 @@ def _prefill_kernel(
         g_lo = tl.load(cu_g_ptr + b)
         g_hi = tl.load(cu_g_ptr + b + 1)
     t0 = q_lo + (tile - (q_lo // BLOCK_T + b)) * BLOCK_T
+    b_seq = b  # (the entry plan's searches reuse the name b)
     g_hi = tl.where(t0 < q_hi, g_hi, g_lo)  # a tile past the sequence's end loops zero times
     # this split's share of the sequence's entries
     e_lo = tl.load(starts_ptr + g_lo)
@@ -176,8 +178,13 @@ def _prefill_kernel(
                 a = mid + 1
         g_hi = a
         e_lo = tl.load(starts_ptr + g_lo)
-    if PREFETCH_KV:
-        prefetch_kv(k_ptr, v_ptr, meta_ptr, lo, hi, h, stride_kb, stride_ks, stride_kh, BS, EPS, LINES, LINE)
+    if PREFETCH_KV:  # the sequence's tiles read the same keys: each prefetches its share of the split's entries
+        n_t = tl.cdiv(q_hi - q_lo, BLOCK_T)
+        j_t = tile - (q_lo // BLOCK_T + b_seq)
+        share = tl.cdiv(hi - lo, tl.maximum(n_t, 1))
+        p_lo = lo + j_t * share
+        prefetch_kv(k_ptr, v_ptr, meta_ptr, p_lo, tl.minimum(p_lo + share, hi), h, stride_kb, stride_ks, stride_kh,
+                    BS, EPS, LINES, LINE, PREFETCH_EMULATE)
 
     r = tl.arange(0, BLOCK_M)
     tok = t0 + r // G_PAD
@@ -377,7 +384,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
                                            cfg.min_split_steps)
     gp = triton.next_power_of_2(n_entries + 2)  # lanes of the "steps" plan: more than any sequence's groups
     plan_steps = cfg.plan == "steps" and nsplit > 1 and gp <= MAX_PLAN_GROUPS
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no inline assembly there
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no inline assembly there: prefetches emulated
     if nsplit == 1:
         out = torch.empty_like(q)
         lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
@@ -405,7 +412,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         ROTATE=rotate, USE_TABLE=packed.table is not None, MASK_IN_WORD=packed.mask_in_word,
         DOT_F32=dot_f32(q.dtype), ROT_MODE=cfg.rot_mode, ROT_NARROW=cfg.rot_narrow, GROUP_GUARD=cfg.group_guard,
         SEARCH=nsplit > 1, PLAN_STEPS=plan_steps, GP=gp if plan_steps else 1,
-        PREFETCH_KV=cfg.prefetch_kv and not interpreted, EPS=cfg.prefetch_entries,
+        PREFETCH_KV=cfg.prefetch_kv, PREFETCH_EMULATE=interpreted, EPS=cfg.prefetch_entries,
         LINES=max(1, dim * k_cache.element_size() // 128), LINE=max(1, 128 // k_cache.element_size()),
         IDX32=cfg.index32 and max(_span(k_cache), _span(slot_pos)) < 2**31,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -15,7 +15,7 @@ Two ways to cut a sequence into n_split parts (PrefillConfig.plan):
 prefetch_kv asks L2 for every K/V row of a run of entries (PTX prefetch.global.L2, a hint: results do not
 depend on it): in the engine every layer's keys come from HBM (the matmuls between layers evict L2), and
 the step loop keeps only one step of K/V in flight, so each step waits for HBM latency; prefetched rows are
-L2 hits. Inline assembly does not run in Triton's interpreter: the launcher turns it off there.
+L2 hits. Inline assembly does not run in Triton's interpreter: there the same addresses are read instead.
 """
 
 from __future__ import annotations
@@ -63,9 +63,11 @@ def plan_by_steps(starts_ptr, g_lo, g_hi, split, n_split, NB: tl.constexpr, GP: 
 
 @triton.jit
 def prefetch_kv(k_ptr, v_ptr, meta_ptr, e_lo, e_hi, h, stride_kb, stride_ks, stride_kh,
-                BS: tl.constexpr, EPS: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
+                BS: tl.constexpr, EPS: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr,
+                EMULATE: tl.constexpr = False):
     """prefetch.global.L2 of KV head h's rows of entries [e_lo, e_hi), EPS entries at a time: each row is
-    LINES cache lines of LINE elements. Reading the entries' words also leaves them in L1 for the step loop."""
+    LINES cache lines of LINE elements. Reading the entries' words also leaves them in L1 for the step loop.
+    EMULATE (the interpreter, which has no inline assembly): plain loads of the same addresses instead."""
     r = tl.arange(0, EPS * BS * LINES)
     slot = (r // LINES) % BS
     line = r % LINES
@@ -75,7 +77,11 @@ def prefetch_kv(k_ptr, v_ptr, meta_ptr, e_lo, e_hi, h, stride_kb, stride_ks, str
         blk = tl.load(meta_ptr + e, mask=ok, other=0) >> 32
         row = blk * stride_kb + slot * stride_ks + h * stride_kh + line * LINE
         row = tl.where(ok, row, 0)  # a masked lane prefetches row 0 of block 0: harmless, and valid memory
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [k_ptr + row],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [v_ptr + row],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        if EMULATE:
+            tl.load(k_ptr + row)
+            tl.load(v_ptr + row)
+        else:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [k_ptr + row],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [v_ptr + row],
+                                      dtype=tl.int32, is_pure=False, pack=1)
