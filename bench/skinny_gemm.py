@@ -9,7 +9,8 @@ Then a read-bandwidth ceiling and a whole layer stack (32 x q|k|v, o, gate|up, d
 configs against cuBLAS at M = 64 and 8. Prints the best configs as kernels/linear/triton.py's CONFIGS.
 
     python3 bench/skinny_gemm.py --out DIR/skinny_gemm.json [--quick] [--jobs 16]
-    python3 bench/skinny_gemm.py --compile-only [--quick]      # no GPU: every config compiled for sm_90
+    python3 bench/skinny_gemm.py --compile-only [--quick]      # no GPU: every variant compiled for sm_90
+                                                               # (tests/kernels/compile_linear_sm90.py)
     TRITON_INTERPRET=1 python3 bench/skinny_gemm.py --smoke    # no GPU: the whole flow on tiny shapes
 """
 
@@ -222,10 +223,8 @@ def ceiling(dev, smoke: bool) -> dict:
     half = t[: n // 2]
     dst = torch.empty_like(half)
     copy_ms = time_ms(lambda: dst.copy_(half), 100)
-    res = {"sum_bytes": t.numel() * 2, "sum_tb_s": t.numel() * 2 / (sum_ms * 1e-3) / 1e12,
-           "copy_tb_s": 2 * half.numel() * 2 / (copy_ms * 1e-3) / 1e12}
-    del t, half, dst
-    return res
+    return {"sum_bytes": t.numel() * 2, "sum_tb_s": t.numel() * 2 / (sum_ms * 1e-3) / 1e12,
+            "copy_tb_s": 2 * half.numel() * 2 / (copy_ms * 1e-3) / 1e12}
 
 
 def layer_stack(weights: dict, best: dict, m: int, dev) -> dict:
@@ -298,68 +297,19 @@ def config_table(rows: list[dict]) -> str:
     return "\n".join(lines + ["}"])
 
 
-def compile_only(quick: bool, jobs: int) -> int:
-    """Every kernel variant of the sweep compiled for sm_90 on this machine's Triton (no GPU): the
-    launch's specialisation is mirrored (pointers 16-byte aligned, integer arguments that are multiples
-    of 16 marked so, M = 1 a constant). Prints failures and the variants that spill."""
-    from concurrent.futures import ProcessPoolExecutor
-
-    variants = {}
-    for n, k, acc, _ in SHAPES.values():
-        for m in MS:
-            for cfg in grid(m, n, k, quick):
-                variants.setdefault(_variant_key(m, n, k, cfg, acc), (m, n, k, cfg, acc))
-    print(f"{len(variants)} kernel variants to compile (Triton at {Path(__import__('triton').__file__).parent})")
-    failed = spills = 0
-    with ProcessPoolExecutor(max(1, jobs)) as pool:
-        for (m, n, k, cfg, acc), res in zip(variants.values(), pool.map(_compile_sm90, variants.values())):
-            if res.startswith("FAILED") or "stack 0 B" not in res:
-                failed += res.startswith("FAILED")
-                spills += not res.startswith("FAILED")
-                print(f"M{m} N{n} K{k} acc={acc} {cfg.short()}: {res}", flush=True)
-    print(f"{len(variants)} compiled: {failed} failed, {spills} spill")
-    return 1 if failed else 0
-
-
-def _variant_key(m, n, k, cfg, acc):
+def variants(shapes: dict, ms, quick: bool) -> dict:
+    """Every distinct kernel compilation of the sweep: key -> (m, n, k, cfg, accumulate)."""
     from kernels.linear.triton import split_plan
 
-    per, n_split = split_plan(k, cfg.block_k, cfg.split_k)
-    return (m == 1, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, n_split > 1,
-            k % per == 0, acc)
-
-
-def _compile_sm90(task) -> str:
-    os.environ["TRITON_INTERPRET"] = "0"
-    import triton
-    from compile_sm90 import TARGET, resources
-    from triton.compiler import ASTSource
-
-    from kernels.linear import triton as kt
-
-    m, n, k, cfg, acc = task
-    _, _, _, ints, consts = kt._plan(m, n, k, torch.bfloat16, cfg, False, acc)
-    opts = {o: consts.pop(o) for o in ("num_warps", "num_stages")}
-    fn = kt._linear_kernel
-    values = dict(zip(fn.arg_names[7:], (*ints, k, k, n, n)))
-    sig, attrs, consts_ = {}, {}, dict(consts)
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = "*" + ("fp32" if name == "ws_ptr" else "i32" if name == "cnt_ptr" else "bf16")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif values[name] == 1:
-            sig[name], consts_[name] = "constexpr", 1
-        else:
-            sig[name] = "i32"
-            if values[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    try:
-        kern = triton.compile(ASTSource(fn, sig, constexprs=consts_, attrs=attrs), target=TARGET, options=opts)
-    except Exception as exc:
-        return f"FAILED {exc!r}"[:500]
-    return f"{resources(kern.asm['cubin'])} shared {kern.metadata.shared} B"
+    out = {}
+    for n, k, acc, _ in shapes.values():
+        for m in ms:
+            for cfg in grid(m, n, k, quick):
+                per, n_split = split_plan(k, cfg.block_k, cfg.split_k)
+                key = (m == 1, m % 16 == 0, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                       n_split > 1, k % per == 0, acc)
+                out.setdefault(key, (m, n, k, cfg, acc))
+    return out
 
 
 def main() -> int:
@@ -376,7 +326,9 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="no GPU: tiny shapes on the CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if args.compile_only:
-        return compile_only(args.quick, args.jobs)
+        from compile_linear_sm90 import compile_all
+
+        return compile_all(list(variants(SHAPES, MS, args.quick).values()), args.jobs)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --smoke (with TRITON_INTERPRET=1) or --compile-only")
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
@@ -396,11 +348,7 @@ def main() -> int:
     t0 = time.perf_counter()
     results["ceiling"] = ceiling(dev, args.smoke)
     if dev.type == "cuda":
-        tasks = {}
-        for n, k, acc, _ in shapes.values():
-            for m in ms:
-                for cfg in make_grid(m, n, k, args.quick):
-                    tasks.setdefault(_variant_key(m, n, k, cfg, acc), (m, n, k, cfg, acc))
+        tasks = variants(shapes, ms, args.quick)
         print(f"compiling {len(tasks)} kernel variants on {args.jobs} processes", flush=True)
         done, results["compile_errors"] = precompile(list(tasks.values()), args.jobs)
         results["precompile_s"] = time.perf_counter() - t0

@@ -1,0 +1,91 @@
+"""Compile the skinny-GEMM kernel (kernels/linear) for an H100 (sm_90) without a GPU, for every kernel
+variant of bench/skinny_gemm.py's sweep on Llama-3-8B's projections (bf16), printing the variants that
+fail or spill (see compile_sm90.py for what this catches).
+
+    python tests/kernels/compile_linear_sm90.py [--quick] [--jobs N]
+
+(``bench/skinny_gemm.py --compile-only`` runs the same.) With the device's Triton 3.6: put an unpacked
+Triton 3.6 wheel first on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
+from compile_sm90 import TARGET, resources  # noqa: E402  (sets TRITON_INTERPRET=0 first)
+
+
+def compile_variant(task) -> str:
+    """Compile one (m, n, k, cfg, accumulate) launch as ``kernels.linear.triton.linear`` would make it:
+    pointers 16-byte aligned, integer arguments that are multiples of 16 marked so, those equal to 1
+    constants (Triton's launch-time specialisation); its resources, or 'FAILED ...'."""
+    os.environ["TRITON_INTERPRET"] = "0"
+    import torch
+    import triton
+    from triton.compiler import ASTSource
+
+    from kernels.linear import triton as kt
+
+    m, n, k, cfg, acc = task
+    _, mode, _, ints, consts = kt._plan(m, n, k, torch.bfloat16, cfg, False, acc)
+    opts = {o: consts.pop(o) for o in ("num_warps", "num_stages")}
+    fn = kt._linear_kernel
+    values = dict(zip(fn.arg_names[7:], (*ints, k, k, n, n)))  # then the strides of x, w, accumulate, out
+    ptr_types = dict(ws_ptr="fp32" if mode else "bf16", cnt_ptr="i32" if mode == 2 else "bf16")
+    sig, attrs, constexprs = {}, {}, dict(consts)
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + ptr_types.get(name, "bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif values[name] == 1:
+            sig[name], constexprs[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if values[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    try:
+        kern = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=opts)
+    except Exception as exc:  # reported with the variant, then counted
+        return f"FAILED {exc!r}"[:500]
+    return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B"
+
+
+def compile_all(tasks: list, jobs: int) -> int:
+    """Compile every task on ``jobs`` processes; print failures and spills; 1 if any failed."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    import triton
+
+    print(f"{len(tasks)} kernel variants (Triton {triton.__version__} at {Path(triton.__file__).parent})", flush=True)
+    failed = spills = 0
+    with ProcessPoolExecutor(max(1, jobs)) as pool:
+        for (m, n, k, cfg, acc), res in zip(tasks, pool.map(compile_variant, tasks)):
+            bad = res.startswith("FAILED")
+            spill = not bad and "stack 0 B" not in res
+            failed += bad
+            spills += spill
+            if bad or spill:
+                print(f"M{m} N{n} K{k} acc={acc} {cfg.short()}: {res}", flush=True)
+    print(f"{len(tasks)} compiled: {failed} failed, {spills} with a stack (spills or locals)")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the bench's --quick grid")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from skinny_gemm import MS, SHAPES, variants
+
+    return compile_all(list(variants(SHAPES, MS, args.quick).values()), args.jobs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
