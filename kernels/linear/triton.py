@@ -33,8 +33,9 @@ from kernels.linear.config import LinearConfig
 # A shape or an M past its last entry falls back to ``heuristic_config``.
 CONFIGS: dict[tuple[int, int], tuple[tuple[int, LinearConfig], ...]] = {}
 
-MAX_TILES_COUNTED = 1 << 16
-_UPCAST_BF16 = os.environ.get("TRITON_INTERPRET") == "1"  # never on a compiled launch  # per-tile arrival counters kept per device (grown when a launch needs more)
+MAX_TILES_COUNTED = 1 << 16  # per-tile arrival counters kept per device (a launch with more gets its own)
+# the interpreter's bf16 dot is wrong: there (only) bf16 tiles are upcast to fp32 before the dot
+_UPCAST_BF16 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
