@@ -80,7 +80,8 @@ def variants(new: int, quick: bool) -> list[PC]:
     out += [PC(**pre, num_stages=3, num_splits=s) for s in (8, 12)]
     best = dict(pre, merge="all")
     out += [PC(**best, index32=True, num_splits=s) for s in (6, 8, 12)]
-    out += [PC(**best, narrow_partials=True, num_splits=8), PC(**best, index32=True, narrow_partials=True, num_splits=8)]
+    out += [PC(**best, narrow_partials=True, num_splits=8),
+            PC(**best, index32=True, narrow_partials=True, num_splits=8)]
     out += [PC(**best), PC(**best, min_split_steps=6), PC(**best, index32=True, min_split_steps=6)]  # automatic counts
     return out[:6] if quick else out
 
@@ -94,7 +95,8 @@ def name(c: PC) -> str:
     return "/".join(knobs)
 
 
-def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool, pad: bool) -> dict:
+def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool, pad: bool, save=lambda res: None) -> dict:
+    """One shape: the peer, then every variant; save(res) after each (a crash loses nothing timed before it)."""
     p = kb.paged(1, ctx, chunk, new, bs, dev)
     k4, v4 = kb.contiguous_kv(p, inv)  # the peer's keys, before the table is padded
     if pad:  # as the engine's static tail: entries padded to 256 key slots, naming a block with no slot visible
@@ -150,6 +152,7 @@ def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool, pad
             lses = torch.randn((splits, new * kb.HQ), device=dev)
             row["merge_ms"] = graph_ms(lambda: merge_rows(parts, lses, torch.bfloat16, all_parts=c.merge == "all"))
         res["variants"][name(c)] = row
+        save(res)
         print(f"  {name(c)}: warm {ms * 1e3:.1f} us, cold {cold * 1e3:.1f} us, rel {err:.1e}"
               + (f", merge alone {row['merge_ms'] * 1e3:.1f} us" if "merge_ms" in row else "")
               + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
@@ -191,15 +194,20 @@ def main() -> int:
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "default": name(PC()), "scenarios": []}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(partial: dict) -> None:
+        args.out.write_text(json.dumps({**results, "scenarios": results["scenarios"] + [partial]}, indent=1))
+
     for new in (int(n) for n in args.new.split(",")):
-        results["scenarios"].append(scenario(3072, 512, new, args.bs, dev, inv, args.quick, not args.no_pad))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
+        results["scenarios"].append(scenario(3072, 512, new, args.bs, dev, inv, args.quick, not args.no_pad, save))
         args.out.write_text(json.dumps(results, indent=1))
     for s in results["scenarios"]:
         v = s["variants"]
         default = v.get(name(PC()), {})
+        dw, dc = default.get("ms", float("nan")), default.get("cold_ms", float("nan"))
         print(f"{s['new']} queries: SDPA warm {s['sdpa_ms'] * 1e3:.1f} / cold {s['sdpa_cold_ms'] * 1e3:.1f} us; "
-              f"default {default.get('ms', float('nan')) * 1e3:.1f} / {default.get('cold_ms', float('nan')) * 1e3:.1f} us")
+              f"default {dw * 1e3:.1f} / {dc * 1e3:.1f} us")
         for label, key in (("best warm", "best"), ("best cold", "best_cold")):
             if s[key]:
                 print(f"  {label}: {s[key]} {v[s[key]]['ms'] * 1e3:.1f} / {v[s[key]]['cold_ms'] * 1e3:.1f} us")
