@@ -211,6 +211,9 @@ def main() -> int:
         for label, key in (("best warm", "best"), ("best cold", "best_cold")):
             if s[key]:
                 print(f"  {label}: {s[key]} {v[s[key]]['ms'] * 1e3:.1f} / {v[s[key]]['cold_ms'] * 1e3:.1f} us")
+        if s["best_cold"] and s["new"] <= 128:  # the engine reads K/V cold: what SHORT_PREFILL would be set to
+            changed = {k: x for k, x in v[s["best_cold"]]["cfg"].items() if x != getattr(PC(), k)}
+            print(f"  SHORT_PREFILL candidate: PrefillConfig({', '.join(f'{k}={x!r}' for k, x in changed.items())})")
     return 0
 
 
