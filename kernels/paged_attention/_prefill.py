@@ -81,7 +81,7 @@ class PrefillConfig:
     plan: str = "entries"
     # each split asks L2 for its share of its K/V rows before its first step (PTX prefetch; loads in the interpreter)
     prefetch_kv: bool = False
-    prefetch_entries: int = 32  # entries per prefetch round
+    prefetch_entries: int = 16  # entries per prefetch round
     # how split partials are merged (kernels/lse_merge): "loop" over parts, or "all" parts loaded at once
     merge: str = "loop"
     min_split_steps: int = 8  # the automatic split count leaves each split at least this many steps

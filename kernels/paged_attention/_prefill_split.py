@@ -24,6 +24,9 @@ import triton
 import triton.language as tl
 
 PLANS = ("entries", "steps")
+# prefetch.global.L2 of address $1 when $2 is not 0 ($0: a dummy result, inline assembly must return one)
+_PREFETCH = tl.constexpr("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\t"
+                         "mov.u32 $0, 0;\n\t}")
 MAX_PLAN_GROUPS = 1024  # GP above this: the "steps" plan's vector would not fit registers; "entries" is used
 
 
@@ -76,12 +79,11 @@ def prefetch_kv(k_ptr, v_ptr, meta_ptr, e_lo, e_hi, h, stride_kb, stride_ks, str
         ok = e < e_hi
         blk = tl.load(meta_ptr + e, mask=ok, other=0) >> 32
         row = blk * stride_kb + slot * stride_ks + h * stride_kh + line * LINE
-        row = tl.where(ok, row, 0)  # a masked lane prefetches row 0 of block 0: harmless, and valid memory
+        row = tl.where(ok, row, 0)  # lanes past the run point at row 0 of block 0 (valid memory), predicated off
         if EMULATE:
-            tl.load(k_ptr + row)
-            tl.load(v_ptr + row)
+            tl.load(k_ptr + row, mask=ok)
+            tl.load(v_ptr + row, mask=ok)
         else:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [k_ptr + row],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [v_ptr + row],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+            on = ok.to(tl.int32)
+            tl.inline_asm_elementwise(_PREFETCH, "=r,l,r", [k_ptr + row, on], dtype=tl.int32, is_pure=False, pack=1)
+            tl.inline_asm_elementwise(_PREFETCH, "=r,l,r", [v_ptr + row, on], dtype=tl.int32, is_pure=False, pack=1)

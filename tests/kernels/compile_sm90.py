@@ -90,7 +90,7 @@ def kernels():
         # prefetched to L2, 64 / 128 keys a step, 32-bit indices in the step loop
         yield f"prefill-short-plan-nb{nb}{'-idx32' if idx32 else ''}", lambda nb=nb, idx32=idx32: compile_kernel(
             _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True, NB=nb,
-                                                PLAN_STEPS=True, GP=256, PREFETCH_KV=True, EPS=32, LINES=2, LINE=64,
+                                                PLAN_STEPS=True, GP=256, PREFETCH_KV=True, EPS=16, LINES=2, LINE=64,
                                                 IDX32=idx32),
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for name, fn in vars(_prefill).items():  # helper kernels of the prefill module (metadata passes)
