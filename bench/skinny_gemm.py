@@ -257,21 +257,51 @@ def layer_stack(weights: dict, best: dict, m: int, dev) -> dict:
     return res
 
 
-def print_results(results: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+class _PlainProgress:
+    """rich's Progress as lines, for a device image without rich."""
 
-    con = Console()
-    t = Table(title=f"skinny GEMM, {results['device']} (us per GEMM / TB/s of weights)")
-    for col in ("shape", "M", "cuBLAS us", "TB/s", "best Triton", "us", "TB/s", "vs cuBLAS", "configs ok/all"):
-        t.add_column(col)
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, text, total):
+        print(text, flush=True)
+        return text
+
+    def advance(self, task):
+        pass
+
+
+def print_results(results: dict) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text
+        Console = Table = None
+    head = ("shape", "M", "cuBLAS us", "TB/s", "best Triton", "us", "TB/s", "vs cuBLAS", "configs ok/all")
+    rows = []
     for r in results["rows"]:
         b, c = r.get("best"), r["cublas"]
         ok = sum(1 for v in r["configs"].values() if v.get("ok"))
-        t.add_row(r["shape"], str(r["M"]), f"{c['us_per_gemm']:.1f}", f"{c['tb_s']:.2f}",
-                  b["key"] if b else "-", f"{b['us_per_gemm']:.1f}" if b else "-", f"{b['tb_s']:.2f}" if b else "-",
-                  f"{c['us_per_gemm'] / b['us_per_gemm']:.2f}x" if b else "-", f"{ok}/{len(r['configs'])}")
-    con.print(t)
+        rows.append((r["shape"], str(r["M"]), f"{c['us_per_gemm']:.1f}", f"{c['tb_s']:.2f}",
+                     b["key"] if b else "-", f"{b['us_per_gemm']:.1f}" if b else "-", f"{b['tb_s']:.2f}" if b else "-",
+                     f"{c['us_per_gemm'] / b['us_per_gemm']:.2f}x" if b else "-", f"{ok}/{len(r['configs'])}"))
+    title = f"skinny GEMM, {results['device']} (us per GEMM / TB/s of weights)"
+    if Table is None:
+        con = type("Plain", (), {"print": staticmethod(lambda s: print(s.replace("[yellow]", "")))})()
+        print(title)
+        for row in (head, *rows):
+            print(" | ".join(row))
+    else:
+        con = Console(width=160)
+        t = Table(title=title)
+        for col in head:
+            t.add_column(col)
+        for row in rows:
+            t.add_row(*row)
+        con.print(t)
     if results.get("ceiling"):
         c = results["ceiling"]
         con.print(f"read ceiling: sum {c['sum_tb_s']:.2f} TB/s, copy (read + write) {c['copy_tb_s']:.2f} TB/s")
@@ -334,7 +364,10 @@ def main() -> int:
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--smoke runs the kernel under the interpreter: set TRITON_INTERPRET=1")
     import triton
-    from rich.progress import Progress
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        Progress = _PlainProgress
 
     dev = torch.device("cpu" if args.smoke else "cuda")
     shapes = SMOKE_SHAPES if args.smoke else {s: SHAPES[s] for s in args.shapes.split(",")}
