@@ -68,7 +68,8 @@ def count_syncs(fn) -> tuple[int, list[str]]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/engine.json")
-    ap.add_argument("--backends", default="torch,triton")
+    ap.add_argument("--backends", default="torch,triton",
+                    help="attention backends; NAME:cublas keeps every projection on cuBLAS (no skinny Triton GEMM)")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunks", type=int, default=6)
@@ -109,9 +110,12 @@ def main() -> int:
     variants = [(b, graphs[g]) for b in args.backends.split(",") for g in args.graphs.split(",")]
     for backend, static in variants:
         label = backend + ("" if static else "-eager")
+        backend, _, gemm = backend.partition(":")
         try:
             eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
                                          kv_cache_bytes=12 << 30, static_tails=static)
+            if gemm == "cublas":
+                eng.forward.model.skinny = False
         except Exception as exc:  # report and go on: one backend failing must not hide the others
             results["rows"].append({"backend": label, "error": repr(exc)})
             print(f"{label}: {exc!r}", flush=True)
@@ -133,7 +137,7 @@ def main() -> int:
                 n_syncs, sync_sites = -1, [repr(exc)[:300]]
             err = float((r.logits - ref).abs().max()) if mode in ("full", "prefix") else None
             tails = eng.forward.tails
-            logits[(backend, static, mode, ratio)] = r.logits.float().cpu()
+            logits[(label.removesuffix("-eager"), static, mode, ratio)] = r.logits.float().cpu()
             row = {"backend": label, "mode": mode, "ratio": ratio, "seconds": s, "vs_peer": peer / s,
                    "first_call_seconds": first.stats.total_seconds, "stats": r.stats.as_dict(),
                    "max_abs_logit_err_vs_peer": err, "graphs_captured": len(tails.tails) if tails else 0,
@@ -171,6 +175,11 @@ def main() -> int:
             row["max_abs_logit_diff_graphs_vs_eager"] = float((logits[key] - twin).abs().max())
             print(f"{row['backend']:14s} {key[2]:15s} r={key[3]:<4} |dlogit| graphs vs eager "
                   f"{row['max_abs_logit_diff_graphs_vs_eager']:.3g}")
+        skinny = logits.get((backend.removesuffix(":cublas"), key[1], key[2], key[3]))
+        if backend.endswith(":cublas") and key in logits and skinny is not None:
+            row["max_abs_logit_diff_skinny_vs_cublas"] = float((logits[key] - skinny).abs().max())
+            print(f"{row['backend']:14s} {key[2]:15s} r={key[3]:<4} |dlogit| skinny GEMM vs cuBLAS "
+                  f"{row['max_abs_logit_diff_skinny_vs_cublas']:.3g}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

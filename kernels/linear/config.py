@@ -55,3 +55,33 @@ class LinearConfig:
         extra = f", reduce={self.reduce!r}" if self.split_k > 1 and self.reduce != "arrive" else ""
         return (f"LinearConfig({self.block_m}, {self.block_n}, {self.block_k}, split_k={self.split_k}, "
                 f"num_warps={self.num_warps}, num_stages={self.num_stages}{extra})")
+
+
+def _c(m, n, k, stages):
+    return LinearConfig(m, n, k, split_k=1, num_warps=4, num_stages=stages)
+
+
+# Measured on an H100 by bench/skinny_gemm.py (bench/skinny_gemm.md, 2026-11-22): the fastest config per
+# Llama-3-8B projection (N, K) and row count, as ((largest M, config), ...) in ascending M; None where
+# cuBLAS was as fast or faster (the caller keeps cuBLAS there). Shapes or M past the last entry fall back
+# to the kernel's heuristic.
+CONFIGS: dict[tuple[int, int], tuple[tuple[int, LinearConfig | None], ...]] = {
+    (6144, 4096): ((1, _c(16, 64, 256, 3)), (8, _c(16, 64, 256, 3)), (32, _c(32, 64, 128, 5)), (128, None)),
+    (4096, 4096): ((1, _c(16, 32, 256, 5)), (8, _c(16, 32, 128, 5)), (128, None)),
+    (28672, 4096): ((1, _c(16, 128, 256, 3)), (8, _c(16, 128, 256, 3)), (32, _c(32, 128, 128, 4)),
+                    (64, _c(64, 128, 128, 3)), (128, None)),
+    (4096, 14336): ((1, _c(16, 32, 256, 5)), (8, _c(16, 32, 256, 5)), (32, _c(32, 32, 256, 5)),
+                    (64, _c(64, 32, 256, 4)), (128, _c(64, 64, 128, 5))),
+    (128256, 4096): ((1, _c(16, 64, 256, 4)), (8, _c(16, 64, 256, 4)), (32, _c(32, 128, 128, 4)),
+                     (64, _c(64, 128, 128, 3)), (128, LinearConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=3))),
+}
+_UNLISTED = object()
+
+
+def table_config(m: int, n: int, k: int):
+    """The table's entry for an M x (N, K) GEMM: a LinearConfig, None (cuBLAS is faster there), or
+    ``_UNLISTED`` (no measurement: the kernel's heuristic)."""
+    for max_m, cfg in CONFIGS.get((n, k), ()):
+        if m <= max_m:
+            return cfg
+    return _UNLISTED

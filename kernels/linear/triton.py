@@ -27,11 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.config import LinearConfig
-
-# Filled from bench/skinny_gemm.py's sweep on the H100: (N, K) -> ((largest M, config), ...), ascending M.
-# A shape or an M past its last entry falls back to ``heuristic_config``.
-CONFIGS: dict[tuple[int, int], tuple[tuple[int, LinearConfig], ...]] = {}
+from kernels.linear.config import CONFIGS, LinearConfig, table_config  # noqa: F401  (CONFIGS: the bench's table)
 
 MAX_TILES_COUNTED = 1 << 16  # per-tile arrival counters kept per device (a launch with more gets its own)
 # the interpreter's bf16 dot is wrong: there (only) bf16 tiles are upcast to fp32 before the dot
@@ -152,11 +148,10 @@ def heuristic_config(m: int, n: int, k: int, sms: int = 132) -> LinearConfig:
 
 
 def pick_config(m: int, n: int, k: int, sms: int = 132) -> LinearConfig:
-    """The table's config for (N, K) and the smallest listed M bound >= m, else the heuristic."""
-    for max_m, cfg in CONFIGS.get((n, k), ()):
-        if m <= max_m:
-            return cfg
-    return heuristic_config(m, n, k, sms)
+    """The table's config for (N, K) and the smallest listed M bound >= m, else the heuristic (also where
+    the table prefers cuBLAS: a caller asking the kernel anyway gets a working launch)."""
+    cfg = table_config(m, n, k)
+    return cfg if isinstance(cfg, LinearConfig) else heuristic_config(m, n, k, sms)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -10,9 +10,12 @@ tokens attend to which KV (paged, deferred RoPE) and which tokens are computed a
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from kernels import linear as skinny
 from kernels.fused import KVWrite, add_rms_norm, default_backend, qkv_heads, rms_norm, silu_mul
 from kernels.rope import rope_cos_sin, rope_inv_freq
 from services.engine.config import ModelConfig
@@ -24,7 +27,11 @@ class Transformer:
     Triton imports (the default), the plain-torch twin otherwise. ``rope_backend`` says how q/k are
     rotated when positions are given: ``torch`` from cos/sin tables made once per pass (memoised by
     the position tensor), any other value from the positions inside the kernel (what CUDA graphs
-    need: a memo would be frozen into the graph)."""
+    need: a memo would be frozen into the graph).
+
+    Projections of few rows (short passes, decode steps: at most ``kernels.linear.MAX_M``) go through
+    the weight-streaming Triton GEMM (kernels/linear) when the kernel backend is Triton, cuBLAS
+    otherwise; ``TESSERA_SKINNY_GEMM=0`` keeps every projection on cuBLAS (what benchmarks compare)."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope_backend: str = "torch",
                  kernel_backend: str | None = None):
@@ -35,6 +42,16 @@ class Transformer:
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(weights.embed.device)
         self.scale = cfg.head_dim ** -0.5
         self._rope_memo: tuple | None = None  # (pos, cos, sin): one table per pass, not per layer
+        self.skinny = self.kernels == "triton" and os.environ.get("TESSERA_SKINNY_GEMM", "1") != "0"
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                accumulate: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w.T (+ bias), or added onto ``accumulate`` in place: the skinny Triton GEMM where it applies."""
+        if self.skinny and skinny.supported(x, w):
+            return skinny.linear(x, w, bias, accumulate=accumulate, backend="triton")
+        if accumulate is not None:
+            return accumulate.addmm_(x, w.t()) if bias is None else accumulate.add_(F.linear(x, w, bias))
+        return F.linear(x, w, bias)
 
     def _rope_table(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         memo = self._rope_memo
@@ -57,7 +74,7 @@ class Transformer:
         and RoPE (and the K/V write)."""
         cfg, lw = self.cfg, self.w.layers[layer]
         x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps, backend=self.kernels)
-        qkv = F.linear(x, lw.qkv_proj, lw.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
+        qkv = self._linear(x, lw.qkv_proj, lw.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
         if rope is None and self.rope_backend == "torch":
             rope = self._rope_table(pos)
         cos, sin = rope if rope is not None else (None, None)
@@ -71,12 +88,12 @@ class Transformer:
         the input h is not written). Five kernels on CUDA: o_proj, residual add + RMSNorm, the gate|up
         matmul, SiLU*up, and the down matmul accumulating onto the residual (beta = 1)."""
         lw: LayerWeights = self.w.layers[layer]
-        o = F.linear(attn.reshape(attn.shape[0], -1), lw.o_proj)
+        o = self._linear(attn.reshape(attn.shape[0], -1), lw.o_proj)
         x, h = add_rms_norm(o, h, lw.post_norm, self.cfg.rms_norm_eps, backend=self.kernels)
-        act = silu_mul(F.linear(x, lw.gate_up_proj), backend=self.kernels)  # [T, inter]
+        act = silu_mul(self._linear(x, lw.gate_up_proj), backend=self.kernels)  # [T, inter]
         # NOTE: h is add_rms_norm's fresh output, so adding in place writes no caller's tensor
-        return h.addmm_(act, lw.down_proj.t())
+        return self._linear(act, lw.down_proj, accumulate=h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, hidden] -> fp32 logits [T, vocab]."""
-        return F.linear(rms_norm(h, self.w.norm, self.cfg.rms_norm_eps, backend=self.kernels), self.w.lm_head).float()
+        return self._linear(rms_norm(h, self.w.norm, self.cfg.rms_norm_eps, backend=self.kernels), self.w.lm_head).float()
