@@ -26,8 +26,10 @@ DECODE_COS_SIN_TABLE = True
 
 # paged_prefill_packed's configuration for calls of at most SHORT_PREFILL_TOKENS query tokens (a short suffix
 # over many chunks: few query tiles, the grid made of KV splits; bench/short_attention.py times the candidates);
-# None: the default PrefillConfig for every call
-SHORT_PREFILL: _prefill.PrefillConfig | None = None
+# None: the default PrefillConfig for every call. Measured (bench/short_attention.md, 2026-11-22 run): a 64-token
+# suffix over 6 x 512 keys takes 29.4 us cold with exact tiles and 8 splits (what min_split_steps=6 picks there)
+# against 31.4 us with the default (6 splits and a fifth, empty query tile)
+SHORT_PREFILL: _prefill.PrefillConfig | None = _prefill.PrefillConfig(exact_tiles=True, min_split_steps=6)
 SHORT_PREFILL_TOKENS = 128
 
 
