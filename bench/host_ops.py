@@ -355,6 +355,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--gaps", action="store_true", help="CUDA: where the GPU stands idle in each pass (profiled)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="also cProfile N passes of each mode and print the functions by own time")
     ap.add_argument("--timeline", action="store_true",
                     help="also an unmetered host timeline of each pass (when each engine function runs, and for how long)")
     args = ap.parse_args()
@@ -373,6 +375,16 @@ def main() -> int:
                 mode, _, ratio = spec.partition("@")
                 rows.append(dict(measure(eng, chunks, suffix, mode, float(ratio or 0.0), args.reps), backend=backend))
                 print(table(rows[-1]), flush=True)
+                if args.cprofile:
+                    import cProfile
+                    import pstats
+
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(args.cprofile):
+                        eng.prefill(chunks, suffix, mode=mode, recompute_ratio=float(ratio or 0.0))
+                    prof.disable()
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
                 if args.timeline:
                     rows[-1]["timeline"] = timeline(eng, chunks, suffix, mode, float(ratio or 0.0), args.reps)
                     print(timeline_table(f"{backend} {spec}", rows[-1]["timeline"]), flush=True)
