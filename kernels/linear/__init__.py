@@ -17,7 +17,7 @@ import torch
 from kernels.linear import reference
 from kernels.linear.config import LinearConfig, table_config
 
-__all__ = ["linear", "supported", "default_backend", "LinearConfig", "MAX_M"]
+__all__ = ["linear", "linear_swiglu", "supported", "default_backend", "LinearConfig", "MAX_M"]
 
 BACKENDS = ("torch", "triton")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -82,4 +82,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
         from kernels.linear import triton
 
         return triton.linear(x, w, bias, accumulate=accumulate, config=config)
+    raise ValueError(f"unknown backend {backend!r} ({' or '.join(BACKENDS)})")
+
+
+def linear_swiglu(x: torch.Tensor, w: torch.Tensor, *, backend: str = "torch",
+                  config: LinearConfig | None = None) -> torch.Tensor:
+    """The SwiGLU MLP's first half in one launch: w = [gate; up] [2I, K] (the fused gate|up weight) ->
+    silu(x @ gate.T) * (x @ up.T) [M, I] in x's dtype, rounded as the projection then kernels/fused's
+    silu_mul round it (gate|up product, silu, product). Where ``supported(x, w)``, the Triton kernel
+    streams a tile's gate and up rows together and writes only the activation."""
+    _check(x, w, None, None)
+    if w.shape[0] % 2:
+        raise ValueError(f"w must hold gate then up rows (an even count), got {w.shape[0]}")
+    if backend == "torch":
+        return reference.linear_swiglu(x, w)
+    if backend == "triton":
+        from kernels.linear import triton
+
+        return triton.linear_swiglu(x, w, config=config)
     raise ValueError(f"unknown backend {backend!r} ({' or '.join(BACKENDS)})")

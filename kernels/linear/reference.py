@@ -20,3 +20,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
         y += accumulate.float()
         return accumulate.copy_(y)
     return y.to(x.dtype)
+
+
+def linear_swiglu(x: torch.Tensor, w: torch.Tensor, config=None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for w = [gate; up] [2I, K]: the gate|up product rounded to x's dtype,
+    silu rounded, then the product rounded (what the unfused projection and kernels/fused's silu_mul do)."""
+    gu = linear(x, w)
+    gate, up = gu.float().chunk(2, dim=-1)
+    s = (gate / (1.0 + torch.exp(-gate))).to(x.dtype)
+    return (s.float() * up).to(x.dtype)

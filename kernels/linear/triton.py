@@ -20,6 +20,7 @@ Only long-standing ``tl`` operations are used (Triton 3.6 and later).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -39,10 +40,12 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
                    stride_xm, stride_wn, stride_cm, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, SWIGLU: tl.constexpr = False):
     """Program (M tile, N tile, K split). MODE 0: one split, the epilogue writes out. MODE 1: writes its
     fp32 partial to ws[split]; a second kernel reduces. MODE 2: writes its partial, and the tile's last
-    program to arrive sums ws[0..n_split) in order and writes out."""
+    program to arrive sums ws[0..n_split) in order and writes out.
+    SWIGLU (MODE 0 only): w holds 2N rows, gate then up; the program also streams the up rows n + N and
+    writes silu(gate) * up, rounded as the unfused pair of kernels rounds it (gate|up, silu, product)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -57,24 +60,41 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
     k_end = tl.minimum(K, k0 + k_split)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k0 + offs_k)[None, :]
     w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_k)[None, :]
+    u_ptrs = w_ptr + (rn + N)[:, None] * stride_wn + (k0 + offs_k)[None, :]  # SWIGLU: the up rows
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             b = tl.load(w_ptrs)
+            if SWIGLU:
+                bu = tl.load(u_ptrs)
         else:
             k_ok = (k + offs_k) < k_end
             a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            if SWIGLU:
+                bu = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
         if UPCAST:  # the interpreter's bf16 dot multiplies garbage: exact fp32 products of the same values
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+            if SWIGLU:
+                bu = bu.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        if SWIGLU:
+            acc_u = tl.dot(a, tl.trans(bu), acc_u, input_precision=PRECISION)
+            u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     ok = m_ok[:, None] & n_ok[None, :]
     mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if MODE == 0:
+    if SWIGLU:
+        dt = out_ptr.dtype.element_ty
+        g = acc.to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt)  # silu rounded, then the product rounded (kernels/fused's silu_mul)
+        act = (s.to(tl.float32) * acc_u.to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], act, mask=ok)
+    elif MODE == 0:
         _epilogue(acc, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om, HAS_BIAS, ACCUMULATE)
     else:
         tl.store(ws_ptr + pid_k.to(tl.int64) * stride_ws + mn, acc, mask=ok)
@@ -180,7 +200,8 @@ def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return per, triton.cdiv(k, per)
 
 
-def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: bool, accumulate: bool):
+def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: bool, accumulate: bool,
+          swiglu: bool = False):
     """(grid, mode, splits, the kernel's integer arguments up to the strides, its constexprs and options)."""
     k_split, n_split = split_plan(k, cfg.block_k, cfg.split_k)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), n_split)
@@ -189,7 +210,7 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: b
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MODE=mode, HAS_BIAS=bias,
                   ACCUMULATE=accumulate, EVEN_K=k % k_split == 0,
                   PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return grid, mode, n_split, (m, n, k, k_split, n_split, m * n), consts
 
 
@@ -233,4 +254,27 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
         _reduce_kernel[grid[:2]](ws, b, c, out, m, n, n_split, m * n, c.stride(0), out.stride(0),
                                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_BIAS=bias is not None,
                                  ACCUMULATE=accumulate is not None, num_warps=4)
+    return out
+
+
+def swiglu_config(m: int, inter: int, k: int, sms: int = 132) -> LinearConfig:
+    """The fused gate|up launch: the table's config for the unfused [2*inter, K] projection with half as many
+    output columns a tile (each tile streams as many weight rows, gate and up), one split."""
+    cfg = pick_config(m, 2 * inter, k, sms)
+    return dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2), split_k=1)
+
+
+def linear_swiglu(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) [M, I] for w = [gate; up] [2I, K], one launch (validated by the caller)."""
+    m, k = x.shape
+    inter = w.shape[0] // 2
+    out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+    if m == 0 or inter == 0:
+        return out
+    cfg = config or swiglu_config(m, inter, k, sm_count(x.device))
+    if cfg.split_k != 1:
+        raise ValueError("the fused gate|up kernel runs one split")
+    grid, _, _, ints, consts = _plan(m, inter, k, x.dtype, cfg, False, False, swiglu=True)
+    _linear_kernel[grid](x, w, out, out, out, out, out, *ints, x.stride(0), w.stride(0), out.stride(0),
+                         out.stride(0), **consts)
     return out

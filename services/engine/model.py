@@ -43,6 +43,7 @@ class Transformer:
         self.scale = cfg.head_dim ** -0.5
         self._rope_memo: tuple | None = None  # (pos, cos, sin): one table per pass, not per layer
         self.skinny = self.kernels == "triton" and os.environ.get("TESSERA_SKINNY_GEMM", "1") != "0"
+        self.fuse_swiglu = True  # with the skinny GEMM: gate|up and SiLU*up in one launch (benchmarks turn it off)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                 accumulate: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,11 +87,15 @@ class Transformer:
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual attention output and the SwiGLU MLP. attn [T, Hq, D] -> h [T, hidden] (a new tensor;
         the input h is not written). Five kernels on CUDA: o_proj, residual add + RMSNorm, the gate|up
-        matmul, SiLU*up, and the down matmul accumulating onto the residual (beta = 1)."""
+        matmul, SiLU*up, and the down matmul accumulating onto the residual (beta = 1); four where the
+        skinny GEMM takes gate|up (SiLU*up in its epilogue)."""
         lw: LayerWeights = self.w.layers[layer]
         o = self._linear(attn.reshape(attn.shape[0], -1), lw.o_proj)
         x, h = add_rms_norm(o, h, lw.post_norm, self.cfg.rms_norm_eps, backend=self.kernels)
-        act = silu_mul(self._linear(x, lw.gate_up_proj), backend=self.kernels)  # [T, inter]
+        if self.skinny and self.fuse_swiglu and skinny.supported(x, lw.gate_up_proj):
+            act = skinny.linear_swiglu(x, lw.gate_up_proj, backend="triton")  # [T, inter]
+        else:
+            act = silu_mul(self._linear(x, lw.gate_up_proj), backend=self.kernels)
         # NOTE: h is add_rms_norm's fresh output, so adding in place writes no caller's tensor
         return self._linear(act, lw.down_proj, accumulate=h)
 

@@ -153,3 +153,28 @@ def test_bad_input():
         LinearConfig(block_n=48)
     with pytest.raises(ValueError, match="reduce"):
         LinearConfig(split_k=2, reduce="atomic")
+
+
+@pytest.mark.parametrize("m, inter, k", [(1, 24, 32), (17, 40, 80), (64, 16, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_matches_the_twin_and_the_unfused_pair(m, inter, k, dtype):
+    """One launch streaming gate and up rows together == the twin == the unfused projection + silu_mul (as the
+    model ran them), for awkward sizes (a tile past the last column, K past the last step), fp32 and bf16."""
+    from kernels.fused import silu_mul
+    from kernels.linear import linear_swiglu
+
+    x, w, _, _ = _operands(m, 2 * inter, k, dtype)
+    x = (x.float() / k ** 0.5).to(dtype)  # gate and up ~ N(0, 1), where silu bends
+    want = linear_swiglu(x, w)
+    unfused = silu_mul(linear(x, w))
+    got = linear_swiglu(x, w, backend="triton", config=LinearConfig(16, 16, 32, num_stages=2))
+    assert got.dtype == dtype and got.shape == (m, inter)
+    # fp32: the sums' order alone; bf16: gate, up, silu and the product each rounded, a 1-ulp difference in a
+    # rounded gate or up (another summation order) moves the result by a few ulps
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    torch.testing.assert_close(unfused.float(), want.float(), **tol)
+    with pytest.raises(ValueError, match="even count"):
+        linear_swiglu(x, w[:-1])
+    with pytest.raises(ValueError, match="one split"):
+        linear_swiglu(x, w, backend="triton", config=LinearConfig(16, 16, 32, split_k=2))
