@@ -70,7 +70,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/engine.json")
     ap.add_argument("--backends", default="torch,triton",
                     help="attention backends; NAME:cublas keeps every projection on cuBLAS (no skinny Triton GEMM), "
-                         "NAME:unfused runs the skinny GEMM without SiLU*up in the gate|up launch")
+                         "NAME:unfused runs the skinny GEMM without SiLU*up in the gate|up launch, NAME:pdlN launches "
+                         "it as programmatic dependent launches prefetching N weight steps (kernels/linear)")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunks", type=int, default=6)
@@ -119,6 +120,9 @@ def main() -> int:
                 eng.forward.model.skinny = False
             elif gemm == "unfused":
                 eng.forward.model.fuse_swiglu = False
+            from kernels.linear import triton as linear_kt  # PDL is a process-wide launch setting
+
+            linear_kt.PDL_PREFETCH_STEPS = int(gemm[3:]) if gemm.startswith("pdl") else -1
         except Exception as exc:  # report and go on: one backend failing must not hide the others
             results["rows"].append({"backend": label, "error": repr(exc)})
             print(f"{label}: {exc!r}", flush=True)

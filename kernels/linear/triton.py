@@ -27,9 +27,13 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.linear.config import CONFIGS, LinearConfig, table_config  # noqa: F401  (CONFIGS: the bench's table)
 
+# Programmatic dependent launch of one-split launches (CUDA): -1 off; N >= 0 on, each program first asking L2
+# for N steps of its weight rows while the kernel before it finishes. Off until measured (bench/pdl_stack.py).
+PDL_PREFETCH_STEPS = -1
 MAX_TILES_COUNTED = 1 << 16  # per-tile arrival counters kept per device (a launch with more gets its own)
 # the interpreter's bf16 dot is wrong: there (only) bf16 tiles are upcast to fp32 before the dot
 _UPCAST_BF16 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -40,12 +44,17 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
                    stride_xm, stride_wn, stride_cm, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, SWIGLU: tl.constexpr = False):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, SWIGLU: tl.constexpr = False,
+                   PDL: tl.constexpr = False, PREFETCH_STEPS: tl.constexpr = 0):
     """Program (M tile, N tile, K split). MODE 0: one split, the epilogue writes out. MODE 1: writes its
     fp32 partial to ws[split]; a second kernel reduces. MODE 2: writes its partial, and the tile's last
     program to arrive sums ws[0..n_split) in order and writes out.
     SWIGLU (MODE 0 only): w holds 2N rows, gate then up; the program also streams the up rows n + N and
-    writes silu(gate) * up, rounded as the unfused pair of kernels rounds it (gate|up, silu, product)."""
+    writes silu(gate) * up, rounded as the unfused pair of kernels rounds it (gate|up, silu, product).
+    PDL (launched as a programmatic dependent launch): the program may start while the kernel before it in the
+    stream is still running; it first asks L2 for its first PREFETCH_STEPS steps of weight rows (the weights
+    are never written), then waits for that kernel (griddepcontrol.wait) before it reads or writes anything
+    else, and lets the next kernel launch."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -57,6 +66,14 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
     rn = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     k0 = pid_k * k_split
+    if PDL:
+        if PREFETCH_STEPS > 0:
+            _prefetch_rows(w_ptr, rn, k0, tl.minimum(K, k0 + PREFETCH_STEPS * BLOCK_K), stride_wn, BLOCK_N, BLOCK_K)
+            if SWIGLU:
+                _prefetch_rows(w_ptr, rn + N, k0, tl.minimum(K, k0 + PREFETCH_STEPS * BLOCK_K), stride_wn, BLOCK_N,
+                               BLOCK_K)
+        gdc_wait()
+        gdc_launch_dependents()
     k_end = tl.minimum(K, k0 + k_split)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k0 + offs_k)[None, :]
     w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_k)[None, :]
@@ -112,6 +129,24 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
                 _epilogue(total, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om,
                           HAS_BIAS, ACCUMULATE)
                 tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+_PREFETCH_L2 = tl.constexpr("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\t"
+                             "mov.u32 $0, 0;\n\t}")
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, rn, k_lo, k_hi, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """prefetch.global.L2 of weight rows rn [BLOCK_N], columns [k_lo, k_hi): one 128-byte line a lane."""
+    LINE: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8  # elements a line
+    PER_ROW: tl.constexpr = BLOCK_K // LINE if BLOCK_K >= LINE else 1
+    r = tl.arange(0, BLOCK_N * PER_ROW)
+    row = tl.reshape(tl.broadcast_to(rn[:, None], (BLOCK_N, PER_ROW)), (BLOCK_N * PER_ROW,))
+    col = (r % PER_ROW) * LINE
+    for k in range(k_lo, k_hi, BLOCK_K):
+        ok = (k + col) < k_hi
+        tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l,r", [w_ptr + row * stride_wn + k + col, ok.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -201,7 +236,7 @@ def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
 
 
 def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: bool, accumulate: bool,
-          swiglu: bool = False):
+          swiglu: bool = False, pdl: int = -1):
     """(grid, mode, splits, the kernel's integer arguments up to the strides, its constexprs and options)."""
     k_split, n_split = split_plan(k, cfg.block_k, cfg.split_k)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), n_split)
@@ -211,6 +246,8 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: b
                   ACCUMULATE=accumulate, EVEN_K=k % k_split == 0,
                   PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
                   SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if pdl >= 0 and mode == 0 and not _UPCAST_BF16 and os.environ.get("TRITON_INTERPRET") != "1":
+        consts.update(PDL=True, PREFETCH_STEPS=pdl, launch_pdl=True)
     return grid, mode, n_split, (m, n, k, k_split, n_split, m * n), consts
 
 
@@ -230,7 +267,8 @@ def warmup(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, *, bia
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-           accumulate: torch.Tensor | None = None, config: LinearConfig | None = None) -> torch.Tensor:
+           accumulate: torch.Tensor | None = None, config: LinearConfig | None = None,
+           pdl: int | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K].T (+ bias [N]) as a new [M, N] tensor of x's dtype, or added into
     ``accumulate`` [M, N] in place (returned). Inputs are validated by the caller (kernels.linear)."""
     m, k = x.shape
@@ -243,7 +281,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
 
         return reference.linear(x, w, bias, accumulate=accumulate)
     cfg = config or pick_config(m, n, k, sm_count(x.device))
-    grid, mode, n_split, ints, consts = _plan(m, n, k, x.dtype, cfg, bias is not None, accumulate is not None)
+    grid, mode, n_split, ints, consts = _plan(m, n, k, x.dtype, cfg, bias is not None, accumulate is not None,
+                                              pdl=PDL_PREFETCH_STEPS if pdl is None else pdl)
     ws = torch.empty((n_split, m, n), dtype=torch.float32, device=x.device) if mode else out
     cnt = _counters(x.device, grid[0] * grid[1]) if mode == 2 else out
     b = bias if bias is not None else out  # unread without HAS_BIAS / ACCUMULATE
@@ -264,7 +303,8 @@ def swiglu_config(m: int, inter: int, k: int, sms: int = 132) -> LinearConfig:
     return dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2), split_k=1)
 
 
-def linear_swiglu(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:
+def linear_swiglu(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None,
+                  pdl: int | None = None) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) [M, I] for w = [gate; up] [2I, K], one launch (validated by the caller)."""
     m, k = x.shape
     inter = w.shape[0] // 2
@@ -274,7 +314,8 @@ def linear_swiglu(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None 
     cfg = config or swiglu_config(m, inter, k, sm_count(x.device))
     if cfg.split_k != 1:
         raise ValueError("the fused gate|up kernel runs one split")
-    grid, _, _, ints, consts = _plan(m, inter, k, x.dtype, cfg, False, False, swiglu=True)
+    grid, _, _, ints, consts = _plan(m, inter, k, x.dtype, cfg, False, False, swiglu=True,
+                                     pdl=PDL_PREFETCH_STEPS if pdl is None else pdl)
     _linear_kernel[grid](x, w, out, out, out, out, out, *ints, x.stride(0), w.stride(0), out.stride(0),
                          out.stride(0), **consts)
     return out
