@@ -9,7 +9,6 @@ Public API (services, tests and outside checks call exactly this):
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import time
 from pathlib import Path
 
@@ -35,20 +34,26 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
 
 def _request_ids(chunks, suffix) -> tuple[list[list[int]], list[int], np.ndarray | None]:
     """The request's parts as lists of Python ints, and every id, chunks then suffix, in one int64 array
-    (None when some id does not fit int64: the caller then names it). One numpy conversion per part:
-    the bounds check and the chunk ids read the array."""
+    (None only when some id does not fit int64, so is past any vocabulary: the caller then names it).
+    One numpy conversion per part: the bounds check and the chunk ids read the array."""
     arrays, parts = [], []
     for p in (*chunks, suffix):
         try:
             arr = np.asarray(p, dtype=np.int64)
         except (OverflowError, TypeError, ValueError):
-            arr = None  # ids past int64 or not numbers: int() says which
+            arr = None  # not a sequence numpy takes (an iterator, ids past int64): int() goes one by one
         if arr is None or arr.ndim != 1:
-            parts.append(list(map(int, p)))
+            ids = list(map(int, p))  # an id that is no number: int() says which
+            try:
+                arr = np.asarray(ids, dtype=np.int64)
+            except OverflowError:
+                arr = None
+        else:
+            ids = arr.tolist()
+        parts.append(ids)
+        if arr is None:
             arrays = None
-            continue
-        parts.append(arr.tolist())
-        if arrays is not None:
+        elif arrays is not None:
             arrays.append(arr)
     flat = np.concatenate(arrays) if arrays else None
     return parts[:-1], parts[-1], flat

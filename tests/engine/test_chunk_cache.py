@@ -98,7 +98,7 @@ def test_request_chunk_ids_are_the_chunk_ids_the_cache_keys_by(engine):
     lists, tuples, numpy arrays and tensors alike, and the chunks come back as lists of Python ints."""
     chunks, suffix = random_request(11, lengths=(5, 17, 1))
     forms = [chunks, [tuple(c) for c in chunks], [np.asarray(c, dtype=np.int32) for c in chunks],
-             [torch.tensor(c) for c in chunks]]
+             [torch.tensor(c) for c in chunks], [iter(c) for c in chunks]]
     for form in forms:
         got, sfx, ids = engine._validate(form, torch.tensor(suffix), "tessera", 0.0)
         assert got == chunks and sfx == suffix
@@ -108,3 +108,5 @@ def test_request_chunk_ids_are_the_chunk_ids_the_cache_keys_by(engine):
     assert chunk_ids_of("fp", flat, [len(c) for c in chunks]) == [chunk_id("fp", c) for c in chunks]
     engine.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.0)
     assert all(i in engine.cache for i in ids)
+    with pytest.raises(ValueError, match=f"token id {2 ** 70} in chunk 1"):  # past int64: named all the same
+        engine._validate([chunks[0], [1, 2 ** 70]], suffix, "tessera", 0.0)
