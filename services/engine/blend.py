@@ -117,7 +117,7 @@ class RequestTables:
             np.stack([pad_before, np.asarray(rots, dtype=np.int64), np.asarray(lengths, dtype=np.int64)]),
             sfx[3] * bs + sfx[4], rows[:2].astype(np.int32), pos[-n_s:].astype(np.int32)], dev)
         n_pos, w = len(pos), n_extra + n_s
-        self.pos, self.w_block, self.w_slot = lanes[:n_pos], lanes[n_pos:n_pos + w], lanes[n_pos + w:]
+        self.pos, self.w_block, self.w_slot = lanes.split([n_pos, w, w])
         self.pos_s = self.pos[-n_s:]
         self.tokens = lanes[n_pos - n_s:].view(3, n_s) if n_extra == 0 else None  # pos_s, s_block, s_slot
         # chunk ids memoised on their entries: the token lists do not cross to the device again

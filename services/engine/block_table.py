@@ -44,17 +44,19 @@ def host_to_device_many(arrays: list[np.ndarray], device: torch.device) -> list[
     staged = torch.empty(8 * n64 + 4 * n32 + 8, dtype=torch.uint8, pin_memory=device.type == "cuda")
     raw = staged.numpy()
     lanes = (raw[:8 * n64].view(np.int64), raw[8 * n64:8 * n64 + 4 * n32].view(np.int32))
-    at, spans = [0, 0], []
+    at = [0, 0]
     for a, w in zip(arrays, wide):
         lane = 0 if w else 1
         lanes[lane][at[lane]:at[lane] + a.size] = a.reshape(-1)
-        spans.append((lane, at[lane], a.size))
         at[lane] += a.size
     dev = staged.to(device, non_blocking=True)
-    typed = (dev[:8 * n64].view(torch.int64), dev[8 * n64:8 * n64 + 4 * n32].view(torch.int32))
+    # one split per lane: its views are made in one call, not one Python slice each
+    lane_parts = (iter(dev[:8 * n64].view(torch.int64).split([a.size for a, w in zip(arrays, wide) if w])),
+                  iter(dev[8 * n64:8 * n64 + 4 * n32].view(torch.int32).split([a.size for a, w in zip(arrays, wide)
+                                                                             if not w])))
     out = []
-    for a, (lane, start, size) in zip(arrays, spans):
-        t = typed[lane][start:start + size]
+    for a, w in zip(arrays, wide):
+        t = next(lane_parts[0 if w else 1])
         out.append(t if a.ndim == 1 else t.view(a.shape))
     return out
 

@@ -62,7 +62,7 @@ class Transformer:
         return memo[1], memo[2]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.w.embed[ids]  # [T, hidden]
+        return F.embedding(ids, self.w.embed)  # [T, hidden] (a lighter launch than advanced indexing)
 
     def attention_inputs(self, layer: int, h: torch.Tensor, pos: torch.Tensor | None, rope=None,
                          write: KVWrite | None = None):
