@@ -34,13 +34,15 @@ def default_backend(device: torch.device) -> str:
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the Triton path applies and should beat cuBLAS: CUDA (or the interpreter), fp16/bf16,
     1..MAX_M rows, K a multiple of 16, both operands' rows 16-byte aligned (full-width vector loads), and
-    a shape the measured table does not give to cuBLAS (``config.CONFIGS``)."""
+    a shape and row count the measured table gives to the kernel (``config.CONFIGS``): elsewhere there is no
+    evidence it beats cuBLAS, and the heuristic's split-K launches share per-device arrival counters, which
+    launches on concurrent streams must not."""
     on_device = x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     return (on_device and x.dim() == 2 and w.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16)
             and w.dtype == x.dtype and 1 <= x.shape[0] <= MAX_M and x.shape[1] == w.shape[1]
             and x.shape[1] % 16 == 0 and x.stride(1) == 1 and w.stride(1) == 1
             and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0
-            and table_config(x.shape[0], w.shape[0], x.shape[1]) is not None)
+            and isinstance(table_config(x.shape[0], w.shape[0], x.shape[1]), LinearConfig))
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, accumulate: torch.Tensor | None) -> None:

@@ -118,11 +118,14 @@ def test_twin_matches_torch_and_config_table():
 
 
 def test_supported():
-    x, w, _, _ = _operands(64, 96, 128, torch.bfloat16)
-    assert supported(x, w) == INTERPRETED  # CPU tensors: only under the interpreter
-    assert not supported(x.float(), w.float())
-    assert not supported(torch.randn(129, 128).to(torch.bfloat16), w)
-    assert not supported(x[:, :120], w[:, :120])  # K not a multiple of 16
+    wq = torch.zeros(6144, 4096, dtype=torch.bfloat16)  # Llama-3-8B's q|k|v: the kernel's up to 32 rows
+    x = torch.zeros(8, 4096, dtype=torch.bfloat16)
+    assert supported(x, wq) == INTERPRETED  # CPU tensors: only under the interpreter
+    assert not supported(x.float(), wq.float())
+    assert not supported(torch.zeros(129, 4096, dtype=torch.bfloat16), wq)
+    assert not supported(x[:, :4088], wq[:, :4088])  # K not a multiple of 16
+    x, w, _, _ = _operands(8, 96, 128, torch.bfloat16)
+    assert not supported(x, w)  # a shape the table does not list: cuBLAS (no measurement says otherwise)
     # the measured table: Llama-3-8B's o_proj goes to the kernel at 8 rows, stays on cuBLAS at 64
     wo = torch.zeros(4096, 4096, dtype=torch.bfloat16)
     assert supported(torch.zeros(8, 4096, dtype=torch.bfloat16), wo) == INTERPRETED
