@@ -9,6 +9,7 @@ Public API (services, tests and outside checks call exactly this):
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from pathlib import Path
 
@@ -72,6 +73,9 @@ class Engine:
                  static_tails: bool | None = None):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
+        if attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"the Triton attention backend runs on CUDA, or on {device.type} only under Triton's "
+                             "interpreter (TRITON_INTERPRET=1, set before triton is imported)")
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
         self.cfg = cfg

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -32,3 +34,11 @@ def random_request(seed: int, lengths=(20, 33, 17), suffix_len=7, vocab=256):
     chunks = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
     suffix = torch.randint(0, vocab, (suffix_len,), generator=g).tolist()
     return chunks, suffix
+
+
+def cpu_triton() -> None:
+    """Skip unless Triton kernels can run on the CPU (its interpreter): a GPU machine running the suite
+    compiled (TRITON_INTERPRET=0) has no CPU Triton, and CPU engines refuse the Triton backend there."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU engines with Triton kernels need TRITON_INTERPRET=1")

@@ -81,3 +81,11 @@ def test_one_layer_model_serves_every_mode_that_needs_no_check_layer(tmp_path):
     assert torch.isfinite(eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=0).logits).all()
     with pytest.raises(ValueError, match="check layer below the model's 1 layers"):
         eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.15)
+
+
+def test_triton_backend_on_the_cpu_needs_the_interpreter(tiny_dir, monkeypatch):
+    """Without Triton's interpreter a CPU engine refuses the Triton attention backend by name (its kernels
+    would fail on the first CPU tensor they meet)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        Engine.load(tiny_dir, attention_backend="triton")

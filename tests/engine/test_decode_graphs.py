@@ -15,7 +15,7 @@ import torch
 from services.engine import Engine, Handoff
 from services.engine.decode_graphs import DecodeGraphs
 
-from .conftest import random_request
+from .conftest import cpu_triton, random_request
 
 REQUESTS = [  # (seed, chunk lengths, suffix length, mode, ratio)
     (70, (13, 21, 9), 5, "tessera", 0.3),
@@ -110,7 +110,7 @@ def test_static_decode_equals_eager(engine4, handoffs):
 
 def test_forced_splits_are_merged(handoffs, tiny_dir):
     """Three splits per sequence (merged by LSE), padded sequences with no entries in every split."""
-    pytest.importorskip("triton")
+    cpu_triton()
     eng = Engine.load(tiny_dir, attention_backend="triton", static_tails=True, block_size=4)
     eager, static, tokens = _twins(eng, handoffs, n=3)
     graphs = eng.forward.decode_graphs = DecodeGraphs(eng.forward)

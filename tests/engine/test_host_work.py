@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.engine import Engine
 
-from .conftest import random_request
+from .conftest import cpu_triton, random_request
 
 SYNCING = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select"}
 
@@ -67,7 +67,7 @@ def test_tessera_pass_never_syncs(tiny_dir, ratio, static):
 
 def test_triton_tessera_pass_never_syncs_in_engine_code(tiny_dirs):
     """The engine's own code; kernels/paged_attention's packing is checked by its owners."""
-    pytest.importorskip("triton")
+    cpu_triton()
     eng = Engine.load(tiny_dirs["llama"], attention_backend="triton", static_tails=True)
     chunks, suffix = random_request(71, lengths=(13, 21, 9), suffix_len=5)
     log = _logged(eng, chunks, suffix, "tessera", 0.3)

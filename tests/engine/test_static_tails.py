@@ -7,7 +7,7 @@ import torch
 
 from services.engine import Engine
 
-from .conftest import random_request
+from .conftest import cpu_triton, random_request
 
 
 @pytest.mark.parametrize("mode, ratio", [("tessera", 0.0), ("tessera", 0.15), ("tessera", 1.0), ("prefix", 0.0),
@@ -53,7 +53,7 @@ def test_static_tails_keep_decode_exact(tiny_dir):
 
 @pytest.fixture(scope="module")
 def triton_engines(tiny_dirs):
-    pytest.importorskip("triton")
+    cpu_triton()
     return (Engine.load(tiny_dirs["llama"], attention_backend="triton", static_tails=False),
             Engine.load(tiny_dirs["llama"], attention_backend="triton", static_tails=True))
 

@@ -11,7 +11,7 @@ import torch
 
 from services.engine import Engine
 
-from .conftest import random_request
+from .conftest import cpu_triton, random_request
 
 pytest.importorskip("triton")
 TOL = dict(rtol=2e-4, atol=2e-4)
@@ -19,6 +19,7 @@ TOL = dict(rtol=2e-4, atol=2e-4)
 
 @pytest.fixture(scope="module")
 def engines(tiny_dirs):
+    cpu_triton()
     return (Engine.load(tiny_dirs["llama"], attention_backend="torch"),
             Engine.load(tiny_dirs["llama"], attention_backend="triton"))
 
