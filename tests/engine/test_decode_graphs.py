@@ -77,7 +77,7 @@ def _decode_both(eng, eager, static, tokens, steps):
 @pytest.fixture(scope="module", params=["torch", "triton"])
 def engine4(request, tiny_dir):
     if request.param == "triton":
-        pytest.importorskip("triton")
+        cpu_triton()
     return Engine.load(tiny_dir, attention_backend=request.param, static_tails=True, block_size=4)
 
 
@@ -126,7 +126,7 @@ def test_forced_splits_are_merged(handoffs, tiny_dir):
 def test_masks_past_16_bits(handoffs, tiny_dir, backend):
     """Block size 32: slot masks live in their own int64 buffer, which the kernel reads in place."""
     if backend == "triton":
-        pytest.importorskip("triton")
+        cpu_triton()
     eng = Engine.load(tiny_dir, attention_backend=backend, static_tails=True, block_size=32)
     eager, static, tokens = _twins(eng, handoffs, n=3)
     try:
