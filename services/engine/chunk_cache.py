@@ -26,10 +26,8 @@ from services.engine.block_pool import BlockPool, PoolExhausted
 
 def chunk_id(fingerprint: str, tokens: Iterable[int]) -> str:
     """Content id of a chunk: sha256 over the model fingerprint and the int64 token ids."""
-    h = hashlib.sha256(fingerprint.encode())
-    ids = tokens if isinstance(tokens, (list, tuple, np.ndarray)) else list(tokens)
-    h.update(np.asarray(ids, dtype=np.int64).tobytes())
-    return h.hexdigest()
+    ids = np.asarray(tokens if isinstance(tokens, (list, tuple, np.ndarray)) else list(tokens), dtype=np.int64)
+    return chunk_ids_of(fingerprint, ids, [ids.size])[0]
 
 
 def chunk_ids_of(fingerprint: str, flat: np.ndarray, lengths: list[int]) -> list[str]:

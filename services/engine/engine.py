@@ -145,7 +145,8 @@ class Engine:
 
     # ------------------------------------------------------------------ validation
     def _validate(self, chunks, suffix, mode: str, recompute_ratio: float, extra_tokens: int = 0):
-        """-> (chunks, suffix) as lists of ints, and the chunks' ids; a clear ValueError for bad input."""
+        """-> (chunks, suffix) as lists of ints, and the chunks' ids (None in ``full`` and ``prefix``); a clear
+        ValueError for bad input."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
         if not 0.0 <= float(recompute_ratio) <= 1.0:
@@ -179,7 +180,9 @@ class Engine:
         if mode == "tessera" and last_start > MAX_OFFSET:
             starts = torch.tensor([sum(map(len, chunks[:i])) for i in range(len(chunks))], dtype=torch.int64)
             check_encodable(self.block_size, torch.zeros(0, dtype=torch.int32), starts)
-        return chunks, suffix, chunk_ids_of(self.fingerprint, flat, list(map(len, chunks)))
+        # chunk ids name cached chunks in the reuse modes only (prefix hashes whole prefixes itself)
+        ids = None if mode in ("full", "prefix") else chunk_ids_of(self.fingerprint, flat, list(map(len, chunks)))
+        return chunks, suffix, ids
 
     # ------------------------------------------------------------------ public API
     def chunk_id(self, tokens) -> str:
