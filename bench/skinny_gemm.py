@@ -6,7 +6,7 @@ weight between repeats; lm_head 4, each 1 GB); one CUDA graph runs the 32 GEMMs 
 (``do_bench_cudagraph``, median). Reported: us per GEMM and TB/s of weight read, cuBLAS (F.linear /
 addmm_) beside every config of the sweep grid, each config first checked against the twin on the GPU.
 Then a read-bandwidth ceiling and a whole layer stack (32 x q|k|v, o, gate|up, down) with the best
-configs against cuBLAS at M = 64 and 8. Prints the best configs as kernels/linear/triton.py's CONFIGS.
+configs against cuBLAS at M = 64 and 8. Prints the best configs as kernels/linear/config.py's CONFIGS.
 
     python3 bench/skinny_gemm.py --out DIR/skinny_gemm.json [--quick] [--jobs 16]
     python3 bench/skinny_gemm.py --compile-only [--quick]      # no GPU: every variant compiled for sm_90
@@ -311,7 +311,7 @@ def print_results(results: dict) -> None:
     bad = [(r["shape"], r["M"], k) for r in results["rows"] for k, v in r["configs"].items() if not v.get("ok")]
     if bad:
         con.print(f"[yellow]{len(bad)} configs failed the check or did not compile (see the JSON), e.g. {bad[:5]}")
-    con.print("\n# paste into kernels/linear/triton.py (best per (N, K) and M; cuBLAS faster where marked)")
+    con.print("\n# paste into kernels/linear/config.py (best per (N, K) and M; cuBLAS faster where marked: None there)")
     print(config_table(results["rows"]))
 
 

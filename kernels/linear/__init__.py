@@ -4,7 +4,7 @@ added in place onto ``accumulate`` (the down projection onto the residual, ``h.a
 ``backend="torch"`` is the plain-torch twin (any device); ``backend="triton"`` the weight-streaming Triton
 kernel (CUDA, or the CPU under TRITON_INTERPRET=1), which ``supported`` says is worth taking: 16-bit
 activations and at most MAX_M rows (past that cuBLAS's large tiles win). ``config`` overrides the
-kernel's table (``kernels.linear.triton.CONFIGS``); the bench sweeps it.
+kernel's table (``kernels.linear.config.CONFIGS``); the bench sweeps it.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class LinearConfig:
                 f"w{self.num_warps} st{self.num_stages}")
 
     def literal(self) -> str:
-        """The config as Python source, in the form kernels/linear/triton.py's CONFIGS table holds it."""
+        """The config as Python source, in the form this module's CONFIGS table holds it."""
         extra = f", reduce={self.reduce!r}" if self.split_k > 1 and self.reduce != "arrive" else ""
         return (f"LinearConfig({self.block_m}, {self.block_n}, {self.block_k}, split_k={self.split_k}, "
                 f"num_warps={self.num_warps}, num_stages={self.num_stages}{extra})")

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.linear.config import CONFIGS, LinearConfig, table_config  # noqa: F401  (CONFIGS: the bench's table)
+from kernels.linear.config import LinearConfig, table_config
 
 # Programmatic dependent launch of one-split launches (CUDA): -1 off; N >= 0 on, each program first asking L2
 # for N steps of its weight rows while the kernel before it finishes. Off until measured (bench/pdl_stack.py).

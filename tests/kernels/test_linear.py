@@ -10,6 +10,7 @@ from kernel_checks import DTYPE_NAME, TOL, rel_err
 
 from kernels.linear import LinearConfig, linear, supported
 from kernels.linear import triton as kt
+from kernels.linear.config import CONFIGS as CONFIGS_TABLE
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -110,7 +111,7 @@ def test_split_plan_covers_k_without_empty_splits():
 def test_twin_matches_torch_and_config_table():
     x, w, b, _ = _operands(5, 24, 32, torch.bfloat16, bias=True)
     assert torch.equal(linear(x, w, b), torch.nn.functional.linear(x.float(), w.float(), b.float()).to(x.dtype))
-    assert kt.pick_config(64, 4096, 14336) == kt.heuristic_config(64, 4096, 14336) or (4096, 14336) in kt.CONFIGS
+    assert kt.pick_config(64, 4096, 14336) == kt.heuristic_config(64, 4096, 14336) or (4096, 14336) in CONFIGS_TABLE
     cfg = kt.heuristic_config(64, 4096, 14336)
     assert cfg.block_m == 64 and cfg.split_k > 1  # 64 N tiles alone would leave half an H100 idle
     assert kt.heuristic_config(1, 128256, 4096).split_k == 1
