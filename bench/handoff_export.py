@@ -269,29 +269,36 @@ def request(args) -> tuple[list[list[int]], list[int]]:
     return chunks, torch.randint(0, 1000, (args.suffix_tokens,), generator=g).tolist()
 
 
-def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """The model and request shape options this meter and bench/handoff_import.py share (see ``build``)."""
+def add_shared_args(ap: argparse.ArgumentParser) -> None:
+    """The options this meter and bench/handoff_import.py share: model and request shape (see ``build``),
+    repetitions, GPU contention and the JSON record."""
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=64, help="the CPU model's width")
     ap.add_argument("--chunks", type=int, default=6)
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--suffix-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--contend", action="store_true", help="CUDA: a second process keeps the GPU busy")
+    ap.add_argument("--json", help="also write the rows here")
+
+
+def parse_shared(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """The parsed options; --device cuda without a CUDA device stops here."""
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
+    return args
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(ap)
+    add_shared_args(ap)
     ap.add_argument("--modes", default="tessera@0.15,tessera@0")
-    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--host-kv", action="store_true", help="copy the K/V to the host (kv_on_device=False)")
     ap.add_argument("--baseline", action="store_true",
                     help="also the export as it was before (tests/engine/handoff_reference.py), interleaved")
-    ap.add_argument("--contend", action="store_true", help="CUDA: a second process keeps the GPU busy")
-    ap.add_argument("--json", help="also write the rows here")
-    args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device")
+    args = parse_shared(ap)
     chunks, suffix = request(args)
     eng = build(args)
     kv_on_device = args.device == "cuda" and not args.host_kv

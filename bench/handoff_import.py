@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import services.engine.block_pool as pool_mod  # noqa: E402
 import services.engine.engine as engine_mod  # noqa: E402
-from bench.handoff_export import OpMeter, add_model_args, build, contention, interleaved, request  # noqa: E402
+from bench.handoff_export import (OpMeter, add_shared_args, build, contention, interleaved,  # noqa: E402
+                                  parse_shared, request)
 from services.engine import Engine, Handoff  # noqa: E402
 
 aten = torch.ops.aten
@@ -181,17 +182,12 @@ def report(row: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(ap)
+    add_shared_args(ap)
     ap.add_argument("--modes", default="tessera@0.15,full")
     ap.add_argument("--sources", default="resident,fetched", help="where the shared chunks come from")
-    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--baseline", action="store_true",
                     help="also the import as it was before (tests/engine/handoff_import_reference.py), interleaved")
-    ap.add_argument("--contend", action="store_true", help="CUDA: a second process keeps the GPU busy")
-    ap.add_argument("--json", help="also write the rows here")
-    args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device")
+    args = parse_shared(ap)
     chunks, suffix = request(args)
     if args.device == "cpu":
         torch.set_num_threads(1)   # the engine thread does all of the work: its CPU time is the import's
