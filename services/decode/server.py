@@ -108,6 +108,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         out: asyncio.Queue = asyncio.Queue()
         job = DecodeJob(rid, prepared, sampling,
                         lambda toks, reason, err: loop.call_soon_threadsafe(out.put_nowait, (toks, reason, err)))
+        # the caller leaving ends the sequence at the next step; the generator's own clean-up may wait for the
+        # garbage collector when the caller leaves while the generator is parked at a yield
+        context.add_done_callback(lambda _ctx: job.cancelled.set())
         self.decoding += 1
         self.batcher.submit(job)
         try:

@@ -184,12 +184,18 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                     call = self.peers.decode_stub(d).Decode(
                         pb.DecodeRequest(request_id=rid, sampling=sampling),
                         timeout=self._remaining(context))
-                    async for msg in call:
-                        fresh = await relay.accept(msg.token_ids, context, d.name)
-                        if fresh:
-                            yield pb.GenerateResponse(token_ids=fresh, text=self._text(fresh))
-                        if msg.finish_reason:
-                            finish = msg.finish_reason
+                    # a client that leaves frees the decode slot at once: this generator's own clean-up may
+                    # wait for the garbage collector when the client leaves while it is parked at a yield
+                    context.add_done_callback(lambda _ctx, c=call: c.cancel())
+                    try:
+                        async for msg in call:
+                            fresh = await relay.accept(msg.token_ids, context, d.name)
+                            if fresh:
+                                yield pb.GenerateResponse(token_ids=fresh, text=self._text(fresh))
+                            if msg.finish_reason:
+                                finish = msg.finish_reason
+                    finally:
+                        call.cancel()        # no-op once finished
                 except grpc.aio.AioRpcError as exc:
                     await self._failed(exc, None, d, avoid, context, "decode", bool(sent) and not resumable)
         finally:

@@ -65,9 +65,15 @@ def test_errors_reach_their_own_request_and_the_loop_goes_on():
 
 
 def test_stop_cancels_what_has_not_started():
-    loop, log, gate = EngineLoop(), [], threading.Event()
-    started = loop.prefill(_prefill(log, "a", gate))
+    loop, log, gate, entered = EngineLoop(), [], threading.Event(), threading.Event()
+
+    def begin_a():
+        entered.set()
+        return _prefill(log, "a", gate)()
+
+    started = loop.prefill(begin_a)
     queued = loop.prefill(_prefill(log, "b"))
+    assert entered.wait(5)              # "a" has started (on a busy machine the thread may not have yet)
     threading.Timer(0.05, gate.set).start()
     loop.stop()
     assert started.result(5) == "a" and queued.cancelled() and "begin b" not in log
