@@ -9,6 +9,7 @@ Public API (services, tests and outside checks call exactly this):
 from __future__ import annotations
 
 import importlib.util
+import operator
 import os
 import time
 from pathlib import Path
@@ -33,24 +34,38 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def _request_ids(chunks, suffix) -> tuple[list[list[int]], list[int], np.ndarray | None]:
-    """The request's parts as lists of Python ints, and every id, chunks then suffix, in one int64 array
-    (None only when some id does not fit int64, so is past any vocabulary: the caller then names it).
-    One numpy conversion per part: the bounds check and the chunk ids read the array."""
-    arrays, parts = [], []
-    for p in (*chunks, suffix):
+def _part_ids(part, where: str) -> tuple[list[int], np.ndarray | None]:
+    """One part of a request as a list of ints and an int64 array (None when some id does not fit int64,
+    so is past any vocabulary). An id that is not an integer (a float, a string, a bool array) is refused
+    by name, never truncated. A list numpy reads as integers is returned as given (no copy)."""
+    try:
+        arr = np.array(part)  # dtype inferred: a float or string id shows in it
+    except (OverflowError, TypeError, ValueError):
+        arr = None
+    if arr is not None and arr.ndim == 1 and (arr.dtype.kind in "iu" or arr.size == 0):
+        ids = part if type(part) is list else arr.tolist()
+        if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+            return ids, None
+        return ids, arr.astype(np.int64, copy=False)
+    ids = []  # an iterator, a device tensor, mixed or non-integer ids: one by one, the offender named
+    for t in part:
         try:
-            arr = np.asarray(p, dtype=np.int64)
-        except (OverflowError, TypeError, ValueError):
-            arr = None  # not a sequence numpy takes (an iterator, ids past int64): int() goes one by one
-        if arr is None or arr.ndim != 1:
-            ids = list(map(int, p))  # an id that is no number: int() says which
-            try:
-                arr = np.asarray(ids, dtype=np.int64)
-            except OverflowError:
-                arr = None
-        else:
-            ids = arr.tolist()
+            ids.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"token id {t!r} in {where} is not an integer") from None
+    try:
+        return ids, np.asarray(ids, dtype=np.int64)
+    except OverflowError:
+        return ids, None
+
+
+def _request_ids(chunks, suffix) -> tuple[list[list[int]], list[int], np.ndarray | None]:
+    """The request's parts as lists of ints, and every id, chunks then suffix, in one int64 array (None
+    only when some id does not fit int64, so is past any vocabulary: the caller then names it).
+    One numpy conversion per part: the bounds check and the chunk ids read the array."""
+    parts, arrays = [], []
+    for i, p in enumerate((*chunks, suffix)):
+        ids, arr = _part_ids(p, f"chunk {i}" if i < len(chunks) else "suffix")
         parts.append(ids)
         if arr is None:
             arrays = None

@@ -23,6 +23,9 @@ def _snapshot(eng):
     (dict(chunks=[[1, 2], []], suffix=[3]), "chunk 1 is empty"),
     (dict(chunks=[[1, 320]], suffix=[3]), "token id 320 in chunk 0"),
     (dict(chunks=[[1]], suffix=[-1]), "token id -1 in suffix"),
+    (dict(chunks=[[1, 2.5]], suffix=[3]), "token id 2.5 in chunk 0 is not an integer"),  # never truncated
+    (dict(chunks=[[1]], suffix=["7"]), "token id '7' in suffix is not an integer"),
+    (dict(chunks=[[1]], suffix=torch.tensor([2.0])), "in suffix is not an integer"),
     (dict(chunks=[[1]], suffix=[2], mode="lazy"), "unknown mode"),
     (dict(chunks=[[1]], suffix=[2], recompute_ratio=1.5), "recompute_ratio"),
 ])
