@@ -34,6 +34,11 @@ from kernels.linear.config import LinearConfig, table_config
 # Programmatic dependent launch of one-split launches (CUDA): -1 off; N >= 0 on, each program first asking L2
 # for N steps of its weight rows while the kernel before it finishes. Off until measured (bench/pdl_stack.py).
 PDL_PREFETCH_STEPS = -1
+# norm prologue (``norm=``): weight steps each program asks L2 for before its pre-pass over x reads the rows'
+# sums of squares (HBM streams meanwhile; not yet measured: bench/skinny_gemm.py --norm-ab sweeps it), and
+# the pre-pass loop's pipeline depth (tiles of x in flight from L2)
+NORM_PREFETCH_STEPS = 8
+NORM_PASS_STAGES = 4
 MAX_TILES_COUNTED = 1 << 16  # per-tile arrival counters kept per device (a launch with more gets its own)
 # the interpreter's bf16 dot is wrong: there (only) bf16 tiles are upcast to fp32 before the dot
 _UPCAST_BF16 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -41,11 +46,12 @@ _UPCAST_BF16 = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, n_split, stride_ws,
-                   stride_xm, stride_wn, stride_cm, stride_om,
+                   stride_xm, stride_wn, stride_cm, stride_om, g_ptr, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SWIGLU: tl.constexpr = False,
-                   PDL: tl.constexpr = False, PREFETCH_STEPS: tl.constexpr = 0):
+                   PDL: tl.constexpr = False, PREFETCH_STEPS: tl.constexpr = 0, NORM: tl.constexpr = False,
+                   NORM_STAGES: tl.constexpr = 3):
     """Program (M tile, N tile, K split). MODE 0: one split, the epilogue writes out. MODE 1: writes its
     fp32 partial to ws[split]; a second kernel reduces. MODE 2: writes its partial, and the tile's last
     program to arrive sums ws[0..n_split) in order and writes out.
@@ -54,7 +60,10 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
     PDL (launched as a programmatic dependent launch): the program may start while the kernel before it in the
     stream is still running; it first asks L2 for its first PREFETCH_STEPS steps of weight rows (the weights
     are never written), then waits for that kernel (griddepcontrol.wait) before it reads or writes anything
-    else, and lets the next kernel launch."""
+    else, and lets the next kernel launch.
+    NORM: the GEMM's input is rms_norm(x) * g (kernels/fused's rounding): the program asks L2 for its first
+    PREFETCH_STEPS weight steps (HBM stays busy meanwhile), reads its rows of x once over all of K for each
+    row's 1/rms (x is small and in L2), then normalises each x tile of the K loop as it is loaded."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -66,15 +75,19 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
     rn = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     k0 = pid_k * k_split
+    if PREFETCH_STEPS > 0:  # the weights are never written: asked for before the wait (PDL) or the norm's pre-pass
+        _prefetch_rows(w_ptr, rn, k0, tl.minimum(K, k0 + PREFETCH_STEPS * BLOCK_K), stride_wn, BLOCK_N, BLOCK_K)
+        if SWIGLU:
+            _prefetch_rows(w_ptr, rn + N, k0, tl.minimum(K, k0 + PREFETCH_STEPS * BLOCK_K), stride_wn, BLOCK_N,
+                           BLOCK_K)
     if PDL:
-        if PREFETCH_STEPS > 0:
-            _prefetch_rows(w_ptr, rn, k0, tl.minimum(K, k0 + PREFETCH_STEPS * BLOCK_K), stride_wn, BLOCK_N, BLOCK_K)
-            if SWIGLU:
-                _prefetch_rows(w_ptr, rn + N, k0, tl.minimum(K, k0 + PREFETCH_STEPS * BLOCK_K), stride_wn, BLOCK_N,
-                               BLOCK_K)
         gdc_wait()
         gdc_launch_dependents()
     k_end = tl.minimum(K, k0 + k_split)
+    if NORM:
+        inv = _row_inv_rms(x_ptr, offs_m, m_ok, K, stride_xm, eps, BLOCK_M, BLOCK_K, EVEN_K, NORM_STAGES)
+        g_ptrs = g_ptr + k0 + offs_k
+        gk = tl.load(g_ptrs, mask=(k0 + offs_k) < k_end, other=0.0)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k0 + offs_k)[None, :]
     w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_k)[None, :]
     u_ptrs = w_ptr + (rn + N)[:, None] * stride_wn + (k0 + offs_k)[None, :]  # SWIGLU: the up rows
@@ -92,6 +105,13 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
             b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             if SWIGLU:
                 bu = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
+        if NORM:  # rms_norm's roundings: bf16(x * inv), then bf16(y * g)
+            # g of the next step asked for now (one element a thread: too narrow for the async pipeline)
+            g_ptrs += BLOCK_K
+            g_next = tl.load(g_ptrs, mask=(k + BLOCK_K + offs_k) < k_end, other=0.0)
+            y = (a.to(tl.float32) * inv[:, None]).to(x_ptr.dtype.element_ty)
+            a = (y.to(tl.float32) * gk.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+            gk = g_next
         if UPCAST:  # the interpreter's bf16 dot multiplies garbage: exact fp32 products of the same values
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -129,6 +149,25 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
                 _epilogue(total, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om,
                           HAS_BIAS, ACCUMULATE)
                 tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _row_inv_rms(x_ptr, offs_m, m_ok, K, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, STAGES: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) [BLOCK_M] of rows offs_m of x [M, K] in fp32 (rows past M: rsqrt(eps), unused).
+    The sum of squares runs over BLOCK_K-wide column tiles in K order (a tree within a tile, then the
+    tiles in sequence): another order than kernels/fused's one tl.sum over the row (see kernels.linear)."""
+    rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    offs_k = tl.arange(0, BLOCK_K)
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):  # pipelined: many tiles of x in flight from L2
+        if EVEN_K:
+            xv = tl.load(rows + (k + offs_k)[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+        else:
+            xv = tl.load(rows + (k + offs_k)[None, :], mask=m_ok[:, None] & ((k + offs_k) < K)[None, :],
+                         other=0.0).to(tl.float32)
+        ss += tl.sum(xv * xv, axis=1)
+    return tl.rsqrt(ss / K + eps)
 
 
 _PREFETCH_L2 = tl.constexpr("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\t"
@@ -236,30 +275,34 @@ def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
 
 
 def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: bool, accumulate: bool,
-          swiglu: bool = False, pdl: int = -1):
+          swiglu: bool = False, pdl: int = -1, norm: bool = False, norm_prefetch: int = NORM_PREFETCH_STEPS):
     """(grid, mode, splits, the kernel's integer arguments up to the strides, its constexprs and options)."""
     k_split, n_split = split_plan(k, cfg.block_k, cfg.split_k)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), n_split)
     mode = 0 if n_split == 1 else (2 if cfg.reduce == "arrive" else 1)
     upcast = _UPCAST_BF16 and dtype == torch.bfloat16
+    compiled = os.environ.get("TRITON_INTERPRET") != "1"  # L2 prefetches and PDL are PTX: not interpreted
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MODE=mode, HAS_BIAS=bias,
                   ACCUMULATE=accumulate, EVEN_K=k % k_split == 0,
                   PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
-                  SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if pdl >= 0 and mode == 0 and not _UPCAST_BF16 and os.environ.get("TRITON_INTERPRET") != "1":
-        consts.update(PDL=True, PREFETCH_STEPS=pdl, launch_pdl=True)
+                  SWIGLU=swiglu, PDL=False, NORM=norm, NORM_STAGES=NORM_PASS_STAGES,
+                  PREFETCH_STEPS=max(0, norm_prefetch) if norm and compiled else 0,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if pdl >= 0 and mode == 0 and compiled:
+        consts.update(PDL=True, PREFETCH_STEPS=max(pdl, consts["PREFETCH_STEPS"]), launch_pdl=True)
     return grid, mode, n_split, (m, n, k, k_split, n_split, m * n), consts
 
 
 def warmup(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, *, bias: bool = False,
-           accumulate: bool = False, stride_w: int | None = None) -> None:
+           accumulate: bool = False, stride_w: int | None = None, norm: bool = False, swiglu: bool = False) -> None:
     """Compile (into Triton's cache) the kernels a launch of this shape and config would run, without
     tensors or a launch: the bench compiles its sweep on many processes at once with this. Strides are
-    those of contiguous x, out and accumulate, and ``stride_w`` (default K) for w."""
-    grid, mode, n_split, ints, consts = _plan(m, n, k, dtype, cfg, bias, accumulate)
+    those of contiguous x, out and accumulate (or residual), and ``stride_w`` (default K) for w; with
+    ``swiglu``, n is the activation's width (w holds 2n rows)."""
+    grid, mode, n_split, ints, consts = _plan(m, n, k, dtype, cfg, bias, accumulate, swiglu=swiglu, norm=norm)
     ws, cnt = (torch.float32 if mode else dtype), (torch.int32 if mode == 2 else dtype)  # as linear() passes
     _linear_kernel.warmup(dtype, dtype, dtype, dtype, dtype, ws, cnt, *ints, k,
-                          k if stride_w is None else stride_w, n, n, grid=grid, **consts)
+                          k if stride_w is None else stride_w, n, n, dtype, 1e-5, grid=grid, **consts)
     if mode == 1:
         _reduce_kernel.warmup(torch.float32, dtype, dtype, dtype, m, n, n_split, m * n, n, n, grid=grid[:2],
                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_BIAS=bias, ACCUMULATE=accumulate,
@@ -267,32 +310,37 @@ def warmup(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, *, bia
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+           norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
            accumulate: torch.Tensor | None = None, config: LinearConfig | None = None,
-           pdl: int | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T (+ bias [N]) as a new [M, N] tensor of x's dtype, or added into
-    ``accumulate`` [M, N] in place (returned). Inputs are validated by the caller (kernels.linear)."""
+           pdl: int | None = None, norm_prefetch: int = NORM_PREFETCH_STEPS) -> torch.Tensor:
+    """(rms_norm(x) * g if ``norm`` = (g, eps), else x) [M, K] @ w[N, K].T (+ bias [N]) (+ ``residual``
+    [M, N]) as a new [M, N] tensor of x's dtype, or added into ``accumulate`` [M, N] in place (returned).
+    Inputs are validated by the caller (kernels.linear)."""
     m, k = x.shape
     n = w.shape[0]
     out = accumulate if accumulate is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    if k == 0:  # an empty sum: the twin adds the bias (or nothing)
+    if k == 0:  # an empty sum: the twin adds the bias and the residual (or nothing)
         from kernels.linear import reference
 
-        return reference.linear(x, w, bias, accumulate=accumulate)
+        return reference.linear(x, w, bias, norm=norm, residual=residual, accumulate=accumulate)
     cfg = config or pick_config(m, n, k, sm_count(x.device))
-    grid, mode, n_split, ints, consts = _plan(m, n, k, x.dtype, cfg, bias is not None, accumulate is not None,
-                                              pdl=PDL_PREFETCH_STEPS if pdl is None else pdl)
+    c = accumulate if accumulate is not None else residual if residual is not None else out
+    adds = accumulate is not None or residual is not None  # c's fp32 value added before the one rounding
+    grid, mode, n_split, ints, consts = _plan(m, n, k, x.dtype, cfg, bias is not None, adds,
+                                              pdl=PDL_PREFETCH_STEPS if pdl is None else pdl,
+                                              norm=norm is not None, norm_prefetch=norm_prefetch)
     ws = torch.empty((n_split, m, n), dtype=torch.float32, device=x.device) if mode else out
     cnt = _counters(x.device, grid[0] * grid[1]) if mode == 2 else out
-    b = bias if bias is not None else out  # unread without HAS_BIAS / ACCUMULATE
-    c = accumulate if accumulate is not None else out
+    b = bias if bias is not None else out  # unread without HAS_BIAS / ACCUMULATE / NORM
+    g, eps = (norm[0], float(norm[1])) if norm is not None else (out, 0.0)
     _linear_kernel[grid](x, w, b, c, out, ws, cnt, *ints, x.stride(0), w.stride(0), c.stride(0), out.stride(0),
-                         **consts)
+                         g, eps, **consts)
     if mode == 1:
         _reduce_kernel[grid[:2]](ws, b, c, out, m, n, n_split, m * n, c.stride(0), out.stride(0),
                                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_BIAS=bias is not None,
-                                 ACCUMULATE=accumulate is not None, num_warps=4)
+                                 ACCUMULATE=adds, num_warps=4)
     return out
 
 
@@ -303,19 +351,27 @@ def swiglu_config(m: int, inter: int, k: int, sms: int = 132) -> LinearConfig:
     return dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2), split_k=1)
 
 
-def linear_swiglu(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None,
-                  pdl: int | None = None) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) [M, I] for w = [gate; up] [2I, K], one launch (validated by the caller)."""
+def linear_swiglu(x: torch.Tensor, w: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None,
+                  config: LinearConfig | None = None, pdl: int | None = None,
+                  norm_prefetch: int = NORM_PREFETCH_STEPS) -> torch.Tensor:
+    """silu(x' @ gate.T) * (x' @ up.T) [M, I] for w = [gate; up] [2I, K], one launch, x' = rms_norm(x) * g
+    with ``norm`` = (g, eps), else x (validated by the caller)."""
     m, k = x.shape
     inter = w.shape[0] // 2
     out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     if m == 0 or inter == 0:
         return out
+    if k == 0:
+        from kernels.linear import reference
+
+        return reference.linear_swiglu(x, w, norm=norm)
     cfg = config or swiglu_config(m, inter, k, sm_count(x.device))
     if cfg.split_k != 1:
         raise ValueError("the fused gate|up kernel runs one split")
     grid, _, _, ints, consts = _plan(m, inter, k, x.dtype, cfg, False, False, swiglu=True,
-                                     pdl=PDL_PREFETCH_STEPS if pdl is None else pdl)
+                                     pdl=PDL_PREFETCH_STEPS if pdl is None else pdl,
+                                     norm=norm is not None, norm_prefetch=norm_prefetch)
+    g, eps = (norm[0], float(norm[1])) if norm is not None else (out, 0.0)
     _linear_kernel[grid](x, w, out, out, out, out, out, *ints, x.stride(0), w.stride(0), out.stride(0),
-                         out.stride(0), **consts)
+                         out.stride(0), g, eps, **consts)
     return out

@@ -2,7 +2,10 @@
 variant of bench/skinny_gemm.py's sweep on Llama-3-8B's projections (bf16), printing the variants that
 fail or spill (see compile_sm90.py for what this catches).
 
-    python tests/kernels/compile_linear_sm90.py [--quick] [--jobs N]
+    python tests/kernels/compile_linear_sm90.py [--quick] [--jobs N] [--norm]
+
+``--norm``: only the norm-prologue, residual and SwiGLU launches that bench/skinny_gemm.py --norm-ab times
+(Llama-3-8B at 64 rows and the other row counts of the table), every one printed with its resources.
 
 (``bench/skinny_gemm.py --compile-only`` runs the same.) With the device's Triton 3.6: put an unpacked
 Triton 3.6 wheel first on PYTHONPATH.
@@ -20,9 +23,10 @@ from compile_sm90 import TARGET, resources  # noqa: E402  (sets TRITON_INTERPRET
 
 
 def compile_variant(task) -> str:
-    """Compile one (m, n, k, cfg, accumulate) launch as ``kernels.linear.triton.linear`` would make it:
-    pointers 16-byte aligned, integer arguments that are multiples of 16 marked so, those equal to 1
-    constants (Triton's launch-time specialisation); its resources, or 'FAILED ...'."""
+    """Compile one (m, n, k, cfg, accumulate[, norm, swiglu]) launch as ``kernels.linear.triton.linear``
+    (or ``linear_swiglu``, n then the activation's width) would make it: pointers 16-byte aligned, integer
+    arguments that are multiples of 16 marked so, those equal to 1 constants (Triton's launch-time
+    specialisation); its resources, or 'FAILED ...'."""
     os.environ["TRITON_INTERPRET"] = "0"
     import torch
     import triton
@@ -30,8 +34,8 @@ def compile_variant(task) -> str:
 
     from kernels.linear import triton as kt
 
-    m, n, k, cfg, acc = task
-    _, mode, _, ints, consts = kt._plan(m, n, k, torch.bfloat16, cfg, False, acc)
+    m, n, k, cfg, acc, norm, swiglu = (*task, False, False)[:7]
+    _, mode, _, ints, consts = kt._plan(m, n, k, torch.bfloat16, cfg, False, acc, swiglu=swiglu, norm=norm)
     opts = {o: consts.pop(o) for o in ("num_warps", "num_stages")}
     fn = kt._linear_kernel
     values = dict(zip(fn.arg_names[7:], (*ints, k, k, n, n)))  # then the strides of x, w, accumulate, out
@@ -43,6 +47,8 @@ def compile_variant(task) -> str:
         elif name.endswith("_ptr"):
             sig[name] = "*" + ptr_types.get(name, "bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "eps":
+            sig[name] = "fp32"
         elif values[name] == 1:
             sig[name], constexprs[name] = "constexpr", 1
         else:
@@ -56,8 +62,25 @@ def compile_variant(task) -> str:
     return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B"
 
 
-def compile_all(tasks: list, jobs: int) -> int:
-    """Compile every task on ``jobs`` processes; print failures and spills; 1 if any failed."""
+def norm_variants() -> list[tuple]:
+    """The launches of the norm prologue and the residual epilogue on Llama-3-8B (bf16) at the table's row
+    counts with the configs the kernel would pick (the table's, else its heuristic): q|k|v with norm,
+    gate|up SwiGLU with norm, o with residual, and the plain launches beside them."""
+    from kernels.linear import triton as kt
+
+    tasks = []
+    for m in (1, 8, 32, 64, 128):
+        qkv, o = kt.pick_config(m, 6144, 4096), kt.pick_config(m, 4096, 4096)
+        gu = kt.swiglu_config(m, 14336, 4096)
+        tasks += [(m, 6144, 4096, qkv, False, False, False), (m, 6144, 4096, qkv, False, True, False),
+                  (m, 14336, 4096, gu, False, False, True), (m, 14336, 4096, gu, False, True, True),
+                  (m, 4096, 4096, o, True, False, False)]
+    return tasks
+
+
+def compile_all(tasks: list, jobs: int, verbose: bool = False) -> int:
+    """Compile every task on ``jobs`` processes; print failures and spills (every task with ``verbose``);
+    1 if any failed."""
     from concurrent.futures import ProcessPoolExecutor
 
     import triton
@@ -65,13 +88,15 @@ def compile_all(tasks: list, jobs: int) -> int:
     print(f"{len(tasks)} kernel variants (Triton {triton.__version__} at {Path(triton.__file__).parent})", flush=True)
     failed = spills = 0
     with ProcessPoolExecutor(max(1, jobs)) as pool:
-        for (m, n, k, cfg, acc), res in zip(tasks, pool.map(compile_variant, tasks)):
+        for task, res in zip(tasks, pool.map(compile_variant, tasks)):
+            m, n, k, cfg, acc, norm, swiglu = (*task, False, False)[:7]
             bad = res.startswith("FAILED")
             spill = not bad and "stack 0 B" not in res
             failed += bad
             spills += spill
-            if bad or spill:
-                print(f"M{m} N{n} K{k} acc={acc} {cfg.short()}: {res}", flush=True)
+            if bad or spill or verbose:
+                kind = "swiglu " * swiglu + "norm " * norm + ("acc/residual " if acc else "")
+                print(f"M{m} N{n} K{k} {kind or 'plain '}{cfg.short()}: {res}", flush=True)
     print(f"{len(tasks)} compiled: {failed} failed, {spills} with a stack (spills or locals)")
     return 1 if failed else 0
 
@@ -79,8 +104,11 @@ def compile_all(tasks: list, jobs: int) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the bench's --quick grid")
+    ap.add_argument("--norm", action="store_true", help="only the norm / residual / SwiGLU launches, all printed")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
+    if args.norm:
+        return compile_all(norm_variants(), args.jobs, verbose=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from skinny_gemm import MS, SHAPES, variants
 
