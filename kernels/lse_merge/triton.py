@@ -28,19 +28,36 @@ def _merge_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, n_parts, n_rows, dim,
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for p in range(0, n_parts):
-        lse_p = tl.load(lses_ptr + p * stride_lp + r, mask=r_ok, other=float("-inf")).to(tl.float32) * LOG2E
+        lse_p = tl.load(lses_ptr + p * stride_lp + r, mask=r_ok, other=float("-inf"))
         o_p = tl.load(outs_ptr + p * stride_op + r[:, None] * stride_or + d[None, :], mask=ok, other=0.0)
-        m_new = tl.maximum(m, lse_p)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_safe)
-        w = tl.math.exp2(lse_p - m_safe)
-        l = l * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o_p.to(tl.float32)
-        m = m_new
+        m, l, acc = merge_step(m, l, acc, lse_p, o_p)
+    out, lse = merge_finish(m, l, acc)
+    tl.store(out_ptr + r[:, None] * dim + d[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(lse_ptr + r, lse, mask=r_ok)
+
+
+@triton.jit
+def merge_step(m, l, acc, lse_p, o_p):
+    """One part into a running merge of [R] rows: m (running max, log2 units), l (sum of weights), acc [R, D]
+    (weighted sum of outputs); lse_p [R] the part's natural-log LSE (-inf: it saw nothing), o_p [R, D] its output.
+    The one definition of the merge's arithmetic: _merge_kernel and the prefill kernel's own merge
+    (kernels/paged_attention/_prefill_merge.py) both step through it, so their results are the same bits."""
+    lse_p = lse_p.to(tl.float32) * LOG2E
+    m_new = tl.maximum(m, lse_p)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_safe)
+    w = tl.math.exp2(lse_p - m_safe)
+    l = l * alpha + w
+    acc = acc * alpha[:, None] + w[:, None] * o_p.to(tl.float32)
+    return m_new, l, acc
+
+
+@triton.jit
+def merge_finish(m, l, acc):
+    """The merged output [R, D] fp32 and LSE [R] (natural log) of a running merge; rows no part saw: 0, -inf."""
     empty = l == 0.0
     l_safe = tl.where(empty, 1.0, l)
-    tl.store(out_ptr + r[:, None] * dim + d[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(lse_ptr + r, tl.where(empty, float("-inf"), (m + tl.math.log2(l_safe)) * LN2), mask=r_ok)
+    return acc / l_safe[:, None], tl.where(empty, float("-inf"), (m + tl.math.log2(l_safe)) * LN2)
 
 
 @triton.jit

@@ -65,7 +65,7 @@ def kernels():
     d, g, bs = 128, 4, 16
     # pointers by name; any other *_ptr argument a kernel gains is taken as int32
     ptr_types = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", meta_ptr="i64", mask_ptr="i64", tab_ptr="fp32",
-                     invf_ptr="fp32", out_ptr="fp32", lse_ptr="fp32")
+                     invf_ptr="fp32", out_ptr="fp32", lse_ptr="fp32", fin_ptr="bf16", fin_lse_ptr="fp32", cnt_ptr="i32")
     known = dict(G=g, G_PAD=g, BLOCK_T=cfg.block_m // g, BS=bs, BS_PAD=bs, NB=max(1, cfg.min_block_n // bs), D=d,
                  B_PAD=2, ROTATE=True, USE_TABLE=True, MASK_IN_WORD=True, DOT_F32=False, BLOCK=256)
 
@@ -92,6 +92,11 @@ def kernels():
             _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True, NB=nb,
                                                 PLAN_STEPS=True, GP=256, PREFETCH_KV=True, EPS=16, LINES=2, LINE=64,
                                                 IDX32=idx32),
+            dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    for plan in (False, True):  # KV splits merged by the split programs themselves (PrefillConfig(merge="fused"))
+        yield f"prefill-fused-merge{'-steps' if plan else ''}", lambda plan=plan: compile_kernel(
+            _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True,
+                                                MERGE_FUSED=True, PLAN_STEPS=plan, GP=256 if plan else 1),
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for name, fn in vars(_prefill).items():  # helper kernels of the prefill module (metadata passes)
         if isinstance(fn, triton.runtime.JITFunction) and name != "_prefill_kernel" and \

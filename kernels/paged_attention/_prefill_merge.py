@@ -1,0 +1,82 @@
+"""The prefill kernel's KV splits merging their own partials (PrefillConfig(merge="fused"); see _prefill.py).
+
+Without it, every split program writes its fp32 partial (output rows + LSE) and a second launch
+(kernels/lse_merge) merges the splits. With it, the split programs of one (query tile, KV head) count
+their arrivals on a per-(tile, head) counter after writing their partials; the LAST to arrive reads all
+the group's partials back IN SPLIT ORDER, merges them with the lse_merge kernel's own arithmetic
+(merge_step / merge_finish) and writes the final output, then resets the counter to 0. One launch, no
+merge boundary; nobody waits for anybody (the last arriver has everything it needs the moment it
+arrives), so it cannot deadlock, and under Triton's interpreter (programs run one at a time) the last
+program of each group simply does the merge.
+
+Determinism: whoever arrives last, the partials are read from memory in split order (its own included,
+not taken from its registers), so the result is the same bits every run, and the same bits as the
+two-launch path wherever both compile alike (the interpreter; on a GPU the compiler may contract the
+two kernels' multiply-adds differently).
+
+The counters (kernels/linear/triton.py's split-K "last program reduces" mode does the same): int32,
+allocated once per device, zero between launches because each last arriver resets its own. They are
+shared by every launch on the device, so launches using them must be ordered (one stream, as the engine
+runs its layers); a CUDA graph captures their address and finds them zeroed at every replay.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lse_merge.triton import merge_finish, merge_step
+
+MAX_GROUPS_COUNTED = 1 << 14  # (tile, KV head) counters kept per device (a launch with more gets its own zeros)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, groups: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for `groups` (tile, KV head) groups, each reset to 0 by the program
+    that merges its group. Made on first use outside CUDA-graph capture (a tensor born in a capture belongs
+    to the graph's pool); a launch in a capture before that, or needing more than MAX_GROUPS_COUNTED,
+    gets fresh zeros of its own (one memset, captured with it)."""
+    kept = _COUNTERS.get(device)
+    if kept is None and groups <= MAX_GROUPS_COUNTED and not (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        kept = _COUNTERS[device] = torch.zeros(MAX_GROUPS_COUNTED, dtype=torch.int32, device=device)
+    if kept is not None and groups <= kept.numel():
+        return kept
+    return torch.zeros(groups, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def arrive_and_merge(out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, cnt_ptr, group, n_split, o_rows, l_rows, row_ok,
+                     stride_os, stride_ls, D: tl.constexpr):
+    """Called by every split program of a group after storing its partial. out_ptr / lse_ptr: the partials
+    [n_split, ...] (split p's row r at o_rows[r] + p * stride_os, its LSE at l_rows[r] + p * stride_ls);
+    fin_ptr / fin_lse_ptr: the merged output and LSE, same row offsets, no split; o_rows [BLOCK_M] int64,
+    l_rows [BLOCK_M], row_ok [BLOCK_M] (rows past the sequence's end or padding heads: neither read nor
+    written). group: this (tile, KV head)'s counter."""
+    tl.debug_barrier()  # every thread's partial is stored before the release below
+    arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel")
+    if arrived == n_split - 1:  # the last of the group: merge the splits in order, then reset the counter
+        tl.debug_barrier()
+        dd = tl.arange(0, D)
+        o_ptrs = out_ptr + o_rows[:, None] + dd[None, :]
+        ok = row_ok[:, None]
+        m = tl.full(row_ok.shape, float("-inf"), tl.float32)
+        l = tl.zeros(row_ok.shape, tl.float32)  # noqa: E741
+        acc = tl.zeros(o_ptrs.shape, tl.float32)
+        # .cg: read past L1, which may hold an earlier launch's partials; the next part's loads are issued
+        # before this part's arithmetic (one part in flight, as the step loop keeps one step of K/V)
+        o_next = tl.load(o_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+        l_next = tl.load(lse_ptr + l_rows, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        for p in range(0, n_split):
+            o_p = o_next
+            lse_p = l_next
+            nxt = tl.minimum(p + 1, n_split - 1)  # (the last part once more after the last: never used)
+            o_next = tl.load(o_ptrs + nxt * stride_os, mask=ok, other=0.0, cache_modifier=".cg")
+            l_next = tl.load(lse_ptr + l_rows + nxt * stride_ls, mask=row_ok, other=float("-inf"),
+                             cache_modifier=".cg")
+            m, l, acc = merge_step(m, l, acc, lse_p, o_p)  # noqa: E741
+        out, lse = merge_finish(m, l, acc)
+        tl.store(fin_ptr + o_rows[:, None] + dd[None, :], out.to(fin_ptr.dtype.element_ty), mask=ok)
+        tl.store(fin_lse_ptr + l_rows, lse, mask=row_ok)
+        tl.atomic_xchg(cnt_ptr + group, 0)
