@@ -11,7 +11,12 @@ rounding).
     (deterministic, whoever finishes first) by the tile's last program to arrive (a per-tile counter,
     reset by that program: one launch) or by a second kernel (``reduce="kernel"``);
   - epilogue in fp32: + bias, + the fp32 value of ``accumulate`` (the down projection onto the
-    residual), one rounding to the output dtype.
+    residual, in place) or of ``residual`` (the o projection onto it, written to a new tensor), one
+    rounding to the output dtype;
+  - ``norm``: an RMSNorm prologue. Each program asks L2 for its first NORM_PREFETCH_STEPS weight steps,
+    reads its rows of x over all of K once (from L2) for each row's 1/rms, then normalises every x tile
+    of the K loop as it is loaded, with rms_norm's roundings (kernels.linear's docstring says what is
+    exact). Its extra cost is that pre-pass: every N tile re-reads its rows of x from L2 once more.
 
 CUDA-graph capturable: no host sync, the grid and the workspace are functions of the shapes alone (the
 workspace is allocated per call, the counters once per device and kept zeroed by the kernel itself).
@@ -326,6 +331,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
 
         return reference.linear(x, w, bias, norm=norm, residual=residual, accumulate=accumulate)
     cfg = config or pick_config(m, n, k, sm_count(x.device))
+    if norm is not None and config is None and cfg.split_k > 1:  # every split re-reads whole rows for 1/rms
+        cfg = dataclasses.replace(cfg, split_k=1)
     c = accumulate if accumulate is not None else residual if residual is not None else out
     adds = accumulate is not None or residual is not None  # c's fp32 value added before the one rounding
     grid, mode, n_split, ints, consts = _plan(m, n, k, x.dtype, cfg, bias is not None, adds,
@@ -344,11 +351,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
     return out
 
 
-def swiglu_config(m: int, inter: int, k: int, sms: int = 132) -> LinearConfig:
+def swiglu_config(m: int, inter: int, k: int, sms: int = 132, norm: bool = False) -> LinearConfig:
     """The fused gate|up launch: the table's config for the unfused [2*inter, K] projection with half as many
-    output columns a tile (each tile streams as many weight rows, gate and up), one split."""
+    output columns a tile (each tile streams as many weight rows, gate and up), one split. With the norm
+    prologue, 256-wide K steps take 8 warps: on 4, the normalised x tile beside the two accumulators spills
+    (Triton 3.6, sm_90: 255 registers and a stack at 16 x 64 x 256; 171 registers on 8 warps)."""
     cfg = pick_config(m, 2 * inter, k, sms)
-    return dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2), split_k=1)
+    cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2), split_k=1)
+    if norm and cfg.block_k >= 256 and cfg.num_warps < 8:
+        cfg = dataclasses.replace(cfg, num_warps=8)
+    return cfg
 
 
 def linear_swiglu(x: torch.Tensor, w: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None,
@@ -365,7 +377,7 @@ def linear_swiglu(x: torch.Tensor, w: torch.Tensor, *, norm: tuple[torch.Tensor,
         from kernels.linear import reference
 
         return reference.linear_swiglu(x, w, norm=norm)
-    cfg = config or swiglu_config(m, inter, k, sm_count(x.device))
+    cfg = config or swiglu_config(m, inter, k, sm_count(x.device), norm=norm is not None)
     if cfg.split_k != 1:
         raise ValueError("the fused gate|up kernel runs one split")
     grid, _, _, ints, consts = _plan(m, inter, k, x.dtype, cfg, False, False, swiglu=True,

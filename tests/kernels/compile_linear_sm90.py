@@ -14,6 +14,7 @@ Triton 3.6 wheel first on PYTHONPATH.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -67,13 +68,18 @@ def norm_variants() -> list[tuple]:
     counts with the configs the kernel would pick (the table's, else its heuristic): q|k|v with norm,
     gate|up SwiGLU with norm, o with residual, and the plain launches beside them."""
     from kernels.linear import triton as kt
+    from skinny_gemm import SHAPES, norm_ab_configs
 
-    tasks = []
+    cfg, wide = norm_ab_configs(SHAPES, 64)  # bench/skinny_gemm.py --norm-ab's launches at 64 rows
+    tasks = [(64, 6144, 4096, cfg["qkv"], False, True, False), (64, 6144, 4096, wide["qkv"], False, True, False),
+             (64, 14336, 4096, cfg["swiglu"], False, True, True), (64, 14336, 4096, wide["swiglu"], False, True, True),
+             (64, 4096, 4096, cfg["o"], True, False, False)]
     for m in (1, 8, 32, 64, 128):
         qkv, o = kt.pick_config(m, 6144, 4096), kt.pick_config(m, 4096, 4096)
-        gu = kt.swiglu_config(m, 14336, 4096)
-        tasks += [(m, 6144, 4096, qkv, False, False, False), (m, 6144, 4096, qkv, False, True, False),
-                  (m, 14336, 4096, gu, False, False, True), (m, 14336, 4096, gu, False, True, True),
+        qkv_norm = dataclasses.replace(qkv, split_k=1)  # as kernels.linear.triton.linear takes it with norm
+        gu, gu_norm = kt.swiglu_config(m, 14336, 4096), kt.swiglu_config(m, 14336, 4096, norm=True)
+        tasks += [(m, 6144, 4096, qkv, False, False, False), (m, 6144, 4096, qkv_norm, False, True, False),
+                  (m, 14336, 4096, gu, False, False, True), (m, 14336, 4096, gu_norm, False, True, True),
                   (m, 4096, 4096, o, True, False, False)]
     return tasks
 
@@ -107,9 +113,9 @@ def main() -> int:
     ap.add_argument("--norm", action="store_true", help="only the norm / residual / SwiGLU launches, all printed")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
+    sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # after the repo: bench/kernels.py
     if args.norm:
         return compile_all(norm_variants(), args.jobs, verbose=True)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from skinny_gemm import MS, SHAPES, variants
 
     return compile_all(list(variants(SHAPES, MS, args.quick).values()), args.jobs)
