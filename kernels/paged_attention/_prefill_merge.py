@@ -47,34 +47,50 @@ def arrival_counters(device: torch.device, groups: int) -> torch.Tensor:
 
 
 @triton.jit
+def _load_part(o_ptrs, l_ptrs, ok, row_ok, p, stride_os, stride_ls):
+    """Part p's output rows and LSEs. .cg: read past L1, which may hold an earlier launch's partials."""
+    o = tl.load(o_ptrs + p * stride_os, mask=ok, other=0.0, cache_modifier=".cg")
+    lse = tl.load(l_ptrs + p * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+    return o, lse
+
+
+@triton.jit
 def arrive_and_merge(out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, cnt_ptr, group, n_split, o_rows, l_rows, row_ok,
-                     stride_os, stride_ls, D: tl.constexpr):
+                     stride_os, stride_ls, D: tl.constexpr, AHEAD: tl.constexpr = 1):
     """Called by every split program of a group after storing its partial. out_ptr / lse_ptr: the partials
     [n_split, ...] (split p's row r at o_rows[r] + p * stride_os, its LSE at l_rows[r] + p * stride_ls);
     fin_ptr / fin_lse_ptr: the merged output and LSE, same row offsets, no split; o_rows [BLOCK_M] int64,
     l_rows [BLOCK_M], row_ok [BLOCK_M] (rows past the sequence's end or padding heads: neither read nor
-    written). group: this (tile, KV head)'s counter."""
+    written). group: this (tile, KV head)'s counter. AHEAD (1 or 2): parts whose loads are in flight while
+    a part is merged (each [BLOCK_M, D] fp32 part is 64 registers a thread at 64 x 128 over 4 warps)."""
     tl.debug_barrier()  # every thread's partial is stored before the release below
     arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel")
     if arrived == n_split - 1:  # the last of the group: merge the splits in order, then reset the counter
         tl.debug_barrier()
         dd = tl.arange(0, D)
         o_ptrs = out_ptr + o_rows[:, None] + dd[None, :]
+        l_ptrs = lse_ptr + l_rows
         ok = row_ok[:, None]
         m = tl.full(row_ok.shape, float("-inf"), tl.float32)
         l = tl.zeros(row_ok.shape, tl.float32)  # noqa: E741
         acc = tl.zeros(o_ptrs.shape, tl.float32)
-        # .cg: read past L1, which may hold an earlier launch's partials; the next part's loads are issued
-        # before this part's arithmetic (one part in flight, as the step loop keeps one step of K/V)
-        o_next = tl.load(o_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
-        l_next = tl.load(lse_ptr + l_rows, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        # the loads of the next AHEAD parts are issued before a part's arithmetic; past the last part the
+        # last is read again (in bounds, never used)
+        o_a, l_a = _load_part(o_ptrs, l_ptrs, ok, row_ok, 0, stride_os, stride_ls)
+        if AHEAD == 2:
+            o_b, l_b = _load_part(o_ptrs, l_ptrs, ok, row_ok, tl.minimum(1, n_split - 1), stride_os, stride_ls)
+        else:
+            o_b, l_b = o_a, l_a  # unused
         for p in range(0, n_split):
-            o_p = o_next
-            lse_p = l_next
-            nxt = tl.minimum(p + 1, n_split - 1)  # (the last part once more after the last: never used)
-            o_next = tl.load(o_ptrs + nxt * stride_os, mask=ok, other=0.0, cache_modifier=".cg")
-            l_next = tl.load(lse_ptr + l_rows + nxt * stride_ls, mask=row_ok, other=float("-inf"),
-                             cache_modifier=".cg")
+            o_p = o_a
+            lse_p = l_a
+            o_n, l_n = _load_part(o_ptrs, l_ptrs, ok, row_ok, tl.minimum(p + AHEAD, n_split - 1), stride_os,
+                                  stride_ls)
+            if AHEAD == 2:
+                o_a, l_a = o_b, l_b
+                o_b, l_b = o_n, l_n
+            else:
+                o_a, l_a = o_n, l_n
             m, l, acc = merge_step(m, l, acc, lse_p, o_p)  # noqa: E741
         out, lse = merge_finish(m, l, acc)
         tl.store(fin_ptr + o_rows[:, None] + dd[None, :], out.to(fin_ptr.dtype.element_ty), mask=ok)

@@ -3,6 +3,8 @@ the same bits as the two-launch path (split partials, then kernels/lse_merge), t
 arrival counters left at zero. Triton's interpreter runs one program at a time, so there the last program
 of each (tile, KV head) does the merge."""
 
+import os
+
 import pytest
 import torch
 from kernel_checks import TOL, assert_lse_close, rel_err
@@ -21,8 +23,11 @@ CASES = {
     # three sequences (a spare tile past each one's end), a 17-token suffix (partial tile), scattered queries
     "3seqs-odd-splits5": ([([40, 23, 30, 17], 17, 4), ([50], 2, 0), ([1], 1, 0)], 8, 2, torch.float32, 0.1,
                           dict(num_splits=5)),
-    # GQA 3 (a padding head in every group of 4 rows), 16 splits over 4 entries: most splits have no key
-    "gqa3-empty-splits16": ([([20, 13], 3, 1)], 6, 2, torch.float32, 0.0, dict(num_splits=16)),
+    # GQA 3 (a padding head in every group of 4 rows), 16 splits over 4 entries: most splits have no key;
+    # two parts' loads in flight during the merge
+    "gqa3-empty-splits16-ahead2": ([([20, 13], 3, 1)], 6, 2, torch.float32, 0.0, dict(num_splits=16, merge_ahead=2)),
+    # two parts, both in flight at once (the second load past the last part reads it again)
+    "splits2-ahead2": ([([20, 13], 3, 1)], 8, 2, torch.float32, 0.0, dict(num_splits=2, merge_ahead=2)),
     # bf16 partials, the whole-step plan and exact tiles: one sequence of 21 queries (a partial last tile)
     "bf16-steps-narrow-splits3": ([([70, 33, 16], 21, 2)], 8, 2, torch.bfloat16, 0.05,
                                   dict(num_splits=3, plan="steps", exact_tiles=True, narrow_partials=True)),
@@ -68,6 +73,30 @@ def test_fused_merge_equals_two_launches_and_twin(name, monkeypatch):
     assert torch.equal(again, out1)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="reorders the interpreter's programs")
+def test_fused_merge_does_not_depend_on_who_arrives_last(monkeypatch):
+    """The interpreter runs a (tile, KV head)'s split programs in split order, so split n-1 arrives last;
+    run them reversed and rotated instead (split 0, then a middle split, arriving last): the same bits."""
+    from triton.runtime import interpreter
+
+    case, args = _setup([([40, 23], 9, 2), ([30], 5, 0)], 8, 2, torch.float32, 0.1)
+    cfg = PrefillConfig(block_m=32, min_block_n=32, num_splits=4, merge="fused")
+    first, first_lse = launch(*args, cfg=cfg)
+    builder = interpreter.interpreter_builder
+    run_split = builder.set_grid_idx
+    for order in ((3, 2, 1, 0), (2, 3, 0, 1)):
+        # program (x, y, z) runs split order[z]: the last to run (and arrive) is split order[-1] (the other
+        # kernels of the call, the key bounds', have one program along z and run as they are)
+        monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z, order=order: run_split(
+            x, y, order[z] if builder.grid_dim[2] == len(order) else z))
+        out, lse = launch(*args, cfg=cfg)
+        monkeypatch.undo()
+        assert torch.equal(out, first) and torch.equal(lse, first_lse)
+    want, _ = _twin(case, args)
+    assert rel_err(first, want) <= TOL[torch.float32]
+    assert _counters_zero()
+
+
 def test_fused_merge_queries_that_see_no_key():
     """Queries before every visible key and a sequence with no entries: every split's partial is empty (LSE
     -inf), the merged row is 0 with LSE -inf; the other rows match the twin."""
@@ -108,7 +137,9 @@ def test_arrival_counters_kept_per_device():
     assert big is not kept and big.numel() == _prefill_merge.MAX_GROUPS_COUNTED + 1 and not big.any()
 
 
-def test_merge_knob_is_checked():
+def test_merge_knobs_are_checked():
     assert PrefillConfig(merge="fused").merge == "fused"
     with pytest.raises(ValueError, match="merge"):
         PrefillConfig(merge="tree")
+    with pytest.raises(ValueError, match="merge_ahead"):
+        PrefillConfig(merge="fused", merge_ahead=3)
