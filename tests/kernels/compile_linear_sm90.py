@@ -66,7 +66,7 @@ def compile_variant(task) -> str:
 def norm_variants() -> list[tuple]:
     """The launches of the norm prologue and the residual epilogue on Llama-3-8B (bf16) at the table's row
     counts with the configs the kernel would pick (the table's, else its heuristic): q|k|v with norm,
-    gate|up SwiGLU with norm, o with residual, and the plain launches beside them."""
+    gate|up SwiGLU with norm, o with residual, lm_head with the final norm, and the plain launches beside them."""
     from kernels.linear import triton as kt
     from skinny_gemm import SHAPES, norm_ab_configs
 
@@ -80,7 +80,8 @@ def norm_variants() -> list[tuple]:
         gu, gu_norm = kt.swiglu_config(m, 14336, 4096), kt.swiglu_config(m, 14336, 4096, norm=True)
         tasks += [(m, 6144, 4096, qkv, False, False, False), (m, 6144, 4096, qkv_norm, False, True, False),
                   (m, 14336, 4096, gu, False, False, True), (m, 14336, 4096, gu_norm, False, True, True),
-                  (m, 4096, 4096, o, True, False, False)]
+                  (m, 4096, 4096, o, True, False, False),
+                  (m, 128256, 4096, dataclasses.replace(kt.pick_config(m, 128256, 4096), split_k=1), False, True, False)]
     return tasks
 
 
