@@ -88,24 +88,30 @@ class RequestTables:
         x = dense_run(x_blocks, n_extra, bs) if n_extra else None
         sfx = dense_run(s_blocks, len(suffix), bs)
         c_ids = np.fromiter(itertools.chain.from_iterable(p.entry.blocks for p in placed), dtype=np.int64)
-        n_blocks = [len(p.entry.blocks) for p in placed]
-        rots = [p.rot for p in placed]
         n_x, n_c = len(x_blocks), len(c_ids)
+        # per chunk, on the host (a handful of chunks: plain ints beat numpy calls): its entries' count, its
+        # last entry (in the chunk rows), that entry's mask, its rot, and pad_before: a chunk token's index in
+        # entry order (its entry = // BS, its slot = % BS) is its position plus this
+        n_blocks, last, last_mask, rots, pad_before = [], [], [], [], []
+        at = 0
+        for p, n in zip(placed, lengths):
+            nb = len(p.entry.blocks)
+            n_blocks.append(nb)
+            pad_before.append((n_x + at) * bs - p.start)
+            at += nb
+            last.append(at - 1)
+            last_mask.append(full_mask(n - (nb - 1) * bs))
+            rots.append(p.start - p.entry.base)
         # entries [extra | chunks | suffix] as (block id, offset, mask) rows
         rows = np.empty((3, n_x + n_c + len(s_blocks)), dtype=np.int64)
-        for i in range(3):
-            if x is not None:
-                rows[i, :n_x] = x[i]
-            rows[i, n_x + n_c:] = sfx[i]
+        if x is not None:
+            rows[:, :n_x] = x[:3]
+        rows[:, n_x + n_c:] = sfx[:3]
         rows[0, n_x:n_x + n_c] = c_ids
-        rows[1, n_x:n_x + n_c] = np.repeat(np.asarray(rots, dtype=np.int64), n_blocks)
+        rows[1, n_x:n_x + n_c] = np.repeat(rots, n_blocks)
         c_masks = rows[2, n_x:n_x + n_c]
         c_masks[:] = full_mask(bs)
-        ends = np.cumsum(n_blocks, dtype=np.int64) - 1
-        c_masks[ends] = [full_mask(n - (nb - 1) * bs) for n, nb in zip(lengths, n_blocks)]  # each chunk's last
-        # a chunk token's index in entry order (its entry = // BS, its slot = % BS) is its position plus this
-        first_entry = n_x + ends + 1 - np.asarray(n_blocks, dtype=np.int64)
-        pad_before = first_entry * bs - np.asarray([p.start for p in placed], dtype=np.int64)
+        c_masks[last] = last_mask
         self.n_x_entries, self.n_c_entries = n_x, n_c
         n_s, n_all = len(suffix), self.n_chunk + len(suffix)
         # positions of every token that runs (all of them when chunk tokens run too), then the write slots:
@@ -114,7 +120,7 @@ class RequestTables:
         w_block, w_slot = (sfx[3], sfx[4]) if x is None else (np.concatenate([x[3], sfx[3]]), np.concatenate([x[4], sfx[4]]))
         ids_s, lanes, self.rows, self._per_chunk, s_flat, ids_offs, pos_s32 = host_to_device_many([
             np.asarray(suffix, dtype=np.int64), np.concatenate([pos, w_block, w_slot]), rows,
-            np.stack([pad_before, np.asarray(rots, dtype=np.int64), np.asarray(lengths, dtype=np.int64)]),
+            np.array([pad_before, rots, lengths], dtype=np.int64),
             sfx[3] * bs + sfx[4], rows[:2].astype(np.int32), pos[-n_s:].astype(np.int32)], dev)
         n_pos, w = len(pos), n_extra + n_s
         self.pos, self.w_block, self.w_slot = lanes.split([n_pos, w, w])

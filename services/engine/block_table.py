@@ -74,7 +74,7 @@ def dense_run(blocks: list[int], n: int, block_size: int) -> tuple[np.ndarray, .
     masks = np.full(len(blocks), full_mask(block_size), dtype=np.int64)
     if len(blocks) and n % block_size:
         masks[-1] = full_mask(n % block_size)
-    slots = np.tile(np.arange(block_size, dtype=np.int64), len(blocks))[:n]
+    slots = np.arange(n, dtype=np.int64) % block_size
     return ids, np.zeros(len(blocks), dtype=np.int64), masks, np.repeat(ids, block_size)[:n], slots
 
 

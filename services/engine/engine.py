@@ -38,6 +38,8 @@ def _part_ids(part, where: str) -> tuple[list[int], np.ndarray | None]:
     """One part of a request as a list of ints and an int64 array (None when some id does not fit int64,
     so is past any vocabulary). An id that is not an integer (a float, a string, a bool array) is refused
     by name, never truncated. A list numpy reads as integers is returned as given (no copy)."""
+    if isinstance(part, torch.Tensor):
+        part = part.detach().cpu().numpy()  # (a device tensor's ids come over once)
     try:
         arr = np.array(part)  # dtype inferred: a float or string id shows in it
     except (OverflowError, TypeError, ValueError):
