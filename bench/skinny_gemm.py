@@ -385,7 +385,7 @@ def norm_ab(shapes: dict, m: int, dev, rep: int, progress) -> dict:
     wts = {s: [randn(*shapes[s][:2], scale=shapes[s][1] ** -0.5) for _ in range(shapes[s][3])]
            for s in ("qkv", "o", "gate_up", "down")}
     copies = min(len(v) for v in wts.values())
-    hidden, inter = shapes["o"][1], shapes["gate_up"][0] // 2
+    hidden = shapes["o"][1]
     g1 = [randn(hidden, scale=0.1) + 1.0 for _ in range(copies)]
     g2 = [randn(hidden, scale=0.1) + 1.0 for _ in range(copies)]
     h, attn = randn(m, hidden, scale=3.0), randn(m, hidden)

@@ -26,7 +26,6 @@ Only long-standing ``tl`` operations are used (Triton 3.6 and later).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import torch
@@ -34,7 +33,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.linear.config import LinearConfig, table_config
+from kernels.linear.config import LinearConfig
+from kernels.linear.plan import (  # noqa: F401  (re-exported: the bench and the tests name them here)
+    _COUNTERS, MAX_TILES_COUNTED, _counters, heuristic_config, pick_config, sm_count, split_plan, swiglu_config)
 
 # Programmatic dependent launch of one-split launches (CUDA): -1 off; N >= 0 on, each program first asking L2
 # for N steps of its weight rows while the kernel before it finishes. Off until measured (bench/pdl_stack.py).
@@ -44,7 +45,6 @@ PDL_PREFETCH_STEPS = -1
 # the pre-pass loop's pipeline depth (tiles of x in flight from L2)
 NORM_PREFETCH_STEPS = 8
 NORM_PASS_STAGES = 4
-MAX_TILES_COUNTED = 1 << 16  # per-tile arrival counters kept per device (a launch with more gets its own)
 # the interpreter's bf16 dot is wrong: there (only) bf16 tiles are upcast to fp32 before the dot
 _UPCAST_BF16 = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -223,64 +223,8 @@ def _reduce_kernel(ws_ptr, b_ptr, c_ptr, out_ptr, M, N, n_split, stride_ws, stri
     _epilogue(total, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om, HAS_BIAS, ACCUMULATE)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (132 for an H100 SXM, assumed off CUDA)."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
-
-
-def heuristic_config(m: int, n: int, k: int, sms: int = 132) -> LinearConfig:
-    """A config for a shape the table does not hold: one M tile up to 64 rows, 64-wide N tiles, and
-    enough K splits (each of at least 4 block_k steps) for ~2 programs per SM."""
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(k)))
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = 1
-    while split < 8 and tiles * split * 2 <= 2 * sms and k // (block_k * split * 2) >= 4:
-        split *= 2
-    return LinearConfig(block_m, block_n, block_k, split_k=split, num_warps=4, num_stages=4)
-
-
-def pick_config(m: int, n: int, k: int, sms: int = 132) -> LinearConfig:
-    """The table's config for (N, K) and the smallest listed M bound >= m, else the heuristic (also where
-    the table prefers cuBLAS: a caller asking the kernel anyway gets a working launch)."""
-    cfg = table_config(m, n, k)
-    return cfg if isinstance(cfg, LinearConfig) else heuristic_config(m, n, k, sms)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed per-tile arrival counters, each reset to 0 by the program that reduces its tile.
-
-    Kept per device and shared by every launch there, so launches that use them must be ordered (one
-    stream, as the engine runs). Made on first use outside CUDA-graph capture (a tensor born in a
-    capture belongs to the graph's pool); a launch in a capture before that, or needing more than
-    MAX_TILES_COUNTED, gets fresh zeros of its own (one memset)."""
-    kept = _COUNTERS.get(device)
-    if kept is None and tiles <= MAX_TILES_COUNTED and not (
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        kept = _COUNTERS[device] = torch.zeros(MAX_TILES_COUNTED, dtype=torch.int32, device=device)
-    if kept is not None and tiles <= kept.numel():
-        return kept
-    return torch.zeros(tiles, dtype=torch.int32, device=device)
-
-
-def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
-    """(K elements per split, a multiple of block_k; number of non-empty splits)."""
-    steps = triton.cdiv(k, block_k)
-    per = triton.cdiv(steps, split_k) * block_k
-    return per, triton.cdiv(k, per)
-
-
 def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: bool, accumulate: bool,
-          swiglu: bool = False, pdl: int = -1, norm: bool = False, norm_prefetch: int = NORM_PREFETCH_STEPS):
+          swiglu: bool = False, pdl: int = -1, norm: bool = False, norm_prefetch: int = 0):
     """(grid, mode, splits, the kernel's integer arguments up to the strides, its constexprs and options)."""
     k_split, n_split = split_plan(k, cfg.block_k, cfg.split_k)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), n_split)
@@ -317,7 +261,7 @@ def warmup(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, *, bia
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
            accumulate: torch.Tensor | None = None, config: LinearConfig | None = None,
-           pdl: int | None = None, norm_prefetch: int = NORM_PREFETCH_STEPS) -> torch.Tensor:
+           pdl: int | None = None, norm_prefetch: int | None = None) -> torch.Tensor:
     """(rms_norm(x) * g if ``norm`` = (g, eps), else x) [M, K] @ w[N, K].T (+ bias [N]) (+ ``residual``
     [M, N]) as a new [M, N] tensor of x's dtype, or added into ``accumulate`` [M, N] in place (returned).
     Inputs are validated by the caller (kernels.linear)."""
@@ -335,12 +279,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
         cfg = dataclasses.replace(cfg, split_k=1)
     c = accumulate if accumulate is not None else residual if residual is not None else out
     adds = accumulate is not None or residual is not None  # c's fp32 value added before the one rounding
-    grid, mode, n_split, ints, consts = _plan(m, n, k, x.dtype, cfg, bias is not None, adds,
-                                              pdl=PDL_PREFETCH_STEPS if pdl is None else pdl,
-                                              norm=norm is not None, norm_prefetch=norm_prefetch)
+    grid, mode, n_split, ints, consts = _plan(
+        m, n, k, x.dtype, cfg, bias is not None, adds, pdl=PDL_PREFETCH_STEPS if pdl is None else pdl,
+        norm=norm is not None, norm_prefetch=NORM_PREFETCH_STEPS if norm_prefetch is None else norm_prefetch)
     ws = torch.empty((n_split, m, n), dtype=torch.float32, device=x.device) if mode else out
     cnt = _counters(x.device, grid[0] * grid[1]) if mode == 2 else out
-    b = bias if bias is not None else out  # unread without HAS_BIAS / ACCUMULATE / NORM
+    b = bias if bias is not None else out  # unread without HAS_BIAS (c, g likewise without theirs)
     g, eps = (norm[0], float(norm[1])) if norm is not None else (out, 0.0)
     _linear_kernel[grid](x, w, b, c, out, ws, cnt, *ints, x.stride(0), w.stride(0), c.stride(0), out.stride(0),
                          g, eps, **consts)
@@ -351,21 +295,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
     return out
 
 
-def swiglu_config(m: int, inter: int, k: int, sms: int = 132, norm: bool = False) -> LinearConfig:
-    """The fused gate|up launch: the table's config for the unfused [2*inter, K] projection with half as many
-    output columns a tile (each tile streams as many weight rows, gate and up), one split. With the norm
-    prologue, 256-wide K steps take 8 warps: on 4, the normalised x tile beside the two accumulators spills
-    (Triton 3.6, sm_90: 255 registers and a stack at 16 x 64 x 256; 171 registers on 8 warps)."""
-    cfg = pick_config(m, 2 * inter, k, sms)
-    cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2), split_k=1)
-    if norm and cfg.block_k >= 256 and cfg.num_warps < 8:
-        cfg = dataclasses.replace(cfg, num_warps=8)
-    return cfg
-
-
 def linear_swiglu(x: torch.Tensor, w: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None,
                   config: LinearConfig | None = None, pdl: int | None = None,
-                  norm_prefetch: int = NORM_PREFETCH_STEPS) -> torch.Tensor:
+                  norm_prefetch: int | None = None) -> torch.Tensor:
     """silu(x' @ gate.T) * (x' @ up.T) [M, I] for w = [gate; up] [2I, K], one launch, x' = rms_norm(x) * g
     with ``norm`` = (g, eps), else x (validated by the caller)."""
     m, k = x.shape
@@ -380,9 +312,9 @@ def linear_swiglu(x: torch.Tensor, w: torch.Tensor, *, norm: tuple[torch.Tensor,
     cfg = config or swiglu_config(m, inter, k, sm_count(x.device), norm=norm is not None)
     if cfg.split_k != 1:
         raise ValueError("the fused gate|up kernel runs one split")
-    grid, _, _, ints, consts = _plan(m, inter, k, x.dtype, cfg, False, False, swiglu=True,
-                                     pdl=PDL_PREFETCH_STEPS if pdl is None else pdl,
-                                     norm=norm is not None, norm_prefetch=norm_prefetch)
+    grid, _, _, ints, consts = _plan(
+        m, inter, k, x.dtype, cfg, False, False, swiglu=True, pdl=PDL_PREFETCH_STEPS if pdl is None else pdl,
+        norm=norm is not None, norm_prefetch=NORM_PREFETCH_STEPS if norm_prefetch is None else norm_prefetch)
     g, eps = (norm[0], float(norm[1])) if norm is not None else (out, 0.0)
     _linear_kernel[grid](x, w, out, out, out, out, out, *ints, x.stride(0), w.stride(0), out.stride(0),
                          out.stride(0), g, eps, **consts)

@@ -76,12 +76,13 @@ def norm_variants() -> list[tuple]:
              (64, 4096, 4096, cfg["o"], True, False, False)]
     for m in (1, 8, 32, 64, 128):
         qkv, o = kt.pick_config(m, 6144, 4096), kt.pick_config(m, 4096, 4096)
-        qkv_norm = dataclasses.replace(qkv, split_k=1)  # as kernels.linear.triton.linear takes it with norm
+        # with norm and no config, kernels.linear.triton.linear takes one split
+        qkv_norm, head_norm = (dataclasses.replace(kt.pick_config(m, n, 4096), split_k=1) for n in (6144, 128256))
         gu, gu_norm = kt.swiglu_config(m, 14336, 4096), kt.swiglu_config(m, 14336, 4096, norm=True)
         tasks += [(m, 6144, 4096, qkv, False, False, False), (m, 6144, 4096, qkv_norm, False, True, False),
                   (m, 14336, 4096, gu, False, False, True), (m, 14336, 4096, gu_norm, False, True, True),
                   (m, 4096, 4096, o, True, False, False),
-                  (m, 128256, 4096, dataclasses.replace(kt.pick_config(m, 128256, 4096), split_k=1), False, True, False)]
+                  (m, 128256, 4096, head_norm, False, True, False)]
     return tasks
 
 

@@ -1,0 +1,83 @@
+"""Host-side planning of the skinny-GEMM launches (kernels/linear/triton.py): the config a shape gets (the
+measured table, else a heuristic), the fused gate|up variant of it, the K split plan, and the per-device
+arrival counters of split-K launches reduced by their last program."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+
+from kernels.linear.config import LinearConfig, table_config
+
+MAX_TILES_COUNTED = 1 << 16  # per-tile arrival counters kept per device (a launch with more gets its own)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (132 for an H100 SXM, assumed off CUDA)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
+
+
+def heuristic_config(m: int, n: int, k: int, sms: int = 132) -> LinearConfig:
+    """A config for a shape the table does not hold: one M tile up to 64 rows, 64-wide N tiles, and
+    enough K splits (each of at least 4 block_k steps) for ~2 programs per SM."""
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(k)))
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = 1
+    while split < 8 and tiles * split * 2 <= 2 * sms and k // (block_k * split * 2) >= 4:
+        split *= 2
+    return LinearConfig(block_m, block_n, block_k, split_k=split, num_warps=4, num_stages=4)
+
+
+def pick_config(m: int, n: int, k: int, sms: int = 132) -> LinearConfig:
+    """The table's config for (N, K) and the smallest listed M bound >= m, else the heuristic (also where
+    the table prefers cuBLAS: a caller asking the kernel anyway gets a working launch)."""
+    cfg = table_config(m, n, k)
+    return cfg if isinstance(cfg, LinearConfig) else heuristic_config(m, n, k, sms)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed per-tile arrival counters, each reset to 0 by the program that reduces its tile.
+
+    Kept per device and shared by every launch there, so launches that use them must be ordered (one
+    stream, as the engine runs). Made on first use outside CUDA-graph capture (a tensor born in a
+    capture belongs to the graph's pool); a launch in a capture before that, or needing more than
+    MAX_TILES_COUNTED, gets fresh zeros of its own (one memset)."""
+    kept = _COUNTERS.get(device)
+    if kept is None and tiles <= MAX_TILES_COUNTED and not (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        kept = _COUNTERS[device] = torch.zeros(MAX_TILES_COUNTED, dtype=torch.int32, device=device)
+    if kept is not None and tiles <= kept.numel():
+        return kept
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
+
+
+def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(K elements per split, a multiple of block_k; number of non-empty splits)."""
+    steps = triton.cdiv(k, block_k)
+    per = triton.cdiv(steps, split_k) * block_k
+    return per, triton.cdiv(k, per)
+
+
+def swiglu_config(m: int, inter: int, k: int, sms: int = 132, norm: bool = False) -> LinearConfig:
+    """The fused gate|up launch: the table's config for the unfused [2*inter, K] projection with half as many
+    output columns a tile (each tile streams as many weight rows, gate and up), one split. With the norm
+    prologue, 256-wide K steps take 8 warps: on 4, the normalised x tile beside the two accumulators spills
+    (Triton 3.6, sm_90: 255 registers and a stack at 16 x 64 x 256; 171 registers on 8 warps)."""
+    cfg = pick_config(m, 2 * inter, k, sms)
+    cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2), split_k=1)
+    if norm and cfg.block_k >= 256 and cfg.num_warps < 8:
+        cfg = dataclasses.replace(cfg, num_warps=8)
+    return cfg
