@@ -70,8 +70,10 @@ def main() -> int:
     ap.add_argument("--out", default="bench/engine.json")
     ap.add_argument("--backends", default="torch,triton",
                     help="attention backends; NAME:cublas keeps every projection on cuBLAS (no skinny Triton GEMM), "
-                         "NAME:unfused runs the skinny GEMM without SiLU*up in the gate|up launch, NAME:pdlN launches "
-                         "it as programmatic dependent launches prefetching N weight steps (kernels/linear)")
+                         "NAME:unfused runs the skinny GEMM without SiLU*up in the gate|up launch, NAME:unnormed "
+                         "without the RMSNorms in its prologue (nor o onto the residual), NAME:pdlN launches it as "
+                         "programmatic dependent launches prefetching N weight steps (kernels/linear); options join "
+                         "with '+' (NAME:pdl2+unnormed)")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunks", type=int, default=6)
@@ -116,13 +118,18 @@ def main() -> int:
         try:
             eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
                                          kv_cache_bytes=12 << 30, static_tails=static)
-            if gemm == "cublas":
-                eng.forward.model.skinny = False
-            elif gemm == "unfused":
-                eng.forward.model.fuse_swiglu = False
+            flags = gemm.split("+") if gemm else []
+            unknown = [f for f in flags if f not in ("cublas", "unfused", "unnormed") and not f.startswith("pdl")]
+            if unknown:
+                raise ValueError(f"unknown backend option(s) {unknown}")
+            model = eng.forward.model
+            model.skinny = "cublas" not in flags
+            model.fuse_swiglu = "unfused" not in flags
+            model.fuse_norms = "unnormed" not in flags
             from kernels.linear import triton as linear_kt  # PDL is a process-wide launch setting
 
-            linear_kt.PDL_PREFETCH_STEPS = int(gemm[3:]) if gemm.startswith("pdl") else -1
+            pdl = [int(f[3:]) for f in flags if f.startswith("pdl")]
+            linear_kt.PDL_PREFETCH_STEPS = pdl[0] if pdl else -1
         except Exception as exc:  # report and go on: one backend failing must not hide the others
             results["rows"].append({"backend": label, "error": repr(exc)})
             print(f"{label}: {exc!r}", flush=True)

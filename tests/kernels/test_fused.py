@@ -319,3 +319,49 @@ def test_model_layer_same_on_both_backends(arch):
     assert torch.equal(h, h_before)  # the residual is accumulated into a new tensor
     assert rel_err(out, twin.finish_layer(1, h, attn)) <= TOL[torch.float32]
     assert rel_err(fused.logits(out), twin.logits(out)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_model_layer_with_the_norms_in_the_gemms(arch, monkeypatch):
+    """bf16 with the skinny GEMM: the RMSNorms taken in the GEMMs' prologues and o added onto the residual
+    in its epilogue (``fuse_norms``, the default) give the layer's q/k/v, its output and the logits of the
+    unfused launches and of the twins, within bf16 rounding; the input h is not written."""
+    from kernels import linear as skinny
+    from services.engine.model import Transformer
+    from services.engine.tiny import random_weights, tiny_config
+    from services.engine.weights import weights_from_tensors
+
+    # the measured table lists only Llama-3-8B's shapes: take the kernel for the tiny model's too
+    monkeypatch.setattr(skinny, "supported", lambda x, w: x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= 128
+                        and x.shape[1] % 16 == 0 and x.stride(1) == 1)
+    fused_calls = []
+    kernel_linear = skinny.linear
+
+    def spy(*a, **k):
+        fused_calls.append(("norm" if k.get("norm") is not None else "") + ("residual" if k.get("residual") is not None
+                                                                              else ""))
+        return kernel_linear(*a, **k)
+
+    monkeypatch.setattr(skinny, "linear", spy)
+    cfg = tiny_config(arch)
+    w = weights_from_tensors(random_weights(cfg, 3), cfg, torch.device("cpu"), torch.bfloat16)
+    twin = Transformer(cfg, w, rope_backend="triton", kernel_backend="torch")
+    fused = Transformer(cfg, w, rope_backend="triton", kernel_backend="triton")
+    unfused = Transformer(cfg, w, rope_backend="triton", kernel_backend="triton")
+    unfused.fuse_norms = False
+    assert fused.skinny and fused.fuse_norms
+    h, pos = torch.randn(6, cfg.hidden_size, dtype=torch.bfloat16), torch.arange(40, 46)
+    attn = torch.randn(6, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16)
+    h_before = h.clone()
+    want_qkv, want_out = twin.attention_inputs(1, h, pos), twin.finish_layer(1, h, attn)
+    want_logits = twin.logits(want_out)
+    for model in (fused, unfused):
+        fused_calls.clear()
+        for g, x in zip(model.attention_inputs(1, h, pos), want_qkv):
+            assert rel_err(g, x) <= TOL[torch.bfloat16]
+        out = model.finish_layer(1, h, attn)
+        assert torch.equal(h, h_before)
+        assert rel_err(out, want_out) <= TOL[torch.bfloat16]
+        assert rel_err(model.logits(out), want_logits) <= TOL[torch.bfloat16]
+        # q|k|v and lm_head took their norms, o the residual; the unfused model none of them
+        assert sorted(c for c in fused_calls if c) == ([] if model is unfused else ["norm", "norm", "residual"])

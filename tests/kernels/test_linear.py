@@ -118,7 +118,7 @@ def test_twin_matches_torch_and_config_table():
     assert eval(cfg.literal(), {"LinearConfig": LinearConfig}) == cfg  # what the bench prints for the table
 
 
-def test_supported():
+def test_supported(monkeypatch):
     wq = torch.zeros(6144, 4096, dtype=torch.bfloat16)  # Llama-3-8B's q|k|v: the kernel's up to 32 rows
     x = torch.zeros(8, 4096, dtype=torch.bfloat16)
     assert supported(x, wq) == INTERPRETED  # CPU tensors: only under the interpreter
@@ -127,8 +127,11 @@ def test_supported():
     assert not supported(x[:, :4088], wq[:, :4088])  # K not a multiple of 16
     x, w, _, _ = _operands(8, 96, 128, torch.bfloat16)
     assert not supported(x, w)  # a shape the table does not list: cuBLAS (no measurement says otherwise)
-    # the measured table: Llama-3-8B's o_proj goes to the kernel at 8 rows, stays on cuBLAS at 64
+    # the measured table: Llama-3-8B's o_proj goes to the kernel at 8 and 64 rows; an entry of None keeps cuBLAS
     wo = torch.zeros(4096, 4096, dtype=torch.bfloat16)
+    assert supported(torch.zeros(8, 4096, dtype=torch.bfloat16), wo) == INTERPRETED
+    assert supported(torch.zeros(64, 4096, dtype=torch.bfloat16), wo) == INTERPRETED
+    monkeypatch.setitem(CONFIGS_TABLE, (4096, 4096), ((8, CONFIGS_TABLE[(4096, 4096)][0][1]), (128, None)))
     assert supported(torch.zeros(8, 4096, dtype=torch.bfloat16), wo) == INTERPRETED
     assert not supported(torch.zeros(64, 4096, dtype=torch.bfloat16), wo)
 
