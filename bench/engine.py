@@ -15,6 +15,7 @@ paged kernel for triton); ``<backend>-eager`` = the same engine with static tail
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels.paged_attention.triton import SHORT_PREFILL  # noqa: E402  (the default, before any variant)
 from services.engine import Engine, ModelConfig  # noqa: E402
 
 LLAMA3_8B = dict(
@@ -73,7 +75,8 @@ def main() -> int:
                          "NAME:unfused runs the skinny GEMM without SiLU*up in the gate|up launch, NAME:unnormed "
                          "without the RMSNorms in its prologue (nor o onto the residual), NAME:pdlN launches it as "
                          "programmatic dependent launches prefetching N weight steps (kernels/linear); options join "
-                         "with '+' (NAME:pdl2+unnormed)")
+                         "with '+' (NAME:pdl2+unnormed); NAME:fusedmerge: the short attention's KV splits merge "
+                         "their own partials (PrefillConfig(merge='fused'))")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunks", type=int, default=6)
@@ -119,7 +122,8 @@ def main() -> int:
             eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
                                          kv_cache_bytes=12 << 30, static_tails=static)
             flags = gemm.split("+") if gemm else []
-            unknown = [f for f in flags if f not in ("cublas", "unfused", "unnormed") and not f.startswith("pdl")]
+            unknown = [f for f in flags if f not in ("cublas", "unfused", "unnormed", "fusedmerge")
+                       and not f.startswith("pdl")]
             if unknown:
                 raise ValueError(f"unknown backend option(s) {unknown}")
             model = eng.forward.model
@@ -130,6 +134,10 @@ def main() -> int:
 
             pdl = [int(f[3:]) for f in flags if f.startswith("pdl")]
             linear_kt.PDL_PREFETCH_STEPS = pdl[0] if pdl else -1
+            from kernels.paged_attention import triton as attn_kt  # likewise the short attention's config
+
+            attn_kt.SHORT_PREFILL = dataclasses.replace(SHORT_PREFILL, merge="fused") if "fusedmerge" in flags \
+                else SHORT_PREFILL
         except Exception as exc:  # report and go on: one backend failing must not hide the others
             results["rows"].append({"backend": label, "error": repr(exc)})
             print(f"{label}: {exc!r}", flush=True)
