@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -72,11 +73,11 @@ def main() -> int:
     ap.add_argument("--out", default="bench/engine.json")
     ap.add_argument("--backends", default="torch,triton",
                     help="attention backends; NAME:cublas keeps every projection on cuBLAS (no skinny Triton GEMM), "
-                         "NAME:unfused runs the skinny GEMM without SiLU*up in the gate|up launch, NAME:unnormed "
-                         "without the RMSNorms in its prologue (nor o onto the residual), NAME:pdlN launches it as "
-                         "programmatic dependent launches prefetching N weight steps (kernels/linear); options join "
-                         "with '+' (NAME:pdl2+unnormed); NAME:fusedmerge: the short attention's KV splits merge "
-                         "their own partials (PrefillConfig(merge='fused'))")
+                         "NAME:unfused runs the skinny GEMM without SiLU*up in the gate|up launch, NAME:normed "
+                         "with the RMSNorms in its prologue and o onto the residual (model.fuse_norms), NAME:pdlN "
+                         "launches it as programmatic dependent launches prefetching N weight steps (kernels/linear), "
+                         "NAME:fusedmerge lets the short attention's KV splits merge their own partials "
+                         "(PrefillConfig(merge='fused')); options join with '+' (NAME:pdl2+normed)")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunks", type=int, default=6)
@@ -118,18 +119,21 @@ def main() -> int:
     for backend, static in variants:
         label = backend + ("" if static else "-eager")
         backend, _, gemm = backend.partition(":")
+        eng = None  # the previous variant's engine (weights, KV pool, graphs) goes before the next is built
+        gc.collect()
+        torch.cuda.empty_cache()
         try:
             eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
                                          kv_cache_bytes=12 << 30, static_tails=static)
             flags = gemm.split("+") if gemm else []
-            unknown = [f for f in flags if f not in ("cublas", "unfused", "unnormed", "fusedmerge")
+            unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge")
                        and not f.startswith("pdl")]
             if unknown:
                 raise ValueError(f"unknown backend option(s) {unknown}")
             model = eng.forward.model
             model.skinny = "cublas" not in flags
             model.fuse_swiglu = "unfused" not in flags
-            model.fuse_norms = "unnormed" not in flags
+            model.fuse_norms = "normed" in flags
             from kernels.linear import triton as linear_kt  # PDL is a process-wide launch setting
 
             pdl = [int(f[3:]) for f in flags if f.startswith("pdl")]

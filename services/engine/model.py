@@ -45,8 +45,10 @@ class Transformer:
         self.skinny = self.kernels == "triton" and os.environ.get("TESSERA_SKINNY_GEMM", "1") != "0"
         self.fuse_swiglu = True  # with the skinny GEMM: gate|up and SiLU*up in one launch (benchmarks turn it off)
         # with the skinny GEMM: the RMSNorms in the prologue of the GEMM after them and the o projection onto
-        # the residual in its epilogue (two launches fewer a layer; benchmarks turn it off)
-        self.fuse_norms = True
+        # the residual in its epilogue (two launches fewer a layer). Off: on an H100 a tessera@0 pass took
+        # 10.9 ms with it against 8.0 ms without (bench/engine.md, round 7): each N tile's pre-pass over x
+        # costs more than the norm launch it saves
+        self.fuse_norms = False
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                 accumulate: torch.Tensor | None = None) -> torch.Tensor:

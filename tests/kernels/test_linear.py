@@ -131,6 +131,7 @@ def test_supported(monkeypatch):
     wo = torch.zeros(4096, 4096, dtype=torch.bfloat16)
     assert supported(torch.zeros(8, 4096, dtype=torch.bfloat16), wo) == INTERPRETED
     assert supported(torch.zeros(64, 4096, dtype=torch.bfloat16), wo) == INTERPRETED
+    assert not supported(torch.zeros(128, 4096, dtype=torch.bfloat16), wo)
     monkeypatch.setitem(CONFIGS_TABLE, (4096, 4096), ((8, CONFIGS_TABLE[(4096, 4096)][0][1]), (128, None)))
     assert supported(torch.zeros(8, 4096, dtype=torch.bfloat16), wo) == INTERPRETED
     assert not supported(torch.zeros(64, 4096, dtype=torch.bfloat16), wo)
