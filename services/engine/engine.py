@@ -12,6 +12,7 @@ import importlib.util
 import operator
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +76,20 @@ def _request_ids(chunks, suffix) -> tuple[list[list[int]], list[int], np.ndarray
             arrays.append(arr)
     flat = np.concatenate(arrays) if arrays else None
     return parts[:-1], parts[-1], flat
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedRequest:
+    """A request whose token ids ``Engine.check`` read: its parts as lists of ints, each chunk's id, and the
+    mode, extra tokens and model it was checked for. The prefill calls take it in place of
+    (chunks, suffix); made by ``Engine.check`` only (the ids are trusted: they key the chunk cache)."""
+
+    chunks: list[list[int]]
+    suffix: list[int]
+    chunk_ids: list[str] | None  # None when checked without them
+    mode: str
+    extra_tokens: int
+    fingerprint: str
 
 
 def _default_backend(device: torch.device) -> str:
@@ -161,13 +176,17 @@ class Engine:
                    static_tails=static_tails)
 
     # ------------------------------------------------------------------ validation
-    def _validate(self, chunks, suffix, mode: str, recompute_ratio: float, extra_tokens: int = 0):
-        """-> (chunks, suffix) as lists of ints, and the chunks' ids (None in ``full`` and ``prefix``); a clear
-        ValueError for bad input."""
+    def check(self, chunks, suffix, mode: str = "tessera", extra_tokens: int = 0,
+              with_chunk_ids: bool = True) -> CheckedRequest:
+        """A request's token ids read once: a ``CheckedRequest`` that the prefill calls take in place of
+        (chunks, suffix), with every chunk's id (``chunk_id``, in every mode). A serving worker that needs the
+        ids before the pass (to look its chunks up) converts and hashes the request once this way
+        (``with_chunk_ids=False``: no ids, for ``full`` and ``prefix``, which never look them up). A clear
+        ValueError for bad input: unknown mode, empty parts, ids outside the vocabulary or not integers,
+        past the model's length limit (``extra_tokens``: the tokens to be generated after it), a chunk
+        offset the kernels' metadata cannot encode (tessera)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
-        if not 0.0 <= float(recompute_ratio) <= 1.0:
-            raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
         chunks, suffix, flat = _request_ids(list(chunks if chunks is not None else []), [] if suffix is None else suffix)
         if not suffix:
             raise ValueError("empty request: the suffix must hold at least one token" if not any(chunks)
@@ -187,19 +206,39 @@ class Engine:
             limit = min(limit, self.cfg.sliding_window)
         if total > limit:
             raise ValueError(f"request of {total} tokens is past the model's limit of {limit}")
-        if float(recompute_ratio) > 0 and mode in ("tessera", "blend_copy", "position_aware") \
-                and self.blend.check_layer >= self.cfg.num_layers:
-            raise ValueError(f"recompute needs a check layer below the model's {self.cfg.num_layers} layers "
-                             f"(check_layer is {self.blend.check_layer}); use recompute_ratio=0 or a lower check_layer")
         # a chunk's start is its offset in the kernels' metadata (tessera): checked on the host, and by
         # check_encodable (for its message) only when it does not fit
         last_start = total - len(suffix) - extra_tokens - (len(chunks[-1]) if chunks else 0)
         if mode == "tessera" and last_start > MAX_OFFSET:
             starts = torch.tensor([sum(map(len, chunks[:i])) for i in range(len(chunks))], dtype=torch.int64)
             check_encodable(self.block_size, torch.zeros(0, dtype=torch.int32), starts)
+        ids = chunk_ids_of(self.fingerprint, flat, list(map(len, chunks))) if with_chunk_ids else None
+        return CheckedRequest(chunks, suffix, ids, mode, extra_tokens, self.fingerprint)
+
+    def _validate(self, chunks, suffix, mode: str, recompute_ratio: float, extra_tokens: int = 0):
+        """-> (chunks, suffix) as lists of ints, and the chunks' ids (None in ``full`` and ``prefix``, which
+        never look them up); ``chunks`` may be a CheckedRequest (``check``) made for this mode and
+        extra_tokens, suffix then None. A clear ValueError for bad input."""
+        if not 0.0 <= float(recompute_ratio) <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
+        if float(recompute_ratio) > 0 and mode in ("tessera", "blend_copy", "position_aware") \
+                and self.blend.check_layer >= self.cfg.num_layers:
+            raise ValueError(f"recompute needs a check layer below the model's {self.cfg.num_layers} layers "
+                             f"(check_layer is {self.blend.check_layer}); use recompute_ratio=0 or a lower check_layer")
+        if isinstance(chunks, CheckedRequest):
+            req = chunks
+            if suffix is not None:
+                raise ValueError("a CheckedRequest carries its suffix: pass suffix=None")
+            if (req.fingerprint, req.mode, req.extra_tokens) != (self.fingerprint, mode, extra_tokens):
+                raise ValueError(f"request checked for mode {req.mode!r}, {req.extra_tokens} extra tokens on model "
+                                 f"{req.fingerprint[:12]}, used for mode {mode!r}, {extra_tokens} extra tokens on "
+                                 f"{self.fingerprint[:12]}: check it again")
+        else:
+            req = self.check(chunks, suffix, mode, extra_tokens, with_chunk_ids=mode not in ("full", "prefix"))
+        if req.chunk_ids is None and mode not in ("full", "prefix"):
+            raise ValueError(f"mode {mode!r} looks chunks up by id: check the request with_chunk_ids=True")
         # chunk ids name cached chunks in the reuse modes only (prefix hashes whole prefixes itself)
-        ids = None if mode in ("full", "prefix") else chunk_ids_of(self.fingerprint, flat, list(map(len, chunks)))
-        return chunks, suffix, ids
+        return req.chunks, req.suffix, None if mode in ("full", "prefix") else req.chunk_ids
 
     # ------------------------------------------------------------------ public API
     def chunk_id(self, tokens) -> str:

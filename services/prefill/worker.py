@@ -121,7 +121,9 @@ class PrefillWorker:
 
         started = time.perf_counter()
         queue_s = started - job.enqueued
-        ids = [self.eng.chunk_id(c) for c in job.chunks]
+        # the request's ids read (and its chunk ids hashed) once: the pass takes the checked request
+        req = self.eng.check(job.chunks, job.suffix, job.mode, extra_tokens=job.sampling.params.max_new_tokens)
+        ids = req.chunk_ids
         tiers, present, held = self._tiers(job, ids)
         storing: list[str] = []           # chunk ids this request queued for a store write
 
@@ -130,7 +132,6 @@ class PrefillWorker:
                 storing.append(chunk_id)
 
         ratio = self._ratio(job, tiers)
-        chunks, suffix = [list(c) for c in job.chunks], list(job.suffix)
         store = job.mode in REUSE_MODES and self.store.enabled
         first: list = []
 
@@ -142,7 +143,7 @@ class PrefillWorker:
                 on_first(first[0])
 
         pending = self.eng.begin_prefill_handoff(
-            chunks, suffix, mode=job.mode, recompute_ratio=ratio,
+            req, None, mode=job.mode, recompute_ratio=ratio,
             fetch=self.store.fetcher(present) if store else None,
             on_computed=on_computed if store else None,
             extra_tokens=job.sampling.params.max_new_tokens,

@@ -110,3 +110,29 @@ def test_request_chunk_ids_are_the_chunk_ids_the_cache_keys_by(engine):
     assert all(i in engine.cache for i in ids)
     with pytest.raises(ValueError, match=f"token id {2 ** 70} in chunk 1"):  # past int64: named all the same
         engine._validate([chunks[0], [1, 2 ** 70]], suffix, "tessera", 0.0)
+
+
+def test_a_checked_request_serves_the_prefill_calls(engine):
+    """Engine.check reads a request's ids once (a serving worker needs the chunk ids first): the prefill
+    calls take the CheckedRequest in place of (chunks, suffix) with the same result, and refuse one checked
+    for another mode, extra token count or suffix, by name."""
+    chunks, suffix = random_request(12, lengths=(9, 4))
+    req = engine.check(chunks, suffix, "tessera")
+    assert req.chunk_ids == [engine.chunk_id(c) for c in chunks] and req.suffix == suffix
+    want = engine.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.3).logits
+    assert torch.equal(engine.prefill(req, None, mode="tessera", recompute_ratio=0.3).logits, want)
+    res, handoff = engine.prefill_handoff(req, None, mode="tessera", recompute_ratio=0.3)
+    assert torch.equal(res.logits, want) and handoff is not None
+    with pytest.raises(ValueError, match="checked for mode 'tessera'.*used for mode 'full'"):
+        engine.prefill(req, None, mode="full")
+    with pytest.raises(ValueError, match="extra tokens"):
+        engine.prefill_handoff(req, None, mode="tessera", extra_tokens=4)
+    with pytest.raises(ValueError, match="suffix=None"):
+        engine.prefill(req, suffix, mode="tessera")
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        engine.prefill(req, None, mode="tessera", recompute_ratio=2.0)
+    bare = engine.check(chunks, suffix, "full", with_chunk_ids=False)
+    assert bare.chunk_ids is None
+    assert torch.equal(engine.prefill(bare, None, mode="full").logits, engine.prefill(chunks, suffix, mode="full").logits)
+    with pytest.raises(ValueError, match="token id 999999 in chunk 1"):
+        engine.check([chunks[0], [999999]], suffix)
