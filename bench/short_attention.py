@@ -72,8 +72,7 @@ def fused_pairs(new: int) -> list[PC]:
         bases = [PC(**exact, min_split_steps=6)]  # SHORT_PREFILL before round 7 (8 splits here)
         bases += [PC(**exact, num_splits=s) for s in (6, 12, 16)]
         bases += [PC(**exact, plan="steps", num_splits=8), PC(**exact, narrow_partials=True, num_splits=8)]
-    pairs = [dataclasses.replace(c, merge=m) for c in bases for m in ("loop", "fused")]
-    return pairs + [dataclasses.replace(bases[0], merge="fused", merge_ahead=2)]  # two parts in flight
+    return [dataclasses.replace(c, merge=m) for c in bases for m in ("loop", "fused")]
 
 
 def variants(new: int, quick: bool, only_fused: bool = False) -> list[PC]:
@@ -113,7 +112,6 @@ def name(c: PC) -> str:
     knobs += [f"min{c.min_split_steps}"] if c.min_split_steps != PC().min_split_steps else []
     knobs += [k for k, on in (("exact", c.exact_tiles), ("steps", c.plan == "steps"), ("prefetch", c.prefetch_kv),
                               ("merge-all", c.merge == "all"), ("merge-fused", c.merge == "fused"),
-                              ("ahead2", c.merge_ahead == 2),
                               ("idx32", c.index32),
                               ("bf16-partials", c.narrow_partials)) if on]
     return "/".join(knobs)
@@ -189,14 +187,14 @@ def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool, pad
 
 
 def fused_ab(timed: dict) -> list:
-    """Each fused variant beside its two-launch twin (the same name without /merge-fused or /ahead2)."""
+    """Each fused variant beside its two-launch twin (the same name without /merge-fused)."""
     rows = []
     for key, row in timed.items():
-        base = key.replace("/merge-fused", "").replace("/ahead2", "")
+        base = key.replace("/merge-fused", "")
         twin = timed.get(base)
         if "/merge-fused" in key and row.get("ok") and twin and twin.get("ok"):
             two, fused = [twin["ms"] * 1e3, twin["cold_ms"] * 1e3], [row["ms"] * 1e3, row["cold_ms"] * 1e3]
-            rows.append({"variant": base + (" (2 parts in flight)" if "/ahead2" in key else ""),
+            rows.append({"variant": base,
                          "two_launch_us": two, "fused_us": fused,
                          "fused_minus_two_launch_us": [f - t for f, t in zip(fused, two)]})
     return rows

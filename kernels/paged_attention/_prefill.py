@@ -88,9 +88,9 @@ class PrefillConfig:
     prefetch_entries: int = 16  # entries per prefetch round
     # how split partials are merged: by a second launch (kernels/lse_merge), "loop" over parts or "all" parts
     # loaded at once; or "fused": the last split program of each (tile, KV head) to finish merges the group's
-    # partials in split order itself (_prefill_merge.py; same arithmetic as "loop", no second launch)
+    # partials in split order itself (_prefill_merge.py; same arithmetic as "loop", no second launch; slower for
+    # the 64-query short pass on an H100: bench/short_attention.md, round 7)
     merge: str = "loop"
-    merge_ahead: int = 1  # "fused": partials whose loads are in flight while one is merged (1 or 2)
     min_split_steps: int = 8  # the automatic split count leaves each split at least this many steps
     # the step loop's block ids, slot masks and K/V row offsets in 32 bits (used only where the caches have
     # fewer than 2**31 elements, the launcher checks): ~490 of a step's 930 SASS instructions are integer work
@@ -107,8 +107,6 @@ class PrefillConfig:
             raise ValueError(f"plan must be one of {PLANS}, got {self.plan!r}")
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
-        if self.merge_ahead not in (1, 2):
-            raise ValueError(f"merge_ahead must be 1 or 2, got {self.merge_ahead}")
         if self.prefetch_entries < 1 or self.prefetch_entries & (self.prefetch_entries - 1):
             raise ValueError(f"prefetch_entries must be a power of two, got {self.prefetch_entries}")
 
@@ -126,7 +124,7 @@ def _prefill_kernel(
     ROT_MODE: tl.constexpr, ROT_NARROW: tl.constexpr, GROUP_GUARD: tl.constexpr, SEARCH: tl.constexpr,
     PLAN_STEPS: tl.constexpr = False, GP: tl.constexpr = 1, PREFETCH_KV: tl.constexpr = False,
     EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1, IDX32: tl.constexpr = False,
-    PREFETCH_EMULATE: tl.constexpr = False, MERGE_FUSED: tl.constexpr = False, MERGE_AHEAD: tl.constexpr = 1,
+    PREFETCH_EMULATE: tl.constexpr = False, MERGE_FUSED: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     tile = tl.program_id(0)
@@ -284,7 +282,7 @@ def _prefill_kernel(
     if MERGE_FUSED:  # the group's last split to arrive merges (a tile past its sequence's end has no group)
         if t0 < q_hi:
             arrive_and_merge(out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, cnt_ptr, tile * tl.num_programs(1) + h, n_split,
-                             o_rows, l_rows, row_ok, stride_os, stride_ls, D, MERGE_AHEAD)
+                             o_rows, l_rows, row_ok, stride_os, stride_ls, D)
 
 
 @triton.jit
@@ -437,7 +435,6 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         PREFETCH_KV=cfg.prefetch_kv, PREFETCH_EMULATE=interpreted, EPS=cfg.prefetch_entries,
         LINES=max(1, dim * k_cache.element_size() // 128), LINE=max(1, 128 // k_cache.element_size()),
         IDX32=cfg.index32 and max(_span(k_cache), _span(slot_pos)) < 2**31, MERGE_FUSED=fused,
-        MERGE_AHEAD=cfg.merge_ahead,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if nsplit == 1:

@@ -11,8 +11,12 @@ program of each group simply does the merge.
 
 Determinism: whoever arrives last, the partials are read from memory in split order (its own included,
 not taken from its registers), so the result is the same bits every run, and the same bits as the
-two-launch path wherever both compile alike (the interpreter; on a GPU the compiler may contract the
-two kernels' multiply-adds differently).
+two-launch path wherever both compile alike (the interpreter, and the H100 with Triton 3.6; another
+compiler may contract the two kernels' multiply-adds differently).
+
+Cost (H100, bench/short_attention.md round 7): each group's last program reads all the group's parts on
+one SM, so the merge runs on (tiles x KV heads) SMs; for the 64-query short pass (32 groups, 8 x 32 KB
+each) that is slower than the separate merge kernel's 128 programs (32.6 against 26.5 us a call).
 
 The counters (kernels/linear/triton.py's split-K "last program reduces" mode does the same): int32,
 allocated once per device, zero between launches because each last arriver resets its own. They are
@@ -56,13 +60,12 @@ def _load_part(o_ptrs, l_ptrs, ok, row_ok, p, stride_os, stride_ls):
 
 @triton.jit
 def arrive_and_merge(out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, cnt_ptr, group, n_split, o_rows, l_rows, row_ok,
-                     stride_os, stride_ls, D: tl.constexpr, AHEAD: tl.constexpr = 1):
+                     stride_os, stride_ls, D: tl.constexpr):
     """Called by every split program of a group after storing its partial. out_ptr / lse_ptr: the partials
     [n_split, ...] (split p's row r at o_rows[r] + p * stride_os, its LSE at l_rows[r] + p * stride_ls);
     fin_ptr / fin_lse_ptr: the merged output and LSE, same row offsets, no split; o_rows [BLOCK_M] int64,
     l_rows [BLOCK_M], row_ok [BLOCK_M] (rows past the sequence's end or padding heads: neither read nor
-    written). group: this (tile, KV head)'s counter. AHEAD (1 or 2): parts whose loads are in flight while
-    a part is merged (each [BLOCK_M, D] fp32 part is 64 registers a thread at 64 x 128 over 4 warps)."""
+    written). group: this (tile, KV head)'s counter."""
     tl.debug_barrier()  # every thread's partial is stored before the release below
     arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel")
     if arrived == n_split - 1:  # the last of the group: merge the splits in order, then reset the counter
@@ -74,23 +77,15 @@ def arrive_and_merge(out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, cnt_ptr, group, n_s
         m = tl.full(row_ok.shape, float("-inf"), tl.float32)
         l = tl.zeros(row_ok.shape, tl.float32)  # noqa: E741
         acc = tl.zeros(o_ptrs.shape, tl.float32)
-        # the loads of the next AHEAD parts are issued before a part's arithmetic; past the last part the
-        # last is read again (in bounds, never used)
-        o_a, l_a = _load_part(o_ptrs, l_ptrs, ok, row_ok, 0, stride_os, stride_ls)
-        if AHEAD == 2:
-            o_b, l_b = _load_part(o_ptrs, l_ptrs, ok, row_ok, tl.minimum(1, n_split - 1), stride_os, stride_ls)
-        else:
-            o_b, l_b = o_a, l_a  # unused
+        # the next part's loads are issued before this part's arithmetic (a [64, 128] fp32 part is 64 registers
+        # a thread: two in flight spilled and were slower on an H100, bench/short_attention.md round 7); past
+        # the last part the last is read again (in bounds, never used)
+        o_next, l_next = _load_part(o_ptrs, l_ptrs, ok, row_ok, 0, stride_os, stride_ls)
         for p in range(0, n_split):
-            o_p = o_a
-            lse_p = l_a
-            o_n, l_n = _load_part(o_ptrs, l_ptrs, ok, row_ok, tl.minimum(p + AHEAD, n_split - 1), stride_os,
-                                  stride_ls)
-            if AHEAD == 2:
-                o_a, l_a = o_b, l_b
-                o_b, l_b = o_n, l_n
-            else:
-                o_a, l_a = o_n, l_n
+            o_p = o_next
+            lse_p = l_next
+            o_next, l_next = _load_part(o_ptrs, l_ptrs, ok, row_ok, tl.minimum(p + 1, n_split - 1), stride_os,
+                                        stride_ls)
             m, l, acc = merge_step(m, l, acc, lse_p, o_p)  # noqa: E741
         out, lse = merge_finish(m, l, acc)
         tl.store(fin_ptr + o_rows[:, None] + dd[None, :], out.to(fin_ptr.dtype.element_ty), mask=ok)

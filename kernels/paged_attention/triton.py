@@ -29,8 +29,8 @@ DECODE_COS_SIN_TABLE = True
 # None: the default PrefillConfig for every call. Measured (bench/short_attention.md, 2026-11-22 run): a 64-token
 # suffix over 6 x 512 keys takes 29.4 us cold with exact tiles and 8 splits (what min_split_steps=6 picks there)
 # against 31.4 us with the default (6 splits and a fifth, empty query tile). merge="fused" (the split programs
-# merge their own partials: no LSE-merge launch, _prefill_merge.py) is built but not yet timed on a GPU: A/B it
-# with `bench/short_attention.py --set fused` before switching it on here (bench/short_attention.md, round 7)
+# merge their own partials, no LSE-merge launch: _prefill_merge.py) measured slower here (32.6 against 26.5 us
+# at 8 splits: each (tile, KV head)'s last program reads all 8 partials on one SM; bench/short_attention.md, round 7)
 SHORT_PREFILL: _prefill.PrefillConfig | None = _prefill.PrefillConfig(exact_tiles=True, min_split_steps=6)
 SHORT_PREFILL_TOKENS = 128
 

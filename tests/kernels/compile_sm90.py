@@ -93,13 +93,11 @@ def kernels():
                                                 PLAN_STEPS=True, GP=256, PREFETCH_KV=True, EPS=16, LINES=2, LINE=64,
                                                 IDX32=idx32),
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    for plan, ahead in ((False, 1), (True, 1), (False, 2)):  # KV splits merged by the split programs themselves
-        # (PrefillConfig(merge="fused")), with one or two parts' loads in flight during the merge
-        yield f"prefill-fused-merge{'-steps' if plan else ''}-ahead{ahead}", lambda plan=plan, ahead=ahead: \
-            compile_kernel(_prefill._prefill_kernel, *jit_args(
-                _prefill._prefill_kernel, out_ptr="fp32", SEARCH=True, MERGE_FUSED=True, MERGE_AHEAD=ahead,
-                PLAN_STEPS=plan, GP=256 if plan else 1), dict(qk_scale="fp32"), num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+    for plan in (False, True):  # KV splits merged by the split programs themselves (PrefillConfig(merge="fused"))
+        yield f"prefill-fused-merge{'-steps' if plan else ''}", lambda plan=plan: compile_kernel(
+            _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True,
+                                                MERGE_FUSED=True, PLAN_STEPS=plan, GP=256 if plan else 1),
+            dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for name, fn in vars(_prefill).items():  # helper kernels of the prefill module (metadata passes)
         if isinstance(fn, triton.runtime.JITFunction) and name != "_prefill_kernel" and \
                 any(a.endswith("_ptr") for a in fn.arg_names) and name.endswith("_kernel"):

@@ -23,11 +23,10 @@ CASES = {
     # three sequences (a spare tile past each one's end), a 17-token suffix (partial tile), scattered queries
     "3seqs-odd-splits5": ([([40, 23, 30, 17], 17, 4), ([50], 2, 0), ([1], 1, 0)], 8, 2, torch.float32, 0.1,
                           dict(num_splits=5)),
-    # GQA 3 (a padding head in every group of 4 rows), 16 splits over 4 entries: most splits have no key;
-    # two parts' loads in flight during the merge
-    "gqa3-empty-splits16-ahead2": ([([20, 13], 3, 1)], 6, 2, torch.float32, 0.0, dict(num_splits=16, merge_ahead=2)),
-    # two parts, both in flight at once (the second load past the last part reads it again)
-    "splits2-ahead2": ([([20, 13], 3, 1)], 8, 2, torch.float32, 0.0, dict(num_splits=2, merge_ahead=2)),
+    # GQA 3 (a padding head in every group of 4 rows), 16 splits over 4 entries: most splits have no key
+    "gqa3-empty-splits16": ([([20, 13], 3, 1)], 6, 2, torch.float32, 0.0, dict(num_splits=16)),
+    # two splits: the merge's one-ahead load past the last part reads it again
+    "splits2": ([([20, 13], 3, 1)], 8, 2, torch.float32, 0.0, dict(num_splits=2)),
     # bf16 partials, the whole-step plan and exact tiles: one sequence of 21 queries (a partial last tile)
     "bf16-steps-narrow-splits3": ([([70, 33, 16], 21, 2)], 8, 2, torch.bfloat16, 0.05,
                                   dict(num_splits=3, plan="steps", exact_tiles=True, narrow_partials=True)),
@@ -137,9 +136,7 @@ def test_arrival_counters_kept_per_device():
     assert big is not kept and big.numel() == _prefill_merge.MAX_GROUPS_COUNTED + 1 and not big.any()
 
 
-def test_merge_knobs_are_checked():
+def test_merge_knob_is_checked():
     assert PrefillConfig(merge="fused").merge == "fused"
     with pytest.raises(ValueError, match="merge"):
         PrefillConfig(merge="tree")
-    with pytest.raises(ValueError, match="merge_ahead"):
-        PrefillConfig(merge="fused", merge_ahead=3)
