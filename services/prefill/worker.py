@@ -10,6 +10,7 @@ The result is a hand-off: the request's private KV and its chunks' ids (``Engine
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.cluster.hostcache import HOST, layers_nbytes
@@ -25,8 +26,8 @@ GPU, COMPUTED = "gpu", "computed"
 @dataclass(frozen=True, slots=True)
 class PrefillJob:
     request_id: str
-    chunks: tuple[tuple[int, ...], ...]
-    suffix: tuple[int, ...]
+    chunks: tuple[Sequence[int], ...]  # token ids: tuples, or a request message's repeated fields (read-only)
+    suffix: Sequence[int]
     mode: str
     recompute_ratio: float | None      # None: the loading controller picks it
     sampling: WireSampling
