@@ -26,7 +26,10 @@ from services.engine.block_pool import BlockPool, PoolExhausted
 
 def chunk_id(fingerprint: str, tokens: Iterable[int]) -> str:
     """Content id of a chunk: sha256 over the model fingerprint and the int64 token ids."""
-    ids = np.asarray(tokens if isinstance(tokens, (list, tuple, np.ndarray)) else list(tokens), dtype=np.int64)
+    try:
+        ids = np.asarray(tokens if hasattr(tokens, "__len__") else list(tokens), dtype=np.int64)  # a sequence as is
+    except TypeError:  # e.g. a device tensor: its elements one by one
+        ids = np.asarray([int(t) for t in tokens], dtype=np.int64)
     return chunk_ids_of(fingerprint, ids, [ids.size])[0]
 
 

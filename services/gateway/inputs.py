@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,9 +49,9 @@ class Sampling:
 class ResolvedRequest:
     """A request in token ids. chunks[i] has chunk_ids[i] (content hash with the model fingerprint)."""
 
-    chunks: tuple[tuple[int, ...], ...]
+    chunks: tuple[Sequence[int], ...]  # tuples, or the request message's repeated fields (read-only)
     chunk_ids: tuple[str, ...]
-    suffix: tuple[int, ...]
+    suffix: Sequence[int]
     mode: str
     recompute_ratio: float | None
     sampling: Sampling
@@ -73,7 +74,8 @@ class ChunkRegistry:
         self._lock = threading.Lock()
         self._backing = backing
 
-    def add(self, chunk_id: str, tokens: tuple[int, ...]) -> None:
+    def add(self, chunk_id: str, tokens) -> None:
+        tokens = tuple(tokens)  # its own copy: a message's repeated field would keep the whole request alive
         with self._lock:
             self._tokens[chunk_id] = tokens
         if self._backing is not None:
@@ -117,13 +119,17 @@ class InputResolver:
             raise InvalidRequest(f"{where} is text, but the model has no tokenizer.json: send token ids")
         return tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def _ids(self, ids, where: str) -> tuple[int, ...]:
-        bad = next((t for t in ids if not 0 <= t < self.cfg.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} in {where} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        return tuple(ids)
+    def _ids(self, ids, where: str) -> Sequence[int]:
+        """``ids`` as given (a message's repeated field stays one: read-only, it reaches the prefill request
+        without a copy), checked against the vocabulary by one numpy conversion."""
+        arr = np.asarray(ids, dtype=np.int64)
+        vocab = self.cfg.vocab_size
+        if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+            bad = int(arr[(arr < 0) | (arr >= vocab)][0])
+            raise InvalidRequest(f"token id {bad} in {where} is outside the vocabulary [0, {vocab})")
+        return ids
 
-    def chunk(self, c: pb.ChunkInput, where: str, allow_id: bool = True) -> tuple[int, ...]:
+    def chunk(self, c: pb.ChunkInput, where: str, allow_id: bool = True) -> Sequence[int]:
         kind = c.WhichOneof("source")
         if kind == "text":
             tokens = self._text(c.text, where)
@@ -150,7 +156,7 @@ class InputResolver:
         if s.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0, got {s.top_k}")
         n = s.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-        stops = self._ids(s.stop_token_ids, "stop_token_ids")
+        stops = tuple(self._ids(s.stop_token_ids, "stop_token_ids"))
         return Sampling(temperature, top_p, s.top_k, s.seed if s.HasField("seed") else None, n, stops, s.ignore_eos)
 
     def resolve(self, req: pb.GenerateRequest) -> ResolvedRequest:
