@@ -9,6 +9,15 @@ every launch through kernels/linear's Triton kernel, without PDL and with it (0,
 and checks that every variant gives the same bits.
 
     python3 bench/pdl_stack.py [--out DIR/pdl_stack.json] [--rows 64,8]
+    python3 bench/pdl_stack.py --chain [--layers 32] [--out DIR/pdl_chain.json]
+    TRITON_INTERPRET=1 python3 bench/pdl_stack.py --chain --tiny        # the same chain on the CPU, untimed
+
+``--chain``: a 64-token suffix's whole decoder layer (bench/pdl_stack.md): the 9 Triton kernels the engine runs
+per layer at 64 rows (rms_norm, q|k|v GEMM, qkv_heads writing the KV cache, the paged prefill attention over 6 x
+512 cached keys with KV splits, the LSE merge, o GEMM, add_rms_norm, gate|up SwiGLU GEMM, down GEMM onto the
+residual) over --layers layers of distinct weights and caches, captured as one CUDA graph with kernels/pdl.py's
+switch off and on (alternately, --rounds times), the outputs (hidden state and every layer's KV cache) checked
+equal bit for bit.
 
 Outcome (H100, 2026-11-22, bench/pdl_stack.json): 64 rows 5.298 ms without PDL, 5.210 / 5.131 / 5.147 ms with it
 (0 / 2 / 4 steps prefetched); 8 rows 5.082 ms without, 5.090 / 5.205 / 5.652 with. In the engine, where the kernels
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,6 +55,8 @@ def configs(m: int) -> dict[str, LinearConfig]:
 
 
 def main() -> int:
+    if "--chain" in sys.argv:  # every kernel of the layer behind kernels/pdl.py's switch
+        return chain_main([a for a in sys.argv[1:] if a != "--chain"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
     ap.add_argument("--layers", type=int, default=32)
@@ -95,6 +107,158 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(rec, indent=2))
     return 0
+
+
+# ---- --chain: the whole layer behind kernels/pdl.py's switch ----
+
+CHAIN_SHAPES = {  # Llama-3-8B (issue #2's tessera@0 pass), and a tiny one for the CPU interpreter
+    "llama3-8b": dict(hidden=4096, inter=14336, hq=32, hkv=8, d=128, chunks=6, chunk=512, suffix=64, theta=500000.0),
+    "tiny": dict(hidden=256, inter=512, hq=4, hkv=2, d=64, chunks=3, chunk=256, suffix=8, theta=10000.0),  # 2 KV splits
+}
+BLOCK_SIZE, EPS = 16, 1e-5
+
+
+def chain_inputs(shape: dict, layers: int, dev, dtype, seed: int = 0) -> dict:
+    """Weights and KV caches of ``layers`` layers and one request's static inputs: ``chunks`` cached chunks of
+    ``chunk`` tokens each placed at its offset (keys at local positions, deferred RoPE), then ``suffix`` new
+    tokens in private blocks (offset 0, slot positions global) that qkv_heads writes; the packed table."""
+    from kernels.paged_attention import triton as pat
+    from kernels.rope import rope_inv_freq
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    h, inter, hq, hkv, d = shape["hidden"], shape["inter"], shape["hq"], shape["hkv"], shape["d"]
+    bs, t, ctx = BLOCK_SIZE, shape["suffix"], shape["chunks"] * shape["chunk"]
+    if shape["chunk"] % bs:
+        raise ValueError(f"chunk length {shape['chunk']} must be a multiple of the block size {bs}")
+
+    def rand(*size, scale=1.0):
+        return (torch.randn(*size, device=dev, dtype=torch.float32, generator=g) * scale).to(dtype)
+
+    n_chunk_blocks, n_suffix_blocks = ctx // bs, -(-t // bs)
+    n_blocks = n_chunk_blocks + n_suffix_blocks
+    per_chunk = shape["chunk"] // bs
+    idx = torch.arange(n_blocks, device=dev)
+    offsets = torch.where(idx < n_chunk_blocks, (idx // per_chunk) * shape["chunk"], 0).to(torch.int32)
+    s = torch.arange(bs, device=dev)
+    slot_pos = torch.where((idx < n_chunk_blocks)[:, None], (idx % per_chunk)[:, None] * bs + s,
+                           ctx + (idx - n_chunk_blocks)[:, None] * bs + s).to(torch.int32)
+    visible = torch.where(idx < n_chunk_blocks, bs, (t - (idx - n_chunk_blocks) * bs).clamp(0, bs))
+    masks = ((1 << visible) - 1).to(torch.int64)  # the suffix's last block: only its written slots
+    inv = rope_inv_freq(d, shape["theta"]).to(device=dev, dtype=torch.float32)
+    cu_e = torch.tensor([0, n_blocks], dtype=torch.int32, device=dev)
+    packed = pat.pack(idx.to(torch.int32), offsets, masks, bs, inv, with_table=pat.PREFILL_COS_SIN_TABLE,
+                      cu_entries=cu_e)
+    pos = torch.arange(ctx, ctx + t, device=dev)
+    ang = pos.float()[:, None] * inv[None, :]
+    tok = torch.arange(t, device=dev)
+    return dict(
+        shape=shape, t=t, packed=packed, slot_pos=slot_pos, inv=inv, q_pos=pos.to(torch.int32),
+        cu_q=torch.tensor([0, t], dtype=torch.int32, device=dev), cos=ang.cos()[:, None], sin=ang.sin()[:, None],
+        write_block=(n_chunk_blocks + tok // bs).long(), write_slot=(tok % bs).long(), first_suffix_block=n_chunk_blocks,
+        h0=rand(t, h),
+        layers=[dict(in_norm=1 + rand(h, scale=0.1), wqkv=rand((hq + 2 * hkv) * d, h, scale=h ** -0.5),
+                     wo=rand(h, hq * d, scale=(hq * d) ** -0.5), post_norm=1 + rand(h, scale=0.1),
+                     wgu=rand(2 * inter, h, scale=h ** -0.5), wd=rand(h, inter, scale=inter ** -0.5),
+                     k=rand(n_blocks, bs, hkv, d), v=rand(n_blocks, bs, hkv, d)) for _ in range(layers)])
+
+
+def chain_forward(inp: dict) -> torch.Tensor:
+    """The pass: the key bounds once, then per layer the engine's 9 launches at 64 rows (services/engine/model.py
+    with the skinny GEMM, norms not in the GEMMs, fused gate|up). Returns the final hidden state [T, H]."""
+    from kernels.fused import KVWrite
+    from kernels.fused import triton as kf
+    from kernels.paged_attention import triton as pat
+
+    sh, t = inp["shape"], inp["t"]
+    key_hi = pat.prefill_key_bounds(inp["packed"], inp["slot_pos"])
+    h = inp["h0"]
+    for lw in inp["layers"]:
+        x = kf.rms_norm(h, lw["in_norm"], EPS)
+        qkv = kt.linear(x, lw["wqkv"])
+        q, _, _ = kf.qkv_heads(qkv, sh["hq"], sh["hkv"], cos=inp["cos"], sin=inp["sin"], return_kv=False,
+                               write=KVWrite(lw["k"], lw["v"], inp["write_block"], inp["write_slot"]))
+        a, _ = pat.paged_prefill_packed(q, inp["q_pos"], lw["k"], lw["v"], inp["slot_pos"], inp["packed"], inp["cu_q"],
+                                        inp["inv"], sh["d"] ** -0.5, key_hi=key_hi)
+        o = kt.linear(a.reshape(t, sh["hq"] * sh["d"]), lw["wo"])
+        x, h = kf.add_rms_norm(o, h, lw["post_norm"], EPS)
+        act = kt.linear_swiglu(x, lw["wgu"])
+        h = kt.linear(act, lw["wd"], accumulate=h)  # h is add_rms_norm's fresh output: added in place
+    return h
+
+
+def _graph_ms(graph, reps: int) -> float:
+    """Median of ``reps`` timed replays (CUDA events around each), after 3 untimed ones."""
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def chain_main(argv: list[str]) -> int:
+    from kernels import pdl
+
+    ap = argparse.ArgumentParser(description="the whole layer chain with kernels/pdl.py's switch off and on")
+    ap.add_argument("--out")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3, help="off/on timings taken alternately this many times")
+    ap.add_argument("--reps", type=int, default=50, help="timed replays per timing")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (2 layers unless --layers): the CPU check")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("no CUDA device: run with TRITON_INTERPRET=1 (and --tiny) to check the chain on the CPU")
+    dev = torch.device("cuda" if cuda else "cpu")
+    shape = CHAIN_SHAPES["tiny" if args.tiny else "llama3-8b"]
+    layers = args.layers if not args.tiny or "--layers" in argv else 2
+    inp = chain_inputs(shape, layers, dev, torch.bfloat16)
+    rec = {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter, untimed)",
+           "torch": torch.__version__, "triton": triton.__version__, "shape": shape, "layers": layers,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "variants": {}}
+    graphs, results = {}, {}
+    for on in (False, True):
+        name = "pdl" if on else "off"
+        pdl.ENABLED = on
+        try:
+            active = pdl.active(dev)
+            out = chain_forward(inp)  # eager: compiles every variant
+            if cuda:
+                torch.cuda.synchronize()
+                graphs[name] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[name]):
+                    out = chain_forward(inp)
+                graphs[name].replay()
+                torch.cuda.synchronize()
+        finally:
+            pdl.ENABLED = False
+        s = inp["first_suffix_block"]
+        results[name] = (out.clone(), [(lw["k"][s:].clone(), lw["v"][s:].clone()) for lw in inp["layers"]])
+        rec["variants"][name] = {"pdl_launches": active, "ms": []}
+        print(f"{name}: captured (PDL launches: {active})", flush=True)
+    (h_off, kv_off), (h_on, kv_on) = results["off"], results["pdl"]
+    same = torch.equal(h_off, h_on) and all(torch.equal(a, b) for x, y in zip(kv_off, kv_on) for a, b in zip(x, y))
+    rec["same_bits"] = bool(same)
+    rec["finite"] = bool(torch.isfinite(h_off.float()).all())
+    print(f"outputs (hidden state and the written KV rows) equal bit for bit: {same}; finite: {rec['finite']}",
+          flush=True)
+    if cuda:
+        for r in range(args.rounds):
+            for name, graph in graphs.items():
+                ms = _graph_ms(graph, args.reps)
+                rec["variants"][name]["ms"].append(ms)
+                print(f"round {r + 1}: {name:3s} {ms:7.3f} ms", flush=True)
+        off, on = (min(rec["variants"][n]["ms"]) for n in ("off", "pdl"))
+        rec["best_ms"] = {"off": off, "pdl": on, "saved_ms": off - on}
+        print(f"best of {args.rounds}: off {off:.3f} ms, pdl {on:.3f} ms ({off - on:+.3f} ms saved)", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rec, indent=2))
+    return 0 if same and rec["finite"] else 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@
     ``BlockPool.write``), and may skip the k, v outputs when the caller only needs the cache.
   - ``write_kv``: k and v given, stored into the paged cache by one kernel (two index writes in torch).
 
+With kernels/pdl.py's switch on (sm_90+), rms_norm / add_rms_norm and qkv_heads are programmatic dependent
+launches: weights first, then griddepcontrol.wait before their inputs (kernels/pdl.py says why the bits match).
+
 No kernel syncs with the host or sizes anything from device data: all are CUDA-graph capturable.
 Only long-standing ``tl`` operations are used (the kernels run on Triton 3.6 and later).
 """
@@ -20,17 +23,25 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels import pdl
 from kernels.fused.kv_write import KVWrite
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols,
                      stride_x, stride_res, stride_out, stride_res_out, eps,
-                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row). PDL (kernels/pdl.py): the norm weight (never written) is read before the wait for the
+    kernel before, x and the residual after it."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < n_cols
+    if PDL:  # the weight first (held across the wait); without PDL it is read where it is used, as before
+        w = tl.load(w_ptr + c, mask=ok, other=0.0)
+        gdc_wait()
+        gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_res + c, mask=ok, other=0.0)
@@ -39,7 +50,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols,
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     y = (xf * inv).to(x_ptr.dtype.element_ty)  # normalised, cast back, THEN scaled (Hugging Face order)
-    w = tl.load(w_ptr + c, mask=ok, other=0.0)
+    if not PDL:
+        w = tl.load(w_ptr + c, mask=ok, other=0.0)
     tl.store(out_ptr + row * stride_out + c, (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty),
              mask=ok)
 
@@ -60,10 +72,12 @@ def _qkv_heads_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, i
                       kc_ptr, vc_ptr, blk_ptr, slot_ptr, n_q, n_kv, stride_qkv, stride_cos, stride_sin,
                       block_size, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr,
                       USE_TABLE: tl.constexpr, QK_NORM: tl.constexpr, KV_OUT: tl.constexpr,
-                      TO_CACHE: tl.constexpr):
+                      TO_CACHE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (token t, heads [h0, h0 + BLOCK_H) of the q|k|v row): heads < n_q are q, then n_kv k,
     then n_kv v. Each head vector is read as two halves [BLOCK_H, HALF] (rotate-half layout).
-    TO_CACHE: k and v heads are also stored at row block[t] * block_size + slot[t] of the caches."""
+    TO_CACHE: k and v heads are also stored at row block[t] * block_size + slot[t] of the caches.
+    PDL (kernels/pdl.py): the q/k norm weights and inv_freq (never written) are read before the wait for the
+    kernel before; q|k|v, positions, cos/sin and the write slots after it."""
     t = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D2)
@@ -73,18 +87,21 @@ def _qkv_heads_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, i
     is_v = (hh >= n_q + n_kv) & (hh < n_q + 2 * n_kv)
     rot = (is_q | is_k)[:, None]
     ok = (hh < n_q + 2 * n_kv)[:, None] & d_ok[None, :]
+    if PDL:  # what no kernel writes first (held across the wait); without PDL read where used, as before
+        if QK_NORM:
+            w1, w2 = _head_norm_weights(qn_ptr, kn_ptr, d, d_ok, is_q, HALF)
+        if not USE_TABLE:
+            invf = tl.load(invf_ptr + d, mask=d_ok, other=0.0)
+        gdc_wait()
+        gdc_launch_dependents()
     src = qkv_ptr + t * stride_qkv + hh[:, None] * (2 * HALF) + d[None, :]
     x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D2]
     x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
     dt = q_ptr.dtype.element_ty
     if QK_NORM:  # Qwen3: RMSNorm over each q/k head's D values, Hugging Face order, before RoPE
         inv = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)[:, None]
-        qw1 = tl.load(qn_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        qw2 = tl.load(qn_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        kw1 = tl.load(kn_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        kw2 = tl.load(kn_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        w1 = tl.where(is_q[:, None], qw1, kw1)
-        w2 = tl.where(is_q[:, None], qw2, kw2)
+        if not PDL:
+            w1, w2 = _head_norm_weights(qn_ptr, kn_ptr, d, d_ok, is_q, HALF)
         n1 = ((x1 * inv).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         n2 = ((x2 * inv).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
         x1 = tl.where(rot, n1, x1)
@@ -93,7 +110,9 @@ def _qkv_heads_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, i
         cos = tl.load(cos_ptr + t * stride_cos + d, mask=d_ok, other=1.0)[None, :]
         sin = tl.load(sin_ptr + t * stride_sin + d, mask=d_ok, other=0.0)[None, :]
     else:
-        ang = tl.load(pos_ptr + t).to(tl.float32) * tl.load(invf_ptr + d, mask=d_ok, other=0.0)
+        if not PDL:
+            invf = tl.load(invf_ptr + d, mask=d_ok, other=0.0)
+        ang = tl.load(pos_ptr + t).to(tl.float32) * invf
         cos = tl.cos(ang)[None, :]
         sin = tl.sin(ang)[None, :]
     y1 = tl.where(rot, x1 * cos - x2 * sin, x1).to(dt)
@@ -123,6 +142,16 @@ def _qkv_heads_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, i
         tl.store(kc_dst + HALF, y2.to(kc_ptr.dtype.element_ty), mask=k_ok)
         tl.store(vc_dst, y1.to(vc_ptr.dtype.element_ty), mask=v_ok)
         tl.store(vc_dst + HALF, y2.to(vc_ptr.dtype.element_ty), mask=v_ok)
+
+
+@triton.jit
+def _head_norm_weights(qn_ptr, kn_ptr, d, d_ok, is_q, HALF: tl.constexpr):
+    """Qwen3's per-head norm weights of each head's two halves, q's or k's by head: w1, w2 [BLOCK_H, BLOCK_D2]."""
+    qw1 = tl.load(qn_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    qw2 = tl.load(qn_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    kw1 = tl.load(kn_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    kw2 = tl.load(kn_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    return tl.where(is_q[:, None], qw1, kw1), tl.where(is_q[:, None], qw2, kw2)
 
 
 @triton.jit
@@ -167,7 +196,7 @@ def _norm(x, residual, weight, eps):
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows,)](x2, r2, weight.contiguous(), out, ro2, n, x2.stride(0), r2.stride(0), n,
                               ro2.stride(0), float(eps), BLOCK=block, HAS_RES=residual is not None,
-                              num_warps=_row_warps(block))
+                              num_warps=_row_warps(block), **pdl.launch_kwargs(x.device))
     return out, res_out
 
 
@@ -256,7 +285,8 @@ def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, *, cos: torc
         qkv, q, k_out, v_out, cos_t, sin_t, pos, invf, qn, kn, kc, vc, blk, slot, num_heads, num_kv_heads,
         qkv.stride(0), cos_t.stride(0), sin_t.stride(0), bs, float(eps),
         HALF=half, BLOCK_H=block_h, BLOCK_D2=triton.next_power_of_2(half),
-        USE_TABLE=cos is not None, QK_NORM=q_norm is not None, KV_OUT=return_kv, TO_CACHE=write is not None)
+        USE_TABLE=cos is not None, QK_NORM=q_norm is not None, KV_OUT=return_kv, TO_CACHE=write is not None,
+        **pdl.launch_kwargs(qkv.device))
     return q, k, v
 
 

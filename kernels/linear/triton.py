@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels import pdl as pdl_switch
 from kernels.linear.config import LinearConfig
 from kernels.linear.plan import (  # noqa: F401  (re-exported: the bench and the tests name them here)
     _COUNTERS, MAX_TILES_COUNTED, _counters, heuristic_config, pick_config, sm_count, split_plan, swiglu_config)
@@ -40,6 +41,9 @@ from kernels.linear.plan import (  # noqa: F401  (re-exported: the bench and the
 # Programmatic dependent launch of one-split launches (CUDA): -1 off; N >= 0 on, each program first asking L2
 # for N steps of its weight rows while the kernel before it finishes. Off until measured (bench/pdl_stack.py).
 PDL_PREFETCH_STEPS = -1
+# with PDL_PREFETCH_STEPS at -1, kernels/pdl.py's layer-wide switch turns the GEMMs' PDL on with this many
+# steps (the best of bench/pdl_stack.py's projection chain at 64 rows: 5.30 -> 5.13 ms)
+SWITCH_PREFETCH_STEPS = 2
 # norm prologue (``norm=``): weight steps each program asks L2 for before its pre-pass over x reads the rows'
 # sums of squares (HBM streams meanwhile; not yet measured: bench/skinny_gemm.py --norm-ab sweeps it), and
 # the pre-pass loop's pipeline depth (tiles of x in flight from L2)
@@ -242,6 +246,14 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: b
     return grid, mode, n_split, (m, n, k, k_split, n_split, m * n), consts
 
 
+def pdl_steps(device: torch.device) -> int:
+    """The PDL prefetch depth a launch on ``device`` gets when its caller names none: PDL_PREFETCH_STEPS when
+    set (>= 0), else SWITCH_PREFETCH_STEPS while kernels/pdl.py's switch is on there, else -1 (off)."""
+    if PDL_PREFETCH_STEPS >= 0:
+        return PDL_PREFETCH_STEPS
+    return SWITCH_PREFETCH_STEPS if pdl_switch.active(device) else -1
+
+
 def warmup(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, *, bias: bool = False,
            accumulate: bool = False, stride_w: int | None = None, norm: bool = False, swiglu: bool = False) -> None:
     """Compile (into Triton's cache) the kernels a launch of this shape and config would run, without
@@ -280,7 +292,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
     c = accumulate if accumulate is not None else residual if residual is not None else out
     adds = accumulate is not None or residual is not None  # c's fp32 value added before the one rounding
     grid, mode, n_split, ints, consts = _plan(
-        m, n, k, x.dtype, cfg, bias is not None, adds, pdl=PDL_PREFETCH_STEPS if pdl is None else pdl,
+        m, n, k, x.dtype, cfg, bias is not None, adds, pdl=pdl_steps(x.device) if pdl is None else pdl,
         norm=norm is not None, norm_prefetch=NORM_PREFETCH_STEPS if norm_prefetch is None else norm_prefetch)
     ws = torch.empty((n_split, m, n), dtype=torch.float32, device=x.device) if mode else out
     cnt = _counters(x.device, grid[0] * grid[1]) if mode == 2 else out
@@ -313,7 +325,7 @@ def linear_swiglu(x: torch.Tensor, w: torch.Tensor, *, norm: tuple[torch.Tensor,
     if cfg.split_k != 1:
         raise ValueError("the fused gate|up kernel runs one split")
     grid, _, _, ints, consts = _plan(
-        m, inter, k, x.dtype, cfg, False, False, swiglu=True, pdl=PDL_PREFETCH_STEPS if pdl is None else pdl,
+        m, inter, k, x.dtype, cfg, False, False, swiglu=True, pdl=pdl_steps(x.device) if pdl is None else pdl,
         norm=norm is not None, norm_prefetch=NORM_PREFETCH_STEPS if norm_prefetch is None else norm_prefetch)
     g, eps = (norm[0], float(norm[1])) if norm is not None else (out, 0.0)
     _linear_kernel[grid](x, w, out, out, out, out, out, *ints, x.stride(0), w.stride(0), out.stride(0),

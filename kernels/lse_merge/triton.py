@@ -3,6 +3,8 @@
 One program per BLOCK_R rows walks the P parts once with an online max:
     m = max_i lse_i,  l = sum_i exp(lse_i - m),  out = sum_i exp(lse_i - m) out_i / l,  lse = m + log l.
 A part with lse -inf adds nothing; a row no part saw gets out 0 and lse -inf.
+With kernels/pdl.py's switch on (sm_90+), a programmatic dependent launch: each program waits for the kernel
+before (griddepcontrol.wait, the partials' writer) before its first read.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kernels import pdl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -19,7 +24,10 @@ BLOCK_R = 16
 @triton.jit
 def _merge_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, n_parts, n_rows, dim,
                   stride_op, stride_or, stride_lp,
-                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     r_ok = r < n_rows
@@ -63,9 +71,12 @@ def merge_finish(m, l, acc):
 @triton.jit
 def _merge_all_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, n_parts, n_rows, dim,
                       stride_op, stride_or, stride_lp,
-                      P_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                      P_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """The same merge with every part of BLOCK_R rows loaded at once ([P_PAD, BLOCK_R, BLOCK_D]): no chain of
     one load per part (the loop's latency: ~0.45 us a part on an H100, bench/short_attention.json)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     p = tl.arange(0, P_PAD)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
@@ -105,11 +116,11 @@ def merge_rows(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype,
         block_r = max(1, 8192 // (p_pad * block_d))  # ~64 fp32 values of the part tile per thread (4 warps)
         _merge_all_kernel[(triton.cdiv(n_rows, block_r),)](
             outs, lses, out, lse, n_parts, n_rows, dim, outs.stride(0), outs.stride(1), lses.stride(0),
-            P_PAD=p_pad, BLOCK_R=block_r, BLOCK_D=block_d)
+            P_PAD=p_pad, BLOCK_R=block_r, BLOCK_D=block_d, **pdl.launch_kwargs(outs.device))
     elif n_rows:
         _merge_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
             outs, lses, out, lse, n_parts, n_rows, dim, outs.stride(0), outs.stride(1), lses.stride(0),
-            BLOCK_R=BLOCK_R, BLOCK_D=triton.next_power_of_2(dim))
+            BLOCK_R=BLOCK_R, BLOCK_D=triton.next_power_of_2(dim), **pdl.launch_kwargs(outs.device))
     return out, lse
 
 

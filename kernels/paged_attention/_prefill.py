@@ -23,6 +23,9 @@ Optional KV splits (flash-decoding style) write fp32 partials that kernels/lse_m
 (PrefillConfig.merge "fused") that the last split program of each (tile, KV head) merges itself
 (_prefill_merge.py): one launch.
 
+With kernels/pdl.py's switch on (sm_90+), the kernel and its key-bounds pass are programmatic dependent
+launches: each program waits for the kernel before (griddepcontrol.wait) before its first read.
+
 Tiles are found without a host sync: sequence b owns tile ids [cu_q[b] // BLOCK_T + b, ...), a
 tile past the sequence's end does nothing. The grid is Tq // BLOCK_T + B tiles.
 """
@@ -35,7 +38,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels import pdl
 from kernels.lse_merge.triton import merge_rows
 from kernels.paged_attention._meta import PackedTable, dot_f32, sm_count
 from kernels.paged_attention._prefill_merge import arrival_counters, arrive_and_merge
@@ -124,12 +129,15 @@ def _prefill_kernel(
     ROT_MODE: tl.constexpr, ROT_NARROW: tl.constexpr, GROUP_GUARD: tl.constexpr, SEARCH: tl.constexpr,
     PLAN_STEPS: tl.constexpr = False, GP: tl.constexpr = 1, PREFETCH_KV: tl.constexpr = False,
     EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1, IDX32: tl.constexpr = False,
-    PREFETCH_EMULATE: tl.constexpr = False, MERGE_FUSED: tl.constexpr = False,
+    PREFETCH_EMULATE: tl.constexpr = False, MERGE_FUSED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     tile = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:  # kernels/pdl.py: every input (the packed table too) may come from a kernel of this pass: wait first
+        gdc_wait()
+        gdc_launch_dependents()
 
     # which sequence owns this tile: the last b with cu_q[b] // BLOCK_T + b <= tile
     bi = tl.arange(0, B_PAD)
@@ -354,9 +362,12 @@ def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k
 @triton.jit
 def _key_bounds_kernel(meta_ptr, mask_ptr, slotpos_ptr, hi_ptr, n,
                        BS: tl.constexpr, BS_PAD: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                       MASK_IN_WORD: tl.constexpr):
+                       MASK_IN_WORD: tl.constexpr, PDL: tl.constexpr = False):
     """hi[e] = the latest global key position of entries e..e+NB-1 (one step of the prefill loop),
     or INT32_MAX when one of them has a hidden slot or lies past the table's end."""
+    if PDL:  # the table was just packed by a kernel: wait for it (kernels/pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
     e0 = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     s = tl.arange(0, BS_PAD)
     s_ok = s < BS
@@ -435,7 +446,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         PREFETCH_KV=cfg.prefetch_kv, PREFETCH_EMULATE=interpreted, EPS=cfg.prefetch_entries,
         LINES=max(1, dim * k_cache.element_size() // 128), LINE=max(1, 128 // k_cache.element_size()),
         IDX32=cfg.index32 and max(_span(k_cache), _span(slot_pos)) < 2**31, MERGE_FUSED=fused,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
     )
     if nsplit == 1:
         return out, lse
@@ -459,7 +470,7 @@ def step_key_bounds(packed: PackedTable, slot_pos: torch.Tensor, bs: int, nb: in
     if n_entries:
         _key_bounds_kernel[(triton.cdiv(n_entries, BOUNDS_BLOCK),)](
             packed.meta, packed.masks, slot_pos, key_hi, n_entries, BS=bs, BS_PAD=triton.next_power_of_2(bs),
-            NB=nb, BLOCK=BOUNDS_BLOCK, MASK_IN_WORD=packed.mask_in_word)
+            NB=nb, BLOCK=BOUNDS_BLOCK, MASK_IN_WORD=packed.mask_in_word, **pdl.launch_kwargs(slot_pos.device))
     return key_hi
 
 

@@ -2,10 +2,13 @@
 variant of bench/skinny_gemm.py's sweep on Llama-3-8B's projections (bf16), printing the variants that
 fail or spill (see compile_sm90.py for what this catches).
 
-    python tests/kernels/compile_linear_sm90.py [--quick] [--jobs N] [--norm]
+    python tests/kernels/compile_linear_sm90.py [--quick] [--jobs N] [--norm] [--pdl]
 
 ``--norm``: only the norm-prologue, residual and SwiGLU launches that bench/skinny_gemm.py --norm-ab times
 (Llama-3-8B at 64 rows and the other row counts of the table), every one printed with its resources.
+``--pdl``: the launches of a 64-row (and 8-row) layer as kernels/pdl.py's switch makes them (programmatic dependent
+launch, SWITCH_PREFETCH_STEPS weight steps asked for before the wait) beside the same launches without, each
+PDL build checked for griddepcontrol in its PTX.
 
 (``bench/skinny_gemm.py --compile-only`` runs the same.) With the device's Triton 3.6: put an unpacked
 Triton 3.6 wheel first on PYTHONPATH.
@@ -20,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
-from compile_sm90 import TARGET, resources  # noqa: E402  (sets TRITON_INTERPRET=0 first)
+from compile_sm90 import TARGET, pdl_check, resources  # noqa: E402  (sets TRITON_INTERPRET=0 first)
 
 
 def compile_variant(task) -> str:
@@ -35,9 +38,10 @@ def compile_variant(task) -> str:
 
     from kernels.linear import triton as kt
 
-    m, n, k, cfg, acc, norm, swiglu = (*task, False, False)[:7]
-    _, mode, _, ints, consts = kt._plan(m, n, k, torch.bfloat16, cfg, False, acc, swiglu=swiglu, norm=norm)
+    m, n, k, cfg, acc, norm, swiglu, pdl = (*task, False, False, -1)[:8]
+    _, mode, _, ints, consts = kt._plan(m, n, k, torch.bfloat16, cfg, False, acc, swiglu=swiglu, norm=norm, pdl=pdl)
     opts = {o: consts.pop(o) for o in ("num_warps", "num_stages")}
+    consts.pop("launch_pdl", None)  # a launch option, not a constexpr
     fn = kt._linear_kernel
     values = dict(zip(fn.arg_names[7:], (*ints, k, k, n, n)))  # then the strides of x, w, accumulate, out
     ptr_types = dict(ws_ptr="fp32" if mode else "bf16", cnt_ptr="i32" if mode == 2 else "bf16")
@@ -60,7 +64,10 @@ def compile_variant(task) -> str:
         kern = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=opts)
     except Exception as exc:  # reported with the variant, then counted
         return f"FAILED {exc!r}"[:500]
-    return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B"
+    wrong = pdl_check(kern.asm["ptx"], consts["PDL"])
+    if wrong:
+        return f"FAILED {wrong}"
+    return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B" + ("  griddepcontrol" if consts["PDL"] else "")
 
 
 def norm_variants() -> list[tuple]:
@@ -86,6 +93,27 @@ def norm_variants() -> list[tuple]:
     return tasks
 
 
+def pdl_variants() -> list[tuple]:
+    """A layer's GEMM launches at 64 and 8 rows (q|k|v, o, o onto the residual, gate|up SwiGLU, down onto the
+    residual; the norms in or out of the GEMMs) with the configs the kernel picks, without PDL and as
+    kernels/pdl.py's switch launches them (kernels.linear.triton.SWITCH_PREFETCH_STEPS)."""
+    from kernels.linear import triton as kt
+
+    tasks = []
+    for m in (64, 8):
+        qkv_norm = dataclasses.replace(kt.pick_config(m, 6144, 4096), split_k=1)
+        launches = [(m, 6144, 4096, kt.pick_config(m, 6144, 4096), False, False, False),
+                    (m, 6144, 4096, qkv_norm, False, True, False),
+                    (m, 4096, 4096, kt.pick_config(m, 4096, 4096), False, False, False),
+                    (m, 4096, 4096, kt.pick_config(m, 4096, 4096), True, False, False),
+                    (m, 14336, 4096, kt.swiglu_config(m, 14336, 4096), False, False, True),
+                    (m, 14336, 4096, kt.swiglu_config(m, 14336, 4096, norm=True), False, True, True),
+                    (m, 4096, 14336, kt.pick_config(m, 4096, 14336), True, False, False)]
+        for launch in launches:
+            tasks += [(*launch, -1), (*launch, kt.SWITCH_PREFETCH_STEPS)]
+    return tasks
+
+
 def compile_all(tasks: list, jobs: int, verbose: bool = False) -> int:
     """Compile every task on ``jobs`` processes; print failures and spills (every task with ``verbose``);
     1 if any failed."""
@@ -97,13 +125,14 @@ def compile_all(tasks: list, jobs: int, verbose: bool = False) -> int:
     failed = spills = 0
     with ProcessPoolExecutor(max(1, jobs)) as pool:
         for task, res in zip(tasks, pool.map(compile_variant, tasks)):
-            m, n, k, cfg, acc, norm, swiglu = (*task, False, False)[:7]
+            m, n, k, cfg, acc, norm, swiglu, pdl = (*task, False, False, -1)[:8]
             bad = res.startswith("FAILED")
             spill = not bad and "stack 0 B" not in res
             failed += bad
             spills += spill
             if bad or spill or verbose:
-                kind = "swiglu " * swiglu + "norm " * norm + ("acc/residual " if acc else "")
+                kind = "swiglu " * swiglu + "norm " * norm + ("acc/residual " if acc else "") + \
+                    (f"pdl+{pdl} " if pdl >= 0 and cfg.split_k == 1 else "")
                 print(f"M{m} N{n} K{k} {kind or 'plain '}{cfg.short()}: {res}", flush=True)
     print(f"{len(tasks)} compiled: {failed} failed, {spills} with a stack (spills or locals)")
     return 1 if failed else 0
@@ -113,8 +142,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the bench's --quick grid")
     ap.add_argument("--norm", action="store_true", help="only the norm / residual / SwiGLU launches, all printed")
+    ap.add_argument("--pdl", action="store_true", help="a layer's launches without and with PDL, all printed")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
+    if args.pdl:
+        return compile_all(pdl_variants(), args.jobs, verbose=True)
     sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # after the repo: bench/kernels.py
     if args.norm:
         return compile_all(norm_variants(), args.jobs, verbose=True)

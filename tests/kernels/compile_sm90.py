@@ -6,7 +6,9 @@ a GPU run, and prints each kernel's registers, spills and shared memory.
     python tests/kernels/compile_sm90.py [--only NAME]
 
 Signatures are those of the engine's Llama-3-8B benchmark shapes (bf16, 32 query / 8 KV heads,
-head_dim 128, block size 16) with the default configurations.
+head_dim 128, block size 16) with the default configurations. Variants named ``...-pdl`` are the
+programmatic-dependent-launch builds (kernels/pdl.py): they fail here unless their PTX holds
+griddepcontrol.wait and griddepcontrol.launch_dependents.
 """
 
 from __future__ import annotations
@@ -98,16 +100,24 @@ def kernels():
             _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True,
                                                 MERGE_FUSED=True, PLAN_STEPS=plan, GP=256 if plan else 1),
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    for pdl in (False, True):  # the engine's 64-token suffix launch (SHORT_PREFILL: 8 splits, entry plan)
+        yield f"prefill-short{'-pdl' if pdl else ''}", lambda pdl=pdl: compile_kernel(
+            _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True, PDL=pdl),
+            dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for name, fn in vars(_prefill).items():  # helper kernels of the prefill module (metadata passes)
         if isinstance(fn, triton.runtime.JITFunction) and name != "_prefill_kernel" and \
                 any(a.endswith("_ptr") for a in fn.arg_names) and name.endswith("_kernel"):
             yield name.strip("_"), lambda fn=fn: compile_kernel(fn, *jit_args(fn))
-    yield "lse-merge", lambda: compile_kernel(
-        _merge_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
-        dict(BLOCK_R=BLOCK_R, BLOCK_D=d))
-    yield "lse-merge-all", lambda: compile_kernel(
-        _merge_all_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
-        dict(P_PAD=8, BLOCK_R=8, BLOCK_D=d))
+            if "PDL" in fn.arg_names:
+                yield name.strip("_") + "-pdl", lambda fn=fn: compile_kernel(fn, *jit_args(fn, PDL=True))
+    for pdl in (False, True):
+        sfx = "-pdl" if pdl else ""
+        yield "lse-merge" + sfx, lambda pdl=pdl: compile_kernel(
+            _merge_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
+            dict(BLOCK_R=BLOCK_R, BLOCK_D=d, PDL=pdl))
+        yield "lse-merge-all" + sfx, lambda pdl=pdl: compile_kernel(
+            _merge_all_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
+            dict(P_PAD=8, BLOCK_R=8, BLOCK_D=d, PDL=pdl))
     yield "gather-rotate", lambda: compile_kernel(
         _gather_rotate_kernel, dict(k_ptr="bf16", v_ptr="bf16", ids_ptr="i32", off_ptr="i32", invf_ptr="fp32",
                                     ko_ptr="bf16", vo_ptr="bf16"),
@@ -128,9 +138,24 @@ def resources(cubin: bytes) -> str:
     return f"regs {found[1]}  stack {found[2]} B  static shared {found[3]} B" if found else "resources unknown"
 
 
+PDL_PTX = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
+
+
+def pdl_check(ptx: str, expect: bool) -> str | None:
+    """What is wrong with a kernel's griddepcontrol instructions (a ``-pdl`` variant must hold both, any other
+    none), or None."""
+    found = [op for op in PDL_PTX if op in ptx]
+    if expect and len(found) < len(PDL_PTX):
+        return f"PDL variant without {', '.join(op for op in PDL_PTX if op not in found)} in its PTX"
+    if not expect and found:
+        return f"{', '.join(found)} in a variant built without PDL"
+    return None
+
+
 def compile_all(named_thunks, only: str | None = None, width: int = 18) -> int:
     """Compile every (name, thunk) whose name contains ``only``, printing each one's resources; the
-    number that failed (every kernel is tried and reported)."""
+    number that failed (every kernel is tried and reported; a ``-pdl`` variant whose PTX lacks
+    griddepcontrol, or another that has it, fails)."""
     failed = 0
     for name, thunk in named_thunks:
         if only and only not in name:
@@ -142,7 +167,13 @@ def compile_all(named_thunks, only: str | None = None, width: int = 18) -> int:
             failed += 1
             print(f"{name:{width}s} FAILED: {exc!r}"[:2000], flush=True)
             continue
-        print(f"{name:{width}s} ok  {resources(k.asm['cubin'])}  ({time.perf_counter() - t0:.1f} s)", flush=True)
+        wrong = pdl_check(k.asm["ptx"], name.endswith("-pdl"))
+        if wrong:
+            failed += 1
+            print(f"{name:{width}s} FAILED: {wrong}", flush=True)
+            continue
+        gdc = "  griddepcontrol in PTX" if name.endswith("-pdl") else ""
+        print(f"{name:{width}s} ok  {resources(k.asm['cubin'])}{gdc}  ({time.perf_counter() - t0:.1f} s)", flush=True)
     return failed
 
 

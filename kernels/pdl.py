@@ -1,0 +1,72 @@
+"""Programmatic dependent launch (PDL) across a layer's Triton kernels: one process-wide switch.
+
+A short pass is a chain of ~9 kernels a layer; at each boundary the GPU drains (the last programs of one
+kernel finish while SMs idle) and refills (the next kernel's programs are scheduled and run their prologue).
+Launched as a programmatic dependent launch (CUDA >= sm_90, ``launch_pdl=True``), a kernel's programs may be
+scheduled while the kernel before it in the stream is still running. Every kernel of the layer that takes
+part has a ``PDL`` constexpr (default False); with it the program
+
+  - may read, before anything else, only what no kernel of the pass writes: weights, norm weights, constant
+    tables (inv_freq), and ask L2 for weight rows (the skinny GEMM's PDL_PREFETCH_STEPS);
+  - then calls ``gdc_wait()`` (PTX griddepcontrol.wait) before its first read of anything a previous kernel
+    may write (its inputs, the KV cache, the packed block table, positions, cos/sin) and before any write;
+  - then calls ``gdc_launch_dependents()`` (griddepcontrol.launch_dependents), so the next kernel's programs
+    may be scheduled and run their own prologue while this one computes.
+
+Why results are bit-identical with the switch off or on: griddepcontrol.wait blocks until every program of the
+preceding grid has completed and its memory operations are visible to this grid, and a PDL kernel reads
+nothing produced upstream (and writes nothing) before it. Each kernel therefore reads the same bytes as in a
+plainly ordered stream and runs the same instructions on them (the PDL variant adds two instructions and
+moves no arithmetic), so every output is the same bits. Kernels further back are covered too: a kernel N
+can only be scheduled once kernel N-1 called launch_dependents, which every PDL kernel does only after its
+own wait, i.e. after kernel N-2 completed; a kernel that does not take part (cuBLAS, torch, a memcpy) is an
+ordinary full dependency. Writes cannot race earlier readers either: they all come after the wait, when
+the kernel before (and by the same chain every kernel before it) has finished.
+
+``ENABLED`` is off by default (not yet timed: bench/pdl_stack.py --chain A/Bs it). ``launch_kwargs`` says
+whether a launch on a device takes part: the switch on, compiled Triton (the interpreter has no PDL and
+never gets it), a CUDA device of compute capability 9.0 or more. Triton 3.6 and later accept
+``launch_pdl`` as a launch option and ``gdc_wait`` / ``gdc_launch_dependents`` from
+``triton.language.extra.cuda``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+# the one switch: every participating kernel (kernels/fused rms_norm, add_rms_norm, qkv_heads; the paged
+# prefill attention; the LSE merge; the skinny GEMMs) launches as a PDL launch when it is on
+ENABLED = False
+MIN_CAPABILITY = (9, 0)  # griddepcontrol: Hopper and later
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device (cached per device index)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def interpreted() -> bool:
+    """True under Triton's interpreter (TRITON_INTERPRET=1), read at call time."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def active(device: torch.device) -> bool:
+    """Whether a launch on ``device`` should be a programmatic dependent launch now."""
+    if not ENABLED or interpreted() or device.type != "cuda":
+        return False
+    return capability(device) >= MIN_CAPABILITY
+
+
+def launch_kwargs(device: torch.device) -> dict:
+    """What a participating launcher adds to its kernel's launch: ``PDL=True`` (the kernel's constexpr) and
+    ``launch_pdl=True`` (Triton's launch option) when ``active(device)``, else nothing (PDL keeps its default,
+    False: the kernel compiles without griddepcontrol)."""
+    return dict(PDL=True, launch_pdl=True) if active(device) else {}

@@ -1,0 +1,126 @@
+"""kernels/pdl.py's switch: when a launch is a programmatic dependent launch, that every kernel of the layer asks
+it, and that with the switch on the interpreter falls back to plain launches with the same bits.
+
+Triton's interpreter cannot run griddepcontrol (gdc_wait raises there), so a launcher that passed PDL=True
+under it would fail these tests; the PDL variants themselves are compiled for sm_90 by the compile scripts
+(compile_sm90.py, compile_fused_sm90.py, compile_linear_sm90.py --pdl) and timed by bench/pdl_stack.py --chain.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import pdl
+from kernels.linear import triton as klt
+
+CUDA0 = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
+
+
+@pytest.fixture
+def switch(monkeypatch):
+    """The switch on, compiled Triton, capability 9.0 (each test turns one condition off)."""
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(pdl, "capability", lambda device: (9, 0))
+    return monkeypatch
+
+
+def test_launch_kwargs_when_every_condition_holds(switch):
+    assert pdl.active(CUDA0)
+    assert pdl.launch_kwargs(CUDA0) == {"PDL": True, "launch_pdl": True}
+    switch.setattr(pdl, "capability", lambda device: (10, 0))  # later architectures too
+    assert pdl.launch_kwargs(CUDA0) == {"PDL": True, "launch_pdl": True}
+
+
+@pytest.mark.parametrize("condition", ["switch off", "interpreter", "cpu", "capability 8.0", "capability 8.9"])
+def test_no_pdl_unless_every_condition_holds(switch, condition):
+    device = CUDA0
+    if condition == "switch off":
+        switch.setattr(pdl, "ENABLED", False)
+    elif condition == "interpreter":
+        switch.setenv("TRITON_INTERPRET", "1")
+    elif condition == "cpu":
+        device = torch.device("cpu")
+    else:
+        major, minor = condition.split()[1].split(".")
+        switch.setattr(pdl, "capability", lambda d: (int(major), int(minor)))
+    assert not pdl.active(device)
+    assert pdl.launch_kwargs(device) == {}
+
+
+def test_the_switch_is_off_by_default():
+    assert pdl.ENABLED is False
+    assert klt.PDL_PREFETCH_STEPS == -1
+
+
+def test_gemm_prefetch_depth_follows_the_switch(switch):
+    assert klt.pdl_steps(CUDA0) == klt.SWITCH_PREFETCH_STEPS == 2
+    switch.setattr(klt, "PDL_PREFETCH_STEPS", 4)  # the GEMM's own setting wins
+    assert klt.pdl_steps(CUDA0) == 4
+    switch.setattr(klt, "PDL_PREFETCH_STEPS", -1)
+    switch.setattr(pdl, "ENABLED", False)
+    assert klt.pdl_steps(CUDA0) == -1
+    switch.setattr(klt, "PDL_PREFETCH_STEPS", 0)  # set on its own, as before the switch existed
+    assert klt.pdl_steps(CUDA0) == 0
+
+
+def test_gemm_plan_turns_pdl_on_for_one_split_compiled_launches(switch):
+    from kernels.linear.config import LinearConfig
+
+    one, split = LinearConfig(16, 32, 32), LinearConfig(16, 32, 32, split_k=2)
+    consts = klt._plan(16, 64, 256, torch.bfloat16, one, False, False, pdl=2)[4]
+    assert consts["PDL"] and consts["launch_pdl"] and consts["PREFETCH_STEPS"] == 2
+    assert not klt._plan(16, 64, 256, torch.bfloat16, split, False, False, pdl=2)[4]["PDL"]  # split K: not PDL
+    assert "launch_pdl" not in klt._plan(16, 64, 256, torch.bfloat16, one, False, False, pdl=-1)[4]
+
+
+def _chain_module():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import pdl_stack
+
+    return pdl_stack
+
+
+def _layer_outputs(ps, inp):
+    s = inp["first_suffix_block"]
+    h = ps.chain_forward(inp).clone()
+    return [h] + [x[s:].clone() for lw in inp["layers"] for x in (lw["k"], lw["v"])]
+
+
+def test_every_layer_kernel_asks_the_switch_and_falls_back_in_the_interpreter(monkeypatch):
+    """The whole layer chain (bench/pdl_stack.py --chain's tiny shape: rms_norm, q|k|v GEMM, qkv_heads into the
+    cache, paged prefill attention with KV splits, LSE merge, o GEMM, add_rms_norm, gate|up SwiGLU GEMM, down
+    GEMM): with the switch on every launcher consults it, none launches PDL in the interpreter, and every
+    output (hidden state, written KV rows) is the same bits as with the switch off."""
+    ps = _chain_module()
+    inp = ps.chain_inputs(ps.CHAIN_SHAPES["tiny"], 2, torch.device("cpu"), torch.bfloat16)
+    off = _layer_outputs(ps, inp)
+    asked = []
+    real_active = pdl.active
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "active", lambda device: asked.append(device.type) or real_active(device))
+    on = _layer_outputs(ps, inp)
+    assert all(torch.equal(a, b) for a, b in zip(off, on))
+    assert torch.isfinite(off[0].float()).all()
+    # per layer: rms_norm, 4 GEMMs, qkv_heads, attention, merge, add_rms_norm = 9; the key bounds once
+    assert len(asked) == 2 * 9 + 1 and set(asked) == {"cpu"}
+
+
+@pytest.mark.parametrize("all_parts", [False, True])
+def test_merge_and_norms_same_bits_with_the_switch_on(monkeypatch, all_parts):
+    from kernels.fused import triton as kf
+    from kernels.lse_merge.triton import merge_rows
+
+    x, r, w = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
+    outs, lses = torch.randn(3, 20, 32), torch.randn(3, 20)
+    lses[1, :4] = float("-inf")
+
+    def run():
+        return [kf.rms_norm(x, w, 1e-5), *kf.add_rms_norm(x, r, w, 1e-5), *merge_rows(outs, lses, torch.float32,
+                                                                                          all_parts=all_parts)]
+
+    off = run()
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert all(torch.equal(a, b) for a, b in zip(off, run()))
