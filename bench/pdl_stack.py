@@ -201,13 +201,27 @@ def _graph_ms(graph, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _kernel_count(inp: dict) -> dict:
+    """Kernels one eager pass launches (torch profiler), by name: the chain should be 9 a layer and the key
+    bounds once, nothing else."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        chain_forward(inp)
+        torch.cuda.synchronize()
+    names = Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"total": sum(names.values()), "by_name": dict(names.most_common())}
+
+
 def chain_main(argv: list[str]) -> int:
     from kernels import pdl
 
     ap = argparse.ArgumentParser(description="the whole layer chain with kernels/pdl.py's switch off and on")
     ap.add_argument("--out")
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3, help="off/on timings taken alternately this many times")
+    ap.add_argument("--rounds", type=int, default=5, help="off/on timings taken alternately this many times")
     ap.add_argument("--reps", type=int, default=50, help="timed replays per timing")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (2 layers unless --layers): the CPU check")
     args = ap.parse_args(argv)
@@ -222,6 +236,11 @@ def chain_main(argv: list[str]) -> int:
            "torch": torch.__version__, "triton": triton.__version__, "shape": shape, "layers": layers,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "variants": {}}
     graphs, results = {}, {}
+    s = inp["first_suffix_block"]
+
+    def snapshot(out):  # the hidden state and every layer's written KV rows
+        return [out.clone()] + [x[s:].clone() for lw in inp["layers"] for x in (lw["k"], lw["v"])]
+
     for on in (False, True):
         name = "pdl" if on else "off"
         pdl.ENABLED = on
@@ -230,32 +249,47 @@ def chain_main(argv: list[str]) -> int:
             out = chain_forward(inp)  # eager: compiles every variant
             if cuda:
                 torch.cuda.synchronize()
-                graphs[name] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graphs[name]):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
                     out = chain_forward(inp)
-                graphs[name].replay()
+                graph.replay()
                 torch.cuda.synchronize()
+                graphs[name] = (graph, out)
+        except Exception as exc:  # report what failed, and stop: there is nothing to compare
+            rec["variants"][name] = {"error": repr(exc)[:1000]}
+            print(f"{name}: FAILED {exc!r}"[:1000], flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps(rec, indent=2))
+            return 1
         finally:
             pdl.ENABLED = False
-        s = inp["first_suffix_block"]
-        results[name] = (out.clone(), [(lw["k"][s:].clone(), lw["v"][s:].clone()) for lw in inp["layers"]])
+        results[name] = snapshot(out)
         rec["variants"][name] = {"pdl_launches": active, "ms": []}
-        print(f"{name}: captured (PDL launches: {active})", flush=True)
-    (h_off, kv_off), (h_on, kv_on) = results["off"], results["pdl"]
-    same = torch.equal(h_off, h_on) and all(torch.equal(a, b) for x, y in zip(kv_off, kv_on) for a, b in zip(x, y))
+        print(f"{name}: {'captured' if cuda else 'ran'} (PDL launches: {active})", flush=True)
+    same = all(torch.equal(a, b) for a, b in zip(results["off"], results["pdl"]))
     rec["same_bits"] = bool(same)
-    rec["finite"] = bool(torch.isfinite(h_off.float()).all())
+    rec["finite"] = bool(torch.isfinite(results["off"][0].float()).all())
     print(f"outputs (hidden state and the written KV rows) equal bit for bit: {same}; finite: {rec['finite']}",
           flush=True)
     if cuda:
+        rec["kernels_per_pass"] = _kernel_count(inp)
+        print(f"kernels in one pass: {rec['kernels_per_pass']}", flush=True)
         for r in range(args.rounds):
-            for name, graph in graphs.items():
+            for name, (graph, _) in graphs.items():
                 ms = _graph_ms(graph, args.reps)
                 rec["variants"][name]["ms"].append(ms)
                 print(f"round {r + 1}: {name:3s} {ms:7.3f} ms", flush=True)
         off, on = (min(rec["variants"][n]["ms"]) for n in ("off", "pdl"))
         rec["best_ms"] = {"off": off, "pdl": on, "saved_ms": off - on}
         print(f"best of {args.rounds}: off {off:.3f} ms, pdl {on:.3f} ms ({off - on:+.3f} ms saved)", flush=True)
+        again = {}
+        for name, (graph, out) in graphs.items():  # the graphs' own outputs, after every timed replay
+            graph.replay()
+            torch.cuda.synchronize()
+            again[name] = snapshot(out)
+        rec["same_bits_after_timing"] = all(torch.equal(a, b) for a, b in zip(again["off"], again["pdl"]))
+        same = same and rec["same_bits_after_timing"]
+        print(f"graph outputs after timing equal bit for bit: {rec['same_bits_after_timing']}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rec, indent=2))
     return 0 if same and rec["finite"] else 1

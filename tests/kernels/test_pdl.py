@@ -95,7 +95,7 @@ def test_every_layer_kernel_asks_the_switch_and_falls_back_in_the_interpreter(mo
     GEMM): with the switch on every launcher consults it, none launches PDL in the interpreter, and every
     output (hidden state, written KV rows) is the same bits as with the switch off."""
     ps = _chain_module()
-    inp = ps.chain_inputs(ps.CHAIN_SHAPES["tiny"], 2, torch.device("cpu"), torch.bfloat16)
+    inp = ps.chain_inputs(ps.CHAIN_SHAPES["tiny"], 1, torch.device("cpu"), torch.bfloat16)
     off = _layer_outputs(ps, inp)
     asked = []
     real_active = pdl.active
@@ -104,8 +104,8 @@ def test_every_layer_kernel_asks_the_switch_and_falls_back_in_the_interpreter(mo
     on = _layer_outputs(ps, inp)
     assert all(torch.equal(a, b) for a, b in zip(off, on))
     assert torch.isfinite(off[0].float()).all()
-    # per layer: rms_norm, 4 GEMMs, qkv_heads, attention, merge, add_rms_norm = 9; the key bounds once
-    assert len(asked) == 2 * 9 + 1 and set(asked) == {"cpu"}
+    # the layer: rms_norm, 4 GEMMs, qkv_heads, attention, merge, add_rms_norm = 9; the key bounds once
+    assert len(asked) == 9 + 1 and set(asked) == {"cpu"}
 
 
 @pytest.mark.parametrize("all_parts", [False, True])
@@ -123,4 +123,60 @@ def test_merge_and_norms_same_bits_with_the_switch_on(monkeypatch, all_parts):
 
     off = run()
     monkeypatch.setattr(pdl, "ENABLED", True)
+    assert all(torch.equal(a, b) for a, b in zip(off, run()))
+
+
+
+def _no_griddepcontrol():
+    """What gdc_wait / gdc_launch_dependents become in the interpreter's kernels (plain Python runs there)."""
+
+
+def _pdl_builds(monkeypatch) -> None:
+    """From here on every layer kernel but the GEMMs launches with PDL=True under the interpreter, its
+    griddepcontrol calls replaced by a no-op (the interpreter has none)."""
+    from kernels.fused import triton as kf
+    from kernels.lse_merge import triton as klm
+    from kernels.paged_attention import _prefill
+
+    for mod in (kf, klm, _prefill):
+        monkeypatch.setattr(mod, "gdc_wait", _no_griddepcontrol)
+        monkeypatch.setattr(mod, "gdc_launch_dependents", _no_griddepcontrol)
+    monkeypatch.setattr(pdl, "launch_kwargs", lambda device: {"PDL": True})
+
+
+def test_pdl_builds_of_the_layer_give_the_same_bits(monkeypatch):
+    """The PDL builds' own code (weights read before the wait, everything else after it) gives the plain builds'
+    bits: the chain's layer (table cos/sin, KV splits merged by the loop merge)."""
+    ps = _chain_module()
+    inp = ps.chain_inputs(ps.CHAIN_SHAPES["tiny"], 1, torch.device("cpu"), torch.bfloat16, seed=1)
+    off = _layer_outputs(ps, inp)
+    _pdl_builds(monkeypatch)
+    on = _layer_outputs(ps, inp)
+    assert all(torch.equal(a, b) for a, b in zip(off, on))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_pdl_builds_of_qkv_heads_by_positions_and_the_merge_of_all_parts(monkeypatch, qk_norm):
+    """The variants the chain does not take: rotation by positions * inv_freq, Qwen3's q/k norms (their
+    weights read before the wait), k and v returned, and the merge that loads every part at once."""
+    from kernels.fused import KVWrite
+    from kernels.fused import triton as kf
+    from kernels.lse_merge.triton import merge_rows
+
+    t, hq, hkv, d = 5, 4, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=torch.bfloat16)
+    pos, inv = torch.arange(7, 7 + t), 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    norms = dict(q_norm=torch.randn(d, dtype=torch.bfloat16), k_norm=torch.randn(d, dtype=torch.bfloat16)) \
+        if qk_norm else {}
+    outs, lses = torch.randn(3, 20, 32), torch.randn(3, 20)
+    lses[1, :4] = float("-inf")
+
+    def run():
+        kc, vc = torch.zeros(2, 4, hkv, d, dtype=torch.bfloat16), torch.zeros(2, 4, hkv, d, dtype=torch.bfloat16)
+        write = KVWrite(kc, vc, torch.tensor([0, 0, 1, 1, 1]), torch.tensor([0, 3, 1, 2, 0]))
+        q, k, v = kf.qkv_heads(qkv, hq, hkv, positions=pos, inv_freq=inv, write=write, **norms)
+        return [q, k, v, kc, vc, *merge_rows(outs, lses, torch.bfloat16, all_parts=True)]
+
+    off = run()
+    _pdl_builds(monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(off, run()))
