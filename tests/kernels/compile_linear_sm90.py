@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
-from compile_sm90 import TARGET, pdl_check, resources  # noqa: E402  (sets TRITON_INTERPRET=0 first)
+from compile_sm90 import TARGET, loads_before_wait, pdl_check, resources  # noqa: E402  (sets TRITON_INTERPRET=0 first)
 
 
 def compile_variant(task) -> str:
@@ -67,7 +67,8 @@ def compile_variant(task) -> str:
     wrong = pdl_check(kern.asm["ptx"], consts["PDL"])
     if wrong:
         return f"FAILED {wrong}"
-    return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B" + ("  griddepcontrol" if consts["PDL"] else "")
+    return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B" + (
+        f"  griddepcontrol, {loads_before_wait(kern.asm['ptx'])} loads/prefetches before the wait" if consts["PDL"] else "")
 
 
 def norm_variants() -> list[tuple]:

@@ -152,6 +152,16 @@ def pdl_check(ptx: str, expect: bool) -> str | None:
     return None
 
 
+def loads_before_wait(ptx: str) -> int:
+    """Global loads and L2 prefetches in the PTX before griddepcontrol.wait (what a PDL build may only spend on
+    never-written data: weights, norm weights, constant tables; -1 without a wait)."""
+    lines = ptx.splitlines()
+    at = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
+    if at is None:
+        return -1
+    return sum(("ld.global" in line or "prefetch.global" in line) for line in lines[:at])
+
+
 def compile_all(named_thunks, only: str | None = None, width: int = 18) -> int:
     """Compile every (name, thunk) whose name contains ``only``, printing each one's resources; the
     number that failed (every kernel is tried and reported; a ``-pdl`` variant whose PTX lacks
@@ -172,7 +182,8 @@ def compile_all(named_thunks, only: str | None = None, width: int = 18) -> int:
             failed += 1
             print(f"{name:{width}s} FAILED: {wrong}", flush=True)
             continue
-        gdc = "  griddepcontrol in PTX" if name.endswith("-pdl") else ""
+        gdc = f"  griddepcontrol in PTX, {loads_before_wait(k.asm['ptx'])} loads before the wait" \
+            if name.endswith("-pdl") else ""
         print(f"{name:{width}s} ok  {resources(k.asm['cubin'])}{gdc}  ({time.perf_counter() - t0:.1f} s)", flush=True)
     return failed
 
