@@ -77,7 +77,8 @@ def main() -> int:
                          "with the RMSNorms in its prologue and o onto the residual (model.fuse_norms), NAME:pdlN "
                          "launches it as programmatic dependent launches prefetching N weight steps (kernels/linear), "
                          "NAME:fusedmerge lets the short attention's KV splits merge their own partials "
-                         "(PrefillConfig(merge='fused')); options join with '+' (NAME:pdl2+normed)")
+                         "(PrefillConfig(merge='fused')), NAME:pdlall launches every kernel of a layer as a "
+                         "programmatic dependent launch (kernels.pdl.ENABLED); options join with '+' (NAME:pdl2+normed)")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunks", type=int, default=6)
@@ -126,7 +127,7 @@ def main() -> int:
             eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
                                          kv_cache_bytes=12 << 30, static_tails=static)
             flags = gemm.split("+") if gemm else []
-            unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge")
+            unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall")
                        and not f.startswith("pdl")]
             if unknown:
                 raise ValueError(f"unknown backend option(s) {unknown}")
@@ -138,6 +139,9 @@ def main() -> int:
 
             pdl = [int(f[3:]) for f in flags if f.startswith("pdl")]
             linear_kt.PDL_PREFETCH_STEPS = pdl[0] if pdl else -1
+            import kernels.pdl  # every layer kernel a programmatic dependent launch (read when graphs are captured)
+
+            kernels.pdl.ENABLED = "pdlall" in flags
             from kernels.paged_attention import triton as attn_kt  # likewise the short attention's config
 
             attn_kt.SHORT_PREFILL = dataclasses.replace(SHORT_PREFILL, merge="fused") if "fusedmerge" in flags \
