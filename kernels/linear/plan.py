@@ -10,6 +10,7 @@ import functools
 import torch
 import triton
 
+from kernels.counters import ArrivalCounters
 from kernels.linear.config import LinearConfig, table_config
 
 MAX_TILES_COUNTED = 1 << 16  # per-tile arrival counters kept per device (a launch with more gets its own)
@@ -45,23 +46,13 @@ def pick_config(m: int, n: int, k: int, sms: int = 132) -> LinearConfig:
     return cfg if isinstance(cfg, LinearConfig) else heuristic_config(m, n, k, sms)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS = ArrivalCounters(MAX_TILES_COUNTED)
 
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed per-tile arrival counters, each reset to 0 by the program that reduces its tile.
-
-    Kept per device and shared by every launch there, so launches that use them must be ordered (one
-    stream, as the engine runs). Made on first use outside CUDA-graph capture (a tensor born in a
-    capture belongs to the graph's pool); a launch in a capture before that, or needing more than
-    MAX_TILES_COUNTED, gets fresh zeros of its own (one memset)."""
-    kept = _COUNTERS.get(device)
-    if kept is None and tiles <= MAX_TILES_COUNTED and not (
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        kept = _COUNTERS[device] = torch.zeros(MAX_TILES_COUNTED, dtype=torch.int32, device=device)
-    if kept is not None and tiles <= kept.numel():
-        return kept
-    return torch.zeros(tiles, dtype=torch.int32, device=device)
+    """Zeroed per-tile arrival counters, each reset to 0 by the program that reduces its tile
+    (kernels/counters.py)."""
+    return _COUNTERS.get(device, tiles)
 
 
 def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:

@@ -18,10 +18,8 @@ Cost (H100, bench/short_attention.md round 7): each group's last program reads a
 one SM, so the merge runs on (tiles x KV heads) SMs; for the 64-query short pass (32 groups, 8 x 32 KB
 each) that is slower than the separate merge kernel's 128 programs (32.6 against 26.5 us a call).
 
-The counters (kernels/linear/triton.py's split-K "last program reduces" mode does the same): int32,
-allocated once per device, zero between launches because each last arriver resets its own. They are
-shared by every launch on the device, so launches using them must be ordered (one stream, as the engine
-runs its layers); a CUDA graph captures their address and finds them zeroed at every replay.
+The counters: a kernels/counters.py pool (the skinny GEMM's split-K "last program reduces" mode keeps
+another), zero between launches because each last arriver resets its own.
 """
 
 from __future__ import annotations
@@ -30,24 +28,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.counters import ArrivalCounters
 from kernels.lse_merge.triton import merge_finish, merge_step
 
 MAX_GROUPS_COUNTED = 1 << 14  # (tile, KV head) counters kept per device (a launch with more gets its own zeros)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS = ArrivalCounters(MAX_GROUPS_COUNTED)
 
 
 def arrival_counters(device: torch.device, groups: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for `groups` (tile, KV head) groups, each reset to 0 by the program
-    that merges its group. Made on first use outside CUDA-graph capture (a tensor born in a capture belongs
-    to the graph's pool); a launch in a capture before that, or needing more than MAX_GROUPS_COUNTED,
-    gets fresh zeros of its own (one memset, captured with it)."""
-    kept = _COUNTERS.get(device)
-    if kept is None and groups <= MAX_GROUPS_COUNTED and not (
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        kept = _COUNTERS[device] = torch.zeros(MAX_GROUPS_COUNTED, dtype=torch.int32, device=device)
-    if kept is not None and groups <= kept.numel():
-        return kept
-    return torch.zeros(groups, dtype=torch.int32, device=device)
+    """Zeroed int32 arrival counters for ``groups`` (tile, KV head) groups, each reset to 0 by the program
+    that merges its group (kernels/counters.py)."""
+    return _COUNTERS.get(device, groups)
 
 
 @triton.jit
