@@ -38,6 +38,7 @@ class ServiceSpec:
     token: str | None = None
     tls: tuple[bytes, bytes] | None = None      # gateway: (certificate chain PEM, private key PEM)
     namespace: str = "tessera"
+    text_cache_tokens: int = 8 << 20            # gateway: token ids of chunk texts kept (services/gateway/inputs.py)
 
 
 def _resolver(namespace: str):
@@ -71,7 +72,8 @@ async def _create(spec: ServiceSpec, port: int):
         # registered chunk ids outlive a gateway restart in Ray's internal KV
         registry = ChunkRegistry(RayKV(f"tessera/chunks/{spec.namespace}/"))
         return await create_server(spec.model_dir, list(spec.workers), token=spec.token, tls=spec.tls, host=spec.host,
-                                   port=port, resolve=_resolver(spec.namespace), registry=registry)
+                                   port=port, resolve=_resolver(spec.namespace), registry=registry,
+                                   text_cache_tokens=spec.text_cache_tokens)
     raise ValueError(f"unknown role {spec.role!r}")
 
 

@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--decode-step-interval-ms", type=float, default=0.0,
                     help="shortest time between two decode steps (0: as soon as the last one ends); on a GPU "
                          "shared with prefill workers, steps of a few sequences take GPU time the prefills need")
+    up.add_argument("--text-cache-tokens", type=int, default=8 << 20,
+                    help="token ids of chunk texts the gateway keeps for requests that send them again, in tokens "
+                         "(default 8M, ~4 bytes each plus the text; 0: tokenize every text every time)")
     up.add_argument("--token", default=os.environ.get("TESSERA_TOKEN"), help="bearer token clients must send")
     up.add_argument("--tls-cert", help="serve the client API over TLS with this certificate chain (PEM)")
     up.add_argument("--tls-key", help="the private key of --tls-cert (PEM)")
@@ -107,7 +110,7 @@ def _up(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(model_dir=model, prefill=args.prefill, decode=args.decode, stores=args.stores, device=device,
                         dtype=args.dtype or ("bfloat16" if cuda else "float32"), store_dir=store_dir,
                         gateway_port=args.port, bind_host=host, token=args.token, tls_cert=args.tls_cert,
-                        tls_key=args.tls_key, detached=True,
+                        tls_key=args.tls_key, detached=True, text_cache_tokens=args.text_cache_tokens,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9)),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                        min_step_interval_s=args.decode_step_interval_ms / 1e3))

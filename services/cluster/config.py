@@ -117,6 +117,7 @@ class ClusterConfig:
     tls_cert: str | None = None             # gateway over TLS: certificate chain and key (PEM files)
     tls_key: str | None = None
     max_restarts: int = 3
+    text_cache_tokens: int = 8 << 20        # the gateway's token ids of chunk texts seen lately (0: off)
     namespace: str = "tessera"
     detached: bool = False                  # outlive the driver (tessera up)
     prefill_settings: PrefillSettings = field(default_factory=PrefillSettings)
@@ -132,6 +133,8 @@ class ClusterConfig:
             raise ValueError(f"gateway port must be in [0, 65535], got {self.gateway_port}")
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts must be >= -1 (-1: always), got {self.max_restarts}")
+        if self.text_cache_tokens < 0:
+            raise ValueError(f"text_cache_tokens must be >= 0, got {self.text_cache_tokens}")
         if self.store_dram_bytes <= 0:
             raise ValueError("store_dram_bytes must be positive")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -39,7 +39,8 @@ class _Gateway:
         # resolve=None: no worker comes back at another address (there are no restarts here)
         self._server, port = self._loop.run(
             create_server(spec.model_dir, list(spec.workers), token=spec.token, tls=spec.tls, host=spec.host,
-                          port=spec.port, registry=ChunkRegistry(), resolve=None), timeout=START_TIMEOUT_S)
+                          port=spec.port, registry=ChunkRegistry(), resolve=None,
+                          text_cache_tokens=spec.text_cache_tokens), timeout=START_TIMEOUT_S)
         self._address = f"{advertised_host(spec.host)}:{port}"
 
     def address(self) -> str:
@@ -180,7 +181,8 @@ def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = la
         roles = {n: r for r in ("prefill", "decode") for n in names[r]}
         _spawn(ctx, ServiceSpec("gateway", GATEWAY_NAME, host=cfg.bind_host, port=cfg.gateway_port,
                                 model_dir=cfg.model_dir, workers=tuple((n, roles[n], addresses[n]) for n in workers),
-                                token=cfg.token, tls=cfg.tls(), namespace=cfg.namespace), children)
+                                token=cfg.token, tls=cfg.tls(), namespace=cfg.namespace,
+                                text_cache_tokens=cfg.text_cache_tokens), children)
         _wait(children, [GATEWAY_NAME], addresses, metrics)
     except BaseException:
         _stop_children(children)

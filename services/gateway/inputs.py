@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,8 +96,55 @@ class ChunkRegistry:
         return len(self._tokens)
 
 
+class TextTokens:
+    """Token ids of chunk texts seen lately, the least recently used dropped past ``max_tokens`` in all.
+
+    RAG prompts send the same documents again and again, and tokenizing is a BPE's ~2 us a token on the
+    gateway's event loop (bench/serving_host.py): a 6 x 512-token prompt's chunks ~6 ms, more than the GPU
+    pass that reuses their KV. Entries are TokenIds messages (4 bytes a token) keyed by the exact text;
+    their ids are shared by every request that hits them and never written. 0 turns the cache off."""
+
+    def __init__(self, max_tokens: int = 8 << 20) -> None:
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self.hits = self.misses = 0
+        self._entries: OrderedDict[str, pb.TokenIds] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, text: str) -> Sequence[int] | None:
+        with self._lock:
+            entry = self._entries.get(text)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(text)
+            self.hits += 1
+            return entry.ids
+
+    def put(self, text: str, ids: Sequence[int]) -> Sequence[int]:
+        """Keep ids for text (unless they alone exceed the budget); returns the ids to use."""
+        if len(ids) > self.max_tokens:
+            return ids
+        entry = pb.TokenIds(ids=ids)
+        with self._lock:
+            old = self._entries.pop(text, None)
+            self.tokens -= len(old.ids) if old is not None else 0
+            self._entries[text] = entry
+            self.tokens += len(ids)
+            while self.tokens > self.max_tokens:
+                _, dropped = self._entries.popitem(last=False)
+                self.tokens -= len(dropped.ids)
+        return entry.ids
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class InputResolver:
-    def __init__(self, model_dir: str | Path, fingerprint: str, registry: ChunkRegistry) -> None:
+    def __init__(self, model_dir: str | Path, fingerprint: str, registry: ChunkRegistry,
+                 text_cache: TextTokens | None = None) -> None:
         from tokenizers import Tokenizer
 
         from services.engine.chunk_cache import chunk_id
@@ -107,6 +155,7 @@ class InputResolver:
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
         self.fingerprint = fingerprint
         self.registry = registry
+        self.text_cache = text_cache if text_cache is not None else TextTokens()
         self._chunk_id = chunk_id
         limit = self.cfg.max_position_embeddings
         self.limit = min(limit, self.cfg.sliding_window) if self.cfg.sliding_window else limit
@@ -114,10 +163,16 @@ class InputResolver:
     def chunk_id(self, tokens) -> str:
         return self._chunk_id(self.fingerprint, tokens)
 
-    def _text(self, text: str, where: str) -> tuple[int, ...]:
+    def _text(self, text: str, where: str, cache: bool = False) -> Sequence[int]:
+        """Token ids of text; ``cache``: through the text cache (chunks, which repeat; not a suffix)."""
         if self.tokenizer is None:
             raise InvalidRequest(f"{where} is text, but the model has no tokenizer.json: send token ids")
-        return tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        if cache:
+            ids = self.text_cache.get(text)
+            if ids is not None:
+                return ids
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.text_cache.put(text, ids) if cache else tuple(ids)
 
     def _ids(self, ids, where: str) -> Sequence[int]:
         """``ids`` as given (a message's repeated field stays one: read-only, it reaches the prefill request
@@ -132,7 +187,7 @@ class InputResolver:
     def chunk(self, c: pb.ChunkInput, where: str, allow_id: bool = True) -> Sequence[int]:
         kind = c.WhichOneof("source")
         if kind == "text":
-            tokens = self._text(c.text, where)
+            tokens = self._text(c.text, where, cache=True)
         elif kind == "tokens":
             tokens = self._ids(c.tokens.ids, where)
         elif kind == "chunk_id" and allow_id:

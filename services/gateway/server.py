@@ -20,7 +20,7 @@ import grpc
 
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.gateway.auth import BearerAuth
-from services.gateway.inputs import ChunkRegistry, InputResolver, InvalidRequest, ResolvedRequest
+from services.gateway.inputs import ChunkRegistry, InputResolver, InvalidRequest, ResolvedRequest, TextTokens
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.peers import Peers
 from services.gateway.router import NoWorker, Router, WorkerView
@@ -341,10 +341,11 @@ class GatewayServer:
 async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, token: str | None = None,
                         tls: tuple[bytes, bytes] | None = None, registry: ChunkRegistry | None = None,
                         host: str = "127.0.0.1", port: int = 0, resolve=None,
-                        ready_timeout_s: float = 120.0) -> tuple[GatewayServer, int]:
+                        ready_timeout_s: float = 120.0, text_cache_tokens: int = 8 << 20) -> tuple[GatewayServer, int]:
     """Serve the client API on ``host:port`` (0: any) over ``workers`` [(name, role, address)];
     ``tls`` = (certificate chain PEM, private key PEM) serves it over TLS. Waits until the prefill
-    workers report the model fingerprint. Returns (server, port)."""
+    workers report the model fingerprint. ``text_cache_tokens``: token ids of chunk texts kept for
+    requests that send them again (0: every text tokenized every time). Returns (server, port)."""
     metrics = GatewayMetrics()
     router = Router()
     for name, role, address in workers:
@@ -354,7 +355,8 @@ async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, 
     peers = Peers(router, metrics, resolve=resolve)
     fingerprint = await _fingerprint(peers, router, ready_timeout_s)
     resolver = await asyncio.to_thread(InputResolver, model_dir, fingerprint,
-                                       registry if registry is not None else ChunkRegistry())
+                                       registry if registry is not None else ChunkRegistry(),
+                                       TextTokens(text_cache_tokens))
     http, http_port = serve_metrics(metrics.registry, host)
     from pathlib import Path
 

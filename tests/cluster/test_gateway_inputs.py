@@ -1,0 +1,58 @@
+"""The gateway's input resolution: token ids checked by numpy and passed on as given, chunk texts tokenized once."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.inputs import ChunkRegistry, InputResolver, InvalidRequest, TextTokens
+from services.rpc import tessera_pb2 as pb
+
+
+@pytest.fixture()
+def resolver(tiny_model):
+    return InputResolver(tiny_model, "fp", ChunkRegistry(), TextTokens(max_tokens=64))
+
+
+def _text_request(*texts: str, suffix: str = "?") -> pb.GenerateRequest:
+    return pb.GenerateRequest(chunks=[pb.ChunkInput(text=t) for t in texts], suffix_text=suffix)
+
+
+def test_a_chunk_text_is_tokenized_once(resolver):
+    first = resolver.resolve(_text_request("Paris is the capital of France. ", "Rome is in Italy. "))
+    assert resolver.text_cache.misses == 2 and resolver.text_cache.hits == 0
+    again = resolver.resolve(_text_request("Rome is in Italy. ", "Paris is the capital of France. ", suffix="Why?"))
+    assert resolver.text_cache.hits == 2 and len(resolver.text_cache) == 2       # the suffixes are never kept
+    assert [list(c) for c in again.chunks] == [list(c) for c in reversed(first.chunks)]
+    assert again.chunk_ids == tuple(reversed(first.chunk_ids))
+    want = resolver.tokenizer.encode("Rome is in Italy. ", add_special_tokens=False).ids
+    assert list(again.chunks[0]) == want and again.chunk_ids[0] == resolver.chunk_id(want)
+
+
+def test_the_text_cache_keeps_its_budget_least_recently_used_first():
+    cache = TextTokens(max_tokens=10)
+    cache.put("a", [1, 2, 3, 4])
+    cache.put("b", [5, 6, 7, 8])
+    assert list(cache.get("a")) == [1, 2, 3, 4]          # a is now the most recently used
+    cache.put("c", [9, 10, 11])                          # 11 tokens: b goes
+    assert cache.get("b") is None and list(cache.get("c")) == [9, 10, 11] and cache.tokens == 7
+    assert list(cache.put("big", list(range(11)))) == list(range(11)) and cache.get("big") is None  # past the budget
+    off = TextTokens(max_tokens=0)
+    assert list(off.put("a", [1])) == [1] and off.get("a") is None and len(off) == 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        TextTokens(max_tokens=-1)
+
+
+def test_token_ids_are_checked_and_passed_on_as_given(resolver):
+    req = pb.GenerateRequest(chunks=[pb.ChunkInput(tokens=pb.TokenIds(ids=[5, 6, 7]))],
+                             suffix_tokens=pb.TokenIds(ids=[8]))
+    got = resolver.resolve(req)
+    assert list(got.chunks[0]) == [5, 6, 7] and list(got.suffix) == [8]
+    assert got.chunk_ids[0] == resolver.chunk_id([5, 6, 7])
+    vocab = resolver.cfg.vocab_size
+    bad = pb.GenerateRequest(chunks=[pb.ChunkInput(tokens=pb.TokenIds(ids=[5, vocab, -3]))],
+                             suffix_tokens=pb.TokenIds(ids=[8]))
+    with pytest.raises(InvalidRequest, match=f"token id {vocab} in chunk 0 is outside the vocabulary"):
+        resolver.resolve(bad)
+    registry = ChunkRegistry()
+    registry.add("cid", req.chunks[0].tokens.ids)          # the registry keeps its own copy, not the message's field
+    assert registry.get("cid") == (5, 6, 7)
