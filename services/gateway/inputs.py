@@ -141,6 +141,9 @@ class TextTokens:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, text: str) -> bool:
+        return text in self._entries  # a peek: no hit or miss counted, no recency
+
 
 class InputResolver:
     def __init__(self, model_dir: str | Path, fingerprint: str, registry: ChunkRegistry,
@@ -184,10 +187,27 @@ class InputResolver:
             raise InvalidRequest(f"token id {bad} in {where} is outside the vocabulary [0, {vocab})")
         return ids
 
-    def chunk(self, c: pb.ChunkInput, where: str, allow_id: bool = True) -> Sequence[int]:
+    def tokenize_chunks(self, chunks) -> dict[str, Sequence[int]]:
+        """Token ids of the chunk texts among ``chunks`` (ChunkInput) that the text cache lacks, tokenized in
+        one batch (the tokenizer spreads a batch over its threads) and kept: {text: ids}."""
+        if self.tokenizer is None:
+            return {}  # each text chunk is refused by name below
+        missing = [t for t in dict.fromkeys(c.text for c in chunks if c.WhichOneof("source") == "text")
+                   if t not in self.text_cache]
+        if len(missing) < 2:
+            return {}
+        encoded = self.tokenizer.encode_batch(missing, add_special_tokens=False)
+        self.text_cache.misses += len(missing)
+        return {t: self.text_cache.put(t, e.ids) for t, e in zip(missing, encoded)}
+
+    def chunk(self, c: pb.ChunkInput, where: str, allow_id: bool = True,
+              fresh: dict[str, Sequence[int]] | None = None) -> Sequence[int]:
+        """One chunk's token ids; ``fresh``: texts ``tokenize_chunks`` just tokenized."""
         kind = c.WhichOneof("source")
         if kind == "text":
-            tokens = self._text(c.text, where, cache=True)
+            tokens = fresh.get(c.text) if fresh else None
+            if tokens is None:
+                tokens = self._text(c.text, where, cache=True)
         elif kind == "tokens":
             tokens = self._ids(c.tokens.ids, where)
         elif kind == "chunk_id" and allow_id:
@@ -227,7 +247,8 @@ class InputResolver:
         if not req.chunks and (which is None or (which == "suffix_text" and not req.suffix_text)
                                or (which == "suffix_tokens" and not req.suffix_tokens.ids)):
             raise InvalidRequest("empty request: no chunk and no suffix")
-        chunks = tuple(self.chunk(c, f"chunk {i}") for i, c in enumerate(req.chunks))
+        fresh = self.tokenize_chunks(req.chunks)
+        chunks = tuple(self.chunk(c, f"chunk {i}", fresh=fresh) for i, c in enumerate(req.chunks))
         if which == "suffix_text":
             suffix = self._text(req.suffix_text, "the suffix")
         elif which == "suffix_tokens":

@@ -234,7 +234,9 @@ class GatewayServicer(pb_grpc.TesseraServicer):
 
     async def RegisterChunks(self, request: pb.RegisterChunksRequest, context):
         try:
-            chunks = [self.resolver.chunk(c, f"chunk {i}", allow_id=False) for i, c in enumerate(request.chunks)]
+            fresh = self.resolver.tokenize_chunks(request.chunks)
+            chunks = [self.resolver.chunk(c, f"chunk {i}", allow_id=False, fresh=fresh)
+                      for i, c in enumerate(request.chunks)]
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not chunks:

@@ -10,7 +10,7 @@ from services.rpc import tessera_pb2 as pb
 
 @pytest.fixture()
 def resolver(tiny_model):
-    return InputResolver(tiny_model, "fp", ChunkRegistry(), TextTokens(max_tokens=64))
+    return InputResolver(tiny_model, "fp", ChunkRegistry(), TextTokens(max_tokens=128))
 
 
 def _text_request(*texts: str, suffix: str = "?") -> pb.GenerateRequest:
@@ -26,6 +26,18 @@ def test_a_chunk_text_is_tokenized_once(resolver):
     assert again.chunk_ids == tuple(reversed(first.chunk_ids))
     want = resolver.tokenizer.encode("Rome is in Italy. ", add_special_tokens=False).ids
     assert list(again.chunks[0]) == want and again.chunk_ids[0] == resolver.chunk_id(want)
+    # a new text beside a known one, and the same new text twice: tokenized once, as the tokenizer alone does
+    third = resolver.resolve(_text_request("Bern is in Switzerland. ", "Rome is in Italy. ", "Bern is in Switzerland. "))
+    assert resolver.text_cache.misses == 3 and resolver.text_cache.hits == 4
+    assert list(third.chunks[0]) == list(third.chunks[2]) == resolver.tokenizer.encode(
+        "Bern is in Switzerland. ", add_special_tokens=False).ids
+
+
+def test_a_request_of_new_texts_is_tokenized_as_one_batch(resolver):
+    texts = ["Oslo is in Norway. ", "Lima is in Peru. ", "Oslo is in Norway. "]
+    got = resolver.resolve(_text_request(*texts))
+    assert resolver.text_cache.misses == 2 and resolver.text_cache.hits == 0   # the repeat: from the same batch
+    assert [list(c) for c in got.chunks] == [resolver.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
 
 
 def test_the_text_cache_keeps_its_budget_least_recently_used_first():
