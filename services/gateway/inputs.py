@@ -123,8 +123,12 @@ class TextTokens:
             self.hits += 1
             return entry.ids
 
-    def put(self, text: str, ids: Sequence[int]) -> Sequence[int]:
-        """Keep ids for text (unless they alone exceed the budget); returns the ids to use."""
+    def put(self, text: str, ids: Sequence[int], missed: bool = False) -> Sequence[int]:
+        """Keep ids for text (unless they alone exceed the budget); returns the ids to use. ``missed``: count a
+        miss (text tokenized without a ``get`` first)."""
+        if missed:
+            with self._lock:
+                self.misses += 1
         if len(ids) > self.max_tokens:
             return ids
         entry = pb.TokenIds(ids=ids)
@@ -197,8 +201,13 @@ class InputResolver:
         if len(missing) < 2:
             return {}
         encoded = self.tokenizer.encode_batch(missing, add_special_tokens=False)
-        self.text_cache.misses += len(missing)
-        return {t: self.text_cache.put(t, e.ids) for t, e in zip(missing, encoded)}
+        return {t: self.text_cache.put(t, e.ids, missed=True) for t, e in zip(missing, encoded)}
+
+    def tokenizes(self, chunks) -> bool:
+        """Whether some chunk text among ``chunks`` (ChunkInput) is not in the text cache: resolving them
+        then takes milliseconds (the gateway does it off its event loop)."""
+        return self.tokenizer is not None and any(
+            c.WhichOneof("source") == "text" and c.text not in self.text_cache for c in chunks)
 
     def chunk(self, c: pb.ChunkInput, where: str, allow_id: bool = True,
               fresh: dict[str, Sequence[int]] | None = None) -> Sequence[int]:

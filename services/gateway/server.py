@@ -100,7 +100,9 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         arrival = time.perf_counter()
         self.requests_total += 1
         try:
-            req = self.resolver.resolve(request)
+            # new chunk texts take milliseconds to tokenize: off the event loop, so other calls go on meanwhile
+            req = (await asyncio.to_thread(self.resolver.resolve, request) if self.resolver.tokenizes(request.chunks)
+                   else self.resolver.resolve(request))
         except InvalidRequest as exc:
             self.metrics.requests.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -234,7 +236,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
 
     async def RegisterChunks(self, request: pb.RegisterChunksRequest, context):
         try:
-            fresh = self.resolver.tokenize_chunks(request.chunks)
+            fresh = await asyncio.to_thread(self.resolver.tokenize_chunks, request.chunks)
             chunks = [self.resolver.chunk(c, f"chunk {i}", allow_id=False, fresh=fresh)
                       for i, c in enumerate(request.chunks)]
         except InvalidRequest as exc:

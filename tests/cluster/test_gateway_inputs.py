@@ -18,7 +18,10 @@ def _text_request(*texts: str, suffix: str = "?") -> pb.GenerateRequest:
 
 
 def test_a_chunk_text_is_tokenized_once(resolver):
-    first = resolver.resolve(_text_request("Paris is the capital of France. ", "Rome is in Italy. "))
+    req = _text_request("Paris is the capital of France. ", "Rome is in Italy. ")
+    assert resolver.tokenizes(req.chunks)       # new texts: the gateway resolves them off its event loop
+    first = resolver.resolve(req)
+    assert not resolver.tokenizes(req.chunks)
     assert resolver.text_cache.misses == 2 and resolver.text_cache.hits == 0
     again = resolver.resolve(_text_request("Rome is in Italy. ", "Paris is the capital of France. ", suffix="Why?"))
     assert resolver.text_cache.hits == 2 and len(resolver.text_cache) == 2       # the suffixes are never kept
