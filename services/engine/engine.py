@@ -82,7 +82,8 @@ def _request_ids(chunks, suffix) -> tuple[list[list[int]], list[int], np.ndarray
 class CheckedRequest:
     """A request whose token ids ``Engine.check`` read: its parts as lists of ints, each chunk's id, and the
     mode, extra tokens and model it was checked for. The prefill calls take it in place of
-    (chunks, suffix); made by ``Engine.check`` only (the ids are trusted: they key the chunk cache)."""
+    (chunks, suffix); made by ``Engine.check`` only (the ids are trusted: they key the chunk cache). A part
+    given as a list of ints is that very list, not a copy: it must not change while the request is in use."""
 
     chunks: list[list[int]]
     suffix: list[int]
