@@ -71,3 +71,11 @@ def test_token_ids_are_checked_and_passed_on_as_given(resolver):
     registry = ChunkRegistry()
     registry.add("cid", req.chunks[0].tokens.ids)          # the registry keeps its own copy, not the message's field
     assert registry.get("cid") == (5, 6, 7)
+
+
+def test_the_cluster_config_refuses_a_negative_text_cache(tiny_model):
+    from services.cluster.config import ClusterConfig
+
+    assert ClusterConfig(model_dir=tiny_model, text_cache_tokens=0).text_cache_tokens == 0  # off is allowed
+    with pytest.raises(ValueError, match="text_cache_tokens must be >= 0"):
+        ClusterConfig(model_dir=tiny_model, text_cache_tokens=-1)
