@@ -191,23 +191,27 @@ class InputResolver:
             raise InvalidRequest(f"token id {bad} in {where} is outside the vocabulary [0, {vocab})")
         return ids
 
-    def tokenize_chunks(self, chunks) -> dict[str, Sequence[int]]:
-        """Token ids of the chunk texts among ``chunks`` (ChunkInput) that the text cache lacks, tokenized in
-        one batch (the tokenizer spreads a batch over its threads) and kept: {text: ids}."""
+    def _new_texts(self, chunks) -> list[str]:
+        """The distinct chunk texts among ``chunks`` (ChunkInput) that the text cache lacks, in order (none
+        without a tokenizer: each text chunk is then refused by name)."""
         if self.tokenizer is None:
-            return {}  # each text chunk is refused by name below
-        missing = [t for t in dict.fromkeys(c.text for c in chunks if c.WhichOneof("source") == "text")
-                   if t not in self.text_cache]
+            return []
+        texts = dict.fromkeys(c.text for c in chunks if c.WhichOneof("source") == "text")
+        return [t for t in texts if t not in self.text_cache]
+
+    def tokenize_chunks(self, chunks) -> dict[str, Sequence[int]]:
+        """Token ids of the chunk texts among ``chunks`` that the text cache lacks, tokenized in one batch (the
+        tokenizer spreads a batch over its threads) and kept: {text: ids}."""
+        missing = self._new_texts(chunks)
         if len(missing) < 2:
             return {}
         encoded = self.tokenizer.encode_batch(missing, add_special_tokens=False)
         return {t: self.text_cache.put(t, e.ids, missed=True) for t, e in zip(missing, encoded)}
 
     def tokenizes(self, chunks) -> bool:
-        """Whether some chunk text among ``chunks`` (ChunkInput) is not in the text cache: resolving them
-        then takes milliseconds (the gateway does it off its event loop)."""
-        return self.tokenizer is not None and any(
-            c.WhichOneof("source") == "text" and c.text not in self.text_cache for c in chunks)
+        """Whether some chunk text among ``chunks`` is not in the text cache: resolving them then takes
+        milliseconds (the gateway does it off its event loop)."""
+        return bool(self._new_texts(chunks))
 
     def chunk(self, c: pb.ChunkInput, where: str, allow_id: bool = True,
               fresh: dict[str, Sequence[int]] | None = None) -> Sequence[int]:
