@@ -127,8 +127,9 @@ def main() -> int:
             eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
                                          kv_cache_bytes=12 << 30, static_tails=static)
             flags = gemm.split("+") if gemm else []
+            prefetch = [int(f[3:]) for f in flags if f.startswith("pdl") and f[3:].isdigit()]  # NAME:pdlN
             unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall")
-                       and not f.startswith("pdl")]
+                       and not (f.startswith("pdl") and f[3:].isdigit())]
             if unknown:
                 raise ValueError(f"unknown backend option(s) {unknown}")
             model = eng.forward.model
@@ -137,8 +138,7 @@ def main() -> int:
             model.fuse_norms = "normed" in flags
             from kernels.linear import triton as linear_kt  # PDL is a process-wide launch setting
 
-            pdl = [int(f[3:]) for f in flags if f.startswith("pdl")]
-            linear_kt.PDL_PREFETCH_STEPS = pdl[0] if pdl else -1
+            linear_kt.PDL_PREFETCH_STEPS = prefetch[0] if prefetch else -1
             import kernels.pdl  # every layer kernel a programmatic dependent launch (read when graphs are captured)
 
             kernels.pdl.ENABLED = "pdlall" in flags
