@@ -7,7 +7,7 @@ from __future__ import annotations
 
 _EXPORTS = {
     "Engine": "services.engine.engine",
-    "CheckedRequest": "services.engine.engine",
+    "CheckedRequest": "services.engine.request_ids",
     "ModelConfig": "services.engine.config",
     "BlockTable": "services.engine.block_table",
     "PrefillResult": "services.engine.request",

@@ -9,13 +9,10 @@ Public API (services, tests and outside checks call exactly this):
 from __future__ import annotations
 
 import importlib.util
-import operator
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kernels.paged_attention import MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
@@ -28,69 +25,12 @@ from services.engine.forward import Forward
 from services.engine.handoff import Handoff, import_sequence
 from services.engine.handoff_export import export_sequence, stage_export
 from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
+from services.engine.request_ids import CheckedRequest, KnownChunks, request_ids
 from services.engine.sampling import SamplingParams, sample
 from services.engine.weights import ModelWeights, fingerprint, load_weights, state_fingerprint, weights_from_tensors
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def _part_ids(part, where: str) -> tuple[list[int], np.ndarray | None]:
-    """One part of a request as a list of ints and an int64 array (None when some id does not fit int64,
-    so is past any vocabulary). An id that is not an integer (a float, a string, a bool array) is refused
-    by name, never truncated. A list numpy reads as integers is returned as given (no copy)."""
-    if isinstance(part, torch.Tensor):
-        part = part.detach().cpu().numpy()  # (a device tensor's ids come over once)
-    try:
-        arr = np.array(part)  # dtype inferred: a float or string id shows in it
-    except (OverflowError, TypeError, ValueError):
-        arr = None
-    if arr is not None and arr.ndim == 1 and (arr.dtype.kind in "iu" or arr.size == 0):
-        ids = part if type(part) is list else arr.tolist()
-        if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
-            return ids, None
-        return ids, arr.astype(np.int64, copy=False)
-    ids = []  # an iterator, a device tensor, mixed or non-integer ids: one by one, the offender named
-    for t in part:
-        try:
-            ids.append(operator.index(t))
-        except TypeError:
-            raise ValueError(f"token id {t!r} in {where} is not an integer") from None
-    try:
-        return ids, np.asarray(ids, dtype=np.int64)
-    except OverflowError:
-        return ids, None
-
-
-def _request_ids(chunks, suffix) -> tuple[list[list[int]], list[int], np.ndarray | None]:
-    """The request's parts as lists of ints, and every id, chunks then suffix, in one int64 array (None
-    only when some id does not fit int64, so is past any vocabulary: the caller then names it).
-    One numpy conversion per part: the bounds check and the chunk ids read the array."""
-    parts, arrays = [], []
-    for i, p in enumerate((*chunks, suffix)):
-        ids, arr = _part_ids(p, f"chunk {i}" if i < len(chunks) else "suffix")
-        parts.append(ids)
-        if arr is None:
-            arrays = None
-        elif arrays is not None:
-            arrays.append(arr)
-    flat = np.concatenate(arrays) if arrays else None
-    return parts[:-1], parts[-1], flat
-
-
-@dataclass(frozen=True, slots=True)
-class CheckedRequest:
-    """A request whose token ids ``Engine.check`` read: its parts as lists of ints, each chunk's id, and the
-    mode, extra tokens and model it was checked for. The prefill calls take it in place of
-    (chunks, suffix); made by ``Engine.check`` only (the ids are trusted: they key the chunk cache). A part
-    given as a list of ints is that very list, not a copy: it must not change while the request is in use."""
-
-    chunks: list[list[int]]
-    suffix: list[int]
-    chunk_ids: list[str] | None  # None when checked without them
-    mode: str
-    extra_tokens: int
-    fingerprint: str
 
 
 def _default_backend(device: torch.device) -> str:
@@ -119,6 +59,7 @@ class Engine:
         self.block_size = block_size
         self.blend = blend
         self.fingerprint = fingerprint
+        self.known_chunks = KnownChunks()  # chunk token lists already checked and hashed (request_ids.py)
         # static tails (CUDA graphs) by default on CUDA; on the CPU they run eagerly and only tests ask
         self.forward = Forward(cfg, weights, attention_backend,
                                static_tails=device.type == "cuda" if static_tails is None else static_tails)
@@ -188,7 +129,18 @@ class Engine:
         offset the kernels' metadata cannot encode (tessera)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
-        chunks, suffix, flat = _request_ids(list(chunks if chunks is not None else []), [] if suffix is None else suffix)
+        chunks = list(chunks if chunks is not None else [])
+        known = self.known_chunks
+        keys = [known.key(c) for c in chunks]
+        cids = [known.get(k) for k in keys]  # chunks seen before: checked and hashed already
+        new = [i for i, cid in enumerate(cids) if cid is None]
+        parts, suffix, flat = request_ids([chunks[i] for i in new], [] if suffix is None else suffix,
+                                          names=[f"chunk {i}" for i in new])
+        for i, ids in zip(new, parts):
+            chunks[i] = ids
+        for i, cid in enumerate(cids):
+            if cid is not None and type(chunks[i]) is not list:
+                chunks[i] = list(keys[i].ids)
         if not suffix:
             raise ValueError("empty request: the suffix must hold at least one token" if not any(chunks)
                              else "the suffix must hold at least one token (logits are taken after it)")
@@ -213,7 +165,12 @@ class Engine:
         if mode == "tessera" and last_start > MAX_OFFSET:
             starts = torch.tensor([sum(map(len, chunks[:i])) for i in range(len(chunks))], dtype=torch.int64)
             check_encodable(self.block_size, torch.zeros(0, dtype=torch.int32), starts)
-        ids = chunk_ids_of(self.fingerprint, flat, list(map(len, chunks))) if with_chunk_ids else None
+        ids = None
+        if with_chunk_ids:
+            for i, cid in zip(new, chunk_ids_of(self.fingerprint, flat, [len(chunks[i]) for i in new])):
+                cids[i] = cid
+                known.put(keys[i], cid)
+            ids = cids
         return CheckedRequest(chunks, suffix, ids, mode, extra_tokens, self.fingerprint)
 
     def _validate(self, chunks, suffix, mode: str, recompute_ratio: float, extra_tokens: int = 0):
