@@ -49,13 +49,13 @@ PHASES = [
     ("tables", {"ChunkLayout.__init__", "ChunkLayout.shared_tables", "BlockTable.for_run", "BlockTable.cat",
                 "BlockTable.from_host", "Forward._private", "Forward.chunk_table", "host_to_device",
                 "RequestTables.__init__", "RequestTables.post_selection", "ChunkEntry.device_view",
-                "Forward.chunk_view"}),
+                "Forward.chunk_view", "pack"}),
     ("selection", {"select_hkvd", "ChunkLayout.cached_kv", "RequestTables.cached_kv"}),
     ("attention", {"TorchAttention.prefill", "TritonAttention.prefill"}),
     ("kv write", {"BlockPool.write"}),
     ("model", {"Transformer.embed", "Transformer.attention_inputs", "Transformer.finish_layer",
                "Transformer.logits"}),
-    ("tail fill", {"StaticTail.fill", "TailCache.run", "TorchStatic.fill", "TritonStatic.fill"}),
+    ("tail fill", {"StaticTail.fill", "TailCache.run", "TorchStatic.fill", "TritonStatic.fill", "IdsTails.get"}),
 ]
 GRAPH = "StaticTail._body"
 NAME_TO_PHASE = {name: phase for phase, names in PHASES for name in names}
@@ -258,7 +258,8 @@ TIMELINE = [
     ("services.engine.model", "Transformer.embed"), ("services.engine.forward", "Forward._run"),
     ("services.engine.graphs", "TailCache.run"), ("services.engine.graphs", "StaticTail.fill"),
     ("services.engine.graphs", "StaticTail.run"), ("services.engine.model", "Transformer.logits"),
-    ("services.engine.engine", "Engine.release"),
+    ("services.engine.engine", "Engine.release"), ("services.engine.reuse_tail", "reuse_tail_pass"),
+    ("services.engine.reuse_tail", "pack"), ("services.engine.reuse_tail", "IdsTails.get"),
 ]
 
 

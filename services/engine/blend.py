@@ -31,6 +31,7 @@ import torch
 from kernels.rope import rope_cos_sin, rotate
 from services.engine.block_table import BlockTable, dense_run, full_mask, host_to_device_many
 from services.engine.request import PlacedChunk, Sequence
+from services.engine import reuse_tail
 
 DEVIATION_METRICS = ("k", "v", "kv")
 
@@ -215,6 +216,8 @@ def blend_pass(fwd, placed, chunks, pinned, private, suffix, mode, ratio, blend:
     copy = mode == "blend_copy"
     n_chunk = sum(p.entry.length for p in placed)
     n_keep = int(round(ratio * n_chunk))
+    if ratio == 0.0 and not copy and reuse_tail.ENABLED and fwd.static_tail(len(suffix)):
+        return reuse_tail.reuse_tail_pass(fwd, placed, chunks, pinned, private, suffix, stats)  # one copy, one replay
     # extra private tokens: blend_copy copies every chunk token; a later check layer computes every
     # chunk token in layers 1..c-1; otherwise only the recomputed ones (their count is known now)
     full_extra = copy or (ratio > 0.0 and c > 1)

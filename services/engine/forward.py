@@ -44,6 +44,7 @@ class Forward:
         # static tails replay short passes as CUDA graphs, attention through either backend (see graphs.py)
         self.scratch_block = pool.reserve()
         self.tails = TailCache(self) if self.static_tails else None
+        self.id_tails = None  # ratio-0 reuse passes' tails, made on first use (reuse_tail.py)
         self._chunk_tables: OrderedDict[tuple, BlockTable] = OrderedDict()  # see chunk_table
 
     def static_tail(self, n_tokens: int) -> bool:

@@ -42,3 +42,9 @@ def cpu_triton() -> None:
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU engines with Triton kernels need TRITON_INTERPRET=1")
+
+
+def tail_replays(eng) -> int:
+    """Static-tail replays of every kind: general tails and the ratio-0 reuse passes' id tails."""
+    fwd = eng.forward
+    return fwd.tails.replays + (fwd.id_tails.replays if fwd.id_tails is not None else 0)

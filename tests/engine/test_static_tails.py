@@ -7,7 +7,7 @@ import torch
 
 from services.engine import Engine
 
-from .conftest import cpu_triton, random_request
+from .conftest import cpu_triton, random_request, tail_replays
 
 
 @pytest.mark.parametrize("mode, ratio", [("tessera", 0.0), ("tessera", 0.15), ("tessera", 1.0), ("prefix", 0.0),
@@ -20,7 +20,7 @@ def test_static_tail_equals_eager(tiny_dir, mode, ratio):
         a = eager.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio).logits
         b = static.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio).logits
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    assert static.forward.tails.replays >= 2
+    assert tail_replays(static) >= 2
 
 
 @pytest.mark.parametrize("block_size", [7, 64])
@@ -38,7 +38,8 @@ def test_static_tail_other_block_sizes(tiny_dir, block_size):
             computed += b.stats.chunk_misses
             torch.testing.assert_close(b.logits, a, rtol=1e-4, atol=1e-4)
     # one replay per pass, and one per chunk computed alone (its layers replayed as a tail too)
-    assert computed == 6 and static.forward.tails.replays == 4 + computed
+    assert computed == 6 and tail_replays(static) == 4 + computed
+    assert static.forward.id_tails.replays == 2  # the ratio-0 passes: one copy and one replay each
 
 
 def test_static_tails_keep_decode_exact(tiny_dir):
@@ -62,7 +63,7 @@ def triton_engines(tiny_dirs):
 def test_triton_static_tail_equals_eager(triton_engines, mode, ratio):
     """The tail through the Triton kernel (padded table, packed into fixed buffers) == the eager Triton pass."""
     eager, static = triton_engines
-    before, computed = static.forward.tails.replays, 0
+    before, computed = tail_replays(static), 0
     # the second request is shorter (fewer entries and tokens, same buckets): stale entries and rows stay inert
     for seed, lengths, suffix_len in ((60, (13, 21, 9), 6), (61, (11, 9), 3)):
         chunks, suffix = random_request(seed, lengths=lengths, suffix_len=suffix_len)
@@ -71,8 +72,9 @@ def test_triton_static_tail_equals_eager(triton_engines, mode, ratio):
         computed += b.stats.chunk_misses
         assert a.stats.tokens_recomputed == b.stats.tokens_recomputed
         torch.testing.assert_close(b.logits, a.logits, rtol=2e-4, atol=2e-4)
-    assert static.forward.tails.replays == before + 2 + computed   # chunks computed alone replay tails too
-    assert all(type(t.attention).__name__ == "TritonStatic" for t in static.forward.tails.tails.values())
+    assert tail_replays(static) == before + 2 + computed   # chunks computed alone replay tails too
+    tails = [*static.forward.tails.tails.values(), *static.forward.id_tails.tails.values()]
+    assert all(type(t.attention).__name__ == "TritonStatic" for t in tails)
 
 
 def test_static_tail_refilled_by_shorter_and_longer_requests(tiny_dir):
@@ -87,3 +89,4 @@ def test_static_tail_refilled_by_shorter_and_longer_requests(tiny_dir):
             b = static.prefill(chunks, suffix, mode="tessera", recompute_ratio=ratio).logits
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     assert len(static.forward.tails.tails) < static.forward.tails.replays  # buckets were reused
+    assert len(static.forward.id_tails.tails) < static.forward.id_tails.replays

@@ -1,0 +1,139 @@
+"""The ratio-0 reuse pass as one host-to-device copy and one graph replay.
+
+At recompute ratio 0 only the suffix runs, against every chunk's cached KV (Block-Attention), so all
+that the pass needs is known on the host before it starts: the suffix's ids, its positions and write
+slots, and the block table (each chunk's shared blocks at its offset, then the suffix's private
+blocks). ``pack`` lays them out on the host exactly as an ``IdsTail``'s input buffer, padding included;
+they cross in one pinned copy into the request's own device buffer (its Sequence's table is a view of
+it, for decode and hand-off), and one device copy loads the tail, whose graph embeds the ids and
+records the suffix's slot positions itself. The general path (blend.RequestTables, the embedding,
+StaticTail.fill) spends ~10 host ops for the same; here the host owes a short request's first token
+one numpy pass, two copies and a replay. Results are the same bits: the same kernels on the same values.
+
+Input buffer (int64, t token rows and e table entries, both buckets):
+    [ids t | position t | write block t | write slot t | entry block e | entry offset e | entry mask e]
+Padding as StaticTail's: rows at PAD_POS writing the scratch block, entries naming it with no slot shown.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from kernels.paged_attention import MAX_OFFSET
+from services.engine.block_table import BlockTable, full_mask, host_to_device_many
+from services.engine.graphs import MAX_GRAPHS, PAD_POS, T_BUCKET, StaticTail, bucket, entry_bucket
+from services.engine.request import Sequence
+
+ENABLED = True  # blend_pass takes this path for ratio-0 passes that fit a static tail (off: the general one)
+
+
+class IdsTail(StaticTail):
+    """A StaticTail of every layer whose inputs are one int64 buffer (layout above) of token ids, not
+    hidden states: the embedding and the suffix's slot positions are part of the graph."""
+
+    def __init__(self, fwd, t: int, e: int, graph_pool=None):
+        super().__init__(fwd, 0, t, e, graph_pool)
+        self.inputs = torch.zeros(4 * t + 3 * e, dtype=torch.int64, device=fwd.device)
+        self.ids = self.inputs[:t]
+        self.tokens = self.inputs[t:4 * t].view(3, t)
+        att = self.attention  # its table buffers become views of the inputs (its fill is never called)
+        att.id_rows = self.inputs[4 * t:4 * t + 2 * e].view(2, e)
+        att.masks = self.inputs[4 * t + 2 * e:]
+
+    def _body(self) -> None:
+        pos, block, slot = self.tokens
+        self.h.copy_(self.fwd.model.embed(self.ids))
+        # padded rows write the scratch block's slots; 0 there, as the pool holds it
+        self.fwd.pool.slot_pos[block, slot] = torch.where(pos < PAD_POS, pos, 0).to(torch.int32)
+        super()._body()
+
+
+class IdsTails:
+    """IdsTails by (token bucket, entry bucket), least recently used dropped; they share the engine's
+    graph memory pool with its other static tails."""
+
+    def __init__(self, fwd):
+        self.fwd = fwd
+        self.tails: OrderedDict[tuple[int, int], IdsTail] = OrderedDict()
+        self.replays = 0
+
+    def get(self, t: int, e: int) -> IdsTail:
+        tail = self.tails.get((t, e))
+        if tail is None:
+            if len(self.tails) >= MAX_GRAPHS:
+                self.tails.popitem(last=False)
+            tail = self.tails[(t, e)] = IdsTail(self.fwd, t, e, self.fwd.tails.graph_pool)
+        self.tails.move_to_end((t, e))
+        return tail
+
+
+def pack(placed, suffix: list[int], s_blocks: list[int], bs: int, scratch: int, t: int, e: int):
+    """(inputs int64 [4t + 3e] in the IdsTail layout, the real entries' ids and offsets int32 [2, m],
+    their count m, the largest offset) for suffix tokens after the placed chunks."""
+    n_s = len(suffix)
+    n_chunk = sum(p.entry.length for p in placed)
+    c_ids = np.fromiter(itertools.chain.from_iterable(p.entry.blocks for p in placed), dtype=np.int64)
+    n_c, m = len(c_ids), len(c_ids) + len(s_blocks)
+    buf = np.empty(4 * t + 3 * e, dtype=np.int64)
+    ids, pos, block, slot = buf[:t], buf[t:2 * t], buf[2 * t:3 * t], buf[3 * t:4 * t]
+    e_ids, e_offs, e_masks = buf[4 * t:4 * t + e], buf[4 * t + e:4 * t + 2 * e], buf[4 * t + 2 * e:]
+    ids[:n_s] = suffix
+    ids[n_s:] = 0
+    pos[:n_s] = np.arange(n_chunk, n_chunk + n_s)
+    pos[n_s:] = PAD_POS
+    block[:n_s] = np.repeat(np.asarray(s_blocks, dtype=np.int64), bs)[:n_s]
+    block[n_s:] = scratch
+    slot[:] = np.arange(t) % bs  # the padded rows' scratch slots as StaticTail's
+    e_ids[:n_c] = c_ids
+    e_ids[n_c:m] = s_blocks
+    e_ids[m:] = scratch
+    rots, n_blocks, last, last_mask, at = [], [], [], [], 0
+    for p in placed:  # a handful of chunks: plain ints
+        nb = len(p.entry.blocks)
+        rots.append(p.start - p.entry.base)
+        n_blocks.append(nb)
+        at += nb
+        last.append(at - 1)
+        last_mask.append(full_mask(p.entry.length - (nb - 1) * bs))
+    e_offs[:n_c] = np.repeat(np.asarray(rots, dtype=np.int64), n_blocks)
+    e_offs[n_c:] = 0
+    e_masks[:m] = full_mask(bs)
+    e_masks[last] = last_mask
+    if n_s % bs:
+        e_masks[m - 1] = full_mask(n_s % bs)
+    e_masks[m:] = 0
+    id32 = np.stack([e_ids[:m], e_offs[:m]]).astype(np.int32)
+    return buf, id32, m, max(rots, default=0)
+
+
+def reuse_tail_pass(fwd, placed, chunks, pinned, private, suffix, stats):
+    """blend_pass at ratio 0 with no copy, when the suffix fits a static tail -> (logits, Sequence)."""
+    t0 = time.perf_counter()
+    bs, n_s = fwd.bs, len(suffix)
+    s_blocks = fwd.cache.allocate(-(-n_s // bs), for_cache=False)
+    private += s_blocks
+    n_entries = sum(len(p.entry.blocks) for p in placed) + len(s_blocks)
+    t, e = bucket(n_s, T_BUCKET), entry_bucket(n_entries, bs)
+    buf, id32, m, max_offset = pack(placed, suffix, s_blocks, bs, fwd.scratch_block, t, e)
+    if max_offset > MAX_OFFSET:  # the engine's input check refuses such requests first
+        raise ValueError(f"position offset {max_offset} does not fit the kernels' 16-bit offset field")
+    if fwd.id_tails is None:
+        fwd.id_tails = IdsTails(fwd)
+    tail = fwd.id_tails.get(t, e)
+    inputs, ids_offs = host_to_device_many([buf, id32], fwd.device)  # the request's own copy
+    n_chunk = sum(p.entry.length for p in placed)
+    table = BlockTable(ids_offs[0], ids_offs[1], inputs[4 * t + 2 * e:4 * t + 2 * e + m], max_offset,
+                       n_chunk + n_s, id_rows=inputs[4 * t:4 * t + 2 * e].view(2, e)[:, :m])
+    tail.inputs.copy_(inputs)
+    fwd.id_tails.replays += 1
+    h = tail.run()
+    logits = fwd.model.logits(h[n_s - 1:n_s])[-1]
+    stats.private_blocks_allocated += len(private)
+    stats.forward_seconds = time.perf_counter() - t0
+    tokens = {p.entry.key: c for p, c in zip(placed, chunks)}
+    return logits, Sequence([table] * fwd.cfg.num_layers, pinned, private, n_chunk + n_s, chunk_tokens=tokens)
