@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 REDUCES = ("arrive", "kernel")
+TMA_MODES = ("off", "w", "xw")  # pointer loads; weight tiles by TMA; weight and x tiles by TMA
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,7 +17,11 @@ class LinearConfig:
     tile's K range (each a contiguous slice of whole block_k steps). With split_k > 1 each program
     writes an fp32 partial [split, M, N] and the partials are summed in split order (deterministic) by
     either the last program of the tile to arrive (``reduce="arrive"``: one launch, a per-tile counter
-    that the reducing program resets) or a second small kernel (``reduce="kernel"``)."""
+    that the reducing program resets) or a second small kernel (``reduce="kernel"``).
+
+    ``tma`` (one split only): "w" streams the weight tiles through Hopper's tensor memory accelerator
+    (kernels/linear/tma.py), "xw" the x tiles too; "off" (the default) the pointer kernel's cp.async loads.
+    A launch TMA cannot take (pre-Hopper, unaligned operands) runs the pointer kernel."""
 
     block_m: int = 16
     block_n: int = 64
@@ -25,6 +30,7 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 4
     reduce: str = "arrive"
+    tma: str = "off"
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -39,20 +45,27 @@ class LinearConfig:
             raise ValueError(f"num_stages must be in [1, 8], got {self.num_stages}")
         if self.reduce not in REDUCES:
             raise ValueError(f"reduce must be one of {REDUCES}, got {self.reduce!r}")
+        if self.tma not in TMA_MODES:
+            raise ValueError(f"tma must be one of {TMA_MODES}, got {self.tma!r}")
+        if self.tma != "off" and self.split_k != 1:
+            raise ValueError(f"tma={self.tma!r} runs one split, got split_k={self.split_k}")
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         """Shared memory the pipelined x and w tiles take (what Triton allocates for the K loop)."""
         return self.num_stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
 
     def short(self) -> str:
-        """A compact name for tables: m16 n64 k128 s2 w4 st4 (+ 'K' when split partials are reduced by a kernel)."""
+        """A compact name for tables: m16 n64 k128 s2 w4 st4 (+ 'K' when split partials are reduced by a kernel,
+        + ' tma-w' / ' tma-xw' with TMA)."""
         red = "K" if self.split_k > 1 and self.reduce == "kernel" else ""
+        tma = f" tma-{self.tma}" if self.tma != "off" else ""
         return (f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k}{red} "
-                f"w{self.num_warps} st{self.num_stages}")
+                f"w{self.num_warps} st{self.num_stages}{tma}")
 
     def literal(self) -> str:
         """The config as Python source, in the form this module's CONFIGS table holds it."""
         extra = f", reduce={self.reduce!r}" if self.split_k > 1 and self.reduce != "arrive" else ""
+        extra += f", tma={self.tma!r}" if self.tma != "off" else ""
         return (f"LinearConfig({self.block_m}, {self.block_n}, {self.block_k}, split_k={self.split_k}, "
                 f"num_warps={self.num_warps}, num_stages={self.num_stages}{extra})")
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import torch
 import triton
@@ -246,6 +247,23 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: b
     return grid, mode, n_split, (m, n, k, k_split, n_split, m * n), consts
 
 
+_TMA_REFUSED: set[str] = set()  # reasons already warned about
+
+
+def _tma_or_pointer(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig) -> LinearConfig:
+    """cfg if its TMA launch can run here (kernels/linear/tma.py's ``ineligible``), else cfg without TMA (the
+    pointer kernel), warning once per reason."""
+    from kernels.linear import tma
+
+    why = tma.ineligible(x, w, cfg)
+    if why is None:
+        return cfg
+    if why not in _TMA_REFUSED:
+        _TMA_REFUSED.add(why)
+        warnings.warn(f"kernels.linear: {cfg.short()} runs without TMA: {why}", RuntimeWarning, stacklevel=3)
+    return dataclasses.replace(cfg, tma="off")
+
+
 def pdl_steps(device: torch.device) -> int:
     """The PDL prefetch depth a launch on ``device`` gets when its caller names none: PDL_PREFETCH_STEPS when
     set (>= 0), else SWITCH_PREFETCH_STEPS while kernels/pdl.py's switch is on there, else -1 (off)."""
@@ -289,6 +307,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
     cfg = config or pick_config(m, n, k, sm_count(x.device))
     if norm is not None and config is None and cfg.split_k > 1:  # every split re-reads whole rows for 1/rms
         cfg = dataclasses.replace(cfg, split_k=1)
+    if cfg.tma != "off":
+        cfg = _tma_or_pointer(x, w, cfg)
+    if cfg.tma != "off":
+        from kernels.linear import tma
+
+        return tma.launch(x, w, out, cfg, bias=bias, c=accumulate if accumulate is not None else residual,
+                          swiglu=False, norm=norm, pdl=pdl_steps(x.device) if pdl is None else pdl,
+                          norm_prefetch=NORM_PREFETCH_STEPS if norm_prefetch is None else norm_prefetch)
     c = accumulate if accumulate is not None else residual if residual is not None else out
     adds = accumulate is not None or residual is not None  # c's fp32 value added before the one rounding
     grid, mode, n_split, ints, consts = _plan(
@@ -324,6 +350,14 @@ def linear_swiglu(x: torch.Tensor, w: torch.Tensor, *, norm: tuple[torch.Tensor,
     cfg = config or swiglu_config(m, inter, k, sm_count(x.device), norm=norm is not None)
     if cfg.split_k != 1:
         raise ValueError("the fused gate|up kernel runs one split")
+    if cfg.tma != "off":
+        cfg = _tma_or_pointer(x, w, cfg)
+    if cfg.tma != "off":
+        from kernels.linear import tma
+
+        return tma.launch(x, w, out, cfg, bias=None, c=None, swiglu=True, norm=norm,
+                          pdl=pdl_steps(x.device) if pdl is None else pdl,
+                          norm_prefetch=NORM_PREFETCH_STEPS if norm_prefetch is None else norm_prefetch)
     grid, _, _, ints, consts = _plan(
         m, inter, k, x.dtype, cfg, False, False, swiglu=True, pdl=pdl_steps(x.device) if pdl is None else pdl,
         norm=norm is not None, norm_prefetch=NORM_PREFETCH_STEPS if norm_prefetch is None else norm_prefetch)
