@@ -68,7 +68,13 @@ class BlockPool:
             if starts.size:
                 ids = np.arange(starts[0], starts[0] + n)
         if ids is None:
-            ids = np.flatnonzero(self._is_free)[:n]
+            # the lowest free id (argmax: ~0.5 us), then a window after it (a full scan costs ~12 us at 6k
+            # blocks, on the first token's path): the window's free ids are the lowest ones when it has n
+            first = int(self._is_free.argmax())
+            ids = np.flatnonzero(self._is_free[first:first + 64 * n]) + first
+            if ids.size < n:
+                ids = np.flatnonzero(self._is_free)
+            ids = ids[:n]
         self._is_free[ids] = False
         self._n_free -= n
         return ids.tolist()

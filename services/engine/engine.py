@@ -206,7 +206,7 @@ class Engine:
     def prefill(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15) -> PrefillResult:
         """Next-token logits after chunks + suffix; the request's private KV is freed afterwards."""
         chunks, suffix, ids = self._validate(chunks, suffix, mode, recompute_ratio)
-        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids)
+        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids, keep_tables=False)
         self.release(seq)
         return PrefillResult(logits, stats)
 
@@ -293,11 +293,12 @@ class Engine:
             return []
         return list(eos) if isinstance(eos, list) else [eos]
 
-    def _prefill(self, chunks, suffix, mode, ratio, fetch=None, on_computed=None, ids=None):
+    def _prefill(self, chunks, suffix, mode, ratio, fetch=None, on_computed=None, ids=None, keep_tables=True):
         stats = PrefillStats(mode=mode, recompute_ratio=ratio, check_layer=self.blend.check_layer,
                              chunks=len(chunks), chunk_tokens=sum(map(len, chunks)), suffix_tokens=len(suffix))
         t0 = time.perf_counter()
-        logits, seq = self.forward.prefill(chunks, suffix, mode, ratio, self.blend, stats, fetch, on_computed, ids)
+        logits, seq = self.forward.prefill(chunks, suffix, mode, ratio, self.blend, stats, fetch, on_computed, ids,
+                                           keep_tables)
         stats.total_seconds = time.perf_counter() - t0
         return logits, seq, stats
 

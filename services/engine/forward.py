@@ -196,12 +196,13 @@ class Forward:
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, chunks, suffix, mode: str, ratio: float, blend: BlendConfig, stats: PrefillStats,
-                fetch=None, on_computed=None, ids: list[str] | None = None):
-        """``ids``: the chunks' ids (chunk_id of each, as Engine._validate computed them), or None."""
+                fetch=None, on_computed=None, ids: list[str] | None = None, keep_tables: bool = True):
+        """``ids``: the chunks' ids (chunk_id of each, as Engine._validate computed them), or None.
+        ``keep_tables`` False: the caller only releases the Sequence (see blend_pass)."""
         if mode in ("full", "prefix"):
             return self._prefill_dense(chunks, suffix, mode, stats)
         try:
-            return self._prefill_reuse(chunks, suffix, mode, ratio, blend, stats, fetch, on_computed, ids)
+            return self._prefill_reuse(chunks, suffix, mode, ratio, blend, stats, fetch, on_computed, ids, keep_tables)
         finally:
             gate, self._gate = self._gate, None
             if gate is not None:
@@ -362,12 +363,12 @@ class Forward:
         self._compute_into(load.entry.blocks, load.tokens, 0)
 
     def _prefill_reuse(self, chunks, suffix, mode, ratio, blend: BlendConfig, stats, fetch=None, on_computed=None,
-                       ids=None):
+                       ids=None, keep_tables=True):
         placed = self._place(chunks, mode, stats, fetch, on_computed, ids)
         pinned = [p.entry for p in placed]
         private: list[int] = []
         try:
-            return blend_pass(self, placed, chunks, pinned, private, suffix, mode, ratio, blend, stats)
+            return blend_pass(self, placed, chunks, pinned, private, suffix, mode, ratio, blend, stats, keep_tables)
         except BaseException:
             for e in pinned:
                 self.cache.release(e)
