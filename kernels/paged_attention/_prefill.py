@@ -118,8 +118,8 @@ class PrefillConfig:
     # split partials written in q's dtype instead of fp32 (half the merge's reads, one more rounding)
     narrow_partials: bool = False
     # how the programs ask L2 for an l2_prefetch tensor (launch): "bulk", one cp.async.bulk.prefetch.L2 of
-    # l2_bulk_bytes per lane (few instructions; needs sm_90 and a 16-byte aligned tensor, else "lines" is used),
-    # or "lines", one prefetch.global.L2 per 128-byte line per lane (as kernels/linear's _prefetch_rows)
+    # l2_bulk_bytes per lane (few instructions; needs a 16-byte aligned tensor, else "lines" is used), or "lines",
+    # one prefetch.global.L2 per 128-byte line per lane (as kernels/linear's _prefetch_rows)
     l2_mode: str = "bulk"
     l2_bulk_bytes: int = 4096
 
@@ -541,14 +541,12 @@ class L2Plan:
 
 def l2_plan(t: torch.Tensor | None, programs: int, cfg: PrefillConfig, interpreted: bool) -> L2Plan | None:
     """The L2 prefetch plan of a launch of ``programs`` programs, or None (nothing to ask for, or the interpreter,
-    which has no inline assembly). Bulk prefetches need sm_90 and a 16-byte aligned address and a size multiple of
-    16: an unaligned tensor (or an older GPU) is asked for line by line, and the bulk mode leaves out the last
-    n_bytes % 16 bytes."""
+    which has no inline assembly). Bulk prefetches need a 16-byte aligned address and a size multiple of 16: an
+    unaligned tensor is asked for line by line, and the bulk mode leaves out the last n_bytes % 16 bytes."""
     if t is None or interpreted or t.numel() == 0:
         return None
     ptr = t.view(-1).view(torch.uint8)  # (a view: t is contiguous; a copy would be another tensor's bytes)
-    bulk = cfg.l2_mode == "bulk" and ptr.data_ptr() % 16 == 0 and \
-        (t.device.type != "cuda" or pdl.capability(t.device) >= (9, 0))
+    bulk = cfg.l2_mode == "bulk" and ptr.data_ptr() % 16 == 0
     n_bytes = ptr.numel() // 16 * 16 if bulk else ptr.numel()
     if n_bytes == 0:
         return None
