@@ -545,7 +545,7 @@ def l2_plan(t: torch.Tensor | None, programs: int, cfg: PrefillConfig, interpret
     unaligned tensor is asked for line by line, and the bulk mode leaves out the last n_bytes % 16 bytes."""
     if t is None or interpreted or t.numel() == 0:
         return None
-    ptr = t.view(-1).view(torch.uint8)  # (a view: t is contiguous; a copy would be another tensor's bytes)
+    ptr = t.reshape(-1).view(torch.uint8)
     bulk = cfg.l2_mode == "bulk" and ptr.data_ptr() % 16 == 0
     n_bytes = ptr.numel() // 16 * 16 if bulk else ptr.numel()
     if n_bytes == 0:
