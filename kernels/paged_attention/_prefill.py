@@ -30,10 +30,9 @@ launches: each program waits for the kernel before (griddepcontrol.wait) before 
 the kernel's programs ask L2 for, first thing, each its own aligned share (PTX cp.async.bulk.prefetch.L2 from
 one lane a piece, or prefetch.global.L2 a 128-byte line a lane; PrefillConfig.l2_mode). The attention itself
 is latency-bound and leaves HBM mostly idle, so the GEMM then reads from L2 (issue #2: the o projection,
-~14.8 us from HBM, ~9.1 us from L2 on an H100). A hint: no value read or written depends on it, and L2 is the
-device's point of coherence for global memory, so a line it brings in cannot make a later read stale. The
-engine's tensor (a weight) is never written by a kernel of the pass, so with PDL the prefetch comes before the
-wait. Inline assembly does not run in Triton's interpreter: there it compiles out (l2_plan).
+~14.8 us from HBM, ~9.1 us from L2 on an H100). A hint: no value read or written depends on it. The tensor is
+never written by a kernel of the pass, so with PDL the prefetch comes before the wait. Inline assembly does
+not run in Triton's interpreter: there it compiles out.
 
 Tiles are found without a host sync: sequence b owns tile ids [cu_q[b] // BLOCK_T + b, ...), a
 tile past the sequence's end does nothing. The grid is Tq // BLOCK_T + B tiles.

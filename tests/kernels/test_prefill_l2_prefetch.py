@@ -126,13 +126,13 @@ def tiny_llama(tmp_path_factory):
     return write_tiny(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=7)
 
 
-@pytest.mark.parametrize("fraction, reuse_tail", [(1.0, True), (0.5, False)])
-def test_engine_switch_passes_the_o_weight_and_changes_nothing(tiny_llama, monkeypatch, fraction, reuse_tail):
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_engine_switch_passes_the_o_weight_and_changes_nothing(tiny_llama, monkeypatch, fraction):
     """Static Triton tails with kernels.paged_attention.L2_PREFETCH_NEXT on: every layer's attention call gets
     (the leading fraction of) that layer's o_proj, the exact tensor finish_layer's o GEMM reads, and the logits
-    are the same bits as with the switch off; through reuse_tail.py's ratio-0 tail and the general one."""
+    are the same bits as with the switch off."""
     from kernels.paged_attention import triton as kt
-    from services.engine import Engine, reuse_tail as reuse
+    from services.engine import Engine
 
     seen = []
     real = kt.paged_prefill_packed
@@ -143,7 +143,6 @@ def test_engine_switch_passes_the_o_weight_and_changes_nothing(tiny_llama, monke
 
     monkeypatch.setattr(kt, "paged_prefill_packed", spy)
     monkeypatch.setattr(pa, "L2_PREFETCH_FRACTION", fraction)
-    monkeypatch.setattr(reuse, "ENABLED", reuse_tail)
     g = torch.Generator().manual_seed(70)
     chunks = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (13, 21)]
     suffix = torch.randint(0, 256, (6,), generator=g).tolist()
@@ -155,7 +154,6 @@ def test_engine_switch_passes_the_o_weight_and_changes_nothing(tiny_llama, monke
         seen.clear()
         logits[on] = eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.0).logits
         pool, layers = eng.forward.pool, eng.forward.model.w.layers
-        assert (eng.forward.id_tails is not None) == reuse_tail  # the path this case means to take
         assert len(seen) == len(layers)  # one attention call a layer, all through the static tail
         for layer, (k_ptr, hint) in enumerate(seen):
             assert k_ptr == pool.k[layer].data_ptr()
