@@ -79,9 +79,8 @@ def main() -> int:
                          "NAME:fusedmerge lets the short attention's KV splits merge their own partials "
                          "(PrefillConfig(merge='fused')), NAME:pdlall launches every kernel of a layer as a "
                          "programmatic dependent launch (kernels.pdl.ENABLED), NAME:generaltail runs ratio-0 passes "
-                         "through the general static tail, not reuse_tail.py's one copy and one replay, NAME:l2o "
-                         "has the static tails' short attention ask L2 for the layer's o weight while it runs "
-                         "(kernels.paged_attention.L2_PREFETCH_NEXT); options join with '+' (NAME:pdl2+normed)")
+                         "through the general static tail, not reuse_tail.py's one copy and one replay; options join "
+                         "with '+' (NAME:pdl2+normed)")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunks", type=int, default=6)
@@ -131,8 +130,7 @@ def main() -> int:
                                          kv_cache_bytes=12 << 30, static_tails=static)
             flags = gemm.split("+") if gemm else []
             prefetch = [int(f[3:]) for f in flags if f.startswith("pdl") and f[3:].isdigit()]  # NAME:pdlN
-            known = ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail", "l2o")
-            unknown = [f for f in flags if f not in known
+            unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail")
                        and not (f.startswith("pdl") and f[3:].isdigit())]
             if unknown:
                 raise ValueError(f"unknown backend option(s) {unknown}")
@@ -146,9 +144,6 @@ def main() -> int:
             import kernels.pdl  # every layer kernel a programmatic dependent launch (read when graphs are captured)
 
             kernels.pdl.ENABLED = "pdlall" in flags
-            import kernels.paged_attention  # the o weight asked for by attention (read when tails are captured)
-
-            kernels.paged_attention.L2_PREFETCH_NEXT = "l2o" in flags
             from kernels.paged_attention import triton as attn_kt  # likewise the short attention's config
 
             attn_kt.SHORT_PREFILL = dataclasses.replace(SHORT_PREFILL, merge="fused") if "fusedmerge" in flags \
