@@ -17,16 +17,8 @@ MAX_BLOCK_ID = (1 << 31) - 1   # block id in the high 32 bits of a signed int64
 MAX_OFFSET = (1 << 16) - 1     # a chunk's global start, 16 bits
 MAX_BLOCK_SIZE = 64            # slot mask bits per entry
 
-# The engine's static (CUDA-graph) tails with the Triton backend pass each layer's o projection weight to the
-# short prefill attention as ``l2_prefetch``: its programs ask L2 for the weight while attention, which leaves
-# HBM mostly idle, runs, so the o GEMM after it reads L2 (services/engine/graphs.py, TritonStatic; issue #2).
-# Read when a tail's graph is captured (or each eager call on the CPU). Off until measured on the GPU
-# (bench/l2_prefetch.py --attention; bench/engine.py's NAME:l2o variant turns it on).
-L2_PREFETCH_NEXT = False
-L2_PREFETCH_FRACTION = 1.0  # the leading fraction of the weight's bytes asked for (0 < f <= 1)
-
 __all__ = ["paged_prefill_attention", "paged_decode_attention", "check_encodable",
-           "MAX_BLOCK_ID", "MAX_OFFSET", "MAX_BLOCK_SIZE", "L2_PREFETCH_NEXT", "L2_PREFETCH_FRACTION", "l2_head"]
+           "MAX_BLOCK_ID", "MAX_OFFSET", "MAX_BLOCK_SIZE"]
 
 
 def check_encodable(block_size: int, block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -42,15 +34,6 @@ def check_encodable(block_size: int, block_ids: torch.Tensor, offsets: torch.Ten
         if hi > MAX_OFFSET or lo < 0:
             bad = hi if hi > MAX_OFFSET else lo
             raise ValueError(f"position offset {bad} does not fit the 16-bit offset field (0..{MAX_OFFSET})")
-
-
-def l2_head(t: torch.Tensor, fraction: float) -> torch.Tensor:
-    """The leading ``fraction`` (0 < f <= 1) of contiguous t's elements, flat (a view): what to pass as
-    ``l2_prefetch`` to ask L2 for part of a tensor."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"the L2 prefetch fraction must be in (0, 1], got {fraction}")
-    flat = t.view(-1)
-    return flat if fraction == 1.0 else flat[:max(1, int(flat.numel() * fraction))]
 
 
 def _impl(backend: str):

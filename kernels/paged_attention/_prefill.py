@@ -26,14 +26,6 @@ Optional KV splits (flash-decoding style) write fp32 partials that kernels/lse_m
 With kernels/pdl.py's switch on (sm_90+), the kernel and its key-bounds pass are programmatic dependent
 launches: each program waits for the kernel before (griddepcontrol.wait) before its first read.
 
-``l2_prefetch`` (launch): the bytes of another tensor, typically the weight of the GEMM after attention, that
-the kernel's programs ask L2 for, first thing, each its own aligned share (PTX cp.async.bulk.prefetch.L2 from
-one lane a piece, or prefetch.global.L2 a 128-byte line a lane; PrefillConfig.l2_mode). The attention itself
-is latency-bound and leaves HBM mostly idle, so the GEMM then reads from L2 (issue #2: the o projection,
-~14.8 us from HBM, ~9.1 us from L2 on an H100). A hint: no value read or written depends on it. The tensor is
-never written by a kernel of the pass, so with PDL the prefetch comes before the wait. Inline assembly does
-not run in Triton's interpreter: there it compiles out.
-
 Tiles are found without a host sync: sequence b owns tile ids [cu_q[b] // BLOCK_T + b, ...), a
 tile past the sequence's end does nothing. The grid is Tq // BLOCK_T + B tiles.
 """
@@ -54,7 +46,6 @@ from kernels.paged_attention._meta import PackedTable, dot_f32, sm_count
 from kernels.paged_attention._prefill_merge import arrival_counters, arrive_and_merge
 from kernels.paged_attention._prefill_query import (ROT_MODES, cos_sin, join_halves, query_halves, rotate_halves,
                                                     rotated_query)
-from kernels.paged_attention._prefill_split import _PREFETCH as _PREFETCH_LINE
 from kernels.paged_attention._prefill_split import MAX_PLAN_GROUPS, PLANS, plan_by_steps, prefetch_kv
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -62,11 +53,6 @@ LN2 = tl.constexpr(0.6931471805599453)
 INT32_MAX = tl.constexpr(2**31 - 1)
 BOUNDS_BLOCK = 128  # entries per program of _key_bounds_kernel
 MERGES = ("loop", "all", "fused")
-L2_MODES = ("bulk", "lines")
-L2_LINE = 128  # bytes: an L2 line; each program's share of an l2_prefetch tensor starts on one
-# cp.async.bulk.prefetch.L2 of $3 bytes at address $1 when $2 is not 0 (sm_90; 16-byte aligned, size a multiple of 16)
-_PREFETCH_BULK = tl.constexpr("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t"
-                              "@p cp.async.bulk.prefetch.L2.global [$1], $3;\n\tmov.u32 $0, 0;\n\t}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +102,6 @@ class PrefillConfig:
     index32: bool = False
     # split partials written in q's dtype instead of fp32 (half the merge's reads, one more rounding)
     narrow_partials: bool = False
-    # how the programs ask L2 for an l2_prefetch tensor (launch): "bulk", one cp.async.bulk.prefetch.L2 of
-    # l2_bulk_bytes per lane (few instructions; needs a 16-byte aligned tensor, else "lines" is used), or "lines",
-    # one prefetch.global.L2 per 128-byte line per lane (as kernels/linear's _prefetch_rows)
-    l2_mode: str = "bulk"
-    l2_bulk_bytes: int = 4096
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -133,17 +114,13 @@ class PrefillConfig:
             raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
         if self.prefetch_entries < 1 or self.prefetch_entries & (self.prefetch_entries - 1):
             raise ValueError(f"prefetch_entries must be a power of two, got {self.prefetch_entries}")
-        if self.l2_mode not in L2_MODES:
-            raise ValueError(f"l2_mode must be one of {L2_MODES}, got {self.l2_mode!r}")
-        if self.l2_bulk_bytes < 16 or self.l2_bulk_bytes % 16:
-            raise ValueError(f"l2_bulk_bytes must be a positive multiple of 16, got {self.l2_bulk_bytes}")
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, qpos_ptr, k_ptr, v_ptr, slotpos_ptr, meta_ptr, mask_ptr, tab_ptr, invf_ptr, hi_ptr,
-    cu_q_ptr, starts_ptr, cu_g_ptr, out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, cnt_ptr, pf_ptr,
-    n_seqs, n_split, qk_scale, pf_bytes, pf_share,
+    cu_q_ptr, starts_ptr, cu_g_ptr, out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, cnt_ptr,
+    n_seqs, n_split, qk_scale,
     stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     stride_kb, stride_ks, stride_kh,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
@@ -153,16 +130,11 @@ def _prefill_kernel(
     PLAN_STEPS: tl.constexpr = False, GP: tl.constexpr = 1, PREFETCH_KV: tl.constexpr = False,
     EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1, IDX32: tl.constexpr = False,
     PREFETCH_EMULATE: tl.constexpr = False, MERGE_FUSED: tl.constexpr = False, PDL: tl.constexpr = False,
-    PF_L2: tl.constexpr = False, PF_BULK: tl.constexpr = False, PF_STEP: tl.constexpr = 128,
-    PF_LANES: tl.constexpr = 128,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     tile = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    if PF_L2:  # bytes [pf_share * p, +pf_share) of another kernel's input (never written here): L2, before anything
-        l2_prefetch_share(pf_ptr, pf_bytes, pf_share, (tile * tl.num_programs(1) + h) * tl.num_programs(2) + split,
-                          PF_LANES, PF_STEP, PF_BULK)
     if PDL:  # kernels/pdl.py: every input (the packed table too) may come from a kernel of this pass: wait first
         gdc_wait()
         gdc_launch_dependents()
@@ -388,41 +360,6 @@ def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k
 
 
 @triton.jit
-def l2_share_lanes(hi, base, LANES: tl.constexpr, STEP: tl.constexpr):
-    """One round of a program's L2 prefetch share ending at byte hi: lane i asks for the `size` [LANES] bytes at
-    byte offset `off` [LANES] = base + i * STEP where `ok` (the lanes before hi; a lane's size is STEP, or what is
-    left before hi)."""
-    off = base + tl.arange(0, LANES).to(tl.int64) * STEP
-    ok = off < hi
-    size = tl.minimum(hi - off, STEP).to(tl.int32)
-    return off, size, ok
-
-
-@triton.jit
-def l2_prefetch_share(pf_ptr, pf_bytes, pf_share, p, LANES: tl.constexpr, STEP: tl.constexpr, BULK: tl.constexpr,
-                      rec_ptr=None, ROUNDS: tl.constexpr = 0):
-    """Ask L2 for bytes [p * pf_share, (p + 1) * pf_share) of pf_ptr (a byte pointer), cut at pf_bytes: LANES lanes
-    (one a thread) a round, STEP bytes a lane, as one cp.async.bulk.prefetch.L2 (BULK) or one prefetch.global.L2
-    (a line, STEP = 128). Fire and forget: nothing waits for it and no register holds a result.
-    ROUNDS > 0 (the tests, in the interpreter): nothing is asked for; each round's lanes write their byte offset
-    (-1 where off) and size to rec_ptr (int64 [programs, ROUNDS, LANES, 2]) instead."""
-    lo = p.to(tl.int64) * pf_share
-    hi = tl.minimum(lo + pf_share, pf_bytes)
-    for base in range(lo, hi, LANES * STEP):
-        off, size, ok = l2_share_lanes(hi, base, LANES, STEP)
-        if ROUNDS > 0:
-            at = rec_ptr + ((p * ROUNDS + (base - lo) // (LANES * STEP)) * LANES + tl.arange(0, LANES)) * 2
-            tl.store(at, tl.where(ok, off, -1))
-            tl.store(at + 1, size.to(tl.int64))
-        elif BULK:
-            tl.inline_asm_elementwise(_PREFETCH_BULK, "=r,l,r,r", [pf_ptr + off, ok.to(tl.int32), size],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(_PREFETCH_LINE, "=r,l,r", [pf_ptr + off, ok.to(tl.int32)], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-
-@triton.jit
 def _key_bounds_kernel(meta_ptr, mask_ptr, slotpos_ptr, hi_ptr, n,
                        BS: tl.constexpr, BS_PAD: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                        MASK_IN_WORD: tl.constexpr, PDL: tl.constexpr = False):
@@ -450,12 +387,10 @@ def _key_bounds_kernel(meta_ptr, mask_ptr, slotpos_ptr, hi_ptr, n,
 
 
 def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_freq, scale,
-           *, rotate: bool = True, cfg: PrefillConfig = PrefillConfig(), key_hi: torch.Tensor | None = None,
-           l2_prefetch: torch.Tensor | None = None):
+           *, rotate: bool = True, cfg: PrefillConfig = PrefillConfig(), key_hi: torch.Tensor | None = None):
     """Run the prefill kernel on a table packed with its offset groups (pack(..., cu_entries=)).
     ``key_hi``: step_key_bounds of this table at cfg's step, when the caller computed it already.
-    ``l2_prefetch``: a contiguous tensor on q's device that the programs ask L2 for, each its share (a hint;
-    checked by the caller, kernels/paged_attention/triton.py). Returns out [Tq, Hq, D] (q.dtype), lse [Tq, Hq] fp32."""
+    Returns out [Tq, Hq, D] (q.dtype), lse [Tq, Hq] fp32."""
     if packed.cu_groups is None:
         raise ValueError("prefill needs the table's offset groups: pack it with cu_entries")
     t, hq, dim = q.shape
@@ -495,13 +430,11 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
     elif key_hi.numel() < packed.meta.numel():
         raise ValueError(f"key_hi has {key_hi.numel()} bounds for {packed.meta.numel()} entries")
     grid = (n_tiles, hkv, nsplit)
-    pf = l2_plan(l2_prefetch, n_tiles * hkv * nsplit, cfg, interpreted)
-    pf_ptr, pf_bytes, pf_share = (pf.ptr, pf.n_bytes, pf.share) if pf is not None else (q, 0, 0)  # q: unread
     _prefill_kernel[grid](
         q, q_pos, k_cache, v_cache, slot_pos, packed.meta, packed.masks,
         packed.table if packed.table is not None else packed.meta, inv_freq, key_hi,
         cu_q, packed.group_starts, packed.cu_groups, out, lse, fin, fin_lse, counters,
-        pf_ptr, n_seqs, nsplit, float(scale) * LOG2E.value, pf_bytes, pf_share,
+        n_seqs, nsplit, float(scale) * LOG2E.value,
         q.stride(0), q.stride(1), *(out.stride()[:3] if nsplit > 1 else (0, *out.stride()[:2])),
         *(lse.stride()[:2] if nsplit > 1 else (0, lse.stride(0))),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -513,8 +446,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         PREFETCH_KV=cfg.prefetch_kv, PREFETCH_EMULATE=interpreted, EPS=cfg.prefetch_entries,
         LINES=max(1, dim * k_cache.element_size() // 128), LINE=max(1, 128 // k_cache.element_size()),
         IDX32=cfg.index32 and max(_span(k_cache), _span(slot_pos)) < 2**31, MERGE_FUSED=fused,
-        PF_L2=pf is not None, PF_BULK=pf is not None and pf.bulk, PF_STEP=pf.step if pf is not None else L2_LINE,
-        PF_LANES=32 * cfg.num_warps, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
     )
     if nsplit == 1:
         return out, lse
@@ -523,35 +455,6 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
     merged, merged_lse = merge_rows(out.reshape(nsplit, t * hq, dim), lse.reshape(nsplit, t * hq), q.dtype,
                                     all_parts=cfg.merge == "all")
     return merged.reshape(t, hq, dim), merged_lse.reshape(t, hq)
-
-
-@dataclass(frozen=True, slots=True)
-class L2Plan:
-    """How a launch's programs split an l2_prefetch tensor: ``ptr`` its bytes (uint8 [n]), the first ``n_bytes``
-    of them asked for, program p (row-major over the grid) taking [p * share, (p + 1) * share); ``share`` a
-    multiple of L2_LINE; ``step`` bytes a lane asks for at once (``bulk``: cp.async.bulk.prefetch.L2, else a line)."""
-
-    ptr: torch.Tensor
-    n_bytes: int
-    share: int
-    step: int
-    bulk: bool
-
-
-def l2_plan(t: torch.Tensor | None, programs: int, cfg: PrefillConfig, interpreted: bool) -> L2Plan | None:
-    """The L2 prefetch plan of a launch of ``programs`` programs, or None (nothing to ask for, or the interpreter,
-    which has no inline assembly). Bulk prefetches need a 16-byte aligned address and a size multiple of 16: an
-    unaligned tensor is asked for line by line, and the bulk mode leaves out the last n_bytes % 16 bytes."""
-    if t is None or interpreted or t.numel() == 0:
-        return None
-    ptr = t.reshape(-1).view(torch.uint8)
-    bulk = cfg.l2_mode == "bulk" and ptr.data_ptr() % 16 == 0
-    n_bytes = ptr.numel() // 16 * 16 if bulk else ptr.numel()
-    if n_bytes == 0:
-        return None
-    share = -(-n_bytes // programs)
-    share = -(-share // L2_LINE) * L2_LINE
-    return L2Plan(ptr, n_bytes, share, cfg.l2_bulk_bytes if bulk else L2_LINE, bulk)
 
 
 def _span(x: torch.Tensor) -> int:

@@ -88,18 +88,13 @@ def prefill_key_bounds(packed: PackedTable, slot_pos: torch.Tensor) -> torch.Ten
 
 
 def paged_prefill_packed(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_freq, scale,
-                         num_splits: int | None = None, key_hi: torch.Tensor | None = None,
-                         l2_prefetch: torch.Tensor | None = None):
+                         num_splits: int | None = None, key_hi: torch.Tensor | None = None):
     """paged_prefill_attention on a table already packed with its offset groups (pack(..., cu_entries=)
     or pack_into). No device sync, no allocation but the outputs, the grid a function of the shapes
     alone: a CUDA graph can capture it. q_pos, slot_pos, cu_q int32; inv_freq fp32 on q's device.
     A query row at position -1 sees no key (out 0): how static callers make padding inert.
-    ``key_hi``: prefill_key_bounds(packed, slot_pos), when the caller keeps it across layers.
-    ``l2_prefetch``: a contiguous tensor on q's device (the next kernel's input, e.g. the o projection's
-    weight) whose bytes the kernel's programs ask L2 for, each an equal aligned share, before their own work.
-    A hint: the results are the same bits with or without it (_prefill.py; compiled out in the interpreter)."""
+    ``key_hi``: prefill_key_bounds(packed, slot_pos), when the caller keeps it across layers."""
     _check(q, k_cache, v_cache, inv_freq, cu_q)
-    _check_l2_prefetch(l2_prefetch, q.device)
     if packed.cu_groups is None or cu_q.shape != packed.cu_groups.shape or q_pos.shape != q.shape[:1]:
         raise ValueError(f"cu_q {tuple(cu_q.shape)} / q_pos {tuple(q_pos.shape)} disagree with the queries or "
                          "the packed table (pack it with cu_entries)")
@@ -114,19 +109,7 @@ def paged_prefill_packed(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTab
     if key_hi is not None and cfg.min_block_n != _prefill.PrefillConfig().min_block_n:
         key_hi = None  # prefill_key_bounds computed them for the default's step: recompute for this one
     return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale, cfg=cfg,
-                           key_hi=key_hi, l2_prefetch=l2_prefetch)
-
-
-def _check_l2_prefetch(t, device: torch.device) -> None:
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"l2_prefetch must be a tensor or None, got {type(t).__name__}")
-    if t.device != device:
-        raise ValueError(f"l2_prefetch is on {t.device}, the queries on {device}: it must be on the kernel's device")
-    if not t.is_contiguous():
-        raise ValueError(f"l2_prefetch must be contiguous (its bytes are split among the programs), got a tensor "
-                         f"of shape {tuple(t.shape)} with strides {t.stride()}")
+                           key_hi=key_hi)
 
 
 def prefill_config(n_tokens: int, num_splits: int | None = None) -> _prefill.PrefillConfig:

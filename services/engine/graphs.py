@@ -125,22 +125,8 @@ class TritonStatic(_StaticTable):
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         att = self.fwd.attention
         out, _ = att._kt.paged_prefill_packed(q, self.q_pos, att.pool.k[layer], att.pool.v[layer], att.pool.slot_pos,
-                                              self.packed, self.cu_q, att.inv_freq, att.scale, key_hi=self.key_hi,
-                                              l2_prefetch=self.next_weight(layer))
+                                              self.packed, self.cu_q, att.inv_freq, att.scale, key_hi=self.key_hi)
         return out
-
-    def next_weight(self, layer: int) -> torch.Tensor | None:
-        """What the attention kernel asks L2 for while it runs (kernels.paged_attention.L2_PREFETCH_NEXT, read
-        when the graph is captured): the layer's o projection weight, the tensor finish_layer's o GEMM reads
-        next (the skinny kernel and cuBLAS both read lw.o_proj as stored, [hidden, Hq*D]: no transposed or fused
-        copy), or its leading L2_PREFETCH_FRACTION. None with the switch off, or for a weight that is not
-        contiguous (its bytes could not be split among the programs)."""
-        from kernels import paged_attention as switch
-
-        if not switch.L2_PREFETCH_NEXT:
-            return None
-        w = self.fwd.model.w.layers[layer].o_proj
-        return switch.l2_head(w, switch.L2_PREFETCH_FRACTION) if w.is_contiguous() else None
 
 
 class TorchStatic(_StaticTable):
