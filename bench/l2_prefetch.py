@@ -15,6 +15,13 @@ of 32 layers' worth of distinct weights (the 50 MB L2 holds none of them between
 Outcome (H100, 2026-11-22, bench/l2_prefetch.json): an L2-resident o weight makes the GEMM 9.1 us instead of
 14.6, but the prefetch branch does not overlap the stand-in (every SM is busy with it): busy then GEMM 41.6 us
 a layer, with the prefetch 45.3 (half the weight) / 51.3 us (all of it). Not adopted.
+
+Second attempt (H100, 2026-11-22 18:20 UTC, ``bench/l2_prefetch_attention.json``): the short prefill attention
+kernel itself asked L2 for the o weight (each program an aligned share, one ``cp.async.bulk.prefetch.L2`` per
+4 KB, before its own work), 32 layers of the real short attention (64 queries over 6 x 512 cached keys) then the
+o GEMM, as CUDA graphs, outputs checked equal: 48.1 us a layer without, 50.1 with the whole weight, 50.0 with half
+of it (the attention alone 29.0 -> 31.8 us, the GEMM alone 15.0); the engine's ``tessera@0`` 7.7 -> 8.0 ms
+(``bench/engine_s8_ab.json``). Removed again (the code is commit 5cf5024 and its follow-ups, reverted).
 """
 
 from __future__ import annotations
