@@ -213,13 +213,13 @@ def blend_pass(fwd, placed, chunks, pinned, private, suffix, mode, ratio, blend:
                keep_tables: bool = True):
     """Reuse pass over placed chunks (tessera, blend_copy, position_aware) -> (logits, Sequence).
     ``keep_tables`` False: the caller only releases the Sequence (a lean pass may then leave its tables out)."""
-    n_layers, c = fwd.cfg.num_layers, blend.check_layer
-    t0 = time.perf_counter()
     copy = mode == "blend_copy"
-    n_chunk = sum(p.entry.length for p in placed)
-    n_keep = int(round(ratio * n_chunk))
     if ratio == 0.0 and not copy and reuse_tail.ENABLED and fwd.static_tail(len(suffix)):
         return reuse_tail.reuse_tail_pass(fwd, placed, chunks, pinned, private, suffix, stats, keep_tables)
+    n_layers, c = fwd.cfg.num_layers, blend.check_layer
+    t0 = time.perf_counter()
+    n_chunk = sum(p.entry.length for p in placed)
+    n_keep = int(round(ratio * n_chunk))
     # extra private tokens: blend_copy copies every chunk token; a later check layer computes every
     # chunk token in layers 1..c-1; otherwise only the recomputed ones (their count is known now)
     full_extra = copy or (ratio > 0.0 and c > 1)

@@ -131,8 +131,7 @@ class Engine:
             raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
         chunks = list(chunks if chunks is not None else [])
         known = self.known_chunks
-        keys = [known.key(c) for c in chunks]
-        cids = [known.get(k) for k in keys]  # chunks seen before: checked and hashed already
+        keys, cids = known.lookup(chunks)  # chunks seen before: checked and hashed already
         new = [i for i, cid in enumerate(cids) if cid is None]
         parts, suffix, flat = request_ids([chunks[i] for i in new], [] if suffix is None else suffix,
                                           names=[f"chunk {i}" for i in new])

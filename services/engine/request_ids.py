@@ -124,6 +124,24 @@ class KnownChunks:
             return _Ids(tuple(part))
         return None
 
+    def lookup(self, parts: list) -> tuple[list[_Ids | None], list[str | None]]:
+        """Each part's key and chunk id (None where not known), in one pass over the request."""
+        keys, cids = [], []
+        if not self.max_tokens:
+            return [None] * len(parts), [None] * len(parts)
+        with self._lock:
+            for part in parts:
+                key = _Ids(tuple(part)) if type(part) is list or type(part) is tuple else self.key(part)
+                hit = self._ids.get(key) if key is not None else None
+                if hit is not None:
+                    self._ids.move_to_end(hit[0])  # the stored key: found by identity, its ids not compared again
+                keys.append(key)
+                cids.append(hit[1] if hit is not None and type(sum(key.ids)) is int else None)
+        hits = sum(c is not None for c in cids)
+        self.hits += hits
+        self.misses += len(parts) - hits
+        return keys, cids
+
     def get(self, key: _Ids | None) -> str | None:
         if key is None:
             return None
