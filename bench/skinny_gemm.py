@@ -16,11 +16,22 @@ configs against cuBLAS at M = 64 and 8. Prints the best configs as kernels/linea
     python3 bench/skinny_gemm.py --norm-ab --out DIR/skinny_norm_ab.json [--ms 64]
     TRITON_INTERPRET=1 python3 bench/skinny_gemm.py --norm-ab --smoke
 
+    python3 bench/skinny_gemm.py --tma-ab --out DIR/skinny_tma_ab.json
+    python3 bench/skinny_gemm.py --tma-ab --compile-only          # no GPU: every A/B kernel for sm_90
+    TRITON_INTERPRET=1 python3 bench/skinny_gemm.py --tma-ab --smoke
+
 ``--norm-ab``: the norm prologue and the residual epilogue against the kernels they replace, at 64 rows (each
 variant checked against the twin first): (a) the rms_norm kernel + the projection against (b) linear(norm=)
 (L2 prefetch depths swept) for q|k|v and for gate|up with SwiGLU; (c) the o projection with residual= against
 the projection + add; and one layer's norms and projections as the model chains them today against the chain
 with the new options (no attention: a fixed input stands in for its output), 32 layers of distinct weights.
+
+``--tma-ab``: the TMA weight stream (kernels/linear/tma.py) against the pointer kernel's configs of today and
+cuBLAS, for a 64-row layer's launches (q|k|v, o, gate|up SwiGLU, down onto the residual) and lm_head at 1 row:
+every TMA config of a small grid (``tma_grid``) checked against the twin on the GPU, then timed over the 32
+distinct weights as one CUDA graph; the three fastest re-timed longer beside cuBLAS, the pointer config and the
+pointer kernel at the same tiles; then 32 layers of the four launches, pointer configs against the best TMA
+ones. Prints the best TMA config per launch as config.py's CONFIGS entries.
 """
 
 from __future__ import annotations
@@ -141,10 +152,11 @@ def gemms(cfg: LinearConfig | None, x, ws, acc):
     return lambda: [linear(x, w, accumulate=acc, backend="triton", config=cfg) for w in ws]
 
 
-def precompile(tasks: list[tuple], jobs: int) -> tuple[int, list[str]]:
+def precompile(tasks: list[tuple], jobs: int, warm=None) -> tuple[int, list[str]]:
     """Compile every (m, n, k, cfg, accumulate) on ``jobs`` spawned processes (Triton's disk cache is
     shared, so the timing process then only loads them); (compiled, errors). Best effort: a failure here
-    is reported, and the config is tried (and caught) again when timed."""
+    is reported, and the config is tried (and caught) again when timed. ``warm``: the task's compile
+    (default ``_warm_one``)."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
@@ -153,7 +165,7 @@ def precompile(tasks: list[tuple], jobs: int) -> tuple[int, list[str]]:
     errors, done = [], 0
     try:
         with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
-            for err in pool.map(_warm_one, tasks, chunksize=max(1, len(tasks) // (4 * jobs))):
+            for err in pool.map(warm or _warm_one, tasks, chunksize=max(1, len(tasks) // (4 * jobs))):
                 done += err is None
                 if err:
                     errors.append(err)
@@ -476,6 +488,229 @@ def print_norm_ab(res: dict) -> None:
                 print(f"    {name:32s} FAILED {r.get('error') or 'max err %.1e' % r['max_err']}")
 
 
+# --tma-ab: name -> (kind, N, K, rows, distinct weights); kind "swiglu": N is gate|up's 2 * inter rows
+TMA_AB_CASES = {"qkv": ("plain", 6144, 4096, 64, 32), "o": ("plain", 4096, 4096, 64, 32),
+                "gate_up": ("swiglu", 28672, 4096, 64, 32), "down": ("accumulate", 4096, 14336, 64, 32),
+                "lm_head": ("plain", 128256, 4096, 1, 4)}
+SMOKE_TMA_CASES = {"qkv": ("plain", 96, 128, 3, 2), "o": ("plain", 128, 128, 3, 2),
+                   "gate_up": ("swiglu", 192, 128, 3, 2), "down": ("accumulate", 128, 96, 3, 2),
+                   "lm_head": ("plain", 200, 128, 1, 2)}
+TMA_SMEM_LIMIT = 224 * 1024  # of the H100's 227 KB: every stage of x and weight tiles, + barriers and scratch
+
+
+def tma_grid(kind: str, m: int, n: int, k: int) -> list[LinearConfig]:
+    """The TMA configs --tma-ab times for one launch (n: the weight's rows): weight tiles by TMA ("w") or x
+    tiles too ("xw"), BLOCK_N 32-128 (256 at <= 16 rows), BLOCK_K 128 / 256, 3-8 stages (every stage of
+    x and weight tiles in shared memory), 4 warps (8 too for 64 x >= 64 tiles); pruned as the pointer grid
+    is: programs for at least half the SMs, at least MIN_IN_FLIGHT weight bytes in flight a program."""
+    bm = block_ms(m)[0]
+    rows_per_col = 2 if kind == "swiglu" else 1  # SwiGLU tiles stream gate and up rows: block_n each
+    width = n // rows_per_col
+    out = []
+    for mode in ("w", "xw"):
+        for bn in (32, 64, 128) + ((256,) if m <= 16 else ()):
+            if -(-m // bm) * -(-width // bn) < SMS // 2:
+                continue
+            for bk in (128, 256):
+                for st in (3, 4, 5, 6, 8):
+                    rows = rows_per_col * bn
+                    if st * (bm + rows) * bk * 2 > TMA_SMEM_LIMIT or (st - 1) * rows * bk * 2 < MIN_IN_FLIGHT:
+                        continue
+                    for w in ((4, 8) if bm >= 64 and bn >= 64 else (4,)):
+                        out.append(LinearConfig(bm, bn, bk, num_warps=w, num_stages=st, tma=mode))
+    return out
+
+
+def tma_ab_pointer(kind: str, m: int, n: int, k: int) -> LinearConfig:
+    """The pointer kernel's config today (kernels/linear/config.py's table, else its heuristic; SwiGLU's derived)."""
+    from kernels.linear import triton as kt
+
+    return kt.swiglu_config(m, n // 2, k) if kind == "swiglu" else kt.pick_config(m, n, k)
+
+
+def tma_ab_smoke_grid(kind: str, m: int, n: int, k: int) -> list[LinearConfig]:
+    return [LinearConfig(16, 32, 32, num_stages=2, tma="w"), LinearConfig(16, 32, 64, num_stages=2, tma="xw")]
+
+
+def tma_ab_variants(cases: dict) -> list[tuple]:
+    """Every kernel --tma-ab launches, as (m, n, k, cfg, accumulate, norm, swiglu, pdl) with n the output width:
+    the TMA grid, the pointer configs beside it and the pointer twins of the TMA configs."""
+    out = []
+    for kind, n, k, m, _ in cases.values():
+        width = n // 2 if kind == "swiglu" else n
+        cfgs = tma_grid(kind, m, n, k) + [tma_ab_pointer(kind, m, n, k)]
+        cfgs += [dataclasses.replace(c, tma="off") for c in cfgs if c.tma == "w"]
+        out += [(m, width, k, c, kind == "accumulate", False, kind == "swiglu", -1) for c in dict.fromkeys(cfgs)]
+    return out
+
+
+def _warm_tma(task) -> str | None:
+    m, n, k, cfg, acc, _, swiglu, _ = task
+    try:
+        from kernels.linear import tma
+        from kernels.linear import triton as kt
+
+        if cfg.tma == "off":
+            kt.warmup(m, n, k, torch.bfloat16, cfg, accumulate=acc, swiglu=swiglu)
+        else:
+            tma.warmup(m, n, k, torch.bfloat16, cfg, accumulate=acc, swiglu=swiglu)
+        return None
+    except Exception as exc:
+        return f"{cfg.short()} M{m} N{n} K{k}: {exc!r}"[:300]
+
+
+def _tma_call(kind: str, x, acc):
+    """fn(cfg, w) -> the launch as the model makes it (cfg None: cuBLAS; gate|up then unfused, without SiLU)."""
+    from kernels.linear import linear, linear_swiglu
+
+    def call(cfg, w):
+        if kind == "swiglu":
+            return F.linear(x, w) if cfg is None else linear_swiglu(x, w, backend="triton", config=cfg)
+        if kind == "accumulate":
+            return acc.addmm_(x, w.t()) if cfg is None else linear(x, w, accumulate=acc, backend="triton",
+                                                                   config=cfg)
+        return F.linear(x, w) if cfg is None else linear(x, w, backend="triton", config=cfg)
+    return call
+
+
+def tma_ab_case(name: str, case: tuple, ws: list, dev, rep: tuple[int, int], progress, smoke: bool) -> dict:
+    """One launch: cuBLAS, the pointer config of today, every TMA config of the grid (each checked against the
+    twin on weight 0 first, then timed over the distinct weights), then the fastest TMA configs, the pointer
+    kernel at their tiles and the two references again with longer repeats."""
+    kind, n, k, m, _ = case
+    x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
+    acc0 = torch.randn(m, n, device=dev).to(torch.bfloat16) if kind == "accumulate" else None
+    acc_t = acc0.clone() if acc0 is not None else None  # timing accumulates into this one
+    w0 = ws[0]
+    want = (reference.linear_swiglu(x, w0) if kind == "swiglu" else
+            reference.linear(x, w0, accumulate=acc0.clone() if acc0 is not None else None)).float()
+    tol = TOL_AB if kind == "swiglu" else TOL
+    wbytes = len(ws) * w0.numel() * w0.element_size()
+    timed_call = _tma_call(kind, x, acc_t)
+    pointer = tma_ab_pointer(kind, m, n, k)
+    configs = (tma_ab_smoke_grid if smoke else tma_grid)(kind, m, n, k)
+    row = {"shape": name, "kind": kind, "M": m, "N": n, "K": k, "copies": len(ws), "pointer": pointer.literal(),
+           "configs": {}}
+
+    def measure(cfg, rep_ms) -> dict:
+        rec = {"config": cfg.literal() if cfg else "cuBLAS"}
+        try:
+            check_acc = acc0.clone() if acc0 is not None else None
+            got = _tma_call(kind, x, check_acc)(cfg, w0).float()
+            if kind == "swiglu" and cfg is None:  # cuBLAS computes gate|up; the activation as the twin rounds it
+                gate, up = got.to(torch.bfloat16).float().chunk(2, dim=-1)
+                got = ((gate / (1.0 + torch.exp(-gate))).to(torch.bfloat16).float() * up).to(torch.bfloat16).float()
+            rec["max_err"] = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+            rec["ok"] = rec["max_err"] <= tol
+            if rec["ok"]:
+                ms = time_ms(lambda: [timed_call(cfg, w) for w in ws], rep_ms)
+                rec.update(us=ms * 1e3 / len(ws), tb_s=wbytes / (ms * 1e-3) / 1e12)
+        except Exception as exc:  # compile failure, out of resources: reported and skipped
+            rec.update(ok=False, error=repr(exc)[:300])
+        return rec
+
+    task = progress.add_task(f"TMA A/B {name} M={m} ({len(configs)} TMA configs)", total=len(configs) + 8)
+    for cfg in configs:
+        row["configs"][cfg.short()] = measure(cfg, rep[0])
+        progress.advance(task)
+    fastest = sorted((r["us"], key) for key, r in row["configs"].items() if "us" in r)[:3]
+    finals = {"cuBLAS": None, f"pointer {pointer.short()}": pointer}
+    for _, key in fastest:
+        cfg = eval(row["configs"][key]["config"], {"LinearConfig": LinearConfig})
+        finals[key] = cfg
+        twin = dataclasses.replace(cfg, tma="off")
+        if twin != pointer:
+            finals[f"pointer {twin.short()}"] = twin
+    row["final"] = {}
+    for label, cfg in finals.items():
+        row["final"][label] = measure(cfg, rep[1])
+        progress.advance(task)
+    tma_final = {key: r for key, r in row["final"].items() if "tma-" in key and "us" in r}
+    if tma_final:
+        best = min(tma_final, key=lambda key: tma_final[key]["us"])
+        row["best_tma"] = dict(tma_final[best], key=best)
+    return row
+
+
+def tma_stack(weights: dict, best: dict, m: int, dev, rep: int) -> dict:
+    """32 layers of (q|k|v, o, gate|up SwiGLU, down onto the residual) at m rows in one graph: the pointer configs
+    of today against the best TMA config per launch (cuBLAS beside them, gate|up unfused without SiLU)."""
+    x = torch.randn(m, weights["qkv"][0].shape[1], device=dev).to(torch.bfloat16)
+    act = torch.randn(m, weights["down"][0].shape[1], device=dev).to(torch.bfloat16)
+    h = torch.randn(m, weights["down"][0].shape[0], device=dev).to(torch.bfloat16)
+    kinds = {s: TMA_AB_CASES[s][0] if s in TMA_AB_CASES else SMOKE_TMA_CASES[s][0] for s in weights}
+    calls = {s: _tma_call(kinds[s], act if s == "down" else x, h) for s in weights}
+    layers = list(zip(*(weights[s] for s in ("qkv", "o", "gate_up", "down"))))
+    ways = {"cuBLAS": {s: None for s in weights},
+            "pointer": {s: tma_ab_pointer(kinds[s], m, *weights[s][0].shape) for s in weights},
+            "tma": best}
+    wbytes = sum(w.numel() * 2 for ws in layers for w in ws)
+    res = {"M": m, "configs": {way: {s: c.literal() if c else "cuBLAS" for s, c in cfg.items()}
+                               for way, cfg in ways.items()}}
+    for way, cfg in ways.items():
+        def fn(cfg=cfg):
+            for layer in layers:
+                for s, w in zip(("qkv", "o", "gate_up", "down"), layer):
+                    calls[s](cfg[s], w)
+        ms = time_ms(fn, rep)
+        res[way] = {"ms": ms, "tb_s": wbytes / (ms * 1e-3) / 1e12}
+    return res
+
+
+def tma_ab(args, dev, progress) -> dict:
+    """The --tma-ab run: every case of TMA_AB_CASES (SMOKE_TMA_CASES with --smoke), then the layer stack."""
+    cases = SMOKE_TMA_CASES if args.smoke else TMA_AB_CASES
+    out = {"rows": [], "cases": {s: list(c) for s, c in cases.items()}}
+    if dev.type == "cuda":
+        t0 = time.perf_counter()
+        done, out["compile_errors"] = precompile(tma_ab_variants(cases), args.jobs, _warm_tma)
+        print(f"  {done} kernels compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    rep = (1, 1) if args.smoke else (10, 50)
+    weights, best = {}, {}
+    for name, case in cases.items():
+        kind, n, k, m, copies = case
+        ws = [(torch.randn(n, k, device=dev) * k ** -0.5).to(torch.bfloat16) for _ in range(copies)]
+        row = tma_ab_case(name, case, ws, dev, rep, progress, args.smoke)
+        out["rows"].append(row)
+        if row.get("best_tma"):
+            best[name] = eval(row["best_tma"]["config"], {"LinearConfig": LinearConfig})
+        if name != "lm_head":
+            weights[name] = ws
+        del ws
+    if set(weights) >= {"qkv", "o", "gate_up", "down"} and all(s in best for s in weights):
+        m = cases["qkv"][3]
+        out["layer_stack"] = tma_stack(weights, best, m, dev, 1 if args.smoke else 200)
+    return out
+
+
+def print_tma_ab(res: dict) -> None:
+    print(f"TMA A/B, {res['device']} (us per launch over distinct weights / TB/s of weights read)")
+    for r in res["rows"]:
+        ok = sum(1 for v in r["configs"].values() if v.get("ok"))
+        print(f"  {r['shape']} ({r['kind']}, M{r['M']} N{r['N']} K{r['K']}, {ok}/{len(r['configs'])} TMA configs "
+              f"passed the check)")
+        for label, f in sorted(r["final"].items(), key=lambda kv: kv[1].get("us", float("inf"))):
+            if "us" in f:
+                print(f"    {label:44s} {f['us']:8.1f} us  {f['tb_s']:5.2f} TB/s  err {f['max_err']:.1e}")
+            else:
+                print(f"    {label:44s} FAILED {f.get('error') or 'max err %.1e' % f['max_err']}")
+    s = res.get("layer_stack")
+    if s:
+        print(f"  layer stack M={s['M']} (32 x q|k|v, o, gate|up, down): " +
+              ", ".join(f"{way} {s[way]['ms']:.3f} ms ({s[way]['tb_s']:.2f} TB/s)" for way in ("cuBLAS", "pointer", "tma")))
+    print("\n# best TMA config per launch, as kernels/linear/config.py's CONFIGS entries take them (gate|up: the unfused"
+          "\n# [2I, K] entry, whose block_n swiglu_config halves); keep the pointer entry where it was faster")
+    for r in res["rows"]:
+        b, p = r.get("best_tma"), r["final"].get(f"pointer {eval(r['pointer'], {'LinearConfig': LinearConfig}).short()}", {})
+        if not b:
+            continue
+        cfg = eval(b["config"], {"LinearConfig": LinearConfig})
+        if r["kind"] == "swiglu":
+            cfg = dataclasses.replace(cfg, block_n=2 * cfg.block_n)
+        verdict = f"{p['us'] / b['us']:.3f}x the pointer config's speed" if "us" in p else "pointer config failed"
+        print(f"    ({r['N']}, {r['K']}): (({r['M']}, {cfg.literal()}), ...)  # {r['shape']}: {verdict}")
+
+
 def variants(shapes: dict, ms, quick: bool) -> dict:
     """Every distinct kernel compilation of the sweep: key -> (m, n, k, cfg, accumulate)."""
     from kernels.linear.triton import split_plan
@@ -505,10 +740,14 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="no GPU: tiny shapes on the CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--norm-ab", action="store_true",
                     help="only the norm prologue / residual epilogue A/B (see the module's docstring)")
+    ap.add_argument("--tma-ab", action="store_true",
+                    help="only the TMA weight stream's A/B (see the module's docstring)")
     args = ap.parse_args()
     if args.compile_only:
         from compile_linear_sm90 import compile_all
 
+        if args.tma_ab:
+            return compile_all(tma_ab_variants(TMA_AB_CASES), args.jobs, verbose=True)
         return compile_all(list(variants(SHAPES, MS, args.quick).values()), args.jobs)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --smoke (with TRITON_INTERPRET=1) or --compile-only")
@@ -521,6 +760,18 @@ def main() -> int:
         Progress = _PlainProgress
 
     dev = torch.device("cpu" if args.smoke else "cuda")
+    if args.tma_ab:
+        results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter smoke)",
+                   "torch": torch.__version__, "triton": triton.__version__, "tolerance": [TOL, TOL_AB]}
+        t0 = time.perf_counter()
+        with Progress() as progress:
+            results.update(tma_ab(args, dev, progress))
+        results["elapsed_s"] = time.perf_counter() - t0
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+        print_tma_ab(results)
+        return 0 if all(r.get("best_tma") for r in results["rows"]) else 1
     if args.norm_ab:
         results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter smoke)",

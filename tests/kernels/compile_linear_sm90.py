@@ -2,13 +2,17 @@
 variant of bench/skinny_gemm.py's sweep on Llama-3-8B's projections (bf16), printing the variants that
 fail or spill (see compile_sm90.py for what this catches).
 
-    python tests/kernels/compile_linear_sm90.py [--quick] [--jobs N] [--norm] [--pdl]
+    python tests/kernels/compile_linear_sm90.py [--quick] [--jobs N] [--norm] [--pdl] [--tma]
 
 ``--norm``: only the norm-prologue, residual and SwiGLU launches that bench/skinny_gemm.py --norm-ab times
 (Llama-3-8B at 64 rows and the other row counts of the table), every one printed with its resources.
 ``--pdl``: the launches of a 64-row (and 8-row) layer as kernels/pdl.py's switch makes them (programmatic dependent
 launch, SWITCH_PREFETCH_STEPS weight steps asked for before the wait) beside the same launches without, each
 PDL build checked for griddepcontrol in its PTX.
+``--tma``: every kernel of bench/skinny_gemm.py --tma-ab (the TMA weight stream, kernels/linear/tma.py, and the
+pointer configs beside it), every one printed; a TMA build fails here unless its PTX loads the weight tiles with
+cp.async.bulk.tensor completing on mbarriers (and, with tma="xw", holds no cp.async of x left), or it needs more
+shared memory than an H100 has.
 
 (``bench/skinny_gemm.py --compile-only`` runs the same.) With the device's Triton 3.6: put an unpacked
 Triton 3.6 wheel first on PYTHONPATH.
@@ -26,6 +30,76 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from compile_sm90 import TARGET, loads_before_wait, pdl_check, resources  # noqa: E402  (sets TRITON_INTERPRET=0 first)
 
 
+H100_SHARED = 227 * 1024  # bytes of shared memory a block may take on sm_90
+
+
+def tma_ptx_check(ptx: str, x_too: bool) -> str:
+    """The TMA build's PTX, counted: bulk tensor copies, mbarrier waits and byte-count arrivals, cp.async left
+    (x's pointer loads), wgmma / mma.sync; or 'FAILED ...' when a TMA piece is missing."""
+    import re
+
+    count = {name: len(re.findall(pat, ptx)) for name, pat in (
+        ("cp.async.bulk.tensor", r"cp\.async\.bulk\.tensor"), ("mbarrier.try_wait", r"mbarrier\.try_wait"),
+        ("mbarrier.arrive.expect_tx", r"mbarrier\.arrive\.expect_tx"), ("cp.async", r"cp\.async\.c[ag]\."),
+        ("wgmma", r"wgmma\.mma_async"), ("mma.sync", r"mma\.sync"))}
+    text = ", ".join(f"{v} {k}" for k, v in count.items())
+    if not (count["cp.async.bulk.tensor"] and count["mbarrier.try_wait"] and count["mbarrier.arrive.expect_tx"]):
+        return f"FAILED no TMA weight stream in the PTX ({text})"
+    if x_too and count["cp.async"]:
+        return f"FAILED tma='xw' left cp.async loads ({text})"
+    return text
+
+
+def compile_tma_variant(task) -> str:
+    """Compile one launch of kernels/linear/tma.py's kernel as ``tma.launch`` makes it (descriptors of the
+    config's boxes, pointers 16-byte aligned, integer arguments specialised as Triton does at launch); its
+    resources and PTX counts, or 'FAILED ...'."""
+    os.environ["TRITON_INTERPRET"] = "0"
+    import torch
+    import triton
+    from triton.compiler import ASTSource
+
+    from kernels.linear import tma
+
+    m, n, k, cfg, acc, norm, swiglu, pdl = (*task, False, False, -1)[:8]
+    consts = tma._consts(m, k, torch.bfloat16, cfg, False, acc, swiglu, pdl, norm, 0)
+    opts = {o: consts.pop(o) for o in ("num_warps", "num_stages")}
+    consts.pop("launch_pdl", None)
+    fn = tma._linear_tma_kernel
+    values = dict(M=m, N=n, K=k, stride_xm=k, stride_wn=k, stride_cm=n, stride_om=n)
+    boxes = dict(w_desc=(cfg.block_n, cfg.block_k), x_desc=(cfg.block_m, cfg.block_k) if consts["X_TMA"] else None)
+    sig, attrs, constexprs = {}, {}, dict(consts)
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in boxes:
+            if boxes[name] is None:
+                sig[name], constexprs[name] = "constexpr", None
+            else:
+                sig[name] = f"tensordesc<bf16[{boxes[name][0]}, {boxes[name][1]}]>"
+        elif name.endswith("_ptr"):
+            sig[name] = "*bf16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "eps":
+            sig[name] = "fp32"
+        elif values[name] == 1:
+            sig[name], constexprs[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if values[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    try:
+        kern = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=opts)
+    except Exception as exc:  # reported with the variant, then counted
+        return f"FAILED {exc!r}"[:500]
+    if kern.metadata.shared > H100_SHARED:
+        return f"FAILED shared memory {kern.metadata.shared} B > {H100_SHARED} B"
+    ptx = tma_ptx_check(kern.asm["ptx"], consts["X_TMA"])
+    if ptx.startswith("FAILED"):
+        return ptx
+    return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B  PTX: {ptx}"
+
+
 def compile_variant(task) -> str:
     """Compile one (m, n, k, cfg, accumulate[, norm, swiglu]) launch as ``kernels.linear.triton.linear``
     (or ``linear_swiglu``, n then the activation's width) would make it: pointers 16-byte aligned, integer
@@ -39,6 +113,8 @@ def compile_variant(task) -> str:
     from kernels.linear import triton as kt
 
     m, n, k, cfg, acc, norm, swiglu, pdl = (*task, False, False, -1)[:8]
+    if cfg.tma != "off":
+        return compile_tma_variant(task)
     _, mode, _, ints, consts = kt._plan(m, n, k, torch.bfloat16, cfg, False, acc, swiglu=swiglu, norm=norm, pdl=pdl)
     opts = {o: consts.pop(o) for o in ("num_warps", "num_stages")}
     consts.pop("launch_pdl", None)  # a launch option, not a constexpr
@@ -144,11 +220,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="the bench's --quick grid")
     ap.add_argument("--norm", action="store_true", help="only the norm / residual / SwiGLU launches, all printed")
     ap.add_argument("--pdl", action="store_true", help="a layer's launches without and with PDL, all printed")
+    ap.add_argument("--tma", action="store_true", help="bench/skinny_gemm.py --tma-ab's kernels, all printed")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
     if args.pdl:
         return compile_all(pdl_variants(), args.jobs, verbose=True)
     sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # after the repo: bench/kernels.py
+    if args.tma:
+        from skinny_gemm import TMA_AB_CASES, tma_ab_variants
+
+        return compile_all(tma_ab_variants(TMA_AB_CASES), args.jobs, verbose=True)
     if args.norm:
         return compile_all(norm_variants(), args.jobs, verbose=True)
     from skinny_gemm import MS, SHAPES, variants
