@@ -595,13 +595,20 @@ def tma_ab_case(name: str, case: tuple, ws: list, dev, rep: tuple[int, int], pro
     def measure(cfg, rep_ms) -> dict:
         rec = {"config": cfg.literal() if cfg else "cuBLAS"}
         try:
-            check_acc = acc0.clone() if acc0 is not None else None
-            got = _tma_call(kind, x, check_acc)(cfg, w0).float()
+            raw = _tma_call(kind, x, acc0.clone() if acc0 is not None else None)(cfg, w0)
+            got = raw.float()
             if kind == "swiglu" and cfg is None:  # cuBLAS computes gate|up; the activation as the twin rounds it
                 gate, up = got.to(torch.bfloat16).float().chunk(2, dim=-1)
                 got = ((gate / (1.0 + torch.exp(-gate))).to(torch.bfloat16).float() * up).to(torch.bfloat16).float()
             rec["max_err"] = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
             rec["ok"] = rec["max_err"] <= tol
+            if rec["ok"] and cfg is not None and cfg.tma != "off":  # the pointer kernel at the same tiles
+                try:
+                    twin = _tma_call(kind, x, acc0.clone() if acc0 is not None else None)(
+                        dataclasses.replace(cfg, tma="off"), w0)
+                    rec["same_bits_as_pointer"] = bool(torch.equal(twin, raw))
+                except Exception as exc:  # its tiles past shared memory: nothing to compare
+                    rec["same_bits_as_pointer"] = repr(exc)[:100]
             if rec["ok"]:
                 ms = time_ms(lambda: [timed_call(cfg, w) for w in ws], rep_ms)
                 rec.update(us=ms * 1e3 / len(ws), tb_s=wbytes / (ms * 1e-3) / 1e12)
@@ -691,7 +698,9 @@ def print_tma_ab(res: dict) -> None:
               f"passed the check)")
         for label, f in sorted(r["final"].items(), key=lambda kv: kv[1].get("us", float("inf"))):
             if "us" in f:
-                print(f"    {label:44s} {f['us']:8.1f} us  {f['tb_s']:5.2f} TB/s  err {f['max_err']:.1e}")
+                same = {True: "  same bits as the pointer kernel", False: "  bits differ from the pointer kernel"}
+                print(f"    {label:44s} {f['us']:8.1f} us  {f['tb_s']:5.2f} TB/s  err {f['max_err']:.1e}"
+                      f"{same.get(f.get('same_bits_as_pointer'), '')}")
             else:
                 print(f"    {label:44s} FAILED {f.get('error') or 'max err %.1e' % f['max_err']}")
     s = res.get("layer_stack")

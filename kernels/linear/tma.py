@@ -23,6 +23,7 @@ capability >= 9.0 or the interpreter, one K split, the operand's base address an
 from __future__ import annotations
 
 import collections
+import functools
 import os
 from dataclasses import dataclass
 
@@ -145,6 +146,11 @@ def descriptor(t: torch.Tensor, rows: int, block: tuple[int, int]) -> TensorDesc
     return desc
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or (t.stride(0) * t.element_size()) % 16 == 0) and \
         (t.shape[1] <= 1 or t.stride(1) == 1)
@@ -157,8 +163,8 @@ def ineligible(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig) -> str | Non
     if cfg.split_k != 1:
         return f"split_k={cfg.split_k}: the TMA kernel runs one split"
     if x.device.type == "cuda":
-        if torch.cuda.get_device_capability(x.device) < MIN_CAPABILITY:
-            return f"compute capability {torch.cuda.get_device_capability(x.device)} < {MIN_CAPABILITY} (no TMA)"
+        if _capability(x.device) < MIN_CAPABILITY:
+            return f"compute capability {_capability(x.device)} < {MIN_CAPABILITY} (no TMA)"
     elif not _INTERPRET:
         return f"{x.device.type} tensors (TMA: CUDA, or the interpreter)"
     if max(cfg.block_n, cfg.block_k) > MAX_BOX or (cfg.tma == "xw" and cfg.block_m > MAX_BOX):
