@@ -31,7 +31,8 @@ cuBLAS, for a 64-row layer's launches (q|k|v, o, gate|up SwiGLU, down onto the r
 every TMA config of a small grid (``tma_grid``) checked against the twin on the GPU, then timed over the 32
 distinct weights as one CUDA graph; the three fastest re-timed longer beside cuBLAS, the pointer config and the
 pointer kernel at the same tiles; then 32 layers of the four launches, pointer configs against the best TMA
-ones. Prints the best TMA config per launch as config.py's CONFIGS entries.
+ones (each also as programmatic dependent launches). Prints the best TMA config per launch as config.py's
+CONFIGS entries.
 """
 
 from __future__ import annotations
@@ -496,6 +497,7 @@ SMOKE_TMA_CASES = {"qkv": ("plain", 96, 128, 3, 2), "o": ("plain", 128, 128, 3, 
                    "gate_up": ("swiglu", 192, 128, 3, 2), "down": ("accumulate", 128, 96, 3, 2),
                    "lm_head": ("plain", 200, 128, 1, 2)}
 TMA_SMEM_LIMIT = 224 * 1024  # of the H100's 227 KB: every stage of x and weight tiles, + barriers and scratch
+TMA_AB_PDL_STEPS = 2  # the layer stack's PDL variants: kernels.linear.triton.SWITCH_PREFETCH_STEPS (measured best)
 
 
 def tma_grid(kind: str, m: int, n: int, k: int) -> list[LinearConfig]:
@@ -541,35 +543,36 @@ def tma_ab_variants(cases: dict) -> list[tuple]:
         cfgs = tma_grid(kind, m, n, k) + [tma_ab_pointer(kind, m, n, k)]
         cfgs += [dataclasses.replace(c, tma="off") for c in cfgs if c.tma == "w"]
         out += [(m, width, k, c, kind == "accumulate", False, kind == "swiglu", -1) for c in dict.fromkeys(cfgs)]
+        if m > 1:  # the layer stack's pointer launches with PDL, and TMA at their tiles (the best TMA ones
+            ptr = tma_ab_pointer(kind, m, n, k)  # compile when first run)
+            out += [(m, width, k, c, kind == "accumulate", False, kind == "swiglu", TMA_AB_PDL_STEPS)
+                    for c in (ptr, dataclasses.replace(ptr, tma="w"))]
     return out
 
 
 def _warm_tma(task) -> str | None:
-    m, n, k, cfg, acc, _, swiglu, _ = task
+    m, n, k, cfg, acc, _, swiglu, pdl = task
     try:
-        from kernels.linear import tma
         from kernels.linear import triton as kt
 
-        if cfg.tma == "off":
-            kt.warmup(m, n, k, torch.bfloat16, cfg, accumulate=acc, swiglu=swiglu)
-        else:
-            tma.warmup(m, n, k, torch.bfloat16, cfg, accumulate=acc, swiglu=swiglu)
+        kt.warmup(m, n, k, torch.bfloat16, cfg, accumulate=acc, swiglu=swiglu, pdl=pdl)  # TMA configs too
         return None
     except Exception as exc:
         return f"{cfg.short()} M{m} N{n} K{k}: {exc!r}"[:300]
 
 
-def _tma_call(kind: str, x, acc):
-    """fn(cfg, w) -> the launch as the model makes it (cfg None: cuBLAS; gate|up then unfused, without SiLU)."""
-    from kernels.linear import linear, linear_swiglu
+def _tma_call(kind: str, x, acc, pdl: int = -1):
+    """fn(cfg, w) -> the launch as the model makes it (cfg None: cuBLAS; gate|up then unfused, without SiLU);
+    ``pdl`` >= 0: the kernel as a programmatic dependent launch asking L2 for that many weight steps first
+    (kernels/pdl.py's switch launches it so with kernels.linear.triton.SWITCH_PREFETCH_STEPS)."""
+    from kernels.linear import triton as kt
 
     def call(cfg, w):
+        if cfg is None:
+            return acc.addmm_(x, w.t()) if kind == "accumulate" else F.linear(x, w)
         if kind == "swiglu":
-            return F.linear(x, w) if cfg is None else linear_swiglu(x, w, backend="triton", config=cfg)
-        if kind == "accumulate":
-            return acc.addmm_(x, w.t()) if cfg is None else linear(x, w, accumulate=acc, backend="triton",
-                                                                   config=cfg)
-        return F.linear(x, w) if cfg is None else linear(x, w, backend="triton", config=cfg)
+            return kt.linear_swiglu(x, w, config=cfg, pdl=pdl)
+        return kt.linear(x, w, accumulate=acc if kind == "accumulate" else None, config=cfg, pdl=pdl)
     return call
 
 
@@ -641,26 +644,31 @@ def tma_ab_case(name: str, case: tuple, ws: list, dev, rep: tuple[int, int], pro
 
 def tma_stack(weights: dict, best: dict, m: int, dev, rep: int) -> dict:
     """32 layers of (q|k|v, o, gate|up SwiGLU, down onto the residual) at m rows in one graph: the pointer configs
-    of today against the best TMA config per launch (cuBLAS beside them, gate|up unfused without SiLU)."""
+    of today against the best TMA config per launch (cuBLAS beside them, gate|up unfused without SiLU), each
+    Triton way also as programmatic dependent launches (TMA_AB_PDL_STEPS weight steps asked for first)."""
     x = torch.randn(m, weights["qkv"][0].shape[1], device=dev).to(torch.bfloat16)
     act = torch.randn(m, weights["down"][0].shape[1], device=dev).to(torch.bfloat16)
     h = torch.randn(m, weights["down"][0].shape[0], device=dev).to(torch.bfloat16)
     kinds = {s: TMA_AB_CASES[s][0] if s in TMA_AB_CASES else SMOKE_TMA_CASES[s][0] for s in weights}
-    calls = {s: _tma_call(kinds[s], act if s == "down" else x, h) for s in weights}
+    pdl = TMA_AB_PDL_STEPS if dev.type == "cuda" else -1  # the interpreter has no PDL
+    calls = {p: {s: _tma_call(kinds[s], act if s == "down" else x, h, p) for s in weights} for p in (-1, pdl)}
     layers = list(zip(*(weights[s] for s in ("qkv", "o", "gate_up", "down"))))
-    ways = {"cuBLAS": {s: None for s in weights},
-            "pointer": {s: tma_ab_pointer(kinds[s], m, *weights[s][0].shape) for s in weights},
-            "tma": best}
+    pointer = {s: tma_ab_pointer(kinds[s], m, *weights[s][0].shape) for s in weights}
+    ways = {"cuBLAS": ({s: None for s in weights}, -1), "pointer": (pointer, -1), "tma": (best, -1),
+            "pointer pdl": (pointer, pdl), "tma pdl": (best, pdl)}
     wbytes = sum(w.numel() * 2 for ws in layers for w in ws)
-    res = {"M": m, "configs": {way: {s: c.literal() if c else "cuBLAS" for s, c in cfg.items()}
-                               for way, cfg in ways.items()}}
-    for way, cfg in ways.items():
-        def fn(cfg=cfg):
+    res = {"M": m, "pdl_steps": pdl, "configs": {way: {s: c.literal() if c else "cuBLAS" for s, c in cfg.items()}
+                                                 for way, (cfg, _) in ways.items() if "pdl" not in way}}
+    for way, (cfg, p) in ways.items():
+        def fn(cfg=cfg, p=p):
             for layer in layers:
                 for s, w in zip(("qkv", "o", "gate_up", "down"), layer):
-                    calls[s](cfg[s], w)
-        ms = time_ms(fn, rep)
-        res[way] = {"ms": ms, "tb_s": wbytes / (ms * 1e-3) / 1e12}
+                    calls[p][s](cfg[s], w)
+        try:
+            ms = time_ms(fn, rep)
+            res[way] = {"ms": ms, "tb_s": wbytes / (ms * 1e-3) / 1e12}
+        except Exception as exc:  # reported, the other ways still timed
+            res[way] = {"error": repr(exc)[:300]}
     return res
 
 
@@ -705,8 +713,10 @@ def print_tma_ab(res: dict) -> None:
                 print(f"    {label:44s} FAILED {f.get('error') or 'max err %.1e' % f['max_err']}")
     s = res.get("layer_stack")
     if s:
-        print(f"  layer stack M={s['M']} (32 x q|k|v, o, gate|up, down): " +
-              ", ".join(f"{way} {s[way]['ms']:.3f} ms ({s[way]['tb_s']:.2f} TB/s)" for way in ("cuBLAS", "pointer", "tma")))
+        print(f"  layer stack M={s['M']} (32 x q|k|v, o, gate|up, down; pdl: PDL launches, {s['pdl_steps']} steps):")
+        for way in ("cuBLAS", "pointer", "tma", "pointer pdl", "tma pdl"):
+            r = s[way]
+            print(f"    {way:12s} " + (f"{r['ms']:.3f} ms ({r['tb_s']:.2f} TB/s)" if "ms" in r else f"FAILED {r['error']}"))
     print("\n# best TMA config per launch, as kernels/linear/config.py's CONFIGS entries take them (gate|up: the unfused"
           "\n# [2I, K] entry, whose block_n swiglu_config halves); keep the pointer entry where it was faster")
     for r in res["rows"]:

@@ -219,9 +219,11 @@ def warmup(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, *, bia
            stride_w: int | None = None) -> None:
     """Compile (into Triton's cache) the kernel such a launch runs, without tensors or a launch (the bench
     compiles its grid on many processes with this): contiguous x, out and accumulate, w of row stride
-    ``stride_w`` (default K), descriptors over address-only bases."""
-    consts = _consts(m, k, dtype, cfg, bias, accumulate, swiglu, pdl, norm, 0)
-    consts.pop("launch_pdl", None)
+    ``stride_w`` (default K), descriptors over address-only bases; ``pdl`` and ``norm`` as ``launch`` makes them
+    by default (the norm's prefetch: NORM_PREFETCH_STEPS)."""
+    from kernels.linear.triton import NORM_PREFETCH_STEPS
+
+    consts = _consts(m, k, dtype, cfg, bias, accumulate, swiglu, pdl, norm, NORM_PREFETCH_STEPS)
     sw = k if stride_w is None else stride_w
     w_desc = TensorDescriptor(_Base(0, dtype), [2 * n if swiglu else n, k], [sw, 1], [cfg.block_n, cfg.block_k])
     x_desc = TensorDescriptor(_Base(0, dtype), [m, k], [k, 1], [cfg.block_m, cfg.block_k]) \

@@ -273,12 +273,20 @@ def pdl_steps(device: torch.device) -> int:
 
 
 def warmup(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, *, bias: bool = False,
-           accumulate: bool = False, stride_w: int | None = None, norm: bool = False, swiglu: bool = False) -> None:
+           accumulate: bool = False, stride_w: int | None = None, norm: bool = False, swiglu: bool = False,
+           pdl: int = -1) -> None:
     """Compile (into Triton's cache) the kernels a launch of this shape and config would run, without
     tensors or a launch: the bench compiles its sweep on many processes at once with this. Strides are
     those of contiguous x, out and accumulate (or residual), and ``stride_w`` (default K) for w; with
-    ``swiglu``, n is the activation's width (w holds 2n rows)."""
-    grid, mode, n_split, ints, consts = _plan(m, n, k, dtype, cfg, bias, accumulate, swiglu=swiglu, norm=norm)
+    ``swiglu``, n is the activation's width (w holds 2n rows); ``pdl`` as ``linear``'s. TMA configs:
+    kernels/linear/tma.py's ``warmup``."""
+    if cfg.tma != "off":
+        from kernels.linear import tma
+
+        return tma.warmup(m, n, k, dtype, cfg, bias=bias, accumulate=accumulate, swiglu=swiglu, norm=norm, pdl=pdl,
+                          stride_w=stride_w)
+    grid, mode, n_split, ints, consts = _plan(m, n, k, dtype, cfg, bias, accumulate, swiglu=swiglu, norm=norm,
+                                              pdl=pdl)
     ws, cnt = (torch.float32 if mode else dtype), (torch.int32 if mode == 2 else dtype)  # as linear() passes
     _linear_kernel.warmup(dtype, dtype, dtype, dtype, dtype, ws, cnt, *ints, k,
                           k if stride_w is None else stride_w, n, n, dtype, 1e-5, grid=grid, **consts)

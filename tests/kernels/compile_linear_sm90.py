@@ -97,7 +97,14 @@ def compile_tma_variant(task) -> str:
     ptx = tma_ptx_check(kern.asm["ptx"], consts["X_TMA"])
     if ptx.startswith("FAILED"):
         return ptx
-    return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B  PTX: {ptx}"
+    wrong = pdl_check(kern.asm["ptx"], consts["PDL"])
+    if consts["PDL"] and not wrong:  # x may be written by the kernel before: no bulk copy ahead of the wait
+        head = kern.asm["ptx"].split("griddepcontrol.wait")[0]
+        wrong = "a bulk tensor copy before griddepcontrol.wait" if "cp.async.bulk.tensor" in head else None
+    if wrong:
+        return f"FAILED {wrong}"
+    return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B  PTX: {ptx}" + (
+        f"  griddepcontrol, {loads_before_wait(kern.asm['ptx'])} loads/prefetches before the wait" if consts["PDL"] else "")
 
 
 def compile_variant(task) -> str:
@@ -141,6 +148,9 @@ def compile_variant(task) -> str:
     except Exception as exc:  # reported with the variant, then counted
         return f"FAILED {exc!r}"[:500]
     wrong = pdl_check(kern.asm["ptx"], consts["PDL"])
+    if consts["PDL"] and not wrong:  # x may be written by the kernel before: no bulk copy ahead of the wait
+        head = kern.asm["ptx"].split("griddepcontrol.wait")[0]
+        wrong = "a bulk tensor copy before griddepcontrol.wait" if "cp.async.bulk.tensor" in head else None
     if wrong:
         return f"FAILED {wrong}"
     return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B" + (
