@@ -135,7 +135,7 @@ def descriptor(t: torch.Tensor, rows: int, block: tuple[int, int]) -> TensorDesc
     shape, strides = [rows, t.shape[1]], [t.stride(0), 1]
     if _INTERPRET:
         return TensorDescriptor(t, shape, strides, list(block))
-    key = (t.data_ptr(), rows, t.shape[1], t.stride(0), t.dtype, block)
+    key = (t.device, t.data_ptr(), rows, t.shape[1], t.stride(0), t.dtype, block)
     desc = _CACHE.get(key)
     if desc is None:
         desc = _CACHE[key] = TensorDescriptor(_Base(t.data_ptr(), t.dtype), shape, strides, list(block))
@@ -152,7 +152,8 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or (t.stride(0) * t.element_size()) % 16 == 0) and \
+    """TMA's rule for a [rows, K] operand: base and row stride (encoded even for one row) multiples of 16 bytes."""
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and \
         (t.shape[1] <= 1 or t.stride(1) == 1)
 
 

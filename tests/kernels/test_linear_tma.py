@@ -113,6 +113,7 @@ def test_unaligned_operands_take_the_pointer_kernel():
     assert tma.ineligible(x_off, w, _tma("w")) is None  # x by pointers: any x the pointer kernel takes
     assert "x's base" in tma.ineligible(x_off, w, _tma("xw"))
     assert "box" in tma.ineligible(x, w, _tma("w", block_n=512))
+    assert "16-byte" in tma.ineligible(torch.randn(3, 90), torch.randn(1, 90), _tma("w"))  # one row: stride encoded too
     assert "no TMA" in tma.ineligible(x, w, POINTER)
 
 
