@@ -150,3 +150,35 @@ def test_config_validation_and_literal():
         LinearConfig(split_k=2, tma="w")
     with pytest.raises(ValueError, match="tma must be one of"):
         LinearConfig(tma="on")
+
+
+_SM90 = """
+import sys
+from compile_linear_sm90 import compile_tma_variant
+from kernels.linear import LinearConfig
+for task in [(64, 6144, 4096, LinearConfig(64, 64, 128, num_stages=5, tma="w"), False, False, False),
+             (64, 14336, 4096, LinearConfig(64, 64, 128, num_stages=3, tma="xw"), False, False, True),
+             (64, 4096, 14336, LinearConfig(64, 32, 256, num_stages=4, tma="w"), True, False, False, 2)]:
+    print(compile_tma_variant(task))
+"""
+
+
+def test_sm90_build_streams_weights_by_tma():
+    """The compiled kernel (this Triton, for an H100, no GPU needed) loads weight tiles with cp.async.bulk.tensor
+    completing on mbarriers: q|k|v plain, gate|up SwiGLU with x by TMA too, down onto the residual as a PDL
+    launch (no bulk copy before griddepcontrol.wait). A fresh process: the kernels must be compiled, not
+    interpreted."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join(p for p in (str(here), str(here.parents[1]), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    out = subprocess.run([sys.executable, "-c", _SM90], env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    assert out.returncode == 0 and len(lines) == 3, out.stderr[-2000:]
+    for line in lines:
+        assert not line.startswith("FAILED") and "cp.async.bulk.tensor" in line and "stack 0 B" in line, line
+    assert " 0 cp.async," in lines[1]  # tma="xw": no pointer copies of x left
+    assert "griddepcontrol" in lines[2]
