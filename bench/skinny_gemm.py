@@ -716,11 +716,13 @@ def print_tma_ab(res: dict) -> None:
         print(f"  layer stack M={s['M']} (32 x q|k|v, o, gate|up, down; pdl: PDL launches, {s['pdl_steps']} steps):")
         for way in ("cuBLAS", "pointer", "tma", "pointer pdl", "tma pdl"):
             r = s[way]
-            print(f"    {way:12s} " + (f"{r['ms']:.3f} ms ({r['tb_s']:.2f} TB/s)" if "ms" in r else f"FAILED {r['error']}"))
-    print("\n# best TMA config per launch, as kernels/linear/config.py's CONFIGS entries take them (gate|up: the unfused"
-          "\n# [2I, K] entry, whose block_n swiglu_config halves); keep the pointer entry where it was faster")
+            took = f"{r['ms']:.3f} ms ({r['tb_s']:.2f} TB/s)" if "ms" in r else f"FAILED {r['error']}"
+            print(f"    {way:12s} {took}")
+    print("\n# best TMA config per launch, as kernels/linear/config.py's CONFIGS entries take them (gate|up: the"
+          "\n# unfused [2I, K] entry, whose block_n swiglu_config halves); keep the pointer entry where it was faster")
     for r in res["rows"]:
-        b, p = r.get("best_tma"), r["final"].get(f"pointer {eval(r['pointer'], {'LinearConfig': LinearConfig}).short()}", {})
+        pointer = eval(r["pointer"], {"LinearConfig": LinearConfig})
+        b, p = r.get("best_tma"), r["final"].get(f"pointer {pointer.short()}", {})
         if not b:
             continue
         cfg = eval(b["config"], {"LinearConfig": LinearConfig})

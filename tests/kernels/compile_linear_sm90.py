@@ -103,8 +103,9 @@ def compile_tma_variant(task) -> str:
         wrong = "a bulk tensor copy before griddepcontrol.wait" if "cp.async.bulk.tensor" in head else None
     if wrong:
         return f"FAILED {wrong}"
-    return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B  PTX: {ptx}" + (
-        f"  griddepcontrol, {loads_before_wait(kern.asm['ptx'])} loads/prefetches before the wait" if consts["PDL"] else "")
+    pdl = f"  griddepcontrol, {loads_before_wait(kern.asm['ptx'])} loads/prefetches before the wait"
+    shared = f"shared {kern.metadata.shared} B"
+    return f"{resources(kern.asm['cubin'])}  {shared}  PTX: {ptx}" + (pdl if consts["PDL"] else "")
 
 
 def compile_variant(task) -> str:
