@@ -79,7 +79,8 @@ def main() -> int:
                          "NAME:fusedmerge lets the short attention's KV splits merge their own partials "
                          "(PrefillConfig(merge='fused')), NAME:pdlall launches every kernel of a layer as a "
                          "programmatic dependent launch (kernels.pdl.ENABLED), NAME:generaltail runs ratio-0 passes "
-                         "through the general static tail, not reuse_tail.py's one copy and one replay; options join "
+                         "through the general static tail, not reuse_tail.py's one copy and one replay, NAME:notma streams "
+                         "the skinny GEMM table's TMA entries by pointer loads; options join "
                          "with '+' (NAME:pdl2+normed)")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
@@ -130,7 +131,8 @@ def main() -> int:
                                          kv_cache_bytes=12 << 30, static_tails=static)
             flags = gemm.split("+") if gemm else []
             prefetch = [int(f[3:]) for f in flags if f.startswith("pdl") and f[3:].isdigit()]  # NAME:pdlN
-            unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail")
+            unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail",
+                                                  "notma")
                        and not (f.startswith("pdl") and f[3:].isdigit())]
             if unknown:
                 raise ValueError(f"unknown backend option(s) {unknown}")
@@ -151,6 +153,9 @@ def main() -> int:
             from services.engine import reuse_tail  # the ratio-0 pass through the general static tail
 
             reuse_tail.ENABLED = "generaltail" not in flags
+            from kernels.linear import plan as linear_plan  # the table's TMA entries as pointer loads
+
+            linear_plan.TMA_ENABLED = "notma" not in flags
         except Exception as exc:  # report and go on: one backend failing must not hide the others
             results["rows"].append({"backend": label, "error": repr(exc)})
             print(f"{label}: {exc!r}", flush=True)
