@@ -19,12 +19,18 @@ from kernels import pdl
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 BLOCK_R = 16
+UNROLL_PARTS = 16  # part counts up to this compile a kernel of their own with the loop unrolled (the KV splits'
+# counts: a handful of distinct values), on half as many rows a program: every part's tile is in flight at once
+UNROLLED_BLOCK_R = 8
 
 
 @triton.jit
 def _merge_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, n_parts, n_rows, dim,
                   stride_op, stride_or, stride_lp,
-                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+                  N_PARTS: tl.constexpr = 0):
+    """N_PARTS > 0: the part count is known at compile time and the loop unrolled, so the parts' loads need
+    not wait for each other's arithmetic (a loop over a runtime count issues one part's loads at a time)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -35,10 +41,16 @@ def _merge_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, n_parts, n_rows, dim,
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for p in range(0, n_parts):
-        lse_p = tl.load(lses_ptr + p * stride_lp + r, mask=r_ok, other=float("-inf"))
-        o_p = tl.load(outs_ptr + p * stride_op + r[:, None] * stride_or + d[None, :], mask=ok, other=0.0)
-        m, l, acc = merge_step(m, l, acc, lse_p, o_p)
+    if N_PARTS > 0:
+        for p in tl.static_range(N_PARTS):
+            lse_p = tl.load(lses_ptr + p * stride_lp + r, mask=r_ok, other=float("-inf"))
+            o_p = tl.load(outs_ptr + p * stride_op + r[:, None] * stride_or + d[None, :], mask=ok, other=0.0)
+            m, l, acc = merge_step(m, l, acc, lse_p, o_p)
+    else:
+        for p in range(0, n_parts):
+            lse_p = tl.load(lses_ptr + p * stride_lp + r, mask=r_ok, other=float("-inf"))
+            o_p = tl.load(outs_ptr + p * stride_op + r[:, None] * stride_or + d[None, :], mask=ok, other=0.0)
+            m, l, acc = merge_step(m, l, acc, lse_p, o_p)
     out, lse = merge_finish(m, l, acc)
     tl.store(out_ptr + r[:, None] * dim + d[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
     tl.store(lse_ptr + r, lse, mask=r_ok)
@@ -118,9 +130,12 @@ def merge_rows(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype,
             outs, lses, out, lse, n_parts, n_rows, dim, outs.stride(0), outs.stride(1), lses.stride(0),
             P_PAD=p_pad, BLOCK_R=block_r, BLOCK_D=block_d, **pdl.launch_kwargs(outs.device))
     elif n_rows:
-        _merge_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+        unroll = n_parts <= UNROLL_PARTS
+        block_r = UNROLLED_BLOCK_R if unroll else BLOCK_R
+        _merge_kernel[(triton.cdiv(n_rows, block_r),)](
             outs, lses, out, lse, n_parts, n_rows, dim, outs.stride(0), outs.stride(1), lses.stride(0),
-            BLOCK_R=BLOCK_R, BLOCK_D=triton.next_power_of_2(dim), **pdl.launch_kwargs(outs.device))
+            BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(dim), N_PARTS=n_parts if unroll else 0,
+            **pdl.launch_kwargs(outs.device))
     return out, lse
 
 

@@ -58,7 +58,7 @@ def constexpr_names(fn) -> list[str]:
 
 def kernels():
     """(name, thunk) of every kernel the engine's prefill path launches on CUDA."""
-    from kernels.lse_merge.triton import BLOCK_R, _merge_all_kernel, _merge_kernel
+    from kernels.lse_merge.triton import BLOCK_R, UNROLLED_BLOCK_R, _merge_all_kernel, _merge_kernel
     from kernels.paged_attention import _prefill
     from kernels.paged_attention._meta import PACK_BLOCK, _pack_kernel
     from kernels.rope.triton import _gather_rotate_kernel, _rope_kernel
@@ -114,7 +114,10 @@ def kernels():
         sfx = "-pdl" if pdl else ""
         yield "lse-merge" + sfx, lambda pdl=pdl: compile_kernel(
             _merge_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
-            dict(BLOCK_R=BLOCK_R, BLOCK_D=d, PDL=pdl))
+            dict(BLOCK_R=BLOCK_R, BLOCK_D=d, PDL=pdl, N_PARTS=0))
+        yield "lse-merge-unrolled8" + sfx, lambda pdl=pdl: compile_kernel(
+            _merge_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
+            dict(BLOCK_R=UNROLLED_BLOCK_R, BLOCK_D=d, PDL=pdl, N_PARTS=8))
         yield "lse-merge-all" + sfx, lambda pdl=pdl: compile_kernel(
             _merge_all_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
             dict(P_PAD=8, BLOCK_R=8, BLOCK_D=d, PDL=pdl))

@@ -63,3 +63,18 @@ def test_merge_all_parts_at_once_equals_the_loop(parts):
         assert rel_err(out, want) <= TOL[torch.bfloat16]
         assert_lse_close(lse, want_lse, 1e-4)
         assert torch.equal(out[5].float(), torch.zeros(96))
+
+
+@pytest.mark.parametrize("parts", [2, 8, 17])
+def test_unrolled_merge_is_the_loop_bit_for_bit(parts, monkeypatch):
+    """Part counts up to UNROLL_PARTS compile the loop unrolled: the same steps in the same order, so the same
+    bits as the loop over a runtime count (17 parts take the loop either way)."""
+    from kernels.lse_merge import triton as km
+
+    outs = torch.randn(parts, 29, 64)
+    lses = torch.randn(parts, 29) * 4
+    lses[1, :3] = float("-inf")
+    unrolled = km.merge_rows(outs, lses, torch.float32)
+    monkeypatch.setattr(km, "UNROLL_PARTS", 0)
+    looped = km.merge_rows(outs, lses, torch.float32)
+    assert torch.equal(unrolled[0], looped[0]) and torch.equal(unrolled[1], looped[1])
