@@ -34,7 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.linear.config import LinearConfig
-from kernels.linear.triton import _epilogue, _prefetch_rows, _row_inv_rms
+from kernels.linear.triton import _epilogue, _prefetch_rows, _row_inv_rms, normalise, swiglu_act
 
 MAX_BOX = 256  # elements per box dimension (cuTensorMapEncodeTiled's limit)
 MIN_CAPABILITY = (9, 0)  # the tensor memory accelerator: Hopper and later
@@ -91,8 +91,7 @@ def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, c_ptr, out_ptr, M, N
         if NORM:  # rms_norm's roundings: bf16(x * inv), then bf16(y * g)
             g_ptrs += BLOCK_K
             g_next = tl.load(g_ptrs, mask=(k + BLOCK_K + offs_k) < K, other=0.0)
-            y = (a.to(tl.float32) * inv[:, None]).to(x_ptr.dtype.element_ty)
-            a = (y.to(tl.float32) * gk.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+            a = normalise(a, inv, gk)
             gk = g_next
         if UPCAST:  # the interpreter's bf16 dot multiplies garbage: exact fp32 products of the same values
             a = a.to(tl.float32)
@@ -105,11 +104,8 @@ def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, c_ptr, out_ptr, M, N
         x_ptrs += BLOCK_K
     ok = m_ok[:, None] & n_ok[None, :]
     if SWIGLU:
-        dt = out_ptr.dtype.element_ty
-        g = acc.to(dt).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt)  # silu rounded, then the product rounded (kernels/fused's silu_mul)
-        act = (s.to(tl.float32) * acc_u.to(dt).to(tl.float32)).to(dt)
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], act, mask=ok)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+                 swiglu_act(acc, acc_u, out_ptr.dtype.element_ty), mask=ok)
     else:
         _epilogue(acc, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om, HAS_BIAS, ACCUMULATE)
 

@@ -119,8 +119,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
             # g of the next step asked for now (one element a thread: too narrow for the async pipeline)
             g_ptrs += BLOCK_K
             g_next = tl.load(g_ptrs, mask=(k + BLOCK_K + offs_k) < k_end, other=0.0)
-            y = (a.to(tl.float32) * inv[:, None]).to(x_ptr.dtype.element_ty)
-            a = (y.to(tl.float32) * gk.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+            a = normalise(a, inv, gk)
             gk = g_next
         if UPCAST:  # the interpreter's bf16 dot multiplies garbage: exact fp32 products of the same values
             a = a.to(tl.float32)
@@ -136,11 +135,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
     ok = m_ok[:, None] & n_ok[None, :]
     mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if SWIGLU:
-        dt = out_ptr.dtype.element_ty
-        g = acc.to(dt).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt)  # silu rounded, then the product rounded (kernels/fused's silu_mul)
-        act = (s.to(tl.float32) * acc_u.to(dt).to(tl.float32)).to(dt)
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], act, mask=ok)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+                 swiglu_act(acc, acc_u, out_ptr.dtype.element_ty), mask=ok)
     elif MODE == 0:
         _epilogue(acc, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om, HAS_BIAS, ACCUMULATE)
     else:
@@ -159,6 +155,23 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
                 _epilogue(total, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om,
                           HAS_BIAS, ACCUMULATE)
                 tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def normalise(a, inv, gk):
+    """An x tile [BM, BK] through rms_norm's roundings (kernels/fused): bf16(x * inv), then bf16(y * g); inv [BM]
+    fp32, gk [BK] the norm weight's columns."""
+    y = (a.to(tl.float32) * inv[:, None]).to(a.dtype)
+    return (y.to(tl.float32) * gk.to(tl.float32)[None, :]).to(a.dtype)
+
+
+@triton.jit
+def swiglu_act(acc, acc_u, dt: tl.constexpr):
+    """silu(gate) * up from the fp32 gate and up tiles, rounded as the unfused kernels round it: each projection
+    to dt, silu to dt, then the product to dt (kernels/fused's silu_mul)."""
+    g = acc.to(dt).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dt)
+    return (s.to(tl.float32) * acc_u.to(dt).to(tl.float32)).to(dt)
 
 
 @triton.jit
