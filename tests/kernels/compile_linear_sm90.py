@@ -50,6 +50,23 @@ def tma_ptx_check(ptx: str, x_too: bool) -> str:
     return text
 
 
+def _plain_arg(i: int, name: str, values: dict, ptr_types: dict, sig: dict, attrs: dict, constexprs: dict) -> None:
+    """Signature entry of a kernel argument as a launch specialises it: pointers 16-byte aligned (bf16 unless
+    ptr_types names another element type), eps fp32, an integer 1 a constant, other integers i32 (16-divisible
+    ones marked so)."""
+    if name.endswith("_ptr"):
+        sig[name] = "*" + ptr_types.get(name, "bf16")
+        attrs[(i,)] = [["tt.divisibility", 16]]
+    elif name == "eps":
+        sig[name] = "fp32"
+    elif values[name] == 1:
+        sig[name], constexprs[name] = "constexpr", 1
+    else:
+        sig[name] = "i32"
+        if values[name] % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+
+
 def compile_tma_variant(task) -> str:
     """Compile one launch of kernels/linear/tma.py's kernel as ``tma.launch`` makes it (descriptors of the
     config's boxes, pointers 16-byte aligned, integer arguments specialised as Triton does at launch); its
@@ -77,17 +94,8 @@ def compile_tma_variant(task) -> str:
                 sig[name], constexprs[name] = "constexpr", None
             else:
                 sig[name] = f"tensordesc<bf16[{boxes[name][0]}, {boxes[name][1]}]>"
-        elif name.endswith("_ptr"):
-            sig[name] = "*bf16"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "eps":
-            sig[name] = "fp32"
-        elif values[name] == 1:
-            sig[name], constexprs[name] = "constexpr", 1
         else:
-            sig[name] = "i32"
-            if values[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
+            _plain_arg(i, name, values, {}, sig, attrs, constexprs)
     try:
         kern = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=opts)
     except Exception as exc:  # reported with the variant, then counted
@@ -133,17 +141,8 @@ def compile_variant(task) -> str:
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = "*" + ptr_types.get(name, "bf16")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "eps":
-            sig[name] = "fp32"
-        elif values[name] == 1:
-            sig[name], constexprs[name] = "constexpr", 1
         else:
-            sig[name] = "i32"
-            if values[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
+            _plain_arg(i, name, values, ptr_types, sig, attrs, constexprs)
     try:
         kern = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=opts)
     except Exception as exc:  # reported with the variant, then counted
