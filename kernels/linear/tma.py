@@ -34,7 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.linear.config import LinearConfig
-from kernels.linear.triton import _epilogue, _prefetch_rows, _row_inv_rms, normalise, swiglu_act
+from kernels.linear.triton import _epilogue, _prefetch_rows, _row_inv_rms, dots, normalise, swiglu_act
 
 MAX_BOX = 256  # elements per box dimension (cuTensorMapEncodeTiled's limit)
 MIN_CAPABILITY = (9, 0)  # the tensor memory accelerator: Hopper and later
@@ -93,14 +93,9 @@ def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, c_ptr, out_ptr, M, N
             g_next = tl.load(g_ptrs, mask=(k + BLOCK_K + offs_k) < K, other=0.0)
             a = normalise(a, inv, gk)
             gk = g_next
-        if UPCAST:  # the interpreter's bf16 dot multiplies garbage: exact fp32 products of the same values
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-            if SWIGLU:
-                bu = bu.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-        if SWIGLU:
-            acc_u = tl.dot(a, tl.trans(bu), acc_u, input_precision=PRECISION)
+        if not SWIGLU:
+            bu = b  # (unused)
+        acc, acc_u = dots(a, b, bu, acc, acc_u, PRECISION, UPCAST, SWIGLU)
         x_ptrs += BLOCK_K
     ok = m_ok[:, None] & n_ok[None, :]
     if SWIGLU:

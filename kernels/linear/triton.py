@@ -121,14 +121,10 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
             g_next = tl.load(g_ptrs, mask=(k + BLOCK_K + offs_k) < k_end, other=0.0)
             a = normalise(a, inv, gk)
             gk = g_next
-        if UPCAST:  # the interpreter's bf16 dot multiplies garbage: exact fp32 products of the same values
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-            if SWIGLU:
-                bu = bu.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        if not SWIGLU:
+            bu = b  # (unused)
+        acc, acc_u = dots(a, b, bu, acc, acc_u, PRECISION, UPCAST, SWIGLU)
         if SWIGLU:
-            acc_u = tl.dot(a, tl.trans(bu), acc_u, input_precision=PRECISION)
             u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -155,6 +151,21 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
                 _epilogue(total, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om,
                           HAS_BIAS, ACCUMULATE)
                 tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def dots(a, b, bu, acc, acc_u, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SWIGLU: tl.constexpr):
+    """One K step: acc += a @ b.T, and with SWIGLU acc_u += a @ bu.T (the up rows). UPCAST: the interpreter's bf16
+    dot multiplies garbage, so there the tiles are upcast first (exact fp32 products of the same values)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        if SWIGLU:
+            bu = bu.to(tl.float32)
+    acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    if SWIGLU:
+        acc_u = tl.dot(a, tl.trans(bu), acc_u, input_precision=PRECISION)
+    return acc, acc_u
 
 
 @triton.jit
