@@ -77,8 +77,8 @@ def main() -> int:
                          "with the RMSNorms in its prologue and o onto the residual (model.fuse_norms), NAME:pdlN "
                          "launches it as programmatic dependent launches prefetching N weight steps (kernels/linear), "
                          "NAME:fusedmerge lets the short attention's KV splits merge their own partials "
-                         "(PrefillConfig(merge='fused')), NAME:pdlall launches every kernel of a layer as a "
-                         "programmatic dependent launch (kernels.pdl.ENABLED), NAME:generaltail runs ratio-0 passes "
+                         "(PrefillConfig(merge='fused')), NAME:nopdl launches no kernel of a layer as a programmatic "
+                         "dependent launch (kernels.pdl.ENABLED, on by default; NAME:pdlall: on), NAME:generaltail runs ratio-0 passes "
                          "through the general static tail, not reuse_tail.py's one copy and one replay, NAME:notma streams "
                          "the skinny GEMM table's TMA entries by pointer loads; options join "
                          "with '+' (NAME:pdl2+normed)")
@@ -132,7 +132,7 @@ def main() -> int:
             flags = gemm.split("+") if gemm else []
             prefetch = [int(f[3:]) for f in flags if f.startswith("pdl") and f[3:].isdigit()]  # NAME:pdlN
             unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail",
-                                                  "notma")
+                                                  "notma", "nopdl")
                        and not (f.startswith("pdl") and f[3:].isdigit())]
             if unknown:
                 raise ValueError(f"unknown backend option(s) {unknown}")
@@ -145,7 +145,7 @@ def main() -> int:
             linear_kt.PDL_PREFETCH_STEPS = prefetch[0] if prefetch else -1
             import kernels.pdl  # every layer kernel a programmatic dependent launch (read when graphs are captured)
 
-            kernels.pdl.ENABLED = "pdlall" in flags
+            kernels.pdl.ENABLED = "nopdl" not in flags  # on by default; NAME:pdlall kept as a name for it
             from kernels.paged_attention import triton as attn_kt  # likewise the short attention's config
 
             attn_kt.SHORT_PREFILL = dataclasses.replace(SHORT_PREFILL, merge="fused") if "fusedmerge" in flags \

@@ -243,6 +243,7 @@ def chain_main(argv: list[str]) -> int:
         return [out.clone()] + [x[s:].clone() for lw in inp["layers"] for x in (lw["k"], lw["v"])]
 
     # off; the GEMMs alone (round 6's setting: PDL_PREFETCH_STEPS = 2, the switch off); the whole layer (the switch)
+    saved = pdl.ENABLED, kt.PDL_PREFETCH_STEPS  # each variant sets both; the process's settings come back after
     for name, on, gemm_steps in (("off", False, -1), ("gemm", False, kt.SWITCH_PREFETCH_STEPS), ("pdl", True, -1)):
         pdl.ENABLED, kt.PDL_PREFETCH_STEPS = on, gemm_steps
         try:
@@ -264,7 +265,7 @@ def chain_main(argv: list[str]) -> int:
                 Path(args.out).write_text(json.dumps(rec, indent=2))
             return 1
         finally:
-            pdl.ENABLED, kt.PDL_PREFETCH_STEPS = False, -1
+            pdl.ENABLED, kt.PDL_PREFETCH_STEPS = saved
         results[name] = snapshot(out)
         rec["variants"][name] = {"layer_pdl": active, "gemm_pdl_steps": steps, "ms": []}
         print(f"{name}: {'captured' if cuda else 'ran'} (whole-layer PDL: {active}, GEMM PDL prefetch steps: "
@@ -286,7 +287,7 @@ def chain_main(argv: list[str]) -> int:
         except Exception as exc:  # the count is a check, not the measurement: go on
             rec["kernels_per_pass"] = {"error": repr(exc)[:400]}
         finally:
-            pdl.ENABLED = False
+            pdl.ENABLED = saved[0]
         for r in range(args.rounds):
             for name, (graph, _) in graphs.items():
                 ms = _graph_ms(graph, args.reps)
