@@ -80,7 +80,8 @@ def main() -> int:
                          "(PrefillConfig(merge='fused')), NAME:nopdl launches no kernel of a layer as a programmatic "
                          "dependent launch (kernels.pdl.ENABLED, on by default; NAME:pdlall: on), NAME:generaltail runs ratio-0 passes "
                          "through the general static tail, not reuse_tail.py's one copy and one replay, NAME:notma streams "
-                         "the skinny GEMM table's TMA entries by pointer loads; options join "
+                         "the skinny GEMM table's TMA entries by pointer loads, NAME:splitsN gives short attention calls N "
+                         "KV splits; options join "
                          "with '+' (NAME:pdl2+normed)")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
@@ -131,9 +132,11 @@ def main() -> int:
                                          kv_cache_bytes=12 << 30, static_tails=static)
             flags = gemm.split("+") if gemm else []
             prefetch = [int(f[3:]) for f in flags if f.startswith("pdl") and f[3:].isdigit()]  # NAME:pdlN
+            splits = [int(f[6:]) for f in flags if f.startswith("splits") and f[6:].isdigit()]  # NAME:splitsN
             unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail",
                                                   "notma", "nopdl")
-                       and not (f.startswith("pdl") and f[3:].isdigit())]
+                       and not (f.startswith("pdl") and f[3:].isdigit())
+                       and not (f.startswith("splits") and f[6:].isdigit())]
             if unknown:
                 raise ValueError(f"unknown backend option(s) {unknown}")
             model = eng.forward.model
@@ -150,6 +153,8 @@ def main() -> int:
 
             attn_kt.SHORT_PREFILL = dataclasses.replace(SHORT_PREFILL, merge="fused") if "fusedmerge" in flags \
                 else SHORT_PREFILL
+            if splits:  # the short calls' KV split count (None: picked from the shapes)
+                attn_kt.SHORT_PREFILL = dataclasses.replace(attn_kt.SHORT_PREFILL, num_splits=splits[0])
             from services.engine import reuse_tail  # the ratio-0 pass through the general static tail
 
             reuse_tail.ENABLED = "generaltail" not in flags
