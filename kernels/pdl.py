@@ -43,8 +43,9 @@ import os
 import torch
 
 # the one switch: every participating kernel (kernels/fused rms_norm, add_rms_norm, qkv_heads; the paged
-# prefill attention; the LSE merge; the skinny GEMMs) launches as a PDL launch when it is on
-ENABLED = True
+# prefill attention; the LSE merge; the skinny GEMMs) launches as a PDL launch when it is on; TESSERA_PDL=0 in a
+# process's environment turns it off (read once, at import)
+ENABLED = os.environ.get("TESSERA_PDL", "1") != "0"
 MIN_CAPABILITY = (9, 0)  # griddepcontrol: Hopper and later
 
 

@@ -6,6 +6,7 @@ under it would fail these tests; the PDL variants themselves are compiled for sm
 (compile_sm90.py, compile_fused_sm90.py, compile_linear_sm90.py --pdl) and timed by bench/pdl_stack.py --chain.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -50,11 +51,19 @@ def test_no_pdl_unless_every_condition_holds(switch, condition):
     assert pdl.launch_kwargs(device) == {}
 
 
-def test_the_switch_is_on_by_default():
+def test_the_switch_is_on_by_default_and_off_by_environment():
     """On since bench/engine.md round 8 (measured faster at ratio 0 on an H100); the GEMMs' own depth unset, so
-    they take the switch's."""
-    assert pdl.ENABLED is True
+    they take the switch's. TESSERA_PDL=0 in a process's environment turns it off."""
+    import subprocess
+
     assert klt.PDL_PREFETCH_STEPS == -1
+    read = "import kernels.pdl as p; print(p.ENABLED)"
+    for value, want in ((None, "True"), ("0", "False"), ("1", "True")):
+        env = {k: v for k, v in os.environ.items() if k != "TESSERA_PDL"}
+        if value is not None:
+            env["TESSERA_PDL"] = value
+        out = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == want, (value, out.stderr[-500:])
 
 
 def test_gemm_prefetch_depth_follows_the_switch(switch):
