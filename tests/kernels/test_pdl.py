@@ -16,6 +16,10 @@ import torch
 from kernels import pdl
 from kernels.linear import triton as klt
 
+# these run Triton kernels on CPU tensors: only the interpreter can (a GPU run of the suite sets TRITON_INTERPRET=0)
+interpreted_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                      reason="runs Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
+
 CUDA0 = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
 
@@ -100,6 +104,7 @@ def _layer_outputs(ps, inp):
     return [h] + [x[s:].clone() for lw in inp["layers"] for x in (lw["k"], lw["v"])]
 
 
+@interpreted_only
 def test_every_layer_kernel_asks_the_switch_and_falls_back_in_the_interpreter(monkeypatch):
     """The whole layer chain (bench/pdl_stack.py --chain's tiny shape: rms_norm, q|k|v GEMM, qkv_heads into the
     cache, paged prefill attention with KV splits, LSE merge, o GEMM, add_rms_norm, gate|up SwiGLU GEMM, down
@@ -119,6 +124,7 @@ def test_every_layer_kernel_asks_the_switch_and_falls_back_in_the_interpreter(mo
     assert len(asked) == 9 + 1 and set(asked) == {"cpu"}
 
 
+@interpreted_only
 @pytest.mark.parametrize("all_parts", [False, True])
 def test_merge_and_norms_same_bits_with_the_switch_on(monkeypatch, all_parts):
     from kernels.fused import triton as kf
@@ -155,6 +161,7 @@ def _pdl_builds(monkeypatch) -> None:
     monkeypatch.setattr(pdl, "launch_kwargs", lambda device: {"PDL": True})
 
 
+@interpreted_only
 def test_pdl_builds_of_the_layer_give_the_same_bits(monkeypatch):
     """The PDL builds' own code (weights read before the wait, everything else after it) gives the plain builds'
     bits: the chain's layer (table cos/sin, KV splits merged by the loop merge)."""
@@ -166,6 +173,7 @@ def test_pdl_builds_of_the_layer_give_the_same_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(off, on))
 
 
+@interpreted_only
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_pdl_builds_of_qkv_heads_by_positions_and_the_merge_of_all_parts(monkeypatch, qk_norm):
     """The variants the chain does not take: rotation by positions * inv_freq, Qwen3's q/k norms (their
