@@ -126,34 +126,34 @@ class KnownChunks:
 
     def lookup(self, parts: list) -> tuple[list[_Ids | None], list[str | None]]:
         """Each part's key and chunk id (None where not known), in one pass over the request."""
-        keys, cids = [], []
-        if not self.max_tokens:
-            return [None] * len(parts), [None] * len(parts)
+        keys = [self.key(part) for part in parts]
         with self._lock:
-            for part in parts:
-                key = _Ids(tuple(part)) if type(part) is list or type(part) is tuple else self.key(part)
-                hit = self._ids.get(key) if key is not None else None
-                if hit is not None:
-                    self._ids.move_to_end(hit[0])  # the stored key: found by identity, its ids not compared again
-                keys.append(key)
-                cids.append(hit[1] if hit is not None and type(sum(key.ids)) is int else None)
+            cids = [self._hit(key) for key in keys]
         hits = sum(c is not None for c in cids)
         self.hits += hits
         self.misses += len(parts) - hits
         return keys, cids
 
     def get(self, key: _Ids | None) -> str | None:
+        """One key's chunk id (None where not known)."""
+        with self._lock:
+            cid = self._hit(key)
+        if cid is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return cid
+
+    def _hit(self, key: _Ids | None) -> str | None:
+        """Under the lock: the id kept for key, now the most recently used; None when there is none, and for
+        ids that are not all ints (the class docstring says why)."""
         if key is None:
             return None
-        with self._lock:
-            hit = self._ids.get(key)
-            if hit is not None:
-                self._ids.move_to_end(hit[0])  # the stored key: found by identity, its ids not compared again
-        if hit is None or type(sum(key.ids)) is not int:
-            self.misses += 1
+        hit = self._ids.get(key)
+        if hit is None:
             return None
-        self.hits += 1
-        return hit[1]
+        self._ids.move_to_end(hit[0])  # the stored key: found by identity, its ids not compared again
+        return hit[1] if type(sum(key.ids)) is int else None
 
     def put(self, key: _Ids | None, cid: str) -> None:
         if key is None or not 0 < len(key.ids) <= self.max_tokens:
