@@ -21,7 +21,6 @@ the whole request, never a per-chunk loop or a sync, while the GPU is still busy
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from kernels.rope import rope_cos_sin, rotate
-from services.engine.block_table import BlockTable, dense_run, full_mask, host_to_device_many
+from services.engine.block_table import BlockTable, chunk_rows, dense_run, host_to_device_many
 from services.engine.request import PlacedChunk, Sequence
 from services.engine import reuse_tail
 
@@ -88,31 +87,16 @@ class RequestTables:
         private += s_blocks
         x = dense_run(x_blocks, n_extra, bs) if n_extra else None
         sfx = dense_run(s_blocks, len(suffix), bs)
-        c_ids = np.fromiter(itertools.chain.from_iterable(p.entry.blocks for p in placed), dtype=np.int64)
-        n_x, n_c = len(x_blocks), len(c_ids)
-        # per chunk, on the host (a handful of chunks: plain ints beat numpy calls): its entries' count, its
-        # last entry (in the chunk rows), that entry's mask, its rot, and pad_before: a chunk token's index in
-        # entry order (its entry = // BS, its slot = % BS) is its position plus this
-        n_blocks, last, last_mask, rots, pad_before = [], [], [], [], []
-        at = 0
-        for p, n in zip(placed, lengths):
-            nb = len(p.entry.blocks)
-            n_blocks.append(nb)
-            pad_before.append((n_x + at) * bs - p.start)
-            at += nb
-            last.append(at - 1)
-            last_mask.append(full_mask(n - (nb - 1) * bs))
-            rots.append(p.start - p.entry.base)
+        c_rows, rots, firsts = chunk_rows(placed, bs)
+        n_x, n_c = len(x_blocks), c_rows.shape[1]
+        # a chunk token's index in entry order (its entry = // BS, its slot = % BS) is its position plus this
+        pad_before = [(n_x + f) * bs - p.start for p, f in zip(placed, firsts)]
         # entries [extra | chunks | suffix] as (block id, offset, mask) rows
         rows = np.empty((3, n_x + n_c + len(s_blocks)), dtype=np.int64)
         if x is not None:
             rows[:, :n_x] = x[:3]
+        rows[:, n_x:n_x + n_c] = c_rows
         rows[:, n_x + n_c:] = sfx[:3]
-        rows[0, n_x:n_x + n_c] = c_ids
-        rows[1, n_x:n_x + n_c] = np.repeat(rots, n_blocks)
-        c_masks = rows[2, n_x:n_x + n_c]
-        c_masks[:] = full_mask(bs)
-        c_masks[last] = last_mask
         self.n_x_entries, self.n_c_entries = n_x, n_c
         n_s, n_all = len(suffix), self.n_chunk + len(suffix)
         # positions of every token that runs (all of them when chunk tokens run too), then the write slots:

@@ -9,6 +9,7 @@ Nothing is copied or re-rotated in memory to place a chunk.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +77,28 @@ def dense_run(blocks: list[int], n: int, block_size: int) -> tuple[np.ndarray, .
         masks[-1] = full_mask(n % block_size)
     slots = np.arange(n, dtype=np.int64) % block_size
     return ids, np.zeros(len(blocks), dtype=np.int64), masks, np.repeat(ids, block_size)[:n], slots
+
+
+def chunk_rows(placed, block_size: int) -> tuple[np.ndarray, list[int], list[int]]:
+    """The shared entries of chunks placed in a request (``PlacedChunk``: an entry's blocks, length and base, a
+    start), in order, as int64 rows [3, entries]: block id, offset (the chunk's rot = start - base), mask (the
+    chunk's token slots; its last entry's padding hidden); and each chunk's rot and first entry (in these rows)."""
+    c_ids = np.fromiter(itertools.chain.from_iterable(p.entry.blocks for p in placed), dtype=np.int64)
+    rows = np.empty((3, len(c_ids)), dtype=np.int64)
+    rots, firsts, n_blocks, last, last_mask, at = [], [], [], [], [], 0
+    for p in placed:  # a handful of chunks: plain ints beat numpy calls
+        nb = len(p.entry.blocks)
+        rots.append(p.start - p.entry.base)
+        firsts.append(at)
+        n_blocks.append(nb)
+        at += nb
+        last.append(at - 1)
+        last_mask.append(full_mask(p.entry.length - (nb - 1) * block_size))
+    rows[0] = c_ids
+    rows[1] = np.repeat(np.asarray(rots, dtype=np.int64), n_blocks)
+    rows[2] = full_mask(block_size)
+    rows[2, last] = last_mask
+    return rows, rots, firsts
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,6 @@ Padding as StaticTail's: rows at PAD_POS writing the scratch block, entries nami
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import OrderedDict
 
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 from kernels.paged_attention import MAX_OFFSET
-from services.engine.block_table import BlockTable, full_mask
+from services.engine.block_table import BlockTable, chunk_rows, dense_run
 from services.engine.graphs import MAX_GRAPHS, PAD_POS, T_BUCKET, StaticTail, bucket, entry_bucket
 from services.engine.request import Sequence
 
@@ -114,34 +113,24 @@ def pack(buf: np.ndarray, placed, suffix: list[int], s_blocks: list[int], bs: in
     into ``buf`` -> (the real entries' count m, the largest offset, the chunks' token count)."""
     n_s = len(suffix)
     n_chunk = sum(p.entry.length for p in placed)
-    c_ids = np.fromiter(itertools.chain.from_iterable(p.entry.blocks for p in placed), dtype=np.int64)
-    n_c, m = len(c_ids), len(c_ids) + len(s_blocks)
+    c_rows, rots, _ = chunk_rows(placed, bs)
+    s_ids, _, s_masks, s_block, _ = dense_run(s_blocks, n_s, bs)
+    n_c = c_rows.shape[1]
+    m = n_c + len(s_blocks)
     ids, pos, block, slot = buf[:t], buf[t:2 * t], buf[2 * t:3 * t], buf[3 * t:4 * t]
     e_ids, e_offs, e_masks = buf[4 * t:4 * t + e], buf[4 * t + e:4 * t + 2 * e], buf[4 * t + 2 * e:]
     ids[:n_s] = suffix
     ids[n_s:] = 0
     pos[:n_s] = np.arange(n_chunk, n_chunk + n_s)
     pos[n_s:] = PAD_POS
-    block[:n_s] = np.repeat(np.asarray(s_blocks, dtype=np.int64), bs)[:n_s]
+    block[:n_s] = s_block
     block[n_s:] = scratch
-    slot[:] = np.arange(t) % bs  # the padded rows' scratch slots as StaticTail's
-    e_ids[:n_c] = c_ids
-    e_ids[n_c:m] = s_blocks
+    slot[:] = np.arange(t) % bs  # the suffix's slots, then the padded rows' scratch slots as StaticTail's
+    e_ids[:n_c], e_offs[:n_c], e_masks[:n_c] = c_rows
+    e_ids[n_c:m] = s_ids
     e_ids[m:] = scratch
-    rots, n_blocks, last, last_mask, at = [], [], [], [], 0
-    for p in placed:  # a handful of chunks: plain ints
-        nb = len(p.entry.blocks)
-        rots.append(p.start - p.entry.base)
-        n_blocks.append(nb)
-        at += nb
-        last.append(at - 1)
-        last_mask.append(full_mask(p.entry.length - (nb - 1) * bs))
-    e_offs[:n_c] = np.repeat(np.asarray(rots, dtype=np.int64), n_blocks)
     e_offs[n_c:] = 0
-    e_masks[:m] = full_mask(bs)
-    e_masks[last] = last_mask
-    if n_s % bs:
-        e_masks[m - 1] = full_mask(n_s % bs)
+    e_masks[n_c:m] = s_masks
     e_masks[m:] = 0
     return m, max(rots, default=0), n_chunk
 
