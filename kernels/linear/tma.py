@@ -34,7 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.linear.config import LinearConfig
-from kernels.linear.triton import _epilogue, _prefetch_rows, _row_inv_rms, dots, normalise, swiglu_act
+from kernels.linear.triton import _epilogue, _prefetch_rows, _row_inv_rms, dots, norm_step, swiglu_act
 
 MAX_BOX = 256  # elements per box dimension (cuTensorMapEncodeTiled's limit)
 MIN_CAPABILITY = (9, 0)  # the tensor memory accelerator: Hopper and later
@@ -88,11 +88,8 @@ def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, c_ptr, out_ptr, M, N
         b = w_desc.load([off_n, k])  # rows past N (past 2N: SWIGLU's up) and columns past K: zeros
         if SWIGLU:
             bu = w_desc.load([off_n + N, k])
-        if NORM:  # rms_norm's roundings: bf16(x * inv), then bf16(y * g)
-            g_ptrs += BLOCK_K
-            g_next = tl.load(g_ptrs, mask=(k + BLOCK_K + offs_k) < K, other=0.0)
-            a = normalise(a, inv, gk)
-            gk = g_next
+        if NORM:
+            a, gk, g_ptrs = norm_step(a, inv, gk, g_ptrs, k + BLOCK_K + offs_k < K, BLOCK_K)
         if not SWIGLU:
             bu = b  # (unused)
         acc, acc_u = dots(a, b, bu, acc, acc_u, PRECISION, UPCAST, SWIGLU)

@@ -115,12 +115,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
             b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             if SWIGLU:
                 bu = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
-        if NORM:  # rms_norm's roundings: bf16(x * inv), then bf16(y * g)
-            # g of the next step asked for now (one element a thread: too narrow for the async pipeline)
-            g_ptrs += BLOCK_K
-            g_next = tl.load(g_ptrs, mask=(k + BLOCK_K + offs_k) < k_end, other=0.0)
-            a = normalise(a, inv, gk)
-            gk = g_next
+        if NORM:
+            a, gk, g_ptrs = norm_step(a, inv, gk, g_ptrs, k + BLOCK_K + offs_k < k_end, BLOCK_K)
         if not SWIGLU:
             bu = b  # (unused)
         acc, acc_u = dots(a, b, bu, acc, acc_u, PRECISION, UPCAST, SWIGLU)
@@ -166,6 +162,16 @@ def dots(a, b, bu, acc, acc_u, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SW
     if SWIGLU:
         acc_u = tl.dot(a, tl.trans(bu), acc_u, input_precision=PRECISION)
     return acc, acc_u
+
+
+@triton.jit
+def norm_step(a, inv, gk, g_ptrs, next_ok, BLOCK_K: tl.constexpr):
+    """The norm prologue on one K step's x tile: (normalise(a) with this step's g, the next step's g, its
+    pointers). The next step's g is asked for first (one element a thread: too narrow for the async
+    pipeline); next_ok masks its columns past K."""
+    g_ptrs += BLOCK_K
+    g_next = tl.load(g_ptrs, mask=next_ok, other=0.0)
+    return normalise(a, inv, gk), g_next, g_ptrs
 
 
 @triton.jit
