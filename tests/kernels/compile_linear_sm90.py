@@ -50,6 +50,31 @@ def tma_ptx_check(ptx: str, x_too: bool) -> str:
     return text
 
 
+def _build(fn, sig: dict, constexprs: dict, attrs: dict, opts: dict):
+    """The kernel compiled for sm_90, or 'FAILED ...' (reported with the variant, then counted)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    try:
+        return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=opts)
+    except Exception as exc:
+        return f"FAILED {exc!r}"[:500]
+
+
+def _report(kern, pdl: bool, ptx: str = "") -> str:
+    """A compiled variant's resources (and ``ptx`` counts), or 'FAILED ...' when a PDL build reads upstream data
+    or issues a bulk copy (x may be written by the kernel before) ahead of griddepcontrol.wait."""
+    asm = kern.asm["ptx"]
+    wrong = pdl_check(asm, pdl)
+    if pdl and not wrong:
+        head = asm.split("griddepcontrol.wait")[0]
+        wrong = "a bulk tensor copy before griddepcontrol.wait" if "cp.async.bulk.tensor" in head else None
+    if wrong:
+        return f"FAILED {wrong}"
+    wait = f"  griddepcontrol, {loads_before_wait(asm)} loads/prefetches before the wait" if pdl else ""
+    return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B{ptx}{wait}"
+
+
 def _plain_arg(i: int, name: str, values: dict, ptr_types: dict, sig: dict, attrs: dict, constexprs: dict) -> None:
     """Signature entry of a kernel argument as a launch specialises it: pointers 16-byte aligned (bf16 unless
     ptr_types names another element type), eps fp32, an integer 1 a constant, other integers i32 (16-divisible
@@ -73,8 +98,6 @@ def compile_tma_variant(task) -> str:
     resources and PTX counts, or 'FAILED ...'."""
     os.environ["TRITON_INTERPRET"] = "0"
     import torch
-    import triton
-    from triton.compiler import ASTSource
 
     from kernels.linear import tma
 
@@ -96,25 +119,16 @@ def compile_tma_variant(task) -> str:
                 sig[name] = f"tensordesc<bf16[{boxes[name][0]}, {boxes[name][1]}]>"
         else:
             _plain_arg(i, name, values, {}, sig, attrs, constexprs)
-    try:
-        kern = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=opts)
-    except Exception as exc:  # reported with the variant, then counted
-        return f"FAILED {exc!r}"[:500]
+    kern = _build(fn, sig, constexprs, attrs, opts)
+    if isinstance(kern, str):
+        return kern
     if kern.metadata.shared > H100_SHARED:
         return f"FAILED shared memory {kern.metadata.shared} B > {H100_SHARED} B"
     # the norm prologue's pre-pass reads x by pointer loads (its rows' 1/rms) whatever streams the K loop
     ptx = tma_ptx_check(kern.asm["ptx"], consts["X_TMA"] and not consts.get("NORM", False))
     if ptx.startswith("FAILED"):
         return ptx
-    wrong = pdl_check(kern.asm["ptx"], consts["PDL"])
-    if consts["PDL"] and not wrong:  # x may be written by the kernel before: no bulk copy ahead of the wait
-        head = kern.asm["ptx"].split("griddepcontrol.wait")[0]
-        wrong = "a bulk tensor copy before griddepcontrol.wait" if "cp.async.bulk.tensor" in head else None
-    if wrong:
-        return f"FAILED {wrong}"
-    pdl = f"  griddepcontrol, {loads_before_wait(kern.asm['ptx'])} loads/prefetches before the wait"
-    shared = f"shared {kern.metadata.shared} B"
-    return f"{resources(kern.asm['cubin'])}  {shared}  PTX: {ptx}" + (pdl if consts["PDL"] else "")
+    return _report(kern, consts["PDL"], f"  PTX: {ptx}")
 
 
 def compile_variant(task) -> str:
@@ -124,8 +138,6 @@ def compile_variant(task) -> str:
     specialisation); its resources, or 'FAILED ...'."""
     os.environ["TRITON_INTERPRET"] = "0"
     import torch
-    import triton
-    from triton.compiler import ASTSource
 
     from kernels.linear import triton as kt
 
@@ -144,18 +156,8 @@ def compile_variant(task) -> str:
             sig[name] = "constexpr"
         else:
             _plain_arg(i, name, values, ptr_types, sig, attrs, constexprs)
-    try:
-        kern = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=opts)
-    except Exception as exc:  # reported with the variant, then counted
-        return f"FAILED {exc!r}"[:500]
-    wrong = pdl_check(kern.asm["ptx"], consts["PDL"])
-    if consts["PDL"] and not wrong:  # x may be written by the kernel before: no bulk copy ahead of the wait
-        head = kern.asm["ptx"].split("griddepcontrol.wait")[0]
-        wrong = "a bulk tensor copy before griddepcontrol.wait" if "cp.async.bulk.tensor" in head else None
-    if wrong:
-        return f"FAILED {wrong}"
-    return f"{resources(kern.asm['cubin'])}  shared {kern.metadata.shared} B" + (
-        f"  griddepcontrol, {loads_before_wait(kern.asm['ptx'])} loads/prefetches before the wait" if consts["PDL"] else "")
+    kern = _build(fn, sig, constexprs, attrs, opts)
+    return kern if isinstance(kern, str) else _report(kern, consts["PDL"])
 
 
 def norm_variants() -> list[tuple]:
