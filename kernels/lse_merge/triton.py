@@ -43,17 +43,21 @@ def _merge_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, n_parts, n_rows, dim,
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     if N_PARTS > 0:
         for p in tl.static_range(N_PARTS):
-            lse_p = tl.load(lses_ptr + p * stride_lp + r, mask=r_ok, other=float("-inf"))
-            o_p = tl.load(outs_ptr + p * stride_op + r[:, None] * stride_or + d[None, :], mask=ok, other=0.0)
-            m, l, acc = merge_step(m, l, acc, lse_p, o_p)
+            m, l, acc = _merge_part(m, l, acc, p, outs_ptr, lses_ptr, stride_op, stride_or, stride_lp, r, d, r_ok, ok)
     else:
         for p in range(0, n_parts):
-            lse_p = tl.load(lses_ptr + p * stride_lp + r, mask=r_ok, other=float("-inf"))
-            o_p = tl.load(outs_ptr + p * stride_op + r[:, None] * stride_or + d[None, :], mask=ok, other=0.0)
-            m, l, acc = merge_step(m, l, acc, lse_p, o_p)
+            m, l, acc = _merge_part(m, l, acc, p, outs_ptr, lses_ptr, stride_op, stride_or, stride_lp, r, d, r_ok, ok)
     out, lse = merge_finish(m, l, acc)
     tl.store(out_ptr + r[:, None] * dim + d[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
     tl.store(lse_ptr + r, lse, mask=r_ok)
+
+
+@triton.jit
+def _merge_part(m, l, acc, p, outs_ptr, lses_ptr, stride_op, stride_or, stride_lp, r, d, r_ok, ok):
+    """Part p's LSEs [R] and output rows [R, D] of rows r into the running merge."""
+    lse_p = tl.load(lses_ptr + p * stride_lp + r, mask=r_ok, other=float("-inf"))
+    o_p = tl.load(outs_ptr + p * stride_op + r[:, None] * stride_or + d[None, :], mask=ok, other=0.0)
+    return merge_step(m, l, acc, lse_p, o_p)
 
 
 @triton.jit
