@@ -78,7 +78,8 @@ def main() -> int:
                          "launches it as programmatic dependent launches prefetching N weight steps (kernels/linear), "
                          "NAME:fusedmerge lets the short attention's KV splits merge their own partials "
                          "(PrefillConfig(merge='fused')), NAME:nopdl launches no kernel of a layer as a programmatic "
-                         "dependent launch (kernels.pdl.ENABLED, on by default; NAME:pdlall: on), NAME:generaltail runs ratio-0 passes "
+                         "dependent launch (kernels.pdl.ENABLED, on by default; NAME:pdlall: on), NAME:pdlearly / NAME:pdllate "
+                         "let each one the next launch before / after its own wait (kernels.pdl.EARLY), NAME:generaltail runs ratio-0 passes "
                          "through the general static tail, not reuse_tail.py's one copy and one replay, NAME:notma streams "
                          "the skinny GEMM table's TMA entries by pointer loads, NAME:splitsN gives short attention calls N "
                          "KV splits; options join "
@@ -134,7 +135,7 @@ def main() -> int:
             prefetch = [int(f[3:]) for f in flags if f.startswith("pdl") and f[3:].isdigit()]  # NAME:pdlN
             splits = [int(f[6:]) for f in flags if f.startswith("splits") and f[6:].isdigit()]  # NAME:splitsN
             unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail",
-                                                  "notma", "nopdl")
+                                                  "notma", "nopdl", "pdlearly", "pdllate")
                        and not (f.startswith("pdl") and f[3:].isdigit())
                        and not (f.startswith("splits") and f[6:].isdigit())]
             if unknown:
@@ -149,6 +150,7 @@ def main() -> int:
             import kernels.pdl  # every layer kernel a programmatic dependent launch (read when graphs are captured)
 
             kernels.pdl.ENABLED = "nopdl" not in flags  # on by default; NAME:pdlall kept as a name for it
+            kernels.pdl.EARLY = "pdlearly" in flags or (kernels.pdl.EARLY_DEFAULT and "pdllate" not in flags)
             from kernels.paged_attention import triton as attn_kt  # likewise the short attention's config
 
             attn_kt.SHORT_PREFILL = dataclasses.replace(SHORT_PREFILL, merge="fused") if "fusedmerge" in flags \

@@ -216,6 +216,11 @@ def _kernel_count(inp: dict) -> dict:
     return {"total": sum(names.values()), "by_name": dict(names.most_common())}
 
 
+# (name, kernels/pdl.py ENABLED, EARLY, kernels/linear/triton.py PDL_PREFETCH_STEPS), in timing order
+VARIANTS = (("off", False, False, -1), ("gemm", False, False, 2), ("pdl", True, False, -1),
+            ("early", True, True, -1), ("early+8", True, True, 8))
+
+
 def chain_main(argv: list[str]) -> int:
     from kernels import pdl
 
@@ -242,10 +247,12 @@ def chain_main(argv: list[str]) -> int:
     def snapshot(out):  # the hidden state and every layer's written KV rows
         return [out.clone()] + [x[s:].clone() for lw in inp["layers"] for x in (lw["k"], lw["v"])]
 
-    # off; the GEMMs alone (round 6's setting: PDL_PREFETCH_STEPS = 2, the switch off); the whole layer (the switch)
-    saved = pdl.ENABLED, kt.PDL_PREFETCH_STEPS  # each variant sets both; the process's settings come back after
-    for name, on, gemm_steps in (("off", False, -1), ("gemm", False, kt.SWITCH_PREFETCH_STEPS), ("pdl", True, -1)):
-        pdl.ENABLED, kt.PDL_PREFETCH_STEPS = on, gemm_steps
+    # off; the GEMMs alone (round 6's setting: PDL_PREFETCH_STEPS = 2, the switch off); the whole layer (the switch);
+    # the whole layer with every kernel letting the next one launch before its own wait (kernels/pdl.py's EARLY),
+    # with the GEMMs' default prefetch and with 8 steps
+    saved = pdl.ENABLED, pdl.EARLY, kt.PDL_PREFETCH_STEPS  # each variant sets all three; restored after
+    for name, on, early, gemm_steps in VARIANTS:
+        pdl.ENABLED, pdl.EARLY, kt.PDL_PREFETCH_STEPS = on, early, gemm_steps
         try:
             active = pdl.active(dev)
             steps = kt.pdl_steps(dev) if cuda else -1  # what the GEMMs launch with (the interpreter: no PDL)
@@ -265,14 +272,14 @@ def chain_main(argv: list[str]) -> int:
                 Path(args.out).write_text(json.dumps(rec, indent=2))
             return 1
         finally:
-            pdl.ENABLED, kt.PDL_PREFETCH_STEPS = saved
+            pdl.ENABLED, pdl.EARLY, kt.PDL_PREFETCH_STEPS = saved
         results[name] = snapshot(out)
-        rec["variants"][name] = {"layer_pdl": active, "gemm_pdl_steps": steps, "ms": []}
+        rec["variants"][name] = {"layer_pdl": active, "early": early, "gemm_pdl_steps": steps, "ms": []}
         print(f"{name}: {'captured' if cuda else 'ran'} (whole-layer PDL: {active}, GEMM PDL prefetch steps: "
               f"{steps if steps >= 0 else 'off'})", flush=True)
 
     def equal(snaps):
-        return {n: all(torch.equal(a, b) for a, b in zip(snaps["off"], snaps[n])) for n in ("gemm", "pdl")}
+        return {n: all(torch.equal(a, b) for a, b in zip(snaps["off"], snaps[n])) for n in snaps if n != "off"}
 
     rec["same_bits"] = equal(results)
     same = all(rec["same_bits"].values())

@@ -41,11 +41,21 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # the one switch: every participating kernel (kernels/fused rms_norm, add_rms_norm, qkv_heads; the paged
 # prefill attention; the LSE merge; the skinny GEMMs) launches as a PDL launch when it is on; TESSERA_PDL=0 in a
 # process's environment turns it off (read once, at import)
 ENABLED = os.environ.get("TESSERA_PDL", "1") != "0"
+# when a participating kernel lets the next one be scheduled: False, after its wait (the next kernel's programs
+# may then run their prologue while this one computes); True, before its wait ("early": the next kernel may be
+# scheduled while the one before this is still running, so a GEMM two launches down the chain can take SMs as
+# they drain and ask L2 for its weights). TESSERA_PDL_EARLY=1 / 0 in the environment picks (read once, at import)
+EARLY_DEFAULT = os.environ.get("TESSERA_PDL_EARLY", "0") == "1"
+EARLY = EARLY_DEFAULT
+WAIT_FIRST, TRIGGER_FIRST = 1, 2  # the PDL constexpr a participating kernel is compiled with (0: no PDL)
 MIN_CAPABILITY = (9, 0)  # griddepcontrol: Hopper and later
 
 
@@ -71,8 +81,26 @@ def active(device: torch.device) -> bool:
     return capability(device) >= MIN_CAPABILITY
 
 
+def mode() -> int:
+    """The PDL constexpr of a participating launch: TRIGGER_FIRST under ``EARLY``, else WAIT_FIRST."""
+    return TRIGGER_FIRST if EARLY else WAIT_FIRST
+
+
 def launch_kwargs(device: torch.device) -> dict:
-    """What a participating launcher adds to its kernel's launch: ``PDL=True`` (the kernel's constexpr) and
+    """What a participating launcher adds to its kernel's launch: ``PDL=mode()`` (the kernel's constexpr) and
     ``launch_pdl=True`` (Triton's launch option) when ``active(device)``, else nothing (PDL keeps its default,
     False: the kernel compiles without griddepcontrol)."""
-    return dict(PDL=True, launch_pdl=True) if active(device) else {}
+    return dict(PDL=mode(), launch_pdl=True) if active(device) else {}
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """A participating kernel's PDL point, after its reads of never-written data and before anything else: wait
+    for the kernel before (griddepcontrol.wait) and let the next one be scheduled (launch_dependents), in the
+    order ``PDL`` says (WAIT_FIRST, or True; TRIGGER_FIRST); nothing when PDL is 0 / False."""
+    if PDL == 2:  # TRIGGER_FIRST
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL:
+        gdc_wait()
+        gdc_launch_dependents()

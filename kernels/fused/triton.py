@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import pdl
+from kernels.pdl import enter as pdl_enter
 from kernels.fused.kv_write import KVWrite
 
 
@@ -40,8 +40,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols,
     ok = c < n_cols
     if PDL:  # the weight first (held across the wait); without PDL it is read where it is used, as before
         w = tl.load(w_ptr + c, mask=ok, other=0.0)
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_enter(PDL)
     x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_res + c, mask=ok, other=0.0)
@@ -92,8 +91,7 @@ def _qkv_heads_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, i
             w1, w2 = _head_norm_weights(qn_ptr, kn_ptr, d, d_ok, is_q, HALF)
         if not USE_TABLE:
             invf = tl.load(invf_ptr + d, mask=d_ok, other=0.0)
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_enter(PDL)
     src = qkv_ptr + t * stride_qkv + hh[:, None] * (2 * HALF) + d[None, :]
     x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D2]
     x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)

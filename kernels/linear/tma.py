@@ -30,11 +30,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels import pdl as pdl_switch
 from kernels.linear.config import LinearConfig
 from kernels.linear.triton import _epilogue, _prefetch_rows, _row_inv_rms, dots, norm_step, swiglu_act
+from kernels.pdl import enter as pdl_enter
 
 MAX_BOX = 256  # elements per box dimension (cuTensorMapEncodeTiled's limit)
 MIN_CAPABILITY = (9, 0)  # the tensor memory accelerator: Hopper and later
@@ -69,8 +70,7 @@ def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, c_ptr, out_ptr, M, N
         if SWIGLU:
             _prefetch_rows(w_ptr, rn + N, 0, tl.minimum(K, PREFETCH_STEPS * BLOCK_K), stride_wn, BLOCK_N, BLOCK_K)
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_enter(PDL)
     if NORM:
         inv = _row_inv_rms(x_ptr, offs_m, m_ok, K, stride_xm, eps, BLOCK_M, BLOCK_K, EVEN_K, NORM_STAGES)
         g_ptrs = g_ptr + offs_k
@@ -178,7 +178,7 @@ def _consts(m: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: bool, a
                   NORM_STAGES=NORM_PASS_STAGES, PREFETCH_STEPS=max(0, norm_prefetch) if norm and not _INTERPRET else 0,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if pdl >= 0 and not _INTERPRET:
-        consts.update(PDL=True, PREFETCH_STEPS=max(pdl, consts["PREFETCH_STEPS"]), launch_pdl=True)
+        consts.update(PDL=pdl_switch.mode(), PREFETCH_STEPS=max(pdl, consts["PREFETCH_STEPS"]), launch_pdl=True)
     return consts
 
 

@@ -32,9 +32,9 @@ import warnings
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import pdl as pdl_switch
+from kernels.pdl import enter as pdl_enter
 from kernels.linear.config import LinearConfig
 from kernels.linear.plan import (  # noqa: F401  (re-exported: the bench and the tests name them here)
     _COUNTERS, MAX_TILES_COUNTED, _counters, heuristic_config, pick_config, sm_count, split_plan, swiglu_config)
@@ -91,8 +91,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
             _prefetch_rows(w_ptr, rn + N, k0, tl.minimum(K, k0 + PREFETCH_STEPS * BLOCK_K), stride_wn, BLOCK_N,
                            BLOCK_K)
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_enter(PDL)
     k_end = tl.minimum(K, k0 + k_split)
     if NORM:
         inv = _row_inv_rms(x_ptr, offs_m, m_ok, K, stride_xm, eps, BLOCK_M, BLOCK_K, EVEN_K, NORM_STAGES)
@@ -273,7 +272,7 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: b
                   PREFETCH_STEPS=max(0, norm_prefetch) if norm and compiled else 0,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if pdl >= 0 and mode == 0 and compiled:
-        consts.update(PDL=True, PREFETCH_STEPS=max(pdl, consts["PREFETCH_STEPS"]), launch_pdl=True)
+        consts.update(PDL=pdl_switch.mode(), PREFETCH_STEPS=max(pdl, consts["PREFETCH_STEPS"]), launch_pdl=True)
     return grid, mode, n_split, (m, n, k, k_split, n_split, m * n), consts
 
 

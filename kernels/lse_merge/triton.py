@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import pdl
+from kernels.pdl import enter as pdl_enter
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -32,8 +32,7 @@ def _merge_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, n_parts, n_rows, dim,
     """N_PARTS > 0: the part count is known at compile time and the loop unrolled, so the parts' loads need
     not wait for each other's arithmetic (a loop over a runtime count issues one part's loads at a time)."""
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_enter(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     r_ok = r < n_rows
@@ -91,8 +90,7 @@ def _merge_all_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, n_parts, n_rows, dim
     """The same merge with every part of BLOCK_R rows loaded at once ([P_PAD, BLOCK_R, BLOCK_D]): no chain of
     one load per part (the loop's latency: ~0.45 us a part on an H100, bench/short_attention.json)."""
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_enter(PDL)
     p = tl.arange(0, P_PAD)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import pdl
 from kernels.lse_merge.triton import merge_rows
+from kernels.pdl import enter as pdl_enter
 from kernels.paged_attention._meta import PackedTable, dot_f32, sm_count
 from kernels.paged_attention._prefill_merge import arrival_counters, arrive_and_merge
 from kernels.paged_attention._prefill_query import (ROT_MODES, cos_sin, join_halves, query_halves, rotate_halves,
@@ -136,8 +136,7 @@ def _prefill_kernel(
     h = tl.program_id(1)
     split = tl.program_id(2)
     if PDL:  # kernels/pdl.py: every input (the packed table too) may come from a kernel of this pass: wait first
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_enter(PDL)
 
     # which sequence owns this tile: the last b with cu_q[b] // BLOCK_T + b <= tile
     bi = tl.arange(0, B_PAD)
@@ -366,8 +365,7 @@ def _key_bounds_kernel(meta_ptr, mask_ptr, slotpos_ptr, hi_ptr, n,
     """hi[e] = the latest global key position of entries e..e+NB-1 (one step of the prefill loop),
     or INT32_MAX when one of them has a hidden slot or lies past the table's end."""
     if PDL:  # the table was just packed by a kernel: wait for it (kernels/pdl.py)
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_enter(PDL)
     e0 = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     s = tl.arange(0, BS_PAD)
     s_ok = s < BS

@@ -12,15 +12,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compile_sm90 import compile_all, compile_kernel  # noqa: E402  (sets TRITON_INTERPRET=0 first)
+from compile_sm90 import PDL_SUFFIX, compile_all, compile_kernel  # noqa: E402  (sets TRITON_INTERPRET=0 first)
 
 
 def kernels():
     from kernels.fused.triton import _qkv_heads_kernel, _rms_norm_kernel, _silu_mul_kernel, _write_kv_kernel
 
     for res in (False, True):  # (-pdl: the programmatic-dependent-launch builds, kernels/pdl.py)
-        for pdl in (False, True):
-            yield f"rms-norm{'-add' if res else ''}{'-pdl' if pdl else ''}", lambda res=res, pdl=pdl: compile_kernel(
+        for pdl in (0, 1, 2):
+            yield f"rms-norm{'-add' if res else ''}{PDL_SUFFIX[pdl]}", lambda res=res, pdl=pdl: compile_kernel(
                 _rms_norm_kernel, dict(x_ptr="bf16", res_ptr="bf16", w_ptr="bf16", out_ptr="bf16", res_out_ptr="bf16"),
                 dict(BLOCK=4096, HAS_RES=res, PDL=pdl), scalars=dict(eps="fp32"), num_warps=8)
     yield "silu-mul", lambda: compile_kernel(_silu_mul_kernel, dict(gu_ptr="bf16", out_ptr="bf16"), dict(BLOCK=1024))
@@ -31,9 +31,9 @@ def kernels():
     for table in (False, True):
         for norm in (False, True):
             for to_cache in (True, False):
-                for pdl in (False, True) if to_cache else (False,):
+                for pdl in (0, 1, 2) if to_cache else (0,):
                     yield f"qkv-heads{'-table' if table else '-pos'}{'-qknorm' if norm else ''}" \
-                          f"{'-cache' if to_cache else ''}{'-pdl' if pdl else ''}", \
+                          f"{'-cache' if to_cache else ''}{PDL_SUFFIX[pdl]}", \
                         lambda table=table, norm=norm, to_cache=to_cache, pdl=pdl: compile_kernel(
                             _qkv_heads_kernel, qkv_ptrs,
                             dict(HALF=64, BLOCK_H=16, BLOCK_D2=64, USE_TABLE=table, QK_NORM=norm,

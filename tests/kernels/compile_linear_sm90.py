@@ -64,8 +64,10 @@ def _build(fn, sig: dict, constexprs: dict, attrs: dict, opts: dict):
 def _report(kern, pdl: bool, ptx: str = "") -> str:
     """A compiled variant's resources (and ``ptx`` counts), or 'FAILED ...' when a PDL build reads upstream data
     or issues a bulk copy (x may be written by the kernel before) ahead of griddepcontrol.wait."""
+    from kernels import pdl as pdl_switch  # the GEMMs are built with the switch's order (TESSERA_PDL_EARLY)
+
     asm = kern.asm["ptx"]
-    wrong = pdl_check(asm, pdl)
+    wrong = pdl_check(asm, pdl, early=pdl_switch.EARLY)
     if pdl and not wrong:
         head = asm.split("griddepcontrol.wait")[0]
         wrong = "a bulk tensor copy before griddepcontrol.wait" if "cp.async.bulk.tensor" in head else None

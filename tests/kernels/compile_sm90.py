@@ -8,7 +8,7 @@ a GPU run, and prints each kernel's registers, spills and shared memory.
 Signatures are those of the engine's Llama-3-8B benchmark shapes (bf16, 32 query / 8 KV heads,
 head_dim 128, block size 16) with the default configurations. Variants named ``...-pdl`` are the
 programmatic-dependent-launch builds (kernels/pdl.py): they fail here unless their PTX holds
-griddepcontrol.wait and griddepcontrol.launch_dependents.
+griddepcontrol.wait and griddepcontrol.launch_dependents, in that order (``...-pdl-early``: the other order).
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def kernels():
             _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True,
                                                 MERGE_FUSED=True, PLAN_STEPS=plan, GP=256 if plan else 1),
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    for pdl in (False, True):  # the engine's 64-token suffix launch (SHORT_PREFILL: 8 splits, entry plan)
-        yield f"prefill-short{'-pdl' if pdl else ''}", lambda pdl=pdl: compile_kernel(
+    for pdl in (0, 1, 2):  # the engine's 64-token suffix launch (SHORT_PREFILL: 8 splits, entry plan)
+        yield f"prefill-short{PDL_SUFFIX[pdl]}", lambda pdl=pdl: compile_kernel(
             _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True, PDL=pdl),
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for name, fn in vars(_prefill).items():  # helper kernels of the prefill module (metadata passes)
@@ -109,9 +109,11 @@ def kernels():
                 any(a.endswith("_ptr") for a in fn.arg_names) and name.endswith("_kernel"):
             yield name.strip("_"), lambda fn=fn: compile_kernel(fn, *jit_args(fn))
             if "PDL" in fn.arg_names:
-                yield name.strip("_") + "-pdl", lambda fn=fn: compile_kernel(fn, *jit_args(fn, PDL=True))
-    for pdl in (False, True):
-        sfx = "-pdl" if pdl else ""
+                for pdl in (1, 2):
+                    yield name.strip("_") + PDL_SUFFIX[pdl], lambda fn=fn, pdl=pdl: compile_kernel(
+                        fn, *jit_args(fn, PDL=pdl))
+    for pdl in (0, 1, 2):
+        sfx = PDL_SUFFIX[pdl]
         yield "lse-merge" + sfx, lambda pdl=pdl: compile_kernel(
             _merge_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
             dict(BLOCK_R=BLOCK_R, BLOCK_D=d, PDL=pdl, N_PARTS=0))
@@ -142,17 +144,25 @@ def resources(cubin: bytes) -> str:
 
 
 PDL_PTX = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
+PDL_SUFFIX = {0: "", 1: "-pdl", 2: "-pdl-early"}  # a variant's name by its PDL constexpr (kernels/pdl.py's modes)
 
 
-def pdl_check(ptx: str, expect: bool) -> str | None:
-    """What is wrong with a kernel's griddepcontrol instructions (a ``-pdl`` variant must hold both, any other
-    none), or None."""
+def pdl_check(ptx: str, expect: bool, early: bool = False) -> str | None:
+    """What is wrong with a kernel's griddepcontrol instructions (a PDL variant must hold both, the wait
+    first, or with ``early`` the launch first; any other variant none), or None."""
     found = [op for op in PDL_PTX if op in ptx]
     if expect and len(found) < len(PDL_PTX):
         return f"PDL variant without {', '.join(op for op in PDL_PTX if op not in found)} in its PTX"
     if not expect and found:
         return f"{', '.join(found)} in a variant built without PDL"
+    if expect and (ptx.index(PDL_PTX[1]) < ptx.index(PDL_PTX[0])) != early:
+        return f"griddepcontrol.{'wait' if early else 'launch_dependents'} first in a " \
+               f"{'-pdl-early' if early else '-pdl'} variant"
     return None
+
+
+def is_pdl(name: str) -> bool:
+    return name.endswith(("-pdl", "-pdl-early"))
 
 
 def loads_before_wait(ptx: str) -> int:
@@ -180,13 +190,13 @@ def compile_all(named_thunks, only: str | None = None, width: int = 18) -> int:
             failed += 1
             print(f"{name:{width}s} FAILED: {exc!r}"[:2000], flush=True)
             continue
-        wrong = pdl_check(k.asm["ptx"], name.endswith("-pdl"))
+        wrong = pdl_check(k.asm["ptx"], is_pdl(name), name.endswith("-pdl-early"))
         if wrong:
             failed += 1
             print(f"{name:{width}s} FAILED: {wrong}", flush=True)
             continue
         gdc = f"  griddepcontrol in PTX, {loads_before_wait(k.asm['ptx'])} loads before the wait" \
-            if name.endswith("-pdl") else ""
+            if is_pdl(name) else ""
         print(f"{name:{width}s} ok  {resources(k.asm['cubin'])}{gdc}  ({time.perf_counter() - t0:.1f} s)", flush=True)
     return failed
 

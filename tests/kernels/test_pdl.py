@@ -34,9 +34,11 @@ def switch(monkeypatch):
 
 def test_launch_kwargs_when_every_condition_holds(switch):
     assert pdl.active(CUDA0)
-    assert pdl.launch_kwargs(CUDA0) == {"PDL": True, "launch_pdl": True}
+    assert pdl.launch_kwargs(CUDA0) == {"PDL": pdl.WAIT_FIRST, "launch_pdl": True}
     switch.setattr(pdl, "capability", lambda device: (10, 0))  # later architectures too
-    assert pdl.launch_kwargs(CUDA0) == {"PDL": True, "launch_pdl": True}
+    assert pdl.launch_kwargs(CUDA0) == {"PDL": pdl.WAIT_FIRST, "launch_pdl": True}
+    switch.setattr(pdl, "EARLY", True)  # the next kernel let in before the wait
+    assert pdl.launch_kwargs(CUDA0) == {"PDL": pdl.TRIGGER_FIRST, "launch_pdl": True}
 
 
 @pytest.mark.parametrize("condition", ["switch off", "interpreter", "cpu", "capability 8.0", "capability 8.9"])
@@ -61,13 +63,15 @@ def test_the_switch_is_on_by_default_and_off_by_environment():
     import subprocess
 
     assert klt.PDL_PREFETCH_STEPS == -1
-    read = "import kernels.pdl as p; print(p.ENABLED)"
-    for value, want in ((None, "True"), ("0", "False"), ("1", "True")):
-        env = {k: v for k, v in os.environ.items() if k != "TESSERA_PDL"}
+    read = "import kernels.pdl as p; print(p.ENABLED, p.EARLY)"
+    for name, value, want in (("TESSERA_PDL", None, "True False"), ("TESSERA_PDL", "0", "False False"),
+                              ("TESSERA_PDL", "1", "True False"), ("TESSERA_PDL_EARLY", "1", "True True"),
+                              ("TESSERA_PDL_EARLY", "0", "True False")):
+        env = {k: v for k, v in os.environ.items() if k not in ("TESSERA_PDL", "TESSERA_PDL_EARLY")}
         if value is not None:
-            env["TESSERA_PDL"] = value
+            env[name] = value
         out = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, timeout=120)
-        assert out.stdout.strip() == want, (value, out.stderr[-500:])
+        assert out.stdout.strip() == want, (name, value, out.stderr[-500:])
 
 
 def test_gemm_prefetch_depth_follows_the_switch(switch):
@@ -86,7 +90,9 @@ def test_gemm_plan_turns_pdl_on_for_one_split_compiled_launches(switch):
 
     one, split = LinearConfig(16, 32, 32), LinearConfig(16, 32, 32, split_k=2)
     consts = klt._plan(16, 64, 256, torch.bfloat16, one, False, False, pdl=2)[4]
-    assert consts["PDL"] and consts["launch_pdl"] and consts["PREFETCH_STEPS"] == 2
+    assert consts["PDL"] == pdl.WAIT_FIRST and consts["launch_pdl"] and consts["PREFETCH_STEPS"] == 2
+    switch.setattr(pdl, "EARLY", True)
+    assert klt._plan(16, 64, 256, torch.bfloat16, one, False, False, pdl=2)[4]["PDL"] == pdl.TRIGGER_FIRST
     assert not klt._plan(16, 64, 256, torch.bfloat16, split, False, False, pdl=2)[4]["PDL"]  # split K: not PDL
     assert "launch_pdl" not in klt._plan(16, 64, 256, torch.bfloat16, one, False, False, pdl=-1)[4]
 
@@ -144,38 +150,43 @@ def test_merge_and_norms_same_bits_with_the_switch_on(monkeypatch, all_parts):
 
 
 
-def _no_griddepcontrol():
-    """What gdc_wait / gdc_launch_dependents become in the interpreter's kernels (plain Python runs there)."""
+def _pdl_builds(monkeypatch, mode: int) -> list[str]:
+    """From here on every layer kernel but the GEMMs launches with PDL=mode under the interpreter, its
+    griddepcontrol calls (the interpreter has none) replaced by Python that records them, in order, in the list
+    returned ("wait", "launch")."""
+    calls = []
+    monkeypatch.setattr(pdl, "gdc_wait", lambda: calls.append("wait"))
+    monkeypatch.setattr(pdl, "gdc_launch_dependents", lambda: calls.append("launch"))
+    monkeypatch.setattr(pdl, "launch_kwargs", lambda device: {"PDL": mode})
+    return calls
 
 
-def _pdl_builds(monkeypatch) -> None:
-    """From here on every layer kernel but the GEMMs launches with PDL=True under the interpreter, its
-    griddepcontrol calls replaced by a no-op (the interpreter has none)."""
-    from kernels.fused import triton as kf
-    from kernels.lse_merge import triton as klm
-    from kernels.paged_attention import _prefill
-
-    for mod in (kf, klm, _prefill):
-        monkeypatch.setattr(mod, "gdc_wait", _no_griddepcontrol)
-        monkeypatch.setattr(mod, "gdc_launch_dependents", _no_griddepcontrol)
-    monkeypatch.setattr(pdl, "launch_kwargs", lambda device: {"PDL": True})
+def _check_order(calls: list[str], mode: int) -> None:
+    """Every program waited once and let the next kernel in once, in the order ``mode`` says."""
+    pair = ["wait", "launch"] if mode == pdl.WAIT_FIRST else ["launch", "wait"]
+    assert calls and len(calls) % 2 == 0
+    assert all(calls[i:i + 2] == pair for i in range(0, len(calls), 2)), calls[:8]
 
 
 @interpreted_only
-def test_pdl_builds_of_the_layer_give_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("mode", [pdl.WAIT_FIRST, pdl.TRIGGER_FIRST])
+def test_pdl_builds_of_the_layer_give_the_same_bits(monkeypatch, mode):
     """The PDL builds' own code (weights read before the wait, everything else after it) gives the plain builds'
-    bits: the chain's layer (table cos/sin, KV splits merged by the loop merge)."""
+    bits, with the next kernel let in after the wait or before it: the chain's layer (table cos/sin, KV splits
+    merged by the loop merge)."""
     ps = _chain_module()
     inp = ps.chain_inputs(ps.CHAIN_SHAPES["tiny"], 1, torch.device("cpu"), torch.bfloat16, seed=1)
     off = _layer_outputs(ps, inp)
-    _pdl_builds(monkeypatch)
+    calls = _pdl_builds(monkeypatch, mode)
     on = _layer_outputs(ps, inp)
     assert all(torch.equal(a, b) for a, b in zip(off, on))
+    _check_order(calls, mode)
 
 
 @interpreted_only
+@pytest.mark.parametrize("mode", [pdl.WAIT_FIRST, pdl.TRIGGER_FIRST])
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_pdl_builds_of_qkv_heads_by_positions_and_the_merge_of_all_parts(monkeypatch, qk_norm):
+def test_pdl_builds_of_qkv_heads_by_positions_and_the_merge_of_all_parts(monkeypatch, qk_norm, mode):
     """The variants the chain does not take: rotation by positions * inv_freq, Qwen3's q/k norms (their
     weights read before the wait), k and v returned, and the merge that loads every part at once."""
     from kernels.fused import KVWrite
@@ -197,5 +208,6 @@ def test_pdl_builds_of_qkv_heads_by_positions_and_the_merge_of_all_parts(monkeyp
         return [q, k, v, kc, vc, *merge_rows(outs, lses, torch.bfloat16, all_parts=True)]
 
     off = run()
-    _pdl_builds(monkeypatch)
+    calls = _pdl_builds(monkeypatch, mode)
     assert all(torch.equal(a, b) for a, b in zip(off, run()))
+    _check_order(calls, mode)
