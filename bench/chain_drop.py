@@ -1,0 +1,130 @@
+"""What each non-GEMM kernel of the ratio-0 layer costs inside the 32-layer chain (issue #2's `tessera@0`).
+
+bench/pdl_stack.py --chain times the engine's 9 launches a layer at 64 rows as one CUDA graph. This times the same
+chain with kernels left out, each variant captured with kernels/pdl.py's switch on and timed alternately, so the
+difference to the whole chain is what a fusion that removed those launches could save at most (the outputs of a
+chain with kernels left out are not the layer's: nothing here is checked but the timing):
+
+  all         the 9 launches
+  -norms      no rms_norm / add_rms_norm (the GEMMs read the hidden state as it is)
+  -qkv_heads  no RoPE / KV write launch (attention reads q straight from the q|k|v output)
+  -attention  no attention and no LSE merge (o reads q as its input)
+  gemms       the four GEMMs alone
+  -gemms      everything but the GEMMs (each GEMM's output a buffer written once, before the graph)
+
+    python3 bench/chain_drop.py [--layers 32] [--rounds 5] [--out DIR/chain_drop.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pdl_stack  # noqa: E402
+from pdl_stack import EPS, _graph_ms, chain_inputs, kt  # noqa: E402
+
+VARIANTS = {"all": set(), "-norms": {"norms"}, "-qkv_heads": {"qkv_heads"}, "-attention": {"attention"},
+            "gemms": {"norms", "qkv_heads", "attention"}, "-gemms": {"gemms"}}
+
+
+def chain(inp: dict, drop: set, outs: dict) -> torch.Tensor:
+    """pdl_stack.chain_forward with the launches named in ``drop`` left out (``outs``: each GEMM's stand-in
+    output by weight name, for drop={"gemms"})."""
+    from kernels.fused import KVWrite
+    from kernels.fused import triton as kf
+    from kernels.paged_attention import triton as pat
+
+    sh, t = inp["shape"], inp["t"]
+    hq, d = sh["hq"], sh["d"]
+    key_hi = pat.prefill_key_bounds(inp["packed"], inp["slot_pos"])
+    h = inp["h0"]
+
+    def gemm(x, w, name, **kw):
+        if "gemms" in drop:
+            return outs[name]
+        return kt.linear(x, w, **kw)
+
+    for lw in inp["layers"]:
+        x = h if "norms" in drop else kf.rms_norm(h, lw["in_norm"], EPS)
+        qkv = gemm(x, lw["wqkv"], "wqkv")
+        if "qkv_heads" in drop:
+            q = qkv[:, :hq * d].view(t, hq, d)
+        else:
+            q, _, _ = kf.qkv_heads(qkv, hq, sh["hkv"], cos=inp["cos"], sin=inp["sin"], return_kv=False,
+                                   write=KVWrite(lw["k"], lw["v"], inp["write_block"], inp["write_slot"]))
+        if "attention" in drop:
+            a = qkv[:, :hq * d]  # (a view: no copy launched)
+        else:
+            a, _ = pat.paged_prefill_packed(q, inp["q_pos"], lw["k"], lw["v"], inp["slot_pos"], inp["packed"],
+                                            inp["cu_q"], inp["inv"], d ** -0.5, key_hi=key_hi)
+            a = a.reshape(t, hq * d)
+        o = gemm(a, lw["wo"], "wo")
+        if "norms" in drop:
+            x = o
+        else:
+            x, h = kf.add_rms_norm(o, h, lw["post_norm"], EPS)
+        if "gemms" in drop:
+            act = outs["wgu"]
+            h = outs["wd"]
+        else:
+            act = kt.linear_swiglu(x, lw["wgu"])
+            h = kt.linear(act, lw["wd"], accumulate=h)
+    return h
+
+
+def main() -> int:
+    from kernels import pdl
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    dev = torch.device("cuda")
+    shape = pdl_stack.CHAIN_SHAPES["llama3-8b"]
+    inp = chain_inputs(shape, args.layers, dev, torch.bfloat16)
+    t, lw0 = inp["t"], inp["layers"][0]
+    outs = {name: torch.randn(t, lw0[name].shape[0] // (2 if name == "wgu" else 1), device=dev,
+                              dtype=torch.bfloat16) for name in ("wqkv", "wo", "wgu", "wd")}
+    pdl.ENABLED = True
+    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "pdl": pdl.active(dev),
+           "gemm_pdl_steps": kt.pdl_steps(dev), "variants": {}}
+    graphs = {}
+    for name, drop in VARIANTS.items():
+        chain(inp, drop, outs)  # compiles
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain(inp, drop, outs)
+        graphs[name] = graph
+        rec["variants"][name] = {"dropped": sorted(drop), "ms": []}
+    for r in range(args.rounds):
+        for name, graph in graphs.items():
+            ms = _graph_ms(graph, args.reps)
+            rec["variants"][name]["ms"].append(ms)
+            print(f"round {r + 1}: {name:11s} {ms:7.3f} ms", flush=True)
+    best = {n: min(v["ms"]) for n, v in rec["variants"].items()}
+    rec["best_ms"] = best
+    for name, ms in best.items():
+        print(f"{name:11s} {ms:7.3f} ms  ({best['all'] - ms:+.3f} ms against all, "
+              f"{(best['all'] - ms) / args.layers * 1e3:+.1f} us a layer)", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rec, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
