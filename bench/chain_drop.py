@@ -13,6 +13,12 @@ chain with kernels left out are not the layer's: nothing here is checked but the
   -gemms      everything but the GEMMs (each GEMM's output a buffer written once, before the graph)
 
     python3 bench/chain_drop.py [--layers 32] [--rounds 5] [--out DIR/chain_drop.json]
+    python3 bench/chain_drop.py --configs [--out DIR/chain_configs.json]
+
+``--configs``: the whole chain with one GEMM's 64-row table entry (kernels/linear/config.py, CONFIGS) replaced at a
+time by each of CANDIDATES (TMA configs; gate|up's fused launch halves its block_n), timed alternately with the
+table's own; the outputs' largest difference to the table's is recorded (another tile can sum in another order).
+The table was picked GEMM by GEMM, alone; inside the chain, with PDL, the next kernel's programs share the SMs.
 """
 
 from __future__ import annotations
@@ -31,6 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pdl_stack  # noqa: E402
 from pdl_stack import EPS, _graph_ms, chain_inputs, kt  # noqa: E402
 
+# (N, K) of each projection -> TMA configs (block_m, block_n, block_k, stages) tried in its 64-row entry
+CANDIDATES = {
+    (6144, 4096): ((64, 32, 128, 6), (64, 64, 256, 3), (64, 128, 128, 3), (64, 64, 64, 8)),
+    (4096, 4096): ((64, 32, 128, 6), (64, 64, 128, 4), (64, 16, 256, 5), (64, 32, 64, 8)),
+    (28672, 4096): ((64, 128, 128, 3), (64, 32, 128, 5), (64, 64, 64, 6), (64, 64, 256, 2)),
+    (4096, 14336): ((64, 32, 256, 4), (64, 64, 128, 4), (64, 16, 128, 8), (64, 32, 64, 8)),
+}
 VARIANTS = {"all": set(), "-norms": {"norms"}, "-qkv_heads": {"qkv_heads"}, "-attention": {"attention"},
             "gemms": {"norms", "qkv_heads", "attention"}, "-gemms": {"gemms"}}
 
@@ -80,10 +93,58 @@ def chain(inp: dict, drop: set, outs: dict) -> torch.Tensor:
     return h
 
 
+def configs(inp: dict, outs: dict, rounds: int, reps: int) -> dict:
+    """--configs: the chain under each candidate entry, alternately with the table's (see the module docstring)."""
+    from kernels.linear import config as lc
+
+    table = dict(lc.CONFIGS)
+
+    def entry(shape, cfg):  # the table's rows for (N, K) with the 64-row one replaced
+        return tuple((m, cfg if m == 64 else c) for m, c in table[shape])
+
+    variants = {"table": None}
+    for shape, cands in CANDIDATES.items():
+        for bm, bn, bk, st in cands:
+            variants[f"{shape[0]}x{shape[1]} m{bm} n{bn} k{bk} st{st}"] = (shape, lc._TMA(bm, bn, bk, st))
+    graphs, rec, ref = {}, {}, None
+    for name, change in variants.items():
+        try:
+            if change is not None:
+                lc.CONFIGS[change[0]] = entry(*change)
+            out = chain(inp, set(), outs)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain(inp, set(), outs)
+            graph.replay()
+            torch.cuda.synchronize()
+        except Exception as exc:  # a config the device cannot take: report it, go on
+            rec[name] = {"error": repr(exc)[:400]}
+            print(f"{name}: FAILED {exc!r}"[:400], flush=True)
+            continue
+        finally:
+            lc.CONFIGS.clear()
+            lc.CONFIGS.update(table)
+        ref = out.clone() if ref is None else ref
+        graphs[name] = graph
+        rec[name] = {"ms": [], "max_abs_diff_vs_table": float((out.float() - ref.float()).abs().max())}
+    for r in range(rounds):
+        for name, graph in graphs.items():
+            rec[name]["ms"].append(_graph_ms(graph, reps))
+    base = min(rec["table"]["ms"])
+    for name, row in rec.items():
+        if "ms" in row:
+            row["best_ms"] = min(row["ms"])
+            print(f"{name:36s} {row['best_ms']:7.3f} ms ({base - row['best_ms']:+.3f} against the table)  "
+                  f"max |diff| {row['max_abs_diff_vs_table']:.3g}", flush=True)
+    return rec
+
+
 def main() -> int:
     from kernels import pdl
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", action="store_true", help="the GEMM table's 64-row entries against candidates")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=50)
@@ -101,6 +162,12 @@ def main() -> int:
     rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "pdl": pdl.active(dev),
            "gemm_pdl_steps": kt.pdl_steps(dev), "variants": {}}
+    if args.configs:
+        rec["configs"] = configs(inp, outs, args.rounds, args.reps)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(rec, indent=2))
+        return 0
     graphs = {}
     for name, drop in VARIANTS.items():
         chain(inp, drop, outs)  # compiles
