@@ -11,6 +11,10 @@ chain with kernels left out are not the layer's: nothing here is checked but the
   -attention  no attention and no LSE merge (o reads q as its input)
   gemms       the four GEMMs alone
   -gemms      everything but the GEMMs (each GEMM's output a buffer written once, before the graph)
+  +pf_o       all 9, and a tenth launch after qkv_heads that asks L2 for the o weight (PTX
+              cp.async.bulk.prefetch.L2, 4 KB a request, before its griddepcontrol.wait: a PDL launch that
+              starts while qkv_heads runs), so the o GEMM may read it from L2 after the attention
+  +pf_o_half  the same for the o weight's first half
 
     python3 bench/chain_drop.py [--layers 32] [--rounds 5] [--out DIR/chain_drop.json]
     python3 bench/chain_drop.py --configs [--out DIR/chain_configs.json]
@@ -30,11 +34,14 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pdl_stack  # noqa: E402
+from kernels.pdl import enter as pdl_enter  # noqa: E402
 from pdl_stack import EPS, _graph_ms, chain_inputs, kt  # noqa: E402
 
 # (N, K) of each projection -> TMA configs (block_m, block_n, block_k, stages) tried in its 64-row entry
@@ -45,7 +52,32 @@ CANDIDATES = {
     (4096, 14336): ((64, 32, 256, 4), (64, 64, 128, 4), (64, 16, 128, 8), (64, 32, 64, 8)),
 }
 VARIANTS = {"all": set(), "-norms": {"norms"}, "-qkv_heads": {"qkv_heads"}, "-attention": {"attention"},
-            "gemms": {"norms", "qkv_heads", "attention"}, "-gemms": {"gemms"}}
+            "gemms": {"norms", "qkv_heads", "attention"}, "-gemms": {"gemms"}, "+pf_o": {"+pf_o"},
+            "+pf_o_half": {"+pf_o_half"}}
+_BULK = tl.constexpr("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $3;"
+                     "\n\tmov.u32 $0, 0;\n\t}")
+
+
+@triton.jit
+def _prefetch_kernel(ptr, n_bytes, STEP: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr = False):
+    """Ask L2 for bytes [0, n_bytes) of ptr, STEP bytes a lane, then (PDL) wait for the kernel before."""
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, LANES)
+    for base in range(pid * LANES * STEP, n_bytes, tl.num_programs(0) * LANES * STEP):
+        off = base + lanes * STEP
+        ok = off < n_bytes
+        size = tl.minimum(n_bytes - off, STEP).to(tl.int32)
+        tl.inline_asm_elementwise(_BULK, "=r,l,r,r", [ptr + off, ok.to(tl.int32), size], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    pdl_enter(PDL)
+
+
+def l2_prefetch(w: torch.Tensor, fraction: float, programs: int = 16, step: int = 4096, lanes: int = 128) -> None:
+    from kernels import pdl
+
+    n_bytes = int(w.numel() * w.element_size() * fraction) // 128 * 128
+    _prefetch_kernel[(programs,)](w.view(-1).view(torch.uint8), n_bytes, STEP=step, LANES=lanes,
+                                  **pdl.launch_kwargs(w.device))
 
 
 def chain(inp: dict, drop: set, outs: dict) -> torch.Tensor:
@@ -73,6 +105,8 @@ def chain(inp: dict, drop: set, outs: dict) -> torch.Tensor:
         else:
             q, _, _ = kf.qkv_heads(qkv, hq, sh["hkv"], cos=inp["cos"], sin=inp["sin"], return_kv=False,
                                    write=KVWrite(lw["k"], lw["v"], inp["write_block"], inp["write_slot"]))
+        if "+pf_o" in drop or "+pf_o_half" in drop:
+            l2_prefetch(lw["wo"], 1.0 if "+pf_o" in drop else 0.5)
         if "attention" in drop:
             a = qkv[:, :hq * d]  # (a view: no copy launched)
         else:
@@ -168,15 +202,21 @@ def main() -> int:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(rec, indent=2))
         return 0
-    graphs = {}
+    graphs, results = {}, {}
     for name, drop in VARIANTS.items():
         chain(inp, drop, outs)  # compiles
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            chain(inp, drop, outs)
+            out = chain(inp, drop, outs)
+        graph.replay()
+        torch.cuda.synchronize()
+        results[name] = out.clone()
         graphs[name] = graph
         rec["variants"][name] = {"dropped": sorted(drop), "ms": []}
+    # the prefetch variants change no value: the same bits as the whole chain (the others are not the layer)
+    rec["same_bits_as_all"] = {n: torch.equal(results["all"], results[n]) for n in ("+pf_o", "+pf_o_half")}
+    print(f"prefetch variants equal to all bit for bit: {rec['same_bits_as_all']}", flush=True)
     for r in range(args.rounds):
         for name, graph in graphs.items():
             ms = _graph_ms(graph, args.reps)
