@@ -90,7 +90,8 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--suffix-tokens", type=int, default=64)
     ap.add_argument("--profile", action="store_true",
-                    help="print (and keep in the JSON) a torch profile of tessera@0 and @0.15 per backend")
+                    help="print (and keep in the JSON) a torch profile of each --profile-modes pass per backend")
+    ap.add_argument("--profile-modes", default="tessera@0.0,tessera@0.15", help="the passes --profile profiles")
     ap.add_argument("--modes", default="full@0.0,prefix@0.0,position_aware@0.0,blend_copy@0.15,tessera@0.15,"
                                        "tessera@0.0,tessera@0.3", help="rows to time, mode@ratio")
     args = ap.parse_args()
@@ -195,13 +196,13 @@ def main() -> int:
         if args.profile and static:
             from torch.profiler import ProfilerActivity, profile
 
-            for ratio in (0.0, 0.15):
+            for pmode, ratio in ((m, float(r)) for m, r in (i.split("@") for i in args.profile_modes.split(","))):
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=ratio)
+                    eng.prefill(chunks, suffix, mode=pmode, recompute_ratio=ratio)
                     torch.cuda.synchronize()
                 by_gpu = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
-                print(f"profile of {label} tessera@{ratio}, by GPU time:\n{by_gpu}", flush=True)
-                results.setdefault("profiles", {})[f"{label} tessera@{ratio}"] = [
+                print(f"profile of {label} {pmode}@{ratio}, by GPU time:\n{by_gpu}", flush=True)
+                results.setdefault("profiles", {})[f"{label} {pmode}@{ratio}"] = [
                     {"name": e.key, "calls": e.count, "gpu_us": e.self_device_time_total,
                      "cpu_us": e.self_cpu_time_total}
                     for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:40]]
