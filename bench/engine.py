@@ -82,7 +82,8 @@ def main() -> int:
                          "let each one the next launch before / after its own wait (kernels.pdl.EARLY), NAME:generaltail runs ratio-0 passes "
                          "through the general static tail, not reuse_tail.py's one copy and one replay, NAME:notma streams "
                          "the skinny GEMM table's TMA entries by pointer loads, NAME:splitsN gives short attention calls N "
-                         "KV splits; options join "
+                         "KV splits, NAME:pagedcausal runs the triton backend's plain causal passes through the paged "
+                         "kernel (not SDPA's flash path: services.engine.attention.DENSE_CAUSAL); options join "
                          "with '+' (NAME:pdl2+normed)")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
@@ -136,7 +137,7 @@ def main() -> int:
             prefetch = [int(f[3:]) for f in flags if f.startswith("pdl") and f[3:].isdigit()]  # NAME:pdlN
             splits = [int(f[6:]) for f in flags if f.startswith("splits") and f[6:].isdigit()]  # NAME:splitsN
             unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail",
-                                                  "notma", "nopdl", "pdlearly", "pdllate")
+                                                  "notma", "nopdl", "pdlearly", "pdllate", "pagedcausal")
                        and not (f.startswith("pdl") and f[3:].isdigit())
                        and not (f.startswith("splits") and f[6:].isdigit())]
             if unknown:
@@ -164,6 +165,9 @@ def main() -> int:
             from kernels.linear import plan as linear_plan  # the table's TMA entries as pointer loads
 
             linear_plan.TMA_ENABLED = "notma" not in flags
+            from services.engine import attention as engine_attention  # plain causal passes: flash, or paged
+
+            engine_attention.DENSE_CAUSAL = "pagedcausal" not in flags
         except Exception as exc:  # report and go on: one backend failing must not hide the others
             results["rows"].append({"backend": label, "error": repr(exc)})
             print(f"{label}: {exc!r}", flush=True)
