@@ -83,7 +83,8 @@ def main() -> int:
                          "through the general static tail, not reuse_tail.py's one copy and one replay, NAME:notma streams "
                          "the skinny GEMM table's TMA entries by pointer loads, NAME:splitsN gives short attention calls N "
                          "KV splits, NAME:pagedcausal runs the triton backend's plain causal passes through the paged "
-                         "kernel (not SDPA's flash path: services.engine.attention.DENSE_CAUSAL); options join "
+                         "kernel (not SDPA's flash path: services.engine.attention.DENSE_CAUSAL), NAME:nocut lets long attention calls walk "
+                         "every key (kernels.paged_attention.triton.CUT_FUTURE); options join "
                          "with '+' (NAME:pdl2+normed)")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
@@ -137,7 +138,7 @@ def main() -> int:
             prefetch = [int(f[3:]) for f in flags if f.startswith("pdl") and f[3:].isdigit()]  # NAME:pdlN
             splits = [int(f[6:]) for f in flags if f.startswith("splits") and f[6:].isdigit()]  # NAME:splitsN
             unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail",
-                                                  "notma", "nopdl", "pdlearly", "pdllate", "pagedcausal")
+                                                  "notma", "nopdl", "pdlearly", "pdllate", "pagedcausal", "nocut")
                        and not (f.startswith("pdl") and f[3:].isdigit())
                        and not (f.startswith("splits") and f[6:].isdigit())]
             if unknown:
@@ -157,6 +158,7 @@ def main() -> int:
 
             attn_kt.SHORT_PREFILL = dataclasses.replace(SHORT_PREFILL, merge="fused") if "fusedmerge" in flags \
                 else SHORT_PREFILL
+            attn_kt.CUT_FUTURE = "nocut" not in flags
             if splits:  # the short calls' KV split count (None: picked from the shapes)
                 attn_kt.SHORT_PREFILL = dataclasses.replace(attn_kt.SHORT_PREFILL, num_splits=splits[0])
             from services.engine import reuse_tail  # the ratio-0 pass through the general static tail

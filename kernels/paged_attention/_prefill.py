@@ -102,6 +102,12 @@ class PrefillConfig:
     index32: bool = False
     # split partials written in q's dtype instead of fp32 (half the merge's reads, one more rounding)
     narrow_partials: bool = False
+    # skip each offset group's entries from the first whose visible keys all lie after the tile's latest query
+    # (they would add exp(-inf) = 0): read from the table's key floors (step_key_bounds(floors=True)), up to
+    # cut_lanes entries of a group at once. Queries scattered over a sequence (CacheBlend's recomputed tokens)
+    # otherwise walk every key of it; a suffix after its chunks has nothing to cut.
+    cut_future: bool = True
+    cut_lanes: int = 256
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -114,6 +120,8 @@ class PrefillConfig:
             raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
         if self.prefetch_entries < 1 or self.prefetch_entries & (self.prefetch_entries - 1):
             raise ValueError(f"prefetch_entries must be a power of two, got {self.prefetch_entries}")
+        if self.cut_lanes < 1 or self.cut_lanes & (self.cut_lanes - 1):
+            raise ValueError(f"cut_lanes must be a power of two, got {self.cut_lanes}")
 
 
 @triton.jit
@@ -130,6 +138,7 @@ def _prefill_kernel(
     PLAN_STEPS: tl.constexpr = False, GP: tl.constexpr = 1, PREFETCH_KV: tl.constexpr = False,
     EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1, IDX32: tl.constexpr = False,
     PREFETCH_EMULATE: tl.constexpr = False, MERGE_FUSED: tl.constexpr = False, PDL: tl.constexpr = False,
+    lo_ptr=None, CUT: tl.constexpr = False, CUT_LANES: tl.constexpr = 1,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     tile = tl.program_id(0)
@@ -209,6 +218,7 @@ def _prefill_kernel(
     q_row = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     q_pos = tl.load(qpos_ptr + tok, mask=row_ok, other=-1)  # a padding row sees nothing
     q_min = tl.min(tl.where(row_ok, q_pos, INT32_MAX), axis=0)  # keys at or before it need no causal mask
+    q_max = tl.max(tl.where(row_ok, q_pos, -1), axis=0)  # keys after it are in every row's future
     SPLIT: tl.constexpr = ROT_MODE == "split"
     PREFETCH: tl.constexpr = ROT_MODE == "prefetch" or ROT_MODE == "prefetch_cs"
     q_dtype: tl.constexpr = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty  # the interpreter's dot: fp32
@@ -241,6 +251,8 @@ def _prefill_kernel(
         else:
             e_begin = tl.maximum(e_first, lo)
             e_end = tl.minimum(e_next, hi)
+        if CUT:  # the group's entries from the first whose keys all lie after q_max on: in every row's future
+            e_end = tl.minimum(e_end, future_cut(lo_ptr, e_first, e_next, q_max, CUT_LANES))
         if ROTATE:  # the next group's rotation, or its loads, before this group's step loop
             has_next = grp + 1 < g_hi
             if ROT_MODE == "early":
@@ -290,6 +302,18 @@ def _prefill_kernel(
         if t0 < q_hi:
             arrive_and_merge(out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, cnt_ptr, tile * tl.num_programs(1) + h, n_split,
                              o_rows, l_rows, row_ok, stride_os, stride_ls, D)
+
+
+@triton.jit
+def future_cut(lo_ptr, e_first, e_next, q_max, LANES: tl.constexpr):
+    """The first entry of group [e_first, e_next) from which on no visible key is at or before q_max, read from
+    the group's key floors (lo_ptr: per entry, the earliest visible key position of it and every later entry of
+    its group, so non-decreasing along the group: the entries at or before q_max are a prefix). A group longer
+    than LANES whose first LANES entries all reach q_max is not cut (e_next)."""
+    i = tl.arange(0, LANES)
+    floor = tl.load(lo_ptr + e_first + i, mask=e_first + i < e_next, other=INT32_MAX)
+    n = tl.sum((floor <= q_max).to(tl.int32), axis=0)
+    return tl.where(n == LANES, e_next, e_first + n)
 
 
 @triton.jit
@@ -361,9 +385,10 @@ def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k
 @triton.jit
 def _key_bounds_kernel(meta_ptr, mask_ptr, slotpos_ptr, hi_ptr, n,
                        BS: tl.constexpr, BS_PAD: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                       MASK_IN_WORD: tl.constexpr, PDL: tl.constexpr = False):
+                       MASK_IN_WORD: tl.constexpr, PDL: tl.constexpr = False, lo_ptr=None, LO: tl.constexpr = False):
     """hi[e] = the latest global key position of entries e..e+NB-1 (one step of the prefill loop),
-    or INT32_MAX when one of them has a hidden slot or lies past the table's end."""
+    or INT32_MAX when one of them has a hidden slot or lies past the table's end. LO: also lo[e] = the
+    earliest global position of entry e's visible keys (INT32_MAX when it shows none)."""
     if PDL:  # the table was just packed by a kernel: wait for it (kernels/pdl.py)
         pdl_enter(PDL)
     e0 = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -381,13 +406,19 @@ def _key_bounds_kernel(meta_ptr, mask_ptr, slotpos_ptr, hi_ptr, n,
                       other=0)
         last = ((word >> 16) & 0xFFFF).to(tl.int32) + tl.max(pos, axis=1)
         hi = tl.maximum(hi, tl.where(full, last, INT32_MAX))
+        if LO and j == 0:
+            first = tl.min(tl.where(shown, pos, INT32_MAX), axis=1)
+            first = tl.where(first == INT32_MAX, INT32_MAX, ((word >> 16) & 0xFFFF).to(tl.int32) + first)
+            tl.store(lo_ptr + e0, first, mask=ok)
     tl.store(hi_ptr + e0, hi, mask=e0 < n)
 
 
 def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_freq, scale,
-           *, rotate: bool = True, cfg: PrefillConfig = PrefillConfig(), key_hi: torch.Tensor | None = None):
+           *, rotate: bool = True, cfg: PrefillConfig = PrefillConfig(), key_hi: torch.Tensor | None = None,
+           key_floor: torch.Tensor | None = None):
     """Run the prefill kernel on a table packed with its offset groups (pack(..., cu_entries=)).
-    ``key_hi``: step_key_bounds of this table at cfg's step, when the caller computed it already.
+    ``key_hi`` (and, with cfg.cut_future, ``key_floor``): step_key_bounds of this table at cfg's step, when the
+    caller computed them already.
     Returns out [Tq, Hq, D] (q.dtype), lse [Tq, Hq] fp32."""
     if packed.cu_groups is None:
         raise ValueError("prefill needs the table's offset groups: pack it with cu_entries")
@@ -423,10 +454,12 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         counters = arrival_counters(q.device, n_tiles * hkv)
     else:
         fin, fin_lse, counters = out, lse, packed.meta  # unread
-    if key_hi is None:
-        key_hi = step_key_bounds(packed, slot_pos, bs, nb)
-    elif key_hi.numel() < packed.meta.numel():
-        raise ValueError(f"key_hi has {key_hi.numel()} bounds for {packed.meta.numel()} entries")
+    if key_hi is None or (cfg.cut_future and key_floor is None):
+        bounds = step_key_bounds(packed, slot_pos, bs, nb, floors=cfg.cut_future)
+        key_hi, key_floor = bounds if cfg.cut_future else (bounds, None)
+    for name, b in (("key_hi", key_hi), ("key_floor", key_floor if cfg.cut_future else None)):
+        if b is not None and b.numel() < packed.meta.numel():
+            raise ValueError(f"{name} has {b.numel()} bounds for {packed.meta.numel()} entries")
     grid = (n_tiles, hkv, nsplit)
     _prefill_kernel[grid](
         q, q_pos, k_cache, v_cache, slot_pos, packed.meta, packed.masks,
@@ -445,6 +478,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         LINES=max(1, dim * k_cache.element_size() // 128), LINE=max(1, 128 // k_cache.element_size()),
         IDX32=cfg.index32 and max(_span(k_cache), _span(slot_pos)) < 2**31, MERGE_FUSED=fused,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
+        **(dict(lo_ptr=key_floor, CUT=True, CUT_LANES=cfg.cut_lanes) if cfg.cut_future else {}),
     )
     if nsplit == 1:
         return out, lse
@@ -460,16 +494,37 @@ def _span(x: torch.Tensor) -> int:
     return 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
 
 
-def step_key_bounds(packed: PackedTable, slot_pos: torch.Tensor, bs: int, nb: int) -> torch.Tensor:
+def step_key_bounds(packed: PackedTable, slot_pos: torch.Tensor, bs: int, nb: int, floors: bool = False):
     """int32 [max(E, 1)]: per entry e, the latest global key position of entries e..e+nb-1, or
-    INT32_MAX when one of them hides a slot or lies past the end (one launch, no sync)."""
+    INT32_MAX when one of them hides a slot or lies past the end (one launch, no sync).
+    ``floors``: (that, the key floors int32 [max(E, 1)]): per entry, the earliest visible key position of it
+    and of every later entry of its offset group (INT32_MAX: none), what the kernel's CUT reads (a few more
+    launches, no sync)."""
     n_entries = packed.meta.numel()
     key_hi = torch.empty(max(1, n_entries), dtype=torch.int32, device=slot_pos.device)
+    key_lo = torch.full((max(1, n_entries),), 2**31 - 1, dtype=torch.int32, device=slot_pos.device) if floors \
+        else None
     if n_entries:
         _key_bounds_kernel[(triton.cdiv(n_entries, BOUNDS_BLOCK),)](
             packed.meta, packed.masks, slot_pos, key_hi, n_entries, BS=bs, BS_PAD=triton.next_power_of_2(bs),
-            NB=nb, BLOCK=BOUNDS_BLOCK, MASK_IN_WORD=packed.mask_in_word, **pdl.launch_kwargs(slot_pos.device))
-    return key_hi
+            NB=nb, BLOCK=BOUNDS_BLOCK, MASK_IN_WORD=packed.mask_in_word, lo_ptr=key_lo, LO=floors,
+            **pdl.launch_kwargs(slot_pos.device))
+    if not floors:
+        return key_hi
+    if n_entries:
+        key_lo = group_suffix_min(key_lo, packed.group_starts)
+    return key_hi, key_lo
+
+
+def group_suffix_min(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """x int32 [E] (values below 2**31) -> per entry, the minimum of x over it and the later entries of its group
+    (groups: runs [starts[g], starts[g + 1]) of a non-decreasing int32 starts padded with E). On the device,
+    without a sync: each value lifted by its group's index times 2**32, so that a running minimum taken from
+    the end restarts at every group."""
+    n = x.numel()
+    gid = torch.searchsorted(starts, torch.arange(n, dtype=starts.dtype, device=x.device), right=True).long() - 1
+    lift = gid * (1 << 32)
+    return (torch.cummin((x.long() + lift).flip(0), 0).values.flip(0) - lift).to(torch.int32)
 
 
 def pick_splits(programs: int, steps: int, device, min_steps: int = 8) -> int:

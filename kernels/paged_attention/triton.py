@@ -31,8 +31,13 @@ DECODE_COS_SIN_TABLE = True
 # against 31.4 us with the default (6 splits and a fifth, empty query tile). merge="fused" (the split programs
 # merge their own partials, no LSE-merge launch: _prefill_merge.py) measured slower here (32.6 against 26.5 us
 # at 8 splits: each (tile, KV head)'s last program reads all 8 partials on one SM; bench/short_attention.md, round 7)
-SHORT_PREFILL: _prefill.PrefillConfig | None = _prefill.PrefillConfig(exact_tiles=True, min_split_steps=6)
+# (cut_future off: a suffix after its chunks has no key to cut, and the pass keeps its one key-bounds launch)
+SHORT_PREFILL: _prefill.PrefillConfig | None = _prefill.PrefillConfig(exact_tiles=True, min_split_steps=6,
+                                                                      cut_future=False)
 SHORT_PREFILL_TOKENS = 128
+# longer calls skip each offset group's keys after the tile's latest query (PrefillConfig.cut_future); False: they
+# walk every key (the A/B of bench/engine.py's NAME:nocut)
+CUT_FUTURE = True
 
 
 def _check(q, k_cache, v_cache, inv_freq, cu_entries) -> None:
@@ -79,21 +84,25 @@ def paged_prefill_attention(q, q_pos, k_cache, v_cache, slot_pos, block_ids, off
     return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale)
 
 
-def prefill_key_bounds(packed: PackedTable, slot_pos: torch.Tensor) -> torch.Tensor:
+def prefill_key_bounds(packed: PackedTable, slot_pos: torch.Tensor, floors: bool = False):
     """The per-step key bounds the prefill kernel reads (one small launch): a caller running many
     layers over one packed table computes them once and passes them to every paged_prefill_packed
-    (the table and the slot positions must not change in between)."""
+    (the table and the slot positions must not change in between). ``floors``: (the bounds, the key
+    floors that a configuration with cut_future reads), a few more launches."""
     bs = slot_pos.shape[1]
-    return _prefill.step_key_bounds(packed, slot_pos, bs, max(1, _prefill.PrefillConfig().min_block_n // bs))
+    return _prefill.step_key_bounds(packed, slot_pos, bs, max(1, _prefill.PrefillConfig().min_block_n // bs),
+                                    floors=floors)
 
 
 def paged_prefill_packed(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_freq, scale,
-                         num_splits: int | None = None, key_hi: torch.Tensor | None = None):
+                         num_splits: int | None = None, key_hi: torch.Tensor | None = None,
+                         key_floor: torch.Tensor | None = None):
     """paged_prefill_attention on a table already packed with its offset groups (pack(..., cu_entries=)
     or pack_into). No device sync, no allocation but the outputs, the grid a function of the shapes
     alone: a CUDA graph can capture it. q_pos, slot_pos, cu_q int32; inv_freq fp32 on q's device.
     A query row at position -1 sees no key (out 0): how static callers make padding inert.
-    ``key_hi``: prefill_key_bounds(packed, slot_pos), when the caller keeps it across layers."""
+    ``key_hi`` (and ``key_floor``): prefill_key_bounds(packed, slot_pos[, floors=True]), when the caller keeps
+    them across layers (a configuration with cut_future computes missing floors, and bounds with them)."""
     _check(q, k_cache, v_cache, inv_freq, cu_q)
     if packed.cu_groups is None or cu_q.shape != packed.cu_groups.shape or q_pos.shape != q.shape[:1]:
         raise ValueError(f"cu_q {tuple(cu_q.shape)} / q_pos {tuple(q_pos.shape)} disagree with the queries or "
@@ -109,7 +118,7 @@ def paged_prefill_packed(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTab
     if key_hi is not None and cfg.min_block_n != _prefill.PrefillConfig().min_block_n:
         key_hi = None  # prefill_key_bounds computed them for the default's step: recompute for this one
     return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale, cfg=cfg,
-                           key_hi=key_hi)
+                           key_hi=key_hi, key_floor=key_floor)
 
 
 def prefill_config(n_tokens: int, num_splits: int | None = None) -> _prefill.PrefillConfig:
@@ -117,7 +126,7 @@ def prefill_config(n_tokens: int, num_splits: int | None = None) -> _prefill.Pre
     num_splits None: the kernel picks its splits from the shapes."""
     base = SHORT_PREFILL if SHORT_PREFILL is not None and n_tokens <= SHORT_PREFILL_TOKENS else None
     if base is None:
-        return _prefill.PrefillConfig(num_splits=num_splits)
+        return _prefill.PrefillConfig(num_splits=num_splits, cut_future=CUT_FUTURE)
     return dataclasses.replace(base, num_splits=num_splits if num_splits is not None else base.num_splits)
 
 

@@ -119,13 +119,18 @@ class TritonStatic(_StaticTable):
         att._kt.pack_into(self.packed, self.id_rows[0], self.id_rows[1], self.masks, att.pool.block_size,
                           att.inv_freq, self.cu_e, bounds=(att.pool.num_blocks - 1, MAX_OFFSET))
         self.q_pos.copy_(torch.where(pos < PAD_POS, pos, -1))
-        # every layer reads the same table and slot positions: the kernel's per-step key bounds once
-        self.key_hi = att._kt.prefill_key_bounds(self.packed, att.pool.slot_pos)
+        # every layer reads the same table and slot positions: the kernel's per-step key bounds once (and the
+        # key floors, when this tail's calls cut future keys)
+        if att._kt.prefill_config(self.t).cut_future:
+            self.key_hi, self.key_floor = att._kt.prefill_key_bounds(self.packed, att.pool.slot_pos, floors=True)
+        else:
+            self.key_hi, self.key_floor = att._kt.prefill_key_bounds(self.packed, att.pool.slot_pos), None
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         att = self.fwd.attention
         out, _ = att._kt.paged_prefill_packed(q, self.q_pos, att.pool.k[layer], att.pool.v[layer], att.pool.slot_pos,
-                                              self.packed, self.cu_q, att.inv_freq, att.scale, key_hi=self.key_hi)
+                                              self.packed, self.cu_q, att.inv_freq, att.scale, key_hi=self.key_hi,
+                                              key_floor=self.key_floor)
         return out
 
 

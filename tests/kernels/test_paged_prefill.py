@@ -7,7 +7,7 @@ from paged_cases import build, eager_attention, prefill_queries
 
 from kernels.paged_attention import paged_prefill_attention
 from kernels.paged_attention._meta import offset_groups, pack
-from kernels.paged_attention._prefill import PrefillConfig, launch, step_key_bounds
+from kernels.paged_attention._prefill import PrefillConfig, group_suffix_min, launch, step_key_bounds
 from kernels.paged_attention._prefill_query import ROT_MODES
 from kernels.rope import rope_inv_freq
 
@@ -124,6 +124,68 @@ def test_step_key_bounds(bs, nb):
     want = [max(int(per_entry[e + j]) if e + j < n else big for j in range(nb)) for e in range(n)]
     assert got.tolist() == want
     assert (per_entry < big).any() and (per_entry == big).any()  # both kinds of entry are exercised
+
+
+def test_group_suffix_min():
+    """Per entry, the minimum over it and the later entries of its group; starts padded with E."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 1000, (23,), generator=g, dtype=torch.int32)
+    x[[4, 9, 22]] = 2**31 - 1  # entries that show no key
+    starts = torch.tensor([0, 5, 6, 12, 23, 23, 23], dtype=torch.int32)
+    bounds = starts.tolist()
+    want = []
+    for e in range(23):
+        end = next(b for b in bounds if b > e)
+        want.append(min(x[e:end].tolist()))
+    assert group_suffix_min(x, starts).tolist() == want
+
+
+@pytest.mark.parametrize("bs", [16, 64])
+def test_key_floors(bs):
+    """The floors the kernel cuts future keys by: per entry, the earliest visible key position (offset + slot
+    position) of it and of every later entry of its offset group; INT32_MAX where none is visible."""
+    inv = rope_inv_freq(64, 10000.0)
+    case = build([([70, 40], 9), ([33], 50)], bs, 1, 64, inv, hide=0.3 if bs < 64 else 0.0, base=1000)
+    case.masks[0] = 0  # an entry that shows no key (the group's later entries still set its floor)
+    packed = pack(case.block_ids, case.offsets, case.masks, bs, inv, with_table=False, cu_entries=case.cu_entries)
+    hi, floors = step_key_bounds(packed, case.slot_pos, bs, 2, floors=True)
+    assert torch.equal(hi, step_key_bounds(packed, case.slot_pos, bs, 2))
+    ids, offs, masks = case.block_ids.long(), case.offsets.long(), case.masks.long()
+    big, n = 2**31 - 1, ids.numel()
+    first = []
+    for e in range(n):
+        shown = [s for s in range(bs) if (int(masks[e]) >> s) & 1]
+        first.append(min(int(offs[e]) + int(case.slot_pos[ids[e], s]) for s in shown) if shown else big)
+    starts = packed.group_starts.tolist()
+    want = [min(first[e:next(b for b in starts if b > e)]) for e in range(n)]
+    assert floors.tolist() == want
+    assert first[0] == big and want[0] < big
+
+
+@pytest.mark.parametrize("cfg", [PrefillConfig(block_m=32, min_block_n=32), PrefillConfig(block_m=16, min_block_n=16,
+                                 num_splits=3), PrefillConfig(block_m=32, min_block_n=32, num_splits=2, plan="steps"),
+                                 PrefillConfig(block_m=32, min_block_n=32, cut_lanes=2)],
+                         ids=["one-split", "3-splits", "steps-plan", "2-lanes"])
+def test_future_cut_gives_the_same_bits(cfg):
+    """Skipping a group's entries whose keys all lie after the tile's latest query drops terms exp(-inf) = 0:
+    the same bits as walking them (scattered queries, as CacheBlend's recomputed tokens; hidden slots; two
+    sequences; a group longer than cut_lanes is not cut)."""
+    import dataclasses
+
+    inv = rope_inv_freq(64, 500000.0, LLAMA3)
+    case = build([([60, 75, 40], 6), ([50], 9)], 16, 2, 64, inv, dtype=torch.bfloat16, hide=0.2)
+    q, q_pos, cu_q = prefill_queries(case, [6, 9], [20, 7], 8, torch.bfloat16)
+    packed = pack(case.block_ids, case.offsets, case.masks, 16, inv, with_table=True, cu_entries=case.cu_entries)
+    runs = [launch(q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, 0.125,
+                   cfg=dataclasses.replace(cfg, cut_future=cut)) for cut in (True, False)]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    out_t, _ = _run(case, q, q_pos, cu_q, 0.125, "torch")
+    assert rel_err(runs[0][0], out_t) <= TOL[torch.bfloat16]
+
+
+def test_cut_lanes_is_checked():
+    with pytest.raises(ValueError, match="cut_lanes"):
+        PrefillConfig(cut_lanes=3)
 
 
 # every way of rotating the query (bench/kernels.py --rotation times them): same result as the twin
