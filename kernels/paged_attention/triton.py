@@ -38,6 +38,8 @@ SHORT_PREFILL_TOKENS = 128
 # longer calls skip each offset group's keys after the tile's latest query (PrefillConfig.cut_future); False: they
 # walk every key (the A/B of bench/engine.py's NAME:nocut)
 CUT_FUTURE = True
+# KV splits of longer calls (None: picked from the grid, PrefillConfig's pick_splits)
+LONG_SPLITS: int | None = None
 
 
 def _check(q, k_cache, v_cache, inv_freq, cu_entries) -> None:
@@ -126,7 +128,8 @@ def prefill_config(n_tokens: int, num_splits: int | None = None) -> _prefill.Pre
     num_splits None: the kernel picks its splits from the shapes."""
     base = SHORT_PREFILL if SHORT_PREFILL is not None and n_tokens <= SHORT_PREFILL_TOKENS else None
     if base is None:
-        return _prefill.PrefillConfig(num_splits=num_splits, cut_future=CUT_FUTURE)
+        return _prefill.PrefillConfig(num_splits=num_splits if num_splits is not None else LONG_SPLITS,
+                                      cut_future=CUT_FUTURE)
     return dataclasses.replace(base, num_splits=num_splits if num_splits is not None else base.num_splits)
 
 
