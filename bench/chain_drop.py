@@ -23,6 +23,10 @@ chain with kernels left out are not the layer's: nothing here is checked but the
 time by each of CANDIDATES (TMA configs; gate|up's fused launch halves its block_n), timed alternately with the
 table's own; the outputs' largest difference to the table's is recorded (another tile can sum in another order).
 The table was picked GEMM by GEMM, alone; inside the chain, with PDL, the next kernel's programs share the SMs.
+
+Outcome (H100, 2026-11-22; chain_drop_s9.json, chain_drop_pf_s9.json, chain_configs_s9.json; bench/engine.md, round 9):
+all 6.22-6.23 ms; -norms 6.08-6.10; -qkv_heads 6.17-6.18; -attention 5.26; gemms 5.07; -gemms 1.04; +pf_o 6.53 and
++pf_o_half 6.41 (slower, the same bits); every candidate GEMM tile slower than the table's (by 0.006-0.711 ms).
 """
 
 from __future__ import annotations

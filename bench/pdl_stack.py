@@ -16,7 +16,8 @@ and checks that every variant gives the same bits.
 per layer at 64 rows (rms_norm, q|k|v GEMM, qkv_heads writing the KV cache, the paged prefill attention over 6 x
 512 cached keys with KV splits, the LSE merge, o GEMM, add_rms_norm, gate|up SwiGLU GEMM, down GEMM onto the
 residual) over --layers layers of distinct weights and caches, captured as one CUDA graph three ways: no PDL
-("off"), the GEMMs' PDL alone ("gemm", round 6's setting) and kernels/pdl.py's switch on ("pdl"); timed
+("off"), the GEMMs' PDL alone ("gemm", round 6's setting), kernels/pdl.py's switch on ("pdl"), and with every kernel
+letting the next launch before its own wait ("early", "early+8": the GEMMs prefetching 8 steps); timed
 alternately --rounds times; the outputs (hidden state and every layer's written KV rows) checked equal to
 off's bit for bit.
 
@@ -24,6 +25,9 @@ Outcome (H100, 2026-11-22, bench/pdl_stack.json): 64 rows 5.298 ms without PDL, 
 (0 / 2 / 4 steps prefetched); 8 rows 5.082 ms without, 5.090 / 5.205 / 5.652 with. In the engine, where the kernels
 before most projections (norms, attention, cuBLAS) do not take part, no change beyond the spread (bench/engine.md,
 round 6). Kept off (kernels/linear/triton.py, PDL_PREFETCH_STEPS = -1).
+
+--chain (H100, 2026-11-22, bench/pdl_chain_s9.json): off 6.562, gemm 6.623, pdl 6.441, early 6.448, early+8 6.578 ms,
+every variant the same bits: the switch stays on, EARLY off (bench/engine.md, round 9).
 """
 
 from __future__ import annotations
