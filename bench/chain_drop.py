@@ -202,10 +202,7 @@ def main() -> int:
            "gemm_pdl_steps": kt.pdl_steps(dev), "variants": {}}
     if args.configs:
         rec["configs"] = configs(inp, outs, args.rounds, args.reps)
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(rec, indent=2))
-        return 0
+        return _write(args.out, rec)
     graphs, results = {}, {}
     for name, drop in VARIANTS.items():
         chain(inp, drop, outs)  # compiles
@@ -231,9 +228,13 @@ def main() -> int:
     for name, ms in best.items():
         print(f"{name:11s} {ms:7.3f} ms  ({best['all'] - ms:+.3f} ms against all, "
               f"{(best['all'] - ms) / args.layers * 1e3:+.1f} us a layer)", flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(rec, indent=2))
+    return _write(args.out, rec)
+
+
+def _write(out: str | None, rec: dict) -> int:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(rec, indent=2))
     return 0
 
 
