@@ -163,10 +163,16 @@ class TritonAttention(Attention):
             cu_q, cu_e = cu_one(q.shape[0], q.device), cu_one(table.num_entries, q.device)
             packed = kt.pack(table.block_ids, table.offsets, table.masks, self.pool.block_size, self.inv_freq,
                              with_table=kt.PREFILL_COS_SIN_TABLE, cu_entries=cu_e, bounds=self.bounds(table))
-            args = self._memo[key] = (table, q_pos, q_pos.to(torch.int32), cu_q, packed)
-        _, _, pos32, cu_q, packed = args
+            # the kernel's key bounds (and floors) once per pass too: slot positions are written before a pass's
+            # first layer, as the torch backend's memo assumes
+            if kt.prefill_config(q.shape[0]).cut_future:
+                bounds = kt.prefill_key_bounds(packed, self.pool.slot_pos, floors=True)
+            else:
+                bounds = kt.prefill_key_bounds(packed, self.pool.slot_pos), None
+            args = self._memo[key] = (table, q_pos, q_pos.to(torch.int32), cu_q, packed, *bounds)
+        _, _, pos32, cu_q, packed, key_hi, key_floor = args
         out, _ = kt.paged_prefill_packed(q, pos32, self.pool.k[layer], self.pool.v[layer], self.pool.slot_pos,
-                                         packed, cu_q, self.inv_freq, self.scale)
+                                         packed, cu_q, self.inv_freq, self.scale, key_hi=key_hi, key_floor=key_floor)
         return out
 
 
