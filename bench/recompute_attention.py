@@ -11,7 +11,8 @@ engine's own output first:
   engine       the configuration the engine picked (prefill_config of the call's row count)
   nocut        the same without cut_future
   splitsN      N KV splits
-  bm128        128-row tiles, 8 warps
+  bm128        128-row tiles, 8 warps (bm32: 32-row tiles)
+  pos_early    slot positions read beside the keys every step; stages3, idx32, nb128: the PrefillConfig knobs
 
 It also reports the table's shape (entries, offset groups, hidden slots) and, per query tile, the steps the
 kernel walks with and without the cut (from the key floors on the host).
@@ -111,6 +112,13 @@ def main() -> int:
         cfgs[f"splits{s}"] = dataclasses.replace(base, num_splits=s)
         cfgs[f"splits{s}-nocut"] = dataclasses.replace(base, num_splits=s, cut_future=False)
     cfgs["bm128"] = dataclasses.replace(base, block_m=128, num_warps=8)
+    cfgs["pos_early"] = dataclasses.replace(base, pos_early=True)
+    cfgs["pos_early-nocut"] = dataclasses.replace(base, pos_early=True, cut_future=False)
+    cfgs["stages3"] = dataclasses.replace(base, num_stages=3)
+    cfgs["idx32"] = dataclasses.replace(base, index32=True)
+    cfgs["pos_early-idx32"] = dataclasses.replace(base, pos_early=True, index32=True)
+    cfgs["nb128"] = dataclasses.replace(base, min_block_n=128)
+    cfgs["bm32"] = dataclasses.replace(base, block_m=32)
     for name, cfg in cfgs.items():
         try:
             out = run(cfg)
