@@ -13,6 +13,7 @@ engine's own output first:
   splitsN      N KV splits
   bm128        128-row tiles, 8 warps (bm32: 32-row tiles)
   pos_early    slot positions read beside the keys every step; stages3, idx32, nb128: the PrefillConfig knobs
+  mask_always  every step masked by position, no branch on its key bound (with the other knobs)
 
 It also reports the table's shape (entries, offset groups, hidden slots) and, per query tile, the steps the
 kernel walks with and without the cut (from the key floors on the host).
@@ -118,6 +119,10 @@ def main() -> int:
     cfgs["idx32"] = dataclasses.replace(base, index32=True)
     cfgs["pos_early-idx32"] = dataclasses.replace(base, pos_early=True, index32=True)
     cfgs["nb128"] = dataclasses.replace(base, min_block_n=128)
+    for extra in ({}, dict(pos_early=True), dict(index32=True), dict(pos_early=True, index32=True),
+                  dict(cut_future=False), dict(cut_future=False, pos_early=True, index32=True)):
+        name = "mask_always" + "".join(f"-{k}" if v is True else f"-no{k}" for k, v in extra.items())
+        cfgs[name] = dataclasses.replace(base, mask_always=True, **extra)
     cfgs["bm32"] = dataclasses.replace(base, block_m=32)
     for name, cfg in cfgs.items():
         try:

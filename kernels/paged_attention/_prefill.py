@@ -110,6 +110,8 @@ class PrefillConfig:
     cut_lanes: int = 256
     # every step reads its keys' slot positions beside the keys, not after the dot and only when it masks
     pos_early: bool = False
+    # every step masks by position (no branch on the step's key bound: one softmax layout)
+    mask_always: bool = False
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -141,6 +143,7 @@ def _prefill_kernel(
     EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1, IDX32: tl.constexpr = False,
     PREFETCH_EMULATE: tl.constexpr = False, MERGE_FUSED: tl.constexpr = False, PDL: tl.constexpr = False,
     lo_ptr=None, CUT: tl.constexpr = False, CUT_LANES: tl.constexpr = 1, POS_EARLY: tl.constexpr = False,
+    MASK_ALWAYS: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     tile = tl.program_id(0)
@@ -274,7 +277,7 @@ def _prefill_kernel(
             m_i, l_i, acc = _group_attention(
                 qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
                 mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32,
-                SPLIT, IDX32, POS_EARLY)
+                SPLIT, IDX32, POS_EARLY, MASK_ALWAYS)
         if ROTATE:
             if ROT_MODE == "early":
                 qa = qn
@@ -323,7 +326,7 @@ def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k
                      mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h,
                      BS: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, MASK_IN_WORD: tl.constexpr,
                      DOT_F32: tl.constexpr, SPLIT: tl.constexpr, IDX32: tl.constexpr = False,
-                     POS_EARLY: tl.constexpr = False):
+                     POS_EARLY: tl.constexpr = False, MASK_ALWAYS: tl.constexpr = False):
     """Online softmax of the (rotated) query tile over entries e_begin..e_end of one offset group.
     The query is qa [BLOCK_M, D], or (SPLIT) its halves qa, qb [BLOCK_M, D/2] against K's halves.
 
@@ -331,7 +334,8 @@ def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k
     entries <= q_min: known from NB uniform loads, no cross-thread reduction) skips the mask and
     reads no slot position; only the others (a group's partial last step, the causal diagonal,
     hidden slots) read slot positions and mask. POS_EARLY: every step reads its slot positions beside its keys
-    (a load the loop pipelines, where most steps mask: scattered queries, hidden slots), not after the dot."""
+    (a load the loop pipelines, where most steps mask: scattered queries, hidden slots), not after the dot.
+    MASK_ALWAYS: every step masks (no branch on the key bound; the same result, a mask that keeps all)."""
     BLOCK_N: tl.constexpr = NB * BS
     n = tl.arange(0, BLOCK_N)
     slot = n % BS
@@ -369,7 +373,11 @@ def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k
             if DOT_F32:
                 k = k.to(tl.float32)
             qk = tl.dot(qa, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32, unscaled
-        if k_hi > q_min:  # some key is hidden, missing (partial step) or later than some query
+        if MASK_ALWAYS:
+            k_pos = off + (k_pos_early if POS_EARLY else tl.load(slotpos_ptr + blk * BS + slot, mask=vis, other=0))
+            k_pos = tl.where(vis, k_pos, INT32_MAX)
+            qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+        elif k_hi > q_min:  # some key is hidden, missing (partial step) or later than some query
             if POS_EARLY:
                 k_pos = off + k_pos_early
             else:
@@ -488,7 +496,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         IDX32=cfg.index32 and max(_span(k_cache), _span(slot_pos)) < 2**31, MERGE_FUSED=fused,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         **(dict(lo_ptr=key_floor, CUT=True, CUT_LANES=cfg.cut_lanes) if cfg.cut_future else {}),
-        **(dict(POS_EARLY=True) if cfg.pos_early else {}),
+        **(dict(POS_EARLY=True) if cfg.pos_early else {}), **(dict(MASK_ALWAYS=True) if cfg.mask_always else {}),
     )
     if nsplit == 1:
         return out, lse
