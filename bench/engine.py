@@ -84,7 +84,8 @@ def main() -> int:
                          "the skinny GEMM table's TMA entries by pointer loads, NAME:splitsN gives short attention calls N "
                          "KV splits, NAME:pagedcausal runs the triton backend's plain causal passes through the paged "
                          "kernel (not SDPA's flash path: services.engine.attention.DENSE_CAUSAL), NAME:nocut lets long attention calls walk "
-                         "every key (kernels.paged_attention.triton.CUT_FUTURE), NAME:lsplitsN gives longer attention calls N KV "
+                         "every key (kernels.paged_attention.triton.CUT_FUTURE), NAME:noskip lets their all-padding query tiles walk "
+                         "the keys too (SKIP_EMPTY_TILES), NAME:lsplitsN gives longer attention calls N KV "
                          "splits (LONG_SPLITS); options join "
                          "with '+' (NAME:pdl2+normed)")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
@@ -140,7 +141,7 @@ def main() -> int:
             splits = [int(f[6:]) for f in flags if f.startswith("splits") and f[6:].isdigit()]  # NAME:splitsN
             lsplits = [int(f[7:]) for f in flags if f.startswith("lsplits") and f[7:].isdigit()]  # NAME:lsplitsN
             unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail",
-                                                  "notma", "nopdl", "pdlearly", "pdllate", "pagedcausal", "nocut")
+                                                  "notma", "nopdl", "pdlearly", "pdllate", "pagedcausal", "nocut", "noskip")
                        and not (f.startswith("pdl") and f[3:].isdigit())
                        and not (f.startswith("splits") and f[6:].isdigit())
                        and not (f.startswith("lsplits") and f[7:].isdigit())]
@@ -162,6 +163,7 @@ def main() -> int:
             attn_kt.SHORT_PREFILL = dataclasses.replace(SHORT_PREFILL, merge="fused") if "fusedmerge" in flags \
                 else SHORT_PREFILL
             attn_kt.CUT_FUTURE = "nocut" not in flags
+            attn_kt.SKIP_EMPTY_TILES = "noskip" not in flags
             attn_kt.LONG_SPLITS = lsplits[0] if lsplits else None
             if splits:  # the short calls' KV split count (None: picked from the shapes)
                 attn_kt.SHORT_PREFILL = dataclasses.replace(attn_kt.SHORT_PREFILL, num_splits=splits[0])

@@ -112,6 +112,8 @@ class PrefillConfig:
     pos_early: bool = False
     # every step masks by position (no branch on the step's key bound: one softmax layout)
     mask_always: bool = False
+    # a query tile whose rows are all padding (position -1, as a static tail pads) walks no key
+    skip_empty_tiles: bool = True
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -143,7 +145,7 @@ def _prefill_kernel(
     EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1, IDX32: tl.constexpr = False,
     PREFETCH_EMULATE: tl.constexpr = False, MERGE_FUSED: tl.constexpr = False, PDL: tl.constexpr = False,
     lo_ptr=None, CUT: tl.constexpr = False, CUT_LANES: tl.constexpr = 1, POS_EARLY: tl.constexpr = False,
-    MASK_ALWAYS: tl.constexpr = False,
+    MASK_ALWAYS: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     tile = tl.program_id(0)
@@ -224,6 +226,8 @@ def _prefill_kernel(
     q_pos = tl.load(qpos_ptr + tok, mask=row_ok, other=-1)  # a padding row sees nothing
     q_min = tl.min(tl.where(row_ok, q_pos, INT32_MAX), axis=0)  # keys at or before it need no causal mask
     q_max = tl.max(tl.where(row_ok, q_pos, -1), axis=0)  # keys after it are in every row's future
+    if SKIP_EMPTY:  # a tile whose rows all sit at position -1 (a static tail's padding) sees no key: no group
+        g_hi = tl.where(q_max < 0, g_lo, g_hi)
     SPLIT: tl.constexpr = ROT_MODE == "split"
     PREFETCH: tl.constexpr = ROT_MODE == "prefetch" or ROT_MODE == "prefetch_cs"
     q_dtype: tl.constexpr = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty  # the interpreter's dot: fp32
@@ -497,6 +501,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         **(dict(lo_ptr=key_floor, CUT=True, CUT_LANES=cfg.cut_lanes) if cfg.cut_future else {}),
         **(dict(POS_EARLY=True) if cfg.pos_early else {}), **(dict(MASK_ALWAYS=True) if cfg.mask_always else {}),
+        **(dict(SKIP_EMPTY=True) if cfg.skip_empty_tiles else {}),
     )
     if nsplit == 1:
         return out, lse

@@ -33,11 +33,12 @@ DECODE_COS_SIN_TABLE = True
 # at 8 splits: each (tile, KV head)'s last program reads all 8 partials on one SM; bench/short_attention.md, round 7)
 # (cut_future off: a suffix after its chunks has no key to cut, and the pass keeps its one key-bounds launch)
 SHORT_PREFILL: _prefill.PrefillConfig | None = _prefill.PrefillConfig(exact_tiles=True, min_split_steps=6,
-                                                                      cut_future=False)
+                                                                      cut_future=False, skip_empty_tiles=False)
 SHORT_PREFILL_TOKENS = 128
 # longer calls skip each offset group's keys after the tile's latest query (PrefillConfig.cut_future); False: they
 # walk every key (the A/B of bench/engine.py's NAME:nocut)
 CUT_FUTURE = True
+SKIP_EMPTY_TILES = True  # and skip query tiles that are all padding (False: the A/B of NAME:noskip)
 # KV splits of longer calls (None: picked from the grid, PrefillConfig's pick_splits)
 LONG_SPLITS: int | None = None
 
@@ -129,7 +130,7 @@ def prefill_config(n_tokens: int, num_splits: int | None = None) -> _prefill.Pre
     base = SHORT_PREFILL if SHORT_PREFILL is not None and n_tokens <= SHORT_PREFILL_TOKENS else None
     if base is None:
         return _prefill.PrefillConfig(num_splits=num_splits if num_splits is not None else LONG_SPLITS,
-                                      cut_future=CUT_FUTURE)
+                                      cut_future=CUT_FUTURE, skip_empty_tiles=SKIP_EMPTY_TILES)
     return dataclasses.replace(base, num_splits=num_splits if num_splits is not None else base.num_splits)
 
 

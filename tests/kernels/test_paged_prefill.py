@@ -189,6 +189,29 @@ def test_future_cut_gives_the_same_bits(cfg):
     assert rel_err(runs[0][0], out_t) <= TOL[torch.bfloat16]
 
 
+def test_padding_tiles_skipped_with_the_same_bits():
+    """A static tail pads its queries with rows at position -1, which see no key: a tile of them walks no group
+    (skip_empty_tiles), with the same bits as walking them, and their outputs are 0 with LSE -inf."""
+    import dataclasses
+
+    inv = rope_inv_freq(64, 10000.0)
+    case = build([([60, 45], 7)], 16, 2, 64, inv, dtype=torch.bfloat16, hide=0.1)
+    q, q_pos, cu_q = prefill_queries(case, [7], [12], 8, torch.bfloat16)
+    pad = 21  # past two whole 8-token tiles
+    q = torch.cat([q, torch.randn(pad, *q.shape[1:]).to(q.dtype)])
+    q_pos = torch.cat([q_pos, torch.full((pad,), -1, dtype=torch.int32)])
+    cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    packed = pack(case.block_ids, case.offsets, case.masks, 16, inv, with_table=True, cu_entries=case.cu_entries)
+    cfg = PrefillConfig(block_m=32, min_block_n=32)
+    runs = [launch(q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, 0.125,
+                   cfg=dataclasses.replace(cfg, skip_empty_tiles=skip, cut_future=cut))
+            for skip, cut in ((True, True), (False, True), (True, False), (False, False))]
+    for out, lse in runs[1:]:
+        assert torch.equal(runs[0][0], out) and torch.equal(runs[0][1], lse)
+    assert torch.equal(runs[0][0][-pad:], torch.zeros_like(runs[0][0][-pad:]))
+    assert torch.isneginf(runs[0][1][-pad:]).all() and torch.isfinite(runs[0][1][:-pad]).all()
+
+
 def test_cut_lanes_is_checked():
     with pytest.raises(ValueError, match="cut_lanes"):
         PrefillConfig(cut_lanes=3)
