@@ -108,10 +108,6 @@ class PrefillConfig:
     # otherwise walk every key of it; a suffix after its chunks has nothing to cut.
     cut_future: bool = True
     cut_lanes: int = 256
-    # every step reads its keys' slot positions beside the keys, not after the dot and only when it masks
-    pos_early: bool = False
-    # every step masks by position (no branch on the step's key bound: one softmax layout)
-    mask_always: bool = False
     # a query tile whose rows are all padding (position -1, as a static tail pads) walks no key
     skip_empty_tiles: bool = True
 
@@ -144,8 +140,7 @@ def _prefill_kernel(
     PLAN_STEPS: tl.constexpr = False, GP: tl.constexpr = 1, PREFETCH_KV: tl.constexpr = False,
     EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1, IDX32: tl.constexpr = False,
     PREFETCH_EMULATE: tl.constexpr = False, MERGE_FUSED: tl.constexpr = False, PDL: tl.constexpr = False,
-    lo_ptr=None, CUT: tl.constexpr = False, CUT_LANES: tl.constexpr = 1, POS_EARLY: tl.constexpr = False,
-    MASK_ALWAYS: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
+    lo_ptr=None, CUT: tl.constexpr = False, CUT_LANES: tl.constexpr = 1, SKIP_EMPTY: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     tile = tl.program_id(0)
@@ -281,7 +276,7 @@ def _prefill_kernel(
             m_i, l_i, acc = _group_attention(
                 qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
                 mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32,
-                SPLIT, IDX32, POS_EARLY, MASK_ALWAYS)
+                SPLIT, IDX32)
         if ROTATE:
             if ROT_MODE == "early":
                 qa = qn
@@ -329,17 +324,14 @@ def future_cut(lo_ptr, e_first, e_next, q_max, LANES: tl.constexpr):
 def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
                      mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h,
                      BS: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, MASK_IN_WORD: tl.constexpr,
-                     DOT_F32: tl.constexpr, SPLIT: tl.constexpr, IDX32: tl.constexpr = False,
-                     POS_EARLY: tl.constexpr = False, MASK_ALWAYS: tl.constexpr = False):
+                     DOT_F32: tl.constexpr, SPLIT: tl.constexpr, IDX32: tl.constexpr = False):
     """Online softmax of the (rotated) query tile over entries e_begin..e_end of one offset group.
     The query is qa [BLOCK_M, D], or (SPLIT) its halves qa, qb [BLOCK_M, D/2] against K's halves.
 
     A step whose keys are all visible and no later than the tile's oldest query (hi[] of its
     entries <= q_min: known from NB uniform loads, no cross-thread reduction) skips the mask and
     reads no slot position; only the others (a group's partial last step, the causal diagonal,
-    hidden slots) read slot positions and mask. POS_EARLY: every step reads its slot positions beside its keys
-    (a load the loop pipelines, where most steps mask: scattered queries, hidden slots), not after the dot.
-    MASK_ALWAYS: every step masks (no branch on the key bound; the same result, a mask that keeps all)."""
+    hidden slots) read slot positions and mask."""
     BLOCK_N: tl.constexpr = NB * BS
     n = tl.arange(0, BLOCK_N)
     slot = n % BS
@@ -361,8 +353,6 @@ def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k
             bits = tl.load(mask_ptr + e, mask=e_ok, other=0)
         vis = (((bits >> slot) & 1) != 0) & e_ok
         k_row = blk * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64 (int32 with IDX32)
-        if POS_EARLY:
-            k_pos_early = tl.load(slotpos_ptr + blk * BS + slot, mask=vis, other=0)
         if SPLIT:  # two [BLOCK_N, D/2] tiles, one dot each
             k1 = tl.load(k_ptr + k_row[:, None] + dh[None, :], mask=vis[:, None], other=0.0)
             k2 = tl.load(k_ptr + k_row[:, None] + (dh + D // 2)[None, :], mask=vis[:, None], other=0.0)
@@ -377,15 +367,8 @@ def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k
             if DOT_F32:
                 k = k.to(tl.float32)
             qk = tl.dot(qa, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32, unscaled
-        if MASK_ALWAYS:
-            k_pos = off + (k_pos_early if POS_EARLY else tl.load(slotpos_ptr + blk * BS + slot, mask=vis, other=0))
-            k_pos = tl.where(vis, k_pos, INT32_MAX)
-            qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
-        elif k_hi > q_min:  # some key is hidden, missing (partial step) or later than some query
-            if POS_EARLY:
-                k_pos = off + k_pos_early
-            else:
-                k_pos = off + tl.load(slotpos_ptr + blk * BS + slot, mask=vis, other=0)
+        if k_hi > q_min:  # some key is hidden, missing (partial step) or later than some query
+            k_pos = off + tl.load(slotpos_ptr + blk * BS + slot, mask=vis, other=0)
             k_pos = tl.where(vis, k_pos, INT32_MAX)
             qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)  # running max of scaled scores (log2 units)
@@ -500,7 +483,6 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         IDX32=cfg.index32 and max(_span(k_cache), _span(slot_pos)) < 2**31, MERGE_FUSED=fused,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         **(dict(lo_ptr=key_floor, CUT=True, CUT_LANES=cfg.cut_lanes) if cfg.cut_future else {}),
-        **(dict(POS_EARLY=True) if cfg.pos_early else {}), **(dict(MASK_ALWAYS=True) if cfg.mask_always else {}),
         **(dict(SKIP_EMPTY=True) if cfg.skip_empty_tiles else {}),
     )
     if nsplit == 1:

@@ -87,11 +87,9 @@ def kernels():
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for out in ("bf16", "fp32"):  # long calls: each group's entries after the tile's latest query cut (cut_future)
         yield f"prefill-cut-out-{out}", lambda out=out: compile_kernel(
-            _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr=out, CUT=True, SEARCH=out == "fp32"),
+            _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr=out, CUT=True, SKIP_EMPTY=True,
+                                                SEARCH=out == "fp32"),
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    yield "prefill-cut-pos-early", lambda: compile_kernel(  # slot positions read beside the keys (pos_early)
-        _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="bf16", CUT=True, POS_EARLY=True),
-        dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     yield "prefill-splits-search", lambda: compile_kernel(  # several KV splits: each searches its groups
         _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True),
         dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
