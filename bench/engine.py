@@ -96,6 +96,9 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="print (and keep in the JSON) a torch profile of each --profile-modes pass per backend")
     ap.add_argument("--profile-modes", default="tessera@0.0,tessera@0.15", help="the passes --profile profiles")
+    ap.add_argument("--miss", action="store_true",
+                    help="also time each reuse mode with chunks it has never seen (a miss row per mode: every chunk "
+                         "computed alone, then the pass), new random chunks for every call")
     ap.add_argument("--modes", default="full@0.0,prefix@0.0,position_aware@0.0,blend_copy@0.15,tessera@0.15,"
                                        "tessera@0.0,tessera@0.3", help="rows to time, mode@ratio")
     args = ap.parse_args()
@@ -198,7 +201,14 @@ def main() -> int:
             err = float((r.logits - ref).abs().max()) if mode in ("full", "prefix") else None
             tails = eng.forward.tails
             logits[(label.removesuffix("-eager"), static, mode, ratio)] = r.logits.float().cpu()
+            miss = None
+            if args.miss and mode not in ("full", "prefix"):
+                fresh = iter([[torch.randint(0, 128000, (args.chunk_tokens,), generator=g).tolist()
+                               for _ in range(args.chunks)] for _ in range(12)])
+                miss = timed(lambda: eng.prefill(next(fresh), suffix, mode=mode, recompute_ratio=ratio))
+                print(f"{label:14s} {mode:15s} r={ratio:<4} {miss * 1e3:8.1f} ms with every chunk new", flush=True)
             row = {"backend": label, "mode": mode, "ratio": ratio, "seconds": s, "vs_peer": peer / s,
+                   "miss_seconds": miss,
                    "first_call_seconds": first.stats.total_seconds, "stats": r.stats.as_dict(),
                    "max_abs_logit_err_vs_peer": err, "graphs_captured": len(tails.tails) if tails else 0,
                    "host_syncs_per_pass": n_syncs, "host_sync_sites": sync_sites}
