@@ -2,7 +2,8 @@
 
 The request of bench/engine.py (6 chunks x 512 tokens + a 64-token suffix, every chunk resident), on an
 engine whose model is small (the host work does not depend on its size); each step timed alone over
-many calls, best of five rounds (us). With --device cuda the copies are real host-to-device ones.
+many calls, best of five rounds (us). With --device cuda the copies are real host-to-device ones. The last
+row is the general (ratio > 0) pass's RequestTables, built before its first model op.
 
     python3 bench/host_pieces.py [--device cuda] [--json out.json]
 """
@@ -83,6 +84,15 @@ def main() -> int:
         tail.run()
         rows["graph replay (launch)"] = best(lambda: tail.graph.replay(), n=50)
     rows["PrefillStats"] = best(lambda: PrefillStats("tessera", 0.0, 1))
+    # a ratio-0.15 pass's request tables (461 recomputed tokens' private blocks, the chunks' device ids)
+    from services.engine.blend import RequestTables
+
+    def tables():
+        private = []
+        RequestTables(fwd, placed, req.chunks, suffix, 461, private, with_chunk_ids=True)
+        fwd.pool.free(private)
+
+    rows["request tables (ratio 0.15)"] = best(tables)
     run = reuse_tail.IdsTail.run
     reuse_tail.IdsTail.run = lambda self: self.out  # what is left without the graph and the logits
     logits = fwd.model.logits
