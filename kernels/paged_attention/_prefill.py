@@ -105,11 +105,12 @@ class PrefillConfig:
     # skip each offset group's entries from the first whose visible keys all lie after the tile's latest query
     # (they would add exp(-inf) = 0): read from the table's key floors (step_key_bounds(floors=True)), up to
     # cut_lanes entries of a group at once. Queries scattered over a sequence (CacheBlend's recomputed tokens)
-    # otherwise walk every key of it; a suffix after its chunks has nothing to cut.
-    cut_future: bool = True
+    # otherwise walk every key of it; a suffix after its chunks has nothing to cut. (On for the engine's long
+    # calls: kernels/paged_attention/triton.py, prefill_config.)
+    cut_future: bool = False
     cut_lanes: int = 256
-    # a query tile whose rows are all padding (position -1, as a static tail pads) walks no key
-    skip_empty_tiles: bool = True
+    # a query tile whose rows are all padding (position -1, as a static tail pads) walks no key (likewise)
+    skip_empty_tiles: bool = False
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):

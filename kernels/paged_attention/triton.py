@@ -31,12 +31,12 @@ DECODE_COS_SIN_TABLE = True
 # against 31.4 us with the default (6 splits and a fifth, empty query tile). merge="fused" (the split programs
 # merge their own partials, no LSE-merge launch: _prefill_merge.py) measured slower here (32.6 against 26.5 us
 # at 8 splits: each (tile, KV head)'s last program reads all 8 partials on one SM; bench/short_attention.md, round 7)
-# (cut_future off: a suffix after its chunks has no key to cut, and the pass keeps its one key-bounds launch)
-SHORT_PREFILL: _prefill.PrefillConfig | None = _prefill.PrefillConfig(exact_tiles=True, min_split_steps=6,
-                                                                      cut_future=False, skip_empty_tiles=False)
+# (no cut_future: a suffix after its chunks has no key to cut, and the pass keeps its one key-bounds launch)
+SHORT_PREFILL: _prefill.PrefillConfig | None = _prefill.PrefillConfig(exact_tiles=True, min_split_steps=6)
 SHORT_PREFILL_TOKENS = 128
 # longer calls skip each offset group's keys after the tile's latest query (PrefillConfig.cut_future); False: they
-# walk every key (the A/B of bench/engine.py's NAME:nocut)
+# walk every key (the A/B of bench/engine.py's NAME:nocut). Measured (bench/engine.md, round 9): tessera@0.15
+# 22.5 / 21.9 against 24.2 / 22.8 ms, tessera@0.3 36.4 / 35.9 against 38.2 / 38.1, the same bits
 CUT_FUTURE = True
 SKIP_EMPTY_TILES = True  # and skip query tiles that are all padding (False: the A/B of NAME:noskip)
 # KV splits of longer calls (None: picked from the grid, PrefillConfig's pick_splits)

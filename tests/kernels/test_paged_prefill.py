@@ -326,7 +326,9 @@ def test_short_prefill_config_is_used_for_short_calls(monkeypatch, min_block_n):
                           merge="all", index32=True)
     monkeypatch.setattr(kt, "SHORT_PREFILL", short)
     assert kt.prefill_config(11) == short and kt.prefill_config(11, 2).num_splits == 2
-    assert kt.prefill_config(kt.SHORT_PREFILL_TOKENS + 1) == PrefillConfig()
+    # longer calls: the default tile, future keys cut and padding tiles skipped (kt.CUT_FUTURE, kt.SKIP_EMPTY_TILES)
+    assert kt.prefill_config(kt.SHORT_PREFILL_TOKENS + 1) == PrefillConfig(cut_future=True, skip_empty_tiles=True)
+    assert not short.cut_future and not PrefillConfig().cut_future
     key_hi = kt.prefill_key_bounds(packed, case.slot_pos)
     out, lse = kt.paged_prefill_packed(q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, 0.125,
                                        key_hi=key_hi)
