@@ -16,7 +16,7 @@ from kernels.paged_attention._meta import (PackedTable, empty_decode_packed, emp
                                            pack_table_into)
 
 __all__ = ["paged_prefill_attention", "paged_decode_attention", "paged_prefill_packed", "paged_decode_packed",
-           "decode_splits", "prefill_key_bounds", "pack", "pack_into", "pack_table_into", "empty_packed", "empty_decode_packed",
+           "decode_splits", "prefill_key_bounds", "prefill_bounds_for", "pack", "pack_into", "pack_table_into", "empty_packed", "empty_decode_packed",
            "PackedTable", "PREFILL_COS_SIN_TABLE", "DECODE_COS_SIN_TABLE"]
 
 # cos/sin of the per-entry offsets: gathered from an fp32 table (True) or evaluated in the kernel.
@@ -95,6 +95,15 @@ def prefill_key_bounds(packed: PackedTable, slot_pos: torch.Tensor, floors: bool
     bs = slot_pos.shape[1]
     return _prefill.step_key_bounds(packed, slot_pos, bs, max(1, _prefill.PrefillConfig().min_block_n // bs),
                                     floors=floors)
+
+
+def prefill_bounds_for(packed: PackedTable, slot_pos: torch.Tensor, n_tokens: int):
+    """(key_hi, key_floor) for calls of n_tokens queries over this table: the floors only when the configuration
+    those calls get (prefill_config) cuts future keys, else None. What a caller keeping them across layers
+    passes to every paged_prefill_packed."""
+    if prefill_config(n_tokens).cut_future:
+        return prefill_key_bounds(packed, slot_pos, floors=True)
+    return prefill_key_bounds(packed, slot_pos), None
 
 
 def paged_prefill_packed(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_freq, scale,

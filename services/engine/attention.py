@@ -165,10 +165,7 @@ class TritonAttention(Attention):
                              with_table=kt.PREFILL_COS_SIN_TABLE, cu_entries=cu_e, bounds=self.bounds(table))
             # the kernel's key bounds (and floors) once per pass too: slot positions are written before a pass's
             # first layer, as the torch backend's memo assumes
-            if kt.prefill_config(q.shape[0]).cut_future:
-                bounds = kt.prefill_key_bounds(packed, self.pool.slot_pos, floors=True)
-            else:
-                bounds = kt.prefill_key_bounds(packed, self.pool.slot_pos), None
+            bounds = kt.prefill_bounds_for(packed, self.pool.slot_pos, q.shape[0])
             args = self._memo[key] = (table, q_pos, q_pos.to(torch.int32), cu_q, packed, *bounds)
         _, _, pos32, cu_q, packed, key_hi, key_floor = args
         out, _ = kt.paged_prefill_packed(q, pos32, self.pool.k[layer], self.pool.v[layer], self.pool.slot_pos,

@@ -121,10 +121,7 @@ class TritonStatic(_StaticTable):
         self.q_pos.copy_(torch.where(pos < PAD_POS, pos, -1))
         # every layer reads the same table and slot positions: the kernel's per-step key bounds once (and the
         # key floors, when this tail's calls cut future keys)
-        if att._kt.prefill_config(self.t).cut_future:
-            self.key_hi, self.key_floor = att._kt.prefill_key_bounds(self.packed, att.pool.slot_pos, floors=True)
-        else:
-            self.key_hi, self.key_floor = att._kt.prefill_key_bounds(self.packed, att.pool.slot_pos), None
+        self.key_hi, self.key_floor = att._kt.prefill_bounds_for(self.packed, att.pool.slot_pos, self.t)
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         att = self.fwd.attention
