@@ -25,11 +25,13 @@ from services.engine.block_pool import BlockPool, PoolExhausted
 
 
 def chunk_id(fingerprint: str, tokens: Iterable[int]) -> str:
-    """Content id of a chunk: sha256 over the model fingerprint and the int64 token ids."""
-    try:
-        ids = np.asarray(tokens if hasattr(tokens, "__len__") else list(tokens), dtype=np.int64)  # a sequence as is
-    except TypeError:  # e.g. a device tensor: its elements one by one
-        ids = np.asarray([int(t) for t in tokens], dtype=np.int64)
+    """Content id of a chunk: sha256 over the model fingerprint and the int64 token ids. Ids are read as
+    request ids are (``part_ids``): a float, a string or an id past int64 is refused by name, never truncated."""
+    from services.engine.request_ids import part_ids
+
+    _, ids = part_ids(tokens, "the chunk")
+    if ids is None:
+        raise ValueError("a token id of the chunk does not fit int64")
     return chunk_ids_of(fingerprint, ids, [ids.size])[0]
 
 

@@ -39,6 +39,20 @@ def test_bad_requests_are_refused(engine, kwargs, match):
     torch.testing.assert_close(engine.prefill(chunks, suffix).logits, engine.prefill(chunks, suffix).logits)
 
 
+def test_chunk_id_refuses_ids_it_would_truncate(engine):
+    """A chunk's id reads its tokens as a request does: the same id for a list, a tuple, an array and a tensor of
+    the same ids; a float, a string or an id past int64 refused by name (never truncated into another chunk)."""
+    import numpy as np
+
+    want = engine.chunk_id([5, 17, 3])
+    for same in ((5, 17, 3), np.array([5, 17, 3]), torch.tensor([5, 17, 3]), iter([5, 17, 3])):
+        assert engine.chunk_id(same) == want
+    assert engine.chunk_id([5, 17, 4]) != want
+    for bad, match in (([5, 1.5, 3], "1.5"), ([5, "17", 3], "'17'"), ([1 << 64], "int64")):
+        with pytest.raises(ValueError, match=match):
+            engine.chunk_id(bad)
+
+
 def test_request_past_the_model_limit(tmp_path):
     eng = Engine.load(write_tiny(tmp_path / "m", max_position_embeddings=64))
     with pytest.raises(ValueError, match="past the model's limit of 64"):
