@@ -137,6 +137,14 @@ def llama_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def bench_request(vocab: int, chunks: int = 6, chunk_tokens: int = 512, suffix_tokens: int = 64, seed: int = 1):
+    """bench/engine.py's request shape: ``chunks`` random chunks of ``chunk_tokens`` ids below ``vocab`` and a
+    ``suffix_tokens`` suffix, as lists (the same ids for the same seed)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randint(0, vocab, (chunk_tokens,), generator=g).tolist() for _ in range(chunks)]
+    return parts, torch.randint(0, vocab, (suffix_tokens,), generator=g).tolist()
+
+
 def build_engine(args, backend: str) -> Engine:
     if args.device == "cuda":
         from bench.engine import LLAMA3_8B
@@ -367,9 +375,7 @@ def main() -> int:
     if args.device == "cpu":
         args.layers = args.layers or 4
     torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    chunks = [torch.randint(0, 1000, (args.chunk_tokens,), generator=g).tolist() for _ in range(args.chunks)]
-    suffix = torch.randint(0, 1000, (args.suffix_tokens,), generator=g).tolist()
+    chunks, suffix = bench_request(1000, args.chunks, args.chunk_tokens, args.suffix_tokens)
     rows = []
     for backend in args.backends.split(","):
         eng = build_engine(args, backend)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from host_ops import build_engine  # noqa: E402
+from host_ops import bench_request, build_engine  # noqa: E402
 from services.engine import reuse_tail  # noqa: E402
 from services.engine.graphs import T_BUCKET, bucket, entry_bucket  # noqa: E402
 from services.engine.request import PrefillStats  # noqa: E402
@@ -53,9 +53,7 @@ def main() -> int:
         eng = Engine.from_state_dict(eng.cfg, _tiny_state(eng), device="cuda", dtype=torch.float32,
                                      attention_backend="torch", kv_cache_bytes=256 << 20)
     fwd = eng.forward
-    g = torch.Generator().manual_seed(1)
-    chunks = [torch.randint(0, 1000, (512,), generator=g).tolist() for _ in range(6)]
-    suffix = torch.randint(0, 1000, (64,), generator=g).tolist()
+    chunks, suffix = bench_request(1000)
     eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.0)
     rows = {"validate (check, chunks known)": best(lambda: eng._validate(chunks, suffix, "tessera", 0.0))}
     req = eng.check(chunks, suffix, "tessera")

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_ops import build_engine  # noqa: E402
+from host_ops import bench_request, build_engine  # noqa: E402
 
 
 def main() -> int:
@@ -35,9 +35,7 @@ def main() -> int:
         raise SystemExit("needs a CUDA device")
     mode, ratio = args.mode.split("@")
     eng = build_engine(argparse.Namespace(device="cuda", layers=32, hidden=None), args.backend)
-    g = torch.Generator().manual_seed(1)
-    chunks = [torch.randint(0, 128000, (512,), generator=g).tolist() for _ in range(6)]
-    suffix = torch.randint(0, 128000, (64,), generator=g).tolist()
+    chunks, suffix = bench_request(128000)
 
     def call():
         eng.prefill(chunks, suffix, mode=mode, recompute_ratio=float(ratio))

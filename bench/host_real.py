@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_ops import build_engine  # noqa: E402
+from host_ops import bench_request, build_engine  # noqa: E402
 
 VARIANTS = ("default", "freeze", "gc_off")
 
@@ -73,9 +73,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     eng = build_engine(argparse.Namespace(device="cuda", layers=args.layers, hidden=None), "triton")
-    g = torch.Generator().manual_seed(1)
-    chunks = [torch.randint(0, 128000, (512,), generator=g).tolist() for _ in range(6)]
-    suffix = torch.randint(0, 128000, (64,), generator=g).tolist()
+    chunks, suffix = bench_request(128000)
     for _ in range(5):
         eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.0)
     torch.cuda.synchronize()

@@ -43,7 +43,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_ops import build_engine  # noqa: E402
+from host_ops import bench_request, build_engine  # noqa: E402
 
 
 def main() -> int:
@@ -54,9 +54,7 @@ def main() -> int:
     ap.add_argument("--out")
     args = ap.parse_args()
     eng = build_engine(argparse.Namespace(device="cuda", layers=32, hidden=None), "triton")
-    g = torch.Generator().manual_seed(1)
-    chunks = [torch.randint(0, 128000, (512,), generator=g).tolist() for _ in range(6)]
-    suffix = torch.randint(0, 128000, (64,), generator=g).tolist()
+    chunks, suffix = bench_request(128000)
     eng.prefill(chunks, suffix, mode="tessera", recompute_ratio=0.15)  # the chunks cached
     got = {}
     paged = kt.paged_prefill_packed
