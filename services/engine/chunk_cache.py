@@ -22,13 +22,12 @@ from typing import Iterable
 import numpy as np
 
 from services.engine.block_pool import BlockPool, PoolExhausted
+from services.engine.request_ids import part_ids
 
 
 def chunk_id(fingerprint: str, tokens: Iterable[int]) -> str:
     """Content id of a chunk: sha256 over the model fingerprint and the int64 token ids. Ids are read as
     request ids are (``part_ids``): a float, a string or an id past int64 is refused by name, never truncated."""
-    from services.engine.request_ids import part_ids
-
     _, ids = part_ids(tokens, "the chunk")
     if ids is None:
         raise ValueError("a token id of the chunk does not fit int64")
