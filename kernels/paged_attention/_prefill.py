@@ -508,8 +508,8 @@ def step_key_bounds(packed: PackedTable, slot_pos: torch.Tensor, bs: int, nb: in
     launches, no sync)."""
     n_entries = packed.meta.numel()
     key_hi = torch.empty(max(1, n_entries), dtype=torch.int32, device=slot_pos.device)
-    key_lo = torch.full((max(1, n_entries),), 2**31 - 1, dtype=torch.int32, device=slot_pos.device) if floors \
-        else None
+    # (written for every entry by the bounds kernel: no fill; with no entry nothing reads it)
+    key_lo = torch.empty(max(1, n_entries), dtype=torch.int32, device=slot_pos.device) if floors else None
     if n_entries:
         _key_bounds_kernel[(triton.cdiv(n_entries, BOUNDS_BLOCK),)](
             packed.meta, packed.masks, slot_pos, key_hi, n_entries, BS=bs, BS_PAD=triton.next_power_of_2(bs),
