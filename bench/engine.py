@@ -86,7 +86,8 @@ def main() -> int:
                          "kernel (not SDPA's flash path: services.engine.attention.DENSE_CAUSAL), NAME:nocut lets long attention calls walk "
                          "every key (kernels.paged_attention.triton.CUT_FUTURE), NAME:noskip lets their all-padding query tiles walk "
                          "the keys too (SKIP_EMPTY_TILES), NAME:lsplitsN gives longer attention calls N KV "
-                         "splits (LONG_SPLITS); options join "
+                         "splits (LONG_SPLITS), NAME:generalblend runs ratio > 0 passes through the general path (layer 0 and the "
+                         "selection issued op by op, then the static tail), not blend_tail.py's one copy and one graph; options join "
                          "with '+' (NAME:pdl2+normed)")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
@@ -144,7 +145,8 @@ def main() -> int:
             splits = [int(f[6:]) for f in flags if f.startswith("splits") and f[6:].isdigit()]  # NAME:splitsN
             lsplits = [int(f[7:]) for f in flags if f.startswith("lsplits") and f[7:].isdigit()]  # NAME:lsplitsN
             unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail",
-                                                  "notma", "nopdl", "pdlearly", "pdllate", "pagedcausal", "nocut", "noskip")
+                                                  "notma", "nopdl", "pdlearly", "pdllate", "pagedcausal", "nocut", "noskip",
+                                                  "generalblend")
                        and not (f.startswith("pdl") and f[3:].isdigit())
                        and not (f.startswith("splits") and f[6:].isdigit())
                        and not (f.startswith("lsplits") and f[7:].isdigit())]
@@ -173,6 +175,9 @@ def main() -> int:
             from services.engine import reuse_tail  # the ratio-0 pass through the general static tail
 
             reuse_tail.ENABLED = "generaltail" not in flags
+            from services.engine import blend_tail  # ratio > 0 passes through the general path (eager head)
+
+            blend_tail.ENABLED = "generalblend" not in flags
             from kernels.linear import plan as linear_plan  # the table's TMA entries as pointer loads
 
             linear_plan.TMA_ENABLED = "notma" not in flags

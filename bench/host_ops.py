@@ -55,7 +55,7 @@ PHASES = [
     ("kv write", {"BlockPool.write"}),
     ("model", {"Transformer.embed", "Transformer.attention_inputs", "Transformer.finish_layer",
                "Transformer.logits"}),
-    ("tail fill", {"StaticTail.fill", "TailCache.run", "TorchStatic.fill", "TritonStatic.fill", "IdsTails.get"}),
+    ("tail fill", {"StaticTail.fill", "TailCache.run", "TorchStatic.fill", "TritonStatic.fill", "KeyedTails.get"}),
 ]
 GRAPH = "StaticTail._body"
 NAME_TO_PHASE = {name: phase for phase, names in PHASES for name in names}
@@ -270,7 +270,7 @@ TIMELINE = [
     ("services.engine.graphs", "TailCache.run"), ("services.engine.graphs", "StaticTail.fill"),
     ("services.engine.graphs", "StaticTail.run"), ("services.engine.model", "Transformer.logits"),
     ("services.engine.engine", "Engine.release"), ("services.engine.reuse_tail", "reuse_tail_pass"),
-    ("services.engine.reuse_tail", "pack"), ("services.engine.reuse_tail", "IdsTails.get"),
+    ("services.engine.reuse_tail", "pack"), ("services.engine.reuse_tail", "KeyedTails.get"),
 ]
 
 

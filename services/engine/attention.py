@@ -173,6 +173,15 @@ class TritonAttention(Attention):
         return out
 
 
+def self_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Tokens attending their own fresh keys, in order, causally (SDPA's flash path; nothing gathered from the
+    pool): q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         is_causal=True, scale=scale, enable_gqa=group > 1)
+    return out[0].transpose(0, 1)
+
+
 def cu_one(n: int, device) -> torch.Tensor:
     """int32 [0, n], the cu bounds of one sequence, made on the device (a tensor built from a Python
     list is copied from the host, and that copy waits for the GPU; so does ``cu[1] = n``, which copies

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kernels.rope import rope_cos_sin, rotate
+from services.engine.attention import self_causal
 from services.engine.block_table import BlockTable, chunk_rows, dense_run, host_to_device_many
 from services.engine.request import PlacedChunk, Sequence
 from services.engine import reuse_tail
@@ -47,16 +48,23 @@ class BlendConfig:
             raise ValueError(f"deviation must be one of {DEVIATION_METRICS}, got {self.deviation!r}")
 
 
-def select_hkvd(k_fresh, v_fresh, k_cached, v_cached, n_keep: int, metric: str) -> torch.Tensor:
-    """Indices (ascending) of the n_keep tokens whose fresh KV deviates most from the cache.
-
-    All tensors [N, Hkv, D]; deviation is the squared L2 distance summed over heads, in fp32.
-    """
+def hkvd_scores(k_fresh, v_fresh, k_cached, v_cached, metric: str) -> torch.Tensor:
+    """fp32 [N]: each token's squared L2 distance between fresh and cached K ("k"), V ("v") or both ("kv"),
+    summed over heads. All tensors [N, Hkv, D]."""
     dev = torch.zeros(k_fresh.shape[0], dtype=torch.float32, device=k_fresh.device)
     if metric in ("k", "kv"):
         dev += (k_fresh.float() - k_cached.float()).pow(2).sum(dim=(1, 2))
     if metric in ("v", "kv"):
         dev += (v_fresh.float() - v_cached.float()).pow(2).sum(dim=(1, 2))
+    return dev
+
+
+def select_hkvd(k_fresh, v_fresh, k_cached, v_cached, n_keep: int, metric: str) -> torch.Tensor:
+    """Indices (ascending) of the n_keep tokens whose fresh KV deviates most from the cache.
+
+    All tensors [N, Hkv, D]; deviation as ``hkvd_scores``.
+    """
+    dev = hkvd_scores(k_fresh, v_fresh, k_cached, v_cached, metric)
     if n_keep >= dev.numel():
         return torch.arange(dev.numel(), device=dev.device)
     return torch.topk(dev, n_keep, sorted=False).indices.sort().values
@@ -255,8 +263,9 @@ def _blend_layers(fwd, rt: RequestTables, base, copy, full_extra, n_keep, blend,
             table = pre_table
             fwd.pool.write(layer, rt.w_block, rt.w_slot, k, v)
         tables.append(table)
-        # every token in order against keys laid in that order: plain causal attention
-        h = fwd.model.finish_layer(layer, h, fwd._attend(layer, q, pos, table, causal=True))
+        # every token in order against its own keys, which the table holds (for layer 0, the cache holds the
+        # same values): plain causal attention over the fresh K/V, nothing gathered
+        h = fwd.model.finish_layer(layer, h, self_causal(q, k, v, fwd.model.scale))
 
     # check layer: rank chunk tokens by how far their fresh KV is from the cached KV
     fwd._wait(c)

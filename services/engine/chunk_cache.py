@@ -52,8 +52,9 @@ class ChunkEntry:
 
     ``base`` is the position its first key was rotated at (0 for position-agnostic entries).
     ``slots``: the device index of each token's slot in a layer's flat [N*BS] view, and ``ids``, its
-    token ids on the device, made on first use (Forward.chunk_slots, chunk_ids). An entry's blocks never change while it is cached, and an evicted chunk comes
-    back as a new entry, so the memo can never name another chunk's slots.
+    token ids on the device, made on first use (Forward.chunk_slots, chunk_ids); ``host_slots`` and
+    ``host_ids`` the same on the host (blend_tail). An entry's blocks never change while it is cached,
+    and an evicted chunk comes back as a new entry, so the memo can never name another chunk's slots.
     """
 
     key: str
@@ -65,6 +66,8 @@ class ChunkEntry:
     kind: str = "chunk"   # chunk (position-agnostic, by content id) | position (a replica) | prefix (chain hash)
     slots: object = field(default=None, repr=False, compare=False)  # torch.Tensor int64 [length] once made
     ids: object = field(default=None, repr=False, compare=False)    # its token ids on the device, likewise
+    host_ids: object = field(default=None, repr=False, compare=False)    # numpy int64 [length]: ids on the host
+    host_slots: object = field(default=None, repr=False, compare=False)  # numpy int64 [length]: slots on the host
 
 
 class ChunkCache:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from services.engine.attention import BACKENDS
+from services.engine import blend_tail
 from services.engine.blend import BlendConfig, blend_pass
 from services.engine.block_table import BlockTable, dense_run, host_to_device
 from services.engine.chunk_cache import ChunkEntry, chunk_id
@@ -45,6 +46,7 @@ class Forward:
         self.scratch_block = pool.reserve()
         self.tails = TailCache(self) if self.static_tails else None
         self.id_tails = None  # ratio-0 reuse passes' tails, made on first use (reuse_tail.py)
+        self.blend_tails = None  # ratio > 0 reuse passes' whole-pass graphs, likewise (blend_tail.py)
         self._chunk_tables: OrderedDict[tuple, BlockTable] = OrderedDict()  # see chunk_table
 
     def static_tail(self, n_tokens: int) -> bool:
@@ -90,6 +92,12 @@ class Forward:
         if entry.ids is None:
             entry.ids = host_to_device(tokens, torch.long, self.device)
         return entry.ids
+
+    def host_chunk_ids(self, entry: ChunkEntry, tokens: list[int]) -> np.ndarray:
+        """The chunk's token ids on the host, int64 [length], memoised on the entry (named by them)."""
+        if entry.host_ids is None:
+            entry.host_ids = np.asarray(tokens, dtype=np.int64)
+        return entry.host_ids
 
     def chunk_slots(self, entry: ChunkEntry) -> torch.Tensor:
         """Index of each token's slot in a layer's flat [N*BS] KV view, int64 [length], memoised on the entry."""
@@ -368,6 +376,9 @@ class Forward:
         pinned = [p.entry for p in placed]
         private: list[int] = []
         try:
+            if blend_tail.applies(self, placed, suffix, mode, ratio, blend.check_layer):
+                return blend_tail.blend_tail_pass(self, placed, chunks, pinned, private, suffix, ratio, blend.deviation,
+                                                  stats, keep_tables)
             return blend_pass(self, placed, chunks, pinned, private, suffix, mode, ratio, blend, stats, keep_tables)
         except BaseException:
             for e in pinned:

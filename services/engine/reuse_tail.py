@@ -36,24 +36,15 @@ ENABLED = True  # blend_pass takes this path for ratio-0 passes that fit a stati
 STAGES = 3  # pinned staging buffers a tail cycles through: a request refills one only after its copy is done
 
 
-class IdsTail(StaticTail):
-    """A StaticTail of every layer whose inputs are one int64 buffer (layout above) of token ids, not
-    hidden states: the embedding and the suffix's slot positions are part of the graph. ``stage()`` hands
-    out a pinned host buffer of the same layout to fill (waiting, rarely, for the copy that last read
+class StagedInputs:
+    """A device int64 buffer of fixed size loaded by one asynchronous copy from one of STAGES pinned host
+    buffers: ``stage()`` hands out the next host buffer to fill (waiting, rarely, for the copy that last read
     it), ``load()`` copies it in."""
 
-    def __init__(self, fwd, t: int, e: int, graph_pool=None):
-        super().__init__(fwd, 0, t, e, graph_pool)
-        self.t, self.e = t, e
-        self.inputs = torch.zeros(4 * t + 3 * e, dtype=torch.int64, device=fwd.device)
-        self.ids = self.inputs[:t]
-        self.tokens = self.inputs[t:4 * t].view(3, t)
-        att = self.attention  # its table buffers become views of the inputs (its fill is never called)
-        att.id_rows = self.inputs[4 * t:4 * t + 2 * e].view(2, e)
-        att.masks = self.inputs[4 * t + 2 * e:]
-        self._cuda = fwd.device.type == "cuda"
-        self._staged = [torch.empty(self.inputs.shape, dtype=torch.int64, pin_memory=self._cuda)
-                        for _ in range(STAGES)]
+    def __init__(self, size: int, device: torch.device):
+        self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
+        self._cuda = device.type == "cuda"
+        self._staged = [torch.empty(size, dtype=torch.int64, pin_memory=self._cuda) for _ in range(STAGES)]
         self._host = [b.numpy() for b in self._staged]
         self._done: list[torch.cuda.Event | None] = [None] * STAGES
         self._next = 0
@@ -66,12 +57,30 @@ class IdsTail(StaticTail):
 
     def load(self) -> None:
         k = self._next
-        self.inputs.copy_(self._staged[k], non_blocking=True)
+        self.device_buffer.copy_(self._staged[k], non_blocking=True)
         if self._cuda:
             if self._done[k] is None:
                 self._done[k] = torch.cuda.Event()
             self._done[k].record()
         self._next = (k + 1) % STAGES
+
+
+class IdsTail(StaticTail):
+    """A StaticTail of every layer whose inputs are one int64 buffer (layout above) of token ids, not
+    hidden states: the embedding and the suffix's slot positions are part of the graph. ``stage()`` and
+    ``load()`` fill it (StagedInputs)."""
+
+    def __init__(self, fwd, t: int, e: int, graph_pool=None):
+        super().__init__(fwd, 0, t, e, graph_pool)
+        self.t, self.e = t, e
+        self.staging = StagedInputs(4 * t + 3 * e, fwd.device)
+        self.stage, self.load = self.staging.stage, self.staging.load
+        self.inputs = self.staging.device_buffer
+        self.ids = self.inputs[:t]
+        self.tokens = self.inputs[t:4 * t].view(3, t)
+        att = self.attention  # its table buffers become views of the inputs (its fill is never called)
+        att.id_rows = self.inputs[4 * t:4 * t + 2 * e].view(2, e)
+        att.masks = self.inputs[4 * t + 2 * e:]
 
     def table(self, m: int, max_offset: int, visible: int) -> BlockTable:
         """The request's table (its m real entries) as its own device copy of the loaded inputs."""
@@ -88,23 +97,28 @@ class IdsTail(StaticTail):
         super()._body()
 
 
-class IdsTails:
-    """IdsTails by (token bucket, entry bucket), least recently used dropped; they share the engine's
-    graph memory pool with its other static tails."""
+class KeyedTails:
+    """Tails made by ``make(*key)`` on first use, by key, least recently used dropped (MAX_GRAPHS kept);
+    they share the engine's graph memory pool with its other static tails."""
 
-    def __init__(self, fwd):
-        self.fwd = fwd
-        self.tails: OrderedDict[tuple[int, int], IdsTail] = OrderedDict()
+    def __init__(self, make):
+        self.make = make
+        self.tails: OrderedDict[tuple, StaticTail] = OrderedDict()
         self.replays = 0
 
-    def get(self, t: int, e: int) -> IdsTail:
-        tail = self.tails.get((t, e))
+    def get(self, *key):
+        tail = self.tails.get(key)
         if tail is None:
             if len(self.tails) >= MAX_GRAPHS:
                 self.tails.popitem(last=False)
-            tail = self.tails[(t, e)] = IdsTail(self.fwd, t, e, self.fwd.tails.graph_pool)
-        self.tails.move_to_end((t, e))
+            tail = self.tails[key] = self.make(*key)
+        self.tails.move_to_end(key)
         return tail
+
+
+def ids_tails(fwd) -> KeyedTails:
+    """IdsTail by (token bucket, entry bucket)."""
+    return KeyedTails(lambda t, e: IdsTail(fwd, t, e, fwd.tails.graph_pool))
 
 
 def pack(buf: np.ndarray, placed, suffix: list[int], s_blocks: list[int], bs: int, scratch: int, t: int,
@@ -146,7 +160,7 @@ def reuse_tail_pass(fwd, placed, chunks, pinned, private, suffix, stats, keep_ta
     n_entries = sum(len(p.entry.blocks) for p in placed) + len(s_blocks)
     t, e = bucket(n_s, T_BUCKET), entry_bucket(n_entries, bs)
     if fwd.id_tails is None:
-        fwd.id_tails = IdsTails(fwd)
+        fwd.id_tails = ids_tails(fwd)
     tail = fwd.id_tails.get(t, e)
     m, max_offset, n_chunk = pack(tail.stage(), placed, suffix, s_blocks, bs, fwd.scratch_block, t, e)
     if max_offset > MAX_OFFSET:  # the engine's input check refuses such requests first

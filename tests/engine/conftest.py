@@ -45,6 +45,7 @@ def cpu_triton() -> None:
 
 
 def tail_replays(eng) -> int:
-    """Static-tail replays of every kind: general tails and the ratio-0 reuse passes' id tails."""
+    """Static-tail replays of every kind: general tails, the ratio-0 reuse passes' id tails and the ratio > 0
+    passes' blend tails."""
     fwd = eng.forward
-    return fwd.tails.replays + (fwd.id_tails.replays if fwd.id_tails is not None else 0)
+    return fwd.tails.replays + sum(t.replays for t in (fwd.id_tails, fwd.blend_tails) if t is not None)
