@@ -7,6 +7,8 @@ cos/sin are computed in the kernel in fp32 by default; ``use_table=True`` gather
 ``gather_rotate`` reads whole paged blocks and writes them flat, keys rotated by their block's
 offset on the way: one pass over K and V instead of a gather, an fp32 rotation in several
 elementwise kernels and a cast (the torch backend's static tails use it before SDPA).
+``gather_rotate_slots`` does the same for single slots in any order, each key rotated by its own
+offset (the CacheBlend graph lays one key per position that way: blend_tail.py).
 """
 
 from __future__ import annotations
@@ -114,4 +116,55 @@ def gather_rotate(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch
         k_cache, v_cache, block_ids.contiguous(), offsets.contiguous(), inv_freq, k_out, v_out, rows,
         k_cache.stride(0), v_cache.stride(0),
         HALF=dim // 2, BLOCK_R=block_r, BLOCK_D2=triton.next_power_of_2(dim // 2))
+    return k_out, v_out
+
+
+@triton.jit
+def _gather_rotate_slots_kernel(k_ptr, v_ptr, slot_ptr, off_ptr, invf_ptr, ko_ptr, vo_ptr, n_heads, stride_k, stride_v,
+                                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """Program (key s, tile of BLOCK_H heads): the angle row offsets[s] * inv_freq is shared by its heads."""
+    s = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D2)
+    ok = (h[:, None] < n_heads) & (d[None, :] < HALF)
+    slot = tl.load(slot_ptr + s).to(tl.int64)
+    ang = tl.load(off_ptr + s).to(tl.float32) * tl.load(invf_ptr + d, mask=d < HALF, other=0.0)
+    cos = tl.cos(ang)[None, :]
+    sin = tl.sin(ang)[None, :]
+    src = h[:, None] * (2 * HALF) + d[None, :]
+    dst = s.to(tl.int64) * n_heads * (2 * HALF) + src
+    x1 = tl.load(k_ptr + slot * stride_k + src, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D2]
+    x2 = tl.load(k_ptr + slot * stride_k + src + HALF, mask=ok, other=0.0).to(tl.float32)
+    tl.store(ko_ptr + dst, (x1 * cos - x2 * sin).to(ko_ptr.dtype.element_ty), mask=ok)
+    tl.store(ko_ptr + dst + HALF, (x2 * cos + x1 * sin).to(ko_ptr.dtype.element_ty), mask=ok)
+    v1 = tl.load(v_ptr + slot * stride_v + src, mask=ok, other=0.0)
+    v2 = tl.load(v_ptr + slot * stride_v + src + HALF, mask=ok, other=0.0)
+    tl.store(vo_ptr + dst, v1, mask=ok)
+    tl.store(vo_ptr + dst + HALF, v2, mask=ok)
+
+
+def gather_rotate_slots(k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
+                        inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows slots [S] (int, each below M) of flat caches [M, H, D]: k, v [S, H, D], key s rotated forward by
+    offsets[s] [S]. No host sync: a CUDA graph can capture it."""
+    if k_flat.dim() != 3 or k_flat.shape != v_flat.shape or k_flat.dtype != v_flat.dtype:
+        raise ValueError(f"k_flat {tuple(k_flat.shape)} and v_flat {tuple(v_flat.shape)} must both be [M, H, D]")
+    _, n_heads, dim = k_flat.shape
+    for name, c in (("k_flat", k_flat), ("v_flat", v_flat)):
+        if c.stride()[1:] != (dim, 1):
+            raise ValueError(f"{name} must hold each row's [H, D] contiguously")
+    if slots.dim() != 1 or offsets.shape != slots.shape:
+        raise ValueError(f"slots {tuple(slots.shape)} and offsets {tuple(offsets.shape)} must be 1-D of one length")
+    if dim % 2 or inv_freq.numel() != dim // 2:
+        raise ValueError(f"head_dim {dim} needs {dim // 2} inverse frequencies, got {inv_freq.numel()}")
+    n = slots.numel()
+    k_out = torch.empty((n, n_heads, dim), dtype=k_flat.dtype, device=k_flat.device)
+    v_out = torch.empty_like(k_out)
+    if n == 0:
+        return k_out, v_out
+    block_h = min(triton.next_power_of_2(n_heads), 16)
+    inv_freq = inv_freq.to(device=k_flat.device, dtype=torch.float32).contiguous()
+    _gather_rotate_slots_kernel[(n, triton.cdiv(n_heads, block_h))](
+        k_flat, v_flat, slots.contiguous(), offsets.contiguous(), inv_freq, k_out, v_out, n_heads,
+        k_flat.stride(0), v_flat.stride(0), HALF=dim // 2, BLOCK_H=block_h, BLOCK_D2=triton.next_power_of_2(dim // 2))
     return k_out, v_out

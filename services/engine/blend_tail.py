@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from kernels.paged_attention import MAX_OFFSET
-from kernels.rope import rope_cos_sin, rotate
+from kernels.positional_attention import positional_attention
+from kernels.rope import gather_rotate_slots, rope_cos_sin, rotate
 from services.engine.attention import self_causal
 from services.engine.blend import hkvd_scores
 from services.engine.block_table import BlockTable, chunk_rows, dense_run
@@ -62,12 +63,39 @@ def applies(fwd, placed, suffix, mode: str, ratio: float, check_layer: int) -> b
             and fwd.static_tail(bucket(n_keep, T_BUCKET) + bucket(len(suffix), T_BUCKET)))
 
 
+class PositionalAttention:
+    """The blend tail's attention. After the selection every position has exactly one visible key: a
+    recomputed token's fresh one in its private slot, any other chunk token's cached one (rotated by its
+    chunk's offset), a suffix token's own. So each layer gathers them once, in position order
+    (``gather_rotate_slots``), and each query attends the keys at positions up to its own
+    (kernels/positional_attention): no table, no masks, no per-entry offsets in the attention loop.
+    ``key_slot`` / ``key_rot`` [n + 1] are written by the graph's head; row n takes the padding's writes."""
+
+    def __init__(self, fwd, t: int, n: int):
+        dev = fwd.device
+        self.fwd, self.n = fwd, n
+        self.key_slot = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        self.key_rot = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        self.q_pos = torch.full((t,), -1, dtype=torch.int64, device=dev)
+        self.backend = fwd.backend  # triton: the kernels; torch: their twins (SDPA with a mask)
+
+    def prepare(self, pos: torch.Tensor) -> None:
+        self.q_pos.copy_(torch.where(pos < PAD_POS, pos, -1))  # padded rows see no key
+
+    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        fwd, n = self.fwd, self.n
+        kc, vc = fwd.pool.k[layer], fwd.pool.v[layer]
+        k, v = gather_rotate_slots(kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), self.key_slot[:n],
+                                   self.key_rot[:n], fwd.model.inv_freq, backend=self.backend)
+        return positional_attention(q, self.q_pos, k, v, fwd.model.scale, backend=self.backend)
+
+
 class BlendTail(StaticTail):
     """The whole pass for one (n, k, s, e) bucket and deviation metric: the head (layer 0, the check
     layer's selection) in front of a StaticTail of layers 1..L-1 that starts at its K/V write."""
 
     def __init__(self, fwd, n: int, k: int, s: int, e: int, metric: str, graph_pool=None):
-        super().__init__(fwd, 1, k + s, e, graph_pool, with_qkv=True)
+        super().__init__(fwd, 1, k + s, e, graph_pool, with_qkv=True, attention=PositionalAttention(fwd, k + s, n))
         self.n, self.k, self.s, self.e, self.metric = n, k, s, e, metric
         t = k + s
         self.staging = StagedInputs(5 * n + s + 3 * t + 3 * e + 2, fwd.device)
@@ -83,8 +111,7 @@ class BlendTail(StaticTail):
         self.entries = x[at:at + 3 * e].view(3, e)
         at += 3 * e
         self.n_keep, self.last = x[at:at + 1], x[at + 1:at + 2]
-        att = self.attention  # its table ids/offsets are views of the inputs; its masks are written in the graph
-        att.id_rows = self.entries[:2]
+        self.masks = torch.zeros(e, dtype=torch.int64, device=fwd.device)  # after the selection (the tables)
         self.rank = torch.arange(k, device=fwd.device)  # each selected row's rank by deviation
         self.logits = None
 
@@ -120,9 +147,18 @@ class BlendTail(StaticTail):
         where = self.entry_index.index_select(0, row)
         bit = torch.where(real, torch.bitwise_left_shift(1, where % bs), 0)
         bits = torch.zeros(self.e, dtype=torch.int64, device=sel.device).index_add_(0, where // bs, bit)
-        self.attention.masks.copy_(self.entries[2] ^ bits)
+        self.masks.copy_(self.entries[2] ^ bits)
         tpos, tblock, tslot = self.tokens
         pool.slot_pos[tblock, tslot] = torch.where(tpos < PAD_POS, tpos, 0).to(torch.int32)
+        # one key per position: the cached ones (chunk offsets), then the recomputed tokens' and the suffix's
+        # private slots over theirs (keys at global positions); padding writes row n
+        att, n = self.attention, self.n
+        att.key_slot[:n].copy_(flat)
+        att.key_rot[:n].copy_(self.chunk_offset)
+        private = tblock * bs + tslot
+        att.key_slot.index_copy_(0, torch.where(real, sel, n), private[:k])
+        att.key_rot.index_fill_(0, torch.where(real, sel, n), 0)
+        att.key_slot.index_copy_(0, torch.where(tpos[k:] < PAD_POS, self.s_rows, n), private[k:])
         rows = torch.cat([row, self.s_rows])
         torch.index_select(h, 0, rows, out=self.h)
         for src, buf in zip((q, key, val), self.qkv):
@@ -138,7 +174,7 @@ class BlendTail(StaticTail):
     def tables(self, n_x: int, m: int, max_offset: int, visible: int, n_layers: int) -> list[BlockTable]:
         """The pass's per-layer tables as the request's own device copies: layer 0 the shared base (chunks
         and suffix), the others every entry with the selected twins hidden (after the replay)."""
-        rows = torch.cat([self.entries[:, :m], self.attention.masks[None, :m]])  # ids, offsets, masks, masks after
+        rows = torch.cat([self.entries[:, :m], self.masks[None, :m]])  # ids, offsets, masks, masks after
         ids_offs = rows[:2].to(torch.int32)
         base = BlockTable(ids_offs[0, n_x:], ids_offs[1, n_x:], rows[2, n_x:], max_offset, visible, rows[:2, n_x:])
         post = BlockTable(ids_offs[0], ids_offs[1], rows[3], max_offset, visible, rows[:2])

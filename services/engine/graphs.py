@@ -179,7 +179,7 @@ class StaticTail:
     at the blend's check layer): the graph starts at its K/V write, so the rest of that layer is
     replayed too; the rows that go on are gathered straight into the buffers."""
 
-    def __init__(self, fwd, first: int, t: int, e: int, graph_pool=None, with_qkv: bool = False):
+    def __init__(self, fwd, first: int, t: int, e: int, graph_pool=None, with_qkv: bool = False, attention=None):
         cfg, dev, dt = fwd.cfg, fwd.device, fwd.pool.k[0].dtype
         self.fwd, self.first, self.t = fwd, first, t
         self.h = torch.zeros(t, cfg.hidden_size, device=dev, dtype=dt)
@@ -198,7 +198,9 @@ class StaticTail:
         self.tokens[2] = torch.arange(t, device=dev) % fwd.pool.block_size  # padded rows' scratch slots
         self._pad = self.tokens.clone()
         self._filled = 0
-        self.attention = STATIC_ATTENTION[fwd.backend](fwd, t, e)
+        # the layers' attention: prepare(pos) once a replay, then (layer, q) -> out; the backend's over a padded
+        # table unless the caller brings its own
+        self.attention = attention if attention is not None else STATIC_ATTENTION[fwd.backend](fwd, t, e)
         self.out = torch.zeros_like(self.h)
         self.graph = None
         self.graph_pool = graph_pool
