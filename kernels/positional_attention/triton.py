@@ -71,9 +71,11 @@ def _positional_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, n_q, n_k, scale_log2
 
 
 def config(n_q: int, group: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64 query rows (16 tokens of a 4-head group) a program."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64 query rows (16 tokens of a 4-head group) a program, 64 keys a
+    step, 3 stages. On an H100, for 528 rows over 3,200 keys (bench/positional_attention.py,
+    positional_attention_s10.json): 59 us; 2 stages 67, 128-row tiles 66-125, 128-key steps 71-79, 8 warps 97."""
     block_m = max(16, min(64, triton.next_power_of_2(max(1, n_q) * group)))
-    return block_m, 64, 4, 2
+    return block_m, 64, 4, 3
 
 
 def positional_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -14,7 +14,9 @@ input (padding included), one asynchronous copy loads it, and the graph runs
               fixed bucket, the rows past n_keep marked padding, then sorted by position);
   the rest  : the selected rows' slot positions and the table's masks (their shared twins hidden)
               written in place, then StaticTail's layers 1..L-1 over [selected | suffix] rows, and the
-              logits of the last suffix row.
+              logits of the last suffix row. With the Triton backend those layers attend one key per
+              position (``PositionalAttention``: gathered once a layer, then kernels/positional_attention),
+              not the paged kernel over the table: on an H100 that call takes ~60 us a layer against ~170.
 The number selected, round(ratio * chunk tokens), is known on the host, so the selected tokens' private
 blocks are allocated before the pass, as the general path does.
 
@@ -95,7 +97,12 @@ class BlendTail(StaticTail):
     layer's selection) in front of a StaticTail of layers 1..L-1 that starts at its K/V write."""
 
     def __init__(self, fwd, n: int, k: int, s: int, e: int, metric: str, graph_pool=None):
-        super().__init__(fwd, 1, k + s, e, graph_pool, with_qkv=True, attention=PositionalAttention(fwd, k + s, n))
+        # the Triton backend attends one key per position; the torch one keeps its SDPA over the padded table (its
+        # twin of the positional kernel, SDPA with a mask over the gathered keys, measured slower on an H100:
+        # bench/engine.md, round 10)
+        positional = fwd.backend == "triton"
+        super().__init__(fwd, 1, k + s, e, graph_pool, with_qkv=True,
+                         attention=PositionalAttention(fwd, k + s, n) if positional else None)
         self.n, self.k, self.s, self.e, self.metric = n, k, s, e, metric
         t = k + s
         self.staging = StagedInputs(5 * n + s + 3 * t + 3 * e + 2, fwd.device)
@@ -112,6 +119,8 @@ class BlendTail(StaticTail):
         at += 3 * e
         self.n_keep, self.last = x[at:at + 1], x[at + 1:at + 2]
         self.masks = torch.zeros(e, dtype=torch.int64, device=fwd.device)  # after the selection (the tables)
+        if not positional:  # the padded table's ids/offsets are views of the inputs, its masks those above
+            self.attention.id_rows, self.attention.masks = self.entries[:2], self.masks
         self.rank = torch.arange(k, device=fwd.device)  # each selected row's rank by deviation
         self.logits = None
 
@@ -150,15 +159,16 @@ class BlendTail(StaticTail):
         self.masks.copy_(self.entries[2] ^ bits)
         tpos, tblock, tslot = self.tokens
         pool.slot_pos[tblock, tslot] = torch.where(tpos < PAD_POS, tpos, 0).to(torch.int32)
-        # one key per position: the cached ones (chunk offsets), then the recomputed tokens' and the suffix's
-        # private slots over theirs (keys at global positions); padding writes row n
         att, n = self.attention, self.n
-        att.key_slot[:n].copy_(flat)
-        att.key_rot[:n].copy_(self.chunk_offset)
-        private = tblock * bs + tslot
-        att.key_slot.index_copy_(0, torch.where(real, sel, n), private[:k])
-        att.key_rot.index_fill_(0, torch.where(real, sel, n), 0)
-        att.key_slot.index_copy_(0, torch.where(tpos[k:] < PAD_POS, self.s_rows, n), private[k:])
+        if isinstance(att, PositionalAttention):
+            # one key per position: the cached ones (chunk offsets), then the recomputed tokens' and the suffix's
+            # private slots over theirs (keys at global positions); padding writes row n
+            att.key_slot[:n].copy_(flat)
+            att.key_rot[:n].copy_(self.chunk_offset)
+            private = tblock * bs + tslot
+            att.key_slot.index_copy_(0, torch.where(real, sel, n), private[:k])
+            att.key_rot.index_fill_(0, torch.where(real, sel, n), 0)
+            att.key_slot.index_copy_(0, torch.where(tpos[k:] < PAD_POS, self.s_rows, n), private[k:])
         rows = torch.cat([row, self.s_rows])
         torch.index_select(h, 0, rows, out=self.h)
         for src, buf in zip((q, key, val), self.qkv):
