@@ -28,7 +28,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.paged_attention.triton import SHORT_PREFILL  # noqa: E402  (the default, before any variant)
-from kernels.positional_attention.triton import SPLITS as POSITIONAL_SPLITS  # noqa: E402  (likewise)
 from services.engine import Engine, ModelConfig  # noqa: E402
 
 LLAMA3_8B = dict(
@@ -145,14 +144,12 @@ def main() -> int:
             prefetch = [int(f[3:]) for f in flags if f.startswith("pdl") and f[3:].isdigit()]  # NAME:pdlN
             splits = [int(f[6:]) for f in flags if f.startswith("splits") and f[6:].isdigit()]  # NAME:splitsN
             lsplits = [int(f[7:]) for f in flags if f.startswith("lsplits") and f[7:].isdigit()]  # NAME:lsplitsN
-            psplits = [int(f[7:]) for f in flags if f.startswith("psplits") and f[7:].isdigit()]  # NAME:psplitsN
             unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail",
                                                   "notma", "nopdl", "pdlearly", "pdllate", "pagedcausal", "nocut", "noskip",
                                                   "generalblend")
                        and not (f.startswith("pdl") and f[3:].isdigit())
                        and not (f.startswith("splits") and f[6:].isdigit())
-                       and not (f.startswith("lsplits") and f[7:].isdigit())
-                       and not (f.startswith("psplits") and f[7:].isdigit())]
+                       and not (f.startswith("lsplits") and f[7:].isdigit())]
             if unknown:
                 raise ValueError(f"unknown backend option(s) {unknown}")
             model = eng.forward.model
@@ -181,9 +178,6 @@ def main() -> int:
             from services.engine import blend_tail  # ratio > 0 passes through the general path (eager head)
 
             blend_tail.ENABLED = "generalblend" not in flags
-            from kernels.positional_attention import triton as pos_kt  # the blend tail's attention: key splits
-
-            pos_kt.SPLITS = psplits[0] if psplits else POSITIONAL_SPLITS
             from kernels.linear import plan as linear_plan  # the table's TMA entries as pointer loads
 
             linear_plan.TMA_ENABLED = "notma" not in flags

@@ -14,21 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lse_merge.triton import merge_rows
 from kernels.paged_attention._meta import dot_f32
 from kernels.positional_attention.reference import check
 
 LOG2E = 1.4426950408889634
-SPLITS = 1  # key splits a call takes by default (config)
 
 
 @triton.jit
-def _positional_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, n_q, n_k, scale_log2, stride_qt, stride_qh,
-                       stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh, stride_ls,
-                       stride_lt, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT_F32: tl.constexpr):
-    """SPLITS > 1: program (tile, key head, split) walks the split-th share of the tile's key blocks and writes
-    its normalised partial output (fp32) and natural-log LSE at [split] of o_ptr / lse_ptr, merged afterwards."""
+def _positional_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, n_q, n_k, scale_log2, stride_qt, stride_qh, stride_kt,
+                       stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
     BLOCK_T: tl.constexpr = BLOCK_M // G
     kvh = tl.program_id(1)
     r = tl.arange(0, BLOCK_M)
@@ -42,17 +38,10 @@ def _positional_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, n_q, n_k, s
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     hi = tl.minimum(tl.max(qp, 0) + 1, n_k)
     lo = tl.min(tl.where(row_ok & (qp >= 0), qp, 2147483647), 0)  # blocks wholly at or before it need no mask
-    start = 0
-    stop = hi
-    if SPLITS > 1:  # an even share of the tile's key blocks: a tile late in the context no longer sets the call's time
-        split = tl.program_id(2)
-        per = tl.cdiv(tl.cdiv(hi, BLOCK_N), SPLITS) * BLOCK_N
-        start = split * per
-        stop = tl.minimum(hi, start + per)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(start, stop, BLOCK_N):
+    for n0 in range(0, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         kv_ok = n < n_k
         k = tl.load(k_ptr + n[:, None].to(tl.int64) * stride_kt + kvh * stride_kh + d[None, :],
@@ -75,31 +64,24 @@ def _positional_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, n_q, n_k, s
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    seen = (qp >= 0) & (l_i > 0.0)  # a query at a negative position sees no key (its unmasked blocks did)
-    out = tl.where(seen[:, None], acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], 0.0)
-    o_row = tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
-    if SPLITS > 1:
-        split = tl.program_id(2)
-        lse = tl.where(seen, (m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))) * 0.6931471805599453, float("-inf"))
-        tl.store(lse_ptr + split * stride_ls + tok.to(tl.int64) * stride_lt + head, lse, mask=row_ok)
-        o_row += split * stride_os
-    tl.store(o_ptr + o_row, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = tl.where((qp >= 0)[:, None], out, 0.0)  # a query at a negative position sees no key (its unmasked blocks did)
+    tl.store(o_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def config(n_q: int, group: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, splits): 64 query rows (16 tokens of a 4-head group) a program, 64
-    keys a step, 3 stages, SPLITS key splits. On an H100, for 528 rows over 3,200 keys
-    (bench/positional_attention.py, positional_attention_s10.json, one split): 59 us; 2 stages 67, 128-row tiles
-    66-125, 128-key steps 71-79, 8 warps 97."""
+def config(n_q: int, group: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64 query rows (16 tokens of a 4-head group) a program, 64 keys a
+    step, 3 stages. On an H100, for 528 rows over 3,200 keys (bench/positional_attention.py,
+    positional_attention_s10.json): 59 us; 2 stages 67, 128-row tiles 66-125, 128-key steps 71-79, 8 warps 97."""
     block_m = max(16, min(64, triton.next_power_of_2(max(1, n_q) * group)))
-    return block_m, 64, 4, 3, SPLITS
+    return block_m, 64, 4, 3
 
 
 def positional_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         cfg: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """As reference.positional_attention. ``cfg``: (BLOCK_M, BLOCK_N, num_warps, num_stages, splits), else
-    ``config``'s; BLOCK_M a multiple of the group size G = Hq // Hkv, which must be a power of 2; splits > 1
-    splits each tile's keys and merges the parts by LSE (kernels/lse_merge). No host sync."""
+                         cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """As reference.positional_attention. ``cfg``: (BLOCK_M, BLOCK_N, num_warps, num_stages), else ``config``'s;
+    BLOCK_M a multiple of the group size G = Hq // Hkv, which must be a power of 2. No host sync."""
     check(q, q_pos, k, v)
     n_q, n_heads, dim = q.shape
     group = n_heads // k.shape[1]
@@ -108,23 +90,15 @@ def positional_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(2) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    block_m, block_n, warps, stages, splits = cfg or config(n_q, group)
-    if block_m % group or splits < 1:
-        raise ValueError(f"BLOCK_M {block_m} must be a multiple of the head group {group}, splits {splits} >= 1")
+    block_m, block_n, warps, stages = cfg or config(n_q, group)
+    if block_m % group:
+        raise ValueError(f"BLOCK_M {block_m} is not a multiple of the head group {group}")
+    out = torch.empty_like(q)
     if n_q == 0:
-        return torch.empty_like(q)
-    if splits > 1:
-        out = torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device)
-        lse = torch.empty((splits, n_q, n_heads), dtype=torch.float32, device=q.device)
-    else:
-        out, lse = torch.empty_like(q)[None], torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(n_q, block_m // group), k.shape[1], splits)
-    _positional_kernel[grid](q, q_pos, k, v, out, lse, n_q, k.shape[0], scale * LOG2E, q.stride(0), q.stride(1),
+        return out
+    grid = (triton.cdiv(n_q, block_m // group), k.shape[1])
+    _positional_kernel[grid](q, q_pos, k, v, out, n_q, k.shape[0], scale * LOG2E, q.stride(0), q.stride(1),
                              k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-                             out.stride(2), lse.stride(0), lse.stride(1), G=group, D=dim,
-                             BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=block_m, BLOCK_N=block_n,
-                             SPLITS=splits, DOT_F32=dot_f32(q.dtype), num_warps=warps, num_stages=stages)
-    if splits == 1:
-        return out[0]
-    merged, _ = merge_rows(out.view(splits, n_q * n_heads, dim), lse.view(splits, n_q * n_heads), q.dtype)
-    return merged.view(q.shape)
+                             G=group, D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=block_m,
+                             BLOCK_N=block_n, DOT_F32=dot_f32(q.dtype), num_warps=warps, num_stages=stages)
+    return out
