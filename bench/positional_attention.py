@@ -1,5 +1,5 @@
 """The blend tail's attention call alone (issue #2): kernels/positional_attention on the engine's shape, under
-several tile configurations, against its twin (SDPA with an additive mask) and, for the keys, the per-layer
+several tile configurations, K and V by pointer loads or tensor descriptors (TMA), against its twin (SDPA with an additive mask) and, for the keys, the per-layer
 gather (kernels.rope.gather_rotate_slots).
 
 Shape of `tessera@0.15` on bench/engine.py's request: 461 recomputed chunk tokens at scattered sorted positions in
@@ -70,10 +70,13 @@ def main() -> int:
     bench("twin (SDPA, mask)", lambda: positional_attention(q, pos, k, v, scale))
     cfgs = [pa.config(t, 4), (64, 128, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2),
             (128, 64, 4, 2), (128, 64, 8, 3), (32, 64, 4, 2), (64, 32, 4, 2)]
-    for cfg in cfgs:
-        name = "triton M{} N{} w{} s{}".format(*cfg) + (" (default)" if cfg == pa.config(t, 4) else "")
-        bench(name, lambda cfg=cfg: pa.positional_attention(q, pos, k, v, scale, cfg=cfg),
-              check=lambda cfg=cfg: pa.positional_attention(q, pos, k, v, scale, cfg=cfg))
+    cfgs += [(128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 4)]
+    for tma in (False, True):  # K and V by pointer loads, then through tensor descriptors
+        for cfg in cfgs:
+            name = "triton M{} N{} w{} s{}".format(*cfg) + (" tma" if tma else "") + \
+                (" (default)" if cfg == pa.config(t, 4) and tma == pa.TMA else "")
+            bench(name, lambda cfg=cfg, tma=tma: pa.positional_attention(q, pos, k, v, scale, cfg=cfg, tma=tma),
+                  check=lambda cfg=cfg, tma=tma: pa.positional_attention(q, pos, k, v, scale, cfg=cfg, tma=tma))
     kf, vf = gather_rotate_slots(cache_k, cache_v, slots, rots, inv, backend="triton")
     kr, vr = gather_rotate_slots(cache_k, cache_v, slots, rots, inv)
     err = float((kf.float() - kr.float()).abs().max())

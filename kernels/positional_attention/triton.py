@@ -10,21 +10,28 @@ positions, no per-entry offset, so each step is two MMAs and the softmax.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from kernels.linear.tma import descriptor
 from kernels.paged_attention._meta import dot_f32
 from kernels.positional_attention.reference import check
 
 LOG2E = 1.4426950408889634
+TMA = False  # K and V through tensor descriptors on Hopper (measured: bench/positional_attention.py)
 
 
 @triton.jit
 def _positional_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, n_q, n_k, scale_log2, stride_qt, stride_qh, stride_kt,
                        stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+                       k_desc, v_desc, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr,
+                       DOT_F32: tl.constexpr):
+    """EVEN: D == BLOCK_D and the key count a multiple of BLOCK_N (no load masks). TMA: K and V blocks through
+    tensor descriptors (k_desc, v_desc over [S, Hkv * D]; keys past S come in as zeros)."""
     BLOCK_T: tl.constexpr = BLOCK_M // G
     kvh = tl.program_id(1)
     r = tl.arange(0, BLOCK_M)
@@ -44,10 +51,17 @@ def _positional_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, n_q, n_k, scale_log2
     for n0 in range(0, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         kv_ok = n < n_k
-        k = tl.load(k_ptr + n[:, None].to(tl.int64) * stride_kt + kvh * stride_kh + d[None, :],
-                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + n[:, None].to(tl.int64) * stride_vt + kvh * stride_vh + d[None, :],
-                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        if TMA:
+            k = k_desc.load([n0, kvh * D])
+            v = v_desc.load([n0, kvh * D])
+        elif EVEN:
+            k = tl.load(k_ptr + n[:, None].to(tl.int64) * stride_kt + kvh * stride_kh + d[None, :])
+            v = tl.load(v_ptr + n[:, None].to(tl.int64) * stride_vt + kvh * stride_vh + d[None, :])
+        else:
+            k = tl.load(k_ptr + n[:, None].to(tl.int64) * stride_kt + kvh * stride_kh + d[None, :],
+                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptr + n[:, None].to(tl.int64) * stride_vt + kvh * stride_vh + d[None, :],
+                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale_log2
         else:
@@ -78,10 +92,27 @@ def config(n_q: int, group: int) -> tuple[int, int, int, int]:
     return block_m, 64, 4, 3
 
 
+def _tma_ok(k: torch.Tensor, v: torch.Tensor, dim: int, block_n: int) -> bool:
+    """Whether K and V can be read through tensor descriptors: Hopper (or the interpreter), [S, Hkv * D] rows with
+    16-byte aligned bases and row strides, a power-of-2 head_dim, boxes within TMA's 256 a dimension."""
+    if k.device.type == "cuda":
+        if torch.cuda.get_device_capability(k.device)[0] < 9:
+            return False
+    elif os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    if dim & (dim - 1) or max(dim, block_n) > 256:
+        return False
+    for t in (k, v):
+        if t.stride(1) != dim or (t.data_ptr() % 16) or (t.stride(0) * t.element_size()) % 16:
+            return False
+    return True
+
+
 def positional_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                         cfg: tuple[int, int, int, int] | None = None, tma: bool | None = None) -> torch.Tensor:
     """As reference.positional_attention. ``cfg``: (BLOCK_M, BLOCK_N, num_warps, num_stages), else ``config``'s;
-    BLOCK_M a multiple of the group size G = Hq // Hkv, which must be a power of 2. No host sync."""
+    BLOCK_M a multiple of the group size G = Hq // Hkv, which must be a power of 2. ``tma``: K and V through
+    tensor descriptors where they can be (None: the module's TMA switch). No host sync."""
     check(q, q_pos, k, v)
     n_q, n_heads, dim = q.shape
     group = n_heads // k.shape[1]
@@ -96,9 +127,16 @@ def positional_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
     out = torch.empty_like(q)
     if n_q == 0:
         return out
+    block_d = max(16, triton.next_power_of_2(dim))
+    use_tma = (TMA if tma is None else tma) and _tma_ok(k, v, dim, block_n)
+    if use_tma:
+        kd, vd = (descriptor(t.view(t.shape[0], -1), t.shape[0], (block_n, dim)) for t in (k, v))
+    else:
+        kd = vd = None
     grid = (triton.cdiv(n_q, block_m // group), k.shape[1])
     _positional_kernel[grid](q, q_pos, k, v, out, n_q, k.shape[0], scale * LOG2E, q.stride(0), q.stride(1),
-                             k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-                             G=group, D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=block_m,
-                             BLOCK_N=block_n, DOT_F32=dot_f32(q.dtype), num_warps=warps, num_stages=stages)
+                             k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), kd, vd,
+                             G=group, D=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+                             EVEN=block_d == dim and k.shape[0] % block_n == 0, TMA=use_tma,
+                             DOT_F32=dot_f32(q.dtype), num_warps=warps, num_stages=stages)
     return out

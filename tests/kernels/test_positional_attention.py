@@ -31,6 +31,9 @@ def test_triton_matches_twin(t, s, hq, hkv, d, dtype):
     want = positional_attention(q, pos, k, v, d ** -0.5)
     for cfg in (None, (16 * (hq // hkv), 16, 4, 1)):  # the default tiles, and small ones (many blocks, many tiles)
         got = pa_triton.positional_attention(q, pos, k, v, d ** -0.5, cfg=cfg)
+        if cfg is not None:  # K and V through tensor descriptors where they can be (a power-of-2 head_dim)
+            torch.testing.assert_close(pa_triton.positional_attention(q, pos, k, v, d ** -0.5, cfg=cfg, tma=True), got,
+                                       rtol=0, atol=0)
         assert got.shape == q.shape and got.dtype == dtype
         if t:
             assert rel_err(got, want) <= TOL[dtype]
