@@ -21,7 +21,9 @@ from kernels.paged_attention._meta import dot_f32
 from kernels.positional_attention.reference import check
 
 LOG2E = 1.4426950408889634
-TMA = False  # K and V through tensor descriptors on Hopper (measured: bench/positional_attention.py)
+# K and V through tensor descriptors on Hopper: 52.7 against 59.2 us by pointer loads for the engine's shape on an
+# H100 (bench/positional_attention.py, positional_attention_s10d.json); False: pointer loads everywhere
+TMA = True
 
 
 @triton.jit
@@ -87,7 +89,9 @@ def _positional_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, n_q, n_k, scale_log2
 def config(n_q: int, group: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64 query rows (16 tokens of a 4-head group) a program, 64 keys a
     step, 3 stages. On an H100, for 528 rows over 3,200 keys (bench/positional_attention.py,
-    positional_attention_s10.json): 59 us; 2 stages 67, 128-row tiles 66-125, 128-key steps 71-79, 8 warps 97."""
+    positional_attention_s10d.json, K and V by TMA): 52.7 us; 128-row tiles 56.5-113, 128-key steps 58.7-72.6,
+    2 stages 68.5-90.5, 8 warps 90.5. Splitting each tile's keys over several programs and merging the parts
+    (measured at commit 4dc081a, positional_attention_s10c.json) was slower: 68-88 against 62 us."""
     block_m = max(16, min(64, triton.next_power_of_2(max(1, n_q) * group)))
     return block_m, 64, 4, 3
 
