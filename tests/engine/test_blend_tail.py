@@ -111,3 +111,27 @@ def test_passes_the_blend_tail_does_not_take(tiny_dir, monkeypatch):
     eager = Engine.load(tiny_dir, static_tails=False)
     eager.prefill(chunks, suffix, recompute_ratio=0.3)
     assert eager.forward.blend_tails is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_blend_tail_equals_the_general_pass(tiny_dir, monkeypatch, backend):
+    """The graph (captured, then replayed by a second and a shorter request) against the general path on a GPU, in
+    bf16: the same tokens selected and tables, logits within bf16 rounding, and no host sync in the pass."""
+    eng = Engine.load(tiny_dir, device="cuda", dtype=torch.bfloat16, attention_backend=backend, static_tails=True)
+    for seed, lengths, suffix_len in ((118, (40, 33, 57), 9), (119, (40, 33, 57), 9), (120, (20, 9), 3)):
+        chunks, suffix = random_request(seed, lengths=lengths, suffix_len=suffix_len)
+        want_logits, want_seq, want = _general(monkeypatch, lambda: _pass(eng, chunks, suffix, "tessera", 0.3))
+        eng.prefill(chunks, suffix, recompute_ratio=0.3)  # captured on first use
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits, seq, stats = _pass(eng, chunks, suffix, "tessera", 0.3)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.testing.assert_close(logits, want_logits, rtol=0.05, atol=0.05)
+        assert stats.tokens_recomputed == want.tokens_recomputed
+        _same_tables(seq, want_seq)
+        eng.release(want_seq)
+        eng.release(seq)
+    assert eng.forward.blend_tails.replays >= 6 and len(eng.forward.blend_tails.tails) == 2
