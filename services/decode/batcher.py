@@ -36,7 +36,7 @@ class DecodeJob:
     once per token, and last with a finish reason ("stop", "length") or an error message."""
 
     request_id: str
-    handoff: PreparedHandoff
+    handoff: PreparedHandoff | None     # None once admitted: its K/V are in the engine's pool then
     sampling: WireSampling
     emit: Callable[[list[int], str | None, str | None], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -150,6 +150,7 @@ class Batcher:
         params = job.sampling.params
         gen = params.generator(self.eng.device)
         header = job.handoff.received.header
+        job.handoff = None           # the sequence holds what it needs: the received K/V can go now
         sent = header.HasField("first_token")
         token = header.first_token if sent else None
         if not sent or gen is not None:

@@ -109,8 +109,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         job = DecodeJob(rid, prepared, sampling,
                         lambda toks, reason, err: loop.call_soon_threadsafe(out.put_nowait, (toks, reason, err)))
         # the caller leaving ends the sequence at the next step; the generator's own clean-up may wait for the
-        # garbage collector when the caller leaves while the generator is parked at a yield
-        context.add_done_callback(lambda _ctx: job.cancelled.set())
+        # garbage collector when the caller leaves while the generator is parked at a yield. The callback holds
+        # the event alone: the RPC's context outlives the call until a garbage collection, and a job held there
+        # kept its hand-off's K/V on the GPU (a full-mode closed loop grew this worker by ~17 GB and ran the
+        # GPU out of memory: bench/cluster.md, round 10)
+        cancelled = job.cancelled
+        context.add_done_callback(lambda _ctx: cancelled.set())
         self.decoding += 1
         self.batcher.submit(job)
         try:

@@ -135,3 +135,19 @@ def test_step_interval_is_validated():
     for bad in (-0.1, 10.0):
         with pytest.raises(ValueError, match="min_step_interval_s"):
             DecodeSettings(min_step_interval_s=bad)
+
+
+def test_an_admitted_job_lets_its_hand_off_go():
+    """Once imported, the hand-off's K/V live in the engine's pool: the job (held until the request ends, and by
+    whoever else kept it) no longer holds the received tensors."""
+    eng = StandInEngine()
+    eng.step_gate.set()
+    batcher = Batcher(eng, DecodeMetrics(), max_batch=8)
+    done = threading.Event()
+    job = _job("one", 3, done)
+    try:
+        batcher.submit(job)
+        assert done.wait(10)
+    finally:
+        batcher.stop()
+    assert ("import", "one") in eng.log and job.handoff is None
