@@ -33,6 +33,7 @@ padding (the scratch block, nothing shown)], the order of blend.RequestTables.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -48,7 +49,9 @@ from services.engine.graphs import PAD_POS, T_BUCKET, StaticTail, bucket, entry_
 from services.engine.request import Sequence
 from services.engine.reuse_tail import KeyedTails, StagedInputs
 
-ENABLED = True  # reuse passes take this path where it applies (off: the general one, blend.blend_pass)
+# reuse passes take this path where it applies (off: the general one, blend.blend_pass); TESSERA_BLEND_GRAPH=0 in a
+# worker's environment turns it off there (an A/B in the serving path)
+ENABLED = os.environ.get("TESSERA_BLEND_GRAPH", "1") != "0"
 HEAD_BUCKET = 128  # head rows (every token of the request) padded to a multiple of this
 # requests of more tokens run the general path: their layer 0 alone keeps the GPU busy long enough to hide
 # the host, and a graph's buffers for them would hold as much memory as the activations of a long prefill
