@@ -68,6 +68,17 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 @triton.jit
+def _copy_rotated(k_src, v_src, k_dst, v_dst, ok, cos, sin, HALF: tl.constexpr):
+    """Rows of D (pointer tiles at their first halves) copied, the keys rotated by cos/sin in fp32 on the way."""
+    x1 = tl.load(k_src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(k_src + HALF, mask=ok, other=0.0).to(tl.float32)
+    tl.store(k_dst, (x1 * cos - x2 * sin).to(k_dst.dtype.element_ty), mask=ok)
+    tl.store(k_dst + HALF, (x2 * cos + x1 * sin).to(k_dst.dtype.element_ty), mask=ok)
+    tl.store(v_dst, tl.load(v_src, mask=ok, other=0.0), mask=ok)
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=ok, other=0.0), mask=ok)
+
+
+@triton.jit
 def _gather_rotate_kernel(k_ptr, v_ptr, ids_ptr, off_ptr, invf_ptr, ko_ptr, vo_ptr, rows, stride_kb, stride_vb,
                           HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D2: tl.constexpr):
     """Program (entry e, tile of BLOCK_R rows of its block's BS*H contiguous rows of D)."""
@@ -81,14 +92,8 @@ def _gather_rotate_kernel(k_ptr, v_ptr, ids_ptr, off_ptr, invf_ptr, ko_ptr, vo_p
     sin = tl.sin(ang)[None, :]
     src = r[:, None] * (2 * HALF) + d[None, :]
     dst = (e.to(tl.int64) * rows + r[:, None]) * (2 * HALF) + d[None, :]
-    x1 = tl.load(k_ptr + blk * stride_kb + src, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_D2]
-    x2 = tl.load(k_ptr + blk * stride_kb + src + HALF, mask=ok, other=0.0).to(tl.float32)
-    tl.store(ko_ptr + dst, (x1 * cos - x2 * sin).to(ko_ptr.dtype.element_ty), mask=ok)
-    tl.store(ko_ptr + dst + HALF, (x2 * cos + x1 * sin).to(ko_ptr.dtype.element_ty), mask=ok)
-    v1 = tl.load(v_ptr + blk * stride_vb + src, mask=ok, other=0.0)
-    v2 = tl.load(v_ptr + blk * stride_vb + src + HALF, mask=ok, other=0.0)
-    tl.store(vo_ptr + dst, v1, mask=ok)
-    tl.store(vo_ptr + dst + HALF, v2, mask=ok)
+    _copy_rotated(k_ptr + blk * stride_kb + src, v_ptr + blk * stride_vb + src, ko_ptr + dst, vo_ptr + dst, ok, cos,
+                  sin, HALF)
 
 
 def gather_rotate(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor,
@@ -133,14 +138,8 @@ def _gather_rotate_slots_kernel(k_ptr, v_ptr, slot_ptr, off_ptr, invf_ptr, ko_pt
     sin = tl.sin(ang)[None, :]
     src = h[:, None] * (2 * HALF) + d[None, :]
     dst = s.to(tl.int64) * n_heads * (2 * HALF) + src
-    x1 = tl.load(k_ptr + slot * stride_k + src, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D2]
-    x2 = tl.load(k_ptr + slot * stride_k + src + HALF, mask=ok, other=0.0).to(tl.float32)
-    tl.store(ko_ptr + dst, (x1 * cos - x2 * sin).to(ko_ptr.dtype.element_ty), mask=ok)
-    tl.store(ko_ptr + dst + HALF, (x2 * cos + x1 * sin).to(ko_ptr.dtype.element_ty), mask=ok)
-    v1 = tl.load(v_ptr + slot * stride_v + src, mask=ok, other=0.0)
-    v2 = tl.load(v_ptr + slot * stride_v + src + HALF, mask=ok, other=0.0)
-    tl.store(vo_ptr + dst, v1, mask=ok)
-    tl.store(vo_ptr + dst + HALF, v2, mask=ok)
+    _copy_rotated(k_ptr + slot * stride_k + src, v_ptr + slot * stride_v + src, ko_ptr + dst, vo_ptr + dst, ok, cos,
+                  sin, HALF)
 
 
 def gather_rotate_slots(k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
