@@ -2,10 +2,12 @@
 
 Layout of one reuse request: chunks placed from position 0 in the given order, then the suffix.
   ratio 0   : only the suffix is computed; it attends to every chunk's cached KV (Block-Attention).
-  ratio > 0 : layers before the check layer are computed for every token (layer 0 reads the cache:
-              its KV depends on the token alone, so cached == fresh); at the check layer the fresh K/V
-              of every chunk token is compared with the cached copy and the top ``ratio`` of tokens by
-              deviation (HKVD) are kept; from there on only they and the suffix are computed.
+  ratio > 0 : layers before the check layer are computed for every token, each attending the fresh K/V
+              of the tokens up to it (plain causal attention; layer 0 writes no chunk KV: its KV depends on
+              the token alone, so the cache holds it); at the check layer the fresh K/V of every chunk token
+              is compared with the cached copy and the top ``ratio`` of tokens by deviation (HKVD) are kept;
+              from there on only they and the suffix are computed. Where it fits, the whole pass is one
+              CUDA graph (blend_tail.py); this module is the general path.
 Recomputed tokens get private slots at their global positions, and their shared twins are hidden by
 the entries' slot masks: no shared block is copied or written (``copy=False``). ``copy=True`` is
 CacheBlend as published: each chunk's KV is first copied and re-rotated to its global position and the
