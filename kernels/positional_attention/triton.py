@@ -89,9 +89,10 @@ def _positional_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, n_q, n_k, scale_log2
 def config(n_q: int, group: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64 query rows (16 tokens of a 4-head group) a program, 64 keys a
     step, 3 stages. On an H100, for 528 rows over 3,200 keys (bench/positional_attention.py,
-    positional_attention_s10d.json, K and V by TMA): 52.7 us; 128-row tiles 56.5-113, 128-key steps 58.7-72.6,
-    2 stages 68.5-90.5, 8 warps 90.5. Splitting each tile's keys over several programs and merging the parts
-    (measured at commit 4dc081a, positional_attention_s10c.json) was slower: 68-88 against 62 us."""
+    positional_attention_s10d.json, K and V by TMA): 52.7 us; the 11 other tiles measured 56.5-129 us (128-row
+    tiles, 128-key steps, 2 or 4 stages, 8 warps, 32-row tiles, 32-key steps). Splitting each tile's keys over
+    several programs and merging the parts (measured at commit 4dc081a, positional_attention_s10c.json) was
+    slower: 68-88 against 62 us."""
     block_m = max(16, min(64, triton.next_power_of_2(max(1, n_q) * group)))
     return block_m, 64, 4, 3
 
