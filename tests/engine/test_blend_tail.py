@@ -135,3 +135,18 @@ def test_cuda_blend_tail_equals_the_general_pass(tiny_dir, monkeypatch, backend)
         eng.release(want_seq)
         eng.release(seq)
     assert eng.forward.blend_tails.replays >= 6 and len(eng.forward.blend_tails.tails) == 2
+
+
+@pytest.mark.parametrize("arch", ["llama3", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("deviation", ["kv", "k"])
+def test_blend_tail_on_every_architecture(tiny_dirs, monkeypatch, arch, deviation):
+    """Llama-3.1 rope scaling, Mistral, Qwen2's q|k|v bias, Qwen3's q/k norms; the deviation by K alone too."""
+    eng = Engine.load(tiny_dirs[arch], static_tails=True, deviation=deviation)
+    chunks, suffix = random_request(121, lengths=(20, 33, 17), suffix_len=6)
+    want_logits, want_seq, _ = _general(monkeypatch, lambda: _pass(eng, chunks, suffix, "tessera", 0.3))
+    logits, seq, _ = _pass(eng, chunks, suffix, "tessera", 0.3)
+    assert eng.forward.blend_tails.replays == 1
+    torch.testing.assert_close(logits, want_logits, **TOL)
+    _same_tables(seq, want_seq)
+    eng.release(want_seq)
+    eng.release(seq)
