@@ -68,17 +68,6 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 @triton.jit
-def _copy_rotated(k_src, v_src, k_dst, v_dst, ok, cos, sin, HALF: tl.constexpr):
-    """Rows of D (pointer tiles at their first halves) copied, the keys rotated by cos/sin in fp32 on the way."""
-    x1 = tl.load(k_src, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(k_src + HALF, mask=ok, other=0.0).to(tl.float32)
-    tl.store(k_dst, (x1 * cos - x2 * sin).to(k_dst.dtype.element_ty), mask=ok)
-    tl.store(k_dst + HALF, (x2 * cos + x1 * sin).to(k_dst.dtype.element_ty), mask=ok)
-    tl.store(v_dst, tl.load(v_src, mask=ok, other=0.0), mask=ok)
-    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=ok, other=0.0), mask=ok)
-
-
-@triton.jit
 def _gather_rotate_kernel(k_ptr, v_ptr, ids_ptr, off_ptr, invf_ptr, ko_ptr, vo_ptr, rows, stride_kb, stride_vb,
                           HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D2: tl.constexpr):
     """Program (entry e, tile of BLOCK_R rows of its block's BS*H contiguous rows of D)."""
@@ -92,8 +81,14 @@ def _gather_rotate_kernel(k_ptr, v_ptr, ids_ptr, off_ptr, invf_ptr, ko_ptr, vo_p
     sin = tl.sin(ang)[None, :]
     src = r[:, None] * (2 * HALF) + d[None, :]
     dst = (e.to(tl.int64) * rows + r[:, None]) * (2 * HALF) + d[None, :]
-    _copy_rotated(k_ptr + blk * stride_kb + src, v_ptr + blk * stride_vb + src, ko_ptr + dst, vo_ptr + dst, ok, cos,
-                  sin, HALF)
+    x1 = tl.load(k_ptr + blk * stride_kb + src, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_D2]
+    x2 = tl.load(k_ptr + blk * stride_kb + src + HALF, mask=ok, other=0.0).to(tl.float32)
+    tl.store(ko_ptr + dst, (x1 * cos - x2 * sin).to(ko_ptr.dtype.element_ty), mask=ok)
+    tl.store(ko_ptr + dst + HALF, (x2 * cos + x1 * sin).to(ko_ptr.dtype.element_ty), mask=ok)
+    v1 = tl.load(v_ptr + blk * stride_vb + src, mask=ok, other=0.0)
+    v2 = tl.load(v_ptr + blk * stride_vb + src + HALF, mask=ok, other=0.0)
+    tl.store(vo_ptr + dst, v1, mask=ok)
+    tl.store(vo_ptr + dst + HALF, v2, mask=ok)
 
 
 def gather_rotate(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor,
@@ -124,24 +119,6 @@ def gather_rotate(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch
     return k_out, v_out
 
 
-@triton.jit
-def _gather_rotate_slots_kernel(k_ptr, v_ptr, slot_ptr, off_ptr, invf_ptr, ko_ptr, vo_ptr, n_heads, stride_k, stride_v,
-                                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
-    """Program (key s, tile of BLOCK_H heads): the angle row offsets[s] * inv_freq is shared by its heads."""
-    s = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D2)
-    ok = (h[:, None] < n_heads) & (d[None, :] < HALF)
-    slot = tl.load(slot_ptr + s).to(tl.int64)
-    ang = tl.load(off_ptr + s).to(tl.float32) * tl.load(invf_ptr + d, mask=d < HALF, other=0.0)
-    cos = tl.cos(ang)[None, :]
-    sin = tl.sin(ang)[None, :]
-    src = h[:, None] * (2 * HALF) + d[None, :]
-    dst = s.to(tl.int64) * n_heads * (2 * HALF) + src
-    _copy_rotated(k_ptr + slot * stride_k + src, v_ptr + slot * stride_v + src, ko_ptr + dst, vo_ptr + dst, ok, cos,
-                  sin, HALF)
-
-
 def gather_rotate_slots(k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
                         inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows slots [S] (int, each below M) of flat caches [M, H, D]: k, v [S, H, D], key s rotated forward by
@@ -161,9 +138,10 @@ def gather_rotate_slots(k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch
     v_out = torch.empty_like(k_out)
     if n == 0:
         return k_out, v_out
+    # a slot is a block of one row of H heads to the block gather's kernel: program (key, tile of heads)
     block_h = min(triton.next_power_of_2(n_heads), 16)
     inv_freq = inv_freq.to(device=k_flat.device, dtype=torch.float32).contiguous()
-    _gather_rotate_slots_kernel[(n, triton.cdiv(n_heads, block_h))](
+    _gather_rotate_kernel[(n, triton.cdiv(n_heads, block_h))](
         k_flat, v_flat, slots.contiguous(), offsets.contiguous(), inv_freq, k_out, v_out, n_heads,
-        k_flat.stride(0), v_flat.stride(0), HALF=dim // 2, BLOCK_H=block_h, BLOCK_D2=triton.next_power_of_2(dim // 2))
+        k_flat.stride(0), v_flat.stride(0), HALF=dim // 2, BLOCK_R=block_h, BLOCK_D2=triton.next_power_of_2(dim // 2))
     return k_out, v_out

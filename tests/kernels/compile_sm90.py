@@ -62,7 +62,7 @@ def kernels():
     from kernels.paged_attention import _prefill
     from kernels.paged_attention._meta import PACK_BLOCK, _pack_kernel
     from kernels.positional_attention.triton import _positional_kernel
-    from kernels.rope.triton import _gather_rotate_kernel, _gather_rotate_slots_kernel, _rope_kernel
+    from kernels.rope.triton import _gather_rotate_kernel, _rope_kernel
 
     cfg = _prefill.PrefillConfig()
     d, g, bs = 128, 4, 16
@@ -133,10 +133,10 @@ def kernels():
         _gather_rotate_kernel, dict(k_ptr="bf16", v_ptr="bf16", ids_ptr="i32", off_ptr="i32", invf_ptr="fp32",
                                     ko_ptr="bf16", vo_ptr="bf16"),
         dict(HALF=d // 2, BLOCK_R=32, BLOCK_D2=d // 2))
-    yield "gather-rotate-slots", lambda: compile_kernel(
-        _gather_rotate_slots_kernel, dict(k_ptr="bf16", v_ptr="bf16", slot_ptr="i64", off_ptr="i64", invf_ptr="fp32",
-                                          ko_ptr="bf16", vo_ptr="bf16"),
-        dict(HALF=d // 2, BLOCK_H=8, BLOCK_D2=d // 2))
+    yield "gather-rotate-slots", lambda: compile_kernel(  # gather_rotate_slots: blocks of one row of 8 heads
+        _gather_rotate_kernel, dict(k_ptr="bf16", v_ptr="bf16", ids_ptr="i64", off_ptr="i64", invf_ptr="fp32",
+                                    ko_ptr="bf16", vo_ptr="bf16"),
+        dict(HALF=d // 2, BLOCK_R=8, BLOCK_D2=d // 2))
     yield "positional", lambda: compile_kernel(
         _positional_kernel, dict(q_ptr="bf16", pos_ptr="i64", k_ptr="bf16", v_ptr="bf16", o_ptr="bf16"),
         dict(k_desc=None, v_desc=None, G=4, D=d, BLOCK_D=d, BLOCK_M=64, BLOCK_N=64, EVEN=True, TMA=False,
