@@ -118,3 +118,20 @@ def test_recomputed_tokens_never_see_later_tokens(engine):
         full = engine.prefill(chunks[:cut], suffix, mode="full").logits
         torch.testing.assert_close(engine.prefill(chunks[:cut], suffix, mode="tessera", recompute_ratio=1.0).logits,
                                    full, **TOL)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("mode", ["tessera", "blend_copy", "position_aware"])
+def test_no_chunks_at_a_ratio_above_zero_is_the_suffix_alone(tiny_dir, mode, static):
+    """A retrieval that found nothing: no chunk token to recompute, so every ratio gives ratio 0's pass (the
+    suffix alone at every layer), and full prefill's logits; decode goes on from it."""
+    eng = Engine.load(tiny_dir, static_tails=static)
+    suffix = random_request(130, suffix_len=11)[1]
+    want = eng.prefill([], suffix, mode="full").logits
+    for ratio in (0.15, 1.0):
+        got = eng.prefill([], suffix, mode=mode, recompute_ratio=ratio)
+        assert got.stats.tokens_recomputed == 0
+        torch.testing.assert_close(got.logits, want, rtol=1e-5, atol=1e-5)
+    assert eng.generate([], suffix, max_new_tokens=4, mode=mode, recompute_ratio=0.15, stop_token_ids=[]) == \
+        eng.generate([], suffix, max_new_tokens=4, mode="full", stop_token_ids=[])
+    assert eng.pool.num_free + sum(len(e.blocks) for e in eng.cache._entries.values()) == eng.pool.usable_blocks
