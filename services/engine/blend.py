@@ -171,7 +171,9 @@ class RequestTables:
         """(flat slot [n_chunk] of each chunk token's cached KV in a layer's [N*BS] view, its index in
         entry order [n_chunk] (entry = // BS, slot = % BS), its rot [n_chunk]); built once per pass."""
         if self._chunk_tokens is None:
-            flat = torch.cat([self.fwd.chunk_slots(p.entry) for p in self.placed])
+            # (a request of no chunks: no slots, and every per-token tensor below is empty)
+            flat = torch.cat([self.fwd.chunk_slots(p.entry) for p in self.placed]
+                             or [torch.zeros(0, dtype=torch.int64, device=self.fwd.device)])
             rep = torch.repeat_interleave(self._per_chunk[:2], self._per_chunk[2], dim=1, output_size=self.n_chunk)
             virtual = torch.arange(self.n_chunk, device=flat.device) + rep[0]
             cos, sin = rope_cos_sin(rep[1], self.fwd.model.inv_freq)
@@ -208,13 +210,11 @@ def blend_pass(fwd, placed, chunks, pinned, private, suffix, mode, ratio, blend:
     """Reuse pass over placed chunks (tessera, blend_copy, position_aware) -> (logits, Sequence).
     ``keep_tables`` False: the caller only releases the Sequence (a lean pass may then leave its tables out)."""
     copy = mode == "blend_copy"
-    n_chunk = sum(p.entry.length for p in placed)
-    if n_chunk == 0:
-        ratio = 0.0  # no chunk token to recompute: the suffix alone at every layer, which is ratio 0's pass exactly
     if ratio == 0.0 and not copy and reuse_tail.ENABLED and fwd.static_tail(len(suffix)):
         return reuse_tail.reuse_tail_pass(fwd, placed, chunks, pinned, private, suffix, stats, keep_tables)
     n_layers, c = fwd.cfg.num_layers, blend.check_layer
     t0 = time.perf_counter()
+    n_chunk = sum(p.entry.length for p in placed)
     n_keep = int(round(ratio * n_chunk))
     # extra private tokens: blend_copy copies every chunk token; a later check layer computes every
     # chunk token in layers 1..c-1; otherwise only the recomputed ones (their count is known now)
@@ -226,11 +226,10 @@ def blend_pass(fwd, placed, chunks, pinned, private, suffix, mode, ratio, blend:
             fwd._gate.finish()  # the copy needs every layer before it starts
         # CacheBlend as published: copy every chunk's KV, keys re-rotated to the global position
         stats.copied_blocks = rt.n_x_entries
-        if n_chunk:  # a request of no chunks has nothing to copy
-            rt.set_extra_positions(torch.arange(n_chunk, device=fwd.device))
-            for layer in range(n_layers):
-                k, v = rt.cached_kv(layer)
-                fwd.pool.write(layer, rt.x_block, rt.x_slot, k, v)
+        rt.set_extra_positions(torch.arange(n_chunk, device=fwd.device))
+        for layer in range(n_layers):
+            k, v = rt.cached_kv(layer)
+            fwd.pool.write(layer, rt.x_block, rt.x_slot, k, v)
         base = rt.private_base()
     else:
         base = rt.shared_base()

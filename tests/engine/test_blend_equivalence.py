@@ -123,8 +123,8 @@ def test_recomputed_tokens_never_see_later_tokens(engine):
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("mode", ["tessera", "blend_copy", "position_aware"])
 def test_no_chunks_at_a_ratio_above_zero_is_the_suffix_alone(tiny_dir, mode, static):
-    """A retrieval that found nothing: no chunk token to recompute, so every ratio gives ratio 0's pass (the
-    suffix alone at every layer), and full prefill's logits; decode goes on from it."""
+    """A retrieval that found nothing: no chunk token to select or copy, so every ratio computes the suffix
+    alone at every layer, as ratio 0 does: full prefill's logits; decode goes on from it."""
     eng = Engine.load(tiny_dir, static_tails=static)
     suffix = random_request(130, suffix_len=11)[1]
     want = eng.prefill([], suffix, mode="full").logits
