@@ -1,6 +1,6 @@
 """The blend tail's attention call alone (issue #2): kernels/positional_attention on the engine's shape, under
 several tile configurations, K and V by pointer loads or tensor descriptors (TMA), against its twin (SDPA with an additive mask) and, for the keys, the per-layer
-gather (kernels.rope.gather_rotate_slots).
+gather (kernels.rope.gather_rotate over one-slot blocks).
 
 Shape of `tessera@0.15` on bench/engine.py's request: 461 recomputed chunk tokens at scattered sorted positions in
 [0, 3072) then 64 suffix tokens (3072..3135), padded to 528 rows (padding at position -1); 3,200 keys (one per
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.positional_attention import positional_attention  # noqa: E402
 from kernels.positional_attention import triton as pa  # noqa: E402
-from kernels.rope import gather_rotate_slots, rope_inv_freq  # noqa: E402
+from kernels.rope import gather_rotate, rope_inv_freq  # noqa: E402
 
 
 def main() -> int:
@@ -77,11 +77,12 @@ def main() -> int:
                 (" (default)" if cfg == pa.config(t, 4) and tma == pa.TMA else "")
             bench(name, lambda cfg=cfg, tma=tma: pa.positional_attention(q, pos, k, v, scale, cfg=cfg, tma=tma),
                   check=lambda cfg=cfg, tma=tma: pa.positional_attention(q, pos, k, v, scale, cfg=cfg, tma=tma))
-    kf, vf = gather_rotate_slots(cache_k, cache_v, slots, rots, inv, backend="triton")
-    kr, vr = gather_rotate_slots(cache_k, cache_v, slots, rots, inv)
+    cache_k, cache_v = cache_k.view(-1, 1, 8, 128), cache_v.view(-1, 1, 8, 128)  # one slot a block
+    kf, vf = gather_rotate(cache_k, cache_v, slots, rots, inv, backend="triton")
+    kr, vr = gather_rotate(cache_k, cache_v, slots, rots, inv)
     err = float((kf.float() - kr.float()).abs().max())
-    bench("gather_rotate_slots triton", lambda: gather_rotate_slots(cache_k, cache_v, slots, rots, inv, backend="triton"))
-    bench("gather_rotate_slots twin", lambda: gather_rotate_slots(cache_k, cache_v, slots, rots, inv))
+    bench("gather_rotate one-slot blocks triton", lambda: gather_rotate(cache_k, cache_v, slots, rots, inv, backend="triton"))
+    bench("gather_rotate one-slot blocks twin", lambda: gather_rotate(cache_k, cache_v, slots, rots, inv))
     rec["gather_max_abs_diff"] = err
     print(f"gather max |diff| triton vs twin {err:.3g}")
     if args.out:

@@ -1,5 +1,4 @@
-"""RoPE: ``apply_rope``, ``gather_rotate`` and ``gather_rotate_slots`` dispatch to the plain-torch twin or the
-Triton kernel."""
+"""RoPE: ``apply_rope`` and ``gather_rotate`` dispatch to the plain-torch twin or the Triton kernel."""
 
 from __future__ import annotations
 
@@ -7,10 +6,9 @@ import torch
 
 from kernels.rope.reference import apply_rope as apply_rope_reference
 from kernels.rope.reference import gather_rotate as gather_rotate_reference
-from kernels.rope.reference import gather_rotate_slots as gather_rotate_slots_reference
 from kernels.rope.reference import rope_cos_sin, rope_inv_freq, rotate
 
-__all__ = ["apply_rope", "gather_rotate", "gather_rotate_slots", "rope_inv_freq", "rope_cos_sin", "rotate"]
+__all__ = ["apply_rope", "gather_rotate", "rope_inv_freq", "rope_cos_sin", "rotate"]
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, backend: str = "torch") -> torch.Tensor:
@@ -33,16 +31,4 @@ def gather_rotate(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch
         from kernels.rope.triton import gather_rotate as gather_rotate_triton
 
         return gather_rotate_triton(k_cache, v_cache, block_ids, offsets, inv_freq)
-    raise ValueError(f"unknown backend {backend!r} (torch or triton)")
-
-
-def gather_rotate_slots(k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
-                        inv_freq: torch.Tensor, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows slots [S] of flat caches [M, H, D]: k, v [S, H, D], key s rotated forward by offsets[s]."""
-    if backend == "torch":
-        return gather_rotate_slots_reference(k_flat, v_flat, slots, offsets, inv_freq)
-    if backend == "triton":
-        from kernels.rope.triton import gather_rotate_slots as gather_rotate_slots_triton
-
-        return gather_rotate_slots_triton(k_flat, v_flat, slots, offsets, inv_freq)
     raise ValueError(f"unknown backend {backend!r} (torch or triton)")

@@ -72,12 +72,3 @@ def gather_rotate(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch
     cos, sin = rope_cos_sin(offsets.long(), inv_freq)  # [E, D/2]
     k = rotate(k_cache[ids], cos[:, None, None, :], sin[:, None, None, :])  # [E, BS, H, D]
     return k.reshape(-1, *k_cache.shape[2:]), v_cache[ids].reshape(-1, *v_cache.shape[2:])
-
-
-def gather_rotate_slots(k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
-                        inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows slots [S] of flat caches [M, H, D] (a layer's slots, any order): k, v [S, H, D] in the caches' dtype,
-    key s rotated forward by offsets[s] (fp32 math, as ``rotate``)."""
-    idx = slots.long()
-    cos, sin = rope_cos_sin(offsets.long(), inv_freq)  # [S, D/2]
-    return rotate(k_flat[idx], cos[:, None, :], sin[:, None, :]), v_flat[idx]

@@ -7,8 +7,9 @@ cos/sin are computed in the kernel in fp32 by default; ``use_table=True`` gather
 ``gather_rotate`` reads whole paged blocks and writes them flat, keys rotated by their block's
 offset on the way: one pass over K and V instead of a gather, an fp32 rotation in several
 elementwise kernels and a cast (the torch backend's static tails use it before SDPA).
-``gather_rotate_slots`` does the same for single slots in any order, each key rotated by its own
-offset (the CacheBlend graph lays one key per position that way: blend_tail.py).
+A view [M, 1, H, D] of a layer's flat slots makes every slot a block of its own: single slots in any
+order, each key rotated by its own offset (the CacheBlend graph lays one key per position that way:
+blend_tail.py).
 """
 
 from __future__ import annotations
@@ -92,9 +93,10 @@ def _gather_rotate_kernel(k_ptr, v_ptr, ids_ptr, off_ptr, invf_ptr, ko_ptr, vo_p
 
 
 def gather_rotate(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor,
-                  inv_freq: torch.Tensor, block_r: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                  inv_freq: torch.Tensor, block_r: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every slot of the blocks block_ids [E] (int) of paged caches [N, BS, H, D], flat: k, v [E*BS, H, D],
-    block e's keys rotated forward by offsets[e] [E]. No host sync: a CUDA graph can capture it."""
+    block e's keys rotated forward by offsets[e] [E]. ``block_r``: rows of D a program (default: a block's
+    BS*H rows, at most 32). No host sync: a CUDA graph can capture it."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be [N, BS, H, D]")
     n_blocks, bs, n_heads, dim = k_cache.shape
@@ -111,6 +113,7 @@ def gather_rotate(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch
     if n == 0:
         return k_out, v_out
     rows = bs * n_heads
+    block_r = block_r or min(32, triton.next_power_of_2(rows))
     inv_freq = inv_freq.to(device=k_cache.device, dtype=torch.float32).contiguous()
     _gather_rotate_kernel[(n, triton.cdiv(rows, block_r))](
         k_cache, v_cache, block_ids.contiguous(), offsets.contiguous(), inv_freq, k_out, v_out, rows,
@@ -118,30 +121,3 @@ def gather_rotate(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch
         HALF=dim // 2, BLOCK_R=block_r, BLOCK_D2=triton.next_power_of_2(dim // 2))
     return k_out, v_out
 
-
-def gather_rotate_slots(k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
-                        inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows slots [S] (int, each below M) of flat caches [M, H, D]: k, v [S, H, D], key s rotated forward by
-    offsets[s] [S]. No host sync: a CUDA graph can capture it."""
-    if k_flat.dim() != 3 or k_flat.shape != v_flat.shape or k_flat.dtype != v_flat.dtype:
-        raise ValueError(f"k_flat {tuple(k_flat.shape)} and v_flat {tuple(v_flat.shape)} must both be [M, H, D]")
-    _, n_heads, dim = k_flat.shape
-    for name, c in (("k_flat", k_flat), ("v_flat", v_flat)):
-        if c.stride()[1:] != (dim, 1):
-            raise ValueError(f"{name} must hold each row's [H, D] contiguously")
-    if slots.dim() != 1 or offsets.shape != slots.shape:
-        raise ValueError(f"slots {tuple(slots.shape)} and offsets {tuple(offsets.shape)} must be 1-D of one length")
-    if dim % 2 or inv_freq.numel() != dim // 2:
-        raise ValueError(f"head_dim {dim} needs {dim // 2} inverse frequencies, got {inv_freq.numel()}")
-    n = slots.numel()
-    k_out = torch.empty((n, n_heads, dim), dtype=k_flat.dtype, device=k_flat.device)
-    v_out = torch.empty_like(k_out)
-    if n == 0:
-        return k_out, v_out
-    # a slot is a block of one row of H heads to the block gather's kernel: program (key, tile of heads)
-    block_h = min(triton.next_power_of_2(n_heads), 16)
-    inv_freq = inv_freq.to(device=k_flat.device, dtype=torch.float32).contiguous()
-    _gather_rotate_kernel[(n, triton.cdiv(n_heads, block_h))](
-        k_flat, v_flat, slots.contiguous(), offsets.contiguous(), inv_freq, k_out, v_out, n_heads,
-        k_flat.stride(0), v_flat.stride(0), HALF=dim // 2, BLOCK_R=block_h, BLOCK_D2=triton.next_power_of_2(dim // 2))
-    return k_out, v_out

@@ -41,7 +41,7 @@ import torch
 
 from kernels.paged_attention import MAX_OFFSET
 from kernels.positional_attention import positional_attention
-from kernels.rope import gather_rotate_slots, rope_cos_sin, rotate
+from kernels.rope import gather_rotate, rope_cos_sin
 from services.engine.attention import self_causal
 from services.engine.blend import hkvd_scores
 from services.engine.block_table import BlockTable, chunk_rows, dense_run
@@ -72,7 +72,7 @@ class PositionalAttention:
     """The blend tail's attention. After the selection every position has exactly one visible key: a
     recomputed token's fresh one in its private slot, any other chunk token's cached one (rotated by its
     chunk's offset), a suffix token's own. So each layer gathers them once, in position order
-    (``gather_rotate_slots``), and each query attends the keys at positions up to its own
+    (``gather_rotate`` over one-slot blocks), and each query attends the keys at positions up to its own
     (kernels/positional_attention): no table, no masks, no per-entry offsets in the attention loop.
     ``key_slot`` / ``key_rot`` [n + 1] are written by the graph's head; row n takes the padding's writes."""
 
@@ -90,8 +90,8 @@ class PositionalAttention:
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         fwd, n = self.fwd, self.n
         kc, vc = fwd.pool.k[layer], fwd.pool.v[layer]
-        k, v = gather_rotate_slots(kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), self.key_slot[:n],
-                                   self.key_rot[:n], fwd.model.inv_freq, backend=self.backend)
+        k, v = gather_rotate(kc.view(-1, 1, *kc.shape[2:]), vc.view(-1, 1, *vc.shape[2:]), self.key_slot[:n],
+                             self.key_rot[:n], fwd.model.inv_freq, backend=self.backend)
         return positional_attention(q, self.q_pos, k, v, fwd.model.scale, backend=self.backend)
 
 
@@ -145,10 +145,10 @@ class BlendTail(StaticTail):
         q, key, val = model.attention_inputs(1, h, None if rope else pos, rope=rope)
         is_chunk = self.cached_slot >= 0
         flat = self.cached_slot.clamp(min=0)
-        kc = pool.k[1].view(-1, *pool.k[1].shape[2:]).index_select(0, flat)
-        vc = pool.v[1].view(-1, *pool.v[1].shape[2:]).index_select(0, flat)
-        c_cos, c_sin = rope_cos_sin(self.chunk_offset, model.inv_freq)
-        dev = hkvd_scores(key, val, rotate(kc, c_cos[:, None, :], c_sin[:, None, :]), vc, self.metric)
+        # the cached K/V, keys rotated by their chunk's offset: the torch twin, the general path's arithmetic
+        kc, vc = gather_rotate(pool.k[1].view(-1, 1, *pool.k[1].shape[2:]), pool.v[1].view(-1, 1, *pool.v[1].shape[2:]),
+                               flat, self.chunk_offset, model.inv_freq)
+        dev = hkvd_scores(key, val, kc, vc, self.metric)
         dev = torch.where(is_chunk, dev, float("-inf"))
         top = torch.topk(dev, k, sorted=True).indices  # by deviation, largest first
         sel = torch.where(self.rank < self.n_keep, top, PAD_POS).sort().values  # positions; padding last

@@ -133,7 +133,7 @@ def kernels():
         _gather_rotate_kernel, dict(k_ptr="bf16", v_ptr="bf16", ids_ptr="i32", off_ptr="i32", invf_ptr="fp32",
                                     ko_ptr="bf16", vo_ptr="bf16"),
         dict(HALF=d // 2, BLOCK_R=32, BLOCK_D2=d // 2))
-    yield "gather-rotate-slots", lambda: compile_kernel(  # gather_rotate_slots: blocks of one row of 8 heads
+    yield "gather-rotate-slots", lambda: compile_kernel(  # one-slot blocks of 8 heads (the blend graph's keys)
         _gather_rotate_kernel, dict(k_ptr="bf16", v_ptr="bf16", ids_ptr="i64", off_ptr="i64", invf_ptr="fp32",
                                     ko_ptr="bf16", vo_ptr="bf16"),
         dict(HALF=d // 2, BLOCK_R=8, BLOCK_D2=d // 2))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernel_checks import DTYPE_NAME, TOL, rel_err
 
-from kernels.rope import apply_rope, gather_rotate, gather_rotate_slots, rope_inv_freq
+from kernels.rope import apply_rope, gather_rotate, rope_inv_freq
 
 # blocks in the pool, block size, KV heads, head_dim, entries gathered, dtype
 CASES = [(9, 16, 8, 128, 5, torch.bfloat16), (7, 5, 3, 64, 4, torch.float32), (3, 1, 1, 32, 6, torch.float16),
@@ -52,47 +52,29 @@ def test_refuses_bad_layouts():
         gather_rotate(k, k, ids, ids, inv[:8], backend="triton")
 
 
+
 SLOT_CASES = [(37, 8, 128, 53, torch.bfloat16), (11, 3, 64, 7, torch.float32), (5, 1, 32, 1, torch.float16),
               (9, 2, 96, 0, torch.float32)]
 
 
 @pytest.mark.parametrize("m,h,d,s,dtype", SLOT_CASES, ids=[f"M{c[0]}-H{c[1]}-D{c[2]}-S{c[3]}-{DTYPE_NAME[c[4]]}"
                                                          for c in SLOT_CASES])
-def test_slots_triton_matches_twin(m, h, d, s, dtype):
+def test_single_slots_as_one_slot_blocks(m, h, d, s, dtype):
+    """A layer's flat slots [M, H, D] viewed as [M, 1, H, D]: slots in any order, repeats allowed, each key
+    rotated by its own offset (the CacheBlend graph's one key per position), Triton against the twin."""
     g = torch.Generator().manual_seed(4)
     k = torch.randn((m, h, d), generator=g).to(dtype)
     v = torch.randn((m, h, d), generator=g).to(dtype)
-    slots = torch.randint(0, m, (s,), generator=g)  # repeats allowed, any order
+    slots = torch.randint(0, m, (s,), generator=g)
     offs = torch.randint(0, 65536, (s,), generator=g)
     offs[:1] = 0
     inv = rope_inv_freq(d, 500000.0)
-    want_k, want_v = gather_rotate_slots(k, v, slots, offs, inv)
-    got_k, got_v = gather_rotate_slots(k, v, slots, offs, inv, backend="triton")
+    k1, v1 = k.view(m, 1, h, d), v.view(m, 1, h, d)
+    want_k, want_v = gather_rotate(k1, v1, slots, offs, inv)
+    got_k, got_v = gather_rotate(k1, v1, slots, offs, inv, backend="triton")
     assert got_k.shape == (s, h, d) and got_k.dtype == dtype and torch.equal(got_v, want_v)
+    assert torch.equal(want_v, v[slots])
     if s:
         assert rel_err(got_k, want_k) <= TOL[dtype]
         assert torch.equal(got_k[0], k[int(slots[0])])  # offset 0 leaves the key bit for bit as it is
-
-
-def test_slots_twin_is_the_block_gather_slot_by_slot():
-    """Every slot of some blocks, one offset per block, gathered slot by slot: the block gather's result exactly."""
-    inv = rope_inv_freq(64, 10000.0)
-    k, v = torch.randn(6, 4, 2, 64), torch.randn(6, 4, 2, 64)
-    ids = torch.tensor([5, 0, 5])
-    offs = torch.tensor([3, 700, 12])
-    want_k, want_v = gather_rotate(k, v, ids, offs, inv)
-    slots = (ids[:, None] * 4 + torch.arange(4)).reshape(-1)
-    got_k, got_v = gather_rotate_slots(k.view(-1, 2, 64), v.view(-1, 2, 64), slots, offs.repeat_interleave(4), inv)
-    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-
-
-def test_slots_refuse_bad_layouts():
-    inv = rope_inv_freq(64, 10000.0)
-    k = torch.randn(8, 2, 64)
-    slots = torch.zeros(2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="contiguously"):
-        gather_rotate_slots(k.transpose(0, 1), k.transpose(0, 1), slots, slots, inv, backend="triton")
-    with pytest.raises(ValueError, match="inverse frequencies"):
-        gather_rotate_slots(k, k, slots, slots, inv[:8], backend="triton")
-    with pytest.raises(ValueError, match="one length"):
-        gather_rotate_slots(k, k, slots, slots[:1], inv, backend="triton")
+        torch.testing.assert_close(want_k, apply_rope(k[slots], offs, inv))
