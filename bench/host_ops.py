@@ -270,7 +270,7 @@ TIMELINE = [
     ("services.engine.graphs", "TailCache.run"), ("services.engine.graphs", "StaticTail.fill"),
     ("services.engine.graphs", "StaticTail.run"), ("services.engine.model", "Transformer.logits"),
     ("services.engine.engine", "Engine.release"), ("services.engine.reuse_tail", "reuse_tail_pass"),
-    ("services.engine.reuse_tail", "pack"), ("services.engine.reuse_tail", "KeyedTails.get"),
+    ("services.engine.reuse_tail", "pack"), ("services.engine.graphs", "KeyedTails.get"),
     ("services.engine.blend_tail", "blend_tail_pass"), ("services.engine.blend_tail", "pack"),
     ("services.engine.blend_tail", "applies"), ("services.engine.reuse_tail", "StagedInputs.load"),
 ]

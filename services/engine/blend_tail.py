@@ -45,9 +45,9 @@ from kernels.rope import gather_rotate, rope_cos_sin
 from services.engine.attention import self_causal
 from services.engine.blend import hkvd_scores
 from services.engine.block_table import BlockTable, chunk_rows, dense_run
-from services.engine.graphs import PAD_POS, T_BUCKET, StaticTail, bucket, entry_bucket
+from services.engine.graphs import PAD_POS, T_BUCKET, KeyedTails, StaticTail, bucket, entry_bucket
 from services.engine.request import Sequence
-from services.engine.reuse_tail import KeyedTails, StagedInputs
+from services.engine.reuse_tail import StagedInputs
 
 # reuse passes take this path where it applies (off: the general one, blend.blend_pass); TESSERA_BLEND_GRAPH=0 in a
 # worker's environment turns it off there (an A/B in the serving path)

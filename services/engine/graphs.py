@@ -255,27 +255,40 @@ class StaticTail:
         return self.out
 
 
-class TailCache:
-    """StaticTails by (first layer, token bucket, entry bucket, half-done first layer), least recently
-    used dropped."""
+class KeyedTails:
+    """Tails made by ``make(*key)`` on first use, by key, least recently used dropped (MAX_GRAPHS kept);
+    they share the engine's graph memory pool with its other static tails."""
+
+    def __init__(self, make):
+        self.make = make
+        self.tails: OrderedDict[tuple, StaticTail] = OrderedDict()
+        self.replays = 0
+
+    def get(self, *key):
+        tail = self.tails.get(key)
+        if tail is None:
+            if len(self.tails) >= MAX_GRAPHS:
+                self.tails.popitem(last=False)
+            tail = self.tails[key] = self.make(*key)
+        self.tails.move_to_end(key)
+        return tail
+
+
+class TailCache(KeyedTails):
+    """StaticTails by (first layer, token bucket, entry bucket, half-done first layer); the engine's graph memory
+    pool, which its other tails share."""
 
     def __init__(self, fwd):
         self.fwd = fwd
-        self.tails: OrderedDict[tuple, StaticTail] = OrderedDict()
         self.graph_pool = torch.cuda.graph_pool_handle() if fwd.device.type == "cuda" else None
-        self.replays = 0
+        super().__init__(lambda first, t, e, qkv: StaticTail(fwd, first, t, e, self.graph_pool, qkv))
 
     def run(self, first, h, pos, table, w_block, w_slot, qkv=None, rows=None, tokens=None) -> torch.Tensor:
         """h after layers [first, L) for tokens h [n, hidden] at pos [n] against ``table``; see
         StaticTail.fill for ``qkv``, ``rows`` and ``tokens``."""
         n = pos.shape[0]
-        key = (first, bucket(n, T_BUCKET), entry_bucket(table.num_entries, self.fwd.pool.block_size), qkv is not None)
-        tail = self.tails.get(key)
-        if tail is None:
-            if len(self.tails) >= MAX_GRAPHS:
-                self.tails.popitem(last=False)
-            tail = self.tails[key] = StaticTail(self.fwd, first, key[1], key[2], self.graph_pool, key[3])
-        self.tails.move_to_end(key)
+        tail = self.get(first, bucket(n, T_BUCKET), entry_bucket(table.num_entries, self.fwd.pool.block_size),
+                        qkv is not None)
         tail.fill(h, pos, table, w_block, w_slot, qkv, rows, tokens)
         self.replays += 1
         return tail.run()[:n]

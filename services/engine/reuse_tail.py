@@ -20,14 +20,13 @@ Padding as StaticTail's: rows at PAD_POS writing the scratch block, entries nami
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 
 import numpy as np
 import torch
 
 from kernels.paged_attention import MAX_OFFSET
 from services.engine.block_table import BlockTable, chunk_rows, dense_run
-from services.engine.graphs import MAX_GRAPHS, PAD_POS, T_BUCKET, StaticTail, bucket, entry_bucket
+from services.engine.graphs import PAD_POS, T_BUCKET, KeyedTails, StaticTail, bucket, entry_bucket
 from services.engine.request import Sequence
 
 ENABLED = True  # blend_pass takes this path for ratio-0 passes that fit a static tail (off: the general one)
@@ -95,25 +94,6 @@ class IdsTail(StaticTail):
         # padded rows write the scratch block's slots; 0 there, as the pool holds it
         self.fwd.pool.slot_pos[block, slot] = torch.where(pos < PAD_POS, pos, 0).to(torch.int32)
         super()._body()
-
-
-class KeyedTails:
-    """Tails made by ``make(*key)`` on first use, by key, least recently used dropped (MAX_GRAPHS kept);
-    they share the engine's graph memory pool with its other static tails."""
-
-    def __init__(self, make):
-        self.make = make
-        self.tails: OrderedDict[tuple, StaticTail] = OrderedDict()
-        self.replays = 0
-
-    def get(self, *key):
-        tail = self.tails.get(key)
-        if tail is None:
-            if len(self.tails) >= MAX_GRAPHS:
-                self.tails.popitem(last=False)
-            tail = self.tails[key] = self.make(*key)
-        self.tails.move_to_end(key)
-        return tail
 
 
 def ids_tails(fwd) -> KeyedTails:
