@@ -199,20 +199,11 @@ def blend_tails(fwd) -> KeyedTails:
     return KeyedTails(lambda n, k, s, e, metric: BlendTail(fwd, n, k, s, e, metric, fwd.tails.graph_pool))
 
 
-def host_chunk_slots(entry, bs: int) -> np.ndarray:
-    """int64 [length]: each token's slot in a layer's flat [N*BS] view, on the host, memoised on the entry (its
-    blocks never change while it is cached)."""
-    if entry.host_slots is None:
-        blocks = np.asarray(entry.blocks, dtype=np.int64)
-        idx = np.arange(entry.length, dtype=np.int64)
-        entry.host_slots = blocks[idx // bs] * bs + idx % bs
-    return entry.host_slots
-
-
-def pack(buf: np.ndarray, placed, chunk_ids: list[np.ndarray], suffix: list[int], x_blocks: list[int],
-         s_blocks: list[int], n_keep: int, bs: int, scratch: int, n: int, k: int, s: int, e: int):
+def pack(buf: np.ndarray, placed, chunk_ids: list[np.ndarray], chunk_slots: list[np.ndarray], suffix: list[int],
+         x_blocks: list[int], s_blocks: list[int], n_keep: int, bs: int, scratch: int, n: int, k: int, s: int, e: int):
     """Write the BlendTail inputs (layout above) into ``buf`` -> (recomputed entries n_x, real entries m, the
-    largest offset, the chunks' token count). ``chunk_ids``: each placed chunk's token ids (int64)."""
+    largest offset, the chunks' token count). ``chunk_ids`` / ``chunk_slots``: each placed chunk's token ids and
+    slots in a layer's flat view (int64, Forward.host_chunk_ids / host_chunk_slots)."""
     t = k + s
     lengths = [p.entry.length for p in placed]
     n_chunk, n_s = sum(lengths), len(suffix)
@@ -228,7 +219,7 @@ def pack(buf: np.ndarray, placed, chunk_ids: list[np.ndarray], suffix: list[int]
     ids[n_all:] = 0
     pos[:n_all] = np.arange(n_all)
     pos[n_all:] = PAD_POS
-    cached_slot[:n_chunk] = np.concatenate([host_chunk_slots(p.entry, bs) for p in placed]) if placed else []
+    cached_slot[:n_chunk] = np.concatenate(chunk_slots) if chunk_slots else []
     cached_slot[n_chunk:] = -1
     chunk_offset[:n_chunk] = np.repeat(np.asarray(rots, dtype=np.int64), lengths)
     chunk_offset[n_chunk:] = 0
@@ -280,7 +271,8 @@ def blend_tail_pass(fwd, placed, chunks, pinned, private, suffix, ratio: float, 
         fwd.blend_tails = blend_tails(fwd)
     tail = fwd.blend_tails.get(n, k, s, e, metric)
     ids = [fwd.host_chunk_ids(p.entry, c) for p, c in zip(placed, chunks)]
-    n_x, m, max_offset, _ = pack(tail.stage(), placed, ids, suffix, x_blocks, s_blocks, n_keep, bs,
+    slots = [fwd.host_chunk_slots(p.entry) for p in placed]
+    n_x, m, max_offset, _ = pack(tail.stage(), placed, ids, slots, suffix, x_blocks, s_blocks, n_keep, bs,
                                  fwd.scratch_block, n, k, s, e)
     if max_offset > MAX_OFFSET:  # the engine's input check refuses such requests first
         raise ValueError(f"position offset {max_offset} does not fit the kernels' 16-bit offset field")

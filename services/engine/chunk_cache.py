@@ -52,9 +52,10 @@ class ChunkEntry:
 
     ``base`` is the position its first key was rotated at (0 for position-agnostic entries).
     ``slots``: the device index of each token's slot in a layer's flat [N*BS] view, and ``ids``, its
-    token ids on the device, made on first use (Forward.chunk_slots, chunk_ids); ``host_slots`` and
-    ``host_ids`` the same on the host (blend_tail). An entry's blocks never change while it is cached,
-    and an evicted chunk comes back as a new entry, so the memo can never name another chunk's slots.
+    token ids on the device, made on first use from ``host_slots`` and ``host_ids``, the same on the host
+    (Forward.chunk_slots, chunk_ids, host_chunk_slots, host_chunk_ids). An entry's blocks never change
+    while it is cached, and an evicted chunk comes back as a new entry, so the memo can never name
+    another chunk's slots.
     """
 
     key: str

@@ -90,7 +90,7 @@ class Forward:
     def chunk_ids(self, entry: ChunkEntry, tokens: list[int]) -> torch.Tensor:
         """The chunk's token ids on the device, int64 [length], memoised on the entry (named by them)."""
         if entry.ids is None:
-            entry.ids = host_to_device(tokens, torch.long, self.device)
+            entry.ids = host_to_device(self.host_chunk_ids(entry, tokens), torch.long, self.device)
         return entry.ids
 
     def host_chunk_ids(self, entry: ChunkEntry, tokens: list[int]) -> np.ndarray:
@@ -102,10 +102,17 @@ class Forward:
     def chunk_slots(self, entry: ChunkEntry) -> torch.Tensor:
         """Index of each token's slot in a layer's flat [N*BS] KV view, int64 [length], memoised on the entry."""
         if entry.slots is None:
-            idx = torch.arange(entry.length, device=self.device)
-            blocks = host_to_device(entry.blocks, torch.long, self.device)
-            entry.slots = blocks[idx // self.bs] * self.bs + idx % self.bs
+            entry.slots = host_to_device(self.host_chunk_slots(entry), torch.long, self.device)
         return entry.slots
+
+    def host_chunk_slots(self, entry: ChunkEntry) -> np.ndarray:
+        """``chunk_slots`` on the host, int64 [length], memoised on the entry (its blocks never change while it is
+        cached)."""
+        if entry.host_slots is None:
+            blocks = np.asarray(entry.blocks, dtype=np.int64)
+            idx = np.arange(entry.length, dtype=np.int64)
+            entry.host_slots = blocks[idx // self.bs] * self.bs + idx % self.bs
+        return entry.host_slots
 
     def chunk_table(self, blocks: list[int], n_tokens: int, offset: int) -> BlockTable:
         """The table of a cached chunk's run at ``offset`` with nothing hidden, memoised: building one
