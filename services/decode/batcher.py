@@ -212,14 +212,17 @@ class Batcher:
                 self._finish(lv, None, f"decode step failed: {type(exc).__name__}: {exc}")
             self._live = []
             return
-        self.metrics.step_seconds.observe(time.perf_counter() - t0)
-        keep = []
         # greedy rows: one argmax over the batch and one copy to the host, not a sync per sequence
         greedy = [i for i, lv in enumerate(batch) if lv.job.sampling.params.temperature == 0]
         picked = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
         for i, lv in enumerate(batch):
             lv.last = picked[i] if i in picked else sample(logits[i], lv.job.sampling.params, lv.gen)
             lv.produced += 1
+        # the step ends when its tokens are on the host: decode_step only issues the GPU's work, so timing
+        # it alone measured the launch, not the step (the token read-back above is the wait for the GPU)
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        keep = []
+        for lv in batch:
             if not self._emit(lv):
                 keep.append(lv)
         self._live = keep

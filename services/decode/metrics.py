@@ -25,7 +25,8 @@ class DecodeMetrics:
         self.tokens = Counter("tessera_decode_tokens", "Tokens generated", registry=r)
         self.batch_size = Histogram("tessera_decode_batch_size", "Sequences per decode step", buckets=BATCH,
                                     registry=r)
-        self.step_seconds = Histogram("tessera_decode_step_seconds", "One batched decode step", buckets=SECONDS,
+        self.step_seconds = Histogram("tessera_decode_step_seconds", "One batched decode step, until its tokens are on "
+                                      "the host", buckets=SECONDS,
                                       registry=r)
         self.admit_seconds = Histogram("tessera_decode_admit_seconds", "Rebuilding one hand-off's sequence (the batch "
                                        "waits meanwhile)", buckets=SECONDS, registry=r)

@@ -151,3 +151,42 @@ def test_an_admitted_job_lets_its_hand_off_go():
     finally:
         batcher.stop()
     assert ("import", "one") in eng.log and job.handoff is None
+
+
+class _Pending:
+    """Logits whose values are not there yet: reading the picked tokens back waits ``wait_s`` (the GPU
+    finishing the step), as a real step's token read-back does."""
+
+    def __init__(self, rows: int, wait_s: float):
+        self.rows, self.wait_s = rows, wait_s
+
+    def __getitem__(self, index):
+        return self
+
+    def argmax(self, dim):
+        return self
+
+    def tolist(self):
+        threading.Event().wait(self.wait_s)
+        return [0] * self.rows
+
+
+def test_the_step_metric_lasts_until_the_tokens_are_on_the_host():
+    wait_s = 0.05
+    eng = StandInEngine()
+    eng.step_gate.set()
+    step = eng.decode_step
+    eng.decode_step = lambda seqs, tokens: (step(seqs, tokens), _Pending(len(seqs), wait_s))[1]
+    metrics = DecodeMetrics()
+    batcher = Batcher(eng, metrics, max_batch=8)
+    done = threading.Event()
+    try:
+        batcher.submit(_job("only", 4, done))
+        assert done.wait(10)
+    finally:
+        batcher.stop()
+    steps = [n for k, n in eng.log if k == "step"]
+    count = metrics.registry.get_sample_value("tessera_decode_step_seconds_count")
+    total = metrics.registry.get_sample_value("tessera_decode_step_seconds_sum")
+    assert count == len(steps) == 3                  # 4 tokens: the first from the hand-off, then 3 steps
+    assert total >= wait_s * count                   # each step's time includes its token read-back
