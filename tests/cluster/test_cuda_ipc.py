@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.cuda
 
 
 def test_a_buffer_shared_with_another_process_arrives_whole():

@@ -113,7 +113,7 @@ def test_passes_the_blend_tail_does_not_take(tiny_dir, monkeypatch):
     assert eager.forward.blend_tails is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_cuda_blend_tail_equals_the_general_pass(tiny_dir, monkeypatch, backend):
     """The graph (captured, then replayed by a second and a shorter request) against the general path on a GPU, in

@@ -134,7 +134,7 @@ def test_prefill_handoff_stages_before_the_first_token(engine):
     assert engine.pool.num_free + sum(len(e.blocks) for e in engine.cache._entries.values()) == engine.pool.usable_blocks
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 @pytest.mark.parametrize("kv_on_device", [True, False])
 def test_cuda_export_equals_the_reference_and_never_syncs(tiny_dir, kv_on_device):
     eng = Engine.load(tiny_dir, device="cuda", dtype=torch.bfloat16)

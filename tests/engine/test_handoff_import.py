@@ -192,7 +192,7 @@ def test_import_issues_no_syncing_op_and_one_write_per_layer(engine, mode, ratio
     assert len(ref_ops.launches) > 2 * len(launches[False])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 @pytest.mark.parametrize("mode, ratio, kv_on_device", [("tessera", 0.15, True), ("full", 0.0, True),
                                                        ("tessera", 0.15, False)])
 def test_cuda_import_equals_the_reference_and_never_syncs(tiny_dir, mode, ratio, kv_on_device):
