@@ -48,10 +48,15 @@ class PrefillSettings:
     # the worker's own host-memory chunk tier (services/cluster/hostcache.py): chunks it wrote to or read
     # from the store, kept pinned for a fast way back to the GPU; 0: off
     host_cache_bytes: int = 0
+    # before serving, on a GPU: one made-up prefill per pass the worker runs, over a context of this many
+    # tokens, so that no request waits for a kernel compile or a graph capture (services/engine/warmup.py); 0: off
+    warmup_tokens: int = 3072
 
     def __post_init__(self) -> None:
         if self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
+        if self.warmup_tokens < 0:
+            raise ValueError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
         if self.store_loads not in ("cost", "always"):
             raise ValueError(f"store_loads must be 'cost' or 'always', got {self.store_loads!r}")
         if not 0.0 <= self.quality_floor <= 1.0:
@@ -79,8 +84,14 @@ class DecodeSettings:
     # few sequences each take GPU time the prefills need; an interval trades time per output token for
     # larger batches and that GPU time (the wait admits newly arrived hand-offs)
     min_step_interval_s: float = 0.0
+    # before serving, on a GPU: two decode steps at every batch bucket up to max_batch over sequences of this
+    # many tokens, so that no step stalls its batch on a kernel compile or a graph capture
+    # (services/engine/warmup.py); 0: off
+    warmup_tokens: int = 4096
 
     def __post_init__(self) -> None:
+        if self.warmup_tokens < 0:
+            raise ValueError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
         if not 0 <= self.min_step_interval_s < 10:
             raise ValueError(f"min_step_interval_s must be in [0, 10) seconds, got {self.min_step_interval_s}")
         if self.admit_budget_s < 0:

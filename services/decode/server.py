@@ -25,6 +25,7 @@ from services.cluster.transport import HandoffError, ReceivedHandoff, probe_tran
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
 from services.decode.prepare import prepare
+from services.engine.warmup import warm_decode
 from services.rpc import tessera_pb2 as pb
 from services.rpc import tessera_pb2_grpc as pb_grpc
 
@@ -173,6 +174,11 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     settings = settings or DecodeSettings()
     metrics = DecodeMetrics()
     eng = await asyncio.to_thread(engine.load)
+    if settings.warmup_tokens:
+        warm = await asyncio.to_thread(warm_decode, eng, settings.max_batch, settings.warmup_tokens)
+        if warm["batches"]:
+            log.info("decode worker %s warmed up in %.1f s: batches %s over %d tokens", name, warm["seconds"],
+                     warm["batches"], warm["context_tokens"])
     store = StoreAccess(store_addresses, host_bytes=settings.host_cache_bytes)
 
     def fetch(cid: str):

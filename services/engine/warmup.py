@@ -1,0 +1,125 @@
+"""Warming a serving engine up before it takes requests: every kernel compiled, every decode graph captured.
+
+A worker's first request of a kind pays for what the engine builds on first use: Triton compiles a kernel
+for each specialisation it meets (the skinny GEMMs per row bucket, the decode attention per split count), and
+each static tail or decode graph is captured on its first shape. On an H100 the first decode step of a
+batch bucket took 1.1-2.3 s against ~10 ms after it (bench/decode.json, ``first_step_ms``), and the first
+``tessera`` prefill 1.8 s against 18.6 ms (bench/engine_h200_s11.json). In serving, a decode step stalls every
+sequence of its batch: a closed loop of 32 clients saw requests of 9 s end to end where the median took 1.6 s
+(bench/cluster.md, round 11), as the batch grew through buckets 1, 2, 4 .. 32 for the first time.
+
+``warm_decode`` runs two decode steps in every batch bucket up to ``max_batch``, ``warm_prefill`` one
+prefill per pass a prefill worker runs (``tessera`` at ratio 0 and at its recompute ratio, ``full``). The
+requests are made up: one context of ``context_tokens`` tokens as 512-token chunks (the decode sequences all
+share one chunk, so a batch of 32 costs one context's KV), sized down to what the KV pool and the model's
+length limit allow. Nothing stays behind: the sequences are released and the made-up chunks dropped from the
+chunk cache. Each returns what it did and how long it took. On the CPU nothing is compiled or captured, so
+the workers skip it there (``only_cuda``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+CHUNK_TOKENS = 512
+SUFFIX_TOKENS = 64
+DECODE_STEPS = 2  # per bucket: the first captures (and compiles), the second replays
+
+
+def _context(eng, context_tokens: int, extra: int) -> int:
+    """The made-up context's length: context_tokens, within the model's limit (extra tokens after it) and a
+    quarter of the KV pool."""
+    limit = eng.cfg.max_position_embeddings
+    if eng.cfg.sliding_window:
+        limit = min(limit, eng.cfg.sliding_window)
+    pool_tokens = eng.pool.num_free * eng.block_size // 4
+    return max(0, min(context_tokens, limit - extra, pool_tokens))
+
+
+def _chunks(eng, tokens: int, salt: int) -> list[list[int]]:
+    """``tokens`` ids as 512-token chunks, a pattern no tokenizer makes from text (stepping through the
+    vocabulary by a stride), distinct per ``salt``."""
+    vocab = eng.cfg.vocab_size
+    ids = [(7 + salt * 9973 + i * 101) % vocab for i in range(tokens)]
+    return [ids[i:i + CHUNK_TOKENS] for i in range(0, tokens, CHUNK_TOKENS)]
+
+
+def _drop(eng, chunks: list[list[int]]) -> None:
+    """Drop the made-up chunks from the chunk cache (none is pinned any more)."""
+    for c in chunks:
+        entry = eng.cache.acquire(eng.chunk_id(c))
+        if entry is not None:
+            eng.cache.release(entry)
+            eng.cache.discard(entry)
+
+
+def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool = True,
+                progress: Callable[[str], None] = lambda _m: None) -> dict:
+    """Two decode steps at each batch bucket up to ``max_batch`` over sequences of a ``context_tokens``-token
+    context -> {"batches": [...], "context_tokens": n, "seconds": s} (empty batches when skipped)."""
+    from services.engine.decode_graphs import BATCH_BUCKETS
+
+    done = {"batches": [], "context_tokens": 0, "seconds": 0.0}
+    if only_cuda and eng.device.type != "cuda":
+        return done
+    t0 = time.perf_counter()
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    # a batch size in each bucket the batcher can reach (a batch of 3 replays bucket 4's graph; past the
+    # largest bucket a step runs eagerly)
+    batches = sorted({b for b in BATCH_BUCKETS if b < max_batch} | {max_batch})
+    n = _context(eng, context_tokens, SUFFIX_TOKENS + DECODE_STEPS + 1)
+    chunks = _chunks(eng, n, 0) if n >= SUFFIX_TOKENS else []
+    suffix_len = min(SUFFIX_TOKENS, max(1, n))
+    seqs = []
+    try:
+        for i in range(batches[-1]):
+            suffix = [(11 + i * 31 + j * 13) % eng.cfg.vocab_size for j in range(suffix_len)]
+            c, s, ids = eng._validate(chunks, suffix, "tessera", 0.0, extra_tokens=DECODE_STEPS)
+            _, seq, _ = eng._prefill(c, s, "tessera", 0.0, ids=ids)
+            seqs.append(seq)
+        for b in batches:
+            progress(f"warm-up: decode steps of {b} sequence(s) over {n} tokens")
+            for _ in range(DECODE_STEPS):
+                eng.decode_step(seqs[:b], [1] * b)
+            done["batches"].append(b)
+    finally:
+        for seq in seqs:
+            eng.release(seq)
+        _drop(eng, chunks)
+    if eng.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(eng.device)
+    done["context_tokens"] = n
+    done["seconds"] = time.perf_counter() - t0
+    return done
+
+
+def warm_prefill(eng, ratios: tuple[float, ...] = (0.0, 0.15), context_tokens: int = 3072, only_cuda: bool = True,
+                 progress: Callable[[str], None] = lambda _m: None) -> dict:
+    """One prefill per pass a prefill worker runs: the chunks computed (``full``, then ``tessera`` at the first
+    ratio, which computes them alone), then ``tessera`` at each ratio over them resident -> {"passes": [...],
+    "context_tokens": n, "seconds": s}."""
+    done = {"passes": [], "context_tokens": 0, "seconds": 0.0}
+    if only_cuda and eng.device.type != "cuda":
+        return done
+    t0 = time.perf_counter()
+    n = _context(eng, context_tokens, SUFFIX_TOKENS)
+    chunks = _chunks(eng, n, 1)
+    suffix = [(13 + j * 17) % eng.cfg.vocab_size for j in range(SUFFIX_TOKENS)]
+    try:
+        for mode, ratio in [("full", 0.0), *(("tessera", float(r)) for r in ratios)]:
+            progress(f"warm-up: {mode} prefill at ratio {ratio} over {n} + {SUFFIX_TOKENS} tokens")
+            eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)
+            done["passes"].append(f"{mode}@{ratio}")
+    finally:
+        _drop(eng, chunks)
+    if eng.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(eng.device)
+    done["context_tokens"] = n
+    done["seconds"] = time.perf_counter() - t0
+    return done

@@ -1,0 +1,89 @@
+"""The serving warm-up (services/engine/warmup.py) on the CPU, where the workers skip it but the code path is the
+same: it reaches every batch bucket, runs each pass, fits the model's limits, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.cluster.config import DecodeSettings, PrefillSettings
+from services.engine import Engine
+from services.engine.tiny import random_weights, tiny_config
+from services.engine.warmup import DECODE_STEPS, warm_decode, warm_prefill
+
+
+def _engine(**cfg_overrides) -> Engine:
+    cfg = tiny_config("llama", **cfg_overrides)
+    return Engine.from_state_dict(cfg, random_weights(cfg, 0), device="cpu", dtype=torch.float32)
+
+
+def _spy_steps(eng) -> list[int]:
+    sizes: list[int] = []
+    step = eng.decode_step
+
+    def counted(seqs, tokens):
+        sizes.append(len(seqs))
+        return step(seqs, tokens)
+
+    eng.decode_step = counted
+    return sizes
+
+
+@pytest.mark.parametrize("max_batch, want", [(32, [1, 2, 4, 8, 16, 32]), (3, [1, 2, 3]), (1, [1])])
+def test_decode_warm_up_steps_every_bucket_the_batcher_reaches_and_leaves_nothing(max_batch, want):
+    eng = _engine()
+    sizes = _spy_steps(eng)
+    free = eng.pool.num_free
+    done = warm_decode(eng, max_batch, context_tokens=600, only_cuda=False)
+    assert done["batches"] == want
+    assert sizes == [b for b in want for _ in range(DECODE_STEPS)]
+    assert done["context_tokens"] == 600 and done["seconds"] > 0
+    assert eng.pool.num_free == free and eng.cache.keys() == []
+
+
+def test_prefill_warm_up_runs_each_pass_and_leaves_nothing():
+    eng = _engine()
+    free = eng.pool.num_free
+    done = warm_prefill(eng, (0.0, 0.15), context_tokens=1100, only_cuda=False)
+    assert done["passes"] == ["full@0.0", "tessera@0.0", "tessera@0.15"]
+    assert done["context_tokens"] == 1100
+    assert eng.pool.num_free == free and eng.cache.keys() == []
+
+
+def test_warm_up_is_skipped_off_the_gpu_unless_asked():
+    eng = _engine()
+    sizes = _spy_steps(eng)
+    assert warm_decode(eng, 32)["batches"] == [] and sizes == []
+    assert warm_prefill(eng)["passes"] == []
+
+
+def test_the_made_up_context_fits_the_model_and_the_pool():
+    eng = _engine(max_position_embeddings=256)
+    done = warm_decode(eng, 4, context_tokens=4096, only_cuda=False)
+    assert done["batches"] == [1, 2, 4] and done["context_tokens"] <= 256 - 64 - DECODE_STEPS
+    small = _engine()
+    small_pool = Engine.from_state_dict(small.cfg, random_weights(small.cfg, 0), device="cpu", dtype=torch.float32,
+                                        kv_cache_bytes=64 * small.pool.block_bytes)
+    free = small_pool.pool.num_free
+    done = warm_prefill(small_pool, (0.0,), context_tokens=4096, only_cuda=False)
+    assert 0 < done["context_tokens"] <= free * small_pool.block_size // 4
+    assert small_pool.pool.num_free == free and small_pool.cache.keys() == []
+
+
+def test_outputs_after_a_warm_up_are_those_of_a_cold_engine():
+    chunks = [[5, 9, 14, 2] * 20, [7, 3, 11] * 30]
+    suffix = [4, 8, 15, 16, 23, 42]
+    cold = _engine().generate(chunks, suffix, max_new_tokens=6, mode="tessera", recompute_ratio=0.15)
+    eng = _engine()
+    warm_decode(eng, 8, context_tokens=300, only_cuda=False)
+    warm_prefill(eng, (0.0, 0.15), context_tokens=300, only_cuda=False)
+    assert eng.generate(chunks, suffix, max_new_tokens=6, mode="tessera", recompute_ratio=0.15) == cold
+
+
+def test_warm_up_settings_are_validated():
+    with pytest.raises(ValueError, match="warmup_tokens"):
+        DecodeSettings(warmup_tokens=-1)
+    with pytest.raises(ValueError, match="warmup_tokens"):
+        PrefillSettings(warmup_tokens=-1)
+    with pytest.raises(ValueError, match="max_batch"):
+        warm_decode(_engine(), 0, only_cuda=False)
