@@ -175,6 +175,9 @@ def main() -> int:
     ap.add_argument("--store-dram-bytes", type=float, help="the store shard's DRAM tier (default 32e9; --shape tiny: 1e9)")
     ap.add_argument("--host-cache-bytes", type=float, default=0,
                     help="each worker's host-memory chunk tier (0: off)")
+    ap.add_argument("--warmup-tokens", type=int, default=None,
+                    help="the workers' start-up warm-up context (services/engine/warmup.py; default: the settings' "
+                         "defaults; 0: off)")
     ap.add_argument("--decode-step-interval-ms", type=float, default=0.0,
                     help="DecodeSettings.min_step_interval_s, in ms (0: decode steps back to back)")
     ap.add_argument("--register-corpus", action="store_true",
@@ -216,12 +219,15 @@ def main() -> int:
         print(f"writing a random Llama-3-8B-shaped model ({args.layers} layers) to {tmp}", flush=True)
         model = write_random_llama(Path(tmp) / "llama3-8b-random", args.layers)
     device, dtype = ("cpu", "float32") if tiny else ("cuda", "bfloat16")
+    warm = {} if args.warmup_tokens is None else {"warmup_tokens": args.warmup_tokens}
     cfg = ClusterConfig(model_dir=str(model), device=device, dtype=dtype, kv_cache_bytes=int(args.kv_cache_bytes),
                         chunk_cache_bytes=int(args.chunk_cache_bytes), store_dram_bytes=int(args.store_dram_bytes),
                         store_dir=str(Path(tmp) / "rocksdb"),
-                        prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_bytes)),
+                        prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_bytes),
+                                                         **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_bytes),
-                                                       min_step_interval_s=args.decode_step_interval_ms / 1e3))
+                                                       min_step_interval_s=args.decode_step_interval_ms / 1e3,
+                                                       **warm))
     if args.no_ray:
         from services.cluster.local import start_local_cluster
 

@@ -39,6 +39,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--decode-step-interval-ms", type=float, default=0.0,
                     help="shortest time between two decode steps (0: as soon as the last one ends); on a GPU "
                          "shared with prefill workers, steps of a few sequences take GPU time the prefills need")
+    up.add_argument("--warmup-tokens", type=int, default=None,
+                    help="on a GPU, each worker's start-up warm-up (every kernel compiled and decode graph captured "
+                         "before it serves) runs over a made-up context of this many tokens (default: prefill 3072, "
+                         "decode 4096; 0: off)")
     up.add_argument("--text-cache-tokens", type=int, default=8 << 20,
                     help="token ids of chunk texts the gateway keeps for requests that send them again, in tokens "
                          "(default 8M, ~4 bytes each plus the text; 0: tokenize every text every time)")
@@ -107,13 +111,16 @@ def _up(args: argparse.Namespace) -> int:
         store_dir = tempfile.mkdtemp(prefix="tessera-rocksdb-")
         state["temp"].append(store_dir)
     host = args.host or ("0.0.0.0" if args.address else "127.0.0.1")
+    warm = {} if args.warmup_tokens is None else {"warmup_tokens": args.warmup_tokens}
     cfg = ClusterConfig(model_dir=model, prefill=args.prefill, decode=args.decode, stores=args.stores, device=device,
                         dtype=args.dtype or ("bfloat16" if cuda else "float32"), store_dir=store_dir,
                         gateway_port=args.port, bind_host=host, token=args.token, tls_cert=args.tls_cert,
                         tls_key=args.tls_key, detached=True, text_cache_tokens=args.text_cache_tokens,
-                        prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9)),
+                        prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
+                                                         **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
-                                                       min_step_interval_s=args.decode_step_interval_ms / 1e3))
+                                                       min_step_interval_s=args.decode_step_interval_ms / 1e3,
+                                                       **warm))
     try:
         ensure_ray(address)
         cluster = start_cluster(cfg, progress=lambda m: print(m, file=sys.stderr))
