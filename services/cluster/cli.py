@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--decode-step-interval-ms", type=float, default=0.0,
                     help="shortest time between two decode steps (0: as soon as the last one ends); on a GPU "
                          "shared with prefill workers, steps of a few sequences take GPU time the prefills need")
+    up.add_argument("--gateway-on-head", action="store_true",
+                    help="with --address: run the gateway on the Ray head node, where a Kubernetes Service in front "
+                         "of the head pod reaches it (the Helm chart, helm/tessera)")
     up.add_argument("--warmup-tokens", type=int, default=None,
                     help="on a GPU, each worker's start-up warm-up (every kernel compiled and decode graph captured "
                          "before it serves) runs over a made-up context of this many tokens (default: prefill 3072, "
@@ -116,6 +119,7 @@ def _up(args: argparse.Namespace) -> int:
                         dtype=args.dtype or ("bfloat16" if cuda else "float32"), store_dir=store_dir,
                         gateway_port=args.port, bind_host=host, token=args.token, tls_cert=args.tls_cert,
                         tls_key=args.tls_key, detached=True, text_cache_tokens=args.text_cache_tokens,
+                        gateway_on_head=args.gateway_on_head,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                          **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),

@@ -131,6 +131,7 @@ class ClusterConfig:
     text_cache_tokens: int = 8 << 20        # the gateway's token ids of chunk texts seen lately (0: off)
     namespace: str = "tessera"
     detached: bool = False                  # outlive the driver (tessera up)
+    gateway_on_head: bool = False           # place the gateway on the Ray head node (a Kubernetes Service's pod)
     prefill_settings: PrefillSettings = field(default_factory=PrefillSettings)
     decode_settings: DecodeSettings = field(default_factory=DecodeSettings)
 

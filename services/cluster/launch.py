@@ -62,13 +62,24 @@ class Cluster:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def _remote(cfg: ClusterConfig, name: str, num_cpus: float, num_gpus: float):
-    ray = _ray()
+HEAD_RESOURCE = "node:__internal_head__"  # the custom resource Ray gives its head node (one unit)
+
+
+def actor_options(cfg: ClusterConfig, name: str, num_cpus: float, num_gpus: float) -> dict:
+    """Ray actor options for one service. With ``cfg.gateway_on_head`` the gateway asks for a sliver of the
+    head node's own resource, so it runs there: a Kubernetes Service in front of the head pod reaches it
+    (helm/tessera)."""
     opts = dict(name=name, namespace=cfg.namespace, max_restarts=cfg.max_restarts, max_task_retries=0,
                 num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=4)
     if cfg.detached:
         opts["lifetime"] = "detached"
-    return ray.remote(ServiceActor).options(**opts)
+    if cfg.gateway_on_head and name == GATEWAY_NAME:
+        opts["resources"] = {HEAD_RESOURCE: 0.01}
+    return opts
+
+
+def _remote(cfg: ClusterConfig, name: str, num_cpus: float, num_gpus: float):
+    return _ray().remote(ServiceActor).options(**actor_options(cfg, name, num_cpus, num_gpus))
 
 
 def _gpus_per_worker(cfg: ClusterConfig) -> float:
