@@ -54,6 +54,17 @@ def _drop(eng, chunks: list[list[int]]) -> None:
             eng.cache.discard(entry)
 
 
+def _finish(eng, done: dict, n: int, t0: float) -> dict:
+    """``done`` with the context's length and the seconds since t0, once the GPU has run it all."""
+    if eng.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(eng.device)
+    done["context_tokens"] = n
+    done["seconds"] = time.perf_counter() - t0
+    return done
+
+
 def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool = True,
                 progress: Callable[[str], None] = lambda _m: None) -> dict:
     """Two decode steps at each batch bucket up to ``max_batch`` over sequences of a ``context_tokens``-token
@@ -88,13 +99,7 @@ def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool
         for seq in seqs:
             eng.release(seq)
         _drop(eng, chunks)
-    if eng.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(eng.device)
-    done["context_tokens"] = n
-    done["seconds"] = time.perf_counter() - t0
-    return done
+    return _finish(eng, done, n, t0)
 
 
 def warm_prefill(eng, ratios: tuple[float, ...] = (0.0, 0.15), context_tokens: int = 3072, only_cuda: bool = True,
@@ -116,10 +121,4 @@ def warm_prefill(eng, ratios: tuple[float, ...] = (0.0, 0.15), context_tokens: i
             done["passes"].append(f"{mode}@{ratio}")
     finally:
         _drop(eng, chunks)
-    if eng.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(eng.device)
-    done["context_tokens"] = n
-    done["seconds"] = time.perf_counter() - t0
-    return done
+    return _finish(eng, done, n, t0)
