@@ -9,7 +9,7 @@ sequence of its batch: a closed loop of 32 clients saw requests of 9 s end to en
 (bench/cluster.md, round 11), as the batch grew through buckets 1, 2, 4 .. 32 for the first time.
 
 ``warm_decode`` runs two decode steps in every batch bucket up to ``max_batch``, ``warm_prefill`` one
-prefill per pass a prefill worker runs (``tessera`` at ratio 0 and at its recompute ratio, ``full``). The
+prefill per pass a prefill worker runs (every mode; ``tessera`` at ratio 0 and at its recompute ratio). The
 requests are made up: one context of ``context_tokens`` tokens as 512-token chunks (the decode sequences all
 share one chunk, so a batch of 32 costs one context's KV), sized down to what the KV pool and the model's
 length limit allow. Nothing stays behind: the sequences are released and the made-up chunks dropped from the
@@ -45,10 +45,11 @@ def _chunks(eng, tokens: int, salt: int) -> list[list[int]]:
     return [ids[i:i + CHUNK_TOKENS] for i in range(0, tokens, CHUNK_TOKENS)]
 
 
-def _drop(eng, chunks: list[list[int]]) -> None:
-    """Drop the made-up chunks from the chunk cache (none is pinned any more)."""
-    for c in chunks:
-        entry = eng.cache.acquire(eng.chunk_id(c))
+def _drop(eng, before: set[str]) -> None:
+    """Drop from the chunk cache every entry the warm-up added (chunks, prefixes, positioned replicas: none is
+    pinned any more)."""
+    for key in [k for k in eng.cache.keys() if k not in before]:
+        entry = eng.cache.acquire(key)
         if entry is not None:
             eng.cache.release(entry)
             eng.cache.discard(entry)
@@ -83,7 +84,7 @@ def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool
     n = _context(eng, context_tokens, SUFFIX_TOKENS + DECODE_STEPS + 1)
     chunks = _chunks(eng, n, 0) if n >= SUFFIX_TOKENS else []
     suffix_len = min(SUFFIX_TOKENS, max(1, n))
-    seqs = []
+    seqs, before = [], set(eng.cache.keys())
     try:
         for i in range(batches[-1]):
             suffix = [(11 + i * 31 + j * 13) % eng.cfg.vocab_size for j in range(suffix_len)]
@@ -98,15 +99,16 @@ def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool
     finally:
         for seq in seqs:
             eng.release(seq)
-        _drop(eng, chunks)
+        _drop(eng, before)
     return _finish(eng, done, n, t0)
 
 
 def warm_prefill(eng, ratios: tuple[float, ...] = (0.0, 0.15), context_tokens: int = 3072, only_cuda: bool = True,
                  progress: Callable[[str], None] = lambda _m: None) -> dict:
-    """One prefill per pass a prefill worker runs: the chunks computed (``full``, then ``tessera`` at the first
-    ratio, which computes them alone), then ``tessera`` at each ratio over them resident -> {"passes": [...],
-    "context_tokens": n, "seconds": s}."""
+    """One prefill per pass a prefill worker runs, whichever mode its clients ask for: ``full`` and ``prefix``,
+    ``position_aware``, ``blend_copy`` at each ratio above 0, ``tessera`` at each ratio (the first reuse pass
+    computes the chunks alone, the later ones find them resident) -> {"passes": [...], "context_tokens": n,
+    "seconds": s}."""
     done = {"passes": [], "context_tokens": 0, "seconds": 0.0}
     if only_cuda and eng.device.type != "cuda":
         return done
@@ -114,11 +116,14 @@ def warm_prefill(eng, ratios: tuple[float, ...] = (0.0, 0.15), context_tokens: i
     n = _context(eng, context_tokens, SUFFIX_TOKENS)
     chunks = _chunks(eng, n, 1)
     suffix = [(13 + j * 17) % eng.cfg.vocab_size for j in range(SUFFIX_TOKENS)]
+    before = set(eng.cache.keys())
     try:
-        for mode, ratio in [("full", 0.0), *(("tessera", float(r)) for r in ratios)]:
+        passes = [("full", 0.0), ("prefix", 0.0), ("position_aware", 0.0),
+                  *(("blend_copy", float(r)) for r in ratios if r > 0), *(("tessera", float(r)) for r in ratios)]
+        for mode, ratio in passes:
             progress(f"warm-up: {mode} prefill at ratio {ratio} over {n} + {SUFFIX_TOKENS} tokens")
             eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)
             done["passes"].append(f"{mode}@{ratio}")
     finally:
-        _drop(eng, chunks)
+        _drop(eng, before)
     return _finish(eng, done, n, t0)

@@ -45,7 +45,8 @@ def test_prefill_warm_up_runs_each_pass_and_leaves_nothing():
     eng = _engine()
     free = eng.pool.num_free
     done = warm_prefill(eng, (0.0, 0.15), context_tokens=1100, only_cuda=False)
-    assert done["passes"] == ["full@0.0", "tessera@0.0", "tessera@0.15"]
+    assert done["passes"] == ["full@0.0", "prefix@0.0", "position_aware@0.0", "blend_copy@0.15", "tessera@0.0",
+                              "tessera@0.15"]
     assert done["context_tokens"] == 1100
     assert eng.pool.num_free == free and eng.cache.keys() == []
 
