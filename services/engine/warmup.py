@@ -12,8 +12,8 @@ sequence of its batch: a closed loop of 32 clients saw requests of 9 s end to en
 prefill per pass a prefill worker runs (every mode; ``tessera`` at ratio 0 and at its recompute ratio). The
 requests are made up: one context of ``context_tokens`` tokens as 512-token chunks (the decode sequences all
 share one chunk, so a batch of 32 costs one context's KV), sized down to what the KV pool and the model's
-length limit allow. Nothing stays behind: the sequences are released and the made-up chunks dropped from the
-chunk cache. Each returns what it did and how long it took. On the CPU nothing is compiled or captured, so
+length limit allow. Nothing stays behind: the sequences are released and what the passes added to the chunk
+cache (chunks, prefixes, positioned replicas) is dropped. Each returns what it did and how long it took. On the CPU nothing is compiled or captured, so
 the workers skip it there (``only_cuda``).
 """
 
