@@ -25,7 +25,7 @@ from services.cluster.transport import HandoffError, ReceivedHandoff, probe_tran
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
 from services.decode.prepare import prepare
-from services.engine.warmup import warm_decode
+from services.engine.warmup import warm_decode, warm_up
 from services.rpc import tessera_pb2 as pb
 from services.rpc import tessera_pb2_grpc as pb_grpc
 
@@ -175,8 +175,8 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     metrics = DecodeMetrics()
     eng = await asyncio.to_thread(engine.load)
     if settings.warmup_tokens:
-        warm = await asyncio.to_thread(warm_decode, eng, settings.max_batch, settings.warmup_tokens)
-        if warm["batches"]:
+        warm = await warm_up(name, warm_decode, eng, settings.max_batch, settings.warmup_tokens)
+        if warm and warm["batches"]:
             log.info("decode worker %s warmed up in %.1f s: batches %s over %d tokens", name, warm["seconds"],
                      warm["batches"], warm["context_tokens"])
     store = StoreAccess(store_addresses, host_bytes=settings.host_cache_bytes)

@@ -22,18 +22,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from services.engine.block_pool import PoolExhausted
+
 CHUNK_TOKENS = 512
 SUFFIX_TOKENS = 64
 DECODE_STEPS = 2  # per bucket: the first captures (and compiles), the second replays
 
 
-def _context(eng, context_tokens: int, extra: int) -> int:
-    """The made-up context's length: context_tokens, within the model's limit (extra tokens after it) and a
-    quarter of the KV pool."""
+def _context(eng, context_tokens: int, extra: int, spare_blocks: int, copies: int) -> int:
+    """The made-up context's length: context_tokens, within the model's limit (``extra`` tokens after it) and
+    half of the KV pool's free blocks once ``spare_blocks`` are set aside, the context held ``copies`` times
+    (a mode's private copy, its cached chunks, a replica)."""
     limit = eng.cfg.max_position_embeddings
     if eng.cfg.sliding_window:
         limit = min(limit, eng.cfg.sliding_window)
-    pool_tokens = eng.pool.num_free * eng.block_size // 4
+    pool_tokens = max(0, eng.pool.num_free // 2 - spare_blocks) // copies * eng.block_size
     return max(0, min(context_tokens, limit - extra, pool_tokens))
 
 
@@ -69,7 +72,8 @@ def _finish(eng, done: dict, n: int, t0: float) -> dict:
 def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool = True,
                 progress: Callable[[str], None] = lambda _m: None) -> dict:
     """Two decode steps at each batch bucket up to ``max_batch`` over sequences of a ``context_tokens``-token
-    context -> {"batches": [...], "context_tokens": n, "seconds": s} (empty batches when skipped)."""
+    context -> {"batches": [...], "context_tokens": n, "seconds": s} (empty batches when skipped; "stopped": why,
+    when the KV pool could not hold the made-up batch)."""
     from services.engine.decode_graphs import BATCH_BUCKETS
 
     done = {"batches": [], "context_tokens": 0, "seconds": 0.0}
@@ -81,13 +85,13 @@ def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool
     # a batch size in each bucket the batcher can reach (a batch of 3 replays bucket 4's graph; past the
     # largest bucket a step runs eagerly)
     batches = sorted({b for b in BATCH_BUCKETS if b < max_batch} | {max_batch})
-    n = _context(eng, context_tokens, SUFFIX_TOKENS + DECODE_STEPS + 1)
-    chunks = _chunks(eng, n, 0) if n >= SUFFIX_TOKENS else []
-    suffix_len = min(SUFFIX_TOKENS, max(1, n))
+    # each sequence: the shared context, a one-token suffix (a private block) and its generated tokens (one more)
+    n = _context(eng, context_tokens, 1 + DECODE_STEPS, spare_blocks=2 * batches[-1], copies=1)
+    chunks = _chunks(eng, n, 0)
     seqs, before = [], set(eng.cache.keys())
     try:
         for i in range(batches[-1]):
-            suffix = [(11 + i * 31 + j * 13) % eng.cfg.vocab_size for j in range(suffix_len)]
+            suffix = [(11 + i * 31) % eng.cfg.vocab_size]
             c, s, ids = eng._validate(chunks, suffix, "tessera", 0.0, extra_tokens=DECODE_STEPS)
             _, seq, _ = eng._prefill(c, s, "tessera", 0.0, ids=ids)
             seqs.append(seq)
@@ -96,6 +100,8 @@ def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool
             for _ in range(DECODE_STEPS):
                 eng.decode_step(seqs[:b], [1] * b)
             done["batches"].append(b)
+    except PoolExhausted as exc:  # a pool too small for the made-up batch: serve without the rest of it
+        done["stopped"] = str(exc)
     finally:
         for seq in seqs:
             eng.release(seq)
@@ -108,12 +114,13 @@ def warm_prefill(eng, ratios: tuple[float, ...] = (0.0, 0.15), context_tokens: i
     """One prefill per pass a prefill worker runs, whichever mode its clients ask for: ``full`` and ``prefix``,
     ``position_aware``, ``blend_copy`` at each ratio above 0, ``tessera`` at each ratio (the first reuse pass
     computes the chunks alone, the later ones find them resident) -> {"passes": [...], "context_tokens": n,
-    "seconds": s}."""
+    "seconds": s, "stopped": why, when the KV pool could not hold a pass}."""
     done = {"passes": [], "context_tokens": 0, "seconds": 0.0}
     if only_cuda and eng.device.type != "cuda":
         return done
     t0 = time.perf_counter()
-    n = _context(eng, context_tokens, SUFFIX_TOKENS)
+    # the context is held up to three times over (cached chunks, a positioned replica, a pass's private copy)
+    n = _context(eng, context_tokens, SUFFIX_TOKENS, spare_blocks=-(-SUFFIX_TOKENS // eng.block_size), copies=3)
     chunks = _chunks(eng, n, 1)
     suffix = [(13 + j * 17) % eng.cfg.vocab_size for j in range(SUFFIX_TOKENS)]
     before = set(eng.cache.keys())
@@ -124,6 +131,25 @@ def warm_prefill(eng, ratios: tuple[float, ...] = (0.0, 0.15), context_tokens: i
             progress(f"warm-up: {mode} prefill at ratio {ratio} over {n} + {SUFFIX_TOKENS} tokens")
             eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)
             done["passes"].append(f"{mode}@{ratio}")
+    except PoolExhausted as exc:
+        done["stopped"] = str(exc)
     finally:
         _drop(eng, before)
     return _finish(eng, done, n, t0)
+
+
+async def warm_up(name: str, warm, *args) -> dict | None:
+    """A worker's start-up warm-up, ``warm(*args)`` off the event loop: its result, or None when it failed
+    (logged: the worker serves without it, its first requests paying for what it would have built)."""
+    import asyncio
+    import logging
+
+    log = logging.getLogger(__name__)
+    try:
+        done = await asyncio.to_thread(warm, *args)
+    except Exception:  # noqa: BLE001 - an optimisation: never a reason not to serve
+        log.warning("%s: warm-up failed; serving without it", name, exc_info=True)
+        return None
+    if "stopped" in done:
+        log.warning("%s: warm-up stopped early (%s)", name, done["stopped"])
+    return done

@@ -24,7 +24,7 @@ from services.cluster.sampling import WireSampling
 from services.cluster.staging import side_stream
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.cluster.transport import handoff_parts, probe_transport
-from services.engine.warmup import warm_prefill
+from services.engine.warmup import warm_prefill, warm_up
 from services.prefill.controller import LoadingController
 from services.prefill.engine_loop import EngineLoop
 from services.prefill.metrics import PrefillMetrics
@@ -219,8 +219,8 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     eng = await asyncio.to_thread(engine.load)
     if settings.warmup_tokens:
         ratios = (0.0, settings.quality_floor if settings.default_ratio is None else settings.default_ratio)
-        warm = await asyncio.to_thread(warm_prefill, eng, tuple(dict.fromkeys(ratios)), settings.warmup_tokens)
-        if warm["passes"]:
+        warm = await warm_up(name, warm_prefill, eng, tuple(dict.fromkeys(ratios)), settings.warmup_tokens)
+        if warm and warm["passes"]:
             log.info("prefill worker %s warmed up in %.1f s: %s over %d tokens", name, warm["seconds"],
                      ", ".join(warm["passes"]), warm["context_tokens"])
     store = StoreAccess(store_addresses, on_error=lambda call: metrics.store_errors.labels(call).inc(),

@@ -61,14 +61,26 @@ def test_warm_up_is_skipped_off_the_gpu_unless_asked():
 def test_the_made_up_context_fits_the_model_and_the_pool():
     eng = _engine(max_position_embeddings=256)
     done = warm_decode(eng, 4, context_tokens=4096, only_cuda=False)
-    assert done["batches"] == [1, 2, 4] and done["context_tokens"] <= 256 - 64 - DECODE_STEPS
+    assert done["batches"] == [1, 2, 4] and done["context_tokens"] <= 256 - 1 - DECODE_STEPS
     small = _engine()
     small_pool = Engine.from_state_dict(small.cfg, random_weights(small.cfg, 0), device="cpu", dtype=torch.float32,
                                         kv_cache_bytes=64 * small.pool.block_bytes)
     free = small_pool.pool.num_free
     done = warm_prefill(small_pool, (0.0,), context_tokens=4096, only_cuda=False)
-    assert 0 < done["context_tokens"] <= free * small_pool.block_size // 4
+    assert 0 < done["context_tokens"] <= (free // 2 - 4) // 3 * small_pool.block_size
+    assert "stopped" not in done and done["passes"] == ["full@0.0", "prefix@0.0", "position_aware@0.0", "tessera@0.0"]
     assert small_pool.pool.num_free == free and small_pool.cache.keys() == []
+
+
+def test_a_pool_too_small_for_the_batch_stops_the_warm_up_and_leaves_nothing():
+    small = _engine()
+    eng = Engine.from_state_dict(small.cfg, random_weights(small.cfg, 0), device="cpu", dtype=torch.float32,
+                                 kv_cache_bytes=40 * small.pool.block_bytes)
+    free = eng.pool.num_free
+    done = warm_decode(eng, 32, context_tokens=4096, only_cuda=False)
+    assert "KV memory exhausted" in done["stopped"] and 32 not in done["batches"]
+    assert eng.pool.num_free == free and eng.cache.keys() == []
+    assert eng.generate([[3, 4, 5]], [6, 7], max_new_tokens=2, mode="tessera", recompute_ratio=0.0)  # still serves
 
 
 def test_outputs_after_a_warm_up_are_those_of_a_cold_engine():
@@ -88,3 +100,18 @@ def test_warm_up_settings_are_validated():
         PrefillSettings(warmup_tokens=-1)
     with pytest.raises(ValueError, match="max_batch"):
         warm_decode(_engine(), 0, only_cuda=False)
+
+
+def test_a_failing_warm_up_is_logged_and_the_worker_goes_on(caplog):
+    import asyncio
+
+    from services.engine.warmup import warm_up
+
+    def broken(eng):
+        raise RuntimeError("no kernel for this GPU")
+
+    with caplog.at_level("WARNING"):
+        assert asyncio.run(warm_up("tessera-decode-0", broken, None)) is None
+    assert "tessera-decode-0: warm-up failed" in caplog.text and "no kernel for this GPU" in caplog.text
+    done = asyncio.run(warm_up("tessera-prefill-0", lambda: {"passes": [], "stopped": "KV memory exhausted"}))
+    assert done["stopped"] == "KV memory exhausted" and "stopped early (KV memory exhausted)" in caplog.text
