@@ -3,9 +3,9 @@
 Llama-3-8B-shaped model with random weights, bf16, one process per setting, each with its own empty Triton cache
 (set TRITON_CACHE_DIR per run: the cache on disk would otherwise carry one run's compiles into the next). With
 ``--warm on`` the engine first runs ``warm_prefill`` and ``warm_decode`` as a worker does at start (timed). Then:
-  - prefill: for each mode, the first request (6 x 512-token chunks never seen + a 64-token suffix) and the
-    median of 3 more of the same request, each synchronised;
-  - decode: 32 sequences (tessera at ratio 0.15), then decode steps over the first 1, 2, 4 .. 32 of them, the
+  - prefill: for each mode, the first request (6 x 512-token chunks never seen + a 64-token suffix: the first
+    computes them) and the median of 5 more of the same request, each synchronised;
+  - decode: 32 sequences (tessera at ratio 0.15, 6 of 12 resident chunks each), then decode steps over the first 1, 2, 4 .. 32 of them, the
     first step of each batch bucket and the median of 3 more (each step's tokens read back, as the batcher does).
 
     TRITON_CACHE_DIR=$(mktemp -d) python3 bench/warmup.py --warm off --out DIR/warmup_off.json
@@ -79,15 +79,20 @@ def main() -> int:
     for mode, ratio in MODES:
         chunks, suffix = request()
         first = synced(lambda: eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio))
-        later = statistics.median(synced(lambda: eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio))
-                                  for _ in range(3))
-        res["prefill"].append({"mode": mode, "ratio": ratio, "first_ms": first * 1e3, "later_ms": later * 1e3})
-        print(f"prefill {mode}@{ratio}: first {first * 1e3:8.1f} ms, later {later * 1e3:6.1f} ms", flush=True)
+        laters = [synced(lambda: eng.prefill(chunks, suffix, mode=mode, recompute_ratio=ratio)) * 1e3
+                  for _ in range(5)]
+        later = statistics.median(laters)
+        res["prefill"].append({"mode": mode, "ratio": ratio, "first_ms": first * 1e3, "later_ms": later,
+                               "later_samples_ms": laters})
+        print(f"prefill {mode}@{ratio}: first {first * 1e3:8.1f} ms, later {later:6.1f} ms "
+              f"({' '.join(f'{x:.1f}' for x in laters)})", flush=True)
 
     seqs, tokens = [], []
+    docs = [torch.randint(0, 128000, (512,), generator=g).tolist() for _ in range(12)]  # as bench/decode.py
     for _ in range(BATCH_BUCKETS[-1]):
-        chunks, suffix = request()
-        logits, seq, _ = eng._prefill(chunks, suffix, "tessera", 0.15)
+        order = torch.randperm(len(docs), generator=g)[:6].tolist()
+        suffix = torch.randint(0, 128000, (64,), generator=g).tolist()
+        logits, seq, _ = eng._prefill([docs[i] for i in order], suffix, "tessera", 0.15)
         seqs.append(seq)
         tokens.append(int(logits.argmax()))
     for b in BATCH_BUCKETS:
