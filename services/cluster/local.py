@@ -6,8 +6,9 @@ each in its own spawned process, as a Ray actor would be, so that no two service
 interpreter lock. A child builds its service with the actor code (``ServiceActor``; outside Ray
 port memory is off) and reports its address over a pipe; the gateway keeps registered chunk ids in
 its own memory and is handed fixed worker addresses. No restarts: a child that dies stays dead.
-Every worker sees every GPU of the machine, so prefill and decode share them (as on Ray with
-fractional GPUs). ``tessera up`` keeps using Ray; this is for benchmarks and tests.
+GPUs are placed as ``start_cluster`` places them on Ray: with at least one GPU per worker each worker process
+sees its own (``CUDA_VISIBLE_DEVICES``), else they take the GPUs round-robin and share them. ``tessera up`` keeps
+using Ray; this is for benchmarks and tests.
 """
 
 from __future__ import annotations
@@ -118,10 +119,38 @@ def _stop_children(children: dict[str, _Child]) -> None:
         child.conn.close()
 
 
-def _spawn(ctx, spec: ServiceSpec, children: dict[str, _Child]) -> None:
+def worker_gpus(n_workers: int, visible: list[str]) -> list[str | None]:
+    """The GPUs each of ``n_workers`` worker processes sees (its CUDA_VISIBLE_DEVICES), from the machine's
+    ``visible`` ones: one each, round-robin (shared) when there are fewer than workers; None (the environment
+    as it is) with one GPU or none."""
+    if len(visible) <= 1:
+        return [None] * n_workers
+    return [visible[k % len(visible)] for k in range(n_workers)]
+
+
+def _visible_gpus() -> list[str]:
+    """This process's GPUs as CUDA_VISIBLE_DEVICES names them."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    named = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return named[:n] if len(named) >= n and named else [str(i) for i in range(n)]
+
+
+def _spawn(ctx, spec: ServiceSpec, children: dict[str, _Child], gpus: str | None = None) -> None:
     parent, child = ctx.Pipe()
     process = ctx.Process(target=_serve, args=(spec, child), name=spec.name, daemon=True)
-    process.start()
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus is not None:  # a spawned child takes this process's environment as it is at start()
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+    try:
+        process.start()
+    finally:
+        if gpus is not None:
+            if before is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
     child.close()
     children[spec.name] = _Child(process, parent)
 
@@ -168,14 +197,16 @@ def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = la
             _spawn(ctx, ServiceSpec("store", name, host=cfg.bind_host, store=store, namespace=cfg.namespace), children)
         _wait(children, names["store"], addresses, metrics)
         stores = tuple(addresses[n] for n in names["store"])
-        progress(f"starting {cfg.prefill} prefill and {cfg.decode} decode worker(s) on {cfg.device}")
         workers = names["prefill"] + names["decode"]
-        for name in workers:
+        gpus = worker_gpus(len(workers), _visible_gpus() if cfg.device == "cuda" else [])
+        where = f" (GPUs {', '.join(map(str, gpus))})" if gpus and gpus[0] is not None else ""
+        progress(f"starting {cfg.prefill} prefill and {cfg.decode} decode worker(s) on {cfg.device}{where}")
+        for name, gpu in zip(workers, gpus):
             role = "prefill" if name in names["prefill"] else "decode"
             _spawn(ctx, ServiceSpec(role, name, host=cfg.bind_host, engine=cfg.engine(), store_addresses=stores,
                                     prefill=cfg.prefill_settings if role == "prefill" else None,
                                     decode=cfg.decode_settings if role == "decode" else None,
-                                    namespace=cfg.namespace), children)
+                                    namespace=cfg.namespace), children, gpu)
         _wait(children, workers, addresses, metrics)
         progress("starting the gateway")
         roles = {n: r for r in ("prefill", "decode") for n in names[r]}

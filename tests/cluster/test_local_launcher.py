@@ -41,3 +41,44 @@ def test_local_cluster_output_equals_engine_generate(local_cluster, reference, m
                                       stop_token_ids=[])
             assert list(got.token_ids) == want
             assert sum(got.stats.chunk_tokens_by_tier.values()) == 120
+
+
+def test_workers_get_a_gpu_each_when_there_are_enough_and_share_them_round_robin_otherwise():
+    from services.cluster.local import worker_gpus
+
+    assert worker_gpus(2, ["0", "1"]) == ["0", "1"]
+    assert worker_gpus(3, ["4", "5", "6", "7"]) == ["4", "5", "6"]
+    assert worker_gpus(4, ["0", "1"]) == ["0", "1", "0", "1"]
+    assert worker_gpus(2, ["3"]) == [None, None] and worker_gpus(2, []) == [None, None]
+
+
+def test_a_child_starts_with_its_gpus_and_the_parent_keeps_its_environment(monkeypatch):
+    import os
+    from types import SimpleNamespace
+
+    from services.cluster import local
+
+    seen = []
+
+    class FakeProcess:  # records the environment a spawned child would start with
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+        def start(self):
+            seen.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    class End:
+        def close(self):
+            pass
+
+    Ctx = SimpleNamespace(Process=FakeProcess, Pipe=lambda: (End(), End()))
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    children = {}
+    local._spawn(Ctx, type("Spec", (), {"name": "tessera-decode-0"})(), children, "1")
+    local._spawn(Ctx, type("Spec", (), {"name": "tessera-store-0"})(), children)
+    assert seen == ["1", "0,1"] and os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    local._spawn(Ctx, type("Spec", (), {"name": "tessera-prefill-0"})(), children, "0")
+    assert seen[-1] == "0" and "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert set(children) == {"tessera-decode-0", "tessera-store-0", "tessera-prefill-0"}
