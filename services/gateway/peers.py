@@ -73,6 +73,7 @@ class Peers:
         w.healthy = True
         w.resident = frozenset(st.resident_chunk_ids)
         w.metrics_url = st.metrics_url
+        w.gpu = (st.host_id, st.device_uuid) if st.device_uuid else None
         self.status[w.name] = st
 
     def mark_down(self, w: WorkerView) -> None:

@@ -24,6 +24,7 @@ class WorkerView:
     in_flight: int = 0
     resident: frozenset[str] = field(default_factory=frozenset)
     metrics_url: str = ""
+    gpu: tuple[str, str] | None = None  # (host id, device uuid) from its status: workers with one value share a GPU
 
 
 class NoWorker(RuntimeError):
@@ -31,10 +32,18 @@ class NoWorker(RuntimeError):
 
 
 class Router:
-    def __init__(self, load_penalty: float = 0.25) -> None:
+    """``colocate_bonus``: how many more requests in flight a decode worker on the prefill worker's GPU may have and
+    still be picked over the least loaded one. A hand-off between workers of one GPU stays on the device (CUDA IPC);
+    between GPUs it crosses the host, and a pair of H200s apart served a quarter of what one shared GPU did
+    (bench/cluster.md, round 11)."""
+
+    def __init__(self, load_penalty: float = 0.25, colocate_bonus: int = 8) -> None:
         if load_penalty < 0:
             raise ValueError(f"load_penalty must be >= 0, got {load_penalty}")
+        if colocate_bonus < 0:
+            raise ValueError(f"colocate_bonus must be >= 0, got {colocate_bonus}")
         self.load_penalty = load_penalty
+        self.colocate_bonus = colocate_bonus
         self.workers: dict[str, WorkerView] = {}
         self._turn = itertools.count()
         self._lock = threading.Lock()
@@ -77,12 +86,21 @@ class Router:
             best.in_flight += 1
             return best
 
-    def pick_decode(self, avoid: set[str] = frozenset()) -> WorkerView:
+    def pick_decode(self, avoid: set[str] = frozenset(), near: WorkerView | None = None) -> WorkerView:
+        """The least loaded decode worker, one on ``near``'s GPU (the prefill worker's) counted
+        ``colocate_bonus`` requests lighter."""
         turn = next(self._turn)
+        gpu = near.gpu if near is not None else None
         with self._lock:
             cands = self._candidates("decode", avoid)
             n = len(cands)
-            best = min(enumerate(cands), key=lambda iw: (iw[1].in_flight, (iw[0] - turn) % n))[1]
+
+            def load(iw: tuple[int, WorkerView]):
+                i, w = iw
+                shared = gpu is not None and w.gpu == gpu
+                return (w.in_flight - (self.colocate_bonus if shared else 0), not shared, (i - turn) % n)
+
+            best = min(enumerate(cands), key=load)[1]
             best.in_flight += 1
             return best
 

@@ -148,7 +148,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
     async def _attempt(self, req: ResolvedRequest, rid: str, arrival: float, avoid: set[str], context, sent):
         lens = tuple(map(len, req.chunks))
         p = self.router.pick_prefill(req.chunk_ids, lens, avoid)
-        d = self.router.pick_decode(avoid)
+        d = self.router.pick_decode(avoid, near=p)
         routed = time.perf_counter()
         relay = _Relay(rid, sent, arrival, self.metrics)
         # greedy and seeded requests are deterministic: after a failure they resume on other workers
