@@ -134,7 +134,7 @@ def _visible_gpus() -> list[str]:
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     named = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return named[:n] if len(named) >= n and named else [str(i) for i in range(n)]
+    return named[:n] if named else [str(i) for i in range(n)]
 
 
 def _spawn(ctx, spec: ServiceSpec, children: dict[str, _Child], gpus: str | None = None) -> None:
