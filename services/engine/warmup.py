@@ -19,10 +19,16 @@ the workers skip it there (``only_cuda``).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from services.engine.block_pool import PoolExhausted
+
+log = logging.getLogger(__name__)
 
 CHUNK_TOKENS = 512
 SUFFIX_TOKENS = 64
@@ -61,8 +67,6 @@ def _drop(eng, before: set[str]) -> None:
 def _finish(eng, done: dict, n: int, t0: float) -> dict:
     """``done`` with the context's length and the seconds since t0, once the GPU has run it all."""
     if eng.device.type == "cuda":
-        import torch
-
         torch.cuda.synchronize(eng.device)
     done["context_tokens"] = n
     done["seconds"] = time.perf_counter() - t0
@@ -76,12 +80,12 @@ def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool
     when the KV pool could not hold the made-up batch)."""
     from services.engine.decode_graphs import BATCH_BUCKETS
 
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     done = {"batches": [], "context_tokens": 0, "seconds": 0.0}
     if only_cuda and eng.device.type != "cuda":
         return done
     t0 = time.perf_counter()
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     # a batch size in each bucket the batcher can reach (a batch of 3 replays bucket 4's graph; past the
     # largest bucket a step runs eagerly)
     batches = sorted({b for b in BATCH_BUCKETS if b < max_batch} | {max_batch})
@@ -141,10 +145,6 @@ def warm_prefill(eng, ratios: tuple[float, ...] = (0.0, 0.15), context_tokens: i
 async def warm_up(name: str, warm, *args) -> dict | None:
     """A worker's start-up warm-up, ``warm(*args)`` off the event loop: its result, or None when it failed
     (logged: the worker serves without it, its first requests paying for what it would have built)."""
-    import asyncio
-    import logging
-
-    log = logging.getLogger(__name__)
     try:
         done = await asyncio.to_thread(warm, *args)
     except Exception:  # noqa: BLE001 - an optimisation: never a reason not to serve
