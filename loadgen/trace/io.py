@@ -5,20 +5,27 @@ Our line:   {"timestamp": 0, "input_length": 1056, "output_length": 64, "hash_id
 Mooncake:   the same without "chunks" and "suffix_tokens". Such a line is read with each
             hash_ids block as a chunk (doc = the block id, 512 tokens, the last one what is
             left of input_length), so the simulator and replay treat a Mooncake trace's blocks
-            as its reusable units. Blank lines are skipped. Any defect is refused with a
-            ValueError naming the file and line, never repaired.
+            as its reusable units; its hash_ids must cover input_length exactly
+            (ceil(input_length / 512) of them), so it has no suffix.
+Blank lines are skipped. A file may be gzip-compressed (read by its magic bytes, whatever its
+name). Any defect is refused with a ValueError naming the file and line, never repaired; a
+Git-LFS pointer (a clone without ``git lfs pull``) is named as one.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import zlib
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from loadgen.trace.model import MOONCAKE_BLOCK_TOKENS, BlockHasher, Chunk, TraceRequest
 
 _REQUIRED = ("timestamp", "input_length", "output_length")
+_GZIP_MAGIC = b"\x1f\x8b"
+_LFS_POINTER = "version https://git-lfs.github.com/spec/v1"
 
 
 def _count(obj: dict, key: str, minimum: int = 0) -> int:
@@ -77,27 +84,39 @@ def _parse(obj: object, hasher: BlockHasher) -> TraceRequest:
             raise ValueError(f"{len(hash_ids)} hash_ids for input_length {n_in}; "
                              f"expected {_blocks(n_in)} blocks of {MOONCAKE_BLOCK_TOKENS}")
     else:
-        # Plain Mooncake: every block is a chunk; a longer input keeps the rest as suffix.
+        # Plain Mooncake: every block is a chunk, the last one what is left of input_length.
         assert hash_ids is not None
-        covered = (len(hash_ids) - 1) * MOONCAKE_BLOCK_TOKENS
-        if hash_ids and n_in <= covered:
-            raise ValueError(f"{len(hash_ids)} hash_ids need input_length > {covered}, got {n_in}")
+        if len(hash_ids) != _blocks(n_in):
+            few = len(hash_ids) < _blocks(n_in)
+            raise ValueError(
+                f"{len(hash_ids)} hash_ids (blocks of {MOONCAKE_BLOCK_TOKENS} tokens) "
+                f"{'do not cover' if few else 'are more than'} input_length {n_in}, which takes "
+                f"{_blocks(n_in)}")
         sizes = [MOONCAKE_BLOCK_TOKENS] * len(hash_ids)
         if sizes:
-            sizes[-1] = min(MOONCAKE_BLOCK_TOKENS, n_in - covered)
+            sizes[-1] = n_in - (len(hash_ids) - 1) * MOONCAKE_BLOCK_TOKENS
         chunks = [Chunk(h, s) for h, s in zip(hash_ids, sizes)]
-        suffix = n_in - sum(sizes)
+        suffix = 0
     return TraceRequest(float(ts), n_in, n_out, hash_ids, tuple(chunks), suffix)
 
 
-def parse_lines(lines: Iterable[str], source: str = "<trace>") -> list[TraceRequest]:
-    """Parse JSONL text lines; errors name ``source`` and the 1-based line number."""
+def parse_lines(lines: Iterable[str | bytes], source: str = "<trace>") -> list[TraceRequest]:
+    """Parse JSONL lines (text, or UTF-8 bytes); errors name ``source`` and the 1-based line number."""
     trace: list[TraceRequest] = []
     hasher, last_ts = BlockHasher(), -math.inf
     for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
         try:
+            if isinstance(line, bytes):
+                try:
+                    line = line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start + 1}); "
+                                     "a trace is JSONL, plain or gzip-compressed") from None
+            if lineno == 1 and line.startswith(_LFS_POINTER):
+                raise ValueError("a Git-LFS pointer, not the trace itself: run `git lfs pull` "
+                                 "in its repository to fetch the file")
+            if not line.strip():
+                continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -115,11 +134,23 @@ def parse_lines(lines: Iterable[str], source: str = "<trace>") -> list[TraceRequ
     return trace
 
 
+def _gunzipped(f, source: str) -> Iterator[bytes]:
+    """The lines of gzip file ``f``; a corrupt or truncated stream is refused at the line it breaks."""
+    lineno = 0
+    try:
+        for lineno, line in enumerate(gzip.GzipFile(fileobj=f), start=1):
+            yield line
+    except (OSError, EOFError, zlib.error) as exc:   # gzip.BadGzipFile is an OSError
+        raise ValueError(f"{source}, line {lineno + 1}: corrupt or truncated gzip ({exc})") from None
+
+
 def read_trace(path: str | Path) -> list[TraceRequest]:
-    """Read a trace file (ours or Mooncake). Raises FileNotFoundError or ValueError."""
+    """Read a trace file (ours or Mooncake, plain or gzip). Raises FileNotFoundError or ValueError."""
     path = Path(path)
-    with path.open(encoding="utf-8") as f:
-        return parse_lines(f, source=str(path))
+    with path.open("rb") as f:
+        gzipped = f.read(2) == _GZIP_MAGIC
+        f.seek(0)
+        return parse_lines(_gunzipped(f, str(path)) if gzipped else f, source=str(path))
 
 
 def request_to_json(req: TraceRequest) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
 
 import pytest
 
@@ -74,7 +76,11 @@ def _bad(**change):
     (_bad(timestamp=-1), "timestamp"),
     (_bad(timestamp="soon"), "timestamp"),
     (_bad(output_length=2.5), "must be an integer"),
-    ('{"timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": [4, 5]}', "hash_ids need"),
+    ('{"timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": [4, 5]}',
+     "2 hash_ids (blocks of 512 tokens) are more than input_length 100, which takes 1"),
+    ('{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [4, 5]}',
+     "2 hash_ids (blocks of 512 tokens) do not cover input_length 1025, which takes 3"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": []}', "do not cover"),
 ])
 def test_bad_lines_are_refused_with_their_line_number(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
@@ -83,6 +89,45 @@ def test_bad_lines_are_refused_with_their_line_number(tmp_path, line, message):
         read_trace(path)
     assert f"{path}, line 3:" in str(err.value)
     assert message in str(err.value)
+
+
+def test_mooncake_blocks_cover_the_input_exactly():
+    (req,) = parse_lines(['{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [7, 8]}'])
+    assert req.chunks == (Chunk(7, 512), Chunk(8, 512)) and req.suffix_tokens == 0
+
+
+@pytest.mark.parametrize("name", ["t.jsonl.gz", "t.jsonl"])
+def test_gzip_traces_are_read_by_their_magic_bytes(tmp_path, name):
+    plain = tmp_path / "plain.jsonl"
+    write_trace(plain, synthesize(SynthConfig(docs=20, chunks_per_request=2, requests=30)))
+    packed = tmp_path / name
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_trace(packed) == read_trace(plain)
+
+
+def test_a_broken_gzip_trace_is_refused_with_its_name_and_line(tmp_path):
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(gzip.compress((GOOD + "\n").encode() * 200)[:-40])   # cut: no CRC, no end
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}, line \d+: corrupt or truncated gzip"):
+        read_trace(path)
+
+
+def test_a_git_lfs_pointer_is_named_as_one(tmp_path, capsys):
+    path = tmp_path / "conversation_trace.jsonl"
+    path.write_text("version https://git-lfs.github.com/spec/v1\n"
+                    "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n"
+                    "size 12345\n")
+    assert main(["simulate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"tessera simulate: error: {path}, line 1: a Git-LFS pointer")
+    assert "git lfs pull" in err and "bad JSON" not in err and len(err.splitlines()) == 1
+
+
+def test_a_line_that_is_not_utf8_is_refused_with_its_name_and_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(GOOD.encode() + b"\n" + b'{"timestamp": \xff}\n')
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}, line 2: not UTF-8 text"):
+        read_trace(path)
 
 
 def test_unsorted_timestamps_are_refused_with_the_line_number():
