@@ -49,6 +49,14 @@ def _resolver(namespace: str):
     return resolve
 
 
+def _exit_for_restart() -> None:
+    """A worker whose engine loop stopped for good ends its process: Ray then starts the actor again (a
+    living process with a dead engine thread would keep its name and serve nothing)."""
+    logging.getLogger(__name__).critical("exiting so that the worker is restarted")
+    logging.shutdown()
+    os._exit(70)
+
+
 async def _create(spec: ServiceSpec, port: int):
     if spec.role == "store":
         from services.kvstore import create_server
@@ -58,12 +66,12 @@ async def _create(spec: ServiceSpec, port: int):
         from services.prefill.server import create_server
 
         return await create_server(spec.name, spec.engine, list(spec.store_addresses), spec.prefill,
-                                   host=spec.host, port=port)
+                                   host=spec.host, port=port, on_fatal=_exit_for_restart)
     if spec.role == "decode":
         from services.decode.server import create_server
 
         return await create_server(spec.name, spec.engine, list(spec.store_addresses), spec.decode,
-                                   host=spec.host, port=port)
+                                   host=spec.host, port=port, on_fatal=_exit_for_restart)
     if spec.role == "gateway":
         from services.cluster.serving import RayKV
         from services.gateway.inputs import ChunkRegistry

@@ -151,6 +151,18 @@ async def set_serving(servicer, service_names: tuple[str, ...], serving: bool) -
         await servicer.set(name, status)
 
 
+async def stopped_for_good(health_box: list, service_names: tuple[str, ...], on_fatal) -> None:
+    """A worker's engine loop has stopped for good: NOT_SERVING (``health_box`` holds the health servicer
+    once the server has one), then ``on_fatal()`` (a Ray actor exits there, and Ray restarts it)."""
+    import logging
+
+    if health_box:
+        await set_serving(health_box[0], service_names, False)
+    logging.getLogger(__name__).critical("%s: NOT_SERVING, the engine loop stopped", ", ".join(service_names))
+    if on_fatal is not None:
+        on_fatal()
+
+
 def bind(server: grpc.aio.Server, host: str, port: int, tls: tuple[bytes, bytes] | None = None) -> int:
     """Listen on host:port (0: any); with ``tls`` = (certificate chain PEM, private key PEM), over TLS."""
     if tls is not None:

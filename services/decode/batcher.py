@@ -11,6 +11,13 @@ With ``min_step_interval_s`` (DecodeSettings) a step starts no sooner than that 
 began, admitting what arrives meanwhile. Stopping mirrors ``Engine.generate``: a stop token is
 emitted, then the sequence ends.
 Engine calls that are not decoding (reset, cache listing) run between steps through ``call``.
+
+No request stops the thread: a failure fails the requests it concerns (one sequence's sampling, one
+hand-off's rebuild, or the step's batch), each with a ``RequestError`` (the caller sees an id, never a
+Python exception's text), and the loop goes on. Only when ``MAX_FAILED_STEPS`` iterations fail in a row
+(the device itself is broken: a sticky CUDA error) or something escapes the loop does it stop for good:
+every waiting job is failed, ``alive`` turns False and ``on_fatal`` is called (the server reports
+NOT_SERVING and the process exits, so Ray restarts the worker).
 """
 
 from __future__ import annotations
@@ -23,22 +30,24 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from services.cluster.errors import RequestError, internal
 from services.cluster.sampling import WireSampling
 from services.decode.prepare import PreparedHandoff
 from services.decode.metrics import DecodeMetrics
 
 log = logging.getLogger(__name__)
+MAX_FAILED_STEPS = 3     # loop iterations failing in a row before the engine is taken for broken
 
 
 @dataclass(slots=True)
 class DecodeJob:
     """One request to decode. ``emit(tokens, finish_reason, error)`` is called from the engine thread:
-    once per token, and last with a finish reason ("stop", "length") or an error message."""
+    once per token, and last with a finish reason ("stop", "length") or a ``RequestError``."""
 
     request_id: str
     handoff: PreparedHandoff | None     # None once admitted: its K/V are in the engine's pool then
     sampling: WireSampling
-    emit: Callable[[list[int], str | None, str | None], None]
+    emit: Callable[[list[int], str | None, RequestError | None], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -53,7 +62,8 @@ class _Live:
 
 class Batcher:
     def __init__(self, engine, metrics: DecodeMetrics, max_batch: int, fetch=None,
-                 admit_budget_s: float = float("inf"), profile=None, min_step_interval_s: float = 0.0) -> None:
+                 admit_budget_s: float = float("inf"), profile=None, min_step_interval_s: float = 0.0,
+                 on_fatal: Callable[[BaseException], None] | None = None, name: str = "decode worker") -> None:
         self.eng = engine
         self.metrics = metrics
         self.max_batch = max_batch
@@ -66,12 +76,20 @@ class Batcher:
         self._stop = threading.Event()
         self._live: list[_Live] = []
         self.resident: tuple[str, ...] = ()   # chunk ids in the device cache, refreshed by the engine thread
+        self.on_fatal = on_fatal              # called once, from the engine thread, when it stops for good
+        self.name = name                      # in the errors callers see
+        self.failure: BaseException | None = None   # why the thread stopped for good
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._thread.start()
 
     @property
     def active(self) -> int:
         return len(self._live)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread still serves (health reports this, not the process's liveness)."""
+        return self._thread.is_alive() and self.failure is None
 
     def submit(self, job: DecodeJob) -> None:
         self._inbox.put(job)
@@ -91,14 +109,50 @@ class Batcher:
     def _run(self) -> None:
         import torch
 
-        with torch.no_grad():  # not inference_mode: kernels cache packed tables by tensor version
-            while not self._stop.is_set():
-                self._admit(block=not self._live)
-                if self._live:
-                    if self.min_step_interval_s:
-                        self._pace()
-                    self._last_step = time.perf_counter()
-                    self._step()
+        failed = 0
+        try:
+            with torch.no_grad():  # not inference_mode: kernels cache packed tables by tensor version
+                while not self._stop.is_set():
+                    try:
+                        self._iterate()
+                        failed = 0
+                    except Exception as exc:  # noqa: BLE001 - fail what the iteration held, keep serving
+                        failed += 1
+                        err = internal(f"{self.name}'s engine loop", exc)
+                        for lv in self._live:
+                            self._finish(lv, None, err)
+                        self._live = []
+                        if failed >= MAX_FAILED_STEPS:
+                            raise RuntimeError(f"{failed} engine loop iterations failed in a row") from exc
+        except BaseException as exc:  # noqa: BLE001 - the loop is over: say so, and let the worker restart
+            self.failure = exc
+            log.critical("%s: the engine loop stopped for good: %s", self.name, exc, exc_info=exc)
+            self._fail_all(internal(f"{self.name}'s engine loop", exc))
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    def _iterate(self) -> None:
+        self._admit(block=not self._live)
+        if self._live:
+            if self.min_step_interval_s:
+                self._pace()
+            self._last_step = time.perf_counter()
+            self._step()
+
+    def _fail_all(self, err: RequestError) -> None:
+        """Fail every live and waiting job (the loop is stopping for good)."""
+        for lv in self._live:
+            _quietly(lv.job.emit, [], None, err)
+        self._live = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple):
+                item[1].set_exception(RuntimeError(err.message))
+            elif item is not None:
+                _quietly(item.emit, [], None, err)
 
     def _pace(self) -> None:
         """Until ``min_step_interval_s`` has passed since the last step began (or the batch is full),
@@ -139,26 +193,36 @@ class Batcher:
         from services.engine.block_table import host_to_device
         from services.engine.sampling import sample
 
+        from services.engine.block_pool import PoolExhausted
+
         t0 = time.perf_counter()
         try:
             seq, logits = self._rebuild(job.handoff)
+        except PoolExhausted as exc:
+            _quietly(job.emit, [], None, RequestError("exhausted", f"{self.name}: no KV memory for the "
+                                                                   f"sequence now: {exc}"))
+            return
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
-            log.warning("decode %s: cannot rebuild the sequence: %s", job.request_id, exc)
-            job.emit([], None, f"{type(exc).__name__}: {exc}")
+            _quietly(job.emit, [], None, internal(f"{self.name} rebuilding request {job.request_id}", exc))
             return
         self.metrics.admit_seconds.observe(time.perf_counter() - t0)
         params = job.sampling.params
-        gen = params.generator(self.eng.device)
         header = job.handoff.received.header
         job.handoff = None           # the sequence holds what it needs: the received K/V can go now
         sent = header.HasField("first_token")
         token = header.first_token if sent else None
-        if not sent or gen is not None:
-            # drawn even when the prefill worker sent it: a seeded generator must advance as the prefill's
-            # did (a greedy pick draws nothing, and the one sent is taken as it is: no wait on the GPU)
-            drawn = sample(host_to_device(logits, logits.dtype, self.eng.device), params, gen)
-            if not sent:
-                token = drawn
+        try:
+            gen = params.generator(self.eng.device)
+            if not sent or gen is not None:
+                # drawn even when the prefill worker sent it: a seeded generator must advance as the prefill's
+                # did (a greedy pick draws nothing, and the one sent is taken as it is: no wait on the GPU)
+                drawn = sample(host_to_device(logits, logits.dtype, self.eng.device), params, gen)
+                if not sent:
+                    token = drawn
+        except Exception as exc:  # noqa: BLE001 - this request fails, the worker goes on
+            self.eng.release(seq)
+            _quietly(job.emit, [], None, internal(f"{self.name} sampling request {job.request_id}", exc))
+            return
         live = _Live(job, seq, gen, token, 1)
         self.metrics.admitted.inc()
         if sent:                     # the client has it: decode goes on from it
@@ -183,18 +247,24 @@ class Batcher:
             self._finish(live, None, "cancelled")
             return True
         reason = job.sampling.finish_reason(live.last, live.produced)
-        job.emit([live.last], None, None)
+        if not _quietly(job.emit, [live.last], None, None):     # its caller is gone
+            self._finish(live, None, "cancelled")
+            return True
         self.metrics.tokens.inc()
         if reason is not None:
             self._finish(live, reason, None)
             return True
         return False
 
-    def _finish(self, live: _Live, reason: str | None, error: str | None) -> None:
-        self.eng.release(live.seq)
-        if error != "cancelled":
-            live.job.emit([], reason, error)
-        self.metrics.finished.labels(reason or error or "error").inc()
+    def _finish(self, live: _Live, reason: str | None, error: RequestError | str | None) -> None:
+        """Release the sequence and tell its caller how it ended (``error`` "cancelled": the caller left)."""
+        try:
+            self.eng.release(live.seq)
+        finally:
+            if error != "cancelled":
+                _quietly(live.job.emit, [], reason, error)
+            label = reason or (error if isinstance(error, str) else error.kind if error is not None else "error")
+            self.metrics.finished.labels(label).inc()
 
     def _step(self) -> None:
         from services.engine.sampling import sample
@@ -204,26 +274,44 @@ class Batcher:
             self.profile.tick()
         self.metrics.batch_size.observe(len(batch))
         t0 = time.perf_counter()
+        from services.engine.block_pool import PoolExhausted
+
         try:
             logits = self.eng.decode_step([lv.seq for lv in batch], [lv.last for lv in batch])  # [B, vocab]
-        except Exception as exc:  # noqa: BLE001 - e.g. KV memory exhausted: fail this batch, keep serving
+        except PoolExhausted as exc:     # KV memory exhausted: fail this batch, keep serving
             log.warning("decode step over %d sequences failed: %s", len(batch), exc)
+            err = RequestError("exhausted", f"{self.name}: KV memory ran out during a decode step")
             for lv in batch:
-                self._finish(lv, None, f"decode step failed: {type(exc).__name__}: {exc}")
+                self._finish(lv, None, err)
             self._live = []
             return
         # greedy rows: one argmax over the batch and one copy to the host, not a sync per sequence
         greedy = [i for i, lv in enumerate(batch) if lv.job.sampling.params.temperature == 0]
         picked = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
+        failed: dict[int, RequestError] = {}
         for i, lv in enumerate(batch):
-            lv.last = picked[i] if i in picked else sample(logits[i], lv.job.sampling.params, lv.gen)
+            try:
+                lv.last = picked[i] if i in picked else sample(logits[i], lv.job.sampling.params, lv.gen)
+            except Exception as exc:  # noqa: BLE001 - this sequence fails, the batch goes on
+                failed[i] = internal(f"{self.name} sampling request {lv.job.request_id}", exc)
             lv.produced += 1
         # the step ends when its tokens are on the host: decode_step only issues the GPU's work, so timing
         # it alone measured the launch, not the step (the token read-back above is the wait for the GPU)
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         keep = []
-        for lv in batch:
-            if not self._emit(lv):
+        for i, lv in enumerate(batch):
+            if i in failed:
+                self._finish(lv, None, failed[i])
+            elif not self._emit(lv):
                 keep.append(lv)
         self._live = keep
         self.metrics.active.set(len(keep))
+
+
+def _quietly(emit, tokens, reason, error) -> bool:
+    """``emit(...)``; False when the caller cannot be told any more (its event loop closed)."""
+    try:
+        emit(tokens, reason, error)
+        return True
+    except RuntimeError:
+        return False

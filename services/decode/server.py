@@ -3,8 +3,11 @@
 ``PushHandoff`` (from a prefill worker) parks a complete hand-off under its request id; ``Decode``
 (from the gateway) takes it, hands it to the continuous batcher and streams the tokens as the
 engine thread produces them. A Decode whose hand-off never came ends NOT_FOUND; one whose
-sequence cannot be rebuilt or decoded ends INTERNAL with the reason. A client that goes away
-cancels its sequence (freed at the next step).
+sequence cannot be rebuilt or decoded ends INTERNAL with an error id (the cause is in this worker's
+log), RESOURCE_EXHAUSTED when KV memory ran out. A client that goes away cancels its sequence (freed
+at the next step). Health follows the engine thread, not the process: when the batcher stops for good
+the worker says NOT_SERVING, fails what it holds and calls ``on_fatal`` (a Ray actor exits then, and
+Ray starts it again).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -20,7 +24,8 @@ from services.cluster.kvio import StoreAccess
 from services.cluster.cuda_ipc import copy_out, placement
 from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import WireSampling
-from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
+from services.cluster.serving import (GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving,
+                                     stopped_for_good)
 from services.cluster.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
@@ -87,7 +92,14 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.metrics.handoffs.labels(received.header.kind).inc()
         return pb.HandoffAck(received_bytes=len(received.payload))
 
+    async def _serving(self, context) -> None:
+        """UNAVAILABLE at once when the engine thread has stopped (the worker is about to restart)."""
+        if not self.batcher.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.name} is restarting: "
+                                                             "its engine loop stopped")
+
     async def Decode(self, request: pb.DecodeRequest, context):
+        await self._serving(context)
         rid = request.request_id
         try:
             await asyncio.wait_for(self._event(rid).wait(), self.settings.handoff_wait_s)
@@ -122,7 +134,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             while True:
                 toks, reason, err = await out.get()
                 if err is not None:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"decode worker {self.name}: {err}")
+                    await context.abort(err.code, err.message)
                 yield pb.DecodeResponse(token_ids=toks, finish_reason=reason or "")
                 if reason is not None:
                     return
@@ -131,6 +143,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             self.decoding -= 1
 
     async def Status(self, request, context):
+        await self._serving(context)
         resident = self.batcher.resident         # a snapshot: a poll never waits for a decode step
         return pb.WorkerStatus(name=self.name, in_flight=self.decoding, resident_chunk_ids=resident,
                                transport=self.transport.detail, metrics_url=self.metrics_url,
@@ -169,8 +182,10 @@ class DecodeServer:
 
 async def create_server(name: str, engine: EngineSettings, store_addresses: list[str],
                         settings: DecodeSettings | None = None, *, host: str = "127.0.0.1",
-                        port: int = 0) -> tuple[DecodeServer, int]:
-    """Load the model, start the batcher and serve on ``host:port`` (0: any); returns (server, port)."""
+                        port: int = 0, on_fatal: Callable[[], None] | None = None) -> tuple[DecodeServer, int]:
+    """Load the model, start the batcher and serve on ``host:port`` (0: any); returns (server, port).
+    ``on_fatal()`` runs on the event loop once the engine loop has stopped for good and health says
+    NOT_SERVING (a Ray actor exits there, to be restarted)."""
     settings = settings or DecodeSettings()
     metrics = DecodeMetrics()
     eng = await asyncio.to_thread(engine.load)
@@ -185,14 +200,22 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
         # the decode worker has no lookup ahead of the pass: ask now, stream if present
         return store.fetcher(store.lookup([cid]))(cid)
 
+    loop = asyncio.get_running_loop()
+    health_box: list = []
+
+    def fatal(_exc: BaseException) -> None:      # the engine thread
+        asyncio.run_coroutine_threadsafe(stopped_for_good(health_box, (SERVICE_NAME,), on_fatal), loop)
+
     batcher = Batcher(eng, metrics, settings.max_batch, fetch if store.enabled else None,
                       admit_budget_s=settings.admit_budget_s, profile=ProfileWindow(name, "decode"),
-                      min_step_interval_s=settings.min_step_interval_s)
+                      min_step_interval_s=settings.min_step_interval_s, on_fatal=fatal,
+                      name=f"decode worker {name}")
     http, http_port = serve_metrics(metrics.registry, host)
     servicer = DecodeServicer(batcher, eng, store, metrics, name, f"http://{advertised_host(host)}:{http_port}/metrics", settings)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))
+    health_box.append(health)
     bound = bind(server, host, port)
     await server.start()
     await set_serving(health, (SERVICE_NAME,), True)

@@ -1,7 +1,14 @@
-"""Token sampling: greedy at temperature 0, else temperature / top-k / top-p with a seeded generator."""
+"""Token sampling: greedy at temperature 0, else temperature / top-k / top-p with a seeded generator.
+
+NOTE: any finite temperature > 0 is safe, however small: the logits are shifted by their maximum before
+they are divided, so every scaled score is <= 0 and none overflows to +inf (a tiny temperature is then
+greedy, with ties sampled among the maxima). Logits that hold a NaN or +inf are the model's fault, not
+the request's: ``sample`` raises ``NonFiniteLogits`` for them instead of drawing from a broken distribution.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +23,9 @@ class SamplingParams:
     max_new_tokens: int = 32
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
@@ -33,11 +40,19 @@ class SamplingParams:
         return g
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model produced logits holding a NaN or +inf: no distribution to sample from."""
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     """One token id from fp32 logits [vocab]."""
     if p.temperature == 0:
         return int(torch.argmax(logits))
-    scores = logits.float() / p.temperature
+    scores = logits.float()
+    top = scores.max()                        # NaN if any score is NaN
+    if not bool(torch.isfinite(top)):
+        raise NonFiniteLogits(f"the model's logits are not finite (max {float(top)}): nothing to sample from")
+    scores = (scores - top) / p.temperature   # <= 0 everywhere: no overflow at any temperature
     if p.top_k:
         kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

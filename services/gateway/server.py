@@ -37,7 +37,11 @@ DEFAULT_DEADLINE_S = 300.0
 
 
 class _Retry(Exception):
-    """One attempt failed in a way another worker may not."""
+    """One attempt failed in a way another worker may not; ``code``: the worker's status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _Relay:
@@ -110,7 +114,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         self.metrics.in_flight.inc()
         outcome = "error"
         try:
-            last_error = "no attempt made"
+            last_error, last_code = "no attempt made", grpc.StatusCode.UNAVAILABLE
             avoid: set[str] = set()
             sent: list[int] = []          # tokens streamed to the client so far, over every attempt
             for attempt in range(self.max_attempts):
@@ -124,13 +128,16 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                     outcome = "ok"
                     return
                 except _Retry as exc:
-                    last_error = str(exc)
+                    last_error, last_code = str(exc), exc.code
                     log.warning("request %s attempt %d (%d tokens sent): %s", rid, attempt, len(sent), exc)
                 except NoWorker as exc:
                     outcome = "unavailable"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            outcome = "unavailable"
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
+            # every attempt failing inside a worker that answered is ours (INTERNAL, with the ids), not a
+            # cluster without workers
+            internal = last_code == grpc.StatusCode.INTERNAL
+            outcome = "internal" if internal else "unavailable"
+            await context.abort(grpc.StatusCode.INTERNAL if internal else grpc.StatusCode.UNAVAILABLE,
                                 f"no worker could serve request {rid} in {self.max_attempts} attempts "
                                 f"({len(sent)} tokens were sent): {last_error}")
         finally:
@@ -228,11 +235,11 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                                 f"{bad.role} worker {bad.name} failed after some tokens were sent "
                                 f"({code.name}: {exc.details()}); the tokens sent are valid, the rest were not "
                                 "produced, and unseeded sampling cannot be resumed: send it again")
-        if code != grpc.StatusCode.NOT_FOUND:
-            self.peers.mark_down(bad)
+        if code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INTERNAL):
+            self.peers.mark_down(bad)       # it did not answer: an INTERNAL came from a worker that serves
         avoid.add(bad.name)
         self.metrics.retries.labels(bad.role).inc()
-        raise _Retry(f"{bad.role} worker {bad.name}: {code.name}: {exc.details()}")
+        raise _Retry(f"{bad.role} worker {bad.name}: {code.name}: {exc.details()}", code)
 
     async def RegisterChunks(self, request: pb.RegisterChunksRequest, context):
         try:

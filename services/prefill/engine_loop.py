@@ -8,6 +8,10 @@ the first one's pass on the device instead of following it, and its pass is queu
 most one prefill waits unfinished; with nothing queued a prefill is finished at once, so a lone
 request's first token is not delayed. Any other call (warm-up, reset) finishes the waiting prefill
 first and runs alone.
+
+Every error is handed to the future of the call that raised it; the thread itself stops only on
+``stop`` or when something escapes that handling, and then ``alive`` turns False, what is queued is
+failed and ``on_fatal`` is called (the server reports NOT_SERVING and the worker restarts).
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ _STOP = object()
 
 
 class EngineLoop:
-    def __init__(self, name: str = "prefill-engine") -> None:
+    def __init__(self, name: str = "prefill-engine",
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self._queue: queue.Queue = queue.Queue()
         self._stopping = False
+        self.on_fatal = on_fatal
+        self.failure: BaseException | None = None   # why the thread stopped for good
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -40,6 +47,11 @@ class EngineLoop:
         self._queue.put((True, begin, fut))
         return fut
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread still serves (health reports this, not the process's liveness)."""
+        return self.failure is None and (self._stopping or self._thread.is_alive())
+
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel what has not started, finish the prefill begun last, end the thread."""
         self._stopping = True
@@ -47,6 +59,21 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the loop is over: say so, and let the worker restart
+            self.failure = exc
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _STOP and item[2].set_running_or_notify_cancel():
+                    item[2].set_exception(RuntimeError("the engine loop stopped"))
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    def _serve(self) -> None:
         import torch
 
         pending = None        # (finish, future) of the prefill begun last

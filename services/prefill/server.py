@@ -4,7 +4,9 @@ Engine work runs on one thread (the engine is not thread-safe); the event loop o
 The first token is sampled here and streamed back at once; then the hand-off is serialised (off the
 engine thread) and pushed to the decode worker the gateway named. A push that fails is answered
 ABORTED (the gateway retries with another decode worker), bad input INVALID_ARGUMENT, no KV memory
-RESOURCE_EXHAUSTED.
+RESOURCE_EXHAUSTED, a failure of ours INTERNAL with an error id (the cause is in this worker's log).
+Health follows the engine thread: when it stops for good the worker says NOT_SERVING and calls
+``on_fatal`` (a Ray actor exits then, and Ray starts it again).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -22,7 +25,9 @@ from services.cluster.cuda_ipc import placement, same_gpu, share
 from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import WireSampling
 from services.cluster.staging import side_stream
-from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
+from services.cluster.errors import internal
+from services.cluster.serving import (GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving,
+                                     stopped_for_good)
 from services.cluster.transport import handoff_parts, probe_transport
 from services.engine.warmup import warm_prefill, warm_up
 from services.prefill.controller import LoadingController
@@ -37,13 +42,15 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 
 
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker, name: str, metrics_url: str) -> None:
+    def __init__(self, worker: PrefillWorker, name: str, metrics_url: str,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.worker = worker
         self.name = name
         self.metrics_url = metrics_url
         self.transport = probe_transport(worker.eng.device)
         self._same_gpu: dict[str, bool] = {}
-        self.engine = EngineLoop()          # one engine thread, pipelined by one request (engine_loop.py)
+        # one engine thread, pipelined by one request (engine_loop.py)
+        self.engine = EngineLoop(on_fatal=on_fatal)
         # hand-offs are serialised here, so the engine thread goes on to the next request meanwhile
         self.io_threads = ThreadPoolExecutor(2, thread_name_prefix="prefill-handoff")
         self.in_flight = 0
@@ -52,6 +59,12 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
     async def _on_engine(self, fn):
         return await asyncio.wrap_future(self.engine.call(fn))
+
+    async def _serving(self, context) -> None:
+        """UNAVAILABLE at once when the engine thread has stopped (the worker is about to restart)."""
+        if not self.engine.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.name} is restarting: "
+                                                             "its engine loop stopped")
 
     def _decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
         if address not in self._channels:
@@ -62,6 +75,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         """Streams two replies: the first token as soon as it is sampled, then (hand-off delivered) the stats."""
         from services.engine.block_pool import PoolExhausted
 
+        await self._serving(context)
         if not request.decode_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address is required")
         try:
@@ -99,6 +113,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             except PoolExhausted as exc:
                 self.worker.metrics.requests.labels("exhausted").inc()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except Exception as exc:  # noqa: BLE001 - ours: an id for the caller, the cause in the log
+                self.worker.metrics.requests.labels("internal").inc()
+                err = internal(f"prefill worker {self.name} serving request {job.request_id}", exc)
+                await context.abort(err.code, err.message)
             if not first.done():       # the pass finished before the loop ran the first-token callback
                 first.set_result(out.first_token)
                 yield pb.PrefillReply(first_token=out.first_token)
@@ -183,6 +201,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         return pb.WarmReply(stored=stored, resident_chunk_ids=resident)
 
     async def Status(self, request, context):
+        await self._serving(context)
         resident = self.worker.resident          # the snapshot: a poll never waits behind queued prefills
         return pb.WorkerStatus(name=self.name, in_flight=self.in_flight, resident_chunk_ids=resident,
                                transport=self.transport.detail, metrics_url=self.metrics_url,
@@ -212,8 +231,9 @@ class PrefillServer:
 
 async def create_server(name: str, engine: EngineSettings, store_addresses: list[str],
                         settings: PrefillSettings | None = None, *, host: str = "127.0.0.1",
-                        port: int = 0) -> tuple[PrefillServer, int]:
-    """Load the model, start serving on ``host:port`` (0: any); returns (server, port)."""
+                        port: int = 0, on_fatal: Callable[[], None] | None = None) -> tuple[PrefillServer, int]:
+    """Load the model, start serving on ``host:port`` (0: any); returns (server, port). ``on_fatal()`` runs
+    on the event loop once the engine loop has stopped for good and health says NOT_SERVING."""
     settings = settings or PrefillSettings()
     metrics = PrefillMetrics()
     eng = await asyncio.to_thread(engine.load)
@@ -228,10 +248,17 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     controller = LoadingController(settings.quality_floor, probe_every=8 if settings.store_loads == "cost" else 1)
     worker = PrefillWorker(eng, store, controller, metrics, settings.default_ratio)
     http, http_port = serve_metrics(metrics.registry, host)
-    servicer = PrefillServicer(worker, name, f"http://{advertised_host(host)}:{http_port}/metrics")
+    loop = asyncio.get_running_loop()
+    health_box: list = []
+
+    def fatal(_exc: BaseException) -> None:      # the engine thread
+        asyncio.run_coroutine_threadsafe(stopped_for_good(health_box, (SERVICE_NAME,), on_fatal), loop)
+
+    servicer = PrefillServicer(worker, name, f"http://{advertised_host(host)}:{http_port}/metrics", on_fatal=fatal)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))
+    health_box.append(health)
     bound = bind(server, host, port)
     await server.start()
     await set_serving(health, (SERVICE_NAME,), True)
