@@ -6,7 +6,10 @@ TTFT = base + per-token cost of each chunk by where it came from (GPU, DRAM or c
 suffix compute; then one token every ``tpot_ms``. The caches are LRU over tokens and keyed as
 in the simulator for the request's mode: ``full`` caches nothing, ``prefix`` reuses leading
 runs, ``position_aware`` a replica per position, ``blend_copy`` and ``tessera`` one copy per
-document (``blend_copy`` paying a copy per reused token). A DRAM hit is promoted to the GPU tier; a computed chunk is stored in both.
+chunk (``blend_copy`` paying a copy per reused token). A DRAM hit is promoted to the GPU tier; a
+computed chunk is stored in both. A request is served as the cluster serves it (and as the
+simulator counts it, ``served_chunks``): one of chunks only has its last chunk's last token
+computed privately, never a hit; an empty request is refused.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Iterator
 from loadgen.replay.target import MISS_TIER, MODES, Clock, ReplayRequest, RequestStats, StreamEvent, WallClock
 from loadgen.sim.caches import LRUCache
 from loadgen.sim.policies import cache_keys
-from loadgen.trace.model import Chunk, TraceRequest
+from loadgen.trace.model import Chunk, served_chunks
 
 _POLICY = {"prefix": "prefix", "position_aware": "position_aware", "blend_copy": "tessera",
            "tessera": "tessera"}
@@ -81,12 +84,13 @@ class FakeTarget:
         if policy is None:                       # full: no reuse at all
             tiers[MISS_TIER] = sum(request.chunk_lengths)
             return tiers
-        as_trace = TraceRequest(0.0, request.input_tokens, request.max_tokens, (), tuple(
-            Chunk(d, n) for d, n in zip(request.doc_ids, request.chunk_lengths)), len(request.suffix))
+        cached, private = served_chunks(
+            [Chunk(d, n) for d, n in zip(request.doc_ids, request.chunk_lengths)], len(request.suffix))
+        tiers[MISS_TIER] += private
         with self._lock:
-            keys = cache_keys(as_trace, policy, self._chains.setdefault(request.mode, {}))
+            keys = cache_keys(cached, policy, self._chains.setdefault(request.mode, {}))
             broken = False
-            for key, n in zip(keys, request.chunk_lengths):
+            for key, n in zip(keys, (c.tokens for c in cached)):
                 key = (request.mode, key)
                 if not broken and self._gpu.lookup(key):
                     tiers["gpu"] += n
@@ -104,6 +108,8 @@ class FakeTarget:
     def generate(self, request: ReplayRequest) -> Iterator[StreamEvent]:
         if request.mode not in MODES:
             raise ValueError(f"unknown mode {request.mode!r}")
+        if not request.chunks and not request.suffix:    # as the cluster refuses it
+            raise ValueError("empty request: no chunk and no suffix")
         c = self.config
         tiers = self._lookup(request)
         prefill_us = (c.compute_us_per_token * (tiers[MISS_TIER] + len(request.suffix))

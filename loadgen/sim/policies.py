@@ -1,13 +1,16 @@
 """The cache simulator: replay a trace's chunk accesses against one reuse policy.
 
-Hit ratio is over chunk tokens (suffixes are private and never cached). The dynamic
+Hit ratio is over chunk tokens (suffixes are private and never cached). A chunk is its
+tokens: (document, length), as the cluster names a chunk by a hash of its token ids. A request
+is served as the cluster serves it (``served_chunks``): one of chunks only has its last
+chunk's last token computed privately, a chunk token that is never a hit. The dynamic
 policies differ only in what a cached entry is keyed by, i.e. which later uses it serves:
 
   prefix          the chunk *and everything before it* (a prefix-tree node): a request
                   reuses only its longest cached run of leading chunks.
-  position_aware  (document, start position in the prompt): a replica per position, as
+  position_aware  (chunk, start position in the prompt): a replica per position, as
                   Block-Attention / PromptCache keep one (RoPE baked into the keys).
-  tessera         the document alone: one position-agnostic copy serves every position.
+  tessera         the chunk alone: one position-agnostic copy serves every position.
 
 Chunks of a request are looked up in prompt order; a miss computes the chunk and inserts
 it (prefix: every chunk after the first miss is recomputed too). So an unlimited budget
@@ -30,7 +33,7 @@ from typing import Hashable, Sequence
 
 from loadgen.sim.caches import make_cache
 from loadgen.sim.shapes import ModelShape
-from loadgen.trace.model import TraceRequest
+from loadgen.trace.model import Chunk, TraceRequest, served_chunks
 
 DYNAMIC_POLICIES = ("prefix", "position_aware", "tessera")
 ORACLE_POLICIES = ("oracle_static_agnostic", "oracle_static_aware")
@@ -81,19 +84,20 @@ class SimResult:
         return out
 
 
-def cache_keys(req: TraceRequest, policy: str, chain: dict[tuple[int, int], int]) -> list[Hashable]:
-    """The cache key of each chunk of ``req`` under a dynamic policy (see the module docstring).
-
-    ``chain`` interns prefix-tree nodes across calls; keep one per simulated cache.
+def cache_keys(chunks: Sequence[Chunk], policy: str, chain: dict[tuple, int]) -> list[Hashable]:
+    """The cache key of each of ``chunks`` (a prompt's, in order) under a dynamic policy (see
+    the module docstring). ``chain`` interns prefix-tree nodes across calls; keep one per cache.
     """
     if policy == "tessera":
-        return [c.doc for c in req.chunks]
-    if policy == "position_aware":
-        return list(zip((c.doc for c in req.chunks), req.chunk_offsets()))
-    keys, node = [], 0                          # prefix: intern (parent node, doc) -> node
-    for c in req.chunks:
-        node = chain.setdefault((node, c.doc), len(chain) + 1)
-        keys.append(node)
+        return [(c.doc, c.tokens) for c in chunks]
+    keys, node, start = [], 0, 0
+    for c in chunks:
+        if policy == "position_aware":
+            keys.append((c.doc, c.tokens, start))
+        else:                                   # prefix: intern (parent node, chunk) -> node
+            node = chain.setdefault((node, c.doc, c.tokens), len(chain) + 1)
+            keys.append(node)
+        start += c.tokens
     return keys
 
 
@@ -104,8 +108,10 @@ def _simulate_dynamic(trace: Sequence[TraceRequest], cfg: SimConfig, progress=No
     accesses = hits = tokens = hit_tokens = inserted = inserted_bytes = 0
     prefix_only = cfg.policy == "prefix"
     for req in trace:
+        cached, private = served_chunks(req.chunks, req.suffix_tokens)
+        tokens += private
         broken = False
-        for key, c in zip(cache_keys(req, cfg.policy, chain), req.chunks):
+        for key, c in zip(cache_keys(cached, cfg.policy, chain), cached):
             accesses += 1
             tokens += c.tokens
             if cache.lookup(key):

@@ -7,13 +7,13 @@ The surface the replay and the cluster demo use::
 
 from loadgen.trace.dists import LENGTH_SYNTAX, LengthDist
 from loadgen.trace.io import parse_lines, read_trace, write_trace
-from loadgen.trace.model import MOONCAKE_BLOCK_TOKENS, BlockHasher, Chunk, TraceRequest
+from loadgen.trace.model import MOONCAKE_BLOCK_TOKENS, BlockHasher, Chunk, TraceRequest, served_chunks
 from loadgen.trace.synth import SynthConfig, ZipfSampler, arrival_times_ms, synthesize
 from loadgen.trace.tokens import doc_token_ids, request_token_ids, suffix_token_ids
 
 __all__ = [
     "LENGTH_SYNTAX", "LengthDist", "parse_lines", "read_trace", "write_trace",
-    "MOONCAKE_BLOCK_TOKENS", "BlockHasher", "Chunk", "TraceRequest",
+    "MOONCAKE_BLOCK_TOKENS", "BlockHasher", "Chunk", "TraceRequest", "served_chunks",
     "SynthConfig", "ZipfSampler", "arrival_times_ms", "synthesize",
     "doc_token_ids", "request_token_ids", "suffix_token_ids",
 ]

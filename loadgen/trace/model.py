@@ -11,7 +11,7 @@ are small integers numbered in order of first appearance in the trace.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Sequence
 
 # Mooncake's block size; hash_ids are computed over blocks of this many tokens.
 MOONCAKE_BLOCK_TOKENS = 512
@@ -55,6 +55,23 @@ class TraceRequest:
             offsets.append(pos)
             pos += c.tokens
         return offsets
+
+
+def served_chunks(chunks: Sequence[Chunk], suffix_tokens: int) -> tuple[tuple[Chunk, ...], int]:
+    """(the chunks the cluster caches, chunk tokens it computes privately: 0 or 1) for one request.
+
+    The first output token follows the prompt's last token, which the cluster computes for the
+    request alone. With a suffix that token is the suffix's. A request of chunks only (every
+    plain Mooncake line) is served with its last chunk's last token computed privately, never
+    cached and never a hit: the chunk cached is the rest of it, one token shorter, which is
+    another chunk than the whole one (a chunk is its tokens), and none if it had one token.
+    The simulator and the fake replay target both count a request this way.
+    """
+    if suffix_tokens or not chunks:
+        return tuple(chunks), 0
+    *head, last = chunks
+    rest = (Chunk(last.doc, last.tokens - 1),) if last.tokens > 1 else ()
+    return (*head, *rest), 1
 
 
 class BlockHasher:
