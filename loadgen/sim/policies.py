@@ -16,12 +16,15 @@ Chunks of a request are looked up in prompt order; a miss computes the chunk and
 it (prefix: every chunk after the first miss is recomputed too). So an unlimited budget
 misses exactly once per distinct key: the compulsory-miss bound.
 
-The static oracles know the trace's document popularity (occurrence counts) in advance
-and hold the top documents from the start, never evicting:
-  oracle_static_agnostic  the top-C documents that fit the budget, one copy each;
-  oracle_static_aware     a replica at each of D positions for every held document, so
-                          about floor(C/D) documents. Positions are chunk slots (D = the
-                          most chunks in a request), exact when documents share one length.
+The static oracles know how often each key is used in the trace and hold the most used
+keys that fit the budget from the start, never evicting (keys as above):
+  oracle_static_agnostic  a chunk, one copy each;
+  oracle_static_aware     a (chunk, start position) pair: a copy per pair the trace has. When
+                          every chunk takes D positions about equally often that is about
+                          floor(C/D) chunks (LazyAttention's closed form); when each chunk has
+                          one position (Mooncake's prefix-chained blocks), agnostic's figure.
+A held key still misses its first use: someone computes it once (a compulsory miss), so an
+unlimited oracle scores what the matching dynamic policy does with an unlimited budget.
 """
 
 from __future__ import annotations
@@ -134,35 +137,39 @@ def _simulate_dynamic(trace: Sequence[TraceRequest], cfg: SimConfig, progress=No
 
 def _simulate_oracle(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
     bpt = cfg.shape.kv_bytes_per_token
-    popularity: Counter[int] = Counter()
-    size: dict[int, int] = {}
+    keyed_as = "position_aware" if cfg.policy == "oracle_static_aware" else "tessera"
+    uses: Counter[Hashable] = Counter()
+    size: dict[Hashable, int] = {}
     for req in trace:
-        for c in req.chunks:
-            popularity[c.doc] += 1
-            size.setdefault(c.doc, c.tokens)
-    replicas = 1
-    if cfg.policy == "oracle_static_aware":
-        replicas = max((len(r.chunks) for r in trace), default=1) or 1
-    held: set[int] = set()
+        cached, _ = served_chunks(req.chunks, req.suffix_tokens)
+        for key, c in zip(cache_keys(cached, keyed_as, {}), cached):
+            uses[key] += 1
+            size[key] = c.tokens
+    held: set[Hashable] = set()
     used = 0
-    # Most popular first (ties: lower id); stop at the first that does not fit: top-C.
-    for doc, _ in sorted(popularity.items(), key=lambda kv: (-kv[1], kv[0])):
-        cost = size[doc] * bpt * replicas
+    # Most used first (ties: lower key); stop at the first that does not fit: top-C.
+    for key, _ in sorted(uses.items(), key=lambda kv: (-kv[1], kv[0])):
+        cost = size[key] * bpt
         if used + cost > cfg.budget_bytes:
             break
-        held.add(doc)
+        held.add(key)
         used += cost
     accesses = hits = tokens = hit_tokens = 0
+    computed: set[Hashable] = set()     # held keys past their first (compulsory) miss
     for req in trace:
-        for c in req.chunks:
+        cached, private = served_chunks(req.chunks, req.suffix_tokens)
+        tokens += private
+        for key, c in zip(cache_keys(cached, keyed_as, {}), cached):
             accesses += 1
             tokens += c.tokens
-            if c.doc in held:
+            if key in computed:
                 hits += 1
                 hit_tokens += c.tokens
+            elif key in held:
+                computed.add(key)
     return SimResult(
         cfg.policy, "static", cfg.shape.name, bpt, cfg.budget_bytes, len(trace), accesses, hits,
-        tokens, hit_tokens, hit_tokens / tokens if tokens else 0.0, len(held) * replicas, used,
+        tokens, hit_tokens, hit_tokens / tokens if tokens else 0.0, len(held), used,
         0, 0, used, used)
 
 

@@ -12,7 +12,7 @@ import pytest
 from loadgen.sim import POLICIES, ModelShape, SimConfig, closed_form_ratio, parse_bytes, simulate
 from loadgen.sim.caches import EVICTIONS, make_cache
 from loadgen.sim.sweep import SweepConfig, run_sweep, sweep_table
-from loadgen.trace import LengthDist, SynthConfig, synthesize, write_trace
+from loadgen.trace import Chunk, LengthDist, SynthConfig, TraceRequest, parse_lines, synthesize, write_trace
 from services.cli import main
 
 SHAPE = ModelShape.from_name("llama3-8b")
@@ -42,6 +42,42 @@ def test_oracles_match_the_closed_form():
     for got, want in ((agn.hit_ratio, h(100) / h(2000)), (awa.hit_ratio, h(5) / h(2000))):
         assert abs(got - want) < 4 * math.sqrt(want * (1 - want) / agn.chunk_accesses)
     assert agn.hit_ratio / awa.hit_ratio == pytest.approx(closed_form_ratio(100, 20, 1.0), rel=0.03)
+
+
+def _prefix_chained(requests=400, seed=0):
+    """Mooncake-shaped: request i's blocks are a prefix of one long document, so block b is
+    always at position b (the last block whole: 512 tokens, plus one private token)."""
+    rnd = random.Random(seed)
+    lines = []
+    for i in range(requests):
+        n = min(int(rnd.paretovariate(1.2)), 30)
+        lines.append(json.dumps({"timestamp": i, "input_length": 512 * n + 1, "output_length": 1,
+                                 "hash_ids": list(range(n)) + [1000 + i]}))
+    return parse_lines(lines)
+
+
+def test_the_aware_oracle_pays_only_for_positions_the_trace_has():
+    trace = _prefix_chained()
+    budget = 8 * 512 * SHAPE.kv_bytes_per_token
+    agn = simulate(trace, SimConfig("oracle_static_agnostic", budget, SHAPE))
+    awa = simulate(trace, SimConfig("oracle_static_aware", budget, SHAPE))
+    assert agn.insertions == awa.insertions == 8 and awa.inserted_bytes == budget
+    assert awa.hit_tokens == agn.hit_tokens > 0
+
+
+@pytest.mark.parametrize("oracle,dynamic", [("oracle_static_agnostic", "tessera"),
+                                            ("oracle_static_aware", "position_aware")])
+def test_oracles_miss_each_key_once_like_an_unlimited_cache(oracle, dynamic):
+    trace = _trace(alpha=1.2, k=5, requests=1500, docs=300, replace=False, doc_tokens="uniform:8:64")
+    got = simulate(trace, SimConfig(oracle, math.inf, SHAPE))
+    want = simulate(trace, SimConfig(dynamic, math.inf, SHAPE))
+    assert got.hit_tokens == want.hit_tokens < got.chunk_tokens
+    assert got.insertions == want.insertions
+    # Every chunk used once: every use is a first use, and no cache can hit.
+    unique = [TraceRequest(r.timestamp_ms, r.input_length, 1, r.hash_ids,
+                           tuple(Chunk(1000 * i + j, c.tokens) for j, c in enumerate(r.chunks)),
+                           r.suffix_tokens) for i, r in enumerate(trace[:50])]
+    assert simulate(unique, SimConfig(oracle, math.inf, SHAPE)).hit_tokens == 0
 
 
 @pytest.mark.parametrize("policy", ["prefix", "position_aware", "tessera"])
