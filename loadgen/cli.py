@@ -91,42 +91,44 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Replay a trace's chunk accesses against a KV cache of a given byte budget.\n"
             "Policies: prefix (reuse the leading cached run of chunks), position_aware (a\n"
-            "replica per start position), tessera (one position-agnostic copy per document),\n"
+            "replica per start position), tessera (one position-agnostic copy per chunk),\n"
             "oracle_static_agnostic / oracle_static_aware (the most used chunks, or (chunk,\n"
             "position) pairs the trace has, held from the start; each still misses its first use).\n"
-            "Budgets: 1GB = 10^9 bytes, 10GiB = 10*2^30, or unlimited.\n"
+            "Budgets: 1GB = 10^9 bytes, 10GiB = 10*2^30, 4e9 (bytes), or unlimited.\n"
             "Model shapes: llama3-8b, llama3-70b, llama3.2-1b, qwen3-8b, mistral-7b or\n"
             "LAYERS:KV_HEADS:HEAD_DIM[:DTYPE_BYTES].\n\n"
-            "--sweep ignores TRACE and prints the budget x alpha table (1GB/10GB/50GB/unlimited\n"
-            "x 1.1/1.5/2.1) for prefix, position_aware and tessera on synthetic traces; the\n"
-            "trace options below change its recipe."))
-    p.add_argument("trace", nargs="?", help="trace JSONL (ours or Mooncake)")
-    p.add_argument("--policy", default="tessera",
-                   help="one policy or a comma-separated list (default tessera)")
-    p.add_argument("--budget-bytes", default="10GB", help="cache budget (default 10GB)")
+            "--sweep prints a budget x trace table of hit ratios (default policies prefix,\n"
+            "position_aware, tessera). With TRACE: by --budgets over that trace. Without: over\n"
+            "synthetic traces, one per --alphas, made by the recipe options below (defaults:\n"
+            "1GB,10GB,50GB,unlimited x 1.1,1.5,2.1; 100000 docs, 4 chunks/request of 512\n"
+            "tokens, 10000 requests, seed 0). An option that the command as given would not\n"
+            "use is refused."))
+    p.add_argument("trace", nargs="?", help="trace JSONL, plain or gzip (ours or Mooncake)")
+    p.add_argument("--policy", help="one policy or a comma-separated list (default tessera; "
+                                     "with --sweep: prefix,position_aware,tessera)")
+    p.add_argument("--budget-bytes", help="cache budget, or a comma-separated list (e.g. "
+                                          "1e9,4e9,16e9): one result per budget (default 10GB)")
     p.add_argument("--model-shape", default="llama3-8b", help="KV shape (default llama3-8b)")
     p.add_argument("--eviction", default="lru", choices=("lru", "lfu", "s3fifo"),
                    help="eviction for the dynamic policies (default lru)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     s = p.add_argument_group("sweep")
     s.add_argument("--sweep", action="store_true", help="run the paper-shaped sweep")
-    s.add_argument("--budgets", default="1GB,10GB,50GB,unlimited")
-    s.add_argument("--alphas", default="1.1,1.5,2.1")
-    s.add_argument("--docs", type=int, default=100_000)
-    s.add_argument("--chunks-per-request", type=int, default=4)
-    s.add_argument("--doc-tokens", default="const:512")
-    s.add_argument("--requests", type=int, default=10_000)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--with-replacement", action="store_true")
+    s.add_argument("--budgets", help="comma-separated (default 1GB,10GB,50GB,unlimited)")
+    # The synthetic trace recipe; None: not given (then refused with TRACE, defaulted without).
+    s.add_argument("--alphas", help="comma-separated Zipf skews (default 1.1,1.5,2.1)")
+    s.add_argument("--docs", type=int)
+    s.add_argument("--chunks-per-request", type=int)
+    s.add_argument("--doc-tokens")
+    s.add_argument("--requests", type=int)
+    s.add_argument("--seed", type=int)
+    s.add_argument("--with-replacement", action="store_true", default=None)
     s.add_argument("-o", "--output", help="sweep: also write OUTPUT.md and OUTPUT.json")
     p.set_defaults(handler=_simulate_handler)
 
 
 def _simulate_handler(args: argparse.Namespace) -> int:
-    from loadgen.sim.cli_run import run_simulate, run_sweep_command
-    if args.sweep:
-        return run_sweep_command(args)
-    if not args.trace:
-        raise ValueError("give a TRACE file, or --sweep")
-    return run_simulate(args)
+    from loadgen.sim.cli_run import check_simulate_args, run_simulate, run_sweep_command
+    check_simulate_args(args)
+    return run_sweep_command(args) if args.sweep else run_simulate(args)
 

@@ -53,11 +53,11 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 
 def parse_bytes(text: str) -> float:
-    """``1GB`` (10^9), ``10GiB`` (2^30 each), ``512MB``, ``123`` or ``unlimited`` (math.inf)."""
+    """``1GB`` (10^9), ``10GiB`` (2^30 each), ``512MB``, ``123``, ``4e9`` or ``unlimited`` (math.inf)."""
     key = str(text).strip().lower().replace(" ", "")
     if key in ("unlimited", "inf", "none"):
         return math.inf
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", key)
+    m = re.fullmatch(r"(\d+(?:\.\d+)?(?:e[+-]?\d+)?)([a-z]*)", key)
     if not m or m.group(2) not in _UNITS:
         raise ValueError(f"bad byte size {text!r}; use e.g. 1GB, 10GiB, 512MB or unlimited")
     return float(m.group(1)) * _UNITS[m.group(2)]

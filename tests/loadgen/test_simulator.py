@@ -198,3 +198,59 @@ def test_small_sweep_table_shape(tmp_path, capsys):
                  "--requests", "200", "-o", str(out)]) == 0
     assert "tessera simulate --sweep --budgets 1GB --alphas 1.5 --docs 500" in out.with_suffix(".md").read_text()
     assert len(json.loads(out.with_suffix(".json").read_text())["results"]) == 3
+
+
+def _small_trace_file(tmp_path):
+    path = tmp_path / "t.jsonl"
+    trace = _trace(alpha=1.1, k=4, requests=300, docs=200, replace=False, doc_tokens="const:64")
+    write_trace(path, trace)
+    return path, trace
+
+
+def test_budget_bytes_takes_a_list_one_result_each(tmp_path, capsys):
+    path, _ = _small_trace_file(tmp_path)
+    assert main(["simulate", str(path), "--policy", "tessera,prefix", "--budget-bytes", "1e8,4e8,16e8",
+                 "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert [(r["policy"], r["budget_bytes"]) for r in results] == [
+        (p, b) for p in ("tessera", "prefix") for b in (10**8, 4 * 10**8, 16 * 10**8)]
+    for policy in ("tessera", "prefix"):
+        ratios = [r["hit_ratio"] for r in results if r["policy"] == policy]
+        assert 0 < ratios[0] < ratios[-1], ratios
+    assert main(["simulate", str(path), "--budget-bytes", "1GB,2GB"]) == 0
+    assert len([line for line in capsys.readouterr().out.splitlines() if "hit ratio" in line]) == 2
+    assert parse_bytes("4e9") == 4e9 and parse_bytes("1.5e3kB") == 1.5e6
+
+
+def test_sweep_applies_to_the_given_trace(tmp_path, capsys):
+    path, trace = _small_trace_file(tmp_path)
+    out = tmp_path / "sweep"
+    assert main(["simulate", str(path), "--sweep", "--budgets", "10MB,unlimited", "--json",
+                 "-o", str(out)]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["trace"] == str(path) and "alphas" not in payload
+    assert payload["command"] == (f"tessera simulate {path} --sweep --budgets 10MB,unlimited "
+                                  "--policy prefix,position_aware,tessera --model-shape llama3-8b --eviction lru")
+    got = {(r["policy"], r["budget_bytes"]): r["hit_tokens"] for r in payload["results"]}
+    assert got == {(p, b): simulate(trace, SimConfig(p, parse_bytes(b or "unlimited"), SHAPE)).hit_tokens
+                   for p in ("prefix", "position_aware", "tessera") for b in (10**7, None)}
+    md = out.with_suffix(".md").read_text()
+    assert f"- Trace: {path}, 300 requests" in md and "| policy | 10MB | unlimited |" in md
+    assert main(["simulate", str(path), "--sweep", "--budgets", "1GB", "--policy", "tessera,oracle_static_agnostic"]) == 0
+    table = capsys.readouterr().out
+    assert "| tessera |" in table and "| oracle_static_agnostic |" in table and "| prefix |" not in table
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sweep", "--alphas", "1.1"], "--alphas describe synthetic traces: drop them, or drop TRACE"),
+    (["--sweep", "--docs", "5", "--with-replacement"], "--docs, --with-replacement describe synthetic"),
+    (["--sweep", "--budget-bytes", "1GB"], "--sweep takes its budgets from --budgets, not --budget-bytes"),
+    (["--budgets", "1GB"], "--budgets only apply to --sweep"),
+    (["--requests", "5", "-o", "x"], "--requests, --output only apply to --sweep"),
+    (["--budget-bytes", ","], "--budget-bytes names no budget"),
+])
+def test_simulate_refuses_options_it_would_not_use(tmp_path, capsys, argv, message):
+    path, _ = _small_trace_file(tmp_path)
+    assert main(["simulate", str(path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tessera simulate: error: ") and message in err and len(err.splitlines()) == 1
