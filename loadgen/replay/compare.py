@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from loadgen.replay.metrics import Slo, Summary, summarize
-from loadgen.replay.runner import ReplayConfig, ReplayRun, replay
+from loadgen.replay.runner import ReplayConfig, ReplayRun, replay, selected
 from loadgen.replay.target import ReplayTarget
 from loadgen.trace.model import TraceRequest
 
@@ -26,7 +26,8 @@ def replay_modes(trace: Sequence[TraceRequest], target: ReplayTarget, cfg: Repla
     for mode_cfg in configs:
         if callable(getattr(target, "reset", None)):
             target.reset()
-        with tqdm(total=len(trace), desc=mode_cfg.mode, unit="req", disable=not show) as bar:
+        with tqdm(total=len(selected(trace, mode_cfg)), desc=mode_cfg.mode, unit="req",
+                  disable=not show) as bar:
             run = replay(trace, target, mode_cfg, on_done=lambda _r: bar.update())
         runs.append(run)
         summaries.append(summarize(run, slo))
@@ -51,8 +52,8 @@ def replay_rates(trace: Sequence[TraceRequest], target: ReplayTarget, cfg: Repla
         target.reset()
     runs, summaries = [], []
     for rate_cfg in configs:
-        with tqdm(total=len(trace), desc=f"{rate_cfg.mode} {rate_cfg.rate:g} req/s", unit="req",
-                  disable=not show) as bar:
+        with tqdm(total=len(selected(trace, rate_cfg)), desc=f"{rate_cfg.mode} {rate_cfg.rate:g} req/s",
+                  unit="req", disable=not show) as bar:
             run = replay(trace, target, rate_cfg, on_done=lambda _r: bar.update())
         runs.append(run)
         summaries.append(summarize(run, slo))

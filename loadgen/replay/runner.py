@@ -5,6 +5,8 @@ Open loop: a dispatcher sends each request at its arrival time on its own worker
 wait is not hidden: their latencies are measured from when they are sent). Closed loop
 (``concurrency``): C workers each send the next request as soon as their last one ends.
 ``duration_s`` stops sending new requests after that many seconds; requests in flight end.
+``offset`` / ``limit`` replay a window of the trace; a request keeps its index in the trace
+(its id, its suffix's token ids and its record say where it came from).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class ReplayConfig:
     token_low: int = 0                 # keep ids below this (special tokens) out of prompts
     token_seed: int = 0
     arrival_seed: int = 0
+    offset: int = 0                    # replay requests offset .. offset + limit - 1 of the trace
+    limit: int | None = None           # None: to the end of the trace
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -51,6 +55,8 @@ class ReplayConfig:
             raise ValueError(f"duration must be > 0 s, got {self.duration_s}")
         if self.max_in_flight < 1 or not 0 <= self.token_low < self.vocab_size:
             raise ValueError("need max_in_flight >= 1 and 0 <= token_low < vocab_size")
+        if self.offset < 0 or (self.limit is not None and self.limit < 1):
+            raise ValueError(f"need offset >= 0 and limit >= 1, got offset {self.offset}, limit {self.limit}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +150,14 @@ def _send(target: ReplayTarget, req: ReplayRequest, scheduled: float, clock: Clo
         stage_s=dict(stats.stage_s) if stats else {}, error=error)
 
 
+def selected(trace: Sequence[TraceRequest], cfg: ReplayConfig) -> range:
+    """The trace indices ``cfg`` replays: ``offset`` to ``offset + limit - 1``, or to the end."""
+    if cfg.offset >= len(trace):
+        raise ValueError(f"offset {cfg.offset} is past the end of the trace ({len(trace)} requests)")
+    stop = len(trace) if cfg.limit is None else min(len(trace), cfg.offset + cfg.limit)
+    return range(cfg.offset, stop)
+
+
 def arrival_schedule(trace: Sequence[TraceRequest], cfg: ReplayConfig) -> np.ndarray:
     """Send times in seconds from the start: the trace's own, or re-timed at ``cfg.rate``."""
     if cfg.rate is not None:
@@ -155,10 +169,12 @@ def arrival_schedule(trace: Sequence[TraceRequest], cfg: ReplayConfig) -> np.nda
 
 def replay(trace: Sequence[TraceRequest], target: ReplayTarget, cfg: ReplayConfig,
            clock: Clock | None = None, on_done: Callable[[RequestRecord], None] | None = None) -> ReplayRun:
-    """Replay ``trace`` against ``target`` in ``cfg.mode``; ``on_done`` is called per request."""
+    """Replay ``trace`` (the window ``selected``) against ``target`` in ``cfg.mode``; ``on_done``
+    is called per request."""
     clock = clock or WallClock()
     tokens = _Tokens(cfg)
-    sched = arrival_schedule(trace, cfg)
+    picked = selected(trace, cfg)
+    sched = arrival_schedule([trace[i] for i in picked], cfg)
     records: list[RequestRecord] = []
     lock = threading.Lock()
     t0 = clock.now()
@@ -173,7 +189,7 @@ def replay(trace: Sequence[TraceRequest], target: ReplayTarget, cfg: ReplayConfi
         return cfg.duration_s is not None and clock.now() - t0 >= cfg.duration_s
 
     if cfg.concurrency is not None:
-        cursor = iter(range(len(trace)))
+        cursor = iter(picked)
 
         def worker() -> None:
             while not past_duration():
@@ -190,7 +206,7 @@ def replay(trace: Sequence[TraceRequest], target: ReplayTarget, cfg: ReplayConfi
     else:
         with ThreadPoolExecutor(cfg.max_in_flight, thread_name_prefix="replay") as pool:
             futures = []
-            for i, at in enumerate(sched.tolist()):
+            for i, at in zip(picked, sched.tolist()):
                 if cfg.duration_s is not None and at >= cfg.duration_s:
                     break
                 clock.sleep(t0 + at - clock.now())
