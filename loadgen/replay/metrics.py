@@ -4,7 +4,8 @@ TTFT: send to first token. TPOT: (E2EL - TTFT) / (output tokens - 1), per reques
 than one token (the first token excluded). ITL: every gap between successive streamed
 events. E2EL: send to end of stream. Each as mean/p50/p90/p99 in ms over successful
 requests. Goodput: requests per second meeting every SLO given. Hit ratios: chunk tokens
-by tier over all chunk tokens, from the target's per-request stats.
+by tier over all chunk tokens, from the target's per-request stats; the hit ratio is the tokens
+that a tier other than "computed" served (so a token missing from the stats is no hit).
 
 Throughput comes twice. ``request_throughput`` (and the token ones) divide by the whole run,
 start-up and drain included: a closed loop of C clients over N requests ends with a drain in
@@ -140,7 +141,9 @@ def summarize(run: ReplayRun, slo: Slo | None = None) -> Summary:
             tiers[tier] = tiers.get(tier, 0) + n
     order = sorted(tiers, key=lambda t: (TIER_ORDER.index(t) if t in TIER_ORDER else len(TIER_ORDER), t))
     tier_ratios = {t: tiers[t] / chunk_tokens for t in order} if chunk_tokens else {}
-    hit = (1.0 - tier_ratios.get(MISS_TIER, 0.0)) if chunk_tokens else None
+    # Hits are the tokens a tier served: a chunk token the target leaves out of its stats (say, a
+    # request's private last token reported as suffix) is not one.
+    hit = sum(tiers[t] for t in order if t != MISS_TIER) / chunk_tokens if chunk_tokens else None
     return Summary(
         mode=run.mode, completed=len(ok), failed=len(run.records) - len(ok), duration_s=run.duration_s,
         total_input_tokens=n_in, total_output_tokens=n_out, request_throughput=per_s(len(ok)),

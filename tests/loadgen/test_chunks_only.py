@@ -75,3 +75,15 @@ def test_simulator_and_fake_target_agree_request_by_request(mode, policy):
         sim_hits = [simulate(trace[:i + 1], SimConfig(policy, math.inf, SHAPE)).hit_tokens
                     for i in range(len(trace))]
         assert fake_hits == [b - a for a, b in zip([0] + sim_hits, sim_hits)]
+
+
+def test_a_chunk_token_missing_from_a_targets_stats_is_not_a_hit():
+    # A target that reports the private last token as suffix, not as a computed chunk token.
+    from loadgen.replay import RequestRecord, summarize
+    from loadgen.replay.runner import ReplayRun
+
+    rec = RequestRecord(0, "r0", "tessera", 0.0, 0.0, 0.1, 0.2, (), 1024, 1024, 2,
+                        {"gpu": 1023, "computed": 0})
+    assert summarize(ReplayRun("tessera", (rec,), 1.0)).hit_ratio == pytest.approx(1023 / 1024)
+    rec = RequestRecord(0, "r0", "tessera", 0.0, 0.0, 0.1, 0.2, (), 1024, 1024, 2, {"gpu": 1000})
+    assert summarize(ReplayRun("tessera", (rec,), 1.0)).hit_ratio == pytest.approx(1000 / 1024)
