@@ -80,6 +80,7 @@ def test_simulator_and_fake_target_agree_request_by_request(mode, policy):
 def test_a_chunk_token_missing_from_a_targets_stats_is_not_a_hit():
     # A target that reports the private last token as suffix, not as a computed chunk token.
     from loadgen.replay import RequestRecord, summarize
+    from loadgen.replay.plots import hit_ratio_series
     from loadgen.replay.runner import ReplayRun
 
     rec = RequestRecord(0, "r0", "tessera", 0.0, 0.0, 0.1, 0.2, (), 1024, 1024, 2,
@@ -87,3 +88,5 @@ def test_a_chunk_token_missing_from_a_targets_stats_is_not_a_hit():
     assert summarize(ReplayRun("tessera", (rec,), 1.0)).hit_ratio == pytest.approx(1023 / 1024)
     rec = RequestRecord(0, "r0", "tessera", 0.0, 0.0, 0.1, 0.2, (), 1024, 1024, 2, {"gpu": 1000})
     assert summarize(ReplayRun("tessera", (rec,), 1.0)).hit_ratio == pytest.approx(1000 / 1024)
+    _, series = hit_ratio_series(ReplayRun("tessera", (rec,), 1.0), bins=1)
+    assert series.tolist() == pytest.approx([1000 / 1024])
