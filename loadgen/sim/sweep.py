@@ -113,7 +113,7 @@ def sweep_report(cfg: SweepConfig, results: list[SimResult], command: str) -> st
         f"(budgets in decimal units: 1GB = 10^9 bytes = "
         f"{int(1e9 // cfg.shape.kv_bytes_per_token)} tokens)",
         f"- Eviction: {cfg.eviction}; hit = a chunk served from cache, counted in tokens; "
-        "suffixes are never cached.",
+        "suffixes are never cached, nor the last token of a request of chunks only.",
         about,
         "- position_aware keeps a replica per start position; tessera one copy per document; "
         "prefix reuses only a request's leading run of cached chunks.",
