@@ -125,10 +125,36 @@ class RayKV:
 
 
 def serve_metrics(registry, host: str) -> tuple[object, int]:
-    """/metrics over HTTP on a free port; returns (server, port)."""
-    from prometheus_client import start_http_server
+    """/metrics over HTTP on a free port (any other path: 404), served from a daemon thread; returns
+    (server, port). ``server.shutdown()`` stops it and releases the port."""
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-    server, _thread = start_http_server(0, addr=host, registry=registry)
+    from prometheus_client import make_wsgi_app
+
+    metrics_app = make_wsgi_app(registry)
+
+    # NOTE: prometheus_client's own server answers every path with the metrics; only /metrics is ours
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found: the metrics are at /metrics\n"]
+        return metrics_app(environ, start_response)
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format, *args) -> None:     # a scrape is not worth a stderr line
+            pass
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]   # IPv4 or IPv6 host
+
+        def shutdown(self) -> None:
+            super().shutdown()
+            self.server_close()      # callers only shut down: the listening socket goes with it
+
+    server = make_server(host, 0, app, server_class=Server, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, name=f"metrics-http-{server.server_port}", daemon=True).start()
     return server, server.server_port
 
 

@@ -20,6 +20,7 @@ import grpc
 
 from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
 from services.gateway.auth import BearerAuth
+from services.gateway.detok import Detokenizer
 from services.gateway.inputs import ChunkRegistry, InputResolver, InvalidRequest, ResolvedRequest, TextTokens
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.peers import Peers
@@ -46,10 +47,12 @@ class _Retry(Exception):
 
 class _Relay:
     """The tokens of one attempt on their way to the client. A resumed attempt regenerates the tokens
-    an earlier attempt sent: each is checked against what was sent, then skipped. Records TTFT/TPOT."""
+    an earlier attempt sent: each is checked against what was sent, then skipped. Records TTFT/TPOT.
+    ``detok`` makes the text of the fresh tokens (rebuilt from ``sent``: a resumed attempt repeats none)."""
 
-    def __init__(self, rid: str, sent: list[int], arrival: float, metrics: GatewayMetrics) -> None:
+    def __init__(self, rid: str, sent: list[int], arrival: float, metrics: GatewayMetrics, tokenizer=None) -> None:
         self.rid, self.sent, self.arrival, self.metrics = rid, sent, arrival, metrics
+        self.detok = Detokenizer(tokenizer, sent)
         self.replay = list(sent)
         self.seen = 0
         self.sent_here = False
@@ -95,10 +98,6 @@ class GatewayServicer(pb_grpc.TesseraServicer):
     def _remaining(context) -> float:
         left = context.time_remaining()
         return DEFAULT_DEADLINE_S if left is None else max(left, 0.01)
-
-    def _text(self, ids) -> str:
-        tok = self.resolver.tokenizer
-        return tok.decode(list(ids)) if tok is not None else ""
 
     async def Generate(self, request: pb.GenerateRequest, context):
         arrival = time.perf_counter()
@@ -157,7 +156,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         p = self.router.pick_prefill(req.chunk_ids, lens, avoid)
         d = self.router.pick_decode(avoid, near=p)
         routed = time.perf_counter()
-        relay = _Relay(rid, sent, arrival, self.metrics)
+        relay = _Relay(rid, sent, arrival, self.metrics, self.resolver.tokenizer)
         # greedy and seeded requests are deterministic: after a failure they resume on other workers
         # (the tokens already sent are regenerated, checked and skipped); unseeded sampling cannot
         resumable = req.sampling.temperature == 0 or req.sampling.seed is not None
@@ -175,7 +174,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                     if reply.HasField("first_token"):
                         fresh = await relay.accept([reply.first_token], context, p.name)
                         if fresh:
-                            yield pb.GenerateResponse(token_ids=fresh, text=self._text(fresh))
+                            yield pb.GenerateResponse(token_ids=fresh, text=relay.detok.push(fresh))
                     if reply.HasField("stats"):
                         stats, finish = reply.stats, reply.finish_reason
                         p.resident = frozenset(reply.resident_chunk_ids)
@@ -200,7 +199,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                         async for msg in call:
                             fresh = await relay.accept(msg.token_ids, context, d.name)
                             if fresh:
-                                yield pb.GenerateResponse(token_ids=fresh, text=self._text(fresh))
+                                yield pb.GenerateResponse(token_ids=fresh, text=relay.detok.push(fresh))
                             if msg.finish_reason:
                                 finish = msg.finish_reason
                     finally:
@@ -216,7 +215,8 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         stats.prompt_tokens, stats.output_tokens = req.prompt_tokens, len(sent)
         stats.decode_worker = d.name
         stats.chunk_ids.extend(req.chunk_ids)
-        yield pb.GenerateResponse(finish_reason=finish or "length", stats=stats)
+        # the text held back (a character the last tokens left incomplete) goes with the last message
+        yield pb.GenerateResponse(text=relay.detok.flush(), finish_reason=finish or "length", stats=stats)
 
     async def _failed(self, exc: grpc.aio.AioRpcError, p: WorkerView | None, d: WorkerView, avoid: set[str],
                       context, stage: str, stranded: bool = False) -> None:

@@ -15,9 +15,10 @@ import grpc
 
 from services.rpc import tessera_pb2 as pb
 from services.rpc import tessera_pb2_grpc as pb_grpc
+from services.sdk import checks
 from services.sdk.client import CHANNEL_OPTIONS, _Settings, channel_credentials
 from services.sdk.errors import from_rpc_error
-from services.sdk.types import (Chunk, ClusterStats, GenerateEvent, RegisteredChunk, chunk_input,
+from services.sdk.types import (Chunk, ClusterStats, GenerateEvent, RegisteredChunk, chunk_inputs,
                                 generate_request)
 
 
@@ -39,10 +40,10 @@ class AsyncClient:
         req = generate_request(chunks, suffix, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, seed=seed, mode=mode, recompute_ratio=recompute_ratio,
                                stop_token_ids=stop_token_ids, request_id=request_id)
-        return self._stream(req, timeout)
+        return self._stream(req, self._s.call_timeout(timeout))
 
-    async def _stream(self, req: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[GenerateEvent]:
-        deadline = time.monotonic() + (timeout or self._s.timeout)
+    async def _stream(self, req: pb.GenerateRequest, timeout: float) -> AsyncIterator[GenerateEvent]:
+        deadline = time.monotonic() + timeout
         attempt = 0
         while True:
             started = False
@@ -63,9 +64,7 @@ class AsyncClient:
 
     async def register_chunks(self, chunks: Sequence[str | Sequence[int]], *,
                               timeout: float | None = None) -> list[RegisteredChunk]:
-        if isinstance(chunks, str):
-            chunks = [chunks]
-        req = pb.RegisterChunksRequest(chunks=[chunk_input(c, f"chunk {i}") for i, c in enumerate(chunks)])
+        req = pb.RegisterChunksRequest(chunks=chunk_inputs(chunks))
         resp = await self._unary("RegisterChunks", self._stub.RegisterChunks, req, timeout)
         return [RegisteredChunk(c.chunk_id, c.num_tokens, c.stored) for c in resp.chunks]
 
@@ -73,7 +72,7 @@ class AsyncClient:
         return ClusterStats.from_proto(await self._unary("Stats", self._stub.Stats, pb.StatsRequest(), timeout))
 
     async def reset_caches(self, *, device_only: bool = False, timeout: float | None = None) -> int:
-        req = pb.ResetCachesRequest(device_only=device_only)
+        req = pb.ResetCachesRequest(device_only=checks.flag(device_only, "device_only"))
         resp = await self._unary("ResetCaches", self._stub.ResetCaches, req, timeout)
         return resp.chunks_dropped
 
@@ -87,7 +86,7 @@ class AsyncClient:
         return True
 
     async def _unary(self, method: str, rpc, req, timeout: float | None):
-        deadline = time.monotonic() + (timeout or self._s.timeout)
+        deadline = time.monotonic() + self._s.call_timeout(timeout)
         attempt = 0
         while True:
             try:

@@ -8,7 +8,9 @@
 Every call carries a deadline (``timeout`` seconds, per call or the client's default). Calls that
 can be repeated safely (``stats``, ``register_chunks``, and ``generate`` until its first event
 arrived) are retried on UNAVAILABLE with exponential backoff. Failures raise ``TesseraError``
-subclasses (``services.sdk.errors``) carrying the server's reason.
+subclasses (``services.sdk.errors``) carrying the server's reason; a value the request cannot carry
+(a float token id, a seed past uint64, a NaN temperature, ...) raises ``InvalidArgument`` before
+anything is sent (``services.sdk.checks``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import grpc
 
 from services.rpc import tessera_pb2 as pb
 from services.rpc import tessera_pb2_grpc as pb_grpc
+from services.sdk import checks
 from services.sdk.errors import from_rpc_error
-from services.sdk.types import (Chunk, ClusterStats, GenerateEvent, RegisteredChunk, chunk_input,
+from services.sdk.types import (Chunk, ClusterStats, GenerateEvent, RegisteredChunk, chunk_inputs,
                                 generate_request)
 
 T = TypeVar("T")
@@ -38,20 +41,29 @@ def channel_credentials(tls) -> grpc.ChannelCredentials | None:
         return grpc.ssl_channel_credentials()
     if isinstance(tls, grpc.ChannelCredentials):
         return tls
-    with open(tls, "rb") as f:
-        return grpc.ssl_channel_credentials(root_certificates=f.read())
+    try:
+        with open(checks.path(tls, "tls"), "rb") as f:
+            return grpc.ssl_channel_credentials(root_certificates=f.read())
+    except OSError as exc:
+        raise checks.refuse(f"tls: cannot read the CA file {tls!r} ({exc.strerror or exc})") from None
 
 
 class _Settings:
     def __init__(self, address: str, token: str | None, timeout: float, retries: int, backoff_s: float) -> None:
-        if not address or ":" not in address:
-            raise ValueError(f"address must be host:port, got {address!r}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
-        if retries < 0 or backoff_s < 0:
-            raise ValueError("retries and backoff_s must be >= 0")
-        self.address, self.timeout, self.retries, self.backoff_s = address, timeout, retries, backoff_s
+        if not isinstance(address, str) or ":" not in address:
+            raise checks.refuse(f"address must be host:port, got {address!r}")
+        if token is not None and not (isinstance(token, str) and token.isascii() and token.isprintable()):
+            raise checks.refuse("token must be a str of printable ASCII characters (it travels in a header)")
+        self.address, self.timeout = address, checks.seconds(timeout, "timeout")
+        self.retries = checks.integer(retries, "retries", 0, 1_000)
+        self.backoff_s = checks.number(backoff_s, "backoff_s", limit=3600.0)
+        if self.backoff_s < 0:
+            raise checks.refuse(f"backoff_s must be >= 0, got {backoff_s!r}")
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def call_timeout(self, timeout: float | None) -> float:
+        """A call's deadline in seconds from now: its own ``timeout``, else the client's."""
+        return self.timeout if timeout is None else checks.seconds(timeout, "timeout")
 
     def delay(self, attempt: int) -> float:
         return min(self.backoff_s * 2 ** attempt, 5.0)
@@ -77,10 +89,10 @@ class Client:
         req = generate_request(chunks, suffix, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, seed=seed, mode=mode, recompute_ratio=recompute_ratio,
                                stop_token_ids=stop_token_ids, request_id=request_id)
-        return self._stream(req, timeout)
+        return self._stream(req, self._s.call_timeout(timeout))
 
-    def _stream(self, req: pb.GenerateRequest, timeout: float | None) -> Iterator[GenerateEvent]:
-        deadline = time.monotonic() + (timeout or self._s.timeout)
+    def _stream(self, req: pb.GenerateRequest, timeout: float) -> Iterator[GenerateEvent]:
+        deadline = time.monotonic() + timeout
         attempt = 0
         while True:
             started = False
@@ -111,9 +123,7 @@ class Client:
     def register_chunks(self, chunks: Sequence[str | Sequence[int]], *, timeout: float | None = None) -> list[RegisteredChunk]:
         """Compute and store the KV of each chunk ahead of time; returns their ids (``ChunkId(id)``
         names them in ``generate``)."""
-        if isinstance(chunks, str):
-            chunks = [chunks]
-        req = pb.RegisterChunksRequest(chunks=[chunk_input(c, f"chunk {i}") for i, c in enumerate(chunks)])
+        req = pb.RegisterChunksRequest(chunks=chunk_inputs(chunks))
         resp = self._unary("RegisterChunks", lambda t: self._stub.RegisterChunks(req, timeout=t, metadata=self._s.metadata),
                            timeout)
         return [RegisteredChunk(c.chunk_id, c.num_tokens, c.stored) for c in resp.chunks]
@@ -126,12 +136,13 @@ class Client:
     def reset_caches(self, *, device_only: bool = False, timeout: float | None = None) -> int:
         """Drop cached chunk KV everywhere (benchmarks start each mode cold), or with ``device_only``
         only the workers' device caches (the KV store keeps its chunks); returns chunks dropped."""
-        req = pb.ResetCachesRequest(device_only=device_only)
+        req = pb.ResetCachesRequest(device_only=checks.flag(device_only, "device_only"))
         resp = self._unary("ResetCaches", lambda t: self._stub.ResetCaches(req, timeout=t, metadata=self._s.metadata),
                            timeout)
         return resp.chunks_dropped
 
     def wait_ready(self, timeout: float = 30.0) -> None:
+        timeout = checks.seconds(timeout, "timeout")
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -148,7 +159,7 @@ class Client:
         return True
 
     def _unary(self, method: str, call: Callable[[float], T], timeout: float | None) -> T:
-        deadline = time.monotonic() + (timeout or self._s.timeout)
+        deadline = time.monotonic() + self._s.call_timeout(timeout)
         attempt = 0
         while True:
             try:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Union
 
 from services.rpc import tessera_pb2 as pb
-from services.sdk.errors import InvalidArgument
+from services.sdk import checks
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +15,9 @@ class ChunkId:
     """A chunk named by the id ``register_chunks`` returned."""
 
     id: str
+
+    def __post_init__(self) -> None:
+        checks.text(self.id, "ChunkId.id")
 
 
 # A chunk: text (the gateway tokenizes it), token ids, or a registered id.
@@ -110,41 +113,49 @@ def chunk_input(c: Chunk, where: str) -> pb.ChunkInput:
     if isinstance(c, ChunkId):
         return pb.ChunkInput(chunk_id=c.id)
     if isinstance(c, str):
-        return pb.ChunkInput(text=c)
+        return pb.ChunkInput(text=checks.text(c, where))
     if isinstance(c, (bytes, bytearray)):
-        raise TypeError(f"{where}: give text as str, not bytes")
-    try:
-        return pb.ChunkInput(tokens=pb.TokenIds(ids=[int(t) for t in c]))
-    except (TypeError, ValueError):
-        raise TypeError(f"{where} must be text, a sequence of token ids or a ChunkId, got {type(c).__name__}") from None
+        raise checks.refuse(f"{where}: give text as str, not bytes")
+    if not isinstance(c, Iterable):
+        raise checks.refuse(f"{where} must be text, a sequence of token ids or a ChunkId, got {type(c).__name__}")
+    return pb.ChunkInput(tokens=pb.TokenIds(ids=checks.token_ids(c, where)))
+
+
+def chunk_inputs(chunks) -> list[pb.ChunkInput]:
+    """The ChunkInputs of a call's ``chunks``: one text or ChunkId, or a sequence of chunks."""
+    if isinstance(chunks, (str, ChunkId)):
+        chunks = [chunks]
+    if isinstance(chunks, (bytes, bytearray, Mapping, Set)) or not isinstance(chunks, Iterable):
+        raise checks.refuse("chunks must be a list of chunks (text, token ids or ChunkId), "
+                            f"got {type(chunks).__name__}")
+    return [chunk_input(c, f"chunk {i}") for i, c in enumerate(chunks)]
 
 
 def generate_request(chunks: Sequence[Chunk], suffix: str | Sequence[int], *, max_new_tokens: int, temperature: float,
                      top_p: float, top_k: int, seed: int | None, mode: str, recompute_ratio: float | None,
                      stop_token_ids: Sequence[int] | None, request_id: str | None) -> pb.GenerateRequest:
-    """The GenerateRequest for ``Client.generate``'s arguments. Values are checked by the gateway
-    (one place, one set of messages); only types are checked here."""
-    if isinstance(chunks, (str, ChunkId)):
-        chunks = [chunks]
-    req = pb.GenerateRequest(chunks=[chunk_input(c, f"chunk {i}") for i, c in enumerate(chunks)], mode=mode,
-                             request_id=request_id or "")
+    """The GenerateRequest for ``Client.generate``'s arguments. Here each value is checked against what
+    the message can carry (``checks``); what the model can serve is checked by the gateway."""
+    req = pb.GenerateRequest(chunks=chunk_inputs(chunks), mode=checks.text(mode, "mode"),
+                             request_id="" if request_id is None else checks.text(request_id, "request_id"))
     if isinstance(suffix, str):
-        req.suffix_text = suffix
+        req.suffix_text = checks.text(suffix, "suffix")
     else:
-        req.suffix_tokens.ids.extend(int(t) for t in suffix)
-    # proto3 reads 0 as "unset" and cannot carry a negative count: these two are refused here,
-    # with the exception the gateway would raise; every other value is checked by the gateway.
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InvalidArgument("INVALID_ARGUMENT", f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not top_p > 0:
-        raise InvalidArgument("INVALID_ARGUMENT", f"top_p must be in (0, 1], got {top_p}")
+        req.suffix_tokens.ids.extend(checks.token_ids(suffix, "suffix"))
     s = req.sampling
-    s.temperature, s.top_p, s.top_k, s.max_new_tokens = temperature, top_p, top_k, max_new_tokens
+    # proto3 reads 0 as "unset" and cannot carry a negative count: max_new_tokens >= 1 and top_p > 0
+    # are refused here, with the exception the gateway would raise; their other bounds are the gateway's
+    s.max_new_tokens = checks.integer(max_new_tokens, "max_new_tokens", 1, checks.UINT32_MAX)
+    s.top_p = checks.number(top_p, "top_p")
+    if not s.top_p > 0:
+        raise checks.refuse(f"top_p must be in (0, 1], got {top_p}")
+    s.temperature = checks.number(temperature, "temperature")
+    s.top_k = checks.integer(top_k, "top_k", -checks.INT32_MAX - 1, checks.INT32_MAX)
     if seed is not None:
-        s.seed = seed
+        s.seed = checks.integer(seed, "seed", 0, checks.UINT64_MAX)
     if stop_token_ids is not None:
-        s.stop_token_ids.extend(int(t) for t in stop_token_ids)
+        s.stop_token_ids.extend(checks.token_ids(stop_token_ids, "stop_token_ids"))
         s.ignore_eos = True
     if recompute_ratio is not None:
-        req.recompute_ratio = recompute_ratio
+        req.recompute_ratio = checks.number(recompute_ratio, "recompute_ratio")
     return req
