@@ -58,7 +58,10 @@ class GenerationStats:
 
 @dataclass(frozen=True, slots=True)
 class GenerateEvent:
-    """One streamed message: new tokens (and their text); the last has finish_reason and stats."""
+    """One streamed message: new tokens and the text they complete; the last has finish_reason and stats.
+
+    ``text`` is whole characters: one whose bytes span tokens comes with the event of its last token
+    (the last event brings any still held back), so a stream's texts add up to the decode of its tokens."""
 
     token_ids: tuple[int, ...] = ()
     text: str = ""
