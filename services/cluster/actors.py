@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from services.cluster.config import DecodeSettings, EngineSettings, PrefillSettings
+from services.cluster.security import ClusterTLS
 from services.cluster.serving import LoopThread, advertised_host, remember_port, remembered_port
 
 
@@ -37,6 +38,7 @@ class ServiceSpec:
     workers: tuple[tuple[str, str, str], ...] = ()
     token: str | None = None
     tls: tuple[bytes, bytes] | None = None      # gateway: (certificate chain PEM, private key PEM)
+    cluster_tls: ClusterTLS | None = None       # this service's mutual-TLS identity (None: plain internal traffic)
     namespace: str = "tessera"
     text_cache_tokens: int = 8 << 20            # gateway: token ids of chunk texts kept (services/gateway/inputs.py)
 
@@ -61,17 +63,17 @@ async def _create(spec: ServiceSpec, port: int):
     if spec.role == "store":
         from services.kvstore import create_server
 
-        return await create_server(spec.store, host=spec.host, port=port, metrics_port=0)
+        return await create_server(spec.store, host=spec.host, port=port, metrics_port=0, tls=spec.cluster_tls)
     if spec.role == "prefill":
         from services.prefill.server import create_server
 
         return await create_server(spec.name, spec.engine, list(spec.store_addresses), spec.prefill,
-                                   host=spec.host, port=port, on_fatal=_exit_for_restart)
+                                   host=spec.host, port=port, on_fatal=_exit_for_restart, cluster_tls=spec.cluster_tls)
     if spec.role == "decode":
         from services.decode.server import create_server
 
         return await create_server(spec.name, spec.engine, list(spec.store_addresses), spec.decode,
-                                   host=spec.host, port=port, on_fatal=_exit_for_restart)
+                                   host=spec.host, port=port, on_fatal=_exit_for_restart, cluster_tls=spec.cluster_tls)
     if spec.role == "gateway":
         from services.cluster.serving import RayKV
         from services.gateway.inputs import ChunkRegistry
@@ -81,7 +83,7 @@ async def _create(spec: ServiceSpec, port: int):
         registry = ChunkRegistry(RayKV(f"tessera/chunks/{spec.namespace}/"))
         return await create_server(spec.model_dir, list(spec.workers), token=spec.token, tls=spec.tls, host=spec.host,
                                    port=port, resolve=_resolver(spec.namespace), registry=registry,
-                                   text_cache_tokens=spec.text_cache_tokens)
+                                   text_cache_tokens=spec.text_cache_tokens, cluster_tls=spec.cluster_tls)
     raise ValueError(f"unknown role {spec.role!r}")
 
 

@@ -49,10 +49,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--text-cache-tokens", type=int, default=8 << 20,
                     help="token ids of chunk texts the gateway keeps for requests that send them again, in tokens "
                          "(default 8M, ~4 bytes each plus the text; 0: tokenize every text every time)")
+    up.add_argument("--certs-dir", help="the cluster's mutual-TLS certificates (ca.pem, <role>.pem, <role>.key; "
+                                        "`tessera certs DIR` makes a development set); default: a development CA "
+                                        "minted for this cluster")
     up.add_argument("--token", default=os.environ.get("TESSERA_TOKEN"), help="bearer token clients must send")
     up.add_argument("--tls-cert", help="serve the client API over TLS with this certificate chain (PEM)")
     up.add_argument("--tls-key", help="the private key of --tls-cert (PEM)")
     up.set_defaults(handler=_up)
+
+    certs = subparsers.add_parser("certs", help="make a development cluster CA and a certificate per role",
+                                  description="Write a development CA (ca.pem, ca.key) and one certificate and key per "
+                                              "role (gateway, prefill, decode, store, index, admin) into DIR, keys "
+                                              "readable by their owner only. Services authenticate each other with "
+                                              "them (mutual TLS): `tessera up --certs-dir DIR`, or a Kubernetes "
+                                              "Secret of the same files.")
+    certs.add_argument("dir", help="directory to write (created with mode 0700)")
+    certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    certs.add_argument("--host", action="append", default=[],
+                       help="an extra DNS name or IP address every certificate names (repeatable)")
+    certs.add_argument("--force", action="store_true", help="overwrite certificates already in DIR")
+    certs.set_defaults(handler=_certs)
 
     down = subparsers.add_parser("down", help="stop what `tessera up` started")
     down.add_argument("--address", help="Ray cluster to stop Tessera on (default: the one `up` recorded)")
@@ -118,6 +134,7 @@ def _up(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(model_dir=model, prefill=args.prefill, decode=args.decode, stores=args.stores, device=device,
                         dtype=args.dtype or ("bfloat16" if cuda else "float32"), store_dir=store_dir,
                         gateway_port=args.port, bind_host=host, token=args.token, tls_cert=args.tls_cert,
+                        certs_dir=args.certs_dir,
                         tls_key=args.tls_key, detached=True, text_cache_tokens=args.text_cache_tokens,
                         gateway_on_head=args.gateway_on_head,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
@@ -140,6 +157,16 @@ def _up(args: argparse.Namespace) -> int:
     print(f"Tessera is up: gateway {cluster.gateway_address} "
           f"({cfg.prefill} prefill, {cfg.decode} decode, {cfg.stores} store shard(s), {device}); stop with `tessera down`")
     print(cluster.gateway_address)
+    return 0
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from services.cluster.security import mint
+
+    if Path(args.dir, "ca.pem").exists() and not args.force:
+        raise ValueError(f"{args.dir} already holds a CA (ca.pem): pass --force to replace every certificate in it")
+    out = mint(args.dir, days=args.days, hosts=tuple(args.host))
+    print(f"cluster CA and certificates for every role written to {out} (keys readable by you only)", file=sys.stderr)
     return 0
 
 

@@ -127,6 +127,10 @@ class ClusterConfig:
     token: str | None = None                # clients must send it as a bearer token
     tls_cert: str | None = None             # gateway over TLS: certificate chain and key (PEM files)
     tls_key: str | None = None
+    # mutual TLS between the services (services/cluster/security.py): certificates from certs_dir (ca.pem,
+    # <role>.pem, <role>.key), or a development CA minted for this cluster when None; off only for an A/B
+    internal_tls: bool = True
+    certs_dir: str | None = None
     max_restarts: int = 3
     text_cache_tokens: int = 8 << 20        # the gateway's token ids of chunk texts seen lately (0: off)
     namespace: str = "tessera"
@@ -154,6 +158,11 @@ class ClusterConfig:
         for path in (self.tls_cert, self.tls_key):
             if path is not None and not Path(path).is_file():
                 raise FileNotFoundError(f"TLS file {path} does not exist")
+        if self.certs_dir is not None and not self.internal_tls:
+            raise ValueError("certs_dir is given but internal_tls is off")
+        if self.certs_dir is not None and not Path(self.certs_dir, "ca.pem").is_file():
+            raise FileNotFoundError(f"{self.certs_dir} holds no ca.pem (make the cluster's certificates with "
+                                    f"`tessera certs {self.certs_dir}`)")
 
     def tls(self) -> tuple[bytes, bytes] | None:
         """(certificate chain PEM, private key PEM), read here so that remote nodes need no copy."""

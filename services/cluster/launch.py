@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from services.cluster.actors import ServiceActor, ServiceSpec
 from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
+from services.cluster.security import identities
 
 GATEWAY_NAME = "tessera-gateway"
 OBJECT_STORE_BYTES = 96 << 20
@@ -52,14 +53,16 @@ class Cluster:
     scratch: str | None = None          # temporary RocksDB directories, removed by stop()
     names: dict[str, list[str]] = field(default_factory=dict)
     metrics: dict[str, str] = field(default_factory=dict)     # actor name -> its /metrics URL
+    certs_scratch: str | None = None    # the development CA minted for this cluster, removed by stop()
 
     def handle(self, name: str):
         return self.actors[name]
 
     def stop(self) -> None:
         stop_cluster(self.config.namespace, self.actors)
-        if self.scratch:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+        for path in (self.scratch, self.certs_scratch):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 HEAD_RESOURCE = "node:__internal_head__"  # the custom resource Ray gives its head node (one unit)
@@ -105,6 +108,8 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
     actors: dict[str, object] = {}
     addresses: dict[str, str] = {}
     scratch = None
+    ids, certs_scratch = identities(cfg.certs_dir, cfg.internal_tls)
+    tls = ids.get if ids is not None else (lambda _role: None)
     if cfg.store_dir is None and cfg.stores:
         scratch = cfg.store_dir = tempfile.mkdtemp(prefix="tessera-rocksdb-")
     if cfg.store_dir is not None:
@@ -117,7 +122,8 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
         for name in names["store"]:
             store = StoreConfig(dram_bytes=cfg.store_dram_bytes, rocksdb_dir=os.path.join(cfg.store_dir, name),
                                 write_mode="behind")
-            spec = ServiceSpec("store", name, host=cfg.bind_host, store=store, namespace=cfg.namespace)
+            spec = ServiceSpec("store", name, host=cfg.bind_host, store=store, namespace=cfg.namespace,
+                               cluster_tls=tls("store"))
             actors[name] = _remote(cfg, name, 0, 0).remote(spec)
         addresses.update(zip(names["store"], ray.get([actors[n].address.remote() for n in names["store"]])))
         stores = tuple(addresses[n] for n in names["store"])
@@ -127,7 +133,8 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
             for name in names[role]:
                 spec = ServiceSpec(role, name, host=cfg.bind_host, engine=cfg.engine(), store_addresses=stores,
                                    prefill=cfg.prefill_settings if role == "prefill" else None,
-                                   decode=cfg.decode_settings if role == "decode" else None, namespace=cfg.namespace)
+                                   decode=cfg.decode_settings if role == "decode" else None, namespace=cfg.namespace,
+                                   cluster_tls=tls(role))
                 actors[name] = _remote(cfg, name, 1, gpus).remote(spec)
         workers = names["prefill"] + names["decode"]
         addresses.update(zip(workers, ray.get([actors[n].address.remote() for n in workers])))
@@ -135,16 +142,17 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
         spec = ServiceSpec("gateway", GATEWAY_NAME, host=cfg.bind_host, port=cfg.gateway_port, model_dir=cfg.model_dir,
                            workers=tuple((n, "prefill" if "prefill" in n else "decode", addresses[n]) for n in workers),
                            token=cfg.token, tls=cfg.tls(), namespace=cfg.namespace,
-                           text_cache_tokens=cfg.text_cache_tokens)
+                           text_cache_tokens=cfg.text_cache_tokens, cluster_tls=tls("gateway"))
         actors[GATEWAY_NAME] = _remote(cfg, GATEWAY_NAME, 0, 0).remote(spec)
         addresses[GATEWAY_NAME] = ray.get(actors[GATEWAY_NAME].address.remote())
         metrics = dict(zip(actors, ray.get([a.metrics_url.remote() for a in actors.values()])))
     except BaseException:
         stop_cluster(cfg.namespace, actors)
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
+        for path in (scratch, certs_scratch):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
         raise
-    return Cluster(cfg, addresses[GATEWAY_NAME], actors, addresses, scratch, names, metrics)
+    return Cluster(cfg, addresses[GATEWAY_NAME], actors, addresses, scratch, names, metrics, certs_scratch)
 
 
 def find_actors(namespace: str = "tessera") -> dict[str, object]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from services.cluster.actors import ServiceSpec
 from services.cluster.config import ClusterConfig
+from services.cluster.security import identities
 
 GATEWAY_NAME = "tessera-gateway"
 START_TIMEOUT_S = 900.0      # loading an 8B model from disk and warming it up
@@ -41,7 +42,8 @@ class _Gateway:
         self._server, port = self._loop.run(
             create_server(spec.model_dir, list(spec.workers), token=spec.token, tls=spec.tls, host=spec.host,
                           port=spec.port, registry=ChunkRegistry(), resolve=None,
-                          text_cache_tokens=spec.text_cache_tokens), timeout=START_TIMEOUT_S)
+                          text_cache_tokens=spec.text_cache_tokens, cluster_tls=spec.cluster_tls),
+            timeout=START_TIMEOUT_S)
         self._address = f"{advertised_host(spec.host)}:{port}"
 
     def address(self) -> str:
@@ -96,11 +98,13 @@ class LocalCluster:
     scratch: str | None = None
     names: dict[str, list[str]] = field(default_factory=dict)
     metrics: dict[str, str] = field(default_factory=dict)
+    certs_scratch: str | None = None    # the development CA minted for this cluster, removed by stop()
 
     def stop(self) -> None:
         _stop_children(self.children)
-        if self.scratch:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+        for path in (self.scratch, self.certs_scratch):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _stop_children(children: dict[str, _Child]) -> None:
@@ -189,12 +193,15 @@ def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = la
     names = {"store": [f"tessera-store-{i}" for i in range(cfg.stores)],
              "prefill": [f"tessera-prefill-{i}" for i in range(cfg.prefill)],
              "decode": [f"tessera-decode-{i}" for i in range(cfg.decode)]}
+    ids, certs_scratch = identities(cfg.certs_dir, cfg.internal_tls)
+    tls = ids.get if ids is not None else (lambda _role: None)
     try:
         progress(f"starting {cfg.stores} KV store shard(s) (local processes)")
         for name in names["store"]:
             store = StoreConfig(dram_bytes=cfg.store_dram_bytes, rocksdb_dir=os.path.join(cfg.store_dir, name),
                                 write_mode="behind")
-            _spawn(ctx, ServiceSpec("store", name, host=cfg.bind_host, store=store, namespace=cfg.namespace), children)
+            _spawn(ctx, ServiceSpec("store", name, host=cfg.bind_host, store=store, namespace=cfg.namespace,
+                                    cluster_tls=tls("store")), children)
         _wait(children, names["store"], addresses, metrics)
         stores = tuple(addresses[n] for n in names["store"])
         workers = names["prefill"] + names["decode"]
@@ -206,21 +213,22 @@ def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = la
             _spawn(ctx, ServiceSpec(role, name, host=cfg.bind_host, engine=cfg.engine(), store_addresses=stores,
                                     prefill=cfg.prefill_settings if role == "prefill" else None,
                                     decode=cfg.decode_settings if role == "decode" else None,
-                                    namespace=cfg.namespace), children, gpu)
+                                    namespace=cfg.namespace, cluster_tls=tls(role)), children, gpu)
         _wait(children, workers, addresses, metrics)
         progress("starting the gateway")
         roles = {n: r for r in ("prefill", "decode") for n in names[r]}
         _spawn(ctx, ServiceSpec("gateway", GATEWAY_NAME, host=cfg.bind_host, port=cfg.gateway_port,
                                 model_dir=cfg.model_dir, workers=tuple((n, roles[n], addresses[n]) for n in workers),
                                 token=cfg.token, tls=cfg.tls(), namespace=cfg.namespace,
-                                text_cache_tokens=cfg.text_cache_tokens), children)
+                                text_cache_tokens=cfg.text_cache_tokens, cluster_tls=tls("gateway")), children)
         _wait(children, [GATEWAY_NAME], addresses, metrics)
     except BaseException:
         _stop_children(children)
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
+        for path in (scratch, certs_scratch):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
         raise
-    return LocalCluster(cfg, addresses[GATEWAY_NAME], addresses, children, scratch, names, metrics)
+    return LocalCluster(cfg, addresses[GATEWAY_NAME], addresses, children, scratch, names, metrics, certs_scratch)
 
 
 __all__ = ["LocalCluster", "start_local_cluster"]

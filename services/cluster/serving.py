@@ -124,11 +124,12 @@ class RayKV:
         return None if kv is None else kv._internal_kv_get(f"{self.prefix}{key}")
 
 
-def serve_metrics(registry, host: str) -> tuple[object, int]:
-    """/metrics over HTTP on a free port (any other path: 404), served from a daemon thread; returns
-    (server, port). ``server.shutdown()`` stops it and releases the port."""
+def serve_metrics(registry, host: str, port: int = 0) -> tuple[object, int]:
+    """/metrics over HTTP on ``port`` (0: a free one; any other path: 404), served from a daemon thread;
+    returns (server, port). ``server.shutdown()`` stops it and releases the port."""
     from socketserver import ThreadingMixIn
-    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+    from wsgiref.simple_server import make_server as wsgi_server
 
     from prometheus_client import make_wsgi_app
 
@@ -153,7 +154,7 @@ def serve_metrics(registry, host: str) -> tuple[object, int]:
             super().shutdown()
             self.server_close()      # callers only shut down: the listening socket goes with it
 
-    server = make_server(host, 0, app, server_class=Server, handler_class=Quiet)
+    server = wsgi_server(host, port, app, server_class=Server, handler_class=Quiet)
     threading.Thread(target=server.serve_forever, name=f"metrics-http-{server.server_port}", daemon=True).start()
     return server, server.server_port
 
@@ -189,9 +190,34 @@ async def stopped_for_good(health_box: list, service_names: tuple[str, ...], on_
         on_fatal()
 
 
-def bind(server: grpc.aio.Server, host: str, port: int, tls: tuple[bytes, bytes] | None = None) -> int:
-    """Listen on host:port (0: any); with ``tls`` = (certificate chain PEM, private key PEM), over TLS."""
-    if tls is not None:
+def make_server(where: str, cluster_tls=None, interceptors=()) -> grpc.aio.Server:
+    """A grpc.aio server whose handlers pass ``RoleGuard`` (services/cluster/guard.py): callers' roles checked
+    when ``cluster_tls`` (a ``ClusterTLS``) is given, a handler's unexpected error turned into INTERNAL with
+    an id. ``interceptors`` run before it (the gateway's bearer tokens)."""
+    from services.cluster.guard import RoleGuard
+
+    return grpc.aio.server(options=GRPC_OPTIONS,
+                           interceptors=[*interceptors, RoleGuard(where, authorize=cluster_tls is not None)])
+
+
+def channel(address: str, peer_role: str, cluster_tls=None, options=GRPC_OPTIONS) -> grpc.aio.Channel:
+    """An asyncio channel to the ``peer_role`` service at ``address``: over mutual TLS with ``cluster_tls``
+    (the server must prove that role), else plain."""
+    if cluster_tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, cluster_tls.channel_credentials(),
+                                   options=[*options, *cluster_tls.channel_options(peer_role)])
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, tls: tuple[bytes, bytes] | None = None,
+         cluster_tls=None) -> int:
+    """Listen on host:port (0: any); with ``tls`` = (certificate chain PEM, private key PEM), over TLS (the
+    client API); with ``cluster_tls`` (a ``ClusterTLS``), over mutual TLS with the cluster's certificates."""
+    if tls is not None and cluster_tls is not None:
+        raise ValueError("a port serves either the client API's TLS or the cluster's mutual TLS")
+    if cluster_tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", cluster_tls.server_credentials())
+    elif tls is not None:
         creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
         bound = server.add_secure_port(f"{host}:{port}", creds)
     else:

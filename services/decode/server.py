@@ -24,7 +24,7 @@ from services.cluster.kvio import StoreAccess
 from services.cluster.cuda_ipc import copy_out, placement
 from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import WireSampling
-from services.cluster.serving import (GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving,
+from services.cluster.serving import (add_health, advertised_host, bind, make_server, serve_metrics, set_serving,
                                      stopped_for_good)
 from services.cluster.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
 from services.decode.batcher import Batcher, DecodeJob
@@ -182,10 +182,13 @@ class DecodeServer:
 
 async def create_server(name: str, engine: EngineSettings, store_addresses: list[str],
                         settings: DecodeSettings | None = None, *, host: str = "127.0.0.1",
-                        port: int = 0, on_fatal: Callable[[], None] | None = None) -> tuple[DecodeServer, int]:
+                        port: int = 0, on_fatal: Callable[[], None] | None = None,
+                        cluster_tls=None) -> tuple[DecodeServer, int]:
     """Load the model, start the batcher and serve on ``host:port`` (0: any); returns (server, port).
     ``on_fatal()`` runs on the event loop once the engine loop has stopped for good and health says
-    NOT_SERVING (a Ray actor exits there, to be restarted)."""
+    NOT_SERVING (a Ray actor exits there, to be restarted). With ``cluster_tls`` (a decode ``ClusterTLS``)
+    it serves, and reads the store, over mutual TLS: the gateway may call it, prefill workers push
+    hand-offs (services/cluster/security.py)."""
     settings = settings or DecodeSettings()
     metrics = DecodeMetrics()
     eng = await asyncio.to_thread(engine.load)
@@ -194,7 +197,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
         if warm and warm["batches"]:
             log.info("decode worker %s warmed up in %.1f s: batches %s over %d tokens", name, warm["seconds"],
                      warm["batches"], warm["context_tokens"])
-    store = StoreAccess(store_addresses, host_bytes=settings.host_cache_bytes)
+    store = StoreAccess(store_addresses, host_bytes=settings.host_cache_bytes, tls=cluster_tls)
 
     def fetch(cid: str):
         # the decode worker has no lookup ahead of the pass: ask now, stream if present
@@ -212,11 +215,11 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
                       name=f"decode worker {name}")
     http, http_port = serve_metrics(metrics.registry, host)
     servicer = DecodeServicer(batcher, eng, store, metrics, name, f"http://{advertised_host(host)}:{http_port}/metrics", settings)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = make_server(f"decode worker {name}", cluster_tls)
     pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))
     health_box.append(health)
-    bound = bind(server, host, port)
+    bound = bind(server, host, port, cluster_tls=cluster_tls)
     await server.start()
     await set_serving(health, (SERVICE_NAME,), True)
     log.info("decode worker %s on %s:%d", name, host, bound)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import grpc
 
-from services.cluster.serving import GRPC_OPTIONS
+from services.cluster.serving import channel
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router, WorkerView
 from services.rpc import tessera_pb2 as pb
@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 class Peers:
     def __init__(self, router: Router, metrics: GatewayMetrics, interval_s: float = 0.5,
-                 resolve: Callable[[str], str | None] | None = None) -> None:
+                 resolve: Callable[[str], str | None] | None = None, cluster_tls=None) -> None:
         self.router = router
+        self.cluster_tls = cluster_tls     # the gateway's ClusterTLS: workers are dialled over mutual TLS
         self.metrics = metrics
         self.interval_s = interval_s
         self.resolve = resolve             # name -> current address (via Ray), or None
@@ -37,16 +38,17 @@ class Peers:
         self.on_ready = None      # async fn(bool): called when "a prefill and a decode worker are healthy" flips
         self._ready: bool | None = None
 
-    def channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str, role: str) -> grpc.aio.Channel:
+        """The channel to the ``role`` worker at ``address`` (over mutual TLS: it must prove that role)."""
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = channel(address, role, self.cluster_tls)
         return self._channels[address]
 
     def prefill_stub(self, w: WorkerView) -> pb_grpc.PrefillWorkerStub:
-        return pb_grpc.PrefillWorkerStub(self.channel(w.address))
+        return pb_grpc.PrefillWorkerStub(self.channel(w.address, "prefill"))
 
     def decode_stub(self, w: WorkerView) -> pb_grpc.DecodeWorkerStub:
-        return pb_grpc.DecodeWorkerStub(self.channel(w.address))
+        return pb_grpc.DecodeWorkerStub(self.channel(w.address, "decode"))
 
     def _stub(self, w: WorkerView):
         return self.prefill_stub(w) if w.role == "prefill" else self.decode_stub(w)

@@ -18,7 +18,7 @@ import uuid
 
 import grpc
 
-from services.cluster.serving import GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving
+from services.cluster.serving import add_health, advertised_host, bind, make_server, serve_metrics, set_serving
 from services.gateway.auth import BearerAuth
 from services.gateway.detok import Detokenizer
 from services.gateway.inputs import ChunkRegistry, InputResolver, InvalidRequest, ResolvedRequest, TextTokens
@@ -352,18 +352,20 @@ class GatewayServer:
 async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, token: str | None = None,
                         tls: tuple[bytes, bytes] | None = None, registry: ChunkRegistry | None = None,
                         host: str = "127.0.0.1", port: int = 0, resolve=None,
-                        ready_timeout_s: float = 120.0, text_cache_tokens: int = 8 << 20) -> tuple[GatewayServer, int]:
+                        ready_timeout_s: float = 120.0, text_cache_tokens: int = 8 << 20,
+                        cluster_tls=None) -> tuple[GatewayServer, int]:
     """Serve the client API on ``host:port`` (0: any) over ``workers`` [(name, role, address)];
     ``tls`` = (certificate chain PEM, private key PEM) serves it over TLS. Waits until the prefill
     workers report the model fingerprint. ``text_cache_tokens``: token ids of chunk texts kept for
-    requests that send them again (0: every text tokenized every time). Returns (server, port)."""
+    requests that send them again (0: every text tokenized every time). ``cluster_tls``: the gateway's
+    ``ClusterTLS``: workers are called over mutual TLS (services/cluster/security.py). Returns (server, port)."""
     metrics = GatewayMetrics()
     router = Router()
     for name, role, address in workers:
         router.add(WorkerView(name, role, address))
     if not router.of_role("prefill") or not router.of_role("decode"):
         raise ValueError("the gateway needs at least one prefill and one decode worker")
-    peers = Peers(router, metrics, resolve=resolve)
+    peers = Peers(router, metrics, resolve=resolve, cluster_tls=cluster_tls)
     fingerprint = await _fingerprint(peers, router, ready_timeout_s)
     resolver = await asyncio.to_thread(InputResolver, model_dir, fingerprint,
                                        registry if registry is not None else ChunkRegistry(),
@@ -373,7 +375,7 @@ async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, 
 
     servicer = GatewayServicer(resolver, router, peers, metrics, Path(model_dir).name,
                                f"http://{advertised_host(host)}:{http_port}/metrics")
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[BearerAuth(token, SERVICE_NAME)] if token else None)
+    server = make_server("gateway", None, [BearerAuth(token, SERVICE_NAME)] if token else ())
     pb_grpc.add_TesseraServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))
     bound = bind(server, host, port, tls)

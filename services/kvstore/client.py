@@ -52,6 +52,7 @@ class PutResult:
     chunk_id: str
     nbytes: int
     tiers: tuple[str, ...]      # tiers holding the chunk at acknowledgement, fastest first
+    already_stored: bool = False  # the id was stored already: the store kept its copy, wrote nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +90,13 @@ class KVStoreClient:
     ``timeout``: default deadline of every call, seconds. ``frame_bytes``: largest payload of a put
     message; a layer up to that size travels whole, in the message the store keeps and serves as it is.
     ``verify``: check each received layer's crc32 end to end (the server checks every tier read
-    regardless; turning this off saves the client ~a third of its CPU per byte).
+    regardless; turning this off saves the client ~a third of its CPU per byte). ``tls``: this caller's
+    ``ClusterTLS`` (services/cluster/security.py): the store is reached over mutual TLS and must prove
+    its role; None: a plain channel (a store started without the cluster's certificates).
     """
 
-    def __init__(self, address: str, *, timeout: float = 30.0, frame_bytes: int = 3 << 20, verify: bool = True) -> None:
+    def __init__(self, address: str, *, timeout: float = 30.0, frame_bytes: int = 3 << 20, verify: bool = True,
+                 tls=None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if not 4096 <= frame_bytes <= 3 << 20:
@@ -101,7 +105,9 @@ class KVStoreClient:
         self.timeout = timeout
         self.frame_bytes = frame_bytes
         self.verify = verify
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if tls is None else
+                         grpc.secure_channel(address, tls.channel_credentials(),
+                                             options=[*CHANNEL_OPTIONS, *tls.channel_options("store")]))
         self._stub = pb_grpc.KVStoreStub(self._channel)
         # Bulk RPCs with hand-rolled frame (de)serialization (services.kvstore.wire): same wire format.
         self._put = self._channel.stream_unary(f"/{SERVICE}/Put", request_serializer=wire.encode_message,
@@ -114,7 +120,7 @@ class KVStoreClient:
         """Store ``layers[i] = (k_i, v_i)``; returns once the store acknowledged the whole chunk."""
         header = self._header(chunk_id, layers, model_fingerprint)
         resp = self._put(self._put_requests(header, layers), timeout=timeout or self.timeout)
-        return PutResult(chunk_id, resp.stored_bytes, tuple(TIER_NAMES[t] for t in resp.tiers))
+        return PutResult(chunk_id, resp.stored_bytes, tuple(TIER_NAMES[t] for t in resp.tiers), resp.already_stored)
 
     @staticmethod
     def _header(chunk_id: str, layers, model_fingerprint: str) -> pb.ChunkHeader:

@@ -52,14 +52,13 @@ class StoreMetrics:
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Expose /metrics on ``addr:port`` (0 picks a free port); returns the port."""
-        from prometheus_client import start_http_server
+        """Expose /metrics on ``addr:port`` (0 picks a free port; any other path: 404); returns the port."""
+        from services.cluster.serving import serve_metrics
 
-        self._http, self._http_thread = start_http_server(port, addr=addr, registry=self.registry)
-        return self._http.server_port
+        self._http, port = serve_metrics(self.registry, addr, port)
+        return port
 
     def stop_http(self) -> None:
         if getattr(self, "_http", None) is not None:
             self._http.shutdown()
-            self._http.server_close()
             self._http = None

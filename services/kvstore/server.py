@@ -3,7 +3,8 @@
 ``create_server(config)`` returns ``(server, port)`` as grpc's examples do; ``serve(config)``
 blocks until SIGTERM/SIGINT; ``BackgroundServer`` runs one in a thread for synchronous callers
 (tests, a Ray actor). Status codes: unknown chunk NOT_FOUND; malformed header, shape or dtype
-mismatch, layers out of order INVALID_ARGUMENT; a layer failing its checksum on the way in, or a
+mismatch, layers out of order INVALID_ARGUMENT; a put of a chunk id already stored is acknowledged
+(``already_stored``) and writes nothing: chunks are write-once; a layer failing its checksum on the way in, or a
 chunk with no good copy left, DATA_LOSS; a chunk over a tier's whole budget RESOURCE_EXHAUSTED; a
 chunk evicted or replaced mid-read with no other copy of that version, ABORTED (retry).
 """
@@ -36,6 +37,14 @@ _TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_ROCKSDB: "rocksdb", pb.TIER_S3: "s3
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
+class _Stored(Exception):
+    """The put names a chunk id the store holds: it is acknowledged without reading or writing its layers."""
+
+    def __init__(self, tiers: tuple[int, ...]) -> None:
+        super().__init__("already stored")
+        self.tiers = tiers
+
+
 class _BadPut(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
@@ -56,6 +65,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             if remaining is not None and remaining <= 0:
                 raise _BadPut(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the put was stored")
             tiers = await self.store.put(meta, layers)
+        except _Stored as stored:
+            return pb.PutResponse(stored_bytes=0, tiers=stored.tiers, already_stored=True)
         except InvalidChunk as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ResourceExhausted as exc:
@@ -83,6 +94,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 if meta.checksums:
                     raise InvalidChunk("put headers carry no layer checksums: each rides on its layer's last frame")
                 self.store.check_admissible(meta.nbytes)
+                # write-once: a chunk id is a content hash, so a second put of it is either the same bytes or
+                # an attempt to replace what every tenant reads; it is acknowledged, and nothing is written
+                held = (await self.store.lookup([meta.chunk_id]))[0]
+                if held.tiers:
+                    raise _Stored(held.tiers)
                 continue
             if frame is None:
                 raise InvalidChunk("a second header inside one put")
@@ -246,21 +262,26 @@ class KVStoreServer:
 
 
 async def create_server(config: StoreConfig, *, host: str = "127.0.0.1", port: int = 0,
-                        metrics_port: int | None = None) -> tuple[KVStoreServer, int]:
+                        metrics_port: int | None = None, tls=None) -> tuple[KVStoreServer, int]:
     """Open the tiers, start serving on ``host:port`` (0 picks a free port); returns (server, port).
 
     ``metrics_port``: serve /metrics over HTTP on that port (0 picks one; None: no HTTP endpoint).
+    ``tls``: the store's ``ClusterTLS`` (services/cluster/security.py): serve over mutual TLS, callers
+    authorized by role (only prefill workers write and delete; workers read); None: plain, anyone may call.
     """
+    from services.cluster.guard import RoleGuard
+
     keep_freed_memory()      # the process hosting a store: reuse freed layer buffers (memory.py)
     store = TieredStore(config)
     await store.start()
     metrics = StoreMetrics(store)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RoleGuard("KV store", authorize=tls is not None)])
     _add_servicer(KVStoreServicer(store, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = (server.add_insecure_port(f"{host}:{port}") if tls is None
+             else server.add_secure_port(f"{host}:{port}", tls.server_credentials()))
     if bound == 0:
         await store.close()
         raise ValueError(f"cannot listen on {host}:{port}")
@@ -296,12 +317,13 @@ class BackgroundServer:
     """
 
     def __init__(self, config: StoreConfig, *, host: str = "127.0.0.1", port: int = 0,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, tls=None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-server", daemon=True)
         self._thread.start()
         try:
-            self.server, self.port = self.run(create_server(config, host=host, port=port, metrics_port=metrics_port))
+            self.server, self.port = self.run(create_server(config, host=host, port=port, metrics_port=metrics_port,
+                                                            tls=tls))
         except BaseException:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)

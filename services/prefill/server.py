@@ -26,8 +26,8 @@ from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import WireSampling
 from services.cluster.staging import side_stream
 from services.cluster.errors import internal
-from services.cluster.serving import (GRPC_OPTIONS, add_health, advertised_host, bind, serve_metrics, set_serving,
-                                     stopped_for_good)
+from services.cluster.serving import (add_health, advertised_host, bind, channel, make_server, serve_metrics,
+                                     set_serving, stopped_for_good)
 from services.cluster.transport import handoff_parts, probe_transport
 from services.engine.warmup import warm_prefill, warm_up
 from services.prefill.controller import LoadingController
@@ -43,8 +43,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker, name: str, metrics_url: str,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None, cluster_tls=None) -> None:
         self.worker = worker
+        self.cluster_tls = cluster_tls      # ClusterTLS: decode workers are dialled over mutual TLS
         self.name = name
         self.metrics_url = metrics_url
         self.transport = probe_transport(worker.eng.device)
@@ -68,7 +69,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
     def _decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = channel(address, "decode", self.cluster_tls)
         return pb_grpc.DecodeWorkerStub(self._channels[address])
 
     async def Prefill(self, request: pb.PrefillRequest, context):
@@ -231,9 +232,12 @@ class PrefillServer:
 
 async def create_server(name: str, engine: EngineSettings, store_addresses: list[str],
                         settings: PrefillSettings | None = None, *, host: str = "127.0.0.1",
-                        port: int = 0, on_fatal: Callable[[], None] | None = None) -> tuple[PrefillServer, int]:
+                        port: int = 0, on_fatal: Callable[[], None] | None = None,
+                        cluster_tls=None) -> tuple[PrefillServer, int]:
     """Load the model, start serving on ``host:port`` (0: any); returns (server, port). ``on_fatal()`` runs
-    on the event loop once the engine loop has stopped for good and health says NOT_SERVING."""
+    on the event loop once the engine loop has stopped for good and health says NOT_SERVING. With
+    ``cluster_tls`` (a prefill ``ClusterTLS``) it serves, and calls the store and decode workers, over mutual
+    TLS, and only the gateway may call it (services/cluster/security.py)."""
     settings = settings or PrefillSettings()
     metrics = PrefillMetrics()
     eng = await asyncio.to_thread(engine.load)
@@ -244,7 +248,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
             log.info("prefill worker %s warmed up in %.1f s: %s over %d tokens", name, warm["seconds"],
                      ", ".join(warm["passes"]), warm["context_tokens"])
     store = StoreAccess(store_addresses, on_error=lambda call: metrics.store_errors.labels(call).inc(),
-                        host_bytes=settings.host_cache_bytes)
+                        host_bytes=settings.host_cache_bytes, tls=cluster_tls)
     controller = LoadingController(settings.quality_floor, probe_every=8 if settings.store_loads == "cost" else 1)
     worker = PrefillWorker(eng, store, controller, metrics, settings.default_ratio)
     http, http_port = serve_metrics(metrics.registry, host)
@@ -254,12 +258,13 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     def fatal(_exc: BaseException) -> None:      # the engine thread
         asyncio.run_coroutine_threadsafe(stopped_for_good(health_box, (SERVICE_NAME,), on_fatal), loop)
 
-    servicer = PrefillServicer(worker, name, f"http://{advertised_host(host)}:{http_port}/metrics", on_fatal=fatal)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    servicer = PrefillServicer(worker, name, f"http://{advertised_host(host)}:{http_port}/metrics", on_fatal=fatal,
+                               cluster_tls=cluster_tls)
+    server = make_server(f"prefill worker {name}", cluster_tls)
     pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))
     health_box.append(health)
-    bound = bind(server, host, port)
+    bound = bind(server, host, port, cluster_tls=cluster_tls)
     await server.start()
     await set_serving(health, (SERVICE_NAME,), True)
     log.info("prefill worker %s on %s:%d (%s)", name, host, bound, servicer.transport.detail)

@@ -91,12 +91,14 @@ class PutRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., frame: _Optional[_Union[LayerFrame, _Mapping]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("stored_bytes", "tiers")
+    __slots__ = ("stored_bytes", "tiers", "already_stored")
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
     stored_bytes: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
-    def __init__(self, stored_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+    already_stored: bool
+    def __init__(self, stored_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., already_stored: _Optional[bool] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("chunk_id", "layer_start", "layer_stop")

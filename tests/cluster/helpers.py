@@ -30,9 +30,11 @@ def wait_until(check, timeout_s: float = 120.0, every_s: float = 0.25, what: str
 
 
 class InProcessCluster:
-    """Store shard, prefill and decode workers and a gateway served from one loop thread here."""
+    """Store shard, prefill and decode workers and a gateway served from one loop thread here, talking
+    mutual TLS with a development CA minted in ``store_dir/certs`` (``internal_tls=False``: plain)."""
 
-    def __init__(self, model_dir: str, store_dir, token: str | None = None) -> None:
+    def __init__(self, model_dir: str, store_dir, token: str | None = None, internal_tls: bool = True,
+                 decode_settings=None) -> None:
         from services.cluster.config import DecodeSettings, EngineSettings, PrefillSettings
         from services.cluster.serving import LoopThread
         from services.decode.server import create_server as decode_server
@@ -40,17 +42,26 @@ class InProcessCluster:
         from services.kvstore import BackgroundServer, StoreConfig
         from services.prefill.server import create_server as prefill_server
 
-        self.store = BackgroundServer(StoreConfig(dram_bytes=64 << 20, rocksdb_dir=str(store_dir / "shard")))
+        from services.cluster.security import bundle, mint
+
+        self.certs = str(mint(store_dir / "certs")) if internal_tls else None
+        ids = bundle(self.certs) if internal_tls else {}
+        self.store = BackgroundServer(StoreConfig(dram_bytes=64 << 20, rocksdb_dir=str(store_dir / "shard")),
+                                      tls=ids.get("store"))
         self.loop = LoopThread("test-cluster")
         engine = EngineSettings(model_dir, kv_cache_bytes=64 << 20)
         # store-held chunks are always streamed: these tests are about that path, whatever the timings
         self.prefill, pport = self.loop.run(prefill_server("prefill-0", engine, [self.store.address],
-                                                           PrefillSettings(store_loads="always")))
+                                                           PrefillSettings(store_loads="always"),
+                                                           cluster_tls=ids.get("prefill")))
         # the decode worker keeps what it reads from the store in a host tier (registered chunks are prefetched)
         self.decode, dport = self.loop.run(decode_server("decode-0", engine, [self.store.address],
-                                                         DecodeSettings(host_cache_bytes=32 << 20)))
-        workers = [("prefill-0", "prefill", f"127.0.0.1:{pport}"), ("decode-0", "decode", f"127.0.0.1:{dport}")]
-        self.gateway, gport = self.loop.run(gateway_server(model_dir, workers, token=token))
+                                                         decode_settings or DecodeSettings(host_cache_bytes=32 << 20),
+                                                         cluster_tls=ids.get("decode")))
+        self.workers = [("prefill-0", "prefill", f"127.0.0.1:{pport}"), ("decode-0", "decode", f"127.0.0.1:{dport}")]
+        self.cluster_tls = ids.get("gateway")
+        self.gateway, gport = self.loop.run(gateway_server(model_dir, self.workers, token=token,
+                                                           cluster_tls=self.cluster_tls))
         self.address = f"127.0.0.1:{gport}"
         self.token = token
 

@@ -100,7 +100,6 @@ def test_first_token_comes_from_the_prefill_worker(client, reference):
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(chunks=[ChunkId("not-registered")], suffix=[1]), "unknown chunk id 'not-registered'"),
     (dict(chunks=[], suffix=[]), "empty request"),
-    (dict(chunks=[[1, 2]], suffix=[]), "suffix must hold at least one token"),
     (dict(chunks=[[]], suffix=[1]), "chunk 0 holds no token"),
     (dict(chunks=[[1] * (MAX_POSITIONS - 8)], suffix=[1, 2], max_new_tokens=16), "past the model's limit"),
     (dict(chunks=[[1, 2]], suffix=[1], temperature=-0.5), "temperature must be"),
@@ -110,7 +109,7 @@ def test_first_token_comes_from_the_prefill_worker(client, reference):
     (dict(chunks=[[1, 100000]], suffix=[1]), "token id 100000 in chunk 0 is outside the vocabulary"),
     (dict(chunks=[[1, 2]], suffix=[1], mode="sideways"), "unknown mode 'sideways'"),
     (dict(chunks=[[1, 2]], suffix=[1], recompute_ratio=1.5), "recompute_ratio must be in [0, 1]"),
-], ids=["unknown-chunk", "empty", "no-suffix", "empty-chunk", "too-long", "temperature", "top_p", "top_k",
+], ids=["unknown-chunk", "empty", "empty-chunk", "too-long", "temperature", "top_p", "top_k",
         "max_new_tokens", "vocab", "mode", "ratio"])
 def test_bad_input_is_invalid_argument_with_the_reason(client, kwargs, reason):
     with pytest.raises(InvalidArgument) as info:
@@ -210,7 +209,7 @@ def test_unavailable_is_retried_until_the_gateway_comes_up(tiny_model, inproc):
         import time
 
         time.sleep(0.5)
-        started.append(inproc.loop.run(create_server(tiny_model, workers, port=port))[0])
+        started.append(inproc.loop.run(create_server(tiny_model, workers, port=port, cluster_tls=inproc.cluster_tls))[0])
 
     t = threading.Thread(target=start_late)
     t.start()
@@ -230,7 +229,7 @@ def test_tls_gateway_needs_a_tls_client(tiny_model, inproc, reference, tmp_path)
 
     cert, key, cert_path = self_signed(tmp_path)
     workers = [(w.name, w.role, w.address) for w in inproc.gateway.servicer.router.workers.values()]
-    server, port = inproc.loop.run(create_server(tiny_model, workers, tls=(cert, key)))
+    server, port = inproc.loop.run(create_server(tiny_model, workers, tls=(cert, key), cluster_tls=inproc.cluster_tls))
     try:
         with Client(f"127.0.0.1:{port}", tls=cert_path, timeout=30) as c:
             chunks = docs(1, 20, seed=8)
@@ -286,7 +285,7 @@ def test_gateway_health_follows_its_workers(tiny_model, inproc):
 
     prefill = next(w for w in inproc.gateway.servicer.router.workers.values() if w.role == "prefill")
     workers = [(prefill.name, "prefill", prefill.address), ("ghost", "decode", f"127.0.0.1:{free_port()}")]
-    server, port = inproc.loop.run(create_server(tiny_model, workers))
+    server, port = inproc.loop.run(create_server(tiny_model, workers, cluster_tls=inproc.cluster_tls))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = health_pb2_grpc.HealthStub(ch)

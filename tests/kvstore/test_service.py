@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.error
 import urllib.request
 import zlib
 
@@ -228,6 +229,9 @@ def test_health_reflection_and_metrics(start_store):
     assert 'tessera_kvstore_get_seconds_count{tier="dram"} 1.0' in text
     assert "tessera_kvstore_put_seconds_count 1.0" in text
     assert 'tessera_kvstore_get_first_layer_seconds_bucket{le="+Inf",tier="dram"} 1.0' in text
+    with pytest.raises(urllib.error.HTTPError) as info:     # only /metrics: any other path is not found
+        urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/secrets", timeout=5)
+    assert info.value.code == 404
 
 
 def test_client_rejects_a_corrupted_stream():

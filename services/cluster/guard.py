@@ -1,0 +1,114 @@
+"""Every service's server interceptor: who may call, and what a caller sees when a handler fails.
+
+``RoleGuard`` wraps each RPC handler of a server:
+- with the cluster's mutual TLS on, the caller's role is read from its certificate (the handshake has
+  already checked the certificate against the cluster CA) and the method is refused PERMISSION_DENIED
+  unless ``security.POLICY`` lets that role call it: a refused call runs nothing and changes nothing;
+- an exception a handler did not turn into a status becomes INTERNAL with an error id, its traceback in
+  this service's log (gRPC would send the exception's text as UNKNOWN).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from services.cluster.errors import internal
+from services.cluster.security import allowed_roles, role_of
+
+OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")     # health checks and reflection
+
+
+def caller_role(context) -> str | None:
+    """The role named by the caller's verified certificate, None without one."""
+    names = context.auth_context().get("x509_common_name") or []
+    for name in names:
+        role = role_of(name.decode() if isinstance(name, bytes) else name)
+        if role is not None:
+            return role
+    return None
+
+
+class RoleGuard(grpc.aio.ServerInterceptor):
+    """``where``: the service's name in error messages; ``authorize``: check callers' roles (mutual TLS on)."""
+
+    def __init__(self, where: str, authorize: bool) -> None:
+        self.where = where
+        self.authorize = authorize
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        if method.startswith(OPEN):
+            return handler     # any holder of a cluster certificate (the handshake checked it) may call these
+        roles = allowed_roles(method) if self.authorize else None
+        return _wrap(handler, method, roles, self.where)
+
+
+async def _admit(context, method: str, roles: frozenset[str] | None) -> None:
+    if roles is None:
+        return
+    role = caller_role(context)
+    if role is None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} needs a cluster certificate")
+    if role not in roles:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"role {role} may not call {method}")
+
+
+async def _failed(context, where: str, method: str, exc: Exception) -> None:
+    err = internal(f"{where} {method}", exc)
+    await context.abort(err.code, err.message)
+
+
+def _wrap(handler, method: str, roles: frozenset[str] | None, where: str):
+    """The same handler (serializers kept), checked first and with its unexpected errors turned into statuses."""
+    if handler.unary_unary is not None:
+        inner = handler.unary_unary
+
+        async def unary_unary(request, context):
+            await _admit(context, method, roles)
+            try:
+                return await inner(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a status with an id, not the exception's text
+                await _failed(context, where, method, exc)
+        return handler._replace(unary_unary=unary_unary)
+    if handler.stream_unary is not None:
+        inner = handler.stream_unary
+
+        async def stream_unary(request_iterator, context):
+            await _admit(context, method, roles)
+            try:
+                return await inner(request_iterator, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await _failed(context, where, method, exc)
+        return handler._replace(stream_unary=stream_unary)
+    if handler.unary_stream is not None:
+        inner = handler.unary_stream
+
+        async def unary_stream(request, context):
+            await _admit(context, method, roles)
+            try:
+                async for message in inner(request, context):
+                    yield message
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await _failed(context, where, method, exc)
+        return handler._replace(unary_stream=unary_stream)
+    inner = handler.stream_stream
+
+    async def stream_stream(request_iterator, context):
+        await _admit(context, method, roles)
+        try:
+            async for message in inner(request_iterator, context):
+                yield message
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _failed(context, where, method, exc)
+    return handler._replace(stream_stream=stream_stream)

@@ -1,0 +1,130 @@
+"""Internal traffic is mutual TLS from the cluster CA, each RPC allowed by role; a refused call changes
+nothing stored, and the store never replaces a chunk it holds."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from services.cluster.security import ClusterTLS, mint
+from services.kvstore import KVStoreClient
+from services.rpc import tessera_pb2 as pb
+from services.rpc import tessera_pb2_grpc as pb_grpc
+from services.sdk import Client
+
+from .helpers import InProcessCluster, docs
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    c = InProcessCluster(tiny_model, tmp_path_factory.mktemp("auth"), token="sesame")
+    yield c
+    c.stop()
+
+
+def _addresses(cluster) -> dict[str, str]:
+    return {"store": cluster.store.address, "prefill": cluster.workers[0][2], "decode": cluster.workers[1][2]}
+
+
+def _channel(address: str, peer: str, tls: ClusterTLS | None) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=tls.channel_options(peer))
+
+
+def _calls(ch: grpc.Channel) -> dict[str, callable]:
+    """One call per internal RPC a stranger could try, each harmless if it ran (but it must not)."""
+    p, d = pb_grpc.PrefillWorkerStub(ch), pb_grpc.DecodeWorkerStub(ch)
+    prefill = pb.PrefillRequest(request_id="x", suffix=[1, 2], decode_address="127.0.0.1:9")
+    return {
+        "prefill.Prefill": lambda: list(p.Prefill(prefill, timeout=5)),
+        "prefill.Warm": lambda: p.Warm(pb.WarmRequest(chunks=[pb.TokenIds(ids=[1, 2, 3])]), timeout=5),
+        "prefill.Reset": lambda: p.Reset(pb.ResetRequest(), timeout=5),
+        "prefill.Status": lambda: p.Status(pb.WorkerStatusRequest(), timeout=5),
+        "decode.Decode": lambda: list(d.Decode(pb.DecodeRequest(request_id="x"), timeout=5)),
+        "decode.PushHandoff": lambda: d.PushHandoff(iter([pb.HandoffPart()]), timeout=5),
+        "decode.Reset": lambda: d.Reset(pb.ResetRequest(), timeout=5),
+        "decode.Prefetch": lambda: d.Prefetch(pb.PrefetchRequest(chunk_ids=["a" * 64]), timeout=5),
+        "decode.Status": lambda: d.Status(pb.WorkerStatusRequest(), timeout=5),
+    }
+
+
+def _code(fn) -> grpc.StatusCode | None:
+    try:
+        fn()
+    except grpc.RpcError as exc:
+        return exc.code()
+    return None
+
+
+def test_a_caller_without_a_cluster_certificate_reaches_nothing(cluster, tmp_path):
+    """Plain channels and certificates of another CA fail the handshake: no RPC runs."""
+    other = mint(tmp_path / "other")
+    for role, address in _addresses(cluster).items():
+        for tls in (None, ClusterTLS.load(other, "gateway")):
+            with _channel(address, role, tls) as ch:
+                if role == "store":
+                    with KVStoreClient(address, tls=tls, timeout=5) as c:
+                        assert _code(lambda: c.lookup(["a" * 64])) == grpc.StatusCode.UNAVAILABLE
+                        assert _code(lambda: c.delete("a" * 64)) == grpc.StatusCode.UNAVAILABLE
+                    continue
+                for name, fn in _calls(ch).items():
+                    if name.startswith(role):
+                        assert _code(fn) == grpc.StatusCode.UNAVAILABLE, (name, tls)
+
+
+# who may call what (services/cluster/security.py POLICY); everything else is PERMISSION_DENIED
+ALLOWED = {"gateway": {"prefill.Prefill", "prefill.Warm", "prefill.Reset", "prefill.Status", "decode.Decode",
+                       "decode.Reset", "decode.Prefetch", "decode.Status"},
+           "prefill": {"decode.PushHandoff", "decode.Status"},
+           "admin": {"prefill.Status", "decode.Status"}}
+
+
+@pytest.mark.parametrize("role", ["store", "decode", "prefill", "admin", "index"])
+def test_each_role_calls_only_what_it_is_allowed_to(cluster, role):
+    tls = ClusterTLS.load(cluster.certs, role)
+    for peer in ("prefill", "decode"):
+        with _channel(_addresses(cluster)[peer], peer, tls) as ch:
+            for name, fn in _calls(ch).items():
+                if not name.startswith(peer):
+                    continue
+                code = _code(fn)
+                if name in ALLOWED.get(role, ()):
+                    assert code != grpc.StatusCode.PERMISSION_DENIED, name
+                else:
+                    assert code == grpc.StatusCode.PERMISSION_DENIED, (role, name, code)
+
+
+def test_a_server_must_prove_the_role_it_was_dialled_as(cluster):
+    """The gateway dials a prefill worker expecting role prefill: the store's certificate does not pass."""
+    tls = ClusterTLS.load(cluster.certs, "gateway")
+    with _channel(cluster.store.address, "prefill", tls) as ch:
+        assert _code(_calls(ch)["prefill.Status"]) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_store_writes_are_refused_to_all_but_prefill_workers_and_never_replace_a_chunk(cluster, reference):
+    """The poisoning attack: Put under an existing chunk id (same shapes, other values, matching crc32).
+    Refused to every role but prefill's; from a prefill certificate it is acknowledged and writes nothing.
+    A later request reading the chunk from the store returns the same tokens as before."""
+    chunks, suffix = docs(2, 40, seed=21), [3, 4]
+    with Client(cluster.address, token=cluster.token, timeout=60) as c:
+        before = list(c.complete(chunks, suffix, max_new_tokens=8, stop_token_ids=[]).token_ids)
+        cid = reference.chunk_id(chunks[0])
+        with KVStoreClient(cluster.store.address, tls=ClusterTLS.load(cluster.certs, "prefill")) as prefill:
+            assert prefill.lookup([cid])[0].found
+            layers = [(torch.randn_like(k), torch.randn_like(v)) for _, k, v in prefill.get(cid)]
+            stored = [(k.clone(), v.clone()) for _, k, v in prefill.get(cid)]
+            for role in ("gateway", "decode", "admin", "store"):
+                with KVStoreClient(cluster.store.address, tls=ClusterTLS.load(cluster.certs, role)) as other:
+                    assert _code(lambda: other.put(cid, layers)) == grpc.StatusCode.PERMISSION_DENIED, role
+                    assert _code(lambda: other.delete(cid)) == grpc.StatusCode.PERMISSION_DENIED, role
+            got = prefill.put(cid, layers)
+            assert got.already_stored and got.nbytes == 0
+            after = [(k, v) for _, k, v in prefill.get(cid)]
+            assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(stored, after))
+        c.reset_caches(device_only=True)       # the workers drop their device copies: the store's is read
+        again = c.complete(chunks, suffix, max_new_tokens=8, stop_token_ids=[])
+        assert list(again.token_ids) == before
+        tiers = dict(again.stats.chunk_tokens_by_tier)
+        assert tiers.get("gpu", 0) == 0 and tiers.get("computed", 0) == 0, tiers   # read from the store
