@@ -149,6 +149,16 @@ class TextTokens:
         return text in self._entries  # a peek: no hit or miss counted, no recency
 
 
+def served_without_suffix(chunks: tuple[Sequence[int], ...]) -> tuple[tuple[Sequence[int], ...], tuple[int, ...]]:
+    """A request of chunks only, as it is served: the first output token follows the prompt's last token, which
+    is computed for the request alone, so the last chunk's last token becomes the suffix and the rest of that
+    chunk is cached as a chunk (another one than the whole: a chunk is its tokens; none when it had one token).
+    loadgen's simulator and fake target count such a request the same way (loadgen/trace/model.py)."""
+    *head, last = chunks
+    rest = (last[:-1],) if len(last) > 1 else ()
+    return (*head, *rest), (int(last[-1]),)
+
+
 class InputResolver:
     def __init__(self, model_dir: str | Path, fingerprint: str, registry: ChunkRegistry,
                  text_cache: TextTokens | None = None) -> None:
@@ -269,7 +279,7 @@ class InputResolver:
         else:
             suffix = ()
         if not suffix:
-            raise InvalidRequest("the suffix must hold at least one token (the first output token follows it)")
+            chunks, suffix = served_without_suffix(chunks)
         sampling = self.sampling(req.sampling)
         total = sum(map(len, chunks)) + len(suffix)
         if total + sampling.max_new_tokens > self.limit:

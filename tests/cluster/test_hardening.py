@@ -33,3 +33,18 @@ def test_a_degenerate_temperature_is_served_and_decoding_goes_on(client, referen
     assert list(got.token_ids) == greedy           # that small a temperature is greedy
     after = client.complete(chunks, [9], max_new_tokens=4, stop_token_ids=[])
     assert list(after.token_ids) == reference.generate(chunks, [9], max_new_tokens=4, stop_token_ids=[])
+
+
+@pytest.mark.parametrize("last", [40, 1], ids=["last-chunk-40", "last-chunk-1-token"])
+def test_a_request_of_chunks_only_is_served(client, reference, last):
+    """Every public Mooncake trace line is chunks only; the cluster refused them all ("the suffix must hold
+    at least one token"). The last chunk's last token is computed privately: the output is the engine's over
+    the same prompt, the rest of that chunk is cached as a chunk of its own."""
+    chunks = docs(2, 48, seed=31)[:1] + docs(1, last, seed=32)
+    prompt = [t for c in chunks for t in c]
+    served = chunks[:-1] + ([chunks[-1][:-1]] if last > 1 else [])
+    want = reference.generate(served, chunks[-1][-1:], max_new_tokens=6, stop_token_ids=[])
+    got = client.complete(chunks, [], max_new_tokens=6, stop_token_ids=[])
+    assert list(got.token_ids) == want
+    assert got.stats.prompt_tokens == len(prompt)
+    assert sum(got.stats.chunk_tokens_by_tier.values()) == len(prompt) - 1      # the last token: the suffix
