@@ -37,10 +37,18 @@ class ServiceSpec:
     model_dir: str | None = None
     workers: tuple[tuple[str, str, str], ...] = ()
     token: str | None = None
+    tenants: dict | None = None                 # gateway: the tenants file's mapping (services/gateway/tenants.py)
     tls: tuple[bytes, bytes] | None = None      # gateway: (certificate chain PEM, private key PEM)
     cluster_tls: ClusterTLS | None = None       # this service's mutual-TLS identity (None: plain internal traffic)
     namespace: str = "tessera"
     text_cache_tokens: int = 8 << 20            # gateway: token ids of chunk texts kept (services/gateway/inputs.py)
+
+
+def gateway_tenants(spec: ServiceSpec):
+    """The gateway's Tenants from its spec (None: one default tenant behind the token)."""
+    from services.gateway.tenants import Tenants
+
+    return Tenants.parse(spec.tenants) if spec.tenants is not None else None
 
 
 def _resolver(namespace: str):
@@ -82,6 +90,7 @@ async def _create(spec: ServiceSpec, port: int):
         # registered chunk ids outlive a gateway restart in Ray's internal KV
         registry = ChunkRegistry(RayKV(f"tessera/chunks/{spec.namespace}/"))
         return await create_server(spec.model_dir, list(spec.workers), token=spec.token, tls=spec.tls, host=spec.host,
+                                   tenants=gateway_tenants(spec),
                                    port=port, resolve=_resolver(spec.namespace), registry=registry,
                                    text_cache_tokens=spec.text_cache_tokens, cluster_tls=spec.cluster_tls)
     raise ValueError(f"unknown role {spec.role!r}")

@@ -53,6 +53,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                         "`tessera certs DIR` makes a development set); default: a development CA "
                                         "minted for this cluster")
     up.add_argument("--token", default=os.environ.get("TESSERA_TOKEN"), help="bearer token clients must send")
+    up.add_argument("--tenants", help="tenants file (YAML): bearer tokens -> tenants, each with its own chunk "
+                                      "namespace, the shared namespaces it reads, quotas and admin rights (README, "
+                                      "Security model); instead of --token")
     up.add_argument("--tls-cert", help="serve the client API over TLS with this certificate chain (PEM)")
     up.add_argument("--tls-key", help="the private key of --tls-cert (PEM)")
     up.set_defaults(handler=_up)
@@ -134,7 +137,7 @@ def _up(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(model_dir=model, prefill=args.prefill, decode=args.decode, stores=args.stores, device=device,
                         dtype=args.dtype or ("bfloat16" if cuda else "float32"), store_dir=store_dir,
                         gateway_port=args.port, bind_host=host, token=args.token, tls_cert=args.tls_cert,
-                        certs_dir=args.certs_dir,
+                        certs_dir=args.certs_dir, tenants_file=args.tenants,
                         tls_key=args.tls_key, detached=True, text_cache_tokens=args.text_cache_tokens,
                         gateway_on_head=args.gateway_on_head,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),

@@ -124,7 +124,8 @@ class ClusterConfig:
     store_dir: str | None = None            # RocksDB directories go under it (None: DRAM only)
     gateway_port: int = 0
     bind_host: str = "127.0.0.1"
-    token: str | None = None                # clients must send it as a bearer token
+    token: str | None = None                # clients must send it as a bearer token (the one, admin, tenant)
+    tenants_file: str | None = None         # tokens -> tenants, namespaces, quotas (services/gateway/tenants.py)
     tls_cert: str | None = None             # gateway over TLS: certificate chain and key (PEM files)
     tls_key: str | None = None
     # mutual TLS between the services (services/cluster/security.py): certificates from certs_dir (ca.pem,
@@ -158,6 +159,10 @@ class ClusterConfig:
         for path in (self.tls_cert, self.tls_key):
             if path is not None and not Path(path).is_file():
                 raise FileNotFoundError(f"TLS file {path} does not exist")
+        if self.tenants_file is not None:
+            if self.token is not None:
+                raise ValueError("give either --token or --tenants: a tenants file names every token")
+            self.tenants()          # read and checked here, at the boundary: a bad file fails `tessera up`
         if self.certs_dir is not None and not self.internal_tls:
             raise ValueError("certs_dir is given but internal_tls is off")
         if self.certs_dir is not None and not Path(self.certs_dir, "ca.pem").is_file():
@@ -169,6 +174,18 @@ class ClusterConfig:
         if self.tls_cert is None:
             return None
         return Path(self.tls_cert).read_bytes(), Path(self.tls_key).read_bytes()
+
+    def tenants(self) -> dict | None:
+        """The tenants file as its checked raw mapping (the gateway parses it where it runs), or None."""
+        if self.tenants_file is None:
+            return None
+        from services.gateway.tenants import Tenants
+
+        path = Path(self.tenants_file)
+        Tenants.from_file(path)
+        import yaml
+
+        return yaml.safe_load(path.read_text())
 
     def engine(self) -> EngineSettings:
         return EngineSettings(self.model_dir, self.device, self.dtype, self.kv_cache_bytes, self.chunk_cache_bytes)

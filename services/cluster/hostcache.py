@@ -118,6 +118,13 @@ class HostChunks:
             self.used += entry.nbytes
             return True
 
+    def drop(self, chunk_ids) -> int:
+        """Forget these chunks; returns how many were held."""
+        with self._lock:
+            gone = [self._entries.pop(cid) for cid in set(chunk_ids) if cid in self._entries]
+            self.used -= sum(e.nbytes for e in gone)
+            return len(gone)
+
     def clear(self) -> int:
         with self._lock:
             n = len(self._entries)

@@ -215,6 +215,21 @@ class StoreAccess:
             self.known_ids.discard(cid)
         return dropped
 
+    def forget(self, chunk_ids, store: bool) -> int:
+        """Drop these chunks from the host tier and, with ``store`` (a prefill worker, which may delete), from
+        the store too; returns how many the store deleted."""
+        if self.host is not None:
+            self.host.drop(chunk_ids)
+        dropped = 0
+        for cid in chunk_ids:
+            if store and self._client is not None:
+                try:
+                    dropped += bool(self._client.delete(cid, timeout=self.lookup_timeout))
+                except grpc.RpcError:
+                    pass
+            self.known_ids.discard(cid)
+        return dropped
+
     def close(self) -> None:
         self._puts.shutdown(wait=False, cancel_futures=True)
         self._keeper.shutdown(wait=False, cancel_futures=True)

@@ -141,7 +141,7 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
         progress("starting the gateway")
         spec = ServiceSpec("gateway", GATEWAY_NAME, host=cfg.bind_host, port=cfg.gateway_port, model_dir=cfg.model_dir,
                            workers=tuple((n, "prefill" if "prefill" in n else "decode", addresses[n]) for n in workers),
-                           token=cfg.token, tls=cfg.tls(), namespace=cfg.namespace,
+                           token=cfg.token, tenants=cfg.tenants(), tls=cfg.tls(), namespace=cfg.namespace,
                            text_cache_tokens=cfg.text_cache_tokens, cluster_tls=tls("gateway"))
         actors[GATEWAY_NAME] = _remote(cfg, GATEWAY_NAME, 0, 0).remote(spec)
         addresses[GATEWAY_NAME] = ray.get(actors[GATEWAY_NAME].address.remote())

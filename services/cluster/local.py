@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.cluster.actors import ServiceSpec
+from services.cluster.actors import ServiceSpec, gateway_tenants
 from services.cluster.config import ClusterConfig
 from services.cluster.security import identities
 
@@ -41,6 +41,7 @@ class _Gateway:
         # resolve=None: no worker comes back at another address (there are no restarts here)
         self._server, port = self._loop.run(
             create_server(spec.model_dir, list(spec.workers), token=spec.token, tls=spec.tls, host=spec.host,
+                          tenants=gateway_tenants(spec),
                           port=spec.port, registry=ChunkRegistry(), resolve=None,
                           text_cache_tokens=spec.text_cache_tokens, cluster_tls=spec.cluster_tls),
             timeout=START_TIMEOUT_S)
@@ -219,7 +220,7 @@ def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = la
         roles = {n: r for r in ("prefill", "decode") for n in names[r]}
         _spawn(ctx, ServiceSpec("gateway", GATEWAY_NAME, host=cfg.bind_host, port=cfg.gateway_port,
                                 model_dir=cfg.model_dir, workers=tuple((n, roles[n], addresses[n]) for n in workers),
-                                token=cfg.token, tls=cfg.tls(), namespace=cfg.namespace,
+                                token=cfg.token, tenants=cfg.tenants(), tls=cfg.tls(), namespace=cfg.namespace,
                                 text_cache_tokens=cfg.text_cache_tokens, cluster_tls=tls("gateway")), children)
         _wait(children, [GATEWAY_NAME], addresses, metrics)
     except BaseException:

@@ -154,7 +154,14 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return pb.PrefetchReply(kept=await asyncio.to_thread(self.store.prefetch, ids))
 
     async def Reset(self, request, context):
+        ids = tuple(request.chunk_ids)
+
         def clear() -> int:
+            if ids:                              # a tenant's chunks only (the prefill workers delete stored copies)
+                dropped = self.eng.cache.drop(ids)
+                if not request.device_only:
+                    self.store.forget(ids, store=False)
+                return dropped
             before = len(self.eng.cache)
             self.eng.cache.clear()
             if not request.device_only:

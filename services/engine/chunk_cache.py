@@ -34,6 +34,14 @@ def chunk_id(fingerprint: str, tokens: Iterable[int]) -> str:
     return chunk_ids_of(fingerprint, ids, [ids.size])[0]
 
 
+def scoped_id(namespace: str, cid: str) -> str:
+    """The id of the chunk of content id ``cid`` in ``namespace``: another hash per namespace, so that one
+    tenant's chunks are never another's ("": the plain content id, for a cluster without tenants)."""
+    if not namespace:
+        return cid
+    return hashlib.sha256(f"{namespace}\0{cid}".encode()).hexdigest()
+
+
 def chunk_ids_of(fingerprint: str, flat: np.ndarray, lengths: list[int]) -> list[str]:
     """chunk_id of each of the chunks laid one after another in ``flat`` (int64), ``lengths`` [chunks]:
     the hashes read the array's slices in place."""
@@ -152,3 +160,14 @@ class ChunkCache:
         """Drop every unpinned entry."""
         while self._evict_one():
             pass
+
+    def drop(self, chunk_ids) -> int:
+        """Drop the unpinned entries of these chunks (and their position-aware replicas, keyed ``id@start``);
+        returns how many were dropped."""
+        ids = set(chunk_ids)
+        gone = [k for k, e in self._entries.items() if e.refs == 0 and (k in ids or k.partition("@")[0] in ids)]
+        for key in gone:
+            entry = self._entries.pop(key)
+            self.resident_bytes -= entry.nbytes
+            self.pool.free(entry.blocks)
+        return len(gone)

@@ -19,7 +19,7 @@ from kernels.paged_attention import MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
 from services.engine.blend import BlendConfig
 from services.engine.block_pool import BlockPool
 from services.engine.block_table import BlockTable
-from services.engine.chunk_cache import ChunkCache, chunk_id, chunk_ids_of
+from services.engine.chunk_cache import ChunkCache, chunk_id, chunk_ids_of, scoped_id
 from services.engine.config import ModelConfig
 from services.engine.forward import Forward
 from services.engine.handoff import Handoff, import_sequence
@@ -119,17 +119,21 @@ class Engine:
 
     # ------------------------------------------------------------------ validation
     def check(self, chunks, suffix, mode: str = "tessera", extra_tokens: int = 0,
-              with_chunk_ids: bool = True) -> CheckedRequest:
+              with_chunk_ids: bool = True, namespaces=None) -> CheckedRequest:
         """A request's token ids read once: a ``CheckedRequest`` that the prefill calls take in place of
         (chunks, suffix), with every chunk's id (``chunk_id``, in every mode). A serving worker that needs the
         ids before the pass (to look its chunks up) converts and hashes the request once this way
         (``with_chunk_ids=False``: no ids, for ``full`` and ``prefix``, which never look them up). A clear
         ValueError for bad input: unknown mode, empty parts, ids outside the vocabulary or not integers,
         past the model's length limit (``extra_tokens``: the tokens to be generated after it), a chunk
-        offset the kernels' metadata cannot encode (tessera)."""
+        offset the kernels' metadata cannot encode (tessera). ``namespaces``: each chunk's namespace (its id is
+        then ``scoped_id(namespace, content id)``: tenants' chunks never share an id); None: all plain."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
         chunks = list(chunks if chunks is not None else [])
+        namespaces = tuple(namespaces) if namespaces is not None and any(namespaces) else ()
+        if namespaces and len(namespaces) != len(chunks):
+            raise ValueError(f"{len(namespaces)} namespaces for {len(chunks)} chunks")
         known = self.known_chunks
         keys, cids = known.lookup(chunks)  # chunks seen before: checked and hashed already
         new = [i for i, cid in enumerate(cids) if cid is None]
@@ -168,13 +172,14 @@ class Engine:
         if with_chunk_ids:
             for i, cid in zip(new, chunk_ids_of(self.fingerprint, flat, [len(chunks[i]) for i in new])):
                 cids[i] = cid
-                known.put(keys[i], cid)
-            ids = cids
-        return CheckedRequest(chunks, suffix, ids, mode, extra_tokens, self.fingerprint)
+                known.put(keys[i], cid)         # the memo holds content ids; namespaces apply after it
+            ids = [scoped_id(ns, cid) for ns, cid in zip(namespaces, cids)] if namespaces else cids
+        return CheckedRequest(chunks, suffix, ids, mode, extra_tokens, self.fingerprint, namespaces)
 
     def _validate(self, chunks, suffix, mode: str, recompute_ratio: float, extra_tokens: int = 0):
-        """-> (chunks, suffix) as lists of ints, and the chunks' ids (None in ``full`` and ``prefix``, which
-        never look them up); ``chunks`` may be a CheckedRequest (``check``) made for this mode and
+        """-> (chunks, suffix) as lists of ints, the chunks' ids (None in ``full`` and ``prefix``, which
+        never look them up) and the request's scope (its chunks' namespaces, which prefix caching hashes
+        with its prefixes); ``chunks`` may be a CheckedRequest (``check``) made for this mode and
         extra_tokens, suffix then None. A clear ValueError for bad input."""
         if not 0.0 <= float(recompute_ratio) <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
@@ -195,17 +200,19 @@ class Engine:
         if req.chunk_ids is None and mode not in ("full", "prefix"):
             raise ValueError(f"mode {mode!r} looks chunks up by id: check the request with_chunk_ids=True")
         # chunk ids name cached chunks in the reuse modes only (prefix hashes whole prefixes itself)
-        return req.chunks, req.suffix, None if mode in ("full", "prefix") else req.chunk_ids
+        return (req.chunks, req.suffix, None if mode in ("full", "prefix") else req.chunk_ids,
+                "|".join(req.namespaces))
 
     # ------------------------------------------------------------------ public API
-    def chunk_id(self, tokens) -> str:
-        return chunk_id(self.fingerprint, tokens)
+    def chunk_id(self, tokens, namespace: str = "") -> str:
+        return scoped_id(namespace, chunk_id(self.fingerprint, tokens))
 
     @torch.no_grad()
     def prefill(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15) -> PrefillResult:
         """Next-token logits after chunks + suffix; the request's private KV is freed afterwards."""
-        chunks, suffix, ids = self._validate(chunks, suffix, mode, recompute_ratio)
-        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids, keep_tables=False)
+        chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio)
+        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids, keep_tables=False,
+                                           scope=scope)
         self.release(seq)
         return PrefillResult(logits, stats)
 
@@ -214,9 +221,9 @@ class Engine:
                  top_k: int = 0, seed: int | None = None, mode: str = "tessera", recompute_ratio: float = 0.15,
                  stop_token_ids: list[int] | None = None) -> list[int]:
         params = SamplingParams(temperature, top_p, top_k, seed, max_new_tokens)
-        chunks, suffix, ids = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=max_new_tokens)
+        chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=max_new_tokens)
         stops = set(self._stop_ids() if stop_token_ids is None else stop_token_ids)
-        logits, seq, _ = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids)
+        logits, seq, _ = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids, scope=scope)
         out: list[int] = []
         try:
             gen = params.generator(self.device)
@@ -252,8 +259,9 @@ class Engine:
         ``on_logits``, exports and releases. A serving worker issues the next request's pass between the
         two, so that its host work overlaps this pass on the device. Nothing else may use the engine
         until ``finish`` is called, but another ``begin_prefill_handoff``."""
-        chunks, suffix, ids = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
-        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), fetch, on_computed, ids)
+        chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
+        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), fetch, on_computed, ids,
+                                           scope=scope)
         try:
             # what the export reads on the host starts on its way first: reading the first token (a sync)
             # then delivers it, and the export after the first token waits for nothing on the device
@@ -292,12 +300,13 @@ class Engine:
             return []
         return list(eos) if isinstance(eos, list) else [eos]
 
-    def _prefill(self, chunks, suffix, mode, ratio, fetch=None, on_computed=None, ids=None, keep_tables=True):
+    def _prefill(self, chunks, suffix, mode, ratio, fetch=None, on_computed=None, ids=None, keep_tables=True,
+                 scope: str = ""):
         stats = PrefillStats(mode=mode, recompute_ratio=ratio, check_layer=self.blend.check_layer,
                              chunks=len(chunks), chunk_tokens=sum(map(len, chunks)), suffix_tokens=len(suffix))
         t0 = time.perf_counter()
         logits, seq = self.forward.prefill(chunks, suffix, mode, ratio, self.blend, stats, fetch, on_computed, ids,
-                                           keep_tables)
+                                           keep_tables, scope)
         stats.total_seconds = time.perf_counter() - t0
         return logits, seq, stats
 

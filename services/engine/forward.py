@@ -211,11 +211,13 @@ class Forward:
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, chunks, suffix, mode: str, ratio: float, blend: BlendConfig, stats: PrefillStats,
-                fetch=None, on_computed=None, ids: list[str] | None = None, keep_tables: bool = True):
+                fetch=None, on_computed=None, ids: list[str] | None = None, keep_tables: bool = True,
+                scope: str = ""):
         """``ids``: the chunks' ids (chunk_id of each, as Engine._validate computed them), or None.
-        ``keep_tables`` False: the caller only releases the Sequence (see blend_pass)."""
+        ``keep_tables`` False: the caller only releases the Sequence (see blend_pass). ``scope``: the request's
+        chunk namespaces, hashed into prefix caching's keys (tenants never share a prefix)."""
         if mode in ("full", "prefix"):
-            return self._prefill_dense(chunks, suffix, mode, stats)
+            return self._prefill_dense(chunks, suffix, mode, stats, scope)
         try:
             return self._prefill_reuse(chunks, suffix, mode, ratio, blend, stats, fetch, on_computed, ids, keep_tables)
         finally:
@@ -227,7 +229,7 @@ class Forward:
                 stats.loaded_bytes = sum(load.bytes for load in gate.loads)
                 stats.load_seconds = max(load.seconds for load in gate.loads)
 
-    def _prefill_dense(self, chunks, suffix, mode, stats):
+    def _prefill_dense(self, chunks, suffix, mode, stats, scope: str = ""):
         """full: every token computed, nothing cached. prefix: reuse the longest cached chunk prefix,
         compute the rest in context and cache each new chunk under the hash of its whole prefix."""
         dev, pinned, tables, start = self.device, [], [], 0
@@ -235,7 +237,7 @@ class Forward:
         if mode == "prefix":
             for c in chunks:
                 # a chain hash: chunk i is named by everything before it (namespaced apart from chunk ids)
-                h_prefix = chunk_id(h_prefix or f"prefix:{self._fingerprint}", c)
+                h_prefix = chunk_id(h_prefix or f"prefix:{self._fingerprint}" + (f":{scope}" if scope else ""), c)
                 keys.append(h_prefix)
         n_hit = 0
         if mode == "prefix":

@@ -78,6 +78,7 @@ class CheckedRequest:
     mode: str
     extra_tokens: int
     fingerprint: str
+    namespaces: tuple[str, ...] = ()   # each chunk's namespace (chunk_cache.scoped_id), () when all are plain
 
 
 class _Ids:

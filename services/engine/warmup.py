@@ -96,7 +96,7 @@ def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool
     try:
         for i in range(batches[-1]):
             suffix = [(11 + i * 31) % eng.cfg.vocab_size]
-            c, s, ids = eng._validate(chunks, suffix, "tessera", 0.0, extra_tokens=DECODE_STEPS)
+            c, s, ids, _scope = eng._validate(chunks, suffix, "tessera", 0.0, extra_tokens=DECODE_STEPS)
             _, seq, _ = eng._prefill(c, s, "tessera", 0.0, ids=ids)
             seqs.append(seq)
         for b in batches:

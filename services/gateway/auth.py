@@ -1,21 +1,21 @@
 """Bearer-token authentication of the client API, as a server interceptor.
 
 Only the Tessera service is guarded: health checks and reflection stay open so that load
-balancers and grpcurl can see the server. A missing or wrong token is UNAUTHENTICATED.
+balancers and grpcurl can see the server. A missing token, or one that names no tenant
+(services/gateway/tenants.py), is UNAUTHENTICATED before any handler runs; the handler reads
+the tenant from the same token.
 """
 
 from __future__ import annotations
 
-import hmac
-
 import grpc
 
+from services.gateway.tenants import Tenants
 
-class BearerAuth(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str, service: str) -> None:
-        if not token:
-            raise ValueError("an empty token would let everyone in")
-        self._expected = f"Bearer {token}".encode()
+
+class TenantAuth(grpc.aio.ServerInterceptor):
+    def __init__(self, tenants: Tenants, service: str) -> None:
+        self.tenants = tenants
         self._prefix = f"/{service}/"
 
         async def deny_unary(request, context):
@@ -29,9 +29,6 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
 
     async def intercept_service(self, continuation, details):
-        if not details.method.startswith(self._prefix):
-            return await continuation(details)
-        sent = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(sent.encode() if isinstance(sent, str) else sent, self._expected):
+        if not details.method.startswith(self._prefix) or self.tenants.authenticate(details.invocation_metadata):
             return await continuation(details)
         return self._deny_stream if details.method.endswith("/Generate") else self._deny_unary

@@ -19,12 +19,14 @@ import uuid
 import grpc
 
 from services.cluster.serving import add_health, advertised_host, bind, make_server, serve_metrics, set_serving
-from services.gateway.auth import BearerAuth
+from services.gateway.auth import TenantAuth
 from services.gateway.detok import Detokenizer
-from services.gateway.inputs import ChunkRegistry, InputResolver, InvalidRequest, ResolvedRequest, TextTokens
+from services.gateway.inputs import (ChunkRegistry, Fresh, InputResolver, InvalidRequest, QuotaExceeded,
+                                     ResolvedRequest, TextTokens)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.peers import Peers
 from services.gateway.router import NoWorker, Router, WorkerView
+from services.gateway.tenants import Tenant, Tenants, TenantUsage
 from services.rpc import tessera_pb2 as pb
 from services.rpc import tessera_pb2_grpc as pb_grpc
 
@@ -88,29 +90,63 @@ class GatewayServicer(pb_grpc.TesseraServicer):
     REGISTER_GROUP = 4
 
     def __init__(self, resolver: InputResolver, router: Router, peers: Peers, metrics: GatewayMetrics,
-                 model_name: str, metrics_url: str, max_attempts: int = 3, restart_wait_s: float = 60.0) -> None:
+                 model_name: str, metrics_url: str, max_attempts: int = 3, restart_wait_s: float = 60.0,
+                 tenants: Tenants | None = None) -> None:
         self.resolver, self.router, self.peers, self.metrics = resolver, router, peers, metrics
         self.model_name, self.metrics_url, self.max_attempts = model_name, metrics_url, max_attempts
         self.restart_wait_s = restart_wait_s
+        self.tenants = tenants if tenants is not None else Tenants.single(None)
         self.requests_total = 0
+        self.usage: dict[str, TenantUsage] = {}     # tenant name -> its requests, in flight, chunk ids used
+
+    def _tenant(self, context) -> Tenant:
+        """The tenant the call's token names (TenantAuth let it in, so there is one)."""
+        tenant = self.tenants.authenticate(context.invocation_metadata())
+        assert tenant is not None, "TenantAuth admits only callers it can name"
+        return tenant
+
+    def _usage(self, tenant: Tenant) -> TenantUsage:
+        return self.usage.setdefault(tenant.name, TenantUsage())
 
     @staticmethod
     def _remaining(context) -> float:
         left = context.time_remaining()
         return DEFAULT_DEADLINE_S if left is None else max(left, 0.01)
 
-    async def Generate(self, request: pb.GenerateRequest, context):
-        arrival = time.perf_counter()
-        self.requests_total += 1
+    async def _resolve(self, request: pb.GenerateRequest, tenant: Tenant, context) -> ResolvedRequest:
+        """The request in token ids within its tenant's quotas, or the call ends with the reason."""
         try:
+            self.resolver.check_text(request.chunks, request.suffix_text, tenant)    # before any tokenizing
             # new chunk texts take milliseconds to tokenize: off the event loop, so other calls go on meanwhile
-            req = (await asyncio.to_thread(self.resolver.resolve, request) if self.resolver.tokenizes(request.chunks)
-                   else self.resolver.resolve(request))
+            if self.resolver.tokenizes(request.chunks, tenant):
+                return await asyncio.to_thread(self.resolver.resolve, request, tenant)
+            return self.resolver.resolve(request, tenant)
         except InvalidRequest as exc:
             self.metrics.requests.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QuotaExceeded as exc:
+            self.metrics.requests.labels("quota").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except PermissionError as exc:
+            self.metrics.requests.labels("denied").inc()
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        arrival = time.perf_counter()
+        tenant = self._tenant(context)
+        usage = self._usage(tenant)
+        self.requests_total += 1
+        usage.requests += 1
+        req = await self._resolve(request, tenant, context)
+        if usage.in_flight >= tenant.quotas.max_in_flight:
+            self.metrics.requests.labels("quota").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"tenant {tenant.name} has {usage.in_flight} requests in flight, its quota "
+                                f"max_in_flight ({tenant.quotas.max_in_flight})")
+        usage.remember(req.chunk_ids, req.namespaces, tenant.namespace)
         rid = request.request_id or uuid.uuid4().hex
         self.metrics.in_flight.inc()
+        usage.in_flight += 1
         outcome = "error"
         try:
             last_error, last_code = "no attempt made", grpc.StatusCode.UNAVAILABLE
@@ -140,6 +176,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                                 f"no worker could serve request {rid} in {self.max_attempts} attempts "
                                 f"({len(sent)} tokens were sent): {last_error}")
         finally:
+            usage.in_flight -= 1
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(outcome).inc()
 
@@ -164,7 +201,8 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         sampling = req.sampling.to_proto()
         try:
             preq = pb.PrefillRequest(request_id=rid, chunks=[pb.TokenIds(ids=c) for c in req.chunks],
-                                     suffix=req.suffix, mode=req.mode, decode_address=d.address, sampling=sampling)
+                                     suffix=req.suffix, mode=req.mode, decode_address=d.address, sampling=sampling,
+                                     chunk_namespaces=req.namespaces)
             if req.recompute_ratio is not None:
                 preq.recompute_ratio = req.recompute_ratio
             try:
@@ -242,19 +280,32 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         raise _Retry(f"{bad.role} worker {bad.name}: {code.name}: {exc.details()}", code)
 
     async def RegisterChunks(self, request: pb.RegisterChunksRequest, context):
+        tenant = self._tenant(context)
         try:
-            fresh = await asyncio.to_thread(self.resolver.tokenize_chunks, request.chunks)
-            chunks = [self.resolver.chunk(c, f"chunk {i}", allow_id=False, fresh=fresh)
-                      for i, c in enumerate(request.chunks)]
+            if len(request.chunks) > tenant.quotas.max_chunks_per_request:
+                raise QuotaExceeded(f"{len(request.chunks)} chunks is past tenant {tenant.name}'s quota "
+                                    f"max_chunks_per_request ({tenant.quotas.max_chunks_per_request})")
+            self.resolver.check_text(request.chunks, "", tenant)
+            fresh = Fresh(await asyncio.to_thread(self.resolver.tokenize_chunks, request.chunks, tenant))
+            parts = [self.resolver.chunk(c, f"chunk {i}", tenant, allow_id=False, fresh=fresh)
+                     for i, c in enumerate(request.chunks)]
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QuotaExceeded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except PermissionError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        chunks = [p[0] for p in parts]
+        namespaces = [p[1] for p in parts]
         if not chunks:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request: no chunk to register")
         too_long = next((i for i, c in enumerate(chunks) if len(c) >= self.resolver.limit), None)
         if too_long is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {too_long} of {len(chunks[too_long])} tokens "
                                                                   f"is past the model's limit of {self.resolver.limit}")
-        ids = [self.resolver.chunk_id(c) for c in chunks]
+        self.resolver.keep(fresh)
+        ids = [self.resolver.chunk_id(c, ns) for c, ns in zip(chunks, namespaces)]
+        self._usage(tenant).remember(ids, namespaces, tenant.namespace)
         # In groups: the decode workers read a group's stored chunks (``_prefetch``) while the prefill
         # worker computes and stores the next group; the reply waits for every read.
         stored: list[bool] = []
@@ -262,9 +313,10 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         try:
             for at in range(0, len(chunks), self.REGISTER_GROUP):
                 group_ids, group = ids[at:at + self.REGISTER_GROUP], chunks[at:at + self.REGISTER_GROUP]
-                reply = await self._warm(group_ids, group, context)
-                for cid, c in zip(group_ids, group):
-                    self.resolver.registry.add(cid, c)
+                group_ns = namespaces[at:at + self.REGISTER_GROUP]
+                reply = await self._warm(group_ids, group, group_ns, context)
+                for cid, c, ns in zip(group_ids, group, group_ns):
+                    self.resolver.registry.add(cid, c, ns)
                 stored += reply.stored
                 new = [cid for cid, s in zip(group_ids, reply.stored) if s]
                 if new:
@@ -276,7 +328,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         return pb.RegisterChunksResponse(chunks=[pb.RegisteredChunk(chunk_id=cid, num_tokens=len(c), stored=s)
                                                  for cid, c, s in zip(ids, chunks, stored)])
 
-    async def _warm(self, ids: list[str], chunks: list[list[int]], context) -> pb.WarmReply:
+    async def _warm(self, ids: list[str], chunks: list[list[int]], namespaces: list[str], context) -> pb.WarmReply:
         """Compute and store ``chunks`` on a prefill worker (another one if it fails); aborts the call
         when none can."""
         avoid: set[str] = set()
@@ -287,8 +339,9 @@ class GatewayServicer(pb_grpc.TesseraServicer):
             except NoWorker as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             try:
-                reply = await self.peers.prefill_stub(w).Warm(pb.WarmRequest(chunks=[pb.TokenIds(ids=c) for c in chunks]),
-                                                              timeout=self._remaining(context))
+                warm = pb.WarmRequest(chunks=[pb.TokenIds(ids=c) for c in chunks],
+                                      chunk_namespaces=namespaces if any(namespaces) else ())
+                reply = await self.peers.prefill_stub(w).Warm(warm, timeout=self._remaining(context))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in PASS_THROUGH:
                     await context.abort(exc.code(), exc.details())
@@ -316,17 +369,34 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                 log.warning("decode worker %s could not prefetch %d registered chunk(s): %s", w.name, len(ids), r)
 
     async def Stats(self, request, context):
-        workers = [pb.WorkerInfo(name=w.name, role=w.role, address=w.address, healthy=w.healthy, in_flight=w.in_flight,
-                                 resident_chunks=len(w.resident), metrics_url=w.metrics_url)
-                   for w in self.router.workers.values()]
+        """The cluster as the caller's tenant may see it: the model and its limits, and its own requests and
+        registered chunks; workers, every tenant's totals and the metrics URL for an admin token only."""
+        tenant = self._tenant(context)
         transport = next((s.transport for s in self.peers.status.values() if s.transport), "grpc stream")
         cfg = self.resolver.cfg
-        return pb.StatsResponse(model=self.model_name, vocab_size=cfg.vocab_size, max_position_embeddings=self.resolver.limit,
-                                transport=transport, workers=workers, requests_total=self.requests_total,
-                                registered_chunks=len(self.resolver.registry), metrics_url=self.metrics_url)
+        out = pb.StatsResponse(model=self.model_name, vocab_size=cfg.vocab_size,
+                               max_position_embeddings=self.resolver.limit, transport=transport, tenant=tenant.name)
+        if tenant.admin:
+            out.workers.extend(pb.WorkerInfo(name=w.name, role=w.role, address=w.address, healthy=w.healthy,
+                                             in_flight=w.in_flight, resident_chunks=len(w.resident),
+                                             metrics_url=w.metrics_url) for w in self.router.workers.values())
+            out.requests_total, out.registered_chunks = self.requests_total, len(self.resolver.registry)
+            out.metrics_url = self.metrics_url
+        else:
+            out.requests_total = self._usage(tenant).requests
+            out.registered_chunks = self.resolver.registry.count([tenant.namespace])
+        return out
 
     async def ResetCaches(self, request, context):
-        reset = pb.ResetRequest(device_only=request.device_only)
+        """An admin token drops every chunk on every worker (and store); another tenant's drops the chunks of its
+        own namespace the gateway has seen it use (shared namespaces are not one tenant's to drop)."""
+        tenant = self._tenant(context)
+        ids: tuple[str, ...] = ()
+        if not tenant.admin:
+            ids = self._usage(tenant).take_ids()
+            if not ids:
+                return pb.ResetCachesResponse(chunks_dropped=0)
+        reset = pb.ResetRequest(device_only=request.device_only, chunk_ids=ids)
         calls = [self.peers.prefill_stub(w).Reset(reset, timeout=30) for w in self.router.of_role("prefill")]
         calls += [self.peers.decode_stub(w).Reset(reset, timeout=30) for w in self.router.of_role("decode")]
         replies = await asyncio.gather(*calls, return_exceptions=True)
@@ -334,7 +404,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         if failed:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{len(failed)} worker(s) could not reset: {failed[0]}")
         for w in self.router.workers.values():
-            w.resident = frozenset()
+            w.resident = w.resident - set(ids) if ids else frozenset()
         return pb.ResetCachesResponse(chunks_dropped=sum(r.chunks_dropped for r in replies))
 
 
@@ -353,12 +423,17 @@ async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, 
                         tls: tuple[bytes, bytes] | None = None, registry: ChunkRegistry | None = None,
                         host: str = "127.0.0.1", port: int = 0, resolve=None,
                         ready_timeout_s: float = 120.0, text_cache_tokens: int = 8 << 20,
-                        cluster_tls=None) -> tuple[GatewayServer, int]:
+                        cluster_tls=None, tenants: Tenants | None = None) -> tuple[GatewayServer, int]:
     """Serve the client API on ``host:port`` (0: any) over ``workers`` [(name, role, address)];
     ``tls`` = (certificate chain PEM, private key PEM) serves it over TLS. Waits until the prefill
     workers report the model fingerprint. ``text_cache_tokens``: token ids of chunk texts kept for
     requests that send them again (0: every text tokenized every time). ``cluster_tls``: the gateway's
-    ``ClusterTLS``: workers are called over mutual TLS (services/cluster/security.py). Returns (server, port)."""
+    ``ClusterTLS``: workers are called over mutual TLS (services/cluster/security.py). ``tenants``: who each
+    bearer token is (services/gateway/tenants.py); None: one default tenant behind ``token`` (open without
+    one). Returns (server, port)."""
+    if tenants is not None and token is not None:
+        raise ValueError("give either a token or a tenants file: a tenants file names every token")
+    tenants = tenants if tenants is not None else Tenants.single(token)
     metrics = GatewayMetrics()
     router = Router()
     for name, role, address in workers:
@@ -374,8 +449,8 @@ async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, 
     from pathlib import Path
 
     servicer = GatewayServicer(resolver, router, peers, metrics, Path(model_dir).name,
-                               f"http://{advertised_host(host)}:{http_port}/metrics")
-    server = make_server("gateway", None, [BearerAuth(token, SERVICE_NAME)] if token else ())
+                               f"http://{advertised_host(host)}:{http_port}/metrics", tenants=tenants)
+    server = make_server("gateway", None, () if tenants.open else [TenantAuth(tenants, SERVICE_NAME)])
     pb_grpc.add_TesseraServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))
     bound = bind(server, host, port, tls)

@@ -87,7 +87,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         # them into tuples first cost ~2.5x that)
         job = PrefillJob(request.request_id, tuple(c.ids for c in request.chunks), request.suffix,
                          request.mode or "tessera",
-                         request.recompute_ratio if request.HasField("recompute_ratio") else None, sampling)
+                         request.recompute_ratio if request.HasField("recompute_ratio") else None, sampling,
+                         namespaces=tuple(request.chunk_namespaces))
         loop = asyncio.get_running_loop()
         first: asyncio.Future = loop.create_future()
 
@@ -195,8 +196,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
     async def Warm(self, request: pb.WarmRequest, context):
         chunks = [list(c.ids) for c in request.chunks]
+        namespaces = tuple(request.chunk_namespaces)
         try:
-            stored, resident = await self._on_engine(lambda: (self.worker.warm(chunks), self.worker.resident_ids()))
+            stored, resident = await self._on_engine(lambda: (self.worker.warm(chunks, namespaces),
+                                                              self.worker.resident_ids()))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.WarmReply(stored=stored, resident_chunk_ids=resident)
@@ -209,7 +212,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                model_fingerprint=self.worker.eng.fingerprint, **placement(self.worker.eng.device))
 
     async def Reset(self, request, context):
-        dropped, _ = await self._on_engine(lambda: (self.worker.reset(request.device_only), self.worker.resident_ids()))
+        ids = tuple(request.chunk_ids)
+        dropped, _ = await self._on_engine(lambda: (self.worker.reset(request.device_only, ids),
+                                                    self.worker.resident_ids()))
         return pb.ResetReply(chunks_dropped=dropped)
 
 

@@ -32,6 +32,7 @@ class PrefillJob:
     recompute_ratio: float | None      # None: the loading controller picks it
     sampling: WireSampling
     enqueued: float = field(default_factory=time.perf_counter)
+    namespaces: tuple[str, ...] = ()   # each chunk's namespace (a tenant's), () when all are plain
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +124,8 @@ class PrefillWorker:
         started = time.perf_counter()
         queue_s = started - job.enqueued
         # the request's ids read (and its chunk ids hashed) once: the pass takes the checked request
-        req = self.eng.check(job.chunks, job.suffix, job.mode, extra_tokens=job.sampling.params.max_new_tokens)
+        req = self.eng.check(job.chunks, job.suffix, job.mode, extra_tokens=job.sampling.params.max_new_tokens,
+                             namespaces=job.namespaces or None)
         ids = req.chunk_ids
         tiers, present, held = self._tiers(job, ids)
         storing: list[str] = []           # chunk ids this request queued for a store write
@@ -206,16 +208,20 @@ class PrefillWorker:
         self.metrics.stored_bytes.inc(layers_nbytes(layers))
         return True
 
-    def warm(self, chunks: list[list[int]]) -> list[bool]:
+    def warm(self, chunks: list[list[int]], namespaces: tuple[str, ...] = ()) -> list[bool]:
         """Compute each chunk alone (unless cached here or in the store) and store it; True when the
         store holds it afterwards. Pipelined: chunk i's store write (on the put thread) runs while chunk
-        i+1 is computed; the answer waits for every write's acknowledgement."""
+        i+1 is computed; the answer waits for every write's acknowledgement. ``namespaces``: each chunk's
+        (a tenant's), () when all are plain."""
         most_in_flight = 3      # writes queued at once: each holds a host copy of its chunk (64 MiB on Llama-3-8B)
-        ids = [self.eng.chunk_id(c) for c in chunks]
+        if namespaces and len(namespaces) != len(chunks):
+            raise ValueError(f"{len(namespaces)} namespaces for {len(chunks)} chunks")
+        namespaces = namespaces or ("",) * len(chunks)
+        ids = [self.eng.chunk_id(c, ns) for c, ns in zip(chunks, namespaces)]
         held = set(self.store.lookup(ids, host=False)) if self.store.enabled else set()   # one round trip
         outcome: dict[str, object] = {}        # chunk id -> True/False, or the Future of its put
         in_flight: list = []
-        for c, cid in zip(chunks, ids):
+        for c, cid, ns in zip(chunks, ids, namespaces):
             if cid in outcome:
                 continue
             if cid in held:
@@ -225,7 +231,8 @@ class PrefillWorker:
             if cid not in self.eng.cache:
                 # a chunk is computed alone whatever follows it: any one suffix token will do; its KV is
                 # taken while the pass holds it (a device cache smaller than the chunk evicts it after)
-                self.eng.prefill_handoff([c], [c[-1]], mode="tessera", recompute_ratio=0.0,
+                req = self.eng.check([c], [c[-1]], "tessera", namespaces=[ns] if ns else None)
+                self.eng.prefill_handoff(req, None, mode="tessera", recompute_ratio=0.0,
                                          on_computed=lambda _cid, layers: computed.append(layers))
             outcome[cid] = False
             if self.store.enabled and (computed or cid in self.eng.cache):
@@ -239,7 +246,12 @@ class PrefillWorker:
                 in_flight.append(put)
         return [o if isinstance(o, bool) else o.result() for o in (outcome[cid] for cid in ids)]
 
-    def reset(self, device_only: bool = False) -> int:
+    def reset(self, device_only: bool = False, chunk_ids: tuple[str, ...] = ()) -> int:
+        """Drop cached chunks: ``chunk_ids`` only (a tenant's), else every one; the store's copies too unless
+        ``device_only``. Returns how many were dropped."""
+        if chunk_ids:
+            dropped = self.eng.cache.drop(chunk_ids)
+            return dropped + (self.store.forget(chunk_ids, store=not device_only) if self.store.enabled else 0)
         before = len(self.eng.cache)
         self.eng.cache.clear()
         dropped = before - len(self.eng.cache)

@@ -13,14 +13,16 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChunkInput(_message.Message):
-    __slots__ = ("text", "tokens", "chunk_id")
+    __slots__ = ("text", "tokens", "chunk_id", "namespace")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     text: str
     tokens: TokenIds
     chunk_id: str
-    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., chunk_id: _Optional[str] = ...) -> None: ...
+    namespace: str
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., chunk_id: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop_token_ids", "ignore_eos")
@@ -164,7 +166,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., in_flight: _Optional[int] = ..., resident_chunks: _Optional[int] = ..., metrics_url: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_position_embeddings", "transport", "workers", "requests_total", "registered_chunks", "metrics_url")
+    __slots__ = ("model", "vocab_size", "max_position_embeddings", "transport", "workers", "requests_total", "registered_chunks", "metrics_url", "tenant")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +175,7 @@ class StatsResponse(_message.Message):
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_position_embeddings: int
@@ -181,7 +184,8 @@ class StatsResponse(_message.Message):
     requests_total: int
     registered_chunks: int
     metrics_url: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., transport: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., requests_total: _Optional[int] = ..., registered_chunks: _Optional[int] = ..., metrics_url: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., transport: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., requests_total: _Optional[int] = ..., registered_chunks: _Optional[int] = ..., metrics_url: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ResetCachesRequest(_message.Message):
     __slots__ = ("device_only",)
@@ -220,7 +224,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., in_flight: _Optional[int] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., metrics_url: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "chunks", "suffix", "mode", "recompute_ratio", "decode_address", "sampling")
+    __slots__ = ("request_id", "chunks", "suffix", "mode", "recompute_ratio", "decode_address", "sampling", "chunk_namespaces")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +232,7 @@ class PrefillRequest(_message.Message):
     RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chunks: _containers.RepeatedCompositeFieldContainer[TokenIds]
     suffix: _containers.RepeatedScalarFieldContainer[int]
@@ -235,7 +240,8 @@ class PrefillRequest(_message.Message):
     recompute_ratio: float
     decode_address: str
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., suffix: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., decode_address: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    chunk_namespaces: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., suffix: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., decode_address: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., chunk_namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "stats", "resident_chunk_ids", "finish_reason")
@@ -250,10 +256,12 @@ class PrefillReply(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "chunk_namespaces")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[TokenIds]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+    chunk_namespaces: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., chunk_namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WarmReply(_message.Message):
     __slots__ = ("stored", "resident_chunk_ids")
@@ -276,10 +284,12 @@ class PrefetchReply(_message.Message):
     def __init__(self, kept: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("device_only",)
+    __slots__ = ("device_only", "chunk_ids")
     DEVICE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
     device_only: bool
-    def __init__(self, device_only: _Optional[bool] = ...) -> None: ...
+    chunk_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, device_only: _Optional[bool] = ..., chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResetReply(_message.Message):
     __slots__ = ("chunks_dropped",)

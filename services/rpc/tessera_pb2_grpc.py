@@ -78,7 +78,8 @@ class TesseraServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ResetCaches(self, request, context):
-        """Drop cached chunk KV on every worker and store (benchmarks start each mode cold).
+        """Drop cached chunk KV (benchmarks start each mode cold): a tenant's own chunks the gateway has seen it use,
+        or with an admin token every chunk on every worker and store.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -11,10 +11,11 @@
 
 from services.sdk.aio import AsyncClient
 from services.sdk.client import Client
-from services.sdk.errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, TesseraError, Unauthenticated,
-                                 Unavailable)
-from services.sdk.types import ChunkId, ClusterStats, GenerateEvent, GenerationStats, RegisteredChunk, WorkerInfo
+from services.sdk.errors import (DeadlineExceeded, InvalidArgument, PermissionDenied, ResourceExhausted, TesseraError,
+                                 Unauthenticated, Unavailable)
+from services.sdk.types import (ChunkId, ClusterStats, GenerateEvent, GenerationStats, RegisteredChunk, Shared,
+                                WorkerInfo)
 
-__all__ = ["Client", "AsyncClient", "ChunkId", "GenerateEvent", "GenerationStats", "RegisteredChunk", "ClusterStats",
-           "WorkerInfo", "TesseraError", "InvalidArgument", "Unavailable", "DeadlineExceeded", "Unauthenticated",
-           "ResourceExhausted"]
+__all__ = ["Client", "AsyncClient", "ChunkId", "Shared", "GenerateEvent", "GenerationStats", "RegisteredChunk",
+           "ClusterStats", "WorkerInfo", "TesseraError", "InvalidArgument", "Unavailable", "DeadlineExceeded",
+           "Unauthenticated", "ResourceExhausted", "PermissionDenied"]

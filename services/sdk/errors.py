@@ -31,7 +31,11 @@ class Unauthenticated(TesseraError):
 
 
 class ResourceExhausted(TesseraError):
-    """A worker has no KV memory left for this request."""
+    """A worker has no KV memory left for this request, or it is past one of the tenant's quotas (named)."""
+
+
+class PermissionDenied(TesseraError):
+    """The caller's tenant may not do this (a namespace it may not read)."""
 
 
 _BY_CODE = {
@@ -40,6 +44,7 @@ _BY_CODE = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

@@ -20,8 +20,24 @@ class ChunkId:
         checks.text(self.id, "ChunkId.id")
 
 
-# A chunk: text (the gateway tokenizes it), token ids, or a registered id.
-Chunk = Union[str, Sequence[int], ChunkId]
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """A chunk (text or token ids) placed in a namespace the cluster declares shared (a public corpus): one
+    copy of its KV serves every tenant that may read ``namespace``. Plain chunks stay in the caller's own."""
+
+    chunk: Union[str, Sequence[int]]
+    namespace: str
+
+    def __post_init__(self) -> None:
+        checks.text(self.namespace, "Shared.namespace")
+        if not self.namespace:
+            raise checks.refuse("Shared.namespace must name a shared namespace")
+        if isinstance(self.chunk, (Shared, ChunkId)):
+            raise checks.refuse("Shared.chunk must be text or token ids")
+
+
+# A chunk: text (the gateway tokenizes it), token ids, a registered id, or one of those in a shared namespace.
+Chunk = Union[str, Sequence[int], ChunkId, Shared]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,16 +119,21 @@ class ClusterStats:
     registered_chunks: int
     metrics_url: str = ""
     extra: dict = field(default_factory=dict)
+    tenant: str = ""            # the tenant the caller's token names; workers are listed for an admin only
 
     @classmethod
     def from_proto(cls, s: pb.StatsResponse) -> "ClusterStats":
         workers = tuple(WorkerInfo(w.name, w.role, w.address, w.healthy, w.in_flight, w.resident_chunks, w.metrics_url)
                         for w in s.workers)
         return cls(s.model, s.vocab_size, s.max_position_embeddings, s.transport, workers, s.requests_total,
-                   s.registered_chunks, s.metrics_url)
+                   s.registered_chunks, s.metrics_url, tenant=s.tenant)
 
 
 def chunk_input(c: Chunk, where: str) -> pb.ChunkInput:
+    if isinstance(c, Shared):
+        out = chunk_input(c.chunk, where)
+        out.namespace = c.namespace
+        return out
     if isinstance(c, ChunkId):
         return pb.ChunkInput(chunk_id=c.id)
     if isinstance(c, str):
@@ -126,7 +147,7 @@ def chunk_input(c: Chunk, where: str) -> pb.ChunkInput:
 
 def chunk_inputs(chunks) -> list[pb.ChunkInput]:
     """The ChunkInputs of a call's ``chunks``: one text or ChunkId, or a sequence of chunks."""
-    if isinstance(chunks, (str, ChunkId)):
+    if isinstance(chunks, (str, ChunkId, Shared)):
         chunks = [chunks]
     if isinstance(chunks, (bytes, bytearray, Mapping, Set)) or not isinstance(chunks, Iterable):
         raise checks.refuse("chunks must be a list of chunks (text, token ids or ChunkId), "

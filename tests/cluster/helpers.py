@@ -34,7 +34,7 @@ class InProcessCluster:
     mutual TLS with a development CA minted in ``store_dir/certs`` (``internal_tls=False``: plain)."""
 
     def __init__(self, model_dir: str, store_dir, token: str | None = None, internal_tls: bool = True,
-                 decode_settings=None) -> None:
+                 decode_settings=None, tenants: dict | None = None) -> None:
         from services.cluster.config import DecodeSettings, EngineSettings, PrefillSettings
         from services.cluster.serving import LoopThread
         from services.decode.server import create_server as decode_server
@@ -60,8 +60,11 @@ class InProcessCluster:
                                                          cluster_tls=ids.get("decode")))
         self.workers = [("prefill-0", "prefill", f"127.0.0.1:{pport}"), ("decode-0", "decode", f"127.0.0.1:{dport}")]
         self.cluster_tls = ids.get("gateway")
+        from services.gateway.tenants import Tenants
+
         self.gateway, gport = self.loop.run(gateway_server(model_dir, self.workers, token=token,
-                                                           cluster_tls=self.cluster_tls))
+                                                           cluster_tls=self.cluster_tls,
+                                                           tenants=Tenants.parse(tenants) if tenants else None))
         self.address = f"127.0.0.1:{gport}"
         self.token = token
 

@@ -70,7 +70,7 @@ def test_token_ids_are_checked_and_passed_on_as_given(resolver):
         resolver.resolve(bad)
     registry = ChunkRegistry()
     registry.add("cid", req.chunks[0].tokens.ids)          # the registry keeps its own copy, not the message's field
-    assert registry.get("cid") == (5, 6, 7)
+    assert registry.get("cid") == ("", (5, 6, 7))          # (namespace, token ids)
 
 
 def test_the_cluster_config_refuses_a_negative_text_cache(tiny_model):

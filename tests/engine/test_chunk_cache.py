@@ -100,7 +100,7 @@ def test_request_chunk_ids_are_the_chunk_ids_the_cache_keys_by(engine):
     forms = [chunks, [tuple(c) for c in chunks], [np.asarray(c, dtype=np.int32) for c in chunks],
              [torch.tensor(c) for c in chunks], [iter(c) for c in chunks]]
     for form in forms:
-        got, sfx, ids = engine._validate(form, torch.tensor(suffix), "tessera", 0.0)
+        got, sfx, ids, _ = engine._validate(form, torch.tensor(suffix), "tessera", 0.0)
         assert got == chunks and sfx == suffix
         assert all(type(t) is int for c in got for t in c) and all(type(t) is int for t in sfx)
         assert ids == [chunk_id(engine.fingerprint, c) for c in chunks] == [engine.chunk_id(c) for c in chunks]

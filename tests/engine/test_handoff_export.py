@@ -30,7 +30,7 @@ class Ops(TorchDispatchMode):
 
 
 def _prefilled(eng, chunks, suffix, mode, ratio):
-    chunks, suffix, ids = eng._validate(chunks, suffix, mode, ratio)
+    chunks, suffix, ids, _ = eng._validate(chunks, suffix, mode, ratio)
     logits, seq, _ = eng._prefill(chunks, suffix, mode, float(ratio), ids=ids)
     return logits, seq
 

@@ -102,7 +102,7 @@ def test_host_side_table_facts_match_the_device(tiny_dir, mode, ratio, check_lay
     static tails copy agree with the tables' device tensors, for every layer's table."""
     eng = Engine.load(tiny_dir, check_layer=check_layer)
     chunks, suffix = random_request(73, lengths=(20, 33, 17))
-    chunks, suffix, ids = eng._validate(chunks, suffix, mode, ratio)
+    chunks, suffix, ids, _ = eng._validate(chunks, suffix, mode, ratio)
     logits, seq, _ = eng._prefill(chunks, suffix, mode, ratio, ids=ids)
     try:
         for table in {id(t): t for t in seq.layer_tables}.values():
@@ -129,7 +129,7 @@ def test_memoised_chunk_slots_follow_eviction_and_block_reuse(tiny_dir):
     for e in entries:
         eng.cache.release(e)
     eng.cache.clear()  # a's chunks evicted, their blocks free
-    b, suffix, ids = eng._validate(b, suffix, "tessera", 0.3)
+    b, suffix, ids, _ = eng._validate(b, suffix, "tessera", 0.3)
     _, held, _ = eng._prefill(b, suffix, "tessera", 0.3, ids=ids)  # b pinned in a's blocks
     try:
         assert old_blocks & {blk for e in held.pinned for blk in e.blocks}
