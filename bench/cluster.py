@@ -52,6 +52,18 @@ LLAMA3_8B = dict(
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 
+def _commit() -> str:
+    """The tree's commit (the device copy has no .git: TESSERA_COMMIT names it there)."""
+    import os
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("TESSERA_COMMIT", "unknown")
+
+
 class CorpusTarget:
     """The cluster target, whose ``reset()`` before a reuse mode also registers ``corpus`` (token lists)
     and then drops the device caches only: the store (and the workers' host tiers) keep the chunks."""
@@ -145,6 +157,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/cluster", help="writes OUT.json, OUT.md and OUT-runs/")
     ap.add_argument("--runs-dir", help="per-request records and plots (default: OUT-runs)")
     ap.add_argument("--no-ray", action="store_true", help="start the services as local processes, not Ray actors")
+    ap.add_argument("--internal-tls", choices=("on", "off"), default="on",
+                    help="mutual TLS between the services (default on, as `tessera up`; off: the A/B of its cost)")
     ap.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
     ap.add_argument("--model-dir", help="reuse a model directory (default: write one to a temp dir)")
     ap.add_argument("--layers", type=int, default=32)
@@ -222,7 +236,7 @@ def main() -> int:
     warm = {} if args.warmup_tokens is None else {"warmup_tokens": args.warmup_tokens}
     cfg = ClusterConfig(model_dir=str(model), device=device, dtype=dtype, kv_cache_bytes=int(args.kv_cache_bytes),
                         chunk_cache_bytes=int(args.chunk_cache_bytes), store_dram_bytes=int(args.store_dram_bytes),
-                        store_dir=str(Path(tmp) / "rocksdb"),
+                        store_dir=str(Path(tmp) / "rocksdb"), internal_tls=args.internal_tls == "on",
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_bytes),
                                                          **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_bytes),
@@ -253,7 +267,8 @@ def main() -> int:
                "concurrency": concurrency if main_pass else None, "rate": args.rate,
                "rates": rates, "max_seconds_per_rate": args.max_seconds_per_rate if rates else None,
                "chunk_cache_bytes": args.chunk_cache_bytes,
-               "host_cache_bytes": args.host_cache_bytes, "register_corpus": args.register_corpus, "runs": [],
+               "host_cache_bytes": args.host_cache_bytes, "register_corpus": args.register_corpus,
+               "internal_tls": args.internal_tls, "commit": _commit(), "runs": [],
                "rate_sweeps": []}
     shape = args.shape if tiny else f"{args.shape}, {args.layers} layers"
     md = [f"# Cluster benchmark ({shape}, {device})", "",
