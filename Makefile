@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/*.proto)
 
-.PHONY: setup test demo proto bench-kernels clean
+.PHONY: setup test demo chaos proto bench-kernels clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,12 @@ test: setup
 
 demo: setup
 	$(VENV)/bin/tessera demo
+
+# A bounded soak on local Ray: workers and store shards SIGKILLed while clients send prompts; fails on a wrong
+# output or a lost chunk (services/cluster/chaos.py). CHAOS_ARGS="--json PATH" keeps the report
+CHAOS_S ?= 60
+chaos: setup
+	$(VENV)/bin/tessera chaos --duration-s $(CHAOS_S) $(CHAOS_ARGS)
 
 # GPU only: correctness against the twins, then timings beside SDPA (bench/kernels.md)
 bench-kernels: setup
