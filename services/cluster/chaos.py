@@ -142,7 +142,9 @@ class SoakReport:
     acknowledged: int = 0                   # of them, answered stored=True
     registrations_failed: int = 0
     lost: list[str] = field(default_factory=list)   # acknowledged chunk ids not found or not served afterwards
-    wall_s: float = 0.0
+    problems: list[str] = field(default_factory=list)   # the cluster not whole, a victim not answering, ...
+    soak_s: float = 0.0                     # clients running
+    wall_s: float = 0.0                     # references, registrations, soak and checks
 
     @property
     def kills_by_role(self) -> dict[str, int]:
@@ -154,7 +156,7 @@ class SoakReport:
 
     @property
     def ok(self) -> bool:
-        return (self.mismatches == 0 and not self.lost and self.completed > 0
+        return (self.mismatches == 0 and not self.lost and not self.problems and self.completed > 0
                 and all(k.served_after and k.restarted_after_s is not None for k in self.kills))
 
     def to_dict(self) -> dict:
@@ -166,8 +168,8 @@ class SoakReport:
         s = self.settings
         failed = ", ".join(f"{code} {n}" for code, n in sorted(self.failed.items())) or "0"
         by_role = ", ".join(f"{r} {n}" for r, n in sorted(self.kills_by_role.items())) or "none"
-        rows = [("wall time", f"{self.wall_s:.1f} s (seed {s['seed']}, {s['concurrency']} clients, "
-                              f"roles {','.join(s['roles'])})"),
+        rows = [("soak", f"{self.soak_s:.1f} s of {self.wall_s:.1f} s (seed {s['seed']}, {s['concurrency']} clients, "
+                         f"roles {','.join(s['roles'])})"),
                 ("requests sent", self.sent), ("completed", self.completed), ("failed", failed),
                 ("kills", f"{len(self.kills)} ({by_role})"), ("restarts observed", self.restarts),
                 ("served after each kill", "yes" if all(k.served_after for k in self.kills) else "NO"),
@@ -179,6 +181,8 @@ class SoakReport:
         for k in self.kills:
             back = "not back" if k.restarted_after_s is None else f"back after {k.restarted_after_s:.1f} s"
             lines.append(f"    {k.at_s:7.1f} s  kill {k.name:<20} {back}{'' if k.served_after else ', nothing served after'}")
+        for p in self.problems:
+            lines.append(f"    PROBLEM {p}")
         for m in self.mismatch_examples:
             lines.append(f"    MISMATCH {m}")
         if self.lost:
@@ -305,9 +309,10 @@ def run_soak(target, settings: SoakSettings, *, model_dir: str | None = None, na
         stop, stop_killing, past_budget = threading.Event(), threading.Event(), threading.Event()
         clients = [threading.Thread(target=_client_loop, name=f"chaos-client-{i}",
                                     args=(i, target, s, prompts, tally, stop, past_budget)) for i in range(s.concurrency)]
-        killer = threading.Thread(target=_killer, name="chaos-killer",
-                                  args=(target, s, report.kills, client, t0, stop_killing))
         say(f"soaking: {s.concurrency} clients, a kill every ~{s.kill_every_s:g} s among {', '.join(s.roles)}")
+        started = time.monotonic()
+        killer = threading.Thread(target=_killer, name="chaos-killer",
+                                  args=(target, s, report, client, started, stop_killing))
         for t in (*clients, killer):
             t.start()
         if s.duration_s is not None:
@@ -318,15 +323,18 @@ def run_soak(target, settings: SoakSettings, *, model_dir: str | None = None, na
         killer.join(s.restart_timeout_s + 60)
         # clients go on until the cluster served a request after the last kill
         past_budget.set()
-        last_kill = t0 + max((k.at_s for k in report.kills), default=0.0)
+        last_kill = started + max((k.at_s for k in report.kills), default=0.0)
         _wait(lambda: tally.last_done > last_kill, s.settle_timeout_s, 0.1)
         stop.set()
+        deadline = time.monotonic() + s.request_timeout_s + 10
         for t in clients:
-            t.join(s.request_timeout_s + 10)
+            t.join(max(deadline - time.monotonic(), 0.1))
+        report.soak_s = round(time.monotonic() - started, 2)
         for k in report.kills:
-            k.served_after = tally.last_done > t0 + k.at_s
+            k.served_after = tally.last_done > started + k.at_s
         say("checking that every acknowledged chunk is still stored and served")
-        _whole(client, target, s.settle_timeout_s)
+        if not _whole(client, target, s.settle_timeout_s):
+            report.problems.append("after the soak, an actor does not answer or a worker is unhealthy")
         report.lost = _lost(client, engine, target, tally, s)
     report.sent, report.completed, report.mismatches = tally.sent, tally.completed, tally.mismatches
     report.failed, report.mismatch_examples = dict(tally.failed), tally.examples
@@ -374,8 +382,9 @@ def _client_loop(i: int, target: SoakTarget, s: SoakSettings, prompts: list[_Pro
                 tally.done(prompt, got, time.monotonic())
 
 
-def _killer(target: SoakTarget, s: SoakSettings, kills: list[Kill], client, t0: float,
+def _killer(target: SoakTarget, s: SoakSettings, report: SoakReport, client, t0: float,
             stop: threading.Event) -> None:
+    kills = report.kills
     rng = random.Random(f"{s.seed}/killer")
     by_role = {r: sorted(n for n in target.actors if _role(n) == r) for r in s.roles}
     order = [r for r in s.roles if by_role[r]]
@@ -388,9 +397,16 @@ def _killer(target: SoakTarget, s: SoakSettings, kills: list[Kill], client, t0: 
         name = rng.choice(by_role[role])
         handle = target.actors[name]
         pid = _pid(handle, s.restart_timeout_s)
-        if pid is None or stop.is_set():
+        if pid is None:
+            report.problems.append(f"{name} did not answer before its kill")
             return
-        os.kill(pid, signal.SIGKILL)
+        if stop.is_set():
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:          # it died by itself meanwhile: Ray restarts it anyway
+            report.problems.append(f"{name} (pid {pid}) was gone before its kill")
+            return
         at = time.monotonic()
         kill = Kill(role, name, round(at - t0, 2))
         kills.append(kill)
@@ -416,9 +432,10 @@ def _lost(client, engine, target: SoakTarget, tally: _Tally, s: SoakSettings) ->
         with ShardedKVStoreClient(list(target.stores), timeout=10, tls=tls) as store:
             found = _wait(lambda: store.lookup(ids), s.settle_timeout_s)
         lost.update(ids if found is None else [loc.chunk_id for loc in found if not loc.found])
+    deadline = time.monotonic() + s.settle_timeout_s       # every chunk is tried once, however late
     for cid in ids:
         prompt = _Prompt((ChunkId(cid),), (1,), _generate(engine, [tally.acknowledged[cid]], (1,), s))
-        got = _wait(lambda: _complete(client, prompt, s), s.request_timeout_s, 1.0)
+        got = _wait(lambda: _complete(client, prompt, s), max(deadline - time.monotonic(), 0.01), 1.0)
         if got is None:
             lost.add(cid)
         else:

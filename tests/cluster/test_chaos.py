@@ -3,9 +3,12 @@ prompts and register chunks; every completed output is the fault-free one and no
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import pytest
 
-from services.cluster.chaos import SoakSettings, run_soak
+from services.cluster.chaos import Kill, SoakReport, SoakSettings, run_soak
 
 from .helpers import start_ray_cluster
 
@@ -20,6 +23,40 @@ def cluster(local_ray, tiny_model, tmp_path_factory):
     c.stop()
 
 
+@pytest.mark.parametrize("fields, message", [
+    (dict(duration_s=None), "exactly one of duration_s and requests"),
+    (dict(requests=10), "exactly one of duration_s and requests"),
+    (dict(roles=("prefill", "index")), "roles must be distinct names"),
+    (dict(roles=("store", "store")), "roles must be distinct names"),
+    (dict(roles=()), "roles must be distinct names"),
+    (dict(kill_every_s=0), "kill_every_s must be > 0"),
+    (dict(concurrency=0), "concurrency must be in"),
+    (dict(registered=13), "registered must be in"),
+    (dict(register_share=1.0), "register_share must be in"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else "")
+def test_settings_refuse_what_no_soak_can_run(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SoakSettings(**fields)
+
+
+def test_report_is_ok_only_without_mismatch_loss_or_unserved_kill():
+    def report(**fields):
+        base = dict(settings=asdict(SoakSettings()), sent=3, completed=3,
+                    kills=[Kill("store", "tessera-store-0", 1.0, 2.0, served_after=True)])
+        return SoakReport(**{**base, **fields})
+
+    assert report().ok
+    assert not report(mismatches=1).ok
+    assert not report(lost=["abc"]).ok
+    assert not report(completed=0).ok
+    assert not report(kills=[Kill("decode", "tessera-decode-0", 1.0, 2.0, served_after=False)]).ok
+    assert not report(kills=[Kill("decode", "tessera-decode-0", 1.0, None, served_after=True)]).ok
+    assert not report(problems=["tessera-prefill-1 did not answer before its kill"]).ok
+    out = json.loads(json.dumps(report().to_dict()))
+    assert out["ok"] and out["kills_by_role"] == {"store": 1} and out["lost_count"] == 0
+    assert "result                     OK" in report().table()
+
+
 @pytest.mark.slow
 def test_soak_survives_a_kill_of_each_role(cluster):
     settings = SoakSettings(duration_s=20, concurrency=2, kill_every_s=3, max_kills=3, seed=7, max_new_tokens=6,
@@ -30,6 +67,6 @@ def test_soak_survives_a_kill_of_each_role(cluster):
     assert report.mismatches == 0, report.mismatch_examples
     assert report.lost == []
     assert report.kills_by_role == {"prefill": 1, "decode": 1, "store": 1}, report.kills
-    assert report.restarts == 3
+    assert report.restarts == 3 and all(k.served_after for k in report.kills)
     assert report.completed > 0 and report.acknowledged >= 3
     assert report.ok, report.table()
