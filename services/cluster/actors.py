@@ -1,20 +1,25 @@
 """Ray actor wrapper: one Tessera service (gateway, prefill, decode or store shard) per actor.
 
 The actor's constructor starts the service's grpc.aio server on a loop thread and returns once
-it serves; a restarted actor (``max_restarts``) runs the constructor again with the same
-arguments and binds the same port when it can (``serving.remembered_port``), so its peers
-reconnect on their own. Actor methods are tiny and synchronous: address, ping, pid, stop.
+it serves; a restarted actor runs the constructor again with the same arguments and binds the
+same port when it can (``serving.remembered_port``), so its peers reconnect on their own. Ray
+restarts every crashed actor; a restarted constructor first counts itself against the cluster's
+``RestartBudget`` and refuses to start when over it, which leaves the actor dead. Actor methods
+are tiny and synchronous: address, ping, pid, stop.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.cluster.config import DecodeSettings, EngineSettings, PrefillSettings
 from services.cluster.security import ClusterTLS
-from services.cluster.serving import LoopThread, advertised_host, remember_port, remembered_port
+from services.cluster.serving import LoopThread, RayKV, advertised_host, remember_port, remembered_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +101,53 @@ async def _create(spec: ServiceSpec, port: int):
     raise ValueError(f"unknown role {spec.role!r}")
 
 
+class RestartLimitExceeded(RuntimeError):
+    """A crashed actor was restarted too often lately: it does not start again."""
+
+
+@dataclass(frozen=True, slots=True)
+class RestartBudget:
+    """How often a crashed actor may come back: ``max_restarts`` times within any ``window_s`` seconds
+    (-1: no limit), so that a worker crashing now and then is always restarted and a crash loop ends."""
+
+    max_restarts: int
+    window_s: float
+
+    def record(self, history: Sequence[float], now: float) -> list[float]:
+        """The restart times (seconds since the epoch) within the window once one at ``now`` is added;
+        raises RestartLimitExceeded when they are more than ``max_restarts``."""
+        recent = [t for t in history if now - t < self.window_s] + [now]
+        if 0 <= self.max_restarts < len(recent):
+            raise RestartLimitExceeded(
+                f"restarted {len(recent)} times within {self.window_s:g} s, more than the {self.max_restarts} "
+                "allowed (tessera up --max-restarts N --restart-window-s W): not starting again")
+        return recent
+
+
+def _count_restart(spec: ServiceSpec, budget: RestartBudget) -> None:
+    """On Ray: note a restart of this actor in Ray's internal KV (it outlives the process), or refuse it."""
+    import ray
+
+    kv = RayKV(f"tessera/restarts/{spec.namespace}/")
+    if not ray.get_runtime_context().was_current_actor_reconstructed:
+        kv.put(spec.name, b"[]")           # a new actor: restarts of an earlier one with this name don't count
+        return
+    raw = kv.get(spec.name)
+    try:
+        recent = budget.record(json.loads(raw) if raw else [], time.time())
+    except RestartLimitExceeded as exc:
+        refused = RestartLimitExceeded(f"{spec.name} {exc}")
+        logging.getLogger(__name__).critical("%s", refused)
+        raise refused from None
+    kv.put(spec.name, json.dumps(recent).encode())
+
+
 class ServiceActor:
-    def __init__(self, spec: ServiceSpec) -> None:
+    def __init__(self, spec: ServiceSpec, restarts: RestartBudget | None = None) -> None:
+        """``restarts``: the cluster's restart budget, on Ray (None: no count, as in a local child process)."""
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
+        if restarts is not None:
+            _count_restart(spec, restarts)
         self.spec = spec
         self._loop = LoopThread(f"{spec.role}-loop")
         key = f"{spec.namespace}/{spec.name}"

@@ -1,9 +1,11 @@
 """``tessera up``, ``tessera down``, ``tessera demo``.
 
-``up`` with no ``--address`` starts a local Ray head (``ray start --head``), writes the tiny model
-and uses temporary RocksDB directories: the embedded default. With ``--address`` it joins that Ray
+``up`` with no ``--address`` starts a Ray head of the cluster's own (``launch.start_local_head``:
+listening on loopback only, token authentication on, its own temp dir), writes the tiny model and
+uses temporary RocksDB directories: the embedded default. With ``--address`` it joins that Ray
 cluster. Actors are detached, so the cluster outlives the command; what ``up`` started is written
-to a state file that ``down`` reads to stop it (and the local Ray head, and the temporary files).
+to a state file (the head's GCS address, token and temp dir among it) that ``down`` reads to stop
+it: the actors, then that head's processes only, then the temporary files.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 STATE = Path(os.environ.get("TESSERA_STATE", Path.home() / ".tessera" / "cluster.json"))
@@ -52,6 +54,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--certs-dir", help="the cluster's mutual-TLS certificates (ca.pem, <role>.pem, <role>.key; "
                                         "`tessera certs DIR` makes a development set); default: a development CA "
                                         "minted for this cluster")
+    up.add_argument("--max-restarts", type=int, default=None,
+                    help="a crashed service is restarted at most this many times within --restart-window-s, then "
+                         "left dead (default 5; -1: no limit)")
+    up.add_argument("--restart-window-s", type=float, default=None,
+                    help="the window of --max-restarts, in seconds (default 300)")
     up.add_argument("--token", default=os.environ.get("TESSERA_TOKEN"), help="bearer token clients must send")
     up.add_argument("--tenants", help="tenants file (YAML): bearer tokens -> tenants, each with its own chunk "
                                       "namespace, the shared namespaces it reads, quotas and admin rights (README, "
@@ -99,7 +106,7 @@ def _ray_cli() -> str:
 
 def _up(args: argparse.Namespace) -> int:
     from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
-    from services.cluster.launch import ensure_ray, start_cluster
+    from services.cluster.launch import ensure_ray, start_cluster, start_local_head, use_local_head
 
     if STATE.exists():
         raise ValueError(f"a cluster is already up ({STATE}); run `tessera down` first")
@@ -110,16 +117,7 @@ def _up(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{args.model} is not a model directory (no config.json)")
     cuda = args.device == "cuda" or (args.device is None and _cuda())
     device = args.device or ("cuda" if cuda else "cpu")
-    state: dict = {"started_ray": False, "temp": []}
-    address = args.address
-    if address is None:
-        n_cpus = args.prefill + args.decode + 1
-        print(f"starting a local Ray head ({n_cpus} logical CPUs)", file=sys.stderr)
-        subprocess.run([_ray_cli(), "start", "--head", f"--num-cpus={n_cpus}", "--include-dashboard=false",
-                        f"--object-store-memory={96 << 20}", "--disable-usage-stats"], check=True,
-                       stdout=subprocess.DEVNULL)
-        state["started_ray"] = True
-        address = "auto"
+    state: dict = {"temp": []}
     model = args.model
     if model is None:
         from services.engine.tiny import write_tiny
@@ -134,18 +132,28 @@ def _up(args: argparse.Namespace) -> int:
         state["temp"].append(store_dir)
     host = args.host or ("0.0.0.0" if args.address else "127.0.0.1")
     warm = {} if args.warmup_tokens is None else {"warmup_tokens": args.warmup_tokens}
+    restarts = {k: v for k, v in (("max_restarts", args.max_restarts), ("restart_window_s", args.restart_window_s))
+                if v is not None}
     cfg = ClusterConfig(model_dir=model, prefill=args.prefill, decode=args.decode, stores=args.stores, device=device,
                         dtype=args.dtype or ("bfloat16" if cuda else "float32"), store_dir=store_dir,
                         gateway_port=args.port, bind_host=host, token=args.token, tls_cert=args.tls_cert,
                         certs_dir=args.certs_dir, tenants_file=args.tenants,
                         tls_key=args.tls_key, detached=True, text_cache_tokens=args.text_cache_tokens,
-                        gateway_on_head=args.gateway_on_head,
+                        gateway_on_head=args.gateway_on_head, **restarts,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                          **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                        min_step_interval_s=args.decode_step_interval_ms / 1e3,
                                                        **warm))
+    address = args.address
     try:
+        if address is None:
+            n_cpus = args.prefill + args.decode + 1
+            print(f"starting a local Ray head ({n_cpus} logical CPUs, loopback only)", file=sys.stderr)
+            head = start_local_head(n_cpus, STATE.parent, _ray_cli())
+            state["head"] = asdict(head)
+            use_local_head(head)
+            address = head.address
         ensure_ray(address)
         cluster = start_cluster(cfg, progress=lambda m: print(m, file=sys.stderr))
     except BaseException:
@@ -174,21 +182,29 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def _cleanup(state: dict) -> None:
-    if state.get("started_ray"):
-        subprocess.run([_ray_cli(), "stop"], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if state.get("head"):
+        from services.cluster.launch import LocalHead, stop_local_head
+
+        stopped = stop_local_head(LocalHead(**state["head"]))
+        print(f"stopped the local Ray head ({stopped} process(es))", file=sys.stderr)
     for path in state.get("temp", []):
         shutil.rmtree(path, ignore_errors=True)
 
 
 def _down(args: argparse.Namespace) -> int:
-    import ray
-
-    from services.cluster.launch import stop_cluster
+    from services.cluster.launch import LocalHead, stop_cluster, use_local_head
 
     state = json.loads(STATE.read_text()) if STATE.exists() else {}
-    address = args.address or state.get("address") or "auto"
     if not state and not args.address:
         raise ValueError(f"nothing to stop: no {STATE} (was the cluster started with `tessera up`?)")
+    head = LocalHead(**state["head"]) if state.get("head") else None
+    if head is not None:
+        use_local_head(head)       # before ray is imported
+    address = args.address or state.get("address") or (head.address if head else None)
+    if address is None:
+        raise ValueError(f"{STATE} records no Ray address: pass --address")
+    import ray
+
     try:
         ray.init(address=address, namespace=state.get("namespace", "tessera"), log_to_driver=False)
         stopped = stop_cluster(state.get("namespace", "tessera"))

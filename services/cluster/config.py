@@ -132,7 +132,10 @@ class ClusterConfig:
     # <role>.pem, <role>.key), or a development CA minted for this cluster when None; off only for an A/B
     internal_tls: bool = True
     certs_dir: str | None = None
-    max_restarts: int = 3
+    # a crashed service is restarted at most max_restarts times within any restart_window_s seconds, then
+    # left dead (-1: always restarted); services/cluster/actors.py, RestartBudget
+    max_restarts: int = 5
+    restart_window_s: float = 300.0
     text_cache_tokens: int = 8 << 20        # the gateway's token ids of chunk texts seen lately (0: off)
     namespace: str = "tessera"
     detached: bool = False                  # outlive the driver (tessera up)
@@ -149,7 +152,9 @@ class ClusterConfig:
         if not 0 <= self.gateway_port < 65536:
             raise ValueError(f"gateway port must be in [0, 65535], got {self.gateway_port}")
         if self.max_restarts < -1:
-            raise ValueError(f"max_restarts must be >= -1 (-1: always), got {self.max_restarts}")
+            raise ValueError(f"--max-restarts must be >= 0 (-1: no limit), got {self.max_restarts}")
+        if not self.restart_window_s > 0:
+            raise ValueError(f"--restart-window-s must be > 0 seconds, got {self.restart_window_s}")
         if self.text_cache_tokens < 0:
             raise ValueError(f"text_cache_tokens must be >= 0, got {self.text_cache_tokens}")
         if self.store_dram_bytes <= 0:

@@ -1,21 +1,31 @@
 """Placing the cluster on Ray: store shards, then prefill and decode workers, then the gateway.
 
 Actors are named ``tessera-<role>-<i>`` in the config's namespace, so ``tessera down`` (another
-process) finds them, and are restarted by Ray up to ``max_restarts`` times. Workers ask Ray for a
-CPU each and, when they run on CUDA, a GPU each; store shards and the gateway mostly wait on the
-network and ask for none. With no Ray address a local instance is started (small object store:
-Tessera moves KV over gRPC, not through Ray's object store).
+process) finds them. Ray restarts a crashed actor every time; the actor itself refuses to start
+again once it has been restarted more than ``max_restarts`` times within ``restart_window_s``
+(``actors.RestartBudget``). Workers ask Ray for a CPU each and, when they run on CUDA, a GPU each;
+store shards and the gateway mostly wait on the network and ask for none. With no Ray address
+``ensure_ray`` starts Ray in this process (small object store: Tessera moves KV over gRPC, not
+through Ray's object store); ``tessera up`` starts a head of the cluster's own instead
+(``start_local_head``: loopback only, token authentication, its own temp dir), and ``tessera down``
+stops that head's processes only (``stop_local_head``).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from services.cluster.actors import ServiceActor, ServiceSpec
+from services.cluster.actors import RestartBudget, ServiceActor, ServiceSpec
 from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
 from services.cluster.security import identities
 
@@ -40,6 +50,138 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, namespac
         return False
     ray.init(num_cpus=num_cpus, object_store_memory=OBJECT_STORE_BYTES, namespace=namespace, **quiet)
     return True
+
+
+# NOTE: Ray replaces --node-ip-address=127.0.0.1 with the machine's routable address, and a driver's
+# 127.0.0.1:PORT likewise, unless this is 0 (its switch for one-machine clusters on macOS and Windows).
+# With the node IP on loopback, the GCS, raylet, agents and workers listen on 127.0.0.1 only, and no
+# other machine can join. Ray reads it once, when imported.
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# NOTE: Ray's Unix sockets live under <temp dir>/session_<date>_<pid>/sockets/ and a socket path holds
+# ~107 bytes at most: the temp dir stays short (/tmp/tessera-ray-XXXXXXXX/ray) whatever TMPDIR says
+HEAD_TEMP_ROOT = "/tmp" if os.path.isdir("/tmp") else None
+
+
+@dataclass(frozen=True, slots=True)
+class LocalHead:
+    """A Ray head that ``tessera up`` started for one cluster, on this machine (recorded in its state file).
+
+    address: the GCS, ``127.0.0.1:PORT``: never "auto", which finds whatever Ray runs on the machine.
+    temp_dir: a directory of mode 0700 that holds Ray's ``--temp-dir`` (``<temp_dir>/ray``: sessions, logs,
+    sockets; Ray makes it readable and writable by all). Each process of this head names it or the GCS
+    address on its command line, or descends from one that does.
+    token_path: Ray's authentication token (mode 0600, alone in a 0700 directory); a caller without it
+    is refused.
+    """
+
+    address: str
+    temp_dir: str
+    token_path: str
+
+    def env(self) -> dict[str, str]:
+        """What a process needs in its environment, before it imports ray, to reach this head."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path, LOOPBACK_ENV: "0"}
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on loopback now (held together while picked, so never the same twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _write_token(token_root: Path) -> str:
+    token_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="ray-token-", dir=token_root)) / "token"    # mkdtemp: mode 0700
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    return str(path)
+
+
+def start_local_head(num_cpus: int, token_root: str | Path, ray_cli: str = "ray") -> LocalHead:
+    """Start a Ray head of its own for one cluster: listening on loopback only, token authentication on
+    (a new token, in a directory of its own under ``token_root``), its own temp dir and ports."""
+    gcs_port, client_port = _free_ports(2)
+    head = LocalHead(f"127.0.0.1:{gcs_port}", tempfile.mkdtemp(prefix="tessera-ray-", dir=HEAD_TEMP_ROOT),
+                     _write_token(Path(token_root)))
+    cmd = [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+           f"--ray-client-server-port={client_port}", f"--temp-dir={head.temp_dir}/ray", f"--num-cpus={num_cpus}",
+           "--include-dashboard=false", f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats"]
+    try:
+        subprocess.run(cmd, check=True, env={**os.environ, **head.env()}, stdout=subprocess.DEVNULL)
+    except BaseException:
+        stop_local_head(head)
+        raise
+    return head
+
+
+def use_local_head(head: LocalHead) -> None:
+    """Set this process's environment so that ``ray.init(address=head.address)`` reaches ``head``."""
+    consts = sys.modules.get("ray._private.ray_constants")
+    if consts is not None and consts.ENABLE_RAY_CLUSTER:
+        raise RuntimeError(f"ray was imported before {LOOPBACK_ENV}=0 was set: it would look for the local head "
+                           "on this machine's routable address, where nothing listens")
+    os.environ.update(head.env())
+
+
+def head_processes(head: LocalHead) -> list:
+    """This head's processes (``psutil.Process``, this user's only): those whose command line names its temp
+    dir or its GCS address, and their descendants (Ray workers rename themselves ``ray::...``)."""
+    import psutil
+
+    names_it = re.compile(rf"{re.escape(head.temp_dir)}(/|$)|(^|=){re.escape(head.address)}$")
+    me = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    found = {}
+    for proc in psutil.process_iter(["cmdline", "uids"]):
+        uids = proc.info["uids"]
+        if proc.pid in me or uids is None or uids.real != os.getuid():
+            continue
+        if any(names_it.search(arg) for arg in proc.info["cmdline"] or ()):
+            found[proc.pid] = proc
+    for proc in list(found.values()):
+        try:
+            found.update((child.pid, child) for child in proc.children(recursive=True) if child.pid not in me)
+        except psutil.Error:
+            pass
+    return list(found.values())
+
+
+def stop_local_head(head: LocalHead, grace_s: float = 10.0) -> int:
+    """Stop ``head``'s processes, no other Ray's (``ray stop`` stops every Ray on the machine): SIGTERM,
+    then SIGKILL for what is left after a bounded wait; raylet first and GCS last, in ``ray stop``'s
+    order. Then remove its temp dir and token. Returns how many processes were stopped."""
+    import psutil
+
+    procs = head_processes(head)
+    rank = {}
+    for proc in procs:
+        try:
+            rank[proc.pid] = {"raylet": 0, "gcs_server": 2}.get(proc.name(), 1)
+        except psutil.Error:
+            rank[proc.pid] = 1
+    for step in range(3):
+        group = [p for p in procs if rank[p.pid] == step]
+        for proc in group:
+            try:
+                proc.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(group, timeout=grace_s / 3)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=2)
+    shutil.rmtree(head.temp_dir, ignore_errors=True)
+    shutil.rmtree(Path(head.token_path).parent, ignore_errors=True)
+    return len(procs)
 
 
 @dataclass(slots=True)
@@ -72,7 +214,9 @@ def actor_options(cfg: ClusterConfig, name: str, num_cpus: float, num_gpus: floa
     """Ray actor options for one service. With ``cfg.gateway_on_head`` the gateway asks for a sliver of the
     head node's own resource, so it runs there: a Kubernetes Service in front of the head pod reaches it
     (helm/tessera)."""
-    opts = dict(name=name, namespace=cfg.namespace, max_restarts=cfg.max_restarts, max_task_retries=0,
+    # NOTE: Ray restarts without limit; the restart rate is held by the actor (RestartBudget), since Ray's
+    # own max_restarts counts over the actor's whole life
+    opts = dict(name=name, namespace=cfg.namespace, max_restarts=-1, max_task_retries=0,
                 num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=4)
     if cfg.detached:
         opts["lifetime"] = "detached"
@@ -81,8 +225,10 @@ def actor_options(cfg: ClusterConfig, name: str, num_cpus: float, num_gpus: floa
     return opts
 
 
-def _remote(cfg: ClusterConfig, name: str, num_cpus: float, num_gpus: float):
-    return _ray().remote(ServiceActor).options(**actor_options(cfg, name, num_cpus, num_gpus))
+def start_actor(cfg: ClusterConfig, spec: ServiceSpec, num_cpus: float, num_gpus: float):
+    """The handle of a new ServiceActor serving ``spec``, under the cluster's restart budget."""
+    actor = _ray().remote(ServiceActor).options(**actor_options(cfg, spec.name, num_cpus, num_gpus))
+    return actor.remote(spec, RestartBudget(cfg.max_restarts, cfg.restart_window_s))
 
 
 def _gpus_per_worker(cfg: ClusterConfig) -> float:
@@ -124,7 +270,7 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
                                 write_mode="behind")
             spec = ServiceSpec("store", name, host=cfg.bind_host, store=store, namespace=cfg.namespace,
                                cluster_tls=tls("store"))
-            actors[name] = _remote(cfg, name, 0, 0).remote(spec)
+            actors[name] = start_actor(cfg, spec, 0, 0)
         addresses.update(zip(names["store"], ray.get([actors[n].address.remote() for n in names["store"]])))
         stores = tuple(addresses[n] for n in names["store"])
         gpus = _gpus_per_worker(cfg)
@@ -135,7 +281,7 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
                                    prefill=cfg.prefill_settings if role == "prefill" else None,
                                    decode=cfg.decode_settings if role == "decode" else None, namespace=cfg.namespace,
                                    cluster_tls=tls(role))
-                actors[name] = _remote(cfg, name, 1, gpus).remote(spec)
+                actors[name] = start_actor(cfg, spec, 1, gpus)
         workers = names["prefill"] + names["decode"]
         addresses.update(zip(workers, ray.get([actors[n].address.remote() for n in workers])))
         progress("starting the gateway")
@@ -143,7 +289,7 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
                            workers=tuple((n, "prefill" if "prefill" in n else "decode", addresses[n]) for n in workers),
                            token=cfg.token, tenants=cfg.tenants(), tls=cfg.tls(), namespace=cfg.namespace,
                            text_cache_tokens=cfg.text_cache_tokens, cluster_tls=tls("gateway"))
-        actors[GATEWAY_NAME] = _remote(cfg, GATEWAY_NAME, 0, 0).remote(spec)
+        actors[GATEWAY_NAME] = start_actor(cfg, spec, 0, 0)
         addresses[GATEWAY_NAME] = ray.get(actors[GATEWAY_NAME].address.remote())
         metrics = dict(zip(actors, ray.get([a.metrics_url.remote() for a in actors.values()])))
     except BaseException:
@@ -182,4 +328,4 @@ def stop_cluster(namespace: str = "tessera", actors: dict[str, object] | None = 
 
 
 __all__ = ["Cluster", "ClusterConfig", "PrefillSettings", "DecodeSettings", "ensure_ray", "start_cluster",
-           "stop_cluster", "find_actors"]
+           "stop_cluster", "find_actors", "LocalHead", "start_local_head", "use_local_head", "stop_local_head"]
