@@ -81,9 +81,9 @@ def test_the_charts_job_passes_only_options_tessera_up_has():
     options = {s for action in commands.choices["up"]._actions for s in action.option_strings}
     flags = re.findall(r"^\s*- (--[a-z-]+)", (CHART / "templates" / "bootstrap-job.yaml").read_text(), re.M)
     assert flags and set(flags) <= options, set(flags) - options
-    # the plain job passes the same flags (the chart adds --warmup-tokens only when it is set)
+    # the plain job passes the same flags (the chart adds these only when their values are set)
     k8s_flags = {a for a in _job_args(_k8s()["Job"]) if a.startswith("--")}
-    assert k8s_flags == set(flags) - {"--warmup-tokens"}
+    assert k8s_flags == set(flags) - {"--warmup-tokens", "--certs-dir", "--tenants"}
 
 
 def test_the_plain_manifests_are_the_charts_defaults():
