@@ -57,10 +57,22 @@ def gateway_tenants(spec: ServiceSpec):
 
 
 def _resolver(namespace: str):
+    """name -> the worker's address now; ``WorkerGone`` when Ray has no such actor alive any more (it stopped for
+    good: its restarts ran out), any other error while it is restarting."""
     def resolve(name: str) -> str | None:
         import ray
+        from ray.exceptions import ActorDiedError
 
-        return ray.get(ray.get_actor(name, namespace=namespace).address.remote(), timeout=5)
+        from services.gateway.peers import WorkerGone
+
+        try:
+            handle = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            raise WorkerGone(f"{name} is not alive in Ray (its restarts ran out, or it was stopped)") from None
+        try:
+            return ray.get(handle.address.remote(), timeout=5)
+        except ActorDiedError as exc:
+            raise WorkerGone(f"{name} died and is not being restarted: {exc}") from None
     return resolve
 
 

@@ -24,6 +24,10 @@ from services.rpc import tessera_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
+class WorkerGone(RuntimeError):
+    """``resolve`` found the worker stopped for good (Ray will not restart it): requests fail fast."""
+
+
 class Peers:
     def __init__(self, router: Router, metrics: GatewayMetrics, interval_s: float = 0.5,
                  resolve: Callable[[str], str | None] | None = None, cluster_tls=None) -> None:
@@ -72,7 +76,7 @@ class Peers:
             return
         if not w.healthy:
             log.info("%s worker %s is healthy again", w.role, w.name)
-        w.healthy = True
+        w.healthy, w.gone = True, ""
         w.resident = frozenset(st.resident_chunk_ids)
         w.metrics_url = st.metrics_url
         w.gpu = (st.host_id, st.device_uuid) if st.device_uuid else None
@@ -88,6 +92,11 @@ class Peers:
     def _refresh(self, w: WorkerView) -> None:
         try:
             address = self.resolve(w.name)
+        except WorkerGone as exc:
+            if not w.gone:
+                log.error("%s worker %s is gone for good: %s", w.role, w.name, exc)
+            w.gone = str(exc)
+            return
         except Exception:  # noqa: BLE001 - the actor is restarting; the next poll tries again
             return
         if address and address != w.address:

@@ -25,6 +25,7 @@ class WorkerView:
     resident: frozenset[str] = field(default_factory=frozenset)
     metrics_url: str = ""
     gpu: tuple[str, str] | None = None  # (host id, device uuid) from its status: workers with one value share a GPU
+    gone: str = ""                      # why it will not come back (Ray stopped restarting it); "" while it may
 
 
 class NoWorker(RuntimeError):
@@ -68,6 +69,15 @@ class Router:
     def ready(self) -> bool:
         """A healthy prefill and a healthy decode worker are known."""
         return all(any(w.healthy for w in self.of_role(role)) for role in ("prefill", "decode"))
+
+    def gone(self) -> str:
+        """Why no request can be served until an operator acts: every worker of a role is gone for good (the
+        reasons), else ""."""
+        for role in ("prefill", "decode"):
+            workers = self.of_role(role)
+            if workers and all(w.gone and not w.healthy for w in workers):
+                return f"no {role} worker will serve: " + "; ".join(w.gone for w in workers)
+        return ""
 
     def pick_prefill(self, chunk_ids: tuple[str, ...], chunk_lens: tuple[int, ...],
                      avoid: set[str] = frozenset()) -> WorkerView:

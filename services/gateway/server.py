@@ -144,6 +144,10 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                                 f"tenant {tenant.name} has {usage.in_flight} requests in flight, its quota "
                                 f"max_in_flight ({tenant.quotas.max_in_flight})")
         usage.remember(req.chunk_ids, req.namespaces, tenant.namespace)
+        gone = self.router.gone()
+        if gone:                  # fail fast: waiting for a restart that will not come only burns the deadline
+            self.metrics.requests.labels("unavailable").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, gone)
         rid = request.request_id or uuid.uuid4().hex
         self.metrics.in_flight.inc()
         usage.in_flight += 1
@@ -185,7 +189,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         restarting) wait for one, up to ``restart_wait_s`` and the call's deadline."""
         await asyncio.sleep(0.2)
         deadline = time.monotonic() + min(self.restart_wait_s, self._remaining(context) / 2)
-        while not self.router.ready() and time.monotonic() < deadline:
+        while not self.router.ready() and not self.router.gone() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
 
     async def _attempt(self, req: ResolvedRequest, rid: str, arrival: float, avoid: set[str], context, sent):

@@ -48,3 +48,100 @@ def test_a_request_of_chunks_only_is_served(client, reference, last):
     assert list(got.token_ids) == want
     assert got.stats.prompt_tokens == len(prompt)
     assert sum(got.stats.chunk_tokens_by_tier.values()) == len(prompt) - 1      # the last token: the suffix
+
+
+def test_a_worker_gone_for_good_fails_requests_fast(tiny_model, inproc):
+    """A worker whose restarts ran out stayed dead and each request failed UNAVAILABLE only after ~76 s (past
+    the SDK's 60 s default). With Ray saying it is gone, the gateway fails requests at once, naming why."""
+    import time
+
+    from services.cluster.serving import free_port
+    from services.gateway.peers import WorkerGone
+    from services.gateway.server import create_server
+    from services.sdk import Unavailable
+
+    def resolve(name: str):
+        if name == "prefill-0":
+            raise WorkerGone("prefill-0 is not alive in Ray (its restarts ran out, or it was stopped)")
+        return None
+
+    workers = [(w.name, w.role, w.address) for w in inproc.gateway.servicer.router.workers.values()]
+    server, port = inproc.loop.run(create_server(tiny_model, workers, token=inproc.token, resolve=resolve,
+                                                 cluster_tls=inproc.cluster_tls))
+    try:
+        view = server.servicer.router.workers["prefill-0"]
+        view.address = f"127.0.0.1:{free_port()}"            # its process is gone: nothing answers there
+        with Client(f"127.0.0.1:{port}", token=inproc.token, timeout=60) as c:
+            deadline = time.monotonic() + 20
+            while not view.gone and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert view.gone
+            t0 = time.perf_counter()
+            with pytest.raises(Unavailable, match="no prefill worker will serve: prefill-0 is not alive"):
+                c.complete(docs(1, 8, seed=5), [1], max_new_tokens=2)
+            assert time.perf_counter() - t0 < 2.0
+    finally:
+        inproc.loop.run(server.stop(0.1))
+
+
+def test_a_worker_whose_engine_loop_stopped_says_not_serving(tiny_model, inproc):
+    """Health follows the engine thread, not the process: the loop's death (a broken device: see
+    test_engine_faults) turns health NOT_SERVING, Status and Decode UNAVAILABLE at once, and on_fatal runs
+    (a Ray actor exits there to be restarted)."""
+    import threading
+
+    from services.cluster.config import EngineSettings
+    from services.decode.server import create_server
+    from services.rpc import tessera_pb2 as pb
+    from services.rpc import tessera_pb2_grpc as pb_grpc
+
+    fatal = threading.Event()
+    server, port = inproc.loop.run(create_server("decode-x", EngineSettings(tiny_model, kv_cache_bytes=16 << 20), [],
+                                                 on_fatal=fatal.set))
+    address = f"127.0.0.1:{port}"
+    try:
+        assert _health(address) == health_pb2.HealthCheckResponse.SERVING
+        batcher = server.servicer.batcher
+        batcher.failure = RuntimeError("CUDA error: unspecified launch failure")   # as _run records it
+        batcher.on_fatal(batcher.failure)
+        assert fatal.wait(10)
+        assert _health(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with grpc.insecure_channel(address) as ch:
+            stub = pb_grpc.DecodeWorkerStub(ch)
+            for call in (lambda: stub.Status(pb.WorkerStatusRequest(), timeout=5),
+                         lambda: list(stub.Decode(pb.DecodeRequest(request_id="r"), timeout=5))):
+                with pytest.raises(grpc.RpcError) as info:
+                    call()
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "restarting" in info.value.details()
+    finally:
+        inproc.loop.run(server.stop(0.1))
+
+
+def test_cheap_requests_with_expensive_effects_are_refused_first(client):
+    """2,000 three-token chunks (14 s of prefill and 2,000 store writes) and a 6 MB text (seconds of tokenizing,
+    its tokens then kept) were accepted; both are refused before any work, and the text leaves nothing cached."""
+    import time
+
+    from services.sdk import InvalidArgument, ResourceExhausted
+
+    t0 = time.perf_counter()
+    with pytest.raises(ResourceExhausted, match="max_chunks_per_request"):
+        client.complete([[1, 2, 3]] * 2000, [1], max_new_tokens=1)
+    big = "lorem ipsum " * 500_000
+    with pytest.raises(InvalidArgument, match="cannot fit the model's limit"):
+        client.complete([big], [1], max_new_tokens=1)
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_reset_caches_without_the_token_changes_nothing(inproc, client, reference):
+    from services.sdk import Unauthenticated
+
+    chunks, suffix = docs(2, 24, seed=71), [3]
+    before = client.complete(chunks, suffix, max_new_tokens=4, stop_token_ids=[])
+    for token in (None, "wrong-token"):
+        with Client(inproc.address, token=token, timeout=10) as stranger:
+            with pytest.raises(Unauthenticated):
+                stranger.reset_caches()
+    after = client.complete(chunks, suffix, max_new_tokens=4, stop_token_ids=[])
+    assert list(after.token_ids) == list(before.token_ids)
+    assert dict(after.stats.chunk_tokens_by_tier) == {"gpu": 48}          # nothing was dropped
