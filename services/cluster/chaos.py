@@ -25,6 +25,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -135,6 +136,7 @@ class SoakReport:
     sent: int = 0
     completed: int = 0
     failed: dict[str, int] = field(default_factory=dict)            # status code -> requests
+    failure_examples: list[str] = field(default_factory=list)       # the first few, at seconds into the soak
     kills: list[Kill] = field(default_factory=list)
     mismatches: int = 0
     mismatch_examples: list[dict] = field(default_factory=list)     # the first few, with the workers that served
@@ -181,6 +183,8 @@ class SoakReport:
         for k in self.kills:
             back = "not back" if k.restarted_after_s is None else f"back after {k.restarted_after_s:.1f} s"
             lines.append(f"    {k.at_s:7.1f} s  kill {k.name:<20} {back}{'' if k.served_after else ', nothing served after'}")
+        for f in self.failure_examples:
+            lines.append(f"    failed at {f}")
         for p in self.problems:
             lines.append(f"    PROBLEM {p}")
         for m in self.mismatch_examples:
@@ -204,9 +208,16 @@ class _Tally:
         self.lock = threading.Lock()
         self.sent = self.completed = self.mismatches = self.registrations = self.registrations_failed = 0
         self.failed: Counter = Counter()
+        self.failures: list[str] = []
         self.examples: list[dict] = []
         self.last_done = float("-inf")      # monotonic time of the last completed request
         self.acknowledged: dict[str, list[int]] = {}    # chunk id -> tokens
+
+    def fail(self, code: str, what: str) -> None:
+        with self.lock:
+            self.failed[code] += 1
+            if len(self.failures) < 5:
+                self.failures.append(what)
 
     def done(self, prompt: _Prompt, got, at: float | None) -> None:
         """A completed request (``at`` None: a check after the soak, not counted as served)."""
@@ -307,10 +318,11 @@ def run_soak(target, settings: SoakSettings, *, model_dir: str | None = None, na
             raise RuntimeError("the cluster is not whole before the soak: an actor does not answer or a worker is "
                                "unhealthy")
         stop, stop_killing, past_budget = threading.Event(), threading.Event(), threading.Event()
-        clients = [threading.Thread(target=_client_loop, name=f"chaos-client-{i}",
-                                    args=(i, target, s, prompts, tally, stop, past_budget)) for i in range(s.concurrency)]
         say(f"soaking: {s.concurrency} clients, a kill every ~{s.kill_every_s:g} s among {', '.join(s.roles)}")
         started = time.monotonic()
+        clients = [threading.Thread(target=_client_loop, name=f"chaos-client-{i}",
+                                    args=(i, target, s, prompts, tally, stop, past_budget, started))
+                   for i in range(s.concurrency)]
         killer = threading.Thread(target=_killer, name="chaos-killer",
                                   args=(target, s, report, client, started, stop_killing))
         for t in (*clients, killer):
@@ -337,7 +349,8 @@ def run_soak(target, settings: SoakSettings, *, model_dir: str | None = None, na
             report.problems.append("after the soak, an actor does not answer or a worker is unhealthy")
         report.lost = _lost(client, engine, target, tally, s)
     report.sent, report.completed, report.mismatches = tally.sent, tally.completed, tally.mismatches
-    report.failed, report.mismatch_examples = dict(tally.failed), tally.examples
+    report.failed, report.failure_examples = dict(tally.failed), tally.failures
+    report.mismatch_examples = tally.examples
     report.registrations, report.registrations_failed = tally.registrations, tally.registrations_failed
     report.acknowledged = len(tally.acknowledged)
     report.wall_s = round(time.monotonic() - t0, 2)
@@ -345,7 +358,7 @@ def run_soak(target, settings: SoakSettings, *, model_dir: str | None = None, na
 
 
 def _client_loop(i: int, target: SoakTarget, s: SoakSettings, prompts: list[_Prompt], tally: _Tally,
-                 stop: threading.Event, past_budget: threading.Event) -> None:
+                 stop: threading.Event, past_budget: threading.Event, started: float) -> None:
     from services.sdk import Client, TesseraError
 
     rng = random.Random(f"{s.seed}/client/{i}")
@@ -372,12 +385,8 @@ def _client_loop(i: int, target: SoakTarget, s: SoakSettings, prompts: list[_Pro
             prompt = rng.choice(prompts)
             try:
                 got = _complete(client, prompt, s)
-            except TesseraError as exc:
-                with tally.lock:
-                    tally.failed[exc.code] += 1
-            except Exception as exc:  # noqa: BLE001 - counted by its type: the report shows it
-                with tally.lock:
-                    tally.failed[type(exc).__name__] += 1
+            except Exception as exc:  # noqa: BLE001 - counted by its code (a TesseraError) or type: the report shows it
+                tally.fail(getattr(exc, "code", type(exc).__name__), f"{time.monotonic() - started:.1f} s: {exc}")
             else:
                 tally.done(prompt, got, time.monotonic())
 
@@ -432,14 +441,18 @@ def _lost(client, engine, target: SoakTarget, tally: _Tally, s: SoakSettings) ->
         with ShardedKVStoreClient(list(target.stores), timeout=10, tls=tls) as store:
             found = _wait(lambda: store.lookup(ids), s.settle_timeout_s)
         lost.update(ids if found is None else [loc.chunk_id for loc in found if not loc.found])
+    prompts = {cid: _Prompt((ChunkId(cid),), (1,), _generate(engine, [tally.acknowledged[cid]], (1,), s)) for cid in ids}
     deadline = time.monotonic() + s.settle_timeout_s       # every chunk is tried once, however late
-    for cid in ids:
-        prompt = _Prompt((ChunkId(cid),), (1,), _generate(engine, [tally.acknowledged[cid]], (1,), s))
-        got = _wait(lambda: _complete(client, prompt, s), max(deadline - time.monotonic(), 0.01), 1.0)
+
+    def serve(cid: str) -> None:
+        got = _wait(lambda: _complete(client, prompts[cid], s), max(deadline - time.monotonic(), 0.01), 1.0)
         if got is None:
             lost.add(cid)
         else:
-            tally.done(prompt, got, None)
+            tally.done(prompts[cid], got, None)
+
+    with ThreadPoolExecutor(s.concurrency, thread_name_prefix="chaos-check") as pool:
+        list(pool.map(serve, ids))
     return sorted(lost)
 
 

@@ -4,6 +4,7 @@ prompts and register chunks; every completed output is the fault-free one and no
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 
 import pytest
@@ -62,7 +63,8 @@ def test_soak_survives_a_kill_of_each_role(cluster):
     settings = SoakSettings(duration_s=20, concurrency=2, kill_every_s=3, max_kills=3, seed=7, max_new_tokens=6,
                             prompts=12, docs=8, registered=3, register_share=0.15, restart_timeout_s=90,
                             settle_timeout_s=90)
-    report = run_soak(cluster, settings)
+    t0 = time.monotonic()
+    report = run_soak(cluster, settings, say=lambda m: print(f"{time.monotonic() - t0:6.1f} s  {m}"))
     print(report.table())
     assert report.mismatches == 0, report.mismatch_examples
     assert report.lost == []
