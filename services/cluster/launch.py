@@ -40,16 +40,41 @@ def _ray():
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None, namespace: str = "tessera") -> bool:
-    """Connect to Ray at ``address`` (or "auto"), else start a local instance; True if started here."""
-    ray = _ray()
-    if ray.is_initialized():
+    """Connect to Ray at ``address`` (or "auto"), else start a local instance in this process (``tessera demo``,
+    benchmarks, tests); True if started here. A local instance is made as safe as ``tessera up``'s head: on
+    loopback only when Ray is imported here first (see LOOPBACK_ENV), with token authentication whose token is
+    a file of this user's alone (Ray's default, ~/.ray/auth_token, is written readable by everyone)."""
+    imported = "ray" in sys.modules
+    if imported and _ray().is_initialized():
         return False
     quiet = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
     if address:
-        ray.init(address=address, namespace=namespace, log_to_driver=False)
+        _ray().init(address=address, namespace=namespace, log_to_driver=False)
         return False
-    ray.init(num_cpus=num_cpus, object_store_memory=OBJECT_STORE_BYTES, namespace=namespace, **quiet)
+    if not imported:
+        os.environ.setdefault(LOOPBACK_ENV, "0")
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        os.environ["RAY_AUTH_TOKEN_PATH"] = _private_token()
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        if imported:    # Ray read its settings when imported: have it read them again, as it does itself
+            from ray._raylet import Config
+
+            Config.initialize("")
+    ray = _ray()
+    from ray._private import ray_constants
+
+    loopback = {} if ray_constants.ENABLE_RAY_CLUSTER else {"_node_ip_address": "127.0.0.1"}
+    ray.init(num_cpus=num_cpus, object_store_memory=OBJECT_STORE_BYTES, namespace=namespace, **quiet, **loopback)
     return True
+
+
+def _private_token() -> str:
+    """A new Ray token in a 0700 directory of this process's, removed when it exits."""
+    import atexit
+
+    root = Path(tempfile.mkdtemp(prefix="tessera-ray-token-"))      # mode 0700
+    atexit.register(shutil.rmtree, root, True)
+    return _write_token(root)
 
 
 # NOTE: Ray replaces --node-ip-address=127.0.0.1 with the machine's routable address, and a driver's
