@@ -3,6 +3,8 @@ changes what it should not."""
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -145,3 +147,31 @@ def test_reset_caches_without_the_token_changes_nothing(inproc, client, referenc
     after = client.complete(chunks, suffix, max_new_tokens=4, stop_token_ids=[])
     assert list(after.token_ids) == list(before.token_ids)
     assert dict(after.stats.chunk_tokens_by_tier) == {"gpu": 48}          # nothing was dropped
+
+
+@pytest.mark.slow
+def test_the_in_process_local_ray_listens_on_loopback_with_a_private_token():
+    """``tessera demo`` starts Ray in its own process (ensure_ray): it listened on every interface, and Ray's
+    token file was written readable by every user."""
+    import ast
+    import subprocess
+    import sys
+
+    probe = (
+        "import os, psutil\n"
+        "from services.cluster.launch import ensure_ray\n"
+        "assert ensure_ray(num_cpus=1)\n"
+        "import ray\n"
+        "ray.get(ray.remote(lambda: 1).remote())\n"
+        "me = psutil.Process(); pids = {me.pid} | {c.pid for c in me.children(recursive=True)}\n"
+        "ips = {c.laddr.ip for c in psutil.net_connections('inet') if c.status == 'LISTEN' and c.pid in pids}\n"
+        "print(sorted(ips), oct(os.stat(os.environ['RAY_AUTH_TOKEN_PATH']).st_mode & 0o777),"
+        " oct(os.stat(os.path.dirname(os.environ['RAY_AUTH_TOKEN_PATH'])).st_mode & 0o777))\n"
+        "ray.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ips, token_mode, dir_mode = out.stdout.strip().splitlines()[-1].rsplit(" ", 2)
+    listening = ast.literal_eval(ips)
+    assert listening and set(listening) <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+    assert (token_mode, dir_mode) == ("0o600", "0o700")
