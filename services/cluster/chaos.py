@@ -34,11 +34,11 @@ ROLES = ("prefill", "decode", "store", "gateway")
 
 @dataclass(frozen=True, slots=True)
 class SoakSettings:
-    """One soak. Exactly one of ``duration_s`` (seconds of kills and requests) or ``requests`` (generate
-    requests sent) bounds it; after that the killer stops and clients go on until a request completes after
+    """One soak. ``duration_s`` (seconds of kills and requests; 60 when neither is given) or ``requests``
+    (generate requests sent) bounds it; after that the killer stops and clients go on until a request completes after
     the last kill (at most ``settle_timeout_s``)."""
 
-    duration_s: float | None = 60.0
+    duration_s: float | None = None
     requests: int | None = None
     concurrency: int = 2                    # client threads
     kill_every_s: float = 8.0               # mean seconds from an actor's return to the next kill
@@ -57,8 +57,10 @@ class SoakSettings:
     settle_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if (self.duration_s is None) == (self.requests is None):
-            raise ValueError("give exactly one of duration_s and requests")
+        if self.duration_s is None and self.requests is None:
+            object.__setattr__(self, "duration_s", 60.0)
+        if self.duration_s is not None and self.requests is not None:
+            raise ValueError("give one of duration_s and requests, not both")
         if self.duration_s is not None and not 0 < self.duration_s <= 24 * 3600:
             raise ValueError(f"duration_s must be in (0, 86400], got {self.duration_s}")
         if self.requests is not None and self.requests < 1:
@@ -495,7 +497,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "while an actor of the given roles is SIGKILLed at random intervals, and check that every "
                     "completed greedy output equals its fault-free reference and that no chunk the cluster "
                     "acknowledged as stored is lost. Exits 1 when a check fails.")
-    p.add_argument("--duration-s", type=float, default=60.0, help="seconds of kills and requests (default 60)")
+    p.add_argument("--duration-s", type=float, help="seconds of kills and requests (default 60)")
     p.add_argument("--requests", type=int, help="stop after this many requests instead of --duration-s")
     p.add_argument("--concurrency", type=int, default=2, help="client threads (default 2)")
     p.add_argument("--kill-every-s", type=float, default=8.0, help="mean seconds between kills (default 8)")
@@ -514,7 +516,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _chaos(args: argparse.Namespace) -> int:
     import sys
 
-    settings = SoakSettings(duration_s=None if args.requests is not None else args.duration_s, requests=args.requests,
+    settings = SoakSettings(duration_s=args.duration_s, requests=args.requests,
                             concurrency=args.concurrency, kill_every_s=args.kill_every_s, max_kills=args.max_kills,
                             roles=tuple(r.strip() for r in args.roles.split(",") if r.strip()), seed=args.seed,
                             max_new_tokens=args.max_new_tokens)

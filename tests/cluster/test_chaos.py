@@ -25,8 +25,9 @@ def cluster(local_ray, tiny_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(duration_s=None), "exactly one of duration_s and requests"),
-    (dict(requests=10), "exactly one of duration_s and requests"),
+    (dict(duration_s=10, requests=10), "one of duration_s and requests, not both"),
+    (dict(requests=0), "requests must be >= 1"),
+    (dict(duration_s=0), "duration_s must be in"),
     (dict(roles=("prefill", "index")), "roles must be distinct names"),
     (dict(roles=("store", "store")), "roles must be distinct names"),
     (dict(roles=()), "roles must be distinct names"),
@@ -38,6 +39,11 @@ def cluster(local_ray, tiny_model, tmp_path_factory):
 def test_settings_refuse_what_no_soak_can_run(fields, message):
     with pytest.raises(ValueError, match=message):
         SoakSettings(**fields)
+
+
+def test_settings_default_to_a_minute_unless_bounded_by_requests():
+    assert SoakSettings().duration_s == 60.0
+    assert (SoakSettings(requests=50).duration_s, SoakSettings(requests=50).requests) == (None, 50)
 
 
 def test_report_is_ok_only_without_mismatch_loss_or_unserved_kill():
