@@ -520,7 +520,9 @@ def _chaos(args: argparse.Namespace) -> int:
                             concurrency=args.concurrency, kill_every_s=args.kill_every_s, max_kills=args.max_kills,
                             roles=tuple(r.strip() for r in args.roles.split(",") if r.strip()), seed=args.seed,
                             max_new_tokens=args.max_new_tokens)
-    report = soak_local(settings, args.prefill, args.decode, args.stores, say=lambda m: print(m, file=sys.stderr))
+    t0 = time.monotonic()
+    report = soak_local(settings, args.prefill, args.decode, args.stores,
+                        say=lambda m: print(f"{time.monotonic() - t0:6.1f} s  {m}", file=sys.stderr))
     print(report.table())
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
