@@ -175,3 +175,23 @@ def test_the_in_process_local_ray_listens_on_loopback_with_a_private_token():
     listening = ast.literal_eval(ips)
     assert listening and set(listening) <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
     assert (token_mode, dir_mode) == ("0o600", "0o700")
+
+
+def test_a_mooncake_trace_replays_through_the_cluster_with_no_failure(inproc, tmp_path, monkeypatch):
+    """Plain Mooncake lines (chunks only, blocks of 512 tokens, the first block shared) were all refused by the
+    cluster while the simulator and the fake accepted them; replay exited 0 regardless. Now every request is
+    served and replay exits 0 because none failed."""
+    import json
+
+    from services.cli import main
+
+    lines = [{"timestamp": 0, "input_length": 700, "output_length": 4, "hash_ids": [0, 1]},
+             {"timestamp": 0, "input_length": 900, "output_length": 3, "hash_ids": [0, 2]},
+             {"timestamp": 5, "input_length": 512, "output_length": 1, "hash_ids": [0]}]
+    trace = tmp_path / "mooncake.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    monkeypatch.setenv("TESSERA_TOKEN", inproc.token)
+    out = tmp_path / "out"
+    assert main(["replay", str(trace), "--target", inproc.address, "--concurrency", "2", "-o", str(out)]) == 0
+    summary = (out / "summary.md").read_text()
+    assert "| Successful requests | 3 |" in summary and "| Failed requests | 0 |" in summary
