@@ -463,10 +463,8 @@ def soak_local(settings: SoakSettings, prefill: int = 2, decode: int = 2, stores
     import logging
     import tempfile
 
-    import ray
-
     from services.cluster.config import ClusterConfig, PrefillSettings
-    from services.cluster.launch import ensure_ray, start_cluster
+    from services.cluster.launch import local_cluster
     from services.engine.tiny import write_tiny
 
     logging.getLogger("ray").setLevel(logging.WARNING)
@@ -476,18 +474,8 @@ def soak_local(settings: SoakSettings, prefill: int = 2, decode: int = 2, stores
         cfg = ClusterConfig(model_dir=str(model), prefill=prefill, decode=decode, stores=stores,
                             store_dir=str(Path(tmp) / "rocksdb"), kv_cache_bytes=64 << 20, max_restarts=-1,
                             namespace="tessera-chaos", prefill_settings=PrefillSettings(store_loads="always"))
-        say("starting a local Ray instance")
-        started = ensure_ray(num_cpus=prefill + decode + 1)
-        cluster = None
-        try:
-            cluster = start_cluster(cfg, progress=say)
+        with local_cluster(cfg, progress=say) as cluster:
             return run_soak(cluster, settings, say=say)
-        finally:
-            if cluster is not None:
-                say("stopping the cluster")
-                cluster.stop()
-            if started:
-                ray.shutdown()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -62,10 +62,8 @@ def compact_table(summaries) -> str:
 
 def run_demo(settings: DemoSettings, modes: tuple[str, ...] = ("full", "tessera"), output: str | None = None,
              say=print) -> int:
-    import ray
-
     from loadgen.replay import ReplayConfig, replay_modes
-    from services.cluster.launch import ensure_ray, start_cluster
+    from services.cluster.launch import local_cluster
     from services.cluster.replay_target import ClusterTarget
     from services.engine.tiny import write_tiny
 
@@ -74,11 +72,7 @@ def run_demo(settings: DemoSettings, modes: tuple[str, ...] = ("full", "tessera"
     with tempfile.TemporaryDirectory(prefix="tessera-demo-") as tmp:
         model = write_tiny(Path(tmp) / "tiny-llama")
         cfg = ClusterConfig(model_dir=str(model), store_dir=str(Path(tmp) / "rocksdb"), kv_cache_bytes=64 << 20)
-        say("starting a local Ray instance")
-        started = ensure_ray(num_cpus=cfg.prefill + cfg.decode + 1)
-        cluster = None
-        try:
-            cluster = start_cluster(cfg, progress=say)
+        with local_cluster(cfg, progress=say) as cluster:
             say(f"cluster up in {time.perf_counter() - t0:.1f} s; gateway at {cluster.gateway_address}")
             target = ClusterTarget(cluster.gateway_address)
             trace = demo_trace(settings)
@@ -97,11 +91,5 @@ def run_demo(settings: DemoSettings, modes: tuple[str, ...] = ("full", "tessera"
                 write_report(Path(output), runs, summaries, "tessera demo", "built-in demo trace, tiny model, CPU")
                 say(f"full report under {output}")
             failed = sum(s.failed for s in summaries)
-        finally:
-            if cluster is not None:
-                say("stopping the cluster")
-                cluster.stop()
-            if started:
-                ray.shutdown()
     say(f"demo finished in {time.perf_counter() - t0:.1f} s")
     return 1 if failed else 0

@@ -206,23 +206,23 @@ class StoreAccess:
         modes). Returns how many the store deleted."""
         if self.host is not None:
             self.host.clear()
-        dropped = 0
-        for cid in list(self.known_ids):
-            try:
-                dropped += bool(self._client.delete(cid, timeout=self.lookup_timeout))
-            except grpc.RpcError:
-                pass
-            self.known_ids.discard(cid)
-        return dropped
+        return self._delete(list(self.known_ids))
 
     def forget(self, chunk_ids, store: bool) -> int:
         """Drop these chunks from the host tier and, with ``store`` (a prefill worker, which may delete), from
         the store too; returns how many the store deleted."""
         if self.host is not None:
             self.host.drop(chunk_ids)
+        if store:
+            return self._delete(chunk_ids)
+        self.known_ids.difference_update(chunk_ids)
+        return 0
+
+    def _delete(self, chunk_ids) -> int:
+        """Delete these chunks from the store (best effort); returns how many it held."""
         dropped = 0
         for cid in chunk_ids:
-            if store and self._client is not None:
+            if self._client is not None:
                 try:
                     dropped += bool(self._client.delete(cid, timeout=self.lookup_timeout))
                 except grpc.RpcError:

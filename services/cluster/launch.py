@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,24 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, namespac
     loopback = {} if ray_constants.ENABLE_RAY_CLUSTER else {"_node_ip_address": "127.0.0.1"}
     ray.init(num_cpus=num_cpus, object_store_memory=OBJECT_STORE_BYTES, namespace=namespace, **quiet, **loopback)
     return True
+
+
+@contextmanager
+def local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _m: None):
+    """A cluster on a Ray instance started in this process when none is running (``tessera demo`` and ``tessera
+    chaos``): yields the started ``Cluster``, then stops it and that Ray instance."""
+    progress("starting a local Ray instance")
+    started = ensure_ray(num_cpus=cfg.prefill + cfg.decode + 1)
+    cluster = None
+    try:
+        cluster = start_cluster(cfg, progress=progress)
+        yield cluster
+    finally:
+        if cluster is not None:
+            progress("stopping the cluster")
+            cluster.stop()
+        if started:
+            _ray().shutdown()
 
 
 def _private_token() -> str:
