@@ -62,11 +62,12 @@ async def _failed(context, where: str, method: str, exc: Exception) -> None:
 
 
 def _wrap(handler, method: str, roles: frozenset[str] | None, where: str):
-    """The same handler (serializers kept), checked first and with its unexpected errors turned into statuses."""
-    if handler.unary_unary is not None:
-        inner = handler.unary_unary
+    """The same handler (serializers kept), checked first and with its unexpected errors turned into statuses.
+    A unary response's behaviour is wrapped as a coroutine, a streamed one's as an async generator; the
+    request may be a message or an iterator either way."""
 
-        async def unary_unary(request, context):
+    def unary(inner):
+        async def behaviour(request, context):
             await _admit(context, method, roles)
             try:
                 return await inner(request, context)
@@ -74,41 +75,23 @@ def _wrap(handler, method: str, roles: frozenset[str] | None, where: str):
                 raise
             except Exception as exc:  # noqa: BLE001 - a status with an id, not the exception's text
                 await _failed(context, where, method, exc)
-        return handler._replace(unary_unary=unary_unary)
-    if handler.stream_unary is not None:
-        inner = handler.stream_unary
+        return behaviour
 
-        async def stream_unary(request_iterator, context):
-            await _admit(context, method, roles)
-            try:
-                return await inner(request_iterator, context)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                await _failed(context, where, method, exc)
-        return handler._replace(stream_unary=stream_unary)
-    if handler.unary_stream is not None:
-        inner = handler.unary_stream
-
-        async def unary_stream(request, context):
+    def streamed(inner):
+        async def behaviour(request, context):
             await _admit(context, method, roles)
             try:
                 async for message in inner(request, context):
                     yield message
             except grpc.aio.AbortError:
                 raise
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - a status with an id, not the exception's text
                 await _failed(context, where, method, exc)
-        return handler._replace(unary_stream=unary_stream)
-    inner = handler.stream_stream
+        return behaviour
 
-    async def stream_stream(request_iterator, context):
-        await _admit(context, method, roles)
-        try:
-            async for message in inner(request_iterator, context):
-                yield message
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            await _failed(context, where, method, exc)
-    return handler._replace(stream_stream=stream_stream)
+    for kind, wrap in (("unary_unary", unary), ("stream_unary", unary), ("unary_stream", streamed),
+                       ("stream_stream", streamed)):
+        inner = getattr(handler, kind)
+        if inner is not None:
+            return handler._replace(**{kind: wrap(inner)})
+    return handler

@@ -128,3 +128,41 @@ def test_store_writes_are_refused_to_all_but_prefill_workers_and_never_replace_a
         assert list(again.token_ids) == before
         tiers = dict(again.stats.chunk_tokens_by_tier)
         assert tiers.get("gpu", 0) == 0 and tiers.get("computed", 0) == 0, tiers   # read from the store
+
+
+def test_a_handlers_unexpected_error_is_internal_with_an_id_never_its_text():
+    """gRPC answers an exception a handler let through as UNKNOWN with the exception's text; the guard
+    turns it into INTERNAL naming an error id whose cause is in the service's log."""
+    from services.cluster.serving import LoopThread, make_server
+
+    async def boom(request, context):
+        raise KeyError("secret-internal-state")
+
+    async def boom_stream(request, context):
+        yield b"first"
+        raise ValueError("secret-internal-state")
+
+    handlers = {"Boom": grpc.unary_unary_rpc_method_handler(boom),
+                "BoomStream": grpc.unary_stream_rpc_method_handler(boom_stream)}
+    loop = LoopThread("guard-test")
+
+    async def start():
+        server = make_server("test service")
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+    server, port = loop.run(start())
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            for call in (lambda: ch.unary_unary("/t.T/Boom")(b"x", timeout=5),
+                         lambda: list(ch.unary_stream("/t.T/BoomStream")(b"x", timeout=5))):
+                with pytest.raises(grpc.RpcError) as info:
+                    call()
+                assert info.value.code() == grpc.StatusCode.INTERNAL
+                details = info.value.details()
+                assert "internal error " in details and "test service" in details
+                assert "secret-internal-state" not in details and "Error" not in details
+    finally:
+        loop.run(server.stop(0))
+        loop.stop()
