@@ -37,6 +37,9 @@ def register(subparsers) -> None:
                    help="through: ack after every tier holds the chunk; behind: ack after DRAM")
     p.add_argument("--rocksdb-sync", action="store_true", help="fsync the WAL on every put (power-loss safety)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve /metrics over HTTP on this port (0: any)")
+    p.add_argument("--certs-dir", help="serve over mutual TLS with the cluster's certificates (ca.pem, store.pem, "
+                                       "store.key: `tessera certs DIR`), callers authorized by role; without it, "
+                                       "plain gRPC that anyone reaching the port may call")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(handler=_serve)
 
@@ -58,5 +61,13 @@ def _serve(args) -> int:
                          s3=s3, policy=args.policy, write_mode=args.write_mode, rocksdb_sync=args.rocksdb_sync)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be within 0..65535, got {args.port}")
-    serve(config, host=args.host, port=args.port, metrics_port=args.metrics_port)
+    tls = None
+    if args.certs_dir:
+        from services.cluster.security import ClusterTLS
+
+        tls = ClusterTLS.load(args.certs_dir, "store")
+    elif args.host not in ("127.0.0.1", "::1", "localhost"):
+        logging.getLogger(__name__).warning("serving on %s without --certs-dir: any caller reaching it may write and "
+                                            "read every chunk", args.host)
+    serve(config, host=args.host, port=args.port, metrics_port=args.metrics_port, tls=tls)
     return 0

@@ -292,11 +292,13 @@ async def create_server(config: StoreConfig, *, host: str = "127.0.0.1", port: i
     return KVStoreServer(server, store, metrics, health_servicer, http_port), bound
 
 
-def serve(config: StoreConfig, *, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, then stop gracefully. Prints the bound address first."""
+def serve(config: StoreConfig, *, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None,
+          tls=None) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully. Prints the bound address first. ``tls``: the store's
+    ClusterTLS (mutual TLS, callers authorized by role), None: plain."""
 
     async def main() -> None:
-        server, bound = await create_server(config, host=host, port=port, metrics_port=metrics_port)
+        server, bound = await create_server(config, host=host, port=port, metrics_port=metrics_port, tls=tls)
         print(f"kvstore listening on {host}:{bound}" + (f" metrics on :{server.metrics_port}" if server.metrics_port else ""),
               flush=True)
         stop = asyncio.Event()

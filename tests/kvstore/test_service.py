@@ -265,6 +265,9 @@ def test_cli_refuses_bad_flags(tmp_path, capsys):
     assert main(["kvstore", "serve", "--port", "0", "--dram-bytes", "0", "--rocksdb-dir", str(tmp_path / "d")]) == 2
     with pytest.raises(SystemExit):
         main(["kvstore", "serve", "--port", "0", "--dram-bytes", "lots", "--rocksdb-dir", str(tmp_path / "d")])
+    assert main(["kvstore", "serve", "--port", "0", "--dram-bytes", "1G", "--rocksdb-dir", str(tmp_path / "d"),
+                 "--certs-dir", str(tmp_path / "no-certs")]) == 2
+    assert "cluster certificates missing" in capsys.readouterr().err
 
 
 def test_get_deadline_is_honoured_and_the_chunk_stays(start_store):
