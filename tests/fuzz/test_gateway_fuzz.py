@@ -88,7 +88,7 @@ def assert_clear(code: str, details: str, req, *sent: str) -> None:
 def strings_of(req: pb.GenerateRequest) -> list[str]:
     """The text a refusal may quote back."""
     out = [req.mode, req.request_id, req.suffix_text]
-    return out + [c.text or c.chunk_id for c in req.chunks]
+    return out + [c.text or c.chunk_id for c in req.chunks] + [c.namespace for c in req.chunks]
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -124,11 +124,15 @@ def build(chunks, suffix, sampling, mode, ratio, request_id) -> pb.GenerateReque
     return req
 
 
+NAMESPACE = mostly(st.just(""), st.text(max_size=12) | st.just("public"))     # none is shared without tenants
+
+
 def any_request(chunk_ids):
-    chunk = st.one_of(st.builds(lambda t: pb.ChunkInput(text=t), TEXT),
-                      st.builds(lambda i: pb.ChunkInput(tokens=pb.TokenIds(ids=i)), IDS),
-                      st.builds(lambda c: pb.ChunkInput(chunk_id=c), mostly(st.sampled_from(chunk_ids), st.text(max_size=70))),
-                      st.just(pb.ChunkInput()))
+    chunk = st.one_of(st.builds(lambda t, ns: pb.ChunkInput(text=t, namespace=ns), TEXT, NAMESPACE),
+                      st.builds(lambda i, ns: pb.ChunkInput(tokens=pb.TokenIds(ids=i), namespace=ns), IDS, NAMESPACE),
+                      st.builds(lambda c, ns: pb.ChunkInput(chunk_id=c, namespace=ns),
+                                mostly(st.sampled_from(chunk_ids), st.text(max_size=70)), NAMESPACE),
+                      st.builds(lambda ns: pb.ChunkInput(namespace=ns), NAMESPACE))
     return st.builds(build, st.lists(chunk, max_size=6), st.none() | TEXT | IDS, SAMPLING,
                      mostly(st.sampled_from(["", *MODES]), st.text(max_size=20)), mostly(st.none() | UNIT, FLOAT32),
                      st.text(max_size=40) | st.sampled_from(["x" * 5000, "../..", "a\x00b"]))
