@@ -233,6 +233,28 @@ def test_parse_lines_names_its_source_for_any_line():
     parse()
 
 
+def test_tessera_simulate_reads_a_fuzzed_trace_or_says_why_in_one_line(folder, capsys):
+    """What the command does with the same files: a result (exit 0) or one error line naming the file (exit 2)."""
+    from services.cli import main
+
+    path = folder / "simulate.jsonl"
+
+    @settings(FUZZ, max_examples=80)
+    @given(trace_text())
+    def simulate(data):
+        assume(not claims_huge_chunks(data))
+        path.write_bytes(data)
+        rc = main(["simulate", str(path), "--json"])
+        out, err = capsys.readouterr()
+        if rc == 0:
+            assert json.loads(out)["policy"] == "tessera" and not err
+        else:
+            assert rc == 2 and err.startswith(f"tessera simulate: error: {path}"), (rc, err)
+            assert err.count("\n") == 1 and "Traceback" not in err, err
+
+    simulate()
+
+
 # ---------------------------------------------------------------------------------------------- defects found
 @pytest.mark.xfail(strict=True, reason="loadgen/trace/io.py parse_lines(): a line of JSON nested ~1,000 deep "
                                        "('[' * 100000) raises RecursionError from json.loads, not a ValueError naming "
@@ -249,7 +271,8 @@ def test_a_deeply_nested_line_is_refused_by_name(folder):
 
 
 @pytest.mark.xfail(strict=True, reason="loadgen/trace/io.py read_trace(): a directory given as the trace "
-                                       "raises IsADirectoryError (the docstring: FileNotFoundError or ValueError)")
+                                       "raises IsADirectoryError (the docstring: FileNotFoundError or ValueError), so "
+                                       "`tessera simulate <dir>` ends in a traceback")
 def test_a_directory_is_refused_by_name(folder):
     try:
         read_trace(folder)
