@@ -91,8 +91,8 @@ def block_size(v) -> bool:
 
 
 def header_token(v) -> bool:
-    """A bearer token a client can send (printable ASCII, as the SDK requires) and that turns auth on
-    (an empty token is read as no token: services/gateway/server.py)."""
+    """A bearer token a client can send (printable ASCII, as the SDK requires), not empty (the gateway refuses an
+    empty one as it starts: services/gateway/tenants.py Tenants.single)."""
     return v is None or (isinstance(v, str) and v != "" and v.isascii() and v.isprintable())
 
 
@@ -216,7 +216,8 @@ DEFECTS = {
     "ClusterConfig.store_dir": f"1 and b'1' are accepted ({NOT_CHECKED})",
     "ClusterConfig.gateway_port": f"1.5 is accepted; '1' and None {CMP}",
     "ClusterConfig.bind_host": f"None and 1 are accepted ({NOT_CHECKED})",
-    "ClusterConfig.token": "'' (read as no token: auth off), '\\x00' and 1 are accepted (no client can send them as a header)",
+    "ClusterConfig.token": "'' is accepted (the gateway refuses it only as it starts), '\\x00' and 1 too (no client "
+                           "can send them as a header)",
     "ClusterConfig.tenants_file": "nan and 1 raise TypeError from Path()",
     "ClusterConfig.tls_cert": "nan and 1 raise TypeError from Path()",
     "ClusterConfig.tls_key": "nan and 1 raise TypeError from Path()",
