@@ -61,16 +61,56 @@ async def _failed(context, where: str, method: str, exc: Exception) -> None:
     await context.abort(err.code, err.message)
 
 
+class _Undecodable:
+    """What a request's deserializer made of bytes that are not its message (grpc would answer UNKNOWN with the
+    decoder's exception text; the handler answers INVALID_ARGUMENT instead)."""
+
+    __slots__ = ()
+
+
+UNDECODABLE = _Undecodable()
+
+
+def _safe(deserializer):
+    if deserializer is None:
+        return None
+
+    def decode(raw):
+        try:
+            return deserializer(raw)
+        except Exception:  # noqa: BLE001 - any decoder's refusal: the caller sent no valid message
+            return UNDECODABLE
+    return decode
+
+
 def _wrap(handler, method: str, roles: frozenset[str] | None, where: str):
-    """The same handler (serializers kept), checked first and with its unexpected errors turned into statuses.
-    A unary response's behaviour is wrapped as a coroutine, a streamed one's as an async generator; the
-    request may be a message or an iterator either way."""
+    """The same handler, checked first and with its unexpected errors turned into statuses: a unary response's
+    behaviour is wrapped as a coroutine, a streamed one's as an async generator. The request deserializer's
+    refusal (bytes that are not the message) is INVALID_ARGUMENT, for a request message and for every message
+    of a request stream."""
+    refused = f"{method}: the request is not a valid message of this method"
+
+    def requests(request, context):
+        if not handler.request_streaming:
+            return request
+
+        async def checked():
+            async for message in request:
+                if message is UNDECODABLE:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
+                yield message
+        return checked()
+
+    async def admit(request, context):
+        await _admit(context, method, roles)
+        if request is UNDECODABLE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
 
     def unary(inner):
         async def behaviour(request, context):
-            await _admit(context, method, roles)
+            await admit(request, context)
             try:
-                return await inner(request, context)
+                return await inner(requests(request, context), context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a status with an id, not the exception's text
@@ -79,9 +119,9 @@ def _wrap(handler, method: str, roles: frozenset[str] | None, where: str):
 
     def streamed(inner):
         async def behaviour(request, context):
-            await _admit(context, method, roles)
+            await admit(request, context)
             try:
-                async for message in inner(request, context):
+                async for message in inner(requests(request, context), context):
                     yield message
             except grpc.aio.AbortError:
                 raise
@@ -89,9 +129,10 @@ def _wrap(handler, method: str, roles: frozenset[str] | None, where: str):
                 await _failed(context, where, method, exc)
         return behaviour
 
+    safe = _safe(handler.request_deserializer)
     for kind, wrap in (("unary_unary", unary), ("stream_unary", unary), ("unary_stream", streamed),
                        ("stream_stream", streamed)):
         inner = getattr(handler, kind)
         if inner is not None:
-            return handler._replace(**{kind: wrap(inner)})
+            return handler._replace(**{kind: wrap(inner), "request_deserializer": safe})
     return handler

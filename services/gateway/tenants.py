@@ -53,12 +53,15 @@ class Quotas:
                 raise ValueError(f"quota {f.name} must be a positive integer, got {value!r}")
 
     @classmethod
-    def read(cls, raw: dict | None, where: str) -> Quotas:
-        raw = dict(raw or {})
+    def read(cls, raw, where: str) -> Quotas:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: 'quotas' must be a mapping of quota names to limits")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown quota {unknown[0]!r}; one of {', '.join(sorted(known))}")
+        unknown = _unknown(raw, known)
+        if unknown is not None:
+            raise ValueError(f"{where}: unknown quota {unknown!r}; one of {', '.join(sorted(known))}")
         try:
             return cls(**raw)
         except ValueError as exc:
@@ -106,6 +109,11 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
+def _unknown(mapping: dict, known) -> object | None:
+    """The first key of ``mapping`` not in ``known`` (keys of any types: YAML allows them), else None."""
+    return next((k for k in mapping if not (isinstance(k, str) and k in known)), None)
+
+
 class Tenants:
     """Bearer token -> tenant. ``open`` (no tokens at all): every caller is the default tenant."""
 
@@ -119,6 +127,8 @@ class Tenants:
             if tenant.name in self.by_name:
                 raise ValueError(f"tenant {tenant.name!r} is listed twice")
             self.by_name[tenant.name] = tenant
+            if len(set(tokens)) < len(tokens):
+                raise ValueError(f"tenant {tenant.name!r} lists one token twice")
             for token in tokens:
                 d = _digest(token)
                 if d in self._by_digest:
@@ -143,35 +153,42 @@ class Tenants:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"tenants file {p} does not exist")
-        text = p.read_text()
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"tenants file {p}: not UTF-8 text") from None
         try:
             import yaml
 
             raw = yaml.safe_load(text) if p.suffix != ".json" else json.loads(text)
         except Exception as exc:  # noqa: BLE001 - yaml's and json's errors, named with the file
             raise ValueError(f"tenants file {p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from None
-        return cls.parse(raw, str(p))
+        try:
+            return cls.parse(raw, str(p))
+        except ValueError as exc:
+            message = str(exc)
+            raise ValueError(message if message.startswith(str(p)) else f"tenants file {p}: {message}") from None
 
     @classmethod
     def parse(cls, raw, where: str = "tenants") -> Tenants:
         if not isinstance(raw, dict) or not isinstance(raw.get("tenants"), list) or not raw["tenants"]:
             raise ValueError(f"{where}: needs a non-empty list under 'tenants'")
-        unknown = sorted(set(raw) - {"tenants", "shared"})
-        if unknown:
-            raise ValueError(f"{where}: unknown key {unknown[0]!r}; 'tenants' and 'shared' are read")
+        unknown = _unknown(raw, {"tenants", "shared"})
+        if unknown is not None:
+            raise ValueError(f"{where}: unknown key {unknown!r}; 'tenants' and 'shared' are read")
         shared = raw.get("shared") or []
-        if not isinstance(shared, list) or not all(isinstance(s, str) and NAME.match(s) for s in shared):
+        if not isinstance(shared, list) or not all(isinstance(s, str) and NAME.fullmatch(s) for s in shared):
             raise ValueError(f"{where}: 'shared' must be a list of namespace names ({NAME.pattern})")
         out = []
         for i, t in enumerate(raw["tenants"]):
             at = f"{where}: tenant {i}"
             if not isinstance(t, dict):
                 raise ValueError(f"{at}: must be a mapping")
-            extra = sorted(set(t) - {"name", "tokens", "reads", "admin", "quotas"})
-            if extra:
-                raise ValueError(f"{at}: unknown key {extra[0]!r}")
+            extra = _unknown(t, {"name", "tokens", "reads", "admin", "quotas"})
+            if extra is not None:
+                raise ValueError(f"{at}: unknown key {extra!r}")
             name = t.get("name")
-            if not isinstance(name, str) or not NAME.match(name):
+            if not isinstance(name, str) or not NAME.fullmatch(name):
                 raise ValueError(f"{at}: name must match {NAME.pattern}, got {name!r}")
             at = f"{where}: tenant {name}"
             tokens = t.get("tokens")

@@ -77,7 +77,7 @@ def layer_bytes(data: LayerData) -> bytes:
 
 
 def check_chunk_id(chunk_id: str) -> str:
-    if not isinstance(chunk_id, str) or not CHUNK_ID_RE.match(chunk_id):
+    if not isinstance(chunk_id, str) or not CHUNK_ID_RE.fullmatch(chunk_id):
         raise InvalidChunk(f"chunk id must match {CHUNK_ID_RE.pattern}, got {chunk_id!r:.80}")
     return chunk_id
 

@@ -54,13 +54,16 @@ def envelope(layer_index: int, nbytes: int, end_of_layer: bool, checksum: int, a
     index = b"\x08" + _varint(layer_index) if layer_index else b""     # field 1, varint
     data_key = b"\x12" + _varint(nbytes)                               # field 2, bytes
     tail = (b"\x18\x01" if end_of_layer else b"") + (b"\x20" + _varint(checksum) if checksum else b"")  # fields 3, 4
-    for k in range(-1, align + 7 if align > 1 else 0):                 # padding bytes; -1: no field 5
+    # NOTE: one more padding byte usually makes the head one byte longer, but where the frame's length varint
+    # gains a byte it makes it two longer, skipping one length (a 106-byte payload skipped 16): 2 * align
+    # tries always pass a multiple of align (the padding stays under 128 bytes: its length is one byte)
+    for k in range(-1, 2 * align + 8 if align > 1 else 0):             # padding bytes; -1: no field 5
         pad = b"" if k < 0 else b"\x2a" + bytes([k]) + bytes(k)
         fields = index + pad + data_key
         head = _TAG_FRAME + _varint(len(fields) + nbytes + len(tail)) + fields
         if len(head) % align == 0:
             return head, tail
-    raise AssertionError("unreachable: a padding of align + 7 bytes or less always fits")
+    raise AssertionError("unreachable: a padding of 2 * align + 7 bytes or less always fits")
 
 
 def encode_frame(frame: Frame) -> bytes:

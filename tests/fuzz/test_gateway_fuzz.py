@@ -305,12 +305,7 @@ def test_a_short_deadline_or_a_cancelled_stream_leaves_the_workers_serving(api):
     assert api.fixed_tokens() == api.baseline
 
 
-# ---------------------------------------------------------------------------------------------- defects found
-@pytest.mark.xfail(strict=True, reason="services/cluster/serving.py make_server() / guard.py RoleGuard: a request whose "
-                                       "bytes do not parse as the method's message (b'\\xff', or b'\\x0a': a field cut short) "
-                                       "is refused by gRPC's deserializer before the guard runs: UNKNOWN "
-                                       "\"Unexpected <class 'google.protobuf.message.DecodeError'>: Error parsing "
-                                       "message ...\" on every method, not INVALID_ARGUMENT")
+# ---------------------------------------------------------------------------------------------- bytes that are not a message
 def test_a_request_that_is_not_protobuf_is_invalid_argument(api):
     raw = dict(request_serializer=lambda b: b, response_deserializer=lambda b: b)
     got = {}

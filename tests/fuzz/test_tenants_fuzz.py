@@ -20,7 +20,7 @@ import re
 import grpc
 import pytest
 import yaml
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.rpc import tessera_pb2 as pb
@@ -92,39 +92,6 @@ def file_text(draw_doc, how: str) -> bytes:
     return yaml.safe_dump(draw_doc, allow_unicode=True).encode()
 
 
-def known_defect(doc) -> bool:
-    """Inputs of the defects the xfail tests below pin, kept out of the random draws."""
-    def unsortable(mapping, known) -> bool:          # unknown keys of more than one type: sorted() raises
-        try:
-            sorted(set(mapping) - set(known))
-        except TypeError:
-            return True
-        return False
-
-    if not isinstance(doc, dict):
-        return False
-    if unsortable(doc, ("tenants", "shared")):
-        return True
-    shared = doc.get("shared")
-    if isinstance(shared, list) and any(isinstance(s, str) and s.endswith("\n") for s in shared):
-        return True                                  # a name with a trailing newline
-    tenants = doc.get("tenants")
-    for t in tenants if isinstance(tenants, list) else ():
-        if not isinstance(t, dict):
-            continue
-        if unsortable(t, ("name", "tokens", "reads", "admin", "quotas")):
-            return True
-        q = t.get("quotas")
-        if q and not isinstance(q, dict) or isinstance(q, dict) and unsortable(q, QUOTA_KEYS[:-1]):
-            return True                              # quotas that are not a mapping, or unsortable
-        tokens = t.get("tokens")
-        if isinstance(tokens, list) and len({repr(k) for k in tokens}) < len(tokens):
-            return True                              # a token listed twice
-        if isinstance(t.get("name"), str) and t["name"].endswith("\n"):
-            return True
-    return False
-
-
 def check_file(path, data: bytes) -> None:
     from services.gateway.tenants import Tenants
 
@@ -152,7 +119,6 @@ def test_a_tenants_file_is_read_or_refused_by_name(folder):
     @settings(FUZZ, max_examples=200)
     @given(tenants_document(), st.sampled_from(["yaml", "json"]))
     def read(doc, how):
-        assume(not known_defect(doc))
         check_file(folder / f"tenants.{how}", file_text(doc, how))
 
     read()
@@ -168,7 +134,6 @@ def test_a_tenants_file_of_random_text_is_read_or_refused_by_name(folder):
             doc = yaml.safe_load(data) if how == "yaml" else json.loads(data)
         except Exception:  # noqa: BLE001 - not a document: the reader refuses it too
             doc = None
-        assume(not known_defect(doc))
         check_file(folder / f"tenants.{how}", data)
 
     read()
@@ -182,7 +147,6 @@ def test_cluster_config_reads_its_tenants_file_or_refuses_it_by_name(folder, tmp
     @settings(FUZZ, max_examples=60)
     @given(tenants_document())
     def build(doc):
-        assume(not known_defect(doc))
         path = folder / "cluster-tenants.yaml"
         path.write_bytes(file_text(doc, "yaml"))
         try:
@@ -212,17 +176,11 @@ def _refused_by_name(path, text: bytes) -> None:
 ACME = f"tenants:\n  - name: acme\n    tokens: [{TOKENS['acme']}]\n"
 
 
-@pytest.mark.xfail(strict=True, reason="services/gateway/tenants.py Quotas.read(): quotas that are not a mapping "
-                                       "('quotas: 5', 'quotas: [1]') raise TypeError from dict(), 'quotas: abc' a "
-                                       "ValueError without the file's name")
 @pytest.mark.parametrize("quotas", ["5", "[1]", "abc"])
 def test_quotas_that_are_not_a_mapping_are_refused_by_name(folder, quotas):
     _refused_by_name(folder / "quotas.yaml", f"{ACME}    quotas: {quotas}\n".encode())
 
 
-@pytest.mark.xfail(strict=True, reason="services/gateway/tenants.py Tenants.parse() and Quotas.read(): sorted() over a "
-                                       "mapping's unknown keys raises TypeError when they are of two types ('1: 2' "
-                                       "and 'x: 3' beside 'tenants:', in a tenant, or in its quotas)")
 @pytest.mark.parametrize("where", ["top", "tenant", "quotas"])
 def test_unknown_keys_of_two_types_are_refused_by_name(folder, where):
     text = {"top": f"1: 2\nx: 3\n{ACME}", "tenant": f"{ACME}    1: 2\n    x: 3\n",
@@ -230,23 +188,15 @@ def test_unknown_keys_of_two_types_are_refused_by_name(folder, where):
     _refused_by_name(folder / "keys.yaml", text.encode())
 
 
-@pytest.mark.xfail(strict=True, reason="services/gateway/tenants.py Tenants.from_file(): a file that is not UTF-8 "
-                                       "(b'\\xff\\xfe') raises UnicodeDecodeError from read_text(), outside the try "
-                                       "that names the file")
 def test_a_tenants_file_that_is_not_utf8_is_refused_by_name(folder):
     _refused_by_name(folder / "binary.yaml", b"\xff\xfe tenants")
 
 
-@pytest.mark.xfail(strict=True, reason="services/gateway/tenants.py Tenants.__init__(): a token listed twice by one "
-                                       "tenant is refused as 'also another tenant's', without the file's name")
 def test_a_token_listed_twice_by_one_tenant_is_refused_by_name(folder):
     _refused_by_name(folder / "twice.yaml", f"tenants:\n  - name: acme\n    tokens: [{TOKENS['acme']}, "
                                            f"{TOKENS['acme']}]\n".encode())
 
 
-@pytest.mark.xfail(strict=True, reason="services/gateway/tenants.py NAME.match(): '$' lets a trailing newline through, "
-                                       "so the tenant name 'acme\\n' (and a shared namespace 'public\\n') is read, "
-                                       "outside ^[a-z0-9][a-z0-9_.-]{0,62}$")
 def test_a_name_with_a_trailing_newline_is_refused(folder):
     _refused_by_name(folder / "newline.json", json.dumps(
         {"tenants": [{"name": "acme\n", "tokens": [TOKENS["acme"]]}]}).encode())
