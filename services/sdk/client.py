@@ -44,8 +44,8 @@ def channel_credentials(tls) -> grpc.ChannelCredentials | None:
     try:
         with open(checks.path(tls, "tls"), "rb") as f:
             return grpc.ssl_channel_credentials(root_certificates=f.read())
-    except OSError as exc:
-        raise checks.refuse(f"tls: cannot read the CA file {tls!r} ({exc.strerror or exc})") from None
+    except (OSError, ValueError) as exc:       # ValueError: a NUL byte in the path ("ca\x00.pem")
+        raise checks.refuse(f"tls: cannot read the CA file {tls!r} ({getattr(exc, 'strerror', None) or exc})") from None
 
 
 class _Settings:
@@ -143,10 +143,15 @@ class Client:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         timeout = checks.seconds(timeout, "timeout")
+        ready = grpc.channel_ready_future(self._channel)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            ready.result(timeout=timeout)
         except grpc.FutureTimeoutError:
             raise TimeoutError(f"the gateway at {self._s.address} did not answer within {timeout} s") from None
+        finally:
+            # NOTE: a future left subscribed keeps gRPC's polling thread running until close() (which it
+            # may then meet as "Channel closed!"); cancelled, the thread ends at its next 0.2 s poll
+            ready.cancel()
 
     # ------------------------------------------------------------------ plumbing
     def _retry(self, exc: grpc.RpcError, attempt: int, deadline: float) -> bool:

@@ -72,6 +72,12 @@ BAD_GENERATE = [
     (dict(timeout=-1.0), "timeout must be a number of seconds > 0"),
     (dict(timeout=math.nan), "timeout must be a finite number"),
     (dict(timeout="5"), "timeout must be a number"),
+    (dict(timeout=365 * 24 * 3600 + 1), "timeout must be at most one year (31536000 s), got 31536001"),
+    (dict(timeout=1e10), "timeout must be at most one year"),              # past gRPC's int64-ns deadline
+    (dict(temperature=10**400), "temperature must be a finite number, got 1000000000000000000000000000000000000000"
+                                "... (401 characters)"),                    # too large for a float
+    (dict(top_p=10**5000), "top_p must be a finite number, got an integer of more than 4300 digits"),
+    (dict(chunks=[[10**5000]]), "token id an integer of more than 4300 digits in chunk 0"),
 ]
 IDS = ["id-2**40", "id-float", "id-integral-float", "id-bool", "id-str", "id-negative", "chunk-int", "chunk-bytes",
        "chunk-surrogate", "chunks-none", "chunk-set", "suffix-2**31", "suffix-float", "suffix-int", "seed-negative",
@@ -79,7 +85,8 @@ IDS = ["id-2**40", "id-float", "id-integral-float", "id-bool", "id-str", "id-neg
        "temperature-str", "temperature-bool", "top_p-nan", "top_p-float32-zero", "top_k-2**31", "top_k-float",
        "max_new_tokens-2**32", "max_new_tokens-float", "max_new_tokens-bool", "ratio-nan", "ratio-str",
        "stop-2**40", "stop-float", "stop-int", "mode-int", "request_id-int", "timeout-zero", "timeout-negative",
-       "timeout-nan", "timeout-str"]
+       "timeout-nan", "timeout-str", "timeout-past-a-year", "timeout-1e10", "temperature-10**400",
+       "top_p-10**5000", "id-10**5000"]
 
 
 def _refused(info, field: str) -> None:

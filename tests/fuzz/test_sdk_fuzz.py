@@ -6,8 +6,8 @@ is taken. Never TypeError, ValueError, OverflowError or a protobuf error. The cl
 nothing listens: a refusal there is the SDK's own (a call that went out ends ``Unavailable``).
 
 What "can carry" means is written out below (``carries``), from services/sdk/checks.py's docstring: token ids
-are ints in [0, 2**31), numbers finite and within float32, text valid UTF-8, counts within their field's range.
-Known defects (see the xfail tests at the end) are kept out of the random draws so that the rest is still fuzzed.
+are ints in [0, 2**31), numbers finite and within float32, timeouts at most a year, text valid UTF-8, counts
+within their field's range. The inputs of defects found here are kept as tests of their own at the end.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from .common import FUZZ, expect
 
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1
 FLOAT32_MAX = 3.4028234663852886e38
+ONE_YEAR_S = 365 * 24 * 3600
 
 
 # ---------------------------------------------------------------------------------------------- the oracle
@@ -69,8 +70,9 @@ def top_p(v) -> bool:
 
 
 def seconds(v) -> bool:
+    """A timeout: > 0 and at most a year (past ~7.4e9 s gRPC's int64-nanosecond deadline overflows)."""
     f = _float(v)
-    return f is not None and math.isfinite(f) and f > 0
+    return f is not None and 0 < f <= ONE_YEAR_S
 
 
 def text(v) -> bool:
@@ -136,23 +138,13 @@ CLIENT_ARGS = {
     "retries": (int_in(0, 1000), "retries"),
     "backoff_s": (lambda v: (f := _float(v)) is not None and math.isfinite(f) and 0 <= f <= 3600, "backoff_s"),
 }
-FLOAT_ARGS = ("temperature", "top_p", "recompute_ratio", "timeout", "backoff_s")
-LONG_S = 1e9       # a timeout this long (31 years) or longer is one of the known defects' inputs (below)
-
-
-def known_defect(arg: str, value) -> bool:
-    """Inputs of the defects pinned by the xfail tests below, kept out of the random draws."""
-    if arg in FLOAT_ARGS and isinstance(value, numbers.Real) and not isinstance(value, bool) and _float(value) is None:
-        return True            # a real too large for a float: OverflowError (test_a_number_too_large_for_a_float_...)
-    if arg == "timeout" and seconds(value) and float(value) >= LONG_S:
-        return True            # a deadline past int64 nanoseconds: DEADLINE_EXCEEDED at once (test_a_timeout_of_...)
-    return arg == "tls" and isinstance(value, str) and "\x00" in value     # ValueError (test_a_ca_path_with_a_nul_...)
 
 
 # ---------------------------------------------------------------------------------------------- values
 SPECIAL = st.sampled_from([
     0, 1, -1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63, 2**64 - 1, 2**64, -(2**31) - 1, 10**30, 10**400, -(10**400),
-    0.0, -0.0, 1e-46, 1e-320, 3.4028234663852886e38, 3.5e38, 1e39, math.nan, math.inf, -math.inf, 0.5, 3.7,
+    0.0, -0.0, 1e-46, 1e-320, 31536000, 31536000.5, 1e10, 3.4028234663852886e38, 3.5e38, 1e39, math.nan, math.inf,
+    -math.inf, 0.5, 3.7,
     Fraction(1, 3), Fraction(10**400), np.int64(5), np.int32(-1), np.uint64(2**64 - 1), np.int64(2**40), np.float32("nan"),
     np.float64(0.5), np.float16(1e-8), np.bool_(True), "", " ", "x", "\x00", "é🙂", "\ud800", "a\udc80b", "127.0.0.1:1",
     ":", "Bearer x", "a\nb", b"", b"abc", bytearray(b"1"), 1 + 0j, ChunkId("x"), ChunkId(""), range(3), np.array([1, 2]),
@@ -170,7 +162,7 @@ NEAR = {
                        max_size=3),
     "suffix": st.text(max_size=5) | st.lists(st.integers(-2, 2**31 + 1), max_size=3),
     "stop_token_ids": st.lists(st.integers(-2, 2**31 + 1), max_size=3),
-    "tls": st.sampled_from([True, False, None, "/", "/nonexistent.pem", "/etc/hostname"]),
+    "tls": st.sampled_from([True, False, None, "/", "/nonexistent.pem", "/etc/hostname", "ca\x00.pem"]),
     "address": st.sampled_from(["127.0.0.1:1", "host", "h:p", ""]),
 }
 
@@ -227,7 +219,6 @@ def test_generate_takes_what_the_request_carries_and_refuses_the_rest(arg, kind,
     @settings(FUZZ, max_examples=40)
     @given(value_of(arg))
     def call(value):
-        assume(not known_defect(arg, value))
         try:
             stream = run(lambda: client.generate(**{**base, arg: value}))   # checked now; sent once iterated
         except Exception as exc:  # noqa: BLE001 - the exception's type is what is checked
@@ -250,7 +241,6 @@ def test_a_client_is_built_from_valid_settings_only(arg, kind, nowhere, loop):
     @settings(FUZZ, max_examples=40)
     @given(value_of(arg))
     def build(value):
-        assume(not known_defect(arg, value))
         try:
             client = make(**{**base, arg: value})
         except Exception as exc:  # noqa: BLE001
@@ -286,7 +276,6 @@ def test_a_unary_call_refuses_a_bad_value_before_sending(call_name, clients):
     @settings(FUZZ, max_examples=30)
     @given(value_of(arg))
     def once(value):
-        assume(not known_defect(arg, value))
         try:
             call(client, value)
         except TesseraError as exc:
@@ -309,8 +298,7 @@ def test_wait_ready_refuses_a_bad_timeout(clients):
     @settings(FUZZ, max_examples=30)
     @given(value_of("timeout"))
     def once(value):
-        assume(not known_defect("timeout", value))
-        # a valid timeout waits (and leaves a thread polling: test_wait_ready_gives_up_...): refusals only here
+        # a valid timeout waits: refusals only here
         assume(not seconds(value))
         try:
             client.wait_ready(timeout=value)
@@ -337,11 +325,9 @@ def test_chunk_id_takes_text_only():
     build()
 
 
-# ---------------------------------------------------------------------------------------------- defects found
-@pytest.mark.xfail(strict=True, reason="services/sdk/checks.py number(): float(value) of an int or Fraction too large "
-                                       "for a float raises OverflowError, not InvalidArgument: "
-                                       "Client(a, timeout=10**400), generate(temperature=10**400) and every float argument")
+# ---------------------------------------------------------------------------------------------- defects found, fixed
 def test_a_number_too_large_for_a_float_is_refused(nowhere, clients):
+    """float(10**400) raises OverflowError: checks.number() once let it out of every float argument."""
     client = clients[0]
     sites = {
         "generate(temperature)": lambda v: client.generate([[1]], [2], temperature=v),
@@ -366,10 +352,8 @@ def test_a_number_too_large_for_a_float_is_refused(nowhere, clients):
     expect(not wrong, "\n".join(wrong))
 
 
-@pytest.mark.xfail(strict=True, reason="services/sdk/client.py channel_credentials(): a CA path with a NUL byte "
-                                       "(Client(a, tls='ca\\x00.pem')) raises ValueError from open(); only OSError is "
-                                       "turned into InvalidArgument")
 def test_a_ca_path_with_a_nul_byte_is_refused(nowhere, loop):
+    """open() raises ValueError (not OSError) for a NUL byte: channel_credentials() once let it out."""
     for make in (Client, lambda *a, **kw: in_loop(loop, lambda: AsyncClient(*a, **kw))):
         try:
             make(nowhere, tls="ca\x00.pem")
@@ -381,25 +365,32 @@ def test_a_ca_path_with_a_nul_byte_is_refused(nowhere, loop):
             expect(False, "a CA path with a NUL byte was taken")
 
 
-@pytest.mark.xfail(strict=True, reason="services/sdk/checks.py seconds() takes any finite timeout, but gRPC's deadline "
-                                       "(now + timeout in int64 nanoseconds) overflows past ~7.4e9 s: Client(a).stats("
-                                       "timeout=1e10) ends DEADLINE_EXCEEDED at once, with a live gateway too, instead of "
-                                       "being refused (or capped)")
-def test_a_timeout_of_centuries_is_refused_or_waited_for(clients):
+def test_a_timeout_past_a_year_is_refused(nowhere, clients):
+    """gRPC's deadline (now + timeout in int64 nanoseconds) overflows past ~7.4e9 s: stats(timeout=1e10) once
+    ended DEADLINE_EXCEEDED at once, with a live gateway too. Past a year a timeout is refused, naming the bound."""
     client = clients[0]
-    for timeout in (1e10, 1e300):
-        try:
-            client.stats(timeout=timeout)
-        except (InvalidArgument, Unavailable):      # refused, or sent and found nothing listening
-            continue
-        except TesseraError as exc:                 # the defect: DeadlineExceeded at once
-            expect(False, f"timeout={timeout}: {exc}")
+    sites = {
+        "stats(timeout)": lambda v: client.stats(timeout=v),
+        "generate(timeout)": lambda v: client.generate([[1]], [2], timeout=v),
+        "wait_ready(timeout)": lambda v: client.wait_ready(timeout=v),
+        "Client(timeout)": lambda v: Client(nowhere, timeout=v),
+    }
+    wrong = []
+    for site, call in sites.items():
+        for timeout in (ONE_YEAR_S + 1, 1e10, 1e300):
+            try:
+                call(timeout)
+                wrong.append(f"{site} took {timeout}")
+            except InvalidArgument as exc:
+                if "timeout" not in exc.details or "one year" not in exc.details:
+                    wrong.append(f"{site} with {timeout}: the refusal names no field or bound: {exc.details}")
+            except Exception as exc:  # noqa: BLE001 - the defect: DeadlineExceeded at once
+                wrong.append(f"{site} with {timeout}: {type(exc).__name__}: {exc}")
+    expect(not wrong, "\n".join(wrong))
 
 
-@pytest.mark.xfail(strict=True, reason="services/sdk/client.py Client.wait_ready(): on timeout the channel-ready future "
-                                       "is not cancelled, so its gRPC thread goes on polling the channel until the client "
-                                       "is closed (and may then raise ValueError('Cannot invoke RPC: Channel closed!'))")
 def test_wait_ready_gives_up_without_leaving_a_thread_behind(nowhere):
+    """wait_ready() once left its channel-ready future subscribed: gRPC's polling thread ran on until close()."""
     import threading
     import time
 
