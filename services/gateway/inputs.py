@@ -318,7 +318,8 @@ class InputResolver:
             raise InvalidRequest(f"{where} holds no token")
         return tokens, namespace
 
-    def sampling(self, s: pb.SamplingParams) -> Sampling:
+    def sampling(self, s: pb.SamplingParams, default_max: int = DEFAULT_MAX_NEW_TOKENS) -> Sampling:
+        """``default_max``: max_new_tokens when the request leaves it unset (0)."""
         temperature, top_p = float(s.temperature), float(s.top_p) if s.top_p else 1.0
         if not math.isfinite(temperature) or temperature < 0:
             raise InvalidRequest(f"temperature must be a finite number >= 0, got {s.temperature}")
@@ -326,7 +327,7 @@ class InputResolver:
             raise InvalidRequest(f"top_p must be in (0, 1], got {s.top_p}")
         if s.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0, got {s.top_k}")
-        n = s.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        n = s.max_new_tokens or default_max
         stops = tuple(self._ids(s.stop_token_ids, "stop_token_ids"))
         return Sampling(temperature, top_p, s.top_k, s.seed if s.HasField("seed") else None, n, stops, s.ignore_eos)
 
@@ -351,7 +352,8 @@ class InputResolver:
             raise QuotaExceeded(f"{len(req.chunks)} chunks is past tenant {tenant.name}'s quota "
                                 f"max_chunks_per_request ({q.max_chunks_per_request})")
         self.check_text(req.chunks, req.suffix_text if which == "suffix_text" else "", tenant)
-        sampling = self.sampling(req.sampling)
+        # unset, max_new_tokens is the default, or the tenant's quota when that is lower (not a refusal)
+        sampling = self.sampling(req.sampling, min(DEFAULT_MAX_NEW_TOKENS, q.max_new_tokens or DEFAULT_MAX_NEW_TOKENS))
         if q.max_new_tokens is not None and sampling.max_new_tokens > q.max_new_tokens:
             raise QuotaExceeded(f"max_new_tokens {sampling.max_new_tokens} is past tenant {tenant.name}'s quota "
                                 f"max_new_tokens ({q.max_new_tokens})")

@@ -164,3 +164,18 @@ def test_no_mode_shares_a_chunk_across_tenants(clients, mode):
     b1 = clients["bolt"].complete(doc, [4], max_new_tokens=2, stop_token_ids=[], mode=mode)
     assert "gpu" in _tiers(a2) and "gpu" not in _tiers(a1)
     assert _tiers(b1) == _tiers(a1)
+
+
+def test_an_unset_max_new_tokens_is_the_quota_when_that_is_lower(cluster):
+    """max_new_tokens left unset reads as 16: a tenant whose quota is 8 was refused a request that named none."""
+    import grpc
+
+    from services.rpc import tessera_pb2 as pb
+    from services.rpc import tessera_pb2_grpc as pb_grpc
+
+    req = pb.GenerateRequest(chunks=[pb.ChunkInput(tokens=pb.TokenIds(ids=docs(1, 4, seed=51)[0]))],
+                             suffix_tokens=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(ignore_eos=True))
+    with grpc.insecure_channel(cluster.address) as ch:
+        replies = list(pb_grpc.TesseraStub(ch).Generate(req, metadata=[("authorization", f"Bearer {TOKENS['tiny']}")],
+                                                        timeout=60))
+    assert sum(len(r.token_ids) for r in replies) == 8 and replies[-1].finish_reason == "length"
