@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.checks import check_bool, check_float, check_instance, check_int, check_path, check_str
+
 MiB = 1 << 20
 ROLES = ("gateway", "prefill", "decode", "store")
+# NOTE: copies of the engine's dtype names (services/engine/engine.py DTYPES) and largest block
+# (kernels/paged_attention MAX_BLOCK_SIZE), so that checking a config imports no torch;
+# tests/test_config_checks.py keeps them equal
+DTYPES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
+MAX_BLOCK_SIZE = 64
+# "cpu", "cuda" or "cuda:N"; torch keeps a device index in 8 signed bits (cuda:128 wraps to cuda:-128)
+DEVICE = re.compile(r"cpu|cuda(?::(0|[1-9][0-9]{0,2}))?")
+MAX_DEVICE_INDEX = 127
+
+
+def check_device(name: str, value) -> None:
+    check_str(name, value)
+    m = DEVICE.fullmatch(value)
+    if m is None or (m.group(1) is not None and int(m.group(1)) > MAX_DEVICE_INDEX):
+        raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N' (N in 0..{MAX_DEVICE_INDEX}), got {value!r}")
+
+
+def check_token(name: str, value) -> None:
+    """None, or a bearer token a client can send in a header: printable ASCII, not empty (never echoed)."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be None or a str, got {type(value).__name__}")
+    if not (value and value.isascii() and value.isprintable()):
+        raise ValueError(f"{name} must be non-empty printable ASCII (a client sends it in a header)")
 
 
 @dataclass(slots=True)
@@ -22,10 +50,15 @@ class EngineSettings:
     torch_threads: int = 1                  # CPU workers share cores: one thread each
 
     def __post_init__(self) -> None:
+        check_path("model_dir", self.model_dir)
         if not Path(self.model_dir, "config.json").is_file():
             raise FileNotFoundError(f"{self.model_dir} is not a model directory (no config.json)")
-        if self.torch_threads < 1:
-            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        check_device("device", self.device)
+        check_str("dtype", self.dtype, choices=DTYPES)
+        check_int("kv_cache_bytes", self.kv_cache_bytes, 1, optional=True, rule="positive")
+        check_int("chunk_cache_bytes", self.chunk_cache_bytes, 0, optional=True)
+        check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        check_int("torch_threads", self.torch_threads, 1)
 
     def load(self):
         import torch
@@ -53,16 +86,11 @@ class PrefillSettings:
     warmup_tokens: int = 3072
 
     def __post_init__(self) -> None:
-        if self.host_cache_bytes < 0:
-            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
-        if self.warmup_tokens < 0:
-            raise ValueError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
-        if self.store_loads not in ("cost", "always"):
-            raise ValueError(f"store_loads must be 'cost' or 'always', got {self.store_loads!r}")
-        if not 0.0 <= self.quality_floor <= 1.0:
-            raise ValueError(f"quality_floor must be in [0, 1], got {self.quality_floor}")
-        if self.default_ratio is not None and not 0.0 <= self.default_ratio <= 1.0:
-            raise ValueError(f"default_ratio must be in [0, 1], got {self.default_ratio}")
+        check_float("quality_floor", self.quality_floor, 0, 1)
+        check_float("default_ratio", self.default_ratio, 0, 1, optional=True)
+        check_str("store_loads", self.store_loads, choices=("cost", "always"))
+        check_int("host_cache_bytes", self.host_cache_bytes, 0)
+        check_int("warmup_tokens", self.warmup_tokens, 0)
 
 
 @dataclass(slots=True)
@@ -90,18 +118,13 @@ class DecodeSettings:
     warmup_tokens: int = 4096
 
     def __post_init__(self) -> None:
-        if self.warmup_tokens < 0:
-            raise ValueError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
-        if not 0 <= self.min_step_interval_s < 10:
-            raise ValueError(f"min_step_interval_s must be in [0, 10) seconds, got {self.min_step_interval_s}")
-        if self.admit_budget_s < 0:
-            raise ValueError(f"admit_budget_s must be >= 0, got {self.admit_budget_s}")
-        if self.host_cache_bytes < 0:
-            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.store_wait_s < 0:
-            raise ValueError(f"store_wait_s must be >= 0, got {self.store_wait_s}")
+        check_int("max_batch", self.max_batch, 1)
+        check_float("handoff_wait_s", self.handoff_wait_s, 0, lo_open=True)
+        check_float("store_wait_s", self.store_wait_s, 0)
+        check_int("host_cache_bytes", self.host_cache_bytes, 0)
+        check_float("admit_budget_s", self.admit_budget_s, 0, finite=False)     # inf: no budget (the default)
+        check_float("min_step_interval_s", self.min_step_interval_s, 0, 10, hi_open=True, rule="in [0, 10) seconds")
+        check_int("warmup_tokens", self.warmup_tokens, 0)
 
 
 @dataclass(slots=True)
@@ -144,21 +167,31 @@ class ClusterConfig:
     decode_settings: DecodeSettings = field(default_factory=DecodeSettings)
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "decode"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.stores < 0:
-            raise ValueError(f"--stores must be >= 0, got {self.stores}")
-        if not 0 <= self.gateway_port < 65536:
-            raise ValueError(f"gateway port must be in [0, 65535], got {self.gateway_port}")
-        if self.max_restarts < -1:
-            raise ValueError(f"--max-restarts must be >= 0 (-1: no limit), got {self.max_restarts}")
-        if not self.restart_window_s > 0:
-            raise ValueError(f"--restart-window-s must be > 0 seconds, got {self.restart_window_s}")
-        if self.text_cache_tokens < 0:
-            raise ValueError(f"text_cache_tokens must be >= 0, got {self.text_cache_tokens}")
-        if self.store_dram_bytes <= 0:
-            raise ValueError("store_dram_bytes must be positive")
+        # each field alone (its type and range), then what holds between fields and on disk
+        check_path("model_dir", self.model_dir)      # not read here: on a Ray cluster it is the workers' path
+        check_int("--prefill", self.prefill, 1)
+        check_int("--decode", self.decode, 1)
+        check_int("--stores", self.stores, 0)
+        check_device("device", self.device)
+        check_str("dtype", self.dtype, choices=DTYPES)
+        check_int("kv_cache_bytes", self.kv_cache_bytes, 1, optional=True, rule="positive")
+        check_int("chunk_cache_bytes", self.chunk_cache_bytes, 0, optional=True)
+        check_int("store_dram_bytes", self.store_dram_bytes, 1, rule="positive")
+        check_path("store_dir", self.store_dir, optional=True)
+        check_int("gateway port", self.gateway_port, 0, 65535)
+        check_str("bind_host", self.bind_host, empty=False)
+        check_token("token", self.token)
+        for name in ("tenants_file", "tls_cert", "tls_key", "certs_dir"):
+            check_path(name, getattr(self, name), optional=True)
+        check_bool("internal_tls", self.internal_tls)
+        check_int("--max-restarts", self.max_restarts, -1, rule=">= 0 (-1: no limit)")
+        check_float("--restart-window-s", self.restart_window_s, 0, lo_open=True, finite=False, rule="> 0 seconds")
+        check_int("text_cache_tokens", self.text_cache_tokens, 0)
+        check_str("namespace", self.namespace, empty=False)
+        check_bool("detached", self.detached)
+        check_bool("gateway_on_head", self.gateway_on_head)
+        check_instance("prefill_settings", self.prefill_settings, PrefillSettings)
+        check_instance("decode_settings", self.decode_settings, DecodeSettings)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         for path in (self.tls_cert, self.tls_key):

@@ -8,10 +8,11 @@ the request's: ``sample`` raises ``NonFiniteLogits`` for them instead of drawing
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+
+from services.checks import check_float, check_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,14 +24,12 @@ class SamplingParams:
     max_new_tokens: int = 32
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_float("temperature", self.temperature, 0)
+        check_float("top_p", self.top_p, 0, 1, lo_open=True)
+        check_int("top_k", self.top_k, 0)
+        # what torch.Generator.manual_seed takes
+        check_int("seed", self.seed, -(2**63), 2**64 - 1, optional=True, rule="in [-2**63, 2**64 - 1]")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         if self.temperature == 0:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from services.checks import check_bool, check_instance, check_int, check_path, check_str
+
 POLICIES = ("lru", "s3fifo")
 WRITE_MODES = ("through", "behind")
 MiB = 1 << 20
@@ -23,6 +25,14 @@ class S3Config:
     create_bucket: bool = True
 
     def __post_init__(self) -> None:
+        check_str("endpoint_url", self.endpoint_url, optional=True)
+        check_str("bucket", self.bucket)
+        check_str("prefix", self.prefix)
+        check_str("region", self.region)
+        for name in ("access_key_id", "secret_access_key"):     # credentials: their type named, never the value
+            if not isinstance(getattr(self, name), (str, type(None))):
+                raise ValueError(f"{name} must be None or a str, got {type(getattr(self, name)).__name__}")
+        check_bool("create_bucket", self.create_bucket)
         if not self.bucket:
             raise ValueError("S3 bucket name must not be empty")
         if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
@@ -50,20 +60,17 @@ class StoreConfig:
     max_chunk_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
-        if self.dram_bytes <= 0:
-            raise ValueError(f"dram_bytes must be positive, got {self.dram_bytes}")
+        check_int("dram_bytes", self.dram_bytes, 1, rule="positive")
+        check_path("rocksdb_dir", self.rocksdb_dir, optional=True)
+        check_int("rocksdb_bytes", self.rocksdb_bytes, 1, rule="positive")
         if self.rocksdb_dir is not None:
-            if self.rocksdb_bytes <= 0:
-                raise ValueError(f"rocksdb_bytes must be positive, got {self.rocksdb_bytes}")
             parent = os.path.dirname(os.path.abspath(self.rocksdb_dir))
             if not os.path.isdir(parent):
                 raise FileNotFoundError(f"parent directory of --rocksdb-dir does not exist: {parent}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.write_mode not in WRITE_MODES:
-            raise ValueError(f"write_mode must be one of {WRITE_MODES}, got {self.write_mode!r}")
-        if not 4096 <= self.frame_bytes <= 3 * MiB:
-            # gRPC's default message limit is 4 MiB; frames leave room for the envelope.
-            raise ValueError(f"frame_bytes must be within [4096, 3 MiB], got {self.frame_bytes}")
-        if self.max_chunk_bytes <= 0:
-            raise ValueError(f"max_chunk_bytes must be positive, got {self.max_chunk_bytes}")
+        check_instance("s3", self.s3, S3Config, optional=True)
+        check_str("policy", self.policy, choices=POLICIES)
+        check_str("write_mode", self.write_mode, choices=WRITE_MODES)
+        # gRPC's default message limit is 4 MiB; frames leave room for the envelope.
+        check_int("frame_bytes", self.frame_bytes, 4096, 3 * MiB, rule="within [4096, 3 MiB]")
+        check_bool("rocksdb_sync", self.rocksdb_sync)
+        check_int("max_chunk_bytes", self.max_chunk_bytes, 1, rule="positive")

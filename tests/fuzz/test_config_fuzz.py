@@ -8,8 +8,8 @@ raises ValueError / FileNotFoundError whose message names the field. Never anoth
 its range.
 
 A field's domain is what its comment, its check and its consumer say (``Field.ok``). Each field is one test
-case: a fixed list of edge values first (deterministic), then random values. A field that breaks the property
-is marked xfail (strict) with the inputs that show it.
+case: a fixed list of edge values first (deterministic), then random values. Every field holds the property: each
+is checked at construction (services/checks.py).
 """
 
 from __future__ import annotations
@@ -199,71 +199,6 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
     ]
 
 
-# The fields that break the property, with inputs that show it: each builds (or raises) alone, e.g.
-# ``StoreConfig(dram_bytes=math.nan)`` is built and ``StoreConfig(dram_bytes="1")`` raises TypeError.
-NOT_CHECKED = "not checked at construction"
-CMP = "raise TypeError from a comparison"     # ``'<' not supported between instances of 'str' and 'int'``
-DEFECTS = {
-    "ClusterConfig.model_dir": f"None and 1 are accepted ({NOT_CHECKED})",
-    "ClusterConfig.prefill": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "ClusterConfig.decode": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "ClusterConfig.stores": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "ClusterConfig.device": f"'abc', '' and None are accepted ({NOT_CHECKED}; the worker fails in torch.device)",
-    "ClusterConfig.dtype": f"'abc', '' and None are accepted ({NOT_CHECKED}; the worker fails in Engine.load)",
-    "ClusterConfig.kv_cache_bytes": f"nan, -1, 0, 1.5 and '1' are accepted ({NOT_CHECKED})",
-    "ClusterConfig.chunk_cache_bytes": f"nan, -1, 1.5 and '1' are accepted ({NOT_CHECKED})",
-    "ClusterConfig.store_dram_bytes": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "ClusterConfig.store_dir": f"1 and b'1' are accepted ({NOT_CHECKED})",
-    "ClusterConfig.gateway_port": f"1.5 is accepted; '1' and None {CMP}",
-    "ClusterConfig.bind_host": f"None and 1 are accepted ({NOT_CHECKED})",
-    "ClusterConfig.token": "'' is accepted (the gateway refuses it only as it starts), '\\x00' and 1 too (no client "
-                           "can send them as a header)",
-    "ClusterConfig.tenants_file": "nan and 1 raise TypeError from Path()",
-    "ClusterConfig.tls_cert": "nan and 1 raise TypeError from Path()",
-    "ClusterConfig.tls_key": "nan and 1 raise TypeError from Path()",
-    "ClusterConfig.internal_tls": "'false', None and 0 are accepted as a flag (a truthy 'false' turns TLS on)",
-    "ClusterConfig.certs_dir": "nan and 1 raise TypeError from Path()",
-    "ClusterConfig.max_restarts": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "ClusterConfig.restart_window_s": f"'1' and None {CMP}",
-    "ClusterConfig.text_cache_tokens": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "ClusterConfig.namespace": f"'', None and 1 are accepted ({NOT_CHECKED})",
-    "ClusterConfig.detached": "'false', None and 0 are accepted as a flag",
-    "ClusterConfig.gateway_on_head": "'false', None and 0 are accepted as a flag",
-    "ClusterConfig.prefill_settings": f"None and {{}} are accepted ({NOT_CHECKED}; a worker fails on an attribute)",
-    "ClusterConfig.decode_settings": f"None and {{}} are accepted ({NOT_CHECKED}; a worker fails on an attribute)",
-    "EngineSettings.model_dir": "None and 1 raise TypeError from Path()",
-    "EngineSettings.device": f"'abc', '' and None are accepted ({NOT_CHECKED}; fails in Engine.load)",
-    "EngineSettings.dtype": f"'abc', '' and None are accepted ({NOT_CHECKED}; fails in Engine.load)",
-    "EngineSettings.kv_cache_bytes": f"nan, -1, 0, 1.5 and '1' are accepted ({NOT_CHECKED})",
-    "EngineSettings.chunk_cache_bytes": f"nan, -1, 1.5 and '1' are accepted ({NOT_CHECKED})",
-    "EngineSettings.block_size": f"nan, 0, -1, 1.5 and '1' are accepted ({NOT_CHECKED}; Engine refuses it later)",
-    "EngineSettings.torch_threads": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "PrefillSettings.quality_floor": f"'1' and None {CMP}",
-    "PrefillSettings.default_ratio": f"'1' and '' {CMP}",
-    "PrefillSettings.host_cache_bytes": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "PrefillSettings.warmup_tokens": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "DecodeSettings.max_batch": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "DecodeSettings.handoff_wait_s": f"nan, -1, 0 and '1' are accepted ({NOT_CHECKED})",
-    "DecodeSettings.store_wait_s": f"nan is accepted; '1' and None {CMP}",
-    "DecodeSettings.host_cache_bytes": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "DecodeSettings.admit_budget_s": f"nan is accepted; '1' and None {CMP}",
-    "DecodeSettings.min_step_interval_s": f"'1' and None {CMP}",
-    "DecodeSettings.warmup_tokens": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "SamplingParams.temperature": "'1' and None raise TypeError from math.isfinite; 10**400 raises OverflowError",
-    "SamplingParams.top_p": "'1' and None raise TypeError from math.isfinite; 10**400 raises OverflowError",
-    "SamplingParams.top_k": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "SamplingParams.seed": f"nan, 1.5, '1' and 2**64 are accepted ({NOT_CHECKED}; generator() fails later)",
-    "SamplingParams.max_new_tokens": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "StoreConfig.dram_bytes": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "StoreConfig.rocksdb_dir": "'\\x00' and b'1' are accepted; nan and 1 raise TypeError from os.path",
-    "StoreConfig.rocksdb_bytes": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-    "StoreConfig.s3": f"{{}} and 'abc' are accepted ({NOT_CHECKED}; the store fails at start on an attribute)",
-    "StoreConfig.frame_bytes": f"'1' and None {CMP}",
-    "StoreConfig.rocksdb_sync": "'false', None and 0 are accepted as a flag (a truthy 'false' syncs every put)",
-    "StoreConfig.max_chunk_bytes": f"nan, inf and 1.5 are accepted; '1' and None {CMP}",
-}
-
-
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     """A model directory (config.json is all the settings look at), a plain directory, a file, a certs dir."""
@@ -308,11 +243,7 @@ def violation(f: Field, build, value) -> str | None:
 
 def _cases():
     # the cases are built without the fixture's paths (only names and ids matter here)
-    out = []
-    for f in fields("<model>", "<dir>", "<file>", "<certs>", "<tenants>"):
-        marks = [pytest.mark.xfail(strict=True, reason=f"{f.id}: {DEFECTS[f.id]}")] if f.id in DEFECTS else []
-        out.append(pytest.param(f.id, id=f.id, marks=marks))
-    return out
+    return [pytest.param(f.id, id=f.id) for f in fields("<model>", "<dir>", "<file>", "<certs>", "<tenants>")]
 
 
 def test_every_field_of_every_config_is_fuzzed():
