@@ -9,7 +9,8 @@ Mooncake:   the same without "chunks" and "suffix_tokens". Such a line is read w
             (ceil(input_length / 512) of them), so it has no suffix.
 Blank lines are skipped. A file may be gzip-compressed (read by its magic bytes, whatever its
 name). Any defect is refused with a ValueError naming the file and line, never repaired; a
-Git-LFS pointer (a clone without ``git lfs pull``) is named as one.
+Git-LFS pointer (a clone without ``git lfs pull``) is named as one. A length (input_length,
+output_length, a chunk's tokens, suffix_tokens) past ``MAX_TOKENS`` (2**24) is a defect too.
 """
 
 from __future__ import annotations
@@ -26,14 +27,21 @@ from loadgen.trace.model import MOONCAKE_BLOCK_TOKENS, BlockHasher, Chunk, Trace
 _REQUIRED = ("timestamp", "input_length", "output_length")
 _GZIP_MAGIC = b"\x1f\x8b"
 _LFS_POINTER = "version https://git-lfs.github.com/spec/v1"
+# NOTE: reading a line costs work in its lengths (one hash id per 512-token block of a prompt without
+# hash_ids): a 120-byte line claiming 10**12 tokens would take minutes and gigabytes. No model addresses
+# more than 16M tokens, so a length past that is refused before any work proportional to it.
+MAX_TOKENS = 1 << 24
 
 
-def _count(obj: dict, key: str, minimum: int = 0) -> int:
+def _count(obj: dict, key: str, minimum: int = 0, maximum: int | None = None) -> int:
     value = obj.get(key)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{key!r} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{key!r} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{key!r} is {value}, past the limit of {maximum:,} tokens a trace line may hold "
+                         "(no model addresses more)")
     return value
 
 
@@ -52,7 +60,8 @@ def _parse(obj: object, hasher: BlockHasher) -> TraceRequest:
     ts = obj["timestamp"]
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
         raise ValueError(f"'timestamp' must be a finite number >= 0 (ms), got {ts!r}")
-    n_in, n_out = _count(obj, "input_length"), _count(obj, "output_length")
+    n_in = _count(obj, "input_length", maximum=MAX_TOKENS)
+    n_out = _count(obj, "output_length", maximum=MAX_TOKENS)
     hash_ids = None
     if "hash_ids" in obj:
         raw = obj["hash_ids"]
@@ -69,12 +78,12 @@ def _parse(obj: object, hasher: BlockHasher) -> TraceRequest:
             if not isinstance(c, dict):
                 raise ValueError(f"chunks[{i}] must be an object {{\"doc\": id, \"tokens\": n}}")
             try:
-                chunks.append(Chunk(_count(c, "doc"), _count(c, "tokens", minimum=1)))
+                chunks.append(Chunk(_count(c, "doc"), _count(c, "tokens", minimum=1, maximum=MAX_TOKENS)))
             except ValueError as exc:
                 raise ValueError(f"chunks[{i}]: {exc}") from None
         if "suffix_tokens" not in obj:
             raise ValueError("missing field(s): suffix_tokens (a line with chunks needs it)")
-        suffix = _count(obj, "suffix_tokens")
+        suffix = _count(obj, "suffix_tokens", maximum=MAX_TOKENS)
         total = sum(c.tokens for c in chunks) + suffix
         if total != n_in:
             raise ValueError(f"input_length {n_in} != chunk tokens + suffix_tokens = {total}")
@@ -121,6 +130,8 @@ def parse_lines(lines: Iterable[str | bytes], source: str = "<trace>") -> list[T
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"bad JSON ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:      # '[' * 100000: json's parser recurses once per level
+                raise ValueError("JSON nested too deeply to read (a trace line is a flat object)") from None
             req = _parse(obj, hasher)
             if req.timestamp_ms < last_ts:
                 raise ValueError(f"timestamp {req.timestamp_ms:g} ms is before the previous "
@@ -147,7 +158,15 @@ def _gunzipped(f, source: str) -> Iterator[bytes]:
 def read_trace(path: str | Path) -> list[TraceRequest]:
     """Read a trace file (ours or Mooncake, plain or gzip). Raises FileNotFoundError or ValueError."""
     path = Path(path)
-    with path.open("rb") as f:
+    try:
+        f = path.open("rb")
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, not a trace file") from None
+    except FileNotFoundError:
+        raise
+    except OSError as exc:      # a file it may not read, a loop of links, ...: one line naming the path
+        raise ValueError(f"{path}: cannot open the trace ({exc.strerror or exc})") from None
+    with f:
         gzipped = f.read(2) == _GZIP_MAGIC
         f.seek(0)
         return parse_lines(_gunzipped(f, str(path)) if gzipped else f, source=str(path))

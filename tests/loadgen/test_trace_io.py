@@ -81,6 +81,13 @@ def _bad(**change):
     ('{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [4, 5]}',
      "2 hash_ids (blocks of 512 tokens) do not cover input_length 1025, which takes 3"),
     ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": []}', "do not cover"),
+    ("[" * 100_000, "JSON nested too deeply to read"),
+    (_bad(input_length=2**24 + 1), "'input_length' is 16777217, past the limit of 16,777,216 tokens"),
+    (_bad(output_length=10**12), "'output_length' is 1000000000000, past the limit of 16,777,216 tokens"),
+    (_bad(chunks=[{"doc": 0, "tokens": 10**12}], input_length=10**12 + 32, hash_ids=None),
+     "line 3: 'input_length' is 1000000000032, past the limit"),
+    (_bad(chunks=[{"doc": 0, "tokens": 10**12}]), "chunks[0]: 'tokens' is 1000000000000, past the limit"),
+    (_bad(suffix_tokens=2**24 + 1), "'suffix_tokens' is 16777217, past the limit"),
 ])
 def test_bad_lines_are_refused_with_their_line_number(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
@@ -121,6 +128,27 @@ def test_a_git_lfs_pointer_is_named_as_one(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"tessera simulate: error: {path}, line 1: a Git-LFS pointer")
     assert "git lfs pull" in err and "bad JSON" not in err and len(err.splitlines()) == 1
+
+
+def test_a_line_at_the_length_limit_is_read():
+    n = 2**24           # loadgen.trace.io.MAX_TOKENS: a prompt of this many tokens is still read
+    line = json.dumps({"timestamp": 0, "input_length": n, "output_length": n, "chunks": [{"doc": 0, "tokens": n - 1}],
+                       "suffix_tokens": 1})
+    (req,) = parse_lines([line])
+    assert req.input_length == n and len(req.hash_ids) == n // 512
+
+
+def test_a_path_that_is_no_readable_file_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}: is a directory, not a trace file$"):
+        read_trace(tmp_path)
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)                               # ELOOP: an OSError that is no FileNotFoundError
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(loop))}: cannot open the trace \("):
+        read_trace(loop)
+    for path in (tmp_path, loop):
+        assert main(["simulate", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tessera simulate: error: {path}: ") and err.count("\n") == 1, err
 
 
 def test_a_line_that_is_not_utf8_is_refused_with_its_name_and_line(tmp_path):
