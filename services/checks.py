@@ -21,8 +21,15 @@ import math
 import os
 
 
+def _show(value) -> str:
+    # NOTE: repr of an int past 4300 digits raises ValueError itself (sys.set_int_max_str_digits)
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
+
+
 def _got(value) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    return f"{_show(value)} ({type(value).__name__})"
 
 
 def _bounds(lo, hi, lo_open: bool = False, hi_open: bool = False) -> str:
@@ -43,7 +50,7 @@ def check_int(name: str, value, lo: int | None = None, hi: int | None = None, *,
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {_got(value)}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be {rule or _bounds(lo, hi)}, got {value}")
+        raise ValueError(f"{name} must be {rule or _bounds(lo, hi)}, got {_show(value)}")
 
 
 def check_float(name: str, value, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
@@ -64,7 +71,7 @@ def check_float(name: str, value, lo: float | None = None, hi: float | None = No
         what = rule or _bounds(lo, hi, lo_open, hi_open)
         if finite and hi is None:       # a range bounded above says it; one that is not needs the word
             what = f"a finite number {what}".rstrip()
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {_show(value)}")
 
 
 def check_bool(name: str, value) -> None:

@@ -31,6 +31,11 @@ def build(cls, a_model_dir: str, **fields):
     return cls(**{**required, **fields})
 
 
+def short(value) -> str:
+    """A test id's value: repr, cut short (an int past 4300 digits has no repr at all)."""
+    return "huge" if isinstance(value, int) and abs(value) > 10**30 else repr(value)[:40]
+
+
 BAD = [
     # ---- ClusterConfig
     (ClusterConfig, "model_dir", None, "model_dir must be a path"),
@@ -102,12 +107,14 @@ BAD = [
     (SamplingParams, "temperature", "1", "temperature must be a number"),
     (SamplingParams, "temperature", NAN, "temperature must be a finite number >= 0, got nan"),
     (SamplingParams, "temperature", 10**400, "temperature must be a finite number >= 0"),    # no OverflowError
+    (SamplingParams, "temperature", 10**5000, "temperature must be a finite number >= 0, got an integer of"),
     (SamplingParams, "top_p", 0, "top_p must be in (0, 1], got 0"),
     (SamplingParams, "top_k", True, "top_k must be an integer"),
     (SamplingParams, "top_k", -1, "top_k must be >= 0, got -1"),
     (SamplingParams, "seed", "1", "seed must be an integer, got '1' (str)"),
     (SamplingParams, "seed", 1.5, "seed must be an integer"),
-    (SamplingParams, "seed", 2**64, "seed must be in [-2**63, 2**64 - 1]"),
+    (SamplingParams, "seed", 2**64, "seed must be in [-2**63, 2**64 - 1], got 18446744073709551616"),
+    (SamplingParams, "seed", -(10**5000), "seed must be in [-2**63, 2**64 - 1], got an integer of"),   # no repr limit
     (SamplingParams, "max_new_tokens", NAN, "max_new_tokens must be an integer"),
     # ---- StoreConfig
     (StoreConfig, "dram_bytes", True, "dram_bytes must be an integer, got True (bool)"),
@@ -132,7 +139,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("cls, name, value, message", BAD,
-                         ids=[f"{c.__name__}.{n}={v!r}"[:60] for c, n, v, _ in BAD])
+                         ids=[f"{c.__name__}.{n}={short(v)}" for c, n, v, _ in BAD])
 def test_a_bad_value_is_refused_naming_the_field_and_the_value(cls, name, value, message, model_dir):
     with pytest.raises(ValueError) as info:
         build(cls, model_dir, **{name: value})
