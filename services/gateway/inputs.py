@@ -25,7 +25,7 @@ import numpy as np
 
 from services.cluster.sampling import DEFAULT_MAX_NEW_TOKENS
 from services.engine.config import ModelConfig
-from services.gateway.tenants import DEFAULT, Tenant
+from services.gateway.tenants import DEFAULT, QuotaExceeded, Tenant
 from services.rpc import tessera_pb2 as pb
 
 MODES = ("full", "prefix", "position_aware", "blend_copy", "tessera")
@@ -40,8 +40,6 @@ class InvalidRequest(ValueError):
     """Input the cluster refuses; the message says why."""
 
 
-class QuotaExceeded(Exception):
-    """A request past one of its tenant's quotas; the message names it."""
 
 
 @dataclass(frozen=True, slots=True)

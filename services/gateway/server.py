@@ -143,7 +143,11 @@ class GatewayServicer(pb_grpc.TesseraServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"tenant {tenant.name} has {usage.in_flight} requests in flight, its quota "
                                 f"max_in_flight ({tenant.quotas.max_in_flight})")
-        usage.remember(req.chunk_ids, req.namespaces, tenant.namespace)
+        try:
+            usage.admit(tenant, req.chunk_ids, tuple(map(len, req.chunks)), req.namespaces)
+        except QuotaExceeded as exc:
+            self.metrics.requests.labels("quota").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         gone = self.router.gone()
         if gone:                  # fail fast: waiting for a restart that will not come only burns the deadline
             self.metrics.requests.labels("unavailable").inc()
@@ -309,7 +313,10 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                                                                   f"is past the model's limit of {self.resolver.limit}")
         self.resolver.keep(fresh)
         ids = [self.resolver.chunk_id(c, ns) for c, ns in zip(chunks, namespaces)]
-        self._usage(tenant).remember(ids, namespaces, tenant.namespace)
+        try:
+            self._usage(tenant).admit(tenant, ids, [len(c) for c in chunks], namespaces)
+        except QuotaExceeded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         # In groups: the decode workers read a group's stored chunks (``_prefetch``) while the prefill
         # worker computes and stores the next group; the reply waits for every read.
         stored: list[bool] = []

@@ -16,7 +16,7 @@ The tenants file (YAML, or the same as JSON; a Kubernetes Secret mounted as a fi
         reads: [public]              # shared namespaces its requests may place chunks in
         admin: false                 # true: cluster-wide Stats and ResetCaches
         quotas: {max_chunks_per_request: 64, max_prompt_tokens: 32768, max_new_tokens: 1024,
-                 max_in_flight: 16}
+                 max_in_flight: 16, max_stored_chunk_tokens: 1048576}
 
 A quota left out takes ``Quotas``' default; a limit past the model's own is the model's.
 """
@@ -39,6 +39,7 @@ class Quotas:
 
     max_chunks_per_request: int = 256        # each chunk is a lookup, maybe a computation and a store write
     max_chunk_tokens: int | None = None      # chunk tokens of one request (their KV bytes: tokens x bytes/token)
+    max_stored_chunk_tokens: int | None = None   # tokens of the tenant's own chunks the cluster keeps for it
     max_prompt_tokens: int | None = None     # chunks and suffix of one request
     max_new_tokens: int | None = None        # tokens one request may generate
     max_in_flight: int = 256                 # the tenant's requests served at once
@@ -222,25 +223,40 @@ class Tenants:
         return self._by_digest.get(_digest(sent[len("Bearer "):]))
 
 
+class QuotaExceeded(Exception):
+    """A request past one of its tenant's quotas; the message names it."""
+
+
 class TenantUsage:
-    """What the gateway keeps of one tenant: requests seen, in flight, and the ids of chunks in its own namespace
-    it has used (what its ResetCaches drops; the oldest forgotten past ``max_ids``)."""
+    """What the gateway keeps of one tenant: requests seen, in flight, and the chunks of its own namespace it has
+    brought to the cluster, with their tokens (what its ResetCaches drops, and what max_stored_chunk_tokens
+    bounds; the oldest forgotten past ``max_ids``)."""
 
     def __init__(self, max_ids: int = 1 << 16) -> None:
         self.requests = 0
         self.in_flight = 0
         self.max_ids = max_ids
-        self._ids: dict[str, None] = {}
+        self.stored_tokens = 0
+        self._ids: dict[str, int] = {}      # chunk id -> tokens
 
-    def remember(self, chunk_ids, namespaces, own: str) -> None:
+    def admit(self, tenant: Tenant, chunk_ids, chunk_tokens, namespaces) -> None:
+        """Count the request's chunks of the tenant's own namespace as stored for it; QuotaExceeded, counting
+        nothing, when the new ones would take it past ``max_stored_chunk_tokens``."""
         namespaces = namespaces or ("",) * len(chunk_ids)
-        for cid, ns in zip(chunk_ids, namespaces):
-            if ns == own:
-                self._ids.pop(cid, None)
-                self._ids[cid] = None
+        own = {cid: n for cid, n, ns in zip(chunk_ids, chunk_tokens, namespaces) if ns == tenant.namespace}
+        new = sum(n for cid, n in own.items() if cid not in self._ids)
+        limit = tenant.quotas.max_stored_chunk_tokens
+        if new and limit is not None and self.stored_tokens + new > limit:
+            raise QuotaExceeded(f"{new} new chunk tokens beside the {self.stored_tokens} the cluster keeps for tenant "
+                                f"{tenant.name} are past its quota max_stored_chunk_tokens ({limit}); ResetCaches "
+                                "drops them")
+        for cid, n in own.items():
+            if self._ids.pop(cid, None) is None:
+                self.stored_tokens += n
+            self._ids[cid] = n
         while len(self._ids) > self.max_ids:
-            del self._ids[next(iter(self._ids))]
+            self.stored_tokens -= self._ids.pop(next(iter(self._ids)))
 
     def take_ids(self) -> tuple[str, ...]:
-        ids, self._ids = tuple(self._ids), {}
+        ids, self._ids, self.stored_tokens = tuple(self._ids), {}, 0
         return ids

@@ -14,7 +14,7 @@ from services.sdk import (ChunkId, Client, InvalidArgument, PermissionDenied, Re
 from .helpers import InProcessCluster, docs
 
 TOKENS = {"acme": "acme-token-0123456789", "bolt": "bolt-token-0123456789", "ops": "ops-token-0123456789ab",
-          "tiny": "tiny-token-0123456789"}
+          "tiny": "tiny-token-0123456789", "cap": "cap-token-0123456789ab"}
 TENANTS = {
     "shared": ["public"],
     "tenants": [
@@ -23,6 +23,7 @@ TENANTS = {
         {"name": "ops", "tokens": [TOKENS["ops"]], "admin": True},
         {"name": "tiny", "tokens": [TOKENS["tiny"]],
          "quotas": {"max_chunks_per_request": 4, "max_new_tokens": 8, "max_text_bytes": 4096, "max_prompt_tokens": 200}},
+        {"name": "cap", "tokens": [TOKENS["cap"]], "quotas": {"max_stored_chunk_tokens": 100}},
     ],
 }
 
@@ -179,3 +180,16 @@ def test_an_unset_max_new_tokens_is_the_quota_when_that_is_lower(cluster):
         replies = list(pb_grpc.TesseraStub(ch).Generate(req, metadata=[("authorization", f"Bearer {TOKENS['tiny']}")],
                                                         timeout=60))
     assert sum(len(r.token_ids) for r in replies) == 8 and replies[-1].finish_reason == "length"
+
+
+def test_a_tenants_stored_chunks_are_bounded_until_it_drops_them(clients):
+    cap = clients["cap"]
+    first, second = docs(1, 64, seed=81), docs(1, 64, seed=82)
+    cap.complete(first, [1], max_new_tokens=1)
+    cap.complete(first, [2], max_new_tokens=1)                       # the same chunk again: nothing new kept
+    with pytest.raises(ResourceExhausted, match="max_stored_chunk_tokens"):
+        cap.complete(second, [1], max_new_tokens=1)                  # 64 + 64 > 100
+    with pytest.raises(ResourceExhausted, match="max_stored_chunk_tokens"):
+        cap.register_chunks([second[0]])
+    assert cap.reset_caches() >= 1                                   # its chunks dropped: room again
+    assert len(cap.complete(second, [1], max_new_tokens=1, stop_token_ids=[]).token_ids) == 1
