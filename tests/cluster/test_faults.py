@@ -209,7 +209,10 @@ def test_store_down_means_computing_until_it_is_back(tiny_model, reference, tmp_
                 got = c.complete(chunks, suffix, max_new_tokens=5, recompute_ratio=RATIO, stop_token_ids=[])
                 assert got.stats.chunk_tokens_by_tier == {"computed": 80}, got.stats
                 assert list(got.token_ids) == expect(reference, chunks, suffix, 5)
-            inproc.store = BackgroundServer(StoreConfig(dram_bytes=64 << 20), port=port)   # back, empty
+            from services.cluster.security import ClusterTLS
+
+            inproc.store = BackgroundServer(StoreConfig(dram_bytes=64 << 20), port=port,     # back, empty
+                                            tls=ClusterTLS.load(inproc.certs, "store"))
             fresh = docs(2, 40, seed=401)
             wait_until(lambda: all(r.stored for r in c.register_chunks(fresh)), 30, 0.5, "puts to the new shard")
             c.reset_caches(device_only=True)
