@@ -14,14 +14,12 @@ refuses a request.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable
 
-import numpy as np
-
 from services.engine.block_pool import BlockPool, PoolExhausted
+from services.engine.chunk_ids import chunk_ids_of
 from services.engine.request_ids import part_ids
 
 
@@ -34,24 +32,6 @@ def chunk_id(fingerprint: str, tokens: Iterable[int]) -> str:
     return chunk_ids_of(fingerprint, ids, [ids.size])[0]
 
 
-def scoped_id(namespace: str, cid: str) -> str:
-    """The id of the chunk of content id ``cid`` in ``namespace``: another hash per namespace, so that one
-    tenant's chunks are never another's ("": the plain content id, for a cluster without tenants)."""
-    if not namespace:
-        return cid
-    return hashlib.sha256(f"{namespace}\0{cid}".encode()).hexdigest()
-
-
-def chunk_ids_of(fingerprint: str, flat: np.ndarray, lengths: list[int]) -> list[str]:
-    """chunk_id of each of the chunks laid one after another in ``flat`` (int64), ``lengths`` [chunks]:
-    the hashes read the array's slices in place."""
-    ids, at = [], 0
-    for n in lengths:
-        h = hashlib.sha256(fingerprint.encode())
-        h.update(flat[at:at + n])
-        ids.append(h.hexdigest())
-        at += n
-    return ids
 
 
 @dataclass(slots=True)

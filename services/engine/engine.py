@@ -19,7 +19,8 @@ from kernels.paged_attention import MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
 from services.engine.blend import BlendConfig
 from services.engine.block_pool import BlockPool
 from services.engine.block_table import BlockTable
-from services.engine.chunk_cache import ChunkCache, chunk_id, chunk_ids_of, scoped_id
+from services.engine.chunk_cache import ChunkCache, chunk_id
+from services.engine.chunk_ids import chunk_ids_of, scoped_id
 from services.engine.config import ModelConfig
 from services.engine.forward import Forward
 from services.engine.handoff import Handoff, import_sequence

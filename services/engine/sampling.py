@@ -9,10 +9,14 @@ the request's: ``sample`` raises ``NonFiniteLogits`` for them instead of drawing
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from services.checks import check_float, check_int
+
+if TYPE_CHECKING:
+    import torch
+# NOTE: torch is imported where it is used: the gateway reads SamplingParams' rules (services/cluster/sampling.py)
+# and must not load torch for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +38,8 @@ class SamplingParams:
     def generator(self, device: torch.device) -> torch.Generator | None:
         if self.temperature == 0:
             return None
+        import torch
+
         g = torch.Generator(device=device)
         g.manual_seed(self.seed if self.seed is not None else torch.seed())
         return g
@@ -45,6 +51,8 @@ class NonFiniteLogits(RuntimeError):
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     """One token id from fp32 logits [vocab]."""
+    import torch
+
     if p.temperature == 0:
         return int(torch.argmax(logits))
     scores = logits.float()

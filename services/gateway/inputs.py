@@ -204,7 +204,7 @@ class InputResolver:
                  text_cache: TextTokens | None = None) -> None:
         from tokenizers import Tokenizer
 
-        from services.engine.chunk_cache import chunk_id, scoped_id
+        from services.engine.chunk_ids import checked_chunk_id
 
         path = Path(model_dir)
         self.cfg = ModelConfig.from_dir(path)
@@ -213,12 +213,13 @@ class InputResolver:
         self.fingerprint = fingerprint
         self.registry = registry
         self.text_cache = text_cache if text_cache is not None else TextTokens()
-        self._chunk_id, self._scoped = chunk_id, scoped_id
+        self._chunk_id = checked_chunk_id
         limit = self.cfg.max_position_embeddings
         self.limit = min(limit, self.cfg.sliding_window) if self.cfg.sliding_window else limit
 
     def chunk_id(self, tokens, namespace: str = "") -> str:
-        return self._scoped(namespace, self._chunk_id(self.fingerprint, tokens))
+        """The chunk's id: ``tokens`` are ids this resolver checked (no torch here: numpy hashes them)."""
+        return self._chunk_id(self.fingerprint, tokens, namespace)
 
     def _text(self, text: str, where: str, scope: str | None, fresh: dict) -> Sequence[int]:
         """Token ids of text. ``scope``: through the text cache under that key (a tenant's chunks, which repeat;

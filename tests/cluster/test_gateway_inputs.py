@@ -79,3 +79,25 @@ def test_the_cluster_config_refuses_a_negative_text_cache(tiny_model):
     assert ClusterConfig(model_dir=tiny_model, text_cache_tokens=0).text_cache_tokens == 0  # off is allowed
     with pytest.raises(ValueError, match="text_cache_tokens must be >= 0"):
         ClusterConfig(model_dir=tiny_model, text_cache_tokens=-1)
+
+
+def test_the_gateway_names_chunks_as_the_engine_does_without_torch(tiny_model, reference):
+    """The gateway hashed chunk ids through the engine's chunk cache, which loads torch: the same ids now come
+    from numpy alone, in every namespace."""
+    import subprocess
+    import sys
+
+    from services.engine.chunk_ids import scoped_id
+
+    probe = ("import sys, json\n"
+             "from services.gateway.inputs import ChunkRegistry, InputResolver\n"
+             f"r = InputResolver({tiny_model!r}, {reference.fingerprint!r}, ChunkRegistry())\n"
+             "print(json.dumps([r.chunk_id([5, 6, 7]), r.chunk_id((1,), 'tenant/acme'), 'torch' in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    plain, scoped, torch_loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert plain == reference.chunk_id([5, 6, 7])
+    assert scoped == scoped_id("tenant/acme", reference.chunk_id([1])) == reference.chunk_id([1], "tenant/acme")
+    assert not torch_loaded
