@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/*.proto)
 
-.PHONY: setup test demo chaos proto bench-kernels clean
+.PHONY: setup test demo chaos proto bench-kernels clean lint
 
 setup: $(STAMP)
 
@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml
 proto: setup
 	$(PY) -m services.rpc.generate
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q
+
+# the layers of pyproject.toml's [tool.importlinter] and ruff's small rule set
+lint: setup
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check --quiet .
 
 demo: setup
 	$(VENV)/bin/tessera demo

@@ -214,7 +214,7 @@ def main() -> int:
     from loadgen.trace import LengthDist, SynthConfig, synthesize
     from loadgen.trace.tokens import doc_token_ids
     from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
-    from services.cluster.replay_target import ClusterTarget
+    from loadgen.replay.cluster_target import ClusterTarget
 
     tiny = args.shape == "tiny"
     # sizes for a GPU's memory by default; the tiny CPU model gets sizes a small machine holds

@@ -62,7 +62,7 @@ def resolve_target(spec: str):
         return FakeTarget(FakeTargetConfig.parse(spec))
     if importlib.util.find_spec("services.sdk") is None:
         raise ValueError(_SDK_MISSING)
-    from services.cluster.replay_target import ClusterTarget
+    from loadgen.replay.cluster_target import ClusterTarget
     from services.sdk import Client, TesseraError
 
     token = os.environ.get("TESSERA_TOKEN")

@@ -106,6 +106,7 @@ def _ray_cli() -> str:
 
 def _up(args: argparse.Namespace) -> int:
     from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
+    from services.cluster.actors import checked_tenants
     from services.cluster.launch import ensure_ray, start_cluster, start_local_head, use_local_head
 
     if STATE.exists():
@@ -147,6 +148,7 @@ def _up(args: argparse.Namespace) -> int:
                                                        **warm))
     address = args.address
     try:
+        checked_tenants(cfg)            # a bad tenants file starts nothing, not even Ray
         if address is None:
             n_cpus = args.prefill + args.decode + 1
             print(f"starting a local Ray head ({n_cpus} logical CPUs, loopback only)", file=sys.stderr)

@@ -200,7 +200,8 @@ class ClusterConfig:
         if self.tenants_file is not None:
             if self.token is not None:
                 raise ValueError("give either --token or --tenants: a tenants file names every token")
-            self.tenants()          # read and checked here, at the boundary: a bad file fails `tessera up`
+            if not Path(self.tenants_file).is_file():
+                raise FileNotFoundError(f"tenants file {self.tenants_file} does not exist")
         if self.certs_dir is not None and not self.internal_tls:
             raise ValueError("certs_dir is given but internal_tls is off")
         if self.certs_dir is not None and not Path(self.certs_dir, "ca.pem").is_file():
@@ -214,16 +215,13 @@ class ClusterConfig:
         return Path(self.tls_cert).read_bytes(), Path(self.tls_key).read_bytes()
 
     def tenants(self) -> dict | None:
-        """The tenants file as its checked raw mapping (the gateway parses it where it runs), or None."""
+        """The tenants file's mapping, as read (the launchers check it with ``actors.checked_tenants`` before
+        anything starts; the gateway parses it where it runs), or None."""
         if self.tenants_file is None:
             return None
-        from services.gateway.tenants import Tenants
-
-        path = Path(self.tenants_file)
-        Tenants.from_file(path)
         import yaml
 
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(Path(self.tenants_file).read_text(encoding="utf-8"))
 
     def engine(self) -> EngineSettings:
         return EngineSettings(self.model_dir, self.device, self.dtype, self.kv_cache_bytes, self.chunk_cache_bytes)

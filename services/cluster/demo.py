@@ -64,7 +64,7 @@ def run_demo(settings: DemoSettings, modes: tuple[str, ...] = ("full", "tessera"
              say=print) -> int:
     from loadgen.replay import ReplayConfig, replay_modes
     from services.cluster.launch import local_cluster
-    from services.cluster.replay_target import ClusterTarget
+    from loadgen.replay.cluster_target import ClusterTarget
     from services.engine.tiny import write_tiny
 
     logging.getLogger("ray").setLevel(logging.WARNING)

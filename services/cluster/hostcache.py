@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch

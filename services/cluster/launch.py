@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.cluster.actors import RestartBudget, ServiceActor, ServiceSpec
+from services.cluster.actors import RestartBudget, ServiceActor, ServiceSpec, checked_tenants
 from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
 from services.cluster.security import identities
 
@@ -298,6 +298,7 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
     actors: dict[str, object] = {}
     addresses: dict[str, str] = {}
     scratch = None
+    tenants = checked_tenants(cfg)      # before anything starts: a bad file starts nothing
     ids, certs_scratch = identities(cfg.certs_dir, cfg.internal_tls)
     tls = ids.get if ids is not None else (lambda _role: None)
     if cfg.store_dir is None and cfg.stores:
@@ -331,7 +332,7 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
         progress("starting the gateway")
         spec = ServiceSpec("gateway", GATEWAY_NAME, host=cfg.bind_host, port=cfg.gateway_port, model_dir=cfg.model_dir,
                            workers=tuple((n, "prefill" if "prefill" in n else "decode", addresses[n]) for n in workers),
-                           token=cfg.token, tenants=cfg.tenants(), tls=cfg.tls(), namespace=cfg.namespace,
+                           token=cfg.token, tenants=tenants, tls=cfg.tls(), namespace=cfg.namespace,
                            text_cache_tokens=cfg.text_cache_tokens, cluster_tls=tls("gateway"))
         actors[GATEWAY_NAME] = start_actor(cfg, spec, 0, 0)
         addresses[GATEWAY_NAME] = ray.get(actors[GATEWAY_NAME].address.remote())

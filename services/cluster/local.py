@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.cluster.actors import ServiceSpec, gateway_tenants
+from services.cluster.actors import ServiceSpec, checked_tenants, gateway_tenants
 from services.cluster.config import ClusterConfig
 from services.cluster.security import identities
 
@@ -194,6 +194,7 @@ def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = la
     names = {"store": [f"tessera-store-{i}" for i in range(cfg.stores)],
              "prefill": [f"tessera-prefill-{i}" for i in range(cfg.prefill)],
              "decode": [f"tessera-decode-{i}" for i in range(cfg.decode)]}
+    tenants = checked_tenants(cfg)      # before anything starts: a bad file starts nothing
     ids, certs_scratch = identities(cfg.certs_dir, cfg.internal_tls)
     tls = ids.get if ids is not None else (lambda _role: None)
     try:
@@ -220,7 +221,7 @@ def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = la
         roles = {n: r for r in ("prefill", "decode") for n in names[r]}
         _spawn(ctx, ServiceSpec("gateway", GATEWAY_NAME, host=cfg.bind_host, port=cfg.gateway_port,
                                 model_dir=cfg.model_dir, workers=tuple((n, roles[n], addresses[n]) for n in workers),
-                                token=cfg.token, tenants=cfg.tenants(), tls=cfg.tls(), namespace=cfg.namespace,
+                                token=cfg.token, tenants=tenants, tls=cfg.tls(), namespace=cfg.namespace,
                                 text_cache_tokens=cfg.text_cache_tokens, cluster_tls=tls("gateway")), children)
         _wait(children, [GATEWAY_NAME], addresses, metrics)
     except BaseException:

@@ -107,7 +107,7 @@ def test_actors_are_placed_with_their_resources(cluster, local_ray):
 def test_replay_through_the_sdk_reports_tiers(cluster):
     from loadgen.replay import ReplayConfig, replay_modes
     from loadgen.trace import LengthDist, SynthConfig, synthesize
-    from services.cluster.replay_target import ClusterTarget
+    from loadgen.replay.cluster_target import ClusterTarget
 
     trace = synthesize(SynthConfig(docs=4, alpha=1.1, chunks_per_request=2, doc_tokens=LengthDist("const", (24.0,)),
                                    suffix_tokens=LengthDist("const", (4.0,)), output_tokens=LengthDist("const", (3.0,)),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-import pytest
 import torch
 
 from services.cluster.kvio import StoreAccess

@@ -193,3 +193,19 @@ def test_a_tenants_stored_chunks_are_bounded_until_it_drops_them(clients):
         cap.register_chunks([second[0]])
     assert cap.reset_caches() >= 1                                   # its chunks dropped: room again
     assert len(cap.complete(second, [1], max_new_tokens=1, stop_token_ids=[]).token_ids) == 1
+
+
+def test_a_bad_tenants_file_starts_nothing(tiny_model, tmp_path):
+    """The launchers check the file before starting anything (ClusterConfig only checks that it exists)."""
+    from services.cluster.actors import checked_tenants
+    from services.cluster.config import ClusterConfig
+
+    bad = tmp_path / "tenants.yaml"
+    bad.write_text("tenants:\n  - name: acme\n    tokens: [short]\n")
+    with pytest.raises(ValueError, match=f"{bad}: tenant acme: every token needs at least 16"):
+        checked_tenants(ClusterConfig(model_dir=tiny_model, tenants_file=str(bad)))
+    with pytest.raises(FileNotFoundError, match="tenants file"):
+        ClusterConfig(model_dir=tiny_model, tenants_file=str(tmp_path / "absent.yaml"))
+    good = tmp_path / "good.yaml"
+    good.write_text("tenants:\n  - name: acme\n    tokens: [acme-token-0123456789]\n")
+    assert checked_tenants(ClusterConfig(model_dir=tiny_model, tenants_file=str(good)))["tenants"][0]["name"] == "acme"

@@ -1,4 +1,4 @@
-"""The load generator's replay target for a running cluster, through the SDK.
+"""The load generator's replay target for a running cluster, reached through the SDK only (services.sdk).
 
 ``ClusterTarget(address)`` is what ``loadgen.replay`` drives: ``generate(ReplayRequest)`` streams
 ``StreamEvent``s (tokens as they arrive, per-tier chunk tokens on the last), ``reset()`` drops
