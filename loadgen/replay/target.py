@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Protocol, runtime_checkable
 
-# The serving modes, as in services/engine/request.py MODES (a test keeps the two equal).
-MODES = ("full", "prefix", "position_aware", "blend_copy", "tessera")
+from services.modes import MODES  # noqa: F401 - named here for loadgen's modules (one definition)
+
 # Where a chunk's KV came from, best first; "computed" means a miss (prefilled from scratch).
 TIER_ORDER = ("gpu", "host", "dram", "rocksdb", "s3", "computed")   # host: the worker's own host memory
 MISS_TIER = "computed"

@@ -8,8 +8,7 @@ import torch
 
 from services.engine.block_table import BlockTable
 from services.engine.chunk_cache import ChunkEntry
-
-MODES = ("full", "prefix", "position_aware", "blend_copy", "tessera")
+from services.modes import MODES  # noqa: F401 - named here for its importers
 
 
 @dataclass(frozen=True, slots=True)

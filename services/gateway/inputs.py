@@ -26,9 +26,8 @@ import numpy as np
 from services.cluster.sampling import DEFAULT_MAX_NEW_TOKENS
 from services.engine.config import ModelConfig
 from services.gateway.tenants import DEFAULT, QuotaExceeded, Tenant
+from services.modes import MODES
 from services.rpc import tessera_pb2 as pb
-
-MODES = ("full", "prefix", "position_aware", "blend_copy", "tessera")
 
 
 # no token of any tokenizer we serve covers more than this many bytes of text: a text longer than this many

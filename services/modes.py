@@ -1,0 +1,24 @@
+"""The serving modes, defined once for the engine, the gateway, the SDK's users and the load generator (no
+dependency: every layer may import it).
+
+- ``full``: no reuse, every token computed;
+- ``prefix``: prefix caching (a chunk reused only behind the same chunks);
+- ``position_aware``: a replica of each chunk per position (Block-Attention / PromptCache style);
+- ``blend_copy``: CacheBlend as published, chunks re-rotated by copy;
+- ``tessera``: deferred RoPE (one copy at any position) and selective recompute, the default.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Mode(str, Enum):
+    FULL = "full"
+    PREFIX = "prefix"
+    POSITION_AWARE = "position_aware"
+    BLEND_COPY = "blend_copy"
+    TESSERA = "tessera"
+
+
+MODES: tuple[str, ...] = tuple(m.value for m in Mode)
