@@ -77,13 +77,10 @@ class AsyncClient:
         return resp.chunks_dropped
 
     async def _retry(self, exc: grpc.aio.AioRpcError, attempt: int, deadline: float) -> bool:
-        if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self._s.retries:
-            return False
-        pause = self._s.delay(attempt)
-        if time.monotonic() + pause >= deadline:
-            return False
-        await asyncio.sleep(pause)
-        return True
+        pause = self._s.pause(exc, attempt, deadline)
+        if pause is not None:
+            await asyncio.sleep(pause)
+        return pause is not None
 
     async def _unary(self, method: str, rpc, req, timeout: float | None):
         deadline = time.monotonic() + self._s.call_timeout(timeout)

@@ -65,8 +65,13 @@ class _Settings:
         """A call's deadline in seconds from now: its own ``timeout``, else the client's."""
         return self.timeout if timeout is None else checks.seconds(timeout, "timeout")
 
-    def delay(self, attempt: int) -> float:
-        return min(self.backoff_s * 2 ** attempt, 5.0)
+    def pause(self, exc: grpc.RpcError, attempt: int, deadline: float) -> float | None:
+        """The retry policy of both clients: seconds to wait before trying ``attempt + 1`` after ``exc``, or None
+        when the call ends here (not UNAVAILABLE, retries spent, or the pause would pass the deadline)."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self.retries:
+            return None
+        pause = min(self.backoff_s * 2 ** attempt, 5.0)
+        return None if time.monotonic() + pause >= deadline else pause
 
 
 class Client:
@@ -155,13 +160,10 @@ class Client:
 
     # ------------------------------------------------------------------ plumbing
     def _retry(self, exc: grpc.RpcError, attempt: int, deadline: float) -> bool:
-        if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self._s.retries:
-            return False
-        pause = self._s.delay(attempt)
-        if time.monotonic() + pause >= deadline:
-            return False
-        time.sleep(pause)
-        return True
+        pause = self._s.pause(exc, attempt, deadline)
+        if pause is not None:
+            time.sleep(pause)
+        return pause is not None
 
     def _unary(self, method: str, call: Callable[[float], T], timeout: float | None) -> T:
         deadline = time.monotonic() + self._s.call_timeout(timeout)
