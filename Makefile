@@ -40,7 +40,7 @@ chaos: setup
 
 # GPU only: correctness against the twins, then timings beside SDPA (bench/kernels.md)
 bench-kernels: setup
-	$(PY) bench/kernels.py --out bench
+	$(PY) bench/kernels/kernels.py --out bench/kernels
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

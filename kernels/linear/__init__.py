@@ -34,7 +34,7 @@ __all__ = ["linear", "linear_swiglu", "supported", "default_backend", "LinearCon
 
 BACKENDS = ("torch", "triton")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MAX_M = 128  # rows up to which the kernel is the one to take (bench/skinny_gemm.py sweeps M 1..128)
+MAX_M = 128  # rows up to which the kernel is the one to take (bench/skinny_gemm/skinny_gemm.py sweeps M 1..128)
 
 
 def default_backend(device: torch.device) -> str:
@@ -50,7 +50,7 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     a shape and row count the measured table gives to the kernel (``config.CONFIGS``): elsewhere there is no
     evidence it beats cuBLAS, and the heuristic's split-K launches share per-device arrival counters, which
     launches on concurrent streams must not. The same answer holds with ``norm`` / ``residual`` (the table
-    was measured without them; bench/skinny_gemm.py --norm-ab times them)."""
+    was measured without them; bench/skinny_gemm/skinny_gemm.py --norm-ab times them)."""
     on_device = x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     return (on_device and x.dim() == 2 and w.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16)
             and w.dtype == x.dtype and 1 <= x.shape[0] <= MAX_M and x.shape[1] == w.shape[1]

@@ -39,7 +39,7 @@ def heuristic_config(m: int, n: int, k: int, sms: int = 132) -> LinearConfig:
     return LinearConfig(block_m, block_n, block_k, split_k=split, num_warps=4, num_stages=4)
 
 
-# False: every table entry streams by pointer loads (its tma field ignored); the A/B of bench/engine.py's NAME:notma
+# False: every table entry streams by pointer loads (its tma field ignored); the A/B of bench/engine/engine.py's NAME:notma
 TMA_ENABLED = True
 
 

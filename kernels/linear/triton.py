@@ -40,13 +40,13 @@ from kernels.linear.plan import (  # noqa: F401  (re-exported: the bench and the
     _COUNTERS, MAX_TILES_COUNTED, _counters, heuristic_config, pick_config, sm_count, split_plan, swiglu_config)
 
 # Programmatic dependent launch of one-split launches (CUDA): -1 off; N >= 0 on, each program first asking L2
-# for N steps of its weight rows while the kernel before it finishes. Off until measured (bench/pdl_stack.py).
+# for N steps of its weight rows while the kernel before it finishes. Off until measured (bench/pdl_stack/pdl_stack.py).
 PDL_PREFETCH_STEPS = -1
 # with PDL_PREFETCH_STEPS at -1, kernels/pdl.py's layer-wide switch turns the GEMMs' PDL on with this many
-# steps (the best of bench/pdl_stack.py's projection chain at 64 rows: 5.30 -> 5.13 ms)
+# steps (the best of bench/pdl_stack/pdl_stack.py's projection chain at 64 rows: 5.30 -> 5.13 ms)
 SWITCH_PREFETCH_STEPS = 2
 # norm prologue (``norm=``): weight steps each program asks L2 for before its pre-pass over x reads the rows'
-# sums of squares (HBM streams meanwhile; not yet measured: bench/skinny_gemm.py --norm-ab sweeps it), and
+# sums of squares (HBM streams meanwhile; not yet measured: bench/skinny_gemm/skinny_gemm.py --norm-ab sweeps it), and
 # the pre-pass loop's pipeline depth (tiles of x in flight from L2)
 NORM_PREFETCH_STEPS = 8
 NORM_PASS_STAGES = 4

@@ -122,7 +122,7 @@ def offset_groups(offsets: torch.Tensor, cu_entries: torch.Tensor,
     cu = cu_entries.long()
     first = torch.zeros(n + 1, dtype=torch.bool, device=dev)
     # NOTE: fill_/index_fill_ with Python scalars, not ``x[i] = scalar``: that copies a host scalar to
-    # the device, which waits for the GPU (three host syncs per packed table, bench/engine.json)
+    # the device, which waits for the GPU (three host syncs per packed table, bench/engine/2026-11-22_h100_cbd662e.json)
     first.index_fill_(0, cu[:-1], True)  # an empty sequence marks the next one's first entry (or the pad slot)
     first = first[:n]
     if n:

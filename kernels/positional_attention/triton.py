@@ -22,7 +22,7 @@ from kernels.positional_attention.reference import check
 
 LOG2E = 1.4426950408889634
 # K and V through tensor descriptors on Hopper: 52.7 against 59.2 us by pointer loads for the engine's shape on an
-# H100 (bench/positional_attention.py, positional_attention_s10d.json); False: pointer loads everywhere
+# H100 (bench/positional_attention/positional_attention.py, positional_attention_s10d.json); False: pointer loads everywhere
 TMA = True
 
 
@@ -88,7 +88,7 @@ def _positional_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, n_q, n_k, scale_log2
 
 def config(n_q: int, group: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64 query rows (16 tokens of a 4-head group) a program, 64 keys a
-    step, 3 stages. On an H100, for 528 rows over 3,200 keys (bench/positional_attention.py,
+    step, 3 stages. On an H100, for 528 rows over 3,200 keys (bench/positional_attention/positional_attention.py,
     positional_attention_s10d.json, K and V by TMA): 52.7 us; the 11 other tiles measured 56.5-129 us (128-row
     tiles, 128-key steps, 2 or 4 stages, 8 warps, 32-row tiles, 32-key steps). Splitting each tile's keys over
     several programs and merging the parts (measured at commit 4dc081a, positional_attention_s10c.json) was

@@ -2,7 +2,7 @@
 
 One program per (token, BLOCK_H heads): the angle row pos * inv_freq is shared by the token's heads.
 cos/sin are computed in the kernel in fp32 by default; ``use_table=True`` gathers them from an fp32
-[T, D] table (cos | sin) built by torch instead. bench/kernels.py times both (see bench/kernels.md).
+[T, D] table (cos | sin) built by torch instead. bench/kernels/kernels.py times both (see bench/kernels/README.md).
 
 ``gather_rotate`` reads whole paged blocks and writes them flat, keys rotated by their block's
 offset on the way: one pass over K and V instead of a gather, an fp32 rotation in several

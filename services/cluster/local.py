@@ -90,7 +90,7 @@ class _Child:
 
 @dataclass(slots=True)
 class LocalCluster:
-    """A started local cluster; the fields ``bench/cluster.py`` and the CLI read from ``Cluster``."""
+    """A started local cluster; the fields ``bench/cluster/cluster.py`` and the CLI read from ``Cluster``."""
 
     config: ClusterConfig
     gateway_address: str

@@ -63,7 +63,7 @@ async def receive_handoff(parts: AsyncIterator[pb.HandoffPart]) -> ReceivedHando
     """The hand-off a stream carries, checked. Its parts are kept as they arrive and joined once (one copy of the
     payload), and the crc32 runs off the event loop (ISA-L's, which releases the interpreter lock): 71 ms for a
     69 MiB hand-off where growing a buffer part by part, zlib's crc32 on the loop and a copy out took 155
-    (bench/handoff_stream.py, this repository's 2-core machine)."""
+    (bench/handoff/handoff_stream.py, this repository's 2-core machine)."""
     header = None
     chunks, n = [], 0
     async for part in parts:

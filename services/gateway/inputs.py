@@ -124,7 +124,7 @@ class TextTokens:
     keyed by (tenant, text): one tenant never finds another's texts here (its time would tell).
 
     RAG prompts send the same documents again and again, and tokenizing is a BPE's ~2 us a token on the
-    gateway's event loop (bench/serving_host.py): a 6 x 512-token prompt's chunks ~6 ms, more than the GPU
+    gateway's event loop (bench/serving_host/serving_host.py): a 6 x 512-token prompt's chunks ~6 ms, more than the GPU
     pass that reuses their KV. Entries are TokenIds messages (4 bytes a token) keyed by the exact text;
     their ids are shared by every request that hits them and never written. 0 turns the cache off."""
 

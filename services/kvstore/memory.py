@@ -4,7 +4,7 @@ Every layer a store reads or receives is a fresh buffer of a few MiB (a RocksDB 
 Python ``bytes`` made from it, a gRPC message). With glibc's defaults such a buffer is either
 ``mmap``-ed and unmapped on free, or sits at the top of a heap that is trimmed soon after; either
 way the next buffer faults its pages in again and the kernel zeroes them. On this repository's
-2-vCPU host that page-fault work was half or more of a RocksDB read's CPU (bench/kvstore.md has
+2-vCPU host that page-fault work was half or more of a RocksDB read's CPU (bench/kvstore/README.md has
 the figures). With these settings freed layers are reused by the next ones: the process keeps at
 most ``TRIM_THRESHOLD`` of free memory at the top of its heap, small beside a store's DRAM budget.
 

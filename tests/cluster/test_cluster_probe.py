@@ -1,4 +1,4 @@
-"""bench/cluster_probe.py reads the workers' real metric names: a renamed metric would otherwise be read
+"""bench/cluster/cluster_probe.py reads the workers' real metric names: a renamed metric would otherwise be read
 as zero and the benchmark's time budget would silently go blank."""
 
 import importlib.util
@@ -10,7 +10,7 @@ from services.decode.metrics import DecodeMetrics
 from services.prefill.metrics import PrefillMetrics
 
 _spec = importlib.util.spec_from_file_location(
-    "cluster_probe", Path(__file__).resolve().parents[2] / "bench" / "cluster_probe.py")
+    "cluster_probe", Path(__file__).resolve().parents[2] / "bench" / "cluster" / "cluster_probe.py")
 probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probe)
 

@@ -1,5 +1,5 @@
 """The hand-off import as it was before its tables were built on the host: the tests' oracle (and
-bench/handoff_import.py's baseline). Device ops per layer and per chunk, boolean-mask indexing (a sync
+bench/handoff/handoff_import.py's baseline). Device ops per layer and per chunk, boolean-mask indexing (a sync
 each on CUDA), one ``BlockTable.for_run`` per chunk and table."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The hand-off export as it was before it was staged around the first token: the tests' oracle (and
-bench/handoff_export.py's baseline). Device ops and host reads per table, one gather per layer."""
+bench/handoff/handoff_export.py's baseline). Device ops and host reads per table, one gather per layer."""
 
 from __future__ import annotations
 

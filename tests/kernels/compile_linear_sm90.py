@@ -1,20 +1,20 @@
 """Compile the skinny-GEMM kernel (kernels/linear) for an H100 (sm_90) without a GPU, for every kernel
-variant of bench/skinny_gemm.py's sweep on Llama-3-8B's projections (bf16), printing the variants that
+variant of bench/skinny_gemm/skinny_gemm.py's sweep on Llama-3-8B's projections (bf16), printing the variants that
 fail or spill (see compile_sm90.py for what this catches).
 
     python tests/kernels/compile_linear_sm90.py [--quick] [--jobs N] [--norm] [--pdl] [--tma]
 
-``--norm``: only the norm-prologue, residual and SwiGLU launches that bench/skinny_gemm.py --norm-ab times
+``--norm``: only the norm-prologue, residual and SwiGLU launches that bench/skinny_gemm/skinny_gemm.py --norm-ab times
 (Llama-3-8B at 64 rows and the other row counts of the table), every one printed with its resources.
 ``--pdl``: the launches of a 64-row (and 8-row) layer as kernels/pdl.py's switch makes them (programmatic dependent
 launch, SWITCH_PREFETCH_STEPS weight steps asked for before the wait) beside the same launches without, each
 PDL build checked for griddepcontrol in its PTX.
-``--tma``: every kernel of bench/skinny_gemm.py --tma-ab (the TMA weight stream, kernels/linear/tma.py, and the
+``--tma``: every kernel of bench/skinny_gemm/skinny_gemm.py --tma-ab (the TMA weight stream, kernels/linear/tma.py, and the
 pointer configs beside it), every one printed; a TMA build fails here unless its PTX loads the weight tiles with
 cp.async.bulk.tensor completing on mbarriers (and, with tma="xw", holds no cp.async of x left), or it needs more
 shared memory than an H100 has.
 
-(``bench/skinny_gemm.py --compile-only`` runs the same.) With the device's Triton 3.6: put an unpacked
+(``bench/skinny_gemm/skinny_gemm.py --compile-only`` runs the same.) With the device's Triton 3.6: put an unpacked
 Triton 3.6 wheel first on PYTHONPATH.
 """
 
@@ -169,7 +169,7 @@ def norm_variants() -> list[tuple]:
     from kernels.linear import triton as kt
     from skinny_gemm import SHAPES, norm_ab_configs
 
-    cfg, wide = norm_ab_configs(SHAPES, 64)  # bench/skinny_gemm.py --norm-ab's launches at 64 rows
+    cfg, wide = norm_ab_configs(SHAPES, 64)  # bench/skinny_gemm/skinny_gemm.py --norm-ab's launches at 64 rows
     tasks = [(64, 6144, 4096, cfg["qkv"], False, True, False), (64, 6144, 4096, wide["qkv"], False, True, False),
              (64, 14336, 4096, cfg["swiglu"], False, True, True), (64, 14336, 4096, wide["swiglu"], False, True, True),
              (64, 4096, 4096, cfg["o"], True, False, False)]
@@ -235,12 +235,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="the bench's --quick grid")
     ap.add_argument("--norm", action="store_true", help="only the norm / residual / SwiGLU launches, all printed")
     ap.add_argument("--pdl", action="store_true", help="a layer's launches without and with PDL, all printed")
-    ap.add_argument("--tma", action="store_true", help="bench/skinny_gemm.py --tma-ab's kernels, all printed")
+    ap.add_argument("--tma", action="store_true", help="bench/skinny_gemm/skinny_gemm.py --tma-ab's kernels, all printed")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
     if args.pdl:
         return compile_all(pdl_variants(), args.jobs, verbose=True)
-    sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # after the repo: bench/kernels.py
+    sys.path.append(str(Path(__file__).resolve().parents[2] / "bench" / "skinny_gemm"))  # after the repo
     if args.tma:
         from skinny_gemm import TMA_AB_CASES, tma_ab_variants
 

@@ -1,4 +1,4 @@
-"""Tolerances and comparisons shared by the kernel tests (and bench/kernels.py's smoke run)."""
+"""Tolerances and comparisons shared by the kernel tests (and bench/kernels/kernels.py's smoke run)."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Paged-cache scenarios for the kernel tests and bench/kernels.py, built from raw (unrotated) keys.
+"""Paged-cache scenarios for the kernel tests and bench/kernels/kernels.py, built from raw (unrotated) keys.
 
 A sequence is a list of shared chunks placed back to back from ``base`` (chunk i's keys cached at
 chunk-local positions 0..L-1, entry offset = the chunk's global start) followed by a private suffix

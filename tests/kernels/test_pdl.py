@@ -3,7 +3,7 @@ it, and that with the switch on the interpreter falls back to plain launches wit
 
 Triton's interpreter cannot run griddepcontrol (gdc_wait raises there), so a launcher that passed PDL=True
 under it would fail these tests; the PDL variants themselves are compiled for sm_90 by the compile scripts
-(compile_sm90.py, compile_fused_sm90.py, compile_linear_sm90.py --pdl) and timed by bench/pdl_stack.py --chain.
+(compile_sm90.py, compile_fused_sm90.py, compile_linear_sm90.py --pdl) and timed by bench/pdl_stack/pdl_stack.py --chain.
 """
 
 import os
@@ -58,7 +58,7 @@ def test_no_pdl_unless_every_condition_holds(switch, condition):
 
 
 def test_the_switch_is_on_by_default_and_off_by_environment():
-    """On since bench/engine.md round 8 (measured faster at ratio 0 on an H100); the GEMMs' own depth unset, so
+    """On since bench/engine/README.md round 8 (measured faster at ratio 0 on an H100); the GEMMs' own depth unset, so
     they take the switch's. TESSERA_PDL=0 in a process's environment turns it off."""
     import subprocess
 
@@ -98,7 +98,7 @@ def test_gemm_plan_turns_pdl_on_for_one_split_compiled_launches(switch):
 
 
 def _chain_module():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "pdl_stack"))
     import pdl_stack
 
     return pdl_stack
@@ -112,7 +112,7 @@ def _layer_outputs(ps, inp):
 
 @interpreted_only
 def test_every_layer_kernel_asks_the_switch_and_falls_back_in_the_interpreter(monkeypatch):
-    """The whole layer chain (bench/pdl_stack.py --chain's tiny shape: rms_norm, q|k|v GEMM, qkv_heads into the
+    """The whole layer chain (bench/pdl_stack/pdl_stack.py --chain's tiny shape: rms_norm, q|k|v GEMM, qkv_heads into the
     cache, paged prefill attention with KV splits, LSE merge, o GEMM, add_rms_norm, gate|up SwiGLU GEMM, down
     GEMM): with the switch on every launcher consults it, none launches PDL in the interpreter, and every
     output (hidden state, written KV rows) is the same bits as with the switch off."""

@@ -1,0 +1,144 @@
+"""Where a cluster replay's time went: the workers' own counters over one mode's run, and the GPU's
+busy fraction sampled by ``nvidia-smi`` meanwhile (bench/cluster/cluster.py prints both under each mode).
+
+``WorkerMeter.snapshot()`` reads every worker's /metrics (the gateway's Stats lists their URLs) and
+keeps the totals this report needs: the prefill engine's seconds per request, the decode worker's
+steps (count, seconds, batch sizes) and admissions (hand-offs rebuilt between steps, the batch waiting
+meanwhile), and the shared chunks the decode worker found by source. The difference of two snapshots
+is one run's share. ``GpuSampler`` runs ``nvidia-smi`` at a fixed period in the background: its
+utilisation is the fraction of each period in which some kernel ran (any process), so 100% means the
+GPU never went idle, not that it was used well.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import urllib.request
+
+# metric name (Prometheus text, sample suffix included) -> key in a snapshot; label values join the key
+WANTED = {
+    "tessera_prefill_seconds_sum": "prefill_s", "tessera_prefill_seconds_count": "prefills",
+    "tessera_prefill_queue_seconds_sum": "prefill_queue_s",
+    "tessera_prefill_engine_seconds_total": "prefill_engine_s",
+    "tessera_prefill_handoff_seconds_sum": "handoff_s",
+    "tessera_decode_step_seconds_sum": "step_s", "tessera_decode_step_seconds_count": "steps",
+    "tessera_decode_batch_size_sum": "batch_rows",
+    "tessera_decode_admit_seconds_sum": "admit_s", "tessera_decode_admit_seconds_count": "admits",
+    "tessera_decode_chunks_total": "decode_chunks",
+}
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Totals of WANTED from one /metrics page; a labelled sample adds ``/<label value>`` to its key."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, labels = head.partition("{")
+        key = WANTED.get(name)
+        if key is None:
+            continue
+        if labels:
+            key += "/" + ",".join(v.split("=", 1)[1].strip('"') for v in labels.rstrip("}").split(",") if "=" in v)
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+class WorkerMeter:
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def snapshot(self) -> dict[str, float]:
+        """Sums over every prefill and decode worker of the gateway's cluster."""
+        total: dict[str, float] = {}
+        for w in self.client.stats().workers:
+            if w.role not in ("prefill", "decode") or not w.metrics_url:
+                continue
+            page = urllib.request.urlopen(w.metrics_url, timeout=10).read().decode()
+            for k, v in parse_metrics(page).items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def chunk_sources(d: dict[str, float]) -> dict[str, float]:
+    """The decode worker's shared chunks by source, from a snapshot (or a delta)."""
+    return {k.split("/", 1)[1]: v for k, v in d.items() if k.startswith("decode_chunks/")}
+
+
+class GpuSampler:
+    """``with GpuSampler() as g: ...``; then ``g.busy`` (mean utilisation %, None without nvidia-smi)."""
+
+    def __init__(self, period_ms: int = 100) -> None:
+        self.period_ms = period_ms
+        self.samples: list[float] = []
+        self._proc = None
+        self._reader = None
+
+    def __enter__(self) -> "GpuSampler":
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return self
+        self._proc = subprocess.Popen([exe, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                       f"-lms={self.period_ms}", "-i", "0"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            try:
+                self.samples.append(float(line.strip()))
+            except ValueError:
+                pass
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(5)
+            self._reader.join(5)
+
+    @property
+    def busy(self) -> float | None:
+        return sum(self.samples) / len(self.samples) if self.samples else None
+
+
+def time_budget(d: dict[str, float], duration_s: float, gpu_busy: float | None) -> dict[str, float | None]:
+    """One run's figures from a counter delta over ``duration_s`` seconds of replay."""
+    steps, prefills, admits = d.get("steps", 0.0), d.get("prefills", 0.0), d.get("admits", 0.0)
+    per = lambda a, b: a / b if b else None      # noqa: E731
+    return {
+        "duration_s": duration_s, "gpu_busy_pct": gpu_busy,
+        "prefills": prefills, "prefill_mean_ms": per(1e3 * d.get("prefill_s", 0.0), prefills),
+        # the engine thread's own time (a request's prefill seconds overlap the next one's when pipelined)
+        "prefill_engine_busy_pct": per(100 * d.get("prefill_engine_s", d.get("prefill_s", 0.0)), duration_s),
+        "handoff_mean_ms": per(1e3 * d.get("handoff_s", 0.0), prefills),
+        "decode_steps": steps, "decode_mean_batch": per(d.get("batch_rows", 0.0), steps),
+        "decode_step_mean_ms": per(1e3 * d.get("step_s", 0.0), steps),
+        "decode_steps_busy_pct": per(100 * d.get("step_s", 0.0), duration_s),
+        "admits": admits, "admit_mean_ms": per(1e3 * d.get("admit_s", 0.0), admits),
+        "decode_admit_busy_pct": per(100 * d.get("admit_s", 0.0), duration_s),
+    }
+
+
+def budget_line(mode: str, b: dict) -> str:
+    def f(key: str, fmt: str = "{:.1f}") -> str:
+        v = b.get(key)
+        return "-" if v is None else fmt.format(v)
+
+    return (f"| {mode} | {f('gpu_busy_pct', '{:.0f}%')} | {f('prefill_mean_ms')} | {f('prefill_engine_busy_pct', '{:.0f}%')} "
+            f"| {f('handoff_mean_ms')} | {f('decode_steps', '{:.0f}')} | {f('decode_mean_batch')} "
+            f"| {f('decode_step_mean_ms')} | {f('decode_steps_busy_pct', '{:.0f}%')} | {f('admit_mean_ms')} "
+            f"| {f('decode_admit_busy_pct', '{:.0f}%')} |")
+
+
+BUDGET_HEADER = ["| mode | GPU busy (nvidia-smi) | prefill ms / request | prefill engine busy | hand-off ms / request "
+                 "| decode steps | mean batch | step ms | decode in steps | admission ms / request | decode admitting |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
