@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/*.proto)
 
-.PHONY: setup test demo chaos proto bench-kernels clean lint
+.PHONY: setup test test-fast demo chaos proto bench-kernels clean lint
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ proto: setup
 
 test: setup lint
 	$(PY) -m pytest -q
+
+# The inner loop: all but the tests marked slow (Ray, servers, subprocesses, long runs under Triton's
+# interpreter), under 2 minutes on 2 CPU cores; make test runs them all
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 # the layers of pyproject.toml's [tool.importlinter] and ruff's small rule set
 lint: setup

@@ -98,6 +98,7 @@ def test_admit_budget_is_validated():
         DecodeSettings(admit_budget_s=-1)
 
 
+@pytest.mark.slow
 def test_paced_steps_start_no_sooner_than_the_interval_and_admit_what_arrives_meanwhile():
     import time
 

@@ -39,6 +39,7 @@ def test_down_with_nothing_up_says_so(state, capsys):
     assert "nothing to stop" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_demo_replays_full_and_tessera(local_ray, capsys):
     from services.cluster.demo import DemoSettings, run_demo
 

@@ -10,6 +10,8 @@ from services.sdk import Client
 
 from .helpers import docs, start_ray_cluster
 
+pytestmark = pytest.mark.slow
+
 MODES = ("full", "prefix", "position_aware", "blend_copy", "tessera")
 
 

@@ -24,6 +24,8 @@ from services.cluster.actors import RestartBudget, RestartLimitExceeded
 from services.cluster.config import ClusterConfig
 from services.cluster.launch import LOOPBACK_ENV, LocalHead, head_processes, start_local_head, stop_local_head
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 RAY_CLI = str(Path(sys.executable).with_name("ray"))
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}

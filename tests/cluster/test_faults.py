@@ -18,6 +18,8 @@ from services.sdk import ChunkId, Client, Unavailable
 
 from .helpers import docs, start_ray_cluster, wait_until
 
+pytestmark = pytest.mark.slow
+
 NAMESPACE = "tessera-test-faults"
 # A fixed ratio: left to the loading controller, the ratio would follow measured load times.
 RATIO = 0.15

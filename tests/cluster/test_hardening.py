@@ -52,6 +52,7 @@ def test_a_request_of_chunks_only_is_served(client, reference, last):
     assert sum(got.stats.chunk_tokens_by_tier.values()) == len(prompt) - 1      # the last token: the suffix
 
 
+@pytest.mark.slow
 def test_a_worker_gone_for_good_fails_requests_fast(tiny_model, inproc):
     """A worker whose restarts ran out stayed dead and each request failed UNAVAILABLE only after ~76 s (past
     the SDK's 60 s default). With Ray saying it is gone, the gateway fails requests at once, naming why."""
@@ -86,6 +87,7 @@ def test_a_worker_gone_for_good_fails_requests_fast(tiny_model, inproc):
         inproc.loop.run(server.stop(0.1))
 
 
+@pytest.mark.slow
 def test_a_worker_whose_engine_loop_stopped_says_not_serving(tiny_model, inproc):
     """Health follows the engine thread, not the process: the loop's death (a broken device: see
     test_engine_faults) turns health NOT_SERVING, Status and Decode UNAVAILABLE at once, and on_fatal runs
@@ -177,6 +179,7 @@ def test_the_in_process_local_ray_listens_on_loopback_with_a_private_token():
     assert (token_mode, dir_mode) == ("0o600", "0o700")
 
 
+@pytest.mark.slow
 def test_a_mooncake_trace_replays_through_the_cluster_with_no_failure(inproc, tmp_path, monkeypatch):
     """Plain Mooncake lines (chunks only, blocks of 512 tokens, the first block shared) were all refused by the
     cluster while the simulator and the fake accepted them; replay exited 0 regardless. Now every request is

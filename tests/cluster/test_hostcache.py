@@ -73,6 +73,7 @@ def test_chunks_read_from_a_shard_are_kept_in_the_host_tier(tmp_path):
         srv.stop()
 
 
+@pytest.mark.slow
 def test_a_chunk_evicted_from_the_device_comes_back_from_the_host_tier(tiny_model):
     from services.cluster.sampling import WireSampling
     from services.engine import Engine

@@ -22,6 +22,7 @@ def local_cluster(tiny_model, tmp_path_factory):
     assert all(not c.process.is_alive() for c in cluster.children.values())
 
 
+@pytest.mark.slow
 def test_children_are_separate_processes(local_cluster):
     import os
 
@@ -31,6 +32,7 @@ def test_children_are_separate_processes(local_cluster):
 
 
 @pytest.mark.parametrize("mode", ("full", "tessera"))
+@pytest.mark.slow
 def test_local_cluster_output_equals_engine_generate(local_cluster, reference, mode):
     chunks, suffix = docs(3, 40, seed=21), [5, 6, 7]
     with Client(local_cluster.gateway_address, timeout=120) as client:

@@ -33,6 +33,7 @@ def test_role_variable_wins(monkeypatch, tmp_path):
     assert ProfileWindow("d", "decode").dir == tmp_path / "all"
 
 
+@pytest.mark.slow
 def test_window_records_only_its_units(tmp_path):
     w = ProfileWindow("unit", "prefill", spec=f"{tmp_path},2,2")
     marks = []
@@ -76,6 +77,7 @@ def test_a_window_the_run_ends_inside_of_is_written_on_close(tmp_path):
     assert len(list(tmp_path.iterdir())) == 2
 
 
+@pytest.mark.slow
 def test_workers_write_their_profiles_when_stopped_inside_the_window(monkeypatch, tmp_path, tiny_model):
     """Both workers serve from this process here: the first to start a window records (torch runs one
     profiler per process), the other declines; stopping writes the window the run ended inside of."""

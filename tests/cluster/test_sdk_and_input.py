@@ -194,6 +194,7 @@ def test_deadline_is_carried_and_reported(client):
         client.complete(docs(4, 200, seed=7), [1], max_new_tokens=200, stop_token_ids=[], timeout=0.001)
 
 
+@pytest.mark.slow
 def test_unavailable_is_retried_until_the_gateway_comes_up(tiny_model, inproc):
     """A gateway that starts while the client is retrying is reached (UNAVAILABLE is retried)."""
     import threading
@@ -222,6 +223,7 @@ def test_unavailable_is_retried_until_the_gateway_comes_up(tiny_model, inproc):
             inproc.loop.run(server.stop(0.1))
 
 
+@pytest.mark.slow
 def test_tls_gateway_needs_a_tls_client(tiny_model, inproc, reference, tmp_path):
     from services.gateway.server import create_server
 
@@ -273,6 +275,7 @@ def test_a_stream_left_early_frees_its_decode_slot(client):
     wait_until(lambda: all(w.in_flight == 0 for w in client.stats().workers), 30, 0.1, "no request in flight")
 
 
+@pytest.mark.slow
 def test_gateway_health_follows_its_workers(tiny_model, inproc):
     """A gateway whose only decode worker does not answer reports NOT_SERVING (health checks see it)."""
     import grpc

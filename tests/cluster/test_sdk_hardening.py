@@ -303,6 +303,7 @@ def _tiny_tokenizer(reference) -> Tokenizer:
     return Tokenizer.from_file(f"{reference.model_dir}/tokenizer.json")
 
 
+@pytest.mark.slow
 def test_gateway_streams_text_that_adds_up_to_the_decode(inproc, reference):
     tok = _tiny_tokenizer(reference)
     chunks, ids, _ = _split_output(reference, tok, cut_inside=False)
@@ -345,6 +346,7 @@ class _CutCall:
             yield msg
 
 
+@pytest.mark.slow
 def test_a_resumed_stream_repeats_no_text(tiny_model, inproc, reference):
     """The decode stream fails with a character half sent; the request resumes on another decode worker
     (here the same one under a second name): the text held back comes once, none is repeated."""
@@ -381,6 +383,7 @@ def test_a_resumed_stream_repeats_no_text(tiny_model, inproc, reference):
 
 
 # ---------------------------------------------------------------------------------------- metrics
+@pytest.mark.slow
 def test_metrics_server_answers_metrics_only():
     from prometheus_client import CollectorRegistry, Counter
 

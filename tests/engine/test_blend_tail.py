@@ -82,6 +82,7 @@ def test_blend_tail_leaves_a_sequence_that_decodes_and_hands_off(tiny_dir, monke
     assert handoff is not None and res.stats.tokens_recomputed == want_res.stats.tokens_recomputed
 
 
+@pytest.mark.slow
 def test_triton_blend_tail_equals_the_general_pass(tiny_dirs, monkeypatch):
     cpu_triton()
     eng = Engine.load(tiny_dirs["llama"], attention_backend="triton", static_tails=True)
@@ -94,6 +95,7 @@ def test_triton_blend_tail_equals_the_general_pass(tiny_dirs, monkeypatch):
     assert all(type(t.attention).__name__ == "PositionalAttention" for t in eng.forward.blend_tails.tails.values())
 
 
+@pytest.mark.slow
 def test_passes_the_blend_tail_does_not_take(tiny_dir, monkeypatch):
     """blend_copy, a later check layer, requests past HEAD_MAX_TOKENS, ratio 0 and engines without static
     tails go other ways, with the same result as before."""

@@ -17,6 +17,8 @@ from services.engine.decode_graphs import DecodeGraphs
 
 from .conftest import cpu_triton, random_request
 
+pytestmark = pytest.mark.slow
+
 REQUESTS = [  # (seed, chunk lengths, suffix length, mode, ratio)
     (70, (13, 21, 9), 5, "tessera", 0.3),
     (71, (11, 9), 3, "tessera", 0.0),

@@ -25,6 +25,7 @@ def _decode(eng, handoff, n, fetch=None):
 
 @pytest.mark.parametrize("mode, ratio", [("tessera", 0.0), ("tessera", 0.15), ("tessera", 1.0), ("full", 0.0),
                                          ("prefix", 0.0), ("blend_copy", 0.3), ("position_aware", 0.2)])
+@pytest.mark.slow
 def test_decode_elsewhere_equals_generate(tiny_dir, mode, ratio):
     prefill, decode = Engine.load(tiny_dir), Engine.load(tiny_dir)
     chunks, suffix = random_request(30)
@@ -34,6 +35,7 @@ def test_decode_elsewhere_equals_generate(tiny_dir, mode, ratio):
     assert prefill.pool.num_free + sum(len(e.blocks) for e in prefill.cache._entries.values()) == prefill.pool.usable_blocks
 
 
+@pytest.mark.slow
 def test_kv_apart_from_the_payload_round_trips(tiny_dir):
     # the CUDA IPC transport ships the K/V as one flat buffer and the rest as bytes: same hand-off
     eng = Engine.load(tiny_dir)
@@ -52,6 +54,7 @@ def test_kv_apart_from_the_payload_round_trips(tiny_dir):
         Handoff.from_bytes(h.to_bytes(with_kv=False), h.kv_buffer().double())
 
 
+@pytest.mark.slow
 def test_tessera_handoff_ships_only_private_kv(tiny_dir):
     eng = Engine.load(tiny_dir)
     chunks, suffix = random_request(31, lengths=(40, 40, 40))
@@ -67,6 +70,7 @@ def test_tessera_handoff_ships_only_private_kv(tiny_dir):
     assert h.layers[0].hidden.numel() == 0  # layer 0 reads the cache as is
 
 
+@pytest.mark.slow
 def test_decode_worker_without_the_chunks_fetches_or_recomputes(tiny_dir):
     prefill, decode, other = Engine.load(tiny_dir), Engine.load(tiny_dir), Engine.load(tiny_dir)
     chunks, suffix = random_request(32)

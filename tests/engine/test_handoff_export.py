@@ -78,6 +78,7 @@ def test_export_equals_the_reference_cold_and_warm(engine, mode, ratio):
 
 
 @pytest.mark.parametrize("block_size, check_layer", [(8, 1), (16, 2), (64, 1)])
+@pytest.mark.slow
 def test_export_equals_the_reference_other_layouts(tiny_dir, block_size, check_layer):
     eng = Engine.load(tiny_dir, block_size=block_size, check_layer=check_layer)
     chunks, suffix = random_request(41, lengths=(20, 70, 17))
@@ -87,6 +88,7 @@ def test_export_equals_the_reference_other_layouts(tiny_dir, block_size, check_l
     _assert_same(*_export_both(eng, [chunks[0], chunks[1], chunks[0]], suffix, "tessera", 0.3))
 
 
+@pytest.mark.slow
 def test_export_reads_nothing_back_after_staging(engine):
     chunks, suffix = random_request(42)
     logits, seq = _prefilled(engine, chunks, suffix, "tessera", 0.15)
@@ -109,6 +111,7 @@ def test_export_reads_nothing_back_after_staging(engine):
     assert copies.count("index_select") == 2 * engine.cfg.num_layers and len(copies) <= 2 * engine.cfg.num_layers + 2
 
 
+@pytest.mark.slow
 def test_a_table_block_the_sequence_does_not_own_is_still_exported(engine):
     chunks, suffix = random_request(43)
     logits, seq = _prefilled(engine, chunks, suffix, "tessera", 0.3)
@@ -124,6 +127,7 @@ def test_a_table_block_the_sequence_does_not_own_is_still_exported(engine):
     _assert_same(new, ref)
 
 
+@pytest.mark.slow
 def test_prefill_handoff_stages_before_the_first_token(engine):
     chunks, suffix = random_request(44)
     seen = []

@@ -80,6 +80,7 @@ def _handoff(eng, chunks, suffix, mode, ratio):
 
 @pytest.mark.parametrize("mode, ratio", [("tessera", 0.0), ("tessera", 0.15), ("tessera", 1.0), ("full", 0.0),
                                          ("prefix", 0.0), ("blend_copy", 0.3), ("position_aware", 0.2)])
+@pytest.mark.slow
 def test_import_equals_the_reference(tiny_dir, mode, ratio):
     prefill, a, b = (Engine.load(tiny_dir) for _ in range(3))
     chunks, suffix = random_request(50)
@@ -138,6 +139,7 @@ def _synthetic(eng, h: Handoff, seed: int, private: bool = True, hidden: bool = 
 
 
 @pytest.mark.parametrize("block_size", [8, 64])
+@pytest.mark.slow
 def test_awkward_layer_views_equal_the_reference(tiny_dir, block_size):
     prefill, a, b = (Engine.load(tiny_dir, block_size=block_size) for _ in range(3))
     chunks, suffix = random_request(53, lengths=(20, 70, 17))

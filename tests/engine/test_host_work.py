@@ -65,6 +65,7 @@ def test_tessera_pass_never_syncs(tiny_dir, ratio, static):
     assert [site for kind, site, _ in log.ops if kind == "sync"] == []
 
 
+@pytest.mark.slow
 def test_triton_tessera_pass_never_syncs_in_engine_code(tiny_dirs):
     """The engine's own code; kernels/paged_attention's packing is checked by its owners."""
     cpu_triton()
@@ -75,6 +76,7 @@ def test_triton_tessera_pass_never_syncs_in_engine_code(tiny_dirs):
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.15])
+@pytest.mark.slow
 def test_few_launches_before_the_first_model_op(tiny_dir, ratio):
     """Everything before the embedding (tables, slots, ids) is one host-to-device copy and a few ops: at
     ratio 0 and ratio > 0 alike the pass is one copy into its graph's inputs, then the graph (run eagerly on
@@ -97,6 +99,7 @@ def _popcount(masks: torch.Tensor) -> int:
 @pytest.mark.parametrize("mode, ratio, check_layer", [("tessera", 0.0, 1), ("tessera", 0.3, 1), ("tessera", 1.0, 1),
                                                       ("tessera", 0.3, 2), ("blend_copy", 0.3, 1),
                                                       ("position_aware", 0.3, 1)])
+@pytest.mark.slow
 def test_host_side_table_facts_match_the_device(tiny_dir, mode, ratio, check_layer):
     """visible (the count that sizes the keys without a sync), max_offset and the int64 id rows that
     static tails copy agree with the tables' device tensors, for every layer's table."""
@@ -115,6 +118,7 @@ def test_host_side_table_facts_match_the_device(tiny_dir, mode, ratio, check_lay
         eng.release(seq)
 
 
+@pytest.mark.slow
 def test_memoised_chunk_slots_follow_eviction_and_block_reuse(tiny_dir):
     """A chunk's slot index is memoised on its cache entry; once evicted, its blocks go to other chunks
     and the chunk comes back in other blocks: its new entry must not use the old memo."""

@@ -10,6 +10,7 @@ from services.engine.request_ids import KnownChunks
 from .conftest import random_request
 
 
+@pytest.mark.slow
 def test_a_chunk_seen_before_gets_the_same_id_without_the_long_path(engine):
     chunks, suffix = random_request(31, lengths=(20, 33, 17))
     first = engine.check(chunks, suffix, "tessera")

@@ -81,6 +81,7 @@ def reference(tiny_dir):
 
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("ratio", [0.0, 0.3])
+@pytest.mark.slow
 def test_static_tail_writes_only_its_slots_and_scratch(tiny_dir, reference, kernels, ratio):
     """A static-tail pass over resident chunks (ratio 0.3: the check layer's half-done first layer too)
     changes only the request's private blocks and, through its padded rows, the scratch block: never a
@@ -104,6 +105,7 @@ def test_static_tail_writes_only_its_slots_and_scratch(tiny_dir, reference, kern
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.slow
 def test_static_decode_writes_only_its_slots_and_scratch(tiny_dir, reference, kernels):
     """A decode step of 3 sequences replayed on static buffers (a bucket of 4: one padded row) writes
     each new token's K/V into its sequence's generated block and the padded row's into the scratch

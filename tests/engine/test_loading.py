@@ -15,6 +15,7 @@ from services.engine.tiny import write_tiny
 from .conftest import random_request
 
 
+@pytest.mark.slow
 def test_sharded_index_loads_the_same_model(tmp_path, tiny_dir):
     d = write_tiny(tmp_path / "sharded", seed=7)
     tensors = load_file(str(d / "model.safetensors"))
@@ -33,6 +34,7 @@ def test_sharded_index_loads_the_same_model(tmp_path, tiny_dir):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.slow
 def test_16_bit_engines_track_fp32(tiny_dir, dtype):
     chunks, suffix = random_request(61)
     ref = torch.softmax(Engine.load(tiny_dir).prefill(chunks, suffix, mode="tessera").logits, -1)

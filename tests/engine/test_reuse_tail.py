@@ -19,6 +19,7 @@ def _general(monkeypatch, fn):
 
 
 @pytest.mark.parametrize("mode, block_size", [("tessera", 16), ("tessera", 7), ("position_aware", 16)])
+@pytest.mark.slow
 def test_ratio_zero_lean_pass_equals_the_general_one(tiny_dir, monkeypatch, mode, block_size):
     eng = Engine.load(tiny_dir, static_tails=True, block_size=block_size)
     # a long request, a shorter one (same buckets: stale rows and entries must be padding again), a longer
@@ -61,6 +62,7 @@ def test_the_lean_pass_leaves_a_sequence_that_decodes_and_hands_off(tiny_dir, mo
     assert torch.equal(res.logits, logits) and handoff is not None
 
 
+@pytest.mark.slow
 def test_triton_lean_pass_equals_the_general_one(tiny_dirs, monkeypatch):
     cpu_triton()
     eng = Engine.load(tiny_dirs["llama"], attention_backend="triton", static_tails=True)

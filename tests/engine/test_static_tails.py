@@ -60,6 +60,7 @@ def triton_engines(tiny_dirs):
 
 
 @pytest.mark.parametrize("mode, ratio", [("tessera", 0.0), ("tessera", 0.3)])  # prefix runs the same code as 0.0
+@pytest.mark.slow
 def test_triton_static_tail_equals_eager(triton_engines, mode, ratio):
     """The tail through the Triton kernel (padded table, packed into fixed buffers) == the eager Triton pass."""
     eager, static = triton_engines

@@ -35,6 +35,7 @@ def test_triton_prefill_equals_torch(engines, mode, ratio):
     torch.testing.assert_close(b.logits, a.logits, **TOL)
 
 
+@pytest.mark.slow
 def test_triton_ratio_one_equals_full_and_decode_matches(engines):
     ref, tri = engines
     chunks, suffix = random_request(51, lengths=(11, 18), suffix_len=4)
@@ -45,6 +46,7 @@ def test_triton_ratio_one_equals_full_and_decode_matches(engines):
 
 
 @pytest.mark.parametrize("mode, ratio", [("full", 0.0), ("tessera", 0.3), ("tessera", 0.0)])
+@pytest.mark.slow
 def test_plain_causal_passes_take_the_flash_path(engines, monkeypatch, mode, ratio):
     """With attention.DENSE_CAUSAL (the default) the passes the caller calls plain causal (full, a chunk
     computed alone) skip the paged kernel; a ratio-0 pass needs it for every layer. The layers before the

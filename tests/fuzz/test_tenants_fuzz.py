@@ -115,6 +115,7 @@ def folder(tmp_path_factory):
     return tmp_path_factory.mktemp("tenants")
 
 
+@pytest.mark.slow
 def test_a_tenants_file_is_read_or_refused_by_name(folder):
     @settings(FUZZ, max_examples=200)
     @given(tenants_document(), st.sampled_from(["yaml", "json"]))

@@ -175,6 +175,7 @@ def test_a_file_of_random_bytes_is_read_or_refused_by_name(folder):
     read()
 
 
+@pytest.mark.slow
 def test_a_file_of_trace_lines_is_read_or_refused_at_the_right_line(folder):
     path = folder / "lines.jsonl"
 
@@ -187,6 +188,7 @@ def test_a_file_of_trace_lines_is_read_or_refused_at_the_right_line(folder):
     read()
 
 
+@pytest.mark.slow
 def test_a_gzip_stream_cut_short_or_damaged_is_refused_by_name_and_line(folder):
     path = folder / "trace.jsonl.gz"
 
@@ -228,6 +230,7 @@ def test_parse_lines_names_its_source_for_any_line():
     parse()
 
 
+@pytest.mark.slow
 def test_tessera_simulate_reads_a_fuzzed_trace_or_says_why_in_one_line(folder, capsys):
     """What the command does with the same files: a result (exit 0) or one error line naming the file (exit 2)."""
     from services.cli import main

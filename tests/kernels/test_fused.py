@@ -119,6 +119,7 @@ def _qkv_inputs(t, hq, hkv, d, qk_norm, dtype, rope_by):
 
 
 @pytest.mark.parametrize("t,hq,hkv,d,qk_norm,dtype,rope_by", **QKV_RUNS)
+@pytest.mark.slow
 def test_qkv_heads_matches_twin(t, hq, hkv, d, qk_norm, dtype, rope_by):
     from kernels.fused import triton as kt
 
@@ -322,6 +323,7 @@ def test_model_layer_same_on_both_backends(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.slow
 def test_model_layer_with_the_norms_in_the_gemms(arch, monkeypatch):
     """bf16 with the skinny GEMM: the RMSNorms taken in the GEMMs' prologues and o added onto the residual
     in its epilogue (``fuse_norms``) give the layer's q/k/v, its output and the logits of the

@@ -77,6 +77,7 @@ def test_swiglu_equals_pointer_kernel_and_twin(m, inter, k, dtype, mode):
     torch.testing.assert_close(got.float(), linear_swiglu(x, w).float(), **tol)
 
 
+@pytest.mark.slow
 def test_residual_and_norm_prologue():
     """residual= (the o projection onto the residual stream, a new tensor) and norm= (rms_norm(x) * g) in the
     TMA kernel: the pointer kernel's bits (x by pointers and by descriptor)."""
@@ -163,6 +164,7 @@ for task in [(64, 6144, 4096, LinearConfig(64, 64, 128, num_stages=5, tma="w"), 
 """
 
 
+@pytest.mark.slow
 def test_sm90_build_streams_weights_by_tma():
     """The compiled kernel (this Triton, for an H100, no GPU needed) loads weight tiles with cp.async.bulk.tensor
     completing on mbarriers: q|k|v plain, gate|up SwiGLU with x by TMA too, down onto the residual as a PDL

@@ -35,6 +35,7 @@ def _queries(case, hq, dtype):
 
 
 @pytest.mark.parametrize("spec", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.slow
 def test_decode_matches_twin_and_eager(spec):
     seqs, hq, hkv, d, bs, dtype, hide, base = spec
     inv = rope_inv_freq(d, 10000.0)

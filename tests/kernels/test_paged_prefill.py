@@ -38,6 +38,7 @@ def _run(case, q, q_pos, cu_q, scale, backend):
 
 
 @pytest.mark.parametrize("spec", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.slow
 def test_prefill_matches_twin_and_eager(spec):
     seqs, hq, hkv, d, bs, dtype, hide, base = spec
     inv = rope_inv_freq(d, 500000.0, LLAMA3)
@@ -166,6 +167,7 @@ def test_key_floors(bs):
                                  num_splits=3), PrefillConfig(block_m=32, min_block_n=32, num_splits=2, plan="steps"),
                                  PrefillConfig(block_m=32, min_block_n=32, cut_lanes=2)],
                          ids=["one-split", "3-splits", "steps-plan", "2-lanes"])
+@pytest.mark.slow
 def test_future_cut_gives_the_same_bits(cfg):
     """Skipping a group's entries whose keys all lie after the tile's latest query drops terms exp(-inf) = 0:
     the same bits as walking them (scattered queries, as CacheBlend's recomputed tokens; hidden slots; two
@@ -183,6 +185,7 @@ def test_future_cut_gives_the_same_bits(cfg):
     assert rel_err(runs[0][0], out_t) <= TOL[torch.bfloat16]
 
 
+@pytest.mark.slow
 def test_padding_tiles_skipped_with_the_same_bits():
     """A static tail pads its queries with rows at position -1, which see no key: a tile of them walks no group
     (skip_empty_tiles), with the same bits as walking them, and their outputs are 0 with LSE -inf."""
@@ -220,6 +223,7 @@ ROTATION_VARIANTS = [PrefillConfig(block_m=32, min_block_n=32, rot_mode=m, rot_n
 @pytest.mark.parametrize("cfg", ROTATION_VARIANTS, ids=[
     f"{c.rot_mode}{'-narrow' if c.rot_narrow else ''}{'' if c.group_guard else '-noguard'}" for c in ROTATION_VARIANTS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_NAME.get)
+@pytest.mark.slow
 def test_rotation_variants_match_twin(cfg, dtype):
     """Three offset groups and a private suffix per sequence (so a tile rotates its query for several
     groups, the first and last included), hidden slots, GQA 4, scattered queries, a one-token sequence;
@@ -245,6 +249,7 @@ def test_rotation_mode_is_checked():
 
 
 @pytest.mark.parametrize("splits", [2, 5, 16])
+@pytest.mark.slow
 def test_kv_splits_touch_only_their_groups(splits):
     """KV splits search the offset groups their entries touch: a split narrower than a group, one
     spanning several, and (16 splits over a sequence of 4 entries) splits with no entry at all all
@@ -280,6 +285,7 @@ SHORT_VARIANTS = [
 @pytest.mark.parametrize("cfg", SHORT_VARIANTS, ids=[
     f"splits{c.num_splits}-{c.merge}-n{c.min_block_n}" + ("-exact" if c.exact_tiles else "") +
     ("-idx32-narrow" if c.index32 else "") for c in SHORT_VARIANTS])
+@pytest.mark.slow
 def test_short_query_knobs_match_twin(cfg):
     """Several sequences (groups narrower and wider than a split, a one-entry sequence, more splits than
     steps), hidden slots, scattered queries, a 17-token suffix (a partial tile): equal to the twin; then one
@@ -310,6 +316,7 @@ def test_short_query_knobs_are_checked():
 
 
 @pytest.mark.parametrize("min_block_n", [64, 128])
+@pytest.mark.slow
 def test_short_prefill_config_is_used_for_short_calls(monkeypatch, min_block_n):
     """triton.SHORT_PREFILL configures paged_prefill_packed's calls of few tokens (and only those); key bounds
     computed for the default's step are recomputed when the short configuration steps differently."""

@@ -53,6 +53,7 @@ def _counters_zero() -> bool:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_fused_merge_equals_two_launches_and_twin(name, monkeypatch):
     seqs, hq, hkv, dtype, hide, knobs = CASES[name]
     case, args = _setup(seqs, hq, hkv, dtype, hide)
@@ -73,6 +74,7 @@ def test_fused_merge_equals_two_launches_and_twin(name, monkeypatch):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="reorders the interpreter's programs")
+@pytest.mark.slow
 def test_fused_merge_does_not_depend_on_who_arrives_last(monkeypatch):
     """The interpreter runs a (tile, KV head)'s split programs in split order, so split n-1 arrives last;
     run them reversed and rotated instead (split 0, then a middle split, arriving last): the same bits."""

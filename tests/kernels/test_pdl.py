@@ -57,6 +57,7 @@ def test_no_pdl_unless_every_condition_holds(switch, condition):
     assert pdl.launch_kwargs(device) == {}
 
 
+@pytest.mark.slow
 def test_the_switch_is_on_by_default_and_off_by_environment():
     """On since bench/engine/README.md round 8 (measured faster at ratio 0 on an H100); the GEMMs' own depth unset, so
     they take the switch's. TESSERA_PDL=0 in a process's environment turns it off."""
@@ -111,6 +112,7 @@ def _layer_outputs(ps, inp):
 
 
 @interpreted_only
+@pytest.mark.slow
 def test_every_layer_kernel_asks_the_switch_and_falls_back_in_the_interpreter(monkeypatch):
     """The whole layer chain (bench/pdl_stack/pdl_stack.py --chain's tiny shape: rms_norm, q|k|v GEMM, qkv_heads into the
     cache, paged prefill attention with KV splits, LSE merge, o GEMM, add_rms_norm, gate|up SwiGLU GEMM, down
@@ -170,6 +172,7 @@ def _check_order(calls: list[str], mode: int) -> None:
 
 @interpreted_only
 @pytest.mark.parametrize("mode", [pdl.WAIT_FIRST, pdl.TRIGGER_FIRST])
+@pytest.mark.slow
 def test_pdl_builds_of_the_layer_give_the_same_bits(monkeypatch, mode):
     """The PDL builds' own code (weights read before the wait, everything else after it) gives the plain builds'
     bits, with the next kernel let in after the wait or before it: the chain's layer (table cos/sin, KV splits

@@ -26,6 +26,7 @@ def _padded(case, n_entries, n_rows, q, q_pos, scratch):
 
 
 @pytest.mark.parametrize("bs, dtype", [(16, torch.float32), (32, torch.bfloat16)], ids=["BS16-fp32", "BS32-bf16"])
+@pytest.mark.slow
 def test_packed_buffers_equal_the_public_call(bs, dtype):
     inv = rope_inv_freq(64, 500000.0)
     n_entries, n_rows = 12, 24

@@ -12,10 +12,13 @@ import threading
 from pathlib import Path
 
 import grpc
+import pytest
 
 from services.kvstore import KVStoreClient
 
 from .helpers import assert_roundtrip, make_layers
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -124,6 +124,7 @@ def test_bad_rocksdb_entry_is_data_loss_without_a_lower_tier(start_store, damage
     assert not c.lookup(["x"])[0].found and db._db.get(_meta_key("x")) is None
 
 
+@pytest.mark.slow
 def test_bad_rocksdb_layer_is_served_from_s3(start_store, s3_config):
     srv, c = start_store(dram_bytes=1 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB, s3=s3_config)
     layers = make_layers(seed=3, **SHAPE)

@@ -158,6 +158,7 @@ def test_a_put_that_dies_midway_leaves_nothing(store):
     assert status_of(lambda: list(c.get("dies"))) == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.slow
 def test_put_deadline_is_honoured_and_stores_nothing(store):
     srv, c = store
     requests = requests_for(c, "slow", make_layers(seed=1, **SHAPE))
@@ -270,6 +271,7 @@ def test_cli_refuses_bad_flags(tmp_path, capsys):
     assert "cluster certificates missing" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_get_deadline_is_honoured_and_the_chunk_stays(start_store):
     srv, c = start_store(dram_bytes=1 * MiB, rocksdb_dir="tmp", rocksdb_bytes=8 * MiB)
     layers = make_layers(seed=7, **SHAPE)

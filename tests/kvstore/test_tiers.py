@@ -55,6 +55,7 @@ def test_layers_span_several_frames(start_store):
     assert_roundtrip(c, "big", layers)
 
 
+@pytest.mark.slow
 def test_budgets_hold_and_lru_evicts_down_the_tiers(start_store, s3_config):
     _, c = start_store(dram_bytes=3 * MiB, rocksdb_dir="tmp", rocksdb_bytes=5 * MiB, s3=s3_config)
     chunks = {f"k{i}": make_layers(seed=10 + i, **SHAPE) for i in range(8)}

@@ -30,6 +30,7 @@ def test_closed_form_value():
     assert closed_form_ratio(100, 20, 0.85) == pytest.approx(2.86, abs=0.02)   # the paper's figure
 
 
+@pytest.mark.slow
 def test_oracles_match_the_closed_form():
     # D = K = 20 positions, C = 100 documents of budget, alpha = 1: H_100 / H_5 = 2.27.
     trace = _trace()
@@ -106,6 +107,7 @@ def test_policies_rank_as_expected(eviction):
         assert hit["oracle_static_agnostic"] >= 0.9 * hit["tessera"], hit
 
 
+@pytest.mark.slow
 def test_more_budget_never_hurts_lru():
     trace = _trace(alpha=1.1, k=4, requests=2000, docs=2000, replace=False, doc_tokens="const:256")
     for policy in ("prefix", "position_aware", "tessera"):

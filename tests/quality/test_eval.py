@@ -44,6 +44,7 @@ def test_select_questions_takes_kinds_in_turn(prompts):
     assert len(select_questions(prompts[0], 8)) == len(prompts[0].questions)
 
 
+@pytest.mark.slow
 def test_committed_model_reference_accuracy(prompts):
     """Teacher-forced, all 8 questions: the engine-free measure that training logs."""
     model = load_hf(COMMITTED_MODEL)
@@ -71,6 +72,7 @@ def test_engine_modes_on_the_committed_model(prompts):
     assert recompute_all.tally == full.tally
 
 
+@pytest.mark.slow
 def test_engine_reuse_agrees_with_the_reference(prompts):
     """tessera@0 through the engine answers as the masked reference pass does, question by question."""
     from services.engine import Engine
