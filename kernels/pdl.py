@@ -26,7 +26,7 @@ every output is the same bits. Writes cannot race earlier readers either: they a
 Only timing differs. (The skinny GEMM takes part in its one-split launches; split-K launches, which the
 Llama-3-8B table does not pick at 64 rows, stay ordinary launches.)
 
-``ENABLED`` is on by default. Measured on an H100 (bench/engine/README.md, round 8; ``bench/engine/engine.py --backends
+``ENABLED`` is on by default. Measured on an H100 (bench/pdl_stack/README.md; ``bench/engine/engine.py --backends
 triton,triton:nopdl``, alternating in one process): the ``tessera@0`` pass 7.26-7.41 -> 6.97-6.98 ms with the same
 logits, ``full`` and ``tessera@0.15`` unchanged within the spread; a decode step at batch 32 11.74 -> 11.08 ms,
 at batch 8 7.62 -> 7.59 ms (``bench/decode/decode.py``). ``launch_kwargs`` says
@@ -54,7 +54,7 @@ ENABLED = os.environ.get("TESSERA_PDL", "1") != "0"
 # may then run their prologue while this one computes); True, before its wait ("early": the next kernel may be
 # scheduled while the one before this is still running, so a GEMM two launches down the chain can take SMs as
 # they drain and ask L2 for its weights). TESSERA_PDL_EARLY=1 / 0 in the environment picks (read once, at import).
-# Measured on an H100 (bench/engine/README.md, round 9): the 32-layer chain 6.441 ms after the wait, 6.448 before it;
+# Measured on an H100 (bench/pdl_stack/README.md): the 32-layer chain 6.441 ms after the wait, 6.448 before it;
 # the tessera@0 pass 7.3 against 7.4 ms: off by default
 EARLY_DEFAULT = os.environ.get("TESSERA_PDL_EARLY", "0") == "1"
 EARLY = EARLY_DEFAULT

@@ -78,13 +78,14 @@ def _TMA(m, n, k, stages):  # noqa: N802
     return LinearConfig(m, n, k, split_k=1, num_warps=4, num_stages=stages, tma="xw")
 
 
-# Measured on an H100 by bench/skinny_gemm/skinny_gemm.py (bench/skinny_gemm/README.md, 2026-11-22): the fastest config per
+# Measured on an H100 by bench/skinny_gemm/skinny_gemm.py (bench/skinny_gemm/README.md): the fastest config per
 # Llama-3-8B projection (N, K) and row count, as ((largest M, config), ...) in ascending M; None where cuBLAS
 # was faster (the caller keeps cuBLAS there). q|k|v and o at 64 rows, where the two were level (20.6 against
 # 20.5 us, 14.8 against 14.9 us), go to the kernel: it can take the layer's norm and o's residual
 # (services/engine/model.py, ``fuse_norms``). Shapes or M past the last entry fall back to the kernel's heuristic.
 # The 64-row entries stream their tiles by TMA (``tma="xw"``): the same bits as the pointer kernel and 0.5-2.5%
-# faster per launch, the 32-layer stack 5.29 -> 5.20 ms (bench/skinny_gemm/skinny_gemm.py --tma-ab, bench/skinny_gemm/2026-11-22_h100_dfc4bae_tma_ab.json).
+# faster per launch, the 32-layer stack 5.29 -> 5.20 ms (bench/skinny_gemm/skinny_gemm.py --tma-ab;
+# bench/skinny_gemm/README.md).
 CONFIGS: dict[tuple[int, int], tuple[tuple[int, LinearConfig | None], ...]] = {
     (6144, 4096): ((1, _c(16, 64, 256, 3)), (8, _c(16, 64, 256, 3)), (32, _c(32, 64, 128, 5)),
                    (64, _TMA(64, 64, 128, 5)), (128, None)),

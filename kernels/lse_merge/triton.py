@@ -88,7 +88,7 @@ def _merge_all_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, n_parts, n_rows, dim
                       stride_op, stride_or, stride_lp,
                       P_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """The same merge with every part of BLOCK_R rows loaded at once ([P_PAD, BLOCK_R, BLOCK_D]): no chain of
-    one load per part (the loop's latency: ~0.45 us a part on an H100, bench/short_attention/2026-11-22_h100_2d9383c.json)."""
+    one load per part (the loop's latency: ~0.45 us a part on an H100, bench/short_attention/README.md)."""
     if PDL:
         pdl_enter(PDL)
     p = tl.arange(0, P_PAD)

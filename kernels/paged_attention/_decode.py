@@ -167,8 +167,8 @@ def _decode_kernel(
 
 def pick_splits(cfg: DecodeConfig, n_seqs: int, n_kv_heads: int, n_entries: int, device) -> int:
     """Splits per sequence (block_ids.numel() is known without a sync). Programs run in waves of
-    SMs x programs_per_sm; a last wave that is nearly empty costs a whole wave (run 3 of
-    bench/kernels/README.md: 7 splits ran 29% slower than 5 at 8 x 32K), so take the split count whose
+    SMs x programs_per_sm; a last wave that is nearly empty costs a whole wave
+    (bench/kernels/README.md: 7 splits ran 29% slower than 5 at 8 x 32K), so take the split count whose
     last wave is fullest, and the smallest such count."""
     if cfg.num_splits is not None:
         return cfg.num_splits

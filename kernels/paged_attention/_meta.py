@@ -39,7 +39,7 @@ from kernels.paged_attention import MAX_BLOCK_ID, MAX_OFFSET, check_encodable
 
 # entries per program of the pack kernel: 32 keep the [BLOCK, D/2] cos/sin tiles in registers (256 spill
 # 2.4 KB of stack on sm_90, tests/kernels/compile_sm90.py) and spread a table's cos/sin over many SMs
-# (a 200-entry prefill table on one program of 256 took 106 us on an H100, bench/engine_prof_triton.json)
+# (a 200-entry prefill table on one program of 256 took 106 us on an H100, bench/engine/README.md)
 PACK_BLOCK = 32
 
 
@@ -122,7 +122,7 @@ def offset_groups(offsets: torch.Tensor, cu_entries: torch.Tensor,
     cu = cu_entries.long()
     first = torch.zeros(n + 1, dtype=torch.bool, device=dev)
     # NOTE: fill_/index_fill_ with Python scalars, not ``x[i] = scalar``: that copies a host scalar to
-    # the device, which waits for the GPU (three host syncs per packed table, bench/engine/2026-11-22_h100_cbd662e.json)
+    # the device, which waits for the GPU (three host syncs per packed table, bench/engine/README.md)
     first.index_fill_(0, cu[:-1], True)  # an empty sequence marks the next one's first entry (or the pad slot)
     first = first[:n]
     if n:

@@ -59,30 +59,30 @@ MERGES = ("loop", "all", "fused")
 class PrefillConfig:
     """Tile shape: BLOCK_M query rows (tokens x group heads), at least min_block_n keys per step."""
 
-    block_m: int = 64  # defaults: the fastest of bench/kernels/kernels.py's sweep on an H100 (runs 6-7)
+    block_m: int = 64  # defaults: the fastest of bench/kernels/kernels.py's sweep on an H100
     min_block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     num_splits: int | None = None  # KV splits (flash-decoding style); None picks from the grid
-    # how the query is rotated per offset group (_prefill_query.py; compared in bench/kernels/README.md, note 9):
+    # how the query is rotated per offset group (_prefill_query.py; compared in bench/kernels/README.md):
     # "carried": rotated after each group's step loop for the next group and carried by the group
     # loop; "split": the same, kept as its two halves, QK^T as two dots over D/2 on K's halves (no
     # [r1 | r2] join); "prefetch": the next group's query and cos/sin loaded before the current
-    # group's step loop, the arithmetic after; "prefetch_cs" (the default since run 9: rotation
-    # +0.1% at 4K, with group_guard off): only cos/sin loaded early;
+    # group's step loop, the arithmetic after; "prefetch_cs" (the default: rotation +0.1% at
+    # 4K, with group_guard off): only cos/sin loaded early;
     # "early": the next group's query rotated before the current group's step loop. What is held
     # across the step loop lands in local memory (L1): the loop has no registers to spare
     rot_mode: str = "prefetch_cs"
     # the rotation's arithmetic in q's 16-bit type (packed two-lane FMAs, cos/sin rounded to it, as
     # Hugging Face's eager RoPE does in bf16 models) instead of fp32: half the instructions after the
-    # step loop, but about 3.5x the output error in bf16 (bench/kernels/README.md, note 9)
+    # step loop, but about 3.5x the output error in bf16 (bench/kernels/README.md)
     rot_narrow: bool = False
-    # each group's step loop inside `if the group has entries in this split` (True, runs 6-8), or not
-    # (False, the default since run 9: such a group loops zero times). Without that if, Triton 3.6
+    # each group's step loop inside `if the group has entries in this split` (True, the earlier default), or
+    # not (False, the default: such a group loops zero times). Without that if, Triton 3.6
     # keeps the softmax in one layout: half the exponentials and ~9% fewer instructions per step
-    # (bench/kernels/README.md, run 9)
+    # (bench/kernels/README.md)
     group_guard: bool = False
-    # short queries (a 64-token suffix over many chunks: few query tiles, many KV splits; bench/short_attention/README.md):
+    # short queries (a 64-token suffix over many chunks: few query tiles, many KV splits; bench/short_attention/):
     # one tile per BLOCK_T tokens when there is one sequence (else one spare tile per sequence, past its end)
     exact_tiles: bool = False
     # how KV splits cut a sequence (_prefill_split.py): "entries" (equal entry runs, binary-searched groups) or
@@ -94,7 +94,7 @@ class PrefillConfig:
     # how split partials are merged: by a second launch (kernels/lse_merge), "loop" over parts or "all" parts
     # loaded at once; or "fused": the last split program of each (tile, KV head) to finish merges the group's
     # partials in split order itself (_prefill_merge.py; same arithmetic as "loop", no second launch; slower for
-    # the 64-query short pass on an H100: bench/short_attention/README.md, round 7)
+    # the 64-query short pass on an H100: bench/short_attention/README.md)
     merge: str = "loop"
     min_split_steps: int = 8  # the automatic split count leaves each split at least this many steps
     # the step loop's block ids, slot masks and K/V row offsets in 32 bits (used only where the caches have
@@ -232,7 +232,7 @@ def _prefill_kernel(
         # of each iteration, or before its step loop in "early" mode), so that tl.dot sees a loop
         # argument and reads it from shared memory as it does a loaded query; computed inside the
         # iteration, Triton keeps it in registers and reloads it every step (255 registers and
-        # spills, 3-10% slower: bench/kernels/README.md, runs 6-7)
+        # spills, 3-10% slower: bench/kernels/README.md)
         qa, qb = rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_lo, g_lo < g_hi, meta_ptr, tab_ptr,
                                invf_ptr, q_dtype, BLOCK_M, D, USE_TABLE, SPLIT, ROT_NARROW, DOT_F32)
     elif SPLIT:
@@ -535,7 +535,7 @@ def group_suffix_min(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
 
 def pick_splits(programs: int, steps: int, device, min_steps: int = 8) -> int:
     """KV splits so that about two programs run per SM, each with at least min_steps steps of keys. (A 64-token
-    suffix over 6 x 512 cached tokens on an H100, bench/short_attention/2026-11-22_h100_2d9383c.json: 3 splits of ~17 steps
+    suffix over 6 x 512 cached tokens on an H100, bench/short_attention/README.md: 3 splits of ~17 steps
     34.2 us, 6 of ~9 steps 30.9 us, 12 of ~4 steps 41.2 us; each split searches its own offset groups.)"""
     want = triton.cdiv(2 * sm_count(device), max(1, programs))
     return max(1, min(want, steps // max(1, min_steps)))

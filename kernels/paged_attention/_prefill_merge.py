@@ -14,7 +14,7 @@ not taken from its registers), so the result is the same bits every run, and the
 two-launch path wherever both compile alike (the interpreter, and the H100 with Triton 3.6; another
 compiler may contract the two kernels' multiply-adds differently).
 
-Cost (H100, bench/short_attention/README.md round 7): each group's last program reads all the group's parts on
+Cost (H100, bench/short_attention/README.md): each group's last program reads all the group's parts on
 one SM, so the merge runs on (tiles x KV heads) SMs; for the 64-query short pass (32 groups, 8 x 32 KB
 each) that is slower than the separate merge kernel's 128 programs (32.6 against 26.5 us a call).
 
@@ -69,7 +69,7 @@ def arrive_and_merge(out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, cnt_ptr, group, n_s
         l = tl.zeros(row_ok.shape, tl.float32)  # noqa: E741
         acc = tl.zeros(o_ptrs.shape, tl.float32)
         # the next part's loads are issued before this part's arithmetic (a [64, 128] fp32 part is 64 registers
-        # a thread: two in flight spilled and were slower on an H100, bench/short_attention/README.md round 7); past
+        # a thread: two in flight spilled and were slower on an H100, bench/short_attention/README.md); past
         # the last part the last is read again (in bounds, never used)
         o_next, l_next = _load_part(o_ptrs, l_ptrs, ok, row_ok, 0, stride_os, stride_ls)
         for p in range(0, n_split):

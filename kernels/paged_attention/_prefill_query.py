@@ -5,7 +5,7 @@
 Split in pieces so that the kernel can issue the loads of the NEXT group's rotation before the
 current group's step loop and do the arithmetic after it (ROT_MODE "prefetch*"), or keep the
 rotated query as its two halves for a QK^T of two dots over D/2 ("split"). The rotation modes are
-timed against each other by bench/kernels/kernels.py --sweep (bench/kernels/README.md, run 9 onwards).
+timed against each other by bench/kernels/kernels.py --sweep (bench/kernels/README.md).
 """
 
 from __future__ import annotations

@@ -20,22 +20,22 @@ __all__ = ["paged_prefill_attention", "paged_decode_attention", "paged_prefill_p
            "PackedTable", "PREFILL_COS_SIN_TABLE", "DECODE_COS_SIN_TABLE"]
 
 # cos/sin of the per-entry offsets: gathered from an fp32 table (True) or evaluated in the kernel.
-# Measured (bench/kernels/README.md, run 4): the table is 0.5-1% faster in both kernels, so it is the default.
+# Measured (bench/kernels/README.md): the table is 0.5-1% faster in both kernels, so it is the default.
 PREFILL_COS_SIN_TABLE = True
 DECODE_COS_SIN_TABLE = True
 
 # paged_prefill_packed's configuration for calls of at most SHORT_PREFILL_TOKENS query tokens (a short suffix
 # over many chunks: few query tiles, the grid made of KV splits; bench/short_attention/short_attention.py times the candidates);
-# None: the default PrefillConfig for every call. Measured (bench/short_attention/README.md, 2026-11-22 run): a 64-token
+# None: the default PrefillConfig for every call. Measured (bench/short_attention/README.md): a 64-token
 # suffix over 6 x 512 keys takes 29.4 us cold with exact tiles and 8 splits (what min_split_steps=6 picks there)
 # against 31.4 us with the default (6 splits and a fifth, empty query tile). merge="fused" (the split programs
 # merge their own partials, no LSE-merge launch: _prefill_merge.py) measured slower here (32.6 against 26.5 us
-# at 8 splits: each (tile, KV head)'s last program reads all 8 partials on one SM; bench/short_attention/README.md, round 7)
+# at 8 splits: each (tile, KV head)'s last program reads all 8 partials on one SM; bench/short_attention/README.md)
 # (no cut_future: a suffix after its chunks has no key to cut, and the pass keeps its one key-bounds launch)
 SHORT_PREFILL: _prefill.PrefillConfig | None = _prefill.PrefillConfig(exact_tiles=True, min_split_steps=6)
 SHORT_PREFILL_TOKENS = 128
 # longer calls skip each offset group's keys after the tile's latest query (PrefillConfig.cut_future); False: they
-# walk every key (the A/B of bench/engine/engine.py's NAME:nocut). Measured (bench/engine/README.md, round 9): tessera@0.15
+# walk every key (the A/B of bench/engine/engine.py's NAME:nocut). Measured (bench/engine/README.md): tessera@0.15
 # 22.5 / 21.9 against 24.2 / 22.8 ms, tessera@0.3 36.4 / 35.9 against 38.2 / 38.1, the same bits
 CUT_FUTURE = True
 SKIP_EMPTY_TILES = True  # and skip query tiles that are all padding (False: the A/B of NAME:noskip)

@@ -22,7 +22,7 @@ from kernels.positional_attention.reference import check
 
 LOG2E = 1.4426950408889634
 # K and V through tensor descriptors on Hopper: 52.7 against 59.2 us by pointer loads for the engine's shape on an
-# H100 (bench/positional_attention/positional_attention.py, positional_attention_s10d.json); False: pointer loads everywhere
+# H100 (bench/positional_attention/README.md); False: pointer loads everywhere
 TMA = True
 
 

@@ -103,8 +103,8 @@ class DecodeSettings:
     host_cache_bytes: int = 0               # as PrefillSettings': chunks read from the store kept in host memory
     # engine-thread time spent admitting new hand-offs between two steps while sequences are decoding (at
     # least one is admitted per step), so that a burst of arrivals is spread over steps instead of stalling
-    # every live sequence at once. Off (inf) by default: on the H100 at concurrency 32 (bench/cluster/README.md,
-    # round 4) 0.01 s cut tessera's ITL p99 from 1,025 to 216 ms (alpha 2.1) but its steady throughput from
+    # every live sequence at once. Off (inf) by default: on the H100 at concurrency 32 (bench/cluster/README.md)
+    # 0.01 s cut tessera's ITL p99 from 1,025 to 216 ms (alpha 2.1) but its steady throughput from
     # 19.7 to 15.9 req/s: about one admission per ~60 ms step fell behind the arrivals
     admit_budget_s: float = float("inf")
     # the shortest time between the starts of two decode steps (0: step as soon as the last one is done).

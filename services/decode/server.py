@@ -125,7 +125,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         # garbage collector when the caller leaves while the generator is parked at a yield. The callback holds
         # the event alone: the RPC's context outlives the call until a garbage collection, and a job held there
         # kept its hand-off's K/V on the GPU (a full-mode closed loop grew this worker by ~17 GB and ran the
-        # GPU out of memory: bench/cluster/README.md, round 10)
+        # GPU out of memory: bench/cluster/README.md)
         cancelled = job.cancelled
         context.add_done_callback(lambda _ctx: cancelled.set())
         self.decoding += 1

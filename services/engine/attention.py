@@ -134,7 +134,7 @@ class TorchAttention(Attention):
 
 # TritonAttention's plain causal passes (the caller's causal=True) through TorchAttention's flash path: the keys
 # gathered from the pool (a chunk's offset applied by a rotation of the gathered copy) and SDPA with is_causal,
-# which on an H100 is cuDNN's flash kernel. Measured (bench/engine/README.md, round 9): the paged kernel spent 22.6 ms of
+# which on an H100 is cuDNN's flash kernel. Measured (bench/engine/README.md): the paged kernel spent 22.6 ms of
 # a 3,136-token full pass's GPU time in attention, cuDNN 6.5 ms. False: every pass through the paged kernel.
 DENSE_CAUSAL = True
 

@@ -2,7 +2,7 @@
 
 The general pass (blend.py) issues layer 0 over every token and the check layer's selection one op at a
 time from the host, and only the layers after the selection replay as a graph: on an H100 the GPU waits
-for the host for ~2-3 ms of a 22-ms pass (bench/engine/README.md, round 9). Everything that pass needs is
+for the host for ~2-3 ms of a 22-ms pass (bench/engine/README.md). Everything that pass needs is
 known on the host before it starts, except which tokens the check layer selects, and that is decided on
 the device: so the whole pass is one graph. ``pack`` writes one pinned buffer laid out as the graph's
 input (padding included), one asynchronous copy loads it, and the graph runs
@@ -102,7 +102,7 @@ class BlendTail(StaticTail):
     def __init__(self, fwd, n: int, k: int, s: int, e: int, metric: str, graph_pool=None):
         # the Triton backend attends one key per position; the torch one keeps its SDPA over the padded table (its
         # twin of the positional kernel, SDPA with a mask over the gathered keys, measured slower on an H100:
-        # bench/engine/README.md, round 10)
+        # bench/engine/README.md)
         positional = fwd.backend == "triton"
         super().__init__(fwd, 1, k + s, e, graph_pool, with_qkv=True,
                          attention=PositionalAttention(fwd, k + s, n) if positional else None)

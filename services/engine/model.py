@@ -46,7 +46,7 @@ class Transformer:
         self.fuse_swiglu = True  # with the skinny GEMM: gate|up and SiLU*up in one launch (benchmarks turn it off)
         # with the skinny GEMM: the RMSNorms in the prologue of the GEMM after them and the o projection onto
         # the residual in its epilogue (two launches fewer a layer). Off: on an H100 a tessera@0 pass took
-        # 10.9 ms with it against 8.0 ms without (bench/engine/README.md, round 7; the GEMMs alone not yet timed:
+        # 10.9 ms with it against 8.0 ms without (bench/engine/README.md; the GEMMs alone not yet timed:
         # each N tile's pre-pass over x, and x normalised in registers before the dot, are the suspects)
         self.fuse_norms = False
 

@@ -3,10 +3,10 @@
 A worker's first request of a kind pays for what the engine builds on first use: Triton compiles a kernel
 for each specialisation it meets (the skinny GEMMs per row bucket, the decode attention per split count), and
 each static tail or decode graph is captured on its first shape. On an H100 the first decode step of a
-batch bucket took 1.1-2.3 s against ~10 ms after it (bench/decode/2026-11-22_h100_dc646cd.json, ``first_step_ms``), and the first
-``tessera`` prefill 1.8 s against 18.6 ms (bench/engine/2026-11-23_h200_c1f7751.json). In serving, a decode step stalls every
+batch bucket took 1.1-2.3 s against ~10 ms after it (bench/decode/README.md, ``first_step_ms``), and the first
+``tessera`` prefill 1.8 s against 18.6 ms (bench/engine/README.md). In serving, a decode step stalls every
 sequence of its batch: a closed loop of 32 clients saw requests of 9 s end to end where the median took 1.6 s
-(bench/cluster/README.md, round 11), as the batch grew through buckets 1, 2, 4 .. 32 for the first time.
+(bench/warmup/README.md), as the batch grew through buckets 1, 2, 4 .. 32 for the first time.
 
 ``warm_decode`` runs two decode steps in every batch bucket up to ``max_batch``, ``warm_prefill`` one
 prefill per pass a prefill worker runs (every mode; ``tessera`` at ratio 0 and at its recompute ratio). The

@@ -36,7 +36,7 @@ class Router:
     """``colocate_bonus``: how many more requests in flight a decode worker on the prefill worker's GPU may have and
     still be picked over the least loaded one. A hand-off between workers of one GPU stays on the device (CUDA IPC);
     between GPUs it crosses the host, and a pair of H200s apart served a quarter of what one shared GPU did
-    (bench/cluster/README.md, round 11)."""
+    (bench/cluster/README.md)."""
 
     def __init__(self, load_penalty: float = 0.25, colocate_bonus: int = 8) -> None:
         if load_penalty < 0:
