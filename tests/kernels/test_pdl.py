@@ -59,7 +59,7 @@ def test_no_pdl_unless_every_condition_holds(switch, condition):
 
 @pytest.mark.slow
 def test_the_switch_is_on_by_default_and_off_by_environment():
-    """On since bench/engine/README.md round 8 (measured faster at ratio 0 on an H100); the GEMMs' own depth unset, so
+    """On since measured faster at ratio 0 on an H100 (bench/pdl_stack/README.md); the GEMMs' own depth unset, so
     they take the switch's. TESSERA_PDL=0 in a process's environment turns it off."""
     import subprocess
 
