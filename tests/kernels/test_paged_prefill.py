@@ -214,7 +214,7 @@ def test_cut_lanes_is_checked():
         PrefillConfig(cut_lanes=3)
 
 
-# every way of rotating the query (bench/kernels.py --rotation times them): same result as the twin
+# every way of rotating the query (bench/kernels/kernels.py --rotation times them): same result as the twin
 ROTATION_VARIANTS = [PrefillConfig(block_m=32, min_block_n=32, rot_mode=m, rot_narrow=n)
                      for m in ROT_MODES for n in (False, True)] + [
     PrefillConfig(block_m=32, min_block_n=32, rot_mode="early", rot_narrow=True, group_guard=False)]
@@ -273,7 +273,7 @@ def test_kv_splits_touch_only_their_groups(splits):
         paged_prefill_packed(*args, num_splits=splits, key_hi=key_hi[:1])
 
 
-# the short-query knobs (bench/short_attention.py times them): whole-step split plan, exact tiles, the merge
+# the short-query knobs (bench/short_attention/short_attention.py times them): whole-step split plan, exact tiles, the merge
 # that loads every part at once, 128 keys a step; prefetch_kv is a hint the interpreter skips (GPU-checked)
 SHORT_VARIANTS = [
     PrefillConfig(block_m=32, min_block_n=32, num_splits=s, plan="steps", exact_tiles=True, merge=m, prefetch_kv=True)
