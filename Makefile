@@ -43,7 +43,7 @@ CHAOS_S ?= 60
 chaos: setup
 	$(VENV)/bin/tessera chaos --duration-s $(CHAOS_S) $(CHAOS_ARGS)
 
-# GPU only: correctness against the twins, then timings beside SDPA (bench/kernels.md)
+# GPU only: correctness against the twins, then timings beside SDPA (bench/kernels/README.md)
 bench-kernels: setup
 	$(PY) bench/kernels/kernels.py --out bench/kernels
 

@@ -53,15 +53,17 @@ LLAMA3_8B = dict(
 
 
 def _commit() -> str:
-    """The tree's commit (the device copy has no .git: TESSERA_COMMIT names it there)."""
+    """The tree's commit: TESSERA_COMMIT when set (a device copy's git metadata may be stale), else git's HEAD."""
     import os
     import subprocess
 
+    if os.environ.get("TESSERA_COMMIT"):
+        return os.environ["TESSERA_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("TESSERA_COMMIT", "unknown")
+        return "unknown"
 
 
 class CorpusTarget:
