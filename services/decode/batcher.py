@@ -29,11 +29,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.cluster.errors import RequestError, internal
 from services.cluster.sampling import WireSampling
 from services.decode.prepare import PreparedHandoff
 from services.decode.metrics import DecodeMetrics
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.engine.request import Sequence
 
 log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3     # loop iterations failing in a row before the engine is taken for broken
@@ -54,8 +60,8 @@ class DecodeJob:
 @dataclass(slots=True)
 class _Live:
     job: DecodeJob
-    seq: object
-    gen: object
+    seq: Sequence
+    gen: torch.Generator | None       # None: greedy
     last: int
     produced: int
 

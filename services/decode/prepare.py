@@ -12,11 +12,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.cluster.hostcache import HOST
 from services.cluster.kvio import StoreAccess
 from services.cluster.transport import ReceivedHandoff
 from services.decode.metrics import DecodeMetrics
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.engine.handoff import Handoff
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +33,9 @@ class PreparedHandoff:
     = [(layer, k, v), ...] for the shared chunks streamed from the store."""
 
     received: ReceivedHandoff
-    handoff: object
+    handoff: Handoff
     fetched: dict[str, list] = field(default_factory=dict)
-    ready: object = None     # torch.cuda.Event: the fetched layers are on the device once it completes
+    ready: torch.cuda.Event | None = None     # the fetched layers are on the device once it completes
 
     def adopt(self) -> None:
         """On the engine thread, before using ``fetched``: order its stream after the staging copies and

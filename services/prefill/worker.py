@@ -12,12 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.cluster.hostcache import HOST, layers_nbytes
 from services.cluster.kvio import StoreAccess
 from services.cluster.sampling import WireSampling
 from services.prefill.controller import LoadingController
 from services.prefill.metrics import PrefillMetrics
+
+if TYPE_CHECKING:
+    from services.engine.handoff import Handoff
 
 REUSE_MODES = ("tessera", "blend_copy")       # modes whose chunks are shared by content id (store-able)
 GPU, COMPUTED = "gpu", "computed"
@@ -41,7 +45,7 @@ class PrefillOutcome:
     thread) and back to the gateway (the first token, stats). ``finish`` is "stop"/"length" when the
     first token ended the request: then no hand-off is needed."""
 
-    handoff: object
+    handoff: Handoff | None           # None when the first token ended the request
     storing: tuple[str, ...]          # chunk ids queued for a store write by this request
     first_token: int
     finish: str | None
