@@ -178,16 +178,27 @@ async def set_serving(servicer, service_names: tuple[str, ...], serving: bool) -
         await servicer.set(name, status)
 
 
-async def stopped_for_good(health_box: list, service_names: tuple[str, ...], on_fatal) -> None:
-    """A worker's engine loop has stopped for good: NOT_SERVING (``health_box`` holds the health servicer
-    once the server has one), then ``on_fatal()`` (a Ray actor exits there, and Ray restarts it)."""
-    import logging
+class StoppedForGood:
+    """A worker's answer to its engine loop stopping for good, called from that loop's thread: on the event loop,
+    NOT_SERVING (once ``health`` is set: the server's health servicer), then ``on_fatal()`` (a Ray actor exits
+    there, and Ray restarts it)."""
 
-    if health_box:
-        await set_serving(health_box[0], service_names, False)
-    logging.getLogger(__name__).critical("%s: NOT_SERVING, the engine loop stopped", ", ".join(service_names))
-    if on_fatal is not None:
-        on_fatal()
+    def __init__(self, service_names: tuple[str, ...], on_fatal=None) -> None:
+        self.service_names, self.on_fatal = service_names, on_fatal
+        self.loop = asyncio.get_running_loop()
+        self.health = None
+
+    def __call__(self, _exc: BaseException) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop)
+
+    async def _stop(self) -> None:
+        import logging
+
+        if self.health is not None:
+            await set_serving(self.health, self.service_names, False)
+        logging.getLogger(__name__).critical("%s: NOT_SERVING, the engine loop stopped", ", ".join(self.service_names))
+        if self.on_fatal is not None:
+            self.on_fatal()
 
 
 def make_server(where: str, cluster_tls=None, interceptors=()) -> grpc.aio.Server:

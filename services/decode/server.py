@@ -24,8 +24,8 @@ from services.cluster.kvio import StoreAccess
 from services.cluster.cuda_ipc import copy_out, placement
 from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import WireSampling
-from services.cluster.serving import (add_health, advertised_host, bind, make_server, serve_metrics, set_serving,
-                                     stopped_for_good)
+from services.cluster.serving import (StoppedForGood, add_health, advertised_host, bind, make_server, serve_metrics,
+                                     set_serving)
 from services.cluster.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
@@ -210,12 +210,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
         # the decode worker has no lookup ahead of the pass: ask now, stream if present
         return store.fetcher(store.lookup([cid]))(cid)
 
-    loop = asyncio.get_running_loop()
-    health_box: list = []
-
-    def fatal(_exc: BaseException) -> None:      # the engine thread
-        asyncio.run_coroutine_threadsafe(stopped_for_good(health_box, (SERVICE_NAME,), on_fatal), loop)
-
+    fatal = StoppedForGood((SERVICE_NAME,), on_fatal)
     batcher = Batcher(eng, metrics, settings.max_batch, fetch if store.enabled else None,
                       admit_budget_s=settings.admit_budget_s, profile=ProfileWindow(name, "decode"),
                       min_step_interval_s=settings.min_step_interval_s, on_fatal=fatal,
@@ -225,7 +220,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     server = make_server(f"decode worker {name}", cluster_tls)
     pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))
-    health_box.append(health)
+    fatal.health = health
     bound = bind(server, host, port, cluster_tls=cluster_tls)
     await server.start()
     await set_serving(health, (SERVICE_NAME,), True)

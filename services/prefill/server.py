@@ -26,8 +26,8 @@ from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import WireSampling
 from services.cluster.staging import side_stream
 from services.cluster.errors import internal
-from services.cluster.serving import (add_health, advertised_host, bind, channel, make_server, serve_metrics,
-                                     set_serving, stopped_for_good)
+from services.cluster.serving import (StoppedForGood, add_health, advertised_host, bind, channel, make_server,
+                                     serve_metrics, set_serving)
 from services.cluster.transport import handoff_parts, probe_transport
 from services.engine.warmup import warm_prefill, warm_up
 from services.prefill.controller import LoadingController
@@ -257,18 +257,13 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     controller = LoadingController(settings.quality_floor, probe_every=8 if settings.store_loads == "cost" else 1)
     worker = PrefillWorker(eng, store, controller, metrics, settings.default_ratio)
     http, http_port = serve_metrics(metrics.registry, host)
-    loop = asyncio.get_running_loop()
-    health_box: list = []
-
-    def fatal(_exc: BaseException) -> None:      # the engine thread
-        asyncio.run_coroutine_threadsafe(stopped_for_good(health_box, (SERVICE_NAME,), on_fatal), loop)
-
+    fatal = StoppedForGood((SERVICE_NAME,), on_fatal)
     servicer = PrefillServicer(worker, name, f"http://{advertised_host(host)}:{http_port}/metrics", on_fatal=fatal,
                                cluster_tls=cluster_tls)
     server = make_server(f"prefill worker {name}", cluster_tls)
     pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))
-    health_box.append(health)
+    fatal.health = health
     bound = bind(server, host, port, cluster_tls=cluster_tls)
     await server.start()
     await set_serving(health, (SERVICE_NAME,), True)
