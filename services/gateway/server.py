@@ -116,7 +116,6 @@ class GatewayServicer(pb_grpc.TesseraServicer):
     async def _resolve(self, request: pb.GenerateRequest, tenant: Tenant, context) -> ResolvedRequest:
         """The request in token ids within its tenant's quotas, or the call ends with the reason."""
         try:
-            self.resolver.check_text(request.chunks, request.suffix_text, tenant)    # before any tokenizing
             # new chunk texts take milliseconds to tokenize: off the event loop, so other calls go on meanwhile
             if self.resolver.tokenizes(request.chunks, tenant):
                 return await asyncio.to_thread(self.resolver.resolve, request, tenant)
