@@ -56,8 +56,7 @@ def checked_tenants(cfg) -> dict | None:
         return None
     from services.gateway.tenants import Tenants
 
-    Tenants.from_file(cfg.tenants_file)
-    return cfg.tenants()
+    return Tenants.load(cfg.tenants_file)[1]
 
 
 def gateway_tenants(spec: ServiceSpec):

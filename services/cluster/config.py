@@ -214,14 +214,5 @@ class ClusterConfig:
             return None
         return Path(self.tls_cert).read_bytes(), Path(self.tls_key).read_bytes()
 
-    def tenants(self) -> dict | None:
-        """The tenants file's mapping, as read (the launchers check it with ``actors.checked_tenants`` before
-        anything starts; the gateway parses it where it runs), or None."""
-        if self.tenants_file is None:
-            return None
-        import yaml
-
-        return yaml.safe_load(Path(self.tenants_file).read_text(encoding="utf-8"))
-
     def engine(self) -> EngineSettings:
         return EngineSettings(self.model_dir, self.device, self.dtype, self.kv_cache_bytes, self.chunk_cache_bytes)

@@ -151,6 +151,12 @@ class Tenants:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tenants:
+        return cls.load(path)[0]
+
+    @classmethod
+    def load(cls, path: str | Path) -> tuple[Tenants, dict]:
+        """The tenants of a file and the mapping read from it (what a launcher hands the gateway); ValueError or
+        FileNotFoundError naming the file."""
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"tenants file {p} does not exist")
@@ -165,7 +171,7 @@ class Tenants:
         except Exception as exc:  # noqa: BLE001 - yaml's and json's errors, named with the file
             raise ValueError(f"tenants file {p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from None
         try:
-            return cls.parse(raw, str(p))
+            return cls.parse(raw, str(p)), raw
         except ValueError as exc:
             message = str(exc)
             raise ValueError(message if message.startswith(str(p)) else f"tenants file {p}: {message}") from None
