@@ -38,7 +38,7 @@ demo: setup
 	$(VENV)/bin/tessera demo
 
 # A bounded soak on local Ray: workers and store shards SIGKILLed while clients send prompts; fails on a wrong
-# output or a lost chunk (services/cluster/chaos.py). CHAOS_ARGS="--json PATH" keeps the report
+# output or a lost chunk (services/launch/chaos.py). CHAOS_ARGS="--json PATH" keeps the report
 CHAOS_S ?= 60
 chaos: setup
 	$(VENV)/bin/tessera chaos --duration-s $(CHAOS_S) $(CHAOS_ARGS)

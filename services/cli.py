@@ -16,8 +16,8 @@ import sys
 COMMAND_MODULES = (
     "services.engine.cli",      # tessera model ...
     "services.kvstore.cli",     # tessera kvstore ...
-    "services.cluster.cli",     # tessera up / down / demo
-    "services.cluster.chaos",   # tessera chaos
+    "services.launch.cli",      # tessera up / down / certs / demo
+    "services.launch.chaos",    # tessera chaos
     "loadgen.cli",              # tessera trace / replay / simulate
     "loadgen.quality.cli",      # tessera quality ...
 )

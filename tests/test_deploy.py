@@ -16,7 +16,7 @@ import yaml
 
 from services.cli import build_parser
 from services.cluster.config import ClusterConfig
-from services.cluster.launch import GATEWAY_NAME, HEAD_RESOURCE, actor_options
+from services.launch.on_ray import GATEWAY_NAME, HEAD_RESOURCE, actor_options
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "tessera"

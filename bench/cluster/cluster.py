@@ -24,7 +24,7 @@ when ``--concurrency`` (or ``--rate``) is also given.
 
     python3 bench/cluster/cluster.py --rates 2,4,6,8,10,12 --register-corpus --out bench/cluster/rates
 
-``--no-ray`` starts the same services as child processes of this one (services/cluster/local.py),
+``--no-ray`` starts the same services as child processes of this one (services/launch/local.py),
 for machines where Ray cannot be installed. OUT.json and OUT.md are rewritten after every mode, so
 a run stopped early keeps what it measured.
 """
@@ -245,11 +245,11 @@ def main() -> int:
                                                        min_step_interval_s=args.decode_step_interval_ms / 1e3,
                                                        **warm))
     if args.no_ray:
-        from services.cluster.local import start_local_cluster
+        from services.launch.local import start_local_cluster
 
         cluster = start_local_cluster(cfg, progress=print)
     else:
-        from services.cluster.launch import ensure_ray, start_cluster
+        from services.launch.on_ray import ensure_ray, start_cluster
 
         ensure_ray(num_cpus=4)
         cluster = start_cluster(cfg, progress=print)

@@ -12,7 +12,7 @@ measured once per round; ratios are taken within a round, then the median over r
     .venv/bin/python bench/kvstore/kvstore.py [--chunks 4] [--workdir /var/tmp/tessera-kvbench] [--puts-only]
 
 With ``--register-docs N`` it measures corpus registration end to end instead: a local cluster
-(services/cluster/local.py: one store shard, write-behind, one prefill and one decode worker, each
+(services/launch/local.py: one store shard, write-behind, one prefill and one decode worker, each
 with a host tier) on the CPU with a tiny model whose KV per token is Llama-3-8B's (32 layers x 8 KV
 heads x 128, fp32 here: 128 MiB per 512-token chunk, ``--kv-layers`` to change), and N documents of
 512 tokens registered through the gateway's RegisterChunks, 8 per call as bench/cluster/cluster.py does.
@@ -539,7 +539,7 @@ def register_corpus(docs: int, layers: int, batch: int, out: Path | None) -> dic
     import tempfile
 
     from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
-    from services.cluster.local import start_local_cluster
+    from services.launch.local import start_local_cluster
     from services.engine.tiny import write_tiny
     from services.sdk import Client
 

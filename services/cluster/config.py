@@ -156,7 +156,7 @@ class ClusterConfig:
     internal_tls: bool = True
     certs_dir: str | None = None
     # a crashed service is restarted at most max_restarts times within any restart_window_s seconds, then
-    # left dead (-1: always restarted); services/cluster/actors.py, RestartBudget
+    # left dead (-1: always restarted); services/launch/actors.py, RestartBudget
     max_restarts: int = 5
     restart_window_s: float = 300.0
     text_cache_tokens: int = 8 << 20        # the gateway's token ids of chunk texts seen lately (0: off)

@@ -29,7 +29,7 @@ def reference(tiny_model):
 
 @pytest.fixture(scope="session")
 def local_ray():
-    from services.cluster.launch import ensure_ray
+    from services.launch.on_ray import ensure_ray
 
     import ray
 

@@ -78,7 +78,7 @@ class InProcessCluster:
 def start_ray_cluster(model_dir: str, store_dir, namespace: str, **fields):
     """A Tessera cluster on the session's local Ray, in its own namespace."""
     from services.cluster.config import ClusterConfig, PrefillSettings
-    from services.cluster.launch import start_cluster
+    from services.launch.on_ray import start_cluster
 
     fields.setdefault("prefill_settings", PrefillSettings(store_loads="always"))   # see InProcessCluster
     cfg = ClusterConfig(model_dir=model_dir, store_dir=str(store_dir), kv_cache_bytes=64 << 20, namespace=namespace,

@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import pytest
 
-from services.cluster.chaos import Kill, SoakReport, SoakSettings, run_soak
+from services.launch.chaos import Kill, SoakReport, SoakSettings, run_soak
 
 from .helpers import start_ray_cluster
 

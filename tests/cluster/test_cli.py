@@ -11,7 +11,7 @@ from services.cli import main
 
 @pytest.fixture
 def state(tmp_path, monkeypatch):
-    import services.cluster.cli as cli
+    import services.launch.cli as cli
 
     path = tmp_path / "cluster.json"
     monkeypatch.setattr(cli, "STATE", path)
@@ -41,7 +41,7 @@ def test_down_with_nothing_up_says_so(state, capsys):
 
 @pytest.mark.slow
 def test_demo_replays_full_and_tessera(local_ray, capsys):
-    from services.cluster.demo import DemoSettings, run_demo
+    from services.launch.demo import DemoSettings, run_demo
 
     settings = DemoSettings(requests=8, docs=4, chunks_per_request=2, doc_tokens=32, suffix_tokens=4,
                             output_tokens=3, concurrency=2)

@@ -85,7 +85,7 @@ def test_router_sends_a_request_where_its_chunks_are(client):
 
 
 def test_actors_are_placed_with_their_resources(cluster, local_ray):
-    from services.cluster.launch import find_actors
+    from services.launch.on_ray import find_actors
 
     ray = local_ray
     assert set(find_actors("tessera-test-serve")) == set(cluster.actors)

@@ -20,9 +20,9 @@ import psutil
 import pytest
 
 from services.cli import main
-from services.cluster.actors import RestartBudget, RestartLimitExceeded
+from services.launch.actors import RestartBudget, RestartLimitExceeded
 from services.cluster.config import ClusterConfig
-from services.cluster.launch import LOOPBACK_ENV, LocalHead, head_processes, start_local_head, stop_local_head
+from services.launch.on_ray import LOOPBACK_ENV, LocalHead, head_processes, start_local_head, stop_local_head
 
 pytestmark = pytest.mark.slow
 
@@ -92,8 +92,8 @@ def test_cluster_config_refuses_bad_restart_settings(fields, message):
 def test_up_records_its_own_head_and_connects_to_it_only(tmp_path, tiny_model, monkeypatch, capsys):
     """``up`` hands the recorded head's address to Ray (never "auto") and keeps --max-restarts and
     --restart-window-s in the cluster's config."""
-    import services.cluster.cli as cli
-    import services.cluster.launch as launch
+    import services.launch.cli as cli
+    import services.launch.on_ray as launch
 
     state = tmp_path / "cluster.json"
     monkeypatch.setattr(cli, "STATE", state)
@@ -116,7 +116,7 @@ def test_up_records_its_own_head_and_connects_to_it_only(tmp_path, tiny_model, m
 
 
 def test_up_refuses_a_bad_restart_window(tmp_path, tiny_model, monkeypatch, capsys):
-    import services.cluster.cli as cli
+    import services.launch.cli as cli
 
     monkeypatch.setattr(cli, "STATE", tmp_path / "cluster.json")
     assert main(["up", "--model", tiny_model, "--stores", "0", "--device", "cpu", "--restart-window-s", "0"]) == 2
@@ -153,9 +153,9 @@ def test_a_caller_without_the_token_is_refused(head, tmp_path, auth):
 RESTART_DRIVER = r"""
 import json, os, signal, sys, time
 import ray
-from services.cluster.actors import ServiceSpec
+from services.launch.actors import ServiceSpec
 from services.cluster.config import ClusterConfig
-from services.cluster.launch import start_actor
+from services.launch.on_ray import start_actor
 from services.kvstore import StoreConfig
 
 ns = "tessera-test-restarts"

@@ -226,7 +226,7 @@ def test_store_down_means_computing_until_it_is_back(tiny_model, reference, tmp_
 
 
 def test_killed_gateway_returns_on_its_address_knowing_registered_ids(cluster, local_ray, client, reference):
-    from services.cluster.launch import GATEWAY_NAME
+    from services.launch.on_ray import GATEWAY_NAME
 
     chunks = docs(1, 30, seed=500)
     [reg] = client.register_chunks(chunks)

@@ -161,7 +161,7 @@ def test_the_in_process_local_ray_listens_on_loopback_with_a_private_token():
 
     probe = (
         "import os, psutil\n"
-        "from services.cluster.launch import ensure_ray\n"
+        "from services.launch.on_ray import ensure_ray\n"
         "assert ensure_ray(num_cpus=1)\n"
         "import ray\n"
         "ray.get(ray.remote(lambda: 1).remote())\n"

@@ -12,7 +12,7 @@ from .helpers import docs
 @pytest.fixture(scope="module")
 def local_cluster(tiny_model, tmp_path_factory):
     from services.cluster.config import ClusterConfig
-    from services.cluster.local import start_local_cluster
+    from services.launch.local import start_local_cluster
 
     cfg = ClusterConfig(model_dir=tiny_model, store_dir=str(tmp_path_factory.mktemp("rocksdb")),
                         kv_cache_bytes=64 << 20, namespace="tessera-test-local")
@@ -46,7 +46,7 @@ def test_local_cluster_output_equals_engine_generate(local_cluster, reference, m
 
 
 def test_workers_get_a_gpu_each_when_there_are_enough_and_share_them_round_robin_otherwise():
-    from services.cluster.local import worker_gpus
+    from services.launch.local import worker_gpus
 
     assert worker_gpus(2, ["0", "1"]) == ["0", "1"]
     assert worker_gpus(3, ["4", "5", "6", "7"]) == ["4", "5", "6"]
@@ -58,7 +58,7 @@ def test_a_child_starts_with_its_gpus_and_the_parent_keeps_its_environment(monke
     import os
     from types import SimpleNamespace
 
-    from services.cluster import local
+    from services.launch import local
 
     seen = []
 

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.cluster.actors import RestartBudget, ServiceActor, ServiceSpec, checked_tenants
+from services.launch.actors import RestartBudget, ServiceActor, ServiceSpec, checked_tenants
 from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
 from services.cluster.security import identities
 

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.cluster.actors import ServiceSpec, checked_tenants, gateway_tenants
+from services.launch.actors import ServiceSpec, checked_tenants, gateway_tenants
 from services.cluster.config import ClusterConfig
 from services.cluster.security import identities
 
@@ -68,7 +68,7 @@ def _serve(spec: ServiceSpec, conn) -> None:
         if spec.role == "gateway":
             service = _Gateway(spec)
         else:
-            from services.cluster.actors import ServiceActor
+            from services.launch.actors import ServiceActor
 
             service = ServiceActor(spec)
         conn.send(("ok", service.address(), service.metrics_url()))

@@ -63,7 +63,7 @@ def compact_table(summaries) -> str:
 def run_demo(settings: DemoSettings, modes: tuple[str, ...] = ("full", "tessera"), output: str | None = None,
              say=print) -> int:
     from loadgen.replay import ReplayConfig, replay_modes
-    from services.cluster.launch import local_cluster
+    from services.launch.on_ray import local_cluster
     from loadgen.replay.cluster_target import ClusterTarget
     from services.engine.tiny import write_tiny
 

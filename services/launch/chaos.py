@@ -100,7 +100,7 @@ class SoakTarget:
 
     @classmethod
     def of(cls, cluster) -> SoakTarget:
-        """A ``launch.Cluster`` started by this process."""
+        """An ``on_ray.Cluster`` started by this process."""
         cfg = cluster.config
         stores = tuple(cluster.addresses[n] for n in cluster.names.get("store", ()))
         certs = (cfg.certs_dir or cluster.certs_scratch) if cfg.internal_tls else None
@@ -112,7 +112,7 @@ class SoakTarget:
         """A cluster another process started (``tessera up``), found by its actors' names; Ray must be initialised."""
         import ray
 
-        from services.cluster.launch import find_actors
+        from services.launch.on_ray import find_actors
 
         actors = find_actors(namespace)
         stores = tuple(ray.get(actors[n].address.remote(), timeout=30) for n in sorted(actors) if _role(n) == "store")
@@ -286,7 +286,7 @@ def _whole(client, target: SoakTarget, timeout_s: float) -> bool:
 
 def run_soak(target, settings: SoakSettings, *, model_dir: str | None = None, namespace: str = "tessera",
              certs_dir: str | None = None, say=lambda _m: None) -> SoakReport:
-    """Soak ``target``: a ``launch.Cluster``, a ``SoakTarget``, or a gateway address (then ``model_dir``,
+    """Soak ``target``: an ``on_ray.Cluster``, a ``SoakTarget``, or a gateway address (then ``model_dir``,
     the cluster's Ray ``namespace`` and ``certs_dir`` find the rest; Ray must be initialised)."""
     from services.sdk import ChunkId, Client
 
@@ -464,7 +464,7 @@ def soak_local(settings: SoakSettings, prefill: int = 2, decode: int = 2, stores
     import tempfile
 
     from services.cluster.config import ClusterConfig, PrefillSettings
-    from services.cluster.launch import local_cluster
+    from services.launch.on_ray import local_cluster
     from services.engine.tiny import write_tiny
 
     logging.getLogger("ray").setLevel(logging.WARNING)

@@ -1,6 +1,6 @@
 """``tessera up``, ``tessera down``, ``tessera demo``.
 
-``up`` with no ``--address`` starts a Ray head of the cluster's own (``launch.start_local_head``:
+``up`` with no ``--address`` starts a Ray head of the cluster's own (``on_ray.start_local_head``:
 listening on loopback only, token authentication on, its own temp dir), writes the tiny model and
 uses temporary RocksDB directories: the embedded default. With ``--address`` it joins that Ray
 cluster. Actors are detached, so the cluster outlives the command; what ``up`` started is written
@@ -106,8 +106,8 @@ def _ray_cli() -> str:
 
 def _up(args: argparse.Namespace) -> int:
     from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
-    from services.cluster.actors import checked_tenants
-    from services.cluster.launch import ensure_ray, start_cluster, start_local_head, use_local_head
+    from services.launch.actors import checked_tenants
+    from services.launch.on_ray import ensure_ray, start_cluster, start_local_head, use_local_head
 
     if STATE.exists():
         raise ValueError(f"a cluster is already up ({STATE}); run `tessera down` first")
@@ -185,7 +185,7 @@ def _certs(args: argparse.Namespace) -> int:
 
 def _cleanup(state: dict) -> None:
     if state.get("head"):
-        from services.cluster.launch import LocalHead, stop_local_head
+        from services.launch.on_ray import LocalHead, stop_local_head
 
         stopped = stop_local_head(LocalHead(**state["head"]))
         print(f"stopped the local Ray head ({stopped} process(es))", file=sys.stderr)
@@ -194,7 +194,7 @@ def _cleanup(state: dict) -> None:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from services.cluster.launch import LocalHead, stop_cluster, use_local_head
+    from services.launch.on_ray import LocalHead, stop_cluster, use_local_head
 
     state = json.loads(STATE.read_text()) if STATE.exists() else {}
     if not state and not args.address:
@@ -221,7 +221,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from services.cluster.demo import DemoSettings, run_demo
+    from services.launch.demo import DemoSettings, run_demo
 
     settings = DemoSettings() if args.requests is None else DemoSettings(requests=args.requests)
     return run_demo(settings, output=args.output)
