@@ -49,16 +49,6 @@ class ServiceSpec:
     text_cache_tokens: int = 8 << 20            # gateway: token ids of chunk texts kept (services/gateway/inputs.py)
 
 
-def checked_tenants(cfg) -> dict | None:
-    """The cluster's tenants file (ClusterConfig.tenants_file) read and checked before anything starts: a bad
-    file is a ValueError naming it, from ``tessera up`` and both launchers. Returns its mapping, or None."""
-    if cfg.tenants_file is None:
-        return None
-    from services.gateway.tenants import Tenants
-
-    return Tenants.load(cfg.tenants_file)[1]
-
-
 def gateway_tenants(spec: ServiceSpec):
     """The gateway's Tenants from its spec (None: one default tenant behind the token)."""
     from services.gateway.tenants import Tenants

@@ -106,7 +106,7 @@ def _ray_cli() -> str:
 
 def _up(args: argparse.Namespace) -> int:
     from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
-    from services.launch.actors import checked_tenants
+    from services.launch.plan import checked_tenants
     from services.launch.on_ray import ensure_ray, start_cluster, start_local_head, use_local_head
 
     if STATE.exists():

@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
-import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.launch.actors import ServiceSpec, checked_tenants, gateway_tenants
 from services.cluster.config import ClusterConfig
-from services.cluster.security import identities
+from services.launch.actors import ServiceSpec, gateway_tenants
+from services.launch.plan import GATEWAY_NAME, Plan, remove_dirs, stop_order
 
-GATEWAY_NAME = "tessera-gateway"
 START_TIMEOUT_S = 900.0      # loading an 8B model from disk and warming it up
 
 
@@ -103,15 +100,12 @@ class LocalCluster:
 
     def stop(self) -> None:
         _stop_children(self.children)
-        for path in (self.scratch, self.certs_scratch):
-            if path:
-                shutil.rmtree(path, ignore_errors=True)
+        remove_dirs(self.scratch, self.certs_scratch)
 
 
 def _stop_children(children: dict[str, _Child]) -> None:
-    """Gateway first (no new requests), then workers, then stores, as ``stop_cluster`` does."""
-    order = sorted(children, key=lambda n: (0 if "gateway" in n else 1 if "store" not in n else 2, n))
-    for name in order:
+    """In ``plan.stop_order``, as ``stop_cluster`` does."""
+    for name in stop_order(children):
         child = children[name]
         try:
             child.conn.send("stop")
@@ -175,62 +169,33 @@ def _wait(children: dict[str, _Child], names: list[str], addresses: dict[str, st
 
 
 def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _m: None) -> LocalCluster:
-    """Start every service as a child process of this one and wait until each serves.
-
-    Stores start first (workers need their addresses), then prefill and decode workers together
-    (each loads the model), then the gateway (it needs the workers' addresses).
-    """
-    from services.kvstore import StoreConfig
-
+    """Start every service as a child process of this one, in the plan's order, and wait until each serves."""
     ctx = mp.get_context("spawn")       # CUDA cannot be used in a forked child
     children: dict[str, _Child] = {}
     addresses: dict[str, str] = {}
     metrics: dict[str, str] = {}
-    scratch = None
-    if cfg.store_dir is None and cfg.stores:
-        scratch = cfg.store_dir = tempfile.mkdtemp(prefix="tessera-rocksdb-")
-    if cfg.store_dir is not None:
-        os.makedirs(cfg.store_dir, exist_ok=True)
-    names = {"store": [f"tessera-store-{i}" for i in range(cfg.stores)],
-             "prefill": [f"tessera-prefill-{i}" for i in range(cfg.prefill)],
-             "decode": [f"tessera-decode-{i}" for i in range(cfg.decode)]}
-    tenants = checked_tenants(cfg)      # before anything starts: a bad file starts nothing
-    ids, certs_scratch = identities(cfg.certs_dir, cfg.internal_tls)
-    tls = ids.get if ids is not None else (lambda _role: None)
+    plan = Plan.make(cfg)
     try:
         progress(f"starting {cfg.stores} KV store shard(s) (local processes)")
-        for name in names["store"]:
-            store = StoreConfig(dram_bytes=cfg.store_dram_bytes, rocksdb_dir=os.path.join(cfg.store_dir, name),
-                                write_mode="behind")
-            _spawn(ctx, ServiceSpec("store", name, host=cfg.bind_host, store=store, namespace=cfg.namespace,
-                                    cluster_tls=tls("store")), children)
-        _wait(children, names["store"], addresses, metrics)
-        stores = tuple(addresses[n] for n in names["store"])
-        workers = names["prefill"] + names["decode"]
-        gpus = worker_gpus(len(workers), _visible_gpus() if cfg.device == "cuda" else [])
+        for spec in plan.store_specs():
+            _spawn(ctx, spec, children)
+        _wait(children, plan.names["store"], addresses, metrics)
+        stores = tuple(addresses[n] for n in plan.names["store"])
+        gpus = worker_gpus(len(plan.workers), _visible_gpus() if cfg.device == "cuda" else [])
         where = f" (GPUs {', '.join(map(str, gpus))})" if gpus and gpus[0] is not None else ""
         progress(f"starting {cfg.prefill} prefill and {cfg.decode} decode worker(s) on {cfg.device}{where}")
-        for name, gpu in zip(workers, gpus):
-            role = "prefill" if name in names["prefill"] else "decode"
-            _spawn(ctx, ServiceSpec(role, name, host=cfg.bind_host, engine=cfg.engine(), store_addresses=stores,
-                                    prefill=cfg.prefill_settings if role == "prefill" else None,
-                                    decode=cfg.decode_settings if role == "decode" else None,
-                                    namespace=cfg.namespace, cluster_tls=tls(role)), children, gpu)
-        _wait(children, workers, addresses, metrics)
+        for name, gpu in zip(plan.workers, gpus):
+            _spawn(ctx, plan.worker_spec(name, stores), children, gpu)
+        _wait(children, plan.workers, addresses, metrics)
         progress("starting the gateway")
-        roles = {n: r for r in ("prefill", "decode") for n in names[r]}
-        _spawn(ctx, ServiceSpec("gateway", GATEWAY_NAME, host=cfg.bind_host, port=cfg.gateway_port,
-                                model_dir=cfg.model_dir, workers=tuple((n, roles[n], addresses[n]) for n in workers),
-                                token=cfg.token, tenants=tenants, tls=cfg.tls(), namespace=cfg.namespace,
-                                text_cache_tokens=cfg.text_cache_tokens, cluster_tls=tls("gateway")), children)
+        _spawn(ctx, plan.gateway_spec(addresses), children)
         _wait(children, [GATEWAY_NAME], addresses, metrics)
     except BaseException:
         _stop_children(children)
-        for path in (scratch, certs_scratch):
-            if path:
-                shutil.rmtree(path, ignore_errors=True)
+        plan.remove_scratch()
         raise
-    return LocalCluster(cfg, addresses[GATEWAY_NAME], addresses, children, scratch, names, metrics, certs_scratch)
+    return LocalCluster(cfg, addresses[GATEWAY_NAME], addresses, children, plan.scratch, plan.names, metrics,
+                        plan.certs_scratch)
 
 
 __all__ = ["LocalCluster", "start_local_cluster"]

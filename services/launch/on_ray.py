@@ -26,11 +26,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.launch.actors import RestartBudget, ServiceActor, ServiceSpec, checked_tenants
 from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
-from services.cluster.security import identities
+from services.launch.actors import RestartBudget, ServiceActor, ServiceSpec
+from services.launch.plan import GATEWAY_NAME, Plan, remove_dirs, stop_order
 
-GATEWAY_NAME = "tessera-gateway"
 OBJECT_STORE_BYTES = 96 << 20
 
 
@@ -246,9 +245,7 @@ class Cluster:
 
     def stop(self) -> None:
         stop_cluster(self.config.namespace, self.actors)
-        for path in (self.scratch, self.certs_scratch):
-            if path:
-                shutil.rmtree(path, ignore_errors=True)
+        remove_dirs(self.scratch, self.certs_scratch)
 
 
 HEAD_RESOURCE = "node:__internal_head__"  # the custom resource Ray gives its head node (one unit)
@@ -288,8 +285,6 @@ def _gpus_per_worker(cfg: ClusterConfig) -> float:
 
 def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _m: None) -> Cluster:
     """Start every actor and wait until each serves; Ray must be initialised."""
-    from services.kvstore import StoreConfig
-
     ray = _ray()
     from services.cluster.serving import forget_ports
 
@@ -297,53 +292,32 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
     forget_ports(f"tessera/chunks/{cfg.namespace}/")     # ids registered with an earlier cluster
     actors: dict[str, object] = {}
     addresses: dict[str, str] = {}
-    scratch = None
-    tenants = checked_tenants(cfg)      # before anything starts: a bad file starts nothing
-    ids, certs_scratch = identities(cfg.certs_dir, cfg.internal_tls)
-    tls = ids.get if ids is not None else (lambda _role: None)
-    if cfg.store_dir is None and cfg.stores:
-        scratch = cfg.store_dir = tempfile.mkdtemp(prefix="tessera-rocksdb-")
-    if cfg.store_dir is not None:
-        os.makedirs(cfg.store_dir, exist_ok=True)
+    plan = Plan.make(cfg)
+
+    def started(names: list[str]) -> None:
+        addresses.update(zip(names, ray.get([actors[n].address.remote() for n in names])))
+
     try:
-        names = {"store": [f"tessera-store-{i}" for i in range(cfg.stores)],
-                 "prefill": [f"tessera-prefill-{i}" for i in range(cfg.prefill)],
-                 "decode": [f"tessera-decode-{i}" for i in range(cfg.decode)]}
         progress(f"starting {cfg.stores} KV store shard(s)")
-        for name in names["store"]:
-            store = StoreConfig(dram_bytes=cfg.store_dram_bytes, rocksdb_dir=os.path.join(cfg.store_dir, name),
-                                write_mode="behind")
-            spec = ServiceSpec("store", name, host=cfg.bind_host, store=store, namespace=cfg.namespace,
-                               cluster_tls=tls("store"))
-            actors[name] = start_actor(cfg, spec, 0, 0)
-        addresses.update(zip(names["store"], ray.get([actors[n].address.remote() for n in names["store"]])))
-        stores = tuple(addresses[n] for n in names["store"])
+        for spec in plan.store_specs():
+            actors[spec.name] = start_actor(cfg, spec, 0, 0)
+        started(plan.names["store"])
+        stores = tuple(addresses[n] for n in plan.names["store"])
         gpus = _gpus_per_worker(cfg)
         progress(f"starting {cfg.prefill} prefill and {cfg.decode} decode worker(s) on {cfg.device}")
-        for role in ("prefill", "decode"):
-            for name in names[role]:
-                spec = ServiceSpec(role, name, host=cfg.bind_host, engine=cfg.engine(), store_addresses=stores,
-                                   prefill=cfg.prefill_settings if role == "prefill" else None,
-                                   decode=cfg.decode_settings if role == "decode" else None, namespace=cfg.namespace,
-                                   cluster_tls=tls(role))
-                actors[name] = start_actor(cfg, spec, 1, gpus)
-        workers = names["prefill"] + names["decode"]
-        addresses.update(zip(workers, ray.get([actors[n].address.remote() for n in workers])))
+        for name in plan.workers:
+            actors[name] = start_actor(cfg, plan.worker_spec(name, stores), 1, gpus)
+        started(plan.workers)
         progress("starting the gateway")
-        spec = ServiceSpec("gateway", GATEWAY_NAME, host=cfg.bind_host, port=cfg.gateway_port, model_dir=cfg.model_dir,
-                           workers=tuple((n, "prefill" if "prefill" in n else "decode", addresses[n]) for n in workers),
-                           token=cfg.token, tenants=tenants, tls=cfg.tls(), namespace=cfg.namespace,
-                           text_cache_tokens=cfg.text_cache_tokens, cluster_tls=tls("gateway"))
-        actors[GATEWAY_NAME] = start_actor(cfg, spec, 0, 0)
-        addresses[GATEWAY_NAME] = ray.get(actors[GATEWAY_NAME].address.remote())
+        actors[GATEWAY_NAME] = start_actor(cfg, plan.gateway_spec(addresses), 0, 0)
+        started([GATEWAY_NAME])
         metrics = dict(zip(actors, ray.get([a.metrics_url.remote() for a in actors.values()])))
     except BaseException:
         stop_cluster(cfg.namespace, actors)
-        for path in (scratch, certs_scratch):
-            if path:
-                shutil.rmtree(path, ignore_errors=True)
+        plan.remove_scratch()
         raise
-    return Cluster(cfg, addresses[GATEWAY_NAME], actors, addresses, scratch, names, metrics, certs_scratch)
+    return Cluster(cfg, addresses[GATEWAY_NAME], actors, addresses, plan.scratch, plan.names, metrics,
+                   plan.certs_scratch)
 
 
 def find_actors(namespace: str = "tessera") -> dict[str, object]:
@@ -362,7 +336,7 @@ def stop_cluster(namespace: str = "tessera", actors: dict[str, object] | None = 
     """Stop the gateway first (no new requests), then workers, then stores; returns the names stopped."""
     ray = _ray()
     actors = find_actors(namespace) if actors is None else actors
-    order = sorted(actors, key=lambda n: (0 if "gateway" in n else 1 if "store" not in n else 2, n))
+    order = stop_order(actors)
     for name in order:
         try:
             ray.get(actors[name].stop.remote(), timeout=20)

@@ -197,7 +197,7 @@ def test_a_tenants_stored_chunks_are_bounded_until_it_drops_them(clients):
 
 def test_a_bad_tenants_file_starts_nothing(tiny_model, tmp_path):
     """The launchers check the file before starting anything (ClusterConfig only checks that it exists)."""
-    from services.launch.actors import checked_tenants
+    from services.launch.plan import checked_tenants
     from services.cluster.config import ClusterConfig
 
     bad = tmp_path / "tenants.yaml"

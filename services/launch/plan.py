@@ -1,0 +1,124 @@
+"""What a launcher starts, decided before anything starts: one ``Plan`` for both launchers.
+
+``on_ray.start_cluster`` (Ray actors) and ``local.start_local_cluster`` (child processes) start the same
+services in the same order from a ``Plan``: the store shards (workers need their addresses), then the prefill
+and decode workers (each loads the model), then the gateway (it needs the workers' addresses). A launcher
+adds only how a service is started, where its GPUs come from and how it is stopped.
+
+Invariant: a bad tenants file is refused before anything exists (no certificates minted, no directory made),
+and whatever the plan made (temporary RocksDB and certificate directories) is removed by ``remove_scratch``
+when the cluster stops or fails to start.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from services.cluster.config import ClusterConfig
+from services.cluster.security import ClusterTLS, identities
+from services.launch.actors import ServiceSpec
+
+GATEWAY_NAME = "tessera-gateway"
+WORKER_ROLES = ("prefill", "decode")
+
+
+def checked_tenants(cfg: ClusterConfig) -> dict | None:
+    """The cluster's tenants file (ClusterConfig.tenants_file) read and checked before anything starts: a bad
+    file is a ValueError naming it, from ``tessera up`` and both launchers. Returns its mapping, or None."""
+    if cfg.tenants_file is None:
+        return None
+    from services.gateway.tenants import Tenants
+
+    return Tenants.load(cfg.tenants_file)[1]
+
+
+def stop_order(names: Iterable[str]) -> list[str]:
+    """The gateway first (no new requests), then the workers, then the stores (what they write lands)."""
+    return sorted(names, key=lambda n: (0 if "gateway" in n else 1 if "store" not in n else 2, n))
+
+
+def remove_dirs(*paths: str | None) -> None:
+    for path in paths:
+        if path:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass(slots=True)
+class Plan:
+    """The services of one cluster and what they are handed.
+
+    names: role -> service names, ``tessera-<role>-<i>`` ("store", "prefill", "decode"; the gateway is
+    GATEWAY_NAME). tenants: the tenants file's mapping, for the gateway. ids: each role's mutual-TLS identity
+    (None: plain internal traffic). scratch: the temporary RocksDB directory made when ``cfg.store_dir`` was
+    None (then ``cfg.store_dir`` names it); certs_scratch: the development CA minted when ``cfg.certs_dir`` was
+    None.
+    """
+
+    cfg: ClusterConfig
+    names: dict[str, list[str]]
+    tenants: dict | None
+    ids: dict[str, ClusterTLS] | None
+    scratch: str | None
+    certs_scratch: str | None
+
+    @classmethod
+    def make(cls, cfg: ClusterConfig) -> Plan:
+        tenants = checked_tenants(cfg)      # before anything starts: a bad file starts nothing
+        ids, certs_scratch = identities(cfg.certs_dir, cfg.internal_tls)
+        scratch = None
+        try:
+            if cfg.store_dir is None and cfg.stores:
+                scratch = cfg.store_dir = tempfile.mkdtemp(prefix="tessera-rocksdb-")
+            if cfg.store_dir is not None:
+                os.makedirs(cfg.store_dir, exist_ok=True)
+        except BaseException:
+            remove_dirs(scratch, certs_scratch)
+            raise
+        names = {"store": [f"tessera-store-{i}" for i in range(cfg.stores)],
+                 "prefill": [f"tessera-prefill-{i}" for i in range(cfg.prefill)],
+                 "decode": [f"tessera-decode-{i}" for i in range(cfg.decode)]}
+        return cls(cfg, names, tenants, ids, scratch, certs_scratch)
+
+    @property
+    def workers(self) -> list[str]:
+        """The prefill workers' names, then the decode workers'."""
+        return self.names["prefill"] + self.names["decode"]
+
+    def role(self, name: str) -> str:
+        return next(r for r, names in self.names.items() if name in names)
+
+    def tls(self, role: str) -> ClusterTLS | None:
+        return None if self.ids is None else self.ids.get(role)
+
+    def store_specs(self) -> list[ServiceSpec]:
+        cfg = self.cfg
+        from services.kvstore import StoreConfig
+
+        return [ServiceSpec("store", name, host=cfg.bind_host, namespace=cfg.namespace, cluster_tls=self.tls("store"),
+                            store=StoreConfig(dram_bytes=cfg.store_dram_bytes, write_mode="behind",
+                                              rocksdb_dir=os.path.join(cfg.store_dir, name)))
+                for name in self.names["store"]]
+
+    def worker_spec(self, name: str, stores: tuple[str, ...]) -> ServiceSpec:
+        """A prefill or decode worker's spec; ``stores``: the store shards' addresses."""
+        cfg, role = self.cfg, self.role(name)
+        return ServiceSpec(role, name, host=cfg.bind_host, engine=cfg.engine(), store_addresses=stores,
+                           prefill=cfg.prefill_settings if role == "prefill" else None,
+                           decode=cfg.decode_settings if role == "decode" else None,
+                           namespace=cfg.namespace, cluster_tls=self.tls(role))
+
+    def gateway_spec(self, addresses: dict[str, str]) -> ServiceSpec:
+        """The gateway's spec; ``addresses``: service name -> address, every worker's among them."""
+        cfg = self.cfg
+        workers = tuple((n, self.role(n), addresses[n]) for n in self.workers)
+        return ServiceSpec("gateway", GATEWAY_NAME, host=cfg.bind_host, port=cfg.gateway_port,
+                           model_dir=cfg.model_dir, workers=workers, token=cfg.token, tenants=self.tenants,
+                           tls=cfg.tls(), namespace=cfg.namespace, text_cache_tokens=cfg.text_cache_tokens,
+                           cluster_tls=self.tls("gateway"))
+
+    def remove_scratch(self) -> None:
+        remove_dirs(self.scratch, self.certs_scratch)
