@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Iterator
 
-from loadgen.replay.target import MISS_TIER, MODES, Clock, ReplayRequest, RequestStats, StreamEvent, WallClock
+from loadgen.replay.target import MODES, Clock, ReplayRequest, RequestStats, StreamEvent, Tier, WallClock
 from loadgen.sim.caches import LRUCache
 from loadgen.sim.policies import cache_keys
 from loadgen.trace.model import Chunk, served_chunks
@@ -79,26 +79,26 @@ class FakeTarget:
 
     def _lookup(self, request: ReplayRequest) -> dict[str, int]:
         """Tokens of this request's chunks by tier; updates the caches."""
-        tiers = {"gpu": 0, "dram": 0, MISS_TIER: 0}
+        tiers = {Tier.GPU: 0, Tier.DRAM: 0, Tier.COMPUTED: 0}
         policy = _POLICY.get(request.mode)
         if policy is None:                       # full: no reuse at all
-            tiers[MISS_TIER] = sum(request.chunk_lengths)
+            tiers[Tier.COMPUTED] = sum(request.chunk_lengths)
             return tiers
         cached, private = served_chunks(
             [Chunk(d, n) for d, n in zip(request.doc_ids, request.chunk_lengths)], len(request.suffix))
-        tiers[MISS_TIER] += private
+        tiers[Tier.COMPUTED] += private
         with self._lock:
             keys = cache_keys(cached, policy, self._chains.setdefault(request.mode, {}))
             broken = False
             for key, n in zip(keys, (c.tokens for c in cached)):
                 key = (request.mode, key)
                 if not broken and self._gpu.lookup(key):
-                    tiers["gpu"] += n
+                    tiers[Tier.GPU] += n
                 elif not broken and self._dram.lookup(key):
-                    tiers["dram"] += n
+                    tiers[Tier.DRAM] += n
                     self._gpu.insert(key, n)
                 else:
-                    tiers[MISS_TIER] += n
+                    tiers[Tier.COMPUTED] += n
                     broken = policy == "prefix"
                     for tier in (self._gpu, self._dram):
                         if not tier.lookup(key):
@@ -112,10 +112,10 @@ class FakeTarget:
             raise ValueError("empty request: no chunk and no suffix")
         c = self.config
         tiers = self._lookup(request)
-        prefill_us = (c.compute_us_per_token * (tiers[MISS_TIER] + len(request.suffix))
-                      + c.dram_us_per_token * tiers["dram"] + c.gpu_us_per_token * tiers["gpu"])
+        prefill_us = (c.compute_us_per_token * (tiers[Tier.COMPUTED] + len(request.suffix))
+                      + c.dram_us_per_token * tiers[Tier.DRAM] + c.gpu_us_per_token * tiers[Tier.GPU])
         if request.mode == "blend_copy":
-            prefill_us += c.copy_us_per_token * (tiers["dram"] + tiers["gpu"])
+            prefill_us += c.copy_us_per_token * (tiers[Tier.DRAM] + tiers[Tier.GPU])
         self.clock.sleep(c.base_ms / 1e3 + prefill_us / 1e6)
         stats = RequestStats(tier_tokens=tiers)
         for i in range(request.max_tokens):

@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from loadgen.replay.runner import ReplayRun, RequestRecord
-from loadgen.replay.target import MISS_TIER, TIER_ORDER
+from loadgen.replay.target import TIER_ORDER, Tier
 
 PERCENTILES = (50, 90, 99)
 _SLO_KEYS = ("ttft", "tpot", "e2el")
@@ -143,7 +143,7 @@ def summarize(run: ReplayRun, slo: Slo | None = None) -> Summary:
     tier_ratios = {t: tiers[t] / chunk_tokens for t in order} if chunk_tokens else {}
     # Hits are the tokens a tier served: a chunk token the target leaves out of its stats (say, a
     # request's private last token reported as suffix) is not one.
-    hit = sum(tiers[t] for t in order if t != MISS_TIER) / chunk_tokens if chunk_tokens else None
+    hit = sum(tiers[t] for t in order if t != Tier.COMPUTED) / chunk_tokens if chunk_tokens else None
     return Summary(
         mode=run.mode, completed=len(ok), failed=len(run.records) - len(ok), duration_s=run.duration_s,
         total_input_tokens=n_in, total_output_tokens=n_out, request_throughput=per_s(len(ok)),

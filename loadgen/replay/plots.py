@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from loadgen.replay.runner import ReplayRun
-from loadgen.replay.target import MISS_TIER
+from loadgen.replay.target import Tier
 
 
 def _pyplot():
@@ -44,7 +44,7 @@ def hit_ratio_series(run: ReplayRun, bins: int = 20) -> tuple[np.ndarray, np.nda
     if not recs:
         return np.array([]), np.array([])
     sent = np.array([r.sent_s for r in recs])
-    hits = np.array([sum(n for t, n in r.tier_tokens.items() if t != MISS_TIER) for r in recs],
+    hits = np.array([sum(n for t, n in r.tier_tokens.items() if t != Tier.COMPUTED) for r in recs],
                     dtype=np.float64)   # as summarize: a token missing from the stats is no hit
     total = np.array([r.chunk_tokens for r in recs], dtype=np.float64)
     edges = np.linspace(0.0, max(sent.max(), 1e-9), bins + 1)

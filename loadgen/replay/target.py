@@ -14,10 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Protocol, runtime_checkable
 
 from services.modes import MODES  # noqa: F401 - named here for loadgen's modules (one definition)
-
-# Where a chunk's KV came from, best first; "computed" means a miss (prefilled from scratch).
-TIER_ORDER = ("gpu", "host", "dram", "rocksdb", "s3", "computed")   # host: the worker's own host memory
-MISS_TIER = "computed"
+from services.tiers import TIER_ORDER, Tier  # noqa: F401 - likewise: where a chunk's KV came from, best first
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +48,7 @@ class ReplayRequest:
 class RequestStats:
     """Per-request cache outcome, sent once (on the last event).
 
-    tier_tokens: chunk tokens served from each tier (TIER_ORDER names; "computed" = missed),
+    tier_tokens: chunk tokens served from each tier (``Tier`` values; "computed" = missed),
     summing to the request's chunk tokens.
     """
 

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-HOST = "host"   # the tier's name in per-request stats and metrics
-
 
 @dataclass(frozen=True, slots=True)
 class HostEntry:

@@ -19,7 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
-from services.cluster.hostcache import HOST, HostChunks
+from services.cluster.hostcache import HostChunks
+from services.tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +60,13 @@ class StoreAccess:
         self._on_error(kind)
         log.warning("kv store %s %s failed: %s", shard, kind, getattr(exc, "details", lambda: exc)())
 
-    def lookup(self, chunk_ids: Sequence[str], host: bool = True) -> dict[str, str]:
+    def lookup(self, chunk_ids: Sequence[str], host: bool = True) -> dict[str, Tier]:
         """{chunk id: fastest tier holding it} for the ids this worker's host tier (unless ``host`` is
         False) or some reachable shard holds."""
-        found: dict[str, str] = {}
+        found: dict[str, Tier] = {}
         rest = list(dict.fromkeys(chunk_ids))
         if host and self.host is not None:
-            found = {cid: HOST for cid in rest if cid in self.host}
+            found = {cid: Tier.HOST for cid in rest if cid in self.host}
             rest = [cid for cid in rest if cid not in found]
         if self._client is None or not rest:
             return found
@@ -83,13 +84,13 @@ class StoreAccess:
                 self._failed(shard, "lookup", exc)
         return found
 
-    def fetcher(self, present: dict[str, str]) -> Callable[[str], Iterator | None]:
+    def fetcher(self, present: dict[str, Tier]) -> Callable[[str], Iterator | None]:
         """``fetch(chunk_id)`` for the engine: a layer stream for chunks ``lookup`` found, else None.
         A stream that breaks midway is recomputed by the engine."""
         def fetch(cid: str):
             if cid not in present:
                 return None
-            if present[cid] == HOST:
+            if present[cid] == Tier.HOST:
                 entry = self.host.get(cid)
                 if entry is not None:
                     return entry.stream()
@@ -124,7 +125,7 @@ class StoreAccess:
         present = self.lookup(chunk_ids)
         fetch = self.fetcher(present)
         for cid, tier in present.items():
-            if tier == HOST:
+            if tier == Tier.HOST:
                 continue
             try:
                 for _ in fetch(cid):

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.cluster.hostcache import HOST
 from services.cluster.kvio import StoreAccess
 from services.cluster.transport import ReceivedHandoff
 from services.decode.metrics import DecodeMetrics
+from services.tiers import Tier
 
 if TYPE_CHECKING:
     import torch
@@ -75,11 +75,11 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
             fetched[cid] = list(fetch(cid))
         except Exception as exc:  # noqa: BLE001 - a broken stream: the engine computes the chunk instead
             log.warning("prefetch of chunk %s failed: %s", cid[:12], exc)
-    metrics.chunks.labels("gpu").inc(len(ids) - len(missing))
-    from_host = sum(1 for cid in fetched if present[cid] == HOST)
-    metrics.chunks.labels(HOST).inc(from_host)
+    metrics.chunks.labels(Tier.GPU).inc(len(ids) - len(missing))
+    from_host = sum(1 for cid in fetched if present[cid] == Tier.HOST)
+    metrics.chunks.labels(Tier.HOST).inc(from_host)
     metrics.chunks.labels("store").inc(len(fetched) - from_host)
-    metrics.chunks.labels("computed").inc(len(missing) - len(fetched))
+    metrics.chunks.labels(Tier.COMPUTED).inc(len(missing) - len(fetched))
     fetched, ready = _stage(fetched, engine.device)
     return PreparedHandoff(received, handoff, fetched, ready)
 
@@ -87,11 +87,11 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
 POLL_S = 0.02
 
 
-def _await_writes(store: StoreAccess, ids: list[str], wait_s: float, metrics: DecodeMetrics) -> dict[str, str]:
+def _await_writes(store: StoreAccess, ids: list[str], wait_s: float, metrics: DecodeMetrics) -> dict[str, Tier]:
     """Poll the store until it holds ``ids`` or ``wait_s`` has passed; {chunk id: tier} of those it holds.
     Runs on the helper thread: the batch keeps decoding meanwhile."""
     t0 = time.monotonic()
-    found: dict[str, str] = {}
+    found: dict[str, Tier] = {}
     while True:
         found.update(store.lookup([cid for cid in ids if cid not in found]))
         if len(found) == len(ids) or time.monotonic() - t0 >= wait_s:

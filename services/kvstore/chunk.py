@@ -16,7 +16,11 @@ from dataclasses import dataclass
 
 from services.kvstore.wire import FramedLayer, read_framed_layer
 from services.rpc import kvstore_pb2 as pb
+from services.tiers import Tier
 
+# the store's tiers (services/tiers.py) as the proto numbers them
+PB_TIER = {Tier.DRAM: pb.TIER_DRAM, Tier.ROCKSDB: pb.TIER_ROCKSDB, Tier.S3: pb.TIER_S3}
+TIER_OF_PB = {v: k for k, v in PB_TIER.items()}
 DTYPE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DTYPE_TO_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
 _PB_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PB.items()}

@@ -22,14 +22,14 @@ import numpy as np
 import torch
 
 from services.kvstore import wire
-from services.kvstore.chunk import ChunkMeta, InvalidChunk, check_chunk_id, checksum, layer_checksum
+from services.kvstore.chunk import TIER_OF_PB, ChunkMeta, InvalidChunk, check_chunk_id, checksum, layer_checksum
 from services.rpc import kvstore_pb2 as pb
 from services.rpc import kvstore_pb2_grpc as pb_grpc
+from services.tiers import Tier
 
 TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _FROM_NAME = {v: k for k, v in TORCH_DTYPES.items()}
 _DTYPE_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
-TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_ROCKSDB: "rocksdb", pb.TIER_S3: "s3"}
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 # A received message is a ``bytes`` object that only this client references, so a layer that came
@@ -51,7 +51,7 @@ class ChunkCorruptError(RuntimeError):
 class PutResult:
     chunk_id: str
     nbytes: int
-    tiers: tuple[str, ...]      # tiers holding the chunk at acknowledgement, fastest first
+    tiers: tuple[Tier, ...]     # tiers holding the chunk at acknowledgement, fastest first
     already_stored: bool = False  # the id was stored already: the store kept its copy, wrote nothing
 
 
@@ -59,7 +59,7 @@ class PutResult:
 class ChunkLocation:
     chunk_id: str
     found: bool
-    tiers: tuple[str, ...]      # fastest first
+    tiers: tuple[Tier, ...]     # fastest first
     nbytes: int                 # K and V bytes over all layers
 
 
@@ -120,7 +120,7 @@ class KVStoreClient:
         """Store ``layers[i] = (k_i, v_i)``; returns once the store acknowledged the whole chunk."""
         header = self._header(chunk_id, layers, model_fingerprint)
         resp = self._put(self._put_requests(header, layers), timeout=timeout or self.timeout)
-        return PutResult(chunk_id, resp.stored_bytes, tuple(TIER_NAMES[t] for t in resp.tiers), resp.already_stored)
+        return PutResult(chunk_id, resp.stored_bytes, tuple(TIER_OF_PB[t] for t in resp.tiers), resp.already_stored)
 
     @staticmethod
     def _header(chunk_id: str, layers, model_fingerprint: str) -> pb.ChunkHeader:
@@ -218,7 +218,7 @@ class KVStoreClient:
     def lookup(self, chunk_ids: Sequence[str], *, timeout: float | None = None) -> list[ChunkLocation]:
         """Which tiers hold each chunk (one answer per id, in order)."""
         resp = self._stub.Lookup(pb.LookupRequest(chunk_ids=list(chunk_ids)), timeout=timeout or self.timeout)
-        return [ChunkLocation(c.chunk_id, c.found, tuple(TIER_NAMES[t] for t in c.tiers), c.nbytes) for c in resp.chunks]
+        return [ChunkLocation(c.chunk_id, c.found, tuple(TIER_OF_PB[t] for t in c.tiers), c.nbytes) for c in resp.chunks]
 
     def delete(self, chunk_id: str, *, timeout: float | None = None) -> bool:
         """Remove a chunk from every tier; False if no tier held it."""

@@ -12,12 +12,13 @@ import struct
 
 from services.kvstore.chunk import ChunkMeta, CorruptEntry, layer_parts
 from services.kvstore.config import S3Config
+from services.tiers import Tier
 
 HEAD_PROBE = 64 << 10   # the metadata of a 32-layer chunk is ~1 KiB; one GET usually covers it
 
 
 class S3Tier:
-    name = "s3"
+    name = Tier.S3
 
     def __init__(self, config: S3Config) -> None:
         import boto3

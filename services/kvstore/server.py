@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.kvstore import wire
-from services.kvstore.chunk import ChunkMeta, InvalidChunk, LayerData, check_chunk_id, layer_checksum, layer_parts
+from services.kvstore.chunk import TIER_OF_PB, ChunkMeta, InvalidChunk, LayerData, check_chunk_id, layer_checksum, layer_parts
 from services.kvstore.config import StoreConfig
 from services.kvstore.memory import keep_freed_memory
 from services.kvstore.metrics import StoreMetrics
@@ -33,7 +33,6 @@ from services.rpc import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-_TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_ROCKSDB: "rocksdb", pb.TIER_S3: "s3"}
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
@@ -148,7 +147,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             session.abort()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"layer range [{start}, {stop}) is not within the chunk's {meta.num_layers} layers")
-        tier = _TIER_NAMES[session.tier]
+        tier = TIER_OF_PB[session.tier]
         yield pb.GetResponse(header=meta.to_proto(start, stop, session.tier))
         finished = False
         try:

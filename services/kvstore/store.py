@@ -22,11 +22,11 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from services.kvstore.chunk import ChunkMeta, CorruptEntry, LayerData
+from services.kvstore.chunk import PB_TIER, ChunkMeta, CorruptEntry, LayerData
 from services.kvstore.config import StoreConfig
 from services.kvstore.policy import Residency
 from services.kvstore.tiers import DramTier, RocksDBTier
-from services.rpc import kvstore_pb2 as pb
+from services.tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +58,18 @@ class TierCounters:
 class TierSlot:
     """One tier: its storage, its budget bookkeeping (None for unbounded S3), its counters."""
 
-    name: str
-    pb_tier: int
+    name: Tier
     storage: object
     residency: Residency | None
     counters: TierCounters = field(default_factory=TierCounters)
 
     @property
+    def pb_tier(self) -> int:
+        return PB_TIER[self.name]
+
+    @property
     def blocking(self) -> bool:
-        return self.name != "dram"
+        return self.name != Tier.DRAM
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +93,10 @@ class TieredStore:
 
     async def start(self) -> None:
         cfg = self.config
-        self.slots.append(TierSlot("dram", pb.TIER_DRAM, DramTier(), Residency(cfg.dram_bytes, cfg.policy)))
+        self.slots.append(TierSlot(Tier.DRAM, DramTier(), Residency(cfg.dram_bytes, cfg.policy)))
         if cfg.rocksdb_dir is not None:
             db = await asyncio.to_thread(RocksDBTier, cfg.rocksdb_dir, sync=cfg.rocksdb_sync)
-            slot = TierSlot("rocksdb", pb.TIER_ROCKSDB, db, Residency(cfg.rocksdb_bytes, cfg.policy))
+            slot = TierSlot(Tier.ROCKSDB, db, Residency(cfg.rocksdb_bytes, cfg.policy))
             self.slots.append(slot)
             for chunk_id, nbytes in await asyncio.to_thread(db.scan):
                 # A restart with a smaller budget drops the excess (scan order) before serving.
@@ -107,7 +110,7 @@ class TieredStore:
         if cfg.s3 is not None:
             from services.kvstore.s3tier import S3Tier
 
-            self.slots.append(TierSlot("s3", pb.TIER_S3, await asyncio.to_thread(S3Tier, cfg.s3), None))
+            self.slots.append(TierSlot(Tier.S3, await asyncio.to_thread(S3Tier, cfg.s3), None))
         if cfg.write_mode == "behind" and len(self.slots) > 1:
             self._flusher = asyncio.create_task(self._flush_loop())
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from services.kvstore.chunk import ChunkMeta, CorruptEntry, LayerData, layer_len, layer_parts
 from services.kvstore.wire import ALIGN, FramedLayer, envelope, read_framed_layer
+from services.tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class StoredChunk:
 
 
 class DramTier:
-    name = "dram"
+    name = Tier.DRAM
 
     def __init__(self) -> None:
         self._chunks: dict[str, StoredChunk] = {}
@@ -113,7 +114,7 @@ class RocksDBTier:
     whole; files no record names (a write cut short) are removed when the tier opens.
     """
 
-    name = "rocksdb"
+    name = Tier.ROCKSDB
 
     def __init__(self, path: str, *, sync: bool = False) -> None:
         from rocksdict import Options, Rdict, WriteOptions

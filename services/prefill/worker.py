@@ -14,17 +14,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.cluster.hostcache import HOST, layers_nbytes
+from services.cluster.hostcache import layers_nbytes
 from services.cluster.kvio import StoreAccess
 from services.cluster.sampling import WireSampling
 from services.prefill.controller import LoadingController
 from services.prefill.metrics import PrefillMetrics
+from services.tiers import Tier
 
 if TYPE_CHECKING:
     from services.engine.handoff import Handoff
 
 REUSE_MODES = ("tessera", "blend_copy")       # modes whose chunks are shared by content id (store-able)
-GPU, COMPUTED = "gpu", "computed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class PrefillOutcome:
     finish: str | None
     first_token_seconds: float
     ratio: float
-    tier_tokens: dict[str, int]
+    tier_tokens: dict[Tier, int]
     recomputed_tokens: int
     loaded_bytes: int
     load_seconds: float
@@ -78,38 +78,38 @@ class PrefillWorker:
         self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)  # replicas are keyed id@start
         return self.resident
 
-    def _tiers(self, job: PrefillJob, ids: list[str]) -> tuple[list[str], dict[str, str], set[str]]:
+    def _tiers(self, job: PrefillJob, ids: list[str]) -> tuple[list[Tier], dict[str, Tier], set[str]]:
         """Where each chunk's KV will come from, decided before the pass (one engine thread: nothing
         changes the cache in between). Returns (tier per chunk, store lookup for the fetcher, ids the
         store holds: those computed instead of loaded need not be stored again)."""
         if job.mode == "full":
-            return [COMPUTED] * len(ids), {}, set()
+            return [Tier.COMPUTED] * len(ids), {}, set()
         if job.mode == "position_aware":
             starts, s = [], 0
             for c in job.chunks:
                 starts.append(s)
                 s += len(c)
-            return [GPU if f"{cid}@{st}" in self.eng.cache else COMPUTED for cid, st in zip(ids, starts)], {}, set()
+            return [Tier.GPU if f"{cid}@{st}" in self.eng.cache else Tier.COMPUTED for cid, st in zip(ids, starts)], {}, set()
         if job.mode == "prefix":
-            return [COMPUTED] * len(ids), {}, set()   # corrected from the engine's hit count afterwards
+            return [Tier.COMPUTED] * len(ids), {}, set()   # corrected from the engine's hit count afterwards
         missing = [cid for cid in ids if cid not in self.eng.cache]
         present = self.store.lookup(missing) if missing else {}
         held = set(present)
-        remote = [cid for cid, tier in present.items() if tier != HOST]
+        remote = [cid for cid, tier in present.items() if tier != Tier.HOST]
         if remote:
             # stream from the shards only what loads faster than it computes (one probe request in a few loads
             # anyway); the worker's own host tier always loads faster
             length = {cid: len(c) for cid, c in zip(ids, job.chunks)}
             tokens = sum(length[cid] for cid in remote)
             if not self.controller.prefer_load(tokens * self.kv_bytes_per_token, tokens):
-                present = {cid: tier for cid, tier in present.items() if tier == HOST}
+                present = {cid: tier for cid, tier in present.items() if tier == Tier.HOST}
         seen: set[str] = set()
         tiers = []
         for cid in ids:
             if cid in self.eng.cache or cid in seen:
-                tiers.append(GPU)
+                tiers.append(Tier.GPU)
             else:
-                tiers.append(present.get(cid, COMPUTED))
+                tiers.append(present.get(cid, Tier.COMPUTED))
             seen.add(cid)
         return tiers, present, held
 
@@ -166,20 +166,20 @@ class PrefillWorker:
 
         return finish
 
-    def _record(self, job: PrefillJob, st, handoff, tiers: list[str], ratio: float, storing: tuple[str, ...],
+    def _record(self, job: PrefillJob, st, handoff, tiers: list[Tier], ratio: float, storing: tuple[str, ...],
                 first: list, started: float, queue_s: float) -> PrefillOutcome:
         """A finished request's outcome, its tiers corrected from the pass's stats, and its metrics."""
         if job.mode == "prefix":
-            tiers = [GPU if i < st.chunk_hits else COMPUTED for i in range(len(tiers))]
+            tiers = [Tier.GPU if i < st.chunk_hits else Tier.COMPUTED for i in range(len(tiers))]
         if st.load_failures:
             # streams that broke were recomputed; count the latest store hits as computed
             bad = st.load_failures
             for i in reversed(range(len(tiers))):
-                if bad and tiers[i] not in (GPU, COMPUTED):
-                    tiers[i], bad = COMPUTED, bad - 1
+                if bad and tiers[i] not in (Tier.GPU, Tier.COMPUTED):
+                    tiers[i], bad = Tier.COMPUTED, bad - 1
         # the load speed it learns is the shards': a pass that also copied from the host tier says little of it
-        self.controller.observe(st, loads=HOST not in tiers)
-        tier_tokens: dict[str, int] = {}
+        self.controller.observe(st, loads=Tier.HOST not in tiers)
+        tier_tokens: dict[Tier, int] = {}
         for tier, c in zip(tiers, job.chunks):
             tier_tokens[tier] = tier_tokens.get(tier, 0) + len(c)
             self.metrics.chunks.labels(tier).inc()
@@ -198,12 +198,12 @@ class PrefillWorker:
                               ratio, tier_tokens, st.tokens_recomputed, loaded, st.load_seconds, wait,
                               st.chunk_compute_seconds, st.forward_seconds, seconds, queue_s)
 
-    def _ratio(self, job: PrefillJob, tiers: list[str]) -> float:
+    def _ratio(self, job: PrefillJob, tiers: list[Tier]) -> float:
         if job.recompute_ratio is not None:
             return job.recompute_ratio
         if self.fixed_ratio is not None:
             return self.fixed_ratio
-        store_tokens = sum(len(c) for t, c in zip(tiers, job.chunks) if t not in (GPU, COMPUTED, HOST))
+        store_tokens = sum(len(c) for t, c in zip(tiers, job.chunks) if t not in (Tier.GPU, Tier.COMPUTED, Tier.HOST))
         return self.controller.ratio(store_tokens * self.kv_bytes_per_token, sum(map(len, job.chunks)))
 
     def _store_later(self, chunk_id: str, layers) -> bool:

@@ -15,7 +15,8 @@ from services.sdk.errors import (DeadlineExceeded, InvalidArgument, PermissionDe
                                  Unauthenticated, Unavailable)
 from services.sdk.types import (ChunkId, ClusterStats, GenerateEvent, GenerationStats, RegisteredChunk, Shared,
                                 WorkerInfo)
+from services.tiers import Tier
 
 __all__ = ["Client", "AsyncClient", "ChunkId", "Shared", "GenerateEvent", "GenerationStats", "RegisteredChunk",
-           "ClusterStats", "WorkerInfo", "TesseraError", "InvalidArgument", "Unavailable", "DeadlineExceeded",
+           "ClusterStats", "WorkerInfo", "Tier", "TesseraError", "InvalidArgument", "Unavailable", "DeadlineExceeded",
            "Unauthenticated", "ResourceExhausted", "PermissionDenied"]

@@ -42,7 +42,8 @@ Chunk = Union[str, Sequence[int], ChunkId, Shared]
 
 @dataclass(frozen=True, slots=True)
 class GenerationStats:
-    """Per-request outcome, on the last event. chunk_tokens_by_tier: gpu | dram | rocksdb | s3 | computed."""
+    """Per-request outcome, on the last event. chunk_tokens_by_tier: keyed by ``Tier`` values (gpu | host | dram |
+    rocksdb | s3 | computed; a ``Tier`` looks a key up, the keys are plain text)."""
 
     chunk_tokens_by_tier: dict[str, int]
     recomputed_tokens: int

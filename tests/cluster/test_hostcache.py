@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.cluster.hostcache import HOST, HostChunks
+from services.cluster.hostcache import HostChunks
 from services.cluster.kvio import StoreAccess
 from services.rpc import tessera_pb2 as pb
+from services.tiers import Tier
 
 from .helpers import docs
 
@@ -40,13 +41,13 @@ def test_store_access_serves_the_host_tier_without_any_shard():
     assert store.enabled
     kv = layers(3, 5, 1.0)
     assert store.put_later("x", kv) is False          # kept here, but no store write was queued
-    assert store.lookup(["x", "y"]) == {"x": HOST}
+    assert store.lookup(["x", "y"]) == {"x": Tier.HOST}
     assert store.lookup(["x"], host=False) == {}
-    stream = store.fetcher({"x": HOST})("x")
+    stream = store.fetcher({"x": Tier.HOST})("x")
     got = list(stream)
     assert [i for i, _, _ in got] == [0, 1, 2]
     assert all(torch.equal(k, kv[i][0]) and torch.equal(v, kv[i][1]) for i, k, v in got)
-    assert store.fetcher({"x": HOST})("y") is None
+    assert store.fetcher({"x": Tier.HOST})("y") is None
     store.drop_known()
     assert store.lookup(["x"]) == {}
     store.close()
@@ -64,8 +65,8 @@ def test_chunks_read_from_a_shard_are_kept_in_the_host_tier(tmp_path):
         store = StoreAccess([srv.address], host_bytes=1 << 20)
         assert store.lookup(["z"]) == {"z": "dram"}
         first = list(store.fetcher({"z": "dram"})("z"))          # streamed from the shard...
-        assert store.lookup(["z"]) == {"z": HOST}                 # ...and kept once it ended whole
-        again = list(store.fetcher({"z": HOST})("z"))
+        assert store.lookup(["z"]) == {"z": Tier.HOST}                 # ...and kept once it ended whole
+        again = list(store.fetcher({"z": Tier.HOST})("z"))
         assert all(torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) for a, b in zip(first, again))
         assert torch.equal(again[1][2], kv[1][1])
         store.close()
@@ -92,7 +93,7 @@ def test_a_chunk_evicted_from_the_device_comes_back_from_the_host_tier(tiny_mode
     assert first.storing == ()                       # no shard: nothing queued for the decode worker to wait on
     assert worker.reset(device_only=True) == 2       # the device cache forgets both chunks
     again = worker.prefill(job)
-    assert again.tier_tokens == {HOST: 80}
+    assert again.tier_tokens == {Tier.HOST: 80}
     assert again.loaded_bytes == 80 * worker.kv_bytes_per_token   # both chunks streamed in, none computed
     assert torch.equal(again.handoff.logits, first.handoff.logits)   # the same KV, so the same logits
     assert again.first_token == first.first_token
@@ -110,7 +111,7 @@ def test_store_access_prefetch_reads_shard_chunks_into_the_host_tier():
                 client.put(name, layers(2, 3, 1.0), model_fingerprint="m")
         store = StoreAccess([srv.address], host_bytes=1 << 20)
         assert store.prefetch(["p", "q", "missing"]) == 2
-        assert store.lookup(["p", "q", "missing"]) == {"p": HOST, "q": HOST}
+        assert store.lookup(["p", "q", "missing"]) == {"p": Tier.HOST, "q": Tier.HOST}
         assert store.prefetch(["p"]) == 1                      # already held: nothing read again
         store.close()
         assert StoreAccess([srv.address]).prefetch(["p"]) == 0   # no host tier: nothing kept

@@ -8,6 +8,8 @@ import grpc
 import pytest
 import torch
 
+from services.kvstore.chunk import TIER_OF_PB
+
 from .helpers import MiB, assert_roundtrip, chunk_nbytes, make_layers, tiers_of
 
 # 4 layers x 2 x [64, 8, 128] bf16 = 1 MiB per chunk
@@ -15,8 +17,7 @@ SHAPE = dict(n_layers=4, tokens=64, heads=8, dim=128)
 
 
 def resident(client) -> dict[str, tuple[int, int]]:
-    names = {1: "dram", 2: "rocksdb", 3: "s3"}
-    return {names[t.tier]: (t.resident_bytes, t.budget_bytes) for t in client.stats().tiers}
+    return {TIER_OF_PB[t.tier]: (t.resident_bytes, t.budget_bytes) for t in client.stats().tiers}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
