@@ -1,17 +1,20 @@
-"""Byte-budgeted caches for the simulator: LRU, LFU and S3-FIFO over variable-size entries.
+"""Byte-budgeted caches for the simulator over variable-size entries: LRU and S3-FIFO are the store's own.
 
-All three share one small interface: ``lookup(key)`` says whether ``key`` is resident and
-counts the access; ``insert(key, size)`` admits a key that is not resident, evicting until
-it fits (an entry larger than the whole budget is not admitted). Counters: ``used`` bytes,
-``evictions`` and ``evicted_bytes``.
+LRU and S3-FIFO run the KV store's eviction (``services.kvstore.policy``: its ``Residency`` and policies, as
+one store tier runs them), so the simulator's figures are the store's, not a rewrite's; LFU, which the store
+does not have, is the simulator's own. All share one small interface: ``lookup(key)`` says whether ``key`` is
+resident and counts the access; ``insert(key, size)`` admits a key that is not resident, evicting until it
+fits (an entry larger than the whole budget is not admitted). Counters: ``used`` bytes, ``peak``,
+``evictions``, ``evicted_bytes`` and ``rejected``.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
 from typing import Hashable
+
+from services.kvstore.policy import Residency
 
 
 class _Base:
@@ -37,32 +40,42 @@ class _Base:
         self.evicted_bytes += size
 
 
-class LRUCache(_Base):
-    """Least recently used first."""
+class _StoreCache(_Base):
+    """One store tier's bookkeeping (``Residency``) under the store's policy named ``POLICY``."""
+
+    POLICY: str
 
     def __init__(self, capacity: float) -> None:
         super().__init__(capacity)
-        self._entries: OrderedDict[Hashable, int] = OrderedDict()
+        self._tier = Residency(None if math.isinf(capacity) else capacity, self.POLICY)
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._entries
+        return key in self._tier
 
     def lookup(self, key: Hashable) -> bool:
-        if key in self._entries:
-            self._entries.move_to_end(key)
+        if key in self._tier:
+            self._tier.touch(key)
             return True
         return False
 
     def insert(self, key: Hashable, size: int) -> bool:
         if not self._admit(size):
             return False
-        while self.used + size > self.capacity:
-            _, old = self._entries.popitem(last=False)
-            self._account_evict(old)
-        self._entries[key] = size
-        self.used += size
+        before = self._tier.used
+        victims = self._tier.victims_for(key, size)
+        if victims:
+            self.evictions += len(victims)
+            self.evicted_bytes += before - self._tier.used
+        self._tier.add(key, size)
+        self.used = self._tier.used
         self.peak = max(self.peak, self.used)
         return True
+
+
+class LRUCache(_StoreCache):
+    """The store's LRU: least recently used first."""
+
+    POLICY = "lru"
 
 
 class LFUCache(_Base):
@@ -107,73 +120,10 @@ class LFUCache(_Base):
         return True
 
 
-class S3FIFOCache(_Base):
-    """S3-FIFO (Yang et al., SOSP'23): a small probationary FIFO (10% of the bytes), a main
-    FIFO with lazy promotion (2-bit access counts) and a ghost FIFO of recently evicted keys;
-    a key found in the ghost goes straight to main."""
+class S3FIFOCache(_StoreCache):
+    """The store's S3-FIFO (Yang et al., SOSP'23; services/kvstore/policy.py says how it runs)."""
 
-    SMALL_FRACTION = 0.1
-    MAX_FREQ = 3
-
-    def __init__(self, capacity: float) -> None:
-        super().__init__(capacity)
-        self._small: OrderedDict[Hashable, int] = OrderedDict()
-        self._main: OrderedDict[Hashable, int] = OrderedDict()
-        self._ghost: OrderedDict[Hashable, None] = OrderedDict()
-        self._freq: dict[Hashable, int] = {}
-        self._small_bytes = 0
-        self._small_cap = capacity * self.SMALL_FRACTION
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._freq
-
-    def lookup(self, key: Hashable) -> bool:
-        freq = self._freq.get(key)
-        if freq is None:
-            return False
-        self._freq[key] = min(freq + 1, self.MAX_FREQ)
-        return True
-
-    def insert(self, key: Hashable, size: int) -> bool:
-        if not self._admit(size):
-            return False
-        self._freq[key] = 0
-        if key in self._ghost:
-            del self._ghost[key]
-            self._main[key] = size
-        else:
-            self._small[key] = size
-            self._small_bytes += size
-        self.used += size
-        while self.used > self.capacity:
-            if self._small and (self._small_bytes > self._small_cap or not self._main):
-                self._evict_small()
-            else:
-                self._evict_main()
-        self.peak = max(self.peak, self.used)
-        return True
-
-    def _evict_small(self) -> None:
-        key, size = self._small.popitem(last=False)
-        self._small_bytes -= size
-        if self._freq[key] >= 1:          # touched while on probation: keep it
-            self._freq[key] = 0
-            self._main[key] = size
-            return
-        del self._freq[key]
-        self._account_evict(size)
-        self._ghost[key] = None
-        while len(self._ghost) > max(len(self._main), 1):  # as many keys as main holds
-            self._ghost.popitem(last=False)
-
-    def _evict_main(self) -> None:
-        key, size = self._main.popitem(last=False)
-        if self._freq[key] > 0:           # lazy promotion: reinsert with one fewer credit
-            self._freq[key] -= 1
-            self._main[key] = size
-            return
-        del self._freq[key]
-        self._account_evict(size)
+    POLICY = "s3fifo"
 
 
 EVICTIONS = {"lru": LRUCache, "lfu": LFUCache, "s3fifo": S3FIFOCache}

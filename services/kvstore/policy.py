@@ -1,7 +1,9 @@
 """Eviction policies and the byte budget of one tier.
 
 A policy only orders keys; ``Residency`` owns the sizes and the budget and asks the policy for
-victims until an admission fits, so a tier's resident bytes never exceed its budget.
+victims until an admission fits, so a tier's resident bytes never exceed its budget. Keys are the store's
+chunk ids; any hashable key works, and the cache simulator (loadgen/sim/caches.py) runs these same classes
+over its own keys: this module imports nothing but the standard library.
 
 - ``LRUPolicy``: least recently used first.
 - ``S3FIFOPolicy``: S3-FIFO (Yang et al., SOSP'23), by bytes. New keys enter a small FIFO (10% of
@@ -14,31 +16,32 @@ victims until an admission fits, so a tier's resident bytes never exceed its bud
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Protocol
 
 
 class Policy(Protocol):
-    def admit(self, key: str, size: int) -> None: ...
-    def touch(self, key: str) -> None: ...
-    def remove(self, key: str) -> None: ...
-    def evict_one(self) -> str: ...
+    def admit(self, key: Hashable, size: int) -> None: ...
+    def touch(self, key: Hashable) -> None: ...
+    def remove(self, key: Hashable) -> None: ...
+    def evict_one(self) -> Hashable: ...
 
 
 class LRUPolicy:
     def __init__(self, budget: int) -> None:
-        self._order: OrderedDict[str, None] = OrderedDict()
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
 
-    def admit(self, key: str, size: int) -> None:
+    def admit(self, key: Hashable, size: int) -> None:
         self._order[key] = None
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: Hashable) -> None:
         if key in self._order:
             self._order.move_to_end(key)
 
-    def remove(self, key: str) -> None:
+    def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
 
-    def evict_one(self) -> str:
+    def evict_one(self) -> Hashable:
         return self._order.popitem(last=False)[0]
 
 
@@ -49,14 +52,14 @@ class S3FIFOPolicy:
     def __init__(self, budget: int) -> None:
         self._small_target = max(1, int(budget * self.SMALL_FRACTION))
         self._ghost_budget = budget      # ghost remembers about as many bytes as main holds
-        self._small: OrderedDict[str, int] = OrderedDict()   # key -> size, head = oldest
-        self._main: OrderedDict[str, int] = OrderedDict()
-        self._ghost: OrderedDict[str, int] = OrderedDict()
-        self._freq: dict[str, int] = {}
+        self._small: OrderedDict[Hashable, int] = OrderedDict()   # key -> size, head = oldest
+        self._main: OrderedDict[Hashable, int] = OrderedDict()
+        self._ghost: OrderedDict[Hashable, int] = OrderedDict()
+        self._freq: dict[Hashable, int] = {}
         self._small_bytes = 0
         self._ghost_bytes = 0
 
-    def admit(self, key: str, size: int) -> None:
+    def admit(self, key: Hashable, size: int) -> None:
         self.remove(key)
         self._freq[key] = 0
         ghost_size = self._ghost.pop(key, None)
@@ -67,17 +70,17 @@ class S3FIFOPolicy:
             self._small[key] = size
             self._small_bytes += size
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: Hashable) -> None:
         if key in self._freq:
             self._freq[key] = min(self._freq[key] + 1, self.MAX_FREQ)
 
-    def remove(self, key: str) -> None:
+    def remove(self, key: Hashable) -> None:
         if key in self._small:
             self._small_bytes -= self._small.pop(key)
         self._main.pop(key, None)
         self._freq.pop(key, None)
 
-    def evict_one(self) -> str:
+    def evict_one(self) -> Hashable:
         while True:
             if self._small and (self._small_bytes >= self._small_target or not self._main):
                 key, size = self._small.popitem(last=False)
@@ -99,7 +102,7 @@ class S3FIFOPolicy:
             del self._freq[key]
             return key
 
-    def _remember_ghost(self, key: str, size: int) -> None:
+    def _remember_ghost(self, key: Hashable, size: int) -> None:
         self._ghost[key] = size
         self._ghost_bytes += size
         while self._ghost_bytes > self._ghost_budget and self._ghost:
@@ -115,17 +118,17 @@ class Residency:
 
     def __init__(self, budget: int | None, policy: str) -> None:
         self.budget = budget            # None: unbounded (object storage)
-        self.sizes: dict[str, int] = {}
+        self.sizes: dict[Hashable, int] = {}
         self.used = 0
         self._policy = make_policy(policy, budget or 1)
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
         return key in self.sizes
 
     def fits(self, size: int) -> bool:
         return self.budget is None or size <= self.budget
 
-    def victims_for(self, key: str, size: int) -> list[str]:
+    def victims_for(self, key: Hashable, size: int) -> list[Hashable]:
         """Pick (and forget) the keys to drop so that ``key`` of ``size`` bytes fits; ``key`` itself
         is forgotten first when present (a replacement). The caller deletes the victims' data."""
         if not self.fits(size):
@@ -138,16 +141,16 @@ class Residency:
             victims.append(victim)
         return victims
 
-    def add(self, key: str, size: int) -> None:
+    def add(self, key: Hashable, size: int) -> None:
         assert key not in self.sizes and (self.budget is None or self.used + size <= self.budget)
         self.sizes[key] = size
         self.used += size
         self._policy.admit(key, size)
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: Hashable) -> None:
         self._policy.touch(key)
 
-    def discard(self, key: str) -> bool:
+    def discard(self, key: Hashable) -> bool:
         size = self.sizes.pop(key, None)
         if size is None:
             return False

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -256,3 +258,11 @@ def test_simulate_refuses_options_it_would_not_use(tmp_path, capsys, argv, messa
     assert main(["simulate", str(path), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tessera simulate: error: ") and message in err and len(err.splitlines()) == 1
+
+
+def test_the_simulator_runs_the_stores_eviction_without_grpc_or_torch():
+    """LRU and S3-FIFO are the store's own (services/kvstore/policy.py), reached without the store's heavy imports."""
+    code = ("import sys; from loadgen.sim.caches import make_cache; make_cache('s3fifo', 10).insert('a', 1); "
+            "print(sorted({'grpc', 'torch', 'services.rpc'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
