@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) across a layer's Triton kernels: one process-wide switch.
+"""Programmatic dependent launch (PDL) across a layer's Triton kernels, on unless ``KernelOptions.pdl`` is off.
 
 A short pass is a chain of ~9 kernels a layer; at each boundary the GPU drains (the last programs of one
 kernel finish while SMs idle) and refills (the next kernel's programs are scheduled and run their prologue).
@@ -11,8 +11,7 @@ part has a ``PDL`` constexpr (default False); with it the program
   - then calls ``gdc_wait()`` (PTX griddepcontrol.wait) before its first read of anything a previous kernel
     may write (its inputs, the KV cache, the packed block table, positions, cos/sin) and before any write;
   - then calls ``gdc_launch_dependents()`` (griddepcontrol.launch_dependents), so the next kernel's programs
-    may be scheduled and run their own prologue while this one computes (with ``EARLY``, before the wait:
-    the order changes only when the next kernel may be scheduled, never what any kernel reads; ``enter``).
+    may be scheduled and run their own prologue while this one computes (``enter``).
 
 Why results are bit-identical with the switch off or on: griddepcontrol.wait blocks until every program of the
 preceding grid has completed and its memory operations are visible to this grid, and a PDL kernel reads
@@ -26,11 +25,11 @@ every output is the same bits. Writes cannot race earlier readers either: they a
 Only timing differs. (The skinny GEMM takes part in its one-split launches; split-K launches, which the
 Llama-3-8B table does not pick at 64 rows, stay ordinary launches.)
 
-``ENABLED`` is on by default. Measured on an H100 (bench/pdl_stack/README.md; ``bench/engine/engine.py --backends
+It is on by default (``kernels/options.py``). Measured on an H100 (bench/pdl_stack/README.md; ``bench/engine/engine.py --backends
 triton,triton:nopdl``, alternating in one process): the ``tessera@0`` pass 7.26-7.41 -> 6.97-6.98 ms with the same
 logits, ``full`` and ``tessera@0.15`` unchanged within the spread; a decode step at batch 32 11.74 -> 11.08 ms,
 at batch 8 7.62 -> 7.59 ms (``bench/decode/decode.py``). ``launch_kwargs`` says
-whether a launch on a device takes part: the switch on, compiled Triton (the interpreter has no PDL and
+whether a launch on a device takes part: the option on, compiled Triton (the interpreter has no PDL and
 never gets it), a CUDA device of compute capability 9.0 or more. Triton 3.6 and later accept
 ``launch_pdl`` as a launch option and ``gdc_wait`` / ``gdc_launch_dependents`` from
 ``triton.language.extra.cuda``.
@@ -46,19 +45,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# the one switch: every participating kernel (kernels/fused rms_norm, add_rms_norm, qkv_heads; the paged
-# prefill attention; the LSE merge; the skinny GEMMs) launches as a PDL launch when it is on; TESSERA_PDL=0 in a
-# process's environment turns it off (read once, at import)
-ENABLED = os.environ.get("TESSERA_PDL", "1") != "0"
-# when a participating kernel lets the next one be scheduled: False, after its wait (the next kernel's programs
-# may then run their prologue while this one computes); True, before its wait ("early": the next kernel may be
-# scheduled while the one before this is still running, so a GEMM two launches down the chain can take SMs as
-# they drain and ask L2 for its weights). TESSERA_PDL_EARLY=1 / 0 in the environment picks (read once, at import).
-# Measured on an H100 (bench/pdl_stack/README.md): the 32-layer chain 6.441 ms after the wait, 6.448 before it;
-# the tessera@0 pass 7.3 against 7.4 ms: off by default
-EARLY_DEFAULT = os.environ.get("TESSERA_PDL_EARLY", "0") == "1"
-EARLY = EARLY_DEFAULT
-WAIT_FIRST, TRIGGER_FIRST = 1, 2  # the PDL constexpr a participating kernel is compiled with (0: no PDL)
+from kernels.options import current
+
+# Letting the next kernel be scheduled before the wait rather than after it measured no better on an H100 (the
+# 32-layer chain 6.448 against 6.441 ms, tessera@0 7.4 against 7.3 ms: bench/pdl_stack/README.md) and was removed.
+WAIT_FIRST = 1  # the PDL constexpr a participating kernel is compiled with (0: no PDL)
 MIN_CAPABILITY = (9, 0)  # griddepcontrol: Hopper and later
 
 
@@ -79,14 +70,14 @@ def interpreted() -> bool:
 
 def active(device: torch.device) -> bool:
     """Whether a launch on ``device`` should be a programmatic dependent launch now."""
-    if not ENABLED or interpreted() or device.type != "cuda":
+    if not current().pdl or interpreted() or device.type != "cuda":
         return False
     return capability(device) >= MIN_CAPABILITY
 
 
 def mode() -> int:
-    """The PDL constexpr of a participating launch: TRIGGER_FIRST under ``EARLY``, else WAIT_FIRST."""
-    return TRIGGER_FIRST if EARLY else WAIT_FIRST
+    """The PDL constexpr of a participating launch."""
+    return WAIT_FIRST
 
 
 def launch_kwargs(device: torch.device) -> dict:
@@ -99,11 +90,8 @@ def launch_kwargs(device: torch.device) -> dict:
 @triton.jit
 def enter(PDL: tl.constexpr):
     """A participating kernel's PDL point, after its reads of never-written data and before anything else: wait
-    for the kernel before (griddepcontrol.wait) and let the next one be scheduled (launch_dependents), in the
-    order ``PDL`` says (WAIT_FIRST, or True; TRIGGER_FIRST); nothing when PDL is 0 / False."""
-    if PDL == 2:  # TRIGGER_FIRST
-        gdc_launch_dependents()
-        gdc_wait()
-    elif PDL:
+    for the kernel before (griddepcontrol.wait), then let the next one be scheduled (launch_dependents); nothing
+    when PDL is 0 / False."""
+    if PDL:
         gdc_wait()
         gdc_launch_dependents()

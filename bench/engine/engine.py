@@ -15,7 +15,6 @@ paged kernel for triton); ``<backend>-eager`` = the same engine with static tail
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import statistics
@@ -27,8 +26,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels.paged_attention.triton import SHORT_PREFILL  # noqa: E402  (the default, before any variant)
+from kernels.options import KernelOptions  # noqa: E402
 from services.engine import Engine, ModelConfig  # noqa: E402
+from services.engine.options import EngineOptions  # noqa: E402
+
+# the option sets a backend may name after a colon (triton:nopdl): each the default with one measured winner off,
+# the peer of an A/B in one process (bench/engine/README.md)
+VARIANTS = {
+    "": EngineOptions(),
+    "cublas": EngineOptions(skinny_gemm=False),             # every projection on cuBLAS
+    "nopdl": EngineOptions(kernels=KernelOptions(pdl=False)),  # no programmatic dependent launch
+    "notma": EngineOptions(kernels=KernelOptions(tma=False)),  # the skinny GEMM by pointer loads only
+    "generaltail": EngineOptions(reuse_graph=False),         # ratio-0 passes through the general static tail
+    "generalblend": EngineOptions(blend_graph=False),        # CacheBlend passes through the general path
+}
 
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -72,23 +83,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/engine/engine.json")
     ap.add_argument("--backends", default="torch,triton",
-                    help="attention backends; NAME:cublas keeps every projection on cuBLAS (no skinny Triton GEMM), "
-                         "NAME:unfused runs the skinny GEMM without SiLU*up in the gate|up launch, NAME:normed "
-                         "with the RMSNorms in its prologue and o onto the residual (model.fuse_norms), NAME:pdlN "
-                         "launches it as programmatic dependent launches prefetching N weight steps (kernels/linear), "
-                         "NAME:fusedmerge lets the short attention's KV splits merge their own partials "
-                         "(PrefillConfig(merge='fused')), NAME:nopdl launches no kernel of a layer as a programmatic "
-                         "dependent launch (kernels.pdl.ENABLED, on by default; NAME:pdlall: on), NAME:pdlearly / NAME:pdllate "
-                         "let each one the next launch before / after its own wait (kernels.pdl.EARLY), NAME:generaltail runs ratio-0 passes "
-                         "through the general static tail, not reuse_tail.py's one copy and one replay, NAME:notma streams "
-                         "the skinny GEMM table's TMA entries by pointer loads, NAME:splitsN gives short attention calls N "
-                         "KV splits, NAME:pagedcausal runs the triton backend's plain causal passes through the paged "
-                         "kernel (not SDPA's flash path: services.engine.attention.DENSE_CAUSAL), NAME:nocut lets long attention calls walk "
-                         "every key (kernels.paged_attention.triton.CUT_FUTURE), NAME:noskip lets their all-padding query tiles walk "
-                         "the keys too (SKIP_EMPTY_TILES), NAME:lsplitsN gives longer attention calls N KV "
-                         "splits (LONG_SPLITS), NAME:generalblend runs ratio > 0 passes through the general path (layer 0 and the "
-                         "selection issued op by op, then the static tail), not blend_tail.py's one copy and one graph; options join "
-                         "with '+' (NAME:pdl2+normed)")
+                    help="attention backends, each optionally with one of the named option sets of VARIANTS after a "
+                         f"colon (torch,triton,triton:nopdl); the sets: {', '.join(sorted(VARIANTS))}")
     ap.add_argument("--graphs", default="on,off", help="static tails (CUDA graphs) on, off, or both")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunks", type=int, default=6)
@@ -133,57 +129,15 @@ def main() -> int:
     variants = [(b, graphs[g]) for b in args.backends.split(",") for g in args.graphs.split(",")]
     for backend, static in variants:
         label = backend + ("" if static else "-eager")
-        backend, _, gemm = backend.partition(":")
+        backend, _, variant = backend.partition(":")
         eng = None  # the previous variant's engine (weights, KV pool, graphs) goes before the next is built
         gc.collect()
         torch.cuda.empty_cache()
         try:
+            if variant not in VARIANTS:
+                raise ValueError(f"unknown option set {variant!r}; one of {sorted(VARIANTS)}")
             eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
-                                         kv_cache_bytes=12 << 30, static_tails=static)
-            flags = gemm.split("+") if gemm else []
-            prefetch = [int(f[3:]) for f in flags if f.startswith("pdl") and f[3:].isdigit()]  # NAME:pdlN
-            splits = [int(f[6:]) for f in flags if f.startswith("splits") and f[6:].isdigit()]  # NAME:splitsN
-            lsplits = [int(f[7:]) for f in flags if f.startswith("lsplits") and f[7:].isdigit()]  # NAME:lsplitsN
-            unknown = [f for f in flags if f not in ("cublas", "unfused", "normed", "fusedmerge", "pdlall", "generaltail",
-                                                  "notma", "nopdl", "pdlearly", "pdllate", "pagedcausal", "nocut", "noskip",
-                                                  "generalblend")
-                       and not (f.startswith("pdl") and f[3:].isdigit())
-                       and not (f.startswith("splits") and f[6:].isdigit())
-                       and not (f.startswith("lsplits") and f[7:].isdigit())]
-            if unknown:
-                raise ValueError(f"unknown backend option(s) {unknown}")
-            model = eng.forward.model
-            model.skinny = "cublas" not in flags
-            model.fuse_swiglu = "unfused" not in flags
-            model.fuse_norms = "normed" in flags
-            from kernels.linear import triton as linear_kt  # PDL is a process-wide launch setting
-
-            linear_kt.PDL_PREFETCH_STEPS = prefetch[0] if prefetch else -1
-            import kernels.pdl  # every layer kernel a programmatic dependent launch (read when graphs are captured)
-
-            kernels.pdl.ENABLED = "nopdl" not in flags  # on by default; NAME:pdlall kept as a name for it
-            kernels.pdl.EARLY = "pdlearly" in flags or (kernels.pdl.EARLY_DEFAULT and "pdllate" not in flags)
-            from kernels.paged_attention import triton as attn_kt  # likewise the short attention's config
-
-            attn_kt.SHORT_PREFILL = dataclasses.replace(SHORT_PREFILL, merge="fused") if "fusedmerge" in flags \
-                else SHORT_PREFILL
-            attn_kt.CUT_FUTURE = "nocut" not in flags
-            attn_kt.SKIP_EMPTY_TILES = "noskip" not in flags
-            attn_kt.LONG_SPLITS = lsplits[0] if lsplits else None
-            if splits:  # the short calls' KV split count (None: picked from the shapes)
-                attn_kt.SHORT_PREFILL = dataclasses.replace(attn_kt.SHORT_PREFILL, num_splits=splits[0])
-            from services.engine import reuse_tail  # the ratio-0 pass through the general static tail
-
-            reuse_tail.ENABLED = "generaltail" not in flags
-            from services.engine import blend_tail  # ratio > 0 passes through the general path (eager head)
-
-            blend_tail.ENABLED = "generalblend" not in flags
-            from kernels.linear import plan as linear_plan  # the table's TMA entries as pointer loads
-
-            linear_plan.TMA_ENABLED = "notma" not in flags
-            from services.engine import attention as engine_attention  # plain causal passes: flash, or paged
-
-            engine_attention.DENSE_CAUSAL = "pagedcausal" not in flags
+                                         kv_cache_bytes=12 << 30, static_tails=static, options=VARIANTS[variant])
         except Exception as exc:  # report and go on: one backend failing must not hide the others
             results["rows"].append({"backend": label, "error": repr(exc)})
             print(f"{label}: {exc!r}", flush=True)

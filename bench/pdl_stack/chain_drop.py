@@ -1,7 +1,7 @@
 """What each non-GEMM kernel of the ratio-0 layer costs inside the 32-layer chain (issue #2's `tessera@0`).
 
 bench/pdl_stack/pdl_stack.py --chain times the engine's 9 launches a layer at 64 rows as one CUDA graph. This times the same
-chain with kernels left out, each variant captured with kernels/pdl.py's switch on and timed alternately, so the
+chain with kernels left out, each variant captured with PDL on (KernelOptions' default) and timed alternately, so the
 difference to the whole chain is what a fusion that removed those launches could save at most (the outputs of a
 chain with kernels left out are not the layer's: nothing here is checked but the timing):
 
@@ -197,7 +197,6 @@ def main() -> int:
     t, lw0 = inp["t"], inp["layers"][0]
     outs = {name: torch.randn(t, lw0[name].shape[0] // (2 if name == "wgu" else 1), device=dev,
                               dtype=torch.bfloat16) for name in ("wqkv", "wo", "wgu", "wd")}
-    pdl.ENABLED = True
     rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "pdl": pdl.active(dev),
            "gemm_pdl_steps": kt.pdl_steps(dev), "variants": {}}

@@ -15,19 +15,19 @@ and checks that every variant gives the same bits.
 ``--chain``: a 64-token suffix's whole decoder layer (bench/pdl_stack/README.md): the 9 Triton kernels the engine runs
 per layer at 64 rows (rms_norm, q|k|v GEMM, qkv_heads writing the KV cache, the paged prefill attention over 6 x
 512 cached keys with KV splits, the LSE merge, o GEMM, add_rms_norm, gate|up SwiGLU GEMM, down GEMM onto the
-residual) over --layers layers of distinct weights and caches, captured as one CUDA graph three ways: no PDL
-("off"), the GEMMs' PDL alone ("gemm", the setting measured first), kernels/pdl.py's switch on ("pdl"), and with every kernel
-letting the next launch before its own wait ("early", "early+8": the GEMMs prefetching 8 steps); timed
-alternately --rounds times; the outputs (hidden state and every layer's written KV rows) checked equal to
+residual) over --layers layers of distinct weights and caches, captured as one CUDA graph two ways: no PDL
+("off", KernelOptions(pdl=False)) and the default ("pdl"); timed alternately --rounds times; the outputs (hidden state and every layer's written KV rows) checked equal to
 off's bit for bit.
 
 Outcome (H100, 2026-11-22, bench/pdl_stack/2026-11-22_h100_2fad6bf_projections.json): 64 rows 5.298 ms without PDL, 5.210 / 5.131 / 5.147 ms with it
 (0 / 2 / 4 steps prefetched); 8 rows 5.082 ms without, 5.090 / 5.205 / 5.652 with. In the engine, where the kernels
 before most projections (norms, attention, cuBLAS) do not take part, no change beyond the spread (bench/HISTORY.md,
-2026-11-22). Kept off (kernels/linear/triton.py, PDL_PREFETCH_STEPS = -1).
+2026-11-22). The GEMMs launch with PDL (2 steps, kernels/linear/triton.py's PDL_PREFETCH_STEPS) while
+KernelOptions.pdl is on.
 
 --chain (H100, 2026-11-22, bench/pdl_stack/2026-11-22_h100_39c36a1_chain.json): off 6.562, gemm 6.623, pdl 6.441, early 6.448, early+8 6.578 ms,
-every variant the same bits: the switch stays on, EARLY off (bench/pdl_stack/README.md).
+every variant the same bits: PDL stays on; the GEMMs-alone and "early" variants were removed with the code that
+made them (bench/pdl_stack/README.md).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import triton  # noqa: E402
 
 from kernels.linear import triton as kt  # noqa: E402
 from kernels.linear.config import LinearConfig  # noqa: E402
+from kernels.options import KernelOptions, using  # noqa: E402
 
 HIDDEN, QKV, INTER = 4096, 6144, 14336
 
@@ -151,7 +152,7 @@ def chain_inputs(shape: dict, layers: int, dev, dtype, seed: int = 0) -> dict:
     masks = ((1 << visible) - 1).to(torch.int64)  # the suffix's last block: only its written slots
     inv = rope_inv_freq(d, shape["theta"]).to(device=dev, dtype=torch.float32)
     cu_e = torch.tensor([0, n_blocks], dtype=torch.int32, device=dev)
-    packed = pat.pack(idx.to(torch.int32), offsets, masks, bs, inv, with_table=pat.PREFILL_COS_SIN_TABLE,
+    packed = pat.pack(idx.to(torch.int32), offsets, masks, bs, inv, with_table=True,
                       cu_entries=cu_e)
     pos = torch.arange(ctx, ctx + t, device=dev)
     ang = pos.float()[:, None] * inv[None, :]
@@ -220,15 +221,14 @@ def _kernel_count(inp: dict) -> dict:
     return {"total": sum(names.values()), "by_name": dict(names.most_common())}
 
 
-# (name, kernels/pdl.py ENABLED, EARLY, kernels/linear/triton.py PDL_PREFETCH_STEPS), in timing order
-VARIANTS = (("off", False, False, -1), ("gemm", False, False, 2), ("pdl", True, False, -1),
-            ("early", True, True, -1), ("early+8", True, True, 8))
+# (name, the kernel options its graph is captured under), in timing order
+VARIANTS = (("off", KernelOptions(pdl=False)), ("pdl", KernelOptions()))
 
 
 def chain_main(argv: list[str]) -> int:
     from kernels import pdl
 
-    ap = argparse.ArgumentParser(description="the whole layer chain with kernels/pdl.py's switch off and on")
+    ap = argparse.ArgumentParser(description="the whole layer chain with KernelOptions.pdl off and on")
     ap.add_argument("--out")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5, help="the variants timed alternately this many times")
@@ -251,34 +251,28 @@ def chain_main(argv: list[str]) -> int:
     def snapshot(out):  # the hidden state and every layer's written KV rows
         return [out.clone()] + [x[s:].clone() for lw in inp["layers"] for x in (lw["k"], lw["v"])]
 
-    # off; the GEMMs alone (the setting measured first: PDL_PREFETCH_STEPS = 2, the switch off); the whole layer (the switch);
-    # the whole layer with every kernel letting the next one launch before its own wait (kernels/pdl.py's EARLY),
-    # with the GEMMs' default prefetch and with 8 steps
-    saved = pdl.ENABLED, pdl.EARLY, kt.PDL_PREFETCH_STEPS  # each variant sets all three; restored after
-    for name, on, early, gemm_steps in VARIANTS:
-        pdl.ENABLED, pdl.EARLY, kt.PDL_PREFETCH_STEPS = on, early, gemm_steps
-        try:
-            active = pdl.active(dev)
-            steps = kt.pdl_steps(dev) if cuda else -1  # what the GEMMs launch with (the interpreter: no PDL)
-            out = chain_forward(inp)  # eager: compiles every variant
-            if cuda:
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = chain_forward(inp)
-                graph.replay()
-                torch.cuda.synchronize()
-                graphs[name] = (graph, out)
-        except Exception as exc:  # report what failed, and stop: there is nothing to compare
-            rec["variants"][name] = {"error": repr(exc)[:1000]}
-            print(f"{name}: FAILED {exc!r}"[:1000], flush=True)
-            if args.out:
-                Path(args.out).write_text(json.dumps(rec, indent=2))
-            return 1
-        finally:
-            pdl.ENABLED, pdl.EARLY, kt.PDL_PREFETCH_STEPS = saved
+    for name, options in VARIANTS:
+        with using(options):
+            try:
+                active = pdl.active(dev)
+                steps = kt.pdl_steps(dev) if cuda else -1  # what the GEMMs launch with (the interpreter: no PDL)
+                out = chain_forward(inp)  # eager: compiles every variant
+                if cuda:
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        out = chain_forward(inp)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    graphs[name] = (graph, out)
+            except Exception as exc:  # report what failed, and stop: there is nothing to compare
+                rec["variants"][name] = {"error": repr(exc)[:1000]}
+                print(f"{name}: FAILED {exc!r}"[:1000], flush=True)
+                if args.out:
+                    Path(args.out).write_text(json.dumps(rec, indent=2))
+                return 1
         results[name] = snapshot(out)
-        rec["variants"][name] = {"layer_pdl": active, "early": early, "gemm_pdl_steps": steps, "ms": []}
+        rec["variants"][name] = {"layer_pdl": active, "gemm_pdl_steps": steps, "ms": []}
         print(f"{name}: {'captured' if cuda else 'ran'} (whole-layer PDL: {active}, GEMM PDL prefetch steps: "
               f"{steps if steps >= 0 else 'off'})", flush=True)
 
@@ -291,14 +285,11 @@ def chain_main(argv: list[str]) -> int:
     print(f"outputs (hidden state and the written KV rows) equal to off's bit for bit: {rec['same_bits']}; "
           f"finite: {rec['finite']}", flush=True)
     if cuda:
-        pdl.ENABLED = True
         try:
-            rec["kernels_per_pass"] = _kernel_count(inp)  # (with the switch on: what the "pdl" graph holds)
+            rec["kernels_per_pass"] = _kernel_count(inp)  # (with PDL on: what the "pdl" graph holds)
             print(f"kernels in one pass: {rec['kernels_per_pass']['total']}", flush=True)
         except Exception as exc:  # the count is a check, not the measurement: go on
             rec["kernels_per_pass"] = {"error": repr(exc)[:400]}
-        finally:
-            pdl.ENABLED = saved[0]
         for r in range(args.rounds):
             for name, (graph, _) in graphs.items():
                 ms = _graph_ms(graph, args.reps)

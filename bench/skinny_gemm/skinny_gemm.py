@@ -497,7 +497,7 @@ SMOKE_TMA_CASES = {"qkv": ("plain", 96, 128, 3, 2), "o": ("plain", 128, 128, 3, 
                    "gate_up": ("swiglu", 192, 128, 3, 2), "down": ("accumulate", 128, 96, 3, 2),
                    "lm_head": ("plain", 200, 128, 1, 2)}
 TMA_SMEM_LIMIT = 224 * 1024  # of the H100's 227 KB: every stage of x and weight tiles, + barriers and scratch
-TMA_AB_PDL_STEPS = 2  # the layer stack's PDL variants: kernels.linear.triton.SWITCH_PREFETCH_STEPS (measured best)
+TMA_AB_PDL_STEPS = 2  # the layer stack's PDL variants: kernels.linear.triton.PDL_PREFETCH_STEPS (measured best)
 
 
 def tma_grid(kind: str, m: int, n: int, k: int) -> list[LinearConfig]:
@@ -564,7 +564,7 @@ def _warm_tma(task) -> str | None:
 def _tma_call(kind: str, x, acc, pdl: int = -1):
     """fn(cfg, w) -> the launch as the model makes it (cfg None: cuBLAS; gate|up then unfused, without SiLU);
     ``pdl`` >= 0: the kernel as a programmatic dependent launch asking L2 for that many weight steps first
-    (kernels/pdl.py's switch launches it so with kernels.linear.triton.SWITCH_PREFETCH_STEPS)."""
+    (PDL launches it so with kernels.linear.triton.PDL_PREFETCH_STEPS)."""
     from kernels.linear import triton as kt
 
     def call(cfg, w):

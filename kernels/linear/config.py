@@ -81,8 +81,7 @@ def _TMA(m, n, k, stages):  # noqa: N802
 # Measured on an H100 by bench/skinny_gemm/skinny_gemm.py (bench/skinny_gemm/README.md): the fastest config per
 # Llama-3-8B projection (N, K) and row count, as ((largest M, config), ...) in ascending M; None where cuBLAS
 # was faster (the caller keeps cuBLAS there). q|k|v and o at 64 rows, where the two were level (20.6 against
-# 20.5 us, 14.8 against 14.9 us), go to the kernel: it can take the layer's norm and o's residual
-# (services/engine/model.py, ``fuse_norms``). Shapes or M past the last entry fall back to the kernel's heuristic.
+# 20.5 us, 14.8 against 14.9 us), go to the kernel. Shapes or M past the last entry fall back to the kernel's heuristic.
 # The 64-row entries stream their tiles by TMA (``tma="xw"``): the same bits as the pointer kernel and 0.5-2.5%
 # faster per launch, the 32-layer stack 5.29 -> 5.20 ms (bench/skinny_gemm/skinny_gemm.py --tma-ab;
 # bench/skinny_gemm/README.md).

@@ -12,6 +12,7 @@ import triton
 
 from kernels.counters import ArrivalCounters
 from kernels.linear.config import LinearConfig, table_config
+from kernels.options import current
 
 MAX_TILES_COUNTED = 1 << 16  # per-tile arrival counters kept per device (a launch with more gets its own)
 
@@ -39,16 +40,12 @@ def heuristic_config(m: int, n: int, k: int, sms: int = 132) -> LinearConfig:
     return LinearConfig(block_m, block_n, block_k, split_k=split, num_warps=4, num_stages=4)
 
 
-# False: every table entry streams by pointer loads (its tma field ignored); the A/B of bench/engine/engine.py's NAME:notma
-TMA_ENABLED = True
-
-
 def pick_config(m: int, n: int, k: int, sms: int = 132) -> LinearConfig:
     """The table's config for (N, K) and the smallest listed M bound >= m, else the heuristic (also where
     the table prefers cuBLAS: a caller asking the kernel anyway gets a working launch)."""
     cfg = table_config(m, n, k)
     cfg = cfg if isinstance(cfg, LinearConfig) else heuristic_config(m, n, k, sms)
-    return cfg if TMA_ENABLED or cfg.tma == "off" else dataclasses.replace(cfg, tma="off")
+    return cfg if cfg.tma == "off" or current().tma else dataclasses.replace(cfg, tma="off")
 
 
 _COUNTERS = ArrivalCounters(MAX_TILES_COUNTED)

@@ -39,12 +39,11 @@ from kernels.linear.config import LinearConfig
 from kernels.linear.plan import (  # noqa: F401  (re-exported: the bench and the tests name them here)
     _COUNTERS, MAX_TILES_COUNTED, _counters, heuristic_config, pick_config, sm_count, split_plan, swiglu_config)
 
-# Programmatic dependent launch of one-split launches (CUDA): -1 off; N >= 0 on, each program first asking L2
-# for N steps of its weight rows while the kernel before it finishes. Off until measured (bench/pdl_stack/pdl_stack.py).
-PDL_PREFETCH_STEPS = -1
-# with PDL_PREFETCH_STEPS at -1, kernels/pdl.py's layer-wide switch turns the GEMMs' PDL on with this many
-# steps (the best of bench/pdl_stack/pdl_stack.py's projection chain at 64 rows: 5.30 -> 5.13 ms)
-SWITCH_PREFETCH_STEPS = 2
+# One-split launches are programmatic dependent launches while kernels/pdl.py says a launch on their device takes
+# part (KernelOptions.pdl), each program first asking L2 for this many steps of its weight rows while the kernel
+# before it finishes (the best of bench/pdl_stack/pdl_stack.py's projection chain at 64 rows: 5.30 -> 5.13 ms);
+# a caller's own ``pdl=`` (-1 off, N >= 0 steps) overrides it per launch.
+PDL_PREFETCH_STEPS = 2
 # norm prologue (``norm=``): weight steps each program asks L2 for before its pre-pass over x reads the rows'
 # sums of squares (HBM streams meanwhile; not yet measured: bench/skinny_gemm/skinny_gemm.py --norm-ab sweeps it), and
 # the pre-pass loop's pipeline depth (tiles of x in flight from L2)
@@ -294,11 +293,9 @@ def _tma_or_pointer(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig) -> Line
 
 
 def pdl_steps(device: torch.device) -> int:
-    """The PDL prefetch depth a launch on ``device`` gets when its caller names none: PDL_PREFETCH_STEPS when
-    set (>= 0), else SWITCH_PREFETCH_STEPS while kernels/pdl.py's switch is on there, else -1 (off)."""
-    if PDL_PREFETCH_STEPS >= 0:
-        return PDL_PREFETCH_STEPS
-    return SWITCH_PREFETCH_STEPS if pdl_switch.active(device) else -1
+    """The PDL prefetch depth a launch on ``device`` gets when its caller names none: PDL_PREFETCH_STEPS while
+    kernels/pdl.py says a launch there takes part, else -1 (an ordinary launch)."""
+    return PDL_PREFETCH_STEPS if pdl_switch.active(device) else -1
 
 
 def warmup(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, *, bias: bool = False,

@@ -63,8 +63,7 @@ def _merge_part(m, l, acc, p, outs_ptr, lses_ptr, stride_op, stride_or, stride_l
 def merge_step(m, l, acc, lse_p, o_p):
     """One part into a running merge of [R] rows: m (running max, log2 units), l (sum of weights), acc [R, D]
     (weighted sum of outputs); lse_p [R] the part's natural-log LSE (-inf: it saw nothing), o_p [R, D] its output.
-    The one definition of the merge's arithmetic: _merge_kernel and the prefill kernel's own merge
-    (kernels/paged_attention/_prefill_merge.py) both step through it, so their results are the same bits."""
+    The one definition of the merge's arithmetic (_merge_kernel's loop)."""
     lse_p = lse_p.to(tl.float32) * LOG2E
     m_new = tl.maximum(m, lse_p)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -19,9 +19,8 @@ anywhere in the context (CacheBlend's recomputed tokens), not only a suffix. The
 only on steps that need it: a key later than the tile's oldest query, a hidden slot, or a group's
 partial last step. One small launch before the kernel (step_key_bounds) writes each step's latest
 key position, so that the kernel decides this from one int per step, without reading slot positions.
-Optional KV splits (flash-decoding style) write fp32 partials that kernels/lse_merge merges, or
-(PrefillConfig.merge "fused") that the last split program of each (tile, KV head) merges itself
-(_prefill_merge.py): one launch.
+Optional KV splits (flash-decoding style) write fp32 partials that kernels/lse_merge merges (the split programs
+merging their own partials measured slower on an H100 and was removed: bench/short_attention/README.md).
 
 With kernels/pdl.py's switch on (sm_90+), the kernel and its key-bounds pass are programmatic dependent
 launches: each program waits for the kernel before (griddepcontrol.wait) before its first read.
@@ -43,7 +42,6 @@ from kernels import pdl
 from kernels.lse_merge.triton import merge_rows
 from kernels.pdl import enter as pdl_enter
 from kernels.paged_attention._meta import PackedTable, dot_f32, sm_count
-from kernels.paged_attention._prefill_merge import arrival_counters, arrive_and_merge
 from kernels.paged_attention._prefill_query import (ROT_MODES, cos_sin, join_halves, query_halves, rotate_halves,
                                                     rotated_query)
 from kernels.paged_attention._prefill_split import MAX_PLAN_GROUPS, PLANS, plan_by_steps, prefetch_kv
@@ -52,7 +50,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 INT32_MAX = tl.constexpr(2**31 - 1)
 BOUNDS_BLOCK = 128  # entries per program of _key_bounds_kernel
-MERGES = ("loop", "all", "fused")
+MERGES = ("loop", "all")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +89,8 @@ class PrefillConfig:
     # each split asks L2 for its share of its K/V rows before its first step (PTX prefetch; loads in the interpreter)
     prefetch_kv: bool = False
     prefetch_entries: int = 16  # entries per prefetch round
-    # how split partials are merged: by a second launch (kernels/lse_merge), "loop" over parts or "all" parts
-    # loaded at once; or "fused": the last split program of each (tile, KV head) to finish merges the group's
-    # partials in split order itself (_prefill_merge.py; same arithmetic as "loop", no second launch; slower for
-    # the 64-query short pass on an H100: bench/short_attention/README.md)
+    # how split partials are merged by the second launch (kernels/lse_merge): "loop" over parts or "all" parts
+    # loaded at once
     merge: str = "loop"
     min_split_steps: int = 8  # the automatic split count leaves each split at least this many steps
     # the step loop's block ids, slot masks and K/V row offsets in 32 bits (used only where the caches have
@@ -130,7 +126,7 @@ class PrefillConfig:
 @triton.jit
 def _prefill_kernel(
     q_ptr, qpos_ptr, k_ptr, v_ptr, slotpos_ptr, meta_ptr, mask_ptr, tab_ptr, invf_ptr, hi_ptr,
-    cu_q_ptr, starts_ptr, cu_g_ptr, out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, cnt_ptr,
+    cu_q_ptr, starts_ptr, cu_g_ptr, out_ptr, lse_ptr,
     n_seqs, n_split, qk_scale,
     stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     stride_kb, stride_ks, stride_kh,
@@ -140,7 +136,7 @@ def _prefill_kernel(
     ROT_MODE: tl.constexpr, ROT_NARROW: tl.constexpr, GROUP_GUARD: tl.constexpr, SEARCH: tl.constexpr,
     PLAN_STEPS: tl.constexpr = False, GP: tl.constexpr = 1, PREFETCH_KV: tl.constexpr = False,
     EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1, IDX32: tl.constexpr = False,
-    PREFETCH_EMULATE: tl.constexpr = False, MERGE_FUSED: tl.constexpr = False, PDL: tl.constexpr = False,
+    PREFETCH_EMULATE: tl.constexpr = False, PDL: tl.constexpr = False,
     lo_ptr=None, CUT: tl.constexpr = False, CUT_LANES: tl.constexpr = 1, SKIP_EMPTY: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
@@ -303,10 +299,6 @@ def _prefill_kernel(
     o_row = out_ptr + split * stride_os + o_rows[:, None]
     tl.store(o_row + dd[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + split * stride_ls + l_rows, lse, mask=row_ok)
-    if MERGE_FUSED:  # the group's last split to arrive merges (a tile past its sequence's end has no group)
-        if t0 < q_hi:
-            arrive_and_merge(out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, cnt_ptr, tile * tl.num_programs(1) + h, n_split,
-                             o_rows, l_rows, row_ok, stride_os, stride_ls, D)
 
 
 @triton.jit
@@ -452,13 +444,6 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         lse = torch.empty((nsplit, t, hq), dtype=torch.float32, device=q.device)
     if t == 0:
         return (out, lse) if nsplit == 1 else (torch.empty_like(q), lse[0])
-    fused = nsplit > 1 and cfg.merge == "fused"
-    if fused:  # the kernel merges: its final output and LSE, and the per-(tile, KV head) arrival counters
-        fin = torch.empty((t, hq, dim), dtype=q.dtype, device=q.device)
-        fin_lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
-        counters = arrival_counters(q.device, n_tiles * hkv)
-    else:
-        fin, fin_lse, counters = out, lse, packed.meta  # unread
     if key_hi is None or (cfg.cut_future and key_floor is None):
         bounds = step_key_bounds(packed, slot_pos, bs, nb, floors=cfg.cut_future)
         key_hi, key_floor = bounds if cfg.cut_future else (bounds, None)
@@ -469,7 +454,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
     _prefill_kernel[grid](
         q, q_pos, k_cache, v_cache, slot_pos, packed.meta, packed.masks,
         packed.table if packed.table is not None else packed.meta, inv_freq, key_hi,
-        cu_q, packed.group_starts, packed.cu_groups, out, lse, fin, fin_lse, counters,
+        cu_q, packed.group_starts, packed.cu_groups, out, lse,
         n_seqs, nsplit, float(scale) * LOG2E.value,
         q.stride(0), q.stride(1), *(out.stride()[:3] if nsplit > 1 else (0, *out.stride()[:2])),
         *(lse.stride()[:2] if nsplit > 1 else (0, lse.stride(0))),
@@ -481,15 +466,13 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         SEARCH=nsplit > 1, PLAN_STEPS=plan_steps, GP=gp if plan_steps else 1,
         PREFETCH_KV=cfg.prefetch_kv, PREFETCH_EMULATE=interpreted, EPS=cfg.prefetch_entries,
         LINES=max(1, dim * k_cache.element_size() // 128), LINE=max(1, 128 // k_cache.element_size()),
-        IDX32=cfg.index32 and max(_span(k_cache), _span(slot_pos)) < 2**31, MERGE_FUSED=fused,
+        IDX32=cfg.index32 and max(_span(k_cache), _span(slot_pos)) < 2**31,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         **(dict(lo_ptr=key_floor, CUT=True, CUT_LANES=cfg.cut_lanes) if cfg.cut_future else {}),
         **(dict(SKIP_EMPTY=True) if cfg.skip_empty_tiles else {}),
     )
     if nsplit == 1:
         return out, lse
-    if fused:
-        return fin, fin_lse
     merged, merged_lse = merge_rows(out.reshape(nsplit, t * hq, dim), lse.reshape(nsplit, t * hq), q.dtype,
                                     all_parts=cfg.merge == "all")
     return merged.reshape(t, hq, dim), merged_lse.reshape(t, hq)

@@ -17,30 +17,23 @@ from kernels.paged_attention._meta import (PackedTable, empty_decode_packed, emp
 
 __all__ = ["paged_prefill_attention", "paged_decode_attention", "paged_prefill_packed", "paged_decode_packed",
            "decode_splits", "prefill_key_bounds", "prefill_bounds_for", "pack", "pack_into", "pack_table_into", "empty_packed", "empty_decode_packed",
-           "PackedTable", "PREFILL_COS_SIN_TABLE", "DECODE_COS_SIN_TABLE"]
+           "PackedTable", "prefill_config", "SHORT_PREFILL", "SHORT_PREFILL_TOKENS"]
 
-# cos/sin of the per-entry offsets: gathered from an fp32 table (True) or evaluated in the kernel.
-# Measured (bench/kernels/README.md): the table is 0.5-1% faster in both kernels, so it is the default.
-PREFILL_COS_SIN_TABLE = True
-DECODE_COS_SIN_TABLE = True
+# cos/sin of the per-entry offsets are gathered from an fp32 table packed with the block table (``pack``'s
+# with_table), not evaluated in the kernel: 0.5-1% faster in both kernels (bench/kernels/README.md).
 
 # paged_prefill_packed's configuration for calls of at most SHORT_PREFILL_TOKENS query tokens (a short suffix
 # over many chunks: few query tiles, the grid made of KV splits; bench/short_attention/short_attention.py times the candidates);
 # None: the default PrefillConfig for every call. Measured (bench/short_attention/README.md): a 64-token
 # suffix over 6 x 512 keys takes 29.4 us cold with exact tiles and 8 splits (what min_split_steps=6 picks there)
-# against 31.4 us with the default (6 splits and a fifth, empty query tile). merge="fused" (the split programs
-# merge their own partials, no LSE-merge launch: _prefill_merge.py) measured slower here (32.6 against 26.5 us
-# at 8 splits: each (tile, KV head)'s last program reads all 8 partials on one SM; bench/short_attention/README.md)
-# (no cut_future: a suffix after its chunks has no key to cut, and the pass keeps its one key-bounds launch)
-SHORT_PREFILL: _prefill.PrefillConfig | None = _prefill.PrefillConfig(exact_tiles=True, min_split_steps=6)
+# against 31.4 us with the default (6 splits and a fifth, empty query tile). (no cut_future: a suffix after its chunks has no key to cut, and the pass keeps its one key-bounds launch)
+SHORT_PREFILL = _prefill.PrefillConfig(exact_tiles=True, min_split_steps=6)
 SHORT_PREFILL_TOKENS = 128
-# longer calls skip each offset group's keys after the tile's latest query (PrefillConfig.cut_future); False: they
-# walk every key (the A/B of bench/engine/engine.py's NAME:nocut). Measured (bench/engine/README.md): tessera@0.15
-# 22.5 / 21.9 against 24.2 / 22.8 ms, tessera@0.3 36.4 / 35.9 against 38.2 / 38.1, the same bits
-CUT_FUTURE = True
-SKIP_EMPTY_TILES = True  # and skip query tiles that are all padding (False: the A/B of NAME:noskip)
-# KV splits of longer calls (None: picked from the grid, PrefillConfig's pick_splits)
-LONG_SPLITS: int | None = None
+# longer calls skip each offset group's keys after the tile's latest query (PrefillConfig.cut_future; measured
+# on an H100, bench/engine/README.md: tessera@0.15 22.5 / 21.9 against 24.2 / 22.8 ms, tessera@0.3 36.4 / 35.9
+# against 38.2 / 38.1, the same bits) and query tiles that are all padding (skip_empty_tiles); their KV splits
+# are picked from the grid unless the caller names a count
+LONG_PREFILL = _prefill.PrefillConfig(cut_future=True, skip_empty_tiles=True)
 
 
 def _check(q, k_cache, v_cache, inv_freq, cu_entries) -> None:
@@ -82,7 +75,7 @@ def paged_prefill_attention(q, q_pos, k_cache, v_cache, slot_pos, block_ids, off
     if slot_pos.shape != k_cache.shape[:2]:
         raise ValueError(f"slot_pos {tuple(slot_pos.shape)} must be [N, BS] = {tuple(k_cache.shape[:2])}")
     q, inv_freq, q_pos, slot_pos, cu_q, cu_entries = _prep(q, inv_freq, q_pos, slot_pos, cu_q, cu_entries)
-    packed = pack(block_ids, offsets, masks, k_cache.shape[1], inv_freq, with_table=PREFILL_COS_SIN_TABLE,
+    packed = pack(block_ids, offsets, masks, k_cache.shape[1], inv_freq, with_table=True,
                   cu_entries=cu_entries)
     return _prefill.launch(q, q_pos, k_cache, v_cache, slot_pos, packed, cu_q, inv_freq, scale)
 
@@ -134,13 +127,10 @@ def paged_prefill_packed(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTab
 
 
 def prefill_config(n_tokens: int, num_splits: int | None = None) -> _prefill.PrefillConfig:
-    """The configuration paged_prefill_packed launches n_tokens queries with (SHORT_PREFILL for short calls);
-    num_splits None: the kernel picks its splits from the shapes."""
-    base = SHORT_PREFILL if SHORT_PREFILL is not None and n_tokens <= SHORT_PREFILL_TOKENS else None
-    if base is None:
-        return _prefill.PrefillConfig(num_splits=num_splits if num_splits is not None else LONG_SPLITS,
-                                      cut_future=CUT_FUTURE, skip_empty_tiles=SKIP_EMPTY_TILES)
-    return dataclasses.replace(base, num_splits=num_splits if num_splits is not None else base.num_splits)
+    """The configuration paged_prefill_packed launches n_tokens queries with (SHORT_PREFILL for short calls, else
+    LONG_PREFILL); num_splits None: the configuration's own (None: the kernel picks its splits from the shapes)."""
+    base = SHORT_PREFILL if n_tokens <= SHORT_PREFILL_TOKENS else LONG_PREFILL
+    return base if num_splits is None else dataclasses.replace(base, num_splits=num_splits)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, cu_entries, inv_freq, scale):
@@ -149,7 +139,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, cu_en
     if cu_entries.numel() != q.shape[0] + 1:
         raise ValueError(f"cu_entries has {cu_entries.numel()} bounds for {q.shape[0]} sequences")
     q, inv_freq, cu_entries = _prep(q, inv_freq, cu_entries)
-    packed = pack(block_ids, offsets, masks, k_cache.shape[1], inv_freq, with_table=DECODE_COS_SIN_TABLE)
+    packed = pack(block_ids, offsets, masks, k_cache.shape[1], inv_freq, with_table=True)
     return _decode.launch(q, k_cache, v_cache, packed, cu_entries, inv_freq, scale)
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import os
 import shlex
 import sys
 
 from loadgen.replay.target import MODES
+from services import env
 
 _SDK_MISSING = ("tessera replay --target ADDR drives the cluster through its SDK (services.sdk), "
                 "which this tree does not have yet; --target fake runs the load generator against "
@@ -65,7 +65,7 @@ def resolve_target(spec: str):
     from loadgen.replay.cluster_target import ClusterTarget
     from services.sdk import Client, TesseraError
 
-    token = os.environ.get("TESSERA_TOKEN")
+    token = env.read("TESSERA_TOKEN")
     try:  # one short Stats call first: a wrong address fails in seconds, not at the first request
         with Client(spec, token=token, timeout=10.0, retries=1) as probe:
             probe.stats()

@@ -67,8 +67,12 @@ class EngineSettings:
 
         if self.device == "cpu":
             torch.set_num_threads(self.torch_threads)
+        from services.engine.options import EngineOptions
+
+        # the worker's one read of its environment (services/env.py; README "Environment variables")
         return Engine.load(self.model_dir, device=self.device, dtype=self.dtype, block_size=self.block_size,
-                           kv_cache_bytes=self.kv_cache_bytes, chunk_cache_bytes=self.chunk_cache_bytes)
+                           kv_cache_bytes=self.kv_cache_bytes, chunk_cache_bytes=self.chunk_cache_bytes,
+                           options=EngineOptions.from_env())
 
 
 @dataclass(slots=True)

@@ -18,6 +18,8 @@ import os
 import shutil
 from pathlib import Path
 
+from services import env
+
 log = logging.getLogger(__name__)
 ENV = "TESSERA_TORCH_PROFILE"
 _ACTIVE: list = []          # the window recording in this process: torch runs one profiler per process
@@ -39,7 +41,7 @@ def parse(spec: str) -> tuple[Path, int, int]:
 class ProfileWindow:
     def __init__(self, name: str, role: str, spec: str | None = None) -> None:
         if spec is None:
-            spec = os.environ.get(f"{ENV}_{role.upper()}") or os.environ.get(ENV)
+            spec = env.read(f"{ENV}_{role.upper()}") or env.read(ENV)
         self.name = name
         self.units = 0
         self._prof = None

@@ -7,7 +7,7 @@ Both see the same thing: the layer's paged K/V, the slot positions, and a reques
     entry's offset on the fly by rotating the query backwards once per offset group (the same math:
     (R_m q)·(R_{o+j} k) == (R_{m-o} q)·(R_j k)); nothing is re-rotated in memory. A pass whose caller
     says it is plain causal (its keys are its own queries, in order: ``full``, a chunk computed alone, the
-    layers before CacheBlend's check layer) takes the torch backend's flash path instead (``DENSE_CAUSAL``).
+    layers before CacheBlend's check layer) takes the torch backend's flash path instead.
 """
 
 from __future__ import annotations
@@ -132,13 +132,6 @@ class TorchAttention(Attention):
         return out[0].transpose(0, 1)
 
 
-# TritonAttention's plain causal passes (the caller's causal=True) through TorchAttention's flash path: the keys
-# gathered from the pool (a chunk's offset applied by a rotation of the gathered copy) and SDPA with is_causal,
-# which on an H100 is cuDNN's flash kernel. Measured (bench/engine/README.md): the paged kernel spent 22.6 ms of
-# a 3,136-token full pass's GPU time in attention, cuDNN 6.5 ms. False: every pass through the paged kernel.
-DENSE_CAUSAL = True
-
-
 class TritonAttention(Attention):
     name = "triton"
 
@@ -152,7 +145,11 @@ class TritonAttention(Attention):
         self._dense = TorchAttention(pool, self.inv_freq, scale)  # the flash path of plain causal passes
 
     def prefill(self, layer, q, q_pos, table, causal=None):
-        if causal is True and DENSE_CAUSAL:
+        if causal is True:
+            # plain causal passes through TorchAttention's flash path: the keys gathered from the pool (a chunk's
+            # offset applied by a rotation of the gathered copy) and SDPA with is_causal, which on an H100 is
+            # cuDNN's flash kernel. Measured (bench/engine/README.md): the paged kernel spent 22.6 ms of a 3,136-token
+            # full pass's GPU time in attention, cuDNN 6.5 ms
             return self._dense.prefill(layer, q, q_pos, table, causal=True)
         kt, key = self._kt, (id(table), id(q_pos))
         args = self._memo.get(key)
@@ -162,7 +159,7 @@ class TritonAttention(Attention):
             # bounds checked on the host, [0, n] made on the device: no sync with the GPU
             cu_q, cu_e = cu_one(q.shape[0], q.device), cu_one(table.num_entries, q.device)
             packed = kt.pack(table.block_ids, table.offsets, table.masks, self.pool.block_size, self.inv_freq,
-                             with_table=kt.PREFILL_COS_SIN_TABLE, cu_entries=cu_e, bounds=self.bounds(table))
+                             with_table=True, cu_entries=cu_e, bounds=self.bounds(table))
             # the kernel's key bounds (and floors) once per pass too: slot positions are written before a pass's
             # first layer, as the torch backend's memo assumes
             bounds = kt.prefill_bounds_for(packed, self.pool.slot_pos, q.shape[0])

@@ -210,7 +210,7 @@ def blend_pass(fwd, placed, chunks, pinned, private, suffix, mode, ratio, blend:
     """Reuse pass over placed chunks (tessera, blend_copy, position_aware) -> (logits, Sequence).
     ``keep_tables`` False: the caller only releases the Sequence (a lean pass may then leave its tables out)."""
     copy = mode == "blend_copy"
-    if ratio == 0.0 and not copy and reuse_tail.ENABLED and fwd.static_tail(len(suffix)):
+    if ratio == 0.0 and not copy and fwd.options.reuse_graph and fwd.static_tail(len(suffix)):
         return reuse_tail.reuse_tail_pass(fwd, placed, chunks, pinned, private, suffix, stats, keep_tables)
     n_layers, c = fwd.cfg.num_layers, blend.check_layer
     t0 = time.perf_counter()

@@ -33,7 +33,6 @@ padding (the scratch block, nothing shown)], the order of blend.RequestTables.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -49,9 +48,6 @@ from services.engine.graphs import PAD_POS, T_BUCKET, KeyedTails, StaticTail, bu
 from services.engine.request import Sequence
 from services.engine.reuse_tail import StagedInputs
 
-# reuse passes take this path where it applies (off: the general one, blend.blend_pass); TESSERA_BLEND_GRAPH=0 in a
-# worker's environment turns it off there (an A/B in the serving path)
-ENABLED = os.environ.get("TESSERA_BLEND_GRAPH", "1") != "0"
 HEAD_BUCKET = 128  # head rows (every token of the request) padded to a multiple of this
 # requests of more tokens run the general path: their layer 0 alone keeps the GPU busy long enough to hide
 # the host, and a graph's buffers for them would hold as much memory as the activations of a long prefill
@@ -59,8 +55,9 @@ HEAD_MAX_TOKENS = 8192
 
 
 def applies(fwd, placed, suffix, mode: str, ratio: float, check_layer: int) -> bool:
-    """Whether a reuse pass (tessera, position_aware, blend_copy) takes this path."""
-    if not ENABLED or ratio == 0.0 or mode == "blend_copy" or check_layer != 1:
+    """Whether a reuse pass (tessera, position_aware, blend_copy) takes this path (EngineOptions.blend_graph off:
+    never; the general one, blend.blend_pass, runs it)."""
+    if not fwd.options.blend_graph or ratio == 0.0 or mode == "blend_copy" or check_layer != 1:
         return False
     n_chunk = sum(p.entry.length for p in placed)
     n_keep = int(round(ratio * n_chunk))

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.options import current
 from kernels.paged_attention import MAX_OFFSET, check_encodable
 from kernels.rope import gather_rotate, rope_cos_sin
 from services.engine.block_table import full_mask
@@ -191,7 +192,7 @@ class _TritonDecode:
         kt = fwd.attention._kt
         if inp.packed is None:
             inp.packed = kt.empty_decode_packed(inp.cap, fwd.pool.block_size, fwd.cfg.head_dim, fwd.device,
-                                                masks=inp.masks, with_table=kt.DECODE_COS_SIN_TABLE)
+                                                masks=inp.masks, with_table=True)
 
     def prepare(self) -> None:
         att, inp = self.fwd.attention, self.inp
@@ -250,6 +251,7 @@ class DecodeGraph:
         self.rope_by_pos = fwd.model.rope_backend != "torch"
         self.out = torch.zeros(b, fwd.cfg.vocab_size, dtype=torch.float32, device=fwd.device)
         self.graph, self.graph_pool = None, graph_pool
+        self.kernel_options = None  # set at capture
 
     def _body(self) -> None:
         fwd, inp, b = self.fwd, self.inp, self.b
@@ -274,6 +276,7 @@ class DecodeGraph:
             return self.out
         if self.graph is None:
             self.graph = capture(self._body, self.graph_pool)   # the step's writes are idempotent
+            self.kernel_options = current()  # what its launches were captured with (kernels/options.py)
         self.graph.replay()
         return self.out
 

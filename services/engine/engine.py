@@ -8,6 +8,7 @@ Public API (services, tests and outside checks call exactly this):
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.options import using
 from kernels.paged_attention import MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
 from services.engine.blend import BlendConfig
 from services.engine.block_pool import BlockPool
@@ -25,6 +27,7 @@ from services.engine.config import ModelConfig
 from services.engine.forward import Forward
 from services.engine.handoff import Handoff, import_sequence
 from services.engine.handoff_export import export_sequence, stage_export
+from services.engine.options import EngineOptions
 from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
 from services.engine.request_ids import CheckedRequest, KnownChunks, request_ids
 from services.engine.sampling import SamplingParams, sample
@@ -32,6 +35,15 @@ from services.engine.weights import ModelWeights, fingerprint, load_weights, sta
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def launches(method):
+    """A method that launches kernels does so under its engine's kernel options (kernels/options.py)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with using(self.options.kernels):
+            return method(self, *args, **kwargs)
+    return run
 
 
 def _default_backend(device: torch.device) -> str:
@@ -44,7 +56,7 @@ class Engine:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, fingerprint: str, device: torch.device,
                  dtype: torch.dtype, attention_backend: str, block_size: int, kv_cache_bytes: int,
                  chunk_cache_bytes: int, blend: BlendConfig, model_dir: Path | None = None,
-                 static_tails: bool | None = None):
+                 static_tails: bool | None = None, options: EngineOptions | None = None):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         if attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -52,6 +64,10 @@ class Engine:
                              "interpreter (TRITON_INTERPRET=1, set before triton is imported)")
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+        options = EngineOptions() if options is None else options
+        if not isinstance(options, EngineOptions):
+            raise ValueError(f"options must be an EngineOptions, got {type(options).__name__}")
+        self.options = options
         self.cfg = cfg
         self.model_dir = model_dir
         self.device = device
@@ -63,7 +79,8 @@ class Engine:
         self.known_chunks = KnownChunks()  # chunk token lists already checked and hashed (request_ids.py)
         # static tails (CUDA graphs) by default on CUDA; on the CPU they run eagerly and only tests ask
         self.forward = Forward(cfg, weights, attention_backend,
-                               static_tails=device.type == "cuda" if static_tails is None else static_tails)
+                               static_tails=device.type == "cuda" if static_tails is None else static_tails,
+                               options=options)
         block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
         num_blocks = max(kv_cache_bytes // block_bytes, 1)
         self.pool = BlockPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, device, dtype)
@@ -74,11 +91,12 @@ class Engine:
     def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
              attention_backend: str | None = None, block_size: int = 16, kv_cache_bytes: int | None = None,
              chunk_cache_bytes: int | None = None, check_layer: int = 1, deviation: str = "kv",
-             static_tails: bool | None = None) -> "Engine":
+             static_tails: bool | None = None, options: EngineOptions | None = None) -> "Engine":
         """Load a Hugging Face Llama-family directory (config.json, *.safetensors, tokenizer.json).
 
         kv_cache_bytes: the paged KV pool (default 256 MiB on CPU, 60% of free memory on CUDA);
-        chunk_cache_bytes: the part of it cached chunks may hold (default 80%).
+        chunk_cache_bytes: the part of it cached chunks may hold (default 80%); options: EngineOptions
+        (default: every measured winner on).
         """
         path = Path(path)
         if not path.is_dir():
@@ -100,13 +118,14 @@ class Engine:
             chunk_cache_bytes = int(0.8 * kv_cache_bytes)
         return cls(cfg, load_weights(path, cfg, dev, dtype), fingerprint(path), dev, dtype,
                    attention_backend or _default_backend(dev), block_size, kv_cache_bytes, chunk_cache_bytes,
-                   BlendConfig(check_layer, deviation), model_dir=path, static_tails=static_tails)
+                   BlendConfig(check_layer, deviation), model_dir=path, static_tails=static_tails, options=options)
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, tensors: dict, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, attention_backend: str | None = None,
                         block_size: int = 16, kv_cache_bytes: int = 256 << 20, chunk_cache_bytes: int | None = None,
-                        check_layer: int = 1, deviation: str = "kv", static_tails: bool | None = None) -> "Engine":
+                        check_layer: int = 1, deviation: str = "kv", static_tails: bool | None = None,
+                        options: EngineOptions | None = None) -> "Engine":
         """An engine over in-memory Hugging Face-named weights (shared, not copied, when already on
         ``device`` in ``dtype``, except q|k|v and gate|up, which are concatenated into one new tensor
         each: a caller that keeps its own tensors holds those twice): benchmarks and the quality
@@ -116,7 +135,7 @@ class Engine:
         return cls(cfg, weights, state_fingerprint(cfg, tensors), dev, dtype,
                    attention_backend or _default_backend(dev), block_size, kv_cache_bytes,
                    chunk_cache_bytes or int(0.8 * kv_cache_bytes), BlendConfig(check_layer, deviation),
-                   static_tails=static_tails)
+                   static_tails=static_tails, options=options)
 
     # ------------------------------------------------------------------ validation
     def check(self, chunks, suffix, mode: str = "tessera", extra_tokens: int = 0,
@@ -209,6 +228,7 @@ class Engine:
         return scoped_id(namespace, chunk_id(self.fingerprint, tokens))
 
     @torch.no_grad()
+    @launches
     def prefill(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15) -> PrefillResult:
         """Next-token logits after chunks + suffix; the request's private KV is freed afterwards."""
         chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio)
@@ -218,6 +238,7 @@ class Engine:
         return PrefillResult(logits, stats)
 
     @torch.no_grad()
+    @launches
     def generate(self, chunks, suffix, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, mode: str = "tessera", recompute_ratio: float = 0.15,
                  stop_token_ids: list[int] | None = None) -> list[int]:
@@ -238,6 +259,7 @@ class Engine:
             self.release(seq)
 
     @torch.no_grad()
+    @launches
     def prefill_handoff(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15,
                         fetch=None, on_computed=None, extra_tokens: int = 0, on_logits=None,
                         kv_on_device: bool = False):
@@ -252,6 +274,7 @@ class Engine:
         return self.begin_prefill_handoff(chunks, suffix, mode, recompute_ratio, fetch, on_computed,
                                           extra_tokens, kv_on_device).finish(on_logits)
 
+    @launches
     def begin_prefill_handoff(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15,
                               fetch=None, on_computed=None, extra_tokens: int = 0,
                               kv_on_device: bool = False) -> "PendingHandoff":
@@ -273,18 +296,21 @@ class Engine:
         return PendingHandoff(self, logits, seq, stats, staged, kv_on_device)
 
     @torch.no_grad()
+    @launches
     def import_handoff(self, handoff: Handoff, fetch=None) -> Sequence:
         """Rebuild a prefilled request here: shared chunks from this cache, ``fetch``, or recompute."""
         if handoff.model_fingerprint != self.fingerprint:
             raise ValueError(f"hand-off was made by model {handoff.model_fingerprint}, this engine runs {self.fingerprint}")
         return import_sequence(self.forward, handoff, fetch)
 
+    @launches
     def insert_chunk(self, chunk_id: str, tokens, layers) -> None:
         """Make a chunk resident from its KV [(k, v) per layer, keys at local positions]."""
         if chunk_id in self.cache:
             return
         self.cache.release(self.forward.insert_chunk(chunk_id, tokens, layers))
 
+    @launches
     def export_chunk(self, chunk_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A resident chunk's KV per layer (copies); KeyError if it is not resident."""
         entry = self.cache.acquire(chunk_id)
@@ -312,6 +338,7 @@ class Engine:
         return logits, seq, stats
 
     @torch.no_grad()
+    @launches
     def decode_step(self, seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
         """Append one token to each sequence and return the next-token logits [B, vocab]."""
         return self.forward.decode_step(seqs, tokens)
@@ -348,6 +375,11 @@ class PendingHandoff:
         self.engine, self.logits, self.seq, self.stats = engine, logits, seq, stats
         self.staged, self.kv_on_device = staged, kv_on_device
 
+    @property
+    def options(self) -> EngineOptions:
+        return self.engine.options
+
+    @launches
     def finish(self, on_logits=None):
         """(PrefillResult, Handoff): ``on_logits(logits)`` first (its read of the logits waits for the pass)."""
         eng = self.engine

@@ -23,6 +23,7 @@ from services.engine.config import ModelConfig
 from services.engine.graphs import STATIC_MAX_TOKENS, TailCache
 from services.engine.loader import ChunkLoad, LayerGate, as_layers
 from services.engine.model import Transformer
+from services.engine.options import EngineOptions
 from services.engine.request import PlacedChunk, PrefillStats, Sequence
 
 
@@ -30,10 +31,12 @@ SETTLE_S = 0.01  # how long a pass waits for its chunk loads to finish before it
 
 
 class Forward:
-    def __init__(self, cfg: ModelConfig, weights, backend: str, static_tails: bool = False):
+    def __init__(self, cfg: ModelConfig, weights, backend: str, static_tails: bool = False,
+                 options: EngineOptions | None = None):
         self.cfg = cfg
         self.static_tails = static_tails
-        self.model = Transformer(cfg, weights, rope_backend=backend)
+        self.options = EngineOptions() if options is None else options
+        self.model = Transformer(cfg, weights, rope_backend=backend, skinny_gemm=self.options.skinny_gemm)
         self.backend = backend
 
     def bind(self, pool, cache, block_size: int, fingerprint: str) -> None:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.paged_attention import MAX_OFFSET
+from kernels.options import current
 from kernels.rope import gather_rotate, rope_cos_sin
 from services.engine.attention import cu_one
 
@@ -105,7 +106,7 @@ class TritonStatic(_StaticTable):
         self.q_pos = torch.full((t,), -1, dtype=torch.int32, device=dev)
         self.cu_q, self.cu_e = cu_one(t, dev), cu_one(e, dev)
         self.packed = kt.empty_packed(e, 1, fwd.pool.block_size, fwd.cfg.head_dim, dev,
-                                      with_table=kt.PREFILL_COS_SIN_TABLE)
+                                      with_table=True)
 
     def fill(self, table) -> None:
         if table.max_offset > MAX_OFFSET:  # what packing inside the graph would not see (engine input checks it too)
@@ -203,6 +204,7 @@ class StaticTail:
         self.attention = attention if attention is not None else STATIC_ATTENTION[fwd.backend](fwd, t, e)
         self.out = torch.zeros_like(self.h)
         self.graph = None
+        self.kernel_options = None  # set at capture
         self.graph_pool = graph_pool
 
     def _body(self) -> None:
@@ -251,6 +253,7 @@ class StaticTail:
             return self.out
         if self.graph is None:
             self.graph = capture(self._body, self.graph_pool)
+            self.kernel_options = current()  # what its launches were captured with (kernels/options.py)
         self.graph.replay()
         return self.out
 

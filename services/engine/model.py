@@ -10,8 +10,6 @@ tokens attend to which KV (paged, deferred RoPE) and which tokens are computed a
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -31,10 +29,10 @@ class Transformer:
 
     Projections of few rows (short passes, decode steps: at most ``kernels.linear.MAX_M``) go through
     the weight-streaming Triton GEMM (kernels/linear) when the kernel backend is Triton, cuBLAS
-    otherwise; ``TESSERA_SKINNY_GEMM=0`` keeps every projection on cuBLAS (what benchmarks compare)."""
+    otherwise; ``skinny_gemm=False`` (EngineOptions) keeps every projection on cuBLAS (what benchmarks compare)."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope_backend: str = "torch",
-                 kernel_backend: str | None = None):
+                 kernel_backend: str | None = None, skinny_gemm: bool = True):
         self.cfg = cfg
         self.w = weights
         self.rope_backend = rope_backend
@@ -42,13 +40,10 @@ class Transformer:
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(weights.embed.device)
         self.scale = cfg.head_dim ** -0.5
         self._rope_memo: tuple | None = None  # (pos, cos, sin): one table per pass, not per layer
-        self.skinny = self.kernels == "triton" and os.environ.get("TESSERA_SKINNY_GEMM", "1") != "0"
-        self.fuse_swiglu = True  # with the skinny GEMM: gate|up and SiLU*up in one launch (benchmarks turn it off)
-        # with the skinny GEMM: the RMSNorms in the prologue of the GEMM after them and the o projection onto
-        # the residual in its epilogue (two launches fewer a layer). Off: on an H100 a tessera@0 pass took
-        # 10.9 ms with it against 8.0 ms without (bench/engine/README.md; the GEMMs alone not yet timed:
-        # each N tile's pre-pass over x, and x normalised in registers before the dot, are the suspects)
-        self.fuse_norms = False
+        # with the skinny GEMM, gate|up and SiLU*up run in one launch (86 us less GPU time a pass on an H100, the same
+        # bits). The RMSNorms in the GEMM's prologue and o onto the residual in its epilogue measured slower there
+        # (tessera@0 10.9 against 8.0 ms: bench/HISTORY.md) and are not taken
+        self.skinny = self.kernels == "triton" and skinny_gemm
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                 accumulate: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,13 +72,10 @@ class Transformer:
         ``write`` (``BlockPool.at``): k and v go straight into that layer's paged cache and are not
         returned (None): the caller only attends with q.
         Three kernels on CUDA: RMSNorm, the q|k|v matmul, and one pass splitting q, k, v with q/k norm
-        and RoPE (and the K/V write); two where the skinny GEMM takes the norm in its prologue."""
+        and RoPE (and the K/V write)."""
         cfg, lw = self.cfg, self.w.layers[layer]
-        if self._fuse_norm(h, lw.qkv_proj):  # the norm inside the GEMM's prologue
-            qkv = skinny.linear(h, lw.qkv_proj, lw.qkv_bias, norm=(lw.input_norm, cfg.rms_norm_eps), backend="triton")
-        else:
-            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps, backend=self.kernels)
-            qkv = self._linear(x, lw.qkv_proj, lw.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
+        x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps, backend=self.kernels)
+        qkv = self._linear(x, lw.qkv_proj, lw.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
         if rope is None and self.rope_backend == "torch":
             rope = self._rope_table(pos)
         cos, sin = rope if rope is not None else (None, None)
@@ -96,32 +88,20 @@ class Transformer:
         """Residual attention output and the SwiGLU MLP. attn [T, Hq, D] -> h [T, hidden] (a new tensor;
         the input h is not written). Five kernels on CUDA: o_proj, residual add + RMSNorm, the gate|up
         matmul, SiLU*up, and the down matmul accumulating onto the residual (beta = 1); four where the
-        skinny GEMM takes gate|up (SiLU*up in its epilogue); three where it also takes o and the norms
-        (o onto the residual, the norm in gate|up's prologue)."""
+        skinny GEMM takes gate|up (SiLU*up in its epilogue)."""
         lw: LayerWeights = self.w.layers[layer]
         eps = self.cfg.rms_norm_eps
         a = attn.reshape(attn.shape[0], -1)
-        if self.fuse_swiglu and self._fuse_norm(a, lw.o_proj) and self._fuse_norm(h, lw.gate_up_proj):
-            # o onto the residual in the o GEMM's epilogue, the norm in gate|up's prologue
-            h = skinny.linear(a, lw.o_proj, residual=h, backend="triton")
-            act = skinny.linear_swiglu(h, lw.gate_up_proj, norm=(lw.post_norm, eps), backend="triton")
+        o = self._linear(a, lw.o_proj)
+        x, h = add_rms_norm(o, h, lw.post_norm, eps, backend=self.kernels)
+        if self.skinny and skinny.supported(x, lw.gate_up_proj):
+            act = skinny.linear_swiglu(x, lw.gate_up_proj, backend="triton")  # [T, inter]
         else:
-            o = self._linear(a, lw.o_proj)
-            x, h = add_rms_norm(o, h, lw.post_norm, eps, backend=self.kernels)
-            if self.skinny and self.fuse_swiglu and skinny.supported(x, lw.gate_up_proj):
-                act = skinny.linear_swiglu(x, lw.gate_up_proj, backend="triton")  # [T, inter]
-            else:
-                act = silu_mul(self._linear(x, lw.gate_up_proj), backend=self.kernels)
+            act = silu_mul(self._linear(x, lw.gate_up_proj), backend=self.kernels)
         # NOTE: h is a fresh tensor (the o GEMM's or add_rms_norm's output): adding in place writes no caller's
         return self._linear(act, lw.down_proj, accumulate=h)
 
-    def _fuse_norm(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        """Whether the GEMM x @ w.T takes its norm (or residual) inside the skinny kernel."""
-        return self.skinny and self.fuse_norms and skinny.supported(x, w)
-
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, hidden] -> fp32 logits [T, vocab]."""
-        eps = self.cfg.rms_norm_eps
-        if self._fuse_norm(h, self.w.lm_head):
-            return skinny.linear(h, self.w.lm_head, norm=(self.w.norm, eps), backend="triton").float()
-        return self._linear(rms_norm(h, self.w.norm, eps, backend=self.kernels), self.w.lm_head).float()
+        return self._linear(rms_norm(h, self.w.norm, self.cfg.rms_norm_eps, backend=self.kernels),
+                            self.w.lm_head).float()

@@ -29,7 +29,6 @@ from services.engine.block_table import BlockTable, chunk_rows, dense_run
 from services.engine.graphs import PAD_POS, T_BUCKET, KeyedTails, StaticTail, bucket, entry_bucket
 from services.engine.request import Sequence
 
-ENABLED = True  # blend_pass takes this path for ratio-0 passes that fit a static tail (off: the general one)
 
 
 STAGES = 3  # pinned staging buffers a tail cycles through: a request refills one only after its copy is done

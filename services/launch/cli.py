@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-STATE = Path(os.environ.get("TESSERA_STATE", Path.home() / ".tessera" / "cluster.json"))
+from services import env
+
+STATE = Path(env.read("TESSERA_STATE") or Path.home() / ".tessera" / "cluster.json")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "left dead (default 5; -1: no limit)")
     up.add_argument("--restart-window-s", type=float, default=None,
                     help="the window of --max-restarts, in seconds (default 300)")
-    up.add_argument("--token", default=os.environ.get("TESSERA_TOKEN"), help="bearer token clients must send")
+    up.add_argument("--token", default=env.read("TESSERA_TOKEN"), help="bearer token clients must send")
     up.add_argument("--tenants", help="tenants file (YAML): bearer tokens -> tenants, each with its own chunk "
                                       "namespace, the shared namespaces it reads, quotas and admin rights (README, "
                                       "Security model); instead of --token")

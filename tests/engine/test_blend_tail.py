@@ -4,6 +4,8 @@ that decodes and hands off like any other."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,9 +16,11 @@ from .conftest import cpu_triton, random_request
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _general(monkeypatch, fn):
+def _general(monkeypatch, eng, fn):
+    """fn() with the engine's blend_graph option off: the general path, on the same engine (its cache and pool as
+    they are)."""
     with monkeypatch.context() as m:
-        m.setattr(blend_tail, "ENABLED", False)
+        m.setattr(eng.forward, "options", dataclasses.replace(eng.options, blend_graph=False))
         return fn()
 
 
@@ -42,7 +46,7 @@ def test_blend_tail_equals_the_general_pass(tiny_dir, monkeypatch, mode, ratio, 
     # a long request, a shorter one (same buckets: stale rows and entries must be padding again), a longer one
     for seed, lengths, suffix_len in ((110, (20, 33, 17), 9), (111, (20, 9), 2), (112, (17, 33, 20, 5), 12)):
         chunks, suffix = random_request(seed, lengths=lengths, suffix_len=suffix_len)
-        want_logits, want_seq, want = _general(monkeypatch, lambda: _pass(eng, chunks, suffix, mode, ratio))
+        want_logits, want_seq, want = _general(monkeypatch, eng, lambda: _pass(eng, chunks, suffix, mode, ratio))
         before = eng.forward.blend_tails.replays if eng.forward.blend_tails else 0
         logits, seq, stats = _pass(eng, chunks, suffix, mode, ratio)
         assert eng.forward.blend_tails.replays == before + 1
@@ -64,7 +68,7 @@ def test_blend_tail_equals_the_general_pass(tiny_dir, monkeypatch, mode, ratio, 
 def test_blend_tail_leaves_a_sequence_that_decodes_and_hands_off(tiny_dir, monkeypatch):
     eng = Engine.load(tiny_dir, static_tails=True)
     chunks, suffix = random_request(113, lengths=(20, 33, 17), suffix_len=6)
-    want = _general(monkeypatch, lambda: eng.generate(chunks, suffix, max_new_tokens=8, recompute_ratio=0.3,
+    want = _general(monkeypatch, eng, lambda: eng.generate(chunks, suffix, max_new_tokens=8, recompute_ratio=0.3,
                                                       stop_token_ids=[]))
     assert eng.generate(chunks, suffix, max_new_tokens=8, recompute_ratio=0.3, stop_token_ids=[]) == want
     # the sequence's tables are the request's own device copies: a later request refilling the graph's
@@ -76,7 +80,7 @@ def test_blend_tail_leaves_a_sequence_that_decodes_and_hands_off(tiny_dir, monke
     assert all(torch.equal(a, t.block_ids) and torch.equal(m, t.masks) for (a, m), t in zip(rows, seq.layer_tables))
     eng.release(seq)
     res, handoff = eng.prefill_handoff(chunks, suffix, mode="tessera", recompute_ratio=0.3)
-    want_res, _ = _general(monkeypatch, lambda: eng.prefill_handoff(chunks, suffix, mode="tessera",
+    want_res, _ = _general(monkeypatch, eng, lambda: eng.prefill_handoff(chunks, suffix, mode="tessera",
                                                                      recompute_ratio=0.3))
     torch.testing.assert_close(res.logits, want_res.logits, **TOL)
     assert handoff is not None and res.stats.tokens_recomputed == want_res.stats.tokens_recomputed
@@ -88,7 +92,7 @@ def test_triton_blend_tail_equals_the_general_pass(tiny_dirs, monkeypatch):
     eng = Engine.load(tiny_dirs["llama"], attention_backend="triton", static_tails=True)
     for seed, lengths, suffix_len in ((115, (13, 21, 9), 6), (116, (11, 9), 3)):
         chunks, suffix = random_request(seed, lengths=lengths, suffix_len=suffix_len)
-        want = _general(monkeypatch, lambda: eng.prefill(chunks, suffix, recompute_ratio=0.3))
+        want = _general(monkeypatch, eng, lambda: eng.prefill(chunks, suffix, recompute_ratio=0.3))
         got = eng.prefill(chunks, suffix, recompute_ratio=0.3)
         torch.testing.assert_close(got.logits, want.logits, rtol=2e-4, atol=2e-4)
         assert got.stats.tokens_recomputed == want.stats.tokens_recomputed
@@ -123,7 +127,7 @@ def test_cuda_blend_tail_equals_the_general_pass(tiny_dir, monkeypatch, backend)
     eng = Engine.load(tiny_dir, device="cuda", dtype=torch.bfloat16, attention_backend=backend, static_tails=True)
     for seed, lengths, suffix_len in ((118, (40, 33, 57), 9), (119, (40, 33, 57), 9), (120, (20, 9), 3)):
         chunks, suffix = random_request(seed, lengths=lengths, suffix_len=suffix_len)
-        want_logits, want_seq, want = _general(monkeypatch, lambda: _pass(eng, chunks, suffix, "tessera", 0.3))
+        want_logits, want_seq, want = _general(monkeypatch, eng, lambda: _pass(eng, chunks, suffix, "tessera", 0.3))
         eng.prefill(chunks, suffix, recompute_ratio=0.3)  # captured on first use
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -145,7 +149,7 @@ def test_blend_tail_on_every_architecture(tiny_dirs, monkeypatch, arch, deviatio
     """Llama-3.1 rope scaling, Mistral, Qwen2's q|k|v bias, Qwen3's q/k norms; the deviation by K alone too."""
     eng = Engine.load(tiny_dirs[arch], static_tails=True, deviation=deviation)
     chunks, suffix = random_request(121, lengths=(20, 33, 17), suffix_len=6)
-    want_logits, want_seq, _ = _general(monkeypatch, lambda: _pass(eng, chunks, suffix, "tessera", 0.3))
+    want_logits, want_seq, _ = _general(monkeypatch, eng, lambda: _pass(eng, chunks, suffix, "tessera", 0.3))
     logits, seq, _ = _pass(eng, chunks, suffix, "tessera", 0.3)
     assert eng.forward.blend_tails.replays == 1
     torch.testing.assert_close(logits, want_logits, **TOL)

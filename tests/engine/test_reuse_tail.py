@@ -3,18 +3,22 @@ bit, and leaves a Sequence that decodes and hands off like any other."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from services.engine import Engine, reuse_tail
+from services.engine import Engine
 from services.engine.graphs import PAD_POS
 
 from .conftest import cpu_triton, random_request
 
 
-def _general(monkeypatch, fn):
+def _general(monkeypatch, eng, fn):
+    """fn() with the engine's reuse_graph option off: the general path, on the same engine (its cache and pool as
+    they are)."""
     with monkeypatch.context() as m:
-        m.setattr(reuse_tail, "ENABLED", False)
+        m.setattr(eng.forward, "options", dataclasses.replace(eng.options, reuse_graph=False))
         return fn()
 
 
@@ -25,7 +29,7 @@ def test_ratio_zero_lean_pass_equals_the_general_one(tiny_dir, monkeypatch, mode
     # a long request, a shorter one (same buckets: stale rows and entries must be padding again), a longer
     for seed, lengths, suffix_len in ((100, (20, 33, 17), 9), (101, (20, 9), 2), (102, (17, 33, 20, 5), 12)):
         chunks, suffix = random_request(seed, lengths=lengths, suffix_len=suffix_len)
-        want = _general(monkeypatch, lambda: eng.prefill(chunks, suffix, mode=mode, recompute_ratio=0.0))
+        want = _general(monkeypatch, eng, lambda: eng.prefill(chunks, suffix, mode=mode, recompute_ratio=0.0))
         before = eng.forward.id_tails.replays if eng.forward.id_tails else 0
         got = eng.prefill(chunks, suffix, mode=mode, recompute_ratio=0.0)
         assert eng.forward.id_tails.replays == before + 1
@@ -38,7 +42,7 @@ def test_ratio_zero_lean_pass_equals_the_general_one(tiny_dir, monkeypatch, mode
 def test_the_lean_pass_leaves_a_sequence_that_decodes_and_hands_off(tiny_dir, monkeypatch):
     eng = Engine.load(tiny_dir, static_tails=True)
     chunks, suffix = random_request(103, lengths=(20, 33, 17), suffix_len=6)
-    want = _general(monkeypatch, lambda: eng.generate(chunks, suffix, max_new_tokens=8, recompute_ratio=0.0,
+    want = _general(monkeypatch, eng, lambda: eng.generate(chunks, suffix, max_new_tokens=8, recompute_ratio=0.0,
                                                       stop_token_ids=[]))
     assert eng.generate(chunks, suffix, max_new_tokens=8, recompute_ratio=0.0, stop_token_ids=[]) == want
     # the sequence's table is a view of the request's own device buffer, not of the tail's inputs: a
@@ -68,7 +72,7 @@ def test_triton_lean_pass_equals_the_general_one(tiny_dirs, monkeypatch):
     eng = Engine.load(tiny_dirs["llama"], attention_backend="triton", static_tails=True)
     for seed, lengths, suffix_len in ((105, (13, 21, 9), 6), (106, (11, 9), 3)):
         chunks, suffix = random_request(seed, lengths=lengths, suffix_len=suffix_len)
-        want = _general(monkeypatch, lambda: eng.prefill(chunks, suffix, recompute_ratio=0.0))
+        want = _general(monkeypatch, eng, lambda: eng.prefill(chunks, suffix, recompute_ratio=0.0))
         assert torch.equal(eng.prefill(chunks, suffix, recompute_ratio=0.0).logits, want.logits)
     assert all(type(t.attention).__name__ == "TritonStatic" for t in eng.forward.id_tails.tails.values())
 

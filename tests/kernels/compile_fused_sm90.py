@@ -19,7 +19,7 @@ def kernels():
     from kernels.fused.triton import _qkv_heads_kernel, _rms_norm_kernel, _silu_mul_kernel, _write_kv_kernel
 
     for res in (False, True):  # (-pdl: the programmatic-dependent-launch builds, kernels/pdl.py)
-        for pdl in (0, 1, 2):
+        for pdl in (0, 1):
             yield f"rms-norm{'-add' if res else ''}{PDL_SUFFIX[pdl]}", lambda res=res, pdl=pdl: compile_kernel(
                 _rms_norm_kernel, dict(x_ptr="bf16", res_ptr="bf16", w_ptr="bf16", out_ptr="bf16", res_out_ptr="bf16"),
                 dict(BLOCK=4096, HAS_RES=res, PDL=pdl), scalars=dict(eps="fp32"), num_warps=8)
@@ -31,7 +31,7 @@ def kernels():
     for table in (False, True):
         for norm in (False, True):
             for to_cache in (True, False):
-                for pdl in (0, 1, 2) if to_cache else (0,):
+                for pdl in (0, 1) if to_cache else (0,):
                     yield f"qkv-heads{'-table' if table else '-pos'}{'-qknorm' if norm else ''}" \
                           f"{'-cache' if to_cache else ''}{PDL_SUFFIX[pdl]}", \
                         lambda table=table, norm=norm, to_cache=to_cache, pdl=pdl: compile_kernel(

@@ -7,7 +7,7 @@ fail or spill (see compile_sm90.py for what this catches).
 ``--norm``: only the norm-prologue, residual and SwiGLU launches that bench/skinny_gemm/skinny_gemm.py --norm-ab times
 (Llama-3-8B at 64 rows and the other row counts of the table), every one printed with its resources.
 ``--pdl``: the launches of a 64-row (and 8-row) layer as kernels/pdl.py's switch makes them (programmatic dependent
-launch, SWITCH_PREFETCH_STEPS weight steps asked for before the wait) beside the same launches without, each
+launch, PDL_PREFETCH_STEPS weight steps asked for before the wait) beside the same launches without, each
 PDL build checked for griddepcontrol in its PTX.
 ``--tma``: every kernel of bench/skinny_gemm/skinny_gemm.py --tma-ab (the TMA weight stream, kernels/linear/tma.py, and the
 pointer configs beside it), every one printed; a TMA build fails here unless its PTX loads the weight tiles with
@@ -64,10 +64,9 @@ def _build(fn, sig: dict, constexprs: dict, attrs: dict, opts: dict):
 def _report(kern, pdl: bool, ptx: str = "") -> str:
     """A compiled variant's resources (and ``ptx`` counts), or 'FAILED ...' when a PDL build reads upstream data
     or issues a bulk copy (x may be written by the kernel before) ahead of griddepcontrol.wait."""
-    from kernels import pdl as pdl_switch  # the GEMMs are built with the switch's order (TESSERA_PDL_EARLY)
 
     asm = kern.asm["ptx"]
-    wrong = pdl_check(asm, pdl, early=pdl_switch.EARLY)
+    wrong = pdl_check(asm, pdl)
     if pdl and not wrong:
         head = asm.split("griddepcontrol.wait")[0]
         wrong = "a bulk tensor copy before griddepcontrol.wait" if "cp.async.bulk.tensor" in head else None
@@ -188,7 +187,7 @@ def norm_variants() -> list[tuple]:
 def pdl_variants() -> list[tuple]:
     """A layer's GEMM launches at 64 and 8 rows (q|k|v, o, o onto the residual, gate|up SwiGLU, down onto the
     residual; the norms in or out of the GEMMs) with the configs the kernel picks, without PDL and as
-    kernels/pdl.py's switch launches them (kernels.linear.triton.SWITCH_PREFETCH_STEPS)."""
+    kernels/pdl.py's switch launches them (kernels.linear.triton.PDL_PREFETCH_STEPS)."""
     from kernels.linear import triton as kt
 
     tasks = []
@@ -202,7 +201,7 @@ def pdl_variants() -> list[tuple]:
                     (m, 14336, 4096, kt.swiglu_config(m, 14336, 4096, norm=True), False, True, True),
                     (m, 4096, 14336, kt.pick_config(m, 4096, 14336), True, False, False)]
         for launch in launches:
-            tasks += [(*launch, -1), (*launch, kt.SWITCH_PREFETCH_STEPS)]
+            tasks += [(*launch, -1), (*launch, kt.PDL_PREFETCH_STEPS)]
     return tasks
 
 

@@ -8,7 +8,7 @@ a GPU run, and prints each kernel's registers, spills and shared memory.
 Signatures are those of the engine's Llama-3-8B benchmark shapes (bf16, 32 query / 8 KV heads,
 head_dim 128, block size 16) with the default configurations. Variants named ``...-pdl`` are the
 programmatic-dependent-launch builds (kernels/pdl.py): they fail here unless their PTX holds
-griddepcontrol.wait and griddepcontrol.launch_dependents, in that order (``...-pdl-early``: the other order).
+griddepcontrol.wait and griddepcontrol.launch_dependents, in that order.
 """
 
 from __future__ import annotations
@@ -101,12 +101,7 @@ def kernels():
                                                 PLAN_STEPS=True, GP=256, PREFETCH_KV=True, EPS=16, LINES=2, LINE=64,
                                                 IDX32=idx32),
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    for plan in (False, True):  # KV splits merged by the split programs themselves (PrefillConfig(merge="fused"))
-        yield f"prefill-fused-merge{'-steps' if plan else ''}", lambda plan=plan: compile_kernel(
-            _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True,
-                                                MERGE_FUSED=True, PLAN_STEPS=plan, GP=256 if plan else 1),
-            dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    for pdl in (0, 1, 2):  # the engine's 64-token suffix launch (SHORT_PREFILL: 8 splits, entry plan)
+    for pdl in (0, 1):  # the engine's 64-token suffix launch (SHORT_PREFILL: 8 splits, entry plan)
         yield f"prefill-short{PDL_SUFFIX[pdl]}", lambda pdl=pdl: compile_kernel(
             _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True, PDL=pdl),
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -118,7 +113,7 @@ def kernels():
                 for pdl in (1, 2):
                     yield name.strip("_") + PDL_SUFFIX[pdl], lambda fn=fn, pdl=pdl: compile_kernel(
                         fn, *jit_args(fn, PDL=pdl))
-    for pdl in (0, 1, 2):
+    for pdl in (0, 1):
         sfx = PDL_SUFFIX[pdl]
         yield "lse-merge" + sfx, lambda pdl=pdl: compile_kernel(
             _merge_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
@@ -158,25 +153,24 @@ def resources(cubin: bytes) -> str:
 
 
 PDL_PTX = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
-PDL_SUFFIX = {0: "", 1: "-pdl", 2: "-pdl-early"}  # a variant's name by its PDL constexpr (kernels/pdl.py's modes)
+PDL_SUFFIX = {0: "", 1: "-pdl"}  # a variant's name by its PDL constexpr (kernels/pdl.py's modes)
 
 
-def pdl_check(ptx: str, expect: bool, early: bool = False) -> str | None:
+def pdl_check(ptx: str, expect: bool) -> str | None:
     """What is wrong with a kernel's griddepcontrol instructions (a PDL variant must hold both, the wait
-    first, or with ``early`` the launch first; any other variant none), or None."""
+    first; any other variant none), or None."""
     found = [op for op in PDL_PTX if op in ptx]
     if expect and len(found) < len(PDL_PTX):
         return f"PDL variant without {', '.join(op for op in PDL_PTX if op not in found)} in its PTX"
     if not expect and found:
         return f"{', '.join(found)} in a variant built without PDL"
-    if expect and (ptx.index(PDL_PTX[1]) < ptx.index(PDL_PTX[0])) != early:
-        return f"griddepcontrol.{'wait' if early else 'launch_dependents'} first in a " \
-               f"{'-pdl-early' if early else '-pdl'} variant"
+    if expect and ptx.index(PDL_PTX[1]) < ptx.index(PDL_PTX[0]):
+        return "griddepcontrol.launch_dependents first in a -pdl variant"
     return None
 
 
 def is_pdl(name: str) -> bool:
-    return name.endswith(("-pdl", "-pdl-early"))
+    return name.endswith("-pdl")
 
 
 def loads_before_wait(ptx: str) -> int:
@@ -204,7 +198,7 @@ def compile_all(named_thunks, only: str | None = None, width: int = 18) -> int:
             failed += 1
             print(f"{name:{width}s} FAILED: {exc!r}"[:2000], flush=True)
             continue
-        wrong = pdl_check(k.asm["ptx"], is_pdl(name), name.endswith("-pdl-early"))
+        wrong = pdl_check(k.asm["ptx"], is_pdl(name))
         if wrong:
             failed += 1
             print(f"{name:{width}s} FAILED: {wrong}", flush=True)

@@ -186,13 +186,15 @@ def test_sm90_build_streams_weights_by_tma():
     assert "griddepcontrol" in lines[2]
 
 
-def test_the_tables_64_row_entries_stream_by_tma_unless_switched_off(monkeypatch):
+def test_the_tables_64_row_entries_stream_by_tma_unless_switched_off():
     from kernels.linear import plan
+    from kernels.options import KernelOptions, using
 
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
     assert all(plan.pick_config(64, n, k).tma == "xw" for n, k in shapes)
     assert plan.swiglu_config(64, 14336, 4096).tma == "xw"
     assert plan.pick_config(8, 6144, 4096).tma == "off"  # measured entries without TMA stay pointer loads
-    monkeypatch.setattr(plan, "TMA_ENABLED", False)
-    assert all(plan.pick_config(64, n, k).tma == "off" for n, k in shapes)
-    assert plan.pick_config(64, 6144, 4096) == dataclasses.replace(plan.table_config(64, 6144, 4096), tma="off")
+    with using(KernelOptions(tma=False)):
+        assert all(plan.pick_config(64, n, k).tma == "off" for n, k in shapes)
+        assert plan.pick_config(64, 6144, 4096) == dataclasses.replace(plan.table_config(64, 6144, 4096), tma="off")
+    assert plan.pick_config(64, 6144, 4096).tma == "xw"

@@ -333,7 +333,7 @@ def test_short_prefill_config_is_used_for_short_calls(monkeypatch, min_block_n):
                           merge="all", index32=True)
     monkeypatch.setattr(kt, "SHORT_PREFILL", short)
     assert kt.prefill_config(11) == short and kt.prefill_config(11, 2).num_splits == 2
-    # longer calls: the default tile, future keys cut and padding tiles skipped (kt.CUT_FUTURE, kt.SKIP_EMPTY_TILES)
+    # longer calls: the default tile, future keys cut and padding tiles skipped (kt.LONG_PREFILL)
     assert kt.prefill_config(kt.SHORT_PREFILL_TOKENS + 1) == PrefillConfig(cut_future=True, skip_empty_tiles=True)
     assert not short.cut_future and not PrefillConfig().cut_future
     key_hi = kt.prefill_key_bounds(packed, case.slot_pos)

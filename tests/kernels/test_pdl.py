@@ -1,4 +1,4 @@
-"""kernels/pdl.py's switch: when a launch is a programmatic dependent launch, that every kernel of the layer asks
+"""kernels/pdl.py under KernelOptions.pdl: when a launch is a programmatic dependent launch, that every kernel of the layer asks
 it, and that with the switch on the interpreter falls back to plain launches with the same bits.
 
 Triton's interpreter cannot run griddepcontrol (gdc_wait raises there), so a launcher that passed PDL=True
@@ -15,6 +15,7 @@ import torch
 
 from kernels import pdl
 from kernels.linear import triton as klt
+from kernels.options import KernelOptions, using
 
 # these run Triton kernels on CPU tensors: only the interpreter can (a GPU run of the suite sets TRITON_INTERPRET=0)
 interpreted_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -25,11 +26,11 @@ CUDA0 = torch.device("cuda", 0)  # a device object only: nothing here touches a 
 
 @pytest.fixture
 def switch(monkeypatch):
-    """The switch on, compiled Triton, capability 9.0 (each test turns one condition off)."""
-    monkeypatch.setattr(pdl, "ENABLED", True)
+    """The option on, compiled Triton, capability 9.0 (each test turns one condition off)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(pdl, "capability", lambda device: (9, 0))
-    return monkeypatch
+    with using(KernelOptions(pdl=True)):
+        yield monkeypatch
 
 
 def test_launch_kwargs_when_every_condition_holds(switch):
@@ -37,15 +38,13 @@ def test_launch_kwargs_when_every_condition_holds(switch):
     assert pdl.launch_kwargs(CUDA0) == {"PDL": pdl.WAIT_FIRST, "launch_pdl": True}
     switch.setattr(pdl, "capability", lambda device: (10, 0))  # later architectures too
     assert pdl.launch_kwargs(CUDA0) == {"PDL": pdl.WAIT_FIRST, "launch_pdl": True}
-    switch.setattr(pdl, "EARLY", True)  # the next kernel let in before the wait
-    assert pdl.launch_kwargs(CUDA0) == {"PDL": pdl.TRIGGER_FIRST, "launch_pdl": True}
 
 
 @pytest.mark.parametrize("condition", ["switch off", "interpreter", "cpu", "capability 8.0", "capability 8.9"])
 def test_no_pdl_unless_every_condition_holds(switch, condition):
-    device = CUDA0
+    device, options = CUDA0, KernelOptions()
     if condition == "switch off":
-        switch.setattr(pdl, "ENABLED", False)
+        options = KernelOptions(pdl=False)
     elif condition == "interpreter":
         switch.setenv("TRITON_INTERPRET", "1")
     elif condition == "cpu":
@@ -53,37 +52,35 @@ def test_no_pdl_unless_every_condition_holds(switch, condition):
     else:
         major, minor = condition.split()[1].split(".")
         switch.setattr(pdl, "capability", lambda d: (int(major), int(minor)))
-    assert not pdl.active(device)
-    assert pdl.launch_kwargs(device) == {}
+    with using(options):
+        assert not pdl.active(device)
+        assert pdl.launch_kwargs(device) == {}
 
 
-@pytest.mark.slow
-def test_the_switch_is_on_by_default_and_off_by_environment():
-    """On since measured faster at ratio 0 on an H100 (bench/pdl_stack/README.md); the GEMMs' own depth unset, so
-    they take the switch's. TESSERA_PDL=0 in a process's environment turns it off."""
-    import subprocess
+def test_the_option_is_on_by_default_and_scoped():
+    """On since measured faster at ratio 0 on an H100 (bench/pdl_stack/README.md); ``using`` sets it for its block
+    only, and a thread that sets nothing launches with the defaults."""
+    import threading
 
-    assert klt.PDL_PREFETCH_STEPS == -1
-    read = "import kernels.pdl as p; print(p.ENABLED, p.EARLY)"
-    for name, value, want in (("TESSERA_PDL", None, "True False"), ("TESSERA_PDL", "0", "False False"),
-                              ("TESSERA_PDL", "1", "True False"), ("TESSERA_PDL_EARLY", "1", "True True"),
-                              ("TESSERA_PDL_EARLY", "0", "True False")):
-        env = {k: v for k, v in os.environ.items() if k not in ("TESSERA_PDL", "TESSERA_PDL_EARLY")}
-        if value is not None:
-            env[name] = value
-        out = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, timeout=120)
-        assert out.stdout.strip() == want, (name, value, out.stderr[-500:])
+    assert KernelOptions().pdl and KernelOptions().tma
+    seen = []
+    with using(KernelOptions(pdl=False)):
+        assert not pdl.active(CUDA0)
+        worker = threading.Thread(target=lambda: seen.append(pdl.current().pdl))
+        worker.start()
+        worker.join(timeout=30)
+    assert seen == [True]
+    with pytest.raises(ValueError, match="pdl must be True or False"):
+        KernelOptions(pdl=1)
+    with pytest.raises(TypeError, match="takes a KernelOptions"):
+        with using({"pdl": False}):
+            pass
 
 
-def test_gemm_prefetch_depth_follows_the_switch(switch):
-    assert klt.pdl_steps(CUDA0) == klt.SWITCH_PREFETCH_STEPS == 2
-    switch.setattr(klt, "PDL_PREFETCH_STEPS", 4)  # the GEMM's own setting wins
-    assert klt.pdl_steps(CUDA0) == 4
-    switch.setattr(klt, "PDL_PREFETCH_STEPS", -1)
-    switch.setattr(pdl, "ENABLED", False)
-    assert klt.pdl_steps(CUDA0) == -1
-    switch.setattr(klt, "PDL_PREFETCH_STEPS", 0)  # set on its own, as before the switch existed
-    assert klt.pdl_steps(CUDA0) == 0
+def test_gemm_prefetch_depth_follows_the_option(switch):
+    assert klt.pdl_steps(CUDA0) == klt.PDL_PREFETCH_STEPS == 2
+    with using(KernelOptions(pdl=False)):
+        assert klt.pdl_steps(CUDA0) == -1
 
 
 def test_gemm_plan_turns_pdl_on_for_one_split_compiled_launches(switch):
@@ -92,8 +89,6 @@ def test_gemm_plan_turns_pdl_on_for_one_split_compiled_launches(switch):
     one, split = LinearConfig(16, 32, 32), LinearConfig(16, 32, 32, split_k=2)
     consts = klt._plan(16, 64, 256, torch.bfloat16, one, False, False, pdl=2)[4]
     assert consts["PDL"] == pdl.WAIT_FIRST and consts["launch_pdl"] and consts["PREFETCH_STEPS"] == 2
-    switch.setattr(pdl, "EARLY", True)
-    assert klt._plan(16, 64, 256, torch.bfloat16, one, False, False, pdl=2)[4]["PDL"] == pdl.TRIGGER_FIRST
     assert not klt._plan(16, 64, 256, torch.bfloat16, split, False, False, pdl=2)[4]["PDL"]  # split K: not PDL
     assert "launch_pdl" not in klt._plan(16, 64, 256, torch.bfloat16, one, False, False, pdl=-1)[4]
 
@@ -123,9 +118,9 @@ def test_every_layer_kernel_asks_the_switch_and_falls_back_in_the_interpreter(mo
     off = _layer_outputs(ps, inp)
     asked = []
     real_active = pdl.active
-    monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "active", lambda device: asked.append(device.type) or real_active(device))
-    on = _layer_outputs(ps, inp)
+    with using(KernelOptions(pdl=True)):
+        on = _layer_outputs(ps, inp)
     assert all(torch.equal(a, b) for a, b in zip(off, on))
     assert torch.isfinite(off[0].float()).all()
     # the layer: rms_norm, 4 GEMMs, qkv_heads, attention, merge, add_rms_norm = 9; the key bounds once
@@ -146,9 +141,10 @@ def test_merge_and_norms_same_bits_with_the_switch_on(monkeypatch, all_parts):
         return [kf.rms_norm(x, w, 1e-5), *kf.add_rms_norm(x, r, w, 1e-5), *merge_rows(outs, lses, torch.float32,
                                                                                           all_parts=all_parts)]
 
-    off = run()
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    assert all(torch.equal(a, b) for a, b in zip(off, run()))
+    with using(KernelOptions(pdl=False)):
+        off = run()
+    with using(KernelOptions(pdl=True)):
+        assert all(torch.equal(a, b) for a, b in zip(off, run()))
 
 
 
@@ -164,18 +160,18 @@ def _pdl_builds(monkeypatch, mode: int) -> list[str]:
 
 
 def _check_order(calls: list[str], mode: int) -> None:
-    """Every program waited once and let the next kernel in once, in the order ``mode`` says."""
-    pair = ["wait", "launch"] if mode == pdl.WAIT_FIRST else ["launch", "wait"]
+    """Every program waited once, then let the next kernel in once."""
+    pair = ["wait", "launch"]
     assert calls and len(calls) % 2 == 0
     assert all(calls[i:i + 2] == pair for i in range(0, len(calls), 2)), calls[:8]
 
 
 @interpreted_only
-@pytest.mark.parametrize("mode", [pdl.WAIT_FIRST, pdl.TRIGGER_FIRST])
+@pytest.mark.parametrize("mode", [pdl.WAIT_FIRST])
 @pytest.mark.slow
 def test_pdl_builds_of_the_layer_give_the_same_bits(monkeypatch, mode):
     """The PDL builds' own code (weights read before the wait, everything else after it) gives the plain builds'
-    bits, with the next kernel let in after the wait or before it: the chain's layer (table cos/sin, KV splits
+    bits, the next kernel let in after the wait: the chain's layer (table cos/sin, KV splits
     merged by the loop merge)."""
     ps = _chain_module()
     inp = ps.chain_inputs(ps.CHAIN_SHAPES["tiny"], 1, torch.device("cpu"), torch.bfloat16, seed=1)
@@ -187,7 +183,7 @@ def test_pdl_builds_of_the_layer_give_the_same_bits(monkeypatch, mode):
 
 
 @interpreted_only
-@pytest.mark.parametrize("mode", [pdl.WAIT_FIRST, pdl.TRIGGER_FIRST])
+@pytest.mark.parametrize("mode", [pdl.WAIT_FIRST])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_pdl_builds_of_qkv_heads_by_positions_and_the_merge_of_all_parts(monkeypatch, qk_norm, mode):
     """The variants the chain does not take: rotation by positions * inv_freq, Qwen3's q/k norms (their

@@ -1,0 +1,49 @@
+"""The engine's options: one frozen object given at construction, never a module switch.
+
+Every field is a default that won its A/B, kept switchable only where a benchmark or a test needs its peer (the
+general paths the graphs replace, cuBLAS against the skinny GEMM, plain launches against PDL). Options are read
+when the engine is built and when a graph is captured; they are frozen, so nothing flipped after the warm-up can
+leave a captured graph disagreeing with the engine that replays it, and every captured graph records the kernel
+options it was captured with (``graphs.capture``). Environment variables are read in one place, at worker
+start (``services/env.py``), into one of these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kernels.options import KernelOptions
+from services.checks import check_bool, check_instance
+from services.env import flag
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """skinny_gemm: projections of few rows (short passes, decode steps) on the weight-streaming Triton GEMM
+    (kernels/linear) when the kernel backend is Triton; off, every projection on cuBLAS. 2-10% faster per
+    projection on an H100 (bench/skinny_gemm/README.md), but a first decode step compiles it: 4.11 s against
+    1.37 s on an empty Triton cache.
+    reuse_graph: a ratio-0 reuse pass that fits a static tail runs as one pinned copy and one replay
+    (reuse_tail.py); off, through the general static tail.
+    blend_graph: a ratio > 0 pass that fits runs as one pinned copy and one graph, the check layer's selection
+    included (blend_tail.py); off, layer 0 and the selection eagerly, then the general static tail.
+    kernels: what the Triton launches read (kernels/options.py: PDL, TMA)."""
+
+    skinny_gemm: bool = True
+    reuse_graph: bool = True
+    blend_graph: bool = True
+    kernels: KernelOptions = field(default_factory=KernelOptions)
+
+    def __post_init__(self) -> None:
+        for name in ("skinny_gemm", "reuse_graph", "blend_graph"):
+            check_bool(f"EngineOptions.{name}", getattr(self, name))
+        check_instance("EngineOptions.kernels", self.kernels, KernelOptions)
+
+    @classmethod
+    def from_env(cls, environ=None) -> "EngineOptions":
+        """The options a worker starts with: the defaults, but where its environment turns one off
+        (``services/env.py``: TESSERA_PDL, TESSERA_TMA, TESSERA_SKINNY_GEMM, TESSERA_REUSE_GRAPH,
+        TESSERA_BLEND_GRAPH)."""
+        return cls(skinny_gemm=flag("TESSERA_SKINNY_GEMM", environ), reuse_graph=flag("TESSERA_REUSE_GRAPH", environ),
+                   blend_graph=flag("TESSERA_BLEND_GRAPH", environ),
+                   kernels=KernelOptions(pdl=flag("TESSERA_PDL", environ), tma=flag("TESSERA_TMA", environ)))
