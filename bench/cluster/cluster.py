@@ -192,7 +192,7 @@ def main() -> int:
     ap.add_argument("--host-cache-bytes", type=float, default=0,
                     help="each worker's host-memory chunk tier (0: off)")
     ap.add_argument("--warmup-tokens", type=int, default=None,
-                    help="the workers' start-up warm-up context (services/engine/warmup.py; default: the settings' "
+                    help="the workers' start-up warm-up context (services/engine/graphs/warmup.py; default: the settings' "
                          "defaults; 0: off)")
     ap.add_argument("--decode-step-interval-ms", type=float, default=0.0,
                     help="DecodeSettings.min_step_interval_s, in ms (0: decode steps back to back)")
@@ -228,7 +228,7 @@ def main() -> int:
     if args.model_dir:
         model = Path(args.model_dir)
     elif tiny:
-        from services.engine.tiny import write_tiny
+        from services.engine.model.tiny import write_tiny
 
         model = write_tiny(Path(tmp) / "tiny")
     else:

@@ -72,7 +72,7 @@ class OpCount(TorchDispatchMode):
 
 def transformer_class(path: str | None):
     if path is None:
-        from services.engine.model import Transformer
+        from services.engine.model.layers import Transformer
 
         return Transformer
     spec = importlib.util.spec_from_file_location("model_under_count", path)
@@ -112,8 +112,8 @@ def variants(cls, cfg, w):
 
 
 def count_cpu(args) -> None:
-    from services.engine.tiny import random_weights, tiny_config
-    from services.engine.weights import weights_from_tensors
+    from services.engine.model.tiny import random_weights, tiny_config
+    from services.engine.model.weights import weights_from_tensors
 
     cls = transformer_class(args.model)
     for arch in ("llama", "qwen2", "qwen3"):
@@ -130,9 +130,9 @@ def count_cpu(args) -> None:
 def run_cuda(args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from services.engine.config import ModelConfig
-    from services.engine.tiny import random_weights
-    from services.engine.weights import weights_from_tensors
+    from services.engine.model.config import ModelConfig
+    from services.engine.model.tiny import random_weights
+    from services.engine.model.weights import weights_from_tensors
 
     dev = torch.device("cuda")
     cfg = ModelConfig(architecture="LlamaForCausalLM", **LLAMA3_8B)
@@ -202,7 +202,7 @@ def check_kernels(dev) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--model", help="a model.py to count instead of services/engine/model.py")
+    ap.add_argument("--model", help="a model.py to count instead of services/engine/model/layers.py")
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 528], help="CUDA: tokens of the timed layer")
     args = ap.parse_args()
     with torch.no_grad():  # not inference_mode: under it a dispatch mode does not see dtype casts

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from services.engine import Engine  # noqa: E402
-from services.engine.tiny import random_weights, tiny_config  # noqa: E402
+from services.engine.model.tiny import random_weights, tiny_config  # noqa: E402
 
 # (phase, qualified names of engine functions): the innermost frame that matches names an op's phase
 PHASES = [
@@ -264,15 +264,15 @@ def gpu_gaps(eng: Engine, chunks, suffix, mode: str, ratio: float, top: int = 12
 # host functions of a pass, timed by --timeline: (module, qualified name)
 TIMELINE = [
     ("services.engine.engine", "Engine.prefill"), ("services.engine.engine", "Engine._validate"),
-    ("services.engine.forward", "Forward._place"), ("services.engine.forward", "chunk_id"),
-    ("services.engine.blend", "RequestTables.__init__"), ("services.engine.blend", "RequestTables.shared_base"),
-    ("services.engine.model", "Transformer.embed"), ("services.engine.forward", "Forward._run"),
-    ("services.engine.graphs", "TailCache.run"), ("services.engine.graphs", "StaticTail.fill"),
-    ("services.engine.graphs", "StaticTail.run"), ("services.engine.model", "Transformer.logits"),
-    ("services.engine.engine", "Engine.release"), ("services.engine.reuse_tail", "reuse_tail_pass"),
-    ("services.engine.reuse_tail", "pack"), ("services.engine.graphs", "KeyedTails.get"),
-    ("services.engine.blend_tail", "blend_tail_pass"), ("services.engine.blend_tail", "pack"),
-    ("services.engine.blend_tail", "applies"), ("services.engine.reuse_tail", "StagedInputs.load"),
+    ("services.engine.passes.forward", "Forward._place"), ("services.engine.passes.forward", "chunk_id"),
+    ("services.engine.passes.blend", "RequestTables.__init__"), ("services.engine.passes.blend", "RequestTables.shared_base"),
+    ("services.engine.model.layers", "Transformer.embed"), ("services.engine.passes.forward", "Forward._run"),
+    ("services.engine.graphs.tails", "TailCache.run"), ("services.engine.graphs.tails", "StaticTail.fill"),
+    ("services.engine.graphs.tails", "StaticTail.run"), ("services.engine.model.layers", "Transformer.logits"),
+    ("services.engine.engine", "Engine.release"), ("services.engine.graphs.reuse_tail", "reuse_tail_pass"),
+    ("services.engine.graphs.reuse_tail", "pack"), ("services.engine.graphs.tails", "KeyedTails.get"),
+    ("services.engine.graphs.blend_tail", "blend_tail_pass"), ("services.engine.graphs.blend_tail", "pack"),
+    ("services.engine.graphs.blend_tail", "applies"), ("services.engine.graphs.reuse_tail", "StagedInputs.load"),
 ]
 
 

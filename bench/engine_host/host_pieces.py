@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from host_ops import bench_request, build_engine  # noqa: E402
-from services.engine import reuse_tail  # noqa: E402
-from services.engine.graphs import T_BUCKET, bucket, entry_bucket  # noqa: E402
+from services.engine.graphs import reuse_tail  # noqa: E402
+from services.engine.graphs.tails import T_BUCKET, bucket, entry_bucket  # noqa: E402
 from services.engine.request import PrefillStats  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def main() -> int:
         rows["graph replay (launch)"] = best(lambda: tail.graph.replay(), n=50)
     rows["PrefillStats"] = best(lambda: PrefillStats("tessera", 0.0, 1))
     # a ratio-0.15 pass's request tables (461 recomputed tokens' private blocks, the chunks' device ids)
-    from services.engine.blend import RequestTables
+    from services.engine.passes.blend import RequestTables
 
     def tables():
         private = []
@@ -109,7 +109,7 @@ def main() -> int:
 
 
 def _tiny_state(eng):
-    from services.engine.tiny import random_weights
+    from services.engine.model.tiny import random_weights
 
     return random_weights(eng.cfg, 0)
 

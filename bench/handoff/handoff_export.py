@@ -7,7 +7,7 @@ chunks resident, as after warm-up) and reports, per pass:
   after   engine-thread time from ``on_logits`` returning to ``prefill_handoff`` returning (the export and
           the release of the sequence), its aten ops, the ops that launch a kernel or a copy on CUDA, and
           its host syncs;
-  before  the export's own work before ``on_logits`` (calls into services.engine.handoff_export made then):
+  before  the export's own work before ``on_logits`` (calls into services.engine.handoff.export made then):
           it delays the first token by that much;
   gpu     (CUDA) from ``on_logits`` returning until the GPU has finished the export's work.
 Syncs: on CUDA torch's sync debug mode counts them (as bench/engine/engine.py's count_syncs does); on the
@@ -44,9 +44,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import services.engine.engine as engine_mod  # noqa: E402
-import services.engine.handoff_export as handoff_mod  # noqa: E402
+import services.engine.handoff.export as handoff_mod  # noqa: E402
 from services.engine import Engine, ModelConfig  # noqa: E402
-from services.engine.tiny import random_weights, tiny_config  # noqa: E402
+from services.engine.model.tiny import random_weights, tiny_config  # noqa: E402
 
 SYNC = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "unique", "_unique2"}
 FREE = {"empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
@@ -94,7 +94,7 @@ def build(args) -> Engine:
 
 
 class Timed:
-    """Wraps the functions engine.py imports from services.engine.handoff: host time of their outermost
+    """Wraps the functions engine.py imports from services.engine.handoff.wire: host time of their outermost
     calls, split at the first token (``first`` set by the caller)."""
 
     def __init__(self, cuda_syncs: bool = False):

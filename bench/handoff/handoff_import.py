@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import services.engine.block_pool as pool_mod  # noqa: E402
+import services.engine.kv.block_pool as pool_mod  # noqa: E402
 import services.engine.engine as engine_mod  # noqa: E402
 from bench.handoff.handoff_export import (OpMeter, add_shared_args, build, contention, interleaved,  # noqa: E402
                                   parse_shared, request)

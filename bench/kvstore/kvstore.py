@@ -540,7 +540,7 @@ def register_corpus(docs: int, layers: int, batch: int, out: Path | None) -> dic
 
     from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
     from services.launch.local import start_local_cluster
-    from services.engine.tiny import write_tiny
+    from services.engine.model.tiny import write_tiny
     from services.sdk import Client
 
     tmp = Path(tempfile.mkdtemp(prefix="tessera-register-"))

@@ -169,7 +169,7 @@ def chain_inputs(shape: dict, layers: int, dev, dtype, seed: int = 0) -> dict:
 
 
 def chain_forward(inp: dict) -> torch.Tensor:
-    """The pass: the key bounds once, then per layer the engine's 9 launches at 64 rows (services/engine/model.py
+    """The pass: the key bounds once, then per layer the engine's 9 launches at 64 rows (services/engine/model/layers.py
     with the skinny GEMM, norms not in the GEMMs, fused gate|up). Returns the final hidden state [T, H]."""
     from kernels.fused import KVWrite
     from kernels.fused import triton as kf

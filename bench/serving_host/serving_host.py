@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from services.engine import Engine  # noqa: E402
-from services.engine.tiny import write_tiny  # noqa: E402
+from services.engine.model.tiny import write_tiny  # noqa: E402
 from services.gateway.inputs import ChunkRegistry, InputResolver  # noqa: E402
 from services.rpc import tessera_pb2 as pb  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""What a worker's first requests cost, with and without the start-up warm-up (services/engine/warmup.py).
+"""What a worker's first requests cost, with and without the start-up warm-up (services/engine/graphs/warmup.py).
 
 Llama-3-8B-shaped model with random weights, bf16, one process per setting, each with its own empty Triton cache
 (set TRITON_CACHE_DIR per run: the cache on disk would otherwise carry one run's compiles into the next). With
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.engine.engine import LLAMA3_8B  # noqa: E402
 from services.engine import Engine, ModelConfig  # noqa: E402
-from services.engine.decode_graphs import BATCH_BUCKETS  # noqa: E402
-from services.engine.warmup import warm_decode, warm_prefill  # noqa: E402
+from services.engine.graphs.decode import BATCH_BUCKETS  # noqa: E402
+from services.engine.graphs.warmup import warm_decode, warm_prefill  # noqa: E402
 
 MODES = (("full", 0.0), ("prefix", 0.0), ("position_aware", 0.0), ("blend_copy", 0.15), ("tessera", 0.15),
          ("tessera", 0.0))

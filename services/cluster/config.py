@@ -86,7 +86,7 @@ class PrefillSettings:
     # from the store, kept pinned for a fast way back to the GPU; 0: off
     host_cache_bytes: int = 0
     # before serving, on a GPU: one made-up prefill per pass the worker runs, over a context of this many
-    # tokens, so that no request waits for a kernel compile or a graph capture (services/engine/warmup.py); 0: off
+    # tokens, so that no request waits for a kernel compile or a graph capture (services/engine/graphs/warmup.py); 0: off
     warmup_tokens: int = 3072
 
     def __post_init__(self) -> None:
@@ -118,7 +118,7 @@ class DecodeSettings:
     min_step_interval_s: float = 0.0
     # before serving, on a GPU: two decode steps at every batch bucket up to max_batch over sequences of this
     # many tokens, so that no step stalls its batch on a kernel compile or a graph capture
-    # (services/engine/warmup.py); 0: off
+    # (services/engine/graphs/warmup.py); 0: off
     warmup_tokens: int = 4096
 
     def __post_init__(self) -> None:

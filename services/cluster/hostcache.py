@@ -38,7 +38,7 @@ class HostEntry:
 
 class HostStream:
     """An entry's layers as an iterator marked ``local``: the engine then knows they land within
-    milliseconds (services/engine/loader.py) and waits for all of them before replaying its graphs."""
+    milliseconds (services/engine/kv/loader.py) and waits for all of them before replaying its graphs."""
 
     local = True
 

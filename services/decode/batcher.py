@@ -196,10 +196,10 @@ class Batcher:
             self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)
 
     def _start(self, job: DecodeJob) -> None:
-        from services.engine.block_table import host_to_device
+        from services.engine.kv.block_table import host_to_device
         from services.engine.sampling import sample
 
-        from services.engine.block_pool import PoolExhausted
+        from services.engine.kv.block_pool import PoolExhausted
 
         t0 = time.perf_counter()
         try:
@@ -280,7 +280,7 @@ class Batcher:
             self.profile.tick()
         self.metrics.batch_size.observe(len(batch))
         t0 = time.perf_counter()
-        from services.engine.block_pool import PoolExhausted
+        from services.engine.kv.block_pool import PoolExhausted
 
         try:
             logits = self.eng.decode_step([lv.seq for lv in batch], [lv.last for lv in batch])  # [B, vocab]

@@ -22,7 +22,7 @@ from services.tiers import Tier
 if TYPE_CHECKING:
     import torch
 
-    from services.engine.handoff import Handoff
+    from services.engine.handoff.wire import Handoff
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
             store_wait_s: float = 0.0) -> PreparedHandoff:
     """``store_wait_s``: how long to wait for chunks the prefill worker is still writing to the store
     (the header's ``storing``) before leaving them to be computed at admission."""
-    from services.engine.handoff import Handoff
+    from services.engine.handoff.wire import Handoff
 
     if received.header.kind != "engine":
         raise ValueError(f"unknown hand-off kind {received.header.kind!r}")

@@ -30,7 +30,7 @@ from services.cluster.transport import HandoffError, ReceivedHandoff, probe_tran
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
 from services.decode.prepare import prepare
-from services.engine.warmup import warm_decode, warm_up
+from services.engine.graphs.warmup import warm_decode, warm_up
 from services.rpc import tessera_pb2 as pb
 from services.rpc import tessera_pb2_grpc as pb_grpc
 

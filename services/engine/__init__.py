@@ -7,15 +7,15 @@ from __future__ import annotations
 
 _EXPORTS = {
     "Engine": "services.engine.engine",
-    "CheckedRequest": "services.engine.request_ids",
-    "ModelConfig": "services.engine.config",
-    "BlockTable": "services.engine.block_table",
+    "CheckedRequest": "services.engine.kv.request_ids",
+    "ModelConfig": "services.engine.model.config",
+    "BlockTable": "services.engine.kv.block_table",
     "PrefillResult": "services.engine.request",
     "PrefillStats": "services.engine.request",
     "Sequence": "services.engine.request",
-    "chunk_id": "services.engine.chunk_cache",
-    "Handoff": "services.engine.handoff",
-    "ChunkRef": "services.engine.handoff",
+    "chunk_id": "services.engine.kv.chunk_cache",
+    "Handoff": "services.engine.handoff.wire",
+    "ChunkRef": "services.engine.handoff.wire",
 }
 __all__ = list(_EXPORTS)
 

@@ -18,7 +18,7 @@ def register(sub) -> None:
 
 
 def _init_tiny(args) -> int:
-    from services.engine.tiny import write_tiny
+    from services.engine.model.tiny import write_tiny
 
     overrides = {} if args.layers is None else {"num_layers": args.layers}
     path = write_tiny(args.dir, arch=args.arch, seed=args.seed, **overrides)
@@ -27,7 +27,7 @@ def _init_tiny(args) -> int:
 
 
 def _info(args) -> int:
-    from services.engine.config import ModelConfig
+    from services.engine.model.config import ModelConfig
 
     cfg = ModelConfig.from_dir(args.dir)
     print(f"{cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"

@@ -18,20 +18,21 @@ import torch
 
 from kernels.options import using
 from kernels.paged_attention import MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
-from services.engine.blend import BlendConfig
-from services.engine.block_pool import BlockPool
-from services.engine.block_table import BlockTable
-from services.engine.chunk_cache import ChunkCache, chunk_id
-from services.engine.chunk_ids import chunk_ids_of, scoped_id
-from services.engine.config import ModelConfig
-from services.engine.forward import Forward
-from services.engine.handoff import Handoff, import_sequence
-from services.engine.handoff_export import export_sequence, stage_export
+from services.engine.passes.blend import BlendConfig
+from services.engine.kv.block_pool import BlockPool
+from services.engine.kv.block_table import BlockTable
+from services.engine.kv.chunk_cache import ChunkCache, chunk_id
+from services.engine.kv.chunk_ids import chunk_ids_of, scoped_id
+from services.engine.model.config import ModelConfig
+from services.engine.passes.forward import Forward
+from services.engine.handoff.imports import import_sequence
+from services.engine.handoff.wire import Handoff
+from services.engine.handoff.export import export_sequence, stage_export
 from services.engine.options import EngineOptions
 from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
-from services.engine.request_ids import CheckedRequest, KnownChunks, request_ids
+from services.engine.kv.request_ids import CheckedRequest, KnownChunks, request_ids
 from services.engine.sampling import SamplingParams, sample
-from services.engine.weights import ModelWeights, fingerprint, load_weights, state_fingerprint, weights_from_tensors
+from services.engine.model.weights import ModelWeights, fingerprint, load_weights, state_fingerprint, weights_from_tensors
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

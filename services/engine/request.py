@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from services.engine.block_table import BlockTable
-from services.engine.chunk_cache import ChunkEntry
+from services.engine.kv.block_table import BlockTable
+from services.engine.kv.chunk_cache import ChunkEntry
 from services.modes import MODES  # noqa: F401 - named here for its importers
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from services.cluster.sampling import DEFAULT_MAX_NEW_TOKENS
-from services.engine.config import ModelConfig
+from services.engine.model.config import ModelConfig
 from services.gateway.tenants import DEFAULT, QuotaExceeded, Tenant
 from services.modes import MODES
 from services.rpc import tessera_pb2 as pb
@@ -203,7 +203,7 @@ class InputResolver:
                  text_cache: TextTokens | None = None) -> None:
         from tokenizers import Tokenizer
 
-        from services.engine.chunk_ids import checked_chunk_id
+        from services.engine.kv.chunk_ids import checked_chunk_id
 
         path = Path(model_dir)
         self.cfg = ModelConfig.from_dir(path)

@@ -465,7 +465,7 @@ def soak_local(settings: SoakSettings, prefill: int = 2, decode: int = 2, stores
 
     from services.cluster.config import ClusterConfig, PrefillSettings
     from services.launch.on_ray import local_cluster
-    from services.engine.tiny import write_tiny
+    from services.engine.model.tiny import write_tiny
 
     logging.getLogger("ray").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="tessera-chaos-") as tmp:

@@ -122,7 +122,7 @@ def _up(args: argparse.Namespace) -> int:
     state: dict = {"temp": []}
     model = args.model
     if model is None:
-        from services.engine.tiny import write_tiny
+        from services.engine.model.tiny import write_tiny
 
         tmp = tempfile.mkdtemp(prefix="tessera-model-")
         state["temp"].append(tmp)

@@ -65,7 +65,7 @@ def run_demo(settings: DemoSettings, modes: tuple[str, ...] = ("full", "tessera"
     from loadgen.replay import ReplayConfig, replay_modes
     from services.launch.on_ray import local_cluster
     from loadgen.replay.cluster_target import ClusterTarget
-    from services.engine.tiny import write_tiny
+    from services.engine.model.tiny import write_tiny
 
     logging.getLogger("ray").setLevel(logging.WARNING)
     t0 = time.perf_counter()

@@ -29,7 +29,7 @@ from services.cluster.errors import internal
 from services.cluster.serving import (StoppedForGood, add_health, advertised_host, bind, channel, make_server,
                                      serve_metrics, set_serving)
 from services.cluster.transport import handoff_parts, probe_transport
-from services.engine.warmup import warm_prefill, warm_up
+from services.engine.graphs.warmup import warm_prefill, warm_up
 from services.prefill.controller import LoadingController
 from services.prefill.engine_loop import EngineLoop
 from services.prefill.metrics import PrefillMetrics
@@ -74,7 +74,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context):
         """Streams two replies: the first token as soon as it is sampled, then (hand-off delivered) the stats."""
-        from services.engine.block_pool import PoolExhausted
+        from services.engine.kv.block_pool import PoolExhausted
 
         await self._serving(context)
         if not request.decode_address:

@@ -87,7 +87,7 @@ def test_the_gateway_names_chunks_as_the_engine_does_without_torch(tiny_model, r
     import subprocess
     import sys
 
-    from services.engine.chunk_ids import scoped_id
+    from services.engine.kv.chunk_ids import scoped_id
 
     probe = ("import sys, json\n"
              "from services.gateway.inputs import ChunkRegistry, InputResolver\n"

@@ -162,7 +162,7 @@ def test_registering_stores_a_chunk_larger_than_the_device_cache(tiny_model):
 def test_a_pass_waits_for_loads_from_host_memory_but_not_for_slow_streams(local):
     import threading
 
-    from services.engine.loader import ChunkLoad, LayerGate
+    from services.engine.kv.loader import ChunkLoad, LayerGate
 
     gate_open = threading.Event()
 

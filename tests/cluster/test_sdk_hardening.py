@@ -230,7 +230,7 @@ def byte_bpe(pieces: list[bytes]) -> Tokenizer:
 
 
 def tokenizers_under_test():
-    from services.engine.tiny import byte_tokenizer_json
+    from services.engine.model.tiny import byte_tokenizer_json
 
     # é = C3 A9, 世 = E4 B8 96, 界 = E7 95 8C, 🙂 = F0 9F 99 82, ï = C3 AF
     merged = byte_bpe([b"\xa9l", b"\xb8\x96\xe7", b"\x9f\x99", b"o ", b"\xc3\xaf"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.engine import Engine
-from services.engine.tiny import write_tiny
+from services.engine.model.tiny import write_tiny
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ def check(device: str = "cuda", n_chunks: int = 6, length: int = 300, rounds: in
     sides may then run different kernels, so only closeness is expected, not equality. ``local``: the
     chunks come as the host tier gives them (one batched copy each, issued by the engine thread)."""
     from services.engine import Engine
-    from services.engine.tiny import write_tiny
+    from services.engine.model.tiny import write_tiny
 
     model = write_tiny(Path(tempfile.mkdtemp()) / "tiny", max_position_embeddings=4096)
     eng = Engine.load(str(model), device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.block_table import BlockTable
-from services.engine.handoff import Handoff
+from services.engine.kv.block_table import BlockTable
+from services.engine.handoff.wire import Handoff
 
 
 def reference_import(fwd, h: Handoff, fetch=None):

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from services.engine import Engine, blend_tail
+from services.engine import Engine
+from services.engine.graphs import blend_tail
 
 from .conftest import cpu_triton, random_request
 

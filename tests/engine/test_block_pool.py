@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.block_pool import BlockPool, PoolExhausted
+from services.engine.kv.block_pool import BlockPool, PoolExhausted
 
 
 def _pool(n=12, bs=4, layers=2):

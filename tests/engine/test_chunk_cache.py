@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from services.engine import Engine
-from services.engine.block_pool import PoolExhausted
-from services.engine.chunk_cache import chunk_id
-from services.engine.chunk_ids import chunk_ids_of
+from services.engine.kv.block_pool import PoolExhausted
+from services.engine.kv.chunk_cache import chunk_id
+from services.engine.kv.chunk_ids import chunk_ids_of
 
 from .conftest import random_request
 

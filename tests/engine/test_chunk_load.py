@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from services.engine.block_pool import BlockPool
-from services.engine.loader import ChunkLoad, LayerGate
+from services.engine.kv.block_pool import BlockPool
+from services.engine.kv.loader import ChunkLoad, LayerGate
 
 
 def _layers(n_layers, n, heads, dim, seed=0):

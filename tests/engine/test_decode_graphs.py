@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.engine import Engine, Handoff
-from services.engine.decode_graphs import DecodeGraphs
+from services.engine.graphs.decode import DecodeGraphs
 
 from .conftest import cpu_triton, random_request
 

@@ -4,16 +4,16 @@ and the model's layer math is unchanged."""
 import pytest
 import torch
 
-from services.engine.model import Transformer
-from services.engine.tiny import random_weights, tiny_config
-from services.engine.weights import load_weights, weights_from_tensors
+from services.engine.model.layers import Transformer
+from services.engine.model.tiny import random_weights, tiny_config
+from services.engine.model.weights import load_weights, weights_from_tensors
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_projections_are_views_of_the_fused_weights(tiny_dirs, arch):
     from safetensors.torch import load_file
 
-    from services.engine.config import ModelConfig
+    from services.engine.model.config import ModelConfig
 
     cfg = ModelConfig.from_dir(tiny_dirs[arch])
     w = load_weights(tiny_dirs[arch], cfg, torch.device("cpu"), torch.float32)

@@ -11,7 +11,7 @@ from safetensors.torch import load
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.engine import Engine
-from services.engine.handoff_export import export_sequence, stage_export
+from services.engine.handoff.export import export_sequence, stage_export
 
 from .conftest import random_request
 from .handoff_reference import reference_export

@@ -9,7 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.engine import Engine, Handoff
-from services.engine.handoff import LayerView, import_sequence
+from services.engine.handoff.imports import import_sequence
+from services.engine.handoff.wire import LayerView
 
 from .conftest import random_request
 from .handoff_import_reference import reference_import

@@ -169,7 +169,7 @@ def test_host_to_device_many_keeps_dtypes_shapes_and_values():
     back as its own tensor with its values; other dtypes are refused by name."""
     import numpy as np
 
-    from services.engine.block_table import host_to_device_many
+    from services.engine.kv.block_table import host_to_device_many
 
     rng = np.random.default_rng(0)
     arrays = [rng.integers(-9, 9, 5, dtype=np.int32), rng.integers(-2**40, 2**40, (2, 3), dtype=np.int64),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.request_ids import KnownChunks
+from services.engine.kv.request_ids import KnownChunks
 
 from .conftest import random_request
 

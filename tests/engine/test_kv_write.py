@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from services.engine import Engine
-from services.engine.block_pool import BlockPool
-from services.engine.model import Transformer
-from services.engine.tiny import random_weights, tiny_config
-from services.engine.weights import weights_from_tensors
+from services.engine.kv.block_pool import BlockPool
+from services.engine.model.layers import Transformer
+from services.engine.model.tiny import random_weights, tiny_config
+from services.engine.model.weights import weights_from_tensors
 
 from .conftest import random_request, tail_replays
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from services.cli import main as tessera
 from services.engine import Engine
-from services.engine.tiny import write_tiny
+from services.engine.model.tiny import write_tiny
 
 from .conftest import random_request
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.engine import Engine
-from services.engine.graphs import PAD_POS
+from services.engine.graphs.tails import PAD_POS
 
 from .conftest import cpu_triton, random_request
 

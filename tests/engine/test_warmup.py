@@ -1,4 +1,4 @@
-"""The serving warm-up (services/engine/warmup.py) on the CPU, where the workers skip it but the code path is the
+"""The serving warm-up (services/engine/graphs/warmup.py) on the CPU, where the workers skip it but the code path is the
 same: it reaches every batch bucket, runs each pass, fits the model's limits, and leaves nothing behind."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 from services.cluster.config import DecodeSettings, PrefillSettings
 from services.engine import Engine
-from services.engine.tiny import random_weights, tiny_config
-from services.engine.warmup import DECODE_STEPS, warm_decode, warm_prefill
+from services.engine.model.tiny import random_weights, tiny_config
+from services.engine.graphs.warmup import DECODE_STEPS, warm_decode, warm_prefill
 
 
 def _engine(**cfg_overrides) -> Engine:
@@ -105,7 +105,7 @@ def test_warm_up_settings_are_validated():
 def test_a_failing_warm_up_is_logged_and_the_worker_goes_on(caplog):
     import asyncio
 
-    from services.engine.warmup import warm_up
+    from services.engine.graphs.warmup import warm_up
 
     def broken(eng):
         raise RuntimeError("no kernel for this GPU")

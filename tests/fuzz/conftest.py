@@ -16,7 +16,7 @@ TOKEN = "sesame"
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from services.engine.tiny import write_tiny
+    from services.engine.model.tiny import write_tiny
 
     return str(write_tiny(tmp_path_factory.mktemp("model") / "tiny", max_position_embeddings=MAX_POSITIONS))
 

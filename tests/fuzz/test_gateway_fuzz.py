@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 CLEAR = {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED", "PERMISSION_DENIED", "NOT_FOUND",
          "DEADLINE_EXCEEDED"}
-VOCAB = 320                 # the tests' tiny model (services/engine/tiny.py)
+VOCAB = 320                 # the tests' tiny model (services/engine/model/tiny.py)
 METADATA = (("authorization", f"Bearer {TOKEN}"),)
 FIXED = pb.GenerateRequest(chunks=[pb.ChunkInput(tokens=pb.TokenIds(ids=[1, 2, 3, 4])), pb.ChunkInput(text="The cat sat. ")],
                            suffix_tokens=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(max_new_tokens=8))

@@ -299,9 +299,9 @@ def test_refuses_bad_input():
 def test_model_layer_same_on_both_backends(arch):
     """One layer of the engine's Transformer with the Triton kernels equals it with the twins: rotation
     by positions (rope_backend triton) and by tables, the MLP half, and the final norm + logits."""
-    from services.engine.model import Transformer
-    from services.engine.tiny import random_weights, tiny_config
-    from services.engine.weights import weights_from_tensors
+    from services.engine.model.layers import Transformer
+    from services.engine.model.tiny import random_weights, tiny_config
+    from services.engine.model.weights import weights_from_tensors
 
     cfg = tiny_config(arch)
     w = weights_from_tensors(random_weights(cfg, 3), cfg, torch.device("cpu"), torch.float32)

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from kernels import linear as skinny
 from kernels.fused import KVWrite, add_rms_norm, default_backend, qkv_heads, rms_norm, silu_mul
 from kernels.rope import rope_cos_sin, rope_inv_freq
-from services.engine.config import ModelConfig
-from services.engine.weights import LayerWeights, ModelWeights
+from services.engine.model.config import ModelConfig
+from services.engine.model.weights import LayerWeights, ModelWeights
 
 
 class Transformer:

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from kernels.paged_attention import MAX_OFFSET
-from services.engine.block_table import BlockTable, chunk_rows, dense_run
-from services.engine.graphs import PAD_POS, T_BUCKET, KeyedTails, StaticTail, bucket, entry_bucket
+from services.engine.kv.block_table import BlockTable, chunk_rows, dense_run
+from services.engine.graphs.tails import PAD_POS, T_BUCKET, KeyedTails, StaticTail, bucket, entry_bucket
 from services.engine.request import Sequence
 
 

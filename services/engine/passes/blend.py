@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from kernels.rope import rope_cos_sin, rotate
-from services.engine.attention import self_causal
-from services.engine.block_table import BlockTable, chunk_rows, dense_run, host_to_device_many
+from services.engine.attention.backends import self_causal
+from services.engine.kv.block_table import BlockTable, chunk_rows, dense_run, host_to_device_many
 from services.engine.request import PlacedChunk, Sequence
-from services.engine import reuse_tail
+from services.engine.graphs import reuse_tail
 
 DEVIATION_METRICS = ("k", "v", "kv")
 

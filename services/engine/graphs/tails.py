@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from kernels.paged_attention import MAX_OFFSET
 from kernels.options import current
 from kernels.rope import gather_rotate, rope_cos_sin
-from services.engine.attention import cu_one
+from services.engine.attention.backends import cu_one
 
 T_BUCKET, KEY_BUCKET, MAX_GRAPHS = 16, 256, 24
 STATIC_MAX_TOKENS = 1024  # longer passes keep the GPU busy on their own: they run eagerly (flash path)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.engine.config import ModelConfig
+from services.engine.model.config import ModelConfig
 
 
 @dataclass(slots=True)

@@ -1,155 +1,15 @@
-"""Prefill-to-decode hand-off: private KV and chunk ids only.
-
-A decode worker rebuilds the request's view from a ``Handoff``: shared chunks come from its own
-chunk cache, the KV store, or (last resort) are recomputed from the tokens carried here; only the
-private KV (suffix, tokens recomputed by the blend step, and everything in modes that do not share
-by content id) crosses the wire. Per layer, ``hidden`` lists the chunk tokens whose shared twins
-are masked because a private, recomputed copy replaces them.
-
-A hand-off is made by ``services/engine/handoff_export.py`` (on the prefill worker) and rebuilt here
-(``import_sequence``, on the decode worker).
-"""
+"""A hand-off rebuilt on the decode worker's engine (``import_sequence``): shared chunks from its cache, the store
+or recompute, the private K/V written into new blocks (the format: ``wire.py``)."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from services.engine.block_table import BlockTable, dense_run, host_to_device
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRef:
-    """A shared chunk in a request: content id, global start, and its tokens (for recompute)."""
-
-    chunk_id: str
-    start: int
-    tokens: tuple[int, ...]
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class LayerView:
-    """What one layer sees besides the shared chunks.
-
-    hidden int64 [H]: global positions of chunk tokens masked at this layer;
-    positions int64 [P]: global positions of the private tokens visible at this layer;
-    k, v [P, Hkv, D]: their KV (keys rotated at their global positions).
-    """
-
-    hidden: torch.Tensor
-    positions: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-
-
-@dataclass(frozen=True, slots=True)
-class Handoff:
-    model_fingerprint: str
-    chunks: tuple[ChunkRef, ...]
-    layers: tuple[LayerView, ...]
-    next_pos: int
-    logits: torch.Tensor  # [vocab] fp32, to sample the first token
-    # every layer's K then V flat, when the layers' k/v are views of it in that order (kv_buffer() is it)
-    kv: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    # CUDA event recorded on the exporting thread's stream once the K/V gathers are queued: another thread
-    # that reads ``kv`` orders its own stream after it, not after whatever that stream queued since (the
-    # next request's pass)
-    ready: object = field(default=None, repr=False, compare=False)
-
-    @property
-    def private_bytes(self) -> int:
-        return sum(lv.k.numel() * lv.k.element_size() * 2 for lv in self.layers)
-
-    def kv_buffer(self) -> torch.Tensor:
-        """Every layer's private K then V, flat in one tensor on their device (one allocation to share)."""
-        if self.kv is not None:
-            return self.kv
-        parts = [t.reshape(-1) for lv in self.layers for t in (lv.k, lv.v)]
-        if not parts:
-            return torch.zeros(0)
-        return torch.cat(parts)
-
-    def to_bytes(self, with_kv: bool = True) -> bytes:
-        """safetensors bytes: tensors plus a JSON header of the chunk refs. ``with_kv=False`` leaves the
-        private K/V out (they travel apart, as ``kv_buffer()``; ``from_bytes`` takes them back)."""
-        from safetensors.torch import save
-
-        tensors = {"logits": self.logits.detach().float().cpu().contiguous()}
-        kv = None
-        if with_kv and self.kv is not None and self.layers:  # one copy to the host for every layer
-            k = self.layers[0].k
-            kv = _views(self.kv.detach().cpu(), [lv.k.shape[0] for lv in self.layers], k.shape[1:])
-        for i, lv in enumerate(self.layers):
-            for name in ("hidden", "positions", "k", "v") if with_kv else ("hidden", "positions"):
-                t = getattr(lv, name) if kv is None or name in ("hidden", "positions") else kv[2 * i + (name == "v")]
-                tensors[f"{i}.{name}"] = t.detach().cpu().clone()  # layers may share views
-        meta = {"fingerprint": self.model_fingerprint, "next_pos": str(self.next_pos),
-                "layers": str(len(self.layers)),
-                "chunks": json.dumps([[c.chunk_id, c.start, list(c.tokens)] for c in self.chunks])}
-        if self.layers:
-            k = self.layers[0].k
-            meta["kv"] = json.dumps([list(k.shape[1:]), str(k.dtype).removeprefix("torch.")])
-        return save(tensors, metadata=meta)
-
-    @staticmethod
-    def from_bytes(data: bytes, kv_buffer: torch.Tensor | None = None) -> "Handoff":
-        """The inverse of ``to_bytes``; ``kv_buffer``: the K/V a ``with_kv=False`` payload left out."""
-        from safetensors.torch import load
-
-        tensors = load(data)
-        # the metadata travels in the safetensors header: u64 length, then JSON
-        n = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8:8 + n]).get("__metadata__", {})
-        if "fingerprint" not in meta:
-            raise ValueError("not a Tessera hand-off: its header carries no model fingerprint")
-        n_layers = int(meta["layers"])
-        if kv_buffer is not None:
-            tensors.update(_split_kv(kv_buffer, meta, [tensors[f"{i}.positions"].numel() for i in range(n_layers)]))
-        missing = [i for i in range(n_layers) if f"{i}.k" not in tensors]
-        if missing:
-            raise ValueError(f"hand-off carries no K/V for layer {missing[0]} (and no separate buffer was given)")
-        layers = tuple(LayerView(tensors[f"{i}.hidden"], tensors[f"{i}.positions"], tensors[f"{i}.k"], tensors[f"{i}.v"])
-                       for i in range(n_layers))
-        chunks = tuple(ChunkRef(c[0], int(c[1]), tuple(c[2])) for c in json.loads(meta["chunks"]))
-        return Handoff(meta["fingerprint"], chunks, layers, int(meta["next_pos"]), tensors["logits"], kv=kv_buffer)
-
-
-def _split_kv(buf: torch.Tensor, meta: dict, counts: list[int]) -> dict[str, torch.Tensor]:
-    """Cut a ``kv_buffer()`` back into per-layer K and V [P, Hkv, D]; ValueError if it does not fit."""
-    (hkv, dim), dtype = json.loads(meta["kv"])
-    if str(buf.dtype).removeprefix("torch.") != dtype:
-        raise ValueError(f"hand-off K/V buffer is {buf.dtype}, its header says {dtype}")
-    want = 2 * sum(counts) * hkv * dim
-    if buf.numel() != want:
-        raise ValueError(f"hand-off K/V buffer holds {buf.numel()} values, its layers need {want}")
-    out, at = {}, 0
-    for i, p in enumerate(counts):
-        for name in ("k", "v"):
-            out[f"{i}.{name}"] = buf[at:at + p * hkv * dim].view(p, hkv, dim)
-            at += p * hkv * dim
-    return out
-
-
-def _views(flat: torch.Tensor, counts: list[int], shape) -> list[torch.Tensor]:
-    """K then V views [P, *shape] of each layer (P = counts[layer]) laid one after another in ``flat``;
-    a few ops per run of layers with one P, not a few per layer."""
-    runs = []  # (P, layers)
-    for p in counts:
-        if runs and runs[-1][0] == p:
-            runs[-1][1] += 1
-        else:
-            runs.append([p, 1])
-    out = []
-    for (p, n), seg in zip(runs, flat.split([2 * p * n * shape.numel() for p, n in runs])):
-        out += seg.view(2 * n, p, *shape).unbind(0)
-    return out
+from services.engine.handoff.wire import ChunkRef, Handoff, layer_views
+from services.engine.kv.block_table import BlockTable, dense_run, host_to_device
 
 
 def import_sequence(fwd, h: Handoff, fetch=None):
@@ -333,5 +193,5 @@ def _device_kv(h: Handoff, dev: torch.device) -> list[tuple[torch.Tensor, torch.
     parts = [t.reshape(-1) for kv in pairs for t in kv]
     host = torch.empty(sum(t.numel() for t in parts), dtype=parts[0].dtype, pin_memory=dev.type == "cuda")
     torch.cat([t.cpu() for t in parts], out=host)
-    kv = _views(host.to(dev, non_blocking=True), [k.shape[0] for k, _ in pairs], pairs[0][0].shape[1:])
+    kv = layer_views(host.to(dev, non_blocking=True), [k.shape[0] for k, _ in pairs], pairs[0][0].shape[1:])
     return [(kv[2 * i], kv[2 * i + 1]) for i in range(len(pairs))]

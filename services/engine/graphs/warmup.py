@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.engine.block_pool import PoolExhausted
+from services.engine.kv.block_pool import PoolExhausted
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool
     """Two decode steps at each batch bucket up to ``max_batch`` over sequences of a ``context_tokens``-token
     context -> {"batches": [...], "context_tokens": n, "seconds": s} (empty batches when skipped; "stopped": why,
     when the KV pool could not hold the made-up batch)."""
-    from services.engine.decode_graphs import BATCH_BUCKETS
+    from services.engine.graphs.decode import BATCH_BUCKETS
 
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kernels.paged_attention import paged_decode_attention
 from kernels.rope import rope_cos_sin, rotate
-from services.engine.block_table import BlockTable
+from services.engine.kv.block_table import BlockTable
 
 
 class Attention:

@@ -41,12 +41,12 @@ import torch
 from kernels.paged_attention import MAX_OFFSET
 from kernels.positional_attention import positional_attention
 from kernels.rope import gather_rotate, rope_cos_sin
-from services.engine.attention import self_causal
-from services.engine.blend import hkvd_scores
-from services.engine.block_table import BlockTable, chunk_rows, dense_run
-from services.engine.graphs import PAD_POS, T_BUCKET, KeyedTails, StaticTail, bucket, entry_bucket
+from services.engine.attention.backends import self_causal
+from services.engine.passes.blend import hkvd_scores
+from services.engine.kv.block_table import BlockTable, chunk_rows, dense_run
+from services.engine.graphs.tails import PAD_POS, T_BUCKET, KeyedTails, StaticTail, bucket, entry_bucket
 from services.engine.request import Sequence
-from services.engine.reuse_tail import StagedInputs
+from services.engine.graphs.reuse_tail import StagedInputs
 
 HEAD_BUCKET = 128  # head rows (every token of the request) padded to a multiple of this
 # requests of more tokens run the general path: their layer 0 alone keeps the GPU busy long enough to hide

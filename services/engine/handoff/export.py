@@ -1,4 +1,4 @@
-"""Exporting a prefilled sequence as a ``Handoff`` (services/engine/handoff.py), on a prefill worker's engine thread.
+"""Exporting a prefilled sequence as a ``Handoff`` (services/engine/handoff/wire.py), on a prefill worker's engine thread.
 
 The export runs around the first token: ``stage_export`` starts the few device-to-host copies it needs
 (block tables, private slot positions, logits) before the token is sampled, whose read on the host
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.engine.block_table import host_to_device
-from services.engine.handoff import ChunkRef, Handoff, LayerView, _views
+from services.engine.kv.block_table import host_to_device
+from services.engine.handoff.wire import ChunkRef, Handoff, LayerView, layer_views
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +91,7 @@ def export_sequence(fwd, seq, logits: torch.Tensor, fingerprint: str, kv_on_devi
     k_src, v_src = _flat_kv(pool)
     shape = k_src[0].shape[1:]
     buf = torch.empty(2 * sum(counts) * shape.numel(), dtype=k_src[0].dtype, device=fwd.device)
-    kv = _views(buf, counts, shape)
+    kv = layer_views(buf, counts, shape)
     for layer, i in enumerate(staged.layer_table):
         rows = slots[first[i]:first[i + 1]]
         torch.index_select(k_src[layer], 0, rows, out=kv[2 * layer])
@@ -99,7 +99,7 @@ def export_sequence(fwd, seq, logits: torch.Tensor, fingerprint: str, kv_on_devi
     ready = None
     if not kv_on_device and buf.device.type != "cpu":
         buf = buf.cpu()  # one copy for every layer
-        kv = _views(buf, counts, shape)
+        kv = layer_views(buf, counts, shape)
     elif buf.device.type == "cuda":
         ready = torch.cuda.Event()
         ready.record()

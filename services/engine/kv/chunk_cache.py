@@ -18,9 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from services.engine.block_pool import BlockPool, PoolExhausted
-from services.engine.chunk_ids import chunk_ids_of
-from services.engine.request_ids import part_ids
+from services.engine.kv.block_pool import BlockPool, PoolExhausted
+from services.engine.kv.chunk_ids import chunk_ids_of
+from services.engine.kv.request_ids import part_ids
 
 
 def chunk_id(fingerprint: str, tokens: Iterable[int]) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from services.engine.config import ModelConfig
+from services.engine.model.config import ModelConfig
 
 TINY_ARCHS = {
     "llama": "LlamaForCausalLM",

@@ -14,15 +14,15 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from services.engine.attention import BACKENDS
-from services.engine import blend_tail
-from services.engine.blend import BlendConfig, blend_pass
-from services.engine.block_table import BlockTable, dense_run, host_to_device
-from services.engine.chunk_cache import ChunkEntry, chunk_id
-from services.engine.config import ModelConfig
-from services.engine.graphs import STATIC_MAX_TOKENS, TailCache
-from services.engine.loader import ChunkLoad, LayerGate, as_layers
-from services.engine.model import Transformer
+from services.engine.attention.backends import BACKENDS
+from services.engine.graphs import blend_tail
+from services.engine.passes.blend import BlendConfig, blend_pass
+from services.engine.kv.block_table import BlockTable, dense_run, host_to_device
+from services.engine.kv.chunk_cache import ChunkEntry, chunk_id
+from services.engine.model.config import ModelConfig
+from services.engine.graphs.tails import STATIC_MAX_TOKENS, TailCache
+from services.engine.kv.loader import ChunkLoad, LayerGate, as_layers
+from services.engine.model.layers import Transformer
 from services.engine.options import EngineOptions
 from services.engine.request import PlacedChunk, PrefillStats, Sequence
 
@@ -416,7 +416,7 @@ class Forward:
         if self.static_tails:  # the step replayed as a CUDA graph when it fits a bucket (decode_graphs.py)
             graphs = getattr(self, "decode_graphs", None)
             if graphs is None:
-                from services.engine.decode_graphs import DecodeGraphs
+                from services.engine.graphs.decode import DecodeGraphs
 
                 graphs = self.decode_graphs = DecodeGraphs(self)
             logits = graphs.run(seqs, tokens, blocks, slots, positions)

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from kernels.options import current
 from kernels.paged_attention import MAX_OFFSET, check_encodable
 from kernels.rope import gather_rotate, rope_cos_sin
-from services.engine.block_table import full_mask
-from services.engine.graphs import capture
+from services.engine.kv.block_table import full_mask
+from services.engine.graphs.tails import capture
 
 log = logging.getLogger(__name__)
 
