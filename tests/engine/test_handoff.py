@@ -89,7 +89,7 @@ def test_store_stream_overlaps_compute_and_equals_a_local_hit(tiny_dir):
     # a store that sends layer i only once the pass has asked for layer i - 1 (a slow wire)
     gates = {cid: [threading.Event() for _ in range(4)] for cid in store}
     eng = Engine.load(tiny_dir)
-    orig_wait = eng.forward._wait
+    orig_wait = eng.forward.wait_layer
 
     def wait(layer):
         for g in gates.values():
@@ -97,7 +97,7 @@ def test_store_stream_overlaps_compute_and_equals_a_local_hit(tiny_dir):
                 g[layer + 1].set()
         orig_wait(layer)
 
-    eng.forward._wait = wait
+    eng.forward.wait_layer = wait
 
     def fetch(cid):
         def stream():
