@@ -17,7 +17,7 @@ CPU the ops that would sync on CUDA are counted instead (nonzero, item, unique, 
     .venv/bin/python bench/handoff/handoff_export.py [--baseline]                  # CPU: a small random Llama, 32 layers
     python3 bench/handoff/handoff_export.py --device cuda [--baseline] [--contend]  # Llama-3-8B shape, bf16 (GPU)
 
-``--baseline`` also runs the export as it was before it was staged (tests/engine/handoff_reference.py),
+``--baseline`` also runs the export as it was before it was staged (tests/engine/handoff/handoff_reference.py),
 interleaved with the current one pass by pass.
 
 ``--contend`` (CUDA) runs a second process issuing matmuls on the same GPU while measuring: the GPU is
@@ -132,10 +132,10 @@ class Timed:
 
 
 class Baseline:
-    """While on: prefill_handoff exports as before the staging (tests/engine/handoff_reference.py)."""
+    """While on: prefill_handoff exports as before the staging (tests/engine/handoff/handoff_reference.py)."""
 
     def __enter__(self):
-        from tests.engine.handoff_reference import reference_export
+        from tests.engine.handoff.handoff_reference import reference_export
 
         self._saved = engine_mod.stage_export, engine_mod.export_sequence
         engine_mod.stage_export = lambda fwd, seq, logits: None
@@ -297,7 +297,7 @@ def main() -> int:
     ap.add_argument("--modes", default="tessera@0.15,tessera@0")
     ap.add_argument("--host-kv", action="store_true", help="copy the K/V to the host (kv_on_device=False)")
     ap.add_argument("--baseline", action="store_true",
-                    help="also the export as it was before (tests/engine/handoff_reference.py), interleaved")
+                    help="also the export as it was before (tests/engine/handoff/handoff_reference.py), interleaved")
     args = parse_shared(ap)
     chunks, suffix = request(args)
     eng = build(args)

@@ -15,7 +15,7 @@ import torch
 from services.engine import Engine, Handoff
 from services.engine.graphs.decode import DecodeGraphs
 
-from .conftest import cpu_triton, random_request
+from ..conftest import cpu_triton, random_request
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import torch
 
 from services.engine import Engine
 
-from .conftest import random_request
+from ..conftest import random_request
 
 transformers = pytest.importorskip("transformers")
 TOL = dict(rtol=1e-4, atol=1e-4)

@@ -12,7 +12,7 @@ import torch
 from services.engine import Engine
 from services.engine.graphs import blend_tail
 
-from .conftest import cpu_triton, random_request
+from ..conftest import cpu_triton, random_request
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.engine import Engine
 
-from .conftest import cpu_triton, random_request, tail_replays
+from ..conftest import cpu_triton, random_request, tail_replays
 
 SYNCING = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select"}
 

@@ -11,7 +11,7 @@ import torch
 
 from services.engine import Engine
 
-from .conftest import cpu_triton, random_request
+from ..conftest import cpu_triton, random_request
 
 pytest.importorskip("triton")
 TOL = dict(rtol=2e-4, atol=2e-4)

@@ -12,7 +12,7 @@ from services.cli import main as tessera
 from services.engine import Engine
 from services.engine.model.tiny import write_tiny
 
-from .conftest import random_request
+from ..conftest import random_request
 
 
 @pytest.mark.slow

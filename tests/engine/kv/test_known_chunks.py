@@ -7,7 +7,7 @@ import torch
 
 from services.engine.kv.request_ids import KnownChunks
 
-from .conftest import random_request
+from ..conftest import random_request
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from services.engine.kv.block_pool import PoolExhausted
 from services.engine.kv.chunk_cache import chunk_id
 from services.engine.kv.chunk_ids import chunk_ids_of
 
-from .conftest import random_request
+from ..conftest import random_request
 
 
 def test_hundred_requests_over_five_chunks_allocate_each_chunk_once(engine):

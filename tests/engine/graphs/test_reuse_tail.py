@@ -11,7 +11,7 @@ import torch
 from services.engine import Engine
 from services.engine.graphs.tails import PAD_POS
 
-from .conftest import cpu_triton, random_request
+from ..conftest import cpu_triton, random_request
 
 
 def _general(monkeypatch, eng, fn):

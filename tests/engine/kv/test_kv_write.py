@@ -17,7 +17,7 @@ from services.engine.model.layers import Transformer
 from services.engine.model.tiny import random_weights, tiny_config
 from services.engine.model.weights import weights_from_tensors
 
-from .conftest import random_request, tail_replays
+from ..conftest import random_request, tail_replays
 
 KERNELS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",

@@ -1,7 +1,7 @@
 """GPU check of layer-streamed chunk loads (side-stream writes ordered by events): a prefill whose chunks
 stream in from pinned host copies gives the logits of the same prefill over chunks computed in place.
 
-    python -m tests.engine.gpu_loads      # prints "streamed chunk loads on cuda: ok" (exit 0) or the mismatch
+    python -m tests.engine.kv.gpu_loads      # prints "streamed chunk loads on cuda: ok" (exit 0) or the mismatch
 
 Importable without pytest (a GPU host may have none); CPU tests cover the same path without streams.
 """

@@ -7,7 +7,7 @@ import torch
 
 from services.engine import Engine
 
-from .conftest import cpu_triton, random_request, tail_replays
+from ..conftest import cpu_triton, random_request, tail_replays
 
 
 @pytest.mark.parametrize("mode, ratio", [("tessera", 0.0), ("tessera", 0.15), ("tessera", 1.0), ("prefix", 0.0),
