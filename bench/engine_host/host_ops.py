@@ -266,7 +266,7 @@ TIMELINE = [
     ("services.engine.engine", "Engine.prefill"), ("services.engine.engine", "Engine._validate"),
     ("services.engine.passes.forward", "Forward._place"), ("services.engine.passes.forward", "chunk_id"),
     ("services.engine.passes.blend", "RequestTables.__init__"), ("services.engine.passes.blend", "RequestTables.shared_base"),
-    ("services.engine.model.layers", "Transformer.embed"), ("services.engine.passes.forward", "Forward._run"),
+    ("services.engine.model.layers", "Transformer.embed"), ("services.engine.passes.forward", "Forward.run_layers"),
     ("services.engine.graphs.tails", "TailCache.run"), ("services.engine.graphs.tails", "StaticTail.fill"),
     ("services.engine.graphs.tails", "StaticTail.run"), ("services.engine.model.layers", "Transformer.logits"),
     ("services.engine.engine", "Engine.release"), ("services.engine.graphs.reuse_tail", "reuse_tail_pass"),

@@ -41,7 +41,7 @@ import torch
 from kernels.paged_attention import MAX_OFFSET
 from kernels.positional_attention import positional_attention
 from kernels.rope import gather_rotate, rope_cos_sin
-from services.engine.attention.backends import self_causal
+from services.engine.attention import self_causal
 from services.engine.passes.blend import hkvd_scores
 from services.engine.kv.block_table import BlockTable, chunk_rows, dense_run
 from services.engine.graphs.tails import PAD_POS, T_BUCKET, KeyedTails, StaticTail, bucket, entry_bucket

@@ -25,18 +25,16 @@ eagerly (Forward.decode_step).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kernels.options import current
 from kernels.paged_attention import MAX_OFFSET, check_encodable
-from kernels.rope import gather_rotate, rope_cos_sin
+from kernels.rope import rope_cos_sin
 from services.engine.kv.block_table import full_mask
 from services.engine.graphs.tails import capture
 
@@ -184,69 +182,12 @@ class _Inputs:
             self.copied[i].record()
 
 
-class _TritonDecode:
-    """The Triton paged decode kernel per layer on its cu row, splits fixed; entries packed once a step."""
-
-    def __init__(self, fwd, inp: _Inputs, splits: int):
-        self.fwd, self.inp, self.splits = fwd, inp, splits
-        kt = fwd.attention._kt
-        if inp.packed is None:
-            inp.packed = kt.empty_decode_packed(inp.cap, fwd.pool.block_size, fwd.cfg.head_dim, fwd.device,
-                                                masks=inp.masks, with_table=True)
-
-    def prepare(self) -> None:
-        att, inp = self.fwd.attention, self.inp
-        # bounds: ids are pool blocks, offsets were checked on the host by DecodeGraphs.run
-        att._kt.pack_table_into(inp.packed, inp.ids, inp.offs, inp.masks, att.pool.block_size, att.inv_freq,
-                                bounds=(att.pool.num_blocks - 1, MAX_OFFSET))
-
-    def __call__(self, layer: int, q: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-        att = self.fwd.attention
-        out, _ = att._kt.paged_decode_packed(q, att.pool.k[layer], att.pool.v[layer], self.inp.packed, cu,
-                                             att.inv_freq, att.scale, self.splits)
-        return out
-
-
-class _TorchDecode:
-    """Every slot of every entry gathered with its keys rotated (one fused op on CUDA), then SDPA with
-    an additive mask [B, C*BS]: 0 on the visible slots of the sequence's own entries, -inf elsewhere;
-    a sequence with no entries sees slot 0 (no empty softmax row)."""
-
-    def __init__(self, fwd, inp: _Inputs, splits: int):
-        self.fwd, self.inp = fwd, inp
-        dev = fwd.device
-        self.gather_backend = "triton" if dev.type == "cuda" and importlib.util.find_spec("triton") else "torch"
-        self.entry = torch.arange(inp.cap, device=dev)
-        self.bits = torch.arange(fwd.pool.block_size, dtype=torch.int64, device=dev)
-
-    def prepare(self) -> None:
-        self.visible = ((self.inp.masks[:, None] >> self.bits) & 1).bool()  # [C, BS]
-
-    def __call__(self, layer: int, q: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-        fwd, inp = self.fwd, self.inp
-        keys, vals = gather_rotate(fwd.pool.k[layer], fwd.pool.v[layer], inp.ids, inp.offs, fwd.model.inv_freq,
-                                   backend=self.gather_backend)  # [C*BS, Hkv, D]
-        lo, hi = cu[:-1].long(), cu[1:].long()
-        own = (self.entry[None, :] >= lo[:, None]) & (self.entry[None, :] < hi[:, None])  # [B, C]
-        allowed = (own[:, :, None] & self.visible[None]).reshape(q.shape[0], -1)
-        allowed[:, 0] |= hi == lo
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-        group = q.shape[1] // keys.shape[1]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                             vals.transpose(0, 1)[None], attn_mask=mask, scale=fwd.model.scale,
-                                             enable_gqa=group > 1)
-        return out[0].transpose(0, 1)
-
-
-STATIC_DECODE = {"torch": _TorchDecode, "triton": _TritonDecode}
-
-
 class DecodeGraph:
     """One bucket: ``b`` sequences over the entries of ``inp`` (its capacity); logits [b, vocab] fp32."""
 
     def __init__(self, fwd, inp: _Inputs, b: int, splits: int, graph_pool=None):
         self.fwd, self.inp, self.b, self.splits = fwd, inp, b, splits
-        self.attention = STATIC_DECODE[fwd.backend](fwd, inp, splits)
+        self.attention = fwd.attention.static_decode(fwd, inp, splits)
         # the torch model would memoise cos/sin by position tensor (frozen into a graph): made per replay
         self.rope_by_pos = fwd.model.rope_backend != "torch"
         self.out = torch.zeros(b, fwd.cfg.vocab_size, dtype=torch.float32, device=fwd.device)
@@ -335,11 +276,11 @@ class DecodeGraphs:
                 self.inputs = {c: i for c, i in self.inputs.items() if c in used}
             inp = self.inputs.get(cap) or self.inputs.setdefault(cap, _Inputs(self.fwd, cap))
             splits = self.num_splits
-            if splits is None and self.fwd.backend == "triton":
-                # the kernel's pick for this step's largest view, as if every padded row were as long
+            if splits is None:
+                # the backend's pick for this step's largest view, as if every padded row were as long
                 per_view = int((step.cu[:, -1] - step.cu[:, 0]).max())
-                splits = self.fwd.attention._kt.decode_splits(b, self.fwd.cfg.num_kv_heads,
-                                                              per_view * b // step.n, self.fwd.device)
+                splits = self.fwd.attention.decode_splits(b, self.fwd.cfg.num_kv_heads, per_view * b // step.n,
+                                                          self.fwd.device)
             graph = self.graphs[key] = DecodeGraph(self.fwd, inp, b, splits or 1, self.graph_pool)
         self.graphs.move_to_end(key)
         return graph

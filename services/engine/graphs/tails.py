@@ -20,16 +20,13 @@ On the CPU the same static code runs eagerly (that is how the tests check it equ
 
 from __future__ import annotations
 
-import importlib.util
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 
-from kernels.paged_attention import MAX_OFFSET
 from kernels.options import current
-from kernels.rope import gather_rotate, rope_cos_sin
-from services.engine.attention.backends import cu_one
+from kernels.rope import rope_cos_sin
+from services.engine.attention import PAD_POS
 
 T_BUCKET, KEY_BUCKET, MAX_GRAPHS = 16, 256, 24
 STATIC_MAX_TOKENS = 1024  # longer passes keep the GPU busy on their own: they run eagerly (flash path)
@@ -57,118 +54,6 @@ def bucket(n: int, step: int) -> int:
 def entry_bucket(n_entries: int, block_size: int) -> int:
     """Entries padded to a multiple of KEY_BUCKET key slots."""
     return bucket(n_entries, max(1, KEY_BUCKET // block_size))
-
-
-PAD_POS = 1 << 30  # padded query rows sit after every key: they see every visible one (never an empty row)
-
-
-class _StaticTable:
-    """One request's block table padded to ``e`` entries in fixed int64 buffers (block ids and offsets
-    ``id_rows`` [2, e], masks [e]); padding entries name the scratch block and show none of its slots.
-    Filling costs two copies, plus one when the table shrank (stale entries become padding again)."""
-
-    def __init__(self, fwd, t: int, e: int):
-        self.fwd, self.t, self.e = fwd, t, e
-        dev = fwd.device
-        self.id_rows = torch.zeros(2, e, dtype=torch.int64, device=dev)
-        self.id_rows[0] = fwd.scratch_block
-        self.masks = torch.zeros(e, dtype=torch.int64, device=dev)
-        self._pad = self.id_rows.clone()
-        self._filled = 0   # entries that may hold another table's values
-
-    def _fill_table(self, table) -> None:
-        m = table.num_entries
-        if m > self.e:
-            raise RuntimeError(f"{m} entries do not fit a static tail of {self.e}")
-        if table.id_rows is not None:
-            self.id_rows[:, :m] = table.id_rows
-        else:
-            self.id_rows[0, :m] = table.block_ids
-            self.id_rows[1, :m] = table.offsets
-        self.masks[:m] = table.masks
-        if m < self._filled:
-            self.id_rows[:, m:self._filled] = self._pad[:, m:self._filled]
-            self.masks[m:self._filled] = 0
-        self._filled = m
-
-    def prepare(self, pos: torch.Tensor) -> None:
-        """Inside the graph, once per replay: what the layers' attention needs from the static inputs."""
-
-
-class TritonStatic(_StaticTable):
-    """The Triton prefill kernel over the padded table: packed metadata, query positions (-1 for
-    padded rows: they see nothing) and the cu bounds [0, t], [0, e] all at fixed addresses."""
-
-    def __init__(self, fwd, t: int, e: int):
-        super().__init__(fwd, t, e)
-        kt = fwd.attention._kt
-        dev = fwd.device
-        self.q_pos = torch.full((t,), -1, dtype=torch.int32, device=dev)
-        self.cu_q, self.cu_e = cu_one(t, dev), cu_one(e, dev)
-        self.packed = kt.empty_packed(e, 1, fwd.pool.block_size, fwd.cfg.head_dim, dev,
-                                      with_table=True)
-
-    def fill(self, table) -> None:
-        if table.max_offset > MAX_OFFSET:  # what packing inside the graph would not see (engine input checks it too)
-            raise ValueError(f"position offset {table.max_offset} does not fit the kernels' 16-bit offset field")
-        self._fill_table(table)
-
-    def prepare(self, pos: torch.Tensor) -> None:
-        att = self.fwd.attention
-        # packed inside the graph: every bound is checked on the host (block ids below the pool's size,
-        # offsets checked in fill), so packing never syncs
-        att._kt.pack_into(self.packed, self.id_rows[0], self.id_rows[1], self.masks, att.pool.block_size,
-                          att.inv_freq, self.cu_e, bounds=(att.pool.num_blocks - 1, MAX_OFFSET))
-        self.q_pos.copy_(torch.where(pos < PAD_POS, pos, -1))
-        # every layer reads the same table and slot positions: the kernel's per-step key bounds once (and the
-        # key floors, when this tail's calls cut future keys)
-        self.key_hi, self.key_floor = att._kt.prefill_bounds_for(self.packed, att.pool.slot_pos, self.t)
-
-    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        att = self.fwd.attention
-        out, _ = att._kt.paged_prefill_packed(q, self.q_pos, att.pool.k[layer], att.pool.v[layer], att.pool.slot_pos,
-                                              self.packed, self.cu_q, att.inv_freq, att.scale, key_hi=self.key_hi,
-                                              key_floor=self.key_floor)
-        return out
-
-
-class TorchStatic(_StaticTable):
-    """SDPA over every slot of the padded table (keys gathered and rotated by one fused op) with an
-    additive mask [1, 1, t, e*BS] in the cache dtype: 0 where the slot is visible and its key position
-    <= the query position, -inf elsewhere (built once per replay inside the graph, not per layer)."""
-
-    def __init__(self, fwd, t: int, e: int):
-        super().__init__(fwd, t, e)
-        cuda = fwd.device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        self.gather_backend = "triton" if cuda else "torch"
-        bs = fwd.pool.block_size
-        self.bits = torch.arange(bs, dtype=torch.int64, device=fwd.device)
-        self.mask = torch.zeros(1, 1, t, e * bs, dtype=fwd.pool.k[0].dtype, device=fwd.device)
-
-    def fill(self, table) -> None:
-        self._fill_table(table)
-
-    def prepare(self, pos: torch.Tensor) -> None:
-        pool = self.fwd.pool
-        ids, offs = self.id_rows[0], self.id_rows[1]
-        k_pos = (offs[:, None] + pool.slot_pos[ids]).reshape(-1)  # [e*BS]
-        visible = ((self.masks[:, None] >> self.bits) & 1).bool().reshape(-1)
-        allowed = visible[None, :] & (k_pos[None, :] <= pos[:, None])
-        self.mask[0, 0].copy_(torch.where(allowed, 0.0, float("-inf")))
-
-    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        fwd = self.fwd
-        pool, model = fwd.pool, fwd.model
-        keys, vals = gather_rotate(pool.k[layer], pool.v[layer], self.id_rows[0], self.id_rows[1], model.inv_freq,
-                                   backend=self.gather_backend)  # [e*BS, Hkv, D]
-        group = q.shape[1] // keys.shape[1]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                             vals.transpose(0, 1)[None], attn_mask=self.mask,
-                                             scale=model.scale, enable_gqa=group > 1)
-        return out[0].transpose(0, 1)
-
-
-STATIC_ATTENTION = {"torch": TorchStatic, "triton": TritonStatic}
 
 
 class StaticTail:
@@ -201,7 +86,7 @@ class StaticTail:
         self._filled = 0
         # the layers' attention: prepare(pos) once a replay, then (layer, q) -> out; the backend's over a padded
         # table unless the caller brings its own
-        self.attention = attention if attention is not None else STATIC_ATTENTION[fwd.backend](fwd, t, e)
+        self.attention = attention if attention is not None else fwd.attention.static_prefill(fwd, t, e)
         self.out = torch.zeros_like(self.h)
         self.graph = None
         self.kernel_options = None  # set at capture

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kernels.rope import rope_cos_sin, rotate
-from services.engine.attention.backends import self_causal
+from services.engine.attention import self_causal
 from services.engine.kv.block_table import BlockTable, chunk_rows, dense_run, host_to_device_many
 from services.engine.request import PlacedChunk, Sequence
 from services.engine.graphs import reuse_tail
@@ -222,8 +222,8 @@ def blend_pass(fwd, placed, chunks, pinned, private, suffix, mode, ratio, blend:
     n_extra = n_chunk if full_extra else (n_keep if ratio > 0.0 else 0)
     rt = RequestTables(fwd, placed, chunks, suffix, n_extra, private, with_chunk_ids=ratio > 0.0)
     if copy:
-        if fwd._gate is not None:
-            fwd._gate.finish()  # the copy needs every layer before it starts
+        if fwd.gate is not None:
+            fwd.gate.finish()  # the copy needs every layer before it starts
         # CacheBlend as published: copy every chunk's KV, keys re-rotated to the global position
         stats.copied_blocks = rt.n_x_entries
         rt.set_extra_positions(torch.arange(n_chunk, device=fwd.device))
@@ -236,7 +236,7 @@ def blend_pass(fwd, placed, chunks, pinned, private, suffix, mode, ratio, blend:
 
     if ratio == 0.0:
         tables = [base] * n_layers
-        logits = fwd._run(rt.ids, rt.pos_s, tables, rt.s_block, rt.s_slot, causal=False, tokens=rt.tokens)
+        logits = fwd.run_layers(rt.ids, rt.pos_s, tables, rt.s_block, rt.s_slot, causal=False, tokens=rt.tokens)
     else:
         logits, tables = _blend_layers(fwd, rt, base, copy, full_extra, n_keep, blend, stats)
     stats.private_blocks_allocated += len(private)
@@ -258,7 +258,7 @@ def _blend_layers(fwd, rt: RequestTables, base, copy, full_extra, n_keep, blend,
         rt.set_extra_positions(pos[:n_chunk])
         pre_table = rt.private_base()
     for layer in range(c):
-        fwd._wait(layer)
+        fwd.wait_layer(layer)
         q, k, v = fwd.model.attention_inputs(layer, h, pos)
         if layer == 0:
             table = base  # layer-0 KV depends on the token alone: the cache holds it exactly
@@ -272,7 +272,7 @@ def _blend_layers(fwd, rt: RequestTables, base, copy, full_extra, n_keep, blend,
         h = fwd.model.finish_layer(layer, h, self_causal(q, k, v, fwd.model.scale))
 
     # check layer: rank chunk tokens by how far their fresh KV is from the cached KV
-    fwd._wait(c)
+    fwd.wait_layer(c)
     q, k, v = fwd.model.attention_inputs(c, h, pos)
     if copy:
         k_cached, v_cached = fwd.pool.read(c, rt.x_block, rt.x_slot)
@@ -297,6 +297,6 @@ def _blend_layers(fwd, rt: RequestTables, base, copy, full_extra, n_keep, blend,
         return fwd.model.logits(h[-1:])[-1], tables
     h, pos, q, k, v = h[keep], keep, q[keep], k[keep], v[keep]
     fwd.pool.write(c, wb, ws, k, v)
-    h = fwd.model.finish_layer(c, h, fwd._attend(c, q, pos, post, causal=False))
-    h = fwd._tail(c + 1, h, pos, post, wb, ws, causal=False)
+    h = fwd.model.finish_layer(c, h, fwd.attend(c, q, pos, post, causal=False))
+    h = fwd.tail(c + 1, h, pos, post, wb, ws, causal=False)
     return fwd.model.logits(h[-1:])[-1], tables

@@ -14,7 +14,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from services.engine.attention.backends import BACKENDS
+from services.engine.attention import BACKENDS
 from services.engine.graphs import blend_tail
 from services.engine.passes.blend import BlendConfig, blend_pass
 from services.engine.kv.block_table import BlockTable, dense_run, host_to_device
@@ -44,7 +44,7 @@ class Forward:
         self.device = pool.slot_pos.device
         self._fingerprint = fingerprint
         self.attention = BACKENDS[self.backend](pool, self.model.inv_freq, self.model.scale)
-        self._gate: LayerGate | None = None  # set while a pass waits on layer-streamed chunk loads
+        self.gate: LayerGate | None = None  # set while a pass waits on layer-streamed chunk loads
         # static tails replay short passes as CUDA graphs, attention through either backend (see graphs.py)
         self.scratch_block = pool.reserve()
         self.tails = TailCache(self) if self.static_tails else None
@@ -56,36 +56,36 @@ class Forward:
         """Whether a pass of n_tokens active tokens replays its remaining layers as a static tail."""
         return self.tails is not None and n_tokens <= STATIC_MAX_TOKENS and self._settled()
 
-    def _tail(self, first: int, h, pos, table: BlockTable, w_block, w_slot, causal: bool | None = None,
+    def tail(self, first: int, h, pos, table: BlockTable, w_block, w_slot, causal: bool | None = None,
               tokens: torch.Tensor | None = None):
         """Layers [first, L) for active tokens that all attend ``table``; returns h after the last layer
-        (``causal`` as in _attend; ``tokens`` as in _run)."""
+        (``causal`` as in attend; ``tokens`` as in run_layers)."""
         if self.static_tail(h.shape[0]):
             return self.tails.run(first, h, pos, table, w_block, w_slot, tokens=tokens)
         for layer in range(first, self.cfg.num_layers):
-            self._wait(layer)
+            self.wait_layer(layer)
             q, _, _ = self.model.attention_inputs(layer, h, pos, write=self.pool.at(layer, w_block, w_slot))
-            h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, table, causal))
+            h = self.model.finish_layer(layer, h, self.attend(layer, q, pos, table, causal))
         return h
 
-    def _wait(self, layer: int) -> None:
-        if self._gate is not None:
-            self._gate.wait(layer)
+    def wait_layer(self, layer: int) -> None:
+        if self.gate is not None:
+            self.gate.wait(layer)
 
     def _settled(self) -> bool:
         """No chunk is still streaming in: none was, or every load has delivered (loads from a worker's
         host memory are waited for, up to loader.LOCAL_SETTLE_S; store streams up to ``SETTLE_S``). The
         pass then stops waiting layer by layer and may replay its remaining layers as one graph; a
         slower stream keeps the layer-by-layer pipeline, which overlaps its arrival with the compute."""
-        if self._gate is None:
+        if self.gate is None:
             return True
-        if not self._gate.settled(SETTLE_S):
+        if not self.gate.settled(SETTLE_S):
             return False
-        self._gate.finish()
+        self.gate.finish()
         return True
 
     # ------------------------------------------------------------------ primitives
-    def _attend(self, layer: int, q, q_pos, table: BlockTable, causal: bool | None = None):
+    def attend(self, layer: int, q, q_pos, table: BlockTable, causal: bool | None = None):
         """``causal``: True when the caller knows that the table's visible keys, in entry order, are exactly
         the queries' positions (plain causal attention), False when they are not, None to have it checked."""
         return self.attention.prefill(layer, q, q_pos, table, causal=causal)
@@ -147,21 +147,21 @@ class Forward:
         flat = host_to_device(np.concatenate([ids, offs, masks, block, slot]), torch.int64, self.device)
         return BlockTable.from_rows(flat[:3 * e].view(3, e), 0, n), flat[3 * e:3 * e + n], flat[3 * e + n:]
 
-    def _run(self, ids: torch.Tensor, pos: torch.Tensor, tables, write_block, write_slot, last_only=True,
+    def run_layers(self, ids: torch.Tensor, pos: torch.Tensor, tables, write_block, write_slot, last_only=True,
              skip_last_layer=False, causal: bool | None = None, tokens: torch.Tensor | None = None):
         """Plain pass: every token active at every layer, all of them written to their slots. ``tokens``:
         pos, write_block and write_slot as the rows of one [3, n] tensor, when the caller has them so."""
         h = self.model.embed(ids)
         n_layers = self.cfg.num_layers
         if not skip_last_layer and all(t is tables[0] for t in tables):
-            h = self._tail(0, h, pos, tables[0], write_block, write_slot, causal, tokens)
+            h = self.tail(0, h, pos, tables[0], write_block, write_slot, causal, tokens)
             return self.model.logits(h[-1:] if last_only else h)[-1]
         for layer in range(n_layers):
-            self._wait(layer)
+            self.wait_layer(layer)
             q, _, _ = self.model.attention_inputs(layer, h, pos, write=self.pool.at(layer, write_block, write_slot))
             if skip_last_layer and layer == n_layers - 1:
                 return None
-            h = self.model.finish_layer(layer, h, self._attend(layer, q, pos, tables[layer], causal))
+            h = self.model.finish_layer(layer, h, self.attend(layer, q, pos, tables[layer], causal))
         return self.model.logits(h[-1:] if last_only else h)[-1]
 
     def compute_chunk(self, key: str, tokens: list[int], base: int = 0, kind: str = "chunk"):
@@ -179,16 +179,16 @@ class Forward:
         table, block, slot = self._dense_table(blocks, len(tokens))
         self.pool.slot_pos[block, slot] = pos.to(torch.int32)
         ids = host_to_device(tokens, torch.long, self.device)
-        gate, self._gate = self._gate, None  # a chunk computed alone waits on nothing
+        gate, self.gate = self.gate, None  # a chunk computed alone waits on nothing
         try:
             if self.tails is not None and len(tokens) <= STATIC_MAX_TOKENS:
                 # replayed as a CUDA graph: every layer, the last one's output unused (one layer of
                 # wasted work against ~1,000 eager launches)
-                self._tail(0, self.model.embed(ids), pos, table, block, slot)
+                self.tail(0, self.model.embed(ids), pos, table, block, slot)
             else:
-                self._run(ids, pos, [table] * self.cfg.num_layers, block, slot, skip_last_layer=True, causal=True)
+                self.run_layers(ids, pos, [table] * self.cfg.num_layers, block, slot, skip_last_layer=True, causal=True)
         finally:
-            self._gate = gate
+            self.gate = gate
 
     def insert_chunk(self, key: str, tokens_or_length, layers) -> ChunkEntry:
         """Write a chunk's KV given per layer as (k, v) [L, Hkv, D] (keys at local positions); pinned."""
@@ -224,7 +224,7 @@ class Forward:
         try:
             return self._prefill_reuse(chunks, suffix, mode, ratio, blend, stats, fetch, on_computed, ids, keep_tables)
         finally:
-            gate, self._gate = self._gate, None
+            gate, self.gate = self.gate, None
             if gate is not None:
                 gate.finish()
                 stats.load_wait_seconds = gate.wait_seconds
@@ -279,7 +279,7 @@ class Forward:
         wb = torch.cat([r[3] for r in runs] + [s_block])
         ws = torch.cat([r[4] for r in runs] + [s_slot])
         # with no cached prefix the keys are the queries, in order
-        logits = self._run(ids, pos, [table] * self.cfg.num_layers, wb, ws, causal=n_hit == 0)
+        logits = self.run_layers(ids, pos, [table] * self.cfg.num_layers, wb, ws, causal=n_hit == 0)
         for key, c, blocks, _, _, base in runs:
             if key is None:
                 continue
@@ -326,7 +326,7 @@ class Forward:
             raise
         stats.chunk_compute_seconds = time.perf_counter() - t0
         if loads:
-            self._gate = LayerGate(loads, self._recompute_load)
+            self.gate = LayerGate(loads, self._recompute_load)
         return placed
 
     def _chunk_writer(self, key: str, n: int, blocks: list[int], block: torch.Tensor, slot: torch.Tensor):
