@@ -10,7 +10,7 @@ from services.cluster.kvio import StoreAccess
 from services.rpc import tessera_pb2 as pb
 from services.tiers import Tier
 
-from .helpers import docs
+from tests.helpers import docs
 
 
 def layers(n_layers: int, tokens: int, fill: float) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -13,7 +13,7 @@ from services.rpc import tessera_pb2 as pb
 from services.rpc import tessera_pb2_grpc as pb_grpc
 from services.sdk import Client
 
-from .helpers import InProcessCluster, docs
+from tests.helpers import InProcessCluster, docs
 
 
 @pytest.fixture(scope="module")

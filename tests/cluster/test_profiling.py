@@ -83,7 +83,7 @@ def test_workers_write_their_profiles_when_stopped_inside_the_window(monkeypatch
     profiler per process), the other declines; stopping writes the window the run ended inside of."""
     from services.sdk import Client
 
-    from .helpers import InProcessCluster, docs
+    from tests.helpers import InProcessCluster, docs
 
     monkeypatch.setenv("TESSERA_TORCH_PROFILE", f"{tmp_path / 'prof'},0,1000")   # a window no run finishes
     (tmp_path / "store").mkdir()

@@ -10,7 +10,7 @@ import torch
 
 from services.cluster.kvio import StoreAccess
 
-from .helpers import docs
+from tests.helpers import docs
 
 WAIT_S = 60      # bound of every wait below (never reached when the code is right)
 

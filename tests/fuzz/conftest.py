@@ -1,4 +1,4 @@
-"""Fixtures of the fuzz tests: the tests' tiny model and, per module, the services run in this process.
+"""Fixtures of the fuzz tests: per module, the services run in this process (the tiny model: tests/conftest.py).
 
 Fuzz tests are bounded so that the folder runs in well under three minutes on 2 CPU cores: each property
 draws a fixed, derandomized set of examples (``tests/fuzz/common.py``); those that start servers are
@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.helpers import MAX_POSITIONS, InProcessCluster
+from tests.helpers import InProcessCluster
 
 TOKEN = "sesame"
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    from services.engine.model.tiny import write_tiny
-
-    return str(write_tiny(tmp_path_factory.mktemp("model") / "tiny", max_position_embeddings=MAX_POSITIONS))
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from services.gateway.inputs import MODES
 from services.rpc import tessera_pb2 as pb
 from services.rpc import tessera_pb2_grpc as pb_grpc
-from tests.cluster.helpers import MAX_POSITIONS
+from tests.helpers import MAX_POSITIONS
 
 from .common import FUZZ, expect, leaked_traceback
 from .conftest import TOKEN

@@ -202,7 +202,7 @@ def test_a_name_with_a_trailing_newline_is_refused(folder):
 # ---------------------------------------------------------------------------------------------- the cluster
 @pytest.fixture(scope="module")
 def tenant_cluster(tiny_model, tmp_path_factory):
-    from tests.cluster.helpers import InProcessCluster
+    from tests.helpers import InProcessCluster
 
     c = InProcessCluster(tiny_model, tmp_path_factory.mktemp("tenants-rocksdb"), tenants=GOOD)
     yield c

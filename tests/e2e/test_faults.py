@@ -16,7 +16,7 @@ import pytest
 
 from services.sdk import ChunkId, Client, Unavailable
 
-from .helpers import docs, start_ray_cluster, wait_until
+from tests.helpers import docs, start_ray_cluster, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -197,7 +197,7 @@ def test_store_down_means_computing_until_it_is_back(tiny_model, reference, tmp_
     """Deterministic twin of the test above, in this process: the shard is down until we restart it."""
     from services.kvstore import BackgroundServer, StoreConfig
 
-    from .helpers import InProcessCluster
+    from tests.helpers import InProcessCluster
 
     inproc = InProcessCluster(tiny_model, tmp_path)
     try:

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from services.gateway.detok import Detokenizer
 from services.sdk import AsyncClient, ChunkId, Client, InvalidArgument, TesseraError
 
-from .helpers import docs
+from tests.helpers import docs
 
 TEXT = "héllo 世界 🙂, naïve café"
 

@@ -10,7 +10,7 @@ from services.decode.metrics import DecodeMetrics
 from services.prefill.metrics import PrefillMetrics
 
 _spec = importlib.util.spec_from_file_location(
-    "cluster_probe", Path(__file__).resolve().parents[2] / "bench" / "cluster" / "cluster_probe.py")
+    "cluster_probe", Path(__file__).resolve().parents[1] / "bench" / "cluster" / "cluster_probe.py")
 probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probe)
 

@@ -6,7 +6,7 @@ import pytest
 
 from services.sdk import Client
 
-from .helpers import docs
+from tests.helpers import docs
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from services.sdk import (AsyncClient, ChunkId, Client, DeadlineExceeded, InvalidArgument, Unauthenticated,
                           Unavailable)
 
-from .helpers import MAX_POSITIONS, docs
+from tests.helpers import MAX_POSITIONS, docs
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +227,7 @@ def test_unavailable_is_retried_until_the_gateway_comes_up(tiny_model, inproc):
 def test_tls_gateway_needs_a_tls_client(tiny_model, inproc, reference, tmp_path):
     from services.gateway.server import create_server
 
-    from .helpers import self_signed
+    from tests.helpers import self_signed
 
     cert, key, cert_path = self_signed(tmp_path)
     workers = [(w.name, w.role, w.address) for w in inproc.gateway.servicer.router.workers.values()]
@@ -247,7 +247,7 @@ def test_tls_gateway_needs_a_tls_client(tiny_model, inproc, reference, tmp_path)
 def test_a_stream_left_early_frees_its_decode_slot(client):
     import urllib.request
 
-    from .helpers import wait_until
+    from tests.helpers import wait_until
 
     decode = next(w for w in client.stats().workers if w.role == "decode")
 
@@ -284,7 +284,7 @@ def test_gateway_health_follows_its_workers(tiny_model, inproc):
     from services.cluster.serving import free_port
     from services.gateway.server import SERVICE_NAME, create_server
 
-    from .helpers import wait_until
+    from tests.helpers import wait_until
 
     prefill = next(w for w in inproc.gateway.servicer.router.workers.values() if w.role == "prefill")
     workers = [(prefill.name, "prefill", prefill.address), ("ghost", "decode", f"127.0.0.1:{free_port()}")]

@@ -11,7 +11,7 @@ from services.gateway.tenants import Quotas, Tenants
 from services.sdk import (ChunkId, Client, InvalidArgument, PermissionDenied, ResourceExhausted, Shared,
                           Unauthenticated)
 
-from .helpers import InProcessCluster, docs
+from tests.helpers import InProcessCluster, docs
 
 TOKENS = {"acme": "acme-token-0123456789", "bolt": "bolt-token-0123456789", "ops": "ops-token-0123456789ab",
           "tiny": "tiny-token-0123456789", "cap": "cap-token-0123456789ab"}

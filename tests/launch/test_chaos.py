@@ -11,7 +11,7 @@ import pytest
 
 from services.launch.chaos import Kill, SoakReport, SoakSettings, run_soak
 
-from .helpers import start_ray_cluster
+from tests.helpers import start_ray_cluster
 
 NAMESPACE = "tessera-test-chaos"
 

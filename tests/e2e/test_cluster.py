@@ -8,7 +8,7 @@ import pytest
 
 from services.sdk import Client
 
-from .helpers import docs, start_ray_cluster
+from tests.helpers import docs, start_ray_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.sdk import Client
 
-from .helpers import docs
+from tests.helpers import docs
 
 
 @pytest.fixture(scope="module")

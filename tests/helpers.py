@@ -1,4 +1,5 @@
-"""Helpers of the cluster tests: prompts, in-process services, bounded waits."""
+"""Helpers of the services' tests (gateway, prefill, decode, cluster, launch, sdk, e2e, fuzz): prompts, in-process
+services, bounded waits."""
 
 from __future__ import annotations
 

@@ -1,0 +1,66 @@
+"""Hand-off transport: framing and its checks, the transport probe, CUDA IPC's one-GPU rule."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.cluster.transport import HandoffError, handoff_parts, probe_transport, receive_handoff
+from services.rpc import tessera_pb2 as pb
+
+
+@pytest.mark.parametrize("n", [0, 10, (1 << 20) + 5])
+def test_handoff_parts_round_trip(n):
+    payload = bytes(i % 251 for i in range(n))
+
+    async def collect(parts):
+        async def gen():
+            for p in parts:
+                yield p
+        return await receive_handoff(gen())
+
+    parts = list(handoff_parts(pb.HandoffHeader(request_id="r", kind="engine"), payload))
+    assert all(len(p.data) <= 1 << 20 for p in parts[1:])
+    got = asyncio.run(collect(parts))
+    assert got.payload == payload and got.header.request_id == "r"
+
+
+def test_damaged_handoff_is_refused():
+    parts = list(handoff_parts(pb.HandoffHeader(request_id="r", kind="engine"), b"x" * 100))
+    parts[1] = pb.HandoffPart(data=b"y" * 100)
+
+    async def run(ps):
+        async def gen():
+            for p in ps:
+                yield p
+        return await receive_handoff(gen())
+
+    with pytest.raises(HandoffError, match="bad crc32"):
+        asyncio.run(run(parts))
+    with pytest.raises(HandoffError, match="must start with its header"):
+        asyncio.run(run(parts[1:]))
+
+
+def test_transport_probe_reports_nixl():
+    choice = probe_transport()
+    assert choice.name == "grpc" and "nixl" in choice.detail
+    import torch
+    assert probe_transport(torch.device("cpu")).name == "grpc"
+    assert probe_transport(torch.device("cuda", 0)).name == "cuda-ipc"   # a probe only: touches no GPU
+
+
+def test_cuda_ipc_needs_one_gpu_on_one_host():
+    import torch
+
+    from services.cluster.cuda_ipc import device_uuid, host_id, placement, same_gpu, share
+    me = pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-1")
+    assert same_gpu(me, pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-1"))
+    assert not same_gpu(me, pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-2"))
+    assert not same_gpu(me, pb.WorkerStatus(host_id="elsewhere/1", device_uuid="GPU-1"))
+    assert not same_gpu(pb.WorkerStatus(host_id=host_id(), device_uuid=""),
+                        pb.WorkerStatus(host_id=host_id(), device_uuid=""))   # CPU workers
+    assert device_uuid(torch.device("cpu")) == ""
+    assert placement(torch.device("cpu")) == {"host_id": host_id(), "device_uuid": ""}
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        share(torch.zeros(4))
