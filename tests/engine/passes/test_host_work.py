@@ -35,7 +35,9 @@ class OpLog(TorchDispatchMode):
         while frame is not None:
             name = frame.f_code.co_filename
             if "/services/engine/" in name or "/kernels/" in name:
-                site = f"{name.split('/')[-2]}/{name.split('/')[-1]}:{frame.f_lineno}"
+                # the path from services/ or the repository root: engine/graphs/tails.py:NN, kernels/rope/...
+                rel = name.split("/services/", 1)[1] if "/services/engine/" in name else "kernels/" + name.split("/kernels/", 1)[1]
+                site = f"{rel}:{frame.f_lineno}"
                 if frame.f_code.co_qualname.startswith("Transformer."):
                     self.model_started = True
                 break
