@@ -7,7 +7,7 @@ chunks resident, as after warm-up) and reports, per pass:
   after   engine-thread time from ``on_logits`` returning to ``prefill_handoff`` returning (the export and
           the release of the sequence), its aten ops, the ops that launch a kernel or a copy on CUDA, and
           its host syncs;
-  before  the export's own work before ``on_logits`` (calls into services.engine.handoff.export made then):
+  before  the export's own work before ``on_logits`` (calls into services.handoff.export made then):
           it delays the first token by that much;
   gpu     (CUDA) from ``on_logits`` returning until the GPU has finished the export's work.
 Syncs: on CUDA torch's sync debug mode counts them (as bench/engine/engine.py's count_syncs does); on the
@@ -17,7 +17,7 @@ CPU the ops that would sync on CUDA are counted instead (nonzero, item, unique, 
     .venv/bin/python bench/handoff/handoff_export.py [--baseline]                  # CPU: a small random Llama, 32 layers
     python3 bench/handoff/handoff_export.py --device cuda [--baseline] [--contend]  # Llama-3-8B shape, bf16 (GPU)
 
-``--baseline`` also runs the export as it was before it was staged (tests/engine/handoff/handoff_reference.py),
+``--baseline`` also runs the export as it was before it was staged (tests/handoff/handoff_reference.py),
 interleaved with the current one pass by pass.
 
 ``--contend`` (CUDA) runs a second process issuing matmuls on the same GPU while measuring: the GPU is
@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import services.engine.engine as engine_mod  # noqa: E402
-import services.engine.handoff.export as handoff_mod  # noqa: E402
+import services.handoff.export as handoff_mod  # noqa: E402
 from services.engine import Engine, ModelConfig  # noqa: E402
 from services.engine.model.tiny import random_weights, tiny_config  # noqa: E402
 
@@ -94,7 +94,7 @@ def build(args) -> Engine:
 
 
 class Timed:
-    """Wraps the functions engine.py imports from services.engine.handoff.wire: host time of their outermost
+    """Wraps the functions engine.py imports from services.handoff.wire: host time of their outermost
     calls, split at the first token (``first`` set by the caller)."""
 
     def __init__(self, cuda_syncs: bool = False):
@@ -132,10 +132,10 @@ class Timed:
 
 
 class Baseline:
-    """While on: prefill_handoff exports as before the staging (tests/engine/handoff/handoff_reference.py)."""
+    """While on: prefill_handoff exports as before the staging (tests/handoff/handoff_reference.py)."""
 
     def __enter__(self):
-        from tests.engine.handoff.handoff_reference import reference_export
+        from tests.handoff.handoff_reference import reference_export
 
         self._saved = engine_mod.stage_export, engine_mod.export_sequence
         engine_mod.stage_export = lambda fwd, seq, logits: None
@@ -297,7 +297,7 @@ def main() -> int:
     ap.add_argument("--modes", default="tessera@0.15,tessera@0")
     ap.add_argument("--host-kv", action="store_true", help="copy the K/V to the host (kv_on_device=False)")
     ap.add_argument("--baseline", action="store_true",
-                    help="also the export as it was before (tests/engine/handoff/handoff_reference.py), interleaved")
+                    help="also the export as it was before (tests/handoff/handoff_reference.py), interleaved")
     args = parse_shared(ap)
     chunks, suffix = request(args)
     eng = build(args)

@@ -10,7 +10,7 @@ same engine, per pass:
           syncs counted by torch's sync debug mode;
   gpu     (CUDA) from the call until the GPU has finished the import's work.
 Chunks are ``resident`` (in the engine's chunk cache, the common case) or ``fetched`` (evicted before each
-import and served by ``fetch`` from device copies, as services/decode/prepare.py stages them: the
+import and served by ``fetch`` from device copies, as services/handoff/prepare.py stages them: the
 ``Forward.insert_chunk`` path). On the CPU the ops that would sync on CUDA are counted: nonzero, item,
 unique, indexing by a boolean mask, ``Tensor.tolist`` and ``torch.tensor(list, device=...)``.
 
@@ -18,7 +18,7 @@ unique, indexing by a boolean mask, ``Tensor.tolist`` and ``torch.tensor(list, d
     python3 bench/handoff/handoff_import.py --device cuda [--baseline] [--contend]  # Llama-3-8B shape, bf16 (GPU)
 
 ``--baseline`` also runs the import as it was before its tables were built on the host
-(tests/engine/handoff/handoff_import_reference.py), interleaved with the current one pass by pass.
+(tests/handoff/handoff_import_reference.py), interleaved with the current one pass by pass.
 ``--contend`` (CUDA) keeps the GPU busy from a second process while measuring, as the prefill worker's
 process does in the cluster benchmark: each host sync then waits for this process's turn.
 """
@@ -82,10 +82,10 @@ class TritonWrites:
 
 
 class Baseline:
-    """While on: import_handoff imports as before (tests/engine/handoff/handoff_import_reference.py)."""
+    """While on: import_handoff imports as before (tests/handoff/handoff_import_reference.py)."""
 
     def __enter__(self):
-        from tests.engine.handoff.handoff_import_reference import reference_import
+        from tests.handoff.handoff_import_reference import reference_import
 
         self._saved = engine_mod.import_sequence
         engine_mod.import_sequence = reference_import
@@ -186,7 +186,7 @@ def main() -> int:
     ap.add_argument("--modes", default="tessera@0.15,full")
     ap.add_argument("--sources", default="resident,fetched", help="where the shared chunks come from")
     ap.add_argument("--baseline", action="store_true",
-                    help="also the import as it was before (tests/engine/handoff/handoff_import_reference.py), interleaved")
+                    help="also the import as it was before (tests/handoff/handoff_import_reference.py), interleaved")
     args = parse_shared(ap)
     chunks, suffix = request(args)
     if args.device == "cpu":

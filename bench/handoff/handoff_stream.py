@@ -1,4 +1,4 @@
-"""Host time of a hand-off's gRPC stream ends (services/cluster/transport.py), without a network: the sender's parts
+"""Host time of a hand-off's gRPC stream ends (services/handoff/transport.py), without a network: the sender's parts
 (``handoff_parts``) and the receiver's reassembly and check (``receive_handoff``), against the previous receiver
 (a buffer grown part by part, copied out, zlib's crc32 on the event loop) as the peer. A payload of the size of a
 tessera@0.15 hand-off on Llama-3-8B (69 MiB: ~525 private tokens x 32 layers x 4 KB of K/V). Best of 5, ms.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from services.cluster.transport import handoff_parts, receive_handoff  # noqa: E402
+from services.handoff.transport import handoff_parts, receive_handoff  # noqa: E402
 from services.rpc import tessera_pb2 as pb  # noqa: E402
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from services.cluster.errors import RequestError, internal
 from services.cluster.sampling import WireSampling
-from services.decode.prepare import PreparedHandoff
+from services.handoff.prepare import PreparedHandoff
 from services.decode.metrics import DecodeMetrics
 
 if TYPE_CHECKING:

@@ -21,15 +21,15 @@ import grpc
 
 from services.cluster.config import DecodeSettings, EngineSettings
 from services.cluster.kvio import StoreAccess
-from services.cluster.cuda_ipc import copy_out, placement
+from services.handoff.cuda_ipc import copy_out, placement
 from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import WireSampling
 from services.cluster.serving import (StoppedForGood, add_health, advertised_host, bind, make_server, serve_metrics,
                                      set_serving)
-from services.cluster.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
+from services.handoff.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
-from services.decode.prepare import prepare
+from services.handoff.prepare import prepare
 from services.engine.graphs.warmup import warm_decode, warm_up
 from services.rpc import tessera_pb2 as pb
 from services.rpc import tessera_pb2_grpc as pb_grpc
@@ -109,10 +109,13 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         received, _ = self._pending.pop(rid)
         self._arrived.pop(rid, None)
         try:
-            prepared = await asyncio.to_thread(prepare, received, self.eng, self.store, self.metrics,
-                                               self.settings.store_wait_s)
+            prepared = await asyncio.to_thread(prepare, received, self.eng, self.store, self.settings.store_wait_s)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hand-off of request {rid}: {exc}")
+        for source, n in prepared.sources.items():
+            self.metrics.chunks.labels(source).inc(n)
+        if prepared.store_wait_s is not None:
+            self.metrics.store_wait_seconds.observe(prepared.store_wait_s)
         try:
             sampling = WireSampling.read(request.sampling, self.eng.cfg.eos_token_id)
         except ValueError as exc:

@@ -14,8 +14,8 @@ _EXPORTS = {
     "PrefillStats": "services.engine.request",
     "Sequence": "services.engine.request",
     "chunk_id": "services.engine.kv.chunk_cache",
-    "Handoff": "services.engine.handoff.wire",
-    "ChunkRef": "services.engine.handoff.wire",
+    "Handoff": "services.handoff.wire",
+    "ChunkRef": "services.handoff.wire",
 }
 __all__ = list(_EXPORTS)
 

@@ -25,9 +25,9 @@ from services.engine.kv.chunk_cache import ChunkCache, chunk_id
 from services.engine.kv.chunk_ids import chunk_ids_of, scoped_id
 from services.engine.model.config import ModelConfig
 from services.engine.passes.forward import Forward
-from services.engine.handoff.imports import import_sequence
-from services.engine.handoff.wire import Handoff
-from services.engine.handoff.export import export_sequence, stage_export
+from services.handoff.imports import import_sequence
+from services.handoff.wire import Handoff
+from services.handoff.export import export_sequence, stage_export
 from services.engine.options import EngineOptions
 from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
 from services.engine.kv.request_ids import CheckedRequest, KnownChunks, request_ids

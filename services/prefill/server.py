@@ -21,14 +21,14 @@ import grpc
 
 from services.cluster.config import EngineSettings, PrefillSettings
 from services.cluster.kvio import StoreAccess
-from services.cluster.cuda_ipc import placement, same_gpu, share
+from services.handoff.cuda_ipc import placement, same_gpu, share
 from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import WireSampling
 from services.cluster.staging import side_stream
 from services.cluster.errors import internal
 from services.cluster.serving import (StoppedForGood, add_health, advertised_host, bind, channel, make_server,
                                      serve_metrics, set_serving)
-from services.cluster.transport import handoff_parts, probe_transport
+from services.handoff.transport import handoff_parts, probe_transport
 from services.engine.graphs.warmup import warm_prefill, warm_up
 from services.prefill.controller import LoadingController
 from services.prefill.engine_loop import EngineLoop

@@ -22,7 +22,7 @@ from services.prefill.metrics import PrefillMetrics
 from services.tiers import Tier
 
 if TYPE_CHECKING:
-    from services.engine.handoff.wire import Handoff
+    from services.handoff.wire import Handoff
 
 REUSE_MODES = ("tessera", "blend_copy")       # modes whose chunks are shared by content id (store-able)
 

@@ -33,7 +33,6 @@ from kernels.rope import rope_cos_sin, rotate
 from services.engine.attention import self_causal
 from services.engine.kv.block_table import BlockTable, chunk_rows, dense_run, host_to_device_many
 from services.engine.request import PlacedChunk, Sequence
-from services.engine.graphs import reuse_tail
 
 DEVIATION_METRICS = ("k", "v", "kv")
 
@@ -210,8 +209,6 @@ def blend_pass(fwd, placed, chunks, pinned, private, suffix, mode, ratio, blend:
     """Reuse pass over placed chunks (tessera, blend_copy, position_aware) -> (logits, Sequence).
     ``keep_tables`` False: the caller only releases the Sequence (a lean pass may then leave its tables out)."""
     copy = mode == "blend_copy"
-    if ratio == 0.0 and not copy and fwd.options.reuse_graph and fwd.static_tail(len(suffix)):
-        return reuse_tail.reuse_tail_pass(fwd, placed, chunks, pinned, private, suffix, stats, keep_tables)
     n_layers, c = fwd.cfg.num_layers, blend.check_layer
     t0 = time.perf_counter()
     n_chunk = sum(p.entry.length for p in placed)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from services.engine.attention import BACKENDS
-from services.engine.graphs import blend_tail
+from services.engine.graphs import blend_tail, reuse_tail
 from services.engine.passes.blend import BlendConfig, blend_pass
 from services.engine.kv.block_table import BlockTable, dense_run, host_to_device
 from services.engine.kv.chunk_cache import ChunkEntry, chunk_id
@@ -28,6 +28,21 @@ from services.engine.request import PlacedChunk, PrefillStats, Sequence
 
 
 SETTLE_S = 0.01  # how long a pass waits for its chunk loads to finish before it goes on layer by layer
+
+
+def reuse_path(fwd: "Forward", placed, suffix, mode: str, ratio: float, check_layer: int) -> str:
+    """The one place a reuse pass (tessera, position_aware, blend_copy) is routed:
+      "blend_graph"  ratio > 0 and the whole pass fits one graph (graphs/blend_tail.py; EngineOptions.blend_graph);
+      "reuse_graph"  ratio 0, not blend_copy, the suffix fits a static tail: one pinned copy and one replay
+                     (graphs/reuse_tail.py; EngineOptions.reuse_graph);
+      "general"      passes/blend.py, layer by layer; its remaining layers replay as a static tail where they fit
+                     (``Forward.tail``, graphs/tails.py), else run eagerly.
+    Plain causal passes (``full``, a chunk computed alone) never come here: they take ``Forward.tail`` directly."""
+    if blend_tail.applies(fwd, placed, suffix, mode, ratio, check_layer):
+        return "blend_graph"
+    if ratio == 0.0 and mode != "blend_copy" and fwd.options.reuse_graph and fwd.static_tail(len(suffix)):
+        return "reuse_graph"
+    return "general"
 
 
 class Forward:
@@ -388,9 +403,12 @@ class Forward:
         pinned = [p.entry for p in placed]
         private: list[int] = []
         try:
-            if blend_tail.applies(self, placed, suffix, mode, ratio, blend.check_layer):
+            path = reuse_path(self, placed, suffix, mode, ratio, blend.check_layer)
+            if path == "blend_graph":
                 return blend_tail.blend_tail_pass(self, placed, chunks, pinned, private, suffix, ratio, blend.deviation,
                                                   stats, keep_tables)
+            if path == "reuse_graph":
+                return reuse_tail.reuse_tail_pass(self, placed, chunks, pinned, private, suffix, stats, keep_tables)
             return blend_pass(self, placed, chunks, pinned, private, suffix, mode, ratio, blend, stats, keep_tables)
         except BaseException:
             for e in pinned:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.engine.handoff.wire import ChunkRef, Handoff, layer_views
+from services.handoff.wire import ChunkRef, Handoff, layer_views
 from services.engine.kv.block_table import BlockTable, dense_run, host_to_device
 
 

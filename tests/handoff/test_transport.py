@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.cluster.transport import HandoffError, handoff_parts, probe_transport, receive_handoff
+from services.handoff.transport import HandoffError, handoff_parts, probe_transport, receive_handoff
 from services.rpc import tessera_pb2 as pb
 
 
@@ -53,7 +53,7 @@ def test_transport_probe_reports_nixl():
 def test_cuda_ipc_needs_one_gpu_on_one_host():
     import torch
 
-    from services.cluster.cuda_ipc import device_uuid, host_id, placement, same_gpu, share
+    from services.handoff.cuda_ipc import device_uuid, host_id, placement, same_gpu, share
     me = pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-1")
     assert same_gpu(me, pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-1"))
     assert not same_gpu(me, pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-2"))

@@ -1,5 +1,5 @@
 """The CUDA IPC hand-off path between two processes on one GPU (skipped without CUDA; on a GPU host
-``python -m tests.cluster.ipc_child`` runs the same check without pytest)."""
+``python -m tests.handoff.ipc_child`` runs the same check without pytest)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The hand-off import with its tables built on the host: the same sequence (tables, pinned chunks, private
-blocks, pool contents) as the per-layer device import (tests/engine/handoff/handoff_import_reference.py), with no
+blocks, pool contents) as the per-layer device import (tests/handoff/handoff_import_reference.py), with no
 op that would wait for the GPU."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.engine import Engine, Handoff
-from services.engine.handoff.imports import import_sequence
-from services.engine.handoff.wire import LayerView
+from services.handoff.imports import import_sequence
+from services.handoff.wire import LayerView
 
-from ..conftest import random_request
+from tests.engine.conftest import random_request
 from .handoff_import_reference import reference_import
 
 SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "unique", "_unique2",

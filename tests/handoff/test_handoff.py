@@ -9,7 +9,7 @@ import torch
 
 from services.engine import Engine, Handoff
 
-from ..conftest import random_request
+from tests.engine.conftest import random_request
 
 
 def _decode(eng, handoff, n, fetch=None):

@@ -1,5 +1,5 @@
 """The hand-off export staged around the first token: the same hand-off as the per-table device export
-(tests/engine/handoff/handoff_reference.py), with no host read of device data after the first token."""
+(tests/handoff/handoff_reference.py), with no host read of device data after the first token."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from safetensors.torch import load
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.engine import Engine
-from services.engine.handoff.export import export_sequence, stage_export
+from services.handoff.export import export_sequence, stage_export
 
-from ..conftest import random_request
+from tests.engine.conftest import random_request
 from .handoff_reference import reference_export
 
 SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "unique", "_unique2"}

@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.cluster.kvio import StoreAccess
-from services.cluster.transport import ReceivedHandoff
-from services.decode.metrics import DecodeMetrics
+from services.handoff.transport import ReceivedHandoff
 from services.tiers import Tier
 
 if TYPE_CHECKING:
     import torch
 
-    from services.engine.handoff.wire import Handoff
+    from services.handoff.wire import Handoff
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +35,10 @@ class PreparedHandoff:
     handoff: Handoff
     fetched: dict[str, list] = field(default_factory=dict)
     ready: torch.cuda.Event | None = None     # the fetched layers are on the device once it completes
+    # where its chunks come from ("gpu": resident here, "host", "store", "computed" at admission), and how long
+    # it waited for chunks the prefill worker was still writing (None: it did not wait): the decode worker's metrics
+    sources: dict[str, int] = field(default_factory=dict)
+    store_wait_s: float | None = None
 
     def adopt(self) -> None:
         """On the engine thread, before using ``fetched``: order its stream after the staging copies and
@@ -52,11 +55,10 @@ class PreparedHandoff:
                 v.record_stream(stream)
 
 
-def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: DecodeMetrics,
-            store_wait_s: float = 0.0) -> PreparedHandoff:
+def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s: float = 0.0) -> PreparedHandoff:
     """``store_wait_s``: how long to wait for chunks the prefill worker is still writing to the store
     (the header's ``storing``) before leaving them to be computed at admission."""
-    from services.engine.handoff.wire import Handoff
+    from services.handoff.wire import Handoff
 
     if received.header.kind != "engine":
         raise ValueError(f"unknown hand-off kind {received.header.kind!r}")
@@ -66,8 +68,11 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
     present = store.lookup(missing) if missing and store.enabled else {}
     storing = set(received.header.storing)
     pending = [cid for cid in missing if cid not in present and cid in storing]
+    waited = None
     if pending and store_wait_s > 0:
-        present.update(_await_writes(store, pending, store_wait_s, metrics))
+        t0 = time.monotonic()
+        present.update(_await_writes(store, pending, store_wait_s))
+        waited = time.monotonic() - t0
     fetched: dict[str, list] = {}
     fetch = store.fetcher(present)
     for cid in present:
@@ -75,19 +80,17 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, metrics: Deco
             fetched[cid] = list(fetch(cid))
         except Exception as exc:  # noqa: BLE001 - a broken stream: the engine computes the chunk instead
             log.warning("prefetch of chunk %s failed: %s", cid[:12], exc)
-    metrics.chunks.labels(Tier.GPU).inc(len(ids) - len(missing))
     from_host = sum(1 for cid in fetched if present[cid] == Tier.HOST)
-    metrics.chunks.labels(Tier.HOST).inc(from_host)
-    metrics.chunks.labels("store").inc(len(fetched) - from_host)
-    metrics.chunks.labels(Tier.COMPUTED).inc(len(missing) - len(fetched))
+    sources = {Tier.GPU.value: len(ids) - len(missing), Tier.HOST.value: from_host,
+               "store": len(fetched) - from_host, Tier.COMPUTED.value: len(missing) - len(fetched)}
     fetched, ready = _stage(fetched, engine.device)
-    return PreparedHandoff(received, handoff, fetched, ready)
+    return PreparedHandoff(received, handoff, fetched, ready, sources, waited)
 
 
 POLL_S = 0.02
 
 
-def _await_writes(store: StoreAccess, ids: list[str], wait_s: float, metrics: DecodeMetrics) -> dict[str, Tier]:
+def _await_writes(store: StoreAccess, ids: list[str], wait_s: float) -> dict[str, Tier]:
     """Poll the store until it holds ``ids`` or ``wait_s`` has passed; {chunk id: tier} of those it holds.
     Runs on the helper thread: the batch keeps decoding meanwhile."""
     t0 = time.monotonic()
@@ -97,7 +100,6 @@ def _await_writes(store: StoreAccess, ids: list[str], wait_s: float, metrics: De
         if len(found) == len(ids) or time.monotonic() - t0 >= wait_s:
             break
         time.sleep(POLL_S)
-    metrics.store_wait_seconds.observe(time.monotonic() - t0)
     return found
 
 

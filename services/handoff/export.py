@@ -1,4 +1,4 @@
-"""Exporting a prefilled sequence as a ``Handoff`` (services/engine/handoff/wire.py), on a prefill worker's engine thread.
+"""Exporting a prefilled sequence as a ``Handoff`` (services/handoff/wire.py), on a prefill worker's engine thread.
 
 The export runs around the first token: ``stage_export`` starts the few device-to-host copies it needs
 (block tables, private slot positions, logits) before the token is sampled, whose read on the host
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from services.engine.kv.block_table import host_to_device
-from services.engine.handoff.wire import ChunkRef, Handoff, LayerView, layer_views
+from services.handoff.wire import ChunkRef, Handoff, LayerView, layer_views
 
 
 @dataclass(frozen=True, slots=True)

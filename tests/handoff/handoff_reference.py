@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.handoff.wire import ChunkRef, Handoff, LayerView
+from services.handoff.wire import ChunkRef, Handoff, LayerView
 
 
 def reference_export(fwd, seq, logits: torch.Tensor, fingerprint: str, kv_on_device: bool = False) -> Handoff:

@@ -10,7 +10,7 @@ import torch
 
 def receive(wire: bytes, out) -> None:
     """Child process: open the shared buffer, copy it out, send a host copy back."""
-    from services.cluster.cuda_ipc import copy_out
+    from services.handoff.cuda_ipc import copy_out
     from services.rpc import tessera_pb2 as pb
 
     got = copy_out(pb.CudaIpcBuffer.FromString(wire)).cpu()
@@ -22,7 +22,7 @@ def receive(wire: bytes, out) -> None:
 def round_trip(n: int = 3 * 1024 * 1024 + 7, offset: int = 5) -> bool:
     """Share a bf16 CUDA buffer that starts ``offset`` elements into its allocation with a spawned
     process; True when what it copied out equals the original."""
-    from services.cluster.cuda_ipc import share
+    from services.handoff.cuda_ipc import share
 
     src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     buf = src[offset:]                 # the offset inside the allocation must travel too

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.kv.block_table import BlockTable
-from services.engine.handoff.wire import Handoff
+from services.handoff.wire import Handoff
 
 
 def reference_import(fwd, h: Handoff, fetch=None):

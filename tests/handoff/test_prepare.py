@@ -1,0 +1,47 @@
+"""A received hand-off made ready off the engine thread (services/handoff/prepare.py): it waits for a chunk still
+being stored, and says where each chunk came from."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.rpc import tessera_pb2 as pb
+
+
+class _LandingStore:
+    """A store where chunk ``cid`` becomes visible at the ``after``-th lookup (a write still in flight)."""
+
+    enabled = True
+
+    def __init__(self, cid, layers, after):
+        self.cid, self.layers, self.after, self.lookups = cid, layers, after, 0
+
+    def lookup(self, ids):
+        self.lookups += 1
+        return {self.cid: "dram"} if self.cid in ids and self.lookups >= self.after else {}
+
+    def fetcher(self, present):
+        return lambda cid: iter([(i, k, v) for i, (k, v) in enumerate(self.layers)]) if cid in present else None
+
+
+@pytest.mark.parametrize("wait_s, fetched", [(5.0, True), (0.0, False)])
+def test_decode_waits_for_a_chunk_still_being_stored(tiny_model, wait_s, fetched):
+    from services.handoff.transport import ReceivedHandoff
+    from services.handoff.prepare import prepare
+    from services.engine import Engine
+
+    from tests.helpers import docs
+
+    prefill, decode = Engine.load(tiny_model, kv_cache_bytes=64 << 20), Engine.load(tiny_model, kv_cache_bytes=64 << 20)
+    (a,) = docs(1, 32, seed=78)
+    _, h = prefill.prefill_handoff([a], [2], recompute_ratio=0.15)
+    cid = prefill.chunk_id(a)
+    store = _LandingStore(cid, prefill.export_chunk(cid), after=3)
+    header = pb.HandoffHeader(request_id="r", kind="engine", storing=[cid])
+    prepared = prepare(ReceivedHandoff(header, h.to_bytes()), decode, store, store_wait_s=wait_s)
+    assert (cid in prepared.fetched) is fetched          # waited for the write, or left it to be computed
+    assert store.lookups == (3 if fetched else 1)
+    assert prepared.sources == {"gpu": 0, "host": 0, "store": int(fetched), "computed": int(not fetched)}
+    assert (prepared.store_wait_s is not None) is (wait_s > 0)
+    seq = decode.import_handoff(prepared.handoff, fetch=lambda c: iter(prepared.fetched[c]) if c in prepared.fetched else None)
+    decode.release(seq)
