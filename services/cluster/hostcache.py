@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.kv.loader import StreamedLayer
+
 
 @dataclass(frozen=True, slots=True)
 class HostEntry:
@@ -48,7 +50,7 @@ class HostStream:
     def __iter__(self) -> "HostStream":
         return self
 
-    def __next__(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+    def __next__(self) -> StreamedLayer:
         if self._next == 0 and self._entry.ready is not None:
             self._entry.ready.synchronize()
         if self._next >= len(self._entry.layers):
@@ -56,7 +58,7 @@ class HostStream:
         i = self._next
         self._next += 1
         k, v = self._entry.layers[i]
-        return i, k, v
+        return StreamedLayer(i, k, v)
 
 
 def layers_nbytes(layers) -> int:

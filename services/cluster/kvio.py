@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 
 from services.cluster.hostcache import HostChunks
+from services.engine.kv.loader import StreamedLayer
 from services.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class StoreAccess:
                 # evicted since the lookup: the store may still hold it
             if self._client is None:
                 return None
-            stream = self._client.get(cid, timeout=self.get_timeout)
+            stream = (StreamedLayer(layer, k, v) for layer, k, v in self._client.get(cid, timeout=self.get_timeout))
             return stream if self.host is None else self._keeping(cid, stream)
         return fetch
 
@@ -105,9 +106,9 @@ class StoreAccess:
         """``stream`` passed through; its layers kept in the host tier once it has ended whole (pinned
         first on a GPU host, by the keeper thread: the reader does not wait for that copy)."""
         layers = []
-        for layer, k, v in stream:
-            layers.append((k, v))
-            yield layer, k, v
+        for item in stream:
+            layers.append((item.k, item.v))
+            yield item
         self._keeper.submit(self._keep, cid, layers)
 
     def _keep(self, cid: str, layers) -> None:

@@ -30,6 +30,7 @@ from services.handoff.wire import Handoff
 from services.handoff.export import export_sequence, stage_export
 from services.engine.options import EngineOptions
 from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
+from services.engine.kv.loader import numbered
 from services.engine.kv.request_ids import CheckedRequest, KnownChunks, request_ids
 from services.engine.sampling import SamplingParams, sample
 from services.engine.model.weights import ModelWeights, fingerprint, load_weights, state_fingerprint, weights_from_tensors
@@ -309,7 +310,7 @@ class Engine:
         """Make a chunk resident from its KV [(k, v) per layer, keys at local positions]."""
         if chunk_id in self.cache:
             return
-        self.cache.release(self.forward.insert_chunk(chunk_id, tokens, layers))
+        self.cache.release(self.forward.insert_chunk(chunk_id, tokens, numbered(layers)))
 
     @launches
     def export_chunk(self, chunk_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.cluster.kvio import StoreAccess
+from services.engine.kv.loader import StreamedLayer
 from services.handoff.transport import ReceivedHandoff
 from services.tiers import Tier
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class PreparedHandoff:
     """A received hand-off, parsed (``handoff``: services.engine.Handoff), with ``fetched[chunk_id]``
-    = [(layer, k, v), ...] for the shared chunks streamed from the store."""
+    = [StreamedLayer, ...] for the shared chunks streamed from the store."""
 
     received: ReceivedHandoff
     handoff: Handoff
@@ -50,9 +51,9 @@ class PreparedHandoff:
         stream = torch.cuda.current_stream()
         stream.wait_event(self.ready)
         for layers in self.fetched.values():
-            for _, k, v in layers:
-                k.record_stream(stream)
-                v.record_stream(stream)
+            for item in layers:
+                item.k.record_stream(stream)
+                item.v.record_stream(stream)
 
 
 def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s: float = 0.0) -> PreparedHandoff:
@@ -111,9 +112,9 @@ def _stage(fetched: dict[str, list], device):
         return fetched, None
     from services.cluster.staging import copy_aside
 
-    order = [(cid, i) for cid, layers in fetched.items() for i, _, _ in layers]
-    flat, ready = copy_aside([t for layers in fetched.values() for _, k, v in layers for t in (k, v)], device)
+    order = [(cid, item.layer) for cid, layers in fetched.items() for item in layers]
+    flat, ready = copy_aside([t for layers in fetched.values() for item in layers for t in (item.k, item.v)], device)
     out: dict[str, list] = {cid: [] for cid in fetched}
     for n, (cid, i) in enumerate(order):
-        out[cid].append((i, flat[2 * n], flat[2 * n + 1]))
+        out[cid].append(StreamedLayer(i, flat[2 * n], flat[2 * n + 1]))
     return out, ready

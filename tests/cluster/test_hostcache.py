@@ -9,6 +9,7 @@ from services.cluster.hostcache import HostChunks
 from services.cluster.kvio import StoreAccess
 from services.rpc import tessera_pb2 as pb
 from services.tiers import Tier
+from services.engine.kv.loader import StreamedLayer
 
 from tests.helpers import docs
 
@@ -27,7 +28,7 @@ def test_host_chunks_keep_the_most_recent_within_the_budget():
     assert host.used == 2 * one and host.evictions == 1
     entry = host.get("c")
     got = list(entry.stream())
-    assert [i for i, _, _ in got] == [0, 1] and torch.equal(got[1][1], torch.full((3, 2, 4), 4.0))
+    assert [item.layer for item in got] == [0, 1] and torch.equal(got[1].k, torch.full((3, 2, 4), 4.0))
     assert not host.put("huge", layers(8, 3, 0.0))  # larger than the whole budget: refused, nothing evicted
     assert len(host) == 2
     assert host.get("b") is None and host.misses == 1
@@ -67,8 +68,8 @@ def test_chunks_read_from_a_shard_are_kept_in_the_host_tier(tmp_path):
         first = list(store.fetcher({"z": "dram"})("z"))          # streamed from the shard...
         assert store.lookup(["z"]) == {"z": Tier.HOST}                 # ...and kept once it ended whole
         again = list(store.fetcher({"z": Tier.HOST})("z"))
-        assert all(torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) for a, b in zip(first, again))
-        assert torch.equal(again[1][2], kv[1][1])
+        assert all(torch.equal(a.k, b.k) and torch.equal(a.v, b.v) for a, b in zip(first, again))
+        assert torch.equal(again[1].v, kv[1][1])
         store.close()
     finally:
         srv.stop()
@@ -169,7 +170,7 @@ def test_a_pass_waits_for_loads_from_host_memory_but_not_for_slow_streams(local)
     def layers():
         gate_open.wait(5)                 # the load delivers only once the test lets it
         for i in range(2):
-            yield i, torch.zeros(1), torch.zeros(1)
+            yield StreamedLayer(i, torch.zeros(1), torch.zeros(1))
 
     load = ChunkLoad("c" * 12, [1], layers(), lambda *a: None, 2, local=local)
     load.start()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.engine import Engine, Handoff
+from services.engine.kv.loader import StreamedLayer, numbered
 
 from tests.engine.conftest import random_request
 
@@ -77,7 +78,7 @@ def test_decode_worker_without_the_chunks_fetches_or_recomputes(tiny_dir):
     ref = prefill.generate(chunks, suffix, max_new_tokens=5, stop_token_ids=[])
     _, h = prefill.prefill_handoff(chunks, suffix)
     store = {prefill.chunk_id(c): prefill.export_chunk(prefill.chunk_id(c)) for c in chunks[:2]}
-    assert _decode(decode, h, 5, fetch=lambda cid: store.get(cid)) == ref  # two fetched, one recomputed
+    assert _decode(decode, h, 5, fetch=lambda cid: numbered(store[cid]) if cid in store else None) == ref  # two fetched, one computed
     assert _decode(other, h, 5) == ref                                      # all three recomputed
 
 
@@ -104,7 +105,7 @@ def test_store_stream_overlaps_compute_and_equals_a_local_hit(tiny_dir):
             for i, (k, v) in enumerate(store[cid]):
                 if i:
                     assert gates[cid][i].wait(10), "the pass never asked for the previous layer"
-                yield i, k, v
+                yield StreamedLayer(i, k, v)
         return stream()
 
     res, _ = eng.prefill_handoff(chunks, suffix, mode="tessera", recompute_ratio=0.15, fetch=fetch)
@@ -124,7 +125,7 @@ def test_a_broken_stream_is_recomputed_and_never_cached_half_done(tiny_dir):
             for i, (k, v) in enumerate(store[cid]):
                 if i == 2:
                     raise ConnectionError("store shard went away")
-                yield i, k, v
+                yield StreamedLayer(i, k, v)
         return stream()
 
     eng = Engine.load(tiny_dir)

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from services.engine import Engine, Handoff
 from services.handoff.imports import import_sequence
 from services.handoff.wire import LayerView
+from services.engine.kv.loader import StreamedLayer, numbered
 
 from tests.engine.conftest import random_request
 from .handoff_import_reference import reference_import
@@ -111,7 +112,7 @@ def test_import_of_fetched_and_computed_chunks_equals_the_reference(tiny_dir):
     h = _handoff(prefill, chunks, suffix, "tessera", 0.3)
     store = {prefill.chunk_id(c): prefill.export_chunk(prefill.chunk_id(c)) for c in chunks[1:]}
     # two from the store (through insert_chunk), one computed here
-    _import_both(a, b, h, fetch=lambda cid: iter(store[cid]) if cid in store else None)
+    _import_both(a, b, h, fetch=lambda cid: numbered(store[cid]) if cid in store else None)
     assert all(prefill.chunk_id(c) in b.cache for c in chunks)
 
 
@@ -178,7 +179,7 @@ def test_import_issues_no_syncing_op_and_one_write_per_layer(engine, mode, ratio
             engine.cache.clear()   # the chunks come from the store, through insert_chunk
         ops = Ops()
         with ops:
-            seq = engine.import_handoff(h, fetch=lambda cid: iter(store[cid]))
+            seq = engine.import_handoff(h, fetch=lambda cid: numbered(store[cid]))
         engine.release(seq)
         assert not SYNCING & set(ops.names) and not ops.mask_indexing, ops.names
         launches[fetched] = ops.launches
@@ -208,7 +209,7 @@ def test_cuda_import_equals_the_reference_and_never_syncs(tiny_dir, mode, ratio,
     torch.cuda.synchronize()
     # as over CUDA IPC (K/V one device buffer) or a byte stream (K/V host tensors of the payload)
     h = Handoff.from_bytes(h.to_bytes(with_kv=False), h.kv_buffer()) if kv_on_device else Handoff.from_bytes(h.to_bytes())
-    store = {prefill.chunk_id(c): [(i, k.cuda(), v.cuda()) for i, (k, v) in enumerate(
+    store = {prefill.chunk_id(c): [StreamedLayer(i, k.cuda(), v.cuda()) for i, (k, v) in enumerate(
         prefill.export_chunk(prefill.chunk_id(c)))] for c in chunks[1:]}
     fetch = lambda cid: iter(store[cid]) if cid in store else None  # noqa: E731
     _import_both(a, b, h, fetch)   # chunk 0 computed, the others fetched

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.rpc import tessera_pb2 as pb
+from services.engine.kv.loader import numbered
 
 
 class _LandingStore:
@@ -21,7 +22,7 @@ class _LandingStore:
         return {self.cid: "dram"} if self.cid in ids and self.lookups >= self.after else {}
 
     def fetcher(self, present):
-        return lambda cid: iter([(i, k, v) for i, (k, v) in enumerate(self.layers)]) if cid in present else None
+        return lambda cid: numbered(self.layers) if cid in present else None
 
 
 @pytest.mark.parametrize("wait_s, fetched", [(5.0, True), (0.0, False)])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -179,7 +180,28 @@ class LayerGate:
         return sum(1 for load in self.loads if load.error is not None)
 
 
-def as_layers(items: Iterator) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Accept (layer, k, v) triples or plain (k, v) pairs (numbered from 0)."""
-    for i, item in enumerate(items):
-        yield item if len(item) == 3 else (i, *item)
+@dataclass(frozen=True, slots=True)
+class StreamedLayer:
+    """One layer of a chunk's KV as it streams in (the KV store, a worker's host tier, a hand-off's fetched chunks):
+    k and v [L, Hkv, D], keys at chunk-local positions. Unpacks as ``layer, k, v``."""
+
+    layer: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def __iter__(self) -> Iterator:
+        return iter((self.layer, self.k, self.v))
+
+
+def numbered(pairs: Iterable) -> Iterator[StreamedLayer]:
+    """A whole chunk given as [(k, v) of layer 0, (k, v) of layer 1, ...] as a stream."""
+    for i, (k, v) in enumerate(pairs):
+        yield StreamedLayer(i, k, v)
+
+
+def as_layers(items: Iterable) -> Iterator[StreamedLayer]:
+    """A fetch's stream, each item checked to be a ``StreamedLayer`` (a TypeError names what came instead)."""
+    for item in items:
+        if not isinstance(item, StreamedLayer):
+            raise TypeError(f"a chunk stream yields StreamedLayer items, got {type(item).__name__}")
+        yield item

@@ -206,13 +206,13 @@ class Forward:
             self.gate = gate
 
     def insert_chunk(self, key: str, tokens_or_length, layers) -> ChunkEntry:
-        """Write a chunk's KV given per layer as (k, v) [L, Hkv, D] (keys at local positions); pinned."""
+        """Write a chunk's KV, a stream of ``StreamedLayer`` (k, v [L, Hkv, D], keys at local positions); pinned."""
         n = tokens_or_length if isinstance(tokens_or_length, int) else len(tokens_or_length)
         blocks, block, slot, _ = self._private(torch.arange(n, device=self.device), for_cache=True, contiguous=True)
         write = self._chunk_writer(key, n, blocks, block, slot)
         count = 0
         try:
-            for layer, k, v in as_layers(iter(layers)):
+            for layer, k, v in as_layers(layers):
                 write(layer, k, v)
                 count += 1
             if count != self.cfg.num_layers:
@@ -384,7 +384,7 @@ class Forward:
         entry = self.cache.insert(key, blocks, n, base=0, kind="chunk")
         write = self._chunk_writer(key, n, blocks, block, slot)
         local = getattr(layers, "local", False)
-        load = ChunkLoad(key, tokens, as_layers(iter(layers)), write, self.cfg.num_layers, local=local,
+        load = ChunkLoad(key, tokens, as_layers(layers), write, self.cfg.num_layers, local=local,
                          write_many=write.many if local else None)
         load.entry = entry
         loads.append(load)

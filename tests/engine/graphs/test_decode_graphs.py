@@ -14,6 +14,7 @@ import torch
 
 from services.engine import Engine, Handoff
 from services.engine.graphs.decode import DecodeGraphs
+from services.engine.kv.loader import numbered
 
 from ..conftest import cpu_triton, random_request
 
@@ -41,7 +42,7 @@ def handoffs(tiny_dir):
         out.append(src.prefill_handoff(chunks, suffix, mode=mode, recompute_ratio=ratio)[1])
 
     def fetch(cid):
-        return iter([(i, k, v) for i, (k, v) in enumerate(src.export_chunk(cid))])
+        return numbered(src.export_chunk(cid))
 
     return out, fetch
 

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from services.engine.kv.loader import numbered
 
 
 GRAPH_TOLERANCE = 0.1   # bf16 logits of the tiny model through different kernels; stale KV is far off
@@ -64,7 +65,7 @@ def check(device: str = "cuda", n_chunks: int = 6, length: int = 300, rounds: in
         def fetch(cid):
             if cid not in held:
                 return None
-            items = [(i, k, v) for i, (k, v) in enumerate(held[cid])]
+            items = list(numbered(held[cid]))
             return LocalLayers(items) if local else iter(items)
 
         res, _ = eng.prefill_handoff(chunks, suffix, recompute_ratio=0.15, fetch=fetch)

@@ -52,3 +52,18 @@ def test_a_bad_local_chunk_writes_nothing_and_is_recomputed(layers):
     gate = LayerGate([load], recomputed.append)
     gate.wait(0)
     assert recomputed == [load] and gate.failed == 1
+
+
+def test_a_stream_yields_streamed_layers_and_nothing_else():
+    """A fetch's stream is typed: StreamedLayer items (unpacking as layer, k, v); a tuple is refused by name, not
+    told apart from a pair by its length."""
+    from services.engine.kv.loader import StreamedLayer, as_layers, numbered
+
+    k, v = torch.zeros(2, 1, 4), torch.ones(2, 1, 4)
+    items = list(numbered([(k, v), (v, k)]))
+    assert [item.layer for item in items] == [0, 1] and items[1].k is v
+    layer, kk, vv = items[0]
+    assert (layer, kk, vv) == (0, k, v)
+    assert list(as_layers(iter(items))) == items
+    with pytest.raises(TypeError, match="yields StreamedLayer items, got tuple"):
+        list(as_layers(iter([(0, k, v)])))
