@@ -1,6 +1,6 @@
-"""Sampling as the workers read it from the wire: one place for the defaults, the stop set and when a
-request is over, shared by the prefill worker (which samples the first token) and the decode worker
-(which samples the rest).
+"""Sampling on the wire: the one sampling type (``SamplingParams``, services/engine/sampling.py, torch-free) to and
+from the gateway's message to the workers, with the defaults in one place. The prefill worker samples the first
+token, the decode worker the rest; both read the same message the same way.
 
 A seeded request's first token is drawn the same way on both sides: the decode worker draws it again
 from the hand-off's logits with its own generator, which leaves that generator exactly where the
@@ -9,31 +9,26 @@ prefill worker's was, and then keeps the prefill worker's token (the one the cli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from services.engine.sampling import SamplingParams
 from services.rpc import tessera_pb2 as pb
 
 DEFAULT_MAX_NEW_TOKENS = 16
 
 
-@dataclass(frozen=True, slots=True)
-class WireSampling:
-    params: SamplingParams
-    stops: frozenset[int]
+def read_sampling(s: pb.SamplingParams, eos_token_id=None, default_max: int = DEFAULT_MAX_NEW_TOKENS) -> SamplingParams:
+    """The message's parameters (top_p 0 and max_new_tokens 0 read as unset), with the model's end-of-sequence
+    token(s) among the stops unless ignore_eos; ValueError naming the field for a value out of range."""
+    params = SamplingParams(float(s.temperature), float(s.top_p) if s.top_p else 1.0, s.top_k,
+                            s.seed if s.HasField("seed") else None, s.max_new_tokens or default_max,
+                            frozenset(s.stop_token_ids), s.ignore_eos)
+    return params.with_eos(eos_token_id)
 
-    @classmethod
-    def read(cls, s: pb.SamplingParams, eos_token_id) -> WireSampling:
-        """ValueError (from SamplingParams) for values out of range."""
-        stops = set(s.stop_token_ids)
-        if not s.ignore_eos and eos_token_id is not None:
-            stops |= set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
-        params = SamplingParams(s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None,
-                                s.max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
-        return cls(params, frozenset(stops))
 
-    def finish_reason(self, token: int, produced: int) -> str | None:
-        """"stop" when ``token`` stops the request, "length" when ``produced`` tokens are all it may have."""
-        if token in self.stops:
-            return "stop"
-        return "length" if produced >= self.params.max_new_tokens else None
+def write_sampling(params: SamplingParams) -> pb.SamplingParams:
+    """The message a worker reads back as ``params`` (``read_sampling``)."""
+    p = pb.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                          max_new_tokens=params.max_new_tokens, stop_token_ids=sorted(params.stop_token_ids),
+                          ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        p.seed = params.seed
+    return p

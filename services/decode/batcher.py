@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.cluster.errors import RequestError, internal
-from services.cluster.sampling import WireSampling
+from services.engine.sampling import SamplingParams
 from services.handoff.prepare import PreparedHandoff
 from services.decode.metrics import DecodeMetrics
 
@@ -52,7 +52,7 @@ class DecodeJob:
 
     request_id: str
     handoff: PreparedHandoff | None     # None once admitted: its K/V are in the engine's pool then
-    sampling: WireSampling
+    sampling: SamplingParams
     emit: Callable[[list[int], str | None, RequestError | None], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -212,7 +212,7 @@ class Batcher:
             _quietly(job.emit, [], None, internal(f"{self.name} rebuilding request {job.request_id}", exc))
             return
         self.metrics.admit_seconds.observe(time.perf_counter() - t0)
-        params = job.sampling.params
+        params = job.sampling
         header = job.handoff.received.header
         job.handoff = None           # the sequence holds what it needs: the received K/V can go now
         sent = header.HasField("first_token")
@@ -292,12 +292,12 @@ class Batcher:
             self._live = []
             return
         # greedy rows: one argmax over the batch and one copy to the host, not a sync per sequence
-        greedy = [i for i, lv in enumerate(batch) if lv.job.sampling.params.temperature == 0]
+        greedy = [i for i, lv in enumerate(batch) if lv.job.sampling.temperature == 0]
         picked = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
         failed: dict[int, RequestError] = {}
         for i, lv in enumerate(batch):
             try:
-                lv.last = picked[i] if i in picked else sample(logits[i], lv.job.sampling.params, lv.gen)
+                lv.last = picked[i] if i in picked else sample(logits[i], lv.job.sampling, lv.gen)
             except Exception as exc:  # noqa: BLE001 - this sequence fails, the batch goes on
                 failed[i] = internal(f"{self.name} sampling request {lv.job.request_id}", exc)
             lv.produced += 1

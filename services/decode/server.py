@@ -23,7 +23,7 @@ from services.cluster.config import DecodeSettings, EngineSettings
 from services.cluster.kvio import StoreAccess
 from services.handoff.cuda_ipc import copy_out, placement
 from services.cluster.profiling import ProfileWindow
-from services.cluster.sampling import WireSampling
+from services.cluster.sampling import read_sampling
 from services.cluster.serving import (StoppedForGood, add_health, advertised_host, bind, make_server, serve_metrics,
                                      set_serving)
 from services.handoff.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
@@ -117,7 +117,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         if prepared.store_wait_s is not None:
             self.metrics.store_wait_seconds.observe(prepared.store_wait_s)
         try:
-            sampling = WireSampling.read(request.sampling, self.eng.cfg.eos_token_id)
+            sampling = read_sampling(request.sampling, self.eng.cfg.eos_token_id)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
         loop = asyncio.get_running_loop()

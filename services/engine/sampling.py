@@ -8,10 +8,11 @@ the request's: ``sample`` raises ``NonFiniteLogits`` for them instead of drawing
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.checks import check_float, check_int
+from services.checks import check_bool, check_float, check_instance, check_int
 
 if TYPE_CHECKING:
     import torch
@@ -21,11 +22,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How a request's tokens are drawn and when it ends: the one sampling type from the gateway (which reads it
+    from the client's message) to the prefill and decode workers (which read it from the gateway's:
+    services/cluster/sampling.py). ``stop_token_ids``: tokens that end the request; a worker adds the model's
+    end-of-sequence tokens unless ``ignore_eos`` (``with_eos``)."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
     max_new_tokens: int = 32
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         check_float("temperature", self.temperature, 0)
@@ -34,6 +42,24 @@ class SamplingParams:
         # what torch.Generator.manual_seed takes
         check_int("seed", self.seed, -(2**63), 2**64 - 1, optional=True, rule="in [-2**63, 2**64 - 1]")
         check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_instance("stop_token_ids", self.stop_token_ids, frozenset)
+        for token in self.stop_token_ids:
+            check_int("a stop token id", token, 0)
+        check_bool("ignore_eos", self.ignore_eos)
+
+    def with_eos(self, eos_token_id) -> SamplingParams:
+        """These parameters with the model's end-of-sequence token(s) (an id, a list of ids, or None) among the stop
+        tokens, unless ``ignore_eos``."""
+        if self.ignore_eos or eos_token_id is None:
+            return self
+        eos = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
+        return dataclasses.replace(self, stop_token_ids=self.stop_token_ids | frozenset(eos))
+
+    def finish_reason(self, token: int, produced: int) -> str | None:
+        """"stop" when ``token`` stops the request, "length" when ``produced`` tokens are all it may have."""
+        if token in self.stop_token_ids:
+            return "stop"
+        return "length" if produced >= self.max_new_tokens else None
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         if self.temperature == 0:

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from services.cluster.sampling import DEFAULT_MAX_NEW_TOKENS
+from services.cluster.sampling import DEFAULT_MAX_NEW_TOKENS, read_sampling
 from services.engine.model.config import ModelConfig
+from services.engine.sampling import SamplingParams
 from services.gateway.tenants import DEFAULT, QuotaExceeded, Tenant
 from services.modes import MODES
 from services.rpc import tessera_pb2 as pb
@@ -42,25 +43,6 @@ class InvalidRequest(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Sampling:
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    max_new_tokens: int
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
-
-    def to_proto(self) -> pb.SamplingParams:
-        p = pb.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos)
-        if self.seed is not None:
-            p.seed = self.seed
-        return p
-
-
-@dataclass(frozen=True, slots=True)
 class ResolvedRequest:
     """A request in token ids. chunks[i] has chunk_ids[i] (content hash with the model fingerprint)."""
 
@@ -69,7 +51,7 @@ class ResolvedRequest:
     suffix: Sequence[int]
     mode: str
     recompute_ratio: float | None
-    sampling: Sampling
+    sampling: SamplingParams
     namespaces: tuple[str, ...] = ()   # each chunk's namespace, () when all are plain (no tenants)
 
     @property
@@ -316,7 +298,7 @@ class InputResolver:
             raise InvalidRequest(f"{where} holds no token")
         return tokens, namespace
 
-    def sampling(self, s: pb.SamplingParams, default_max: int = DEFAULT_MAX_NEW_TOKENS) -> Sampling:
+    def sampling(self, s: pb.SamplingParams, default_max: int = DEFAULT_MAX_NEW_TOKENS) -> SamplingParams:
         """``default_max``: max_new_tokens when the request leaves it unset (0)."""
         temperature, top_p = float(s.temperature), float(s.top_p) if s.top_p else 1.0
         if not math.isfinite(temperature) or temperature < 0:
@@ -325,9 +307,11 @@ class InputResolver:
             raise InvalidRequest(f"top_p must be in (0, 1], got {s.top_p}")
         if s.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0, got {s.top_k}")
-        n = s.max_new_tokens or default_max
-        stops = tuple(self._ids(s.stop_token_ids, "stop_token_ids"))
-        return Sampling(temperature, top_p, s.top_k, s.seed if s.HasField("seed") else None, n, stops, s.ignore_eos)
+        self._ids(s.stop_token_ids, "stop_token_ids")  # ids of this model's vocabulary
+        try:
+            return read_sampling(s, None, default_max)  # the workers add the model's end-of-sequence tokens
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
 
     def resolve(self, req: pb.GenerateRequest, tenant: Tenant = DEFAULT,
                 fresh: dict | None = None) -> ResolvedRequest:

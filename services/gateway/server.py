@@ -18,6 +18,7 @@ import uuid
 
 import grpc
 
+from services.cluster.sampling import write_sampling
 from services.cluster.serving import add_health, advertised_host, bind, make_server, serve_metrics, set_serving
 from services.gateway.auth import TenantAuth
 from services.gateway.detok import Detokenizer
@@ -205,7 +206,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
         # (the tokens already sent are regenerated, checked and skipped); unseeded sampling cannot
         resumable = req.sampling.temperature == 0 or req.sampling.seed is not None
         stats, finish = None, ""
-        sampling = req.sampling.to_proto()
+        sampling = write_sampling(req.sampling)
         try:
             preq = pb.PrefillRequest(request_id=rid, chunks=[pb.TokenIds(ids=c) for c in req.chunks],
                                      suffix=req.suffix, mode=req.mode, decode_address=d.address, sampling=sampling,

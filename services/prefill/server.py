@@ -23,7 +23,7 @@ from services.cluster.config import EngineSettings, PrefillSettings
 from services.cluster.kvio import StoreAccess
 from services.handoff.cuda_ipc import placement, same_gpu, share
 from services.cluster.profiling import ProfileWindow
-from services.cluster.sampling import WireSampling
+from services.cluster.sampling import read_sampling
 from services.cluster.staging import side_stream
 from services.cluster.errors import internal
 from services.cluster.serving import (StoppedForGood, add_health, advertised_host, bind, channel, make_server,
@@ -80,7 +80,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         if not request.decode_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address is required")
         try:
-            sampling = WireSampling.read(request.sampling, self.worker.eng.cfg.eos_token_id)
+            sampling = read_sampling(request.sampling, self.worker.eng.cfg.eos_token_id)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
         # the message's repeated fields as they are: the engine reads each with one numpy conversion (copying

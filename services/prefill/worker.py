@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from services.cluster.hostcache import layers_nbytes
 from services.cluster.kvio import StoreAccess
-from services.cluster.sampling import WireSampling
+from services.engine.sampling import SamplingParams
 from services.prefill.controller import LoadingController
 from services.prefill.metrics import PrefillMetrics
 from services.tiers import Tier
@@ -34,7 +34,7 @@ class PrefillJob:
     suffix: Sequence[int]
     mode: str
     recompute_ratio: float | None      # None: the loading controller picks it
-    sampling: WireSampling
+    sampling: SamplingParams
     enqueued: float = field(default_factory=time.perf_counter)
     namespaces: tuple[str, ...] = ()   # each chunk's namespace (a tenant's), () when all are plain
 
@@ -128,7 +128,7 @@ class PrefillWorker:
         started = time.perf_counter()
         queue_s = started - job.enqueued
         # the request's ids read (and its chunk ids hashed) once: the pass takes the checked request
-        req = self.eng.check(job.chunks, job.suffix, job.mode, extra_tokens=job.sampling.params.max_new_tokens,
+        req = self.eng.check(job.chunks, job.suffix, job.mode, extra_tokens=job.sampling.max_new_tokens,
                              namespaces=job.namespaces or None)
         ids = req.chunk_ids
         tiers, present, held = self._tiers(job, ids)
@@ -143,7 +143,7 @@ class PrefillWorker:
         first: list = []
 
         def on_logits(logits) -> None:
-            params = job.sampling.params
+            params = job.sampling
             first.append(sample(logits, params, params.generator(logits.device)))
             first.append(time.perf_counter() - started)
             if on_first is not None:
@@ -153,7 +153,7 @@ class PrefillWorker:
             req, None, mode=job.mode, recompute_ratio=ratio,
             fetch=self.store.fetcher(present) if store else None,
             on_computed=on_computed if store else None,
-            extra_tokens=job.sampling.params.max_new_tokens,
+            extra_tokens=job.sampling.max_new_tokens,
             kv_on_device=self.eng.device.type == "cuda")   # copied to the host (or shared) off this thread
         self.metrics.engine_seconds.inc(time.perf_counter() - started)
 

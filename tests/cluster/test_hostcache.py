@@ -77,7 +77,7 @@ def test_chunks_read_from_a_shard_are_kept_in_the_host_tier(tmp_path):
 
 @pytest.mark.slow
 def test_a_chunk_evicted_from_the_device_comes_back_from_the_host_tier(tiny_model):
-    from services.cluster.sampling import WireSampling
+    from services.cluster.sampling import read_sampling
     from services.engine import Engine
     from services.prefill.controller import LoadingController
     from services.prefill.metrics import PrefillMetrics
@@ -87,7 +87,7 @@ def test_a_chunk_evicted_from_the_device_comes_back_from_the_host_tier(tiny_mode
     a, b = docs(2, 40, seed=91)
     store = StoreAccess([], host_bytes=64 << 20)
     worker = PrefillWorker(eng, store, LoadingController(), PrefillMetrics())
-    sampling = WireSampling.read(pb.SamplingParams(max_new_tokens=4), None)
+    sampling = read_sampling(pb.SamplingParams(max_new_tokens=4), None)
     job = PrefillJob("r", (tuple(a), tuple(b)), (5, 6, 7), "tessera", 0.15, sampling)
     first = worker.prefill(job)
     assert first.tier_tokens == {"computed": 80}

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from services.cluster.config import DecodeSettings
-from services.cluster.sampling import WireSampling
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
 from services.engine.sampling import SamplingParams
@@ -46,7 +45,7 @@ def _job(rid: str, tokens: int, done: threading.Event) -> DecodeJob:
     handoff = SimpleNamespace(request_id=rid, logits=torch.zeros(VOCAB))
     header = SimpleNamespace(HasField=lambda name: False)
     prepared = SimpleNamespace(adopt=lambda: None, handoff=handoff, fetched={}, received=SimpleNamespace(header=header))
-    sampling = WireSampling(SamplingParams(0.0, 1.0, 0, None, tokens), frozenset())
+    sampling = SamplingParams(0.0, 1.0, 0, None, tokens)
 
     def emit(new, reason, error):
         assert error is None

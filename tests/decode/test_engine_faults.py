@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from services.cluster.errors import RequestError
-from services.cluster.sampling import WireSampling
 from services.decode.batcher import MAX_FAILED_STEPS, Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
 from services.engine.sampling import NonFiniteLogits, SamplingParams, sample
@@ -94,7 +93,7 @@ def _job(rid: str, n: int, temperature: float = 0.7) -> tuple[DecodeJob, Outcome
     prepared = SimpleNamespace(adopt=lambda: None, handoff=handoff, fetched={},
                                received=SimpleNamespace(header=header))
     out = Outcome()
-    sampling = WireSampling(SamplingParams(temperature, 1.0, 0, 7, n), frozenset())
+    sampling = SamplingParams(temperature, 1.0, 0, 7, n)
     return DecodeJob(rid, prepared, sampling, out.emit), out
 
 

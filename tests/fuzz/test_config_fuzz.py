@@ -59,6 +59,11 @@ def is_bool(v) -> bool:
     return isinstance(v, bool)
 
 
+def stop_ids(v) -> bool:
+    """A frozenset of token ids (ints >= 0, bools not ints here)."""
+    return isinstance(v, frozenset) and all(is_int(t) and t >= 0 for t in v)
+
+
 def is_str(v) -> bool:
     return isinstance(v, str)
 
@@ -185,6 +190,8 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         # a torch generator's seed: what torch.Generator.manual_seed takes
         Field("SamplingParams", "seed", opt(int_in(-(2**63), 2**64 - 1)), (None, 0, 2**64 - 1)),
         Field("SamplingParams", "max_new_tokens", count1, (1, 32)),
+        Field("SamplingParams", "stop_token_ids", stop_ids, (frozenset(), frozenset({0, 2}))),
+        Field("SamplingParams", "ignore_eos", is_bool, (False, True)),
         # ---- StoreConfig
         Field("StoreConfig", "dram_bytes", count1, (1, 64 << 20)),
         Field("StoreConfig", "rocksdb_dir", lambda v: v is None or (isinstance(v, (str, os.PathLike)) and "\x00" not in str(v)

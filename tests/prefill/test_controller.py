@@ -79,7 +79,7 @@ class _RecordingStore:
 
 
 def test_a_chunk_computed_instead_of_loaded_is_not_stored_again(tiny_model):
-    from services.cluster.sampling import WireSampling
+    from services.cluster.sampling import read_sampling
     from services.engine import Engine
     from services.prefill.metrics import PrefillMetrics
     from services.prefill.worker import PrefillJob, PrefillWorker
@@ -94,7 +94,7 @@ def test_a_chunk_computed_instead_of_loaded_is_not_stored_again(tiny_model):
     controller.observe(stats(loaded_bytes=1000, load_seconds=1.0))                      # loading is slow
     worker = PrefillWorker(eng, store, controller, PrefillMetrics())
     job = PrefillJob("r", (tuple(a), tuple(b)), (1,), "tessera", 0.15,
-                     WireSampling.read(pb.SamplingParams(max_new_tokens=2), None))
+                     read_sampling(pb.SamplingParams(max_new_tokens=2), None))
     out = worker.prefill(job)
     assert out.tier_tokens == {"computed": 64}           # a was held by the store, yet computed here
     assert store.puts == [eng.chunk_id(b)]               # and only b, which the store lacked, is written

@@ -57,7 +57,7 @@ def test_a_bad_local_chunk_writes_nothing_and_is_recomputed(layers):
 def test_a_stream_yields_streamed_layers_and_nothing_else():
     """A fetch's stream is typed: StreamedLayer items (unpacking as layer, k, v); a tuple is refused by name, not
     told apart from a pair by its length."""
-    from services.engine.kv.loader import StreamedLayer, as_layers, numbered
+    from services.engine.kv.loader import as_layers, numbered
 
     k, v = torch.zeros(2, 1, 4), torch.ones(2, 1, 4)
     items = list(numbered([(k, v), (v, k)]))
