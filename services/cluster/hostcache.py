@@ -31,7 +31,7 @@ class HostEntry:
 
     layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     nbytes: int
-    ready: object = None
+    ready: torch.cuda.Event | None = None
 
     def stream(self) -> "HostStream":
         """(layer, k, v) triples, as a store read yields them."""

@@ -14,10 +14,14 @@ import asyncio
 import importlib.util
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.cluster.serving import PART_BYTES
 from services.kvstore.chunk import checksum
 from services.rpc import tessera_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +47,7 @@ class ReceivedHandoff:
 
     header: pb.HandoffHeader
     payload: bytes
-    kv: object = None    # torch.Tensor: the K/V the payload left out (copied out of a CUDA IPC buffer)
+    kv: torch.Tensor | None = None    # the K/V the payload left out (copied out of a CUDA IPC buffer)
 
 
 def handoff_parts(header: pb.HandoffHeader, payload: bytes) -> Iterator[pb.HandoffPart]:

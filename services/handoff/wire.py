@@ -59,7 +59,7 @@ class Handoff:
     # CUDA event recorded on the exporting thread's stream once the K/V gathers are queued: another thread
     # that reads ``kv`` orders its own stream after it, not after whatever that stream queued since (the
     # next request's pass)
-    ready: object = field(default=None, repr=False, compare=False)
+    ready: torch.cuda.Event | None = field(default=None, repr=False, compare=False)
 
     @property
     def private_bytes(self) -> int:

@@ -21,12 +21,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.kvstore.chunk import PB_TIER, ChunkMeta, CorruptEntry, LayerData
 from services.kvstore.config import StoreConfig
 from services.kvstore.policy import Residency
 from services.kvstore.tiers import DramTier, RocksDBTier
 from services.tiers import Tier
+
+if TYPE_CHECKING:
+    from services.kvstore.s3tier import S3Tier
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +63,7 @@ class TierSlot:
     """One tier: its storage, its budget bookkeeping (None for unbounded S3), its counters."""
 
     name: Tier
-    storage: object
+    storage: DramTier | RocksDBTier | S3Tier
     residency: Residency | None
     counters: TierCounters = field(default_factory=TierCounters)
 

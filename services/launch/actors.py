@@ -16,10 +16,14 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.cluster.config import DecodeSettings, EngineSettings, PrefillSettings
 from services.cluster.security import ClusterTLS
 from services.cluster.serving import LoopThread, RayKV, advertised_host, remember_port, remembered_port
+
+if TYPE_CHECKING:
+    from services.kvstore.config import StoreConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +38,7 @@ class ServiceSpec:
     name: str
     host: str = "127.0.0.1"
     port: int = 0
-    store: object | None = None
+    store: StoreConfig | None = None
     engine: EngineSettings | None = None
     store_addresses: tuple[str, ...] = ()
     prefill: PrefillSettings | None = None

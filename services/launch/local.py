@@ -14,6 +14,7 @@ using Ray; this is for benchmarks and tests.
 from __future__ import annotations
 
 import multiprocessing as mp
+from multiprocessing.connection import Connection
 import os
 import traceback
 from collections.abc import Callable
@@ -55,7 +56,7 @@ class _Gateway:
         self._loop.stop()
 
 
-def _serve(spec: ServiceSpec, conn) -> None:
+def _serve(spec: ServiceSpec, conn: Connection) -> None:
     """Child process: start the service, send ("ok", address, metrics URL) or ("error", text), then
     serve until the parent sends "stop" or goes away (the pipe closes)."""
     import logging
@@ -82,7 +83,7 @@ def _serve(spec: ServiceSpec, conn) -> None:
 @dataclass(slots=True)
 class _Child:
     process: mp.process.BaseProcess
-    conn: object
+    conn: Connection
 
 
 @dataclass(slots=True)

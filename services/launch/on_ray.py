@@ -25,10 +25,14 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
 from services.launch.actors import RestartBudget, ServiceActor, ServiceSpec
 from services.launch.plan import GATEWAY_NAME, Plan, remove_dirs, stop_order
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 OBJECT_STORE_BYTES = 96 << 20
 
@@ -233,7 +237,7 @@ class Cluster:
 
     config: ClusterConfig
     gateway_address: str
-    actors: dict[str, object]
+    actors: dict[str, ActorHandle]
     addresses: dict[str, str]
     scratch: str | None = None          # temporary RocksDB directories, removed by stop()
     names: dict[str, list[str]] = field(default_factory=dict)
@@ -290,7 +294,7 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
 
     forget_ports(f"tessera/port/{cfg.namespace}/")
     forget_ports(f"tessera/chunks/{cfg.namespace}/")     # ids registered with an earlier cluster
-    actors: dict[str, object] = {}
+    actors: dict[str, ActorHandle] = {}
     addresses: dict[str, str] = {}
     plan = Plan.make(cfg)
 

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from services.engine.kv.block_pool import BlockPool, PoolExhausted
 from services.engine.kv.chunk_ids import chunk_ids_of
 from services.engine.kv.request_ids import part_ids
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 def chunk_id(fingerprint: str, tokens: Iterable[int]) -> str:
@@ -53,10 +57,10 @@ class ChunkEntry:
     nbytes: int
     refs: int = 0
     kind: str = "chunk"   # chunk (position-agnostic, by content id) | position (a replica) | prefix (chain hash)
-    slots: object = field(default=None, repr=False, compare=False)  # torch.Tensor int64 [length] once made
-    ids: object = field(default=None, repr=False, compare=False)    # its token ids on the device, likewise
-    host_ids: object = field(default=None, repr=False, compare=False)    # numpy int64 [length]: ids on the host
-    host_slots: object = field(default=None, repr=False, compare=False)  # numpy int64 [length]: slots on the host
+    slots: torch.Tensor | None = field(default=None, repr=False, compare=False)  # int64 [length] once made
+    ids: torch.Tensor | None = field(default=None, repr=False, compare=False)    # its token ids on the device, likewise
+    host_ids: np.ndarray | None = field(default=None, repr=False, compare=False)    # int64 [length]: ids on the host
+    host_slots: np.ndarray | None = field(default=None, repr=False, compare=False)  # int64 [length]: slots on the host
 
 
 class ChunkCache:
