@@ -163,7 +163,7 @@ def check_small(dev) -> list:
 def check_variants(dev, cfgs) -> list:
     """Each prefill variant against the twin on check_small's first case (the benchmark's heads, bf16,
     block size 16, three sequences, hidden slots), its KV split in 3 so that some offset groups lie
-    outside a split's entries (what group_guard=False loops zero times over)."""
+    outside a split's entries (they loop zero times)."""
     from paged_cases import build, prefill_queries
 
     inv = rope_inv_freq(D, 500000.0, LLAMA3)
@@ -187,21 +187,19 @@ def check_variants(dev, cfgs) -> list:
 
 PC, DC = _prefill.PrefillConfig, _decode.DecodeConfig
 # the default first; --sweep times each with and without rotation
-# the ways of rotating the query per offset group (PrefillConfig.rot_mode / rot_narrow), with and without
-# the step loop's per-group guard (group_guard), at the default tile, the default first: --rotation
-# times only these, interleaved. (Default since the interleaved --rotation run of
-# 2026-11-22, bench/kernels/README.md: prefetch_cs without the guard; before it, carried with the guard.)
-ROTATION_CONFIGS = [PC()] + [
-    PC(rot_mode=m, rot_narrow=n, group_guard=g) for g in (False, True) for m in ROT_MODES for n in (False, True)
-    if (m, n, g) != (PC().rot_mode, PC().rot_narrow, PC().group_guard) and (not n or m in ("carried", "prefetch_cs", "early"))
-    and (g is False or m in ("carried", "prefetch_cs"))]
+# the ways of rotating the query per offset group (PrefillConfig.rot_mode / rot_narrow) at the default tile, the
+# default first: --rotation times only these, interleaved. (Default since the interleaved --rotation run of
+# 2026-11-22, bench/kernels/README.md: prefetch_cs without the per-group guard; the modes and the guard that lost
+# there were removed with their code, their figures in that README.)
+ROTATION_CONFIGS = [PC()] + [PC(rot_mode=m, rot_narrow=n) for m in ROT_MODES for n in (False, True)
+                             if (m, n) != (PC().rot_mode, PC().rot_narrow)]
 PREFILL_CONFIGS = [PC(), PC(num_stages=3), PC(128, 64, 8, 2), PC(128, 64, 8, 3), PC(64, 32, 4, 3),
                    *ROTATION_CONFIGS[1:]]
 
 
 def cfg_name(c) -> str:
     mode = "" if c.rot_mode == PC().rot_mode else f"/{c.rot_mode}"
-    mode += ("/narrow" if c.rot_narrow else "") + ("/guard" if c.group_guard else "")
+    mode += "/narrow" if c.rot_narrow else ""
     return f"{c.block_m}x{c.min_block_n}/w{c.num_warps}/s{c.num_stages}/split{c.num_splits}{mode}"
 DECODE_CONFIGS = [DC(), DC(num_stages=2), DC(num_stages=4)] + [DC(num_splits=s) for s in (2, 4, 5, 8, 12)]
 

@@ -4,7 +4,7 @@ The engine benchmark's ``tessera@0`` pass runs one attention call per layer for 
 64 queries x 32 heads over ~3,200 keys in 7 offset groups (6 chunks, then the private suffix blocks).
 Few query tiles, so the kernel's grid comes from KV splits. This script times the Triton prefill
 kernel's launch shapes and short-query knobs (PrefillConfig: tile rows, warps, keys a step, KV splits,
-exact tiles, split plan, K/V prefetch, merge) beside SDPA over keys already rotated and laid out
+exact tiles, the merge) beside SDPA over keys already rotated and laid out
 contiguously (lower-right causal), all replayed as CUDA graphs with the per-step key bounds computed
 once (as the engine's static tail does). Two timings per variant:
   warm: the same call replayed, its 12.8 MB of K/V resident in L2 (what earlier rounds measured);
@@ -12,11 +12,11 @@ once (as the engine's static tail does). Two timings per variant:
         where every layer's K/V comes from HBM.
 Each variant is first checked against the twin (kernels/paged_attention/reference.py) on the GPU; one
 that fails to compile or to match is reported and skipped.
-Variants with merge="fused" (the split programs merge their own partials, no second launch) sit beside
-the same configuration with the merge kernel; `--set fused` times only those pairs (the fused-merge A/B of
-bench/short_attention/README.md) and prints each pair's difference.
+The knobs that measured slower here were removed from the kernel with their variants (the split programs merging
+their own partials, splits of whole steps, K/V prefetched to L2, 32-bit step indices, 16-bit partials); their
+figures stay in bench/short_attention/README.md and bench/HISTORY.md.
 
-    python3 bench/short_attention/short_attention.py --out bench/short_attention/short_attention.json [--new 64,528] [--quick] [--set fused]
+    python3 bench/short_attention/short_attention.py --out bench/short_attention/short_attention.json [--new 64,528] [--quick]
 """
 
 from __future__ import annotations
@@ -62,63 +62,31 @@ def graph_ms(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
-def fused_pairs(new: int) -> list[PC]:
-    """The fused-merge A/B: each configuration with the merge kernel ("loop") and with the split programs merging
-    their own partials ("fused"), side by side; the engine's short configuration (SHORT_PREFILL) first."""
-    if new > 128:
-        bases = [PC(num_splits=s) for s in (2, 3)]
-    else:
-        exact = dict(exact_tiles=True)
-        bases = [PC(**exact, min_split_steps=6)]  # SHORT_PREFILL before the fused merge was tried (8 splits here)
-        bases += [PC(**exact, num_splits=s) for s in (6, 12, 16)]
-        bases += [PC(**exact, plan="steps", num_splits=8), PC(**exact, narrow_partials=True, num_splits=8)]
-    return [dataclasses.replace(c, merge=m) for c in bases for m in ("loop", "fused")]
-
-
-def variants(new: int, quick: bool, only_fused: bool = False) -> list[PC]:
-    """The engine's default first, then the earlier sweep's shapes, then the short-query knobs on top of
-    each other (each knob alone where it is cheap to time), then the fused-merge pairs."""
-    if only_fused:
-        out = [PC()] + fused_pairs(new)
-        return out[:3] if quick else out
-    short = dict(exact_tiles=True, plan="steps")
-    pre = dict(short, prefetch_kv=True)
-    if new > 128:  # ratio 0.15's tail: the default's neighbours and the knobs on them
-        out = [PC()] + [PC(**kw, num_splits=s) for kw in ({}, pre, dict(pre, merge="all")) for s in (2, 3, 4)]
-        out += [c for c in fused_pairs(new) if c.merge == "fused"]
+def variants(new: int, quick: bool) -> list[PC]:
+    """The engine's default first, then the earlier sweep's shapes and the remaining short-query knobs."""
+    if new > 128:  # ratio 0.15's tail: the default's neighbours
+        out = [PC()] + [PC(**kw, num_splits=s) for kw in ({}, dict(merge="all")) for s in (2, 3, 4)]
         return out[:4] if quick else out
+    exact = dict(exact_tiles=True)
     out = [PC()]
     out += [PC(num_splits=s) for s in (4, 6, 8)]
     out += [PC(block_m=128, num_warps=8, num_splits=s) for s in (6, 8)]
-    out += [PC(exact_tiles=True, num_splits=s) for s in (6, 8)]
-    out += [PC(**short, num_splits=s) for s in (6, 8, 12, 16)]
-    out += [PC(**pre, num_splits=s) for s in (6, 8, 12, 16)]
-    out += [PC(**pre, merge="all", num_splits=s) for s in (8, 12, 16)]
-    out += [PC(**short, merge="all", num_splits=s) for s in (8, 12)]
-    out += [PC(**pre, min_block_n=128, num_splits=s) for s in (6, 8, 12)]
-    out += [PC(**pre, block_m=128, num_warps=8, num_splits=s) for s in (4, 6, 8)]
-    out += [PC(**pre, num_stages=3, num_splits=s) for s in (8, 12)]
-    best = dict(pre, merge="all")
-    out += [PC(**best, index32=True, num_splits=s) for s in (6, 8, 12)]
-    out += [PC(**best, narrow_partials=True, num_splits=8),
-            PC(**best, index32=True, narrow_partials=True, num_splits=8)]
-    out += [PC(**best), PC(**best, min_split_steps=6), PC(**best, index32=True, min_split_steps=6)]  # automatic counts
-    out += [c for c in fused_pairs(new) if c not in out]
+    out += [PC(**exact, num_splits=s) for s in (6, 8, 12, 16)]
+    out += [PC(**exact, merge="all", num_splits=s) for s in (8, 12, 16)]
+    out += [PC(**exact, min_block_n=128, num_splits=s) for s in (6, 8, 12)]
+    out += [PC(**exact, num_stages=3, num_splits=s) for s in (8, 12)]
+    out += [PC(**exact), PC(**exact, min_split_steps=6)]  # automatic counts (the second: SHORT_PREFILL)
     return out[:6] if quick else out
 
 
 def name(c: PC) -> str:
     knobs = [f"{c.block_m}x{c.min_block_n}", f"w{c.num_warps}", f"s{c.num_stages}", f"splits={c.num_splits or 'auto'}"]
     knobs += [f"min{c.min_split_steps}"] if c.min_split_steps != PC().min_split_steps else []
-    knobs += [k for k, on in (("exact", c.exact_tiles), ("steps", c.plan == "steps"), ("prefetch", c.prefetch_kv),
-                              ("merge-all", c.merge == "all"), ("merge-fused", c.merge == "fused"),
-                              ("idx32", c.index32),
-                              ("bf16-partials", c.narrow_partials)) if on]
+    knobs += [k for k, on in (("exact", c.exact_tiles), ("merge-all", c.merge == "all")) if on]
     return "/".join(knobs)
 
 
-def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool, pad: bool, save=lambda res: None,
-             only_fused: bool = False) -> dict:
+def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool, pad: bool, save=lambda res: None) -> dict:
     """One shape: the peer, then every variant; save(res) after each (a crash loses nothing timed before it)."""
     p = kb.paged(1, ctx, chunk, new, bs, dev)
     k4, v4 = kb.contiguous_kv(p, inv)  # the peer's keys, before the table is padded
@@ -148,7 +116,7 @@ def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool, pad
     print(f"ctx {ctx} + {new} new: SDPA ({res['sdpa_backend']}) warm {res['sdpa_ms'] * 1e3:.1f} us, "
           f"cold {res['sdpa_cold_ms'] * 1e3:.1f} us", flush=True)
     key_hi = {}  # per keys-a-step: computed once, as the engine's static tail does per replay
-    for c in variants(new, quick, only_fused):
+    for c in variants(new, quick):
         t0 = time.perf_counter()
         nb = max(1, c.min_block_n // bs)
         try:
@@ -170,7 +138,7 @@ def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool, pad
             continue
         row = {"ms": ms, "cold_ms": cold, "rel_vs_twin": err, "ok": True, "cfg": dataclasses.asdict(c)}
         splits = c.num_splits or 0
-        if splits > 1 and c.merge != "fused":  # (the fused merge has no launch of its own to time)
+        if splits > 1:
             parts = torch.randn((splits, new * kb.HQ, kb.D), device=dev)
             lses = torch.randn((splits, new * kb.HQ), device=dev)
             row["merge_ms"] = graph_ms(lambda: merge_rows(parts, lses, torch.bfloat16, all_parts=c.merge == "all"))
@@ -179,33 +147,18 @@ def scenario(ctx: int, chunk: int, new: int, bs: int, dev, inv, quick: bool, pad
         print(f"  {name(c)}: warm {ms * 1e3:.1f} us, cold {cold * 1e3:.1f} us, rel {err:.1e}"
               + (f", merge alone {row['merge_ms'] * 1e3:.1f} us" if "merge_ms" in row else "")
               + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    res["fused_ab"] = fused_ab(res["variants"])
     ok = {k: v for k, v in res["variants"].items() if v.get("ok")}
     res["best"] = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
     res["best_cold"] = min(ok, key=lambda k: ok[k]["cold_ms"]) if ok else None
     return res
 
 
-def fused_ab(timed: dict) -> list:
-    """Each fused variant beside its two-launch twin (the same name without /merge-fused)."""
-    rows = []
-    for key, row in timed.items():
-        base = key.replace("/merge-fused", "")
-        twin = timed.get(base)
-        if "/merge-fused" in key and row.get("ok") and twin and twin.get("ok"):
-            two, fused = [twin["ms"] * 1e3, twin["cold_ms"] * 1e3], [row["ms"] * 1e3, row["cold_ms"] * 1e3]
-            rows.append({"variant": base,
-                         "two_launch_us": two, "fused_us": fused,
-                         "fused_minus_two_launch_us": [f - t for f, t in zip(fused, two)]})
-    return rows
-
-
-def compile_report(dump: Path | None, only_fused: bool = False) -> list:
+def compile_report(dump: Path | None) -> list:
     """No GPU: every 64-query variant compiled for sm_90 (bench/kernels/kernels.py's compile_sm90: registers, stack,
     SASS counts of the step loop), one variant at a time, the split merge stubbed out (it would launch)."""
     rows = []
     _prefill.merge_rows = lambda o, l, dt, all_parts=False: (o[0].to(dt), l[0])  # noqa: E731, E741
-    for c in variants(64, False, only_fused):
+    for c in variants(64, False):
         for row in kb.compile_sm90([c], 16, dump):
             if row["variant"].endswith("/rot"):
                 rows.append({**row, "variant": name(c)})
@@ -218,14 +171,12 @@ def main() -> int:
     ap.add_argument("--new", default="64,528", help="query counts (the suffix; 528 = ratio 0.15's tail)")
     ap.add_argument("--bs", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="a few variants only (checks the script)")
-    ap.add_argument("--set", choices=("all", "fused"), default="all",
-                    help="fused: only the fused-merge A/B pairs (and the default), ~1 minute a query count")
     ap.add_argument("--no-pad", action="store_true", help="leave the table unpadded (the engine pads it)")
     ap.add_argument("--compile-only", action="store_true", help="no GPU: compile every variant for sm_90")
     ap.add_argument("--dump-asm", type=Path, help="with --compile-only: write each variant's TTGIR and SASS here")
     args = ap.parse_args()
     if args.compile_only:
-        rows = compile_report(args.dump_asm, args.set == "fused")
+        rows = compile_report(args.dump_asm)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"triton": triton.__version__, "compile": rows}, indent=1))
         return 0
@@ -240,8 +191,7 @@ def main() -> int:
         args.out.write_text(json.dumps({**results, "scenarios": results["scenarios"] + [partial]}, indent=1))
 
     for new in (int(n) for n in args.new.split(",")):
-        results["scenarios"].append(scenario(3072, 512, new, args.bs, dev, inv, args.quick, not args.no_pad, save,
-                                             args.set == "fused"))
+        results["scenarios"].append(scenario(3072, 512, new, args.bs, dev, inv, args.quick, not args.no_pad, save))
         args.out.write_text(json.dumps(results, indent=1))
     for s in results["scenarios"]:
         v = s["variants"]
@@ -249,10 +199,6 @@ def main() -> int:
         dw, dc = default.get("ms", float("nan")), default.get("cold_ms", float("nan"))
         print(f"{s['new']} queries: SDPA warm {s['sdpa_ms'] * 1e3:.1f} / cold {s['sdpa_cold_ms'] * 1e3:.1f} us; "
               f"default {dw * 1e3:.1f} / {dc * 1e3:.1f} us")
-        for ab in s["fused_ab"]:
-            print(f"  fused merge A/B, {ab['variant']}: two launches {ab['two_launch_us'][0]:.1f} / "
-                  f"{ab['two_launch_us'][1]:.1f} us, fused {ab['fused_us'][0]:.1f} / {ab['fused_us'][1]:.1f} us "
-                  f"(warm / cold)")
         for label, key in (("best warm", "best"), ("best cold", "best_cold")):
             if s[key]:
                 print(f"  {label}: {s[key]} {v[s[key]]['ms'] * 1e3:.1f} / {v[s[key]]['cold_ms'] * 1e3:.1f} us")

@@ -13,7 +13,7 @@ The inner loop is then a plain flash-attention loop over the group's blocks, NB 
 version rotated every K tile forward in registers instead: 38-50% slower, see bench/kernels/README.md.)
 The rotated query is carried by the group loop (see the NOTE in the kernel), so tl.dot reads it
 from shared memory, as it would a loaded query; PrefillConfig.rot_mode picks when the next group's
-rotation is loaded and computed (_prefill_query.py).
+rotation is computed (_prefill_query.py).
 Causality compares global positions (offset + slot_pos <= q_pos), so queries may be scattered
 anywhere in the context (CacheBlend's recomputed tokens), not only a suffix. The mask is applied
 only on steps that need it: a key later than the tile's oldest query, a hidden slot, or a group's
@@ -31,7 +31,6 @@ tile past the sequence's end does nothing. The grid is Tq // BLOCK_T + B tiles.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,9 +41,7 @@ from kernels import pdl
 from kernels.lse_merge.triton import merge_rows
 from kernels.pdl import enter as pdl_enter
 from kernels.paged_attention._meta import PackedTable, dot_f32, sm_count
-from kernels.paged_attention._prefill_query import (ROT_MODES, cos_sin, join_halves, query_halves, rotate_halves,
-                                                    rotated_query)
-from kernels.paged_attention._prefill_split import MAX_PLAN_GROUPS, PLANS, plan_by_steps, prefetch_kv
+from kernels.paged_attention._prefill_query import ROT_MODES, cos_sin, join_halves, query_halves, rotate_halves, rotated_query
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -62,42 +59,25 @@ class PrefillConfig:
     num_warps: int = 4
     num_stages: int = 2
     num_splits: int | None = None  # KV splits (flash-decoding style); None picks from the grid
-    # how the query is rotated per offset group (_prefill_query.py; compared in bench/kernels/README.md):
-    # "carried": rotated after each group's step loop for the next group and carried by the group
-    # loop; "split": the same, kept as its two halves, QK^T as two dots over D/2 on K's halves (no
-    # [r1 | r2] join); "prefetch": the next group's query and cos/sin loaded before the current
-    # group's step loop, the arithmetic after; "prefetch_cs" (the default: rotation +0.1% at
-    # 4K, with group_guard off): only cos/sin loaded early;
-    # "early": the next group's query rotated before the current group's step loop. What is held
-    # across the step loop lands in local memory (L1): the loop has no registers to spare
+    # when the next offset group's rotated query is made (_prefill_query.py; every mode compared in
+    # bench/kernels/README.md): "prefetch_cs" (the default) loads its cos/sin before the current group's step loop
+    # and rotates after it; "early" rotates before the step loop (with rot_narrow the fastest, 1-2%, but about
+    # 3.5x the output error in bf16). The other modes timed there ("carried", "split", "prefetch") lost and were
+    # removed. What is held across the step loop lands in local memory (L1): the loop has no registers to spare
     rot_mode: str = "prefetch_cs"
     # the rotation's arithmetic in q's 16-bit type (packed two-lane FMAs, cos/sin rounded to it, as
     # Hugging Face's eager RoPE does in bf16 models) instead of fp32: half the instructions after the
     # step loop, but about 3.5x the output error in bf16 (bench/kernels/README.md)
     rot_narrow: bool = False
-    # each group's step loop inside `if the group has entries in this split` (True, the earlier default), or
-    # not (False, the default: such a group loops zero times). Without that if, Triton 3.6
-    # keeps the softmax in one layout: half the exponentials and ~9% fewer instructions per step
-    # (bench/kernels/README.md)
-    group_guard: bool = False
     # short queries (a 64-token suffix over many chunks: few query tiles, many KV splits; bench/short_attention/):
     # one tile per BLOCK_T tokens when there is one sequence (else one spare tile per sequence, past its end)
     exact_tiles: bool = False
-    # how KV splits cut a sequence (_prefill_split.py): "entries" (equal entry runs, binary-searched groups) or
-    # "steps" (equal runs of whole steps, groups found from one vector load)
-    plan: str = "entries"
-    # each split asks L2 for its share of its K/V rows before its first step (PTX prefetch; loads in the interpreter)
-    prefetch_kv: bool = False
-    prefetch_entries: int = 16  # entries per prefetch round
     # how split partials are merged by the second launch (kernels/lse_merge): "loop" over parts or "all" parts
     # loaded at once
     merge: str = "loop"
     min_split_steps: int = 8  # the automatic split count leaves each split at least this many steps
-    # the step loop's block ids, slot masks and K/V row offsets in 32 bits (used only where the caches have
-    # fewer than 2**31 elements, the launcher checks): ~490 of a step's 930 SASS instructions are integer work
-    index32: bool = False
-    # split partials written in q's dtype instead of fp32 (half the merge's reads, one more rounding)
-    narrow_partials: bool = False
+    # (the short-query knobs that measured slower for the 64-token suffix, bench/short_attention/README.md, were
+    # removed: splits of whole steps, K/V prefetched to L2, 32-bit step indices, 16-bit split partials)
     # skip each offset group's entries from the first whose visible keys all lie after the tile's latest query
     # (they would add exp(-inf) = 0): read from the table's key floors (step_key_bounds(floors=True)), up to
     # cut_lanes entries of a group at once. Queries scattered over a sequence (CacheBlend's recomputed tokens)
@@ -113,12 +93,8 @@ class PrefillConfig:
             raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
         if self.rot_mode not in ROT_MODES:
             raise ValueError(f"rot_mode must be one of {ROT_MODES}, got {self.rot_mode!r}")
-        if self.plan not in PLANS:
-            raise ValueError(f"plan must be one of {PLANS}, got {self.plan!r}")
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
-        if self.prefetch_entries < 1 or self.prefetch_entries & (self.prefetch_entries - 1):
-            raise ValueError(f"prefetch_entries must be a power of two, got {self.prefetch_entries}")
         if self.cut_lanes < 1 or self.cut_lanes & (self.cut_lanes - 1):
             raise ValueError(f"cut_lanes must be a power of two, got {self.cut_lanes}")
 
@@ -133,10 +109,7 @@ def _prefill_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
     D: tl.constexpr, B_PAD: tl.constexpr,
     ROTATE: tl.constexpr, USE_TABLE: tl.constexpr, MASK_IN_WORD: tl.constexpr, DOT_F32: tl.constexpr,
-    ROT_MODE: tl.constexpr, ROT_NARROW: tl.constexpr, GROUP_GUARD: tl.constexpr, SEARCH: tl.constexpr,
-    PLAN_STEPS: tl.constexpr = False, GP: tl.constexpr = 1, PREFETCH_KV: tl.constexpr = False,
-    EPS: tl.constexpr = 1, LINES: tl.constexpr = 1, LINE: tl.constexpr = 1, IDX32: tl.constexpr = False,
-    PREFETCH_EMULATE: tl.constexpr = False, PDL: tl.constexpr = False,
+    ROT_MODE: tl.constexpr, ROT_NARROW: tl.constexpr, SEARCH: tl.constexpr, PDL: tl.constexpr = False,
     lo_ptr=None, CUT: tl.constexpr = False, CUT_LANES: tl.constexpr = 1, SKIP_EMPTY: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
@@ -148,25 +121,13 @@ def _prefill_kernel(
 
     # which sequence owns this tile: the last b with cu_q[b] // BLOCK_T + b <= tile
     bi = tl.arange(0, B_PAD)
-    if PLAN_STEPS:  # both bound vectors at once, the sequence's bounds taken from their lanes: no dependent load
-        cu_all = tl.load(cu_q_ptr + bi, mask=bi <= n_seqs, other=0)
-        cg_all = tl.load(cu_g_ptr + bi, mask=bi <= n_seqs, other=0)
-        starts = cu_all // BLOCK_T + bi
-    else:
-        starts = tl.load(cu_q_ptr + bi, mask=bi < n_seqs, other=0) // BLOCK_T + bi
+    starts = tl.load(cu_q_ptr + bi, mask=bi < n_seqs, other=0) // BLOCK_T + bi
     b = tl.sum(((starts <= tile) & (bi < n_seqs)).to(tl.int32), axis=0) - 1
-    if PLAN_STEPS:
-        q_lo = tl.sum(tl.where(bi == b, cu_all, 0), axis=0)
-        q_hi = tl.sum(tl.where(bi == b + 1, cu_all, 0), axis=0)
-        g_lo = tl.sum(tl.where(bi == b, cg_all, 0), axis=0)
-        g_hi = tl.sum(tl.where(bi == b + 1, cg_all, 0), axis=0)
-    else:
-        q_lo = tl.load(cu_q_ptr + b)
-        q_hi = tl.load(cu_q_ptr + b + 1)
-        g_lo = tl.load(cu_g_ptr + b)
-        g_hi = tl.load(cu_g_ptr + b + 1)
+    q_lo = tl.load(cu_q_ptr + b)
+    q_hi = tl.load(cu_q_ptr + b + 1)
+    g_lo = tl.load(cu_g_ptr + b)
+    g_hi = tl.load(cu_g_ptr + b + 1)
     t0 = q_lo + (tile - (q_lo // BLOCK_T + b)) * BLOCK_T
-    b_seq = b  # (the entry plan's searches reuse the name b)
     g_hi = tl.where(t0 < q_hi, g_hi, g_lo)  # a tile past the sequence's end loops zero times
     # this split's share of the sequence's entries
     e_lo = tl.load(starts_ptr + g_lo)
@@ -174,11 +135,7 @@ def _prefill_kernel(
     per = tl.cdiv(e_hi - e_lo, n_split)
     lo = e_lo + split * per
     hi = tl.minimum(lo + per, e_hi)
-    if PLAN_STEPS:  # whole steps per split, groups from one vector load (_prefill_split.py)
-        g_lo, g_hi, e_lo, e_next, p_step, a_step, b_step, hi = plan_by_steps(starts_ptr, g_lo, g_hi, split, n_split,
-                                                                            NB, GP)
-        lo = e_lo + tl.maximum(a_step - p_step, 0) * NB
-    elif SEARCH:
+    if SEARCH:
         # the groups this split's entries [lo, hi) touch (binary searches over the group starts): a split
         # rotates its query only for those, not for every group of the sequence (a short suffix over
         # many chunks runs on many splits, each a group or two wide)
@@ -200,13 +157,6 @@ def _prefill_kernel(
                 a = mid + 1
         g_hi = a
         e_lo = tl.load(starts_ptr + g_lo)
-    if PREFETCH_KV:  # the sequence's tiles read the same keys: each prefetches its share of the split's entries
-        n_t = tl.cdiv(q_hi - q_lo, BLOCK_T)
-        j_t = tile - (q_lo // BLOCK_T + b_seq)
-        share = tl.cdiv(hi - lo, tl.maximum(n_t, 1))
-        p_lo = lo + j_t * share
-        prefetch_kv(k_ptr, v_ptr, meta_ptr, p_lo, tl.minimum(p_lo + share, hi), h, stride_kb, stride_ks, stride_kh,
-                    BS, EPS, LINES, LINE, PREFETCH_EMULATE)
 
     r = tl.arange(0, BLOCK_M)
     tok = t0 + r // G_PAD
@@ -220,8 +170,6 @@ def _prefill_kernel(
     q_max = tl.max(tl.where(row_ok, q_pos, -1), axis=0)  # keys after it are in every row's future
     if SKIP_EMPTY:  # a tile whose rows all sit at position -1 (a static tail's padding) sees no key: no group
         g_hi = tl.where(q_max < 0, g_lo, g_hi)
-    SPLIT: tl.constexpr = ROT_MODE == "split"
-    PREFETCH: tl.constexpr = ROT_MODE == "prefetch" or ROT_MODE == "prefetch_cs"
     q_dtype: tl.constexpr = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty  # the interpreter's dot: fp32
     if ROTATE:
         # NOTE: the rotated query is carried by the group loop (rotated for the next group at the end
@@ -229,65 +177,44 @@ def _prefill_kernel(
         # argument and reads it from shared memory as it does a loaded query; computed inside the
         # iteration, Triton keeps it in registers and reloads it every step (255 registers and
         # spills, 3-10% slower: bench/kernels/README.md)
-        qa, qb = rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_lo, g_lo < g_hi, meta_ptr, tab_ptr,
-                               invf_ptr, q_dtype, BLOCK_M, D, USE_TABLE, SPLIT, ROT_NARROW, DOT_F32)
-    elif SPLIT:
-        qa, qb = query_halves(q_ptr, tok, head, row_ok, stride_qt, stride_qh, D, q_dtype)
+        qa = rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_lo, g_lo < g_hi, meta_ptr, tab_ptr,
+                           invf_ptr, q_dtype, BLOCK_M, D, USE_TABLE, ROT_NARROW, DOT_F32)
     else:
-        qa, qb = tl.load(q_row + dd[None, :], mask=row_ok[:, None], other=0.0).to(q_dtype), 0  # [BLOCK_M, D]
+        qa = tl.load(q_row + dd[None, :], mask=row_ok[:, None], other=0.0).to(q_dtype)  # [BLOCK_M, D]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     e_first = e_lo  # group grp is entries e_first..e_next; the group after it ends where starts[grp + 2] says
-    if not PLAN_STEPS:
-        e_next = tl.load(starts_ptr + g_lo + 1)
+    e_next = tl.load(starts_ptr + g_lo + 1)
     for grp in range(g_lo, g_hi):
         e_after = tl.load(starts_ptr + grp + 2)  # read a group early: only the next iteration waits for it
         off = ((tl.load(meta_ptr + e_first) >> 16) & 0xFFFF).to(tl.int32)
-        if PLAN_STEPS:  # steps [a_step, b_step) of the sequence; this group starts at step p_step
-            e_begin = e_first + tl.maximum(a_step - p_step, 0) * NB
-            e_end = tl.minimum(e_first + (b_step - p_step) * NB, e_next)
-            p_step += (e_next - e_first + NB - 1) // NB
-        else:
-            e_begin = tl.maximum(e_first, lo)
-            e_end = tl.minimum(e_next, hi)
+        e_begin = tl.maximum(e_first, lo)
+        e_end = tl.minimum(e_next, hi)
         if CUT:  # the group's entries from the first whose keys all lie after q_max on: in every row's future
             e_end = tl.minimum(e_end, future_cut(lo_ptr, e_first, e_next, q_max, CUT_LANES))
-        if ROTATE:  # the next group's rotation, or its loads, before this group's step loop
+        if ROTATE:  # the next group's rotation ("early"), or its cos/sin ("prefetch_cs"), before this group's steps
             has_next = grp + 1 < g_hi
             if ROT_MODE == "early":
-                qn, _ = rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_next, has_next, meta_ptr,
-                                      tab_ptr, invf_ptr, q_dtype, BLOCK_M, D, USE_TABLE, False, ROT_NARROW, DOT_F32)
-            if PREFETCH:
+                qn = rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_next, has_next, meta_ptr,
+                                   tab_ptr, invf_ptr, q_dtype, BLOCK_M, D, USE_TABLE, ROT_NARROW, DOT_F32)
+            else:
                 cos_n, sin_n = cos_sin(e_next, has_next, meta_ptr, tab_ptr, invf_ptr, D, USE_TABLE)
                 if ROT_NARROW:  # held across the step loop in 16 bits: half the registers
                     cos_n, sin_n = cos_n.to(q_ptr.dtype.element_ty), sin_n.to(q_ptr.dtype.element_ty)
-            if ROT_MODE == "prefetch":
-                qn1, qn2 = query_halves(q_ptr, tok, head, row_ok, stride_qt, stride_qh, D, q_ptr.dtype.element_ty)
-        if GROUP_GUARD:
-            run = e_begin < e_end
-        else:  # a group outside this split's entries loops zero times (PrefillConfig.group_guard)
-            run = True
-        if run:
-            m_i, l_i, acc = _group_attention(
-                qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
-                mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32,
-                SPLIT, IDX32)
+        # a group outside this split's entries loops zero times (no guard around it: with one, Triton 3.6 keeps
+        # the softmax in two layouts, ~9% more instructions a step; bench/kernels/README.md)
+        m_i, l_i, acc = _group_attention(
+            qa, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
+            mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h, BS, NB, D, MASK_IN_WORD, DOT_F32)
         if ROTATE:
             if ROT_MODE == "early":
                 qa = qn
             elif grp + 1 < g_hi:
-                if PREFETCH:
-                    if ROT_MODE == "prefetch_cs":
-                        qn1, qn2 = query_halves(q_ptr, tok, head, row_ok, stride_qt, stride_qh, D,
-                                                q_ptr.dtype.element_ty)
-                    r1, r2 = rotate_halves(qn1, qn2, cos_n, sin_n, ROT_NARROW, DOT_F32)
-                    qa = join_halves(r1, r2, BLOCK_M, D).to(q_dtype)
-                else:
-                    qa, qb = rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_next, grp + 1 < g_hi,
-                                           meta_ptr, tab_ptr, invf_ptr, q_dtype, BLOCK_M, D, USE_TABLE, SPLIT,
-                                           ROT_NARROW, DOT_F32)
+                qn1, qn2 = query_halves(q_ptr, tok, head, row_ok, stride_qt, stride_qh, D, q_ptr.dtype.element_ty)
+                r1, r2 = rotate_halves(qn1, qn2, cos_n, sin_n, ROT_NARROW, DOT_F32)
+                qa = join_halves(r1, r2, BLOCK_M, D).to(q_dtype)
         e_first = e_next
         e_next = e_after
 
@@ -314,12 +241,11 @@ def future_cut(lo_ptr, e_first, e_next, q_max, LANES: tl.constexpr):
 
 
 @triton.jit
-def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
+def _group_attention(qa, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr, v_ptr, slotpos_ptr, meta_ptr,
                      mask_ptr, hi_ptr, qk_scale, stride_kb, stride_ks, stride_kh, h,
                      BS: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, MASK_IN_WORD: tl.constexpr,
-                     DOT_F32: tl.constexpr, SPLIT: tl.constexpr, IDX32: tl.constexpr = False):
-    """Online softmax of the (rotated) query tile over entries e_begin..e_end of one offset group.
-    The query is qa [BLOCK_M, D], or (SPLIT) its halves qa, qb [BLOCK_M, D/2] against K's halves.
+                     DOT_F32: tl.constexpr):
+    """Online softmax of the (rotated) query tile qa [BLOCK_M, D] over entries e_begin..e_end of one offset group.
 
     A step whose keys are all visible and no later than the tile's oldest query (hi[] of its
     entries <= q_min: known from NB uniform loads, no cross-thread reduction) skips the mask and
@@ -329,37 +255,22 @@ def _group_attention(qa, qb, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k
     n = tl.arange(0, BLOCK_N)
     slot = n % BS
     dd = tl.arange(0, D)
-    dh = tl.arange(0, D // 2)
     for e_start in range(e_begin, e_end, NB):
         e = e_start + n // BS  # [BLOCK_N] entry of each key row
         e_ok = e < e_end
         word = tl.load(meta_ptr + e, mask=e_ok, other=0)
-        if IDX32:  # 32-bit block ids, masks and row offsets: about half the integer work of a step
-            blk = (word >> 32).to(tl.int32)
-        else:
-            blk = word >> 32
-        if MASK_IN_WORD and IDX32:
-            bits = word.to(tl.int32) & 0xFFFF
-        elif MASK_IN_WORD:
+        blk = word >> 32
+        if MASK_IN_WORD:
             bits = word
         else:
             bits = tl.load(mask_ptr + e, mask=e_ok, other=0)
         vis = (((bits >> slot) & 1) != 0) & e_ok
-        k_row = blk * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64 (int32 with IDX32)
-        if SPLIT:  # two [BLOCK_N, D/2] tiles, one dot each
-            k1 = tl.load(k_ptr + k_row[:, None] + dh[None, :], mask=vis[:, None], other=0.0)
-            k2 = tl.load(k_ptr + k_row[:, None] + (dh + D // 2)[None, :], mask=vis[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
+        k_row = blk * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64
+        k = tl.load(k_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
         k_hi = tl.load(hi_ptr + e_start, mask=e_start + NB <= e_end, other=INT32_MAX)  # a partial step masks
-        if SPLIT:
-            if DOT_F32:
-                k1, k2 = k1.to(tl.float32), k2.to(tl.float32)
-            qk = tl.dot(qb, tl.trans(k2), tl.dot(qa, tl.trans(k1)))  # [BLOCK_M, BLOCK_N] fp32, unscaled
-        else:
-            if DOT_F32:
-                k = k.to(tl.float32)
-            qk = tl.dot(qa, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32, unscaled
+        if DOT_F32:
+            k = k.to(tl.float32)
+        qk = tl.dot(qa, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32, unscaled
         if k_hi > q_min:  # some key is hidden, missing (partial step) or later than some query
             k_pos = off + tl.load(slotpos_ptr + blk * BS + slot, mask=vis, other=0)
             k_pos = tl.where(vis, k_pos, INT32_MAX)
@@ -432,15 +343,11 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
     n_tiles = triton.cdiv(t, block_t) if cfg.exact_tiles and n_seqs == 1 else t // block_t + n_seqs
     nsplit = cfg.num_splits or pick_splits(n_tiles * hkv, n_entries // max(1, n_seqs) // nb, q.device,
                                            cfg.min_split_steps)
-    gp = triton.next_power_of_2(n_entries + 2)  # lanes of the "steps" plan: more than any sequence's groups
-    plan_steps = cfg.plan == "steps" and nsplit > 1 and gp <= MAX_PLAN_GROUPS
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no inline assembly there: prefetches emulated
     if nsplit == 1:
         out = torch.empty_like(q)
         lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
     else:  # partial results per split, merged by LSE below
-        out = torch.empty((nsplit, t, hq, dim), dtype=q.dtype if cfg.narrow_partials else torch.float32,
-                          device=q.device)
+        out = torch.empty((nsplit, t, hq, dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((nsplit, t, hq), dtype=torch.float32, device=q.device)
     if t == 0:
         return (out, lse) if nsplit == 1 else (torch.empty_like(q), lse[0])
@@ -462,11 +369,7 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
         G=group, G_PAD=g_pad, BLOCK_T=block_t, BS=bs, NB=nb, D=dim,
         B_PAD=triton.next_power_of_2(n_seqs + 1),
         ROTATE=rotate, USE_TABLE=packed.table is not None, MASK_IN_WORD=packed.mask_in_word,
-        DOT_F32=dot_f32(q.dtype), ROT_MODE=cfg.rot_mode, ROT_NARROW=cfg.rot_narrow, GROUP_GUARD=cfg.group_guard,
-        SEARCH=nsplit > 1, PLAN_STEPS=plan_steps, GP=gp if plan_steps else 1,
-        PREFETCH_KV=cfg.prefetch_kv, PREFETCH_EMULATE=interpreted, EPS=cfg.prefetch_entries,
-        LINES=max(1, dim * k_cache.element_size() // 128), LINE=max(1, 128 // k_cache.element_size()),
-        IDX32=cfg.index32 and max(_span(k_cache), _span(slot_pos)) < 2**31,
+        DOT_F32=dot_f32(q.dtype), ROT_MODE=cfg.rot_mode, ROT_NARROW=cfg.rot_narrow, SEARCH=nsplit > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         **(dict(lo_ptr=key_floor, CUT=True, CUT_LANES=cfg.cut_lanes) if cfg.cut_future else {}),
         **(dict(SKIP_EMPTY=True) if cfg.skip_empty_tiles else {}),
@@ -476,11 +379,6 @@ def launch(q, q_pos, k_cache, v_cache, slot_pos, packed: PackedTable, cu_q, inv_
     merged, merged_lse = merge_rows(out.reshape(nsplit, t * hq, dim), lse.reshape(nsplit, t * hq), q.dtype,
                                     all_parts=cfg.merge == "all")
     return merged.reshape(t, hq, dim), merged_lse.reshape(t, hq)
-
-
-def _span(x: torch.Tensor) -> int:
-    """Elements from x's first to its last (its largest offset + 1, whatever its strides)."""
-    return 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
 
 
 def step_key_bounds(packed: PackedTable, slot_pos: torch.Tensor, bs: int, nb: int, floors: bool = False):

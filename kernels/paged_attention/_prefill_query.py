@@ -2,10 +2,10 @@
 
     R_{-off} q = [q1 c + q2 s, q2 c - q1 s]     (rotate-half layout, q = [q1 | q2], c|s of off * inv_freq)
 
-Split in pieces so that the kernel can issue the loads of the NEXT group's rotation before the
-current group's step loop and do the arithmetic after it (ROT_MODE "prefetch*"), or keep the
-rotated query as its two halves for a QK^T of two dots over D/2 ("split"). The rotation modes are
-timed against each other by bench/kernels/kernels.py --sweep (bench/kernels/README.md).
+Split in pieces so that the kernel can load the NEXT group's cos/sin before the current group's step loop and
+rotate after it (ROT_MODE "prefetch_cs", the default), or rotate the next group's query before the step loop
+("early"). The rotation modes are timed against each other by bench/kernels/kernels.py --rotation
+(bench/kernels/README.md).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-ROT_MODES = ("carried", "split", "prefetch", "prefetch_cs", "early")
+ROT_MODES = ("prefetch_cs", "early")
 
 
 @triton.jit
@@ -82,16 +82,12 @@ def join_halves(r1, r2, BLOCK_M: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def rotated_query(q_ptr, tok, head, row_ok, stride_qt, stride_qh, e_first, valid, meta_ptr, tab_ptr, invf_ptr,
                   out_dtype: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, USE_TABLE: tl.constexpr,
-                  SPLIT: tl.constexpr, NARROW: tl.constexpr = False, EMULATE: tl.constexpr = False):
+                  NARROW: tl.constexpr = False, EMULATE: tl.constexpr = False):
     """The query tile rotated backwards by the offset of the group starting at entry e_first, in fp32
-    from the original query (re-read from memory, an L1/L2 hit, rather than kept live):
-    [BLOCK_M, D] of out_dtype, or (SPLIT) its halves r1, r2 [BLOCK_M, D/2]."""
+    from the original query (re-read from memory, an L1/L2 hit, rather than kept live): [BLOCK_M, D] of
+    out_dtype."""
     cos, sin = cos_sin(e_first, valid, meta_ptr, tab_ptr, invf_ptr, D, USE_TABLE)
     q1, q2 = query_halves(q_ptr, tok, head, row_ok, stride_qt, stride_qh, D,
                           q_ptr.dtype.element_ty if NARROW else tl.float32)
     r1, r2 = rotate_halves(q1, q2, cos, sin, NARROW, EMULATE)
-    if SPLIT:
-        qa, qb = r1.to(out_dtype), r2.to(out_dtype)
-    else:
-        qa, qb = join_halves(r1, r2, BLOCK_M, D).to(out_dtype), 0
-    return qa, qb
+    return join_halves(r1, r2, BLOCK_M, D).to(out_dtype)

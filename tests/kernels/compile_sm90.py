@@ -68,7 +68,7 @@ def kernels():
     d, g, bs = 128, 4, 16
     # pointers by name; any other *_ptr argument a kernel gains is taken as int32
     ptr_types = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", meta_ptr="i64", mask_ptr="i64", tab_ptr="fp32",
-                     invf_ptr="fp32", out_ptr="fp32", lse_ptr="fp32", fin_ptr="bf16", fin_lse_ptr="fp32", cnt_ptr="i32")
+                     invf_ptr="fp32", out_ptr="fp32", lse_ptr="fp32")
     known = dict(G=g, G_PAD=g, BLOCK_T=cfg.block_m // g, BS=bs, BS_PAD=bs, NB=max(1, cfg.min_block_n // bs), D=d,
                  B_PAD=2, ROTATE=True, USE_TABLE=True, MASK_IN_WORD=True, DOT_F32=False, BLOCK=256)
 
@@ -94,14 +94,10 @@ def kernels():
     yield "prefill-splits-search", lambda: compile_kernel(  # several KV splits: each searches its groups
         _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True),
         dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    for nb, idx32 in ((4, False), (4, True), (8, False)):  # the short-query knobs: whole-step split plan, K/V
-        # prefetched to L2, 64 / 128 keys a step, 32-bit indices in the step loop
-        yield f"prefill-short-plan-nb{nb}{'-idx32' if idx32 else ''}", lambda nb=nb, idx32=idx32: compile_kernel(
-            _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True, NB=nb,
-                                                PLAN_STEPS=True, GP=256, PREFETCH_KV=True, EPS=16, LINES=2, LINE=64,
-                                                IDX32=idx32),
-            dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    for pdl in (0, 1):  # the engine's 64-token suffix launch (SHORT_PREFILL: 8 splits, entry plan)
+    yield "prefill-short-nb8", lambda: compile_kernel(  # the short-query launch at 128 keys a step
+        _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True, NB=8),
+        dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    for pdl in (0, 1):  # the engine's 64-token suffix launch (SHORT_PREFILL: 8 splits)
         yield f"prefill-short{PDL_SUFFIX[pdl]}", lambda pdl=pdl: compile_kernel(
             _prefill._prefill_kernel, *jit_args(_prefill._prefill_kernel, out_ptr="fp32", SEARCH=True, PDL=pdl),
             dict(qk_scale="fp32"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -50,14 +50,13 @@ def test_prefill_matches_twin_and_eager(spec):
     assert out_k.dtype == dtype and lse_k.dtype == torch.float32 and out_k.shape == q.shape
     assert rel_err(out_k, out_t) <= TOL[dtype]
     assert_lse_close(lse_k, lse_t, 50 * TOL[dtype])
-    # cos/sin from the table, KV split in 3 parts merged by LSE, smaller tiles: same result, with the
-    # step loop guarded per group or not (a split's groups outside its entries then loop zero times)
+    # cos/sin from the table, KV split in 3 parts merged by LSE, smaller tiles: same result (a split's groups
+    # outside its entries loop zero times)
     packed = pack(case.block_ids, case.offsets, case.masks, bs, inv, with_table=True, cu_entries=case.cu_entries)
-    for guard in (True, False):
-        out_s, lse_s = launch(q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, scale,
-                              cfg=PrefillConfig(block_m=32, min_block_n=32, num_splits=3, group_guard=guard))
-        assert rel_err(out_s, out_t) <= TOL[dtype]
-        assert_lse_close(lse_s, lse_t, 50 * TOL[dtype])
+    out_s, lse_s = launch(q, q_pos, case.k_cache, case.v_cache, case.slot_pos, packed, cu_q, inv, scale,
+                          cfg=PrefillConfig(block_m=32, min_block_n=32, num_splits=3))
+    assert rel_err(out_s, out_t) <= TOL[dtype]
+    assert_lse_close(lse_s, lse_t, 50 * TOL[dtype])
     # both against attention over the whole K rotated eagerly at global positions
     for b in range(len(seqs)):
         k, v, k_pos = case.eager_keys(b)
@@ -164,9 +163,9 @@ def test_key_floors(bs):
 
 
 @pytest.mark.parametrize("cfg", [PrefillConfig(block_m=32, min_block_n=32), PrefillConfig(block_m=16, min_block_n=16,
-                                 num_splits=3), PrefillConfig(block_m=32, min_block_n=32, num_splits=2, plan="steps"),
+                                 num_splits=3), PrefillConfig(block_m=32, min_block_n=32, num_splits=2, exact_tiles=True),
                                  PrefillConfig(block_m=32, min_block_n=32, cut_lanes=2)],
-                         ids=["one-split", "3-splits", "steps-plan", "2-lanes"])
+                         ids=["one-split", "3-splits", "2-splits-exact", "2-lanes"])
 @pytest.mark.slow
 def test_future_cut_gives_the_same_bits(cfg):
     """Skipping a group's entries whose keys all lie after the tile's latest query drops terms exp(-inf) = 0:
@@ -216,12 +215,11 @@ def test_cut_lanes_is_checked():
 
 # every way of rotating the query (bench/kernels/kernels.py --rotation times them): same result as the twin
 ROTATION_VARIANTS = [PrefillConfig(block_m=32, min_block_n=32, rot_mode=m, rot_narrow=n)
-                     for m in ROT_MODES for n in (False, True)] + [
-    PrefillConfig(block_m=32, min_block_n=32, rot_mode="early", rot_narrow=True, group_guard=False)]
+                     for m in ROT_MODES for n in (False, True)]
 
 
 @pytest.mark.parametrize("cfg", ROTATION_VARIANTS, ids=[
-    f"{c.rot_mode}{'-narrow' if c.rot_narrow else ''}{'' if c.group_guard else '-noguard'}" for c in ROTATION_VARIANTS])
+    f"{c.rot_mode}{'-narrow' if c.rot_narrow else ''}" for c in ROTATION_VARIANTS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_NAME.get)
 @pytest.mark.slow
 def test_rotation_variants_match_twin(cfg, dtype):
@@ -244,8 +242,9 @@ def test_rotation_variants_match_twin(cfg, dtype):
 
 
 def test_rotation_mode_is_checked():
-    with pytest.raises(ValueError, match="rot_mode"):
-        PrefillConfig(rot_mode="sideways")
+    for gone in ("carried", "split", "prefetch", "sideways"):  # the modes that lost are refused like any unknown one
+        with pytest.raises(ValueError, match="rot_mode"):
+            PrefillConfig(rot_mode=gone)
 
 
 @pytest.mark.parametrize("splits", [2, 5, 16])
@@ -273,18 +272,16 @@ def test_kv_splits_touch_only_their_groups(splits):
         paged_prefill_packed(*args, num_splits=splits, key_hi=key_hi[:1])
 
 
-# the short-query knobs (bench/short_attention/short_attention.py times them): whole-step split plan, exact tiles, the merge
-# that loads every part at once, 128 keys a step; prefetch_kv is a hint the interpreter skips (GPU-checked)
+# the short-query knobs that remain (bench/short_attention/short_attention.py times them): exact tiles, the split
+# count, the merge that loads every part at once, 128 keys a step
 SHORT_VARIANTS = [
-    PrefillConfig(block_m=32, min_block_n=32, num_splits=s, plan="steps", exact_tiles=True, merge=m, prefetch_kv=True)
+    PrefillConfig(block_m=32, min_block_n=32, num_splits=s, exact_tiles=True, merge=m)
     for s, m in ((2, "loop"), (5, "all"), (8, "all"))] + [
-    PrefillConfig(block_m=32, min_block_n=64, num_splits=3, plan="steps", merge="all", index32=True,
-                  narrow_partials=True)]
+    PrefillConfig(block_m=32, min_block_n=64, num_splits=3, merge="all")]
 
 
 @pytest.mark.parametrize("cfg", SHORT_VARIANTS, ids=[
-    f"splits{c.num_splits}-{c.merge}-n{c.min_block_n}" + ("-exact" if c.exact_tiles else "") +
-    ("-idx32-narrow" if c.index32 else "") for c in SHORT_VARIANTS])
+    f"splits{c.num_splits}-{c.merge}-n{c.min_block_n}" + ("-exact" if c.exact_tiles else "") for c in SHORT_VARIANTS])
 @pytest.mark.slow
 def test_short_query_knobs_match_twin(cfg):
     """Several sequences (groups narrower and wider than a split, a one-entry sequence, more splits than
@@ -309,8 +306,9 @@ def test_short_query_knobs_match_twin(cfg):
 
 
 def test_short_query_knobs_are_checked():
-    with pytest.raises(ValueError, match="plan"):
-        PrefillConfig(plan="diagonal")
+    for gone in ("plan", "prefetch_kv", "index32", "narrow_partials", "group_guard"):  # removed with their variants
+        with pytest.raises(TypeError, match=gone):
+            PrefillConfig(**{gone: True})
     with pytest.raises(ValueError, match="merge"):
         PrefillConfig(merge="tree")
 
@@ -329,8 +327,7 @@ def test_short_prefill_config_is_used_for_short_calls(monkeypatch, min_block_n):
     q, q_pos, cu_q = prefill_queries(case, [9], [2], 8, torch.float32)
     want, want_lse = _run(case, q, q_pos, cu_q, 0.125, "torch")
     packed = pack(case.block_ids, case.offsets, case.masks, 16, inv, with_table=False, cu_entries=case.cu_entries)
-    short = PrefillConfig(block_m=32, min_block_n=min_block_n, num_splits=3, exact_tiles=True, plan="steps",
-                          merge="all", index32=True)
+    short = PrefillConfig(block_m=32, min_block_n=min_block_n, num_splits=3, exact_tiles=True, merge="all")
     monkeypatch.setattr(kt, "SHORT_PREFILL", short)
     assert kt.prefill_config(11) == short and kt.prefill_config(11, 2).num_splits == 2
     # longer calls: the default tile, future keys cut and padding tiles skipped (kt.LONG_PREFILL)
