@@ -13,18 +13,9 @@ configs against cuBLAS at M = 64 and 8. Prints the best configs as kernels/linea
                                                                # (tests/kernels/compile_linear_sm90.py)
     TRITON_INTERPRET=1 python3 bench/skinny_gemm/skinny_gemm.py --smoke    # no GPU: the whole flow on tiny shapes
 
-    python3 bench/skinny_gemm/skinny_gemm.py --norm-ab --out DIR/skinny_norm_ab.json [--ms 64]
-    TRITON_INTERPRET=1 python3 bench/skinny_gemm/skinny_gemm.py --norm-ab --smoke
-
     python3 bench/skinny_gemm/skinny_gemm.py --tma-ab --out DIR/skinny_tma_ab.json
     python3 bench/skinny_gemm/skinny_gemm.py --tma-ab --compile-only          # no GPU: every A/B kernel for sm_90
     TRITON_INTERPRET=1 python3 bench/skinny_gemm/skinny_gemm.py --tma-ab --smoke
-
-``--norm-ab``: the norm prologue and the residual epilogue against the kernels they replace, at 64 rows (each
-variant checked against the twin first): (a) the rms_norm kernel + the projection against (b) linear(norm=)
-(L2 prefetch depths swept) for q|k|v and for gate|up with SwiGLU; (c) the o projection with residual= against
-the projection + add; and one layer's norms and projections as the model chains them today against the chain
-with the new options (no attention: a fixed input stands in for its output), 32 layers of distinct weights.
 
 ``--tma-ab``: the TMA weight stream (kernels/linear/tma.py) against the pointer kernel's configs of today and
 cuBLAS, for a 64-row layer's launches (q|k|v, o, gate|up SwiGLU, down onto the residual) and lm_head at 1 row:
@@ -65,8 +56,8 @@ SMS = 132
 SMEM_LIMIT = 220 * 1024
 MIN_IN_FLIGHT = 32 * 1024
 TOL = 1e-2  # max |error| over max |twin|: bf16 rounding of the same fp32 sums is ~4e-3
-# --norm-ab: SwiGLU rounds gate, up, silu and the product (a 1-ulp change in one moves the result a few ulps);
-# under the interpreter (smoke) every fp32 -> bf16 cast truncates
+# --tma-ab's SwiGLU launches: gate, up, silu and the product each rounded (a 1-ulp change in one moves the result a
+# few ulps); under the interpreter (smoke) every fp32 -> bf16 cast truncates
 TOL_AB = 2e-2 if os.environ.get("TRITON_INTERPRET") != "1" else 6e-2
 
 
@@ -353,142 +344,6 @@ def config_table(rows: list[dict]) -> str:
     return "\n".join(lines + ["}"])
 
 
-NORM_AB_PREFETCH = (0, 4, 8, 16)  # L2-prefetched weight steps before the norm's pre-pass (NORM_PREFETCH_STEPS)
-
-
-def ab_config(m: int, n: int, k: int) -> LinearConfig:
-    """The table's config, else (cuBLAS preferred, or unlisted) the kernel's heuristic with one K split."""
-    from kernels.linear import triton as kt
-    from kernels.linear.config import table_config
-
-    cfg = table_config(m, n, k)
-    return cfg if isinstance(cfg, LinearConfig) else dataclasses.replace(kt.heuristic_config(m, n, k), split_k=1)
-
-
-def norm_ab_configs(shapes: dict, m: int) -> tuple[dict, dict]:
-    """The A/B's configs at m rows: per projection (q|k|v, o, down, and "swiglu" for gate|up: the kernel's
-    choice with the norm on) ``ab_config``'s, and for the norm variants the same with twice the block_n
-    ("wide": half the re-reads of x; 8 warps, stages cut to fit shared memory)."""
-    from kernels.linear import triton as kt
-
-    cfg = {s: ab_config(m, *shapes[s][:2]) for s in ("qkv", "o", "down")}
-    cfg["swiglu"] = kt.swiglu_config(m, shapes["gate_up"][0] // 2, shapes["gate_up"][1], norm=True)
-    wide = {}
-    for s in ("qkv", "swiglu"):  # 8 warps: the wide SwiGLU tile spills on 4 (tests/kernels/compile_linear_sm90.py)
-        c = dataclasses.replace(cfg[s], block_n=2 * cfg[s].block_n, num_warps=8)
-        rows = c.block_m + (2 if s == "swiglu" else 1) * c.block_n
-        stages = max(2, min(c.num_stages, SMEM_LIMIT // (rows * c.block_k * 2)))
-        wide[s] = dataclasses.replace(c, num_stages=stages)
-    return cfg, wide
-
-
-def norm_ab(shapes: dict, m: int, dev, rep: int, progress) -> dict:
-    """{case: {variant: us per layer, max error against the twin}} at m rows, Llama-3-8B shapes (bf16), one
-    call per layer's weights (distinct copies: L2 holds none of them between calls)."""
-    from kernels.fused import add_rms_norm, rms_norm, silu_mul
-    from kernels.linear import linear, linear_swiglu, supported
-    from kernels.linear import triton as kt
-
-    eps, bf = 1e-5, torch.bfloat16
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(bf)
-
-    wts = {s: [randn(*shapes[s][:2], scale=shapes[s][1] ** -0.5) for _ in range(shapes[s][3])]
-           for s in ("qkv", "o", "gate_up", "down")}
-    copies = min(len(v) for v in wts.values())
-    hidden = shapes["o"][1]
-    g1 = [randn(hidden, scale=0.1) + 1.0 for _ in range(copies)]
-    g2 = [randn(hidden, scale=0.1) + 1.0 for _ in range(copies)]
-    h, attn = randn(m, hidden, scale=3.0), randn(m, hidden)
-    cfg, wide = norm_ab_configs(shapes, m)
-
-    def proj(x, w, c, **kw):  # as the model's _linear: the kernel where supported, else cuBLAS
-        if supported(x, w):
-            return linear(x, w, backend="triton", config=c, **kw)
-        return kw["accumulate"].addmm_(x, w.t()) if kw else F.linear(x, w)
-
-    def old_layer(i):
-        proj(rms_norm(h, g1[i], eps, backend="triton"), wts["qkv"][i], cfg["qkv"])
-        x2, h2 = add_rms_norm(proj(attn, wts["o"][i], cfg["o"]), h, g2[i], eps, backend="triton")
-        act = linear_swiglu(x2, wts["gate_up"][i], backend="triton") if supported(x2, wts["gate_up"][i]) else \
-            silu_mul(F.linear(x2, wts["gate_up"][i]), backend="triton")
-        return proj(act, wts["down"][i], cfg["down"], accumulate=h2)
-
-    def new_layer(i):
-        kt.linear(h, wts["qkv"][i], norm=(g1[i], eps), config=cfg["qkv"])
-        h2 = kt.linear(attn, wts["o"][i], residual=h, config=cfg["o"])
-        act = kt.linear_swiglu(h2, wts["gate_up"][i], norm=(g2[i], eps), config=cfg["swiglu"])
-        return proj(act, wts["down"][i], cfg["down"], accumulate=h2)
-
-    w0 = {s: v[0] for s, v in wts.items()}
-    h2_ref = reference.linear(attn, w0["o"], residual=h)
-    act_ref = reference.linear_swiglu(h2_ref, w0["gate_up"], norm=(g2[0], eps))
-    cases = {
-        "qkv (a: rms_norm + GEMM, b: norm=)": (reference.linear(h, w0["qkv"], norm=(g1[0], eps)), {
-            "rms_norm + cuBLAS": lambda i: F.linear(rms_norm(h, g1[i], eps, backend="triton"), wts["qkv"][i]),
-            "rms_norm + triton": lambda i: linear(rms_norm(h, g1[i], eps, backend="triton"), wts["qkv"][i],
-                                                  backend="triton", config=cfg["qkv"]),
-            **{f"norm= pf{p}": lambda i, p=p: kt.linear(h, wts["qkv"][i], norm=(g1[i], eps), config=cfg["qkv"],
-                                                         norm_prefetch=p) for p in NORM_AB_PREFETCH},
-            f"norm= pf8 n{wide['qkv'].block_n}": lambda i: kt.linear(h, wts["qkv"][i], norm=(g1[i], eps),
-                                                                      config=wide["qkv"], norm_prefetch=8)}),
-        "gate_up SwiGLU (a: rms_norm + GEMM, b: norm=)": (reference.linear_swiglu(h, w0["gate_up"],
-                                                                                 norm=(g2[0], eps)), {
-            "rms_norm + cuBLAS + silu_mul": lambda i: silu_mul(F.linear(rms_norm(h, g2[i], eps, backend="triton"),
-                                                                        wts["gate_up"][i]), backend="triton"),
-            "rms_norm + triton swiglu": lambda i: linear_swiglu(rms_norm(h, g2[i], eps, backend="triton"),
-                                                                wts["gate_up"][i], backend="triton",
-                                                                config=cfg["swiglu"]),
-            **{f"norm= pf{p}": lambda i, p=p: kt.linear_swiglu(h, wts["gate_up"][i], norm=(g2[i], eps),
-                                                                config=cfg["swiglu"], norm_prefetch=p)
-               for p in NORM_AB_PREFETCH},
-            f"norm= pf8 n{wide['swiglu'].block_n}": lambda i: kt.linear_swiglu(
-                h, wts["gate_up"][i], norm=(g2[i], eps), config=wide["swiglu"], norm_prefetch=8)}),
-        "o onto the residual (c)": (h2_ref, {
-            "cuBLAS + add": lambda i: h + F.linear(attn, wts["o"][i]),
-            "cuBLAS addmm": lambda i: torch.addmm(h, attn, wts["o"][i].t()),
-            "triton + add": lambda i: h + linear(attn, wts["o"][i], backend="triton", config=cfg["o"]),
-            "residual=": lambda i: kt.linear(attn, wts["o"][i], residual=h, config=cfg["o"])}),
-        "layer chain (today / with norm= and residual=)": (
-            reference.linear(act_ref, w0["down"], accumulate=h2_ref.clone()), {
-                "today": old_layer, "norm= residual=": new_layer}),
-    }
-    out = {"M": m, "copies": copies, "configs": {s: c.literal() for s, c in cfg.items()},
-           "wide_configs": {s: c.literal() for s, c in wide.items()}, "cases": {}}
-    task = progress.add_task(f"norm A/B M={m}", total=sum(len(v) for _, v in cases.values()))
-    for case, (want, variants_) in cases.items():
-        want = want.float()
-        rows = out["cases"][case] = {}
-        for name, fn in variants_.items():
-            try:
-                err = float((fn(0).float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
-                rec = {"max_err": err, "ok": err <= TOL_AB}
-                if rec["ok"]:
-                    ms = time_ms(lambda fn=fn: [fn(i) for i in range(copies)], rep)
-                    rec["us_per_layer"] = ms * 1e3 / copies
-            except Exception as exc:  # compile failure, out of resources: reported and skipped
-                rec = {"ok": False, "error": repr(exc)[:300]}
-            rows[name] = rec
-            progress.advance(task)
-    return out
-
-
-def print_norm_ab(res: dict) -> None:
-    print(f"norm prologue / residual epilogue A/B at M={res['M']} ({res['copies']} weight copies), configs "
-          f"{res['configs']}")
-    for case, rows in res["cases"].items():
-        base = next((r["us_per_layer"] for r in rows.values() if "us_per_layer" in r), None)
-        print(f"  {case}")
-        for name, r in rows.items():
-            if "us_per_layer" in r:
-                print(f"    {name:32s} {r['us_per_layer']:9.1f} us  x{base / r['us_per_layer']:.2f} vs first"
-                      f"  max err {r['max_err']:.1e}")
-            else:
-                print(f"    {name:32s} FAILED {r.get('error') or 'max err %.1e' % r['max_err']}")
-
-
 # --tma-ab: name -> (kind, N, K, rows, distinct weights); kind "swiglu": N is gate|up's 2 * inter rows
 TMA_AB_CASES = {"qkv": ("plain", 6144, 4096, 64, 32), "o": ("plain", 4096, 4096, 64, 32),
                 "gate_up": ("swiglu", 28672, 4096, 64, 32), "down": ("accumulate", 4096, 14336, 64, 32),
@@ -535,23 +390,23 @@ def tma_ab_smoke_grid(kind: str, m: int, n: int, k: int) -> list[LinearConfig]:
 
 
 def tma_ab_variants(cases: dict) -> list[tuple]:
-    """Every kernel --tma-ab launches, as (m, n, k, cfg, accumulate, norm, swiglu, pdl) with n the output width:
+    """Every kernel --tma-ab launches, as (m, n, k, cfg, accumulate, swiglu, pdl) with n the output width:
     the TMA grid, the pointer configs beside it and the pointer twins of the TMA configs."""
     out = []
     for kind, n, k, m, _ in cases.values():
         width = n // 2 if kind == "swiglu" else n
         cfgs = tma_grid(kind, m, n, k) + [tma_ab_pointer(kind, m, n, k)]
         cfgs += [dataclasses.replace(c, tma="off") for c in cfgs if c.tma == "w"]
-        out += [(m, width, k, c, kind == "accumulate", False, kind == "swiglu", -1) for c in dict.fromkeys(cfgs)]
+        out += [(m, width, k, c, kind == "accumulate", kind == "swiglu", -1) for c in dict.fromkeys(cfgs)]
         if m > 1:  # the layer stack's pointer launches with PDL, and TMA at their tiles (the best TMA ones
             ptr = tma_ab_pointer(kind, m, n, k)  # compile when first run)
-            out += [(m, width, k, c, kind == "accumulate", False, kind == "swiglu", TMA_AB_PDL_STEPS)
+            out += [(m, width, k, c, kind == "accumulate", kind == "swiglu", TMA_AB_PDL_STEPS)
                     for c in (ptr, dataclasses.replace(ptr, tma="w"))]
     return out
 
 
 def _warm_tma(task) -> str | None:
-    m, n, k, cfg, acc, _, swiglu, pdl = task
+    m, n, k, cfg, acc, swiglu, pdl = task
     try:
         from kernels.linear import triton as kt
 
@@ -751,7 +606,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("skinny_gemm.json"))
     ap.add_argument("--quick", action="store_true", help="a smaller grid (BLOCK_N 64/128, BLOCK_K 128/256, 4 warps)")
-    ap.add_argument("--ms", help=f"rows to sweep (default {','.join(map(str, MS))}; --norm-ab: 64)")
+    ap.add_argument("--ms", help=f"rows to sweep (default {','.join(map(str, MS))})")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compiling processes")
     ap.add_argument("--retime", type=int, default=4, help="fastest configs re-timed with longer repeats")
@@ -759,8 +614,6 @@ def main() -> int:
                     help="past this many seconds of sweeping, the remaining (shape, M) take the quick grid")
     ap.add_argument("--compile-only", action="store_true", help="no GPU: compile every variant for sm_90")
     ap.add_argument("--smoke", action="store_true", help="no GPU: tiny shapes on the CPU (TRITON_INTERPRET=1)")
-    ap.add_argument("--norm-ab", action="store_true",
-                    help="only the norm prologue / residual epilogue A/B (see the module's docstring)")
     ap.add_argument("--tma-ab", action="store_true",
                     help="only the TMA weight stream's A/B (see the module's docstring)")
     args = ap.parse_args()
@@ -793,21 +646,6 @@ def main() -> int:
         args.out.write_text(json.dumps(results, indent=1))
         print_tma_ab(results)
         return 0 if all(r.get("best_tma") for r in results["rows"]) else 1
-    if args.norm_ab:
-        results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter smoke)",
-                   "torch": torch.__version__, "triton": triton.__version__, "tolerance": TOL_AB, "norm_ab": []}
-        with Progress() as progress:
-            for m in (tuple(int(m) for m in args.ms.split(",")) if args.ms else (3,) if args.smoke else (64,)):
-                results["norm_ab"].append(norm_ab(SMOKE_SHAPES if args.smoke else SHAPES, m, dev,
-                                                  1 if args.smoke else 100, progress))
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(results, indent=1))
-        for res in results["norm_ab"]:
-            print_norm_ab(res)
-        bad = [(r["M"], c, v) for r in results["norm_ab"] for c, rows in r["cases"].items()
-               for v, rec in rows.items() if not rec.get("ok")]
-        return 1 if bad else 0
     shapes = SMOKE_SHAPES if args.smoke else {s: SHAPES[s] for s in args.shapes.split(",")}
     ms = (1, 8) if args.smoke else tuple(int(m) for m in (args.ms or ",".join(map(str, MS))).split(","))
     make_grid = smoke_grid if args.smoke else grid

@@ -64,13 +64,8 @@ def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return per, triton.cdiv(k, per)
 
 
-def swiglu_config(m: int, inter: int, k: int, sms: int = 132, norm: bool = False) -> LinearConfig:
+def swiglu_config(m: int, inter: int, k: int, sms: int = 132) -> LinearConfig:
     """The fused gate|up launch: the table's config for the unfused [2*inter, K] projection with half as many
-    output columns a tile (each tile streams as many weight rows, gate and up), one split. With the norm
-    prologue, 256-wide K steps take 8 warps: on 4, the normalised x tile beside the two accumulators spills
-    (Triton 3.6, sm_90: 255 registers and a stack at 16 x 64 x 256; 171 registers on 8 warps)."""
+    output columns a tile (each tile streams as many weight rows, gate and up), one split."""
     cfg = pick_config(m, 2 * inter, k, sms)
-    cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2), split_k=1)
-    if norm and cfg.block_k >= 256 and cfg.num_warps < 8:
-        cfg = dataclasses.replace(cfg, num_warps=8)
-    return cfg
+    return dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2), split_k=1)

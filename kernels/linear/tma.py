@@ -4,8 +4,8 @@ tiles (and, with ``LinearConfig.tma == "xw"``, its x tiles) loaded through tenso
 On sm_90 a descriptor load in the pipelined K loop becomes ``cp.async.bulk.tensor`` into shared memory, one
 thread issuing a whole box and an mbarrier counting its bytes in, where the pointer path spends a 16-byte
 cp.async, and its address arithmetic, per thread per chunk. Same sums and epilogues as the pointer kernel (the
-twin: reference.py): plain, + bias, onto ``accumulate`` / ``residual``, gate|up SwiGLU, the norm prologue and the
-PDL prologue. Rows past N and columns past K come in as zeros (the descriptor's bounds), so the weight stream
+twin: reference.py; the jit pieces both share: common.py): plain, + bias, onto ``accumulate``, gate|up SwiGLU and
+the PDL prologue. Rows past N and columns past K come in as zeros (the descriptor's bounds), so the weight stream
 needs neither masks nor the pointer path's row wrap.
 
 Descriptors are built on the host (``triton.tools.tensor_descriptor.TensorDescriptor``) and cached by content:
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -32,29 +31,27 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels import pdl as pdl_switch
+from kernels.linear.common import INTERPRET as _INTERPRET
+from kernels.linear.common import dot_consts, dots, epilogue, pdl_consts, prefetch_rows, swiglu_act
 from kernels.linear.config import LinearConfig
-from kernels.linear.triton import _epilogue, _prefetch_rows, _row_inv_rms, dots, norm_step, swiglu_act
 from kernels.pdl import enter as pdl_enter
 
 MAX_BOX = 256  # elements per box dimension (cuTensorMapEncodeTiled's limit)
 MIN_CAPABILITY = (9, 0)  # the tensor memory accelerator: Hopper and later
 CACHE_SIZE = 4096  # descriptors kept (a Llama-3-8B engine uses ~130 weights' and a few activations')
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, c_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                       stride_cm, stride_om, g_ptr, eps,
+                       stride_cm, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                        UPCAST: tl.constexpr, X_TMA: tl.constexpr, SWIGLU: tl.constexpr = False,
-                       PDL: tl.constexpr = False, PREFETCH_STEPS: tl.constexpr = 0, NORM: tl.constexpr = False,
-                       NORM_STAGES: tl.constexpr = 3):
+                       PDL: tl.constexpr = False, PREFETCH_STEPS: tl.constexpr = 0):
     """Program (M tile, N tile), one split: acc = x[tile rows] @ w[tile rows].T over all of K, then the
     pointer kernel's MODE 0 epilogue. w_desc: w [N, K] (SWIGLU: [2N, K], gate then up) in [BLOCK_N, BLOCK_K]
     boxes; x_desc (X_TMA): x [M, K] in [BLOCK_M, BLOCK_K] boxes, else x is read through x_ptr (masked).
-    PDL, PREFETCH_STEPS and NORM as in kernels/linear/triton.py's _linear_kernel."""
+    PDL and PREFETCH_STEPS as in kernels/linear/triton.py's _linear_kernel."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     off_m = pid_m * BLOCK_M
@@ -64,17 +61,13 @@ def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, c_ptr, out_ptr, M, N
     m_ok = offs_m < M
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    if PREFETCH_STEPS > 0:  # the weights are never written: asked for before the wait (PDL) or the norm's pre-pass
+    if PREFETCH_STEPS > 0:  # the weights are never written: asked for before the wait (PDL)
         rn = (offs_n % N).to(tl.int64)
-        _prefetch_rows(w_ptr, rn, 0, tl.minimum(K, PREFETCH_STEPS * BLOCK_K), stride_wn, BLOCK_N, BLOCK_K)
+        prefetch_rows(w_ptr, rn, 0, tl.minimum(K, PREFETCH_STEPS * BLOCK_K), stride_wn, BLOCK_N, BLOCK_K)
         if SWIGLU:
-            _prefetch_rows(w_ptr, rn + N, 0, tl.minimum(K, PREFETCH_STEPS * BLOCK_K), stride_wn, BLOCK_N, BLOCK_K)
+            prefetch_rows(w_ptr, rn + N, 0, tl.minimum(K, PREFETCH_STEPS * BLOCK_K), stride_wn, BLOCK_N, BLOCK_K)
     if PDL:
         pdl_enter(PDL)
-    if NORM:
-        inv = _row_inv_rms(x_ptr, offs_m, m_ok, K, stride_xm, eps, BLOCK_M, BLOCK_K, EVEN_K, NORM_STAGES)
-        g_ptrs = g_ptr + offs_k
-        gk = tl.load(g_ptrs, mask=offs_k < K, other=0.0)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -88,8 +81,6 @@ def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, c_ptr, out_ptr, M, N
         b = w_desc.load([off_n, k])  # rows past N (past 2N: SWIGLU's up) and columns past K: zeros
         if SWIGLU:
             bu = w_desc.load([off_n + N, k])
-        if NORM:
-            a, gk, g_ptrs = norm_step(a, inv, gk, g_ptrs, k + BLOCK_K + offs_k < K, BLOCK_K)
         if not SWIGLU:
             bu = b  # (unused)
         acc, acc_u = dots(a, b, bu, acc, acc_u, PRECISION, UPCAST, SWIGLU)
@@ -99,7 +90,7 @@ def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, c_ptr, out_ptr, M, N
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
                  swiglu_act(acc, acc_u, out_ptr.dtype.element_ty), mask=ok)
     else:
-        _epilogue(acc, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om, HAS_BIAS, ACCUMULATE)
+        epilogue(acc, offs_m, offs_n, n_ok, ok, b_ptr, c_ptr, out_ptr, stride_cm, stride_om, HAS_BIAS, ACCUMULATE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,56 +158,42 @@ def ineligible(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig) -> str | Non
     return None
 
 
-def _consts(m: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: bool, adds: bool, swiglu: bool,
-            pdl: int, norm: bool, norm_prefetch: int) -> dict:
-    from kernels.linear.triton import NORM_PASS_STAGES, _UPCAST_BF16
-
-    upcast = _UPCAST_BF16 and dtype == torch.bfloat16
-    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias, ACCUMULATE=adds,
-                  EVEN_K=k % cfg.block_k == 0, PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32",
-                  UPCAST=upcast, X_TMA=cfg.tma == "xw", SWIGLU=swiglu, PDL=False, NORM=norm,
-                  NORM_STAGES=NORM_PASS_STAGES, PREFETCH_STEPS=max(0, norm_prefetch) if norm and not _INTERPRET else 0,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if pdl >= 0 and not _INTERPRET:
-        consts.update(PDL=pdl_switch.mode(), PREFETCH_STEPS=max(pdl, consts["PREFETCH_STEPS"]), launch_pdl=True)
-    return consts
+def _consts(m: int, k: int, dtype: torch.dtype, cfg: LinearConfig, bias: bool, accumulate: bool, swiglu: bool,
+            pdl: int) -> dict:
+    """The kernel's constexprs and launch options (``pdl`` as kernels/linear/triton.py's ``linear`` takes it)."""
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias, ACCUMULATE=accumulate,
+                EVEN_K=k % cfg.block_k == 0, **dot_consts(dtype), X_TMA=cfg.tma == "xw", SWIGLU=swiglu,
+                **pdl_consts(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: LinearConfig, *, bias: torch.Tensor | None,
-           c: torch.Tensor | None, swiglu: bool, norm: tuple[torch.Tensor, float] | None, pdl: int,
-           norm_prefetch: int) -> torch.Tensor:
+           accumulate: torch.Tensor | None, swiglu: bool, pdl: int) -> torch.Tensor:
     """Run the TMA kernel into ``out`` [M, N] (N: the activation's width with ``swiglu``, w then [2N, K]);
-    ``c`` (accumulate or residual, [M, N]) added before the rounding. The launch must be eligible
+    ``accumulate`` [M, N] (then ``out`` itself) added before the rounding. The launch must be eligible
     (``ineligible`` is None) and validated by the caller (kernels.linear)."""
     m, k = x.shape
     n = out.shape[1]
-    consts = _consts(m, k, x.dtype, cfg, bias is not None, c is not None, swiglu, pdl, norm is not None,
-                     norm_prefetch)
+    consts = _consts(m, k, x.dtype, cfg, bias is not None, accumulate is not None, swiglu, pdl)
     w_desc = descriptor(w, 2 * n if swiglu else n, (cfg.block_n, cfg.block_k))
     x_desc = descriptor(x, m, (cfg.block_m, cfg.block_k)) if consts["X_TMA"] else None
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    b = bias if bias is not None else out  # unread without HAS_BIAS (c, g likewise without theirs)
-    c = c if c is not None else out
-    g, eps = (norm[0], float(norm[1])) if norm is not None else (out, 0.0)
+    b = bias if bias is not None else out  # unread without HAS_BIAS (c likewise without ACCUMULATE)
+    c = accumulate if accumulate is not None else out
     _linear_tma_kernel[grid](x, x_desc, w, w_desc, b, c, out, m, n, k, x.stride(0), w.stride(0), c.stride(0),
-                             out.stride(0), g, eps, **consts)
+                             out.stride(0), **consts)
     return out
 
 
 def warmup(m: int, n: int, k: int, dtype: torch.dtype, cfg: LinearConfig, *, bias: bool = False,
-           accumulate: bool = False, swiglu: bool = False, norm: bool = False, pdl: int = -1,
-           stride_w: int | None = None) -> None:
+           accumulate: bool = False, swiglu: bool = False, pdl: int = -1, stride_w: int | None = None) -> None:
     """Compile (into Triton's cache) the kernel such a launch runs, without tensors or a launch (the bench
     compiles its grid on many processes with this): contiguous x, out and accumulate, w of row stride
-    ``stride_w`` (default K), descriptors over address-only bases; ``pdl`` and ``norm`` as ``launch`` makes them
-    by default (the norm's prefetch: NORM_PREFETCH_STEPS)."""
-    from kernels.linear.triton import NORM_PREFETCH_STEPS
-
-    consts = _consts(m, k, dtype, cfg, bias, accumulate, swiglu, pdl, norm, NORM_PREFETCH_STEPS)
+    ``stride_w`` (default K), descriptors over address-only bases; ``pdl`` as ``launch`` takes it."""
+    consts = _consts(m, k, dtype, cfg, bias, accumulate, swiglu, pdl)
     sw = k if stride_w is None else stride_w
     w_desc = TensorDescriptor(_Base(0, dtype), [2 * n if swiglu else n, k], [sw, 1], [cfg.block_n, cfg.block_k])
     x_desc = TensorDescriptor(_Base(0, dtype), [m, k], [k, 1], [cfg.block_m, cfg.block_k]) \
         if consts["X_TMA"] else None
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    _linear_tma_kernel.warmup(dtype, x_desc, dtype, w_desc, dtype, dtype, dtype, m, n, k, k, sw, n, n, dtype, 1e-5,
+    _linear_tma_kernel.warmup(dtype, x_desc, dtype, w_desc, dtype, dtype, dtype, m, n, k, k, sw, n, n,
                               grid=grid, **consts)

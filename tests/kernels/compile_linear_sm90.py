@@ -2,10 +2,8 @@
 variant of bench/skinny_gemm/skinny_gemm.py's sweep on Llama-3-8B's projections (bf16), printing the variants that
 fail or spill (see compile_sm90.py for what this catches).
 
-    python tests/kernels/compile_linear_sm90.py [--quick] [--jobs N] [--norm] [--pdl] [--tma]
+    python tests/kernels/compile_linear_sm90.py [--quick] [--jobs N] [--pdl] [--tma]
 
-``--norm``: only the norm-prologue, residual and SwiGLU launches that bench/skinny_gemm/skinny_gemm.py --norm-ab times
-(Llama-3-8B at 64 rows and the other row counts of the table), every one printed with its resources.
 ``--pdl``: the launches of a 64-row (and 8-row) layer as kernels/pdl.py's switch makes them (programmatic dependent
 launch, PDL_PREFETCH_STEPS weight steps asked for before the wait) beside the same launches without, each
 PDL build checked for griddepcontrol in its PTX.
@@ -21,7 +19,6 @@ Triton 3.6 wheel first on PYTHONPATH.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -78,13 +75,11 @@ def _report(kern, pdl: bool, ptx: str = "") -> str:
 
 def _plain_arg(i: int, name: str, values: dict, ptr_types: dict, sig: dict, attrs: dict, constexprs: dict) -> None:
     """Signature entry of a kernel argument as a launch specialises it: pointers 16-byte aligned (bf16 unless
-    ptr_types names another element type), eps fp32, an integer 1 a constant, other integers i32 (16-divisible
-    ones marked so)."""
+    ptr_types names another element type), an integer 1 a constant, other integers i32 (16-divisible ones marked
+    so)."""
     if name.endswith("_ptr"):
         sig[name] = "*" + ptr_types.get(name, "bf16")
         attrs[(i,)] = [["tt.divisibility", 16]]
-    elif name == "eps":
-        sig[name] = "fp32"
     elif values[name] == 1:
         sig[name], constexprs[name] = "constexpr", 1
     else:
@@ -102,8 +97,8 @@ def compile_tma_variant(task) -> str:
 
     from kernels.linear import tma
 
-    m, n, k, cfg, acc, norm, swiglu, pdl = (*task, False, False, -1)[:8]
-    consts = tma._consts(m, k, torch.bfloat16, cfg, False, acc, swiglu, pdl, norm, 0)
+    m, n, k, cfg, acc, swiglu, pdl = (*task, False, -1)[:7]
+    consts = tma._consts(m, k, torch.bfloat16, cfg, False, acc, swiglu, pdl)
     opts = {o: consts.pop(o) for o in ("num_warps", "num_stages")}
     consts.pop("launch_pdl", None)
     fn = tma._linear_tma_kernel
@@ -125,15 +120,14 @@ def compile_tma_variant(task) -> str:
         return kern
     if kern.metadata.shared > H100_SHARED:
         return f"FAILED shared memory {kern.metadata.shared} B > {H100_SHARED} B"
-    # the norm prologue's pre-pass reads x by pointer loads (its rows' 1/rms) whatever streams the K loop
-    ptx = tma_ptx_check(kern.asm["ptx"], consts["X_TMA"] and not consts.get("NORM", False))
+    ptx = tma_ptx_check(kern.asm["ptx"], consts["X_TMA"])
     if ptx.startswith("FAILED"):
         return ptx
     return _report(kern, consts["PDL"], f"  PTX: {ptx}")
 
 
 def compile_variant(task) -> str:
-    """Compile one (m, n, k, cfg, accumulate[, norm, swiglu]) launch as ``kernels.linear.triton.linear``
+    """Compile one (m, n, k, cfg, accumulate[, swiglu[, pdl]]) launch as ``kernels.linear.triton.linear``
     (or ``linear_swiglu``, n then the activation's width) would make it: pointers 16-byte aligned, integer
     arguments that are multiples of 16 marked so, those equal to 1 constants (Triton's launch-time
     specialisation); its resources, or 'FAILED ...'."""
@@ -142,10 +136,10 @@ def compile_variant(task) -> str:
 
     from kernels.linear import triton as kt
 
-    m, n, k, cfg, acc, norm, swiglu, pdl = (*task, False, False, -1)[:8]
+    m, n, k, cfg, acc, swiglu, pdl = (*task, False, -1)[:7]
     if cfg.tma != "off":
         return compile_tma_variant(task)
-    _, mode, _, ints, consts = kt._plan(m, n, k, torch.bfloat16, cfg, False, acc, swiglu=swiglu, norm=norm, pdl=pdl)
+    _, mode, _, ints, consts = kt._plan(m, n, k, torch.bfloat16, cfg, False, acc, swiglu=swiglu, pdl=pdl)
     opts = {o: consts.pop(o) for o in ("num_warps", "num_stages")}
     consts.pop("launch_pdl", None)  # a launch option, not a constexpr
     fn = kt._linear_kernel
@@ -161,45 +155,19 @@ def compile_variant(task) -> str:
     return kern if isinstance(kern, str) else _report(kern, consts["PDL"])
 
 
-def norm_variants() -> list[tuple]:
-    """The launches of the norm prologue and the residual epilogue on Llama-3-8B (bf16) at the table's row
-    counts with the configs the kernel would pick (the table's, else its heuristic): q|k|v with norm,
-    gate|up SwiGLU with norm, o with residual, lm_head with the final norm, and the plain launches beside them."""
-    from kernels.linear import triton as kt
-    from skinny_gemm import SHAPES, norm_ab_configs
-
-    cfg, wide = norm_ab_configs(SHAPES, 64)  # bench/skinny_gemm/skinny_gemm.py --norm-ab's launches at 64 rows
-    tasks = [(64, 6144, 4096, cfg["qkv"], False, True, False), (64, 6144, 4096, wide["qkv"], False, True, False),
-             (64, 14336, 4096, cfg["swiglu"], False, True, True), (64, 14336, 4096, wide["swiglu"], False, True, True),
-             (64, 4096, 4096, cfg["o"], True, False, False)]
-    for m in (1, 8, 32, 64, 128):
-        qkv, o = kt.pick_config(m, 6144, 4096), kt.pick_config(m, 4096, 4096)
-        # with norm and no config, kernels.linear.triton.linear takes one split
-        qkv_norm, head_norm = (dataclasses.replace(kt.pick_config(m, n, 4096), split_k=1) for n in (6144, 128256))
-        gu, gu_norm = kt.swiglu_config(m, 14336, 4096), kt.swiglu_config(m, 14336, 4096, norm=True)
-        tasks += [(m, 6144, 4096, qkv, False, False, False), (m, 6144, 4096, qkv_norm, False, True, False),
-                  (m, 14336, 4096, gu, False, False, True), (m, 14336, 4096, gu_norm, False, True, True),
-                  (m, 4096, 4096, o, True, False, False),
-                  (m, 128256, 4096, head_norm, False, True, False)]
-    return tasks
-
-
 def pdl_variants() -> list[tuple]:
     """A layer's GEMM launches at 64 and 8 rows (q|k|v, o, o onto the residual, gate|up SwiGLU, down onto the
-    residual; the norms in or out of the GEMMs) with the configs the kernel picks, without PDL and as
-    kernels/pdl.py's switch launches them (kernels.linear.triton.PDL_PREFETCH_STEPS)."""
+    residual) with the configs the kernel picks, without PDL and as kernels/pdl.py's switch launches them
+    (kernels.linear.triton.PDL_PREFETCH_STEPS)."""
     from kernels.linear import triton as kt
 
     tasks = []
     for m in (64, 8):
-        qkv_norm = dataclasses.replace(kt.pick_config(m, 6144, 4096), split_k=1)
-        launches = [(m, 6144, 4096, kt.pick_config(m, 6144, 4096), False, False, False),
-                    (m, 6144, 4096, qkv_norm, False, True, False),
-                    (m, 4096, 4096, kt.pick_config(m, 4096, 4096), False, False, False),
-                    (m, 4096, 4096, kt.pick_config(m, 4096, 4096), True, False, False),
-                    (m, 14336, 4096, kt.swiglu_config(m, 14336, 4096), False, False, True),
-                    (m, 14336, 4096, kt.swiglu_config(m, 14336, 4096, norm=True), False, True, True),
-                    (m, 4096, 14336, kt.pick_config(m, 4096, 14336), True, False, False)]
+        launches = [(m, 6144, 4096, kt.pick_config(m, 6144, 4096), False, False),
+                    (m, 4096, 4096, kt.pick_config(m, 4096, 4096), False, False),
+                    (m, 4096, 4096, kt.pick_config(m, 4096, 4096), True, False),
+                    (m, 14336, 4096, kt.swiglu_config(m, 14336, 4096), False, True),
+                    (m, 4096, 14336, kt.pick_config(m, 4096, 14336), True, False)]
         for launch in launches:
             tasks += [(*launch, -1), (*launch, kt.PDL_PREFETCH_STEPS)]
     return tasks
@@ -216,13 +184,13 @@ def compile_all(tasks: list, jobs: int, verbose: bool = False) -> int:
     failed = spills = 0
     with ProcessPoolExecutor(max(1, jobs)) as pool:
         for task, res in zip(tasks, pool.map(compile_variant, tasks)):
-            m, n, k, cfg, acc, norm, swiglu, pdl = (*task, False, False, -1)[:8]
+            m, n, k, cfg, acc, swiglu, pdl = (*task, False, -1)[:7]
             bad = res.startswith("FAILED")
             spill = not bad and "stack 0 B" not in res
             failed += bad
             spills += spill
             if bad or spill or verbose:
-                kind = "swiglu " * swiglu + "norm " * norm + ("acc/residual " if acc else "") + \
+                kind = "swiglu " * swiglu + ("accumulate " if acc else "") + \
                     (f"pdl+{pdl} " if pdl >= 0 and cfg.split_k == 1 else "")
                 print(f"M{m} N{n} K{k} {kind or 'plain '}{cfg.short()}: {res}", flush=True)
     print(f"{len(tasks)} compiled: {failed} failed, {spills} with a stack (spills or locals)")
@@ -232,7 +200,6 @@ def compile_all(tasks: list, jobs: int, verbose: bool = False) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the bench's --quick grid")
-    ap.add_argument("--norm", action="store_true", help="only the norm / residual / SwiGLU launches, all printed")
     ap.add_argument("--pdl", action="store_true", help="a layer's launches without and with PDL, all printed")
     ap.add_argument("--tma", action="store_true", help="bench/skinny_gemm/skinny_gemm.py --tma-ab's kernels, all printed")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -244,8 +211,6 @@ def main() -> int:
         from skinny_gemm import TMA_AB_CASES, tma_ab_variants
 
         return compile_all(tma_ab_variants(TMA_AB_CASES), args.jobs, verbose=True)
-    if args.norm:
-        return compile_all(norm_variants(), args.jobs, verbose=True)
     from skinny_gemm import MS, SHAPES, variants
 
     return compile_all(list(variants(SHAPES, MS, args.quick).values()), args.jobs)

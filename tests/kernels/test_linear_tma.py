@@ -1,7 +1,7 @@
 """Skinny GEMM's TMA weight stream (kernels/linear/tma.py, ``LinearConfig.tma``) under the interpreter: the same
 bits as the pointer kernel (same tiles, same sums; zeros past N and K where the pointer kernel masks) and the
 twin's result, at awkward shapes, for the three launches of a 64-row layer (plain, gate|up SwiGLU, down onto
-the residual) and the other epilogues; the fallback to the pointer kernel of a launch TMA cannot take; the
+the residual, with a bias); the fallback to the pointer kernel of a launch TMA cannot take; the
 host-side descriptor cache; the config's validation. The sm_90 build (cp.async.bulk.tensor and mbarriers in the
 PTX) is checked by ``tests/kernels/compile_linear_sm90.py --tma``."""
 
@@ -77,24 +77,6 @@ def test_swiglu_equals_pointer_kernel_and_twin(m, inter, k, dtype, mode):
     torch.testing.assert_close(got.float(), linear_swiglu(x, w).float(), **tol)
 
 
-@pytest.mark.slow
-def test_residual_and_norm_prologue():
-    """residual= (the o projection onto the residual stream, a new tensor) and norm= (rms_norm(x) * g) in the
-    TMA kernel: the pointer kernel's bits (x by pointers and by descriptor)."""
-    x, w = _operands(7, 70, 80, torch.bfloat16)
-    r = torch.randn(7, 70).to(torch.bfloat16)
-    g = (1.0 + 0.3 * torch.randn(80)).to(torch.bfloat16)
-    for mode in ("w", "xw"):
-        got = linear(x, w, residual=r, backend="triton", config=_tma(mode))
-        assert torch.equal(got, linear(x, w, residual=r, backend="triton", config=POINTER))
-        normed = linear(x, w, norm=(g, 1e-5), backend="triton", config=_tma(mode))
-        assert torch.equal(normed, linear(x, w, norm=(g, 1e-5), backend="triton", config=POINTER))
-        assert rel_err(normed, linear(x, w, norm=(g, 1e-5))) <= TOL[torch.bfloat16]
-        sw = linear_swiglu(x, w, norm=(g, 1e-5), backend="triton", config=_tma(mode, block_n=16))
-        assert torch.equal(sw, linear_swiglu(x, w, norm=(g, 1e-5), backend="triton",
-                                             config=LinearConfig(16, 16, 32, num_stages=2)))
-
-
 def test_unaligned_operands_take_the_pointer_kernel():
     """A weight whose base or row stride breaks TMA's 16-byte rule runs the pointer kernel (a warning says why),
     with the same result."""
@@ -157,9 +139,9 @@ _SM90 = """
 import sys
 from compile_linear_sm90 import compile_tma_variant
 from kernels.linear import LinearConfig
-for task in [(64, 6144, 4096, LinearConfig(64, 64, 128, num_stages=5, tma="w"), False, False, False),
-             (64, 14336, 4096, LinearConfig(64, 64, 128, num_stages=3, tma="xw"), False, False, True),
-             (64, 4096, 14336, LinearConfig(64, 32, 256, num_stages=4, tma="w"), True, False, False, 2)]:
+for task in [(64, 6144, 4096, LinearConfig(64, 64, 128, num_stages=5, tma="w"), False, False),
+             (64, 14336, 4096, LinearConfig(64, 64, 128, num_stages=3, tma="xw"), False, True),
+             (64, 4096, 14336, LinearConfig(64, 32, 256, num_stages=4, tma="w"), True, False, 2)]:
     print(compile_tma_variant(task))
 """
 
