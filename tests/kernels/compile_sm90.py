@@ -106,9 +106,7 @@ def kernels():
                 any(a.endswith("_ptr") for a in fn.arg_names) and name.endswith("_kernel"):
             yield name.strip("_"), lambda fn=fn: compile_kernel(fn, *jit_args(fn))
             if "PDL" in fn.arg_names:
-                for pdl in (1, 2):
-                    yield name.strip("_") + PDL_SUFFIX[pdl], lambda fn=fn, pdl=pdl: compile_kernel(
-                        fn, *jit_args(fn, PDL=pdl))
+                yield name.strip("_") + PDL_SUFFIX[1], lambda fn=fn: compile_kernel(fn, *jit_args(fn, PDL=1))
     for pdl in (0, 1):
         sfx = PDL_SUFFIX[pdl]
         yield "lse-merge" + sfx, lambda pdl=pdl: compile_kernel(
