@@ -18,22 +18,29 @@ import torch
 
 from kernels.options import using
 from kernels.paged_attention import MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
-from services.engine.passes.blend import BlendConfig
+from services.engine.decode import policy_for
 from services.engine.kv.block_pool import BlockPool
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.chunk_cache import ChunkCache, chunk_id
 from services.engine.kv.chunk_ids import chunk_ids_of, scoped_id
-from services.engine.model.config import ModelConfig
-from services.engine.passes.forward import Forward
-from services.handoff.imports import import_sequence
-from services.handoff.wire import Handoff
-from services.handoff.export import export_sequence, stage_export
-from services.engine.options import EngineOptions
-from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
 from services.engine.kv.loader import numbered
 from services.engine.kv.request_ids import CheckedRequest, KnownChunks, request_ids
+from services.engine.model.config import ModelConfig
+from services.engine.model.weights import (
+    ModelWeights,
+    fingerprint,
+    load_weights,
+    state_fingerprint,
+    weights_from_tensors,
+)
+from services.engine.options import EngineOptions
+from services.engine.passes.blend import BlendConfig
+from services.engine.passes.forward import Forward
+from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
 from services.engine.sampling import SamplingParams, sample
-from services.engine.model.weights import ModelWeights, fingerprint, load_weights, state_fingerprint, weights_from_tensors
+from services.handoff.export import export_sequence, stage_export
+from services.handoff.imports import import_sequence
+from services.handoff.wire import Handoff
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -243,11 +250,14 @@ class Engine:
     @launches
     def generate(self, chunks, suffix, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, mode: str = "tessera", recompute_ratio: float = 0.15,
-                 stop_token_ids: list[int] | None = None) -> list[int]:
+                 stop_token_ids: list[int] | None = None, decode: str = "dense") -> list[int]:
+        """``decode``: the decode policy of its steps (services/engine/decode: "dense")."""
+        policy = policy_for(decode)
         params = SamplingParams(temperature, top_p, top_k, seed, max_new_tokens)
         chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=max_new_tokens)
         stops = set(self._stop_ids() if stop_token_ids is None else stop_token_ids)
         logits, seq, _ = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids, scope=scope)
+        seq.decode = policy
         out: list[int] = []
         try:
             gen = params.generator(self.device)
@@ -299,11 +309,15 @@ class Engine:
 
     @torch.no_grad()
     @launches
-    def import_handoff(self, handoff: Handoff, fetch=None) -> Sequence:
-        """Rebuild a prefilled request here: shared chunks from this cache, ``fetch``, or recompute."""
+    def import_handoff(self, handoff: Handoff, fetch=None, decode: str = "dense") -> Sequence:
+        """Rebuild a prefilled request here: shared chunks from this cache, ``fetch``, or recompute; its decode
+        steps attend by the policy ``decode`` names (services/engine/decode)."""
+        policy = policy_for(decode)
         if handoff.model_fingerprint != self.fingerprint:
             raise ValueError(f"hand-off was made by model {handoff.model_fingerprint}, this engine runs {self.fingerprint}")
-        return import_sequence(self.forward, handoff, fetch)
+        seq = import_sequence(self.forward, handoff, fetch)
+        seq.decode = policy
+        return seq
 
     @launches
     def insert_chunk(self, chunk_id: str, tokens, layers) -> None:

@@ -65,6 +65,7 @@ class Forward:
         self.tails = TailCache(self) if self.static_tails else None
         self.id_tails = None  # ratio-0 reuse passes' tails, made on first use (reuse_tail.py)
         self.blend_tails = None  # ratio > 0 reuse passes' whole-pass graphs, likewise (blend_tail.py)
+        self.decode_graphs = None  # decode steps' graphs per batch bucket, likewise (graphs/decode.py)
         self._chunk_tables: OrderedDict[tuple, BlockTable] = OrderedDict()  # see chunk_table
 
     def static_tail(self, n_tokens: int) -> bool:
@@ -431,13 +432,13 @@ class Forward:
         for seq in seqs:
             seq.gen_count += 1
             seq.next_pos += 1
-        if self.static_tails:  # the step replayed as a CUDA graph when it fits a bucket (decode_graphs.py)
-            graphs = getattr(self, "decode_graphs", None)
-            if graphs is None:
+        # the step replayed as a CUDA graph when it fits a bucket (graphs/decode.py) and every policy replays
+        if self.static_tails and all(s.decode.replays_graph for s in seqs):
+            if self.decode_graphs is None:
                 from services.engine.graphs.decode import DecodeGraphs
 
-                graphs = self.decode_graphs = DecodeGraphs(self)
-            logits = graphs.run(seqs, tokens, blocks, slots, positions)
+                self.decode_graphs = DecodeGraphs(self)
+            logits = self.decode_graphs.run(seqs, tokens, blocks, slots, positions)
             if logits is not None:
                 return logits
         block = host_to_device(blocks, torch.long, dev)
@@ -457,7 +458,23 @@ class Forward:
                 per_seq = [BlockTable.cat([s.layer_tables[layer], gen_tables[i]]) for i, s in enumerate(seqs)]
                 cu = torch.tensor([0] + [t.num_entries for t in per_seq], dtype=torch.int64).cumsum(0)
                 batch[key] = (BlockTable.cat(per_seq), cu.to(device=dev, dtype=torch.int32))
-            table, cu = batch[key]
-            out = self.attention.decode(layer, q, table, cu)
-            h = self.model.finish_layer(layer, h, out)
+            h = self.model.finish_layer(layer, h, self._decode_attend(layer, q, seqs, gen_tables, batch, key))
         return self.model.logits(h)
+
+    def _decode_attend(self, layer: int, q: torch.Tensor, seqs: list[Sequence], gen_tables, batch: dict, key):
+        """A step's attention at one layer, each sequence through its decode policy (services/engine/decode): one
+        call for the whole batch when it has one policy, else one per policy over its rows, put back in order."""
+        table, cu = batch[key]
+        policies = {s.decode for s in seqs}
+        if len(policies) == 1:
+            return seqs[0].decode.attend(self, layer, q, seqs, table, cu)
+        out = torch.empty_like(q)
+        for policy in policies:
+            rows = [i for i, s in enumerate(seqs) if s.decode is policy]
+            sub = [seqs[i] for i in rows]
+            per_seq = [BlockTable.cat([s.layer_tables[layer], gen_tables[i]]) for i, s in zip(rows, sub)]
+            sub_cu = torch.tensor([0] + [t.num_entries for t in per_seq], dtype=torch.int64).cumsum(0)
+            idx = host_to_device(rows, torch.long, q.device)
+            out[idx] = policy.attend(self, layer, q[idx], sub, BlockTable.cat(per_seq),
+                                     sub_cu.to(device=q.device, dtype=torch.int32))
+        return out
