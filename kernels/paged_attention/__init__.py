@@ -13,12 +13,15 @@ import torch
 
 from kernels.paged_attention import reference
 
-MAX_BLOCK_ID = (1 << 31) - 1   # block id in the high 32 bits of a signed int64
-MAX_OFFSET = (1 << 16) - 1     # a chunk's global start, 16 bits
+# the packed word per entry (_meta.py): block id << ID_SHIFT | offset << OFFSET_SHIFT | 16 mask bits
+OFFSET_SHIFT, OFFSET_BITS = 16, 24
+ID_SHIFT = OFFSET_SHIFT + OFFSET_BITS   # 40
+MAX_BLOCK_ID = (1 << (63 - ID_SHIFT)) - 1   # 23 bits: the word stays a non-negative int64 (8,388,607 blocks)
+MAX_OFFSET = (1 << OFFSET_BITS) - 1         # a chunk's global start, 24 bits: every position a 128K model addresses
 MAX_BLOCK_SIZE = 64            # slot mask bits per entry
 
 __all__ = ["paged_prefill_attention", "paged_decode_attention", "check_encodable",
-           "MAX_BLOCK_ID", "MAX_OFFSET", "MAX_BLOCK_SIZE"]
+           "MAX_BLOCK_ID", "MAX_OFFSET", "MAX_BLOCK_SIZE", "ID_SHIFT", "OFFSET_SHIFT", "OFFSET_BITS"]
 
 
 def check_encodable(block_size: int, block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -28,12 +31,12 @@ def check_encodable(block_size: int, block_ids: torch.Tensor, offsets: torch.Ten
     if block_ids.numel():
         hi = int(block_ids.max())
         if hi > MAX_BLOCK_ID or int(block_ids.min()) < 0:
-            raise ValueError(f"block id {hi} does not fit the 31-bit block field")
+            raise ValueError(f"block id {hi} does not fit the {63 - ID_SHIFT}-bit block field (0..{MAX_BLOCK_ID})")
     if offsets.numel():
         hi, lo = int(offsets.max()), int(offsets.min())
         if hi > MAX_OFFSET or lo < 0:
             bad = hi if hi > MAX_OFFSET else lo
-            raise ValueError(f"position offset {bad} does not fit the 16-bit offset field (0..{MAX_OFFSET})")
+            raise ValueError(f"position offset {bad} does not fit the {OFFSET_BITS}-bit offset field (0..{MAX_OFFSET})")
 
 
 def _impl(backend: str):

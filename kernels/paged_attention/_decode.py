@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.lse_merge.triton import merge_rows
-from kernels.paged_attention._meta import PackedTable, dot_f32, sm_count
+from kernels.paged_attention._meta import ID_SHIFT_C, OFFSET_MASK_C, OFFSET_SHIFT_C, PackedTable, dot_f32, sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -98,7 +98,7 @@ def _decode_kernel(
         e = e_start + n // BS  # [BLOCK_N] entry of each key
         e_ok = e < hi
         word = tl.load(meta_ptr + e, mask=e_ok, other=0)
-        blk = word >> 32
+        blk = word >> ID_SHIFT_C
         if MASK_IN_WORD:
             bits = word
         else:
@@ -106,7 +106,7 @@ def _decode_kernel(
         vis = (((bits >> slot) & 1) != 0) & e_ok
         if ROTATE:
             e_row = e_start + j
-            off = ((tl.load(meta_ptr + e_row, mask=e_row < hi, other=0) >> 16) & 0xFFFF).to(tl.int32)  # [ROWS]
+            off = ((tl.load(meta_ptr + e_row, mask=e_row < hi, other=0) >> OFFSET_SHIFT_C) & OFFSET_MASK_C).to(tl.int32)  # [ROWS]
             if tl.max((off != prev).to(tl.int32), axis=0) > 0:  # a new chunk: rotate the original q back
                 if USE_TABLE:
                     t_row = tab_ptr + e_row[:, None] * (2 * D2) + d[None, :]

@@ -1,8 +1,9 @@
 """Block-table metadata for the Triton kernels: validation, 64-bit packing, per-entry cos/sin.
 
-Packed word per entry (int64), as LazyAttention packs it:
-    word = block_id << 32 | offset << 16 | (mask & 0xFFFF)
-The low 16 bits hold the whole slot mask when the block size is at most 16. For block sizes 17..64
+Packed word per entry (int64), in LazyAttention's layout with a wider offset:
+    word = block_id << 40 | offset << 16 | (mask & 0xFFFF)      (ID_SHIFT, OFFSET_SHIFT, OFFSET_BITS = 24)
+so a chunk may start at any position up to 2**24 - 1 (a 16-bit offset, LazyAttention's, stopped at 65,535: short of
+the 131,072 positions Llama-3.1-class models address) and a pool may hold up to 2**23 blocks. The low 16 bits hold the whole slot mask when the block size is at most 16. For block sizes 17..64
 the kernels read the full int64 mask from its own word (``masks``) and ignore the low 16 bits.
 NOTE: a block id or offset that does not fit is refused (``check_encodable``), never clamped: an
 overflowing offset would silently corrupt the block id above it.
@@ -35,7 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import MAX_BLOCK_ID, MAX_OFFSET, check_encodable
+from kernels.paged_attention import ID_SHIFT, MAX_BLOCK_ID, MAX_OFFSET, OFFSET_BITS, OFFSET_SHIFT, check_encodable
+
+# the word's fields, as the kernels read them
+ID_SHIFT_C = tl.constexpr(ID_SHIFT)
+OFFSET_SHIFT_C = tl.constexpr(OFFSET_SHIFT)
+OFFSET_MASK_C = tl.constexpr((1 << OFFSET_BITS) - 1)
 
 # entries per program of the pack kernel: 32 keep the [BLOCK, D/2] cos/sin tiles in registers (256 spill
 # 2.4 KB of stack on sm_90, tests/kernels/compile_sm90.py) and spread a table's cos/sin over many SMs
@@ -86,7 +92,7 @@ def _pack_kernel(ids_ptr, off_ptr, mask_ptr, invf_ptr, meta_ptr, tab_ptr, n,
     ids = tl.load(ids_ptr + e, mask=ok, other=0).to(tl.int64)
     off = tl.load(off_ptr + e, mask=ok, other=0).to(tl.int64)
     m = tl.load(mask_ptr + e, mask=ok, other=0).to(tl.int64)
-    word = (ids << 32) | (off << 16) | (m & 0xFFFF)
+    word = (ids << ID_SHIFT_C) | (off << OFFSET_SHIFT_C) | (m & 0xFFFF)
     tl.store(meta_ptr + e, word, mask=ok)
     if WRITE_TABLE:
         d = tl.arange(0, D2)

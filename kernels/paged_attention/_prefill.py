@@ -40,7 +40,7 @@ import triton.language as tl
 from kernels import pdl
 from kernels.lse_merge.triton import merge_rows
 from kernels.pdl import enter as pdl_enter
-from kernels.paged_attention._meta import PackedTable, dot_f32, sm_count
+from kernels.paged_attention._meta import ID_SHIFT_C, OFFSET_MASK_C, OFFSET_SHIFT_C, PackedTable, dot_f32, sm_count
 from kernels.paged_attention._prefill_query import ROT_MODES, cos_sin, join_halves, query_halves, rotate_halves, rotated_query
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -189,7 +189,7 @@ def _prefill_kernel(
     e_next = tl.load(starts_ptr + g_lo + 1)
     for grp in range(g_lo, g_hi):
         e_after = tl.load(starts_ptr + grp + 2)  # read a group early: only the next iteration waits for it
-        off = ((tl.load(meta_ptr + e_first) >> 16) & 0xFFFF).to(tl.int32)
+        off = ((tl.load(meta_ptr + e_first) >> OFFSET_SHIFT_C) & OFFSET_MASK_C).to(tl.int32)
         e_begin = tl.maximum(e_first, lo)
         e_end = tl.minimum(e_next, hi)
         if CUT:  # the group's entries from the first whose keys all lie after q_max on: in every row's future
@@ -259,7 +259,7 @@ def _group_attention(qa, q_pos, q_min, m_i, l_i, acc, off, e_begin, e_end, k_ptr
         e = e_start + n // BS  # [BLOCK_N] entry of each key row
         e_ok = e < e_end
         word = tl.load(meta_ptr + e, mask=e_ok, other=0)
-        blk = word >> 32
+        blk = word >> ID_SHIFT_C
         if MASK_IN_WORD:
             bits = word
         else:
@@ -310,13 +310,13 @@ def _key_bounds_kernel(meta_ptr, mask_ptr, slotpos_ptr, hi_ptr, n,
         bits = word if MASK_IN_WORD else tl.load(mask_ptr + e, mask=ok, other=0)
         shown = (((bits[:, None] >> s[None, :].to(tl.int64)) & 1) != 0) & s_ok[None, :]
         full = (tl.sum(shown.to(tl.int32), axis=1) == BS) & ok
-        pos = tl.load(slotpos_ptr + (word >> 32)[:, None] * BS + s[None, :], mask=ok[:, None] & s_ok[None, :],
+        pos = tl.load(slotpos_ptr + (word >> ID_SHIFT_C)[:, None] * BS + s[None, :], mask=ok[:, None] & s_ok[None, :],
                       other=0)
-        last = ((word >> 16) & 0xFFFF).to(tl.int32) + tl.max(pos, axis=1)
+        last = ((word >> OFFSET_SHIFT_C) & OFFSET_MASK_C).to(tl.int32) + tl.max(pos, axis=1)
         hi = tl.maximum(hi, tl.where(full, last, INT32_MAX))
         if LO and j == 0:
             first = tl.min(tl.where(shown, pos, INT32_MAX), axis=1)
-            first = tl.where(first == INT32_MAX, INT32_MAX, ((word >> 16) & 0xFFFF).to(tl.int32) + first)
+            first = tl.where(first == INT32_MAX, INT32_MAX, ((word >> OFFSET_SHIFT_C) & OFFSET_MASK_C).to(tl.int32) + first)
             tl.store(lo_ptr + e0, first, mask=ok)
     tl.store(hi_ptr + e0, hi, mask=e0 < n)
 

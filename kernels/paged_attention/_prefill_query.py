@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.paged_attention._meta import OFFSET_MASK_C, OFFSET_SHIFT_C
+
 ROT_MODES = ("prefetch_cs", "early")
 
 
@@ -27,7 +29,7 @@ def cos_sin(e_first, valid, meta_ptr, tab_ptr, invf_ptr, D: tl.constexpr, USE_TA
         cos = tl.load(tab_ptr + e_first * D + dh, mask=ok, other=1.0)
         sin = tl.load(tab_ptr + e_first * D + D2 + dh, mask=ok, other=0.0)
     else:
-        off = ((tl.load(meta_ptr + e_first + 0 * dh, mask=ok, other=0) >> 16) & 0xFFFF).to(tl.float32)
+        off = ((tl.load(meta_ptr + e_first + 0 * dh, mask=ok, other=0) >> OFFSET_SHIFT_C) & OFFSET_MASK_C).to(tl.float32)
         ang = off * tl.load(invf_ptr + dh)
         cos = tl.cos(ang)
         sin = tl.sin(ang)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kernels.options import using
-from kernels.paged_attention import MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
+from kernels.paged_attention import MAX_BLOCK_ID, MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
 from services.engine.decode import policy_for
 from services.engine.kv.block_pool import BlockPool
 from services.engine.kv.block_table import BlockTable
@@ -92,6 +92,10 @@ class Engine:
                                options=options)
         block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
         num_blocks = max(kv_cache_bytes // block_bytes, 1)
+        if num_blocks - 1 > MAX_BLOCK_ID:
+            raise ValueError(f"kv_cache_bytes {kv_cache_bytes} makes {num_blocks} blocks of {block_bytes} bytes; the "
+                             f"kernels' metadata addresses {MAX_BLOCK_ID + 1} (give at most "
+                             f"{(MAX_BLOCK_ID + 1) * block_bytes} bytes, or a larger block_size)")
         self.pool = BlockPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, device, dtype)
         self.cache = ChunkCache(self.pool, min(chunk_cache_bytes, num_blocks * block_bytes))
         self.forward.bind(self.pool, self.cache, block_size, self.fingerprint)

@@ -62,11 +62,17 @@ def test_request_past_the_model_limit(tmp_path):
     assert len(eng.cache) == 0
 
 
-def test_offset_the_metadata_cannot_encode(engine):
-    """A chunk starting past 65535 cannot be encoded in the 16-bit offset field: refused up front."""
+def test_offset_the_metadata_cannot_encode(engine, monkeypatch):
+    """A chunk starting past what the offset field holds is refused up front, nothing computed. The field holds
+    every position a model addresses (2**24 - 1), so the test narrows it to 40 to reach the check."""
+    import kernels.paged_attention as pa
+    from services.engine import engine as engine_module
+
+    monkeypatch.setattr(pa, "MAX_OFFSET", 40)
+    monkeypatch.setattr(engine_module, "MAX_OFFSET", 40)
     before = _snapshot(engine)
-    chunks = [[1] * 65536, [2] * 4]
-    with pytest.raises(ValueError, match="offset 65536 does not fit"):
+    chunks = [[1] * 41, [2] * 4]
+    with pytest.raises(ValueError, match="offset 41 does not fit the 24-bit offset field"):
         engine.prefill(chunks, [3], mode="tessera")
     assert _snapshot(engine) == before
 
@@ -106,3 +112,13 @@ def test_triton_backend_on_the_cpu_needs_the_interpreter(tiny_dir, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         Engine.load(tiny_dir, attention_backend="triton")
+
+
+def test_a_pool_the_metadata_cannot_address_is_refused(tiny_dir, monkeypatch):
+    """More blocks than the block-id field holds: refused when the engine is built, naming the bytes that fit."""
+    from services.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MAX_BLOCK_ID", 99)
+    with pytest.raises(ValueError, match=r"makes \d+ blocks .* addresses 100 \(give at most"):
+        Engine.load(tiny_dir, kv_cache_bytes=256 << 20)
+    Engine.load(tiny_dir, kv_cache_bytes=1 << 20)  # few enough blocks: built

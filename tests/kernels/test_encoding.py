@@ -3,17 +3,20 @@
 import pytest
 import torch
 
-from kernels.paged_attention import (MAX_BLOCK_ID, MAX_OFFSET, check_encodable, paged_decode_attention,
-                                     paged_prefill_attention)
+from kernels.paged_attention import (ID_SHIFT, MAX_BLOCK_ID, MAX_OFFSET, OFFSET_SHIFT, check_encodable,
+                                     paged_decode_attention, paged_prefill_attention)
 from kernels.paged_attention._meta import pack
 from kernels.rope import rope_inv_freq
 
 
 def test_check_encodable_limits():
+    """Every position a Llama-3.1-class model addresses (131,072) is an encodable chunk start; past the field's
+    2**24 - 1, refused by value; block ids up to 2**23 - 1 (the word stays a non-negative int64)."""
+    assert MAX_OFFSET == (1 << 24) - 1 and MAX_BLOCK_ID == (1 << 23) - 1 and MAX_OFFSET >= 131072
     ids = torch.tensor([0, 5], dtype=torch.int32)
-    check_encodable(16, ids, torch.tensor([0, MAX_OFFSET], dtype=torch.int32))
+    check_encodable(16, ids, torch.tensor([0, 65536, 131071, MAX_OFFSET], dtype=torch.int32))
     check_encodable(64, torch.tensor([MAX_BLOCK_ID], dtype=torch.int64), torch.tensor([0]))
-    with pytest.raises(ValueError, match="65536"):
+    with pytest.raises(ValueError, match=f"{MAX_OFFSET + 1} does not fit the 24-bit offset field"):
         check_encodable(16, ids, torch.tensor([0, MAX_OFFSET + 1]))
     with pytest.raises(ValueError, match="-1"):
         check_encodable(16, ids, torch.tensor([-1, 0]))
@@ -26,11 +29,12 @@ def test_check_encodable_limits():
 def test_pack_layout_round_trips():
     inv = rope_inv_freq(64, 10000.0)
     ids = torch.tensor([0, 7, MAX_BLOCK_ID], dtype=torch.int64)
-    offs = torch.tensor([MAX_OFFSET, 0, 1234], dtype=torch.int32)
+    offs = torch.tensor([MAX_OFFSET, 0, 131071], dtype=torch.int32)
     masks = torch.tensor([0xFFFF, 0x00F0, -1], dtype=torch.int64)
     p16 = pack(ids, offs, masks, 16, inv, with_table=True)
     w = p16.meta
-    assert torch.equal(w >> 32, ids) and torch.equal((w >> 16) & 0xFFFF, offs.long())
+    assert (w >= 0).all()
+    assert torch.equal(w >> ID_SHIFT, ids) and torch.equal((w >> OFFSET_SHIFT) & MAX_OFFSET, offs.long())
     assert torch.equal(w & 0xFFFF, masks & 0xFFFF) and p16.mask_in_word
     assert torch.allclose(p16.table[:, :32], torch.cos(offs.float()[:, None] * inv))
     p64 = pack(ids, offs, masks, 64, inv, with_table=False)
@@ -99,4 +103,4 @@ def test_inference_mode_tables_are_packed_not_cached():
         a = _meta.pack(ids, offs, masks, 16, inv_freq, with_table=True)
         b = _meta.pack(ids, offs, masks, 16, inv_freq, with_table=True)
     assert a is not b and torch.equal(a.meta, b.meta)
-    assert int(a.meta[1]) == (1 << 32) | (70 << 16) | 0x00FF
+    assert int(a.meta[1]) == (1 << ID_SHIFT) | (70 << OFFSET_SHIFT) | 0x00FF

@@ -16,6 +16,9 @@ CASES = [
     ([([63], 2), ([7, 9, 11], 5)], 4, 4, 64, 32, torch.bfloat16, 0.3, 0),
     ([([100, 50], 13)], 8, 1, 64, 64, torch.float16, 0.1, 0),
     ([([70, 40], 3), ([25], 0)], 8, 2, 64, 16, torch.float32, 0.0, 65450),
+    # chunks placed past the old 16-bit field (65,535), up to the 131,072 positions of a Llama-3.1-class model
+    ([([70, 40], 3), ([25], 0)], 8, 2, 64, 16, torch.float32, 0.0, 130950),
+    ([([63, 20], 2)], 4, 2, 64, 16, torch.bfloat16, 0.1, 100000),
 ]
 
 

@@ -21,6 +21,9 @@ CASES = [
     ([([100, 37], 20, 4)], 8, 1, 64, 64, torch.bfloat16, 0.1, 0),
     ([([200, 250], 50, 0)], 8, 2, 64, 16, torch.float16, 0.0, 0),
     ([([60, 75], 10, 2), ([1], 1, 0)], 4, 1, 64, 16, torch.float32, 0.0, 65400),
+    # past the old 16-bit field: a chunk crossing 65,536, and chunks near the 131,072 positions of Llama-3.1
+    ([([60, 75], 10, 2), ([1], 1, 0)], 4, 1, 64, 16, torch.float32, 0.0, 65500),
+    ([([60, 75], 10, 2)], 4, 2, 64, 16, torch.bfloat16, 0.1, 130900),
 ]
 
 

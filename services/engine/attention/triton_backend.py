@@ -83,7 +83,7 @@ class TritonStatic(StaticTable):
 
     def fill(self, table) -> None:
         if table.max_offset > MAX_OFFSET:  # what packing inside the graph would not see (engine input checks it too)
-            raise ValueError(f"position offset {table.max_offset} does not fit the kernels' 16-bit offset field")
+            raise ValueError(f"position offset {table.max_offset} does not fit the kernels' offset field (0..{MAX_OFFSET})")
         self._fill_table(table)
 
     def prepare(self, pos: torch.Tensor) -> None:

@@ -272,7 +272,7 @@ def blend_tail_pass(fwd, placed, chunks, pinned, private, suffix, ratio: float, 
     n_x, m, max_offset, _ = pack(tail.stage(), placed, ids, slots, suffix, x_blocks, s_blocks, n_keep, bs,
                                  fwd.scratch_block, n, k, s, e)
     if max_offset > MAX_OFFSET:  # the engine's input check refuses such requests first
-        raise ValueError(f"position offset {max_offset} does not fit the kernels' 16-bit offset field")
+        raise ValueError(f"position offset {max_offset} does not fit the kernels' offset field (0..{MAX_OFFSET})")
     tail.load()
     fwd.blend_tails.replays += 1
     logits = tail.run().clone()

@@ -143,7 +143,7 @@ def reuse_tail_pass(fwd, placed, chunks, pinned, private, suffix, stats, keep_ta
     tail = fwd.id_tails.get(t, e)
     m, max_offset, n_chunk = pack(tail.stage(), placed, suffix, s_blocks, bs, fwd.scratch_block, t, e)
     if max_offset > MAX_OFFSET:  # the engine's input check refuses such requests first
-        raise ValueError(f"position offset {max_offset} does not fit the kernels' 16-bit offset field")
+        raise ValueError(f"position offset {max_offset} does not fit the kernels' offset field (0..{MAX_OFFSET})")
     tail.load()
     tables = [tail.table(m, max_offset, n_chunk + n_s)] * fwd.cfg.num_layers if keep_tables else []
     fwd.id_tails.replays += 1
