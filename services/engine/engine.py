@@ -18,7 +18,7 @@ import torch
 
 from kernels.options import using
 from kernels.paged_attention import MAX_BLOCK_ID, MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
-from services.engine.decode import policy_for
+from services.engine.decode import DecodePolicy, QuestDecode, policy_for
 from services.engine.kv.block_pool import BlockPool
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.chunk_cache import ChunkCache, chunk_id
@@ -254,9 +254,11 @@ class Engine:
     @launches
     def generate(self, chunks, suffix, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, mode: str = "tessera", recompute_ratio: float = 0.15,
-                 stop_token_ids: list[int] | None = None, decode: str = "dense") -> list[int]:
-        """``decode``: the decode policy of its steps (services/engine/decode: "dense")."""
-        policy = policy_for(decode)
+                 stop_token_ids: list[int] | None = None, decode: str = "dense", budget_tokens: int | None = None,
+                 dense_layers: int | None = None) -> list[int]:
+        """``decode``: the decode policy of its steps (services/engine/decode: "dense", or "quest" with
+        ``budget_tokens`` and ``dense_layers``)."""
+        policy = self.decode_policy(decode, budget_tokens=budget_tokens, dense_layers=dense_layers)
         params = SamplingParams(temperature, top_p, top_k, seed, max_new_tokens)
         chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=max_new_tokens)
         stops = set(self._stop_ids() if stop_token_ids is None else stop_token_ids)
@@ -313,15 +315,24 @@ class Engine:
 
     @torch.no_grad()
     @launches
-    def import_handoff(self, handoff: Handoff, fetch=None, decode: str = "dense") -> Sequence:
+    def import_handoff(self, handoff: Handoff, fetch=None, decode: str = "dense", **decode_params) -> Sequence:
         """Rebuild a prefilled request here: shared chunks from this cache, ``fetch``, or recompute; its decode
-        steps attend by the policy ``decode`` names (services/engine/decode)."""
-        policy = policy_for(decode)
+        steps attend by the policy ``decode`` names with ``decode_params`` (services/engine/decode)."""
+        policy = self.decode_policy(decode, **decode_params)
         if handoff.model_fingerprint != self.fingerprint:
             raise ValueError(f"hand-off was made by model {handoff.model_fingerprint}, this engine runs {self.fingerprint}")
         seq = import_sequence(self.forward, handoff, fetch)
         seq.decode = policy
         return seq
+
+    def decode_policy(self, decode: str = "dense", **params) -> DecodePolicy:
+        """The decode policy ``decode`` names with its parameters (None: the policy's default), checked against this
+        engine (a quest budget of at least one page, no more dense layers than the model has); ValueError naming
+        the field otherwise."""
+        policy = policy_for(decode, **{k: v for k, v in params.items() if v is not None})
+        if isinstance(policy, QuestDecode):
+            policy.check(self.block_size, self.cfg.num_layers)
+        return policy
 
     @launches
     def insert_chunk(self, chunk_id: str, tokens, layers) -> None:

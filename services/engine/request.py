@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from services.engine.decode import POLICIES, DecodePolicy
+from services.engine.decode import DENSE, DecodePolicy
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.chunk_cache import ChunkEntry
 from services.modes import MODES  # noqa: F401 - named here for its importers
@@ -72,7 +72,7 @@ class Sequence:
     gen_count: int = 0
     released: bool = False
     chunk_tokens: dict = field(default_factory=dict)  # chunk key -> token ids (carried in hand-offs)
-    decode: DecodePolicy = field(default_factory=lambda: POLICIES["dense"])  # how its decode steps attend
+    decode: DecodePolicy = DENSE  # how its decode steps attend (services/engine/decode)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,24 +3,32 @@
 The seam sparse and retrieval decode plug into. A policy (``DecodePolicy``, policy.py) is given, at every layer of a
 step, the query rows of the sequences that use it and their batched block table, and returns their attention
 output; the step (``Forward.decode_step``) groups the batch by policy, so sequences of different policies share one
-continuous batch. ``dense`` (dense.py) attends to every visible key through the engine's attention backend and is
-the only policy today; a step made only of policies that replay as a CUDA graph (dense) replays as one.
+continuous batch. ``dense`` (dense.py) attends to every visible key through the engine's attention backend;
+``quest`` (quest.py) to the pages its key bounds select within a budget. A step made only of policies that replay
+as a CUDA graph (dense) replays as one.
 """
 
 from __future__ import annotations
 
 from services.engine.decode.dense import DenseDecode
 from services.engine.decode.policy import DecodePolicy
+from services.engine.decode.quest import QuestDecode
 
-POLICIES: dict[str, DecodePolicy] = {"dense": DenseDecode()}
+POLICIES: dict[str, type[DecodePolicy]] = {"dense": DenseDecode, "quest": QuestDecode}
+DENSE = DenseDecode()
 
 
-def policy_for(name: str) -> DecodePolicy:
-    """The policy of that name; ValueError naming the field and the known ones otherwise."""
-    policy = POLICIES.get(name) if isinstance(name, str) else None
-    if policy is None:
+def policy_for(name: str, **params) -> DecodePolicy:
+    """The policy of that name with its parameters (quest: budget_tokens, dense_layers); ValueError naming the
+    field for an unknown name or a bad value, TypeError for a parameter the policy does not take."""
+    cls = POLICIES.get(name) if isinstance(name, str) else None
+    if cls is None:
         raise ValueError(f"decode must be one of {sorted(POLICIES)}, got {name!r}")
-    return policy
+    if cls is DenseDecode:
+        if params:
+            raise TypeError(f"decode='dense' takes no parameters, got {sorted(params)}")
+        return DENSE
+    return cls(**params)
 
 
-__all__ = ["POLICIES", "DecodePolicy", "DenseDecode", "policy_for"]
+__all__ = ["DENSE", "POLICIES", "DecodePolicy", "DenseDecode", "QuestDecode", "policy_for"]

@@ -470,7 +470,7 @@ class Forward:
             return seqs[0].decode.attend(self, layer, q, seqs, table, cu)
         out = torch.empty_like(q)
         for policy in policies:
-            rows = [i for i, s in enumerate(seqs) if s.decode is policy]
+            rows = [i for i, s in enumerate(seqs) if s.decode == policy]
             sub = [seqs[i] for i in rows]
             per_seq = [BlockTable.cat([s.layer_tables[layer], gen_tables[i]]) for i, s in zip(rows, sub)]
             sub_cu = torch.tensor([0] + [t.num_entries for t in per_seq], dtype=torch.int64).cumsum(0)

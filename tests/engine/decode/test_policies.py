@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.engine import Engine
-from services.engine.decode import POLICIES, DecodePolicy, DenseDecode, policy_for
+from services.engine.decode import DENSE, POLICIES, DecodePolicy, policy_for
 
 from ..conftest import random_request
 
@@ -22,14 +22,14 @@ class CountingDense(DecodePolicy):
 
     def attend(self, fwd, layer, q, seqs, table, cu_entries):
         self.rows.append(q.shape[0])
-        return DenseDecode().attend(fwd, layer, q, seqs, table, cu_entries)
+        return DENSE.attend(fwd, layer, q, seqs, table, cu_entries)
 
 
 def test_dense_is_the_default_and_unknown_policies_are_refused(engine):
-    assert set(POLICIES) == {"dense"} and policy_for("dense").replays_graph
+    assert set(POLICIES) == {"dense", "quest"} and policy_for("dense").replays_graph
     chunks, suffix = random_request(5)
-    with pytest.raises(ValueError, match=r"decode must be one of \['dense'\], got 'quest'"):
-        engine.generate(chunks, suffix, max_new_tokens=2, decode="quest")
+    with pytest.raises(ValueError, match=r"decode must be one of \['dense', 'quest'\], got 'retrieval'"):
+        engine.generate(chunks, suffix, max_new_tokens=2, decode="retrieval")
     with pytest.raises(ValueError, match="decode must be one of"):
         policy_for(None)
     assert engine.cache.resident_bytes == 0  # refused before any pass: nothing computed or cached
