@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.cluster.errors import RequestError, internal
+from services.engine.decode import DENSE, DecodePolicy
 from services.engine.sampling import SamplingParams
 from services.handoff.prepare import PreparedHandoff
 from services.decode.metrics import DecodeMetrics
@@ -55,6 +56,7 @@ class DecodeJob:
     sampling: SamplingParams
     emit: Callable[[list[int], str | None, RequestError | None], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    policy: DecodePolicy = DENSE        # how its steps attend (services/engine/decode); sequences of any mix batch
 
 
 @dataclass(slots=True)
@@ -203,7 +205,7 @@ class Batcher:
 
         t0 = time.perf_counter()
         try:
-            seq, logits = self._rebuild(job.handoff)
+            seq, logits = self._rebuild(job.handoff, job.policy)
         except PoolExhausted as exc:
             _quietly(job.emit, [], None, RequestError("exhausted", f"{self.name}: no KV memory for the "
                                                                    f"sequence now: {exc}"))
@@ -236,15 +238,17 @@ class Batcher:
         elif not self._emit(live):
             self._live.append(live)
 
-    def _rebuild(self, prepared: PreparedHandoff):
-        """(sequence, first-token logits) from a hand-off."""
+    def _rebuild(self, prepared: PreparedHandoff, policy: DecodePolicy = DENSE):
+        """(sequence, first-token logits) from a hand-off; the sequence's steps attend by ``policy``."""
         prepared.adopt()
         def fetch(cid: str):
             if cid in prepared.fetched:
                 return iter(prepared.fetched[cid])
             return self.fetch(cid) if self.fetch is not None else None
 
-        return self.eng.import_handoff(prepared.handoff, fetch=fetch), prepared.handoff.logits
+        seq = self.eng.import_handoff(prepared.handoff, fetch=fetch)
+        seq.decode = policy
+        return seq, prepared.handoff.logits
 
     def _emit(self, live: _Live) -> bool:
         """Send the newest token; True (and the sequence released) when the request is over."""

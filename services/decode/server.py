@@ -120,10 +120,16 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             sampling = read_sampling(request.sampling, self.eng.cfg.eos_token_id)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+        try:
+            policy = self.eng.decode_policy(request.decode.name or "dense", **{
+                f: getattr(request.decode, f) for f in ("budget_tokens", "dense_layers") if request.decode.HasField(f)})
+        except (ValueError, TypeError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"decode: {exc}")
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         job = DecodeJob(rid, prepared, sampling,
-                        lambda toks, reason, err: loop.call_soon_threadsafe(out.put_nowait, (toks, reason, err)))
+                        lambda toks, reason, err: loop.call_soon_threadsafe(out.put_nowait, (toks, reason, err)),
+                        policy=policy)
         # the caller leaving ends the sequence at the next step; the generator's own clean-up may wait for the
         # garbage collector when the caller leaves while the generator is parked at a yield. The callback holds
         # the event alone: the RPC's context outlives the call until a garbage collection, and a job held there

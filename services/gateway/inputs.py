@@ -27,7 +27,7 @@ from services.cluster.sampling import DEFAULT_MAX_NEW_TOKENS, read_sampling
 from services.engine.model.config import ModelConfig
 from services.engine.sampling import SamplingParams
 from services.gateway.tenants import DEFAULT, QuotaExceeded, Tenant
-from services.modes import MODES
+from services.modes import DECODE_POLICIES, MODES
 from services.rpc import tessera_pb2 as pb
 
 
@@ -53,6 +53,7 @@ class ResolvedRequest:
     recompute_ratio: float | None
     sampling: SamplingParams
     namespaces: tuple[str, ...] = ()   # each chunk's namespace, () when all are plain (no tenants)
+    decode: pb.DecodePolicy | None = None  # checked names and counts; None: dense
 
     @property
     def prompt_tokens(self) -> int:
@@ -313,6 +314,30 @@ class InputResolver:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
 
+    def decode_policy(self, req: pb.GenerateRequest) -> pb.DecodePolicy | None:
+        """The request's decode policy, its name and counts checked (what the decode worker's engine must also allow,
+        a budget of at least one page, it checks itself); None for dense."""
+        if not req.HasField("decode"):
+            return None
+        d = req.decode
+        name = d.name or "dense"
+        if name not in DECODE_POLICIES:
+            raise InvalidRequest(f"decode must be one of {', '.join(DECODE_POLICIES)}, got {d.name!r}")
+        given = [f for f in ("budget_tokens", "dense_layers") if d.HasField(f)]
+        if name == "dense":
+            if given:
+                raise InvalidRequest(f"decode 'dense' takes no {' or '.join(given)}")
+            return None
+        if d.HasField("budget_tokens") and d.budget_tokens < 1:
+            raise InvalidRequest(f"budget_tokens must be at least 1, got {d.budget_tokens}")
+        if d.HasField("dense_layers") and d.dense_layers > self.cfg.num_layers:
+            raise InvalidRequest(f"dense_layers must be at most the model's {self.cfg.num_layers} layers, "
+                                 f"got {d.dense_layers}")
+        out = pb.DecodePolicy()
+        out.CopyFrom(d)
+        out.name = name
+        return out
+
     def resolve(self, req: pb.GenerateRequest, tenant: Tenant = DEFAULT,
                 fresh: dict | None = None) -> ResolvedRequest:
         """The request in token ids, its chunks in the tenant's namespaces, within its quotas. ``fresh``: chunk
@@ -366,4 +391,4 @@ class InputResolver:
         self.keep(fresh)
         ids = tuple(self.chunk_id(c, ns) for c, ns in zip(chunks, namespaces))
         return ResolvedRequest(chunks, ids, suffix, mode, ratio, sampling,
-                               namespaces if any(namespaces) else ())
+                               namespaces if any(namespaces) else (), self.decode_policy(req))

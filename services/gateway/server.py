@@ -236,7 +236,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
             if not finish:           # the first token did not end the request: the decode worker goes on
                 try:
                     call = self.peers.decode_stub(d).Decode(
-                        pb.DecodeRequest(request_id=rid, sampling=sampling),
+                        pb.DecodeRequest(request_id=rid, sampling=sampling, decode=req.decode),
                         timeout=self._remaining(context))
                     # a client that leaves frees the decode slot at once: this generator's own clean-up may
                     # wait for the garbage collector when the client leaves while it is parked at a yield

@@ -42,8 +42,18 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
+class DecodePolicy(_message.Message):
+    __slots__ = ("name", "budget_tokens", "dense_layers")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    budget_tokens: int
+    dense_layers: int
+    def __init__(self, name: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., dense_layers: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("chunks", "suffix_text", "suffix_tokens", "sampling", "mode", "recompute_ratio", "request_id")
+    __slots__ = ("chunks", "suffix_text", "suffix_tokens", "sampling", "mode", "recompute_ratio", "request_id", "decode")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_TEXT_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +61,7 @@ class GenerateRequest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkInput]
     suffix_text: str
     suffix_tokens: TokenIds
@@ -58,7 +69,8 @@ class GenerateRequest(_message.Message):
     mode: str
     recompute_ratio: float
     request_id: str
-    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkInput, _Mapping]]] = ..., suffix_text: _Optional[str] = ..., suffix_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+    decode: DecodePolicy
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkInput, _Mapping]]] = ..., suffix_text: _Optional[str] = ..., suffix_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., request_id: _Optional[str] = ..., decode: _Optional[_Union[DecodePolicy, _Mapping]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
     __slots__ = ("chunk_tokens_by_tier", "recomputed_tokens", "prompt_tokens", "output_tokens", "queue_seconds", "prefill_seconds", "load_wait_seconds", "loaded_bytes", "handoff_bytes", "transport", "prefill_worker", "decode_worker", "recompute_ratio", "chunk_ids", "load_seconds", "first_token_seconds", "handoff_seconds", "chunk_compute_seconds", "forward_seconds")
@@ -356,12 +368,14 @@ class HandoffAck(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "sampling")
+    __slots__ = ("request_id", "sampling", "decode")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    decode: DecodePolicy
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode: _Optional[_Union[DecodePolicy, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason")

@@ -88,12 +88,15 @@ class Client:
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  mode: str = "tessera", recompute_ratio: float | None = None,
                  stop_token_ids: Sequence[int] | None = None, request_id: str | None = None,
-                 timeout: float | None = None) -> Iterator[GenerateEvent]:
+                 timeout: float | None = None, decode: str = "dense", budget_tokens: int | None = None,
+                 dense_layers: int | None = None) -> Iterator[GenerateEvent]:
         """Stream the generated tokens. ``stop_token_ids=None`` stops at the model's EOS; a list
-        (even empty) stops only at those. ``recompute_ratio=None`` lets the cluster choose."""
+        (even empty) stops only at those. ``recompute_ratio=None`` lets the cluster choose. ``decode``: how the
+        decode steps attend ("dense", or "quest" with ``budget_tokens`` and ``dense_layers``)."""
         req = generate_request(chunks, suffix, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, seed=seed, mode=mode, recompute_ratio=recompute_ratio,
-                               stop_token_ids=stop_token_ids, request_id=request_id)
+                               stop_token_ids=stop_token_ids, request_id=request_id, decode=decode,
+                               budget_tokens=budget_tokens, dense_layers=dense_layers)
         return self._stream(req, self._s.call_timeout(timeout))
 
     def _stream(self, req: pb.GenerateRequest, timeout: float) -> Iterator[GenerateEvent]:

@@ -158,7 +158,8 @@ def chunk_inputs(chunks) -> list[pb.ChunkInput]:
 
 def generate_request(chunks: Sequence[Chunk], suffix: str | Sequence[int], *, max_new_tokens: int, temperature: float,
                      top_p: float, top_k: int, seed: int | None, mode: str, recompute_ratio: float | None,
-                     stop_token_ids: Sequence[int] | None, request_id: str | None) -> pb.GenerateRequest:
+                     stop_token_ids: Sequence[int] | None, request_id: str | None, decode: str = "dense",
+                     budget_tokens: int | None = None, dense_layers: int | None = None) -> pb.GenerateRequest:
     """The GenerateRequest for ``Client.generate``'s arguments. Here each value is checked against what
     the message can carry (``checks``); what the model can serve is checked by the gateway."""
     req = pb.GenerateRequest(chunks=chunk_inputs(chunks), mode=checks.text(mode, "mode"),
@@ -183,4 +184,10 @@ def generate_request(chunks: Sequence[Chunk], suffix: str | Sequence[int], *, ma
         s.ignore_eos = True
     if recompute_ratio is not None:
         req.recompute_ratio = checks.number(recompute_ratio, "recompute_ratio")
+    if decode != "dense" or budget_tokens is not None or dense_layers is not None:
+        req.decode.name = checks.text(decode, "decode")
+        if budget_tokens is not None:
+            req.decode.budget_tokens = checks.integer(budget_tokens, "budget_tokens", 0, checks.UINT32_MAX)
+        if dense_layers is not None:
+            req.decode.dense_layers = checks.integer(dense_layers, "dense_layers", 0, checks.UINT32_MAX)
     return req

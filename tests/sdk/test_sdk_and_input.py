@@ -109,13 +109,33 @@ def test_first_token_comes_from_the_prefill_worker(client, reference):
     (dict(chunks=[[1, 100000]], suffix=[1]), "token id 100000 in chunk 0 is outside the vocabulary"),
     (dict(chunks=[[1, 2]], suffix=[1], mode="sideways"), "unknown mode 'sideways'"),
     (dict(chunks=[[1, 2]], suffix=[1], recompute_ratio=1.5), "recompute_ratio must be in [0, 1]"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="sparse"), "decode must be one of dense, quest, got 'sparse'"),
+    (dict(chunks=[[1, 2]], suffix=[1], budget_tokens=64), "decode 'dense' takes no budget_tokens"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="quest", budget_tokens=0), "budget_tokens must be at least 1"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="quest", dense_layers=99), "dense_layers must be at most"),
+    # a budget under one page passes the gateway, which does not know the workers' block size: the decode worker's
+    # engine refuses it, naming the field
+    (dict(chunks=[[1, 2]], suffix=[1], decode="quest", budget_tokens=8), "budget_tokens must be at least one page"),
 ], ids=["unknown-chunk", "empty", "empty-chunk", "too-long", "temperature", "top_p", "top_k",
-        "max_new_tokens", "vocab", "mode", "ratio"])
+        "max_new_tokens", "vocab", "mode", "ratio", "decode", "dense-budget", "zero-budget", "dense-layers",
+        "sub-page-budget"])
 def test_bad_input_is_invalid_argument_with_the_reason(client, kwargs, reason):
     with pytest.raises(InvalidArgument) as info:
         client.complete(**kwargs)
     assert info.value.code == "INVALID_ARGUMENT"
     assert reason in str(info.value)
+
+
+def test_quest_decode_through_the_cluster(client, reference):
+    """decode="quest" reaches the decode worker: with a budget covering every page it generates the engine's dense
+    tokens; with a one-page budget it still generates (what it attends is the policy's, tested in the engine)."""
+    chunks, suffix = docs(2, 48, seed=3), [4, 5, 6]
+    want = reference.generate(chunks, suffix, max_new_tokens=10, stop_token_ids=[])
+    wide = client.complete(chunks, suffix, max_new_tokens=10, stop_token_ids=[], decode="quest", budget_tokens=4096,
+                           dense_layers=0)
+    assert list(wide.token_ids) == want
+    narrow = client.complete(chunks, suffix, max_new_tokens=10, stop_token_ids=[], decode="quest", budget_tokens=16)
+    assert len(narrow.token_ids) == 10 and narrow.finish_reason == "length"
 
 
 def test_register_refuses_ids_and_nothing(client):
