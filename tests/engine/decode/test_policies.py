@@ -26,7 +26,9 @@ class CountingDense(DecodePolicy):
 
 
 def test_dense_is_the_default_and_unknown_policies_are_refused(engine):
-    assert set(POLICIES) == {"dense", "quest"} and policy_for("dense").replays_graph
+    from services.modes import DECODE_POLICIES
+
+    assert tuple(POLICIES) == DECODE_POLICIES == ("dense", "quest") and policy_for("dense").replays_graph
     chunks, suffix = random_request(5)
     with pytest.raises(ValueError, match=r"decode must be one of \['dense', 'quest'\], got 'retrieval'"):
         engine.generate(chunks, suffix, max_new_tokens=2, decode="retrieval")
