@@ -358,6 +358,7 @@ class Engine:
             return []
         return list(eos) if isinstance(eos, list) else [eos]
 
+    @launches  # (the warm-up calls it directly: its captures must see the engine's options too)
     def _prefill(self, chunks, suffix, mode, ratio, fetch=None, on_computed=None, ids=None, keep_tables=True,
                  scope: str = ""):
         stats = PrefillStats(mode=mode, recompute_ratio=ratio, check_layer=self.blend.check_layer,

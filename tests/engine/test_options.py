@@ -60,6 +60,10 @@ def test_the_engine_launches_under_its_own_kernel_options(tiny_dir):
     seen.clear()
     b.prefill(chunks, suffix)
     assert seen and set(seen) == {KernelOptions()}
+    seen.clear()  # the warm-up's direct call of the pass (graphs/warmup.py) too
+    _, seq, _ = a._prefill(chunks, suffix, "tessera", 0.0, ids=[a.chunk_id(c) for c in chunks])
+    a.release(seq)
+    assert seen and set(seen) == {off.kernels}
     assert kernel_options.current() == kernel_options.DEFAULT
 
 
