@@ -447,34 +447,45 @@ class Forward:
         self.pool.slot_pos[block, slot] = pos.to(torch.int32)
         gen_tables = [BlockTable.for_run(s.gen_blocks, s.gen_count, bs, 0, dev) for s in seqs]
         h = self.model.embed(host_to_device(tokens, torch.long, dev))
-        # Layers share table objects (one or two distinct per sequence), so the batch table and its
+        # the batch grouped by decode policy once a step (one group, every row, when it has one policy)
+        groups = self._policy_groups(seqs, dev)
+        # Layers share table objects (one or two distinct per sequence), so each group's batch table and its
         # bounds are built once per distinct combination: the same tensors at every layer let the
         # kernels reuse their packed metadata (one validation and packing per combination, not per layer).
-        batch: dict[tuple, tuple[BlockTable, torch.Tensor]] = {}
+        batch: dict[tuple, list[tuple[BlockTable, torch.Tensor]]] = {}
         for layer in range(self.cfg.num_layers):
             q, _, _ = self.model.attention_inputs(layer, h, pos, write=self.pool.at(layer, block, slot))
             key = tuple(id(s.layer_tables[layer]) for s in seqs)
             if key not in batch:
-                per_seq = [BlockTable.cat([s.layer_tables[layer], gen_tables[i]]) for i, s in enumerate(seqs)]
-                cu = torch.tensor([0] + [t.num_entries for t in per_seq], dtype=torch.int64).cumsum(0)
-                batch[key] = (BlockTable.cat(per_seq), cu.to(device=dev, dtype=torch.int32))
-            h = self.model.finish_layer(layer, h, self._decode_attend(layer, q, seqs, gen_tables, batch, key))
+                batch[key] = [self._step_table(layer, [seqs[i] for i in rows], [gen_tables[i] for i in rows], dev)
+                              for _, rows, _ in groups]
+            h = self.model.finish_layer(layer, h, self._decode_attend(layer, q, seqs, groups, batch[key]))
         return self.model.logits(h)
 
-    def _decode_attend(self, layer: int, q: torch.Tensor, seqs: list[Sequence], gen_tables, batch: dict, key):
+    @staticmethod
+    def _policy_groups(seqs: list[Sequence], dev) -> list[tuple]:
+        """[(policy, rows, rows on the device or None)] in first-seen order; equal policies share a group."""
+        rows: dict = {}
+        for i, s in enumerate(seqs):
+            rows.setdefault(s.decode, []).append(i)
+        if len(rows) == 1:
+            return [(seqs[0].decode, list(range(len(seqs))), None)]
+        return [(policy, r, host_to_device(r, torch.long, dev)) for policy, r in rows.items()]
+
+    @staticmethod
+    def _step_table(layer: int, seqs: list[Sequence], gen_tables: list[BlockTable], dev):
+        """(one table of the sequences' entries at ``layer`` then their generated tokens, int32 cu bounds)."""
+        per_seq = [BlockTable.cat([s.layer_tables[layer], g]) for s, g in zip(seqs, gen_tables)]
+        cu = torch.tensor([0] + [t.num_entries for t in per_seq], dtype=torch.int64).cumsum(0)
+        return BlockTable.cat(per_seq), cu.to(device=dev, dtype=torch.int32)
+
+    def _decode_attend(self, layer: int, q: torch.Tensor, seqs: list[Sequence], groups, tables):
         """A step's attention at one layer, each sequence through its decode policy (services/engine/decode): one
         call for the whole batch when it has one policy, else one per policy over its rows, put back in order."""
-        table, cu = batch[key]
-        policies = {s.decode for s in seqs}
-        if len(policies) == 1:
-            return seqs[0].decode.attend(self, layer, q, seqs, table, cu)
+        if len(groups) == 1:
+            table, cu = tables[0]
+            return groups[0][0].attend(self, layer, q, seqs, table, cu)
         out = torch.empty_like(q)
-        for policy in policies:
-            rows = [i for i, s in enumerate(seqs) if s.decode == policy]
-            sub = [seqs[i] for i in rows]
-            per_seq = [BlockTable.cat([s.layer_tables[layer], gen_tables[i]]) for i, s in zip(rows, sub)]
-            sub_cu = torch.tensor([0] + [t.num_entries for t in per_seq], dtype=torch.int64).cumsum(0)
-            idx = host_to_device(rows, torch.long, q.device)
-            out[idx] = policy.attend(self, layer, q[idx], sub, BlockTable.cat(per_seq),
-                                     sub_cu.to(device=q.device, dtype=torch.int32))
+        for (policy, rows, idx), (table, cu) in zip(groups, tables):
+            out[idx] = policy.attend(self, layer, q[idx], [seqs[i] for i in rows], table, cu)
         return out
