@@ -18,7 +18,7 @@ import torch
 
 from kernels.options import using
 from kernels.paged_attention import MAX_BLOCK_ID, MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
-from services.engine.decode import DecodePolicy, QuestDecode, policy_for
+from services.engine.decode import DecodePolicy, policy_for
 from services.engine.kv.block_pool import BlockPool
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.chunk_cache import ChunkCache, chunk_id
@@ -330,8 +330,7 @@ class Engine:
         engine (a quest budget of at least one page, no more dense layers than the model has); ValueError naming
         the field otherwise."""
         policy = policy_for(decode, **{k: v for k, v in params.items() if v is not None})
-        if isinstance(policy, QuestDecode):
-            policy.check(self.block_size, self.cfg.num_layers)
+        policy.check(self.block_size, self.cfg.num_layers)
         return policy
 
     @launches

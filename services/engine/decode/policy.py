@@ -23,6 +23,9 @@ class DecodePolicy:
     name: str = "base"
     replays_graph: bool = False
 
+    def check(self, block_size: int, num_layers: int) -> None:
+        """ValueError naming the field for a parameter this engine cannot serve (nothing, unless a policy says)."""
+
     def attend(self, fwd: Forward, layer: int, q: torch.Tensor, seqs: list[Sequence], table: BlockTable,
                cu_entries: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, D] of ``seqs`` (this policy's rows of the step), sequence b's entries in
