@@ -1,0 +1,60 @@
+"""Quest sparse decode: page scores from per-block key bounds, a top-k page selection per (sequence, KV head),
+and decode attention over the selected pages only (docs: /work/shared/DESIGN.md, "Sparse and retrieval decode").
+
+Each function dispatches to the plain-torch twin (``reference.py``, where the layout is written down) or the
+Triton kernels (``triton.py``). A decode step is
+    scores = page_scores(q, kmin, kmax, table..., cu_entries, inv_freq)          # fp32 [E, Hkv]
+    sel, count = select_pages(scores, cu_entries, budget_pages)                  # int32 [B, Hkv, K], [B, Hkv]
+    out, lse = sparse_decode_attention(q, k_cache, v_cache, table..., sel, count, inv_freq, scale)
+Scores and attention rotate the query backwards by each entry's offset (deferred RoPE), so a shared chunk's page
+metadata, computed once in the chunk's frame, serves wherever the chunk is placed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.sparse import reference
+
+__all__ = ["page_scores", "select_pages", "sparse_decode_attention"]
+
+
+def _impl(backend: str):
+    if backend == "torch":
+        return reference
+    if backend == "triton":
+        from kernels.sparse import triton as impl
+
+        return impl
+    raise ValueError(f"unknown sparse decode backend {backend!r} (torch or triton)")
+
+
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_ids: torch.Tensor,
+                offsets: torch.Tensor, masks: torch.Tensor, cu_entries: torch.Tensor, inv_freq: torch.Tensor,
+                backend: str = "torch") -> torch.Tensor:
+    """q [B, Hq, D] (rotated at each sequence's position), page bounds kmin, kmax [N, Hkv, D] -> fp32 [E, Hkv]:
+    per entry and KV head, max over its query heads of Σ_i max(q'_i·kmax_i, q'_i·kmin_i), q' = R_{-offset} q;
+    -inf where the entry's mask shows no slot."""
+    return _impl(backend).page_scores(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq)
+
+
+def select_pages(scores: torch.Tensor, cu_entries: torch.Tensor, budget_pages: int,
+                 backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """scores fp32 [E, Hkv] -> (sel int32 [B, Hkv, budget_pages], count int32 [B, Hkv]): per sequence and KV head
+    its last entry and the budget_pages - 1 highest-scoring others (all when they fit), never a -inf one, as
+    global entry indices in ascending order, -1 past count. Ties: any of the tied entries."""
+    if isinstance(budget_pages, bool) or not isinstance(budget_pages, int) or budget_pages < 1:
+        raise ValueError(f"budget_pages must be an int >= 1, got {budget_pages!r}")
+    return _impl(backend).select_pages(scores, cu_entries, budget_pages)
+
+
+def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                            offsets: torch.Tensor, masks: torch.Tensor, sel: torch.Tensor, count: torch.Tensor,
+                            inv_freq: torch.Tensor, scale: float,
+                            backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """Row r's query q[r] [Hq, D] (rotated at its own position; rows need not be sequences: past queries with
+    their own selections are rows too) attends, per KV head h, to the visible slots of entries
+    sel[r, h, :count[r, h]] only. Returns out [R, Hq, D] (q's dtype), lse [R, Hq] fp32 (natural log of the
+    scaled logits; out 0 and lse -inf where nothing is attended)."""
+    return _impl(backend).sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel, count,
+                                                  inv_freq, scale)

@@ -1,0 +1,273 @@
+"""Quest sparse decode: Triton == twin for page scores, selection and sparse attention; the twin == the plain
+per-sequence Quest decode the engine ran before these kernels (kept below as the oracle); a page's score bounds its
+best q·k wherever it is placed; a selection of every page == dense paged decode."""
+
+import pytest
+import torch
+from kernel_checks import DTYPE_NAME, TOL, assert_lse_close, rel_err
+from paged_cases import build
+
+from kernels.paged_attention import paged_decode_attention
+from kernels.paged_attention._decode import DecodeConfig
+from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq, rotate
+from kernels.sparse import page_scores, reference, select_pages, sparse_decode_attention
+from kernels.sparse import _attend, _select
+
+
+
+# -- the oracle: services/engine/decode/quest.py's plain-torch Quest decode as it was before these kernels,
+# one sequence at a time, with per-entry fp32 bounds computed from the pool (+inf / -inf over no visible key)
+
+def quest_page_scores(q, kmin, kmax, offsets, inv_freq):
+    """q [Hq, D] of one sequence, per-entry bounds [E, Hkv, D] -> fp32 [E, Hkv]."""
+    e, hkv, d = kmax.shape
+    cos, sin = rope_cos_sin(offsets.long(), inv_freq)
+    qr = rotate(q.float()[None].expand(e, -1, -1), cos[:, None, :], -sin[:, None, :]).view(e, hkv, -1, d)
+    bound = torch.maximum(qr * kmax[:, :, None, :], qr * kmin[:, :, None, :]).sum(-1).amax(-1)
+    return torch.where(torch.isfinite(kmax).all(-1), bound, float("-inf"))
+
+
+def quest_select(scores, budget_pages):
+    """scores [E, Hkv] of one sequence -> bool [E, Hkv]: the last page and the budget_pages - 1 best others."""
+    e, hkv = scores.shape
+    chosen = torch.zeros(e, hkv, dtype=torch.bool)
+    chosen[-1] = True
+    others = min(budget_pages - 1, e - 1)
+    if others > 0:
+        chosen[:-1].scatter_(0, torch.topk(scores[:-1], others, dim=0).indices, True)
+    return chosen
+
+
+def quest_attention(q, k_cache, v_cache, block_ids, offsets, masks, cu_entries, inv_freq, scale, budget_pages):
+    """Every key of each sequence scored and attended, the unselected pages masked out. -> (out, chosen per seq)."""
+    _, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    bits = torch.arange(bs, dtype=torch.int64)
+    out, chosen_all = torch.empty_like(q), []
+    for b in range(q.shape[0]):
+        lo, hi = int(cu_entries[b]), int(cu_entries[b + 1])
+        ids, offs = block_ids[lo:hi].long(), offsets[lo:hi].long()
+        visible = ((masks[lo:hi].long()[:, None] >> bits) & 1).bool()
+        k_pages, v_pages = k_cache[ids].float(), v_cache[ids].float()
+        hidden = ~visible[:, :, None, None]
+        kmin, kmax = k_pages.masked_fill(hidden, float("inf")).amin(1), k_pages.masked_fill(hidden, float("-inf")).amax(1)
+        chosen = quest_select(quest_page_scores(q[b], kmin, kmax, offs, inv_freq), budget_pages)
+        chosen_all.append(chosen)
+        cos, sin = rope_cos_sin(offs, inv_freq)
+        keys = rotate(k_pages, cos[:, None, None, :], sin[:, None, None, :])
+        logits = torch.einsum("hgd,ebhd->hgeb", q[b].float().view(hkv, hq // hkv, d), keys) * scale
+        allowed = visible[None, :, :] & chosen.t()[:, :, None]
+        logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+        p = torch.softmax(logits.reshape(hkv, hq // hkv, -1), dim=-1)
+        out[b] = torch.einsum("hgn,nhd->hgd", p, v_pages.reshape(-1, hkv, d)).reshape(hq, d).to(q.dtype)
+    return out, chosen_all
+
+
+# per sequence (chunk lengths, suffix), Hq, Hkv, D, BS, dtype, hidden fraction, base offset
+CASES = [
+    ([([30, 33], 2), ([], 1), ([64, 40], 20)], 4, 4, 64, 16, torch.float32, 0.0, 0),
+    ([([63], 2), ([7, 9, 11], 5)], 4, 2, 128, 32, torch.bfloat16, 0.3, 70000),
+    # chunks past the 16-bit offsets, up to the 131,072 positions of a Llama-3.1-class model
+    ([([100, 50], 13)], 8, 2, 64, 16, torch.float16, 0.1, 130900),
+    ([([70, 40], 3), ([25], 0)], 8, 2, 128, 16, torch.float32, 0.2, 65500),
+    # 64-slot pages: mask bits past 32, bit 63 the int64's sign
+    ([([90], 40)], 4, 2, 64, 64, torch.bfloat16, 0.2, 200),
+]
+
+
+def _id(c):
+    seqs, hq, hkv, d, bs, dtype, hide, base = c
+    lens = "-".join(str(sum(ch) + s) for ch, s in seqs)
+    return f"B{len(seqs)}-L{lens}-H{hq}x{hkv}-D{d}-BS{bs}-{DTYPE_NAME[dtype]}" + (f"-hide{hide}" if hide else "") + (
+        f"-off{base}" if base else "")
+
+
+def _setup(spec):
+    seqs, hq, hkv, d, bs, dtype, hide, base = spec
+    inv = rope_inv_freq(d, 10000.0)
+    case = build(seqs, bs, hkv, d, inv, dtype=dtype, hide=hide, base=base)
+    q = apply_rope(torch.randn(len(seqs), hq, d), torch.tensor(case.length), inv).to(dtype)
+    kmin, kmax = reference.page_bounds(case.k_cache, case.block_ids, case.masks)
+    return case, q, kmin, kmax, inv
+
+
+def _table(case):
+    return case.block_ids, case.offsets, case.masks
+
+
+def _check_selection(sel, count, scores, cu, budget):
+    """Every row: ascending global indices inside its sequence, its last entry when that scores > -inf, no -inf
+    entry, at most budget of them, -1 past count."""
+    bounds = cu.tolist()
+    for b in range(len(bounds) - 1):
+        lo, hi = bounds[b], bounds[b + 1]
+        for h in range(sel.shape[1]):
+            n = int(count[b, h])
+            row = sel[b, h]
+            assert n <= budget and (row[n:] == -1).all()
+            got = row[:n].long()
+            assert (got[1:] > got[:-1]).all() and ((got >= lo) & (got < hi)).all()
+            assert (scores[got, h] > float("-inf")).all()
+            if hi > lo and scores[hi - 1, h] > float("-inf"):
+                assert n and int(got[-1]) == hi - 1
+            finite = int((scores[lo:hi - 1, h] > float("-inf")).sum()) if hi > lo else 0
+            assert n == min(budget - 1, finite) + int(hi > lo and bool(scores[hi - 1, h] > float("-inf")))
+
+
+def _selected_sums(sel, count, scores):
+    """Per (sequence, KV head), the sum of the selected scores (fp64): equal for any tie-breaking."""
+    k = torch.arange(sel.shape[2])
+    taken = k < count[:, :, None]
+    heads = torch.arange(sel.shape[1])[None, :, None]
+    vals = scores.double()[sel.clamp_min(0).long(), heads]
+    return torch.where(taken, vals, 0.0).sum(-1)
+
+
+@pytest.mark.parametrize("spec", CASES, ids=[_id(c) for c in CASES])
+def test_page_scores_match_twin_and_quest(spec):
+    case, q, _, _, inv = _setup(spec)
+    case.masks[1] = 0  # an entry that shows nothing scores -inf
+    kmin, kmax = reference.page_bounds(case.k_cache, case.block_ids, case.masks)
+    args = (q, kmin, kmax, *_table(case), case.cu_entries, inv)
+    want = page_scores(*args, backend="torch")
+    got = page_scores(*args, backend="triton")
+    assert got.dtype == torch.float32 and got.shape == (case.block_ids.numel(), kmax.shape[1])
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)) and torch.equal(torch.isneginf(want),
+                                                                                  (case.masks == 0)[:, None].expand_as(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-4)
+    # the plain Quest scores, one sequence at a time on fp32 bounds per entry
+    for b in range(q.shape[0]):
+        lo, hi = int(case.cu_entries[b]), int(case.cu_entries[b + 1])
+        ids = case.block_ids[lo:hi].long()
+        plain = quest_page_scores(q[b], kmin[ids].float(), kmax[ids].float(), case.offsets[lo:hi], inv)
+        torch.testing.assert_close(want[lo:hi], plain, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_NAME.get)
+def test_page_score_bounds_best_key_at_any_offset(dtype):
+    """One set of blocks placed at several offsets: each entry's score >= max over its visible keys and the KV
+    head's query heads of q·(R_offset k); equal where a block shows one slot (then kmin == kmax == k)."""
+    d, bs, hq, hkv, n_blocks = 64, 16, 4, 2, 5
+    inv = rope_inv_freq(d, 500000.0)
+    k_cache = torch.randn(n_blocks, bs, hkv, d).to(dtype)
+    place = torch.tensor([0, 1, 4097, 65537, 131000])
+    block_ids = torch.arange(n_blocks).repeat(place.numel()).to(torch.int32)
+    offsets = place.repeat_interleave(n_blocks).to(torch.int32)
+    block_masks = torch.randint(1, 1 << bs, (n_blocks,))
+    block_masks[::2] = 1 << 3  # blocks 0, 2, 4 show one slot
+    masks = block_masks[block_ids.long()]  # a block shows the same slots wherever it is placed
+    cu = torch.tensor([0, block_ids.numel()], dtype=torch.int32)
+    q = apply_rope(torch.randn(1, hq, d), torch.tensor([131072]), inv).to(dtype)
+    kmin, kmax = reference.page_bounds(k_cache, block_ids, masks)
+    cos, sin = rope_cos_sin(offsets.long(), inv)
+    keys = rotate(k_cache[block_ids.long()].double(), cos[:, None, None].double(), sin[:, None, None].double())
+    dots = torch.einsum("ebhd,hgd->ebhg", keys, q[0].double().view(hkv, hq // hkv, d)).amax(-1)  # [E, BS, Hkv]
+    vis = ((masks[:, None] >> torch.arange(bs)) & 1).bool()
+    best = dots.masked_fill(~vis[:, :, None], float("-inf")).amax(1)  # [E, Hkv]
+    one = (masks == 1 << 3)[:, None].expand_as(best)
+    for backend in ("torch", "triton"):
+        score = page_scores(q, kmin, kmax, block_ids, offsets, masks, cu, inv, backend=backend).double()
+        assert (score >= best - 1e-4).all()
+        torch.testing.assert_close(score[one], best[one], rtol=1e-5, atol=1e-4)
+        assert (score[~one] > best[~one] + 1e-3).any()  # a bound over several keys is loose somewhere
+
+
+def _random_scores(counts, hkv, gen):
+    """Scores of sequences of the given entry counts: normal, some rounded to few values (ties), some -inf."""
+    e = sum(counts)
+    s = torch.randn(e, hkv, generator=gen)
+    s = torch.where(torch.rand(e, hkv, generator=gen) < 0.3, s.round(), s)
+    s[torch.rand(e, hkv, generator=gen) < 0.15] = float("-inf")
+    return s, torch.tensor([0] + counts).cumsum(0).to(torch.int32)
+
+
+@pytest.mark.parametrize("budget", [1, 2, 7, 64])
+@pytest.mark.slow
+def test_select_matches_twin(budget):
+    gen = torch.Generator().manual_seed(budget)
+    scores, cu = _random_scores([0, 1, 2, 9, 40, 0, 23], 3, gen)
+    scores[cu[4] - 1, 0] = float("-inf")  # a sequence whose last entry shows nothing for one head
+    want = select_pages(scores, cu, budget, backend="torch")
+    _check_selection(*want, scores, cu, budget)
+    for got in (select_pages(scores, cu, budget, backend="triton"), _select.launch(scores, cu, budget, max_block=16)):
+        assert got[0].shape == (cu.numel() - 1, 3, budget) and got[0].dtype == torch.int32
+        _check_selection(*got, scores, cu, budget)
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(_selected_sums(*got, scores), _selected_sums(*want, scores))
+
+
+def test_select_twin_matches_quest():
+    """Without -inf pages the twin picks what the plain Quest selection picks."""
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randn(30, 2, generator=gen)
+    cu = torch.tensor([0, 12, 30], dtype=torch.int32)
+    sel, count = select_pages(scores, cu, 5)
+    for b in range(2):
+        chosen = quest_select(scores[cu[b]:cu[b + 1]], 5)  # bool [E_b, Hkv]
+        for h in range(2):
+            want = torch.nonzero(chosen[:, h]).flatten() + int(cu[b])
+            assert torch.equal(sel[b, h, :count[b, h]].long(), want)
+
+
+@pytest.mark.parametrize("spec", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.slow
+def test_sparse_attention_matches_twin(spec):
+    """Rows that are not sequences (past queries with their own selections), random subsets, empty rows,
+    one and several KV splits."""
+    case, _, _, _, inv = _setup(spec)
+    _, hq, hkv, d, _, dtype, _, _ = spec
+    gen = torch.Generator().manual_seed(5)
+    e, rows, width = case.block_ids.numel(), 5, 6
+    sel = torch.full((rows, hkv, width), -1, dtype=torch.int32)
+    count = torch.randint(0, width + 1, (rows, hkv), generator=gen, dtype=torch.int32)
+    count[0] = 0  # a row that attends nothing
+    for r in range(rows):
+        for h in range(hkv):
+            n = min(int(count[r, h]), e)
+            count[r, h] = n
+            sel[r, h, :n] = torch.randperm(e, generator=gen)[:n].sort().values.to(torch.int32)
+    q = apply_rope(torch.randn(rows, hq, d, generator=gen), torch.randint(0, 131072, (rows,), generator=gen), inv)
+    q = q.to(dtype)
+    args = (q, case.k_cache, case.v_cache, *_table(case), sel, count, inv, d ** -0.5)
+    want, want_lse = sparse_decode_attention(*args, backend="torch")
+    assert torch.equal(want[0], torch.zeros_like(want[0])) and torch.isneginf(want_lse[0]).all()
+    results = [sparse_decode_attention(*args, backend="triton")]
+    results += [_attend.launch(q, case.k_cache, case.v_cache, case.block_ids, case.offsets, case.masks, sel, count,
+                               inv, d ** -0.5, cfg=DecodeConfig(num_splits=s)) for s in (1, 3)]
+    for out, lse in results:
+        assert out.dtype == dtype and out.shape == q.shape
+        assert rel_err(out, want) <= TOL[dtype]
+        assert_lse_close(lse, want_lse, 50 * TOL[dtype])
+
+
+@pytest.mark.parametrize("spec", CASES[1:3], ids=[_id(c) for c in CASES[1:3]])
+@pytest.mark.slow
+def test_selecting_every_page_is_dense_decode(spec):
+    case, q, kmin, kmax, inv = _setup(spec)
+    d = q.shape[2]
+    dense, dense_lse = paged_decode_attention(q, case.k_cache, case.v_cache, *_table(case), case.cu_entries, inv,
+                                              d ** -0.5)
+    budget = int((case.cu_entries[1:] - case.cu_entries[:-1]).max())
+    for backend in ("torch", "triton"):
+        scores = page_scores(q, kmin, kmax, *_table(case), case.cu_entries, inv, backend=backend)
+        sel, count = select_pages(scores, case.cu_entries, budget, backend=backend)
+        out, lse = sparse_decode_attention(q, case.k_cache, case.v_cache, *_table(case), sel, count, inv, d ** -0.5,
+                                           backend=backend)
+        assert rel_err(out, dense) <= TOL[q.dtype]
+        assert_lse_close(lse, dense_lse, 50 * TOL[q.dtype])
+
+
+def test_pipeline_matches_quest_attention():
+    """Scores, selection and sparse attention of the twin (and the kernels) == the plain Quest decode
+    under a budget that drops pages (no page hidden whole, no ties: the same pages are kept)."""
+    spec = ([([70, 40], 3), ([25], 9)], 8, 2, 64, 16, torch.float32, 0.0, 1000)
+    case, q, kmin, kmax, inv = _setup(spec)
+    want, chosen = quest_attention(q, case.k_cache, case.v_cache, *_table(case), case.cu_entries, inv, 0.125, 3)
+    assert not all(c.all() for c in chosen)
+    for backend in ("torch", "triton"):
+        scores = page_scores(q, kmin, kmax, *_table(case), case.cu_entries, inv, backend=backend)
+        sel, count = select_pages(scores, case.cu_entries, 3, backend=backend)
+        out, _ = sparse_decode_attention(q, case.k_cache, case.v_cache, *_table(case), sel, count, inv, 0.125,
+                                         backend=backend)
+        assert rel_err(out, want) <= TOL[torch.float32]
