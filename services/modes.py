@@ -24,4 +24,4 @@ class Mode(str, Enum):
 MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 
 # the decode policies a request may name (services/engine/decode holds them; the gateway and the SDK check names here)
-DECODE_POLICIES: tuple[str, ...] = ("dense", "quest")
+DECODE_POLICIES: tuple[str, ...] = ("dense", "quest", "retro")

@@ -19,7 +19,7 @@ import torch
 from kernels.options import using
 from kernels.paged_attention import MAX_BLOCK_ID, MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
 from services.engine.decode import DecodePolicy, policy_for
-from services.engine.kv.block_pool import BlockPool
+from services.engine.kv.block_pool import BlockPool, block_bytes
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.chunk_cache import ChunkCache, chunk_id
 from services.engine.kv.chunk_ids import chunk_ids_of, scoped_id
@@ -90,14 +90,17 @@ class Engine:
         self.forward = Forward(cfg, weights, attention_backend,
                                static_tails=device.type == "cuda" if static_tails is None else static_tails,
                                options=options)
-        block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
-        num_blocks = max(kv_cache_bytes // block_bytes, 1)
+        # every block costs its K and V and its page bounds (sparse decode's metadata, kv/block_pool.py)
+        kv_bytes, bounds_bytes = block_bytes(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                             torch.finfo(dtype).bits // 8)
+        block_bytes_all = kv_bytes + bounds_bytes
+        num_blocks = max(kv_cache_bytes // block_bytes_all, 1)
         if num_blocks - 1 > MAX_BLOCK_ID:
-            raise ValueError(f"kv_cache_bytes {kv_cache_bytes} makes {num_blocks} blocks of {block_bytes} bytes; the "
-                             f"kernels' metadata addresses {MAX_BLOCK_ID + 1} (give at most "
-                             f"{(MAX_BLOCK_ID + 1) * block_bytes} bytes, or a larger block_size)")
+            raise ValueError(f"kv_cache_bytes {kv_cache_bytes} makes {num_blocks} blocks of {block_bytes_all} bytes; "
+                             f"the kernels' metadata addresses {MAX_BLOCK_ID + 1} (give at most "
+                             f"{(MAX_BLOCK_ID + 1) * block_bytes_all} bytes, or a larger block_size)")
         self.pool = BlockPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, device, dtype)
-        self.cache = ChunkCache(self.pool, min(chunk_cache_bytes, num_blocks * block_bytes))
+        self.cache = ChunkCache(self.pool, min(chunk_cache_bytes, num_blocks * kv_bytes))
         self.forward.bind(self.pool, self.cache, block_size, self.fingerprint)
 
     @classmethod
@@ -255,17 +258,20 @@ class Engine:
     def generate(self, chunks, suffix, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, mode: str = "tessera", recompute_ratio: float = 0.15,
                  stop_token_ids: list[int] | None = None, decode: str = "dense", budget_tokens: int | None = None,
-                 dense_layers: int | None = None) -> list[int]:
-        """``decode``: the decode policy of its steps (services/engine/decode: "dense", or "quest" with
-        ``budget_tokens`` and ``dense_layers``)."""
-        policy = self.decode_policy(decode, budget_tokens=budget_tokens, dense_layers=dense_layers)
+                 dense_layers: int | None = None, retro_window: int | None = None,
+                 stats: dict | None = None) -> list[int]:
+        """``decode``: the decode policy of its steps (services/engine/decode: "dense"; "quest" with
+        ``budget_tokens`` and ``dense_layers``; "retro" with those and ``retro_window``). ``stats``: a dict
+        that receives what the decode steps read (DecodeStats.as_dict)."""
+        policy = self.decode_policy(decode, budget_tokens=budget_tokens, dense_layers=dense_layers,
+                                    retro_window=retro_window)
         params = SamplingParams(temperature, top_p, top_k, seed, max_new_tokens)
         chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=max_new_tokens)
         stops = set(self._stop_ids() if stop_token_ids is None else stop_token_ids)
         logits, seq, _ = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids, scope=scope)
-        seq.decode = policy
         out: list[int] = []
         try:
+            self.start_decode(seq, policy)
             gen = params.generator(self.device)
             while True:
                 tok = sample(logits, params, gen)
@@ -274,6 +280,8 @@ class Engine:
                     return out
                 logits = self.decode_step([seq], [tok])[0]
         finally:
+            if stats is not None:
+                stats.update(seq.decode_stats.as_dict())
             self.release(seq)
 
     @torch.no_grad()
@@ -315,20 +323,34 @@ class Engine:
 
     @torch.no_grad()
     @launches
-    def import_handoff(self, handoff: Handoff, fetch=None, decode: str = "dense", **decode_params) -> Sequence:
+    def import_handoff(self, handoff: Handoff, fetch=None, decode: str | DecodePolicy = "dense",
+                       **decode_params) -> Sequence:
         """Rebuild a prefilled request here: shared chunks from this cache, ``fetch``, or recompute; its decode
-        steps attend by the policy ``decode`` names with ``decode_params`` (services/engine/decode)."""
-        policy = self.decode_policy(decode, **decode_params)
+        steps attend by the policy ``decode`` names with ``decode_params`` (services/engine/decode), or by the
+        policy ``decode`` is (one ``decode_policy`` made)."""
+        policy = decode if isinstance(decode, DecodePolicy) else self.decode_policy(decode, **decode_params)
         if handoff.model_fingerprint != self.fingerprint:
             raise ValueError(f"hand-off was made by model {handoff.model_fingerprint}, this engine runs {self.fingerprint}")
         seq = import_sequence(self.forward, handoff, fetch)
-        seq.decode = policy
+        try:
+            self.start_decode(seq, policy)
+        except BaseException:
+            self.release(seq)
+            raise
         return seq
+
+    @launches
+    def start_decode(self, seq: Sequence, policy: DecodePolicy) -> None:
+        """``seq``'s decode steps attend by ``policy`` from now on: what the policy reads is made ready (a sparse
+        policy's page bounds) and its stats start."""
+        seq.decode = policy
+        seq.decode_stats.table_pages = sum(t.num_entries for t in seq.layer_tables)
+        policy.prepare(self.forward, seq)
 
     def decode_policy(self, decode: str = "dense", **params) -> DecodePolicy:
         """The decode policy ``decode`` names with its parameters (None: the policy's default), checked against this
-        engine (a quest budget of at least one page, no more dense layers than the model has); ValueError naming
-        the field otherwise."""
+        engine (a quest or retro budget of at least one page, no more dense layers than the model has, a retro
+        window in 1..16); ValueError naming the field otherwise."""
         policy = policy_for(decode, **{k: v for k, v in params.items() if v is not None})
         policy.check(self.block_size, self.cfg.num_layers)
         return policy
@@ -382,11 +404,13 @@ class Engine:
         for entry in seq.pinned:
             self.cache.release(entry)
         self.pool.free(seq.private_blocks + seq.gen_blocks)
+        seq.past.clear()
 
     def describe_memory(self) -> dict:
         """Bytes of KV: per block, resident in the chunk cache, free in the pool."""
         return {
             "block_bytes": self.pool.block_bytes,
+            "page_bounds_bytes_per_block": self.pool.bounds_bytes,
             "kv_bytes_per_token": self.pool.block_bytes // self.block_size,
             "chunk_cache_resident_bytes": self.cache.resident_bytes,
             "chunk_cache_budget_bytes": self.cache.budget_bytes,

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from services.engine.decode import DENSE, DecodePolicy
+from services.engine.decode import DENSE, DecodePolicy, DecodeStats, PastToken
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.chunk_cache import ChunkEntry
 from services.modes import MODES  # noqa: F401 - named here for its importers
@@ -73,6 +73,8 @@ class Sequence:
     released: bool = False
     chunk_tokens: dict = field(default_factory=dict)  # chunk key -> token ids (carried in hand-offs)
     decode: DecodePolicy = DENSE  # how its decode steps attend (services/engine/decode)
+    decode_stats: DecodeStats = field(default_factory=DecodeStats)  # what its decode steps read
+    past: list[PastToken] = field(default_factory=list)  # RetroAttention's window (decode/retro.py), oldest first
 
 
 @dataclass(frozen=True, slots=True)

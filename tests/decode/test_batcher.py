@@ -28,7 +28,7 @@ class StandInEngine:
         self.cache = SimpleNamespace(keys=lambda: [])
         self.step_gate = threading.Event()   # steps wait for it: the test decides when decoding starts
 
-    def import_handoff(self, handoff, fetch=None):
+    def import_handoff(self, handoff, fetch=None, decode="dense"):
         self.log.append(("import", handoff.request_id))
         return SimpleNamespace(request_id=handoff.request_id)
 

@@ -56,7 +56,7 @@ class StandIn:
         self.fail_steps = 0
         self.released = 0
 
-    def import_handoff(self, handoff, fetch=None):
+    def import_handoff(self, handoff, fetch=None, decode="dense"):
         return SimpleNamespace(request_id=handoff.request_id)
 
     def decode_step(self, seqs, tokens):

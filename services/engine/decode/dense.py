@@ -8,6 +8,3 @@ from services.engine.decode.policy import DecodePolicy
 class DenseDecode(DecodePolicy):
     name = "dense"
     replays_graph = True
-
-    def attend(self, fwd, layer, q, seqs, table, cu_entries):
-        return fwd.attention.decode(layer, q, table, cu_entries)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+if TYPE_CHECKING:
     from services.engine.kv.block_table import BlockTable
     from services.engine.passes.forward import Forward
     from services.engine.request import Sequence
@@ -26,8 +27,56 @@ class DecodePolicy:
     def check(self, block_size: int, num_layers: int) -> None:
         """ValueError naming the field for a parameter this engine cannot serve (nothing, unless a policy says)."""
 
-    def attend(self, fwd: Forward, layer: int, q: torch.Tensor, seqs: list[Sequence], table: BlockTable,
-               cu_entries: torch.Tensor) -> torch.Tensor:
-        """q [B, Hq, D] of ``seqs`` (this policy's rows of the step), sequence b's entries in
-        table[cu[b]:cu[b+1]] (its layer table, then its generated tokens) -> out [B, Hq, D]."""
+    def prepare(self, fwd: Forward, seq: Sequence) -> None:
+        """Once, when ``seq`` starts decoding under this policy (after its prefill or import)."""
+
+    def begin(self, fwd: Forward, seqs: list[Sequence]) -> PolicyStep:
+        """One decode step of ``seqs`` (this policy's rows of the batch). The step's sequences have their new
+        token's slot counted already (``gen_count``)."""
+        return PolicyStep(self, fwd, seqs)
+
+
+@dataclass(slots=True)
+class PastRows:
+    """Rows that join a step's batch after a layer's attention and run its later layers with it (RetroAttention's
+    re-embedded past tokens): residual input h [R, hidden] of the layer they join at, their attention output there
+    attn [R, Hq, D], and where their K/V live: positions, blocks and slots [R] (int64)."""
+
+    h: torch.Tensor
+    attn: torch.Tensor
+    pos: torch.Tensor
+    block: torch.Tensor
+    slot: torch.Tensor
+
+
+class PolicyStep:
+    """A policy's part of one decode step: its rows' attention at every layer, and (Retro) past rows."""
+
+    def __init__(self, policy: DecodePolicy, fwd: Forward, seqs: list[Sequence]):
+        self.policy, self.fwd, self.seqs = policy, fwd, seqs
+
+    def attend(self, layer: int, q: torch.Tensor, table: BlockTable, cu_entries: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, D] of this step's rows, sequence b's entries in table[cu[b]:cu[b+1]] (its layer table, then
+        its generated tokens) -> out [B, Hq, D]."""
+        return self.fwd.attention.decode(layer, q, table, cu_entries)
+
+    def join(self, layer: int, h: torch.Tensor) -> PastRows | None:
+        """Past rows joining after ``layer``'s attention (called right after ``attend`` at that layer, ``h``: this
+        step's rows' residual input to it), or None."""
+        return None
+
+    def attend_past(self, layer: int, table: BlockTable, cu_entries: torch.Tensor) -> torch.Tensor:
+        """The joined past rows' attention output at a later layer (after ``attend`` at it) [R, Hq, D]."""
         raise NotImplementedError
+
+    def end(self) -> None:
+        """After the step's last layer: what each sequence read (a dense step: every page it sees)."""
+        count_dense(self.fwd, self.seqs)
+
+
+def count_dense(fwd: Forward, seqs: list[Sequence]) -> None:
+    """A dense step's reads in each sequence's stats."""
+    layers, heads = fwd.cfg.num_layers, fwd.cfg.num_kv_heads
+    for s in seqs:
+        pages = s.decode_stats.visible(s, layers, heads)
+        s.decode_stats.add(pages, pages)

@@ -2,15 +2,19 @@
 they matter, within a budget of tokens; the first ``dense_layers`` layers attend densely.
 
 Page metadata is position-agnostic: per page and KV head, the elementwise min and max of its keys as the pool holds
-them, i.e. at chunk-local positions for a shared chunk's blocks. A page placed at offset ``o`` is scored by the
-query rotated BACKWARDS by ``o`` (the same deferred rotation the attention kernels apply):
+them (services/engine/kv/block_pool.py: ``kmin``/``kmax``), i.e. at chunk-local positions for a shared chunk's
+blocks. A page placed at offset ``o`` is scored by the query rotated BACKWARDS by ``o`` (the deferred rotation the
+attention kernels apply):
     (R_{m} q)·(R_{o+j} k) = (R_{m-o} q)·(R_j k)    so    score = Σ_i max(q'_i·kmax_i, q'_i·kmin_i),  q' = R_{-o} q
 an upper bound of the page's best q·k wherever the chunk is placed. A page's score per KV head is the largest over
 the query heads that share it (GQA). The page holding the newest token is always selected; the others by score.
+The three kernels (scoring, selection, sparse attention) are kernels/sparse.
 
-This module is the plain-torch form (``quest_attention``), what the Triton kernels of the next step will be checked
-against: it reads every key of the sequence to score and attend (correct, not yet fast), and it computes the page
-metadata from the pool at every step rather than keeping it per chunk.
+When the bounds are computed (``bound_sequence``, ``QuestStep``): a shared chunk's once while it is resident, by the
+first sparse decode that reads it, over its written slots, so that every later request reuses them wherever it
+places the chunk; a sequence's private prefill blocks (suffix, recomputed tokens) once when it starts decoding,
+per layer over the slots that layer's table shows; its generated tokens' block at every step, after the step's K
+is written (and, under RetroAttention, the blocks whose past tokens' K were overwritten).
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.rope import rope_cos_sin
-from kernels.rope.reference import rotate
+from kernels import sparse
 from services.checks import check_int
-from services.engine.decode.policy import DecodePolicy
+from services.engine.decode.policy import DecodePolicy, PolicyStep
+from services.engine.kv.block_table import host_to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,76 +50,85 @@ class QuestDecode(DecodePolicy):
         if self.dense_layers > num_layers:
             raise ValueError(f"dense_layers must be at most the model's {num_layers} layers, got {self.dense_layers}")
 
-    def attend(self, fwd, layer, q, seqs, table, cu_entries):
-        if layer < self.dense_layers:
+    def prepare(self, fwd, seq) -> None:
+        bound_sequence(fwd, seq)
+
+    def begin(self, fwd, seqs):
+        return QuestStep(self, fwd, seqs)
+
+
+def bound_sequence(fwd, seq) -> None:
+    """Compute the page bounds a sequence's sparse decode reads and nobody has computed: its chunks' (once per
+    residency: ``ChunkEntry.bounded``) and its private prefill blocks' (per layer, over what that layer shows)."""
+    pool, dev, bs = fwd.pool, fwd.device, fwd.bs
+    for entry in seq.pinned:
+        if not entry.bounded:
+            n = len(entry.blocks)
+            fill = (entry.length - torch.arange(n, device=dev) * bs).clamp(max=bs)
+            pool.bound_dense(host_to_device(entry.blocks, torch.long, dev), fill)
+            entry.bounded = True
+    if not seq.private_blocks:
+        return
+    private = host_to_device(seq.private_blocks, torch.long, dev)
+    bits = torch.arange(bs, device=dev, dtype=torch.int64)
+    picked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # per distinct table object: its private rows
+    for layer, table in enumerate(seq.layer_tables):
+        if id(table) not in picked:
+            rows = torch.isin(table.block_ids.long(), private).nonzero().squeeze(1)
+            visible = ((table.masks[rows][:, None] >> bits) & 1).bool()
+            picked[id(table)] = (table.block_ids[rows], visible)
+        blocks, visible = picked[id(table)]
+        pool.bound(layer, blocks, visible)
+
+
+def generated_blocks(seqs, bs: int, lookback: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The generated-token blocks holding each sequence's last ``lookback`` tokens (this step's included), and their
+    written slots: (block ids [n], visible bool [n, BS])."""
+    blocks, fills = [], []
+    for s in seqs:
+        first, last = max(0, s.gen_count - lookback) // bs, (s.gen_count - 1) // bs
+        for i in range(first, last + 1):
+            blocks.append(s.gen_blocks[i])
+            fills.append(min(bs, s.gen_count - i * bs))
+    fill = host_to_device(fills, torch.long, device)
+    return host_to_device(blocks, torch.long, device), torch.arange(bs, device=device)[None, :] < fill[:, None]
+
+
+class QuestStep(PolicyStep):
+    """One decode step of a group of Quest sequences. After ``attend`` at a sparse layer, ``sel``/``count`` hold the
+    pages each (row, KV head) read and ``lse`` its log-sum-exp (RetroAttention builds on them)."""
+
+    lookback = 1   # the generated tokens whose K this step writes: its own
+
+    def __init__(self, policy: QuestDecode, fwd, seqs):
+        super().__init__(policy, fwd, seqs)
+        hkv, n_layers = fwd.cfg.num_kv_heads, fwd.cfg.num_layers
+        self.budget_pages = policy.budget_tokens // fwd.bs
+        self.touched, self.touched_slots = generated_blocks(seqs, fwd.bs, self.lookback, fwd.device)
+        # per sequence, the pages a dense step reads (host arithmetic) and, as dense layers read them, the
+        # dense part of what this step reads; the sparse layers' reads are counted on the device
+        self.visible = [s.decode_stats.visible(s, n_layers, hkv) for s in seqs]
+        self.dense_read = [hkv * sum(s.layer_tables[i].num_entries + len(s.gen_blocks)
+                                     for i in range(min(policy.dense_layers, n_layers))) for s in seqs]
+        self.counts = torch.zeros((len(seqs), 2), dtype=torch.int64, device=fwd.device)  # read, corrected
+        self.sel = self.count = self.lse = None
+
+    def attend(self, layer, q, table, cu_entries):
+        fwd, policy = self.fwd, self.policy
+        if layer < policy.dense_layers:
             return fwd.attention.decode(layer, q, table, cu_entries)
-        out, _ = quest_attention(q, fwd.pool.k[layer], fwd.pool.v[layer], table.block_ids, table.offsets,
-                                 table.masks, cu_entries, fwd.model.inv_freq, fwd.model.scale,
-                                 self.budget_tokens // fwd.pool.block_size)
+        pool, model, backend = fwd.pool, fwd.model, fwd.backend
+        pool.bound(layer, self.touched, self.touched_slots)        # this step's K (and overwritten ones) written
+        scores = sparse.page_scores(q, pool.kmin[layer], pool.kmax[layer], table.block_ids, table.offsets,
+                                    table.masks, cu_entries, model.inv_freq, backend=backend)
+        self.sel, self.count = sparse.select_pages(scores, cu_entries, self.budget_pages, backend=backend)
+        out, self.lse = sparse.sparse_decode_attention(q, pool.k[layer], pool.v[layer], table.block_ids,
+                                                       table.offsets, table.masks, self.sel, self.count,
+                                                       model.inv_freq, model.scale, backend=backend)
+        self.counts[:, 0] += self.count.sum(1)
         return out
 
-
-def page_bounds(k_pages: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k_pages [E, BS, Hkv, D], visible [E, BS] -> fp32 (kmin, kmax) [E, Hkv, D] over each page's visible slots
-    (+inf / -inf where a page shows none)."""
-    kf = k_pages.float()
-    hidden = ~visible[:, :, None, None]
-    return kf.masked_fill(hidden, float("inf")).amin(1), kf.masked_fill(hidden, float("-inf")).amax(1)
-
-
-def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, offsets: torch.Tensor,
-                inv_freq: torch.Tensor) -> torch.Tensor:
-    """q [Hq, D] of one sequence, page bounds [E, Hkv, D] at the pages' own (local) positions, each page placed at
-    offsets[e] -> fp32 [E, Hkv]: the largest, over the query heads of each KV head, of Σ_i max(q'_i·kmax_i,
-    q'_i·kmin_i) with q' = R_{-offset} q (-inf for a page with no visible key)."""
-    e, hkv, d = kmax.shape
-    cos, sin = rope_cos_sin(offsets.long(), inv_freq)                        # [E, D/2]
-    qr = rotate(q.float()[None].expand(e, -1, -1), cos[:, None, :], -sin[:, None, :])  # [E, Hq, D]: R_{-o} q
-    qr = qr.view(e, hkv, -1, d)                                              # [E, Hkv, G, D]
-    bound = torch.maximum(qr * kmax[:, :, None, :], qr * kmin[:, :, None, :]).sum(-1)  # [E, Hkv, G]
-    bound = bound.amax(-1)
-    return torch.where(torch.isfinite(kmax).all(-1), bound, float("-inf"))
-
-
-def select_pages(scores: torch.Tensor, budget_pages: int) -> torch.Tensor:
-    """scores [E, Hkv] of one sequence's pages in entry order (the last holds the newest token) -> bool [E, Hkv]:
-    per KV head, the last page and the budget_pages - 1 best of the others (every page when they fit)."""
-    e, hkv = scores.shape
-    chosen = torch.zeros(e, hkv, dtype=torch.bool, device=scores.device)
-    chosen[-1] = True
-    others = min(budget_pages - 1, e - 1)
-    if others > 0:
-        top = torch.topk(scores[:-1], others, dim=0).indices                # [others, Hkv]
-        chosen[:-1].scatter_(0, top, True)
-    return chosen
-
-
-def quest_attention(q, k_cache, v_cache, block_ids, offsets, masks, cu_entries, inv_freq, scale, budget_pages: int):
-    """Decode attention over the selected pages only. q [B, Hq, D]; the paged caches [N, BS, Hkv, D] hold keys at
-    their entry's local positions; sequence b's entries table[cu[b]:cu[b+1]] (block id, offset, slot mask), its
-    newest token in the last. Returns (out [B, Hq, D] in q's dtype, the selection: a list of bool [E_b, Hkv])."""
-    b_n, hq, d = q.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
-    bits = torch.arange(bs, device=q.device, dtype=torch.int64)
-    bounds = cu_entries.tolist()
-    out = torch.empty_like(q)
-    chosen_all = []
-    for b in range(b_n):
-        lo, hi = bounds[b], bounds[b + 1]
-        ids, offs = block_ids[lo:hi].long(), offsets[lo:hi].long()
-        visible = ((masks[lo:hi].long()[:, None] >> bits) & 1).bool()       # [E, BS]
-        k_pages, v_pages = k_cache[ids], v_cache[ids]                        # [E, BS, Hkv, D]
-        kmin, kmax = page_bounds(k_pages, visible)
-        chosen = select_pages(page_scores(q[b], kmin, kmax, offs, inv_freq), budget_pages)
-        chosen_all.append(chosen)
-        cos, sin = rope_cos_sin(offs, inv_freq)                              # keys to their global positions
-        keys = rotate(k_pages.float(), cos[:, None, None, :], sin[:, None, None, :])   # [E, BS, Hkv, D]
-        qh = q[b].float().view(hkv, group, d)
-        logits = torch.einsum("hgd,ebhd->hgeb", qh, keys) * scale            # [Hkv, G, E, BS]
-        allowed = visible[None, :, :] & chosen.t()[:, :, None]               # [Hkv, E, BS]
-        logits = logits.masked_fill(~allowed[:, None], float("-inf"))
-        p = torch.softmax(logits.reshape(hkv, group, -1), dim=-1)
-        o = torch.einsum("hgn,nhd->hgd", p, v_pages.float().reshape(-1, hkv, d))
-        out[b] = o.reshape(hq, d).to(q.dtype)
-    return out, chosen_all
+    def end(self) -> None:
+        counts = self.counts.tolist()   # one copy a step (its tokens are read right after anyway)
+        for s, visible, dense, (read, corrected) in zip(self.seqs, self.visible, self.dense_read, counts):
+            s.decode_stats.add(visible, dense + read, corrected)

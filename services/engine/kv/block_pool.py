@@ -7,6 +7,12 @@ chunk or a request) is tracked by the chunk cache and the request, not here.
 
 New K/V reach the pool two ways: ``at`` names the slots for the model's q|k|v kernel, which stores
 the rows it makes (the layer passes), and ``write`` stores given rows (loads, hand-offs, blend copies).
+
+Beside K and V, every block has its page bounds per layer (``kmin``/``kmax`` [N, Hkv, D], the pool's dtype): the
+elementwise min and max of the keys of its written slots, as the pool holds them (chunk-local for a shared chunk's
+blocks). Sparse decode (services/engine/decode/quest.py) scores pages by them. They are not kept current on every
+write: ``bound`` computes them for given blocks and slots, and the decode policies that read them say when (a
+chunk's once per residency, a sequence's private blocks when it starts decoding and as it appends).
 """
 
 from __future__ import annotations
@@ -15,6 +21,13 @@ import numpy as np
 import torch
 
 from kernels.fused import KVWrite, default_backend, write_kv
+
+
+def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> tuple[int, int]:
+    """Bytes one block takes over every layer: (K and V of its slots, its page bounds). The bounds are two rows
+    per layer, 1/block_size of the K and V (6.25% at 16 slots)."""
+    row = 2 * num_layers * num_kv_heads * head_dim * itemsize
+    return block_size * row, row
 
 
 class PoolExhausted(RuntimeError):
@@ -29,10 +42,14 @@ class BlockPool:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.kmin = [torch.zeros(shape[:1] + shape[2:], device=device, dtype=dtype) for _ in range(num_layers)]
+        self.kmax = [torch.zeros(shape[:1] + shape[2:], device=device, dtype=dtype) for _ in range(num_layers)]
         self.slot_pos = torch.zeros((num_blocks, block_size), device=device, dtype=torch.int32)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * self.k[0].element_size()
+        # block_bytes: a block's K and V (what a chunk's bytes count); bounds_bytes: its page bounds beside them
+        self.block_bytes, self.bounds_bytes = block_bytes(num_layers, block_size, num_kv_heads, head_dim,
+                                                          self.k[0].element_size())
         # free blocks as a mask: allocation hands out the lowest free ids, and finds runs of consecutive
         # ones (a chunk on a run is written by plain copies, see ``run``) with a few numpy ops
         self._is_free = np.ones(num_blocks, dtype=bool)
@@ -136,3 +153,23 @@ class BlockPool:
 
     def read(self, layer: int, block: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][block, slot], self.v[layer][block, slot]
+
+    def bound(self, layer: int, blocks: torch.Tensor, visible: torch.Tensor) -> None:
+        """Set layer ``layer``'s page bounds of ``blocks`` (int [n]) to the min and max of their keys in the slots
+        ``visible`` shows (bool [n, BS]). A block named more than once gets the bounds of the union of its rows'
+        slots; a block with no visible slot gets +inf / -inf (it scores -inf)."""
+        if not blocks.numel():
+            return
+        k = self.k[layer][blocks.long()]                                    # [n, BS, Hkv, D]
+        hidden = ~visible[:, :, None, None]
+        lo = k.masked_fill(hidden, float("inf")).amin(1)
+        hi = k.masked_fill(hidden, float("-inf")).amax(1)
+        idx = blocks.long()[:, None, None].expand_as(lo)
+        self.kmin[layer].scatter_reduce_(0, idx, lo, "amin", include_self=False)
+        self.kmax[layer].scatter_reduce_(0, idx, hi, "amax", include_self=False)
+
+    def bound_dense(self, blocks: torch.Tensor, fill: torch.Tensor, layers=None) -> None:
+        """``bound`` for blocks whose first fill[i] slots are written (int [n]), at every layer (or ``layers``)."""
+        visible = torch.arange(self.block_size, device=fill.device)[None, :] < fill[:, None]
+        for layer in range(len(self.k)) if layers is None else layers:
+            self.bound(layer, blocks, visible)

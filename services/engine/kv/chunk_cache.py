@@ -57,6 +57,7 @@ class ChunkEntry:
     nbytes: int
     refs: int = 0
     kind: str = "chunk"   # chunk (position-agnostic, by content id) | position (a replica) | prefix (chain hash)
+    bounded: bool = False  # its blocks' page bounds are computed (once while resident, by the first sparse decode)
     slots: torch.Tensor | None = field(default=None, repr=False, compare=False)  # int64 [length] once made
     ids: torch.Tensor | None = field(default=None, repr=False, compare=False)    # its token ids on the device, likewise
     host_ids: np.ndarray | None = field(default=None, repr=False, compare=False)    # int64 [length]: ids on the host

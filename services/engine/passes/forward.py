@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from services.engine.attention import BACKENDS
+from services.engine.decode.policy import PolicyStep, count_dense
 from services.engine.graphs import blend_tail, reuse_tail
 from services.engine.passes.blend import BlendConfig, blend_pass
 from services.engine.kv.block_table import BlockTable, dense_run, host_to_device
@@ -440,6 +441,7 @@ class Forward:
                 self.decode_graphs = DecodeGraphs(self)
             logits = self.decode_graphs.run(seqs, tokens, blocks, slots, positions)
             if logits is not None:
+                count_dense(self, seqs)
                 return logits
         block = host_to_device(blocks, torch.long, dev)
         slot = host_to_device(slots, torch.long, dev)
@@ -447,8 +449,12 @@ class Forward:
         self.pool.slot_pos[block, slot] = pos.to(torch.int32)
         gen_tables = [BlockTable.for_run(s.gen_blocks, s.gen_count, bs, 0, dev) for s in seqs]
         h = self.model.embed(host_to_device(tokens, torch.long, dev))
-        # the batch grouped by decode policy once a step (one group, every row, when it has one policy)
+        # the batch grouped by decode policy once a step (one group, every row, when it has one policy), each
+        # group's part of the step begun once
         groups = self._policy_groups(seqs, dev)
+        steps = [policy.begin(self, [seqs[i] for i in rows]) for policy, rows, _ in groups]
+        n = len(seqs)
+        joined: list[tuple[int, PolicyStep]] = []   # (group, step) whose past rows follow the batch's, in order
         # Layers share table objects (one or two distinct per sequence), so each group's batch table and its
         # bounds are built once per distinct combination: the same tensors at every layer let the
         # kernels reuse their packed metadata (one validation and packing per combination, not per layer).
@@ -459,8 +465,23 @@ class Forward:
             if key not in batch:
                 batch[key] = [self._step_table(layer, [seqs[i] for i in rows], [gen_tables[i] for i in rows], dev)
                               for _, rows, _ in groups]
-            h = self.model.finish_layer(layer, h, self._decode_attend(layer, q, seqs, groups, batch[key]))
-        return self.model.logits(h)
+            tables = batch[key]
+            attn = self._decode_attend(layer, q[:n] if joined else q, steps, groups, tables)
+            if joined:   # past rows (RetroAttention) re-embedding: their attention here, after the current rows'
+                attn = torch.cat([attn] + [st.attend_past(layer, *tables[g]) for g, st in joined])
+            for g, st in enumerate(steps):
+                idx = groups[g][2]
+                past = st.join(layer, h[:n] if idx is None else h[idx])
+                if past is not None:
+                    joined.append((g, st))
+                    h, attn = torch.cat([h, past.h]), torch.cat([attn, past.attn.to(attn.dtype)])
+                    pos, block, slot = torch.cat([pos, past.pos]), torch.cat([block, past.block]), torch.cat(
+                        [slot, past.slot])
+            h = self.model.finish_layer(layer, h, attn)
+        logits = self.model.logits(h[:n] if joined else h)
+        for st in steps:
+            st.end()
+        return logits
 
     @staticmethod
     def _policy_groups(seqs: list[Sequence], dev) -> list[tuple]:
@@ -479,13 +500,12 @@ class Forward:
         cu = torch.tensor([0] + [t.num_entries for t in per_seq], dtype=torch.int64).cumsum(0)
         return BlockTable.cat(per_seq), cu.to(device=dev, dtype=torch.int32)
 
-    def _decode_attend(self, layer: int, q: torch.Tensor, seqs: list[Sequence], groups, tables):
+    def _decode_attend(self, layer: int, q: torch.Tensor, steps: list[PolicyStep], groups, tables):
         """A step's attention at one layer, each sequence through its decode policy (services/engine/decode): one
         call for the whole batch when it has one policy, else one per policy over its rows, put back in order."""
         if len(groups) == 1:
-            table, cu = tables[0]
-            return groups[0][0].attend(self, layer, q, seqs, table, cu)
+            return steps[0].attend(layer, q, *tables[0])
         out = torch.empty_like(q)
-        for (policy, rows, idx), (table, cu) in zip(groups, tables):
-            out[idx] = policy.attend(self, layer, q[idx], [seqs[i] for i in rows], table, cu)
+        for st, (_, _, idx), (table, cu) in zip(steps, groups, tables):
+            out[idx] = st.attend(layer, q[idx], table, cu)
         return out

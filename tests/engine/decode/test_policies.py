@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.engine import Engine
-from services.engine.decode import DENSE, POLICIES, DecodePolicy, policy_for
+from services.engine.decode import POLICIES, DecodePolicy, PolicyStep, policy_for
 
 from ..conftest import random_request
 
@@ -20,17 +20,23 @@ class CountingDense(DecodePolicy):
     def __init__(self):
         self.rows = []
 
-    def attend(self, fwd, layer, q, seqs, table, cu_entries):
-        self.rows.append(q.shape[0])
-        return DENSE.attend(fwd, layer, q, seqs, table, cu_entries)
+    def begin(self, fwd, seqs):
+        policy = self
+
+        class Counting(PolicyStep):
+            def attend(self, layer, q, table, cu_entries):
+                policy.rows.append(q.shape[0])
+                return super().attend(layer, q, table, cu_entries)
+
+        return Counting(self, fwd, seqs)
 
 
 def test_dense_is_the_default_and_unknown_policies_are_refused(engine):
     from services.modes import DECODE_POLICIES
 
-    assert tuple(POLICIES) == DECODE_POLICIES == ("dense", "quest") and policy_for("dense").replays_graph
+    assert tuple(POLICIES) == DECODE_POLICIES == ("dense", "quest", "retro") and policy_for("dense").replays_graph
     chunks, suffix = random_request(5)
-    with pytest.raises(ValueError, match=r"decode must be one of \['dense', 'quest'\], got 'retrieval'"):
+    with pytest.raises(ValueError, match=r"decode must be one of \['dense', 'quest', 'retro'\], got 'retrieval'"):
         engine.generate(chunks, suffix, max_new_tokens=2, decode="retrieval")
     with pytest.raises(ValueError, match="decode must be one of"):
         policy_for(None)
@@ -57,7 +63,7 @@ def test_sequences_of_two_policies_share_a_step(tiny_dir):
         _, h = eng.prefill_handoff(chunks, suffix)
         seqs.append(eng.import_handoff(h))
         if i == 1:
-            seqs[-1].decode = other
+            eng.start_decode(seqs[-1], other)
     together = eng.decode_step(seqs, [7, 7, 7])
     for want, got in zip(alone, together):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
