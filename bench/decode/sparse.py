@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -224,7 +225,8 @@ def main() -> int:
     del state
     torch.cuda.empty_cache()
     floor_per_byte = hbm_floor_seconds(1 << 30) / (1 << 30)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                         text=True).stdout.strip()
     mem = eng.describe_memory()
     chunk_kv = -(-CHUNK // eng.block_size) * mem["block_bytes"]
     chunk_bounds = -(-CHUNK // eng.block_size) * mem["page_bounds_bytes_per_block"]
