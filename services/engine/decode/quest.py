@@ -110,7 +110,8 @@ class QuestStep(PolicyStep):
         self.visible = [s.decode_stats.visible(s, n_layers, hkv) for s in seqs]
         self.dense_read = [hkv * sum(s.layer_tables[i].num_entries + len(s.gen_blocks)
                                      for i in range(min(policy.dense_layers, n_layers))) for s in seqs]
-        self.counts = torch.zeros((len(seqs), 2), dtype=torch.int64, device=fwd.device)  # read, corrected
+        self.read: list[torch.Tensor] = []        # per sparse layer, int32 [B, Hkv]: the pages each row read
+        self.corrected: list[torch.Tensor] = []   # (RetroAttention) per sparse layer, int64 [B]: pages corrected
         self.sel = self.count = self.lse = None
 
     def attend(self, layer, q, table, cu_entries):
@@ -125,10 +126,14 @@ class QuestStep(PolicyStep):
         out, self.lse = sparse.sparse_decode_attention(q, pool.k[layer], pool.v[layer], table.block_ids,
                                                        table.offsets, table.masks, self.sel, self.count,
                                                        model.inv_freq, model.scale, backend=backend)
-        self.counts[:, 0] += self.count.sum(1)
+        self.read.append(self.count)
         return out
 
     def end(self) -> None:
-        counts = self.counts.tolist()   # one copy a step (its tokens are read right after anyway)
-        for s, visible, dense, (read, corrected) in zip(self.seqs, self.visible, self.dense_read, counts):
-            s.decode_stats.add(visible, dense + read, corrected)
+        n = len(self.seqs)
+        zeros = torch.zeros(n, dtype=torch.int64, device=self.fwd.device)
+        read = torch.stack(self.read).sum((0, 2)) if self.read else zeros
+        corrected = torch.stack(self.corrected).sum(0) if self.corrected else zeros
+        counts = torch.stack([read, corrected], 1).tolist()   # one copy a step (its tokens are read right after)
+        for s, visible, dense, (pages, fixed) in zip(self.seqs, self.visible, self.dense_read, counts):
+            s.decode_stats.add(visible, dense + pages, fixed)

@@ -153,7 +153,8 @@ class RetroStep(QuestStep):
                                    backend=fwd.backend)
         self.out_p[i], self.lse_p[i] = out, lse
         self.attn_p = out
-        self.counts[:, 1].index_add_(0, self.seq_of, count.sum(1).long())
+        self.corrected.append(torch.zeros(len(self.seqs), dtype=torch.int64, device=count.device).index_add_(
+            0, self.seq_of, count.sum(1).long()))
 
     def join(self, layer, h):
         if layer != self.first:
