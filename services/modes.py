@@ -25,3 +25,8 @@ MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 
 # the decode policies a request may name (services/engine/decode holds them; the gateway and the SDK check names here)
 DECODE_POLICIES: tuple[str, ...] = ("dense", "quest", "retro")
+# each policy's parameters (a request giving another policy's is refused), and retro's largest window (the engine's
+# RetroDecode takes the same: a test keeps them equal)
+DECODE_PARAMS: dict[str, tuple[str, ...]] = {"dense": (), "quest": ("budget_tokens", "dense_layers"),
+                                             "retro": ("budget_tokens", "dense_layers", "retro_window")}
+MAX_RETRO_WINDOW = 16

@@ -28,11 +28,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from services.cluster.errors import RequestError, internal
-from services.engine.decode import DENSE, DecodePolicy
+from services.engine.decode import DENSE, DecodePolicy, DecodeStats
 from services.engine.sampling import SamplingParams
 from services.handoff.prepare import PreparedHandoff
 from services.decode.metrics import DecodeMetrics
@@ -49,7 +49,8 @@ MAX_FAILED_STEPS = 3     # loop iterations failing in a row before the engine is
 @dataclass(slots=True)
 class DecodeJob:
     """One request to decode. ``emit(tokens, finish_reason, error)`` is called from the engine thread:
-    once per token, and last with a finish reason ("stop", "length") or a ``RequestError``."""
+    once per token, and last with a finish reason ("stop", "length") or a ``RequestError``; ``stats`` is set
+    before that last call."""
 
     request_id: str
     handoff: PreparedHandoff | None     # None once admitted: its K/V are in the engine's pool then
@@ -57,6 +58,7 @@ class DecodeJob:
     emit: Callable[[list[int], str | None, RequestError | None], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     policy: DecodePolicy = DENSE        # how its steps attend (services/engine/decode); sequences of any mix batch
+    stats: DecodeStats | None = None    # what its steps read: a copy taken as its sequence is released
 
 
 @dataclass(slots=True)
@@ -266,7 +268,11 @@ class Batcher:
         return False
 
     def _finish(self, live: _Live, reason: str | None, error: RequestError | str | None) -> None:
-        """Release the sequence and tell its caller how it ended (``error`` "cancelled": the caller left)."""
+        """Release the sequence and tell its caller how it ended (``error`` "cancelled": the caller left). What its
+        steps read is taken first (the engine keeps it until the release) and counted under its policy."""
+        job = live.job
+        job.stats = replace(live.seq.decode_stats)
+        self.metrics.count_reads(job.policy.name, job.stats)
         try:
             self.eng.release(live.seq)
         finally:

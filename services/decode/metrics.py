@@ -1,8 +1,18 @@
-"""Prometheus metrics of a decode worker; names ``tessera_decode_*`` in base units."""
+"""Prometheus metrics of a decode worker; names ``tessera_decode_*`` in base units.
+
+What the decode policies read is counted per policy when a request's sequence ends (from its DecodeStats, in pages
+per KV head and layer), so the share of the KV a policy reads is a ratio of counters:
+``rate(tessera_decode_pages_read_total[5m]) / rate(tessera_decode_pages_visible_total[5m])`` by ``policy``.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from services.engine.decode import DecodeStats
 
 SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -31,3 +41,19 @@ class DecodeMetrics:
         self.admit_seconds = Histogram("tessera_decode_admit_seconds", "Rebuilding one hand-off's sequence (the batch "
                                        "waits meanwhile)", buckets=SECONDS, registry=r)
         self.active = Gauge("tessera_decode_active_sequences", "Sequences in the running batch", registry=r)
+        self.sequence_steps = Counter("tessera_decode_sequence_steps", "Decode steps of ended sequences (one per "
+                                      "sequence and step), by decode policy", ["policy"], registry=r)
+        self.pages_visible = Counter("tessera_decode_pages_visible", "Pages (per KV head and layer) dense steps of "
+                                     "ended sequences would have read, by decode policy", ["policy"], registry=r)
+        self.pages_read = Counter("tessera_decode_pages_read", "Pages (per KV head and layer) the steps of ended "
+                                  "sequences read, by decode policy", ["policy"], registry=r)
+        self.pages_corrected = Counter("tessera_decode_pages_corrected", "Pages read for the current token and reused "
+                                       "to correct past tokens' attention (retro), by decode policy", ["policy"],
+                                       registry=r)
+
+    def count_reads(self, policy: str, stats: DecodeStats) -> None:
+        """A sequence has ended: what its steps read, under its policy's name."""
+        self.sequence_steps.labels(policy).inc(stats.steps)
+        self.pages_visible.labels(policy).inc(stats.pages_visible)
+        self.pages_read.labels(policy).inc(stats.pages_read)
+        self.pages_corrected.labels(policy).inc(stats.pages_corrected)

@@ -30,6 +30,7 @@ from services.handoff.transport import HandoffError, ReceivedHandoff, probe_tran
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
 from services.handoff.prepare import prepare
+from services.engine.decode import DecodePolicy, DecodeStats
 from services.engine.graphs.warmup import warm_decode, warm_up
 from services.rpc import tessera_pb2 as pb
 from services.rpc import tessera_pb2_grpc as pb_grpc
@@ -122,7 +123,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
         try:
             policy = self.eng.decode_policy(request.decode.name or "dense", **{
-                f: getattr(request.decode, f) for f in ("budget_tokens", "dense_layers") if request.decode.HasField(f)})
+                f: getattr(request.decode, f) for f in ("budget_tokens", "dense_layers", "retro_window")
+                if request.decode.HasField(f)})
         except (ValueError, TypeError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"decode: {exc}")
         loop = asyncio.get_running_loop()
@@ -144,9 +146,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 toks, reason, err = await out.get()
                 if err is not None:
                     await context.abort(err.code, err.message)
-                yield pb.DecodeResponse(token_ids=toks, finish_reason=reason or "")
-                if reason is not None:
-                    return
+                if reason is None:
+                    yield pb.DecodeResponse(token_ids=toks)
+                    continue
+                # the batcher took the sequence's stats before telling how it ended
+                yield pb.DecodeResponse(token_ids=toks, finish_reason=reason, stats=decode_stats(policy, job.stats))
+                return
         finally:
             job.cancelled.set()      # no-op once finished; frees the sequence if the caller left
             self.decoding -= 1
@@ -177,6 +182,15 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 self.store.drop_known()          # empties the host tier (a decode worker stores nothing)
             return before - len(self.eng.cache)
         return pb.ResetReply(chunks_dropped=await asyncio.wrap_future(self.batcher.call(clear)))
+
+
+def decode_stats(policy: DecodePolicy, stats: DecodeStats | None) -> pb.DecodeStats:
+    """A request's policy and what its steps read, as the gateway relays them to the client."""
+    out = pb.DecodeStats(policy=policy.name)
+    if stats is not None:
+        out.steps, out.pages_visible, out.pages_read = stats.steps, stats.pages_visible, stats.pages_read
+        out.pages_corrected = stats.pages_corrected
+    return out
 
 
 class DecodeServer:

@@ -27,7 +27,7 @@ from services.cluster.sampling import DEFAULT_MAX_NEW_TOKENS, read_sampling
 from services.engine.model.config import ModelConfig
 from services.engine.sampling import SamplingParams
 from services.gateway.tenants import DEFAULT, QuotaExceeded, Tenant
-from services.modes import DECODE_POLICIES, MODES
+from services.modes import DECODE_PARAMS, DECODE_POLICIES, MAX_RETRO_WINDOW, MODES
 from services.rpc import tessera_pb2 as pb
 
 
@@ -316,23 +316,30 @@ class InputResolver:
 
     def decode_policy(self, req: pb.GenerateRequest) -> pb.DecodePolicy | None:
         """The request's decode policy, its name and counts checked (what the decode worker's engine must also allow,
-        a budget of at least one page, it checks itself); None for dense."""
+        a budget of at least one page, it checks itself); None for dense. A parameter of another policy than the
+        one named is refused, not ignored."""
         if not req.HasField("decode"):
             return None
         d = req.decode
         name = d.name or "dense"
         if name not in DECODE_POLICIES:
             raise InvalidRequest(f"decode must be one of {', '.join(DECODE_POLICIES)}, got {d.name!r}")
-        given = [f for f in ("budget_tokens", "dense_layers") if d.HasField(f)]
+        foreign = [f for f in DECODE_PARAMS["retro"] if d.HasField(f) and f not in DECODE_PARAMS[name]]
+        if foreign:
+            raise InvalidRequest(f"decode {name!r} takes no {' or '.join(foreign)}")
         if name == "dense":
-            if given:
-                raise InvalidRequest(f"decode 'dense' takes no {' or '.join(given)}")
             return None
         if d.HasField("budget_tokens") and d.budget_tokens < 1:
             raise InvalidRequest(f"budget_tokens must be at least 1, got {d.budget_tokens}")
         if d.HasField("dense_layers") and d.dense_layers > self.cfg.num_layers:
             raise InvalidRequest(f"dense_layers must be at most the model's {self.cfg.num_layers} layers, "
                                  f"got {d.dense_layers}")
+        if name == "retro":
+            if d.HasField("dense_layers") and d.dense_layers >= self.cfg.num_layers:
+                raise InvalidRequest(f"dense_layers must leave a sparse layer of the model's {self.cfg.num_layers} "
+                                     f"for retro, got {d.dense_layers}")
+            if d.HasField("retro_window") and not 1 <= d.retro_window <= MAX_RETRO_WINDOW:
+                raise InvalidRequest(f"retro_window must be in 1..{MAX_RETRO_WINDOW}, got {d.retro_window}")
         out = pb.DecodePolicy()
         out.CopyFrom(d)
         out.name = name
@@ -345,6 +352,7 @@ class InputResolver:
         mode = req.mode or "tessera"
         if mode not in MODES:
             raise InvalidRequest(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+        decode = self.decode_policy(req)
         ratio = None
         if req.HasField("recompute_ratio"):
             ratio = float(req.recompute_ratio)
@@ -391,4 +399,4 @@ class InputResolver:
         self.keep(fresh)
         ids = tuple(self.chunk_id(c, ns) for c, ns in zip(chunks, namespaces))
         return ResolvedRequest(chunks, ids, suffix, mode, ratio, sampling,
-                               namespaces if any(namespaces) else (), self.decode_policy(req))
+                               namespaces if any(namespaces) else (), decode)

@@ -248,6 +248,8 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                                 yield pb.GenerateResponse(token_ids=fresh, text=relay.detok.push(fresh))
                             if msg.finish_reason:
                                 finish = msg.finish_reason
+                            if msg.HasField("stats"):
+                                stats.decode.CopyFrom(msg.stats)
                     finally:
                         call.cancel()        # no-op once finished
                 except grpc.aio.AioRpcError as exc:
@@ -260,6 +262,7 @@ class GatewayServicer(pb_grpc.TesseraServicer):
             self.metrics.chunk_tokens.labels(tier).inc(n)
         stats.prompt_tokens, stats.output_tokens = req.prompt_tokens, len(sent)
         stats.decode_worker = d.name
+        stats.decode.policy = req.decode.name if req.decode is not None else "dense"
         stats.chunk_ids.extend(req.chunk_ids)
         # the text held back (a character the last tokens left incomplete) goes with the last message
         yield pb.GenerateResponse(text=relay.detok.flush(), finish_reason=finish or "length", stats=stats)

@@ -43,14 +43,30 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class DecodePolicy(_message.Message):
-    __slots__ = ("name", "budget_tokens", "dense_layers")
+    __slots__ = ("name", "budget_tokens", "dense_layers", "retro_window")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DENSE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    RETRO_WINDOW_FIELD_NUMBER: _ClassVar[int]
     name: str
     budget_tokens: int
     dense_layers: int
-    def __init__(self, name: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., dense_layers: _Optional[int] = ...) -> None: ...
+    retro_window: int
+    def __init__(self, name: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., dense_layers: _Optional[int] = ..., retro_window: _Optional[int] = ...) -> None: ...
+
+class DecodeStats(_message.Message):
+    __slots__ = ("policy", "steps", "pages_visible", "pages_read", "pages_corrected")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_VISIBLE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_READ_FIELD_NUMBER: _ClassVar[int]
+    PAGES_CORRECTED_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    steps: int
+    pages_visible: int
+    pages_read: int
+    pages_corrected: int
+    def __init__(self, policy: _Optional[str] = ..., steps: _Optional[int] = ..., pages_visible: _Optional[int] = ..., pages_read: _Optional[int] = ..., pages_corrected: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("chunks", "suffix_text", "suffix_tokens", "sampling", "mode", "recompute_ratio", "request_id", "decode")
@@ -73,7 +89,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkInput, _Mapping]]] = ..., suffix_text: _Optional[str] = ..., suffix_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., request_id: _Optional[str] = ..., decode: _Optional[_Union[DecodePolicy, _Mapping]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("chunk_tokens_by_tier", "recomputed_tokens", "prompt_tokens", "output_tokens", "queue_seconds", "prefill_seconds", "load_wait_seconds", "loaded_bytes", "handoff_bytes", "transport", "prefill_worker", "decode_worker", "recompute_ratio", "chunk_ids", "load_seconds", "first_token_seconds", "handoff_seconds", "chunk_compute_seconds", "forward_seconds")
+    __slots__ = ("chunk_tokens_by_tier", "recomputed_tokens", "prompt_tokens", "output_tokens", "queue_seconds", "prefill_seconds", "load_wait_seconds", "loaded_bytes", "handoff_bytes", "transport", "prefill_worker", "decode_worker", "recompute_ratio", "chunk_ids", "load_seconds", "first_token_seconds", "handoff_seconds", "chunk_compute_seconds", "forward_seconds", "decode")
     class ChunkTokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +116,7 @@ class RequestStats(_message.Message):
     HANDOFF_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     chunk_tokens_by_tier: _containers.ScalarMap[str, int]
     recomputed_tokens: int
     prompt_tokens: int
@@ -119,7 +136,8 @@ class RequestStats(_message.Message):
     handoff_seconds: float
     chunk_compute_seconds: float
     forward_seconds: float
-    def __init__(self, chunk_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., recomputed_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., load_wait_seconds: _Optional[float] = ..., loaded_bytes: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., chunk_ids: _Optional[_Iterable[str]] = ..., load_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., handoff_seconds: _Optional[float] = ..., chunk_compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    decode: DecodeStats
+    def __init__(self, chunk_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., recomputed_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., load_wait_seconds: _Optional[float] = ..., loaded_bytes: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., chunk_ids: _Optional[_Iterable[str]] = ..., load_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., handoff_seconds: _Optional[float] = ..., chunk_compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., decode: _Optional[_Union[DecodeStats, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")
@@ -378,9 +396,11 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode: _Optional[_Union[DecodePolicy, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason")
+    __slots__ = ("token_ids", "finish_reason", "stats")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    stats: DecodeStats
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[DecodeStats, _Mapping]] = ...) -> None: ...

@@ -13,10 +13,10 @@ from services.sdk.aio import AsyncClient
 from services.sdk.client import Client
 from services.sdk.errors import (DeadlineExceeded, InvalidArgument, PermissionDenied, ResourceExhausted, TesseraError,
                                  Unauthenticated, Unavailable)
-from services.sdk.types import (ChunkId, ClusterStats, GenerateEvent, GenerationStats, RegisteredChunk, Shared,
-                                WorkerInfo)
+from services.sdk.types import (ChunkId, ClusterStats, DecodeStats, GenerateEvent, GenerationStats, RegisteredChunk,
+                                Shared, WorkerInfo)
 from services.tiers import Tier
 
-__all__ = ["Client", "AsyncClient", "ChunkId", "Shared", "GenerateEvent", "GenerationStats", "RegisteredChunk",
-           "ClusterStats", "WorkerInfo", "Tier", "TesseraError", "InvalidArgument", "Unavailable", "DeadlineExceeded",
-           "Unauthenticated", "ResourceExhausted", "PermissionDenied"]
+__all__ = ["Client", "AsyncClient", "ChunkId", "Shared", "GenerateEvent", "GenerationStats", "DecodeStats",
+           "RegisteredChunk", "ClusterStats", "WorkerInfo", "Tier", "TesseraError", "InvalidArgument", "Unavailable",
+           "DeadlineExceeded", "Unauthenticated", "ResourceExhausted", "PermissionDenied"]

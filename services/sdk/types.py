@@ -41,6 +41,25 @@ Chunk = Union[str, Sequence[int], ChunkId, Shared]
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeStats:
+    """The request's decode policy and what its decode steps read, in pages (KV blocks) per KV head and layer summed
+    over its steps. pages_visible: what dense steps would have read; pages_read: what its policy read for the current
+    token (``pages_read / pages_visible`` is the share of the KV it attended); pages_corrected (retro): pages read
+    for the current token and reused to correct past tokens' attention. steps 0: the first token, sampled by the
+    prefill worker, ended the request."""
+
+    policy: str = "dense"
+    steps: int = 0
+    pages_visible: int = 0
+    pages_read: int = 0
+    pages_corrected: int = 0
+
+    @classmethod
+    def from_proto(cls, s: pb.DecodeStats) -> "DecodeStats":
+        return cls(s.policy or "dense", s.steps, s.pages_visible, s.pages_read, s.pages_corrected)
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationStats:
     """Per-request outcome, on the last event. chunk_tokens_by_tier: keyed by ``Tier`` values (gpu | host | dram |
     rocksdb | s3 | computed; a ``Tier`` looks a key up, the keys are plain text)."""
@@ -64,13 +83,15 @@ class GenerationStats:
     handoff_seconds: float = 0.0      # prefill worker: serialising and pushing the hand-off (0: none needed)
     chunk_compute_seconds: float = 0.0  # prefill worker: computing missing chunks alone
     forward_seconds: float = 0.0      # prefill worker: the pass over placed chunks and suffix
+    decode: DecodeStats = DecodeStats()   # decode worker: the policy and what its steps read
 
     @classmethod
     def from_proto(cls, s: pb.RequestStats) -> "GenerationStats":
         return cls(dict(s.chunk_tokens_by_tier), s.recomputed_tokens, s.prompt_tokens, s.output_tokens,
                    s.queue_seconds, s.prefill_seconds, s.load_wait_seconds, s.loaded_bytes, s.handoff_bytes,
                    s.transport, s.prefill_worker, s.decode_worker, s.recompute_ratio, tuple(s.chunk_ids), s.load_seconds,
-                   s.first_token_seconds, s.handoff_seconds, s.chunk_compute_seconds, s.forward_seconds)
+                   s.first_token_seconds, s.handoff_seconds, s.chunk_compute_seconds, s.forward_seconds,
+                   DecodeStats.from_proto(s.decode))
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +180,8 @@ def chunk_inputs(chunks) -> list[pb.ChunkInput]:
 def generate_request(chunks: Sequence[Chunk], suffix: str | Sequence[int], *, max_new_tokens: int, temperature: float,
                      top_p: float, top_k: int, seed: int | None, mode: str, recompute_ratio: float | None,
                      stop_token_ids: Sequence[int] | None, request_id: str | None, decode: str = "dense",
-                     budget_tokens: int | None = None, dense_layers: int | None = None) -> pb.GenerateRequest:
+                     budget_tokens: int | None = None, dense_layers: int | None = None,
+                     retro_window: int | None = None) -> pb.GenerateRequest:
     """The GenerateRequest for ``Client.generate``'s arguments. Here each value is checked against what
     the message can carry (``checks``); what the model can serve is checked by the gateway."""
     req = pb.GenerateRequest(chunks=chunk_inputs(chunks), mode=checks.text(mode, "mode"),
@@ -184,10 +206,10 @@ def generate_request(chunks: Sequence[Chunk], suffix: str | Sequence[int], *, ma
         s.ignore_eos = True
     if recompute_ratio is not None:
         req.recompute_ratio = checks.number(recompute_ratio, "recompute_ratio")
-    if decode != "dense" or budget_tokens is not None or dense_layers is not None:
+    params = {"budget_tokens": budget_tokens, "dense_layers": dense_layers, "retro_window": retro_window}
+    if decode != "dense" or any(v is not None for v in params.values()):
         req.decode.name = checks.text(decode, "decode")
-        if budget_tokens is not None:
-            req.decode.budget_tokens = checks.integer(budget_tokens, "budget_tokens", 0, checks.UINT32_MAX)
-        if dense_layers is not None:
-            req.decode.dense_layers = checks.integer(dense_layers, "dense_layers", 0, checks.UINT32_MAX)
+        for name, value in params.items():      # which policy takes which, and their ranges, are the gateway's
+            if value is not None:
+                setattr(req.decode, name, checks.integer(value, name, 0, checks.UINT32_MAX))
     return req

@@ -13,6 +13,7 @@ import torch
 from services.cluster.config import DecodeSettings
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
+from services.engine.decode import DENSE, DecodeStats, QuestDecode, RetroDecode
 from services.engine.sampling import SamplingParams
 
 VOCAB = 8
@@ -30,7 +31,7 @@ class StandInEngine:
 
     def import_handoff(self, handoff, fetch=None, decode="dense"):
         self.log.append(("import", handoff.request_id))
-        return SimpleNamespace(request_id=handoff.request_id)
+        return SimpleNamespace(request_id=handoff.request_id, decode=decode, decode_stats=DecodeStats())
 
     def decode_step(self, seqs, tokens):
         assert self.step_gate.wait(10)
@@ -190,3 +191,67 @@ def test_the_step_metric_lasts_until_the_tokens_are_on_the_host():
     total = metrics.registry.get_sample_value("tessera_decode_step_seconds_sum")
     assert count == len(steps) == 3                  # 4 tokens: the first from the hand-off, then 3 steps
     assert total >= wait_s * count                   # each step's time includes its token read-back
+
+
+def test_an_ending_sequence_reports_and_counts_what_its_steps_read():
+    """A job's stats are its sequence's, taken before the release (the engine keeps them until then) and before its
+    caller hears the end; the worker's counters add them under the policy's name."""
+    eng = StandInEngine()
+    eng.step_gate.set()
+    step = eng.decode_step
+
+    def reading_step(seqs, tokens):       # per step: 12 pages visible; quest reads 5, retro also corrects 2
+        for s in seqs:
+            sparse = s.decode is not DENSE
+            s.decode_stats.add(12, 5 if sparse else 12, 2 if isinstance(s.decode, RetroDecode) else 0)
+        return step(seqs, tokens)
+
+    def release(seq):
+        seq.decode_stats = DecodeStats()  # gone with the sequence
+
+    eng.decode_step, eng.release = reading_step, release
+    metrics = DecodeMetrics()
+    batcher = Batcher(eng, metrics, max_batch=8)
+    policies = {"d": DENSE, "q": QuestDecode(budget_tokens=32, dense_layers=1),
+                "r": RetroDecode(budget_tokens=32, dense_layers=1, retro_window=3)}
+    jobs, heard = {}, {}
+    ended = threading.Event()
+
+    def emit_for(rid):
+        def emit(new, reason, error):
+            if reason is not None:
+                heard[rid] = jobs[rid].stats
+                if len(heard) == len(policies):
+                    ended.set()
+        return emit
+
+    try:
+        for rid, policy in policies.items():       # 5 tokens: the first from the hand-off, then 4 steps
+            jobs[rid] = DecodeJob(rid, _job(rid, 5, threading.Event()).handoff, SamplingParams(0.0, 1.0, 0, None, 5),
+                                  emit_for(rid), policy=policy)
+            batcher.submit(jobs[rid])
+        assert ended.wait(10)
+    finally:
+        batcher.stop()
+    assert heard["d"] == DecodeStats(4, 48, 48, 0) and heard["q"] == DecodeStats(4, 48, 20, 0)
+    assert heard["r"] == DecodeStats(4, 48, 20, 8)
+    value = metrics.registry.get_sample_value
+    for name, (steps, visible, read, corrected) in {"dense": (4, 48, 48, 0), "quest": (4, 48, 20, 0),
+                                                    "retro": (4, 48, 20, 8)}.items():
+        labels = {"policy": name}
+        assert value("tessera_decode_sequence_steps_total", labels) == steps
+        assert value("tessera_decode_pages_visible_total", labels) == visible
+        assert value("tessera_decode_pages_read_total", labels) == read
+        assert value("tessera_decode_pages_corrected_total", labels) == corrected
+
+
+def test_the_per_policy_counters_are_listed_in_the_readme():
+    from pathlib import Path
+
+    metrics = DecodeMetrics()
+    metrics.count_reads("dense", DecodeStats())
+    names = {s.name for family in metrics.registry.collect() for s in family.samples
+             if "policy" in s.labels and s.name.endswith("_total")}
+    assert len(names) == 4
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert [n for n in sorted(names) if f"`{n}`" not in readme] == []

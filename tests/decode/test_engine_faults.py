@@ -15,6 +15,7 @@ import torch
 from services.cluster.errors import RequestError
 from services.decode.batcher import MAX_FAILED_STEPS, Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
+from services.engine.decode import DecodeStats
 from services.engine.sampling import NonFiniteLogits, SamplingParams, sample
 from services.prefill.engine_loop import EngineLoop
 
@@ -57,7 +58,7 @@ class StandIn:
         self.released = 0
 
     def import_handoff(self, handoff, fetch=None, decode="dense"):
-        return SimpleNamespace(request_id=handoff.request_id)
+        return SimpleNamespace(request_id=handoff.request_id, decode_stats=DecodeStats())
 
     def decode_step(self, seqs, tokens):
         if self.fail_steps:

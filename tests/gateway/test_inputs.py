@@ -101,3 +101,47 @@ def test_the_gateway_names_chunks_as_the_engine_does_without_torch(tiny_model, r
     assert plain == reference.chunk_id([5, 6, 7])
     assert scoped == scoped_id("tenant/acme", reference.chunk_id([1])) == reference.chunk_id([1], "tenant/acme")
     assert not torch_loaded
+
+
+def _decode_request(**policy) -> pb.GenerateRequest:
+    req = _text_request("Paris is the capital of France. ")
+    req.decode.CopyFrom(pb.DecodePolicy(**policy))
+    return req
+
+
+@pytest.mark.parametrize("policy, reason", [
+    (dict(name="sparse"), "decode must be one of dense, quest, retro, got 'sparse'"),
+    (dict(name="retro", retro_window=0), "retro_window must be in 1..16, got 0"),
+    (dict(name="retro", retro_window=17), "retro_window must be in 1..16, got 17"),
+    (dict(name="quest", retro_window=2), "decode 'quest' takes no retro_window"),
+    (dict(name="", retro_window=2), "decode 'dense' takes no retro_window"),
+    (dict(name="dense", budget_tokens=64, retro_window=2), "decode 'dense' takes no budget_tokens or retro_window"),
+    (dict(name="retro", budget_tokens=0), "budget_tokens must be at least 1"),
+    (dict(name="retro", dense_layers=4), "dense_layers must leave a sparse layer of the model's 4 for retro"),
+], ids=["unknown", "window-0", "window-17", "quest-window", "default-window", "dense-params", "retro-budget",
+        "retro-dense-layers"])
+def test_a_bad_decode_policy_is_refused_before_any_text_is_tokenized(resolver, policy, reason):
+    with pytest.raises(InvalidRequest, match=reason):
+        resolver.resolve(_decode_request(**policy))
+    assert resolver.text_cache.misses == 0 and len(resolver.text_cache) == 0    # nothing tokenized, nothing kept
+
+
+def test_a_retro_policy_is_passed_on_as_given(resolver):
+    got = resolver.resolve(_decode_request(name="retro", budget_tokens=32, dense_layers=1, retro_window=16))
+    assert got.decode == pb.DecodePolicy(name="retro", budget_tokens=32, dense_layers=1, retro_window=16)
+    # unset parameters stay unset: the engine's defaults
+    assert resolver.resolve(_decode_request(name="retro")).decode == pb.DecodePolicy(name="retro")
+    assert resolver.resolve(_decode_request(name="dense")).decode is None
+
+
+def test_the_gateway_knows_the_engines_decode_parameters():
+    """services/modes.py's parameters per policy and retro's largest window are the engine's policies' own."""
+    import dataclasses
+
+    from services.engine.decode import POLICIES
+    from services.engine.decode.retro import MAX_WINDOW
+    from services.modes import DECODE_PARAMS, MAX_RETRO_WINDOW
+
+    assert {name: tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
+            for name, cls in POLICIES.items()} == DECODE_PARAMS
+    assert MAX_RETRO_WINDOW == MAX_WINDOW

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from services.sdk import (AsyncClient, ChunkId, Client, DeadlineExceeded, InvalidArgument, Unauthenticated,
-                          Unavailable)
+from services.sdk import (AsyncClient, ChunkId, Client, DeadlineExceeded, DecodeStats, InvalidArgument,
+                          Unauthenticated, Unavailable)
 
 from tests.helpers import MAX_POSITIONS, docs
 
@@ -25,6 +25,8 @@ def test_generate_matches_the_engine(client, reference):
     assert got.finish_reason == "length"
     assert sum(got.stats.chunk_tokens_by_tier.values()) == 96
     assert got.stats.prompt_tokens == 99 and got.stats.output_tokens == 12
+    d = got.stats.decode        # the first token is the prefill worker's: 11 decode steps, each reading every page
+    assert d.policy == "dense" and d.steps == 11 and d.pages_read == d.pages_visible > 0 and d.pages_corrected == 0
 
 
 def test_text_chunks_are_tokenized_by_the_gateway(client, reference):
@@ -92,6 +94,7 @@ def test_first_token_comes_from_the_prefill_worker(client, reference):
     one = client.complete(chunks, suffix, max_new_tokens=1, stop_token_ids=[])
     assert list(one.token_ids) == list(got.token_ids[:1]) and one.finish_reason == "length"
     assert one.stats.handoff_bytes == 0 and one.stats.handoff_seconds == 0
+    assert one.stats.decode == DecodeStats("dense")     # no decode step
     stop = got.token_ids[0]
     ends = client.complete(chunks, suffix, max_new_tokens=5, stop_token_ids=[stop])
     assert list(ends.token_ids) == [stop] and ends.finish_reason == "stop" and ends.stats.handoff_bytes == 0
@@ -109,16 +112,24 @@ def test_first_token_comes_from_the_prefill_worker(client, reference):
     (dict(chunks=[[1, 100000]], suffix=[1]), "token id 100000 in chunk 0 is outside the vocabulary"),
     (dict(chunks=[[1, 2]], suffix=[1], mode="sideways"), "unknown mode 'sideways'"),
     (dict(chunks=[[1, 2]], suffix=[1], recompute_ratio=1.5), "recompute_ratio must be in [0, 1]"),
-    (dict(chunks=[[1, 2]], suffix=[1], decode="sparse"), "decode must be one of dense, quest, got 'sparse'"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="sparse"), "decode must be one of dense, quest, retro, got 'sparse'"),
     (dict(chunks=[[1, 2]], suffix=[1], budget_tokens=64), "decode 'dense' takes no budget_tokens"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="quest", budget_tokens=0), "budget_tokens must be at least 1"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="quest", dense_layers=99), "dense_layers must be at most"),
     # a budget under one page passes the gateway, which does not know the workers' block size: the decode worker's
     # engine refuses it, naming the field
     (dict(chunks=[[1, 2]], suffix=[1], decode="quest", budget_tokens=8), "budget_tokens must be at least one page"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="retro", retro_window=0), "retro_window must be in 1..16, got 0"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="retro", retro_window=17), "retro_window must be in 1..16, got 17"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="retro", retro_window=2.5), "retro_window must be an integer, got 2.5"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="retro", retro_window=True), "retro_window must be an integer, got True"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="quest", retro_window=2), "decode 'quest' takes no retro_window"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="retro", dense_layers=4), "dense_layers must leave a sparse layer"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="retro", budget_tokens=8), "budget_tokens must be at least one page"),
 ], ids=["unknown-chunk", "empty", "empty-chunk", "too-long", "temperature", "top_p", "top_k",
         "max_new_tokens", "vocab", "mode", "ratio", "decode", "dense-budget", "zero-budget", "dense-layers",
-        "sub-page-budget"])
+        "sub-page-budget", "retro-window-0", "retro-window-17", "retro-window-float", "retro-window-bool",
+        "quest-window", "retro-dense-layers", "retro-sub-page-budget"])
 def test_bad_input_is_invalid_argument_with_the_reason(client, kwargs, reason):
     with pytest.raises(InvalidArgument) as info:
         client.complete(**kwargs)
@@ -134,8 +145,59 @@ def test_quest_decode_through_the_cluster(client, reference):
     wide = client.complete(chunks, suffix, max_new_tokens=10, stop_token_ids=[], decode="quest", budget_tokens=4096,
                            dense_layers=0)
     assert list(wide.token_ids) == want
+    assert wide.stats.decode.policy == "quest" and wide.stats.decode.pages_read == wide.stats.decode.pages_visible
     narrow = client.complete(chunks, suffix, max_new_tokens=10, stop_token_ids=[], decode="quest", budget_tokens=16)
     assert len(narrow.token_ids) == 10 and narrow.finish_reason == "length"
+    d = narrow.stats.decode
+    assert d.policy == "quest" and d.steps == 9 and 0 < d.pages_read < d.pages_visible and d.pages_corrected == 0
+
+
+def test_retro_decode_through_the_cluster(client, inproc, reference):
+    """decode="retro" reaches the decode worker: with a budget covering every page it generates the engine's dense
+    tokens; with a tight one it reads fewer pages than dense and corrects past tokens with some of them. The request's
+    stats carry those figures, and the decode worker's counters move by them under the policy's name."""
+    chunks, suffix = docs(2, 48, seed=8), [4, 5, 6]
+    want = reference.generate(chunks, suffix, max_new_tokens=8, stop_token_ids=[])
+    wide = client.complete(chunks, suffix, max_new_tokens=8, stop_token_ids=[], decode="retro", budget_tokens=4096,
+                           dense_layers=0, retro_window=3)
+    assert list(wide.token_ids) == want
+    assert wide.stats.decode.policy == "retro" and wide.stats.decode.pages_read == wide.stats.decode.pages_visible
+    value = inproc.decode.servicer.metrics.registry.get_sample_value
+    names = ("sequence_steps", "pages_visible", "pages_read", "pages_corrected")
+
+    def counters():
+        return [value(f"tessera_decode_{n}_total", {"policy": "retro"}) for n in names]
+
+    before = counters()
+    tight = client.complete(chunks, suffix, max_new_tokens=20, stop_token_ids=[], decode="retro", budget_tokens=32,
+                            dense_layers=1, retro_window=4)
+    assert len(tight.token_ids) == 20 and tight.finish_reason == "length"
+    d = tight.stats.decode
+    assert d.policy == "retro" and d.steps == 19 and 0 < d.pages_read < d.pages_visible and d.pages_corrected > 0
+    assert [a - b for a, b in zip(counters(), before)] == [d.steps, d.pages_visible, d.pages_read, d.pages_corrected]
+
+
+def test_a_refused_decode_policy_changes_nothing(client, inproc, reference):
+    """A bad decode policy is refused before anything is tokenized, prefilled or stored (the SDK refuses what the
+    message cannot carry, the gateway the rest), and the workers go on serving."""
+    chunks, suffix, text = docs(2, 40, seed=12), [3, 4], "A document only refused requests carried. "
+    resolver = inproc.gateway.servicer.resolver
+    invalid = inproc.gateway.servicer.metrics.registry.get_sample_value
+    admitted = inproc.decode.servicer.metrics.registry.get_sample_value
+    before = (resolver.text_cache.misses, invalid("tessera_gateway_requests_total", {"outcome": "invalid"}),
+              admitted("tessera_decode_admitted_total"))
+    for bad in (dict(decode="retro", retro_window=0), dict(decode="retro", retro_window=17),
+                dict(decode="retro", retro_window=2.5), dict(decode="retro", retro_window=True),
+                dict(decode="quest", retro_window=2), dict(decode="retrieval")):
+        with pytest.raises(InvalidArgument, match="retro_window|decode must be one of") as info:
+            client.complete([*chunks, text], suffix, max_new_tokens=4, **bad)
+        assert info.value.code == "INVALID_ARGUMENT"
+    # four reached the gateway (a float and a bool never leave the SDK); none was tokenized or reached a worker
+    assert (resolver.text_cache.misses, invalid("tessera_gateway_requests_total", {"outcome": "invalid"}),
+            admitted("tessera_decode_admitted_total")) == (before[0], before[1] + 4, before[2])
+    got = client.complete(chunks, suffix, max_new_tokens=4, stop_token_ids=[], decode="retro", retro_window=16)
+    assert got.stats.chunk_tokens_by_tier == {"computed": 80}       # no refused call computed or stored them
+    assert len(got.token_ids) == 4 and got.stats.decode.policy == "retro"
 
 
 def test_register_refuses_ids_and_nothing(client):
@@ -179,6 +241,8 @@ def test_metrics_endpoints_use_base_units(client):
     decode = next(w for w in st.workers if w.role == "decode")
     text = urllib.request.urlopen(decode.metrics_url, timeout=10).read().decode()
     assert "tessera_decode_handoff_bytes_total" in text and "tessera_decode_batch_size_bucket" in text
+    for name in ("sequence_steps", "pages_visible", "pages_read", "pages_corrected"):
+        assert f'tessera_decode_{name}_total{{policy="dense"}}' in text
 
 
 def test_async_client_streams_the_same_tokens(inproc, reference):
