@@ -127,7 +127,7 @@ def attention_rows(eng, seqs, budgets, dense_layers: int) -> list[dict]:
           flush=True)
     gen = [BlockTable.for_run(s.gen_blocks, s.gen_count, eng.block_size, 0, dev) for s in seqs]
     table, cu = fwd._step_table(layer, seqs, gen, dev)
-    q = torch.randn(len(seqs), eng.cfg.num_attention_heads, eng.cfg.head_dim, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(len(seqs), eng.cfg.num_heads, eng.cfg.head_dim, device=dev, dtype=torch.bfloat16)
     dense = events_ms(lambda: fwd.attention.decode(layer, q, table, cu))
     rows = []
     n_layers = eng.cfg.num_layers
@@ -224,7 +224,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--kv-gib", type=float, default=56.0)
+    ap.add_argument("--kv-gib", type=float, default=44.0)
     ap.add_argument("--skip", default="", help="context:batch pairs to skip, e.g. 131072:4")
     args = ap.parse_args()
     hf_cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers)

@@ -61,12 +61,13 @@ def bound_sequence(fwd, seq) -> None:
     """Compute the page bounds a sequence's sparse decode reads and nobody has computed: its chunks' (once per
     residency: ``ChunkEntry.bounded``) and its private prefill blocks' (per layer, over what that layer shows)."""
     pool, dev, bs = fwd.pool, fwd.device, fwd.bs
-    for entry in seq.pinned:
-        if not entry.bounded:
-            n = len(entry.blocks)
-            fill = (entry.length - torch.arange(n, device=dev) * bs).clamp(max=bs)
-            pool.bound_dense(host_to_device(entry.blocks, torch.long, dev), fill)
-            entry.bounded = True
+    fresh = [e for e in seq.pinned if not e.bounded]
+    if fresh:   # every fresh chunk's blocks at once: a few kernels a layer, not a few per chunk and layer
+        blocks = [b for e in fresh for b in e.blocks]
+        fills = [min(bs, e.length - i * bs) for e in fresh for i in range(len(e.blocks))]
+        pool.bound_dense(host_to_device(blocks, torch.long, dev), host_to_device(fills, torch.long, dev))
+        for e in fresh:
+            e.bounded = True
     if not seq.private_blocks:
         return
     private = host_to_device(seq.private_blocks, torch.long, dev)
