@@ -36,11 +36,14 @@ def page_bounds(k_cache: torch.Tensor, block_ids: torch.Tensor, masks: torch.Ten
     return kmin.to(k_cache.dtype), kmax.to(k_cache.dtype)
 
 
-def entry_sequences(cu_entries: torch.Tensor, n_entries: int) -> torch.Tensor:
-    """The sequence of each entry, int64 [E] (no host sync)."""
-    counts = (cu_entries[1:] - cu_entries[:-1]).long()
-    seqs = torch.arange(counts.numel(), device=cu_entries.device)
-    return torch.repeat_interleave(seqs, counts, output_size=n_entries)
+def entry_sequences(cu_entries: torch.Tensor, n_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence of each entry, int64 [E], and whether it is one of a sequence's, bool [E] (no host sync): a
+    table may hold entries before cu[0] and past cu[-1] (a decode graph's views and padding), which are no
+    sequence's."""
+    cu = cu_entries.long()
+    e = torch.arange(n_entries, device=cu.device)
+    seq = torch.searchsorted(cu[1:], e, right=True).clamp(max=max(cu.numel() - 2, 0))
+    return seq, (e >= cu[0]) & (e < cu[-1])
 
 
 def page_scores(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq):
@@ -50,13 +53,14 @@ def page_scores(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq):
     e = block_ids.numel()
     hkv, d = kmax.shape[1], kmax.shape[2]
     cos, sin = rope_cos_sin(offsets.long(), inv_freq)                       # [E, D/2]
-    qe = q.float()[entry_sequences(cu_entries, e)]                          # [E, Hq, D]
+    seq, inside = entry_sequences(cu_entries, e)
+    qe = q.float()[seq]                                                     # [E, Hq, D]
     qr = rotate(qe, cos[:, None, :], -sin[:, None, :]).view(e, hkv, -1, d)  # R_{-o} q: [E, Hkv, G, D]
     ids = block_ids.long()
     hi = kmax[ids].float()[:, :, None, :]                                   # [E, Hkv, 1, D]
     lo = kmin[ids].float()[:, :, None, :]
     bound = torch.maximum(qr * hi, qr * lo).sum(-1).amax(-1)                # [E, Hkv]
-    return torch.where((masks != 0)[:, None], bound, float("-inf"))
+    return torch.where(((masks != 0) & inside)[:, None], bound, float("-inf"))
 
 
 def select_pages(scores, cu_entries, budget_pages: int):

@@ -37,7 +37,7 @@ class QuestDecode(DecodePolicy):
     budget_tokens: int = 2048
     dense_layers: int = 2
     name = "quest"
-    replays_graph = False
+    replays_graph = True   # a step of one quest policy: graphs/decode.py
 
     def __post_init__(self) -> None:
         check_int("budget_tokens", self.budget_tokens, 1)
@@ -54,7 +54,14 @@ class QuestDecode(DecodePolicy):
         bound_sequence(fwd, seq)
 
     def begin(self, fwd, seqs):
-        return QuestStep(self, fwd, seqs)
+        step = QuestStep(self, fwd, len(seqs))
+        step.load(seqs)
+        return step
+
+    def graph_step(self, fwd, rows: int, dense):
+        """The step a decode graph of ``rows`` sequences captures (graphs/decode.py; ``dense``: its dense layers'
+        attention, (layer, q, table, cu) -> out)."""
+        return QuestStep(self, fwd, rows, dense)
 
 
 def bound_sequence(fwd, seq) -> None:
@@ -82,43 +89,64 @@ def bound_sequence(fwd, seq) -> None:
         pool.bound(layer, blocks, visible)
 
 
-def generated_blocks(seqs, bs: int, lookback: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def generated_blocks(seqs, bs: int, lookback: int, capacity: int, scratch: int, device):
     """The generated-token blocks holding each sequence's last ``lookback`` tokens (this step's included), and their
-    written slots: (block ids [n], visible bool [n, BS])."""
+    written slots, padded to ``capacity`` rows with the scratch block showing none: (block ids [capacity], visible
+    bool [capacity, BS])."""
     blocks, fills = [], []
     for s in seqs:
         first, last = max(0, s.gen_count - lookback) // bs, (s.gen_count - 1) // bs
         for i in range(first, last + 1):
             blocks.append(s.gen_blocks[i])
             fills.append(min(bs, s.gen_count - i * bs))
-    fill = host_to_device(fills, torch.long, device)
-    return host_to_device(blocks, torch.long, device), torch.arange(bs, device=device)[None, :] < fill[:, None]
+    pad = capacity - len(blocks)
+    fill = host_to_device(fills + [0] * pad, torch.long, device)
+    return (host_to_device(blocks + [scratch] * pad, torch.long, device),
+            torch.arange(bs, device=device)[None, :] < fill[:, None])
 
 
 class QuestStep(PolicyStep):
-    """One decode step of a group of Quest sequences. After ``attend`` at a sparse layer, ``sel``/``count`` hold the
-    pages each (row, KV head) read and ``lse`` its log-sum-exp (RetroAttention builds on them)."""
+    """One decode step of a group of Quest sequences, on buffers of a fixed capacity (``rows``: the sequences it
+    can take) so that a decode graph (graphs/decode.py) captures it once and ``load``s each step's sequences into
+    it; the eager step makes one of exactly its batch's size. After ``attend`` at a sparse layer, ``sel``/``count``
+    hold the pages each row read and ``lse`` its log-sum-exp (RetroAttention builds on them)."""
 
     lookback = 1   # the generated tokens whose K this step writes: its own
 
-    def __init__(self, policy: QuestDecode, fwd, seqs):
-        super().__init__(policy, fwd, seqs)
-        hkv, n_layers = fwd.cfg.num_kv_heads, fwd.cfg.num_layers
+    def __init__(self, policy: QuestDecode, fwd, rows: int, dense=None):
+        super().__init__(policy, fwd, [])
+        self.rows_cap = rows
+        self.dense_attend = dense or (lambda layer, q, table, cu: fwd.attention.decode(layer, q, table, cu))
         self.budget_pages = policy.budget_tokens // fwd.bs
-        self.touched, self.touched_slots = generated_blocks(seqs, fwd.bs, self.lookback, fwd.device)
-        # per sequence, the pages a dense step reads (host arithmetic) and, as dense layers read them, the
-        # dense part of what this step reads; the sparse layers' reads are counted on the device
+        self.sparse_layers = fwd.cfg.num_layers - min(policy.dense_layers, fwd.cfg.num_layers)
+        self.blocks_per_row = (self.lookback - 1) // fwd.bs + 2
+        # per sparse layer, the pages each row read (written at every step, read back at its end)
+        self.reads = torch.zeros((max(self.sparse_layers, 1), rows, fwd.cfg.num_kv_heads), dtype=torch.int32,
+                                 device=fwd.device)
+        # the generated blocks this step writes K to, and their written slots (filled by ``load``)
+        self.touched = torch.zeros(rows * self.blocks_per_row, dtype=torch.int64, device=fwd.device)
+        self.touched_slots = torch.zeros((rows * self.blocks_per_row, fwd.bs), dtype=torch.bool, device=fwd.device)
+        self.sel = self.count = self.lse = None
+
+    def load(self, seqs) -> None:
+        """This step's sequences (at most ``rows``; the rest of the rows are padding with no entries)."""
+        fwd, policy = self.fwd, self.policy
+        hkv, n_layers = fwd.cfg.num_kv_heads, fwd.cfg.num_layers
+        self.seqs = seqs
+        touched, slots = generated_blocks(seqs, fwd.bs, self.lookback, self.rows_cap * self.blocks_per_row,
+                                          fwd.scratch_block, fwd.device)
+        self.touched.copy_(touched)        # in place: a captured graph reads these very buffers
+        self.touched_slots.copy_(slots)
+        # per sequence, the pages a dense step reads and, as dense layers read them, the dense part of what this
+        # step reads (host arithmetic); the sparse layers' reads are counted on the device
         self.visible = [s.decode_stats.visible(s, n_layers, hkv) for s in seqs]
         self.dense_read = [hkv * sum(s.layer_tables[i].num_entries + len(s.gen_blocks)
                                      for i in range(min(policy.dense_layers, n_layers))) for s in seqs]
-        self.read: list[torch.Tensor] = []        # per sparse layer, int32 [B, Hkv]: the pages each row read
-        self.corrected: list[torch.Tensor] = []   # (RetroAttention) per sparse layer, int64 [B]: pages corrected
-        self.sel = self.count = self.lse = None
 
     def attend(self, layer, q, table, cu_entries):
         fwd, policy = self.fwd, self.policy
         if layer < policy.dense_layers:
-            return fwd.attention.decode(layer, q, table, cu_entries)
+            return self.dense_attend(layer, q, table, cu_entries)
         pool, model, backend = fwd.pool, fwd.model, fwd.backend
         pool.bound(layer, self.touched, self.touched_slots)        # this step's K (and overwritten ones) written
         scores = sparse.page_scores(q, pool.kmin[layer], pool.kmax[layer], table.block_ids, table.offsets,
@@ -127,14 +155,17 @@ class QuestStep(PolicyStep):
         out, self.lse = sparse.sparse_decode_attention(q, pool.k[layer], pool.v[layer], table.block_ids,
                                                        table.offsets, table.masks, self.sel, self.count,
                                                        model.inv_freq, model.scale, backend=backend)
-        self.read.append(self.count)
+        self.reads[layer - policy.dense_layers].copy_(self.count)
         return out
+
+    def corrections(self, n: int) -> torch.Tensor | None:
+        """Pages each of this step's n sequences corrected, int64 [n] on the device (RetroAttention), or None."""
+        return None
 
     def end(self) -> None:
         n = len(self.seqs)
-        zeros = torch.zeros(n, dtype=torch.int64, device=self.fwd.device)
-        read = torch.stack(self.read).sum((0, 2)) if self.read else zeros
-        corrected = torch.stack(self.corrected).sum(0) if self.corrected else zeros
-        counts = torch.stack([read, corrected], 1).tolist()   # one copy a step (its tokens are read right after)
-        for s, visible, dense, (pages, fixed) in zip(self.seqs, self.visible, self.dense_read, counts):
-            s.decode_stats.add(visible, dense + pages, fixed)
+        read = self.reads[:, :n].sum((0, 2)).long()
+        fixed = self.corrections(n)
+        both = torch.stack([read, read * 0 if fixed is None else fixed], 1).tolist()   # one copy a step
+        for s, visible, dense, (pages, corrected) in zip(self.seqs, self.visible, self.dense_read, both):
+            s.decode_stats.add(visible, dense + pages, corrected)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels import sparse
@@ -54,7 +55,14 @@ class RetroDecode(QuestDecode):
                              f"{self.dense_layers}")
 
     def begin(self, fwd, seqs):
-        return RetroStep(self, fwd, seqs)
+        step = RetroStep(self, fwd, len(seqs), sum(len(s.past) for s in seqs))
+        step.load(seqs)
+        return step
+
+    def graph_step(self, fwd, rows: int, dense):
+        """The step a decode graph of ``rows`` sequences captures (graphs/decode.py; ``dense``: its dense layers'
+        attention)."""
+        return RetroStep(self, fwd, rows, rows * (self.retro_window - 1), dense)
 
 
 @dataclass(slots=True)
@@ -76,109 +84,137 @@ class PastToken:
 
 
 class RetroStep(QuestStep):
-    def __init__(self, policy: RetroDecode, fwd, seqs):
+    """A RetroAttention step on fixed buffers (see QuestStep): ``rows`` current sequences and ``past`` past-token
+    rows (a decode graph: rows x (window - 1), the rows a step lacks padded, inert: no entries, writes to the
+    scratch block; the eager step: exactly its batch's)."""
+
+    def __init__(self, policy: RetroDecode, fwd, rows: int, past: int, dense=None):
         self.lookback = policy.retro_window      # the generated tokens whose K this step may write
-        super().__init__(policy, fwd, seqs)
-        dev, d = fwd.device, policy.dense_layers
-        n_layers = fwd.cfg.num_layers
-        self.first = d
-        bs = fwd.bs
-        # this step's tokens: where they live and how many pages each sparse layer shows them
-        self.cur_pos = [s.next_pos - 1 for s in seqs]
-        self.cur_block = [s.gen_blocks[(s.gen_count - 1) // bs] for s in seqs]
-        self.cur_slot = [(s.gen_count - 1) % bs for s in seqs]
-        self.cur_entries = torch.tensor([[s.layer_tables[i].num_entries + len(s.gen_blocks)
-                                          for i in range(d, n_layers)] for s in seqs], dtype=torch.int64)
-        self.q_cur, self.out_cur, self.lse_cur, self.sel_cur = [], [], [], []
-        self.h_cur = None
-        # the past tokens, flattened over the group's sequences: row r is past token j of sequence seq_of[r]
+        super().__init__(policy, fwd, rows, dense)
+        cfg, dev, dtype = fwd.cfg, fwd.device, fwd.pool.k[0].dtype
+        s, b, hq, hkv, d = self.sparse_layers, rows, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        k, width = self.budget_pages, (policy.retro_window - 1) * self.budget_pages
+        self.first, self.past_cap = policy.dense_layers, past
+        z = lambda *shape, dt=dtype: torch.zeros(shape, dtype=dt, device=dev)   # noqa: E731
+        # this step's tokens, as the next steps' past tokens will need them
+        self.q_cur, self.out_cur = z(s, b, hq, d), z(s, b, hq, d)
+        self.lse_cur, self.sel_cur = z(s, b, hq, dt=torch.float32), z(s, b, hkv, k, dt=torch.int64)
+        self.entries_cur, self.h_cur = z(s, b, dt=torch.int64), z(b, cfg.hidden_size)
+        # the past tokens, flattened over the step's sequences: row r is a past token of sequence seq_of[r]
+        # out_in/lse_in: their outputs as the step found them; out_p/lse_p: corrected (a step reads only the first,
+        # so that running it twice, as a graph's capture does, gives what running it once does)
+        self.h_p, self.q_p, self.out_in = z(past, cfg.hidden_size), z(s, past, hq, d), z(s, past, hq, d)
+        self.lse_in, self.entries_p = z(s, past, hq, dt=torch.float32), z(s, past, dt=torch.int64)
+        self.out_p, self.lse_p = z(s, past, hq, d), z(s, past, hq, dt=torch.float32)
+        self.seen = z(s, past, hkv, width, dt=torch.int64)      # pages each has seen (entry indices, -1 padded)
+        self.seq_of, self.pos_p, self.block_p, self.slot_p = (z(past, dt=torch.int64) for _ in range(4))
+        self.fixed = z(s, b, dt=torch.int64)                     # pages corrected, per sparse layer and sequence
+        self.past_tokens: list[PastToken] = []
+
+    def load(self, seqs) -> None:
+        super().load(seqs)
+        fwd, bs = self.fwd, self.fwd.bs
+        self.cur = [(s.next_pos - 1, s.gen_blocks[(s.gen_count - 1) // bs], (s.gen_count - 1) % bs) for s in seqs]
         past = [(b, j, p) for b, s in enumerate(seqs) for j, p in enumerate(s.past)]
-        self.rows = len(past)
-        if not self.rows:
+        self.past_tokens = [p for _, _, p in past]
+        n, cap = len(past), self.past_cap
+        if n > cap:
+            raise RuntimeError(f"{n} past tokens for a retro step of {cap} rows")
+        if not cap:
             return
-        self.seq_of = host_to_device([b for b, _, _ in past], torch.long, dev)
-        tokens = [p for _, _, p in past]
-        self.h_p = torch.stack([p.h for p in tokens])                      # [R, hidden]
-        self.q_p = torch.stack([p.q for p in tokens], 1)                   # [S, R, Hq, D]
-        self.out_p = torch.stack([p.out for p in tokens], 1)
-        self.lse_p = torch.stack([p.lse for p in tokens], 1)               # [S, R, Hq]
-        self.entries_p = torch.stack([p.entries for p in tokens], 1).to(dev)   # [S, R]
-        # what each past query has seen: its own step's pages and every later step's, [S, R, Hkv, W*K] (-1 pad)
-        k = self.budget_pages
-        width = (policy.retro_window - 1) * k
-        seen = []
-        for b, j, p in past:
-            later = seqs[b].past[j:]
-            own = torch.cat([t.sel for t in later], -1)                    # [S, Hkv, n*K]
-            seen.append(torch.nn.functional.pad(own, (0, width - own.shape[-1]), value=-1))
-        self.seen = torch.stack(seen, 1)
-        self.pos_p = host_to_device([p.pos for p in tokens], torch.long, dev)
-        self.block_p = host_to_device([p.block for p in tokens], torch.long, dev)
-        self.slot_p = host_to_device([p.slot for p in tokens], torch.long, dev)
-        self.attn_p = None
+        dev = fwd.device
+        host = np.zeros((4, cap), dtype=np.int64)               # seq_of, pos, block, slot; padding: scratch block
+        host[2] = fwd.scratch_block
+        for r, (b, _, p) in enumerate(past):
+            host[:, r] = (b, p.pos, p.block, p.slot)
+        for buf, row in zip((self.seq_of, self.pos_p, self.block_p, self.slot_p), host_to_device(host, torch.long,
+                                                                                                  dev)):
+            buf.copy_(row)
+        for buf in (self.h_p, self.q_p, self.out_in, self.entries_p):
+            buf.zero_()
+        self.lse_in.fill_(float("-inf"))
+        self.seen.fill_(-1)
+        if not n:
+            return
+        tokens = self.past_tokens
+        self.h_p[:n] = torch.stack([p.h for p in tokens])
+        self.q_p[:, :n] = torch.stack([p.q for p in tokens], 1)
+        self.out_in[:, :n] = torch.stack([p.out for p in tokens], 1)
+        self.lse_in[:, :n] = torch.stack([p.lse for p in tokens], 1)
+        self.entries_p[:, :n] = torch.stack([p.entries for p in tokens], 1)
+        # what each past query has seen: its own step's pages and every later step's
+        for r, (b, j, _) in enumerate(past):
+            own = torch.cat([t.sel for t in seqs[b].past[j:]], -1)             # [S, Hkv, m*K]
+            self.seen[:, r, :, :own.shape[-1]] = own
 
     def attend(self, layer, q, table, cu_entries):
         out = super().attend(layer, q, table, cu_entries)
         if layer < self.first:
             return out
         i = layer - self.first
-        starts = cu_entries[:-1].long()[:, None, None]
-        local = torch.where(self.sel >= 0, self.sel.long() - starts, -1)    # [B, Hkv, K] within each sequence
-        self.q_cur.append(q)
-        self.out_cur.append(out)
-        self.lse_cur.append(self.lse)
-        self.sel_cur.append(local)
-        if self.rows:
-            self._correct(i, local, table, cu_entries)
+        cu = cu_entries.long()
+        local = torch.where(self.sel >= 0, self.sel.long() - cu[:-1, None, None], -1)   # within each sequence
+        self.q_cur[i].copy_(q)
+        self.out_cur[i].copy_(out)
+        self.lse_cur[i].copy_(self.lse)
+        self.sel_cur[i].copy_(local)
+        self.entries_cur[i].copy_(cu[1:] - cu[:-1])
+        if self.past_cap:
+            self._correct(i, local, table, cu)
         return out
 
-    def _correct(self, i: int, local: torch.Tensor, table, cu_entries) -> None:
+    def _correct(self, i: int, local: torch.Tensor, table, cu: torch.Tensor) -> None:
         """Past rows' attention at sparse layer i: their output merged with what they get from this step's pages
-        that they have not seen."""
+        that they have not seen and that existed at their step."""
         fwd = self.fwd
         pool, model, layer = fwd.pool, fwd.model, self.first + i
         cand = local[self.seq_of]                                            # [R, Hkv, K]
-        seen = self.seen[i]                                                  # [R, Hkv, W*K]
         new = (cand >= 0) & (cand < self.entries_p[i][:, None, None])
-        new &= ~(cand[..., None] == seen[:, :, None, :]).any(-1)
+        new &= ~(cand[..., None] == self.seen[i][:, :, None, :]).any(-1)
         big = torch.iinfo(torch.int64).max
         order = torch.where(new, cand, big).sort(-1).values                   # the new pages first, ascending
         count = new.sum(-1).to(torch.int32)
-        starts = cu_entries[:-1].long()[self.seq_of][:, None, None]
-        sel = torch.where(order != big, order + starts, -1).to(torch.int32)
+        sel = torch.where(order != big, order + cu[:-1][self.seq_of][:, None, None], -1).to(torch.int32)
         o_sup, lse_sup = sparse.sparse_decode_attention(
             self.q_p[i], pool.k[layer], pool.v[layer], table.block_ids, table.offsets, table.masks, sel, count,
             model.inv_freq, model.scale, backend=fwd.backend)
-        out, lse = merge_attention(torch.stack([self.out_p[i], o_sup]), torch.stack([self.lse_p[i], lse_sup]),
+        out, lse = merge_attention(torch.stack([self.out_in[i], o_sup]), torch.stack([self.lse_in[i], lse_sup]),
                                    backend=fwd.backend)
-        self.out_p[i], self.lse_p[i] = out, lse
-        self.attn_p = out
-        self.corrected.append(torch.zeros(len(self.seqs), dtype=torch.int64, device=count.device).index_add_(
-            0, self.seq_of, count.sum(1).long()))
+        self.out_p[i].copy_(out)
+        self.lse_p[i].copy_(lse)
+        self.fixed[i].zero_()
+        self.fixed[i].index_add_(0, self.seq_of, count.sum(1).long())
 
     def join(self, layer, h):
         if layer != self.first:
             return None
-        self.h_cur = h
-        if not self.rows:
+        self.h_cur.copy_(h)
+        if not self.past_cap:
             return None
-        return PastRows(self.h_p, self.attn_p, self.pos_p, self.block_p, self.slot_p)
+        return PastRows(self.h_p, self.out_p[0], self.pos_p, self.block_p, self.slot_p)
 
     def attend_past(self, layer, table, cu_entries):
-        return self.attn_p
+        return self.out_p[layer - self.first]
+
+    def corrections(self, n):
+        return self.fixed[:, :n].sum(0) if self.past_cap else None
 
     def end(self) -> None:
         super().end()
         window = self.policy.retro_window - 1
         if not window:
             return
-        q, out = torch.stack(self.q_cur, 1), torch.stack(self.out_cur, 1)    # [B, S, Hq, D]
-        lse, sel = torch.stack(self.lse_cur, 1), torch.stack(self.sel_cur, 1)
-        if self.rows:
-            # the corrected outputs back into their tokens' records
-            for r, token in enumerate(t for s in self.seqs for t in s.past):
-                token.out, token.lse = self.out_p[:, r], self.lse_p[:, r]
+        n = len(self.seqs)
+        # copies: the buffers are the next step's (a decode graph's) and records outlive it
+        q, out = self.q_cur[:, :n].clone(), self.out_cur[:, :n].clone()
+        lse, sel = self.lse_cur[:, :n].clone(), self.sel_cur[:, :n].clone()
+        entries, h = self.entries_cur[:, :n].clone(), self.h_cur[:n].clone()
+        if self.past_tokens:
+            m = len(self.past_tokens)
+            out_p, lse_p = self.out_p[:, :m].clone(), self.lse_p[:, :m].clone()
+            for r, token in enumerate(self.past_tokens):     # the corrected outputs back into their records
+                token.out, token.lse = out_p[:, r], lse_p[:, r]
         for b, s in enumerate(self.seqs):
-            s.past.append(PastToken(self.cur_pos[b], self.cur_block[b], self.cur_slot[b], self.cur_entries[b],
-                                    self.h_cur[b], q[b], out[b], lse[b], sel[b]))
+            pos, block, slot = self.cur[b]
+            s.past.append(PastToken(pos, block, slot, entries[:, b], h[b], q[:, b], out[:, b], lse[:, b], sel[:, b]))
             del s.past[:-window]

@@ -35,7 +35,9 @@ import torch
 from kernels.options import current
 from kernels.paged_attention import MAX_OFFSET, check_encodable
 from kernels.rope import rope_cos_sin
-from services.engine.kv.block_table import full_mask
+from services.engine.decode import DENSE
+from services.engine.decode.policy import count_dense
+from services.engine.kv.block_table import BlockTable, full_mask
 from services.engine.graphs.tails import capture
 
 log = logging.getLogger(__name__)
@@ -183,11 +185,17 @@ class _Inputs:
 
 
 class DecodeGraph:
-    """One bucket: ``b`` sequences over the entries of ``inp`` (its capacity); logits [b, vocab] fp32."""
+    """One bucket: ``b`` sequences over the entries of ``inp`` (its capacity); logits [b, vocab] fp32. ``policy``:
+    the decode policy of every sequence of its steps: dense, or a sparse one whose step (``policy.graph_step``,
+    services/engine/decode) is captured with it, on buffers its ``load`` fills before each replay."""
 
-    def __init__(self, fwd, inp: _Inputs, b: int, splits: int, graph_pool=None):
+    def __init__(self, fwd, inp: _Inputs, b: int, splits: int, graph_pool=None, policy=DENSE):
         self.fwd, self.inp, self.b, self.splits = fwd, inp, b, splits
         self.attention = fwd.attention.static_decode(fwd, inp, splits)
+        self.policy = policy
+        self.step = None if policy is DENSE else policy.graph_step(
+            fwd, b, lambda layer, q, table, cu: self.attention(layer, q, cu))
+        self.table = BlockTable(inp.ids, inp.offs, inp.masks)   # what a sparse step's kernels read
         # the torch model would memoise cos/sin by position tensor (frozen into a graph): made per replay
         self.rope_by_pos = fwd.model.rope_backend != "torch"
         self.out = torch.zeros(b, fwd.cfg.vocab_size, dtype=torch.float32, device=fwd.device)
@@ -195,30 +203,51 @@ class DecodeGraph:
         self.kernel_options = None  # set at capture
 
     def _body(self) -> None:
-        fwd, inp, b = self.fwd, self.inp, self.b
+        fwd, inp, b, step = self.fwd, self.inp, self.b, self.step
         model, pool = fwd.model, fwd.pool
         inp.cu32.copy_(inp.cu)
         pos, w_block, w_slot = inp.pos[:b], inp.w_block[:b], inp.w_slot[:b]
         pool.slot_pos[w_block, w_slot] = pos.to(torch.int32)
         self.attention.prepare()
-        rope = None
-        if not self.rope_by_pos:
-            cos, sin = rope_cos_sin(pos, model.inv_freq)
-            rope = (cos[:, None, :], sin[:, None, :])
         h = model.embed(inp.tokens[:b])
+        joined = False
         for layer in range(fwd.cfg.num_layers):
+            rope = None
+            if not self.rope_by_pos:
+                cos, sin = rope_cos_sin(pos, model.inv_freq)
+                rope = (cos[:, None, :], sin[:, None, :])
             q, _, _ = model.attention_inputs(layer, h, pos, rope=rope, write=pool.at(layer, w_block, w_slot))
-            h = model.finish_layer(layer, h, self.attention(layer, q, inp.cu32[layer, :b + 1]))
-        self.out.copy_(model.logits(h))
+            cu = inp.cu32[layer, :b + 1]
+            if step is None:
+                attn = self.attention(layer, q, cu)
+            else:
+                attn = step.attend(layer, q[:b], self.table, cu)
+                if joined:     # RetroAttention's past rows, re-embedding: their attention here, after the current
+                    attn = torch.cat([attn, step.attend_past(layer, self.table, cu)])
+                past = step.join(layer, h[:b])
+                if past is not None:
+                    joined = True
+                    h, attn = torch.cat([h, past.h]), torch.cat([attn, past.attn.to(attn.dtype)])
+                    pos, w_block, w_slot = (torch.cat(pair) for pair in ((pos, past.pos), (w_block, past.block),
+                                                                         (w_slot, past.slot)))
+            h = model.finish_layer(layer, h, attn)
+        self.out.copy_(model.logits(h[:b]))
 
-    def run(self) -> torch.Tensor:
+    def run(self, seqs) -> torch.Tensor:
+        """The step of ``seqs`` (loaded in ``inp`` already): logits, and what each sequence read in its stats."""
+        if self.step is not None:
+            self.step.load(seqs)
         if self.out.device.type != "cuda":
             self._body()
-            return self.out
-        if self.graph is None:
-            self.graph = capture(self._body, self.graph_pool)   # the step's writes are idempotent
-            self.kernel_options = current()  # what its launches were captured with (kernels/options.py)
-        self.graph.replay()
+        else:
+            if self.graph is None:
+                self.graph = capture(self._body, self.graph_pool)   # the step's writes are idempotent
+                self.kernel_options = current()  # what its launches were captured with (kernels/options.py)
+            self.graph.replay()
+        if self.step is not None:
+            self.step.end()
+        else:
+            count_dense(self.fwd, seqs)
         return self.out
 
 
@@ -250,12 +279,15 @@ class DecodeGraphs:
             raise ValueError(f"a token id is outside the vocabulary [0, {fwd.cfg.vocab_size})")
         if step.offs.max() > MAX_OFFSET:  # what pack would refuse: the same clear error, found on the host
             check_encodable(fwd.bs, torch.from_numpy(step.ids), torch.from_numpy(step.offs))
+        policy = seqs[0].decode
+        if any(s.decode != policy for s in seqs[1:]):   # sequences of several policies: an eager step
+            return None
         b = next(x for x in self.buckets if x >= n)
         cap = max(MIN_ENTRIES, 1 << (step.total - 1).bit_length())
-        graph = self._graph(b, cap, step)
+        graph = self._graph(b, cap, step, policy)
         graph.inp.fill(step, b, fwd.scratch_block)
         try:
-            out = graph.run()
+            out = graph.run(seqs)
         except Exception as exc:  # noqa: BLE001 - a step that cannot be captured runs eagerly from now on
             if graph.graph is not None or fwd.device.type != "cuda":
                 raise
@@ -266,13 +298,13 @@ class DecodeGraphs:
         self.replays += 1
         return out[:n].clone()  # the buffer is the next replay's: the caller gets its own
 
-    def _graph(self, b: int, cap: int, step: StepLayout) -> DecodeGraph:
-        key = (b, cap)
+    def _graph(self, b: int, cap: int, step: StepLayout, policy) -> DecodeGraph:
+        key = (b, cap, policy)
         graph = self.graphs.get(key)
         if graph is None:
             if len(self.graphs) >= MAX_GRAPHS:
                 self.graphs.popitem(last=False)
-                used = {c for _, c in self.graphs}
+                used = {c for _, c, _ in self.graphs}
                 self.inputs = {c: i for c, i in self.inputs.items() if c in used}
             inp = self.inputs.get(cap) or self.inputs.setdefault(cap, _Inputs(self.fwd, cap))
             splits = self.num_splits
@@ -281,6 +313,6 @@ class DecodeGraphs:
                 per_view = int((step.cu[:, -1] - step.cu[:, 0]).max())
                 splits = self.fwd.attention.decode_splits(b, self.fwd.cfg.num_kv_heads, per_view * b // step.n,
                                                           self.fwd.device)
-            graph = self.graphs[key] = DecodeGraph(self.fwd, inp, b, splits or 1, self.graph_pool)
+            graph = self.graphs[key] = DecodeGraph(self.fwd, inp, b, splits or 1, self.graph_pool, policy)
         self.graphs.move_to_end(key)
         return graph

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from services.engine.attention import BACKENDS
-from services.engine.decode.policy import PolicyStep, count_dense
+from services.engine.decode.policy import PolicyStep
 from services.engine.graphs import blend_tail, reuse_tail
 from services.engine.passes.blend import BlendConfig, blend_pass
 from services.engine.kv.block_table import BlockTable, dense_run, host_to_device
@@ -441,7 +441,6 @@ class Forward:
                 self.decode_graphs = DecodeGraphs(self)
             logits = self.decode_graphs.run(seqs, tokens, blocks, slots, positions)
             if logits is not None:
-                count_dense(self, seqs)
                 return logits
         block = host_to_device(blocks, torch.long, dev)
         slot = host_to_device(slots, torch.long, dev)

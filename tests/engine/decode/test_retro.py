@@ -155,3 +155,28 @@ def test_bad_retro_parameters_are_refused_by_name(engine):
         with pytest.raises(ValueError, match=match):
             engine.generate(chunks, suffix, max_new_tokens=2, decode="retro", **kwargs)
     assert policy_for("retro") == RetroDecode(2048, 2, 2) and engine.cache.resident_bytes == 0
+
+
+@pytest.mark.parametrize("decode", ["quest", "retro"])
+def test_a_decode_graphs_step_equals_the_eager_step(tiny_dir, decode):
+    """The step a decode graph captures (on the CPU: the same body run eagerly on its fixed, padded buffers) gives
+    the eager step's logits and stats, batch after batch, for Quest and Retro (past rows padded to the bucket)."""
+    params = dict(budget_tokens=32, dense_layers=1) | (dict(retro_window=3) if decode == "retro" else {})
+    eager, graphs = Engine.load(tiny_dir), Engine.load(tiny_dir, static_tails=True)
+    requests = [random_request(70 + i, lengths=(31, 45 + i), suffix_len=3) for i in range(3)]
+    tokens = [9, 4, 7, 1, 8, 2, 6]
+    out, stats = [], []
+    for eng in (eager, graphs):
+        seqs = []
+        for request in requests:
+            _, h = eng.prefill_handoff(*request)
+            seqs.append(eng.import_handoff(h, decode=decode, **params))
+        out.append(torch.stack([eng.decode_step(seqs, [t] * len(seqs)) for t in tokens]))
+        stats.append([s.decode_stats.as_dict() for s in seqs])
+        for seq in seqs:
+            eng.release(seq)
+    assert graphs.forward.decode_graphs.replays == len(tokens)
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
+    assert stats[1] == stats[0] and all(s["pages_read"] < s["pages_visible"] for s in stats[0])
+    if decode == "retro":
+        assert all(s["pages_corrected"] > 0 for s in stats[0])

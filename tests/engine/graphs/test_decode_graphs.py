@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from services.engine import Engine, Handoff
+from services.engine.decode import DENSE
 from services.engine.graphs.decode import DecodeGraphs
 from services.engine.kv.loader import numbered
 
@@ -97,15 +98,15 @@ def test_static_decode_equals_eager(engine4, handoffs):
     try:
         tokens = _decode_both(eng, eager, static, tokens, 2)  # 6 sequences: bucket 8
         graphs = eng.forward.decode_graphs
-        assert list(graphs.graphs) == [(8, 256)] and graphs.replays == 2
+        assert list(graphs.graphs) == [(8, 256, DENSE)] and graphs.replays == 2
         # one sequence leaves: 5 in the same bucket, row 5 keeps stale inputs that must stay inert
         for seqs in (eager, static):
             eng.release(seqs.pop(2))
         tokens = _decode_both(eng, eager, static, tokens[:2] + tokens[3:], 1)
-        assert list(graphs.graphs) == [(8, 256)] and graphs.replays == 3
+        assert list(graphs.graphs) == [(8, 256, DENSE)] and graphs.replays == 3
         # two go on in the bucket of 2 (its own graph), across a block boundary of their generated tokens
         _decode_both(eng, eager[:2], static[:2], tokens[:2], 2)
-        assert (2, 256) in graphs.graphs and graphs.replays == 5
+        assert (2, 256, DENSE) in graphs.graphs and graphs.replays == 5
         assert all(s.gen_count > eng.block_size for s in static[:2])
     finally:
         _release(eng, eager, static)
