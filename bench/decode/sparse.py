@@ -5,12 +5,11 @@ Llama-3-8B shape, random weights, bf16, Triton backend. Every sequence's context
 inserted as the store would hand them (insert_chunk), so building a 128K context costs no prefill. Per
 (context, batch) it reports:
 
-- attention per step: one sparse layer's attention timed alone (CUDA events, the batch's real table), dense
-  (``paged_decode_attention``, the kernel a dense step runs) against Quest's three kernels (scores, top-k,
-  sparse attention) at each budget, times the model's layers (dense layers at the dense figure);
-- whole decode step, as the decode batcher runs it (``Engine.decode_step`` and a greedy pick read back): dense
-  (CUDA graphs, the default) and dense eager, Quest and Retro (w=2) at each budget (eager: sparse steps replay no
-  graph), medians over --steps steps;
+- attention per step: one sparse layer's attention timed alone (replayed as a CUDA graph, the batch's real
+  table), dense (the paged decode kernel a dense step runs, its split count) against Quest's three kernels
+  (scores, top-k, sparse attention) at each budget, times the model's layers (dense layers at the dense figure);
+- whole decode step, as the decode batcher runs it (``Engine.decode_step`` and a greedy pick read back): dense,
+  Quest and Retro (w=2) at each budget, each replayed as a CUDA graph (the default), medians over --steps steps;
 - the floor of each step: bytes it must read (weights once; per KV head and layer the pages read; the page
   bounds read to score them) at the device's copy bandwidth measured in the same run;
 - page bounds' bytes per 512-token chunk against the chunk's KV bytes.
@@ -37,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.decode.decode import hbm_floor_seconds, rewind  # noqa: E402
 from bench.engine.engine import LLAMA3_8B  # noqa: E402
 from kernels import sparse  # noqa: E402
+from kernels.paged_attention._decode import DecodeConfig, pick_splits  # noqa: E402
+from kernels.paged_attention._decode import launch as decode_launch  # noqa: E402
+from kernels.paged_attention._meta import pack  # noqa: E402
 from services.engine import Engine, ModelConfig  # noqa: E402
 from services.engine.kv.block_table import BlockTable  # noqa: E402
 
@@ -93,19 +95,26 @@ def build_batch(eng, n: int, context: int, shared: bool, seed: int):
     return seqs, toks
 
 
-def events_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
+def graph_ms(fn, reps: int = 50) -> float:
+    """GPU time of ``fn``'s kernels: captured into a CUDA graph and replayed ``reps`` times back to back (the host's
+    launches out of the figure, as a decode step's graph replays them), ms per replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()                                   # compiles, allocator settles
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
+    start.record()
     for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def attention_rows(eng, seqs, budgets, dense_layers: int) -> list[dict]:
@@ -128,7 +137,10 @@ def attention_rows(eng, seqs, budgets, dense_layers: int) -> list[dict]:
     gen = [BlockTable.for_run(s.gen_blocks, s.gen_count, eng.block_size, 0, dev) for s in seqs]
     table, cu = fwd._step_table(layer, seqs, gen, dev)
     q = torch.randn(len(seqs), eng.cfg.num_heads, eng.cfg.head_dim, device=dev, dtype=torch.bfloat16)
-    dense = events_ms(lambda: fwd.attention.decode(layer, q, table, cu))
+    packed = pack(table.block_ids, table.offsets, table.masks, eng.block_size, model.inv_freq, with_table=False)
+    splits = pick_splits(DecodeConfig(), len(seqs), eng.cfg.num_kv_heads, table.num_entries, dev)
+    dense = graph_ms(lambda: decode_launch(q, pool.k[layer], pool.v[layer], packed, cu, model.inv_freq, model.scale,
+                                           cfg=DecodeConfig(num_splits=splits)))
     rows = []
     n_layers = eng.cfg.num_layers
     for budget in budgets:
@@ -146,15 +158,15 @@ def attention_rows(eng, seqs, budgets, dense_layers: int) -> list[dict]:
                                     table.masks, cu, model.inv_freq, backend="triton")
         sel, count = sparse.select_pages(scores, cu, pages, backend="triton")
         parts = {
-            "scores_ms": events_ms(lambda: sparse.page_scores(q, pool.kmin[layer], pool.kmax[layer], table.block_ids,
+            "scores_ms": graph_ms(lambda: sparse.page_scores(q, pool.kmin[layer], pool.kmax[layer], table.block_ids,
                                                               table.offsets, table.masks, cu, model.inv_freq,
                                                               backend="triton")),
-            "select_ms": events_ms(lambda: sparse.select_pages(scores, cu, pages, backend="triton")),
-            "attend_ms": events_ms(lambda: sparse.sparse_decode_attention(
+            "select_ms": graph_ms(lambda: sparse.select_pages(scores, cu, pages, backend="triton")),
+            "attend_ms": graph_ms(lambda: sparse.sparse_decode_attention(
                 q, pool.k[layer], pool.v[layer], table.block_ids, table.offsets, table.masks, sel, count,
                 model.inv_freq, model.scale, backend="triton")),
         }
-        layer_ms = events_ms(quest)
+        layer_ms = graph_ms(quest)
         step_dense = dense * n_layers
         step_quest = dense * dense_layers + layer_ms * (n_layers - dense_layers)
         rows.append({"budget_tokens": budget, "bounds_first_ms": bounds_ms[0], "bounds_reused_ms": bounds_ms[1],
@@ -225,6 +237,7 @@ def main() -> int:
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--kv-gib", type=float, default=44.0)
+    ap.add_argument("--eager", action="store_true", help="also a Quest step without graphs")
     ap.add_argument("--skip", default="", help="context:batch pairs to skip, e.g. 131072:4")
     args = ap.parse_args()
     hf_cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers)
@@ -261,14 +274,15 @@ def main() -> int:
             try:
                 seqs, toks = build_batch(eng, n, context, args.shared, seed=context + n)
                 att = attention_rows(eng, seqs, budgets, args.dense_layers)
-                policies = [("dense", eng.decode_policy("dense"), True), ("dense eager", eng.decode_policy("dense"),
-                                                                          False)]
+                policies = [("dense", eng.decode_policy("dense"), True)]
                 for b in budgets:
                     policies.append((f"quest@{b}", eng.decode_policy("quest", budget_tokens=b,
-                                                                     dense_layers=args.dense_layers), False))
+                                                                     dense_layers=args.dense_layers), True))
                     policies.append((f"retro@{b}:w2", eng.decode_policy("retro", budget_tokens=b,
                                                                         dense_layers=args.dense_layers,
-                                                                        retro_window=2), False))
+                                                                        retro_window=2), True))
+                if args.eager:
+                    policies.append((f"quest@{budgets[0]} eager", policies[1][1], False))
                 steps = step_rows(eng, seqs, toks, policies, args.steps, floor_per_byte, weight_bytes)
                 results["rows"].append({**label, "attention": att, "steps": steps})
             except Exception as exc:   # report and go on: one shape failing must not hide the others
