@@ -92,29 +92,29 @@ class RetroStep(QuestStep):
         self.lookback = policy.retro_window      # the generated tokens whose K this step may write
         super().__init__(policy, fwd, rows, dense)
         cfg, dev, dtype = fwd.cfg, fwd.device, fwd.pool.k[0].dtype
-        s, b, hq, hkv, d = self.sparse_layers, rows, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        k, width = self.budget_pages, (policy.retro_window - 1) * self.budget_pages
+        s, hq, hkv, d = self.sparse_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        width = (policy.retro_window - 1) * self.budget_pages
         self.first, self.past_cap = policy.dense_layers, past
         z = lambda *shape, dt=dtype: torch.zeros(shape, dtype=dt, device=dev)   # noqa: E731
-        # this step's tokens, as the next steps' past tokens will need them
-        self.q_cur, self.out_cur = z(s, b, hq, d), z(s, b, hq, d)
-        self.lse_cur, self.sel_cur = z(s, b, hq, dt=torch.float32), z(s, b, hkv, k, dt=torch.int64)
-        self.entries_cur, self.h_cur = z(s, b, dt=torch.int64), z(b, cfg.hidden_size)
-        # the past tokens, flattened over the step's sequences: row r is a past token of sequence seq_of[r]
-        # out_in/lse_in: their outputs as the step found them; out_p/lse_p: corrected (a step reads only the first,
-        # so that running it twice, as a graph's capture does, gives what running it once does)
+        # the past tokens, flattened over the step's sequences: row r is a past token of sequence seq_of[r], with
+        # its outputs as the step found them (a step never writes these, so that running it twice, as a graph's
+        # capture does, gives what running it once does)
         self.h_p, self.q_p, self.out_in = z(past, cfg.hidden_size), z(s, past, hq, d), z(s, past, hq, d)
         self.lse_in, self.entries_p = z(s, past, hq, dt=torch.float32), z(s, past, dt=torch.int64)
-        self.out_p, self.lse_p = z(s, past, hq, d), z(s, past, hq, dt=torch.float32)
         self.seen = z(s, past, hkv, width, dt=torch.int64)      # pages each has seen (entry indices, -1 padded)
         self.seq_of, self.pos_p, self.block_p, self.slot_p = (z(past, dt=torch.int64) for _ in range(4))
-        self.fixed = z(s, b, dt=torch.int64)                     # pages corrected, per sparse layer and sequence
+        # What a step makes, by reference (no copies: in a decode graph, tensors its replays write again): per
+        # sparse layer, this step's tokens' (q, out, lse, pages as entry indices within their sequence, cu) and the
+        # past rows' corrected (out, lse, pages corrected [R, Hkv]); this step's residual input to the first.
+        self.cur: list = [None] * s
+        self.fixed: list = [None] * s
+        self.h_cur = None
         self.past_tokens: list[PastToken] = []
 
     def load(self, seqs) -> None:
         super().load(seqs)
         fwd, bs = self.fwd, self.fwd.bs
-        self.cur = [(s.next_pos - 1, s.gen_blocks[(s.gen_count - 1) // bs], (s.gen_count - 1) % bs) for s in seqs]
+        self.where = [(s.next_pos - 1, s.gen_blocks[(s.gen_count - 1) // bs], (s.gen_count - 1) % bs) for s in seqs]
         past = [(b, j, p) for b, s in enumerate(seqs) for j, p in enumerate(s.past)]
         self.past_tokens = [p for _, _, p in past]
         n, cap = len(past), self.past_cap
@@ -154,18 +154,14 @@ class RetroStep(QuestStep):
         i = layer - self.first
         cu = cu_entries.long()
         local = torch.where(self.sel >= 0, self.sel.long() - cu[:-1, None, None], -1)   # within each sequence
-        self.q_cur[i].copy_(q)
-        self.out_cur[i].copy_(out)
-        self.lse_cur[i].copy_(self.lse)
-        self.sel_cur[i].copy_(local)
-        self.entries_cur[i].copy_(cu[1:] - cu[:-1])
+        self.cur[i] = (q, out, self.lse, local, cu)
         if self.past_cap:
-            self._correct(i, local, table, cu)
+            self.fixed[i] = self._correct(i, local, table, cu)
         return out
 
-    def _correct(self, i: int, local: torch.Tensor, table, cu: torch.Tensor) -> None:
+    def _correct(self, i: int, local: torch.Tensor, table, cu: torch.Tensor):
         """Past rows' attention at sparse layer i: their output merged with what they get from this step's pages
-        that they have not seen and that existed at their step."""
+        that they have not seen and that existed at their step -> (out, lse, pages corrected [R, Hkv])."""
         fwd = self.fwd
         pool, model, layer = fwd.pool, fwd.model, self.first + i
         cand = local[self.seq_of]                                            # [R, Hkv, K]
@@ -173,31 +169,32 @@ class RetroStep(QuestStep):
         new &= ~(cand[..., None] == self.seen[i][:, :, None, :]).any(-1)
         big = torch.iinfo(torch.int64).max
         order = torch.where(new, cand, big).sort(-1).values                   # the new pages first, ascending
-        count = new.sum(-1).to(torch.int32)
+        count = new.sum(-1, dtype=torch.int32)
         sel = torch.where(order != big, order + cu[:-1][self.seq_of][:, None, None], -1).to(torch.int32)
         o_sup, lse_sup = sparse.sparse_decode_attention(
             self.q_p[i], pool.k[layer], pool.v[layer], table.block_ids, table.offsets, table.masks, sel, count,
             model.inv_freq, model.scale, backend=fwd.backend)
         out, lse = merge_attention(torch.stack([self.out_in[i], o_sup]), torch.stack([self.lse_in[i], lse_sup]),
                                    backend=fwd.backend)
-        self.out_p[i].copy_(out)
-        self.lse_p[i].copy_(lse)
-        self.fixed[i].zero_()
-        self.fixed[i].index_add_(0, self.seq_of, count.sum(1).long())
+        return out, lse, count
 
     def join(self, layer, h):
         if layer != self.first:
             return None
-        self.h_cur.copy_(h)
+        self.h_cur = h
         if not self.past_cap:
             return None
-        return PastRows(self.h_p, self.out_p[0], self.pos_p, self.block_p, self.slot_p)
+        return PastRows(self.h_p, self.fixed[0][0], self.pos_p, self.block_p, self.slot_p)
 
     def attend_past(self, layer, table, cu_entries):
-        return self.out_p[layer - self.first]
+        return self.fixed[layer - self.first][0]
 
     def corrections(self, n):
-        return self.fixed[:, :n].sum(0) if self.past_cap else None
+        if not self.past_cap:
+            return None
+        per_row = torch.stack([f[2] for f in self.fixed]).sum((0, 2), dtype=torch.int64)      # [R]
+        return torch.zeros(max(n, 1), dtype=torch.int64, device=per_row.device).index_add_(0, self.seq_of,
+                                                                                         per_row)[:n]
 
     def end(self) -> None:
         super().end()
@@ -205,16 +202,16 @@ class RetroStep(QuestStep):
         if not window:
             return
         n = len(self.seqs)
-        # copies: the buffers are the next step's (a decode graph's) and records outlive it
-        q, out = self.q_cur[:, :n].clone(), self.out_cur[:, :n].clone()
-        lse, sel = self.lse_cur[:, :n].clone(), self.sel_cur[:, :n].clone()
-        entries, h = self.entries_cur[:, :n].clone(), self.h_cur[:n].clone()
+        # new tensors (stacks): what the records keep must outlive the buffers a decode graph's next replay writes
+        q, out, lse, sel = (torch.stack([c[k][:n] for c in self.cur], 1) for k in range(4))   # [n, S, ...]
+        cu = torch.stack([c[4] for c in self.cur], 1)                                            # [b + 1, S]
+        entries, h = (cu[1:] - cu[:-1])[:n], self.h_cur[:n].clone()
         if self.past_tokens:
             m = len(self.past_tokens)
-            out_p, lse_p = self.out_p[:, :m].clone(), self.lse_p[:, :m].clone()
+            out_p, lse_p = (torch.stack([f[k][:m] for f in self.fixed], 1) for k in range(2))   # [m, S, ...]
             for r, token in enumerate(self.past_tokens):     # the corrected outputs back into their records
-                token.out, token.lse = out_p[:, r], lse_p[:, r]
+                token.out, token.lse = out_p[r], lse_p[r]
         for b, s in enumerate(self.seqs):
-            pos, block, slot = self.cur[b]
-            s.past.append(PastToken(pos, block, slot, entries[:, b], h[b], q[:, b], out[:, b], lse[:, b], sel[:, b]))
+            pos, block, slot = self.where[b]
+            s.past.append(PastToken(pos, block, slot, entries[b], h[b], q[b], out[b], lse[b], sel[b]))
             del s.past[:-window]
