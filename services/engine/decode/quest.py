@@ -120,9 +120,8 @@ class QuestStep(PolicyStep):
         self.budget_pages = policy.budget_tokens // fwd.bs
         self.sparse_layers = fwd.cfg.num_layers - min(policy.dense_layers, fwd.cfg.num_layers)
         self.blocks_per_row = (self.lookback - 1) // fwd.bs + 2
-        # per sparse layer, the pages each row read (written at every step, read back at its end)
-        self.reads = torch.zeros((max(self.sparse_layers, 1), rows, fwd.cfg.num_kv_heads), dtype=torch.int32,
-                                 device=fwd.device)
+        # per sparse layer, the pages each row read [rows, Hkv], read back at the step's end
+        self.reads: list = [None] * self.sparse_layers
         # the generated blocks this step writes K to, and their written slots (filled by ``load``)
         self.touched = torch.zeros(rows * self.blocks_per_row, dtype=torch.int64, device=fwd.device)
         self.touched_slots = torch.zeros((rows * self.blocks_per_row, fwd.bs), dtype=torch.bool, device=fwd.device)
@@ -155,7 +154,7 @@ class QuestStep(PolicyStep):
         out, self.lse = sparse.sparse_decode_attention(q, pool.k[layer], pool.v[layer], table.block_ids,
                                                        table.offsets, table.masks, self.sel, self.count,
                                                        model.inv_freq, model.scale, backend=backend)
-        self.reads[layer - policy.dense_layers].copy_(self.count)
+        self.reads[layer - policy.dense_layers] = self.count   # by reference: a graph's replays write it again
         return out
 
     def corrections(self, n: int) -> torch.Tensor | None:
@@ -164,7 +163,8 @@ class QuestStep(PolicyStep):
 
     def end(self) -> None:
         n = len(self.seqs)
-        read = self.reads[:, :n].sum((0, 2)).long()
+        read = (torch.stack(self.reads)[:, :n].sum((0, 2), dtype=torch.int64) if self.sparse_layers else
+                torch.zeros(n, dtype=torch.int64, device=self.fwd.device))
         fixed = self.corrections(n)
         both = torch.stack([read, read * 0 if fixed is None else fixed], 1).tolist()   # one copy a step
         for s, visible, dense, (pages, corrected) in zip(self.seqs, self.visible, self.dense_read, both):
