@@ -32,3 +32,10 @@ def write_sampling(params: SamplingParams) -> pb.SamplingParams:
     if params.seed is not None:
         p.seed = params.seed
     return p
+
+
+def read_decode_policy(p: pb.DecodePolicy) -> tuple[str, dict]:
+    """A request's decode policy on the wire: its name ("dense" when empty) and the parameters it sets, as
+    ``Engine.decode_policy(name, **params)`` takes them (each worker checks them against its engine)."""
+    fields = ("budget_tokens", "dense_layers", "retro_window")
+    return p.name or "dense", {f: getattr(p, f) for f in fields if p.HasField(f)}

@@ -23,7 +23,7 @@ from services.cluster.config import DecodeSettings, EngineSettings
 from services.cluster.kvio import StoreAccess
 from services.handoff.cuda_ipc import copy_out, placement
 from services.cluster.profiling import ProfileWindow
-from services.cluster.sampling import read_sampling
+from services.cluster.sampling import read_decode_policy, read_sampling
 from services.cluster.serving import (StoppedForGood, add_health, advertised_host, bind, make_server, serve_metrics,
                                      set_serving)
 from services.handoff.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
@@ -122,9 +122,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
         try:
-            policy = self.eng.decode_policy(request.decode.name or "dense", **{
-                f: getattr(request.decode, f) for f in ("budget_tokens", "dense_layers", "retro_window")
-                if request.decode.HasField(f)})
+            name, params = read_decode_policy(request.decode)
+            policy = self.eng.decode_policy(name, **params)
         except (ValueError, TypeError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"decode: {exc}")
         loop = asyncio.get_running_loop()

@@ -213,6 +213,8 @@ class GatewayServicer(pb_grpc.TesseraServicer):
                                      chunk_namespaces=req.namespaces)
             if req.recompute_ratio is not None:
                 preq.recompute_ratio = req.recompute_ratio
+            if req.decode is not None:
+                preq.decode.CopyFrom(req.decode)
             try:
                 # first reply: the first token (sent to the client at once); second: the hand-off is at
                 # the decode worker, with the stats

@@ -23,7 +23,7 @@ from services.cluster.config import EngineSettings, PrefillSettings
 from services.cluster.kvio import StoreAccess
 from services.handoff.cuda_ipc import placement, same_gpu, share
 from services.cluster.profiling import ProfileWindow
-from services.cluster.sampling import read_sampling
+from services.cluster.sampling import read_decode_policy, read_sampling
 from services.cluster.staging import side_stream
 from services.cluster.errors import internal
 from services.cluster.serving import (StoppedForGood, add_health, advertised_host, bind, channel, make_server,
@@ -83,6 +83,12 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             sampling = read_sampling(request.sampling, self.worker.eng.cfg.eos_token_id)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+        if request.HasField("decode"):   # what the decode worker would refuse, refused before any pass
+            name, params = read_decode_policy(request.decode)
+            try:
+                self.worker.eng.decode_policy(name, **params)
+            except (ValueError, TypeError) as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"decode: {exc}")
         # the message's repeated fields as they are: the engine reads each with one numpy conversion (copying
         # them into tuples first cost ~2.5x that)
         job = PrefillJob(request.request_id, tuple(c.ids for c in request.chunks), request.suffix,

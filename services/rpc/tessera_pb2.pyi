@@ -254,7 +254,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., in_flight: _Optional[int] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., metrics_url: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "chunks", "suffix", "mode", "recompute_ratio", "decode_address", "sampling", "chunk_namespaces")
+    __slots__ = ("request_id", "chunks", "suffix", "mode", "recompute_ratio", "decode_address", "sampling", "chunk_namespaces", "decode")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,7 @@ class PrefillRequest(_message.Message):
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CHUNK_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chunks: _containers.RepeatedCompositeFieldContainer[TokenIds]
     suffix: _containers.RepeatedScalarFieldContainer[int]
@@ -271,7 +272,8 @@ class PrefillRequest(_message.Message):
     decode_address: str
     sampling: SamplingParams
     chunk_namespaces: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., suffix: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., decode_address: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., chunk_namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
+    decode: DecodePolicy
+    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., suffix: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., decode_address: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., chunk_namespaces: _Optional[_Iterable[str]] = ..., decode: _Optional[_Union[DecodePolicy, _Mapping]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "stats", "resident_chunk_ids", "finish_reason")

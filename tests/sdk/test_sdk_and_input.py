@@ -116,8 +116,8 @@ def test_first_token_comes_from_the_prefill_worker(client, reference):
     (dict(chunks=[[1, 2]], suffix=[1], budget_tokens=64), "decode 'dense' takes no budget_tokens"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="quest", budget_tokens=0), "budget_tokens must be at least 1"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="quest", dense_layers=99), "dense_layers must be at most"),
-    # a budget under one page passes the gateway, which does not know the workers' block size: the decode worker's
-    # engine refuses it, naming the field
+    # a budget under one page passes the gateway, which does not know the workers' block size: the prefill worker's
+    # engine refuses it before any pass, naming the field
     (dict(chunks=[[1, 2]], suffix=[1], decode="quest", budget_tokens=8), "budget_tokens must be at least one page"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="retro", retro_window=0), "retro_window must be in 1..16, got 0"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="retro", retro_window=17), "retro_window must be in 1..16, got 17"),
@@ -195,6 +195,11 @@ def test_a_refused_decode_policy_changes_nothing(client, inproc, reference):
     # four reached the gateway (a float and a bool never leave the SDK); none was tokenized or reached a worker
     assert (resolver.text_cache.misses, invalid("tessera_gateway_requests_total", {"outcome": "invalid"}),
             admitted("tessera_decode_admitted_total")) == (before[0], before[1] + 4, before[2])
+    # a budget under one page reaches the prefill worker (the gateway does not know the block size), which refuses
+    # it before any pass
+    for policy in ("quest", "retro"):
+        with pytest.raises(InvalidArgument, match="budget_tokens must be at least one page"):
+            client.complete(chunks, suffix, max_new_tokens=4, decode=policy, budget_tokens=8)
     got = client.complete(chunks, suffix, max_new_tokens=4, stop_token_ids=[], decode="retro", retro_window=16)
     assert got.stats.chunk_tokens_by_tier == {"computed": 80}       # no refused call computed or stored them
     assert len(got.token_ids) == 4 and got.stats.decode.policy == "retro"
