@@ -28,6 +28,7 @@ import torch
 
 from kernels import sparse
 from kernels.lse_merge import merge_attention
+from kernels.sparse.retro import new_pages
 from services.checks import check_int
 from services.engine.decode.policy import PastRows
 from services.engine.decode.quest import QuestDecode, QuestStep
@@ -152,25 +153,17 @@ class RetroStep(QuestStep):
         if layer < self.first:
             return out
         i = layer - self.first
-        cu = cu_entries.long()
-        local = torch.where(self.sel >= 0, self.sel.long() - cu[:-1, None, None], -1)   # within each sequence
-        self.cur[i] = (q, out, self.lse, local, cu)
+        self.cur[i] = (q, out, self.lse, self.sel, cu_entries)
         if self.past_cap:
-            self.fixed[i] = self._correct(i, local, table, cu)
+            self.fixed[i] = self._correct(i, table, cu_entries)
         return out
 
-    def _correct(self, i: int, local: torch.Tensor, table, cu: torch.Tensor):
+    def _correct(self, i: int, table, cu: torch.Tensor):
         """Past rows' attention at sparse layer i: their output merged with what they get from this step's pages
         that they have not seen and that existed at their step -> (out, lse, pages corrected [R, Hkv])."""
         fwd = self.fwd
         pool, model, layer = fwd.pool, fwd.model, self.first + i
-        cand = local[self.seq_of]                                            # [R, Hkv, K]
-        new = (cand >= 0) & (cand < self.entries_p[i][:, None, None])
-        new &= ~(cand[..., None] == self.seen[i][:, :, None, :]).any(-1)
-        big = torch.iinfo(torch.int64).max
-        order = torch.where(new, cand, big).sort(-1).values                   # the new pages first, ascending
-        count = new.sum(-1, dtype=torch.int32)
-        sel = torch.where(order != big, order + cu[:-1][self.seq_of][:, None, None], -1).to(torch.int32)
+        sel, count = new_pages(self.sel, self.seq_of, self.entries_p[i], self.seen[i], cu, backend=fwd.backend)
         o_sup, lse_sup = sparse.sparse_decode_attention(
             self.q_p[i], pool.k[layer], pool.v[layer], table.block_ids, table.offsets, table.masks, sel, count,
             model.inv_freq, model.scale, backend=fwd.backend)
@@ -204,8 +197,9 @@ class RetroStep(QuestStep):
         n = len(self.seqs)
         # new tensors (stacks): what the records keep must outlive the buffers a decode graph's next replay writes
         q, out, lse, sel = (torch.stack([c[k][:n] for c in self.cur], 1) for k in range(4))   # [n, S, ...]
-        cu = torch.stack([c[4] for c in self.cur], 1)                                            # [b + 1, S]
+        cu = torch.stack([c[4] for c in self.cur], 1).long()                                     # [b + 1, S]
         entries, h = (cu[1:] - cu[:-1])[:n], self.h_cur[:n].clone()
+        sel = torch.where(sel >= 0, sel.long() - cu[:n, :, None, None], -1)   # entry indices within the sequence
         if self.past_tokens:
             m = len(self.past_tokens)
             out_p, lse_p = (torch.stack([f[k][:m] for f in self.fixed], 1) for k in range(2))   # [m, S, ...]
