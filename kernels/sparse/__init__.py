@@ -1,8 +1,9 @@
-"""Quest sparse decode: page scores from per-block key bounds, a top-k page selection per (sequence, KV head),
-and decode attention over the selected pages only (docs: /work/shared/DESIGN.md, "Sparse and retrieval decode").
+"""Quest sparse decode: per-block key bounds (page bounds), page scores from them, a top-k page selection per
+(sequence, KV head), and decode attention over the selected pages only (docs: /work/shared/DESIGN.md, "Sparse and retrieval decode").
 
 Each function dispatches to the plain-torch twin (``reference.py``, where the layout is written down) or the
 Triton kernels (``triton.py``). A decode step is
+    bound_pages(k_cache, kmin, kmax, blocks, visible)                             # this step's written blocks
     scores = page_scores(q, kmin, kmax, table..., cu_entries, inv_freq)          # fp32 [E, Hkv]
     sel, count = select_pages(scores, cu_entries, budget_pages)                  # int32 [B, Hkv, K], [B, Hkv]
     out, lse = sparse_decode_attention(q, k_cache, v_cache, table..., sel, count, inv_freq, scale)
@@ -16,7 +17,7 @@ import torch
 
 from kernels.sparse import reference
 
-__all__ = ["page_scores", "select_pages", "sparse_decode_attention"]
+__all__ = ["bound_pages", "page_scores", "select_pages", "sparse_decode_attention"]
 
 
 def _impl(backend: str):
@@ -27,6 +28,14 @@ def _impl(backend: str):
 
         return impl
     raise ValueError(f"unknown sparse decode backend {backend!r} (torch or triton)")
+
+
+def bound_pages(k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, blocks: torch.Tensor,
+                visible: torch.Tensor, backend: str = "torch") -> None:
+    """In place: kmin, kmax [N, Hkv, D] (k_cache's dtype) of blocks (int [n]) = the elementwise min / max of
+    k_cache [N, BS, Hkv, D] over the slots visible (bool [n, BS]) shows; a block named twice gets the bounds of the
+    union of its rows' slots, a block with no visible slot +inf / -inf. No host sync (a decode graph replays it)."""
+    _impl(backend).bound_pages(k_cache, kmin, kmax, blocks, visible)
 
 
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_ids: torch.Tensor,

@@ -6,41 +6,100 @@ are (lane j, group head g) pairs, lane j attending only to the j-th entry of eac
 BACKWARDS by an entry's offset (from the original fp32 query) only when some lane's offset changes, so a run of
 selected pages of one chunk rotates once. Only the selected pages' keys and values are read.
 
-Rows are independent of sequences (a past query with its own selection is a row like any other). Splits cut
-every (row, head) selection into NSPLIT equal runs; partials (fp32) are merged by kernels/lse_merge. The block
-table is read as given (block_ids int32, offsets int32, masks int64): a step reads 16 bytes an entry besides
+Each step's table reads (sel -> block id, slot mask, offset: two dependent loads) are issued one step ahead, while
+the step before it computes, and a step's keys and values are requested before its query is rotated: a step waits
+for one load (its K/V), not for a chain of four.
+
+Rows are independent of sequences (a past query with its own selection is a row like any other). Splits cut every
+(row, head) selection into runs of PER entries (a whole number of steps) from its start, so a selection shorter than
+its width leaves the last splits empty; the split count fills the device's program slots about once (few rows: one
+step a program), and partials (fp32) are merged by kernels/lse_merge only when there are several. The block table
+is read as given (block_ids and offsets int32 or int64, masks int64): a step reads at most 24 bytes an entry besides
 its keys, so no packed table is built.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.lse_merge.triton import merge_rows
-from kernels.paged_attention._decode import DecodeConfig, pick_splits
-from kernels.paged_attention._meta import dot_f32
+from kernels.lse_merge.triton import UNROLL_PARTS, merge_rows
+from kernels.paged_attention._meta import dot_f32, sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
+@dataclass(frozen=True, slots=True)
+class AttendConfig:
+    """Launch shape. lanes: entries a step (tl.dot rows = lanes x G_PAD, at least 16); splits (None: picked) cut
+    each selection into runs of whole steps so that rows x KV heads x splits fill about waves x SMs x
+    programs_per_sm programs, never below one step a program."""
+
+    num_warps: int = 4
+    num_stages: int = 1
+    lanes: int | None = None      # None: 16 tl.dot rows' worth (16 // G_PAD), at most 64 keys a step
+    waves: float = 1.0
+    programs_per_sm: int = 2      # sm_90, Triton 3.9: 242 registers x 128 threads (tests/kernels/compile_sm90.py)
+    num_splits: int | None = None
+    maxnreg: int | None = None    # a register cap (more programs an SM, spills): benchmark sweeps
+
+    def __post_init__(self):
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        if self.lanes is not None and (self.lanes < 1 or self.lanes & (self.lanes - 1)):
+            raise ValueError(f"lanes must be a power of two, got {self.lanes}")
+
+
+@triton.jit
+def _step_table(sel_row, ids_ptr, mask_lo_ptr, off_ptr, k_start, hi, n, slot, j, BS: tl.constexpr):
+    """A step's table reads: each key's block id and slot-mask word [BLOCK_N] int32 (the 32-bit half of its entry's
+    int64 mask that holds the slot's bit; 0 past the run) and each lane's offset [ROWS]."""
+    kk = k_start + n // BS  # [BLOCK_N] the selection slot of each key
+    k_ok = kk < hi
+    e = tl.load(sel_row + kk, mask=k_ok, other=0)
+    blk = tl.load(ids_ptr + e, mask=k_ok, other=0).to(tl.int32)   # int32 or int64 tables
+    # NOTE: int32 halves, not the int64 masks: with int64 [BLOCK_N] masks the kernel compiled for sm_90 hit the
+    # 255-register cap (Triton 3.6), with int32 ones it needs 243
+    bits = tl.load(mask_lo_ptr + 2 * e + slot // 32, mask=k_ok, other=0)
+    lane_sel = k_start + j
+    e_row = tl.load(sel_row + lane_sel, mask=lane_sel < hi, other=0)  # [ROWS]
+    off = tl.load(off_ptr + e_row, mask=lane_sel < hi, other=0).to(tl.int32)
+    return blk, bits, off
+
+
+@triton.jit
+def _rotate(q_row, off, invf_ptr, d, row_ok, ROWS: tl.constexpr, G_PAD: tl.constexpr, D2: tl.constexpr):
+    """Each lane's query heads [ROWS, D2] x 2 rotated BACKWARDS by its offset, from the original query (fp32 math:
+    no error accumulates over steps), in the query's dtype for tl.dot. cos / sin once a lane ([LANES, D2]), not once a
+    row: a lane's G_PAD rows share them."""
+    LANES: tl.constexpr = ROWS // G_PAD
+    lane_off = tl.max(tl.reshape(off, [LANES, G_PAD]), axis=1)   # a lane's rows hold one offset
+    ang = lane_off.to(tl.float32)[:, None] * tl.load(invf_ptr + d)[None, :]   # [LANES, D2]
+    cos = tl.reshape(tl.broadcast_to(tl.cos(ang)[:, None, :], [LANES, G_PAD, D2]), [ROWS, D2])
+    sin = tl.reshape(tl.broadcast_to(tl.sin(ang)[:, None, :], [LANES, G_PAD, D2]), [ROWS, D2])
+    q1 = tl.load(q_row + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q_row + D2 + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    return (q1 * cos + q2 * sin).to(q_row.dtype.element_ty), (q2 * cos - q1 * sin).to(q_row.dtype.element_ty)
+
+
 @triton.jit
 def _sparse_decode_kernel(
     q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_ptr, sel_ptr, cnt_ptr, invf_ptr, out_ptr, lse_ptr,
-    qk_scale,
+    qk_scale, per,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_sr, stride_sh, stride_cr,
     stride_os, stride_or, stride_oh, stride_ls, stride_lr,
     G: tl.constexpr, G_PAD: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BS: tl.constexpr,
-    D2: tl.constexpr, NSPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    D2: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     BLOCK_N: tl.constexpr = NB * BS
     r_id = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
     n_sel = tl.load(cnt_ptr + r_id.to(tl.int64) * stride_cr + h)
-    per = tl.cdiv(n_sel, NSPLIT)
     lo = split * per
     hi = tl.minimum(lo + per, n_sel)
     sel_row = sel_ptr + r_id.to(tl.int64) * stride_sr + h * stride_sh
@@ -54,40 +113,23 @@ def _sparse_decode_kernel(
     d = tl.arange(0, D2)
     dd = tl.arange(0, 2 * D2)
     q_row = q_ptr + r_id.to(tl.int64) * stride_qr + (h * G + g)[:, None] * stride_qh
-    qr1 = tl.zeros([ROWS, D2], q_ptr.dtype.element_ty)
-    qr2 = tl.zeros([ROWS, D2], q_ptr.dtype.element_ty)
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, 2 * D2], tl.float32)
     n = tl.arange(0, BLOCK_N)
     slot = n % BS
-    prev = tl.full([ROWS], -1, tl.int32)
+    blk, bits, off = _step_table(sel_row, ids_ptr, mask_lo_ptr, off_ptr, lo, hi, n, slot, j, BS)
+    qr1, qr2 = _rotate(q_row, off, invf_ptr, d, row_ok, ROWS, G_PAD, D2)
+    prev = off
     for k_start in range(lo, hi, NB):
-        kk = k_start + n // BS  # [BLOCK_N] the selection slot of each key
-        k_ok = kk < hi
-        e = tl.load(sel_row + kk, mask=k_ok, other=0)
-        blk = tl.load(ids_ptr + e, mask=k_ok, other=0).to(tl.int64)
-        # the slot's bit from the 32-bit half of its int64 mask that holds it: with int64 [BLOCK_N] masks the kernel
-        # compiled for sm_90 hit the 255-register cap (Triton 3.6), with int32 ones it needs 243
-        bits = tl.load(mask_lo_ptr + 2 * e + slot // 32, mask=k_ok, other=0)
-        vis = (((bits >> (slot % 32)) & 1) != 0) & k_ok
-        k_row_sel = k_start + j
-        e_row = tl.load(sel_row + k_row_sel, mask=k_row_sel < hi, other=0)  # [ROWS]
-        off = tl.load(off_ptr + e_row, mask=k_row_sel < hi, other=0)
-        if tl.max((off != prev).to(tl.int32), axis=0) > 0:  # a new chunk: rotate the original q back
-            ang = off.to(tl.float32)[:, None] * tl.load(invf_ptr + d)[None, :]
-            cos = tl.cos(ang)
-            sin = tl.sin(ang)
-            q1f = tl.load(q_row + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-            q2f = tl.load(q_row + D2 + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-            qr1 = (q1f * cos + q2f * sin).to(q_ptr.dtype.element_ty)
-            qr2 = (q2f * cos - q1f * sin).to(q_ptr.dtype.element_ty)
-            prev = off
-        k_row = blk * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64
+        vis = ((bits >> (slot % 32)) & 1) != 0
+        k_row = blk.to(tl.int64) * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64
         k1 = tl.load(k_ptr + k_row[:, None] + d[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D2]
         k2 = tl.load(k_ptr + k_row[:, None] + D2 + d[None, :], mask=vis[:, None], other=0.0)
         v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
+        # the next step's table, in flight while this step computes (past the run: nothing is read)
+        blk, bits, off = _step_table(sel_row, ids_ptr, mask_lo_ptr, off_ptr, k_start + NB, hi, n, slot, j, BS)
         if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
             qk = tl.dot(qr1.to(tl.float32), tl.trans(k1.to(tl.float32)))
             qk = tl.dot(qr2.to(tl.float32), tl.trans(k2.to(tl.float32)), qk)
@@ -107,6 +149,10 @@ def _sparse_decode_kernel(
         else:
             acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
+        # the next step's query, once this step's keys are dead (registers): rotated again only for a new chunk
+        if (k_start + NB < hi) & (tl.max((off != prev).to(tl.int32), axis=0) > 0):
+            qr1, qr2 = _rotate(q_row, off, invf_ptr, d, row_ok, ROWS, G_PAD, D2)
+            prev = off
 
     # merge the NB lanes of each group head by log-sum-exp
     m3 = tl.reshape(m_i, [ROWS // G_PAD, G_PAD])
@@ -126,17 +172,27 @@ def _sparse_decode_kernel(
     tl.store(lse_ptr + split * stride_ls + r_id.to(tl.int64) * stride_lr + h * G + gg, lse, mask=g_ok)
 
 
+def pick_splits(cfg: AttendConfig, n_rows: int, n_kv_heads: int, width: int, lanes: int, device) -> tuple[int, int]:
+    """(splits, entries a split) for selections of ``width`` entries (sel.shape[2]; no host sync for the counts):
+    the fewest steps a program such that rows x heads x splits fit about waves x SMs x programs_per_sm programs."""
+    steps = max(1, triton.cdiv(width, lanes))
+    if cfg.num_splits is not None:
+        iters = triton.cdiv(steps, cfg.num_splits)
+    else:
+        slots = int(cfg.waves * sm_count(device) * cfg.programs_per_sm)
+        iters = triton.cdiv(steps, max(1, min(steps, slots // max(1, n_rows * n_kv_heads))))
+    return triton.cdiv(steps, iters), iters * lanes
+
+
 def launch(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale,
-           *, cfg: DecodeConfig = DecodeConfig()):
-    """Inputs checked by triton.py. Returns out [R, Hq, D] (q.dtype), lse [R, Hq] fp32. Splits are picked from the
-    selection's width K (no host sync: count is read by the kernel), as the decode kernel picks them from a
-    sequence's entries."""
+           *, cfg: AttendConfig = AttendConfig()):
+    """Inputs checked by triton.py. Returns out [R, Hq, D] (q.dtype), lse [R, Hq] fp32."""
     n_rows, hq, dim = q.shape
     _, bs, hkv, _ = k_cache.shape
     group = hq // hkv
     g_pad = triton.next_power_of_2(group)
-    nb = max(1, min(cfg.rows // g_pad, cfg.max_block_n // bs))  # lanes: fill the rows tl.dot needs
-    nsplit = pick_splits(cfg, n_rows, hkv, n_rows * sel.shape[2], q.device)
+    nb = cfg.lanes or max(1, min(16 // g_pad, 64 // bs))
+    nsplit, per = pick_splits(cfg, n_rows, hkv, sel.shape[2], nb, q.device)
     if nsplit == 1:
         out = torch.empty_like(q)
         lse = torch.empty((n_rows, hq), dtype=torch.float32, device=q.device)
@@ -150,13 +206,16 @@ def launch(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq,
     if n_rows:
         _sparse_decode_kernel[(n_rows, hkv, nsplit)](
             q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, out, lse,
-            float(scale) * LOG2E.value,
+            float(scale) * LOG2E.value, per,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             sel.stride(0), sel.stride(1), count.stride(0), *o_strides, *l_strides,
-            G=group, G_PAD=g_pad, NB=nb, ROWS=max(16, nb * g_pad), BS=bs, D2=dim // 2, NSPLIT=nsplit,
+            G=group, G_PAD=g_pad, NB=nb, ROWS=max(16, nb * g_pad), BS=bs, D2=dim // 2,
             DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
     if nsplit == 1:
         return out, lse
-    merged, merged_lse = merge_rows(out.reshape(nsplit, n_rows * hq, dim), lse.reshape(nsplit, n_rows * hq), q.dtype)
+    # more parts than the unrolled merge takes: every part loaded at once (a loop over them waits on each)
+    merged, merged_lse = merge_rows(out.reshape(nsplit, n_rows * hq, dim), lse.reshape(nsplit, n_rows * hq), q.dtype,
+                                    all_parts=nsplit > UNROLL_PARTS)
     return merged.reshape(n_rows, hq, dim), merged_lse.reshape(n_rows, hq)

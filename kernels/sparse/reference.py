@@ -4,7 +4,7 @@ Layout (shared with kernels/paged_attention and the engine's block pool):
   k_cache, v_cache   [N, BS, Hkv, D]   keys as the pool holds them (chunk-local rotation for shared chunk blocks)
   kmin, kmax         [N, Hkv, D]       per block and KV head, the elementwise min / max of the block's keys as
                                        held (cache dtype); a bound over more slots than an entry shows stays a bound
-  block_ids, offsets int32 [E], masks int64 [E], cu_entries int32 [B+1]: the decode block table; sequence b's
+  block_ids, offsets int32 or int64 [E], masks int64 [E], cu_entries int32 [B+1]: the decode block table; sequence b's
                                        entries are [cu[b], cu[b+1]), its newest token in the last
   sel                int32 [R, Hkv, K] global entry indices, ascending, -1 past count [R, Hkv]
 
@@ -34,6 +34,23 @@ def page_bounds(k_cache: torch.Tensor, block_ids: torch.Tensor, masks: torch.Ten
     kmin = torch.full((n, hkv, d), float("inf"), device=k_cache.device).scatter_reduce_(0, idx, ent_min, "amin")
     kmax = torch.full((n, hkv, d), float("-inf"), device=k_cache.device).scatter_reduce_(0, idx, ent_max, "amax")
     return kmin.to(k_cache.dtype), kmax.to(k_cache.dtype)
+
+
+def bound_pages(k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, blocks: torch.Tensor,
+                visible: torch.Tensor) -> None:
+    """In place: kmin, kmax [N, Hkv, D] of blocks (int [n]) = the min / max of their keys over the slots visible
+    (bool [n, BS]) shows; a block named twice gets the bounds of the union of its rows' slots, a block with no visible
+    slot +inf / -inf. What the engine's BlockPool.bound computes at every sparse layer of a decode step."""
+    if not blocks.numel():
+        return
+    ids = blocks.long()
+    k = k_cache[ids]                                                        # [n, BS, Hkv, D]
+    hidden = ~visible.bool()[:, :, None, None]
+    lo = k.masked_fill(hidden, float("inf")).amin(1)                        # [n, Hkv, D]
+    hi = k.masked_fill(hidden, float("-inf")).amax(1)
+    idx = ids[:, None, None].expand_as(lo)
+    kmin.scatter_reduce_(0, idx, lo, "amin", include_self=False)
+    kmax.scatter_reduce_(0, idx, hi, "amax", include_self=False)
 
 
 def entry_sequences(cu_entries: torch.Tensor, n_entries: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Quest sparse decode, Triton (twin: reference.py; same arguments, same results).
 
-The public functions check their inputs once and launch the page-score (_scores.py), selection (_select.py) and
-sparse attention (_attend.py) kernels. None syncs with the device or allocates but its outputs (and the split
+The public functions check their inputs once and launch the page-bounds (_bounds.py), page-score (_scores.py),
+selection (_select.py) and sparse attention (_attend.py) kernels. None syncs with the device or allocates but its outputs (and the split
 partials of the attention), and each grid is a function of the shapes alone.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sparse import _attend, _scores, _select
+from kernels.sparse import _attend, _bounds, _scores, _select
 
-__all__ = ["page_scores", "select_pages", "sparse_decode_attention"]
+__all__ = ["bound_pages", "page_scores", "select_pages", "sparse_decode_attention"]
 
 
 def _index(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -20,12 +20,17 @@ def _index(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype).contiguous()
 
 
+def _ids(name: str, t: torch.Tensor) -> torch.Tensor:
+    """int32 or int64 as given: the kernels read either (the decode graphs' tables are int64; a cast would be one
+    more kernel a table and call)."""
+    return _index(name, t, t.dtype if t.dtype in (torch.int32, torch.int64) else torch.int32)
+
+
 def _table(block_ids, offsets, masks):
     if not block_ids.shape == offsets.shape == masks.shape:
         raise ValueError(f"block_ids {tuple(block_ids.shape)}, offsets {tuple(offsets.shape)} and masks "
                          f"{tuple(masks.shape)} must be 1-D of one length")
-    return (_index("block_ids", block_ids, torch.int32), _index("offsets", offsets, torch.int32),
-            _index("masks", masks, torch.int64))
+    return _ids("block_ids", block_ids), _ids("offsets", offsets), _index("masks", masks, torch.int64)
 
 
 def _check_query(q, dim, inv_freq) -> None:
@@ -35,6 +40,23 @@ def _check_query(q, dim, inv_freq) -> None:
         raise ValueError(f"the Triton kernels need a power-of-two head_dim >= 32, got {dim}")
     if inv_freq.numel() != dim // 2:
         raise ValueError(f"inv_freq has {inv_freq.numel()} entries, head_dim {dim} needs {dim // 2}")
+
+
+def bound_pages(k_cache, kmin, kmax, blocks, visible) -> None:
+    """In place: the page bounds of blocks over their visible slots (see reference.bound_pages)."""
+    if k_cache.dim() != 4 or kmin.shape != kmax.shape or kmin.shape != k_cache.shape[:1] + k_cache.shape[2:]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} must be [N, BS, Hkv, D] and kmin {tuple(kmin.shape)}, kmax "
+                         f"{tuple(kmax.shape)} both [N, Hkv, D]")
+    if kmin.stride() != kmax.stride() or kmin.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError("kmin and kmax must share strides, and they and k_cache need a contiguous head dimension")
+    if kmin.dtype != k_cache.dtype or kmax.dtype != k_cache.dtype:
+        raise ValueError(f"bounds {kmin.dtype}, {kmax.dtype} must be in the cache's dtype {k_cache.dtype}")
+    if blocks.dim() != 1 or visible.shape != (blocks.numel(), k_cache.shape[1]) or visible.dtype != torch.bool:
+        raise ValueError(f"blocks {tuple(blocks.shape)} must be 1-D [n] and visible {visible.dtype} "
+                         f"{tuple(visible.shape)} bool [n, {k_cache.shape[1]}]")
+    if visible.numel() and visible.stride(1) != 1:
+        visible = visible.contiguous()
+    _bounds.launch(k_cache, kmin, kmax, blocks.contiguous(), visible.view(torch.uint8))
 
 
 def page_scores(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq):

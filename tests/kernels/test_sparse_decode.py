@@ -1,6 +1,7 @@
-"""Quest sparse decode: Triton == twin for page scores, selection and sparse attention; the twin == the plain
-per-sequence Quest decode the engine ran before these kernels (kept below as the oracle); a page's score bounds its
-best q·k wherever it is placed; a selection of every page == dense paged decode."""
+"""Quest sparse decode: Triton == twin for page bounds, page scores, selection and sparse attention (and their launch
+configurations); the twin == the plain per-sequence Quest decode the engine ran before these kernels (kept below as
+the oracle); a page's score bounds its best q·k wherever it is placed; a selection of every page == dense paged
+decode."""
 
 import pytest
 import torch
@@ -8,11 +9,12 @@ from kernel_checks import DTYPE_NAME, TOL, assert_lse_close, rel_err
 from paged_cases import build
 
 from kernels.paged_attention import paged_decode_attention
-from kernels.paged_attention._decode import DecodeConfig
 from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq, rotate
-from kernels.sparse import page_scores, reference, select_pages, sparse_decode_attention
-from kernels.sparse import _attend, _select
-
+from kernels.sparse import _attend, _bounds, _scores, _select, bound_pages, page_scores, reference, select_pages
+from kernels.sparse import sparse_decode_attention
+from kernels.sparse._attend import AttendConfig
+from kernels.sparse._scores import ScoresConfig
+from services.engine.kv.block_pool import BlockPool
 
 
 # -- the oracle: services/engine/decode/quest.py's plain-torch Quest decode as it was before these kernels,
@@ -234,7 +236,7 @@ def test_sparse_attention_matches_twin(spec):
     assert torch.equal(want[0], torch.zeros_like(want[0])) and torch.isneginf(want_lse[0]).all()
     results = [sparse_decode_attention(*args, backend="triton")]
     results += [_attend.launch(q, case.k_cache, case.v_cache, case.block_ids, case.offsets, case.masks, sel, count,
-                               inv, d ** -0.5, cfg=DecodeConfig(num_splits=s)) for s in (1, 3)]
+                               inv, d ** -0.5, cfg=AttendConfig(num_splits=s)) for s in (1, 3)]
     for out, lse in results:
         assert out.dtype == dtype and out.shape == q.shape
         assert rel_err(out, want) <= TOL[dtype]
@@ -271,3 +273,124 @@ def test_pipeline_matches_quest_attention():
         out, _ = sparse_decode_attention(q, case.k_cache, case.v_cache, *_table(case), sel, count, inv, 0.125,
                                          backend=backend)
         assert rel_err(out, want) <= TOL[torch.float32]
+
+
+# -- page bounds (BlockPool.bound at every sparse layer of a decode step)
+
+BOUND_CASES = [  # N blocks, BS, Hkv, D, dtype
+    (9, 16, 2, 64, torch.bfloat16),
+    (7, 5, 3, 32, torch.float32),      # 5 slots (padded to 8), 96 key columns (a tile of 128)
+    (6, 64, 1, 128, torch.float16),    # 64-slot blocks
+]
+
+
+@pytest.mark.parametrize("spec", BOUND_CASES, ids=lambda c: f"N{c[0]}-BS{c[1]}-H{c[2]}-D{c[3]}-{DTYPE_NAME[c[4]]}")
+def test_bound_pages_match_twin(spec, monkeypatch):
+    """Rows naming one block twice (overlapping and disjoint slots: the union), a block shown by no slot of any of
+    its rows (+inf / -inf), blocks not named (untouched), a scan over the ids in steps of 2; int32 and int64 ids."""
+    n, bs, hkv, d, dtype = spec
+    gen = torch.Generator().manual_seed(n)
+    k = torch.randn(n, bs, hkv, d, generator=gen).to(dtype)
+    blocks = torch.tensor([3, 1, 3, 5, 0, 5, 3])
+    visible = torch.rand(blocks.numel(), bs, generator=gen) < 0.4
+    visible[[3, 5]] = False            # block 5: no slot
+    visible[4] = False
+    visible[4, bs - 1] = True          # block 0: its last slot only
+    init = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    want_min, want_max = init.clone(), init.clone()
+    bound_pages(k, want_min, want_max, blocks, visible, backend="torch")
+    assert torch.isposinf(want_min[5]).all() and torch.isneginf(want_max[5]).all()
+    assert torch.equal(want_min[0], k[0, bs - 1]) and torch.equal(want_min[2], init[2])
+    for ids in (blocks, blocks.to(torch.int32)):
+        got_min, got_max = init.clone(), init.clone()
+        bound_pages(k, got_min, got_max, ids, visible, backend="triton")
+        assert torch.equal(got_min, want_min) and torch.equal(got_max, want_max)
+    monkeypatch.setattr(_bounds, "MAX_SCAN", 2)   # the union scan over several steps
+    got_min, got_max = init.clone(), init.clone()
+    bound_pages(k, got_min, got_max, blocks, visible, backend="triton")
+    assert torch.equal(got_min, want_min) and torch.equal(got_max, want_max)
+
+
+def test_block_pool_bound_dispatches_to_its_backend():
+    """BlockPool.bound runs the pool's kernels ("triton": one launch) with the twin's result, and nothing for no
+    block."""
+    pools = [BlockPool(2, 6, 16, 2, 64, torch.device("cpu"), torch.bfloat16) for _ in range(2)]
+    pools[1].kernels = "triton"
+    k = torch.randn(6, 16, 2, 64).to(torch.bfloat16)
+    blocks = torch.tensor([4, 2, 4])
+    visible = torch.arange(16)[None, :] < torch.tensor([[3], [16], [0]])
+    for pool in pools:
+        pool.k[1].copy_(k)
+        pool.bound(1, blocks, visible)
+        pool.bound(1, blocks[:0], visible[:0])
+    for layer in (0, 1):
+        assert torch.equal(pools[0].kmin[layer], pools[1].kmin[layer])
+        assert torch.equal(pools[0].kmax[layer], pools[1].kmax[layer])
+    assert torch.equal(pools[1].kmax[1][4], k[4, :3].amax(0))
+
+
+# -- launch configurations and table dtypes of the kernels
+
+def test_page_scores_configs_and_int64_tables():
+    """Head groups (3 KV heads in tiles of 4 and of 2, a partial last group), one entry a program, and the int64
+    tables the decode graphs hold: all equal to the twin."""
+    spec = ([([40, 33], 5), ([17], 3)], 6, 3, 64, 16, torch.bfloat16, 0.2, 900)
+    case, q, kmin, kmax, inv = _setup(spec)
+    want = page_scores(q, kmin, kmax, *_table(case), case.cu_entries, inv, backend="torch")
+    fin = torch.isfinite(want)
+    ids64, offs64 = case.block_ids.long(), case.offsets.long()
+    for cfg in (ScoresConfig(), ScoresConfig(tile=4, max_heads=2, num_warps=2), ScoresConfig(tile=1, max_heads=1)):
+        for ids, offs in ((case.block_ids, case.offsets), (ids64, offs64)):
+            got = _scores.launch(q, kmin, kmax, ids, offs, case.masks, case.cu_entries, inv, cfg=cfg)
+            assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+            torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_select_radix_widths_and_long_rows():
+    """Rows of a few hundred entries with many ties (scores rounded to a handful of values: the bucket holds more
+    keys than needed down to the last bit) and distinct ones (an early stop), equal +0.0 and -0.0, NaN: every radix
+    width, the rows in registers and tiled."""
+    gen = torch.Generator().manual_seed(11)
+    counts = [300, 5, 170]
+    scores, cu = _random_scores(counts, 2, gen)
+    scores[:120, 1] = scores[:120, 1].round()
+    scores[40:60, 0] = torch.where(torch.rand(20, generator=gen) < 0.5, 0.0, -0.0)
+    scores[7, 0] = float("nan")
+    clean = torch.where(scores.isnan(), float("-inf"), scores)
+    for budget in (33, 200):
+        want = select_pages(clean, cu, budget, backend="torch")
+        for bits, block in ((4, 512), (5, 64), (8, 512), (6, 128)):
+            got = _select.launch(scores, cu, budget, max_block=block, radix_bits=bits)
+            _check_selection(*got, clean, cu, budget)
+            assert torch.equal(got[1], want[1])
+            torch.testing.assert_close(_selected_sums(*got, clean), _selected_sums(*want, clean))
+
+
+@pytest.mark.slow
+def test_sparse_attention_steps_splits_and_lanes():
+    """Selections several steps long (the next step's table read one step ahead), splits past the selection's
+    count (empty), more splits than the unrolled merge takes, 8 lanes a step, int64 tables."""
+    spec = ([([300, 90], 7)], 4, 2, 64, 16, torch.bfloat16, 0.2, 5000)
+    case, _, _, _, inv = _setup(spec)
+    _, hq, hkv, d, _, dtype, _, _ = spec
+    gen = torch.Generator().manual_seed(9)
+    e, rows, width = case.block_ids.numel(), 3, 24
+    sel = torch.full((rows, hkv, width), -1, dtype=torch.int32)
+    count = torch.tensor([[24, 13], [1, 0], [9, 24]], dtype=torch.int32)
+    for r in range(rows):
+        for h in range(hkv):
+            sel[r, h, :count[r, h]] = torch.randperm(e, generator=gen)[:count[r, h]].sort().values.to(torch.int32)
+    q = apply_rope(torch.randn(rows, hq, d, generator=gen), torch.randint(0, 131072, (rows,), generator=gen), inv)
+    q = q.to(dtype)
+    want, want_lse = sparse_decode_attention(q, case.k_cache, case.v_cache, *_table(case), sel, count, inv, d ** -0.5)
+    ids64, offs64 = case.block_ids.long(), case.offsets.long()
+    # 6 steps in one split; 24 one-entry splits (past 16: every part merged at once); 8 lanes
+    for cfg in (AttendConfig(num_splits=1), AttendConfig(lanes=1, num_splits=24), AttendConfig(lanes=8, num_splits=2)):
+        out, lse = _attend.launch(q, case.k_cache, case.v_cache, ids64, offs64, case.masks, sel, count, inv,
+                                  d ** -0.5, cfg=cfg)
+        assert rel_err(out, want) <= TOL[dtype]
+        assert_lse_close(lse, want_lse, 50 * TOL[dtype])
+    assert _attend.pick_splits(AttendConfig(lanes=1, num_splits=24), rows, hkv, width, 1, q.device) == (24, 1)
+    # picked: the fewest steps a program that fit the program slots (the CPU counts 4 SMs: 8 slots, 2 steps)
+    assert _attend.pick_splits(AttendConfig(), 1, 2, 24, 4, q.device) == (3, 8)

@@ -158,15 +158,10 @@ class BlockPool:
         """Set layer ``layer``'s page bounds of ``blocks`` (int [n]) to the min and max of their keys in the slots
         ``visible`` shows (bool [n, BS]). A block named more than once gets the bounds of the union of its rows'
         slots; a block with no visible slot gets +inf / -inf (it scores -inf)."""
-        if not blocks.numel():
-            return
-        k = self.k[layer][blocks.long()]                                    # [n, BS, Hkv, D]
-        hidden = ~visible[:, :, None, None]
-        lo = k.masked_fill(hidden, float("inf")).amin(1)
-        hi = k.masked_fill(hidden, float("-inf")).amax(1)
-        idx = blocks.long()[:, None, None].expand_as(lo)
-        self.kmin[layer].scatter_reduce_(0, idx, lo, "amin", include_self=False)
-        self.kmax[layer].scatter_reduce_(0, idx, hi, "amax", include_self=False)
+        from kernels.sparse import bound_pages
+
+        # one kernel on CUDA (the torch twin is ~8 small kernels): QuestStep calls this at every sparse layer
+        bound_pages(self.k[layer], self.kmin[layer], self.kmax[layer], blocks, visible, backend=self.kernels)
 
     def bound_dense(self, blocks: torch.Tensor, fill: torch.Tensor, layers=None) -> None:
         """``bound`` for blocks whose first fill[i] slots are written (int [n]), at every layer (or ``layers``)."""
