@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+TASKS = ("coref", "longgen")  # what each trains on: objectives.py (which imports torch; this module does not)
+
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     out: str
+    task: str = "coref"            # one of TASKS
     layers: int = 4
     hidden: int = 256
     heads: int = 4
@@ -28,10 +31,13 @@ class TrainConfig:
     target: float = 0.999          # stop once full-prefill accuracy reaches this on every type
     time_limit: float = 0.0        # seconds of training after which to stop and save anyway; 0: none
     save_dtype: str = "float16"
+    init: str = ""                 # a model directory of the same shape whose weights training starts from; "": random
 
     def __post_init__(self) -> None:
         if not self.out:
             raise ValueError("an output directory is required")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if min(self.layers, self.hidden, self.heads, self.kv_heads) < 1 or self.intermediate < 0:
             raise ValueError("model sizes must be positive")
         if self.steps < 1 or self.batch < 1 or self.eval_every < 1 or self.eval_prompts < 1 or self.warmup < 0:
@@ -58,22 +64,26 @@ class TrainConfig:
 _INT_FLAGS = ("layers", "hidden", "heads", "kv_heads", "intermediate", "steps", "batch", "warmup",
               "seed", "workers", "eval_every", "eval_prompts")
 _FLOAT_FLAGS = ("lr", "weight_decay", "induction", "target", "time_limit")
+_STR_FLAGS = ("task", "save_dtype", "init")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", required=True, help="output directory (Hugging Face Llama format)")
     defaults = TrainConfig(out="-")
+    p.add_argument("--task", default=defaults.task, choices=TASKS, help=f"what to train on (default {defaults.task})")
     for name in _INT_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     for name in _FLOAT_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--save-dtype", default=defaults.save_dtype, choices=("float16", "bfloat16", "float32"))
+    p.add_argument("--init", default=defaults.init, metavar="DIR",
+                   help="start from this model directory's weights (same shape) instead of random ones")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    fields = {f: getattr(args, f) for f in _INT_FLAGS + _FLOAT_FLAGS + ("save_dtype",)}
+    fields = {f: getattr(args, f) for f in _STR_FLAGS + _INT_FLAGS + _FLOAT_FLAGS}
     device = args.device
     if device is None:
         import torch
@@ -88,7 +98,7 @@ def command_line(cfg: TrainConfig) -> str:
 
     defaults = TrainConfig(out="-")
     parts = ["tessera", "quality", "train", "-o", cfg.out, "--device", cfg.device]
-    for name in _INT_FLAGS + _FLOAT_FLAGS + ("save_dtype",):
+    for name in _STR_FLAGS + _INT_FLAGS + _FLOAT_FLAGS:
         value = getattr(cfg, name)
         if value != getattr(defaults, name):
             parts += ["--" + name.replace("_", "-"), str(value)]

@@ -1,4 +1,5 @@
-"""Engine-free accuracy of a TinyLlama on coref prompts: full prefill and full chunk-KV reuse.
+"""Engine-free accuracy of a TinyLlama: coref prompts under full prefill and full chunk-KV reuse, longgen
+targets teacher-forced and generated greedily (dense).
 
 Full reuse (ratio 0) is expressible as one masked forward pass: a chunk whose KV is computed alone
 at local positions 0..L-1 gives the same keys and values as the chunk computed in place with an
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loadgen.quality.tasks import KINDS, Prompt, TaskConfig, coref_batch
+from loadgen.quality.tasks import KINDS, LongGenPrompt, Prompt, TaskConfig, coref_batch, longgen_batch
 from loadgen.quality.vocab import vocab
 
 
@@ -133,3 +134,46 @@ class ReferenceEngine:
         tokens = torch.tensor([[t for c in chunks for t in c] + list(suffix)], device=self.device)
         mask = reuse_mask(tokens.shape[1], spans, self.device) if reuse else None
         return ReferencePrefill(logits=self.model(tokens, mask)[0, -1], stats={"mode": mode, "reuse": reuse})
+
+
+@torch.no_grad()
+def longgen_teacher_forced(model: torch.nn.Module, prompts: list[LongGenPrompt], batch: int = 128) -> dict[str, float]:
+    """Teacher-forced accuracy of a longgen target, argmax over the whole vocabulary:
+    ``{"name": .., "object": .., "end": ..}`` (the questions' names, their objects, the closing ``<eos>``)."""
+    device = next(model.parameters()).device
+    hits = {"name": [0, 0], "object": [0, 0], "end": [0, 0]}
+    for i in range(0, len(prompts), batch):
+        part = prompts[i : i + batch]
+        b = longgen_batch(part, vocab())
+        tokens = torch.from_numpy(b.tokens).to(device)
+        targets = torch.from_numpy(b.targets).to(device)
+        slots = torch.from_numpy(b.kinds).long().to(device)
+        hit = model(tokens).argmax(-1) == targets
+        ends = torch.tensor([2 * len(p.questions) for p in part], device=device)[:, None]
+        answer = (slots >= 0) & (slots < ends)          # slots are -1 off the target (and -1 % 2 == 1)
+        for role, sel in (("name", answer & (slots % 2 == 0)), ("object", answer & (slots % 2 == 1)),
+                          ("end", slots == ends)):
+            hits[role][0] += int((hit & sel).sum())
+            hits[role][1] += int(sel.sum())
+    return {role: c / n if n else float("nan") for role, (c, n) in hits.items()}
+
+
+@torch.no_grad()
+def longgen_greedy(model: torch.nn.Module, prompts: list[LongGenPrompt], batch: int = 128) -> list[list[int]]:
+    """Greedy generations of ``2K + 1`` tokens each (dense attention, no KV cache: every step one full pass);
+    prompts of one batch must have equal lengths (the held-out shape does)."""
+    device = next(model.parameters()).device
+    v = vocab()
+    out: list[list[int]] = []
+    for i in range(0, len(prompts), batch):
+        part = prompts[i : i + batch]
+        seqs = [[v.bos, *(t for c in p.chunks for t in c), *p.suffix(v)] for p in part]
+        steps = {2 * len(p.questions) + 1 for p in part}
+        if len({len(s) for s in seqs}) != 1 or len(steps) != 1:
+            raise ValueError("longgen_greedy needs prompts of one shape")
+        tokens = torch.tensor(seqs, device=device)
+        start = tokens.shape[1]
+        for _ in range(steps.pop()):
+            tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        out += tokens[:, start:].tolist()
+    return out

@@ -1,4 +1,4 @@
-"""The coref task and the induction data that makes it trainable.
+"""The quality tasks (coref, longgen) and the induction data that makes them trainable.
 
 A prompt is ``<bos>``, then chunks of ``chunk_len`` tokens, then questions ``Q NAME`` answered by
 ``OBJ``. Every name in a prompt has exactly one fact, of one of three kinds:
@@ -11,6 +11,9 @@ A prompt is ``<bos>``, then chunks of ``chunk_len`` tokens, then questions ``Q N
 there is only filler. Names and objects are drawn fresh for every prompt, so the answer can only be
 read from the context. A cross fact is the one that chunk-KV reuse breaks: computed alone, chunk
 c+1 cannot see which name its ``IT`` refers to.
+
+The longgen task (``LongGenConfig``, below) asks many questions over a long context, answered one
+after another in one generation.
 
 Induction data (a random segment followed by an exact repeat, loss on the repeat) is mixed into
 training: without it the model sits at chance on coref for thousands of steps.
@@ -86,8 +89,9 @@ class Batch:
     """A training/eval batch as numpy arrays, all ``[B, T]``.
 
     ``targets[b, t]`` is the token to predict at position t (IGNORE where no loss);
-    ``kinds[b, t]`` is the question type index into KINDS at answer positions, -1 elsewhere
-    (induction batches have no kinds).
+    ``kinds[b, t]`` says what is predicted at t, -1 where nothing is (induction batches have no
+    kinds): for coref the question type (index into KINDS), for longgen the target slot (``2i`` the
+    i-th question's name, ``2i + 1`` its object, ``2K`` the end).
     """
 
     tokens: np.ndarray   # int64 [B, T]
@@ -178,13 +182,15 @@ def sample_coref_batch(rng: random.Random, cfg: TaskConfig, batch: int, v: Vocab
     return coref_batch(prompts, cfg, v)
 
 
-def induction_batch(rng: random.Random, cfg: TaskConfig, batch: int, v: Vocab | None = None) -> Batch:
-    """``<bos> S S`` with S a random segment of 4..(T-1)//2 tokens; loss on the repeat.
+def induction_batch(rng: random.Random, cfg: TaskConfig | LongGenConfig, batch: int, v: Vocab | None = None,
+                    seq_len: int | None = None) -> Batch:
+    """``<bos> S S`` with S a random segment of 4..(T-1)//2 tokens; loss on the repeat. T is ``seq_len``
+    (default: the task's ``cfg.seq_len``).
 
     The first token of the repeat is unpredictable, so loss starts at the second.
     """
     v = v or vocab()
-    T = cfg.seq_len
+    T = seq_len or cfg.seq_len
     pool = v.names + v.objects + v.fillers + (v.pronoun, v.verb, v.stop, v.question)
     tokens = np.full((batch, T), v.pad, dtype=np.int64)
     targets = np.full((batch, T), IGNORE, dtype=np.int64)
@@ -197,3 +203,148 @@ def induction_batch(rng: random.Random, cfg: TaskConfig, batch: int, v: Vocab | 
         targets[b, n + 1 : 2 * n] = seq[n + 2 : 2 * n + 1]
     kinds = np.full((batch, T), -1, dtype=np.int8)
     return Batch(tokens, targets, kinds, induction=True)
+
+
+# ---------------------------------------------------------------------------------------------- longgen
+#
+# A prompt is ``<bos>``, chunks of ``chunk_len`` tokens holding ``facts_per_chunk`` facts ``NAME OBJ .``
+# each (plus distractors ``NAME arrives .`` that repeat a fact's name without an object, and filler),
+# then the suffix ``Q N_1 .. N_K .``; the target generation answers every question in order,
+# ``N_1 O_1 N_2 O_2 .. N_K O_K <eos>``. Each step must both find the next question in the suffix and
+# look its fact up far back in the context, so a page a sparse decode step leaves out costs an answer,
+# and what a wrong step leaves in the hidden state rides on into the next ones.
+
+MAX_POSITIONS = 1024  # the quality model's (model.ModelConfig.max_positions): prompt + generation must fit
+
+
+@dataclass(frozen=True, slots=True)
+class LongGenConfig:
+    """Shape of longgen prompts; ``max_chunks`` chunks and ``questions`` answers are the held-out/eval
+    shape (training draws 1..max_chunks chunks a batch and 1..questions answers a prompt)."""
+
+    chunk_len: int = 64
+    max_chunks: int = 12
+    facts_per_chunk: int = 4
+    questions: int = 16
+    p_distractor: float = 0.5   # chance, per fact slot of a chunk, of a ``NAME arrives .`` with a fact's name
+
+    def __post_init__(self) -> None:
+        # The fullest chunk: its facts and as many distractors, 3 tokens each.
+        if self.facts_per_chunk < 1 or self.chunk_len < 6 * self.facts_per_chunk:
+            raise ValueError(f"chunk_len {self.chunk_len} cannot hold {self.facts_per_chunk} facts and as many "
+                             f"distractors; need >= {6 * self.facts_per_chunk} (facts_per_chunk >= 1)")
+        facts = self.max_chunks * self.facts_per_chunk
+        if self.max_chunks < 1 or facts > 64:
+            raise ValueError(f"max_chunks x facts_per_chunk must be in 1..64 (one name each), got {facts}")
+        if not 1 <= self.questions <= facts:
+            raise ValueError(f"questions must be in 1..{facts} (the facts of a full prompt), got {self.questions}")
+        if not 0 <= self.p_distractor <= 1:
+            raise ValueError("p_distractor is a probability")
+        if self.seq_len > MAX_POSITIONS:
+            raise ValueError(f"a full prompt and its generation take {self.seq_len} positions, past {MAX_POSITIONS}")
+
+    @property
+    def seq_len(self) -> int:
+        """Positions of a full prompt and its target: bos + chunks + ``Q N_1..N_K .`` + ``(N O)*K <eos>``."""
+        return 1 + self.chunk_len * self.max_chunks + (self.questions + 2) + (2 * self.questions + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class LongGenPrompt:
+    """One longgen prompt. ``chunks`` hold token ids without ``<bos>``; ``facts`` are all "direct"
+    (``chunk`` states the object); ``questions`` index ``facts`` in asking order."""
+
+    chunks: tuple[tuple[int, ...], ...]
+    facts: tuple[Fact, ...]
+    questions: tuple[int, ...]
+
+    def question_facts(self) -> list[Fact]:
+        return [self.facts[i] for i in self.questions]
+
+    def suffix(self, v: Vocab) -> list[int]:
+        """``Q N_1 .. N_K .``: the questions, in the order they are to be answered."""
+        return [v.question, *(f.name for f in self.question_facts()), v.stop]
+
+    def target(self, v: Vocab) -> list[int]:
+        """``N_1 O_1 .. N_K O_K <eos>``: slot 2i is question i's name, 2i + 1 its object, 2K the end."""
+        return [t for f in self.question_facts() for t in (f.name, f.obj)] + [v.eos]
+
+    def answers_right(self, generated: list[int]) -> list[bool]:
+        """Per question, in asking order: is the generated token at its object slot (2i + 1) its object?
+        Slots are positions of the generation, whatever came before them, so one step that derails (a
+        skipped or repeated name) costs every later answer; a generation that stopped early has none."""
+        return [len(generated) > 2 * i + 1 and generated[2 * i + 1] == f.obj for i, f in enumerate(self.question_facts())]
+
+    def names_right(self, generated: list[int]) -> list[bool]:
+        """Per question: is the token at its name slot (2i) its name (the model kept its place in the list)?"""
+        return [len(generated) > 2 * i and generated[2 * i] == f.name for i, f in enumerate(self.question_facts())]
+
+
+def _lay_out(rng: random.Random, segments: list[list[int]], length: int, fillers: tuple[int, ...]) -> tuple[int, ...]:
+    """``segments`` in random order with filler words between them (never inside one), ``length`` tokens in all."""
+    rng.shuffle(segments)
+    gaps: list[list[int]] = [[] for _ in range(len(segments) + 1)]
+    for _ in range(length - sum(len(s) for s in segments)):
+        gaps[rng.randrange(len(gaps))].append(rng.choice(fillers))
+    tokens = gaps[0]
+    for segment, filler in zip(segments, gaps[1:]):
+        tokens += segment + filler
+    return tuple(tokens)
+
+
+def make_longgen_prompt(rng: random.Random, cfg: LongGenConfig, n_chunks: int, n_questions: int,
+                        v: Vocab | None = None) -> LongGenPrompt:
+    """Draw one prompt of ``n_chunks`` chunks and ``n_questions`` questions with fresh names and objects."""
+    v = v or vocab()
+    n_facts = n_chunks * cfg.facts_per_chunk
+    if not 1 <= n_questions <= n_facts:
+        raise ValueError(f"{n_chunks} chunks hold {n_facts} facts: cannot ask {n_questions} questions")
+    names, objects = rng.sample(v.names, n_facts), rng.sample(v.objects, n_facts)
+    facts = tuple(Fact("direct", names[i], objects[i], i // cfg.facts_per_chunk) for i in range(n_facts))
+    # Distractors: up to facts_per_chunk a chunk, each a different fact's name (before or after its fact).
+    n_distract = [sum(rng.random() < cfg.p_distractor for _ in range(cfg.facts_per_chunk)) for _ in range(n_chunks)]
+    distract = iter(rng.sample(names, sum(n_distract)))
+    chunks = []
+    for c in range(n_chunks):
+        segments = [[f.name, f.obj, v.stop] for f in facts[c * cfg.facts_per_chunk:(c + 1) * cfg.facts_per_chunk]]
+        segments += [[next(distract), v.verb, v.stop] for _ in range(n_distract[c])]
+        chunks.append(_lay_out(rng, segments, cfg.chunk_len, v.fillers))
+    return LongGenPrompt(tuple(chunks), facts, tuple(rng.sample(range(n_facts), n_questions)))
+
+
+def longgen_heldout(seed: int, n: int, cfg: LongGenConfig = LongGenConfig()) -> list[LongGenPrompt]:
+    """``n`` prompts of the eval shape (``max_chunks`` chunks, ``questions`` answers) from a stream no training
+    run draws from."""
+    rng = random.Random(f"longgen-heldout-{seed}")
+    v = vocab()
+    return [make_longgen_prompt(rng, cfg, cfg.max_chunks, cfg.questions, v) for _ in range(n)]
+
+
+def longgen_batch(prompts: list[LongGenPrompt], v: Vocab | None = None) -> Batch:
+    """Teacher-forced ``<bos> chunks Q N_1..N_K . N_1 O_1 .. N_K O_K <eos>``, padded to the longest; loss on
+    the target (from the suffix's last token on), ``kinds`` its slot."""
+    v = v or vocab()
+    seqs, starts = [], []
+    for p in prompts:
+        seq = [v.bos, *(t for c in p.chunks for t in c), *p.suffix(v)]
+        starts.append(len(seq) - 1)          # predicts the target's first token
+        seqs.append(seq + p.target(v))
+    T = max(len(s) for s in seqs)
+    tokens = np.full((len(prompts), T), v.pad, dtype=np.int64)
+    targets = np.full((len(prompts), T), IGNORE, dtype=np.int64)
+    kinds = np.full((len(prompts), T), -1, dtype=np.int8)
+    for b, (seq, start) in enumerate(zip(seqs, starts)):
+        tokens[b, : len(seq)] = seq
+        targets[b, start : len(seq) - 1] = seq[start + 1 :]
+        kinds[b, start : len(seq) - 1] = np.arange(len(seq) - 1 - start)
+    return Batch(tokens, targets, kinds, induction=False)
+
+
+def sample_longgen_batch(rng: random.Random, cfg: LongGenConfig, batch: int, v: Vocab | None = None) -> Batch:
+    """Training batch: 1..max_chunks chunks (one count a batch, so it pads to its own length), each prompt
+    1..questions answers (at most its facts)."""
+    v = v or vocab()
+    n_chunks = rng.randint(1, cfg.max_chunks)
+    most = min(cfg.questions, n_chunks * cfg.facts_per_chunk)
+    return longgen_batch([make_longgen_prompt(rng, cfg, n_chunks, rng.randint(1, most), v) for _ in range(batch)], v)
+

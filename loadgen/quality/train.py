@@ -1,13 +1,14 @@
-"""Train the coref model and write it as a Hugging Face Llama directory.
+"""Train a quality model (task coref or longgen) and write it as a Hugging Face Llama directory.
 
-    python -m loadgen.quality.train -o DIR [--steps N --batch 256 --lr 2e-3 --seed S --device cuda]
+    python -m loadgen.quality.train -o DIR [--task coref|longgen --steps N --batch 256 --lr 2e-3 --seed S --device cuda]
     tessera quality train -o DIR ...            (same flags)
 
 Data is generated on the fly by DataLoader workers (one ``random.Random`` stream per worker, seeded
-from ``--seed``); 40% of batches are induction data. Held-out accuracy (full prefill and full
-reuse, per question type) is logged every ``--eval-every`` steps, and training stops once full
-prefill reaches ``--target`` on every type. Imports only torch, numpy, safetensors, tokenizers and
-tqdm, so it runs on a bare GPU machine.
+from ``--seed``); 40% of batches are induction data. Held-out accuracy (what ``objectives.py`` says
+per task: coref's full prefill and full reuse per question type, longgen's teacher-forced names,
+objects and end) is logged every ``--eval-every`` steps, and training stops once full prefill
+reaches ``--target`` on every column. Imports only torch, numpy, safetensors, tokenizers and tqdm,
+so it runs on a bare GPU machine.
 """
 
 from __future__ import annotations
@@ -21,33 +22,31 @@ import shlex
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from loadgen.quality.config import TrainConfig, add_train_args, config_from_args
 from loadgen.quality.model import TinyLlama, load_hf, save_hf
-from loadgen.quality.reference import reference_tally
-from loadgen.quality.tasks import TaskConfig, heldout_prompts, induction_batch, sample_coref_batch
+from loadgen.quality.objectives import Objective, objective
 from loadgen.quality.vocab import vocab
 
 
 class Batches(torch.utils.data.IterableDataset):
     """Endless training batches; each worker draws from its own seeded stream."""
 
-    def __init__(self, cfg: TrainConfig, task: TaskConfig):
-        self.cfg, self.task = cfg, task
+    def __init__(self, cfg: TrainConfig, obj: Objective):
+        self.cfg, self.obj = cfg, obj
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        rng = random.Random(f"coref-train-{self.cfg.seed}-{info.id if info else 0}")
+        rng = random.Random(f"{self.obj.name}-train-{self.cfg.seed}-{info.id if info else 0}")
         v = vocab()
         while True:
             if rng.random() < self.cfg.induction:
-                b = induction_batch(rng, self.task, self.cfg.batch, v)
+                b = self.obj.induction(rng, self.cfg.batch, v)
             else:
-                b = sample_coref_batch(rng, self.task, self.cfg.batch, v)
+                b = self.obj.batch(rng, self.cfg.batch, v)
             yield torch.from_numpy(b.tokens), torch.from_numpy(b.targets), b.induction
 
 
@@ -67,12 +66,9 @@ def _optimizer(model: TinyLlama, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=cfg.device.startswith("cuda"))
 
 
-def evaluate(model: TinyLlama, prompts, task: TaskConfig) -> dict[str, dict[str, float]]:
+def evaluate(model: TinyLlama, prompts, obj: Objective) -> dict[str, dict[str, float]]:
     model.eval()
-    out = {
-        "full": reference_tally(model, prompts, task).accuracy(),
-        "reuse": reference_tally(model, prompts, task, reuse=True).accuracy(),
-    }
+    out = obj.evaluate(model, prompts)
     model.train()
     return out
 
@@ -86,28 +82,31 @@ def train(cfg: TrainConfig, command: str = "") -> dict:
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
-    task = TaskConfig()
+    obj = objective(cfg.task)
     device = torch.device(cfg.device)
-    model = TinyLlama(cfg.model_config()).to(device)
+    model = TinyLlama(cfg.model_config())
+    if cfg.init:
+        model.load_state_dict(load_hf(cfg.init).state_dict())
+    model = model.to(device)
     opt = _optimizer(model, cfg)
     cuda = device.type == "cuda"
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
     workers = cfg.workers if cfg.workers >= 0 else (min(8, max(1, (os.cpu_count() or 2) - 1)) if cuda else 1)
     loader = torch.utils.data.DataLoader(
-        Batches(cfg, task), batch_size=None, num_workers=workers, pin_memory=cuda,
+        Batches(cfg, obj), batch_size=None, num_workers=workers, pin_memory=cuda,
         prefetch_factor=4 if workers else None, persistent_workers=bool(workers),
     )
-    heldout = heldout_prompts(cfg.seed, cfg.eval_prompts, task)
+    heldout = obj.heldout(cfg.seed, cfg.eval_prompts)
     history: list[dict] = []
-    losses = {"coref": 0.0, "induction": 0.0}
-    counts = {"coref": 0, "induction": 0}
+    losses = {obj.name: 0.0, "induction": 0.0}
+    counts = {obj.name: 0, "induction": 0}
     start = time.time()
     step = 0
     bar = tqdm(total=cfg.steps, desc="train", dynamic_ncols=True, file=sys.stderr,
                mininterval=0.5 if sys.stderr.isatty() else 15.0)
     tqdm.write(f"model: {model.num_parameters() / 1e6:.2f}M parameters, {cfg.model_config()}", file=sys.stderr)
-    tqdm.write("held-out accuracy columns: direct/local/cross", file=sys.stderr)
+    tqdm.write(f"held-out accuracy columns: {obj.columns}", file=sys.stderr)
     for tokens, targets, is_induction in loader:
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg)
@@ -119,25 +118,26 @@ def train(cfg: TrainConfig, command: str = "") -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        kind = "induction" if is_induction else "coref"
+        kind = "induction" if is_induction else obj.name
         losses[kind] += loss.item()
         counts[kind] += 1
         step += 1
         bar.update(1)
         done = step >= cfg.steps
         if step % cfg.eval_every == 0 or done:
-            acc = evaluate(model, heldout, task)
+            acc = evaluate(model, heldout, obj)
             avg = {k: losses[k] / max(1, counts[k]) for k in losses}
             history.append({"step": step, "seconds": round(time.time() - start, 1), "loss": avg, "accuracy": acc})
-            bar.set_postfix(coref=f"{avg['coref']:.3f}", ind=f"{avg['induction']:.3f}", cross=f"{acc['full']['cross']:.3f}")
-            tqdm.write(f"step {step:5d}  loss coref {avg['coref']:.4f} induction {avg['induction']:.4f}  {_fmt(acc)}", file=sys.stderr)
+            bar.set_postfix(loss=f"{avg[obj.name]:.3f}", ind=f"{avg['induction']:.3f}", worst=f"{min(acc['full'].values()):.3f}")
+            tqdm.write(f"step {step:5d}  loss {obj.name} {avg[obj.name]:.4f} induction {avg['induction']:.4f}  {_fmt(acc)}",
+                       file=sys.stderr)
             losses = dict.fromkeys(losses, 0.0)
             counts = dict.fromkeys(counts, 0)
             if cfg.time_limit and time.time() - start > cfg.time_limit:
                 tqdm.write(f"time limit of {cfg.time_limit:.0f} s reached: stopping at step {step}", file=sys.stderr)
                 done = True
-            if min(acc["full"].values()) >= cfg.target:
-                tqdm.write(f"full-prefill accuracy >= {cfg.target} on every type: stopping at step {step}", file=sys.stderr)
+            if obj.reached(acc, cfg.target):
+                tqdm.write(f"full-prefill accuracy >= {cfg.target} on every column: stopping at step {step}", file=sys.stderr)
                 done = True
         if done:
             break
@@ -146,45 +146,16 @@ def train(cfg: TrainConfig, command: str = "") -> dict:
     out = save_hf(model, cfg.out, cfg.save_dtype)
     # The saved (fp16/bf16) weights are what everyone uses: measure those, in fp32.
     saved = load_hf(out, device=str(device))
-    final = evaluate(saved, heldout, task)
-    final["reuse_bos_in_first_chunk"] = reference_tally(saved, heldout, task, reuse=True, bos_own_chunk=False).accuracy()
+    final = obj.final(saved, heldout)
     summary = {
         "command": command, "config": asdict(cfg), "parameters": model.num_parameters(), "steps": step,
         "seconds": round(seconds, 1), "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "final_heldout": final, "history": history,
     }
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _write_readme(out, summary)
+    (out / "README.md").write_text(obj.readme(summary))
     tqdm.write(f"saved {out} after {step} steps ({seconds:.0f} s): {_fmt(final)}", file=sys.stderr)
     return summary
-
-
-def _write_readme(out: Path, s: dict) -> None:
-    c = s["config"]
-    rows = "\n".join(f"| {m} | " + " | ".join(f"{a:.4f}" for a in acc.values()) + " |" for m, acc in s["final_heldout"].items())
-    (out / "README.md").write_text(f"""# Coref quality model
-
-Trained by `loadgen/quality/train.py` (issue #7) on the synthetic coref task; read it with
-`Engine.load` or `transformers.LlamaForCausalLM.from_pretrained`.
-
-Made with (seed {c['seed']}, on {s['device']}):
-
-    {s['command']}
-
-{s['parameters']:,} parameters (Llama, {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads,
-{c['kv_heads']} KV heads, RoPE theta 10000), {c['save_dtype']} weights; {s['steps']} steps of batch
-{c['batch']} in {s['seconds']} s ({c['induction']:.0%} induction batches).
-
-Held-out accuracy of the saved weights ({c['eval_prompts']} prompts of 5 chunks, seed {c['seed']};
-teacher-forced, argmax over the vocabulary; `reuse` = every chunk's KV computed alone, `<bos>` its
-own chunk):
-
-| mode | direct | local | cross |
-| --- | --- | --- | --- |
-{rows}
-
-`training.json` holds the full configuration and the accuracy history.
-""")
 
 
 def main(argv: list[str] | None = None) -> int:

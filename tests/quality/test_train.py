@@ -51,3 +51,36 @@ def test_bad_training_config_is_refused(tmp_path, capsys):
     assert tessera(["quality", "train", "-o", str(tmp_path), "--device", "cpu", "--steps", "0"]) == 2
     assert "error" in capsys.readouterr().err
     assert command_line(TrainConfig(out="d", seed=3)) == "tessera quality train -o d --device cpu --seed 3"
+
+
+def test_tiny_longgen_run_starts_from_init_and_writes_its_summary(tmp_path):
+    from safetensors.torch import load_file
+
+    from loadgen.quality.model import ModelConfig, TinyLlama, save_hf
+    from loadgen.quality.vocab import vocab
+
+    torch.manual_seed(0)
+    start = save_hf(TinyLlama(ModelConfig(vocab_size=vocab().size, hidden=32, layers=1, heads=2, kv_heads=1,
+                                          intermediate=80)), tmp_path / "start", dtype="float32")
+    out = tmp_path / "lg"
+    rc = tessera(["quality", "train", "--task", "longgen", "-o", str(out), "--init", str(start), "--device", "cpu",
+                  "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--steps", "2", "--batch", "2",
+                  "--eval-every", "2", "--eval-prompts", "2", "--workers", "0", "--lr", "1e-9", "--save-dtype", "float32"])
+    assert rc == 0
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["config"]["task"] == "longgen" and summary["steps"] == 2
+    assert set(summary["history"][0]["loss"]) == {"longgen", "induction"}
+    assert set(summary["history"][0]["accuracy"]["full"]) == {"name", "object", "end"}
+    assert set(summary["final_heldout"]["greedy"]) == {"answers", "prompt_all_right"}
+    assert len(summary["final_heldout"]["greedy_by_answer"]) == 16
+    assert "--task longgen" in summary["command"] and summary["command"] in (out / "README.md").read_text()
+    before, after = load_file(str(start / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    for name, w in before.items():  # a learning rate of 1e-9: the weights are the ones it started from
+        torch.testing.assert_close(after[name], w, rtol=0, atol=1e-6)
+
+
+def test_task_and_init_are_flags_of_the_command_line():
+    assert command_line(TrainConfig(out="d", task="longgen", init="m")) == \
+        "tessera quality train -o d --device cpu --task longgen --init m"
+    with pytest.raises(ValueError, match="task"):
+        TrainConfig(out="d", task="nope")

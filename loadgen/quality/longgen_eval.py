@@ -1,0 +1,187 @@
+"""Accuracy of the decode policies on held-out longgen prompts, through ``Engine.generate`` (greedy).
+
+Layout of one request (documented choice): ``chunks = [[<bos>], chunk_1, .., chunk_C]``,
+``suffix = [Q, N_1, .., N_K, .]``, ``mode="full"`` (the prompt is prefilled exactly, so what a mode
+changes is its decode steps alone), ``max_new_tokens = 2K + 1``. Answer i is right iff the generated
+token at slot 2i + 1 is question i's object (``LongGenPrompt.answers_right``): slots are positions in
+the generation, so a step that derails costs every later answer, as in LongGenBench.
+
+A mode is ``dense``, ``quest@B`` or ``retro@B[:wN]``: B is ``budget_tokens`` (the keys one KV head
+attends per layer, in whole pages of the engine's block size), N is ``retro_window`` (the past
+queries that later steps' pages correct; the engine's default without it). The sparse policies
+leave their first ``dense_layers`` layers dense.
+
+Imports nothing heavy at module level (``tessera --help`` reads its defaults).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from loadgen.quality.vocab import vocab
+from services.modes import DECODE_PARAMS, DECODE_POLICIES
+
+DEFAULT_MODES = "dense,quest@32,quest@64,quest@128,quest@256,quest@512"
+DEFAULT_DENSE_LAYERS = 1  # of the model's 4 (README.md says why)
+# NOTE: 14 answers make the suffix ``Q N_1..N_14 .`` exactly one 16-token block. A suffix that spills into a
+# second, nearly empty block leaves its last question's key there, where Quest's bound (tight over 2 keys,
+# loose over 16) never wins a page: the last answer is then lost at every budget short of all pages.
+DEFAULT_QUESTIONS = 14
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeMode:
+    """One decode policy (services/modes.py DECODE_POLICIES) with its parameters: ``budget`` (budget_tokens)
+    for the policies that take one (quest, retro), ``window`` (retro_window) for retro only, None where not
+    given."""
+
+    policy: str
+    budget: int | None = None
+    window: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "DecodeMode":
+        spec = text.strip()
+        policy, at, rest = spec.partition("@")
+        budget, colon, window = rest.partition(":")
+        if policy not in DECODE_POLICIES:
+            raise ValueError(f"unknown decode mode {spec!r}; expected dense, quest@BUDGET or retro@BUDGET[:wWINDOW]")
+        takes = DECODE_PARAMS[policy]
+        if "budget_tokens" not in takes:
+            if at:
+                raise ValueError(f"mode {spec!r}: {policy} attends to every key and takes no budget")
+            return cls(policy)
+        if not budget:
+            raise ValueError(f"mode {spec!r}: {policy} needs a budget of tokens, as {policy}@256")
+        b = _positive(spec, "budget", budget)
+        if not colon:
+            return cls(policy, b)
+        if "retro_window" not in takes:
+            raise ValueError(f"mode {spec!r}: {policy} takes no window (:wN)")
+        if not window.startswith("w"):
+            raise ValueError(f"mode {spec!r}: the window is written :wN, as retro@{b}:w2")
+        return cls(policy, b, _positive(spec, "window", window[1:]))
+
+    def generate_args(self, dense_layers: int) -> dict:
+        """The keyword arguments of ``Engine.generate`` (and ``Engine.decode_policy``) for this mode."""
+        args = {"decode": self.policy}
+        if self.budget is not None:
+            args.update(budget_tokens=self.budget, dense_layers=dense_layers)
+        if self.window is not None:
+            args["retro_window"] = self.window
+        return args
+
+    def __str__(self) -> str:
+        if self.budget is None:
+            return self.policy
+        return f"{self.policy}@{self.budget}" + ("" if self.window is None else f":w{self.window}")
+
+
+def _positive(spec: str, what: str, text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"mode {spec!r}: {what} {text!r} is not a whole number") from None
+    if n < 1:
+        raise ValueError(f"mode {spec!r}: {what} must be at least 1, got {n}")
+    return n
+
+
+def parse_decode_modes(text: str) -> list[DecodeMode]:
+    modes = [DecodeMode.parse(t) for t in text.split(",") if t.strip()]
+    if not modes:
+        raise ValueError("no modes given")
+    if len({str(m) for m in modes}) != len(modes):
+        raise ValueError(f"a mode is given twice in {text!r}")
+    return modes
+
+
+@dataclass(frozen=True, slots=True)
+class GenResult:
+    """One mode over the prompts: ``right[p][i]`` whether prompt p's answer i is right, ``names[p][i]``
+    whether its name slot held question i's name, ``generations[p]`` the tokens, and the mean wall time
+    of one ``generate`` call in seconds."""
+
+    mode: DecodeMode
+    right: tuple[tuple[bool, ...], ...]
+    names: tuple[tuple[bool, ...], ...]
+    generations: tuple[tuple[int, ...], ...]
+    mean_generate_s: float
+
+    def accuracy(self) -> float:
+        return sum(map(sum, self.right)) / sum(map(len, self.right))
+
+    def by_answer(self) -> list[float]:
+        """Accuracy at answer positions 1..K."""
+        return [sum(col) / len(col) for col in zip(*self.right)]
+
+    def as_json(self) -> dict:
+        return {
+            "policy": self.mode.policy, "budget_tokens": self.mode.budget, "retro_window": self.mode.window,
+            "accuracy": self.accuracy(), "by_answer": self.by_answer(),
+            "name_accuracy": sum(map(sum, self.names)) / sum(map(len, self.names)),
+            "prompts_all_right": sum(map(all, self.right)) / len(self.right),
+            "mean_generate_s": self.mean_generate_s,
+        }
+
+
+def check_modes(engine, modes: list[DecodeMode], dense_layers: int) -> None:
+    """Every mode against the engine before any runs: ValueError naming the mode for one the engine cannot
+    serve (an unknown policy, a budget under one page, a parameter the policy does not take)."""
+    for mode in modes:
+        args = mode.generate_args(dense_layers)
+        try:
+            engine.decode_policy(args.pop("decode"), **args)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"mode {mode}: the engine cannot run it: {exc}") from None
+
+
+def evaluate_decode_modes(engine, modes: list[DecodeMode], prompts, dense_layers: int = DEFAULT_DENSE_LAYERS,
+                          progress: bool = True) -> list[GenResult]:
+    """Generate every prompt's answers greedily in every mode through ``engine.generate``."""
+    from tqdm import tqdm
+
+    check_modes(engine, modes, dense_layers)
+    v = vocab()
+    bar = tqdm(total=len(prompts) * len(modes), desc="eval", disable=not progress, dynamic_ncols=True)
+    results = []
+    for mode in modes:
+        bar.set_postfix(mode=str(mode))
+        right, names, gens, seconds = [], [], [], 0.0
+        for p in prompts:
+            t0 = time.perf_counter()
+            out = engine.generate(chunks=[[v.bos]] + [list(c) for c in p.chunks], suffix=p.suffix(v),
+                                  max_new_tokens=2 * len(p.questions) + 1, mode="full",
+                                  **mode.generate_args(dense_layers))
+            seconds += time.perf_counter() - t0
+            right.append(tuple(p.answers_right(out)))
+            names.append(tuple(p.names_right(out)))
+            gens.append(tuple(out))
+            bar.update(1)
+        results.append(GenResult(mode, tuple(right), tuple(names), tuple(gens), seconds / len(prompts)))
+    bar.close()
+    return results
+
+
+def run_longgen_eval(model_dir: str, n_prompts: int, modes: list[DecodeMode], seed: int = 1,
+                     questions: int = DEFAULT_QUESTIONS,
+                     dense_layers: int = DEFAULT_DENSE_LAYERS, device: str = "cpu",
+                     progress: bool = True) -> list[GenResult]:
+    from loadgen.quality.evaluate import load_engine
+    from loadgen.quality.tasks import LongGenConfig, longgen_heldout
+
+    if n_prompts < 1:
+        raise ValueError("--prompts must be at least 1")
+    if not 1 <= questions <= LongGenConfig().questions:
+        raise ValueError(f"--questions must be in 1..{LongGenConfig().questions}")
+    if dense_layers < 0:
+        raise ValueError("--dense-layers must be at least 0")
+    engine = load_engine(model_dir, device)
+    prompts = longgen_heldout(seed, n_prompts, LongGenConfig(questions=questions))
+    return evaluate_decode_modes(engine, modes, prompts, dense_layers, progress)
+
+
+def as_json(results: list[GenResult]) -> dict[str, dict]:
+    """``{"<mode>": {"accuracy": .., "by_answer": [1..K], "name_accuracy": .., ...}}``."""
+    return {str(r.mode): r.as_json() for r in results}
