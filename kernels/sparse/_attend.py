@@ -39,11 +39,14 @@ class AttendConfig:
     each selection into runs of whole steps so that rows x KV heads x splits fill about waves x SMs x
     programs_per_sm programs, never below one step a program."""
 
-    num_warps: int = 4
-    num_stages: int = 1
+    # measured on an H100 (bench/decode/sparse_kernels.py's sweep): 8 warps beat 4 at every shape by 0-8%; Triton's
+    # pipelining (3 stages) gains 5-11% from 4 steps a program on and loses up to 84% at one or two
+    num_warps: int = 8
+    num_stages: int | None = None  # None: 3 from pipelined_from steps a program on, else 1
+    pipelined_from: int = 4
     lanes: int | None = None      # None: 16 tl.dot rows' worth (16 // G_PAD), at most 64 keys a step
     waves: float = 1.0
-    programs_per_sm: int = 2      # sm_90, Triton 3.9: 242 registers x 128 threads (tests/kernels/compile_sm90.py)
+    programs_per_sm: int = 2      # the split count's program slots an SM (the one that was measured)
     num_splits: int | None = None
     maxnreg: int | None = None    # a register cap (more programs an SM, spills): benchmark sweeps
 
@@ -193,6 +196,7 @@ def launch(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq,
     g_pad = triton.next_power_of_2(group)
     nb = cfg.lanes or max(1, min(16 // g_pad, 64 // bs))
     nsplit, per = pick_splits(cfg, n_rows, hkv, sel.shape[2], nb, q.device)
+    stages = cfg.num_stages or (3 if per // nb >= cfg.pipelined_from else 1)
     if nsplit == 1:
         out = torch.empty_like(q)
         lse = torch.empty((n_rows, hq), dtype=torch.float32, device=q.device)
@@ -210,7 +214,7 @@ def launch(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             sel.stride(0), sel.stride(1), count.stride(0), *o_strides, *l_strides,
             G=group, G_PAD=g_pad, NB=nb, ROWS=max(16, nb * g_pad), BS=bs, D2=dim // 2,
-            DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
     if nsplit == 1:

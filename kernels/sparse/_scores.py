@@ -6,7 +6,8 @@ over cu_entries (no host sync, no per-entry sequence table), gathers that sequen
 rotates them BACKWARDS by the entry's offset (fp32: cos/sin of offset * inv_freq, as the decode kernel), and takes
     max over g of Σ_i max(q'_gi · kmax_i, q'_gi · kmin_i)
 on the half-split layout (rotate-half RoPE): the two halves of D are loaded and rotated as [BLOCK_E, HB, D/2] tiles,
-every head's bounds requested at once. An entry whose mask shows no slot scores -inf.
+every head's bounds requested at once. An entry whose mask shows no slot scores -inf. Scores are stored head-major
+([Hkv, E], returned as its [E, Hkv] view): a selection row is then one contiguous read, not a 32-byte stride.
 """
 
 from __future__ import annotations
@@ -76,23 +77,25 @@ def _scores_kernel(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr
             tl.maximum(r2 * hi2.to(tl.float32), r2 * lo2.to(tl.float32))
         best = tl.maximum(best, tl.sum(bound, axis=2))
     shown = tl.load(mask_ptr + e, mask=ok, other=0) != 0
-    tl.store(out_ptr + e[:, None] * n_heads + h[None, :], tl.where(shown[:, None], best, float("-inf")), mask=ok2)
+    # head-major [Hkv, E]: the selection reads a (sequence, head) row contiguously
+    tl.store(out_ptr + h[None, :].to(tl.int64) * n_entries + e[:, None], tl.where(shown[:, None], best, float("-inf")),
+             mask=ok2)
 
 
 def launch(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq,
            cfg: ScoresConfig = ScoresConfig()) -> torch.Tensor:
     """Inputs checked by triton.py (contiguous ids and offsets int32 or int64, masks int64, cu int32, inv_freq fp32).
-    -> fp32 [E, Hkv]."""
+    -> fp32 [E, Hkv], a view of [Hkv, E] storage."""
     n_entries = block_ids.numel()
     n_seqs, hq, dim = q.shape
     hkv = kmax.shape[1]
     heads = min(triton.next_power_of_2(hkv), cfg.max_heads)
     block_e = max(1, cfg.tile // heads)
-    out = torch.empty((n_entries, hkv), dtype=torch.float32, device=q.device)
+    out = torch.empty((hkv, n_entries), dtype=torch.float32, device=q.device)
     if n_entries and n_seqs:
         _scores_kernel[(triton.cdiv(n_entries, block_e), triton.cdiv(hkv, heads))](
             q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq, out,
             n_entries, n_seqs, hkv, max(1, n_seqs - 1).bit_length(),
             q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
             G=hq // hkv, D2=dim // 2, BLOCK_E=block_e, HB=heads, num_warps=cfg.num_warps)
-    return out
+    return out.t()

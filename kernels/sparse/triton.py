@@ -60,7 +60,8 @@ def bound_pages(k_cache, kmin, kmax, blocks, visible) -> None:
 
 
 def page_scores(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq):
-    """q [B, Hq, D], page bounds [N, Hkv, D] -> fp32 [E, Hkv] (see reference.page_scores)."""
+    """q [B, Hq, D], page bounds [N, Hkv, D] -> fp32 [E, Hkv], stored head-major (a selection row is contiguous)
+    (see reference.page_scores)."""
     if kmin.shape != kmax.shape or kmin.dim() != 3 or kmin.stride() != kmax.stride() or kmax.stride(2) != 1:
         raise ValueError(f"kmin {tuple(kmin.shape)} and kmax {tuple(kmax.shape)} must both be [N, Hkv, D], "
                          "with one set of strides and a contiguous head dimension")
@@ -76,12 +77,13 @@ def page_scores(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq):
 
 
 def select_pages(scores, cu_entries, budget_pages: int):
-    """scores fp32 [E, Hkv] -> (sel int32 [B, Hkv, budget_pages], count int32 [B, Hkv]) (see reference.select_pages)."""
+    """scores fp32 [E, Hkv] (any strides: page_scores' are head-major) -> (sel int32 [B, Hkv, budget_pages], count
+    int32 [B, Hkv]) (see reference.select_pages)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be fp32 [E, Hkv], got {scores.dtype} {tuple(scores.shape)}")
     if cu_entries.dim() != 1 or cu_entries.numel() < 1:
         raise ValueError("cu_entries must be 1-D [B+1]")
-    return _select.launch(scores.contiguous(), _index("cu_entries", cu_entries, torch.int32), budget_pages)
+    return _select.launch(scores, _index("cu_entries", cu_entries, torch.int32), budget_pages)
 
 
 def sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale):

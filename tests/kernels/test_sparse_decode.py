@@ -349,14 +349,17 @@ def test_page_scores_configs_and_int64_tables():
 @pytest.mark.slow
 def test_select_radix_widths_and_long_rows():
     """Rows of a few hundred entries with many ties (scores rounded to a handful of values: the bucket holds more
-    keys than needed down to the last bit) and distinct ones (an early stop), equal +0.0 and -0.0, NaN: every radix
-    width, the rows in registers and tiled."""
+    keys than needed down to the last bit) and distinct ones (an early stop), equal +0.0 and -0.0, NaN, rows of one
+    sign in a narrow range (the search starts below their shared bits) and of one value: every radix width, the
+    rows in registers and tiled."""
     gen = torch.Generator().manual_seed(11)
     counts = [300, 5, 170]
     scores, cu = _random_scores(counts, 2, gen)
     scores[:120, 1] = scores[:120, 1].round()
     scores[40:60, 0] = torch.where(torch.rand(20, generator=gen) < 0.5, 0.0, -0.0)
     scores[7, 0] = float("nan")
+    scores[305:, 0] = 50 + torch.rand(170, generator=gen)         # one sign, one exponent
+    scores[305:, 1] = torch.where(scores[305:, 1] > float("-inf"), -3.0, scores[305:, 1])   # one value
     clean = torch.where(scores.isnan(), float("-inf"), scores)
     for budget in (33, 200):
         want = select_pages(clean, cu, budget, backend="torch")
