@@ -190,10 +190,14 @@ class RetroStep(QuestStep):
                                                                                          per_row)[:n]
 
     def end(self) -> None:
-        super().end()
         window = self.policy.retro_window - 1
-        if not window:
-            return
+        if window:
+            self._push(window)
+        super().end()   # the stats: a copy to the host, which waits for the device while it makes the records
+
+    def _push(self, window: int) -> None:
+        """This step's tokens into their sequences' windows (the oldest out), the past tokens' corrected outputs
+        into their records."""
         n = len(self.seqs)
         # new tensors (stacks): what the records keep must outlive the buffers a decode graph's next replay writes
         q, out, lse, sel = (torch.stack([c[k][:n] for c in self.cur], 1) for k in range(4))   # [n, S, ...]
