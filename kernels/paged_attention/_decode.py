@@ -53,6 +53,32 @@ class DecodeConfig:
 
 
 @triton.jit
+def attend_tile(qr1, qr2, k1, k2, v, own, qk_scale, m_i, l_i, acc, DOT_F32: tl.constexpr):
+    """One tile of keys into a running online softmax: the rotated query halves qr1, qr2 [ROWS, D/2] against the
+    key halves k1, k2 [BLOCK_N, D/2] and values v [BLOCK_N, D], where ``own`` [ROWS, BLOCK_N] lets a row see a key;
+    m_i (running max, log2 units), l_i (sum of weights) [ROWS] and acc [ROWS, D] updated. Dense and sparse decode
+    (kernels/sparse/_attend.py) share it."""
+    if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
+        qk = tl.dot(qr1.to(tl.float32), tl.trans(k1.to(tl.float32)))
+        qk = tl.dot(qr2.to(tl.float32), tl.trans(k2.to(tl.float32)), qk)
+    else:
+        qk = tl.dot(qr1, tl.trans(k1))
+        qk = tl.dot(qr2, tl.trans(k2), qk)  # [ROWS, BLOCK_N]
+    qk = tl.where(own, qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if DOT_F32:
+        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, meta_ptr, mask_ptr, tab_ptr, invf_ptr, cu_e_ptr, out_ptr, lse_ptr,
     qk_scale,
@@ -127,25 +153,8 @@ def _decode_kernel(
         k1 = tl.load(k_ptr + k_row[:, None] + d[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D2]
         k2 = tl.load(k_ptr + k_row[:, None] + D2 + d[None, :], mask=vis[:, None], other=0.0)
         v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
-        if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
-            qk = tl.dot(qr1.to(tl.float32), tl.trans(k1.to(tl.float32)))
-            qk = tl.dot(qr2.to(tl.float32), tl.trans(k2.to(tl.float32)), qk)
-        else:
-            qk = tl.dot(qr1, tl.trans(k1))
-            qk = tl.dot(qr2, tl.trans(k2), qk)  # [ROWS, BLOCK_N]
         own = (j[:, None] == (n // BS)[None, :]) & vis[None, :]  # lane j sees only its own block
-        qk = tl.where(own, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if DOT_F32:
-            acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(qr1, qr2, k1, k2, v, own, qk_scale, m_i, l_i, acc, DOT_F32)
 
     # merge the NB lanes of each group head by log-sum-exp
     m3 = tl.reshape(m_i, [ROWS // G_PAD, G_PAD])

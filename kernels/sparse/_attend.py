@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.lse_merge.triton import UNROLL_PARTS, merge_rows
+from kernels.paged_attention._decode import attend_tile
 from kernels.paged_attention._meta import dot_f32, sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -133,25 +134,8 @@ def _sparse_decode_kernel(
         v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
         # the next step's table, in flight while this step computes (past the run: nothing is read)
         blk, bits, off = _step_table(sel_row, ids_ptr, mask_lo_ptr, off_ptr, k_start + NB, hi, n, slot, j, BS)
-        if DOT_F32:  # Triton's interpreter multiplies bf16 wrongly: give it fp32
-            qk = tl.dot(qr1.to(tl.float32), tl.trans(k1.to(tl.float32)))
-            qk = tl.dot(qr2.to(tl.float32), tl.trans(k2.to(tl.float32)), qk)
-        else:
-            qk = tl.dot(qr1, tl.trans(k1))
-            qk = tl.dot(qr2, tl.trans(k2), qk)  # [ROWS, BLOCK_N]
         own = (j[:, None] == (n // BS)[None, :]) & vis[None, :]  # lane j sees only its own entry
-        qk = tl.where(own, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if DOT_F32:
-            acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(qr1, qr2, k1, k2, v, own, qk_scale, m_i, l_i, acc, DOT_F32)
         # the next step's query, once this step's keys are dead (registers): rotated again only for a new chunk
         if (k_start + NB < hi) & (tl.max((off != prev).to(tl.int32), axis=0) > 0):
             qr1, qr2 = _rotate(q_row, off, invf_ptr, d, row_ok, ROWS, G_PAD, D2)
