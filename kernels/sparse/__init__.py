@@ -9,6 +9,9 @@ Triton kernels (``triton.py``). A decode step is
     out, lse = sparse_decode_attention(q, k_cache, v_cache, table..., sel, count, inv_freq, scale)
 Scores and attention rotate the query backwards by each entry's offset (deferred RoPE), so a shared chunk's page
 metadata, computed once in the chunk's frame, serves wherever the chunk is placed.
+
+RetroAttention's correction of past queries at a sparse layer is ``retro_attention`` (retro.py: the pages a past
+query has not seen among those selected, attended and merged with its prior output, one launch).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from __future__ import annotations
 import torch
 
 from kernels.sparse import reference
+from kernels.sparse.retro import retro_attention
 
-__all__ = ["bound_pages", "page_scores", "select_pages", "sparse_decode_attention"]
+__all__ = ["bound_pages", "page_scores", "retro_attention", "select_pages", "sparse_decode_attention"]
 
 
 def _impl(backend: str):

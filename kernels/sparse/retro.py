@@ -1,4 +1,5 @@
-"""RetroAttention's page sets: for each past query, the pages this step reads that it has not seen.
+"""RetroAttention's page sets and correction: for each past query, the pages this step reads that it has not seen,
+and its attention corrected with them.
 
 A past query (row r, of sequence seq_of[r]) is corrected with the pages its sequence's current query selected now,
 ``sel`` [B, Hkv, K] (``select_pages``: global entry indices, ascending, -1 past the count), that existed at its own
@@ -6,12 +7,20 @@ step (index within its sequence, sel - cu[seq_of[r]], < entries[r]) and that it 
 [R, Hkv, W]: indices within the sequence, -1 padded). The result is the sparse attention's selection for those
 rows: global entry indices, ascending, -1 past the count, and the count, as ``sparse_decode_attention`` takes them.
 
-``new_pages`` dispatches to the plain-torch twin (``new_pages_reference``) or the Triton kernel (``_retro.py``).
+``retro_attention`` is a sparse layer's whole correction of the past rows: those pages attended with each row's query
+(``sparse_decode_attention``) and the result merged by log-sum-exp with the row's prior output (kernels/lse_merge):
+    out, lse = attention over (the pages the row had seen) ∪ (its new pages);   count = its new pages.
+
+Each dispatches to its plain-torch twin (``*_reference``: the twin of retro_attention composes the other twins) or
+its Triton kernel (``_retro.py``; retro_attention in one launch).
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.lse_merge.reference import merge_attention
+from kernels.sparse import reference
 
 
 def new_pages_reference(sel, seq_of, entries, seen, cu):
@@ -37,4 +46,32 @@ def new_pages(sel, seq_of, entries, seen, cu, backend: str = "torch"):
         from kernels.sparse._retro import new_pages_triton
 
         return new_pages_triton(sel, seq_of, entries, seen, cu)
+    raise ValueError(f"unknown backend {backend!r} (torch or triton)")
+
+
+def retro_attention_reference(q_past, k_cache, v_cache, block_ids, offsets, masks, sel, seq_of, entries, seen, cu,
+                              out_in, lse_in, inv_freq, scale):
+    """new_pages_reference, then the sparse attention's twin over those pages, then the merge's twin."""
+    pages, count = new_pages_reference(sel, seq_of, entries, seen, cu)
+    o_new, lse_new = reference.sparse_decode_attention(q_past, k_cache, v_cache, block_ids, offsets, masks, pages,
+                                                       count, inv_freq, scale)
+    out, lse = merge_attention(torch.stack([out_in, o_new]), torch.stack([lse_in, lse_new]))
+    return out, lse, count
+
+
+def retro_attention(q_past, k_cache, v_cache, block_ids, offsets, masks, sel, seq_of, entries, seen, cu, out_in,
+                    lse_in, inv_freq, scale, backend: str = "torch"):
+    """Past rows' attention corrected at one sparse layer. q_past [R, Hq, D] (each row's query, rotated at its own
+    position), the block table and caches as kernels/sparse/reference.py lays them out; sel, seq_of, entries, seen,
+    cu as ``new_pages`` takes them; out_in [R, Hq, D] (q's dtype), lse_in [R, Hq] fp32: each row's attention so far
+    (0 and -inf: none). Returns out [R, Hq, D] (q's dtype), lse [R, Hq] fp32 and count int32 [R, Hkv] (the pages
+    attended: ``new_pages``' count). No host sync, nothing written but its outputs (a decode graph replays it)."""
+    args = (q_past, k_cache, v_cache, block_ids, offsets, masks, sel, seq_of, entries, seen, cu, out_in, lse_in,
+            inv_freq, scale)
+    if backend == "torch":
+        return retro_attention_reference(*args)
+    if backend == "triton":
+        from kernels.sparse._retro import retro_attention_triton
+
+        return retro_attention_triton(*args)
     raise ValueError(f"unknown backend {backend!r} (torch or triton)")

@@ -1,9 +1,15 @@
-"""RetroAttention's page sets (kernels/sparse/retro.py): the Triton kernel equals its twin, and the twin keeps exactly
-the pages a past query has not seen that existed at its step, ascending and global."""
+"""RetroAttention's page sets and correction (kernels/sparse/retro.py): the Triton kernels equal their twins; the
+page-set twin keeps exactly the pages a past query has not seen that existed at its step, ascending and global, and
+the correction's twin is attention over the union of the pages seen and the new ones."""
 
 import pytest
 import torch
+from kernel_checks import DTYPE_NAME, TOL, assert_lse_close, rel_err
+from paged_cases import build
 
+from kernels.rope import apply_rope, rope_inv_freq
+from kernels.sparse import _retro, retro_attention, sparse_decode_attention
+from kernels.sparse._retro import RetroConfig
 from kernels.sparse.retro import new_pages
 
 
@@ -16,7 +22,7 @@ def _case(b, r, hkv, k, w, seed):
         for h in range(hkv):
             n = int(torch.randint(0, min(k, int(lens[i])) + 1, (1,), generator=g))
             sel[i, h, :n] = torch.randperm(int(lens[i]), generator=g)[:n].sort().values + int(cu[i])
-    seq_of = torch.randint(0, b, (r,), generator=g)
+    seq_of = torch.arange(r) % b                                                 # every sequence's rows
     entries = torch.randint(0, 4 * k, (r,), generator=g)
     seen = torch.randint(-1, 4 * k, (r, hkv, w), generator=g)
     return sel, seq_of, entries, seen, cu
@@ -39,3 +45,114 @@ def test_the_twin_keeps_the_unseen_pages_that_existed_at_the_past_step():
     sel, count = new_pages(picked, torch.tensor([0, 0]), entries, seen, cu)
     assert count.tolist() == [[2], [2]]
     assert sel.tolist() == [[[10, 15, -1, -1, -1]], [[10, 12, -1, -1, -1]]]
+
+
+# -- retro_attention: the page sets above, attended and merged with the past rows' prior outputs, in one launch
+
+# per sequence (chunk lengths, suffix), Hq, Hkv, D, BS, dtype, hidden fraction, budget K, past rows, window
+ATTN_CASES = [
+    ([([300, 90], 7), ([25], 9)], 4, 4, 64, 16, torch.float32, 0.0, 17, 5, 2),
+    ([([63], 2), ([7, 9, 11], 5)], 8, 4, 128, 32, torch.bfloat16, 0.3, 4, 7, 3),
+    ([([200, 150], 13), ([40], 3), ([20, 20], 1)], 8, 2, 64, 16, torch.bfloat16, 0.1, 20, 6, 4),
+    ([([70, 40], 3)], 6, 2, 32, 16, torch.float32, 0.2, 5, 4, 2),           # group of 3 (padded to 4)
+    ([([400], 40)], 4, 1, 64, 64, torch.bfloat16, 0.2, 7, 5, 2),            # 64-slot pages
+]
+
+
+def _attn_id(c):
+    seqs, hq, hkv, d, bs, dtype, hide, k, r, w = c
+    return (f"B{len(seqs)}-H{hq}x{hkv}-D{d}-BS{bs}-{DTYPE_NAME[dtype]}" + (f"-hide{hide}" if hide else "")
+            + f"-K{k}-R{r}-w{w}")
+
+
+def _attn_case(spec, seed=0):
+    """A step's table (3 entries before the first sequence's: a view), each sequence's selection (random pages,
+    ascending, -1 past a random count; every page for KV head 0), past rows of each sequence that had all but a few
+    of its entries at their step, seen lists that hold some of their selection's pages, other pages and -1 anywhere,
+    prior outputs; row 0 sees every page it is offered (nothing new), the last is a padding row (no entries, prior 0
+    and -inf)."""
+    seqs, hq, hkv, d, bs, dtype, hide, k, r, window = spec
+    g = torch.Generator().manual_seed(seed)
+    inv = rope_inv_freq(d, 10000.0)
+    case = build(seqs, bs, hkv, d, inv, dtype=dtype, hide=hide, base=500)
+    pad = 3
+    ids = torch.cat([case.block_ids[:pad], case.block_ids])
+    offs = torch.cat([case.offsets[:pad], case.offsets])
+    masks = torch.cat([case.masks[:pad], case.masks])
+    cu = case.cu_entries + pad
+    lens = (cu[1:] - cu[:-1]).tolist()
+    b = len(seqs)
+    sel = torch.full((b, hkv, k), -1, dtype=torch.int32)
+    for i in range(b):
+        for h in range(hkv):
+            n = min(k, lens[i]) if h == 0 else int(torch.randint(0, min(k, lens[i]) + 1, (1,), generator=g))
+            sel[i, h, :n] = (torch.randperm(lens[i], generator=g)[:n].sort().values + int(cu[i])).to(torch.int32)
+    seq_of = torch.arange(r) % b                                                 # every sequence's rows
+    entries = (torch.tensor(lens)[seq_of] - torch.randint(0, 3, (r,), generator=g)).clamp_min(0)
+    width = (window - 1) * k
+    seen = torch.randint(0, 3 * max(lens), (r, hkv, width), generator=g)
+    seen[torch.rand(r, hkv, width, generator=g) < 0.3] = -1
+    own = sel.long()[seq_of] - cu.long()[seq_of][:, None, None]                 # [R, Hkv, K] within the sequence
+    half = torch.rand(r, hkv, k, generator=g) < 0.3
+    seen[..., :k] = torch.where(half & (own >= 0), own, seen[..., :k])
+    seen[0, :, :k] = torch.where(own[0] >= 0, own[0], -1)                        # row 0: nothing new
+    seen[0, :, k:] = -1
+    seq_of[-1], entries[-1] = 0, 0
+    q = apply_rope(torch.randn(r, hq, d, generator=g), torch.randint(0, 131072, (r,), generator=g), inv).to(dtype)
+    out_in = torch.randn(r, hq, d, generator=g).to(dtype)
+    lse_in = torch.randn(r, hq, generator=g) + 2
+    out_in[-1], lse_in[-1] = 0, float("-inf")
+    return (q, case.k_cache, case.v_cache, ids, offs, masks, sel, seq_of, entries, seen, cu, out_in, lse_in, inv,
+            d ** -0.5)
+
+
+@pytest.mark.parametrize("spec", ATTN_CASES, ids=[_attn_id(c) for c in ATTN_CASES])
+def test_retro_attention_kernel_equals_the_twin(spec):
+    args = _attn_case(spec, seed=len(spec[0]) * 10 + spec[7])
+    q, dtype = args[0], spec[5]
+    want, want_lse, want_count = retro_attention(*args, backend="torch")
+    _, count = new_pages(*args[6:11])
+    assert torch.equal(want_count, count) and (count[0] == 0).all() and (count[-1] == 0).all() and count.sum() > 0
+    assert torch.isneginf(want_lse[-1]).all() and torch.equal(want[-1], torch.zeros_like(want[-1]))
+    assert torch.equal(want[0], args[11][0])                                     # nothing new: the prior output
+    ids64, offs64 = args[3].long(), args[4].long()
+    results = [retro_attention(*args[:3], *table, *args[5:], backend="triton")
+               for table in (args[3:5], (ids64, offs64))]                        # int32 and int64 tables
+    # one page a step (many steps, a rotation at each new chunk); 8 pages a step, seen lists 64 at a time
+    results += [_retro.retro_attention_launch(*args, cfg=cfg)
+                for cfg in (RetroConfig(lanes=1), RetroConfig(lanes=8, seen_tile=64))]
+    for got, lse, got_count in results:
+        assert got.dtype == dtype and got.shape == q.shape and lse.dtype == torch.float32
+        assert torch.equal(got_count, want_count)
+        assert rel_err(got, want) <= TOL[dtype]
+        assert_lse_close(lse, want_lse, 50 * TOL[dtype])
+
+
+def _attend_sets(q, k_cache, v_cache, ids, offs, masks, inv, scale, pages):
+    """Sparse attention (the twin) over each (row, KV head)'s set of pages, given with repeats and -1 anywhere."""
+    sets = [[sorted({int(p) for p in row if p >= 0}) for row in rows] for rows in pages.tolist()]
+    sel = torch.full((*pages.shape[:2], max(1, max(len(p) for rows in sets for p in rows))), -1, dtype=torch.int32)
+    for i, rows in enumerate(sets):
+        for h, p in enumerate(rows):
+            sel[i, h, :len(p)] = torch.tensor(p, dtype=torch.int32)
+    return sparse_decode_attention(q, k_cache, v_cache, ids, offs, masks, sel, (sel >= 0).sum(-1, dtype=torch.int32),
+                                   inv, scale)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_retro_attention_is_attention_over_the_union(backend):
+    """A prior output that is attention over the pages a row has seen (those that existed at its step), merged
+    with its new pages == one sparse attention over both sets together."""
+    spec = ([([70, 40], 3), ([25], 9)], 8, 2, 64, 16, torch.float32, 0.1, 6, 7, 3)
+    q, k_cache, v_cache, ids, offs, masks, sel, seq_of, entries, seen, cu, _, _, inv, scale = _attn_case(spec, 4)
+    table = (q, k_cache, v_cache, ids, offs, masks, inv, scale)
+    start = cu.long()[seq_of][:, None, None]
+    seen_g = torch.where((seen >= 0) & (seen < entries[:, None, None]), seen + start, -1)    # global entries
+    out_in, lse_in = _attend_sets(*table, seen_g)
+    out, lse, count = retro_attention(q, k_cache, v_cache, ids, offs, masks, sel, seq_of, entries, seen, cu, out_in,
+                                      lse_in, inv, scale, backend=backend)
+    new, _ = new_pages(sel, seq_of, entries, seen, cu)
+    assert count.sum() > 0
+    want, want_lse = _attend_sets(*table, torch.cat([seen_g, new.long()], -1))
+    assert rel_err(out, want) <= TOL[torch.float32]
+    assert_lse_close(lse, want_lse, 1e-4)

@@ -27,8 +27,6 @@ import numpy as np
 import torch
 
 from kernels import sparse
-from kernels.lse_merge import merge_attention
-from kernels.sparse.retro import new_pages
 from services.checks import check_int
 from services.engine.decode.policy import PastRows
 from services.engine.decode.quest import QuestDecode, QuestStep
@@ -160,16 +158,14 @@ class RetroStep(QuestStep):
 
     def _correct(self, i: int, table, cu: torch.Tensor):
         """Past rows' attention at sparse layer i: their output merged with what they get from this step's pages
-        that they have not seen and that existed at their step -> (out, lse, pages corrected [R, Hkv])."""
+        that they have not seen and that existed at their step -> (out, lse, pages corrected [R, Hkv]); one launch
+        (kernels/sparse/retro.py)."""
         fwd = self.fwd
         pool, model, layer = fwd.pool, fwd.model, self.first + i
-        sel, count = new_pages(self.sel, self.seq_of, self.entries_p[i], self.seen[i], cu, backend=fwd.backend)
-        o_sup, lse_sup = sparse.sparse_decode_attention(
-            self.q_p[i], pool.k[layer], pool.v[layer], table.block_ids, table.offsets, table.masks, sel, count,
-            model.inv_freq, model.scale, backend=fwd.backend)
-        out, lse = merge_attention(torch.stack([self.out_in[i], o_sup]), torch.stack([self.lse_in[i], lse_sup]),
-                                   backend=fwd.backend)
-        return out, lse, count
+        return sparse.retro_attention(
+            self.q_p[i], pool.k[layer], pool.v[layer], table.block_ids, table.offsets, table.masks, self.sel,
+            self.seq_of, self.entries_p[i], self.seen[i], cu, self.out_in[i], self.lse_in[i], model.inv_freq,
+            model.scale, backend=fwd.backend)
 
     def join(self, layer, h):
         if layer != self.first:
