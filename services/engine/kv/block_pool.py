@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kernels.fused import KVWrite, default_backend, write_kv
+from kernels.sparse import bound_pages
 
 
 def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> tuple[int, int]:
@@ -158,8 +159,6 @@ class BlockPool:
         """Set layer ``layer``'s page bounds of ``blocks`` (int [n]) to the min and max of their keys in the slots
         ``visible`` shows (bool [n, BS]). A block named more than once gets the bounds of the union of its rows'
         slots; a block with no visible slot gets +inf / -inf (it scores -inf)."""
-        from kernels.sparse import bound_pages
-
         # one kernel on CUDA (the torch twin is ~8 small kernels): QuestStep calls this at every sparse layer
         bound_pages(self.k[layer], self.kmin[layer], self.kmax[layer], blocks, visible, backend=self.kernels)
 
