@@ -11,7 +11,7 @@ Scores and attention rotate the query backwards by each entry's offset (deferred
 metadata, computed once in the chunk's frame, serves wherever the chunk is placed.
 
 RetroAttention's correction of past queries at a sparse layer is ``retro_attention`` (retro.py: the pages a past
-query has not seen among those selected, attended and merged with its prior output, one launch).
+query has not seen among those selected, attended and merged with its prior output, in one or two launches).
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Triton forms of kernels/sparse/retro.py: ``new_pages`` and ``retro_attention``.
 
-Both run one program per (past row, KV head) and start alike (``_unseen``): the row's candidate pages (its
-sequence's selection now) are tested against the pages it has seen, tile by tile, and the new ones get their ranks
-by a prefix sum. ``new_pages`` stores them compacted. ``retro_attention`` stores them to a scratch list, attends
-the row's query to them as kernels/sparse/_attend.py does (its table reads, its deferred rotation, the shared
-online-softmax tile), and merges the result with the row's prior output by log-sum-exp before storing: one launch
-a layer for what was a page-set kernel, a sparse attention (one or two launches), two stacks and a merge.
-
-NOTE: one program per (row, KV head) and no split: a past row's new pages are few (often 0-30% of the budget), so
-its walk is short; splits would need a merge of their partials, i.e. a second launch or a semaphore.
-"""
+Both start alike (``_unseen``), in one program per (past row, KV head) and, for retro_attention, split: the row's
+candidate pages (its sequence's selection now) are tested against the pages it has seen, tile by tile, and the new
+ones get their ranks by a prefix sum. ``new_pages`` stores them compacted. ``retro_attention`` stores each split's
+run of them to a scratch list, attends the row's query to the run as kernels/sparse/_attend.py does (its table
+reads, its deferred rotation, the shared online-softmax tile, its split count), and merges by log-sum-exp with the
+row's prior output: in the kernel when there is one split (one launch), else the splits' parts and the prior by
+kernels/lse_merge's merge_rows (two launches). It replaces a page-set kernel, a sparse attention (one or two
+launches), two stacks and a merge."""
 
 from __future__ import annotations
 
@@ -19,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lse_merge.triton import merge_finish
+from kernels.lse_merge.triton import UNROLL_PARTS, merge_finish, merge_rows
 from kernels.paged_attention._decode import attend_tile
 from kernels.paged_attention._meta import dot_f32
-from kernels.sparse._attend import LOG2E, _rotate, _step_table
+from kernels.sparse._attend import LOG2E, AttendConfig, _rotate, _step_table, pick_splits
 from kernels.sparse.triton import _check_query, _table
 
 SEEN_TILE = 64
@@ -31,28 +29,34 @@ SEEN_TILE = 64
 @dataclass(frozen=True, slots=True)
 class RetroConfig:
     """Launch shape of ``retro_attention``. lanes: entries a step (None: _attend's, 16 tl.dot rows' worth, at most
-    64 keys); num_warps as _attend measured best (8); seen_tile: seen pages tested at once."""
+    64 keys); splits (None: picked as _attend picks them, from the selection's width: no host sync for the counts)
+    cut each row's new pages into runs of whole steps, so that rows x KV heads x splits fill about waves x SMs x
+    programs_per_sm programs; seen_tile: seen pages tested at once."""
 
-    # NOTE: no software pipelining by default: _attend's sweep (bench/decode/sparse_kernels.py) found 3 stages
-    # 5-11% faster from 4 steps a program on and up to 84% slower at one or two, and most past rows walk few steps
+    # NOTE: splits, not one program per (row, KV head): with the bench's random weights ~119 of a row's 128
+    # selected pages are new at each step, and one program walking them in ~30 serial steps made Retro's step
+    # 1.59x Quest's at 32K, batch 1 on an H200 (1.20x with the launches this kernel replaced; bench/decode's
+    # results at e8e9121 and b33c929)
     num_warps: int = 8
-    num_stages: int = 1
+    num_stages: int = 1            # _attend: 3 stages lose up to 84% at one or two steps a program
     lanes: int | None = None
-    # NOTE: 16, not new_pages' 64: at the Llama-3-8B shapes (budget 128 pages) the sm_90 build (Triton 3.9,
-    # tests/kernels/compile_sm90.py's compile_kernel) takes 255 registers and spills 32 B with 64, 255 with 32,
-    # 242 with 16
-    seen_tile: int = 16
+    waves: float = 1.0
+    programs_per_sm: int = 2
+    num_splits: int | None = None
+    seen_tile: int = SEEN_TILE
 
     def __post_init__(self):
         if self.lanes is not None and (self.lanes < 1 or self.lanes & (self.lanes - 1)):
             raise ValueError(f"lanes must be a power of two, got {self.lanes}")
         if self.seen_tile < 1 or self.seen_tile & (self.seen_tile - 1):
             raise ValueError(f"seen_tile must be a power of two, got {self.seen_tile}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
 
 
 @triton.jit
-def _unseen(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, width, r, h, s_pb, s_ph, s_sr, s_sh,
-            K: tl.constexpr, K_PAD: tl.constexpr, TILE: tl.constexpr):
+def _unseen(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, r, h, s_pb, s_ph, s_sr, s_sh,
+            K: tl.constexpr, K_PAD: tl.constexpr, WIDTH: tl.constexpr, TILE: tl.constexpr):
     """Row r's candidates for KV head h: picked [K_PAD] (global entry indices, -1 past the selection), new [K_PAD]
     (existed at its step, not seen), each new one's rank pos [K_PAD] and their count."""
     b = tl.load(seq_ptr + r).to(tl.int64)
@@ -63,9 +67,10 @@ def _unseen(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, width, r, h, s_pb, s_p
     limit = tl.load(ent_ptr + r).to(tl.int64)
     new = (cand >= 0) & (cand < limit)
     seen_row = seen_ptr + r.to(tl.int64) * s_sr + h * s_sh
-    for w0 in range(0, width, TILE):
+    # NOTE: unrolled (WIDTH constexpr): every tile's load is issued at once, not one load's latency a tile
+    for w0 in tl.static_range(0, WIDTH, TILE):
         ww = w0 + tl.arange(0, TILE)
-        s = tl.load(seen_row + ww, mask=ww < width, other=-1).to(tl.int64)
+        s = tl.load(seen_row + ww, mask=ww < WIDTH, other=-1).to(tl.int64)
         hit = tl.max((cand[:, None] == s[None, :]).to(tl.int32), axis=1)
         new = new & (hit == 0)
     take = new.to(tl.int32)
@@ -73,13 +78,13 @@ def _unseen(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, width, r, h, s_pb, s_p
 
 
 @triton.jit
-def _new_pages_kernel(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, sel_ptr, cnt_ptr, width,
+def _new_pages_kernel(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, sel_ptr, cnt_ptr,
                       s_pb, s_ph, s_sr, s_sh, s_or, s_oh,
-                      K: tl.constexpr, K_PAD: tl.constexpr, TILE: tl.constexpr):
+                      K: tl.constexpr, K_PAD: tl.constexpr, WIDTH: tl.constexpr, TILE: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
-    picked, new, pos, count = _unseen(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, width, r, h, s_pb, s_ph, s_sr,
-                                      s_sh, K, K_PAD, TILE)
+    picked, new, pos, count = _unseen(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, r, h, s_pb, s_ph, s_sr, s_sh,
+                                      K, K_PAD, WIDTH, TILE)
     kk = tl.arange(0, K_PAD)
     out_row = sel_ptr + r.to(tl.int64) * s_or + h * s_oh
     # every slot at or past the count is -1, each written once: the new pages land at their ranks below it
@@ -96,9 +101,9 @@ def new_pages_triton(picked, seq_of, entries, seen, cu):
     if r and hkv:
         picked, seen = picked.contiguous(), seen.contiguous()
         _new_pages_kernel[(r, hkv)](
-            picked, seq_of, entries, seen, cu, sel, count, w,
+            picked, seq_of, entries, seen, cu, sel, count,
             picked.stride(0), picked.stride(1), seen.stride(0), seen.stride(1), sel.stride(0), sel.stride(1),
-            K=k, K_PAD=triton.next_power_of_2(max(k, 1)), TILE=SEEN_TILE)
+            K=k, K_PAD=triton.next_power_of_2(max(k, 1)), WIDTH=w, TILE=SEEN_TILE)
     return sel, count
 
 
@@ -107,24 +112,31 @@ def _retro_attention_kernel(
     q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_ptr, invf_ptr,
     pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, list_ptr, cnt_ptr,
     oin_ptr, lin_ptr, out_ptr, lse_ptr,
-    qk_scale, width,
+    qk_scale, per,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, s_pb, s_ph, s_sr, s_sh,
-    stride_ir, stride_ih, stride_jr, stride_or, stride_oh, stride_lr,
-    K: tl.constexpr, K_PAD: tl.constexpr, TILE: tl.constexpr,
+    stride_ir, stride_ih, stride_jr, stride_os, stride_or, stride_oh, stride_ls, stride_lr,
+    K: tl.constexpr, K_PAD: tl.constexpr, WIDTH: tl.constexpr, TILE: tl.constexpr,
     G: tl.constexpr, G_PAD: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BS: tl.constexpr,
-    D2: tl.constexpr, DOT_F32: tl.constexpr,
+    D2: tl.constexpr, DOT_F32: tl.constexpr, NSPLIT: tl.constexpr,
 ):
+    """Program (row, KV head, split): the split's run [split * per, + per) of the row's new pages. One split: the
+    result merged with the prior and stored in q's dtype; several: each split's part (fp32) stored at its index
+    and split 0 copies the prior to part NSPLIT, for merge_rows."""
     BLOCK_N: tl.constexpr = NB * BS
     LANES: tl.constexpr = ROWS // G_PAD
     r_id = tl.program_id(0)
     h = tl.program_id(1)
-    picked, new, pos, n_sel = _unseen(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, width, r_id, h, s_pb, s_ph,
-                                      s_sr, s_sh, K, K_PAD, TILE)
+    split = tl.program_id(2)
+    picked, new, pos, n_sel = _unseen(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, r_id, h, s_pb, s_ph, s_sr, s_sh,
+                                      K, K_PAD, WIDTH, TILE)
+    lo = split * per
+    hi = tl.minimum(lo + per, n_sel)
     row = r_id.to(tl.int64) * tl.num_programs(1) + h
     sel_row = list_ptr + row * K                                    # the compacted new pages, [K] (scratch)
-    tl.store(sel_row + pos, picked.to(tl.int32), mask=new)
-    tl.store(cnt_ptr + row, n_sel)
-    # NOTE: the list is read back below by other threads than those that wrote it: a barrier between
+    # each split stores the run it reads (the splits' stores never overlap)
+    tl.store(sel_row + pos, picked.to(tl.int32), mask=new & (pos >= lo) & (pos < hi))
+    tl.store(cnt_ptr + row, n_sel, mask=split == 0)
+    # NOTE: the run is read back below by other threads than those that stored it: a barrier between
     tl.debug_barrier()
     mask_lo_ptr = mask_ptr.to(tl.pointer_type(tl.int32))          # little-endian: word 2e is entry e's low 32 bits
 
@@ -142,29 +154,35 @@ def _retro_attention_kernel(
     acc = tl.zeros([ROWS, 2 * D2], tl.float32)
     n = tl.arange(0, BLOCK_N)
     slot = n % BS
-    blk, bits, off = _step_table(sel_row, ids_ptr, mask_lo_ptr, off_ptr, 0, n_sel, n, slot, j, BS)
+    blk, bits, off = _step_table(sel_row, ids_ptr, mask_lo_ptr, off_ptr, lo, hi, n, slot, j, BS)
     qr1, qr2 = _rotate(q_row, off, invf_ptr, d, row_ok, ROWS, G_PAD, D2)
     prev = off
-    for k_start in range(0, n_sel, NB):
+    for k_start in range(lo, hi, NB):
         vis = ((bits >> (slot % 32)) & 1) != 0
         k_row = blk.to(tl.int64) * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64
         k1 = tl.load(k_ptr + k_row[:, None] + d[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D2]
         k2 = tl.load(k_ptr + k_row[:, None] + D2 + d[None, :], mask=vis[:, None], other=0.0)
         v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
-        blk, bits, off = _step_table(sel_row, ids_ptr, mask_lo_ptr, off_ptr, k_start + NB, n_sel, n, slot, j, BS)
+        blk, bits, off = _step_table(sel_row, ids_ptr, mask_lo_ptr, off_ptr, k_start + NB, hi, n, slot, j, BS)
         own = (j[:, None] == (n // BS)[None, :]) & vis[None, :]
         m_i, l_i, acc = attend_tile(qr1, qr2, k1, k2, v, own, qk_scale, m_i, l_i, acc, DOT_F32)
-        if (k_start + NB < n_sel) & (tl.max((off != prev).to(tl.int32), axis=0) > 0):
+        if (k_start + NB < hi) & (tl.max((off != prev).to(tl.int32), axis=0) > 0):
             qr1, qr2 = _rotate(q_row, off, invf_ptr, d, row_ok, ROWS, G_PAD, D2)
             prev = off
 
-    # per group head, the LANES lanes and the prior output (a part of weight exp(lse_in)) merged by log-sum-exp
+    # per group head, the LANES lanes (and, one split, the prior: a part of weight exp(lse_in)) merged by
+    # log-sum-exp
     gg = tl.arange(0, G_PAD)
     g_ok = gg < G
     heads = h * G + gg
-    lse_in = tl.load(lin_ptr + r_id.to(tl.int64) * stride_jr + heads, mask=g_ok, other=float("-inf")) * LOG2E
-    o_in = tl.load(oin_ptr + r_id.to(tl.int64) * stride_ir + heads[:, None] * stride_ih + dd[None, :],
-                   mask=g_ok[:, None], other=0.0).to(tl.float32)    # [G_PAD, D]
+    lin_row = lin_ptr + r_id.to(tl.int64) * stride_jr + heads
+    oin_row = oin_ptr + r_id.to(tl.int64) * stride_ir + heads[:, None] * stride_ih + dd[None, :]
+    if NSPLIT == 1:
+        lse_in = tl.load(lin_row, mask=g_ok, other=float("-inf")) * LOG2E
+        o_in = tl.load(oin_row, mask=g_ok[:, None], other=0.0).to(tl.float32)    # [G_PAD, D]
+    else:
+        lse_in = tl.full([G_PAD], float("-inf"), tl.float32)
+        o_in = tl.zeros([G_PAD, 2 * D2], tl.float32)
     m3 = tl.reshape(m_i, [LANES, G_PAD])
     m_g = tl.maximum(tl.max(m3, axis=0), lse_in)                    # [G_PAD], log2 units
     m_gs = tl.where(m_g == float("-inf"), 0.0, m_g)
@@ -172,10 +190,16 @@ def _retro_attention_kernel(
     w_in = tl.math.exp2(lse_in - m_gs)
     l_g = tl.sum(w * tl.reshape(l_i, [LANES, G_PAD]), axis=0) + w_in
     acc_g = tl.sum(tl.reshape(acc, [LANES, G_PAD, 2 * D2]) * w[:, :, None], axis=0) + w_in[:, None] * o_in
-    out, lse = merge_finish(m_g, l_g, acc_g)
-    o_row = out_ptr + r_id.to(tl.int64) * stride_or + heads[:, None] * stride_oh
-    tl.store(o_row + dd[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-    tl.store(lse_ptr + r_id.to(tl.int64) * stride_lr + heads, lse, mask=g_ok)
+    out, lse = merge_finish(m_g, l_g, acc_g)                        # an empty run: 0, -inf
+    o_row = out_ptr + split * stride_os + r_id.to(tl.int64) * stride_or + heads[:, None] * stride_oh + dd[None, :]
+    l_row = lse_ptr + split * stride_ls + r_id.to(tl.int64) * stride_lr + heads
+    tl.store(o_row, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    tl.store(l_row, lse, mask=g_ok)
+    if NSPLIT > 1:
+        if split == 0:
+            p_o = o_row + NSPLIT * stride_os
+            tl.store(p_o, tl.load(oin_row, mask=g_ok[:, None], other=0.0).to(tl.float32), mask=g_ok[:, None])
+            tl.store(l_row + NSPLIT * stride_ls, tl.load(lin_row, mask=g_ok, other=float("-inf")), mask=g_ok)
 
 
 def retro_attention_launch(q, k_cache, v_cache, block_ids, offsets, masks, picked, seq_of, entries, seen, cu,
@@ -188,22 +212,34 @@ def retro_attention_launch(q, k_cache, v_cache, block_ids, offsets, masks, picke
     group = hq // hkv
     g_pad = triton.next_power_of_2(group)
     nb = cfg.lanes or max(1, min(16 // g_pad, 64 // bs))
-    out = torch.empty_like(q)
-    lse = torch.empty((n_rows, hq), dtype=torch.float32, device=q.device)
+    split_cfg = AttendConfig(waves=cfg.waves, programs_per_sm=cfg.programs_per_sm, num_splits=cfg.num_splits)
+    nsplit, per = pick_splits(split_cfg, n_rows, hkv, k, nb, q.device)
+    if nsplit == 1:
+        out = torch.empty_like(q)
+        lse = torch.empty((n_rows, hq), dtype=torch.float32, device=q.device)
+        o_strides, l_strides = (0, out.stride(0), out.stride(1)), (0, lse.stride(0))
+    else:   # the splits' parts and the prior (part nsplit)
+        out = torch.empty((nsplit + 1, n_rows, hq, dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((nsplit + 1, n_rows, hq), dtype=torch.float32, device=q.device)
+        o_strides, l_strides = (out.stride(0), out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1))
     count = torch.empty((n_rows, hkv), dtype=torch.int32, device=q.device)
     pages = torch.empty((n_rows, hkv, max(k, 1)), dtype=torch.int32, device=q.device)   # scratch: the lists
     if n_rows:
-        _retro_attention_kernel[(n_rows, hkv)](
+        _retro_attention_kernel[(n_rows, hkv, nsplit)](
             q, k_cache, v_cache, block_ids, offsets, masks, inv_freq,
             picked, seq_of, entries, seen, cu, pages, count, out_in, lse_in, out, lse,
-            float(scale) * LOG2E.value, width,
+            float(scale) * LOG2E.value, per,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             picked.stride(0), picked.stride(1), seen.stride(0), seen.stride(1),
-            out_in.stride(0), out_in.stride(1), lse_in.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-            K=k, K_PAD=triton.next_power_of_2(max(k, 1)), TILE=cfg.seen_tile,
+            out_in.stride(0), out_in.stride(1), lse_in.stride(0), *o_strides, *l_strides,
+            K=k, K_PAD=triton.next_power_of_2(max(k, 1)), WIDTH=width, TILE=cfg.seen_tile,
             G=group, G_PAD=g_pad, NB=nb, ROWS=max(16, nb * g_pad), BS=bs, D2=dim // 2,
-            DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out, lse, count
+            DOT_F32=dot_f32(q.dtype), NSPLIT=nsplit, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if nsplit == 1:
+        return out, lse, count
+    merged, merged_lse = merge_rows(out.reshape(nsplit + 1, n_rows * hq, dim), lse.reshape(nsplit + 1, n_rows * hq),
+                                    q.dtype, all_parts=nsplit + 1 > UNROLL_PARTS)
+    return merged.reshape(n_rows, hq, dim), merged_lse.reshape(n_rows, hq), count
 
 
 def retro_attention_triton(q, k_cache, v_cache, block_ids, offsets, masks, picked, seq_of, entries, seen, cu, out_in,

@@ -12,7 +12,7 @@ rows: global entry indices, ascending, -1 past the count, and the count, as ``sp
     out, lse = attention over (the pages the row had seen) ∪ (its new pages);   count = its new pages.
 
 Each dispatches to its plain-torch twin (``*_reference``: the twin of retro_attention composes the other twins) or
-its Triton kernel (``_retro.py``; retro_attention in one launch).
+its Triton kernel (``_retro.py``; retro_attention in one launch, two when its pages are split).
 """
 
 from __future__ import annotations

@@ -118,9 +118,11 @@ def test_retro_attention_kernel_equals_the_twin(spec):
     ids64, offs64 = args[3].long(), args[4].long()
     results = [retro_attention(*args[:3], *table, *args[5:], backend="triton")
                for table in (args[3:5], (ids64, offs64))]                        # int32 and int64 tables
-    # one page a step (many steps, a rotation at each new chunk); 8 pages a step, seen lists 64 at a time
-    results += [_retro.retro_attention_launch(*args, cfg=cfg)
-                for cfg in (RetroConfig(lanes=1), RetroConfig(lanes=8, seen_tile=64))]
+    # one page a step in one split (many steps, a rotation at each new chunk); 8 pages a step, seen lists 4 at a
+    # time; 3 splits (parts merged in a loop) and one page a split (more parts than the unrolled merge takes)
+    configs = (RetroConfig(lanes=1, num_splits=1), RetroConfig(lanes=8, seen_tile=4, num_splits=1),
+               RetroConfig(num_splits=3), RetroConfig(lanes=1, num_splits=20))
+    results += [_retro.retro_attention_launch(*args, cfg=cfg) for cfg in configs]
     for got, lse, got_count in results:
         assert got.dtype == dtype and got.shape == q.shape and lse.dtype == torch.float32
         assert torch.equal(got_count, want_count)

@@ -158,8 +158,8 @@ class RetroStep(QuestStep):
 
     def _correct(self, i: int, table, cu: torch.Tensor):
         """Past rows' attention at sparse layer i: their output merged with what they get from this step's pages
-        that they have not seen and that existed at their step -> (out, lse, pages corrected [R, Hkv]); one launch
-        (kernels/sparse/retro.py)."""
+        that they have not seen and that existed at their step -> (out, lse, pages corrected [R, Hkv]); one or two
+        launches (kernels/sparse/retro.py)."""
         fwd = self.fwd
         pool, model, layer = fwd.pool, fwd.model, self.first + i
         return sparse.retro_attention(
