@@ -35,14 +35,14 @@ ROLES = ("prefill", "decode", "store", "gateway")
 @dataclass(frozen=True, slots=True)
 class SoakSettings:
     """One soak. ``duration_s`` (seconds of kills and requests; 60 when neither is given) or ``requests``
-    (generate requests sent) bounds it; after that the killer stops and clients go on until a request completes after
-    the last kill (at most ``settle_timeout_s``)."""
+    (generate requests sent) bounds it, and so does ``max_kills`` (the last of them back); after that the killer stops
+    and clients go on until a request completes after the last kill (at most ``settle_timeout_s``)."""
 
     duration_s: float | None = None
     requests: int | None = None
     concurrency: int = 2                    # client threads
     kill_every_s: float = 8.0               # mean seconds from an actor's return to the next kill
-    max_kills: int | None = None            # None: as many as the duration allows
+    max_kills: int | None = None            # None: as many as the duration allows; else the soak ends once they are
     roles: tuple[str, ...] = ("prefill", "decode", "store")
     seed: int = 0
     max_new_tokens: int = 8
@@ -329,10 +329,12 @@ def run_soak(target, settings: SoakSettings, *, model_dir: str | None = None, na
                                   args=(target, s, report, client, started, stop_killing))
         for t in (*clients, killer):
             t.start()
+        killed = lambda: s.max_kills is not None and not killer.is_alive()   # noqa: E731 - every kill made, back
         if s.duration_s is not None:
-            stop.wait(s.duration_s)
+            _wait(lambda: stop.is_set() or killed(), s.duration_s, 0.1)
         else:
-            _wait(lambda: tally.sent >= s.requests or not any(t.is_alive() for t in clients), 24 * 3600, 0.1)
+            _wait(lambda: tally.sent >= s.requests or not any(t.is_alive() for t in clients) or killed(), 24 * 3600,
+                  0.1)
         stop_killing.set()
         killer.join(s.restart_timeout_s + 60)
         # clients go on until the cluster served a request after the last kill

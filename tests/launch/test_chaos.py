@@ -66,7 +66,8 @@ def test_report_is_ok_only_without_mismatch_loss_or_unserved_kill():
 
 @pytest.mark.slow
 def test_soak_survives_a_kill_of_each_role(cluster):
-    settings = SoakSettings(duration_s=20, concurrency=2, kill_every_s=3, max_kills=3, seed=7, max_new_tokens=6,
+    # three kills need three restarts (3-8 s each on a 2-core machine, longer when it is busy) and the pauses between
+    settings = SoakSettings(duration_s=40, concurrency=2, kill_every_s=3, max_kills=3, seed=7, max_new_tokens=6,
                             prompts=12, docs=8, registered=3, register_share=0.15, restart_timeout_s=90,
                             settle_timeout_s=90)
     t0 = time.monotonic()
