@@ -8,7 +8,9 @@ batch bucket took 1.1-2.3 s against ~10 ms after it (bench/decode/README.md, ``f
 sequence of its batch: a closed loop of 32 clients saw requests of 9 s end to end where the median took 1.6 s
 (bench/warmup/README.md), as the batch grew through buckets 1, 2, 4 .. 32 for the first time.
 
-``warm_decode`` runs two decode steps in every batch bucket up to ``max_batch``, ``warm_prefill`` one
+``warm_decode`` runs two decode steps in every batch bucket up to ``max_batch`` (for each sparse decode policy it
+is given, Quest's and Retro's defaults unless told, then densely: the sparse kernels compile, and the dense graphs,
+captured last, are the ones kept should the graph cache be full), ``warm_prefill`` one
 prefill per pass a prefill worker runs (every mode; ``tessera`` at ratio 0 and at its recompute ratio). The
 requests are made up: one context of ``context_tokens`` tokens as 512-token chunks (the decode sequences all
 share one chunk, so a batch of 32 costs one context's KV), sized down to what the KV pool and the model's
@@ -73,37 +75,59 @@ def _finish(eng, done: dict, n: int, t0: float) -> dict:
     return done
 
 
+def default_sparse_policies(eng) -> list:
+    """Quest's and Retro's default policies, those this engine can serve (a model of few layers may not)."""
+    out = []
+    for name in ("quest", "retro"):
+        try:
+            out.append(eng.decode_policy(name))
+        except ValueError:
+            pass
+    return out
+
+
 def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool = True,
-                progress: Callable[[str], None] = lambda _m: None) -> dict:
+                progress: Callable[[str], None] = lambda _m: None, sparse: list | None = None) -> dict:
     """Two decode steps at each batch bucket up to ``max_batch`` over sequences of a ``context_tokens``-token
-    context -> {"batches": [...], "context_tokens": n, "seconds": s} (empty batches when skipped; "stopped": why,
-    when the KV pool could not hold the made-up batch)."""
+    context, under each of the ``sparse`` decode policies (None: ``default_sparse_policies``) and then densely ->
+    {"batches": [...], "policies": [...], "context_tokens": n, "seconds": s} (empty batches when skipped;
+    "stopped": why, when the KV pool could not hold the made-up batch)."""
+    from services.engine.decode import DENSE
     from services.engine.graphs.decode import BATCH_BUCKETS
 
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    done = {"batches": [], "context_tokens": 0, "seconds": 0.0}
+    done = {"batches": [], "policies": [], "context_tokens": 0, "seconds": 0.0}
     if only_cuda and eng.device.type != "cuda":
         return done
+    policies = [*(default_sparse_policies(eng) if sparse is None else sparse), DENSE]
     t0 = time.perf_counter()
     # a batch size in each bucket the batcher can reach (a batch of 3 replays bucket 4's graph; past the
     # largest bucket a step runs eagerly)
     batches = sorted({b for b in BATCH_BUCKETS if b < max_batch} | {max_batch})
-    # each sequence: the shared context, a one-token suffix (a private block) and its generated tokens (one more)
-    n = _context(eng, context_tokens, 1 + DECODE_STEPS, spare_blocks=2 * batches[-1], copies=1)
+    # each sequence: the shared context, a one-token suffix (a private block) and its generated tokens (the first
+    # sequence decodes in every bucket under every policy)
+    steps = DECODE_STEPS * len(batches) * len(policies)
+    n = _context(eng, context_tokens, 1 + steps, spare_blocks=batches[-1] * (2 + steps // eng.block_size), copies=1)
     chunks = _chunks(eng, n, 0)
     seqs, before = [], set(eng.cache.keys())
     try:
         for i in range(batches[-1]):
             suffix = [(11 + i * 31) % eng.cfg.vocab_size]
-            c, s, ids, _scope = eng._validate(chunks, suffix, "tessera", 0.0, extra_tokens=DECODE_STEPS)
+            c, s, ids, _scope = eng._validate(chunks, suffix, "tessera", 0.0, extra_tokens=steps)
             _, seq, _ = eng._prefill(c, s, "tessera", 0.0, ids=ids)
             seqs.append(seq)
-        for b in batches:
-            progress(f"warm-up: decode steps of {b} sequence(s) over {n} tokens")
-            for _ in range(DECODE_STEPS):
-                eng.decode_step(seqs[:b], [1] * b)
-            done["batches"].append(b)
+        for policy in policies:
+            for seq in seqs:
+                seq.past.clear()
+                eng.start_decode(seq, policy)
+            for b in batches:
+                progress(f"warm-up: {policy.name} decode steps of {b} sequence(s) over {n} tokens")
+                for _ in range(DECODE_STEPS):
+                    eng.decode_step(seqs[:b], [1] * b)
+                if policy is DENSE:
+                    done["batches"].append(b)
+            done["policies"].append(policy.name)
     except PoolExhausted as exc:  # a pool too small for the made-up batch: serve without the rest of it
         done["stopped"] = str(exc)
     finally:

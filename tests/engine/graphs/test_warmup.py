@@ -35,10 +35,18 @@ def test_decode_warm_up_steps_every_bucket_the_batcher_reaches_and_leaves_nothin
     sizes = _spy_steps(eng)
     free = eng.pool.num_free
     done = warm_decode(eng, max_batch, context_tokens=600, only_cuda=False)
-    assert done["batches"] == want
-    assert sizes == [b for b in want for _ in range(DECODE_STEPS)]
+    assert done["batches"] == want and done["policies"] == ["quest", "retro", "dense"]   # the sparse ones first
+    assert sizes == [b for _ in done["policies"] for b in want for _ in range(DECODE_STEPS)]
     assert done["context_tokens"] == 600 and done["seconds"] > 0
     assert eng.pool.num_free == free and eng.cache.keys() == []
+
+
+def test_decode_warm_up_takes_the_sparse_policies_it_is_given():
+    eng = _engine()
+    sizes = _spy_steps(eng)
+    quest = eng.decode_policy("quest", budget_tokens=64, dense_layers=1)
+    done = warm_decode(eng, 2, context_tokens=300, only_cuda=False, sparse=[quest])
+    assert done["policies"] == ["quest", "dense"] and sizes == [1, 1, 2, 2] * 2
 
 
 def test_prefill_warm_up_runs_each_pass_and_leaves_nothing():
@@ -61,7 +69,7 @@ def test_warm_up_is_skipped_off_the_gpu_unless_asked():
 def test_the_made_up_context_fits_the_model_and_the_pool():
     eng = _engine(max_position_embeddings=256)
     done = warm_decode(eng, 4, context_tokens=4096, only_cuda=False)
-    assert done["batches"] == [1, 2, 4] and done["context_tokens"] <= 256 - 1 - DECODE_STEPS
+    assert done["batches"] == [1, 2, 4] and done["context_tokens"] <= 256 - 1 - DECODE_STEPS * 3 * 3
     small = _engine()
     small_pool = Engine.from_state_dict(small.cfg, random_weights(small.cfg, 0), device="cpu", dtype=torch.float32,
                                         kv_cache_bytes=64 * small.pool.block_bytes)
