@@ -8,9 +8,7 @@ CUDA graphs (graph_ms, bench/decode/sparse.py), ms per replay:
 - the peer: dense paged decode of the same table (its split count);
 - page bounds: a decode step's (each sequence's newest block and a scratch row, as QuestStep.touched) and a
   sequence's chunk blocks (what a fresh context costs a layer), the old torch ops against bound_pages;
-- per budget: scores, selection, sparse attention and the three together (one layer's Quest), old against new
-  (new: scores and selection in one launch, score_and_select, as QuestStep.attend calls them; "fused" beside the
-  same with the separate kernels, quest_split_ms);
+- per budget: scores, selection, sparse attention and the three together (one layer's Quest), old against new;
   the new kernels with the tables as the decode graphs hold them (int64 ids and offsets), the old with int32 ones
   (their own casts left out: kernel time only, as bench/decode/sparse.py timed them);
 - --sweep: the new kernels' launch configurations (scores tile / heads / warps, selection radix bits / warps,
@@ -46,14 +44,12 @@ from kernels.paged_attention._decode import launch as decode_launch  # noqa: E40
 from kernels.paged_attention._meta import pack  # noqa: E402
 from kernels.rope import rope_inv_freq  # noqa: E402
 from kernels.sparse import _attend, _scores, _select, reference  # noqa: E402
-from kernels.sparse import triton as triton_impl  # noqa: E402
 from kernels.sparse._attend import AttendConfig  # noqa: E402
 from kernels.sparse._scores import ScoresConfig  # noqa: E402
 
 HQ, HKV, D, BS, CHUNK = 32, 8, 128, 16, 512
 DEV = "cuda"
 SCORES_SWEEP = [ScoresConfig(32, 8, 4), ScoresConfig(16, 8, 2), ScoresConfig(64, 8, 8), ScoresConfig(32, 1, 8)]
-FUSED_SWEEP = [ScoresConfig(32, 1, 8), ScoresConfig(64, 1, 8), ScoresConfig(16, 1, 4), ScoresConfig(32, 2, 8)]
 SELECT_SWEEP = [(5, None), (4, None), (5, 4), (5, 16)]
 ATTEND_SWEEP = [AttendConfig(), AttendConfig(num_stages=1), AttendConfig(num_stages=3), AttendConfig(num_warps=4),
                 AttendConfig(num_warps=4, num_stages=1), AttendConfig(programs_per_sm=1)]
@@ -188,36 +184,10 @@ def case_rows(c, old, budgets, sweep: bool, deadline: float) -> dict:
         row["checks"]["attend_lse_max_abs_err"] = float((lse - lse_want).abs().max())
         row["checks"]["attend_old_rel_diff"] = rel_err(o, o_old)
 
-        def quest_split():
+        def quest_new():
             s = sparse.page_scores(q, kmin, kmax, ids, offs, masks, cu, inv, backend="triton")
             se, co = sparse.select_pages(s, cu, pages, backend="triton")
             return sparse.sparse_decode_attention(q, k, v, ids, offs, masks, se, co, inv, scale, backend="triton")
-
-        def fused(cfg=_scores.FUSED):
-            return _scores.launch_with_selection(*triton_impl._scores_args(q, kmin, kmax, ids, offs, masks, cu, inv),
-                                                 pages, cfg=cfg)
-
-        def quest_new():   # as QuestStep.attend calls them
-            _, se, co = sparse.score_and_select(q, kmin, kmax, ids, offs, masks, cu, inv, pages, backend="triton")
-            return sparse.sparse_decode_attention(q, k, v, ids, offs, masks, se, co, inv, scale, backend="triton")
-
-        try:
-            f_scores, f_sel, f_count = fused()
-            row["checks"]["fused_scores_equal"] = bool(torch.equal(f_scores, scores))
-            row["checks"]["fused_counts_equal"] = bool(torch.equal(f_count, want_count))
-            row["checks"]["fused_sums_max_diff"] = float((selected_sums(f_sel, f_count, scores) -
-                                                          selected_sums(want_sel, want_count, scores)).abs().max())
-            row["fused"] = {"score_select_ms": graph_ms(fused), "quest_ms": graph_ms(quest_new),
-                            "quest_split_ms": graph_ms(quest_split)}
-            if sweep and time.monotonic() < deadline:
-                row["fused"]["sweep"] = []
-                for cfg in FUSED_SWEEP:
-                    got_sel = fused(cfg)
-                    row["fused"]["sweep"].append({"cfg": repr(cfg), "ms": graph_ms(lambda: fused(cfg)),
-                                                  "counts_equal": bool(torch.equal(got_sel[2], want_count))})
-        except Exception as exc:   # recorded; the separate kernels' rows go on
-            row["fused"] = {"error": repr(exc)[:2000]}
-            quest_new = quest_split
 
         def quest_old():
             s = old.page_scores(q, kmin, kmax, ids32, offs32, masks, cu, inv)
@@ -248,7 +218,7 @@ def case_rows(c, old, budgets, sweep: bool, deadline: float) -> dict:
         print(f"  budget {budget}: dense {out['dense_ms']:.4f} | old quest {row['old']['quest_ms']:.4f} (scores "
               f"{row['old']['scores_ms']:.4f} select {row['old']['select_ms']:.4f} attend {row['old']['attend_ms']:.4f})"
               f" | new quest {row['new']['quest_ms']:.4f} (scores {row['new']['scores_ms']:.4f} select "
-              f"{row['new']['select_ms']:.4f} attend {row['new']['attend_ms']:.4f}) | fused {json.dumps(row['fused'])} | dense/quest "
+              f"{row['new']['select_ms']:.4f} attend {row['new']['attend_ms']:.4f}) | dense/quest "
               f"{row['dense_over_quest_old']:.2f}x -> {row['dense_over_quest_new']:.2f}x | checks {row['checks']}",
               flush=True)
         if sweep and time.monotonic() < deadline:

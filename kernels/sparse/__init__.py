@@ -6,7 +6,6 @@ Triton kernels (``triton.py``). A decode step is
     bound_pages(k_cache, kmin, kmax, blocks, visible)                             # this step's written blocks
     scores = page_scores(q, kmin, kmax, table..., cu_entries, inv_freq)          # fp32 [E, Hkv]
     sel, count = select_pages(scores, cu_entries, budget_pages)                  # int32 [B, Hkv, K], [B, Hkv]
-    (or both at once: scores, sel, count = score_and_select(..., budget_pages))
     out, lse = sparse_decode_attention(q, k_cache, v_cache, table..., sel, count, inv_freq, scale)
 Scores and attention rotate the query backwards by each entry's offset (deferred RoPE), so a shared chunk's page
 metadata, computed once in the chunk's frame, serves wherever the chunk is placed.
@@ -22,8 +21,7 @@ import torch
 from kernels.sparse import reference
 from kernels.sparse.retro import retro_attention
 
-__all__ = ["bound_pages", "page_scores", "retro_attention", "score_and_select", "select_pages",
-           "sparse_decode_attention"]
+__all__ = ["bound_pages", "page_scores", "retro_attention", "select_pages", "sparse_decode_attention"]
 
 
 def _impl(backend: str):
@@ -61,17 +59,6 @@ def select_pages(scores: torch.Tensor, cu_entries: torch.Tensor, budget_pages: i
     if isinstance(budget_pages, bool) or not isinstance(budget_pages, int) or budget_pages < 1:
         raise ValueError(f"budget_pages must be an int >= 1, got {budget_pages!r}")
     return _impl(backend).select_pages(scores, cu_entries, budget_pages)
-
-
-def score_and_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_ids: torch.Tensor,
-                     offsets: torch.Tensor, masks: torch.Tensor, cu_entries: torch.Tensor, inv_freq: torch.Tensor,
-                     budget_pages: int, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """page_scores then select_pages, in one launch on Triton (the last tile of a row to be scored selects it):
-    (scores fp32 [E, Hkv], sel int32 [B, Hkv, budget_pages], count int32 [B, Hkv])."""
-    if isinstance(budget_pages, bool) or not isinstance(budget_pages, int) or budget_pages < 1:
-        raise ValueError(f"budget_pages must be an int >= 1, got {budget_pages!r}")
-    return _impl(backend).score_and_select(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq,
-                                           budget_pages)
 
 
 def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,

@@ -18,9 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.sparse import _select
-from kernels.sparse._select import select_row
-
 
 @dataclass(frozen=True, slots=True)
 class ScoresConfig:
@@ -38,17 +35,11 @@ class ScoresConfig:
                 raise ValueError(f"{name} must be a power of two, got {v}")
 
 
-# the fused launch: one KV head a program (the row's last tile selects each of its program's heads in turn, so a
-# program of every head would select them one after another), 8 warps as the selection
-FUSED = ScoresConfig(tile=32, max_heads=1, num_warps=8)
-
-
 @triton.jit
-def _score_tile(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr, invf_ptr, out_ptr,
-                n_entries, n_seqs, n_heads, search_steps,
-                stride_qb, stride_qh, stride_mb, stride_mh,
-                G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr):
-    """The scores of this program's BLOCK_E entries and HB KV heads, stored head-major."""
+def _scores_kernel(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr, invf_ptr, out_ptr,
+                   n_entries, n_seqs, n_heads, search_steps,
+                   stride_qb, stride_qh, stride_mb, stride_mh,
+                   G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr):
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     ok = e < n_entries
     # the entry's sequence: the largest b with cu[b] <= e (an empty sequence before it shares its bound)
@@ -91,67 +82,6 @@ def _score_tile(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr, i
              mask=ok2)
 
 
-@triton.jit
-def _scores_kernel(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr, invf_ptr, out_ptr,
-                   n_entries, n_seqs, n_heads, search_steps,
-                   stride_qb, stride_qh, stride_mb, stride_mh,
-                   G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr):
-    _score_tile(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr, invf_ptr, out_ptr,
-                n_entries, n_seqs, n_heads, search_steps, stride_qb, stride_qh, stride_mb, stride_mh,
-                G, D2, BLOCK_E, HB)
-
-
-@triton.jit
-def _anchor(cu_ptr, b, n_entries):
-    """Sequence b's entries [lo, hi) as the tiles count them: an empty sequence stands on the entry where it would
-    start (the last one past the end), so that one tile selects for it too."""
-    lo = tl.minimum(tl.load(cu_ptr + b), n_entries - 1)
-    return lo, tl.maximum(tl.load(cu_ptr + b + 1), lo + 1)
-
-
-@triton.jit
-def _score_select_kernel(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr, invf_ptr, out_ptr,
-                         sel_ptr, cnt_ptr, arrived_ptr, budget,
-                         n_entries, n_seqs, n_heads, search_steps,
-                         stride_qb, stride_qh, stride_mb, stride_mh, stride_ob, stride_oh, stride_cb,
-                         G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr,
-                         BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, W: tl.constexpr, FIRST: tl.constexpr):
-    _score_tile(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr, invf_ptr, out_ptr,
-                n_entries, n_seqs, n_heads, search_steps, stride_qb, stride_qh, stride_mb, stride_mh,
-                G, D2, BLOCK_E, HB)
-    tl.debug_barrier()   # every warp's scores stored before the arrival (whose release publishes them)
-    start = tl.program_id(0) * BLOCK_E
-    end = tl.minimum(start + BLOCK_E, n_entries)
-    # the sequences whose anchors meet this tile, b0 .. b1 (anchors are non-decreasing in b)
-    b0 = tl.zeros([], tl.int32)
-    hi = tl.zeros([], tl.int32) + (n_seqs - 1)
-    for _ in range(search_steps):   # the first b with anchor end > start
-        mid = (b0 + hi) // 2
-        _, a_hi = _anchor(cu_ptr, mid, n_entries)
-        go = a_hi > start
-        hi = tl.where(go, mid, hi)
-        b0 = tl.where(go, b0, mid + 1)
-    lo = tl.zeros([], tl.int32)
-    b1 = tl.zeros([], tl.int32) + (n_seqs - 1)
-    for _ in range(search_steps):   # the last b with anchor start < end
-        mid = (lo + b1 + 1) // 2
-        a_lo, _ = _anchor(cu_ptr, mid, n_entries)
-        go = a_lo < end
-        lo = tl.where(go, mid, lo)
-        b1 = tl.where(go, b1, mid - 1)
-    for b_it in range(b0, b1 + 1):
-        b = b_it + tl.zeros([], tl.int32)   # a tensor (the interpreter's loop gives ints)
-        a_lo, a_hi = _anchor(cu_ptr, b, n_entries)
-        tiles = (a_hi - 1) // BLOCK_E - a_lo // BLOCK_E + 1
-        # acq_rel: the last of the row's tiles to arrive sees every other tile's scores
-        if tl.atomic_add(arrived_ptr + b * tl.num_programs(1) + tl.program_id(1), 1) == tiles - 1:
-            for hh in range(HB):
-                h = tl.program_id(1) * HB + hh
-                if h < n_heads:
-                    select_row(out_ptr, cu_ptr, sel_ptr, cnt_ptr, budget, b, h, 1, n_entries,
-                               stride_ob, stride_oh, stride_cb, BLOCK, PAD_BLOCK, W, FIRST)
-
-
 def launch(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq,
            cfg: ScoresConfig = ScoresConfig()) -> torch.Tensor:
     """Inputs checked by triton.py (contiguous ids and offsets int32 or int64, masks int64, cu int32, inv_freq fp32).
@@ -169,32 +99,3 @@ def launch(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq,
             q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
             G=hq // hkv, D2=dim // 2, BLOCK_E=block_e, HB=heads, num_warps=cfg.num_warps)
     return out.t()
-
-
-def launch_with_selection(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq, budget_pages: int,
-                          cfg: ScoresConfig = FUSED) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scores and the selection in one launch: each (sequence, head group) row's tiles count their arrivals, and the
-    last to arrive selects the row's heads (_select.select_row). -> (scores fp32 [E, Hkv], sel int32 [B, Hkv, K],
-    count int32 [B, Hkv]). The arrival counters are zeroed in the same stream (a memset a call: a captured graph
-    replays it)."""
-    n_entries = block_ids.numel()
-    n_seqs, hq, dim = q.shape
-    hkv = kmax.shape[1]
-    if not n_entries:   # no tile to select: every row is empty
-        out = torch.empty((hkv, 0), dtype=torch.float32, device=q.device).t()
-        return (out, *_select.launch(out, cu_entries, budget_pages))
-    heads = min(triton.next_power_of_2(hkv), cfg.max_heads)
-    block_e = max(1, cfg.tile // heads)
-    groups = triton.cdiv(hkv, heads)
-    out = torch.empty((hkv, n_entries), dtype=torch.float32, device=q.device)
-    sel = torch.empty((n_seqs, hkv, budget_pages), dtype=torch.int32, device=q.device)
-    count = torch.empty((n_seqs, hkv), dtype=torch.int32, device=q.device)
-    arrived = torch.zeros(n_seqs * groups, dtype=torch.int32, device=q.device)
-    _score_select_kernel[(triton.cdiv(n_entries, block_e), groups)](
-        q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq, out, sel, count, arrived, budget_pages,
-        n_entries, n_seqs, hkv, max(1, n_seqs - 1).bit_length(),
-        q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), sel.stride(0), sel.stride(1), count.stride(0),
-        G=hq // hkv, D2=dim // 2, BLOCK_E=block_e, HB=heads,
-        BLOCK=_select.row_block(n_entries, n_seqs), PAD_BLOCK=_select.PAD_BLOCK, W=_select.RADIX_BITS,
-        FIRST=_select.first_bits(_select.RADIX_BITS), num_warps=cfg.num_warps)
-    return out.t(), sel, count

@@ -140,11 +140,11 @@ def _emit(key, ok, first, r, prefix, need, above_seen, eq_seen, out_row, BLOCK: 
 
 
 @triton.jit
-def select_row(scores_ptr, cu_ptr, sel_ptr, cnt_ptr, budget, b, h,
-               stride_se, stride_sh, stride_ob, stride_oh, stride_cb,
-               BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, W: tl.constexpr, FIRST: tl.constexpr):
-    """Sequence b's KV head h: its selection and count written (the page-score kernel's last program of a row calls
-    it too: _scores.py)."""
+def _select_kernel(scores_ptr, cu_ptr, sel_ptr, cnt_ptr, budget,
+                   stride_se, stride_sh, stride_ob, stride_oh, stride_cb,
+                   BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, W: tl.constexpr, FIRST: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     e_lo = tl.load(cu_ptr + b)
     e_hi = tl.load(cu_ptr + b + 1)
     n = tl.maximum(e_hi - e_lo - 1, 0)  # the others: every entry but the last
@@ -198,27 +198,6 @@ def select_row(scores_ptr, cu_ptr, sel_ptr, cnt_ptr, budget, b, h,
         tl.store(out_row + k, tl.full([PAD_BLOCK], -1, tl.int32), mask=(k >= written) & (k < budget))
 
 
-@triton.jit
-def _select_kernel(scores_ptr, cu_ptr, sel_ptr, cnt_ptr, budget,
-                   stride_se, stride_sh, stride_ob, stride_oh, stride_cb,
-                   BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, W: tl.constexpr, FIRST: tl.constexpr):
-    select_row(scores_ptr, cu_ptr, sel_ptr, cnt_ptr, budget, tl.program_id(0), tl.program_id(1),
-               stride_se, stride_sh, stride_ob, stride_oh, stride_cb, BLOCK, PAD_BLOCK, W, FIRST)
-
-
-def row_block(n_entries: int, n_seqs: int, max_block: int = MAX_BLOCK) -> int:
-    """The selection's register tile: the table's mean row (a power of two, 16 to max_block).
-    NOTE: the mean row, not the longest (no host sync to know that): a batch of equal rows keeps them in registers,
-    and a single long row takes the tiled path rather than every row paying for a tile of the whole table (4x the
-    passes' work at 4 sequences)."""
-    return min(max_block, triton.next_power_of_2(max(16, triton.cdiv(n_entries, max(1, n_seqs)))))
-
-
-def first_bits(radix_bits: int) -> int:
-    """The first pass's width: the bits left over when the other passes take radix_bits each."""
-    return 32 - radix_bits * ((32 - 1) // radix_bits)
-
-
 def launch(scores: torch.Tensor, cu_entries: torch.Tensor, budget_pages: int, max_block: int = MAX_BLOCK,
            radix_bits: int = RADIX_BITS, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """scores fp32 [E, Hkv] (any strides), cu_entries int32 [B+1] -> (sel int32 [B, Hkv, K], count int32 [B, Hkv]).
@@ -229,8 +208,11 @@ def launch(scores: torch.Tensor, cu_entries: torch.Tensor, budget_pages: int, ma
     sel = torch.empty((n_seqs, hkv, budget_pages), dtype=torch.int32, device=scores.device)
     count = torch.empty((n_seqs, hkv), dtype=torch.int32, device=scores.device)
     if n_seqs:
-        block = row_block(n_entries, n_seqs, max_block)
-        first = first_bits(radix_bits)
+        # NOTE: the tile fits the table's mean row, not its longest (no host sync to know that): a batch of equal
+        # rows keeps them in registers, and a single long row takes the tiled path rather than every row paying
+        # for a tile of the whole table (4x the passes' work at 4 sequences)
+        block = min(max_block, triton.next_power_of_2(max(16, triton.cdiv(n_entries, n_seqs))))
+        first = 32 - radix_bits * ((32 - 1) // radix_bits)
         # 8 warps: 11.2 -> 9.8 us at 2,048 entries, 25.7 (16 warps) -> 22.4 at 8,192 (H100, bench/decode/sparse_kernels.py)
         _select_kernel[(n_seqs, hkv)](
             scores, cu_entries, sel, count, budget_pages,

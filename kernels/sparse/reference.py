@@ -104,12 +104,6 @@ def select_pages(scores, cu_entries, budget_pages: int):
     return sel, count
 
 
-def score_and_select(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq, budget_pages: int):
-    """page_scores then select_pages: (scores [E, Hkv], sel [B, Hkv, K], count [B, Hkv])."""
-    scores = page_scores(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq)
-    return (scores, *select_pages(scores, cu_entries, budget_pages))
-
-
 def sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale):
     """Row r's query [Hq, D] (rotated at its own position) attends, per KV head h, to the visible slots of entries
     sel[r, h, :count[r, h]], keys rotated forward by their entry's offset. Returns out [R, Hq, D] (q's dtype) and

@@ -11,7 +11,7 @@ import torch
 
 from kernels.sparse import _attend, _bounds, _scores, _select
 
-__all__ = ["bound_pages", "page_scores", "score_and_select", "select_pages", "sparse_decode_attention"]
+__all__ = ["bound_pages", "page_scores", "select_pages", "sparse_decode_attention"]
 
 
 def _index(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -59,7 +59,9 @@ def bound_pages(k_cache, kmin, kmax, blocks, visible) -> None:
     _bounds.launch(k_cache, kmin, kmax, blocks.contiguous(), visible.view(torch.uint8))
 
 
-def _scores_args(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq):
+def page_scores(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq):
+    """q [B, Hq, D], page bounds [N, Hkv, D] -> fp32 [E, Hkv], stored head-major (a selection row is contiguous)
+    (see reference.page_scores)."""
     if kmin.shape != kmax.shape or kmin.dim() != 3 or kmin.stride() != kmax.stride() or kmax.stride(2) != 1:
         raise ValueError(f"kmin {tuple(kmin.shape)} and kmax {tuple(kmax.shape)} must both be [N, Hkv, D], "
                          "with one set of strides and a contiguous head dimension")
@@ -70,20 +72,8 @@ def _scores_args(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq)
         raise ValueError(f"cu_entries has {cu_entries.numel()} bounds for {q.shape[0]} sequences")
     block_ids, offsets, masks = _table(block_ids, offsets, masks)
     q = q if q.stride(2) == 1 else q.contiguous()
-    return (q, kmin, kmax, block_ids, offsets, masks, _index("cu_entries", cu_entries, torch.int32),
-            inv_freq.to(device=q.device, dtype=torch.float32).contiguous())
-
-
-def page_scores(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq):
-    """q [B, Hq, D], page bounds [N, Hkv, D] -> fp32 [E, Hkv], stored head-major (a selection row is contiguous)
-    (see reference.page_scores)."""
-    return _scores.launch(*_scores_args(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq))
-
-
-def score_and_select(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq, budget_pages: int):
-    """page_scores and select_pages in one launch (see reference.score_and_select)."""
-    return _scores.launch_with_selection(*_scores_args(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq),
-                                         budget_pages)
+    return _scores.launch(q, kmin, kmax, block_ids, offsets, masks, _index("cu_entries", cu_entries, torch.int32),
+                          inv_freq.to(device=q.device, dtype=torch.float32).contiguous())
 
 
 def select_pages(scores, cu_entries, budget_pages: int):

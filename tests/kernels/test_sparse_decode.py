@@ -10,8 +10,7 @@ from paged_cases import build
 
 from kernels.paged_attention import paged_decode_attention
 from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq, rotate
-from kernels.sparse import _attend, _bounds, _scores, _select, bound_pages, page_scores, reference, score_and_select
-from kernels.sparse import select_pages
+from kernels.sparse import _attend, _bounds, _scores, _select, bound_pages, page_scores, reference, select_pages
 from kernels.sparse import sparse_decode_attention
 from kernels.sparse._attend import AttendConfig
 from kernels.sparse._scores import ScoresConfig
@@ -345,33 +344,6 @@ def test_page_scores_configs_and_int64_tables():
             got = _scores.launch(q, kmin, kmax, ids, offs, case.masks, case.cu_entries, inv, cfg=cfg)
             assert torch.equal(torch.isneginf(got), torch.isneginf(want))
             torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("cfg", [_scores.FUSED, ScoresConfig(tile=8, max_heads=2, num_warps=4),
-                                 ScoresConfig(tile=2, max_heads=4, num_warps=2)], ids=["fused", "t8-h2", "t2-h4"])
-def test_score_and_select_matches_twin(cfg):
-    """One launch scores and selects: sequences empty (first, between, last), of one entry, shorter than a tile and
-    spanning several, 3 KV heads in groups of 2 (a partial one) and of 4, -inf pages; equal to the twin's pair, and
-    a long row in the tiled selection."""
-    spec = ([([40, 33], 5), ([], 1), ([17], 3), ([], 0), ([6], 0)], 6, 3, 64, 16, torch.float32, 0.2, 900)
-    case, q, kmin, kmax, inv = _setup(spec)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int32), case.cu_entries, case.cu_entries[-1:]])  # + empty rows
-    q = torch.cat([q[:1], q, q[:1]])
-    case.masks[3] = 0
-    args = (q, kmin, kmax, *_table(case), cu, inv)
-    for budget in (1, 5, 64):
-        want_scores, *want = score_and_select(*args, budget, backend="torch")
-        assert torch.equal(want_scores, page_scores(*args, backend="torch"))
-        launches = [_scores.launch_with_selection(*args, budget, cfg=cfg)]
-        if cfg is _scores.FUSED:
-            launches.append(score_and_select(*args, budget, backend="triton"))
-        for got_scores, *got in launches:
-            fin = torch.isfinite(want_scores)
-            assert torch.equal(torch.isneginf(got_scores), torch.isneginf(want_scores))
-            torch.testing.assert_close(got_scores[fin], want_scores[fin], rtol=1e-5, atol=1e-4)
-            _check_selection(*got, got_scores, cu, budget)
-            assert torch.equal(got[1], want[1])
-            torch.testing.assert_close(_selected_sums(*got, got_scores), _selected_sums(*want, got_scores))
 
 
 @pytest.mark.slow

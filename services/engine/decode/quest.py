@@ -148,9 +148,9 @@ class QuestStep(PolicyStep):
             return self.dense_attend(layer, q, table, cu_entries)
         pool, model, backend = fwd.pool, fwd.model, fwd.backend
         pool.bound(layer, self.touched, self.touched_slots)        # this step's K (and overwritten ones) written
-        _, self.sel, self.count = sparse.score_and_select(q, pool.kmin[layer], pool.kmax[layer], table.block_ids,
-                                                          table.offsets, table.masks, cu_entries, model.inv_freq,
-                                                          self.budget_pages, backend=backend)
+        scores = sparse.page_scores(q, pool.kmin[layer], pool.kmax[layer], table.block_ids, table.offsets,
+                                    table.masks, cu_entries, model.inv_freq, backend=backend)
+        self.sel, self.count = sparse.select_pages(scores, cu_entries, self.budget_pages, backend=backend)
         out, self.lse = sparse.sparse_decode_attention(q, pool.k[layer], pool.v[layer], table.block_ids,
                                                        table.offsets, table.masks, self.sel, self.count,
                                                        model.inv_freq, model.scale, backend=backend)
