@@ -102,6 +102,7 @@ BAD = [
     (DecodeSettings, "min_step_interval_s", None, "min_step_interval_s must be a number"),
     (DecodeSettings, "min_step_interval_s", 10, "min_step_interval_s must be in [0, 10) seconds, got 10"),
     (DecodeSettings, "warmup_tokens", 1.5, "warmup_tokens must be an integer"),
+    (DecodeSettings, "warmup_sparse", "false", "warmup_sparse must be"),
     # ---- SamplingParams
     (SamplingParams, "temperature", None, "temperature must be a number, got None"),
     (SamplingParams, "temperature", "1", "temperature must be a number"),

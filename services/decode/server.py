@@ -13,6 +13,7 @@ Ray starts it again).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -222,7 +223,9 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     metrics = DecodeMetrics()
     eng = await asyncio.to_thread(engine.load)
     if settings.warmup_tokens:
-        warm = await warm_up(name, warm_decode, eng, settings.max_batch, settings.warmup_tokens)
+        sparse = None if settings.warmup_sparse else []       # None: Quest's and Retro's defaults
+        warm = await warm_up(name, functools.partial(warm_decode, sparse=sparse), eng, settings.max_batch,
+                             settings.warmup_tokens)
         if warm and warm["batches"]:
             log.info("decode worker %s warmed up in %.1f s: batches %s over %d tokens", name, warm["seconds"],
                      warm["batches"], warm["context_tokens"])

@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="on a GPU, each worker's start-up warm-up (every kernel compiled and decode graph captured "
                          "before it serves) runs over a made-up context of this many tokens (default: prefill 3072, "
                          "decode 4096; 0: off)")
+    up.add_argument("--no-warmup-sparse", dest="warmup_sparse", action="store_false",
+                    help="decode workers warm up dense decode only, not Quest's and Retro's default policies too "
+                         "(a shorter start; a worker's first sparse requests then wait for kernel compiles)")
     up.add_argument("--text-cache-tokens", type=int, default=8 << 20,
                     help="token ids of chunk texts the gateway keeps for requests that send them again, in tokens "
                          "(default 8M, ~4 bytes each plus the text; 0: tokenize every text every time)")
@@ -146,7 +149,7 @@ def _up(args: argparse.Namespace) -> int:
                                                          **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                        min_step_interval_s=args.decode_step_interval_ms / 1e3,
-                                                       **warm))
+                                                       warmup_sparse=args.warmup_sparse, **warm))
     address = args.address
     try:
         checked_tenants(cfg)            # a bad tenants file starts nothing, not even Ray
