@@ -183,6 +183,7 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         Field("DecodeSettings", "admit_budget_s", nonneg_s, (0.0, 0.01, INF)),
         Field("DecodeSettings", "min_step_interval_s", real_in(0, 10, hi_open=True), (0.0, 0.005, 9.9)),
         Field("DecodeSettings", "warmup_tokens", count0, (0, 4096)),
+        Field("DecodeSettings", "warmup_sparse", is_bool, (True, False)),
         # ---- SamplingParams
         Field("SamplingParams", "temperature", real_in(0, INF), (0.0, 0.7, 1e-30)),
         Field("SamplingParams", "top_p", real_in(0, 1, lo_open=True), (1.0, 0.9, 1e-30)),
