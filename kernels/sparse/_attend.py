@@ -91,24 +91,14 @@ def _rotate(q_row, off, invf_ptr, d, row_ok, ROWS: tl.constexpr, G_PAD: tl.const
 
 
 @triton.jit
-def _sparse_decode_kernel(
-    q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_ptr, sel_ptr, cnt_ptr, invf_ptr, out_ptr, lse_ptr,
-    qk_scale, per,
-    stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_sr, stride_sh, stride_cr,
-    stride_os, stride_or, stride_oh, stride_ls, stride_lr,
-    G: tl.constexpr, G_PAD: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BS: tl.constexpr,
-    D2: tl.constexpr, DOT_F32: tl.constexpr,
-):
+def attend_run(q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_lo_ptr, invf_ptr, sel_row, r_id, h, lo, hi, qk_scale,
+               stride_qr, stride_qh, stride_kb, stride_ks, stride_kh,
+               G: tl.constexpr, G_PAD: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BS: tl.constexpr,
+               D2: tl.constexpr, DOT_F32: tl.constexpr):
+    """Row r_id's query at KV head h over the entries sel_row[lo:hi] (their K/V read NB a step, the query rotated
+    back by each entry's offset): the lanes' running (m_i, l_i, acc), [ROWS], [ROWS], [ROWS, D], not yet merged.
+    The sparse decode kernel and RetroAttention's correction (_retro.py) attend through it."""
     BLOCK_N: tl.constexpr = NB * BS
-    r_id = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
-    n_sel = tl.load(cnt_ptr + r_id.to(tl.int64) * stride_cr + h)
-    lo = split * per
-    hi = tl.minimum(lo + per, n_sel)
-    sel_row = sel_ptr + r_id.to(tl.int64) * stride_sr + h * stride_sh
-    mask_lo_ptr = mask_ptr.to(tl.pointer_type(tl.int32))  # little-endian: word 2e is entry e's low 32 bits
-
     # row r = (lane j, group head g): lane j attends to the j-th selected entry of every step
     r = tl.arange(0, ROWS)
     j = r // G_PAD
@@ -140,6 +130,31 @@ def _sparse_decode_kernel(
         if (k_start + NB < hi) & (tl.max((off != prev).to(tl.int32), axis=0) > 0):
             qr1, qr2 = _rotate(q_row, off, invf_ptr, d, row_ok, ROWS, G_PAD, D2)
             prev = off
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _sparse_decode_kernel(
+    q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_ptr, sel_ptr, cnt_ptr, invf_ptr, out_ptr, lse_ptr,
+    qk_scale, per,
+    stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_sr, stride_sh, stride_cr,
+    stride_os, stride_or, stride_oh, stride_ls, stride_lr,
+    G: tl.constexpr, G_PAD: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BS: tl.constexpr,
+    D2: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    r_id = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    n_sel = tl.load(cnt_ptr + r_id.to(tl.int64) * stride_cr + h)
+    lo = split * per
+    hi = tl.minimum(lo + per, n_sel)
+    sel_row = sel_ptr + r_id.to(tl.int64) * stride_sr + h * stride_sh
+    mask_lo_ptr = mask_ptr.to(tl.pointer_type(tl.int32))  # little-endian: word 2e is entry e's low 32 bits
+
+    m_i, l_i, acc = attend_run(q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_lo_ptr, invf_ptr, sel_row, r_id, h, lo,
+                               hi, qk_scale, stride_qr, stride_qh, stride_kb, stride_ks, stride_kh,
+                               G, G_PAD, NB, ROWS, BS, D2, DOT_F32)
+    dd = tl.arange(0, 2 * D2)
 
     # merge the NB lanes of each group head by log-sum-exp
     m3 = tl.reshape(m_i, [ROWS // G_PAD, G_PAD])

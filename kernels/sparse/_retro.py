@@ -18,9 +18,8 @@ import triton
 import triton.language as tl
 
 from kernels.lse_merge.triton import UNROLL_PARTS, merge_finish, merge_rows
-from kernels.paged_attention._decode import attend_tile
 from kernels.paged_attention._meta import dot_f32
-from kernels.sparse._attend import LOG2E, AttendConfig, _rotate, _step_table, pick_splits
+from kernels.sparse._attend import LOG2E, AttendConfig, attend_run, pick_splits
 from kernels.sparse.triton import _check_query, _table
 
 SEEN_TILE = 64
@@ -122,7 +121,6 @@ def _retro_attention_kernel(
     """Program (row, KV head, split): the split's run [split * per, + per) of the row's new pages. One split: the
     result merged with the prior and stored in q's dtype; several: each split's part (fp32) stored at its index
     and split 0 copies the prior to part NSPLIT, for merge_rows."""
-    BLOCK_N: tl.constexpr = NB * BS
     LANES: tl.constexpr = ROWS // G_PAD
     r_id = tl.program_id(0)
     h = tl.program_id(1)
@@ -140,35 +138,11 @@ def _retro_attention_kernel(
     tl.debug_barrier()
     mask_lo_ptr = mask_ptr.to(tl.pointer_type(tl.int32))          # little-endian: word 2e is entry e's low 32 bits
 
-    # as _attend: row r = (lane j, group head g), lane j attends to the j-th new page of every step
-    r = tl.arange(0, ROWS)
-    j = r // G_PAD
-    g = r % G_PAD
-    row_ok = (j < NB) & (g < G)
-    d = tl.arange(0, D2)
+    # as _attend: lane j attends to the j-th new page of every step
+    m_i, l_i, acc = attend_run(q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_lo_ptr, invf_ptr, sel_row, r_id, h, lo,
+                               hi, qk_scale, stride_qr, stride_qh, stride_kb, stride_ks, stride_kh,
+                               G, G_PAD, NB, ROWS, BS, D2, DOT_F32)
     dd = tl.arange(0, 2 * D2)
-    q_row = q_ptr + r_id.to(tl.int64) * stride_qr + (h * G + g)[:, None] * stride_qh
-
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, 2 * D2], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    slot = n % BS
-    blk, bits, off = _step_table(sel_row, ids_ptr, mask_lo_ptr, off_ptr, lo, hi, n, slot, j, BS)
-    qr1, qr2 = _rotate(q_row, off, invf_ptr, d, row_ok, ROWS, G_PAD, D2)
-    prev = off
-    for k_start in range(lo, hi, NB):
-        vis = ((bits >> (slot % 32)) & 1) != 0
-        k_row = blk.to(tl.int64) * stride_kb + slot * stride_ks + h * stride_kh  # [BLOCK_N] int64
-        k1 = tl.load(k_ptr + k_row[:, None] + d[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D2]
-        k2 = tl.load(k_ptr + k_row[:, None] + D2 + d[None, :], mask=vis[:, None], other=0.0)
-        v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
-        blk, bits, off = _step_table(sel_row, ids_ptr, mask_lo_ptr, off_ptr, k_start + NB, hi, n, slot, j, BS)
-        own = (j[:, None] == (n // BS)[None, :]) & vis[None, :]
-        m_i, l_i, acc = attend_tile(qr1, qr2, k1, k2, v, own, qk_scale, m_i, l_i, acc, DOT_F32)
-        if (k_start + NB < hi) & (tl.max((off != prev).to(tl.int32), axis=0) > 0):
-            qr1, qr2 = _rotate(q_row, off, invf_ptr, d, row_ok, ROWS, G_PAD, D2)
-            prev = off
 
     # per group head, the LANES lanes (and, one split, the prior: a part of weight exp(lse_in)) merged by
     # log-sum-exp
