@@ -79,6 +79,22 @@ def attend_tile(qr1, qr2, k1, k2, v, own, qk_scale, m_i, l_i, acc, DOT_F32: tl.c
 
 
 @triton.jit
+def merge_lanes(m_i, l_i, acc, ROWS: tl.constexpr, G_PAD: tl.constexpr, D2: tl.constexpr):
+    """The running softmaxes of ROWS // G_PAD lanes of each of G_PAD group heads (rows (lane, head), ``attend_tile``'s
+    m_i, l_i [ROWS], acc [ROWS, D]) merged by log-sum-exp: out [G_PAD, D] fp32 and lse [G_PAD] (natural log; 0 and
+    -inf for a head no lane saw a key of). Dense and sparse decode share it."""
+    m3 = tl.reshape(m_i, [ROWS // G_PAD, G_PAD])
+    m_g = tl.max(m3, axis=0)  # [G_PAD]
+    m_gs = tl.where(m_g == float("-inf"), 0.0, m_g)
+    w = tl.math.exp2(m3 - m_gs[None, :])  # [lanes, G_PAD]
+    l_g = tl.sum(w * tl.reshape(l_i, [ROWS // G_PAD, G_PAD]), axis=0)
+    acc_g = tl.sum(tl.reshape(acc, [ROWS // G_PAD, G_PAD, 2 * D2]) * w[:, :, None], axis=0)  # [G_PAD, D]
+    empty = l_g == 0.0
+    l_safe = tl.where(empty, 1.0, l_g)
+    return acc_g / l_safe[:, None], tl.where(empty, float("-inf"), (m_g + tl.math.log2(l_safe)) * LN2)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, meta_ptr, mask_ptr, tab_ptr, invf_ptr, cu_e_ptr, out_ptr, lse_ptr,
     qk_scale,
@@ -156,17 +172,7 @@ def _decode_kernel(
         own = (j[:, None] == (n // BS)[None, :]) & vis[None, :]  # lane j sees only its own block
         m_i, l_i, acc = attend_tile(qr1, qr2, k1, k2, v, own, qk_scale, m_i, l_i, acc, DOT_F32)
 
-    # merge the NB lanes of each group head by log-sum-exp
-    m3 = tl.reshape(m_i, [ROWS // G_PAD, G_PAD])
-    m_g = tl.max(m3, axis=0)  # [G_PAD]
-    m_gs = tl.where(m_g == float("-inf"), 0.0, m_g)
-    w = tl.math.exp2(m3 - m_gs[None, :])  # [lanes, G_PAD]
-    l_g = tl.sum(w * tl.reshape(l_i, [ROWS // G_PAD, G_PAD]), axis=0)
-    acc_g = tl.sum(tl.reshape(acc, [ROWS // G_PAD, G_PAD, 2 * D2]) * w[:, :, None], axis=0)  # [G_PAD, D]
-    empty = l_g == 0.0
-    l_safe = tl.where(empty, 1.0, l_g)
-    out = acc_g / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_g + tl.math.log2(l_safe)) * LN2)
+    out, lse = merge_lanes(m_i, l_i, acc, ROWS, G_PAD, D2)   # the lanes of each group head, by log-sum-exp
     gg = tl.arange(0, G_PAD)
     g_ok = gg < G
     o_row = out_ptr + split * stride_os + b.to(tl.int64) * stride_ob + (h * G + gg)[:, None] * stride_oh

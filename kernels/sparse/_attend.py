@@ -27,11 +27,10 @@ import triton
 import triton.language as tl
 
 from kernels.lse_merge.triton import UNROLL_PARTS, merge_rows
-from kernels.paged_attention._decode import attend_tile
+from kernels.paged_attention._decode import attend_tile, merge_lanes
 from kernels.paged_attention._meta import dot_f32, sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,17 +155,7 @@ def _sparse_decode_kernel(
                                G, G_PAD, NB, ROWS, BS, D2, DOT_F32)
     dd = tl.arange(0, 2 * D2)
 
-    # merge the NB lanes of each group head by log-sum-exp
-    m3 = tl.reshape(m_i, [ROWS // G_PAD, G_PAD])
-    m_g = tl.max(m3, axis=0)  # [G_PAD]
-    m_gs = tl.where(m_g == float("-inf"), 0.0, m_g)
-    w = tl.math.exp2(m3 - m_gs[None, :])  # [lanes, G_PAD]
-    l_g = tl.sum(w * tl.reshape(l_i, [ROWS // G_PAD, G_PAD]), axis=0)
-    acc_g = tl.sum(tl.reshape(acc, [ROWS // G_PAD, G_PAD, 2 * D2]) * w[:, :, None], axis=0)  # [G_PAD, D]
-    empty = l_g == 0.0
-    l_safe = tl.where(empty, 1.0, l_g)
-    out = acc_g / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_g + tl.math.log2(l_safe)) * LN2)
+    out, lse = merge_lanes(m_i, l_i, acc, ROWS, G_PAD, D2)   # the lanes of each group head, by log-sum-exp
     gg = tl.arange(0, G_PAD)
     g_ok = gg < G
     o_row = out_ptr + split * stride_os + r_id.to(tl.int64) * stride_or + (h * G + gg)[:, None] * stride_oh
