@@ -195,6 +195,20 @@ def pick_splits(cfg: DecodeConfig, n_seqs: int, n_kv_heads: int, n_entries: int,
     return max(range(1, most + 1), key=lambda s: (round(fill(s), 2), -s))
 
 
+def split_outputs(q: torch.Tensor, nsplit: int):
+    """Where a decode kernel of ``nsplit`` splits writes for queries q [R, Hq, D]: (out, lse, out strides, lse
+    strides). One split: the final out (q's dtype) and lse [R, Hq] (a split stride of 0); several: fp32 parts
+    [nsplit, R, Hq, D] and [nsplit, R, Hq] for kernels/lse_merge."""
+    rows, hq, dim = q.shape
+    if nsplit == 1:
+        out = torch.empty_like(q)
+        lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device)
+        return out, lse, (0, out.stride(0), out.stride(1)), (0, lse.stride(0))
+    out = torch.empty((nsplit, rows, hq, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((nsplit, rows, hq), dtype=torch.float32, device=q.device)
+    return out, lse, (out.stride(0), out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1))
+
+
 def launch(q, k_cache, v_cache, packed: PackedTable, cu_entries, inv_freq, scale,
            *, rotate: bool = True, cfg: DecodeConfig = DecodeConfig()):
     """Run decode attention on a packed table. Returns out [B, Hq, D] (q.dtype), lse [B, Hq] fp32."""
@@ -204,16 +218,7 @@ def launch(q, k_cache, v_cache, packed: PackedTable, cu_entries, inv_freq, scale
     g_pad = triton.next_power_of_2(group)
     nb = max(1, min(cfg.rows // g_pad, cfg.max_block_n // bs))  # lanes: fill the rows tl.dot needs
     nsplit = pick_splits(cfg, n_seqs, hkv, packed.meta.numel(), q.device)
-    if nsplit == 1:
-        out = torch.empty_like(q)
-        lse = torch.empty((n_seqs, hq), dtype=torch.float32, device=q.device)
-        o_strides = (0, out.stride(0), out.stride(1))
-        l_strides = (0, lse.stride(0))
-    else:
-        out = torch.empty((nsplit, n_seqs, hq, dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((nsplit, n_seqs, hq), dtype=torch.float32, device=q.device)
-        o_strides = (out.stride(0), out.stride(1), out.stride(2))
-        l_strides = (lse.stride(0), lse.stride(1))
+    out, lse, o_strides, l_strides = split_outputs(q, nsplit)
     if n_seqs:
         _decode_kernel[(n_seqs, hkv, nsplit)](
             q, k_cache, v_cache, packed.meta, packed.masks,

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import triton
 import triton.language as tl
 
 from kernels.lse_merge.triton import UNROLL_PARTS, merge_rows
-from kernels.paged_attention._decode import attend_tile, merge_lanes
+from kernels.paged_attention._decode import attend_tile, merge_lanes, split_outputs
 from kernels.paged_attention._meta import dot_f32, sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -185,16 +184,7 @@ def launch(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq,
     nb = cfg.lanes or max(1, min(16 // g_pad, 64 // bs))
     nsplit, per = pick_splits(cfg, n_rows, hkv, sel.shape[2], nb, q.device)
     stages = cfg.num_stages or (3 if per // nb >= cfg.pipelined_from else 1)
-    if nsplit == 1:
-        out = torch.empty_like(q)
-        lse = torch.empty((n_rows, hq), dtype=torch.float32, device=q.device)
-        o_strides = (0, out.stride(0), out.stride(1))
-        l_strides = (0, lse.stride(0))
-    else:
-        out = torch.empty((nsplit, n_rows, hq, dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((nsplit, n_rows, hq), dtype=torch.float32, device=q.device)
-        o_strides = (out.stride(0), out.stride(1), out.stride(2))
-        l_strides = (lse.stride(0), lse.stride(1))
+    out, lse, o_strides, l_strides = split_outputs(q, nsplit)
     if n_rows:
         _sparse_decode_kernel[(n_rows, hkv, nsplit)](
             q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, out, lse,
