@@ -23,7 +23,9 @@ class Mode(str, Enum):
 
 MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 
-# the decode policies a request may name (services/engine/decode holds them; the gateway and the SDK check names here)
+# the decode policies a request may name (services/engine/decode holds them; the gateway and the SDK check names here).
+# The engine's "retrieval" is not among them yet: its index is built from the prefill pass's queries, which a
+# hand-off does not carry (services/engine/decode/retrieval.py)
 DECODE_POLICIES: tuple[str, ...] = ("dense", "quest", "retro")
 # each policy's parameters (a request giving another policy's is refused), and retro's largest window (the engine's
 # RetroDecode takes the same: a test keeps them equal)

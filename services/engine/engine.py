@@ -18,7 +18,7 @@ import torch
 
 from kernels.options import using
 from kernels.paged_attention import MAX_BLOCK_ID, MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
-from services.engine.decode import DecodePolicy, policy_for
+from services.engine.decode import DecodePolicy, QueryTap, policy_for
 from services.engine.kv.block_pool import BlockPool, block_bytes
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.chunk_cache import ChunkCache, chunk_id
@@ -258,20 +258,21 @@ class Engine:
     def generate(self, chunks, suffix, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, mode: str = "tessera", recompute_ratio: float = 0.15,
                  stop_token_ids: list[int] | None = None, decode: str = "dense", budget_tokens: int | None = None,
-                 dense_layers: int | None = None, retro_window: int | None = None,
+                 dense_layers: int | None = None, retro_window: int | None = None, retrieval_k: int | None = None,
+                 sink_tokens: int | None = None, window_tokens: int | None = None,
                  stats: dict | None = None) -> list[int]:
         """``decode``: the decode policy of its steps (services/engine/decode: "dense"; "quest" with
-        ``budget_tokens`` and ``dense_layers``; "retro" with those and ``retro_window``). ``stats``: a dict
-        that receives what the decode steps read (DecodeStats.as_dict)."""
+        ``budget_tokens`` and ``dense_layers``; "retro" with those and ``retro_window``; "retrieval" with
+        ``retrieval_k``, ``sink_tokens`` and ``window_tokens``). ``stats``: a dict that receives what the decode
+        steps read (DecodeStats.as_dict)."""
         policy = self.decode_policy(decode, budget_tokens=budget_tokens, dense_layers=dense_layers,
-                                    retro_window=retro_window)
+                                    retro_window=retro_window, retrieval_k=retrieval_k, sink_tokens=sink_tokens,
+                                    window_tokens=window_tokens)
         params = SamplingParams(temperature, top_p, top_k, seed, max_new_tokens)
-        chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=max_new_tokens)
         stops = set(self._stop_ids() if stop_token_ids is None else stop_token_ids)
-        logits, seq, _ = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids, scope=scope)
+        logits, seq = self.prefill_sequence(chunks, suffix, mode, recompute_ratio, policy, max_new_tokens)
         out: list[int] = []
         try:
-            self.start_decode(seq, policy)
             gen = params.generator(self.device)
             while True:
                 tok = sample(logits, params, gen)
@@ -283,6 +284,31 @@ class Engine:
             if stats is not None:
                 stats.update(seq.decode_stats.as_dict())
             self.release(seq)
+
+    @torch.no_grad()
+    @launches
+    def prefill_sequence(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15,
+                         decode: str | DecodePolicy = "dense", extra_tokens: int = 0,
+                         **decode_params) -> tuple[torch.Tensor, Sequence]:
+        """Prefill a request and keep it for decoding here: (next-token logits [vocab], the sequence, started under
+        the decode policy ``decode`` names with ``decode_params``, or is). ``decode_step`` continues it; the caller
+        releases it (``release``). ``extra_tokens``: the tokens it may generate (checked against the model's
+        positions now)."""
+        policy = decode if isinstance(decode, DecodePolicy) else self.decode_policy(decode, **decode_params)
+        chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
+        tap = QueryTap() if policy.taps_queries else None   # a retrieval index is built from the pass's queries
+        self.forward.query_tap = tap
+        try:
+            logits, seq, _ = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids, scope=scope)
+        finally:
+            self.forward.query_tap = None
+        seq.prefill_queries = tap
+        try:
+            self.start_decode(seq, policy)
+        except BaseException:
+            self.release(seq)
+            raise
+        return logits, seq
 
     @torch.no_grad()
     @launches
@@ -405,6 +431,8 @@ class Engine:
             self.cache.release(entry)
         self.pool.free(seq.private_blocks + seq.gen_blocks)
         seq.past.clear()
+        seq.prefill_queries = None
+        seq.decode.release(self.forward, seq)
 
     def describe_memory(self) -> dict:
         """Bytes of KV: per block, resident in the chunk cache, free in the pool."""

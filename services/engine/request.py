@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from services.engine.decode import DENSE, DecodePolicy, DecodeStats, PastToken
+from services.engine.decode import DENSE, DecodePolicy, DecodeStats, Offload, PastToken, QueryTap
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.chunk_cache import ChunkEntry
 from services.modes import MODES  # noqa: F401 - named here for its importers
@@ -75,6 +75,8 @@ class Sequence:
     decode: DecodePolicy = DENSE  # how its decode steps attend (services/engine/decode)
     decode_stats: DecodeStats = field(default_factory=DecodeStats)  # what its decode steps read
     past: list[PastToken] = field(default_factory=list)  # RetroAttention's window (decode/retro.py), oldest first
+    prefill_queries: QueryTap | None = None  # its prefill pass's queries, until a retrieval decode indexes them
+    offload: Offload | None = None  # what a retrieval decode keeps off the GPU (decode/retrieval.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,12 +23,16 @@ class DecodePolicy:
 
     name: str = "base"
     replays_graph: bool = False
+    taps_queries: bool = False   # whether ``prepare`` reads the prefill pass's queries (Sequence.prefill_queries)
 
     def check(self, block_size: int, num_layers: int) -> None:
         """ValueError naming the field for a parameter this engine cannot serve (nothing, unless a policy says)."""
 
     def prepare(self, fwd: Forward, seq: Sequence) -> None:
         """Once, when ``seq`` starts decoding under this policy (after its prefill or import)."""
+
+    def release(self, fwd: Forward, seq: Sequence) -> None:
+        """When ``seq`` is released: what ``prepare`` made for it elsewhere is dropped."""
 
     def begin(self, fwd: Forward, seqs: list[Sequence]) -> PolicyStep:
         """One decode step of ``seqs`` (this policy's rows of the batch). The step's sequences have their new

@@ -264,6 +264,7 @@ def _blend_layers(fwd, rt: RequestTables, base, copy, full_extra, n_keep, blend,
             table = pre_table
             fwd.pool.write(layer, rt.w_block, rt.w_slot, k, v)
         tables.append(table)
+        fwd.tap(layer, q)
         # every token in order against its own keys, which the table holds (for layer 0, the cache holds the
         # same values): plain causal attention over the fresh K/V, nothing gathered
         h = fwd.model.finish_layer(layer, h, self_causal(q, k, v, fwd.model.scale))

@@ -67,11 +67,15 @@ class Forward:
         self.id_tails = None  # ratio-0 reuse passes' tails, made on first use (reuse_tail.py)
         self.blend_tails = None  # ratio > 0 reuse passes' whole-pass graphs, likewise (blend_tail.py)
         self.decode_graphs = None  # decode steps' graphs per batch bucket, likewise (graphs/decode.py)
+        # while a request's own pass runs for a retrieval decode: its queries are kept (decode/retrieval.py QueryTap)
+        self.query_tap = None
+        self.indexes = None  # offloaded K/V and their indexes (services/index/heads.py IndexSet), made on first use
         self._chunk_tables: OrderedDict[tuple, BlockTable] = OrderedDict()  # see chunk_table
 
     def static_tail(self, n_tokens: int) -> bool:
         """Whether a pass of n_tokens active tokens replays its remaining layers as a static tail."""
-        return self.tails is not None and n_tokens <= STATIC_MAX_TOKENS and self._settled()
+        return (self.tails is not None and n_tokens <= STATIC_MAX_TOKENS and self.query_tap is None
+                and self._settled())
 
     def tail(self, first: int, h, pos, table: BlockTable, w_block, w_slot, causal: bool | None = None,
               tokens: torch.Tensor | None = None):
@@ -105,7 +109,13 @@ class Forward:
     def attend(self, layer: int, q, q_pos, table: BlockTable, causal: bool | None = None):
         """``causal``: True when the caller knows that the table's visible keys, in entry order, are exactly
         the queries' positions (plain causal attention), False when they are not, None to have it checked."""
+        self.tap(layer, q)
         return self.attention.prefill(layer, q, q_pos, table, causal=causal)
+
+    def tap(self, layer: int, q) -> None:
+        """A pass's queries at ``layer`` [T, Hq, D] (rotated at global positions), to the query tap if one is set."""
+        if self.query_tap is not None:
+            self.query_tap(layer, q)
 
     def chunk_ids(self, entry: ChunkEntry, tokens: list[int]) -> torch.Tensor:
         """The chunk's token ids on the device, int64 [length], memoised on the entry (named by them)."""
@@ -197,6 +207,7 @@ class Forward:
         self.pool.slot_pos[block, slot] = pos.to(torch.int32)
         ids = host_to_device(tokens, torch.long, self.device)
         gate, self.gate = self.gate, None  # a chunk computed alone waits on nothing
+        tap, self.query_tap = self.query_tap, None  # and its queries, in its own frame, are not the request's
         try:
             if self.tails is not None and len(tokens) <= STATIC_MAX_TOKENS:
                 # replayed as a CUDA graph: every layer, the last one's output unused (one layer of
@@ -205,7 +216,7 @@ class Forward:
             else:
                 self.run_layers(ids, pos, [table] * self.cfg.num_layers, block, slot, skip_last_layer=True, causal=True)
         finally:
-            self.gate = gate
+            self.gate, self.query_tap = gate, tap
 
     def insert_chunk(self, key: str, tokens_or_length, layers) -> ChunkEntry:
         """Write a chunk's KV, a stream of ``StreamedLayer`` (k, v [L, Hkv, D], keys at local positions); pinned."""

@@ -1,0 +1,159 @@
+"""Retrieval decode benchmark (GPU + the host's cores): RetrievalAttention's decode step against our dense decode, in
+one run on one machine.
+
+Llama-3-8B shape, random weights, bf16, Triton backend. A sequence's context is C tokens of 512-token chunks with
+random normal KV (inserted as the store would hand them) and a 64-token suffix whose prefill queries train the
+indexes (the engine's query tap). Per context it reports:
+
+- the retrieval sequence's start: offloading every layer's K/V outside the static set to host memory and building
+  its indexes (one per layer and KV head, on the host's cores);
+- the whole decode step, as the decode batcher runs it (``Engine.decode_step`` and a greedy pick read back): dense
+  (replayed as a CUDA graph, the default) against retrieval (k, sink, window as given), medians over --steps steps,
+  with the share of a retrieval step spent in the CPU searches and attention;
+- the floor of the dense step: the bytes it must read (weights once, every page's K/V) at the device's copy
+  bandwidth measured in the same run.
+
+Random keys make no statement about recall (tests/index and bench/index measure that on trained models' Q/K);
+this measures time.
+
+    python3 bench/decode/retrieval.py --contexts 32768,131072 --out bench/decode/DATE_DEVICE_COMMIT_retrieval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.decode.decode import hbm_floor_seconds  # noqa: E402
+from bench.decode.sparse import CHUNK, random_state  # noqa: E402
+from bench.engine.engine import LLAMA3_8B  # noqa: E402
+from services.engine import Engine, ModelConfig  # noqa: E402
+from services.engine.decode import QueryTap, RetrievalDecode  # noqa: E402
+
+
+def one_sequence(eng, context: int, seed: int, decode):
+    """A sequence of ``context`` chunk tokens (random KV inserted per chunk) and a 64-token suffix, prefilled with
+    its queries tapped and started under ``decode``: (sequence, first token, seconds its start took)."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = eng.cfg
+    chunks = []
+    for _ in range((context - 128) // CHUNK):
+        tokens = torch.randint(0, 128000, (CHUNK,), generator=g).tolist()
+        kv = [(torch.randn(CHUNK, cfg.num_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16),
+               torch.randn(CHUNK, cfg.num_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16))
+              for _ in range(cfg.num_layers)]
+        eng.insert_chunk(eng.chunk_id(tokens), tokens, kv)
+        chunks.append(tokens)
+    suffix = torch.randint(0, 128000, (64,), generator=g).tolist()
+    tap = QueryTap()
+    eng.forward.query_tap = tap
+    try:
+        logits, seq, _ = eng._prefill(chunks, suffix, "tessera", 0.0)
+    finally:
+        eng.forward.query_tap = None
+    seq.prefill_queries = tap
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    eng.start_decode(seq, decode)
+    return seq, int(logits.argmax()), time.perf_counter() - t0
+
+
+def time_steps(eng, seq, tok: int, steps: int) -> tuple[list[float], int]:
+    cur = [tok]
+    for _ in range(3):
+        cur = eng.decode_step([seq], cur).argmax(-1).tolist()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        cur = eng.decode_step([seq], cur).argmax(-1).tolist()
+        samples.append(time.perf_counter() - t0)
+    return samples, cur[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--k", type=int, default=100)
+    ap.add_argument("--sink", type=int, default=128)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--kv-gib", type=float, default=40.0)
+    args = ap.parse_args()
+    hf_cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers)
+    cfg = ModelConfig.from_hf_dict(hf_cfg)
+    state = random_state(hf_cfg, args.layers)
+    weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
+                                 kv_cache_bytes=int(args.kv_gib * 2**30), chunk_cache_bytes=int(args.kv_gib * 2**30),
+                                 static_tails=True)
+    del state
+    torch.cuda.empty_cache()
+    floor_per_byte = hbm_floor_seconds(1 << 30) / (1 << 30)
+    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                         text=True).stdout.strip()
+    from services.index.heads import IndexSet
+
+    eng.forward.indexes = IndexSet(threads=os.cpu_count() or 4)
+    results = {"device": torch.cuda.get_device_name(), "cpu_cores": os.cpu_count(), "torch": torch.__version__,
+               "date": time.strftime("%Y-%m-%d"), "commit": commit, "layers": args.layers, "k": args.k,
+               "sink_tokens": args.sink, "window_tokens": args.window, "weight_bytes": weight_bytes,
+               "copy_bandwidth_gb_s": 1e-9 / floor_per_byte, "rows": []}
+    print(f"{results['device']}, {results['cpu_cores']} CPU cores: copy bandwidth {1e-9 / floor_per_byte:.0f} GB/s",
+          flush=True)
+    policy = RetrievalDecode(retrieval_k=args.k, sink_tokens=args.sink, window_tokens=args.window)
+    page_bytes = eng.pool.block_bytes
+    for context in (int(c) for c in args.contexts.split(",")):
+        row = {"context": context}
+        print(f"context {context}", flush=True)
+        seqs = []
+        try:
+            seq, tok, _ = one_sequence(eng, context, context, eng.decode_policy("dense"))
+            seqs.append(seq)
+            dense, _ = time_steps(eng, seq, tok, args.steps)
+            floor = weight_bytes + sum(t.num_entries for t in seq.layer_tables) // cfg.num_layers * page_bytes
+            eng.release(seq)
+            seq, tok, start_s = one_sequence(eng, context, context, policy)
+            seqs.append(seq)
+            before = seq.decode_stats.retrieval_seconds
+            samples, _ = time_steps(eng, seq, tok, args.steps)
+            cpu = (seq.decode_stats.retrieval_seconds - before) / (args.steps + 3)
+            st = seq.decode_stats
+            row |= {"dense_ms": statistics.median(dense) * 1e3, "dense_floor_ms": floor * floor_per_byte * 1e3,
+                    "retrieval_ms": statistics.median(samples) * 1e3, "retrieval_p90_ms":
+                    sorted(samples)[int(0.9 * (len(samples) - 1))] * 1e3, "retrieval_cpu_ms_per_step": cpu * 1e3,
+                    "start_seconds": start_s, "offloaded_tokens_per_layer": seq.offload.offloaded[-1],
+                    "keys_scanned_per_step": st.keys_scanned / max(1, st.steps),
+                    "host_kv_bytes": eng.forward.indexes.held()[1], "index_bytes": eng.forward.indexes.held()[2]}
+            print(f"  dense {row['dense_ms']:.2f} ms (floor {row['dense_floor_ms']:.2f}); retrieval "
+                  f"{row['retrieval_ms']:.2f} ms/token ({cpu * 1e3:.2f} ms of it on the CPU); start "
+                  f"{start_s:.1f} s for {row['offloaded_tokens_per_layer']} keys a layer", flush=True)
+        except Exception as exc:   # report and go on
+            row["error"] = repr(exc)[:2000]
+            print(f"  failed: {exc!r}"[:1500], flush=True)
+        finally:
+            for s in seqs:
+                eng.release(s)
+            eng.cache.clear()
+            torch.cuda.empty_cache()
+        results["rows"].append(row)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Retrieval decode (decode="retrieval", RetrievalAttention): each query attends a small static set of pages on the GPU
+and the top ``retrieval_k`` keys of everything else, found by an attention-aware index on the CPU; the two partial
+results merge by log-sum-exp.
+
+Static set, per layer (whole pages: a page is static when any token it shows is): the pages showing the sequence's
+first ``sink_tokens`` positions, those showing its prompt's last ``window_tokens`` positions, and every generated
+token's page. Every other token the layer's table shows is offloaded: when the sequence starts decoding
+(``prepare``), its keys, rotated to their global positions (a shared chunk's keys are cached at chunk-local ones: the
+entry's offset rotates them, as the attention kernels do), and its values go to the index set (services/index/heads),
+which builds one ``AttentionIndex`` per (layer, KV head) from the prefill pass's queries at that layer (the engine
+taps them while the pass runs: ``QueryTap``). So the static set and the offloaded keys partition what the layer
+shows, and attention over both, merged, is attention over every key:
+    softmax over S ∪ O  =  merge((out_S, lse_S), (out_O, lse_O))      (kernels/lse_merge)
+with out_O over the retrieved keys only: exact when ``retrieval_k`` covers every offloaded key.
+
+At a step, layer by layer: the query rows go to the host first (a pinned copy, waited for alone), the static set's
+attention is issued on the GPU, and the CPU searches and attends while it runs.
+
+Not yet (issue #22): the offloaded keys stay resident on the GPU too (nothing is freed: a context larger than the GPU
+is not served yet); a hand-off carries no queries, so ``import_handoff`` refuses this policy; indexes are per sequence,
+not reused per chunk.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kernels import sparse
+from kernels.lse_merge import merge_attention
+from kernels.rope import rope_cos_sin, rotate
+from services.checks import check_int
+from services.engine.decode.policy import DecodePolicy, PolicyStep
+
+# NOTE: the prefill queries kept per layer for the index (evenly strided over each tapped call): every query of
+# an 8B-shaped model at 128K would be 32 GB; RoarGraph-style graphs need a sample of the query distribution only
+TRAIN_QUERIES = 2048
+
+_owners = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class RetrievalDecode(DecodePolicy):
+    """retrieval_k: keys retrieved per query head and layer; sink_tokens, window_tokens: the prompt's first and last
+    positions kept on the GPU (rounded out to whole pages), beside every generated token."""
+
+    retrieval_k: int = 100
+    sink_tokens: int = 128
+    window_tokens: int = 512
+    name = "retrieval"
+    replays_graph = False     # a step waits for the host at every layer
+    taps_queries = True       # its index is built from the prefill pass's queries (Engine.generate taps them)
+
+    def __post_init__(self) -> None:
+        check_int("retrieval_k", self.retrieval_k, 1)
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("window_tokens", self.window_tokens, 0)
+
+    def prepare(self, fwd, seq) -> None:
+        offload(fwd, seq, self)
+
+    def begin(self, fwd, seqs):
+        return RetrievalStep(self, fwd, seqs)
+
+    def release(self, fwd, seq) -> None:
+        if seq.offload is not None and fwd.indexes is not None:
+            fwd.indexes.drop(seq.offload.owner)
+
+
+class QueryTap:
+    """The queries a prefill pass computes, per layer, rotated at their global positions, at most ``cap`` a layer
+    (evenly strided within each call). Set as ``Forward.query_tap`` while a request's own pass runs (never while a
+    chunk is computed alone: its queries are in the chunk's frame)."""
+
+    def __init__(self, cap: int = TRAIN_QUERIES):
+        self.cap = cap
+        self.layers: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, layer: int, q: torch.Tensor) -> None:
+        stride = max(1, -(-q.shape[0] // self.cap))
+        self.layers.setdefault(layer, []).append(q[::stride].detach().clone())
+
+    def queries(self, layer: int) -> torch.Tensor | None:
+        """[M, Hq, D] (M <= cap), or None if the layer was not tapped."""
+        parts = self.layers.get(layer)
+        if not parts:
+            return None
+        q = torch.cat(parts)
+        return q[::max(1, -(-q.shape[0] // self.cap))]
+
+
+@dataclass(slots=True)
+class Offload:
+    """A retrieval sequence's offloaded part: owner (its name in the index set), static [L]: per layer the entry
+    indices (int64, within its layer table) kept on the GPU, offloaded [L]: keys offloaded per KV head."""
+
+    owner: str
+    static: list[np.ndarray]
+    offloaded: list[int] = field(default_factory=list)
+
+
+def offload(fwd, seq, policy: RetrievalDecode) -> None:
+    """Split each layer's table into the static pages and the offloaded tokens, and hand the latter (keys at global
+    positions, values, the tapped queries) to the index set."""
+    if seq.prefill_queries is None:
+        raise ValueError("decode='retrieval' needs the prefill pass's queries to build its index: it is served by "
+                         "Engine.generate, not yet after a hand-off")
+    if fwd.indexes is None:
+        from services.index.heads import IndexSet   # numba and faiss load with the first retrieval sequence
+
+        fwd.indexes = IndexSet()
+    pool, model, bs = fwd.pool, fwd.model, fwd.bs
+    hq, hkv = fwd.cfg.num_heads, fwd.cfg.num_kv_heads
+    g = hq // hkv
+    prompt = seq.next_pos
+    owner = f"seq{next(_owners)}"
+    off = Offload(owner, [])
+    bits = torch.arange(bs, device=fwd.device, dtype=torch.int64)
+    split: dict[int, tuple] = {}   # per distinct table object: (static entries, offloaded blocks, slots, offsets)
+    try:
+        for layer, table in enumerate(seq.layer_tables):
+            if id(table) not in split:
+                ids = table.block_ids.long()
+                gpos = table.offsets.long()[:, None] + pool.slot_pos[ids].long()               # [E, BS]
+                shown = ((table.masks.long()[:, None] >> bits) & 1).bool()
+                keep = shown & ((gpos < policy.sink_tokens) | (gpos >= prompt - policy.window_tokens))
+                static = keep.any(1)
+                rows, slots = (shown & ~static[:, None]).nonzero(as_tuple=True)
+                split[id(table)] = (static.nonzero().squeeze(1).cpu().numpy(), ids[rows], slots,
+                                    table.offsets.long()[rows])
+            static, blocks, slots, offsets = split[id(table)]
+            cos, sin = rope_cos_sin(offsets, model.inv_freq)
+            k = rotate(pool.k[layer][blocks, slots].float(), cos[:, None, :], sin[:, None, :])   # [N, Hkv, D]
+            v = pool.v[layer][blocks, slots].float()
+            q = seq.prefill_queries.queries(layer)
+            if q is None:
+                raise ValueError(f"no prefill queries were tapped at layer {layer}")
+            train = q.float().reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
+            fwd.indexes.add(owner, layer, k.permute(1, 0, 2).cpu().numpy(), v.permute(1, 0, 2).cpu().numpy(),
+                            train.cpu().numpy())
+            off.static.append(static)
+            off.offloaded.append(int(blocks.shape[0]))
+    except BaseException:
+        fwd.indexes.drop(owner)
+        raise
+    seq.offload = off
+    seq.prefill_queries = None   # the index holds what it needs
+
+
+class RetrievalStep(PolicyStep):
+    """One decode step of a group of retrieval sequences."""
+
+    def __init__(self, policy: RetrievalDecode, fwd, seqs):
+        super().__init__(policy, fwd, seqs)
+        n = len(seqs)
+        self.scanned = np.zeros(n, np.int64)
+        self.seconds = 0.0
+        self.static_read = [0] * n
+        self.visible = [s.decode_stats.visible(s, fwd.cfg.num_layers, fwd.cfg.num_kv_heads) for s in seqs]
+        self.owners = [s.offload.owner for s in seqs]
+
+    def _selection(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static entries of each row at ``layer`` (its table's, then every generated block), as the sparse
+        attention's sel [B, Hkv, K] int32 and count [B, Hkv] int32."""
+        hkv = self.fwd.cfg.num_kv_heads
+        rows, base = [], 0
+        for s in self.seqs:   # global entry indices: each row's entries follow the rows before it (_step_table)
+            n_table = s.layer_tables[layer].num_entries
+            rows.append(base + np.concatenate([s.offload.static[layer],
+                                               np.arange(n_table, n_table + len(s.gen_blocks))]))
+            base += n_table + len(s.gen_blocks)
+        width = max(1, max(len(r) for r in rows))
+        sel = np.full((len(rows), hkv, width), -1, np.int32)
+        for i, r in enumerate(rows):
+            sel[i, :, :len(r)] = r
+            self.static_read[i] += hkv * len(r)
+        count = np.array([[len(r)] * hkv for r in rows], np.int32)
+        dev = self.fwd.device
+        return torch.from_numpy(sel).to(dev), torch.from_numpy(count).to(dev)
+
+    def attend(self, layer, q, table, cu_entries):
+        fwd, model, pool = self.fwd, self.fwd.model, self.fwd.pool
+        on_gpu = q.device.type == "cuda"
+        # the queries to the host first (a pinned copy on the stream: waiting for it waits for nothing after it)
+        q_host = torch.empty(q.shape, dtype=torch.float32, pin_memory=on_gpu)
+        q_host.copy_(q, non_blocking=on_gpu)
+        copied = torch.cuda.Event() if on_gpu else None
+        if copied is not None:
+            copied.record()
+        sel, count = self._selection(layer)
+        out_s, lse_s = sparse.sparse_decode_attention(q, pool.k[layer], pool.v[layer], table.block_ids,
+                                                      table.offsets, table.masks, sel, count, model.inv_freq,
+                                                      model.scale, backend=fwd.backend)
+        if copied is not None:
+            copied.synchronize()
+        ans = fwd.indexes.attend(layer, self.owners, q_host.numpy(), self.policy.retrieval_k, model.scale)
+        self.scanned += ans.scanned
+        self.seconds += ans.seconds
+        out_c = torch.from_numpy(ans.out).to(q.device, non_blocking=on_gpu)
+        lse_c = torch.from_numpy(ans.lse).to(q.device, non_blocking=on_gpu)
+        out, _ = merge_attention(torch.stack([out_s.float(), out_c]), torch.stack([lse_s, lse_c]),
+                                 backend=fwd.backend)
+        return out.to(q.dtype)
+
+    def end(self) -> None:
+        for s, visible, read, scanned in zip(self.seqs, self.visible, self.static_read, self.scanned.tolist()):
+            s.decode_stats.add(visible, read)
+            s.decode_stats.keys_scanned += scanned
+        if self.seqs:   # the step's retrieval time, counted once per sequence of the group
+            for s in self.seqs:
+                s.decode_stats.retrieval_seconds += self.seconds

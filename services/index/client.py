@@ -1,0 +1,83 @@
+"""Synchronous client of the retrieval-index service, with the same calls as an in-process ``IndexSet`` (``add``,
+``attend``, ``drop``, ``has``, ``held``), so a decode engine uses either as its index set.
+
+An offload streams its keys, values and training queries as float32 bytes in ~1 MiB parts after a header carrying
+their CRC32; a search sends one layer's queries of the whole batch and receives each row's partial attention. Every
+call carries a deadline (``timeout`` seconds). Server errors surface as ``grpc.RpcError`` with the status code.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import grpc
+import numpy as np
+
+from services.index.heads import Answer
+from services.index.server import as_tensor
+from services.rpc import index_pb2 as pb
+from services.rpc import index_pb2_grpc as pb_grpc
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
+PART_BYTES = 1 << 20
+
+
+class IndexClient:
+    """The index service at ``address`` ("host:port"). ``tls``: this caller's ClusterTLS (mutual TLS; the service
+    must prove the index role), None: a plain channel."""
+
+    def __init__(self, address: str, *, timeout: float = 30.0, tls=None) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.address, self.timeout = address, timeout
+        self._channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if tls is None else
+                         grpc.secure_channel(address, tls.channel_credentials(),
+                                             options=[*CHANNEL_OPTIONS, *tls.channel_options("index")]))
+        self._stub = pb_grpc.RetrievalIndexStub(self._channel)
+
+    def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray) -> int:
+        """As ``IndexSet.add``; returns the indexes' bytes."""
+        keys, values = np.ascontiguousarray(keys, "<f4"), np.ascontiguousarray(values, "<f4")
+        train = np.ascontiguousarray(train_queries, "<f4")
+        body = b"".join(a.tobytes() for a in (keys, values, train))
+        header = pb.OffloadHeader(owner=owner, layer=layer, kv_shape=list(keys.shape), train_shape=list(train.shape),
+                                  crc32=zlib.crc32(body))
+
+        def parts():
+            yield pb.OffloadPart(header=header)
+            view = memoryview(body)
+            for at in range(0, len(body), PART_BYTES):
+                yield pb.OffloadPart(data=bytes(view[at:at + PART_BYTES]))
+
+        return self._stub.Offload(parts(), timeout=self.timeout).index_bytes
+
+    def attend(self, layer: int, owners: list[str], queries: np.ndarray, k: int, scale: float,
+               beam: int | None = None) -> Answer:
+        """As ``IndexSet.attend``: one layer of a decode step for every row."""
+        req = pb.SearchRequest(layer=layer, owners=owners, queries=as_tensor(queries), k=k, scale=scale)
+        if beam is not None:
+            req.beam = beam
+        reply = self._stub.Search(req, timeout=self.timeout)
+        # copies: the reply is small, and its arrays are the caller's to write
+        out = np.frombuffer(reply.out.data, "<f4").reshape(tuple(reply.out.shape)).copy()
+        lse = np.frombuffer(reply.lse.data, "<f4").reshape(tuple(reply.lse.shape)).copy()
+        return Answer(out, lse, np.asarray(reply.scanned, np.int64), reply.seconds)
+
+    def drop(self, owner: str) -> int:
+        return self._stub.Drop(pb.DropRequest(owner=owner), timeout=self.timeout).layers
+
+    def held(self) -> tuple[int, int, int]:
+        s = self._stub.Status(pb.IndexStatusRequest(), timeout=self.timeout)
+        return s.owners, s.kv_bytes, s.index_bytes
+
+    def nbytes(self) -> int:
+        return self.held()[1]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "IndexClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,175 @@
+"""Offloaded K/V and their indexes, and RetrievalAttention's CPU half: attention over the keys retrieved for a query.
+
+What a retrieval decode keeps off the GPU, per (owner, layer, KV head): the keys, float32 [N, D], rotated in one frame
+(a sequence's own: its global positions), the values [N, D], and an ``AttentionIndex`` over the keys built from
+training queries in the same frame. At every decode step and layer, each query head searches its KV head's index for
+its top-k keys by inner product; the attention over those keys alone is returned as a partial result, the output
+(softmax-weighted values, [D]) and its log-sum-exp, which the caller merges with the GPU's partial result over the
+static set (kernels/lse_merge). Scores are scaled logits, q·k·scale, as the GPU kernels compute them, so that the two
+log-sum-exps are in the same units.
+
+``IndexSet`` serves many owners at once and searches the (row, KV head) pairs of one call in parallel threads (the
+index's search and numpy's matmuls release the GIL). The retrieval-index service (server.py) serves the same object
+over gRPC; the engine's in-process decode path calls it directly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.index.graph import AttentionIndex
+
+
+@dataclass(frozen=True, slots=True)
+class HeadKV:
+    """One (owner, layer, KV head): keys and values float32 [N, D] (N >= 1) and the index over the keys."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    index: AttentionIndex
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def index_bytes(self) -> int:
+        return self.index.nbytes
+
+
+def partial_attention(head: HeadKV, queries: np.ndarray, k: int, scale: float,
+                      beam: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """queries float32 [G, D] (the query heads sharing this KV head, rotated in the keys' frame) -> attention over each
+    one's top-k retrieved keys: out float32 [G, D], lse float32 [G] (natural log of the summed exp of the scaled logits),
+    and the keys scored by the search (summed over the G queries)."""
+    kw = {} if beam is None else {"beam": beam}
+    ids, scanned = head.index.search(queries, k=k, **kw)            # [G, k] int64, -1 padded
+    valid = ids >= 0
+    picked = ids.clip(min=0)
+    keys, values = head.keys[picked], head.values[picked]          # [G, k, D]
+    logits = np.einsum("gd,gkd->gk", queries, keys) * np.float32(scale)
+    logits = np.where(valid, logits, -np.inf)
+    top = logits.max(axis=1, keepdims=True)                        # finite: every query retrieves a key (N >= 1)
+    p = np.exp(logits - top)
+    total = p.sum(axis=1)
+    out = np.einsum("gk,gkd->gd", p / total[:, None], values)
+    lse = top[:, 0] + np.log(total)
+    return out.astype(np.float32, copy=False), lse.astype(np.float32, copy=False), int(np.asarray(scanned).sum())
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One search call's reply: out float32 [B, Hq, D] and lse float32 [B, Hq] (-inf and 0 where a row's owner has no
+    offloaded key at that layer), scanned int64 [B] (keys scored for each row, over its heads), seconds (wall time)."""
+
+    out: np.ndarray
+    lse: np.ndarray
+    scanned: np.ndarray
+    seconds: float
+
+
+class IndexSet:
+    """Offloaded K/V and indexes of many owners (a sequence, later a chunk), by (owner, layer, KV head).
+
+    ``threads``: searches run at once in one call (the service's cores)."""
+
+    def __init__(self, threads: int = 4):
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        self._heads: dict[tuple[str, int], list[HeadKV | None]] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="index-search")
+
+    def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray) -> int:
+        """keys, values float32 [Hkv, N, D]; train_queries float32 [Hkv, M, D] (queries in the keys' frame, per the KV
+        head they read). N may be 0 (nothing offloaded at this layer: searches of it return nothing). Replaces what
+        the owner had at that layer; returns the indexes' bytes."""
+        keys, values = np.ascontiguousarray(keys, np.float32), np.ascontiguousarray(values, np.float32)
+        train = np.ascontiguousarray(train_queries, np.float32)
+        if keys.ndim != 3 or values.shape != keys.shape:
+            raise ValueError(f"keys and values must both be [Hkv, N, D], got {keys.shape} and {values.shape}")
+        if train.ndim != 3 or train.shape[0] != keys.shape[0] or train.shape[2] != keys.shape[2]:
+            raise ValueError(f"train_queries must be [Hkv, M, D] with Hkv, D = {keys.shape[0]}, {keys.shape[2]}, "
+                             f"got {train.shape}")
+        if keys.shape[1] == 0:
+            heads: list[HeadKV | None] = [None] * keys.shape[0]
+        else:   # the KV heads' indexes build in parallel (their compiled loops release the GIL)
+            built = self._pool.map(lambda h: AttentionIndex.build(keys[h], train[h], threads=1), range(keys.shape[0]))
+            heads = [HeadKV(keys[h], values[h], index) for h, index in enumerate(built)]
+        with self._lock:
+            self._heads[(owner, layer)] = heads
+        return sum(h.index_bytes for h in heads if h is not None)
+
+    def has(self, owner: str, layer: int) -> bool:
+        with self._lock:
+            return (owner, layer) in self._heads
+
+    def held(self) -> tuple[int, int, int]:
+        """(owners, offloaded K/V bytes, index bytes) held now."""
+        with self._lock:
+            heads = [h for hs in self._heads.values() for h in hs if h is not None]
+            owners = len({key[0] for key in self._heads})
+        return owners, sum(h.nbytes for h in heads), sum(h.index_bytes for h in heads)
+
+    def drop(self, owner: str) -> int:
+        """Forget an owner's K/V and indexes; returns the (layer) entries dropped."""
+        with self._lock:
+            gone = [key for key in self._heads if key[0] == owner]
+            for key in gone:
+                del self._heads[key]
+        return len(gone)
+
+    def __contains__(self, owner: str) -> bool:
+        with self._lock:
+            return any(key[0] == owner for key in self._heads)
+
+    def nbytes(self) -> int:
+        """Bytes of offloaded K/V held (the indexes' own bytes not counted)."""
+        return self.held()[1]
+
+    def attend(self, layer: int, owners: list[str], queries: np.ndarray, k: int, scale: float,
+               beam: int | None = None) -> Answer:
+        """One layer of a decode step: row b's queries [Hq, D] (float32 [B, Hq, D], query head j reading KV head
+        j // (Hq / Hkv)) search owner b's indexes at ``layer``; KeyError naming the owner and layer when one is not
+        held, ValueError for a malformed call."""
+        t0 = time.perf_counter()
+        queries = np.ascontiguousarray(queries, np.float32)
+        if queries.ndim != 3 or queries.shape[0] != len(owners):
+            raise ValueError(f"queries must be [B, Hq, D] with B = {len(owners)} owners, got {queries.shape}")
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        with self._lock:
+            rows = [self._heads.get((o, layer)) for o in owners]
+        for o, heads in zip(owners, rows):
+            if heads is None:
+                raise KeyError(f"no offloaded K/V for {o!r} at layer {layer}")
+        b, hq, d = queries.shape
+        out = np.zeros((b, hq, d), np.float32)
+        lse = np.full((b, hq), -np.inf, np.float32)
+        scanned = np.zeros(b, np.int64)
+        jobs = []
+        for i, heads in enumerate(rows):
+            hkv = len(heads)
+            if hq % hkv:
+                raise ValueError(f"{hq} query heads do not share {hkv} KV heads evenly")
+            g = hq // hkv
+            for h, head in enumerate(heads):
+                if head is None:
+                    continue
+                if head.keys.shape[1] != d:
+                    raise ValueError(f"queries have head_dim {d}, the keys of {owners[i]!r} have {head.keys.shape[1]}")
+                rows_q = slice(h * g, (h + 1) * g)
+                jobs.append((i, rows_q, self._pool.submit(partial_attention, head, queries[i, rows_q], k, scale, beam)))
+        for i, rows_q, job in jobs:
+            o, s, n = job.result()
+            out[i, rows_q], lse[i, rows_q] = o, s
+            scanned[i] += n
+        return Answer(out, lse, scanned, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

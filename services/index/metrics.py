@@ -1,0 +1,51 @@
+"""Prometheus metrics of one retrieval-index process; names ``tessera_index_*`` in base units.
+
+What it holds is read from the index set at scrape time (one source of truth for ``/metrics`` and the Status RPC);
+build and search latencies are histograms with explicit buckets; keys scanned is a counter, from which a reader
+computes keys per search.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+SEARCH_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+BUILD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _HeldCollector:
+    def __init__(self, indexes) -> None:
+        self._indexes = indexes
+
+    def collect(self):
+        owners, kv, graph = self._indexes.held()
+        yield GaugeMetricFamily("tessera_index_owners", "Owners (sequences) with offloaded K/V held", value=owners)
+        yield GaugeMetricFamily("tessera_index_kv_bytes", "Offloaded K/V bytes held", value=kv)
+        yield GaugeMetricFamily("tessera_index_index_bytes", "Bytes of the indexes over them", value=graph)
+
+
+class IndexMetrics:
+    def __init__(self, indexes, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.registry.register(_HeldCollector(indexes))
+        self.build_seconds = Histogram("tessera_index_build_seconds", "Building one (owner, layer)'s indexes",
+                                       buckets=BUILD_BUCKETS, registry=self.registry)
+        self.search_seconds = Histogram("tessera_index_search_seconds",
+                                        "One Search call: a layer of a decode step for every row of the batch",
+                                        buckets=SEARCH_BUCKETS, registry=self.registry)
+        self.keys_scanned = Counter("tessera_index_keys_scanned", "Keys scored by searches", registry=self.registry)
+        self.keys_offloaded = Counter("tessera_index_keys_offloaded", "Keys offloaded and indexed",
+                                      registry=self.registry)
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Expose /metrics on ``addr:port`` (0 picks a free port); returns the port."""
+        from services.cluster.serving import serve_metrics
+
+        self._http, port = serve_metrics(self.registry, addr, port)
+        return port
+
+    def stop_http(self) -> None:
+        if getattr(self, "_http", None) is not None:
+            self._http.shutdown()
+            self._http = None

@@ -1,0 +1,275 @@
+"""The retrieval-index service (proto/index.proto): gRPC over an ``IndexSet``, its async factory and a background
+runner for synchronous callers (tests, a Ray actor).
+
+Status codes: a malformed request (shapes, sizes, owner name, k, scale, non-finite values) INVALID_ARGUMENT naming
+what is wrong; an Offload whose bytes fail the header's checksum or fall short DATA_LOSS; an Offload of an (owner,
+layer) already held ALREADY_EXISTS (offloads are write-once: drop first); a Search naming an owner not held at the
+layer NOT_FOUND. A refused call stores nothing and changes nothing held. Builds and searches run on worker threads,
+so the event loop keeps answering while one runs. With the cluster's mutual TLS on, only prefill and decode
+workers offload and drop, only decode workers search (services/cluster/security.py POLICY).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+import zlib
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.index.heads import IndexSet
+from services.index.metrics import IndexMetrics
+from services.rpc import index_pb2 as pb
+from services.rpc import index_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RetrievalIndex"].full_name
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
+OWNER = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_LAYERS = 1024
+MAX_HEAD_DIM = 1024
+MAX_K = 65536
+MAX_OFFLOAD_BYTES = 64 << 30   # one (owner, layer): keys, values and training queries
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def as_tensor(arr: np.ndarray) -> pb.Tensor:
+    arr = np.ascontiguousarray(arr, dtype="<f4")
+    return pb.Tensor(shape=list(arr.shape), data=arr.tobytes())
+
+
+def from_tensor(t: pb.Tensor, what: str, ndim: int) -> np.ndarray:
+    """The float32 array a Tensor message holds; Refused(INVALID_ARGUMENT) naming ``what`` when malformed."""
+    shape = tuple(int(s) for s in t.shape)
+    if len(shape) != ndim:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what} must have {ndim} dimensions, got shape {list(shape)}")
+    if len(t.data) != 4 * int(np.prod(shape, dtype=np.int64)):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"{what} of shape {list(shape)} needs {4 * int(np.prod(shape))} bytes, got {len(t.data)}")
+    arr = np.frombuffer(t.data, dtype="<f4").reshape(shape)
+    if not np.isfinite(arr).all():
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what} holds non-finite values")
+    return arr
+
+
+def check_owner(owner: str) -> None:
+    if not OWNER.fullmatch(owner):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"owner must be 1-128 characters of [A-Za-z0-9._:-], got {owner[:40]!r}")
+
+
+def check_offload_header(h: pb.OffloadHeader) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(kv shape, train shape) of a well-formed header, else Refused(INVALID_ARGUMENT)."""
+    check_owner(h.owner)
+    if h.layer >= MAX_LAYERS:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"layer must be below {MAX_LAYERS}, got {h.layer}")
+    kv, train = tuple(h.kv_shape), tuple(h.train_shape)
+    if len(kv) != 3 or len(train) != 3:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"kv_shape and train_shape must be [Hkv, N, D] and [Hkv, M, D], got {list(kv)} and {list(train)}")
+    if kv[0] < 1 or not 1 <= kv[2] <= MAX_HEAD_DIM or train[0] != kv[0] or train[2] != kv[2]:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"kv_shape {list(kv)} and train_shape {list(train)} must share Hkv >= 1 and D in 1..{MAX_HEAD_DIM}")
+    if kv[1] > 0 and train[1] < 1:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "offloaded keys need at least one training query")
+    if offload_bytes(kv, train) > MAX_OFFLOAD_BYTES:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"an offload is at most {MAX_OFFLOAD_BYTES} bytes")
+    return kv, train
+
+
+def offload_bytes(kv, train) -> int:
+    return 4 * (2 * int(np.prod(kv, dtype=np.int64)) + int(np.prod(train, dtype=np.int64)))
+
+
+class IndexServicer(pb_grpc.RetrievalIndexServicer):
+    def __init__(self, indexes: IndexSet, metrics: IndexMetrics) -> None:
+        self.indexes = indexes
+        self.metrics = metrics
+        self._writing: set[tuple[str, int]] = set()   # offloads in flight: a second one of the same key is refused
+
+    async def _refuse(self, context, exc: Refused):
+        await context.abort(exc.code, str(exc))
+
+    async def Offload(self, request_iterator, context):
+        try:
+            header, body = await self._receive(request_iterator)
+        except Refused as exc:
+            return await self._refuse(context, exc)
+        kv, train = tuple(header.kv_shape), tuple(header.train_shape)
+        key = (header.owner, header.layer)
+        if self.indexes.has(*key) or key in self._writing:
+            return await self._refuse(context, Refused(
+                grpc.StatusCode.ALREADY_EXISTS, f"owner {header.owner!r} already has layer {header.layer} offloaded"))
+        n_kv = int(np.prod(kv))
+        arr = np.frombuffer(body, dtype="<f4")
+        keys, values = arr[:n_kv].reshape(kv), arr[n_kv:2 * n_kv].reshape(kv)
+        queries = arr[2 * n_kv:].reshape(train)
+        if not (np.isfinite(keys).all() and np.isfinite(values).all() and np.isfinite(queries).all()):
+            return await self._refuse(context, Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                                       "keys, values and train queries must be finite"))
+        self._writing.add(key)
+        try:
+            t0 = time.perf_counter()
+            graph = await asyncio.to_thread(self.indexes.add, header.owner, header.layer, keys, values, queries)
+            took = time.perf_counter() - t0
+        finally:
+            self._writing.discard(key)
+        self.metrics.build_seconds.observe(took)
+        self.metrics.keys_offloaded.inc(kv[0] * kv[1])
+        return pb.OffloadReply(keys=kv[0] * kv[1], build_seconds=took, index_bytes=graph)
+
+    async def _receive(self, request_iterator) -> tuple[pb.OffloadHeader, bytes]:
+        header, parts, got, want = None, [], 0, 0
+        async for msg in request_iterator:
+            which = msg.WhichOneof("item")
+            if header is None:
+                if which != "header":
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an offload starts with its header")
+                header = msg.header
+                want = offload_bytes(*check_offload_header(header))
+                continue
+            if which != "data":
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an offload has one header, then data")
+            got += len(msg.data)
+            if got > want:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the offload sent more than its {want} bytes")
+            parts.append(msg.data)
+        if header is None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an offload starts with its header")
+        body = b"".join(parts)
+        if got != want:
+            raise Refused(grpc.StatusCode.DATA_LOSS, f"the offload ended after {got} of its {want} bytes")
+        if zlib.crc32(body) != header.crc32:
+            raise Refused(grpc.StatusCode.DATA_LOSS, "the offload's bytes fail its checksum")
+        return header, body
+
+    async def Search(self, request, context):
+        try:
+            for owner in request.owners:
+                check_owner(owner)
+            if not request.owners:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a search names at least one owner")
+            q = from_tensor(request.queries, "queries", 3)
+            if q.shape[0] != len(request.owners) or q.shape[1] < 1 or not 1 <= q.shape[2] <= MAX_HEAD_DIM:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"queries must be [B, Hq, D] with B = {len(request.owners)} owners, got {list(q.shape)}")
+            if not 1 <= request.k <= MAX_K:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"k must be in 1..{MAX_K}, got {request.k}")
+            if not (np.isfinite(request.scale) and request.scale > 0):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"scale must be positive, got {request.scale}")
+            if request.HasField("beam") and request.beam < request.k:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"beam must be at least k ({request.k}), got {request.beam}")
+            for owner in request.owners:
+                if not self.indexes.has(owner, request.layer):
+                    raise Refused(grpc.StatusCode.NOT_FOUND, f"no offloaded K/V for {owner!r} at layer {request.layer}")
+            beam = request.beam if request.HasField("beam") else None
+            try:
+                ans = await asyncio.to_thread(self.indexes.attend, request.layer, list(request.owners), q,
+                                              request.k, request.scale, beam)
+            except KeyError as exc:       # dropped while the call was on its way
+                raise Refused(grpc.StatusCode.NOT_FOUND, str(exc.args[0])) from None
+            except ValueError as exc:     # a shape the owner's keys do not have
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except Refused as exc:
+            return await self._refuse(context, exc)
+        self.metrics.search_seconds.observe(ans.seconds)
+        self.metrics.keys_scanned.inc(int(ans.scanned.sum()))
+        return pb.SearchReply(out=as_tensor(ans.out), lse=as_tensor(ans.lse), scanned=ans.scanned.tolist(),
+                              seconds=ans.seconds)
+
+    async def Drop(self, request, context):
+        try:
+            check_owner(request.owner)
+        except Refused as exc:
+            return await self._refuse(context, exc)
+        return pb.DropReply(layers=self.indexes.drop(request.owner))
+
+    async def Status(self, request, context):
+        owners, kv, graph = self.indexes.held()
+        return pb.IndexStatus(owners=owners, kv_bytes=kv, index_bytes=graph)
+
+
+class IndexServer:
+    """A started index service: the grpc.aio server, the index set behind it, health and metrics."""
+
+    def __init__(self, grpc_server, indexes: IndexSet, metrics: IndexMetrics, health_servicer, metrics_port):
+        self.grpc_server, self.indexes, self.metrics = grpc_server, indexes, metrics
+        self.health, self.metrics_port = health_servicer, metrics_port
+
+    async def stop(self, grace: float | None = 2.0) -> None:
+        """NOT_SERVING first so callers drain, then stop RPCs and the search threads."""
+        for name in (SERVICE_NAME, ""):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.grpc_server.stop(grace)
+        self.indexes.close()
+        self.metrics.stop_http()
+
+
+async def create_server(*, threads: int = 4, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None,
+                        tls=None) -> tuple[IndexServer, int]:
+    """Start serving on ``host:port`` (0 picks a free port); returns (server, port). ``threads``: searches run at once
+    (the node's cores for the service); ``tls``: the service's ClusterTLS (mutual TLS, callers authorized by role),
+    None: plain, anyone may call."""
+    from services.cluster.guard import RoleGuard
+
+    indexes = IndexSet(threads)
+    metrics = IndexMetrics(indexes)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RoleGuard("retrieval index", authorize=tls is not None)])
+    pb_grpc.add_RetrievalIndexServicer_to_server(IndexServicer(indexes, metrics), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = (server.add_insecure_port(f"{host}:{port}") if tls is None
+             else server.add_secure_port(f"{host}:{port}", tls.server_credentials()))
+    if bound == 0:
+        indexes.close()
+        raise ValueError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    http_port = metrics.serve_http(metrics_port, host) if metrics_port is not None else None
+    return IndexServer(server, indexes, metrics, health_servicer, http_port), bound
+
+
+class BackgroundIndexServer:
+    """An index service served from a thread with its own event loop: ``with BackgroundIndexServer() as srv:
+    IndexClient(srv.address)``."""
+
+    def __init__(self, *, threads: int = 4, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None,
+                 tls=None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="index-server", daemon=True)
+        self._thread.start()
+        try:
+            self.server, self.port = self.run(create_server(threads=threads, host=host, port=port,
+                                                            metrics_port=metrics_port, tls=tls))
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            raise
+        self.address = f"{host}:{self.port}"
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        if self._thread.is_alive():
+            self.run(self.server.stop(grace))
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+
+    def __enter__(self) -> "BackgroundIndexServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

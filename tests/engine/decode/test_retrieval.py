@@ -1,0 +1,133 @@
+"""Retrieval decode in the engine (services/engine/decode/retrieval.py): with ``retrieval_k`` covering every offloaded
+key it is dense decoding (tokens equal, logits within fp32 tolerance) in every serving mode; the static set and the
+offloaded keys partition what each layer shows; stats count keys scanned; mixed batches; the index set is dropped
+when the sequence is released; bad parameters and a hand-off are refused with nothing kept. The index itself is
+tested in tests/index."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import Engine
+from services.engine.decode import DENSE, RetrievalDecode
+
+from ..conftest import random_request
+
+# small sets so that most of a ~100-token prompt is offloaded (the tiny model's pages are 16 tokens)
+SMALL = dict(sink_tokens=4, window_tokens=8)
+
+
+@pytest.mark.parametrize("mode", ["full", "tessera", "prefix"])
+def test_retrieving_every_offloaded_key_generates_what_dense_does(tiny_dir, mode):
+    eng = Engine.load(tiny_dir)
+    chunks, suffix = random_request(41, lengths=(40, 27, 33), suffix_len=6)
+    dense = eng.generate(chunks, suffix, max_new_tokens=8, stop_token_ids=[], mode=mode)
+    stats = {}
+    got = eng.generate(chunks, suffix, max_new_tokens=8, stop_token_ids=[], mode=mode, decode="retrieval",
+                       retrieval_k=4096, stats=stats, **SMALL)
+    assert got == dense
+    assert stats["steps"] == 7 and 0 < stats["pages_read"] < stats["pages_visible"]
+    assert stats["keys_scanned"] > 0 and stats["retrieval_seconds"] > 0
+
+
+def test_logits_of_full_retrieval_steps_equal_dense_within_fp32(tiny_dir):
+    eng = Engine.load(tiny_dir)
+    chunks, suffix = random_request(42, lengths=(35, 50, 21), suffix_len=5)
+    out = []
+    for policy in (DENSE, RetrievalDecode(retrieval_k=10_000, **SMALL)):
+        logits, seq = eng.prefill_sequence(chunks, suffix, decode=policy, extra_tokens=4)
+        out.append(torch.stack([logits] + [eng.decode_step([seq], [t])[0] for t in (5, 9, 11, 2)]))
+        eng.release(seq)
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_static_set_and_the_offloaded_keys_partition_each_layer(tiny_dir):
+    eng = Engine.load(tiny_dir)
+    chunks, suffix = random_request(43, lengths=(64, 30), suffix_len=9)
+    _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(**SMALL))
+    try:
+        bs = eng.block_size
+        for layer, table in enumerate(seq.layer_tables):
+            shown = [bin(m & ((1 << bs) - 1)).count("1") for m in table.masks.tolist()]
+            static = seq.offload.static[layer]
+            assert len(static) < len(shown)          # most pages are offloaded at these sizes
+            assert sum(shown[i] for i in static) + seq.offload.offloaded[layer] == sum(shown) == seq.next_pos
+    finally:
+        eng.release(seq)
+
+
+def test_a_small_k_reads_fewer_keys_and_still_generates(tiny_dir):
+    eng = Engine.load(tiny_dir)
+    chunks, suffix = random_request(44, lengths=(60, 60), suffix_len=4)
+    stats = {}
+    out = eng.generate(chunks, suffix, max_new_tokens=5, stop_token_ids=[], mode="full", decode="retrieval",
+                       retrieval_k=3, stats=stats, **SMALL)
+    assert len(out) == 5 and stats["steps"] == 4 and stats["keys_scanned"] > 0
+
+
+def test_a_mixed_batch_steps_each_sequence_as_alone(tiny_dir):
+    eng = Engine.load(tiny_dir)
+    reqs = [random_request(45 + i, lengths=(30 + 7 * i, 25), suffix_len=3) for i in range(3)]
+    policies = [DENSE, RetrievalDecode(retrieval_k=5, **SMALL), RetrievalDecode(retrieval_k=10_000, **SMALL)]
+    alone = []
+    for (chunks, suffix), policy in zip(reqs, policies):
+        _, seq = eng.prefill_sequence(chunks, suffix, decode=policy, extra_tokens=3)
+        alone.append(torch.stack([eng.decode_step([seq], [t])[0] for t in (3, 4)]))
+        eng.release(seq)
+    seqs = [eng.prefill_sequence(c, s, decode=p, extra_tokens=3)[1] for (c, s), p in zip(reqs, policies)]
+    together = torch.stack([eng.decode_step(seqs, [t] * 3) for t in (3, 4)], 1)
+    for s in seqs:
+        eng.release(s)
+    for i in range(3):
+        torch.testing.assert_close(together[i], alone[i], rtol=1e-5, atol=1e-5)
+
+
+def test_releasing_the_sequence_drops_its_offloaded_kv(tiny_dir):
+    eng = Engine.load(tiny_dir)
+    chunks, suffix = random_request(48, lengths=(50,), suffix_len=4)
+    free = eng.pool.num_free
+    _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(**SMALL))
+    owner = seq.offload.owner
+    assert owner in eng.forward.indexes and eng.forward.indexes.nbytes() > 0
+    eng.release(seq)
+    assert owner not in eng.forward.indexes and eng.forward.indexes.nbytes() == 0
+    assert eng.pool.num_free == free - sum(len(e.blocks) for e in seq.pinned)   # its chunks stay cached
+
+
+@pytest.mark.parametrize("params, field", [(dict(retrieval_k=0), "retrieval_k"), (dict(sink_tokens=-1), "sink_tokens"),
+                                           (dict(window_tokens=1.5), "window_tokens")])
+def test_bad_parameters_are_refused_by_name(tiny_dir, params, field):
+    eng = Engine.load(tiny_dir)
+    chunks, suffix = random_request(49, lengths=(20,), suffix_len=3)
+    with pytest.raises(ValueError, match=field):
+        eng.generate(chunks, suffix, max_new_tokens=2, decode="retrieval", **params)
+    with pytest.raises(TypeError, match="budget_tokens"):
+        eng.decode_policy("retrieval", budget_tokens=64)
+
+
+def test_a_hand_off_is_refused_clearly_and_keeps_nothing(tiny_dir):
+    eng = Engine.load(tiny_dir)
+    chunks, suffix = random_request(50, lengths=(30, 20), suffix_len=3)
+    _, handoff = eng.prefill_handoff(chunks, suffix)
+    before = eng.describe_memory()
+    with pytest.raises(ValueError, match="retrieval"):
+        eng.import_handoff(handoff, decode="retrieval")
+    assert eng.describe_memory() == before
+    assert eng.forward.indexes is None or eng.forward.indexes.nbytes() == 0
+
+
+def test_a_decode_engine_uses_the_index_service_as_its_index_set(tiny_dir):
+    from services.index.client import IndexClient
+    from services.index.server import BackgroundIndexServer
+
+    eng = Engine.load(tiny_dir)
+    chunks, suffix = random_request(51, lengths=(40, 37), suffix_len=5)
+    dense = eng.generate(chunks, suffix, max_new_tokens=6, stop_token_ids=[])
+    with BackgroundIndexServer(threads=1) as srv, IndexClient(srv.address) as client:
+        eng.forward.indexes = client
+        stats = {}
+        got = eng.generate(chunks, suffix, max_new_tokens=6, stop_token_ids=[], decode="retrieval", retrieval_k=4096,
+                           stats=stats, **SMALL)
+        assert got == dense and stats["keys_scanned"] > 0
+        assert client.held()[0] == 0                      # released: dropped from the service too

@@ -1,0 +1,192 @@
+"""The retrieval-index service (services/index/server.py) on loopback: an offload and a search through gRPC answer what
+the in-process index set answers (exact attention when k covers every key); malformed offloads and searches are
+refused with clear statuses, store nothing and leave the service serving; with the cluster's mutual TLS only the
+roles the policy names get in. A decode engine using the service: tests/engine/decode/test_retrieval.py."""
+
+from __future__ import annotations
+
+import zlib
+
+import grpc
+import numpy as np
+import pytest
+
+from services.index.client import IndexClient
+from services.index.heads import IndexSet
+from services.index.server import BackgroundIndexServer
+from services.rpc import index_pb2 as pb
+
+HKV, N, D, M, HQ = 2, 300, 16, 200, 4
+
+
+def _data(seed: int):
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((HKV, N, D)).astype(np.float32)
+    values = rng.standard_normal((HKV, N, D)).astype(np.float32)
+    train = (rng.standard_normal((HKV, M, D)) + 0.5).astype(np.float32)
+    return keys, values, train
+
+
+def _exact(keys, values, q, scale):
+    """Attention of q [B, Hq, D] over every key of its KV head: out [B, Hq, D], lse [B, Hq]."""
+    g = q.shape[1] // keys.shape[0]
+    logits = np.einsum("bhd,hnd->bhn", q, np.repeat(keys, g, axis=0)).astype(np.float64) * scale
+    top = logits.max(-1, keepdims=True)
+    p = np.exp(logits - top)
+    lse = top[..., 0] + np.log(p.sum(-1))
+    return np.einsum("bhn,hnd->bhd", p / p.sum(-1, keepdims=True), np.repeat(values, g, axis=0)), lse
+
+
+@pytest.fixture(scope="module")
+def service():
+    with BackgroundIndexServer(threads=2) as srv:
+        yield srv
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def test_a_search_through_the_service_answers_what_the_index_set_does(service):
+    keys, values, train = _data(1)
+    q = np.random.default_rng(2).standard_normal((3, HQ, D)).astype(np.float32)
+    local = IndexSet(threads=1)
+    with IndexClient(service.address) as client:
+        for ix in (local, client):
+            ix.add("seq-a", 0, keys, values, train)
+            ix.add("seq-b", 0, keys[:, :40], values[:, :40], train)
+        owners = ["seq-a", "seq-b", "seq-a"]
+        for k in (5, 10_000):
+            want, got = local.attend(0, owners, q, k, 0.25), client.attend(0, owners, q, k, 0.25)
+            np.testing.assert_allclose(got.out, want.out, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(got.lse, want.lse, rtol=1e-6, atol=1e-6)
+            assert got.scanned.tolist() == want.scanned.tolist()
+        # k covering every key is exact attention
+        out, lse = _exact(keys, values, q[[0]], 0.25)
+        full = client.attend(0, ["seq-a"], q[[0]], 10_000, 0.25)
+        np.testing.assert_allclose(full.out, out, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(full.lse, lse, rtol=1e-5, atol=1e-5)
+        assert client.held()[0] >= 2 and client.held()[1] > 0
+        assert client.drop("seq-a") == 1 and client.drop("seq-b") == 1 and client.drop("seq-b") == 0
+    local.close()
+
+
+def _offload(client, header: pb.OffloadHeader, body: bytes, cut: int = 1 << 20):
+    def parts():
+        yield pb.OffloadPart(header=header)
+        for at in range(0, len(body), cut):
+            yield pb.OffloadPart(data=body[at:at + cut])
+    return client._stub.Offload(parts(), timeout=10)
+
+
+def test_malformed_offloads_are_refused_and_store_nothing(service):
+    keys, values, train = _data(3)
+    body = keys.tobytes() + values.tobytes() + train.tobytes()
+    good = dict(owner="seq-c", layer=1, kv_shape=[HKV, N, D], train_shape=[HKV, M, D], crc32=zlib.crc32(body))
+    with IndexClient(service.address) as client:
+        before = client.held()
+        bad_bytes = bytearray(body)
+        bad_bytes[1234] ^= 0x40
+        cases = [
+            (dict(good), body[:-8], grpc.StatusCode.DATA_LOSS),                         # short
+            (dict(good), bytes(bad_bytes), grpc.StatusCode.DATA_LOSS),                 # a flipped bit
+            (dict(good), body + b"\0" * 4, grpc.StatusCode.INVALID_ARGUMENT),         # too long
+            (dict(good, owner="../etc"), body, grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(good, owner=""), body, grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(good, kv_shape=[HKV, N]), body, grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(good, train_shape=[HKV + 1, M, D]), body, grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(good, layer=5000), body, grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(good, kv_shape=[HKV, 1 << 30, D]), body, grpc.StatusCode.INVALID_ARGUMENT),
+        ]
+        for fields, data, code in cases:
+            assert _code(lambda: _offload(client, pb.OffloadHeader(**fields), data)) == code, fields
+        nan = keys.copy()
+        nan[0, 0, 0] = np.nan
+        nan_body = nan.tobytes() + values.tobytes() + train.tobytes()
+        assert _code(lambda: _offload(client, pb.OffloadHeader(**dict(good, crc32=zlib.crc32(nan_body))),
+                                      nan_body)) == grpc.StatusCode.INVALID_ARGUMENT
+        no_header = lambda: client._stub.Offload(iter([pb.OffloadPart(data=b"1234")]), timeout=10)  # noqa: E731
+        assert _code(no_header) == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.held() == before                    # nothing of it kept
+        client.add("seq-c", 1, keys, values, train)       # and the service still takes a good one
+        held = client.held()
+        assert _code(lambda: client.add("seq-c", 1, keys, values * 0, train)) == grpc.StatusCode.ALREADY_EXISTS
+        assert client.held() == held
+        q = np.ones((1, HQ, D), np.float32)
+        kept = client.attend(1, ["seq-c"], q, 10_000, 0.1)
+        np.testing.assert_allclose(kept.out, _exact(keys, values, q, 0.1)[0], rtol=1e-4, atol=1e-5)  # not zeroed
+        client.drop("seq-c")
+
+
+def test_malformed_searches_are_refused_and_the_service_keeps_serving(service):
+    keys, values, train = _data(4)
+    with IndexClient(service.address) as client:
+        client.add("seq-d", 0, keys, values, train)
+        q = np.ones((1, HQ, D), np.float32)
+
+        def search(**fields):
+            req = pb.SearchRequest(layer=0, owners=["seq-d"], k=10, scale=0.1)
+            req.queries.CopyFrom(pb.Tensor(shape=[1, HQ, D], data=q.tobytes()))
+            for name, value in fields.items():
+                if name == "queries":
+                    req.queries.CopyFrom(value)
+                elif name == "owners":
+                    del req.owners[:]
+                    req.owners.extend(value)
+                else:
+                    setattr(req, name, value)
+            return client._stub.Search(req, timeout=10)
+
+        nan = q.copy()
+        nan[0, 0, 0] = np.inf
+        cases = [
+            (dict(owners=["seq-x"]), grpc.StatusCode.NOT_FOUND),
+            (dict(layer=3), grpc.StatusCode.NOT_FOUND),
+            (dict(owners=[]), grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(owners=["seq-d", "seq-d"]), grpc.StatusCode.INVALID_ARGUMENT),          # B != owners
+            (dict(queries=pb.Tensor(shape=[1, HQ, D + 1], data=np.ones((1, HQ, D + 1), np.float32).tobytes())),
+             grpc.StatusCode.INVALID_ARGUMENT),                                            # wrong head_dim
+            (dict(queries=pb.Tensor(shape=[1, 3, D], data=np.ones((1, 3, D), np.float32).tobytes())),
+             grpc.StatusCode.INVALID_ARGUMENT),                                            # heads not shared evenly
+            (dict(queries=pb.Tensor(shape=[1, HQ, D], data=b"123")), grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(queries=pb.Tensor(shape=[1, HQ, D], data=nan.tobytes())), grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(k=0), grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(scale=-1.0), grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(beam=3), grpc.StatusCode.INVALID_ARGUMENT),
+        ]
+        for fields, code in cases:
+            assert _code(lambda: search(**fields)) == code, fields
+        assert _code(lambda: client._channel.unary_unary(
+            "/tessera.index.v1.RetrievalIndex/Search")(b"\xff\xff\xff", timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert search().scanned[0] > 0                     # still serving
+        client.drop("seq-d")
+
+
+def test_only_the_roles_the_policy_names_get_in(tmp_path):
+    from services.cluster.security import ClusterTLS, mint
+
+    certs = mint(tmp_path / "certs")
+    keys, values, train = _data(5)
+    q = np.ones((1, HQ, D), np.float32)
+    with BackgroundIndexServer(threads=1, tls=ClusterTLS.load(certs, "index")) as srv:
+        as_role = {r: IndexClient(srv.address, tls=ClusterTLS.load(certs, r), timeout=10)
+                   for r in ("decode", "prefill", "gateway", "store")}
+        as_role["prefill"].add("seq-e", 0, keys, values, train)
+        assert as_role["decode"].attend(0, ["seq-e"], q, 5, 0.1).scanned[0] > 0
+        for role in ("prefill", "gateway", "store"):
+            assert _code(lambda: as_role[role].attend(0, ["seq-e"], q, 5, 0.1)) == grpc.StatusCode.PERMISSION_DENIED
+        for role in ("gateway", "store"):
+            assert _code(lambda: as_role[role].add("seq-f", 0, keys, values, train)) == \
+                grpc.StatusCode.PERMISSION_DENIED
+            assert _code(lambda: as_role[role].drop("seq-e")) == grpc.StatusCode.PERMISSION_DENIED
+        assert as_role["gateway"].held()[0] == 1           # the refused calls changed nothing
+        other = mint(tmp_path / "other")                   # a certificate of another CA reaches nothing
+        stranger = IndexClient(srv.address, tls=ClusterTLS.load(other, "decode"), timeout=5)
+        assert _code(lambda: stranger.held()) == grpc.StatusCode.UNAVAILABLE
+        plain = IndexClient(srv.address, timeout=5)
+        assert _code(lambda: plain.held()) == grpc.StatusCode.UNAVAILABLE
+        for c in (*as_role.values(), stranger, plain):
+            c.close()
+
