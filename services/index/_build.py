@@ -1,0 +1,202 @@
+"""Compiled loops of the attention index's build: occlusion pruning, graph searches for candidates and
+repairs, reachability. The pipeline that calls them is ``graph.build_graph``.
+
+Same array conventions as ``_search.py``. Candidate lists are CSR too (``c_offsets`` int64 ``[N + 1]``,
+``c_targets`` int64) and may repeat ids or hold the node itself: ``prune`` drops both. Every loop covers
+a range ``[lo, hi)`` of its items so that the pipeline can run ranges on threads (all are ``nogil``);
+results depend only on the range, never on the thread.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from services.index._search import beam_search_one, dot
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def prune(keys, sq_norms, node, cands, degree, alpha, out) -> int:
+    """Occlusion rule, in the keys' own geometry: candidates in order of L2 distance to ``node``; a candidate
+    c is dropped when a kept s has ``alpha * |c - s|^2 < |c - node|^2`` (s lies between: a search at
+    ``node`` reaches c through s). At most ``degree`` kept into ``out``; returns how many.
+
+    NOTE: the rule measures keys against keys, never against queries: keys share one distribution, so L2
+    is their geometry, while the query side of the index comes from which candidates exist at all (keys
+    that training queries rank together). Ordering and occluding by inner product instead left layer-0
+    heads with ~3 edges a key and lost recall (bench/index/README.md)."""
+    n = cands.shape[0]
+    dist = np.empty(n, np.float32)
+    x = keys[node]
+    for i in range(n):
+        c = cands[i]
+        dist[i] = sq_norms[c] + sq_norms[node] - 2.0 * dot(keys[c], x)
+    order = np.argsort(dist, kind="mergesort")
+    kept = 0
+    for oi in range(n):
+        i = order[oi]
+        c = cands[i]
+        if c == node:
+            continue
+        occluded = False
+        for j in range(kept):
+            s = out[j]
+            if s == c:
+                occluded = True
+                break
+            d_cs = sq_norms[c] + sq_norms[s] - 2.0 * dot(keys[c], keys[s])
+            if alpha * d_cs < dist[i]:
+                occluded = True
+                break
+        if not occluded:
+            out[kept] = c
+            kept += 1
+            if kept == degree:
+                break
+    return kept
+
+
+@njit(nogil=True, cache=True)
+def prune_range(keys, sq_norms, c_offsets, c_targets, degree, alpha, lo, hi):
+    """Prune the candidate lists of nodes ``[lo, hi)``: ``(counts int64 [hi - lo], adj int32 [hi - lo, degree])``."""
+    counts = np.zeros(hi - lo, np.int64)
+    adj = np.full((hi - lo, degree), -1, np.int32)
+    out = np.empty(degree, np.int64)
+    for node in range(lo, hi):
+        a, b = c_offsets[node], c_offsets[node + 1]
+        if b > a:
+            kept = prune(keys, sq_norms, node, c_targets[a:b], degree, alpha, out)
+            for j in range(kept):
+                adj[node - lo, j] = out[j]
+            counts[node - lo] = kept
+    return counts, adj
+
+
+@njit(nogil=True, cache=True)
+def search_candidates(keys, offsets, targets, entry, beam, lo, hi):
+    """For keys ``[lo, hi)``: a search of the graph with the key itself as the query; the beams as candidate
+    pairs ``(src, dst)`` int64."""
+    n = keys.shape[0]
+    visited = np.zeros(n, np.uint8)
+    touched = np.empty(n, np.int64)
+    ids = np.empty(beam, np.int64)
+    scores = np.empty(beam, np.float32)
+    expanded = np.empty(beam, np.bool_)
+    src = np.empty((hi - lo) * beam, np.int64)
+    dst = np.empty((hi - lo) * beam, np.int64)
+    m = 0
+    for node in range(lo, hi):
+        size, _, n_touched = beam_search_one(keys, offsets, targets, entry, keys[node], beam, visited, touched,
+                                             ids, scores, expanded)
+        for j in range(size):
+            src[m], dst[m] = node, ids[j]
+            m += 1
+        for j in range(n_touched):
+            visited[touched[j]] = 0
+    return src[:m], dst[:m]
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def repair_pairs(keys, sq_norms, offsets, targets, entry, queries, lists, beam, lo, hi):
+    """Training queries ``[lo, hi)`` searched on the graph as it stands; each key of a query's exact list
+    (``lists`` int64 ``[M, P]``) that the search never scored becomes an edge ``(src, dst)`` from the scored
+    key of the same list nearest to it (L2), or from the search's best key when none of the list was scored.
+    These are the edges a search for that query lacked."""
+    n = keys.shape[0]
+    p = lists.shape[1]
+    visited = np.zeros(n, np.uint8)
+    touched = np.empty(n, np.int64)
+    ids = np.empty(beam, np.int64)
+    scores = np.empty(beam, np.float32)
+    expanded = np.empty(beam, np.bool_)
+    src = np.empty((hi - lo) * p, np.int64)
+    dst = np.empty((hi - lo) * p, np.int64)
+    m = 0
+    for t in range(lo, hi):
+        _, _, n_touched = beam_search_one(keys, offsets, targets, entry, queries[t], beam, visited, touched,
+                                          ids, scores, expanded)
+        for j in range(p):
+            c = lists[t, j]
+            if visited[c]:
+                continue
+            best, best_d = ids[0], np.inf
+            for i in range(p):
+                f = lists[t, i]
+                if f != c and visited[f]:
+                    d = sq_norms[c] + sq_norms[f] - 2.0 * dot(keys[c], keys[f])
+                    if d < best_d:
+                        best, best_d = f, d
+            src[m], dst[m] = best, c
+            m += 1
+        for j in range(n_touched):
+            visited[touched[j]] = 0
+    return src[:m], dst[:m]
+
+
+@njit(nogil=True, cache=True)
+def reachable(offsets, targets, entry):
+    """uint8 ``[N]``: 1 where a path from ``entry`` reaches the key."""
+    n = offsets.shape[0] - 1
+    seen = np.zeros(n, np.uint8)
+    stack = np.empty(n, np.int64)
+    seen[entry] = 1
+    stack[0] = entry
+    top = 1
+    while top > 0:
+        top -= 1
+        node = stack[top]
+        for e in range(offsets[node], offsets[node + 1]):
+            nb = targets[e]
+            if not seen[nb]:
+                seen[nb] = 1
+                stack[top] = nb
+                top += 1
+    return seen
+
+
+@njit(nogil=True, cache=True)
+def link_unreachable(keys, sq_norms, offsets, targets, entry, beam):
+    """Edges ``(src, dst)`` that make every key reachable from ``entry``: each key still unreached is searched
+    for (itself as the query, on the reachable part) and linked from the nearest key (L2) of that search's
+    beam; whatever it reaches then counts as reached. The searches see the graph without these links, so
+    every beam key is one reached from the start."""
+    n = keys.shape[0]
+    seen = reachable(offsets, targets, entry)
+    visited = np.zeros(n, np.uint8)
+    touched = np.empty(n, np.int64)
+    ids = np.empty(beam, np.int64)
+    scores = np.empty(beam, np.float32)
+    expanded = np.empty(beam, np.bool_)
+    stack = np.empty(n, np.int64)
+    src = np.empty(n, np.int64)
+    dst = np.empty(n, np.int64)
+    m = 0
+    for u in range(n):
+        if seen[u]:
+            continue
+        size, _, n_touched = beam_search_one(keys, offsets, targets, entry, keys[u], beam, visited, touched,
+                                             ids, scores, expanded)
+        for j in range(n_touched):
+            visited[touched[j]] = 0
+        best, best_d = entry, np.inf
+        for j in range(size):
+            f = ids[j]
+            d = sq_norms[u] + sq_norms[f] - 2.0 * dot(keys[u], keys[f])
+            if d < best_d:
+                best, best_d = f, d
+        src[m], dst[m] = best, u
+        m += 1
+        # everything u reaches is now reached
+        seen[u] = 1
+        stack[0] = u
+        top = 1
+        while top > 0:
+            top -= 1
+            node = stack[top]
+            for e in range(offsets[node], offsets[node + 1]):
+                nb = targets[e]
+                if not seen[nb]:
+                    seen[nb] = 1
+                    stack[top] = nb
+                    top += 1
+    return src[:m], dst[:m]

@@ -1,0 +1,173 @@
+"""The attention index's build: a graph over one (layer, KV head)'s keys from the queries that attended to
+them (RetrievalAttention's attention-aware vector search, issue #22); its compiled loops are in ``_build.py``.
+
+Queries and keys come from different projections, so a query's best keys can lie far apart among the keys
+(out of distribution: the paper's Figure 3). A graph built from key-to-key closeness alone (HNSW) must
+then scan widely; this one is built from where training queries (the prompt's own prefill queries)
+actually look. The build (``build_graph``):
+
+1. exact top-P keys of every training query (inner product, faiss' flat index);
+2. projection: each query's best key ("anchor") takes the rest of that query's list as neighbour
+   candidates, pruned by the occlusion rule (``_build.prune``) to ``degree``; then reverse edges, pruned
+   again (RoarGraph's projected bipartite graph, our own code);
+3. connectivity enhancement: every key searched on the graph so far with itself as the query, its beam
+   merged into its candidates and pruned, reverse edges again;
+4. repair, ``repair_rounds`` times: training queries searched on the graph as it stands; each key of a
+   query's exact list the search missed gets an edge from the nearest key of that list it found, kept by
+   how many queries asked for it up to ``max_degree`` a key (the step that matters most on the longgen
+   model's deeper layers: bench/index/README.md);
+5. links that make every key reachable from the entry (the key most training queries ranked first).
+
+Search (``graph.py``, ``_search.py``) is best-first from that entry with a beam.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from services.index import _build
+
+
+@dataclass(frozen=True, slots=True)
+class BuildConfig:
+    """Options of ``AttentionIndex.build``, checked once here and stored with the index."""
+
+    degree: int = 32               # occlusion-pruned edges a key (steps 2-3)
+    max_degree: int = 64           # edges a key once repaired (step 4); step 5 may add a few past it
+    alpha: float = 1.2             # occlusion slack: > 1 keeps more edges
+    query_neighbors: int = 100     # P: exact keys a training query links (step 1)
+    max_train_queries: int = 65536 # training queries used, a seeded sample of them past this
+    build_beam: int = 100          # search list size of steps 3-5
+    repair_rounds: int = 2
+    repair_queries: int = 20000    # training queries searched a repair round (a seeded sample)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            low = 0 if f.name in ("repair_rounds", "seed") else 1
+            if f.name != "alpha" and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise ValueError(f"{f.name} must be an int >= {low}, got {value!r}")
+        if not (isinstance(self.alpha, (int, float)) and 1.0 <= self.alpha <= 4.0):
+            raise ValueError(f"alpha must be in [1, 4], got {self.alpha!r}")
+        if self.max_degree < self.degree:
+            raise ValueError(f"max_degree {self.max_degree} is below degree {self.degree}")
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class Graph:
+    """CSR out-edges of every key (offsets int64 ``[N + 1]``, targets int32 ``[E]``) and the entry key."""
+
+    offsets: np.ndarray
+    targets: np.ndarray
+    entry: int
+
+
+def _in_ranges(fn, n: int, threads: int, *args) -> list:
+    """``fn(*args, lo, hi)`` over ``[0, n)`` cut in ranges, on ``threads`` threads; results in range order."""
+    parts = max(1, min(4 * threads, n // 256))
+    bounds = np.linspace(0, n, parts + 1).astype(np.int64)
+    if threads == 1:
+        return [fn(*args, int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(lambda r: fn(*args, int(r[0]), int(r[1])), zip(bounds[:-1], bounds[1:])))
+
+
+def _concat_pairs(results: list) -> tuple[np.ndarray, np.ndarray]:
+    return np.concatenate([s for s, _ in results]), np.concatenate([d for _, d in results])
+
+
+def _csr(n: int, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """CSR of pairs, each source's targets in the pairs' order (stable)."""
+    order = np.argsort(src, kind="stable")
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(src, minlength=n), out=offsets[1:])
+    return offsets, dst[order].astype(np.int32)
+
+
+def _edges(offsets: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets)), targets.astype(np.int64)
+
+
+def _pruned(keys, sq_norms, src, dst, cfg: BuildConfig, threads: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every key's candidates (the pairs' targets) pruned to ``cfg.degree``: CSR."""
+    n = keys.shape[0]
+    c_offsets, c_targets = _csr(n, src, dst)
+    results = _in_ranges(_build.prune_range, n, threads, keys, sq_norms, c_offsets, c_targets.astype(np.int64),
+                         cfg.degree, np.float32(cfg.alpha))
+    counts = np.concatenate([c for c, _ in results])
+    adj = np.concatenate([a for _, a in results])
+    return _csr(n, np.repeat(np.arange(n), counts), adj[adj >= 0])
+
+
+def _with_reverse(keys, sq_norms, offsets, targets, cfg, threads):
+    src, dst = _edges(offsets, targets)
+    return _pruned(keys, sq_norms, np.concatenate([src, dst]), np.concatenate([dst, src]), cfg, threads)
+
+
+def _add_ranked(offsets, targets, src, dst, cap: int | None):
+    """Add the pairs not yet edges, most-requested first, while a key has fewer than ``cap`` edges."""
+    n = offsets.shape[0] - 1
+    pairs, counts = np.unique(src * n + dst, return_counts=True)
+    e_src, e_dst = _edges(offsets, targets)
+    new = (pairs // n != pairs % n) & ~np.isin(pairs, e_src * n + e_dst)
+    pairs, counts = pairs[new], counts[new]
+    order = np.lexsort((-counts, pairs // n))
+    a_src, a_dst = pairs[order] // n, pairs[order] % n
+    if cap is not None:
+        first = np.searchsorted(a_src, a_src, side="left")        # rank of each pair within its source
+        room = cap - np.diff(offsets)[a_src]
+        keep = (np.arange(a_src.shape[0]) - first) < room
+        a_src, a_dst = a_src[keep], a_dst[keep]
+    return _csr(n, np.concatenate([e_src, a_src]), np.concatenate([e_dst, a_dst]))
+
+
+def exact_lists(keys: np.ndarray, queries: np.ndarray, p: int) -> np.ndarray:
+    """int64 ``[M, p]``: each query's top-``p`` keys by inner product, best first."""
+    import faiss
+
+    flat = faiss.IndexFlatIP(keys.shape[1])
+    flat.add(keys)
+    _, ids = flat.search(queries, p)
+    return ids.astype(np.int64)
+
+
+def build_graph(keys: np.ndarray, train: np.ndarray, cfg: BuildConfig, threads: int | None = None) -> Graph:
+    """The graph of the module docstring's steps 1-5. ``keys`` float32 ``[N, D]``, ``train`` float32 ``[M, D]``,
+    both C-contiguous and finite. The result does not depend on ``threads`` (default: this process' CPUs)."""
+    threads = threads or len(os.sched_getaffinity(0))
+    n = keys.shape[0]
+    rng = np.random.default_rng(cfg.seed)
+    if train.shape[0] > cfg.max_train_queries:
+        train = train[np.sort(rng.choice(train.shape[0], cfg.max_train_queries, replace=False))]
+    sq_norms = np.einsum("nd,nd->n", keys, keys).astype(np.float32)
+    lists = exact_lists(keys, train, min(cfg.query_neighbors, n))
+    entry = int(np.bincount(lists[:, 0], minlength=n).argmax())
+
+    p = lists.shape[1]
+    offsets, targets = _pruned(keys, sq_norms, np.repeat(lists[:, 0], p - 1), lists[:, 1:].reshape(-1), cfg, threads)
+    offsets, targets = _with_reverse(keys, sq_norms, offsets, targets, cfg, threads)
+
+    found = _concat_pairs(_in_ranges(_build.search_candidates, n, threads, keys, offsets, targets, entry,
+                                     cfg.build_beam))
+    src, dst = _edges(offsets, targets)
+    offsets, targets = _pruned(keys, sq_norms, np.concatenate([src, found[0]]), np.concatenate([dst, found[1]]),
+                               cfg, threads)
+    offsets, targets = _with_reverse(keys, sq_norms, offsets, targets, cfg, threads)
+
+    for _ in range(cfg.repair_rounds):
+        pick = np.sort(rng.choice(train.shape[0], min(cfg.repair_queries, train.shape[0]), replace=False))
+        wanted = _concat_pairs(_in_ranges(_build.repair_pairs, pick.shape[0], threads, keys, sq_norms, offsets,
+                                          targets, entry, train[pick], lists[pick], cfg.build_beam))
+        offsets, targets = _add_ranked(offsets, targets, *wanted, cfg.max_degree)
+
+    links = _build.link_unreachable(keys, sq_norms, offsets, targets, entry, cfg.build_beam)
+    offsets, targets = _add_ranked(offsets, targets, *links, None)
+    return Graph(offsets, targets, entry)

@@ -1,0 +1,109 @@
+"""The attention index's bytes: a fixed header, a digest, then the payload.
+
+Layout (little-endian)::
+
+    header   magic b"TSRAIDX\\0" | version u16 | reserved u16 (0) | dim u32 | num_keys u64 | num_edges u64
+             | entry u64 | config_len u32
+    digest   blake2b-256 of header + payload
+    payload  config (JSON, config_len bytes) | keys float32 [N, D] | offsets int64 [N + 1] | targets int32 [E]
+
+``decode`` checks, in this order, the length, the magic, the version, that the sizes the header names add
+up to the blob exactly, the digest, then the graph's structure; any failure raises ``IndexFormatError``
+before an index exists, so a damaged or foreign blob never becomes a wrong index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = b"TSRAIDX\x00"
+VERSION = 1
+_HEADER = struct.Struct("<8sHHIQQQI")
+_DIGEST_BYTES = 32
+
+
+class IndexFormatError(ValueError):
+    """A blob that is not a whole, intact index of this format version."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexParts:
+    """What a blob holds: keys float32 ``[N, D]``, the CSR graph (offsets int64 ``[N + 1]``, targets int32
+    ``[E]``), the entry key and the build options as a JSON object."""
+
+    keys: np.ndarray
+    offsets: np.ndarray
+    targets: np.ndarray
+    entry: int
+    config: dict
+
+
+def _digest(header: bytes, payload: list[bytes]) -> bytes:
+    h = hashlib.blake2b(header, digest_size=_DIGEST_BYTES)
+    for part in payload:
+        h.update(part)
+    return h.digest()
+
+
+def encode(parts: IndexParts) -> bytes:
+    n, d = parts.keys.shape
+    config = json.dumps(parts.config, sort_keys=True).encode()
+    header = _HEADER.pack(MAGIC, VERSION, 0, d, n, parts.targets.shape[0], parts.entry, len(config))
+    payload = [config, parts.keys.astype("<f4").tobytes(), parts.offsets.astype("<i8").tobytes(),
+               parts.targets.astype("<i4").tobytes()]
+    return b"".join([header, _digest(header, payload), *payload])
+
+
+def decode(blob: bytes) -> IndexParts:
+    view = memoryview(blob)
+    if len(view) < _HEADER.size + _DIGEST_BYTES:
+        raise IndexFormatError(f"blob of {len(view)} bytes is shorter than an index header")
+    header = bytes(view[: _HEADER.size])
+    magic, version, reserved, d, n, e, entry, config_len = _HEADER.unpack(header)
+    if magic != MAGIC:
+        raise IndexFormatError("blob is not an attention index (bad magic)")
+    if version != VERSION:
+        raise IndexFormatError(f"index format version {version}, this build reads version {VERSION} only")
+    if reserved != 0:
+        raise IndexFormatError(f"reserved header field is {reserved}, expected 0")
+    sizes = [config_len, 4 * n * d, 8 * (n + 1), 4 * e]
+    start = _HEADER.size + _DIGEST_BYTES
+    if start + sum(sizes) != len(view):
+        raise IndexFormatError(f"blob holds {len(view)} bytes, its header describes {start + sum(sizes)}")
+    payload, at = [], start
+    for size in sizes:
+        payload.append(view[at: at + size])
+        at += size
+    if bytes(view[_HEADER.size: start]) != _digest(header, payload):
+        raise IndexFormatError("index digest does not match its contents (corrupt blob)")
+    try:
+        config = json.loads(bytes(payload[0]))
+    except ValueError as exc:
+        raise IndexFormatError(f"index options are not JSON: {exc}") from None
+    keys = np.frombuffer(payload[1], dtype="<f4").reshape(n, d).astype(np.float32)
+    offsets = np.frombuffer(payload[2], dtype="<i8").astype(np.int64)
+    targets = np.frombuffer(payload[3], dtype="<i4").astype(np.int32)
+    check_graph(keys, offsets, targets, entry)
+    if not isinstance(config, dict):
+        raise IndexFormatError("index options are not a JSON object")
+    return IndexParts(keys, offsets, targets, int(entry), config)
+
+
+def check_graph(keys: np.ndarray, offsets: np.ndarray, targets: np.ndarray, entry: int) -> None:
+    """The invariants the compiled search relies on (``_search.py``): raise ``IndexFormatError`` if any fails."""
+    n = keys.shape[0]
+    if n < 1 or keys.shape[1] < 1:
+        raise IndexFormatError(f"index holds keys of shape {keys.shape}")
+    if not np.isfinite(keys).all():
+        raise IndexFormatError("index keys hold non-finite values")
+    if offsets.shape != (n + 1,) or offsets[0] != 0 or offsets[-1] != targets.shape[0] or (np.diff(offsets) < 0).any():
+        raise IndexFormatError("index graph offsets are not a CSR of its keys")
+    if targets.size and (targets.min() < 0 or targets.max() >= n):
+        raise IndexFormatError("index graph links to a key it does not hold")
+    if not 0 <= entry < n:
+        raise IndexFormatError(f"index entry {entry} is not one of its {n} keys")

@@ -1,0 +1,151 @@
+"""``AttentionIndex``: one (layer, KV head)'s keys and the graph over them, searched by inner product.
+
+A search returns, per query, up to ``k`` key ids by descending inner product and how many keys it scored
+(``scanned``, the index's cost). Contract the engine and the index service rely on:
+
+- ``k >= num_keys`` scores every key: the result is exact (all keys, sorted) and ``scanned == num_keys``;
+- with fewer than ``k`` keys, ids are padded with -1 at the end;
+- searches may run on several threads at once (compiled loops without the GIL, state per call);
+- an index is immutable; ``to_bytes``/``from_bytes`` round-trip it exactly (``format.py``).
+
+How the graph is built: ``build.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.index._search import search_batch
+from services.index.build import BuildConfig, Graph, build_graph
+from services.index.format import IndexFormatError, IndexParts, check_graph, decode, encode
+
+# Search list size when the caller names none: bench/index/README.md measures recall@100 by beam.
+DEFAULT_BEAM = 128
+
+
+def _matrix(name: str, value, dim: int | None = None, allow_empty: bool = False) -> np.ndarray:
+    """``value`` as a C-contiguous float32 ``[rows, dim]`` array, or a ValueError naming ``name``."""
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:        # noqa: BLE001 - anything numpy cannot read is a bad argument
+        raise ValueError(f"{name} is not an array: {exc}") from None
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D [rows, dim], got shape {arr.shape}")
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"{name} must hold real numbers, got dtype {arr.dtype}")
+    if arr.shape[1] < 1 or (arr.shape[0] < 1 and not allow_empty):
+        raise ValueError(f"{name} must be non-empty, got shape {arr.shape}")
+    if dim is not None and arr.shape[1] != dim:
+        raise ValueError(f"{name} has dim {arr.shape[1]}, the index holds dim {dim}")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name} holds non-finite values (after conversion to float32)")
+    return arr
+
+
+def _count(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+class AttentionIndex:
+    """Keys float32 ``[N, D]`` and a graph over them. Make one with ``build`` or ``from_bytes``."""
+
+    __slots__ = ("_keys", "_graph", "_config")
+
+    def __init__(self, keys: np.ndarray, graph: Graph, config: BuildConfig):
+        check_graph(keys, graph.offsets, graph.targets, graph.entry)
+        for arr in (keys, graph.offsets, graph.targets):
+            arr.setflags(write=False)      # shared by every searching thread
+        self._keys, self._graph, self._config = keys, graph, config
+
+    @classmethod
+    def build(cls, keys, train_queries, *, threads: int | None = None, **options) -> "AttentionIndex":
+        """Index ``keys`` ``[N, D]`` for queries like ``train_queries`` ``[M, D]`` (the prefill queries that
+        attended to these keys; every query head of the KV head's group may be stacked). ``options`` are
+        ``BuildConfig``'s fields (``degree``, ``max_degree``, ``alpha``, ``query_neighbors``, ...);
+        ``threads`` (default: this process' CPUs) changes the build's speed, never its graph."""
+        keys = _matrix("keys", keys).copy()     # the index owns (and freezes) its keys, never the caller's
+        train = _matrix("train_queries", train_queries, dim=keys.shape[1])
+        try:
+            config = BuildConfig(**options)
+        except TypeError as exc:
+            raise ValueError(f"unknown build option: {exc}") from None
+        if threads is not None:
+            _count("threads", threads, 1)
+        return cls(keys, build_graph(keys, train, config, threads), config)
+
+    @property
+    def num_keys(self) -> int:
+        return self._keys.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self._keys.shape[1]
+
+    @property
+    def num_edges(self) -> int:
+        return self._graph.targets.shape[0]
+
+    @property
+    def config(self) -> BuildConfig:
+        return self._config
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in memory: keys, graph."""
+        return self._keys.nbytes + self._graph.offsets.nbytes + self._graph.targets.nbytes
+
+    def search(self, queries, k: int = 100, *, beam: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` keys of each query ``[B, D]`` by inner product: ids int64 ``[B, k]`` (best first, -1
+        padded) and scanned int64 ``[B]`` (keys scored). ``beam`` (>= k; default max(k, DEFAULT_BEAM)) is
+        the search list size: larger finds more of the true top-k and scores more keys."""
+        queries = _matrix("queries", queries, dim=self.dim, allow_empty=True)
+        k = _count("k", k, 1)
+        beam = max(k, DEFAULT_BEAM) if beam is None else _count("beam", beam, 1)
+        if beam < k:
+            raise ValueError(f"beam must be >= k ({k}), got {beam}")
+        if k >= self.num_keys or beam >= self.num_keys:
+            return self._exact(queries, k)
+        return _search(self._keys, self._graph, queries, k, beam)
+
+    def _exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every key scored; ties in key order."""
+        n = self.num_keys
+        ids = np.full((queries.shape[0], k), -1, np.int64)
+        if queries.shape[0]:
+            scores = queries @ self._keys.T                               # [B, N]
+            top = np.argsort(-scores, axis=1, kind="stable")[:, : min(k, n)]
+            ids[:, : top.shape[1]] = top
+        return ids, np.full(queries.shape[0], n, np.int64)
+
+    def to_bytes(self) -> bytes:
+        g = self._graph
+        return encode(IndexParts(self._keys, g.offsets, g.targets, g.entry, self._config.as_dict()))
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> "AttentionIndex":
+        """The index ``to_bytes`` wrote; ``IndexFormatError`` (a ValueError) for anything else."""
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise IndexFormatError(f"blob must be bytes, got {type(blob).__name__}")
+        parts = decode(blob)
+        try:
+            config = BuildConfig(**parts.config)
+        except (TypeError, ValueError) as exc:
+            raise IndexFormatError(f"index options are not this version's: {exc}") from None
+        return cls(parts.keys, Graph(parts.offsets, parts.targets, parts.entry), config)
+
+    def __repr__(self) -> str:
+        return f"AttentionIndex(num_keys={self.num_keys}, dim={self.dim}, num_edges={self.num_edges})"
+
+
+def _search(keys: np.ndarray, graph: Graph, queries: np.ndarray, k: int, beam: int,
+            ) -> tuple[np.ndarray, np.ndarray]:
+    b = queries.shape[0]
+    ids = np.empty((b, k), np.int64)
+    scores = np.empty((b, k), np.float32)
+    scanned = np.empty(b, np.int64)
+    if b:
+        search_batch(keys, graph.offsets, graph.targets, graph.entry, queries, beam, k, ids, scores, scanned)
+    return ids, scanned
