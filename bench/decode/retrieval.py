@@ -68,17 +68,19 @@ def one_sequence(eng, context: int, seed: int, decode):
     return seq, int(logits.argmax()), time.perf_counter() - t0
 
 
-def time_steps(eng, seq, tok: int, steps: int) -> tuple[list[float], int]:
+def time_steps(eng, seq, tok: int, steps: int) -> tuple[list[float], float]:
+    """Step times (s) after 3 warm-up steps (the first searches compile), and the CPU's part per timed step (s)."""
     cur = [tok]
     for _ in range(3):
         cur = eng.decode_step([seq], cur).argmax(-1).tolist()
     torch.cuda.synchronize()
+    cpu0 = seq.decode_stats.retrieval_seconds
     samples = []
     for _ in range(steps):
         t0 = time.perf_counter()
         cur = eng.decode_step([seq], cur).argmax(-1).tolist()
         samples.append(time.perf_counter() - t0)
-    return samples, cur[0]
+    return samples, (seq.decode_stats.retrieval_seconds - cpu0) / steps
 
 
 def main() -> int:
@@ -127,9 +129,7 @@ def main() -> int:
             eng.release(seq)
             seq, tok, start_s = one_sequence(eng, context, context, policy)
             seqs.append(seq)
-            before = seq.decode_stats.retrieval_seconds
-            samples, _ = time_steps(eng, seq, tok, args.steps)
-            cpu = (seq.decode_stats.retrieval_seconds - before) / (args.steps + 3)
+            samples, cpu = time_steps(eng, seq, tok, args.steps)
             st = seq.decode_stats
             row |= {"dense_ms": statistics.median(dense) * 1e3, "dense_floor_ms": floor * floor_per_byte * 1e3,
                     "retrieval_ms": statistics.median(samples) * 1e3, "retrieval_p90_ms":
