@@ -13,12 +13,16 @@ shows, and attention over both, merged, is attention over every key:
     softmax over S ∪ O  =  merge((out_S, lse_S), (out_O, lse_O))      (kernels/lse_merge)
 with out_O over the retrieved keys only: exact when ``retrieval_k`` covers every offloaded key.
 
+Once offloaded, the sequence's layer tables keep their static entries only, its private blocks that no layer keeps
+go back to the pool and the chunks it no longer reads are unpinned (the chunk cache may evict them): what it holds
+on the GPU is its static set.
+
 At a step, layer by layer: the query rows go to the host first (a pinned copy, waited for alone), the static set's
 attention is issued on the GPU, and the CPU searches and attends while it runs.
 
-Not yet (issue #22): the offloaded keys stay resident on the GPU too (nothing is freed: a context larger than the GPU
-is not served yet); a hand-off carries no queries, so ``import_handoff`` refuses this policy; indexes are per sequence,
-not reused per chunk.
+Not yet (issue #22): the prefill pass still holds the whole context on the GPU (a context larger than the GPU is not
+served yet); a hand-off carries no queries, so ``import_handoff`` refuses this policy; indexes are per sequence, not
+reused per chunk.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from kernels.lse_merge import merge_attention
 from kernels.rope import rope_cos_sin, rotate
 from services.checks import check_int
 from services.engine.decode.policy import DecodePolicy, PolicyStep
+from services.engine.kv.block_table import BlockTable
 
 # NOTE: the prefill queries kept per layer for the index (evenly strided over each tapped call): every query of
 # an 8B-shaped model at 128K would be 32 GB; RoarGraph-style graphs need a sample of the query distribution only
@@ -94,11 +99,11 @@ class QueryTap:
 
 @dataclass(slots=True)
 class Offload:
-    """A retrieval sequence's offloaded part: owner (its name in the index set), static [L]: per layer the entry
-    indices (int64, within its layer table) kept on the GPU, offloaded [L]: keys offloaded per KV head."""
+    """A retrieval sequence's offloaded part: owner (its name in the index set), static [L]: per layer the entries its
+    table kept (all of them, after ``offload``), offloaded [L]: tokens offloaded (keys per KV head)."""
 
     owner: str
-    static: list[np.ndarray]
+    static: list[int] = field(default_factory=list)
     offloaded: list[int] = field(default_factory=list)
 
 
@@ -117,7 +122,7 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
     g = hq // hkv
     prompt = seq.next_pos
     owner = f"seq{next(_owners)}"
-    off = Offload(owner, [])
+    off = Offload(owner)
     bits = torch.arange(bs, device=fwd.device, dtype=torch.int64)
     split: dict[int, tuple] = {}   # per distinct table object: (static entries, offloaded blocks, slots, offsets)
     try:
@@ -141,13 +146,36 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
             train = q.float().reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
             fwd.indexes.add(owner, layer, k.permute(1, 0, 2).cpu().numpy(), v.permute(1, 0, 2).cpu().numpy(),
                             train.cpu().numpy())
-            off.static.append(static)
+            off.static.append(len(static))
             off.offloaded.append(int(blocks.shape[0]))
     except BaseException:
         fwd.indexes.drop(owner)
         raise
     seq.offload = off
     seq.prefill_queries = None   # the index holds what it needs
+    keep_static(fwd, seq, {key: entries for key, (entries, *_) in split.items()})
+
+
+def keep_static(fwd, seq, static: dict[int, np.ndarray]) -> None:
+    """Cut each layer's table to its static entries (``static``: per distinct table object, the entry indices kept),
+    free the private blocks no layer keeps and unpin the chunks no layer reads."""
+    cut: dict[int, BlockTable] = {}
+    for table in seq.layer_tables:
+        if id(table) in cut:
+            continue
+        keep = static[id(table)]
+        idx = torch.as_tensor(keep, dtype=torch.long, device=table.block_ids.device)
+        cut[id(table)] = BlockTable(table.block_ids[idx], table.offsets[idx], table.masks[idx], table.max_offset, None,
+                                    None if table.id_rows is None else table.id_rows[:, idx],
+                                    None if table.host_rows is None else table.host_rows[:, keep])
+    seq.layer_tables = [cut[id(t)] for t in seq.layer_tables]
+    kept = {int(b) for t in cut.values() for b in t.block_ids.tolist()}
+    unused = [b for b in seq.private_blocks if b not in kept]
+    fwd.pool.free(unused)
+    seq.private_blocks = [b for b in seq.private_blocks if b in kept]
+    for entry in [e for e in seq.pinned if not kept.intersection(e.blocks)]:
+        seq.pinned.remove(entry)
+        fwd.cache.release(entry)
 
 
 class RetrievalStep(PolicyStep):
@@ -163,15 +191,15 @@ class RetrievalStep(PolicyStep):
         self.owners = [s.offload.owner for s in seqs]
 
     def _selection(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The static entries of each row at ``layer`` (its table's, then every generated block), as the sparse
-        attention's sel [B, Hkv, K] int32 and count [B, Hkv] int32."""
+        """Every entry of each row at ``layer`` (its static table's, then its generated blocks), as the sparse
+        attention's sel [B, Hkv, K] int32 and count [B, Hkv] int32 (which also gives the log-sum-exp the merge
+        needs)."""
         hkv = self.fwd.cfg.num_kv_heads
         rows, base = [], 0
         for s in self.seqs:   # global entry indices: each row's entries follow the rows before it (_step_table)
-            n_table = s.layer_tables[layer].num_entries
-            rows.append(base + np.concatenate([s.offload.static[layer],
-                                               np.arange(n_table, n_table + len(s.gen_blocks))]))
-            base += n_table + len(s.gen_blocks)
+            n = s.layer_tables[layer].num_entries + len(s.gen_blocks)
+            rows.append(np.arange(base, base + n))
+            base += n
         width = max(1, max(len(r) for r in rows))
         sel = np.full((len(rows), hkv, width), -1, np.int32)
         for i, r in enumerate(rows):

@@ -42,19 +42,32 @@ def test_logits_of_full_retrieval_steps_equal_dense_within_fp32(tiny_dir):
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
 
 
-def test_the_static_set_and_the_offloaded_keys_partition_each_layer(tiny_dir):
+def test_the_static_set_and_the_offloaded_keys_partition_each_layer_and_only_the_static_set_stays(tiny_dir):
+    """After offloading, each layer's table holds its static pages only; with what was offloaded they are every token
+    of the prompt; the private blocks no layer keeps are back in the pool and the chunks no layer reads are unpinned."""
     eng = Engine.load(tiny_dir)
-    chunks, suffix = random_request(43, lengths=(64, 30), suffix_len=9)
-    _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(**SMALL))
+    chunks, suffix = random_request(43, lengths=(64, 48, 30), suffix_len=9)
+    free = eng.pool.num_free
+    _, dense = eng.prefill_sequence(chunks, suffix, extra_tokens=1)
+    held_dense = free - eng.pool.num_free
+    pinned_dense = len(dense.pinned)
+    eng.release(dense)
+    free = eng.pool.num_free
+    _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(**SMALL), extra_tokens=1)
     try:
         bs = eng.block_size
         for layer, table in enumerate(seq.layer_tables):
-            shown = [bin(m & ((1 << bs) - 1)).count("1") for m in table.masks.tolist()]
-            static = seq.offload.static[layer]
-            assert len(static) < len(shown)          # most pages are offloaded at these sizes
-            assert sum(shown[i] for i in static) + seq.offload.offloaded[layer] == sum(shown) == seq.next_pos
+            shown = sum(bin(m & ((1 << bs) - 1)).count("1") for m in table.masks.tolist())
+            assert table.num_entries == seq.offload.static[layer] < -(-seq.next_pos // bs)
+            assert shown + seq.offload.offloaded[layer] == seq.next_pos
+        # the middle chunk shows no sink or window position: unpinned, evictable
+        assert len(seq.pinned) < pinned_dense and all(e.refs == 0 for e in eng.cache._entries.values()
+                                                      if e not in seq.pinned)
+        assert len(seq.private_blocks) < held_dense
+        eng.decode_step([seq], [7])                        # and it decodes from what it kept
     finally:
         eng.release(seq)
+    assert eng.pool.num_free == free
 
 
 def test_a_small_k_reads_fewer_keys_and_still_generates(tiny_dir):
@@ -92,7 +105,7 @@ def test_releasing_the_sequence_drops_its_offloaded_kv(tiny_dir):
     assert owner in eng.forward.indexes and eng.forward.indexes.nbytes() > 0
     eng.release(seq)
     assert owner not in eng.forward.indexes and eng.forward.indexes.nbytes() == 0
-    assert eng.pool.num_free == free - sum(len(e.blocks) for e in seq.pinned)   # its chunks stay cached
+    assert eng.pool.num_free == free - eng.cache.resident_bytes // eng.pool.block_bytes   # its chunks stay cached
 
 
 @pytest.mark.parametrize("params, field", [(dict(retrieval_k=0), "retrieval_k"), (dict(sink_tokens=-1), "sink_tokens"),
