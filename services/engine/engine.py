@@ -18,7 +18,7 @@ import torch
 
 from kernels.options import using
 from kernels.paged_attention import MAX_BLOCK_ID, MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
-from services.engine.decode import DecodePolicy, QueryTap, policy_for
+from services.engine.decode import HANDOFF_QUERIES, DecodePolicy, QueryTap, policy_for
 from services.engine.kv.block_pool import BlockPool, block_bytes
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.chunk_cache import ChunkCache, chunk_id
@@ -314,30 +314,38 @@ class Engine:
     @launches
     def prefill_handoff(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15,
                         fetch=None, on_computed=None, extra_tokens: int = 0, on_logits=None,
-                        kv_on_device: bool = False):
+                        kv_on_device: bool = False, tap_queries: bool = False):
         """Prefill for a disaggregated decode: returns (PrefillResult, Handoff) and keeps nothing private.
 
         fetch(chunk_id) -> iterator of (layer, k, v) or None: the KV store, streamed layer by layer while
         earlier layers compute. on_computed(chunk_id, [(k, v), ...]): chunks computed here, to be stored.
         on_logits(logits [vocab]): called as soon as the pass is done, before the hand-off is exported
         (a serving worker samples and sends the first token from there). ``kv_on_device``: the hand-off's
-        private K/V stay on this engine's device (see ``export_sequence``).
+        private K/V stay on this engine's device (see ``export_sequence``). ``tap_queries``: the pass's queries
+        travel with the hand-off (a sample per layer: ``HANDOFF_QUERIES``), for a decode policy that builds on them
+        (retrieval).
         """
         return self.begin_prefill_handoff(chunks, suffix, mode, recompute_ratio, fetch, on_computed,
-                                          extra_tokens, kv_on_device).finish(on_logits)
+                                          extra_tokens, kv_on_device, tap_queries).finish(on_logits)
 
     @launches
     def begin_prefill_handoff(self, chunks, suffix, mode: str = "tessera", recompute_ratio: float = 0.15,
                               fetch=None, on_computed=None, extra_tokens: int = 0,
-                              kv_on_device: bool = False) -> "PendingHandoff":
+                              kv_on_device: bool = False, tap_queries: bool = False) -> "PendingHandoff":
         """``prefill_handoff`` in two halves: this one issues the pass (and the export's first copies)
         and returns without waiting for the device; ``finish(on_logits)`` on the result waits, calls
         ``on_logits``, exports and releases. A serving worker issues the next request's pass between the
         two, so that its host work overlaps this pass on the device. Nothing else may use the engine
         until ``finish`` is called, but another ``begin_prefill_handoff``."""
         chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
-        logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), fetch, on_computed, ids,
-                                           scope=scope)
+        tap = QueryTap(HANDOFF_QUERIES) if tap_queries else None
+        self.forward.query_tap = tap
+        try:
+            logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), fetch, on_computed, ids,
+                                               scope=scope)
+        finally:
+            self.forward.query_tap = None
+        seq.prefill_queries = tap
         try:
             # what the export reads on the host starts on its way first: reading the first token (a sync)
             # then delivers it, and the export after the first token waits for nothing on the device

@@ -105,7 +105,9 @@ def export_sequence(fwd, seq, logits: torch.Tensor, fingerprint: str, kv_on_devi
         ready.record()
     layers = tuple(LayerView(views[i][1], views[i][0], kv[2 * layer], kv[2 * layer + 1])
                    for layer, i in enumerate(staged.layer_table))
-    return Handoff(fingerprint, tuple(refs.values()), layers, seq.next_pos, staged.logits, kv=buf, ready=ready)
+    queries = () if seq.prefill_queries is None else seq.prefill_queries.export(len(seq.layer_tables))
+    return Handoff(fingerprint, tuple(refs.values()), layers, seq.next_pos, staged.logits, kv=buf, ready=ready,
+                   queries=queries)
 
 
 _FLAT = weakref.WeakKeyDictionary()  # BlockPool -> its layers' K and V as flat views

@@ -21,6 +21,7 @@ def import_sequence(fwd, h: Handoff, fetch=None):
     layer's private K/V is then one indexed write. Nothing here waits for the GPU, unless a chunk is
     nowhere to be had and is computed.
     """
+    from services.engine.decode import QueryTap
     from services.engine.request import Sequence
 
     cache, bs, dev = fwd.cache, fwd.bs, fwd.device
@@ -42,7 +43,7 @@ def import_sequence(fwd, h: Handoff, fetch=None):
                 fwd.pool.write(layer, block, slot, k, v)
         tokens = {ref.chunk_id: list(ref.tokens) for ref in h.chunks}
         return Sequence([on_dev.tables[i] for i in layout.table_of], pinned, private, h.next_pos,
-                        chunk_tokens=tokens)
+                        chunk_tokens=tokens, prefill_queries=QueryTap.of(h.queries) if h.queries else None)
     except BaseException:
         for e in pinned:
             cache.release(e)

@@ -60,6 +60,9 @@ class Handoff:
     # that reads ``kv`` orders its own stream after it, not after whatever that stream queued since (the
     # next request's pass)
     ready: torch.cuda.Event | None = field(default=None, repr=False, compare=False)
+    # per layer, a sample of the prefill pass's queries [M, Hq, D] fp16 on the host (rotated at their global
+    # positions), when the decode policy builds on them (retrieval); empty otherwise
+    queries: tuple[torch.Tensor, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def private_bytes(self) -> int:
@@ -88,6 +91,8 @@ class Handoff:
             for name in ("hidden", "positions", "k", "v") if with_kv else ("hidden", "positions"):
                 t = getattr(lv, name) if kv is None or name in ("hidden", "positions") else kv[2 * i + (name == "v")]
                 tensors[f"{i}.{name}"] = t.detach().cpu().clone()  # layers may share views
+        for i, q in enumerate(self.queries):
+            tensors[f"{i}.queries"] = q.detach().cpu().contiguous()
         meta = {"fingerprint": self.model_fingerprint, "next_pos": str(self.next_pos),
                 "layers": str(len(self.layers)),
                 "chunks": json.dumps([[c.chunk_id, c.start, list(c.tokens)] for c in self.chunks])}
@@ -116,7 +121,9 @@ class Handoff:
         layers = tuple(LayerView(tensors[f"{i}.hidden"], tensors[f"{i}.positions"], tensors[f"{i}.k"], tensors[f"{i}.v"])
                        for i in range(n_layers))
         chunks = tuple(ChunkRef(c[0], int(c[1]), tuple(c[2])) for c in json.loads(meta["chunks"]))
-        return Handoff(meta["fingerprint"], chunks, layers, int(meta["next_pos"]), tensors["logits"], kv=kv_buffer)
+        queries = tuple(tensors[f"{i}.queries"] for i in range(n_layers)) if "0.queries" in tensors else ()
+        return Handoff(meta["fingerprint"], chunks, layers, int(meta["next_pos"]), tensors["logits"], kv=kv_buffer,
+                       queries=queries)
 
 
 def _split_kv(buf: torch.Tensor, meta: dict, counts: list[int]) -> dict[str, torch.Tensor]:

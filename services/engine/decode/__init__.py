@@ -15,7 +15,7 @@ from __future__ import annotations
 from services.engine.decode.dense import DenseDecode
 from services.engine.decode.policy import DecodePolicy, PastRows, PolicyStep
 from services.engine.decode.quest import QuestDecode
-from services.engine.decode.retrieval import Offload, QueryTap, RetrievalDecode
+from services.engine.decode.retrieval import HANDOFF_QUERIES, Offload, QueryTap, RetrievalDecode
 from services.engine.decode.retro import PastToken, RetroDecode
 from services.engine.decode.stats import DecodeStats
 
@@ -40,5 +40,5 @@ def policy_for(name: str, **params) -> DecodePolicy:
     return cls(**params)
 
 
-__all__ = ["DENSE", "POLICIES", "DecodePolicy", "DecodeStats", "DenseDecode", "Offload", "PastRows", "PastToken",
+__all__ = ["DENSE", "HANDOFF_QUERIES", "POLICIES", "DecodePolicy", "DecodeStats", "DenseDecode", "Offload", "PastRows", "PastToken",
            "PolicyStep", "QueryTap", "QuestDecode", "RetrievalDecode", "RetroDecode", "policy_for"]

@@ -21,8 +21,8 @@ At a step, layer by layer: the query rows go to the host first (a pinned copy, w
 attention is issued on the GPU, and the CPU searches and attends while it runs.
 
 Not yet (issue #22): the prefill pass still holds the whole context on the GPU (a context larger than the GPU is not
-served yet); a hand-off carries no queries, so ``import_handoff`` refuses this policy; indexes are per sequence, not
-reused per chunk.
+served yet); indexes are per sequence, not reused per chunk. A hand-off carries a sample of the queries
+(``HANDOFF_QUERIES`` a layer) when its prefill was asked to (``tap_queries``), and a decode engine builds from those.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ from services.engine.kv.block_table import BlockTable
 # NOTE: the prefill queries kept per layer for the index (evenly strided over each tapped call): every query of
 # an 8B-shaped model at 128K would be 32 GB; RoarGraph-style graphs need a sample of the query distribution only
 TRAIN_QUERIES = 2048
+# those a hand-off carries (fp16): 256 x 32 heads x 128 x 2 B = 2 MiB a layer of an 8B-shaped model
+HANDOFF_QUERIES = 256
 
 _owners = itertools.count()
 
@@ -96,6 +98,23 @@ class QueryTap:
         q = torch.cat(parts)
         return q[::max(1, -(-q.shape[0] // self.cap))]
 
+    def export(self, num_layers: int) -> tuple[torch.Tensor, ...]:
+        """Every layer's queries on the host in fp16, for a hand-off (a layer not tapped: empty)."""
+        out = []
+        for layer in range(num_layers):
+            q = self.queries(layer)
+            out.append(torch.zeros(0, dtype=torch.float16) if q is None else q.to("cpu", torch.float16))
+        return tuple(out)
+
+    @classmethod
+    def of(cls, layers) -> "QueryTap":
+        """A tap holding given queries per layer ([M, Hq, D] each; empty ones are left out): a hand-off's."""
+        tap = cls()
+        for layer, q in enumerate(layers):
+            if q.numel():
+                tap.layers[layer] = [q]
+        return tap
+
 
 @dataclass(slots=True)
 class Offload:
@@ -111,8 +130,8 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
     """Split each layer's table into the static pages and the offloaded tokens, and hand the latter (keys at global
     positions, values, the tapped queries) to the index set."""
     if seq.prefill_queries is None:
-        raise ValueError("decode='retrieval' needs the prefill pass's queries to build its index: it is served by "
-                         "Engine.generate, not yet after a hand-off")
+        raise ValueError("decode='retrieval' needs the prefill pass's queries to build its index: a hand-off must "
+                         "be made with them (prefill_handoff(tap_queries=True))")
     if fwd.indexes is None:
         from services.index.heads import IndexSet   # numba and faiss load with the first retrieval sequence
 

@@ -119,15 +119,38 @@ def test_bad_parameters_are_refused_by_name(tiny_dir, params, field):
         eng.decode_policy("retrieval", budget_tokens=64)
 
 
-def test_a_hand_off_is_refused_clearly_and_keeps_nothing(tiny_dir):
+def test_a_hand_off_without_the_prefill_queries_is_refused_clearly_and_keeps_nothing(tiny_dir):
     eng = Engine.load(tiny_dir)
     chunks, suffix = random_request(50, lengths=(30, 20), suffix_len=3)
     _, handoff = eng.prefill_handoff(chunks, suffix)
+    assert handoff.queries == ()
     before = eng.describe_memory()
-    with pytest.raises(ValueError, match="retrieval"):
+    with pytest.raises(ValueError, match="tap_queries"):
         eng.import_handoff(handoff, decode="retrieval")
     assert eng.describe_memory() == before
     assert eng.forward.indexes is None or eng.forward.indexes.nbytes() == 0
+
+
+def test_a_hand_off_with_its_queries_decodes_by_retrieval_on_another_engine_as_dense(tiny_dir):
+    """The prefill engine taps its pass's queries into the hand-off (through its wire bytes); the decode engine builds
+    its index from them; with every offloaded key retrieved, its steps equal a dense decode of the same hand-off."""
+    from services.handoff.wire import Handoff
+
+    a, b = Engine.load(tiny_dir), Engine.load(tiny_dir)
+    chunks, suffix = random_request(52, lengths=(40, 33, 21), suffix_len=4)
+    _, plain = a.prefill_handoff(chunks, suffix, extra_tokens=4)
+    _, tapped = a.prefill_handoff(chunks, suffix, extra_tokens=4, tap_queries=True)
+    assert len(tapped.queries) == a.cfg.num_layers and all(q.dtype == torch.float16 and q.shape[0] > 0
+                                                            for q in tapped.queries)
+    wire = Handoff.from_bytes(tapped.to_bytes())
+    assert all(torch.equal(x, y) for x, y in zip(wire.queries, tapped.queries))
+    fetch = lambda cid: iter(a.export_chunk(cid))  # noqa: E731
+    out = []
+    for h, policy in ((plain, DENSE), (wire, RetrievalDecode(retrieval_k=10_000, **SMALL))):
+        seq = b.import_handoff(h, fetch=fetch, decode=policy)
+        out.append(torch.stack([b.decode_step([seq], [t])[0] for t in (5, 9, 11)]))
+        b.release(seq)
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
 
 
 def test_a_decode_engine_uses_the_index_service_as_its_index_set(tiny_dir):
