@@ -23,12 +23,13 @@ class Mode(str, Enum):
 
 MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 
-# the decode policies a request may name (services/engine/decode holds them; the gateway and the SDK check names here).
-# The engine's "retrieval" is not among them yet: its index is built from the prefill pass's queries, which a
-# hand-off does not carry (services/engine/decode/retrieval.py)
-DECODE_POLICIES: tuple[str, ...] = ("dense", "quest", "retro")
+# the decode policies a request may name (services/engine/decode holds them; the gateway and the SDK check names here)
+DECODE_POLICIES: tuple[str, ...] = ("dense", "quest", "retro", "retrieval")
 # each policy's parameters (a request giving another policy's is refused), and retro's largest window (the engine's
 # RetroDecode takes the same: a test keeps them equal)
 DECODE_PARAMS: dict[str, tuple[str, ...]] = {"dense": (), "quest": ("budget_tokens", "dense_layers"),
-                                             "retro": ("budget_tokens", "dense_layers", "retro_window")}
+                                             "retro": ("budget_tokens", "dense_layers", "retro_window"),
+                                             "retrieval": ("retrieval_k", "sink_tokens", "window_tokens")}
+DECODE_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(f for fields in DECODE_PARAMS.values() for f in fields))
+MAX_RETRIEVAL_K = 65536   # a retrieval request's largest k (the gateway's and the index service's bound)
 MAX_RETRO_WINDOW = 16

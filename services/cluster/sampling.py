@@ -10,6 +10,7 @@ prefill worker's was, and then keeps the prefill worker's token (the one the cli
 from __future__ import annotations
 
 from services.engine.sampling import SamplingParams
+from services.modes import DECODE_FIELDS
 from services.rpc import tessera_pb2 as pb
 
 DEFAULT_MAX_NEW_TOKENS = 16
@@ -37,5 +38,4 @@ def write_sampling(params: SamplingParams) -> pb.SamplingParams:
 def read_decode_policy(p: pb.DecodePolicy) -> tuple[str, dict]:
     """A request's decode policy on the wire: its name ("dense" when empty) and the parameters it sets, as
     ``Engine.decode_policy(name, **params)`` takes them (each worker checks them against its engine)."""
-    fields = ("budget_tokens", "dense_layers", "retro_window")
-    return p.name or "dense", {f: getattr(p, f) for f in fields if p.HasField(f)}
+    return p.name or "dense", {f: getattr(p, f) for f in DECODE_FIELDS if p.HasField(f)}

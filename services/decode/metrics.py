@@ -50,6 +50,10 @@ class DecodeMetrics:
         self.pages_corrected = Counter("tessera_decode_pages_corrected", "Pages read for the current token and reused "
                                        "to correct past tokens' attention (retro), by decode policy", ["policy"],
                                        registry=r)
+        self.keys_scanned = Counter("tessera_decode_keys_scanned", "Keys the retrieval index's searches scored for "
+                                    "ended sequences (retrieval), by decode policy", ["policy"], registry=r)
+        self.retrieval_seconds = Counter("tessera_decode_retrieval_seconds", "Time ended sequences' steps spent in "
+                                         "the retrieval index's searches and their attention", ["policy"], registry=r)
 
     def count_reads(self, policy: str, stats: DecodeStats) -> None:
         """A sequence has ended: what its steps read, under its policy's name."""
@@ -57,3 +61,5 @@ class DecodeMetrics:
         self.pages_visible.labels(policy).inc(stats.pages_visible)
         self.pages_read.labels(policy).inc(stats.pages_read)
         self.pages_corrected.labels(policy).inc(stats.pages_corrected)
+        self.keys_scanned.labels(policy).inc(stats.keys_scanned)
+        self.retrieval_seconds.labels(policy).inc(stats.retrieval_seconds)

@@ -190,6 +190,7 @@ def decode_stats(policy: DecodePolicy, stats: DecodeStats | None) -> pb.DecodeSt
     if stats is not None:
         out.steps, out.pages_visible, out.pages_read = stats.steps, stats.pages_visible, stats.pages_read
         out.pages_corrected = stats.pages_corrected
+        out.keys_scanned, out.retrieval_seconds = stats.keys_scanned, stats.retrieval_seconds
     return out
 
 

@@ -27,7 +27,7 @@ from services.cluster.sampling import DEFAULT_MAX_NEW_TOKENS, read_sampling
 from services.engine.model.config import ModelConfig
 from services.engine.sampling import SamplingParams
 from services.gateway.tenants import DEFAULT, QuotaExceeded, Tenant
-from services.modes import DECODE_PARAMS, DECODE_POLICIES, MAX_RETRO_WINDOW, MODES
+from services.modes import DECODE_FIELDS, DECODE_PARAMS, DECODE_POLICIES, MAX_RETRIEVAL_K, MAX_RETRO_WINDOW, MODES
 from services.rpc import tessera_pb2 as pb
 
 
@@ -324,11 +324,13 @@ class InputResolver:
         name = d.name or "dense"
         if name not in DECODE_POLICIES:
             raise InvalidRequest(f"decode must be one of {', '.join(DECODE_POLICIES)}, got {d.name!r}")
-        foreign = [f for f in DECODE_PARAMS["retro"] if d.HasField(f) and f not in DECODE_PARAMS[name]]
+        foreign = [f for f in DECODE_FIELDS if d.HasField(f) and f not in DECODE_PARAMS[name]]
         if foreign:
             raise InvalidRequest(f"decode {name!r} takes no {' or '.join(foreign)}")
         if name == "dense":
             return None
+        if name == "retrieval" and d.HasField("retrieval_k") and not 1 <= d.retrieval_k <= MAX_RETRIEVAL_K:
+            raise InvalidRequest(f"retrieval_k must be in 1..{MAX_RETRIEVAL_K}, got {d.retrieval_k}")
         if d.HasField("budget_tokens") and d.budget_tokens < 1:
             raise InvalidRequest(f"budget_tokens must be at least 1, got {d.budget_tokens}")
         if d.HasField("dense_layers") and d.dense_layers > self.cfg.num_layers:

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.index.heads import IndexSet
 from services.index.metrics import IndexMetrics
+from services.modes import MAX_RETRIEVAL_K
 from services.rpc import index_pb2 as pb
 from services.rpc import index_pb2_grpc as pb_grpc
 
@@ -32,7 +33,7 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_me
 OWNER = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_LAYERS = 1024
 MAX_HEAD_DIM = 1024
-MAX_K = 65536
+MAX_K = MAX_RETRIEVAL_K
 MAX_OFFLOAD_BYTES = 64 << 30   # one (owner, layer): keys, values and training queries
 
 

@@ -83,10 +83,11 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             sampling = read_sampling(request.sampling, self.worker.eng.cfg.eos_token_id)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+        taps = False
         if request.HasField("decode"):   # what the decode worker would refuse, refused before any pass
             name, params = read_decode_policy(request.decode)
             try:
-                self.worker.eng.decode_policy(name, **params)
+                taps = self.worker.eng.decode_policy(name, **params).taps_queries
             except (ValueError, TypeError) as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"decode: {exc}")
         # the message's repeated fields as they are: the engine reads each with one numpy conversion (copying
@@ -94,7 +95,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         job = PrefillJob(request.request_id, tuple(c.ids for c in request.chunks), request.suffix,
                          request.mode or "tessera",
                          request.recompute_ratio if request.HasField("recompute_ratio") else None, sampling,
-                         namespaces=tuple(request.chunk_namespaces))
+                         namespaces=tuple(request.chunk_namespaces), tap_queries=taps)
         loop = asyncio.get_running_loop()
         first: asyncio.Future = loop.create_future()
 

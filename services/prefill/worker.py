@@ -37,6 +37,7 @@ class PrefillJob:
     sampling: SamplingParams
     enqueued: float = field(default_factory=time.perf_counter)
     namespaces: tuple[str, ...] = ()   # each chunk's namespace (a tenant's), () when all are plain
+    tap_queries: bool = False          # the hand-off carries the pass's queries (a retrieval decode builds on them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +155,8 @@ class PrefillWorker:
             fetch=self.store.fetcher(present) if store else None,
             on_computed=on_computed if store else None,
             extra_tokens=job.sampling.max_new_tokens,
-            kv_on_device=self.eng.device.type == "cuda")   # copied to the host (or shared) off this thread
+            kv_on_device=self.eng.device.type == "cuda",   # copied to the host (or shared) off this thread
+            tap_queries=job.tap_queries)
         self.metrics.engine_seconds.inc(time.perf_counter() - started)
 
         def finish() -> PrefillOutcome:

@@ -43,30 +43,40 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class DecodePolicy(_message.Message):
-    __slots__ = ("name", "budget_tokens", "dense_layers", "retro_window")
+    __slots__ = ("name", "budget_tokens", "dense_layers", "retro_window", "retrieval_k", "sink_tokens", "window_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DENSE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     RETRO_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVAL_K_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     budget_tokens: int
     dense_layers: int
     retro_window: int
-    def __init__(self, name: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., dense_layers: _Optional[int] = ..., retro_window: _Optional[int] = ...) -> None: ...
+    retrieval_k: int
+    sink_tokens: int
+    window_tokens: int
+    def __init__(self, name: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., dense_layers: _Optional[int] = ..., retro_window: _Optional[int] = ..., retrieval_k: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeStats(_message.Message):
-    __slots__ = ("policy", "steps", "pages_visible", "pages_read", "pages_corrected")
+    __slots__ = ("policy", "steps", "pages_visible", "pages_read", "pages_corrected", "keys_scanned", "retrieval_seconds")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PAGES_VISIBLE_FIELD_NUMBER: _ClassVar[int]
     PAGES_READ_FIELD_NUMBER: _ClassVar[int]
     PAGES_CORRECTED_FIELD_NUMBER: _ClassVar[int]
+    KEYS_SCANNED_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     policy: str
     steps: int
     pages_visible: int
     pages_read: int
     pages_corrected: int
-    def __init__(self, policy: _Optional[str] = ..., steps: _Optional[int] = ..., pages_visible: _Optional[int] = ..., pages_read: _Optional[int] = ..., pages_corrected: _Optional[int] = ...) -> None: ...
+    keys_scanned: int
+    retrieval_seconds: float
+    def __init__(self, policy: _Optional[str] = ..., steps: _Optional[int] = ..., pages_visible: _Optional[int] = ..., pages_read: _Optional[int] = ..., pages_corrected: _Optional[int] = ..., keys_scanned: _Optional[int] = ..., retrieval_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("chunks", "suffix_text", "suffix_tokens", "sampling", "mode", "recompute_ratio", "request_id", "decode")

@@ -36,12 +36,14 @@ class AsyncClient:
                  mode: str = "tessera", recompute_ratio: float | None = None,
                  stop_token_ids: Sequence[int] | None = None, request_id: str | None = None,
                  timeout: float | None = None, decode: str = "dense", budget_tokens: int | None = None,
-                 dense_layers: int | None = None, retro_window: int | None = None) -> AsyncIterator[GenerateEvent]:
+                 dense_layers: int | None = None, retro_window: int | None = None, retrieval_k: int | None = None,
+                 sink_tokens: int | None = None, window_tokens: int | None = None) -> AsyncIterator[GenerateEvent]:
         """As ``Client.generate``: retried on UNAVAILABLE until the first event arrived."""
         req = generate_request(chunks, suffix, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, seed=seed, mode=mode, recompute_ratio=recompute_ratio,
                                stop_token_ids=stop_token_ids, request_id=request_id, decode=decode,
-                               budget_tokens=budget_tokens, dense_layers=dense_layers, retro_window=retro_window)
+                               budget_tokens=budget_tokens, dense_layers=dense_layers, retro_window=retro_window,
+                               retrieval_k=retrieval_k, sink_tokens=sink_tokens, window_tokens=window_tokens)
         return self._stream(req, self._s.call_timeout(timeout))
 
     async def _stream(self, req: pb.GenerateRequest, timeout: float) -> AsyncIterator[GenerateEvent]:

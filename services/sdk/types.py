@@ -45,18 +45,22 @@ class DecodeStats:
     """The request's decode policy and what its decode steps read, in pages (KV blocks) per KV head and layer summed
     over its steps. pages_visible: what dense steps would have read; pages_read: what its policy read for the current
     token (``pages_read / pages_visible`` is the share of the KV it attended); pages_corrected (retro): pages read
-    for the current token and reused to correct past tokens' attention. steps 0: the first token, sampled by the
-    prefill worker, ended the request."""
+    for the current token and reused to correct past tokens' attention; keys_scanned, retrieval_seconds (retrieval):
+    the keys its CPU index searches scored and the time its steps spent in them (pages_read then counts the static
+    set's pages). steps 0: the first token, sampled by the prefill worker, ended the request."""
 
     policy: str = "dense"
     steps: int = 0
     pages_visible: int = 0
     pages_read: int = 0
     pages_corrected: int = 0
+    keys_scanned: int = 0
+    retrieval_seconds: float = 0.0
 
     @classmethod
     def from_proto(cls, s: pb.DecodeStats) -> "DecodeStats":
-        return cls(s.policy or "dense", s.steps, s.pages_visible, s.pages_read, s.pages_corrected)
+        return cls(s.policy or "dense", s.steps, s.pages_visible, s.pages_read, s.pages_corrected, s.keys_scanned,
+                   s.retrieval_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +185,8 @@ def generate_request(chunks: Sequence[Chunk], suffix: str | Sequence[int], *, ma
                      top_p: float, top_k: int, seed: int | None, mode: str, recompute_ratio: float | None,
                      stop_token_ids: Sequence[int] | None, request_id: str | None, decode: str = "dense",
                      budget_tokens: int | None = None, dense_layers: int | None = None,
-                     retro_window: int | None = None) -> pb.GenerateRequest:
+                     retro_window: int | None = None, retrieval_k: int | None = None, sink_tokens: int | None = None,
+                     window_tokens: int | None = None) -> pb.GenerateRequest:
     """The GenerateRequest for ``Client.generate``'s arguments. Here each value is checked against what
     the message can carry (``checks``); what the model can serve is checked by the gateway."""
     req = pb.GenerateRequest(chunks=chunk_inputs(chunks), mode=checks.text(mode, "mode"),
@@ -206,7 +211,8 @@ def generate_request(chunks: Sequence[Chunk], suffix: str | Sequence[int], *, ma
         s.ignore_eos = True
     if recompute_ratio is not None:
         req.recompute_ratio = checks.number(recompute_ratio, "recompute_ratio")
-    params = {"budget_tokens": budget_tokens, "dense_layers": dense_layers, "retro_window": retro_window}
+    params = {"budget_tokens": budget_tokens, "dense_layers": dense_layers, "retro_window": retro_window,
+              "retrieval_k": retrieval_k, "sink_tokens": sink_tokens, "window_tokens": window_tokens}
     if decode != "dense" or any(v is not None for v in params.values()):
         req.decode.name = checks.text(decode, "decode")
         for name, value in params.items():      # which policy takes which, and their ranges, are the gateway's

@@ -112,7 +112,8 @@ def test_first_token_comes_from_the_prefill_worker(client, reference):
     (dict(chunks=[[1, 100000]], suffix=[1]), "token id 100000 in chunk 0 is outside the vocabulary"),
     (dict(chunks=[[1, 2]], suffix=[1], mode="sideways"), "unknown mode 'sideways'"),
     (dict(chunks=[[1, 2]], suffix=[1], recompute_ratio=1.5), "recompute_ratio must be in [0, 1]"),
-    (dict(chunks=[[1, 2]], suffix=[1], decode="sparse"), "decode must be one of dense, quest, retro, got 'sparse'"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="sparse"),
+     "decode must be one of dense, quest, retro, retrieval, got 'sparse'"),
     (dict(chunks=[[1, 2]], suffix=[1], budget_tokens=64), "decode 'dense' takes no budget_tokens"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="quest", budget_tokens=0), "budget_tokens must be at least 1"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="quest", dense_layers=99), "dense_layers must be at most"),
@@ -126,10 +127,14 @@ def test_first_token_comes_from_the_prefill_worker(client, reference):
     (dict(chunks=[[1, 2]], suffix=[1], decode="quest", retro_window=2), "decode 'quest' takes no retro_window"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="retro", dense_layers=4), "dense_layers must leave a sparse layer"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="retro", budget_tokens=8), "budget_tokens must be at least one page"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="retrieval", retrieval_k=0), "retrieval_k must be in 1..65536, got 0"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="retrieval", sink_tokens=-1), "sink_tokens must be"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="retrieval", retro_window=2), "decode 'retrieval' takes no retro_window"),
 ], ids=["unknown-chunk", "empty", "empty-chunk", "too-long", "temperature", "top_p", "top_k",
         "max_new_tokens", "vocab", "mode", "ratio", "decode", "dense-budget", "zero-budget", "dense-layers",
         "sub-page-budget", "retro-window-0", "retro-window-17", "retro-window-float", "retro-window-bool",
-        "quest-window", "retro-dense-layers", "retro-sub-page-budget"])
+        "quest-window", "retro-dense-layers", "retro-sub-page-budget", "retrieval-k-0", "retrieval-sink-negative",
+        "retrieval-window"])
 def test_bad_input_is_invalid_argument_with_the_reason(client, kwargs, reason):
     with pytest.raises(InvalidArgument) as info:
         client.complete(**kwargs)
@@ -177,6 +182,26 @@ def test_retro_decode_through_the_cluster(client, inproc, reference):
     assert [a - b for a, b in zip(counters(), before)] == [d.steps, d.pages_visible, d.pages_read, d.pages_corrected]
 
 
+def test_retrieval_decode_through_the_cluster(client, inproc, reference):
+    """decode="retrieval" reaches the decode worker with the prefill pass's queries in the hand-off: retrieving every
+    offloaded key it generates the engine's dense tokens; with a small k it scans keys on the decode worker's index
+    set, and the request's stats and the worker's counters say how many."""
+    chunks, suffix = docs(3, 48, seed=9), [4, 5, 6]
+    want = reference.generate(chunks, suffix, max_new_tokens=8, stop_token_ids=[])
+    small = dict(sink_tokens=4, window_tokens=8)
+    wide = client.complete(chunks, suffix, max_new_tokens=8, stop_token_ids=[], decode="retrieval",
+                           retrieval_k=4096, **small)
+    assert list(wide.token_ids) == want
+    value = inproc.decode.servicer.metrics.registry.get_sample_value
+    before = value("tessera_decode_keys_scanned_total", {"policy": "retrieval"}) or 0.0
+    tight = client.complete(chunks, suffix, max_new_tokens=8, stop_token_ids=[], decode="retrieval", retrieval_k=3,
+                            **small)
+    d = tight.stats.decode
+    assert len(tight.token_ids) == 8 and d.policy == "retrieval" and d.steps == 7
+    assert 0 < d.pages_read < d.pages_visible and d.keys_scanned > 0 and d.retrieval_seconds > 0
+    assert value("tessera_decode_keys_scanned_total", {"policy": "retrieval"}) - before == d.keys_scanned
+
+
 def test_a_refused_decode_policy_changes_nothing(client, inproc, reference):
     """A bad decode policy is refused before anything is tokenized, prefilled or stored (the SDK refuses what the
     message cannot carry, the gateway the rest), and the workers go on serving."""
@@ -188,13 +213,13 @@ def test_a_refused_decode_policy_changes_nothing(client, inproc, reference):
               admitted("tessera_decode_admitted_total"))
     for bad in (dict(decode="retro", retro_window=0), dict(decode="retro", retro_window=17),
                 dict(decode="retro", retro_window=2.5), dict(decode="retro", retro_window=True),
-                dict(decode="quest", retro_window=2), dict(decode="retrieval")):
-        with pytest.raises(InvalidArgument, match="retro_window|decode must be one of") as info:
+                dict(decode="quest", retro_window=2), dict(decode="sparse"), dict(decode="retrieval", retrieval_k=0)):
+        with pytest.raises(InvalidArgument, match="retro_window|retrieval_k|decode must be one of") as info:
             client.complete([*chunks, text], suffix, max_new_tokens=4, **bad)
         assert info.value.code == "INVALID_ARGUMENT"
-    # four reached the gateway (a float and a bool never leave the SDK); none was tokenized or reached a worker
+    # five reached the gateway (a float and a bool never leave the SDK); none was tokenized or reached a worker
     assert (resolver.text_cache.misses, invalid("tessera_gateway_requests_total", {"outcome": "invalid"}),
-            admitted("tessera_decode_admitted_total")) == (before[0], before[1] + 4, before[2])
+            admitted("tessera_decode_admitted_total")) == (before[0], before[1] + 5, before[2])
     # a budget under one page reaches the prefill worker (the gateway does not know the block size), which refuses
     # it before any pass
     for policy in ("quest", "retro"):

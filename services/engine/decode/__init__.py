@@ -19,8 +19,7 @@ from services.engine.decode.retrieval import HANDOFF_QUERIES, Offload, QueryTap,
 from services.engine.decode.retro import PastToken, RetroDecode
 from services.engine.decode.stats import DecodeStats
 
-# the names services/modes.py's DECODE_POLICIES gives the gateway and the SDK, and retrieval (engine only for now: a test
-# keeps them so)
+# the names services/modes.py's DECODE_POLICIES gives the gateway and the SDK (a test keeps the two equal)
 POLICIES: dict[str, type[DecodePolicy]] = {"dense": DenseDecode, "quest": QuestDecode, "retro": RetroDecode,
                                            "retrieval": RetrievalDecode}
 DENSE = DenseDecode()

@@ -34,9 +34,7 @@ class CountingDense(DecodePolicy):
 def test_dense_is_the_default_and_unknown_policies_are_refused(engine):
     from services.modes import DECODE_POLICIES
 
-    # the cluster serves every engine policy but retrieval, whose index is built from the prefill pass's queries that a
-    # hand-off does not carry yet (decode/retrieval.py)
-    assert tuple(POLICIES) == DECODE_POLICIES + ("retrieval",) == ("dense", "quest", "retro", "retrieval")
+    assert tuple(POLICIES) == DECODE_POLICIES == ("dense", "quest", "retro", "retrieval")
     assert policy_for("dense").replays_graph
     chunks, suffix = random_request(5)
     with pytest.raises(ValueError, match=r"decode must be one of \['dense', 'quest', 'retrieval', 'retro'\], got 'sparse'"):
