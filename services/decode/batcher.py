@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3     # loop iterations failing in a row before the engine is taken for broken
+WAIT_READY_S = 0.005       # a step with every live sequence still preparing waits this long for arrivals
 
 
 @dataclass(slots=True)
@@ -284,7 +285,16 @@ class Batcher:
     def _step(self) -> None:
         from services.engine.sampling import sample
 
-        batch = self._live
+        batch, waiting = [], []
+        for lv in self._live:   # a sequence still preparing (a retrieval index building) sits this step out
+            try:
+                (batch if lv.seq.decode.ready(lv.seq) else waiting).append(lv)
+            except Exception as exc:  # noqa: BLE001 - its preparation failed: it fails, the batch goes on
+                self._finish(lv, None, internal(f"{self.name} preparing request {lv.job.request_id}", exc))
+        if not batch:
+            self._live = waiting
+            self._admit(block=True, timeout=WAIT_READY_S)   # what arrives meanwhile, or a short wait
+            return
         if self.profile is not None:
             self.profile.tick()
         self.metrics.batch_size.observe(len(batch))
@@ -298,7 +308,7 @@ class Batcher:
             err = RequestError("exhausted", f"{self.name}: KV memory ran out during a decode step")
             for lv in batch:
                 self._finish(lv, None, err)
-            self._live = []
+            self._live = waiting
             return
         # greedy rows: one argmax over the batch and one copy to the host, not a sync per sequence
         greedy = [i for i, lv in enumerate(batch) if lv.job.sampling.temperature == 0]
@@ -319,7 +329,7 @@ class Batcher:
                 self._finish(lv, None, failed[i])
             elif not self._emit(lv):
                 keep.append(lv)
-        self._live = keep
+        self._live = keep + waiting
         self.metrics.active.set(len(keep))
 
 

@@ -13,7 +13,7 @@ import torch
 from services.cluster.config import DecodeSettings
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.metrics import DecodeMetrics
-from services.engine.decode import DENSE, DecodeStats, QuestDecode, RetroDecode
+from services.engine.decode import DENSE, DecodePolicy, DecodeStats, QuestDecode, RetroDecode
 from services.engine.sampling import SamplingParams
 
 VOCAB = 8
@@ -255,3 +255,47 @@ def test_the_per_policy_counters_are_listed_in_the_readme():
     assert len(names) == 6
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert [n for n in sorted(names) if f"`{n}`" not in readme] == []
+
+
+class _Preparing(DecodePolicy):
+    """A policy that prepares in the background (as retrieval builds its indexes): ready once ``gate`` is set, or
+    raising ``error`` when given."""
+
+    name = "preparing"
+
+    def __init__(self, gate: threading.Event, error: Exception | None = None):
+        self.gate, self.error = gate, error
+
+    def ready(self, seq) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.gate.is_set()
+
+
+def test_a_sequence_still_preparing_sits_steps_out_while_the_others_decode():
+    eng = StandInEngine()
+    eng.step_gate.set()
+    batcher = Batcher(eng, DecodeMetrics(), max_batch=8)
+    gate, slow_done, fast_done, failed_done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+    errors = []
+
+    def failing_emit(new, reason, error):
+        errors.append(error)
+        failed_done.set()
+    try:
+        slow = _job("slow", 5, slow_done)
+        slow.policy = _Preparing(gate)
+        failed = DecodeJob("failed", _job("failed", 5, failed_done).handoff, SamplingParams(0.0, 1.0, 0, None, 5),
+                           failing_emit, policy=_Preparing(gate, RuntimeError("index build failed")))
+        batcher.submit(slow)
+        batcher.submit(failed)
+        batcher.submit(_job("fast", 5, fast_done))
+        assert fast_done.wait(10) and failed_done.wait(10)   # the others went on; the failed one alone failed
+        assert not slow_done.is_set()
+        assert errors and errors[-1] is not None and errors[-1].kind == "internal"
+        gate.set()
+        assert slow_done.wait(10)
+    finally:
+        batcher.stop()
+    steps = [n for kind, n in eng.log if kind == "step"]
+    assert steps[:4] == [1, 1, 1, 1] and steps[-1] == 1     # the fast one's steps alone, then the slow one's

@@ -31,6 +31,11 @@ class DecodePolicy:
     def prepare(self, fwd: Forward, seq: Sequence) -> None:
         """Once, when ``seq`` starts decoding under this policy (after its prefill or import)."""
 
+    def ready(self, seq: Sequence) -> bool:
+        """Whether ``seq`` can step now (a policy that prepares in the background says when it is done; an error of
+        that preparation is raised here, for the sequence alone to fail)."""
+        return True
+
     def release(self, fwd: Forward, seq: Sequence) -> None:
         """When ``seq`` is released: what ``prepare`` made for it elsewhere is dropped."""
 

@@ -13,7 +13,9 @@ shows, and attention over both, merged, is attention over every key:
     softmax over S ∪ O  =  merge((out_S, lse_S), (out_O, lse_O))      (kernels/lse_merge)
 with out_O over the retrieved keys only: exact when ``retrieval_k`` covers every offloaded key.
 
-Once offloaded, the sequence's layer tables keep their static entries only, its private blocks that no layer keeps
+The indexes build on a background thread (``Offload.build``): a serving batch leaves the sequence out until they
+are (``ready``), so its start does not hold up the others. Once offloaded, the sequence's layer tables keep their
+static entries only, its private blocks that no layer keeps
 go back to the pool and the chunks it no longer reads are unpinned (the chunk cache may evict them): what it holds
 on the GPU is its static set.
 
@@ -28,6 +30,8 @@ served yet); indexes are per sequence, not reused per chunk. A hand-off carries 
 from __future__ import annotations
 
 import itertools
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,9 +76,22 @@ class RetrievalDecode(DecodePolicy):
     def begin(self, fwd, seqs):
         return RetrievalStep(self, fwd, seqs)
 
+    def ready(self, seq) -> bool:
+        """Whether its indexes are built; a failed build's error is raised here."""
+        build = seq.offload.build
+        if not build.done():
+            return False
+        build.result()
+        return True
+
     def release(self, fwd, seq) -> None:
-        if seq.offload is not None and fwd.indexes is not None:
-            fwd.indexes.drop(seq.offload.owner)
+        off = seq.offload
+        if off is None:
+            return
+        with off.lock:
+            off.cancelled = True
+            if off.finished:
+                fwd.indexes.drop(off.owner)
 
 
 class QueryTap:
@@ -119,11 +136,17 @@ class QueryTap:
 @dataclass(slots=True)
 class Offload:
     """A retrieval sequence's offloaded part: owner (its name in the index set), static [L]: per layer the entries its
-    table kept (all of them, after ``offload``), offloaded [L]: tokens offloaded (keys per KV head)."""
+    table kept (all of them, after ``offload``), offloaded [L]: tokens offloaded (keys per KV head). build: the
+    builder thread's job adding them to the index set; cancelled / finished (under lock): the sequence was released /
+    the job is over (whichever comes second drops what was added)."""
 
     owner: str
     static: list[int] = field(default_factory=list)
     offloaded: list[int] = field(default_factory=list)
+    build: Future | None = None
+    cancelled: bool = False
+    finished: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def offload(fwd, seq, policy: RetrievalDecode) -> None:
@@ -136,6 +159,7 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
         from services.index.heads import IndexSet   # numba and faiss load with the first retrieval sequence
 
         fwd.indexes = IndexSet()
+    layers: list = []   # per layer, what the builder thread adds: keys, values [Hkv, N, D], queries [Hkv, M, D]
     pool, model, bs = fwd.pool, fwd.model, fwd.bs
     hq, hkv = fwd.cfg.num_heads, fwd.cfg.num_kv_heads
     g = hq // hkv
@@ -163,16 +187,34 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
             if q is None:
                 raise ValueError(f"no prefill queries were tapped at layer {layer}")
             train = q.float().reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
-            fwd.indexes.add(owner, layer, k.permute(1, 0, 2).cpu().numpy(), v.permute(1, 0, 2).cpu().numpy(),
-                            train.cpu().numpy())
+            layers.append((k.permute(1, 0, 2).cpu().numpy(), v.permute(1, 0, 2).cpu().numpy(), train.cpu().numpy()))
             off.static.append(len(static))
             off.offloaded.append(int(blocks.shape[0]))
     except BaseException:
         fwd.indexes.drop(owner)
         raise
+    if fwd.index_builder is None:
+        fwd.index_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-build")
+    off.build = fwd.index_builder.submit(_build, fwd.indexes, off, layers)
     seq.offload = off
     seq.prefill_queries = None   # the index holds what it needs
     keep_static(fwd, seq, {key: entries for key, (entries, *_) in split.items()})
+
+
+def _build(indexes, off: Offload, layers: list) -> None:
+    """The builder thread: each layer's K/V and indexes into the index set, unless the sequence is released first
+    (what was added is then dropped)."""
+    try:
+        for layer in range(len(layers)):
+            if off.cancelled:
+                break
+            indexes.add(off.owner, layer, *layers[layer])
+            layers[layer] = None            # the index set holds them now
+    finally:
+        with off.lock:
+            off.finished = True
+            if off.cancelled:
+                indexes.drop(off.owner)
 
 
 def keep_static(fwd, seq, static: dict[int, np.ndarray]) -> None:
@@ -208,6 +250,8 @@ class RetrievalStep(PolicyStep):
         self.static_read = [0] * n
         self.visible = [s.decode_stats.visible(s, fwd.cfg.num_layers, fwd.cfg.num_kv_heads) for s in seqs]
         self.owners = [s.offload.owner for s in seqs]
+        for s in seqs:            # a sequence whose indexes are still being built is waited for (and its error raised)
+            s.offload.build.result()
 
     def _selection(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every entry of each row at ``layer`` (its static table's, then its generated blocks), as the sparse

@@ -70,6 +70,7 @@ class Forward:
         # while a request's own pass runs for a retrieval decode: its queries are kept (decode/retrieval.py QueryTap)
         self.query_tap = None
         self.indexes = None  # offloaded K/V and their indexes (services/index/heads.py IndexSet), made on first use
+        self.index_builder = None  # the thread building them (decode/retrieval.py), likewise
         self._chunk_tables: OrderedDict[tuple, BlockTable] = OrderedDict()  # see chunk_table
 
     def static_tail(self, n_tokens: int) -> bool:

@@ -102,6 +102,7 @@ def test_releasing_the_sequence_drops_its_offloaded_kv(tiny_dir):
     free = eng.pool.num_free
     _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(**SMALL))
     owner = seq.offload.owner
+    seq.offload.build.result()
     assert owner in eng.forward.indexes and eng.forward.indexes.nbytes() > 0
     eng.release(seq)
     assert owner not in eng.forward.indexes and eng.forward.indexes.nbytes() == 0
@@ -167,3 +168,71 @@ def test_a_decode_engine_uses_the_index_service_as_its_index_set(tiny_dir):
                            stats=stats, **SMALL)
         assert got == dense and stats["keys_scanned"] > 0
         assert client.held()[0] == 0                      # released: dropped from the service too
+
+
+class _HeldIndexSet:
+    """An index set whose adds wait for ``go`` (a slow build), around a real one."""
+
+    def __init__(self):
+        import threading
+
+        from services.index.heads import IndexSet
+
+        self.inner, self.go = IndexSet(threads=1), threading.Event()
+
+    def add(self, *args):
+        assert self.go.wait(60)
+        return self.inner.add(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __contains__(self, owner):
+        return owner in self.inner
+
+
+def test_a_sequence_whose_indexes_are_building_waits_and_others_step_meanwhile(tiny_dir):
+    eng = Engine.load(tiny_dir)
+    eng.forward.indexes = held = _HeldIndexSet()
+    (c1, s1), (c2, s2) = random_request(53, lengths=(40, 30), suffix_len=3), random_request(54, lengths=(35,))
+    _, slow = eng.prefill_sequence(c1, s1, decode=RetrievalDecode(retrieval_k=4096, **SMALL), extra_tokens=4)
+    _, other = eng.prefill_sequence(c2, s2, extra_tokens=4)
+    assert not slow.decode.ready(slow) and other.decode.ready(other)
+    eng.decode_step([other], [3])                       # the batch goes on without it
+    held.go.set()
+    slow.offload.build.result(timeout=60)
+    assert slow.decode.ready(slow)
+    eng.decode_step([slow, other], [4, 5])
+    eng.release(slow)
+    eng.release(other)
+    assert held.inner.held()[0] == 0
+
+
+def test_releasing_a_sequence_while_its_indexes_build_drops_them_when_the_build_ends(tiny_dir):
+    eng = Engine.load(tiny_dir)
+    eng.forward.indexes = held = _HeldIndexSet()
+    chunks, suffix = random_request(55, lengths=(50,), suffix_len=3)
+    _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(**SMALL))
+    eng.release(seq)                                    # before any layer was added
+    held.go.set()
+    seq.offload.build.result(timeout=60)
+    assert held.inner.held() == (0, 0, 0)
+
+
+def test_a_failed_build_fails_its_sequence_alone(tiny_dir):
+    eng = Engine.load(tiny_dir)
+
+    class Broken(_HeldIndexSet):
+        def add(self, *args):
+            raise RuntimeError("index build failed")
+
+    eng.forward.indexes = Broken()
+    chunks, suffix = random_request(56, lengths=(50,), suffix_len=3)
+    _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(**SMALL))
+    from concurrent.futures import wait
+
+    assert wait([seq.offload.build], timeout=60).done
+    with pytest.raises(RuntimeError, match="index build failed"):     # where the batcher asks, for this sequence
+        seq.decode.ready(seq)
+    eng.release(seq)
+    assert eng.forward.indexes.held() == (0, 0, 0)
