@@ -98,9 +98,15 @@ def _layer_qk(model: TinyLlama, tokens: list[int]) -> list[tuple[torch.Tensor, t
 
 
 def dump_qk(task: str = "longgen", prompts: int = 32, seed: int = 0, directory: str | Path | None = None,
-            ) -> list[HeadQK]:
+            spread: bool = False) -> list[HeadQK]:
     """Queries and keys of ``prompts`` held-out prompts of ``task`` (stream ``seed``), one ``HeadQK`` per
-    (layer, KV head) in layer-major order. ``directory`` defaults to the task's committed model."""
+    (layer, KV head) in layer-major order. ``directory`` defaults to the task's committed model.
+
+    ``spread``: every prompt still runs at positions 0..T-1, then its queries and keys are rotated on by the
+    prompt's offset in the pool (the sum of the earlier prompts' lengths), as if the prompts were chunks of
+    one long context computed apart and placed at their offsets (Tessera's reused chunks are). Scores within a
+    prompt are unchanged (RoPE is relative); no two keys of the pool then share a position, so layer 0 holds
+    no exact copies (without it, a word at the same position in two prompts is the same layer-0 key)."""
     if prompts < 1:
         raise ValueError(f"prompts must be >= 1, got {prompts}")
     model = load_hf(directory if directory is not None else model_dir(task))
@@ -109,8 +115,12 @@ def dump_qk(task: str = "longgen", prompts: int = 32, seed: int = 0, directory: 
     keys: dict[tuple[int, int], list[np.ndarray]] = {}
     queries: dict[tuple[int, int], list[list[np.ndarray]]] = {}
     heldout: dict[tuple[int, int], list[list[np.ndarray]]] = {}
+    offset = 0
     for tokens, start in _sequences(task, prompts, seed):
+        cos, sin = rope_tables(cfg, torch.tensor([offset]))
+        offset += len(tokens) if spread else 0
         for layer, (q, k) in enumerate(_layer_qk(model, tokens)):
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)     # rotation by 0 when not spread
             for j in range(cfg.kv_heads):
                 key = (layer, j)
                 keys.setdefault(key, []).append(k[j, :start].numpy())

@@ -1,0 +1,262 @@
+"""Recall@k of the attention index against the fraction of keys it scores, beside HNSW and IVF (issue #22).
+
+Data: post-RoPE queries and keys of a quality model (``loadgen/quality/qk_dump.py``), every (layer, KV head),
+``--prompts`` held-out prompts pooled (longgen: 787 keys a prompt). Each index is built on the keys; ours also
+on the prefill queries (every query head of the group). The searched queries are the answer-position queries
+of the same prompts, which no build saw. Truth: exact inner products over the pool; a returned key counts as
+a hit when its score reaches the k-th exact score (ties, e.g. the ``<bos>`` key of every prompt, count once
+each, whichever copy was returned).
+
+Scanned = inner products with keys a search computed: ours counts them itself; faiss' HNSW through
+``hnsw_stats.ndis`` (every layer's distance computations); IVF as the keys of the probed lists plus the
+``nlist`` centroids scored to pick them. hnswlib (0.8.0 builds here) keeps its distance counter out of
+its Python binding, so faiss' HNSW stands for HNSW.
+
+    .venv/bin/python bench/index/recall.py                 # writes bench/index/DATE_cpu_COMMIT_recall.{json,png}
+    .venv/bin/python bench/index/recall.py --options '{"repair_rounds": 0}' --what no_repair --skip-peers
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from loadgen.quality.qk_dump import dump_qk          # noqa: E402
+from services.index import AttentionIndex            # noqa: E402
+
+
+def recall(keys, queries, ids, kth):
+    """Mean tie-aware recall: returned keys whose exact score reaches the k-th best, over k."""
+    valid = ids >= 0
+    scores = np.einsum("bkd,bd->bk", keys[np.where(valid, ids, 0)], queries)
+    hits = ((scores >= kth[:, None] - 1e-4 * np.abs(kth[:, None])) & valid).sum(1)
+    return float(np.minimum(hits, ids.shape[1]).mean() / ids.shape[1])
+
+
+def at_recall(points, target):
+    """Scanned fraction where the (recall, scanned) curve first reaches ``target``, interpolated; None if never."""
+    points = sorted(points, key=lambda p: p[1])
+    if points and points[0][0] >= target:
+        return points[0][1]
+    for (r0, s0), (r1, s1) in zip(points, points[1:]):
+        if r0 < target <= r1:
+            return s0 + (s1 - s0) * (target - r0) / (r1 - r0)
+    return None
+
+
+def run_ours(head, kth, k, beams, options):
+    t0 = time.perf_counter()
+    index = AttentionIndex.build(head.keys, head.queries, **options)
+    build_s = time.perf_counter() - t0
+    rows = []
+    for beam in beams:
+        t0 = time.perf_counter()
+        ids, scanned = index.search(head.heldout, k, beam=beam)
+        us = (time.perf_counter() - t0) / len(head.heldout) * 1e6
+        rows.append({"setting": beam, "recall": recall(head.keys, head.heldout, ids, kth),
+                     "scanned": float(scanned.mean() / index.num_keys), "us_per_query": us})
+    return {"build_s": build_s, "bytes_per_key": len(index.to_bytes()) / index.num_keys,
+            "edges_per_key": index.num_edges / index.num_keys, "rows": rows}
+
+
+def run_hnsw(head, kth, k, efs, m):
+    import faiss
+
+    n, d = head.keys.shape
+    index = faiss.IndexHNSWFlat(d, m, faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = 200
+    t0 = time.perf_counter()
+    index.add(head.keys)
+    build_s = time.perf_counter() - t0
+    rows = []
+    for ef in efs:
+        index.hnsw.efSearch = max(ef, k)
+        faiss.cvar.hnsw_stats.reset()
+        t0 = time.perf_counter()
+        _, ids = index.search(head.heldout, k)
+        us = (time.perf_counter() - t0) / len(head.heldout) * 1e6
+        rows.append({"setting": ef, "recall": recall(head.keys, head.heldout, ids, kth),
+                     "scanned": faiss.cvar.hnsw_stats.ndis / len(head.heldout) / n, "us_per_query": us})
+    return {"build_s": build_s, "bytes_per_key": len(faiss.serialize_index(index)) / n, "rows": rows}
+
+
+def run_ivf(head, kth, k, nprobes, nlist):
+    import faiss
+
+    n, d = head.keys.shape
+    quantizer = faiss.IndexFlatIP(d)
+    index = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_INNER_PRODUCT)
+    t0 = time.perf_counter()
+    index.train(head.keys)
+    index.add(head.keys)
+    build_s = time.perf_counter() - t0
+    sizes = np.array([index.invlists.list_size(i) for i in range(nlist)])
+    rows = []
+    for nprobe in nprobes:
+        index.nprobe = nprobe
+        t0 = time.perf_counter()
+        _, ids = index.search(head.heldout, k)
+        us = (time.perf_counter() - t0) / len(head.heldout) * 1e6
+        _, probed = quantizer.search(head.heldout, nprobe)
+        scanned = (sizes[probed].sum(1) + nlist).mean() / n
+        rows.append({"setting": nprobe, "recall": recall(head.keys, head.heldout, ids, kth),
+                     "scanned": float(scanned), "us_per_query": us})
+    return {"build_s": build_s, "bytes_per_key": len(faiss.serialize_index(index)) / n, "rows": rows}
+
+
+def summarize(results, k):
+    """Per method and setting: recall and scanned averaged over heads; per method: scanned at recall 0.9/0.95."""
+    out = {}
+    for method in results[0]["methods"]:
+        per = [r["methods"][method] for r in results]
+        rows = [{"setting": row["setting"],
+                 "recall": float(np.mean([p["rows"][i]["recall"] for p in per])),
+                 "scanned": float(np.mean([p["rows"][i]["scanned"] for p in per])),
+                 "us_per_query": float(np.mean([p["rows"][i]["us_per_query"] for p in per]))}
+                for i, row in enumerate(per[0]["rows"])]
+        reach = {}
+        for target in (0.9, 0.95):
+            each = [at_recall([(x["recall"], x["scanned"]) for x in p["rows"]], target) for p in per]
+            reach[str(target)] = {"mean": float(np.mean(each)) if None not in each else None,
+                                  "max": max(each) if None not in each else None, "per_head": each}
+        out[method] = {"rows": rows, "scanned_at_recall": reach,
+                       "build_s_per_1k_keys": float(np.mean([p["build_s"] / results[0]["num_keys"] * 1000 for p in per])),
+                       "bytes_per_key": float(np.mean([p["bytes_per_key"] for p in per]))}
+    return out
+
+
+def plot(results, summary, k, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
+    colors = {"ours": "tab:red", "hnsw": "tab:blue", "ivf": "tab:green"}
+    for method, s in summary.items():
+        axes[0].plot([100 * r["scanned"] for r in s["rows"]], [r["recall"] for r in s["rows"]], marker="o",
+                     color=colors.get(method), label=f"{method} (mean of {len(results)} heads)")
+        for r in results:
+            rows = r["methods"][method]["rows"]
+            axes[1].plot([100 * x["scanned"] for x in rows], [x["recall"] for x in rows], color=colors.get(method),
+                         alpha=0.5, linewidth=1, label=method if r is results[0] else None)
+    ticks = [0.5, 1, 2, 3, 5, 10, 20, 30, 50, 100]
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("keys scanned (% of the head's keys)")
+        ax.set_ylabel(f"recall@{k}")
+        ax.axhline(0.95, color="grey", linestyle=":", linewidth=0.8)
+        ax.axvline(3, color="grey", linestyle=":", linewidth=0.8)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    axes[0].set_title("mean over (layer, KV head)", fontsize=9)
+    axes[1].set_title("each (layer, KV head)", fontsize=9)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _title(doc: dict) -> str:
+    heads = doc["heads"]
+    layout = ", spread" if doc.get("spread") else ""
+    return (f"{doc['task']} model ({doc['prompts']} prompts{layout}), {len(heads)} (layer, KV head) x "
+            f"{heads[0]['num_keys']} keys, {heads[0]['heldout_queries']} held-out answer-position queries each; "
+            f"CPU, commit {doc['commit']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", default="longgen", choices=("longgen", "coref"))
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--spread", action="store_true",
+                    help="each prompt rotated on to its own offset in the pool (qk_dump.dump_qk's spread)")
+    ap.add_argument("-k", type=int, default=100)
+    ap.add_argument("--beams", default="100,128,160,200,260,350,500")
+    ap.add_argument("--ef", default="100,128,160,200,260,350,500,800,1200")
+    ap.add_argument("--hnsw-m", type=int, default=16)
+    ap.add_argument("--nlist", type=int, default=256)
+    ap.add_argument("--nprobe", default="2,4,8,16,32,64,128")
+    ap.add_argument("--options", default="{}", help="AttentionIndex.build options as JSON")
+    ap.add_argument("--heads", default="", help="only these (layer:kv_head,...), e.g. 3:1,0:0")
+    ap.add_argument("--skip-peers", action="store_true", help="ours only")
+    ap.add_argument("--what", default="recall", help="the output files' last name part")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a run's JSON")
+    args = ap.parse_args()
+    if args.replot:
+        doc = json.loads(Path(args.replot).read_text())
+        plot(doc["heads"], doc["summary"], doc["k"], Path(args.replot).with_suffix(".png"), _title(doc))
+        return
+
+    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                        text=True, check=True).stdout.strip()
+    import faiss
+
+    beams, efs, nprobes = ([int(x) for x in s.split(",")] for s in (args.beams, args.ef, args.nprobe))
+    options = json.loads(args.options)
+    started = dt.datetime.now(dt.timezone.utc)
+    heads = dump_qk(args.task, args.prompts, args.seed, spread=args.spread)
+    if args.heads:
+        wanted = {tuple(int(x) for x in pair.split(":")) for pair in args.heads.split(",")}
+        heads = [h for h in heads if (h.layer, h.kv_head) in wanted]
+    results = []
+    for head in heads:
+        flat = faiss.IndexFlatIP(head.keys.shape[1])
+        flat.add(head.keys)
+        kth = flat.search(head.heldout, args.k)[0][:, -1]
+        methods = {"ours": run_ours(head, kth, args.k, beams, options)}
+        if not args.skip_peers:
+            methods["hnsw"] = run_hnsw(head, kth, args.k, efs, args.hnsw_m)
+            methods["ivf"] = run_ivf(head, kth, args.k, nprobes, args.nlist)
+        results.append({"layer": head.layer, "kv_head": head.kv_head, "num_keys": int(head.keys.shape[0]),
+                        "train_queries": int(head.queries.shape[0]), "heldout_queries": int(head.heldout.shape[0]),
+                        "methods": methods})
+        line = "  ".join(f"{m} " + " ".join(f"{r['recall']:.3f}@{100 * r['scanned']:.1f}%" for r in v["rows"][:3])
+                         for m, v in methods.items())
+        print(f"layer {head.layer} kv head {head.kv_head} (N={head.keys.shape[0]}): {line}", flush=True)
+
+    summary = summarize(results, args.k)
+    n = results[0]["num_keys"]
+    print(f"\nrecall@{args.k} and keys scanned, mean over {len(results)} (layer, KV head) of {n} keys each "
+          f"({args.task}, {args.prompts} prompts{', spread' if args.spread else ''}); CPU, {len(os.sched_getaffinity(0))} cores, commit {commit}")
+    print(f"{'method':<6} {'setting':>8} {'recall':>7} {'scanned':>8} {'keys':>6} {'us/query':>9}")
+    for method, s in summary.items():
+        for r in s["rows"]:
+            print(f"{method:<6} {r['setting']:>8} {r['recall']:7.3f} {100 * r['scanned']:7.2f}% "
+                  f"{r['scanned'] * n:6.0f} {r['us_per_query']:9.1f}")
+    print(f"\n{'method':<6} {'scanned@0.90':>13} {'scanned@0.95 (mean / worst head)':>34} {'build s/1K keys':>16} "
+          f"{'bytes/key':>10}")
+    for method, s in summary.items():
+        def pct(x):
+            return "never" if x is None else f"{100 * x:.2f}%"
+        r90, r95 = s["scanned_at_recall"]["0.9"], s["scanned_at_recall"]["0.95"]
+        print(f"{method:<6} {pct(r90['mean']):>13} {pct(r95['mean']) + ' / ' + pct(r95['max']):>34} "
+              f"{s['build_s_per_1k_keys']:16.3f} {s['bytes_per_key']:10.0f}")
+
+    stem = Path(args.out) / f"{started:%Y-%m-%d}_cpu_{commit}_{args.what}"
+    doc = {"started_utc": started.isoformat(timespec="seconds"), "commit": commit, "argv": sys.argv[1:],
+           "device": f"CPU, {len(os.sched_getaffinity(0))} cores", "task": args.task, "prompts": args.prompts, "spread": args.spread,
+           "seed": args.seed, "k": args.k, "options": options, "hnsw_m": args.hnsw_m, "nlist": args.nlist,
+           "seconds": (dt.datetime.now(dt.timezone.utc) - started).total_seconds(), "summary": summary,
+           "heads": results}
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    plot(results, summary, args.k, stem.with_suffix(".png"), _title(doc))
+    print(f"wrote {stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
