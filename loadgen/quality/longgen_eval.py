@@ -6,10 +6,12 @@ changes is its decode steps alone), ``max_new_tokens = 2K + 1``. Answer i is rig
 token at slot 2i + 1 is question i's object (``LongGenPrompt.answers_right``): slots are positions in
 the generation, so a step that derails costs every later answer, as in LongGenBench.
 
-A mode is ``dense``, ``quest@B`` or ``retro@B[:wN]``: B is ``budget_tokens`` (the keys one KV head
-attends per layer, in whole pages of the engine's block size), N is ``retro_window`` (the past
-queries that later steps' pages correct; the engine's default without it). The sparse policies
-leave their first ``dense_layers`` layers dense.
+A mode is ``dense``, ``quest@B``, ``retro@B[:wN]`` or ``retrieval@K[:sS][:wW]``: B is ``budget_tokens`` (the
+keys one KV head attends per layer, in whole pages of the engine's block size), N is ``retro_window`` (the past
+queries that later steps' pages correct; the engine's default without it). The sparse policies leave their first
+``dense_layers`` layers dense. For retrieval, K is ``retrieval_k`` (keys a CPU index retrieves per query head and
+layer; 0: the static set alone, StreamingLLM's baseline), S ``sink_tokens`` and W ``window_tokens`` (the static
+set; the engine's defaults without them, which cover most of this task's 785-token prompt).
 
 Imports nothing heavy at module level (``tessera --help`` reads its defaults).
 """
@@ -39,6 +41,9 @@ class DecodeMode:
     policy: str
     budget: int | None = None
     window: int | None = None
+    k: int | None = None         # retrieval: retrieval_k, sink_tokens, window_tokens
+    sink: int | None = None
+    recent: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> "DecodeMode":
@@ -46,7 +51,10 @@ class DecodeMode:
         policy, at, rest = spec.partition("@")
         budget, colon, window = rest.partition(":")
         if policy not in DECODE_POLICIES:
-            raise ValueError(f"unknown decode mode {spec!r}; expected dense, quest@BUDGET or retro@BUDGET[:wWINDOW]")
+            raise ValueError(f"unknown decode mode {spec!r}; expected dense, quest@BUDGET, retro@BUDGET[:wWINDOW] or "
+                             "retrieval@K[:sSINK][:wWINDOW]")
+        if policy == "retrieval":
+            return cls._retrieval(spec, at, rest)
         takes = DECODE_PARAMS[policy]
         if "budget_tokens" not in takes:
             if at:
@@ -63,9 +71,30 @@ class DecodeMode:
             raise ValueError(f"mode {spec!r}: the window is written :wN, as retro@{b}:w2")
         return cls(policy, b, _positive(spec, "window", window[1:]))
 
+    @classmethod
+    def _retrieval(cls, spec: str, at: str, rest: str) -> "DecodeMode":
+        parts = rest.split(":")
+        if not at or not parts[0]:
+            raise ValueError(f"mode {spec!r}: retrieval needs its k, as retrieval@100 (0: the static set alone)")
+        k = _positive(spec, "k", parts[0], low=0)
+        given: dict[str, int] = {}
+        for part in parts[1:]:
+            name = {"s": "sink", "w": "recent"}.get(part[:1])
+            if name is None or name in given:
+                raise ValueError(f"mode {spec!r}: after the k come :sSINK and :wWINDOW (tokens), once each")
+            given[name] = _positive(spec, "sink" if name == "sink" else "window", part[1:], low=0)
+        return cls("retrieval", k=k, **given)
+
     def generate_args(self, dense_layers: int) -> dict:
         """The keyword arguments of ``Engine.generate`` (and ``Engine.decode_policy``) for this mode."""
         args = {"decode": self.policy}
+        if self.policy == "retrieval":
+            args["retrieval_k"] = self.k
+            if self.sink is not None:
+                args["sink_tokens"] = self.sink
+            if self.recent is not None:
+                args["window_tokens"] = self.recent
+            return args
         if self.budget is not None:
             args.update(budget_tokens=self.budget, dense_layers=dense_layers)
         if self.window is not None:
@@ -73,18 +102,21 @@ class DecodeMode:
         return args
 
     def __str__(self) -> str:
+        if self.policy == "retrieval":
+            return (f"retrieval@{self.k}" + ("" if self.sink is None else f":s{self.sink}")
+                    + ("" if self.recent is None else f":w{self.recent}"))
         if self.budget is None:
             return self.policy
         return f"{self.policy}@{self.budget}" + ("" if self.window is None else f":w{self.window}")
 
 
-def _positive(spec: str, what: str, text: str) -> int:
+def _positive(spec: str, what: str, text: str, low: int = 1) -> int:
     try:
         n = int(text)
     except ValueError:
         raise ValueError(f"mode {spec!r}: {what} {text!r} is not a whole number") from None
-    if n < 1:
-        raise ValueError(f"mode {spec!r}: {what} must be at least 1, got {n}")
+    if n < low:
+        raise ValueError(f"mode {spec!r}: {what} must be at least {low}, got {n}")
     return n
 
 
@@ -119,6 +151,7 @@ class GenResult:
     def as_json(self) -> dict:
         return {
             "policy": self.mode.policy, "budget_tokens": self.mode.budget, "retro_window": self.mode.window,
+            "retrieval_k": self.mode.k, "sink_tokens": self.mode.sink, "window_tokens": self.mode.recent,
             "accuracy": self.accuracy(), "by_answer": self.by_answer(),
             "name_accuracy": sum(map(sum, self.names)) / sum(map(len, self.names)),
             "prompts_all_right": sum(map(all, self.right)) / len(self.right),

@@ -8,7 +8,8 @@ from pathlib import Path
 def plot_budget_curve(results: dict[str, dict], path: str | Path, title: str = "",
                       context_tokens: int | None = None) -> Path:
     """``results`` as ``longgen_eval.as_json`` gives them -> ``path``: accuracy against ``budget_tokens``
-    (log scale) for quest and for retro (one line per window), dense as a horizontal line."""
+    (log scale) for quest and for retro (one line per window), dense as a horizontal line; modes without a page
+    budget (retrieval) are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -19,6 +20,8 @@ def plot_budget_curve(results: dict[str, dict], path: str | Path, title: str = "
     for name, r in results.items():
         if r["policy"] == "dense":
             ax.axhline(r["accuracy"], color="black", linestyle="--", linewidth=1, label=f"dense ({r['accuracy']:.3f})")
+            continue
+        if r.get("budget_tokens") is None:     # retrieval's k is no page budget: its figures are in the JSON
             continue
         label = r["policy"] if r["retro_window"] is None else f"{r['policy']} w={r['retro_window']}"
         series.setdefault(label, []).append((r["budget_tokens"], r["accuracy"]))

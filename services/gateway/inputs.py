@@ -329,8 +329,8 @@ class InputResolver:
             raise InvalidRequest(f"decode {name!r} takes no {' or '.join(foreign)}")
         if name == "dense":
             return None
-        if name == "retrieval" and d.HasField("retrieval_k") and not 1 <= d.retrieval_k <= MAX_RETRIEVAL_K:
-            raise InvalidRequest(f"retrieval_k must be in 1..{MAX_RETRIEVAL_K}, got {d.retrieval_k}")
+        if name == "retrieval" and d.HasField("retrieval_k") and d.retrieval_k > MAX_RETRIEVAL_K:
+            raise InvalidRequest(f"retrieval_k must be in 0..{MAX_RETRIEVAL_K}, got {d.retrieval_k}")
         if d.HasField("budget_tokens") and d.budget_tokens < 1:
             raise InvalidRequest(f"budget_tokens must be at least 1, got {d.budget_tokens}")
         if d.HasField("dense_layers") and d.dense_layers > self.cfg.num_layers:

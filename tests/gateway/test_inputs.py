@@ -118,12 +118,11 @@ def _decode_request(**policy) -> pb.GenerateRequest:
     (dict(name="dense", budget_tokens=64, retro_window=2), "decode 'dense' takes no budget_tokens or retro_window"),
     (dict(name="retro", budget_tokens=0), "budget_tokens must be at least 1"),
     (dict(name="retro", dense_layers=4), "dense_layers must leave a sparse layer of the model's 4 for retro"),
-    (dict(name="retrieval", retrieval_k=0), "retrieval_k must be in 1..65536, got 0"),
-    (dict(name="retrieval", retrieval_k=70000), "retrieval_k must be in 1..65536, got 70000"),
+    (dict(name="retrieval", retrieval_k=70000), "retrieval_k must be in 0..65536, got 70000"),
     (dict(name="retrieval", budget_tokens=64), "decode 'retrieval' takes no budget_tokens"),
     (dict(name="quest", sink_tokens=4), "decode 'quest' takes no sink_tokens"),
 ], ids=["unknown", "window-0", "window-17", "quest-window", "default-window", "dense-params", "retro-budget",
-        "retro-dense-layers", "retrieval-k-0", "retrieval-k-big", "retrieval-budget", "quest-sink"])
+        "retro-dense-layers", "retrieval-k-big", "retrieval-budget", "quest-sink"])
 def test_a_bad_decode_policy_is_refused_before_any_text_is_tokenized(resolver, policy, reason):
     with pytest.raises(InvalidRequest, match=reason):
         resolver.resolve(_decode_request(**policy))

@@ -109,6 +109,16 @@ def test_mode_parsing():
     assert [str(DecodeMode.parse(t)) for t in ("dense", "quest@64", "retro@32:w2")] == ["dense", "quest@64", "retro@32:w2"]
     assert DecodeMode("retro", 64, 2).generate_args(1) == {
         "decode": "retro", "budget_tokens": 64, "dense_layers": 1, "retro_window": 2}
+    assert parse_decode_modes("retrieval@0,retrieval@10:s16:w32,retrieval@5:w64") == [
+        DecodeMode("retrieval", k=0), DecodeMode("retrieval", k=10, sink=16, recent=32),
+        DecodeMode("retrieval", k=5, recent=64)]
+    assert str(DecodeMode.parse("retrieval@10:s16:w32")) == "retrieval@10:s16:w32"
+    assert DecodeMode("retrieval", k=10, sink=16, recent=32).generate_args(1) == {
+        "decode": "retrieval", "retrieval_k": 10, "sink_tokens": 16, "window_tokens": 32}
+    for bad, message in [("retrieval", "needs its k"), ("retrieval@-1", "at least 0"), ("retrieval@5:x3", ":sSINK"),
+                         ("retrieval@5:s1:s2", "once each"), ("retrieval@5:sx", "not a whole number")]:
+        with pytest.raises(ValueError, match=message):
+            parse_decode_modes(bad)
     for bad, message in [("nope", "unknown decode mode"), ("full", "unknown decode mode"), ("dense@64", "no budget"),
                          ("quest", "needs a budget"), ("retro", "needs a budget"), ("quest@x", "not a whole number"),
                          ("quest@0", "at least 1"), ("quest@64:w2", "quest takes no window"), ("retro@64:2", "written :wN"),
@@ -133,6 +143,14 @@ def test_committed_model_dense_answers_and_quest_over_every_page_is_dense(engine
     assert dense.accuracy() >= 0.9, dense.by_answer()
     assert quest.generations == dense.generations
     assert len(dense.by_answer()) == 16
+
+
+def test_retrieval_of_every_offloaded_key_answers_as_dense_and_the_static_set_alone_does_not(engine):
+    prompts = longgen_heldout(1, 2)
+    dense, every, static = evaluate_decode_modes(
+        engine, parse_decode_modes("dense,retrieval@1024:s16:w32,retrieval@0:s16:w32"), prompts, progress=False)
+    assert every.generations == dense.generations
+    assert static.accuracy() < dense.accuracy()
 
 
 def test_modes_the_engine_cannot_run_are_refused_before_any_runs(engine):

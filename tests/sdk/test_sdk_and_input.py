@@ -127,13 +127,14 @@ def test_first_token_comes_from_the_prefill_worker(client, reference):
     (dict(chunks=[[1, 2]], suffix=[1], decode="quest", retro_window=2), "decode 'quest' takes no retro_window"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="retro", dense_layers=4), "dense_layers must leave a sparse layer"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="retro", budget_tokens=8), "budget_tokens must be at least one page"),
-    (dict(chunks=[[1, 2]], suffix=[1], decode="retrieval", retrieval_k=0), "retrieval_k must be in 1..65536, got 0"),
+    (dict(chunks=[[1, 2]], suffix=[1], decode="retrieval", retrieval_k=65537),
+     "retrieval_k must be in 0..65536, got 65537"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="retrieval", sink_tokens=-1), "sink_tokens must be"),
     (dict(chunks=[[1, 2]], suffix=[1], decode="retrieval", retro_window=2), "decode 'retrieval' takes no retro_window"),
 ], ids=["unknown-chunk", "empty", "empty-chunk", "too-long", "temperature", "top_p", "top_k",
         "max_new_tokens", "vocab", "mode", "ratio", "decode", "dense-budget", "zero-budget", "dense-layers",
         "sub-page-budget", "retro-window-0", "retro-window-17", "retro-window-float", "retro-window-bool",
-        "quest-window", "retro-dense-layers", "retro-sub-page-budget", "retrieval-k-0", "retrieval-sink-negative",
+        "quest-window", "retro-dense-layers", "retro-sub-page-budget", "retrieval-k-big", "retrieval-sink-negative",
         "retrieval-window"])
 def test_bad_input_is_invalid_argument_with_the_reason(client, kwargs, reason):
     with pytest.raises(InvalidArgument) as info:
@@ -213,7 +214,7 @@ def test_a_refused_decode_policy_changes_nothing(client, inproc, reference):
               admitted("tessera_decode_admitted_total"))
     for bad in (dict(decode="retro", retro_window=0), dict(decode="retro", retro_window=17),
                 dict(decode="retro", retro_window=2.5), dict(decode="retro", retro_window=True),
-                dict(decode="quest", retro_window=2), dict(decode="sparse"), dict(decode="retrieval", retrieval_k=0)):
+                dict(decode="quest", retro_window=2), dict(decode="sparse"), dict(decode="retrieval", retrieval_k=65537)):
         with pytest.raises(InvalidArgument, match="retro_window|retrieval_k|decode must be one of") as info:
             client.complete([*chunks, text], suffix, max_new_tokens=4, **bad)
         assert info.value.code == "INVALID_ARGUMENT"

@@ -55,18 +55,23 @@ _owners = itertools.count()
 
 @dataclass(frozen=True, slots=True)
 class RetrievalDecode(DecodePolicy):
-    """retrieval_k: keys retrieved per query head and layer; sink_tokens, window_tokens: the prompt's first and last
-    positions kept on the GPU (rounded out to whole pages), beside every generated token."""
+    """retrieval_k: keys retrieved per query head and layer (0: none, the static set alone: StreamingLLM's baseline);
+    sink_tokens, window_tokens: the prompt's first and last positions kept on the GPU (rounded out to whole pages),
+    beside every generated token."""
 
     retrieval_k: int = 100
     sink_tokens: int = 128
     window_tokens: int = 512
     name = "retrieval"
     replays_graph = False     # a step waits for the host at every layer
-    taps_queries = True       # its index is built from the prefill pass's queries (Engine.generate taps them)
+
+    @property
+    def taps_queries(self) -> bool:
+        """Its index is built from the prefill pass's queries (the engine taps them), unless it retrieves nothing."""
+        return self.retrieval_k > 0
 
     def __post_init__(self) -> None:
-        check_int("retrieval_k", self.retrieval_k, 1)
+        check_int("retrieval_k", self.retrieval_k, 0)
         check_int("sink_tokens", self.sink_tokens, 0)
         check_int("window_tokens", self.window_tokens, 0)
 
@@ -90,7 +95,7 @@ class RetrievalDecode(DecodePolicy):
             return
         with off.lock:
             off.cancelled = True
-            if off.finished:
+            if off.finished and fwd.indexes is not None:
                 fwd.indexes.drop(off.owner)
 
 
@@ -152,10 +157,10 @@ class Offload:
 def offload(fwd, seq, policy: RetrievalDecode) -> None:
     """Split each layer's table into the static pages and the offloaded tokens, and hand the latter (keys at global
     positions, values, the tapped queries) to the index set."""
-    if seq.prefill_queries is None:
+    if seq.prefill_queries is None and policy.retrieval_k:
         raise ValueError("decode='retrieval' needs the prefill pass's queries to build its index: a hand-off must "
                          "be made with them (prefill_handoff(tap_queries=True))")
-    if fwd.indexes is None:
+    if fwd.indexes is None and policy.retrieval_k:
         from services.index.heads import IndexSet   # numba and faiss load with the first retrieval sequence
 
         fwd.indexes = IndexSet()
@@ -180,6 +185,10 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
                 split[id(table)] = (static.nonzero().squeeze(1).cpu().numpy(), ids[rows], slots,
                                     table.offsets.long()[rows])
             static, blocks, slots, offsets = split[id(table)]
+            off.static.append(len(static))
+            off.offloaded.append(int(blocks.shape[0]))
+            if not policy.retrieval_k:
+                continue          # the static set alone: nothing to index
             cos, sin = rope_cos_sin(offsets, model.inv_freq)
             k = rotate(pool.k[layer][blocks, slots].float(), cos[:, None, :], sin[:, None, :])   # [N, Hkv, D]
             v = pool.v[layer][blocks, slots].float()
@@ -188,14 +197,17 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
                 raise ValueError(f"no prefill queries were tapped at layer {layer}")
             train = q.float().reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
             layers.append((k.permute(1, 0, 2).cpu().numpy(), v.permute(1, 0, 2).cpu().numpy(), train.cpu().numpy()))
-            off.static.append(len(static))
-            off.offloaded.append(int(blocks.shape[0]))
     except BaseException:
-        fwd.indexes.drop(owner)
+        if fwd.indexes is not None:
+            fwd.indexes.drop(owner)
         raise
-    if fwd.index_builder is None:
-        fwd.index_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-build")
-    off.build = fwd.index_builder.submit(_build, fwd.indexes, off, layers)
+    if not policy.retrieval_k:
+        off.build, off.finished = Future(), True
+        off.build.set_result(None)
+    else:
+        if fwd.index_builder is None:
+            fwd.index_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-build")
+        off.build = fwd.index_builder.submit(_build, fwd.indexes, off, layers)
     seq.offload = off
     seq.prefill_queries = None   # the index holds what it needs
     keep_static(fwd, seq, {key: entries for key, (entries, *_) in split.items()})
@@ -285,6 +297,8 @@ class RetrievalStep(PolicyStep):
         out_s, lse_s = sparse.sparse_decode_attention(q, pool.k[layer], pool.v[layer], table.block_ids,
                                                       table.offsets, table.masks, sel, count, model.inv_freq,
                                                       model.scale, backend=fwd.backend)
+        if not self.policy.retrieval_k:
+            return out_s              # the static set alone
         if copied is not None:
             copied.synchronize()
         ans = fwd.indexes.attend(layer, self.owners, q_host.numpy(), self.policy.retrieval_k, model.scale)

@@ -109,7 +109,7 @@ def test_releasing_the_sequence_drops_its_offloaded_kv(tiny_dir):
     assert eng.pool.num_free == free - eng.cache.resident_bytes // eng.pool.block_bytes   # its chunks stay cached
 
 
-@pytest.mark.parametrize("params, field", [(dict(retrieval_k=0), "retrieval_k"), (dict(sink_tokens=-1), "sink_tokens"),
+@pytest.mark.parametrize("params, field", [(dict(retrieval_k=-1), "retrieval_k"), (dict(sink_tokens=-1), "sink_tokens"),
                                            (dict(window_tokens=1.5), "window_tokens")])
 def test_bad_parameters_are_refused_by_name(tiny_dir, params, field):
     eng = Engine.load(tiny_dir)
@@ -236,3 +236,27 @@ def test_a_failed_build_fails_its_sequence_alone(tiny_dir):
         seq.decode.ready(seq)
     eng.release(seq)
     assert eng.forward.indexes.held() == (0, 0, 0)
+
+
+def test_retrieving_nothing_attends_the_static_set_alone(tiny_dir):
+    """retrieval_k=0 (StreamingLLM's baseline): no index is built and no query tapped; the logits are attention over
+    the static pages alone, which a dense engine over the same pages gives too."""
+    eng = Engine.load(tiny_dir)
+    chunks, suffix = random_request(57, lengths=(60, 40), suffix_len=4)
+    policy = RetrievalDecode(retrieval_k=0, **SMALL)
+    assert not policy.taps_queries
+    stats = {}
+    out = eng.generate(chunks, suffix, max_new_tokens=6, stop_token_ids=[], mode="full", decode="retrieval",
+                       retrieval_k=0, stats=stats, **SMALL)
+    assert len(out) == 6 and stats["keys_scanned"] == 0 and stats["pages_read"] < stats["pages_visible"]
+    assert eng.forward.indexes is None
+    # two sequences cut to their static set; one steps by the policy, the other densely over the same tables
+    _, a = eng.prefill_sequence(chunks, suffix, mode="full", decode=policy, extra_tokens=2)
+    _, b = eng.prefill_sequence(chunks, suffix, mode="full", decode=policy, extra_tokens=2)
+    _, full = eng.prefill_sequence(chunks, suffix, mode="full", extra_tokens=2)
+    b.decode = DENSE
+    got, want, dense = (eng.decode_step([s], [9])[0] for s in (a, b, full))
+    for s in (a, b, full):
+        eng.release(s)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, dense, rtol=1e-3, atol=1e-3)     # what was left out mattered
