@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from services.index._search import beam_search_one, dot
+from services.index._search import beam_search_one, dot, scratch
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -77,17 +77,13 @@ def search_candidates(keys, offsets, targets, entry, beam, lo, hi):
     """For keys ``[lo, hi)``: a search of the graph with the key itself as the query; the beams as candidate
     pairs ``(src, dst)`` int64."""
     n = keys.shape[0]
-    visited = np.zeros(n, np.uint8)
-    touched = np.empty(n, np.int64)
-    ids = np.empty(beam, np.int64)
-    scores = np.empty(beam, np.float32)
-    expanded = np.empty(beam, np.bool_)
+    visited, touched, ids, scores, queue, queue_neg = scratch(n, beam)
     src = np.empty((hi - lo) * beam, np.int64)
     dst = np.empty((hi - lo) * beam, np.int64)
     m = 0
     for node in range(lo, hi):
         size, _, n_touched = beam_search_one(keys, offsets, targets, entry, keys[node], beam, visited, touched,
-                                             ids, scores, expanded)
+                                             ids, scores, queue, queue_neg)
         for j in range(size):
             src[m], dst[m] = node, ids[j]
             m += 1
@@ -104,17 +100,13 @@ def repair_pairs(keys, sq_norms, offsets, targets, entry, queries, lists, beam, 
     These are the edges a search for that query lacked."""
     n = keys.shape[0]
     p = lists.shape[1]
-    visited = np.zeros(n, np.uint8)
-    touched = np.empty(n, np.int64)
-    ids = np.empty(beam, np.int64)
-    scores = np.empty(beam, np.float32)
-    expanded = np.empty(beam, np.bool_)
+    visited, touched, ids, scores, queue, queue_neg = scratch(n, beam)
     src = np.empty((hi - lo) * p, np.int64)
     dst = np.empty((hi - lo) * p, np.int64)
     m = 0
     for t in range(lo, hi):
         _, _, n_touched = beam_search_one(keys, offsets, targets, entry, queries[t], beam, visited, touched,
-                                          ids, scores, expanded)
+                                          ids, scores, queue, queue_neg)
         for j in range(p):
             c = lists[t, j]
             if visited[c]:
@@ -162,11 +154,7 @@ def link_unreachable(keys, sq_norms, offsets, targets, entry, beam):
     every beam key is one reached from the start."""
     n = keys.shape[0]
     seen = reachable(offsets, targets, entry)
-    visited = np.zeros(n, np.uint8)
-    touched = np.empty(n, np.int64)
-    ids = np.empty(beam, np.int64)
-    scores = np.empty(beam, np.float32)
-    expanded = np.empty(beam, np.bool_)
+    visited, touched, ids, scores, queue, queue_neg = scratch(n, beam)
     stack = np.empty(n, np.int64)
     src = np.empty(n, np.int64)
     dst = np.empty(n, np.int64)
@@ -175,7 +163,7 @@ def link_unreachable(keys, sq_norms, offsets, targets, entry, beam):
         if seen[u]:
             continue
         size, _, n_touched = beam_search_one(keys, offsets, targets, entry, keys[u], beam, visited, touched,
-                                             ids, scores, expanded)
+                                             ids, scores, queue, queue_neg)
         for j in range(n_touched):
             visited[touched[j]] = 0
         best, best_d = entry, np.inf

@@ -24,40 +24,65 @@ def dot(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _insert(ids, scores, expanded, size, cap, node, score) -> int:
-    """Insert ``node`` into the beam (``ids``/``scores`` sorted by descending score, ``size`` used of ``cap``);
-    returns its position, or ``cap`` when it does not make the beam. The last entry falls off a full beam."""
-    if size == cap and score <= scores[size - 1]:
-        return cap
-    pos = size if size < cap else cap - 1
-    while pos > 0 and scores[pos - 1] < score:
-        pos -= 1
-    end = size if size < cap else cap - 1
-    for j in range(end, pos, -1):
-        ids[j], scores[j], expanded[j] = ids[j - 1], scores[j - 1], expanded[j - 1]
-    ids[pos], scores[pos], expanded[pos] = node, score, False
-    return pos
+def _sift_down(ids, scores, size, i):
+    """Restore the min-heap (by score) below position ``i``."""
+    while True:
+        child = 2 * i + 1
+        if child >= size:
+            return
+        if child + 1 < size and scores[child + 1] < scores[child]:
+            child += 1
+        if scores[child] >= scores[i]:
+            return
+        ids[i], ids[child] = ids[child], ids[i]
+        scores[i], scores[child] = scores[child], scores[i]
+        i = child
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _sift_up(ids, scores, i):
+    """Restore the min-heap (by score) above position ``i``."""
+    while i > 0:
+        parent = (i - 1) // 2
+        if scores[parent] <= scores[i]:
+            return
+        ids[i], ids[parent] = ids[parent], ids[i]
+        scores[i], scores[parent] = scores[parent], scores[i]
+        i = parent
+
+
+@njit(nogil=True, cache=True)
+def scratch(n, beam):
+    """Per-call state of ``beam_search_one`` for an index of ``n`` keys: visited marks (all 0), the keys
+    marked, the beam (``beam`` entries) and the queue of keys to expand (at most ``n``)."""
+    return (np.zeros(n, np.uint8), np.empty(n, np.int64), np.empty(beam, np.int64), np.empty(beam, np.float32),
+            np.empty(n, np.int64), np.empty(n, np.float32))
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def beam_search_one(keys, offsets, targets, entry, query, beam, visited, touched, ids, scores, expanded):
+def beam_search_one(keys, offsets, targets, entry, query, beam, visited, touched, ids, scores, queue, queue_neg):
     """One query's best-first search; returns ``(size, scanned, n_touched)``.
 
-    The beam (``ids``/``scores``, length ``beam``) ends sorted by descending inner product with ``query``;
-    ``scanned`` counts the inner products computed (each key at most once: ``visited`` uint8 ``[N]``, reset
-    by the caller from ``touched[:n_touched]``)."""
-    size = 0
+    The beam holds the best ``beam`` keys scored so far (a min-heap by inner product: its root is the one to
+    drop); the queue holds the keys still to expand (a min-heap by negated score: its root is the best). A key
+    is expanded while the beam has room or it beats the beam's worst, the same keys a beam kept as a sorted
+    list expands, at O(log beam) a scored key instead of O(beam). On return ``ids``/``scores[:size]`` are
+    sorted by descending score. ``scanned`` counts the inner products computed (each key at most once:
+    ``visited``, which the caller resets from ``touched[:n_touched]``)."""
     visited[entry] = 1
     touched[0] = entry
     n_touched = 1
-    ids[0], scores[0], expanded[0] = entry, dot(keys[entry], query), False
-    size = 1
-    scanned = 1
-    cursor = 0
-    while cursor < size:
-        node = ids[cursor]
-        expanded[cursor] = True
-        best = size                   # the lowest position a new key lands at in this expansion
+    score = dot(keys[entry], query)
+    ids[0], scores[0] = entry, score
+    queue[0], queue_neg[0] = entry, -score
+    size, queued, scanned = 1, 1, 1
+    while queued > 0:
+        node, node_score = queue[0], -queue_neg[0]
+        queued -= 1
+        queue[0], queue_neg[0] = queue[queued], queue_neg[queued]
+        _sift_down(queue, queue_neg, queued, 0)
+        if size == beam and node_score < scores[0]:
+            break                     # every key left in the queue is worse than the whole beam
         for e in range(offsets[node], offsets[node + 1]):
             nb = targets[e]
             if visited[nb]:
@@ -67,16 +92,20 @@ def beam_search_one(keys, offsets, targets, entry, query, beam, visited, touched
             n_touched += 1
             score = dot(keys[nb], query)
             scanned += 1
-            pos = _insert(ids, scores, expanded, size, beam, nb, score)
-            if pos < beam:
-                if size < beam:
-                    size += 1
-                if pos < best:
-                    best = pos
-        # continue from the best unexpanded key: one this expansion placed above the cursor, else the next
-        cursor = best if best <= cursor else cursor + 1
-        while cursor < size and expanded[cursor]:
-            cursor += 1
+            if size < beam:
+                ids[size], scores[size] = nb, score
+                _sift_up(ids, scores, size)
+                size += 1
+            elif score > scores[0]:
+                ids[0], scores[0] = nb, score
+                _sift_down(ids, scores, size, 0)
+            else:
+                continue
+            queue[queued], queue_neg[queued] = nb, -score
+            _sift_up(queue, queue_neg, queued)
+            queued += 1
+    order = np.argsort(-scores[:size])
+    ids[:size], scores[:size] = ids[:size][order], scores[:size][order]
     return size, scanned, n_touched
 
 
@@ -84,15 +113,10 @@ def beam_search_one(keys, offsets, targets, entry, query, beam, visited, touched
 def search_batch(keys, offsets, targets, entry, queries, beam, k, out_ids, out_scores, out_scanned):
     """Search every row of ``queries`` ``[B, D]``: ``out_ids`` int64 ``[B, k]`` (-1 past the beam's keys),
     ``out_scores`` float32 ``[B, k]``, ``out_scanned`` int64 ``[B]``. ``beam >= k``."""
-    n = keys.shape[0]
-    visited = np.zeros(n, np.uint8)
-    touched = np.empty(n, np.int64)
-    ids = np.empty(beam, np.int64)
-    scores = np.empty(beam, np.float32)
-    expanded = np.empty(beam, np.bool_)
+    visited, touched, ids, scores, queue, queue_neg = scratch(keys.shape[0], beam)
     for b in range(queries.shape[0]):
         size, scanned, n_touched = beam_search_one(keys, offsets, targets, entry, queries[b], beam, visited,
-                                                   touched, ids, scores, expanded)
+                                                   touched, ids, scores, queue, queue_neg)
         for j in range(k):
             if j < size:
                 out_ids[b, j], out_scores[b, j] = ids[j], scores[j]
