@@ -125,3 +125,33 @@ def search_batch(keys, offsets, targets, entry, queries, beam, k, out_ids, out_s
         out_scanned[b] = scanned
         for j in range(n_touched):
             visited[touched[j]] = 0
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def search_attend(keys, offsets, targets, entry, values, queries, beam, k, scale, out, lse, out_scanned):
+    """Search every row of ``queries`` ``[B, D]`` for its top ``k`` keys and attend them: ``out`` float32
+    ``[B, Dv]`` (the softmax of the scaled scores over those keys, weighting ``values`` ``[N, Dv]``), ``lse``
+    float32 ``[B]`` (natural log of the summed exp of the scaled scores), ``out_scanned`` int64 ``[B]``. The
+    scores are the search's own (no key is read twice). ``beam >= k``."""
+    visited, touched, ids, scores, queue, queue_neg = scratch(keys.shape[0], beam)
+    dv = values.shape[1]
+    acc = np.empty(dv, np.float64)
+    for b in range(queries.shape[0]):
+        size, scanned, n_touched = beam_search_one(keys, offsets, targets, entry, queries[b], beam, visited,
+                                                   touched, ids, scores, queue, queue_neg)
+        m = min(k, size)
+        top = np.float64(scores[0]) * scale          # sorted by descending score: the largest logit
+        total = 0.0
+        acc[:] = 0.0
+        for j in range(m):
+            p = np.exp(np.float64(scores[j]) * scale - top)
+            total += p
+            row = values[ids[j]]
+            for t in range(dv):
+                acc[t] += p * row[t]
+        for t in range(dv):
+            out[b, t] = acc[t] / total
+        lse[b] = top + np.log(total)
+        out_scanned[b] = scanned
+        for j in range(n_touched):
+            visited[touched[j]] = 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.index._search import search_batch
+from services.index._search import search_attend, search_batch
 from services.index.build import BuildConfig, Graph, build_graph
 from services.index.format import IndexFormatError, IndexParts, check_graph, decode, encode
 
@@ -119,6 +119,42 @@ class AttentionIndex:
             top = np.argsort(-scores, axis=1, kind="stable")[:, : min(k, n)]
             ids[:, : top.shape[1]] = top
         return ids, np.full(queries.shape[0], n, np.int64)
+
+    def attend(self, queries, values: np.ndarray, k: int, scale: float, *, beam: int | None = None,
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Attention of each query ``[B, D]`` over its top-``k`` keys (searched as ``search`` does) with
+        ``values`` float32 ``[num_keys, Dv]`` (row i: key i's value): out float32 ``[B, Dv]``, lse float32 ``[B]``
+        (natural log of the summed exp of the scaled scores q.k * scale) and scanned int64 ``[B]``. One compiled
+        call without the GIL; the scores are the search's own. ``k >= num_keys`` attends every key, exactly."""
+        queries = _matrix("queries", queries, dim=self.dim, allow_empty=True)
+        if values.dtype != np.float32 or values.ndim != 2 or values.shape[0] != self.num_keys:
+            raise ValueError(f"values must be float32 [{self.num_keys}, Dv], got {values.dtype} {values.shape}")
+        values = np.ascontiguousarray(values)
+        k = _count("k", k, 1)
+        beam = max(k, DEFAULT_BEAM) if beam is None else _count("beam", beam, 1)
+        if beam < k:
+            raise ValueError(f"beam must be >= k ({k}), got {beam}")
+        b = queries.shape[0]
+        if k >= self.num_keys or beam >= self.num_keys:
+            logits = (queries @ self._keys.T).astype(np.float64) * scale          # [B, N]
+            top = logits.max(axis=1, keepdims=True) if b else logits[:, :0]
+            p = np.exp(logits - top)
+            total = p.sum(axis=1)
+            out = ((p / total[:, None]) @ values).astype(np.float32)
+            return out, (top[:, 0] + np.log(total)).astype(np.float32), np.full(b, self.num_keys, np.int64)
+        out = np.empty((b, values.shape[1]), np.float32)
+        lse = np.empty(b, np.float32)
+        scanned = np.empty(b, np.int64)
+        if b:
+            g = self._graph
+            search_attend(self._keys, g.offsets, g.targets, g.entry, values, queries, beam, k, float(scale), out,
+                          lse, scanned)
+        return out, lse, scanned
+
+    @property
+    def keys(self) -> np.ndarray:
+        """The keys it searches, float32 ``[num_keys, D]`` (read-only: the index owns them)."""
+        return self._keys
 
     def to_bytes(self) -> bytes:
         g = self._graph

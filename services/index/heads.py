@@ -27,11 +27,14 @@ from services.index.graph import AttentionIndex
 
 @dataclass(frozen=True, slots=True)
 class HeadKV:
-    """One (owner, layer, KV head): keys and values float32 [N, D] (N >= 1) and the index over the keys."""
+    """One (owner, layer, KV head): values float32 [N, D] (N >= 1) and the index over the keys (which holds them)."""
 
-    keys: np.ndarray
     values: np.ndarray
     index: AttentionIndex
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self.index.keys
 
     @property
     def nbytes(self) -> int:
@@ -39,27 +42,17 @@ class HeadKV:
 
     @property
     def index_bytes(self) -> int:
-        return self.index.nbytes
+        """The graph's bytes (the keys counted once, in ``nbytes``)."""
+        return self.index.nbytes - self.keys.nbytes
 
 
 def partial_attention(head: HeadKV, queries: np.ndarray, k: int, scale: float,
                       beam: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """queries float32 [G, D] (the query heads sharing this KV head, rotated in the keys' frame) -> attention over each
     one's top-k retrieved keys: out float32 [G, D], lse float32 [G] (natural log of the summed exp of the scaled logits),
-    and the keys scored by the search (summed over the G queries)."""
-    kw = {} if beam is None else {"beam": beam}
-    ids, scanned = head.index.search(queries, k=k, **kw)            # [G, k] int64, -1 padded
-    valid = ids >= 0
-    picked = ids.clip(min=0)
-    keys, values = head.keys[picked], head.values[picked]          # [G, k, D]
-    logits = np.einsum("gd,gkd->gk", queries, keys) * np.float32(scale)
-    logits = np.where(valid, logits, -np.inf)
-    top = logits.max(axis=1, keepdims=True)                        # finite: every query retrieves a key (N >= 1)
-    p = np.exp(logits - top)
-    total = p.sum(axis=1)
-    out = np.einsum("gk,gkd->gd", p / total[:, None], values)
-    lse = top[:, 0] + np.log(total)
-    return out.astype(np.float32, copy=False), lse.astype(np.float32, copy=False), int(np.asarray(scanned).sum())
+    and the keys scored by the search (summed over the G queries). One compiled call (``AttentionIndex.attend``)."""
+    out, lse, scanned = head.index.attend(queries, head.values, k, scale, beam=beam)
+    return out, lse, int(scanned.sum())
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +93,7 @@ class IndexSet:
             heads: list[HeadKV | None] = [None] * keys.shape[0]
         else:   # the KV heads' indexes build in parallel (their compiled loops release the GIL)
             built = self._pool.map(lambda h: AttentionIndex.build(keys[h], train[h], threads=1), range(keys.shape[0]))
-            heads = [HeadKV(keys[h], values[h], index) for h, index in enumerate(built)]
+            heads = [HeadKV(values[h], index) for h, index in enumerate(built)]
         with self._lock:
             self._heads[(owner, layer)] = heads
         return sum(h.index_bytes for h in heads if h is not None)

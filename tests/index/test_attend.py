@@ -1,0 +1,56 @@
+"""``AttentionIndex.attend`` (services/index/graph.py, the compiled search-and-attend of _search.py): attention over
+the keys its search retrieves equals attention computed apart over the ids ``search`` returns; with k covering every
+key it is exact attention; bad values are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.index import AttentionIndex
+
+
+@pytest.fixture(scope="module")
+def index():
+    rng = np.random.default_rng(3)
+    keys = rng.standard_normal((2000, 24)).astype(np.float32)
+    train = (rng.standard_normal((600, 24)) + 0.3).astype(np.float32)
+    values = rng.standard_normal((2000, 20)).astype(np.float32)
+    return AttentionIndex.build(keys, train, threads=1), keys, values
+
+
+def _attention(q, keys, values, ids, scale):
+    logits = np.array([[q[b] @ keys[i] * scale for i in row if i >= 0] for b, row in enumerate(ids)], np.float64)
+    top = logits.max(1, keepdims=True)
+    p = np.exp(logits - top)
+    out = np.stack([(p[b] / p[b].sum()) @ values[[i for i in row if i >= 0]] for b, row in enumerate(ids)])
+    return out, top[:, 0] + np.log(p.sum(1))
+
+
+@pytest.mark.parametrize("k, beam", [(1, None), (10, 64), (100, None), (2000, None), (5000, None)],
+                         ids=["k1", "k10-beam64", "k100", "k-all", "k-over"])
+def test_attend_is_attention_over_what_search_retrieves(index, k, beam):
+    idx, keys, values = index
+    q = np.random.default_rng(4).standard_normal((7, 24)).astype(np.float32)
+    kw = {} if beam is None else {"beam": beam}
+    out, lse, scanned = idx.attend(q, values, k, 0.3, **kw)
+    ids, want_scanned = idx.search(q, k=k, **kw)
+    want_out, want_lse = _attention(q, keys, values, ids, 0.3)
+    np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert scanned.tolist() == want_scanned.tolist()
+    if k >= len(keys):                                  # every key: exact attention
+        assert (scanned == len(keys)).all()
+
+
+def test_attend_refuses_bad_values(index):
+    idx, _, values = index
+    q = np.zeros((1, 24), np.float32)
+    with pytest.raises(ValueError, match="values"):
+        idx.attend(q, values[:10], 5, 0.1)
+    with pytest.raises(ValueError, match="values"):
+        idx.attend(q, values.astype(np.float64), 5, 0.1)
+    with pytest.raises(ValueError, match="beam"):
+        idx.attend(q, values, 50, 0.1, beam=10)
+    with pytest.raises(ValueError, match="queries"):
+        idx.attend(np.zeros((1, 23), np.float32), values, 5, 0.1)
