@@ -74,6 +74,7 @@ class IndexSet:
     def __init__(self, threads: int = 4):
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
+        self.threads = threads
         self._heads: dict[tuple[str, int], list[HeadKV | None]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="index-search")
@@ -91,8 +92,10 @@ class IndexSet:
                              f"got {train.shape}")
         if keys.shape[1] == 0:
             heads: list[HeadKV | None] = [None] * keys.shape[0]
-        else:   # the KV heads' indexes build in parallel (their compiled loops release the GIL)
-            built = self._pool.map(lambda h: AttentionIndex.build(keys[h], train[h], threads=1), range(keys.shape[0]))
+        else:   # the KV heads' indexes build in parallel (their compiled loops release the GIL), the cores shared out
+            each = max(1, self.threads // keys.shape[0])
+            built = self._pool.map(lambda h: AttentionIndex.build(keys[h], train[h], threads=each),
+                                   range(keys.shape[0]))
             heads = [HeadKV(values[h], index) for h, index in enumerate(built)]
         with self._lock:
             self._heads[(owner, layer)] = heads
