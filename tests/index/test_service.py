@@ -190,3 +190,24 @@ def test_only_the_roles_the_policy_names_get_in(tmp_path):
         for c in (*as_role.values(), stranger, plain):
             c.close()
 
+
+
+def test_the_service_counts_what_it_builds_holds_and_searches_on_its_metrics_page():
+    import urllib.request
+
+    keys, values, train = _data(6)
+    with BackgroundIndexServer(threads=1, metrics_port=0) as srv, IndexClient(srv.address) as client:
+        client.add("seq-g", 0, keys, values, train)
+        client.attend(0, ["seq-g", "seq-g"], np.ones((2, HQ, D), np.float32), 5, 0.1)
+        page = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10).read().decode()
+        samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in page.splitlines()
+                   if line and not line.startswith("#")}
+        assert samples["tessera_index_owners"] == 1
+        assert samples["tessera_index_kv_bytes"] == keys.nbytes + values.nbytes
+        assert samples["tessera_index_index_bytes"] > 0
+        assert samples["tessera_index_keys_offloaded_total"] == HKV * N
+        assert samples["tessera_index_build_seconds_count"] == 1 and samples["tessera_index_search_seconds_count"] == 1
+        assert samples["tessera_index_keys_scanned_total"] > 0
+        client.drop("seq-g")
+        page = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10).read().decode()
+        assert "tessera_index_owners 0.0" in page
