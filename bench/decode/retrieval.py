@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,9 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.decode.decode import hbm_floor_seconds  # noqa: E402
-from bench.decode.sparse import CHUNK, random_state  # noqa: E402
-from bench.engine.engine import LLAMA3_8B  # noqa: E402
-from services.engine import Engine, ModelConfig  # noqa: E402
+from bench.decode.sparse import CHUNK, commit_of, random_engine  # noqa: E402
 from services.engine.decode import QueryTap, RetrievalDecode  # noqa: E402
 
 
@@ -94,18 +91,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--kv-gib", type=float, default=40.0)
     args = ap.parse_args()
-    hf_cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers)
-    cfg = ModelConfig.from_hf_dict(hf_cfg)
-    state = random_state(hf_cfg, args.layers)
-    weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
-                                 kv_cache_bytes=int(args.kv_gib * 2**30), chunk_cache_bytes=int(args.kv_gib * 2**30),
-                                 static_tails=True)
-    del state
-    torch.cuda.empty_cache()
+    eng, cfg, weight_bytes = random_engine(args.layers, args.kv_gib)
     floor_per_byte = hbm_floor_seconds(1 << 30) / (1 << 30)
-    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                         text=True).stdout.strip()
+    commit = commit_of()
     from services.index.heads import IndexSet
 
     eng.forward.indexes = IndexSet(threads=os.cpu_count() or 4)

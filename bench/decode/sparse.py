@@ -69,6 +69,27 @@ def random_state(hf_cfg: dict, layers: int) -> dict:
     return state
 
 
+def random_engine(layers: int, kv_gib: float):
+    """(engine, its ModelConfig, weight bytes): Llama-3-8B's shape with ``layers`` layers, random bf16 weights, the
+    Triton backend, CUDA graphs, ``kv_gib`` GiB of KV pool (and of chunk cache within it)."""
+    hf_cfg = dict(LLAMA3_8B, num_hidden_layers=layers)
+    cfg = ModelConfig.from_hf_dict(hf_cfg)
+    state = random_state(hf_cfg, layers)
+    weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
+                                 kv_cache_bytes=int(kv_gib * 2**30), chunk_cache_bytes=int(kv_gib * 2**30),
+                                 static_tails=True)
+    del state
+    torch.cuda.empty_cache()
+    return eng, cfg, weight_bytes
+
+
+def commit_of() -> str:
+    """The commit measured: $COMMIT (a device's tree has no .git), else this checkout's head."""
+    return os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                       text=True).stdout.strip()
+
+
 def build_batch(eng, n: int, context: int, shared: bool, seed: int):
     """n sequences of ``context`` chunk tokens (random KV inserted per chunk) and a 64-token suffix."""
     g = torch.Generator().manual_seed(seed)
@@ -240,18 +261,9 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="also a Quest step without graphs")
     ap.add_argument("--skip", default="", help="context:batch pairs to skip, e.g. 131072:4")
     args = ap.parse_args()
-    hf_cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers)
-    cfg = ModelConfig.from_hf_dict(hf_cfg)
-    state = random_state(hf_cfg, args.layers)
-    weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
-                                 kv_cache_bytes=int(args.kv_gib * 2**30), chunk_cache_bytes=int(args.kv_gib * 2**30),
-                                 static_tails=True)
-    del state
-    torch.cuda.empty_cache()
+    eng, cfg, weight_bytes = random_engine(args.layers, args.kv_gib)
     floor_per_byte = hbm_floor_seconds(1 << 30) / (1 << 30)
-    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                         text=True).stdout.strip()
+    commit = commit_of()
     mem = eng.describe_memory()
     chunk_kv = -(-CHUNK // eng.block_size) * mem["block_bytes"]
     chunk_bounds = -(-CHUNK // eng.block_size) * mem["page_bounds_bytes_per_block"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 import time
 import zlib
 
@@ -247,27 +246,22 @@ class BackgroundIndexServer:
 
     def __init__(self, *, threads: int = 4, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None,
                  tls=None) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="index-server", daemon=True)
-        self._thread.start()
+        from services.cluster.serving import LoopThread
+
+        self._loop = LoopThread("index-server")
         try:
-            self.server, self.port = self.run(create_server(threads=threads, host=host, port=port,
-                                                            metrics_port=metrics_port, tls=tls))
+            self.server, self.port = self._loop.run(create_server(threads=threads, host=host, port=port,
+                                                                  metrics_port=metrics_port, tls=tls))
         except BaseException:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
+            self._loop.stop()
             raise
         self.address = f"{host}:{self.port}"
 
-    def run(self, coro, timeout: float = 60.0):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
     def stop(self, grace: float | None = 1.0) -> None:
-        if self._thread.is_alive():
-            self.run(self.server.stop(grace))
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop.close()
+        if self.server is not None:
+            self._loop.run(self.server.stop(grace))
+            self.server = None
+        self._loop.stop()
 
     def __enter__(self) -> "BackgroundIndexServer":
         return self
