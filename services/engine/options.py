@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kernels.options import KernelOptions
-from services.checks import check_bool, check_instance
+from services.checks import check_bool, check_instance, check_int
 from services.env import flag
 
 
@@ -27,17 +27,21 @@ class EngineOptions:
     (reuse_tail.py); off, through the general static tail.
     blend_graph: a ratio > 0 pass that fits runs as one pinned copy and one graph, the check layer's selection
     included (blend_tail.py); off, layer 0 and the selection eagerly, then the general static tail.
-    kernels: what the Triton launches read (kernels/options.py: PDL, TMA)."""
+    kernels: what the Triton launches read (kernels/options.py: PDL, TMA).
+    index_threads: the host threads of the engine's own retrieval index set (services/index/heads.py), which builds
+    and searches the indexes of its retrieval sequences: a layer's heads in parallel."""
 
     skinny_gemm: bool = True
     reuse_graph: bool = True
     blend_graph: bool = True
     kernels: KernelOptions = field(default_factory=KernelOptions)
+    index_threads: int = 4
 
     def __post_init__(self) -> None:
         for name in ("skinny_gemm", "reuse_graph", "blend_graph"):
             check_bool(f"EngineOptions.{name}", getattr(self, name))
         check_instance("EngineOptions.kernels", self.kernels, KernelOptions)
+        check_int("EngineOptions.index_threads", self.index_threads, 1)
 
     @classmethod
     def from_env(cls, environ=None) -> "EngineOptions":

@@ -163,7 +163,7 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
     if fwd.indexes is None and policy.retrieval_k:
         from services.index.heads import IndexSet   # numba and faiss load with the first retrieval sequence
 
-        fwd.indexes = IndexSet()
+        fwd.indexes = IndexSet(threads=fwd.options.index_threads)
     layers: list = []   # per layer, what the builder thread adds: keys, values [Hkv, N, D], queries [Hkv, M, D]
     pool, model, bs = fwd.pool, fwd.model, fwd.bs
     hq, hkv = fwd.cfg.num_heads, fwd.cfg.num_kv_heads
