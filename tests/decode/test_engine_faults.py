@@ -58,7 +58,7 @@ class StandIn:
         self.released = 0
 
     def import_handoff(self, handoff, fetch=None, decode="dense"):
-        return SimpleNamespace(request_id=handoff.request_id, decode_stats=DecodeStats())
+        return SimpleNamespace(request_id=handoff.request_id, decode=decode, decode_stats=DecodeStats())
 
     def decode_step(self, seqs, tokens):
         if self.fail_steps:
