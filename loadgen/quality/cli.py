@@ -83,7 +83,7 @@ def _eval(args: argparse.Namespace) -> int:
     if engine_options and args.reference:
         raise ValueError("--check-layer/--deviation configure services.engine; they mean nothing with --reference")
     results = run_eval(args.model, args.prompts, parse_modes(args.modes), seed=args.seed, questions=args.questions,
-                       device=args.device, reference=args.reference, progress=not args.json,
+                       device=args.device, reference=args.reference, progress=True,
                        engine_options=engine_options, cross_gap=args.cross_gap)
     if args.json:
         print(json.dumps(as_json(results)))
@@ -113,7 +113,7 @@ def _eval_longgen(args: argparse.Namespace) -> int:
     dense_layers = DEFAULT_DENSE_LAYERS if args.dense_layers is None else args.dense_layers
     results = run_longgen_eval(args.model, args.prompts, parse_decode_modes(args.modes), seed=args.seed,
                                questions=args.questions, dense_layers=dense_layers, device=args.device,
-                               progress=not args.json)
+                               progress=True)
     out = as_json(results)
     title = (f"longgen: {args.prompts} prompts, seed {args.seed}, {args.questions} answers, "
              f"dense_layers {dense_layers}, {Path(args.model).name}")
