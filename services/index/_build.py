@@ -126,13 +126,10 @@ def repair_pairs(keys, sq_norms, offsets, targets, entry, queries, lists, beam, 
 
 
 @njit(nogil=True, cache=True)
-def reachable(offsets, targets, entry):
-    """uint8 ``[N]``: 1 where a path from ``entry`` reaches the key."""
-    n = offsets.shape[0] - 1
-    seen = np.zeros(n, np.uint8)
-    stack = np.empty(n, np.int64)
-    seen[entry] = 1
-    stack[0] = entry
+def _mark_from(offsets, targets, start, seen, stack) -> None:
+    """Mark in ``seen`` every key a path from ``start`` reaches (depth first; ``stack`` [N] is scratch)."""
+    seen[start] = 1
+    stack[0] = start
     top = 1
     while top > 0:
         top -= 1
@@ -143,6 +140,14 @@ def reachable(offsets, targets, entry):
                 seen[nb] = 1
                 stack[top] = nb
                 top += 1
+
+
+@njit(nogil=True, cache=True)
+def reachable(offsets, targets, entry):
+    """uint8 ``[N]``: 1 where a path from ``entry`` reaches the key."""
+    n = offsets.shape[0] - 1
+    seen = np.zeros(n, np.uint8)
+    _mark_from(offsets, targets, entry, seen, np.empty(n, np.int64))
     return seen
 
 
@@ -174,17 +179,5 @@ def link_unreachable(keys, sq_norms, offsets, targets, entry, beam):
                 best, best_d = f, d
         src[m], dst[m] = best, u
         m += 1
-        # everything u reaches is now reached
-        seen[u] = 1
-        stack[0] = u
-        top = 1
-        while top > 0:
-            top -= 1
-            node = stack[top]
-            for e in range(offsets[node], offsets[node + 1]):
-                nb = targets[e]
-                if not seen[nb]:
-                    seen[nb] = 1
-                    stack[top] = nb
-                    top += 1
+        _mark_from(offsets, targets, u, seen, stack)     # everything u reaches is now reached
     return src[:m], dst[:m]
