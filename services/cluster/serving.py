@@ -159,6 +159,22 @@ def serve_metrics(registry, host: str, port: int = 0) -> tuple[object, int]:
     return server, server.server_port
 
 
+class MetricsEndpoint:
+    """``serve_http``/``stop_http`` for a service's metrics object (one holding a prometheus ``registry``)."""
+
+    _http = None
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Expose /metrics on ``addr:port`` (0 picks a free port; any other path: 404); returns the port."""
+        self._http, port = serve_metrics(self.registry, addr, port)
+        return port
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http = None
+
+
 async def add_health(server: grpc.aio.Server, service_names: tuple[str, ...]):
     """Health (every name SERVING once started) and reflection on ``server``; returns the servicer."""
     from grpc_health.v1 import health, health_pb2_grpc

@@ -10,6 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from services.cluster.serving import MetricsEndpoint
+
 SEARCH_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 BUILD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -25,7 +27,7 @@ class _HeldCollector:
         yield GaugeMetricFamily("tessera_index_index_bytes", "Bytes of the indexes over them", value=graph)
 
 
-class IndexMetrics:
+class IndexMetrics(MetricsEndpoint):
     def __init__(self, indexes, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.registry.register(_HeldCollector(indexes))
@@ -37,15 +39,3 @@ class IndexMetrics:
         self.keys_scanned = Counter("tessera_index_keys_scanned", "Keys scored by searches", registry=self.registry)
         self.keys_offloaded = Counter("tessera_index_keys_offloaded", "Keys offloaded and indexed",
                                       registry=self.registry)
-
-    def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Expose /metrics on ``addr:port`` (0 picks a free port); returns the port."""
-        from services.cluster.serving import serve_metrics
-
-        self._http, port = serve_metrics(self.registry, addr, port)
-        return port
-
-    def stop_http(self) -> None:
-        if getattr(self, "_http", None) is not None:
-            self._http.shutdown()
-            self._http = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from services.cluster.serving import MetricsEndpoint
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -40,7 +42,7 @@ class _TierCollector:
         yield from (resident, chunks, budget)
 
 
-class StoreMetrics:
+class StoreMetrics(MetricsEndpoint):
     def __init__(self, store, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.registry.register(_TierCollector(store))
@@ -50,15 +52,3 @@ class StoreMetrics:
                                              ["tier"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.put_seconds = Histogram("tessera_kvstore_put_seconds", "Put stream from first message to acknowledgement",
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
-
-    def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Expose /metrics on ``addr:port`` (0 picks a free port; any other path: 404); returns the port."""
-        from services.cluster.serving import serve_metrics
-
-        self._http, port = serve_metrics(self.registry, addr, port)
-        return port
-
-    def stop_http(self) -> None:
-        if getattr(self, "_http", None) is not None:
-            self._http.shutdown()
-            self._http = None
