@@ -285,7 +285,8 @@ class RetrievalStep(PolicyStep):
         return torch.from_numpy(sel).to(dev), torch.from_numpy(count).to(dev)
 
     def attend(self, layer, q, table, cu_entries):
-        fwd, model, pool = self.fwd, self.fwd.model, self.fwd.pool
+        if not self.policy.retrieval_k:
+            return self._static(layer, q, table)[0]       # the static set alone: nothing goes to the host
         on_gpu = q.device.type == "cuda"
         # the queries to the host first (a pinned copy on the stream: waiting for it waits for nothing after it)
         q_host = torch.empty(q.shape, dtype=torch.float32, pin_memory=on_gpu)
@@ -293,12 +294,8 @@ class RetrievalStep(PolicyStep):
         copied = torch.cuda.Event() if on_gpu else None
         if copied is not None:
             copied.record()
-        sel, count = self._selection(layer)
-        out_s, lse_s = sparse.sparse_decode_attention(q, pool.k[layer], pool.v[layer], table.block_ids,
-                                                      table.offsets, table.masks, sel, count, model.inv_freq,
-                                                      model.scale, backend=fwd.backend)
-        if not self.policy.retrieval_k:
-            return out_s              # the static set alone
+        out_s, lse_s = self._static(layer, q, table)
+        fwd, model = self.fwd, self.fwd.model
         if copied is not None:
             copied.synchronize()
         ans = fwd.indexes.attend(layer, self.owners, q_host.numpy(), self.policy.retrieval_k, model.scale)
@@ -309,6 +306,14 @@ class RetrievalStep(PolicyStep):
         out, _ = merge_attention(torch.stack([out_s.float(), out_c]), torch.stack([lse_s, lse_c]),
                                  backend=fwd.backend)
         return out.to(q.dtype)
+
+    def _static(self, layer: int, q: torch.Tensor, table) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static set's attention on the GPU: (out [B, Hq, D], lse [B, Hq] fp32)."""
+        fwd, model, pool = self.fwd, self.fwd.model, self.fwd.pool
+        sel, count = self._selection(layer)
+        return sparse.sparse_decode_attention(q, pool.k[layer], pool.v[layer], table.block_ids, table.offsets,
+                                              table.masks, sel, count, model.inv_freq, model.scale,
+                                              backend=fwd.backend)
 
     def end(self) -> None:
         for s, visible, read, scanned in zip(self.seqs, self.visible, self.static_read, self.scanned.tolist()):
