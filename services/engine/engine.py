@@ -296,13 +296,9 @@ class Engine:
         positions now)."""
         policy = decode if isinstance(decode, DecodePolicy) else self.decode_policy(decode, **decode_params)
         chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
-        tap = QueryTap() if policy.taps_queries else None   # a retrieval index is built from the pass's queries
-        self.forward.query_tap = tap
-        try:
-            logits, seq, _ = self._prefill(chunks, suffix, mode, float(recompute_ratio), ids=ids, scope=scope)
-        finally:
-            self.forward.query_tap = None
-        seq.prefill_queries = tap
+        # a retrieval index is built from the pass's queries
+        logits, seq, _ = self._tapped_prefill(QueryTap() if policy.taps_queries else None, chunks, suffix, mode,
+                                              float(recompute_ratio), ids=ids, scope=scope)
         try:
             self.start_decode(seq, policy)
         except BaseException:
@@ -338,14 +334,8 @@ class Engine:
         two, so that its host work overlaps this pass on the device. Nothing else may use the engine
         until ``finish`` is called, but another ``begin_prefill_handoff``."""
         chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
-        tap = QueryTap(HANDOFF_QUERIES) if tap_queries else None
-        self.forward.query_tap = tap
-        try:
-            logits, seq, stats = self._prefill(chunks, suffix, mode, float(recompute_ratio), fetch, on_computed, ids,
-                                               scope=scope)
-        finally:
-            self.forward.query_tap = None
-        seq.prefill_queries = tap
+        logits, seq, stats = self._tapped_prefill(QueryTap(HANDOFF_QUERIES) if tap_queries else None, chunks, suffix,
+                                                  mode, float(recompute_ratio), fetch, on_computed, ids, scope=scope)
         try:
             # what the export reads on the host starts on its way first: reading the first token (a sync)
             # then delivers it, and the export after the first token waits for nothing on the device
@@ -406,6 +396,17 @@ class Engine:
             return self.forward.export_chunk(entry)
         finally:
             self.cache.release(entry)
+
+    def _tapped_prefill(self, tap: QueryTap | None, *args, **kwargs):
+        """``_prefill(*args, **kwargs)`` with ``tap`` (None: none) taking the pass's queries; the sequence keeps
+        it as its ``prefill_queries``."""
+        self.forward.query_tap = tap
+        try:
+            logits, seq, stats = self._prefill(*args, **kwargs)
+        finally:
+            self.forward.query_tap = None
+        seq.prefill_queries = tap
+        return logits, seq, stats
 
     def _stop_ids(self) -> list[int]:
         eos = self.cfg.eos_token_id
