@@ -397,6 +397,28 @@ class Engine:
         finally:
             self.cache.release(entry)
 
+    def export_chunk_index(self, chunk_id: str) -> bytes | None:
+        """The bytes of a chunk's retrieval indexes (``ChunkIndex.to_bytes``: checksummed), None if none is built."""
+        held = self.forward.chunk_indexes
+        index = None if held is None else held.get(chunk_id)
+        return None if index is None else index.to_bytes()
+
+    def insert_chunk_index(self, chunk_id: str, blob: bytes) -> None:
+        """Keep a chunk's retrieval indexes from their bytes (the store's copy), for its next retrieval decode.
+        ValueError (IndexFormatError) for bytes that are not an intact chunk index of this model's shape: nothing
+        is kept then, and the chunk's indexes are built again when a sequence needs them."""
+        from services.index.chunks import ChunkIndex, ChunkIndexCache
+
+        index = ChunkIndex.from_bytes(blob)
+        cfg = self.cfg
+        if (index.num_layers, index.num_heads) != (cfg.num_layers, cfg.num_kv_heads):
+            raise ValueError(f"chunk index of {index.num_layers} layers x {index.num_heads} KV heads, the model has "
+                             f"{cfg.num_layers} x {cfg.num_kv_heads}")
+        fwd = self.forward
+        if fwd.chunk_indexes is None:
+            fwd.chunk_indexes = ChunkIndexCache(self.options.chunk_index_bytes)
+        fwd.chunk_indexes.put(chunk_id, index)
+
     def _tapped_prefill(self, tap: QueryTap | None, *args, **kwargs):
         """``_prefill(*args, **kwargs)`` with ``tap`` (None: none) taking the pass's queries; the sequence keeps
         it as its ``prefill_queries``."""

@@ -29,19 +29,26 @@ class EngineOptions:
     included (blend_tail.py); off, layer 0 and the selection eagerly, then the general static tail.
     kernels: what the Triton launches read (kernels/options.py: PDL, TMA).
     index_threads: the host threads of the engine's own retrieval index set (services/index/heads.py), which builds
-    and searches the indexes of its retrieval sequences: a layer's heads in parallel."""
+    and searches the indexes of its retrieval sequences: a layer's heads in parallel.
+    chunk_indexes: a retrieval sequence reuses each shared chunk's own index graphs (built once per chunk, in its
+    frame: services/index/chunks.py), kept in host memory up to ``chunk_index_bytes``; off, every sequence builds one
+    index over all its offloaded keys."""
 
     skinny_gemm: bool = True
     reuse_graph: bool = True
     blend_graph: bool = True
     kernels: KernelOptions = field(default_factory=KernelOptions)
     index_threads: int = 4
+    chunk_indexes: bool = True
+    chunk_index_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
         for name in ("skinny_gemm", "reuse_graph", "blend_graph"):
             check_bool(f"EngineOptions.{name}", getattr(self, name))
         check_instance("EngineOptions.kernels", self.kernels, KernelOptions)
         check_int("EngineOptions.index_threads", self.index_threads, 1)
+        check_bool("EngineOptions.chunk_indexes", self.chunk_indexes)
+        check_int("EngineOptions.chunk_index_bytes", self.chunk_index_bytes, 0)
 
     @classmethod
     def from_env(cls, environ=None) -> "EngineOptions":

@@ -73,7 +73,7 @@ def prune_range(keys, sq_norms, c_offsets, c_targets, degree, alpha, lo, hi):
 
 
 @njit(nogil=True, cache=True)
-def search_candidates(keys, offsets, targets, entry, beam, lo, hi):
+def search_candidates(keys, offsets, targets, entries, beam, lo, hi):
     """For keys ``[lo, hi)``: a search of the graph with the key itself as the query; the beams as candidate
     pairs ``(src, dst)`` int64."""
     n = keys.shape[0]
@@ -82,7 +82,7 @@ def search_candidates(keys, offsets, targets, entry, beam, lo, hi):
     dst = np.empty((hi - lo) * beam, np.int64)
     m = 0
     for node in range(lo, hi):
-        size, _, n_touched = beam_search_one(keys, offsets, targets, entry, keys[node], beam, visited, touched,
+        size, _, n_touched = beam_search_one(keys, offsets, targets, entries, keys[node], beam, visited, touched,
                                              ids, scores, queue, queue_neg)
         for j in range(size):
             src[m], dst[m] = node, ids[j]
@@ -93,7 +93,7 @@ def search_candidates(keys, offsets, targets, entry, beam, lo, hi):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def repair_pairs(keys, sq_norms, offsets, targets, entry, queries, lists, beam, lo, hi):
+def repair_pairs(keys, sq_norms, offsets, targets, entries, queries, lists, beam, lo, hi):
     """Training queries ``[lo, hi)`` searched on the graph as it stands; each key of a query's exact list
     (``lists`` int64 ``[M, P]``) that the search never scored becomes an edge ``(src, dst)`` from the scored
     key of the same list nearest to it (L2), or from the search's best key when none of the list was scored.
@@ -105,7 +105,7 @@ def repair_pairs(keys, sq_norms, offsets, targets, entry, queries, lists, beam, 
     dst = np.empty((hi - lo) * p, np.int64)
     m = 0
     for t in range(lo, hi):
-        _, _, n_touched = beam_search_one(keys, offsets, targets, entry, queries[t], beam, visited, touched,
+        _, _, n_touched = beam_search_one(keys, offsets, targets, entries, queries[t], beam, visited, touched,
                                           ids, scores, queue, queue_neg)
         for j in range(p):
             c = lists[t, j]
@@ -143,22 +143,25 @@ def _mark_from(offsets, targets, start, seen, stack) -> None:
 
 
 @njit(nogil=True, cache=True)
-def reachable(offsets, targets, entry):
-    """uint8 ``[N]``: 1 where a path from ``entry`` reaches the key."""
+def reachable(offsets, targets, entries):
+    """uint8 ``[N]``: 1 where a path from one of ``entries`` reaches the key."""
     n = offsets.shape[0] - 1
     seen = np.zeros(n, np.uint8)
-    _mark_from(offsets, targets, entry, seen, np.empty(n, np.int64))
+    stack = np.empty(n, np.int64)
+    for i in range(entries.shape[0]):
+        if not seen[entries[i]]:
+            _mark_from(offsets, targets, entries[i], seen, stack)
     return seen
 
 
 @njit(nogil=True, cache=True)
-def link_unreachable(keys, sq_norms, offsets, targets, entry, beam):
-    """Edges ``(src, dst)`` that make every key reachable from ``entry``: each key still unreached is searched
+def link_unreachable(keys, sq_norms, offsets, targets, entries, beam):
+    """Edges ``(src, dst)`` that make every key reachable from ``entries``: each key still unreached is searched
     for (itself as the query, on the reachable part) and linked from the nearest key (L2) of that search's
     beam; whatever it reaches then counts as reached. The searches see the graph without these links, so
     every beam key is one reached from the start."""
     n = keys.shape[0]
-    seen = reachable(offsets, targets, entry)
+    seen = reachable(offsets, targets, entries)
     visited, touched, ids, scores, queue, queue_neg = scratch(n, beam)
     stack = np.empty(n, np.int64)
     src = np.empty(n, np.int64)
@@ -167,11 +170,11 @@ def link_unreachable(keys, sq_norms, offsets, targets, entry, beam):
     for u in range(n):
         if seen[u]:
             continue
-        size, _, n_touched = beam_search_one(keys, offsets, targets, entry, keys[u], beam, visited, touched,
+        size, _, n_touched = beam_search_one(keys, offsets, targets, entries, keys[u], beam, visited, touched,
                                              ids, scores, queue, queue_neg)
         for j in range(n_touched):
             visited[touched[j]] = 0
-        best, best_d = entry, np.inf
+        best, best_d = entries[0], np.inf
         for j in range(size):
             f = ids[j]
             d = sq_norms[u] + sq_norms[f] - 2.0 * dot(keys[u], keys[f])

@@ -2,7 +2,8 @@
 
 Invariants (every function here): ``keys`` float32 ``[N, D]`` C-contiguous; the graph is CSR, ``offsets``
 int64 ``[N + 1]`` and ``targets`` int32 ``[E]`` (key i's out-neighbours are
-``targets[offsets[i]:offsets[i + 1]]``, none of them i, no duplicates); ``entry`` a key id.
+``targets[offsets[i]:offsets[i + 1]]``, none of them i, no duplicates); ``entries`` int64 ``[>= 1]``: the key ids
+a search starts from (one for a built index, one a part for a composed one: ``graph.AttentionIndex.compose``).
 
 NOTE: every function is ``nogil`` and keeps its state in arrays it allocates per call (the visited marks,
 the beam), never in a module global: the index service searches the heads of a layer from several
@@ -51,6 +52,24 @@ def _sift_up(ids, scores, i):
         i = parent
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _offer(nb, score, beam, ids, scores, size, queue, queue_neg, queued):
+    """Key ``nb`` scored ``score`` into the beam, if it has room or beats its worst, and then into the queue
+    too; returns the new ``(size, queued)``."""
+    if size < beam:
+        ids[size], scores[size] = nb, score
+        _sift_up(ids, scores, size)
+        size += 1
+    elif score > scores[0]:
+        ids[0], scores[0] = nb, score
+        _sift_down(ids, scores, size, 0)
+    else:
+        return size, queued
+    queue[queued], queue_neg[queued] = nb, -score
+    _sift_up(queue, queue_neg, queued)
+    return size, queued + 1
+
+
 @njit(nogil=True, cache=True)
 def scratch(n, beam):
     """Per-call state of ``beam_search_one`` for an index of ``n`` keys: visited marks (all 0), the keys
@@ -60,22 +79,25 @@ def scratch(n, beam):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def beam_search_one(keys, offsets, targets, entry, query, beam, visited, touched, ids, scores, queue, queue_neg):
-    """One query's best-first search; returns ``(size, scanned, n_touched)``.
+def beam_search_one(keys, offsets, targets, entries, query, beam, visited, touched, ids, scores, queue, queue_neg):
+    """One query's best-first search from every key of ``entries``; returns ``(size, scanned, n_touched)``.
 
     The beam holds the best ``beam`` keys scored so far (a min-heap by inner product: its root is the one to
     drop); the queue holds the keys still to expand (a min-heap by negated score: its root is the best). A key
     is expanded while the beam has room or it beats the beam's worst, the same keys a beam kept as a sorted
     list expands, at O(log beam) a scored key instead of O(beam). On return ``ids``/``scores[:size]`` are
     sorted by descending score. ``scanned`` counts the inner products computed (each key at most once:
-    ``visited``, which the caller resets from ``touched[:n_touched]``)."""
-    visited[entry] = 1
-    touched[0] = entry
-    n_touched = 1
-    score = dot(keys[entry], query)
-    ids[0], scores[0] = entry, score
-    queue[0], queue_neg[0] = entry, -score
-    size, queued, scanned = 1, 1, 1
+    ``visited``, which the caller resets from ``touched[:n_touched]``); the entries count."""
+    size, queued, scanned, n_touched = 0, 0, 0, 0
+    for i in range(entries.shape[0]):
+        nb = entries[i]
+        if visited[nb]:
+            continue
+        visited[nb] = 1
+        touched[n_touched] = nb
+        n_touched += 1
+        scanned += 1
+        size, queued = _offer(nb, dot(keys[nb], query), beam, ids, scores, size, queue, queue_neg, queued)
     while queued > 0:
         node, node_score = queue[0], -queue_neg[0]
         queued -= 1
@@ -90,32 +112,20 @@ def beam_search_one(keys, offsets, targets, entry, query, beam, visited, touched
             visited[nb] = 1
             touched[n_touched] = nb
             n_touched += 1
-            score = dot(keys[nb], query)
             scanned += 1
-            if size < beam:
-                ids[size], scores[size] = nb, score
-                _sift_up(ids, scores, size)
-                size += 1
-            elif score > scores[0]:
-                ids[0], scores[0] = nb, score
-                _sift_down(ids, scores, size, 0)
-            else:
-                continue
-            queue[queued], queue_neg[queued] = nb, -score
-            _sift_up(queue, queue_neg, queued)
-            queued += 1
+            size, queued = _offer(nb, dot(keys[nb], query), beam, ids, scores, size, queue, queue_neg, queued)
     order = np.argsort(-scores[:size])
     ids[:size], scores[:size] = ids[:size][order], scores[:size][order]
     return size, scanned, n_touched
 
 
 @njit(nogil=True, cache=True)
-def search_batch(keys, offsets, targets, entry, queries, beam, k, out_ids, out_scores, out_scanned):
+def search_batch(keys, offsets, targets, entries, queries, beam, k, out_ids, out_scores, out_scanned):
     """Search every row of ``queries`` ``[B, D]``: ``out_ids`` int64 ``[B, k]`` (-1 past the beam's keys),
     ``out_scores`` float32 ``[B, k]``, ``out_scanned`` int64 ``[B]``. ``beam >= k``."""
     visited, touched, ids, scores, queue, queue_neg = scratch(keys.shape[0], beam)
     for b in range(queries.shape[0]):
-        size, scanned, n_touched = beam_search_one(keys, offsets, targets, entry, queries[b], beam, visited,
+        size, scanned, n_touched = beam_search_one(keys, offsets, targets, entries, queries[b], beam, visited,
                                                    touched, ids, scores, queue, queue_neg)
         for j in range(k):
             if j < size:
@@ -128,7 +138,7 @@ def search_batch(keys, offsets, targets, entry, queries, beam, k, out_ids, out_s
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def search_attend(keys, offsets, targets, entry, values, queries, beam, k, scale, out, lse, out_scanned):
+def search_attend(keys, offsets, targets, entries, values, queries, beam, k, scale, out, lse, out_scanned):
     """Search every row of ``queries`` ``[B, D]`` for its top ``k`` keys and attend them: ``out`` float32
     ``[B, Dv]`` (the softmax of the scaled scores over those keys, weighting ``values`` ``[N, Dv]``), ``lse``
     float32 ``[B]`` (natural log of the summed exp of the scaled scores), ``out_scanned`` int64 ``[B]``. The
@@ -137,7 +147,7 @@ def search_attend(keys, offsets, targets, entry, values, queries, beam, k, scale
     dv = values.shape[1]
     acc = np.empty(dv, np.float64)
     for b in range(queries.shape[0]):
-        size, scanned, n_touched = beam_search_one(keys, offsets, targets, entry, queries[b], beam, visited,
+        size, scanned, n_touched = beam_search_one(keys, offsets, targets, entries, queries[b], beam, visited,
                                                    touched, ids, scores, queue, queue_neg)
         m = min(k, size)
         top = np.float64(scores[0]) * scale          # sorted by descending score: the largest logit

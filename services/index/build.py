@@ -16,9 +16,9 @@ actually look. The build (``build_graph``):
    query's exact list the search missed gets an edge from the nearest key of that list it found, kept by
    how many queries asked for it up to ``max_degree`` a key (the step that matters most on the longgen
    model's deeper layers: bench/index/README.md);
-5. links that make every key reachable from the entry (the key most training queries ranked first).
+5. links that make every key reachable from the entries (the ``entries`` keys most training queries ranked first).
 
-Search (``graph.py``, ``_search.py``) is best-first from that entry with a beam.
+Search (``graph.py``, ``_search.py``) is best-first from those entries with a beam.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class BuildConfig:
     build_beam: int = 100          # search list size of steps 3-5
     repair_rounds: int = 2
     repair_queries: int = 20000    # training queries searched a repair round (a seeded sample)
+    entries: int = 1               # keys a search starts from: those most training queries rank first
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -63,11 +64,16 @@ class BuildConfig:
 
 @dataclass(frozen=True, slots=True)
 class Graph:
-    """CSR out-edges of every key (offsets int64 ``[N + 1]``, targets int32 ``[E]``) and the entry key."""
+    """CSR out-edges of every key (offsets int64 ``[N + 1]``, targets int32 ``[E]``) and the keys a search starts
+    from (entries int64 ``[>= 1]``: one for a built graph)."""
 
     offsets: np.ndarray
     targets: np.ndarray
-    entry: int
+    entries: np.ndarray
+
+    @property
+    def num_nodes(self) -> int:
+        return self.offsets.shape[0] - 1
 
 
 def _in_ranges(fn, n: int, threads: int, *args) -> list:
@@ -149,7 +155,8 @@ def build_graph(keys: np.ndarray, train: np.ndarray, cfg: BuildConfig, threads: 
         train = train[np.sort(rng.choice(train.shape[0], cfg.max_train_queries, replace=False))]
     sq_norms = np.einsum("nd,nd->n", keys, keys).astype(np.float32)
     lists = exact_lists(keys, train, min(cfg.query_neighbors, n))
-    entry = int(np.bincount(lists[:, 0], minlength=n).argmax())
+    firsts = np.bincount(lists[:, 0], minlength=n)
+    entry = np.argsort(-firsts, kind="stable")[:min(cfg.entries, n)].astype(np.int64)
 
     p = lists.shape[1]
     offsets, targets = _pruned(keys, sq_norms, np.repeat(lists[:, 0], p - 1), lists[:, 1:].reshape(-1), cfg, threads)

@@ -3,9 +3,12 @@
 Layout (little-endian)::
 
     header   magic b"TSRAIDX\\0" | version u16 | reserved u16 (0) | dim u32 | num_keys u64 | num_edges u64
-             | entry u64 | config_len u32
+             | num_entries u64 | config_len u32
     digest   blake2b-256 of header + payload
     payload  config (JSON, config_len bytes) | keys float32 [N, D] | offsets int64 [N + 1] | targets int32 [E]
+             | entries int64 [num_entries]
+
+Version 2 holds several entries (a composed index's); version 1 blobs (one entry) are refused.
 
 ``decode`` checks, in this order, the length, the magic, the version, that the sizes the header names add
 up to the blob exactly, the digest, then the graph's structure; any failure raises ``IndexFormatError``
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"TSRAIDX\x00"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<8sHHIQQQI")
 _DIGEST_BYTES = 32
 
@@ -34,12 +37,12 @@ class IndexFormatError(ValueError):
 @dataclass(frozen=True, slots=True)
 class IndexParts:
     """What a blob holds: keys float32 ``[N, D]``, the CSR graph (offsets int64 ``[N + 1]``, targets int32
-    ``[E]``), the entry key and the build options as a JSON object."""
+    ``[E]``), the keys a search starts from (entries int64) and the build options as a JSON object."""
 
     keys: np.ndarray
     offsets: np.ndarray
     targets: np.ndarray
-    entry: int
+    entries: np.ndarray
     config: dict
 
 
@@ -53,9 +56,9 @@ def _digest(header: bytes, payload: list[bytes]) -> bytes:
 def encode(parts: IndexParts) -> bytes:
     n, d = parts.keys.shape
     config = json.dumps(parts.config, sort_keys=True).encode()
-    header = _HEADER.pack(MAGIC, VERSION, 0, d, n, parts.targets.shape[0], parts.entry, len(config))
+    header = _HEADER.pack(MAGIC, VERSION, 0, d, n, parts.targets.shape[0], parts.entries.shape[0], len(config))
     payload = [config, parts.keys.astype("<f4").tobytes(), parts.offsets.astype("<i8").tobytes(),
-               parts.targets.astype("<i4").tobytes()]
+               parts.targets.astype("<i4").tobytes(), parts.entries.astype("<i8").tobytes()]
     return b"".join([header, _digest(header, payload), *payload])
 
 
@@ -64,14 +67,14 @@ def decode(blob: bytes) -> IndexParts:
     if len(view) < _HEADER.size + _DIGEST_BYTES:
         raise IndexFormatError(f"blob of {len(view)} bytes is shorter than an index header")
     header = bytes(view[: _HEADER.size])
-    magic, version, reserved, d, n, e, entry, config_len = _HEADER.unpack(header)
+    magic, version, reserved, d, n, e, n_entries, config_len = _HEADER.unpack(header)
     if magic != MAGIC:
         raise IndexFormatError("blob is not an attention index (bad magic)")
     if version != VERSION:
         raise IndexFormatError(f"index format version {version}, this build reads version {VERSION} only")
     if reserved != 0:
         raise IndexFormatError(f"reserved header field is {reserved}, expected 0")
-    sizes = [config_len, 4 * n * d, 8 * (n + 1), 4 * e]
+    sizes = [config_len, 4 * n * d, 8 * (n + 1), 4 * e, 8 * n_entries]
     start = _HEADER.size + _DIGEST_BYTES
     if start + sum(sizes) != len(view):
         raise IndexFormatError(f"blob holds {len(view)} bytes, its header describes {start + sum(sizes)}")
@@ -88,22 +91,31 @@ def decode(blob: bytes) -> IndexParts:
     keys = np.frombuffer(payload[1], dtype="<f4").reshape(n, d).astype(np.float32)
     offsets = np.frombuffer(payload[2], dtype="<i8").astype(np.int64)
     targets = np.frombuffer(payload[3], dtype="<i4").astype(np.int32)
-    check_graph(keys, offsets, targets, entry)
+    entries = np.frombuffer(payload[4], dtype="<i8").astype(np.int64)
+    check_graph(keys, offsets, targets, entries)
     if not isinstance(config, dict):
         raise IndexFormatError("index options are not a JSON object")
-    return IndexParts(keys, offsets, targets, int(entry), config)
+    return IndexParts(keys, offsets, targets, entries, config)
 
 
-def check_graph(keys: np.ndarray, offsets: np.ndarray, targets: np.ndarray, entry: int) -> None:
+def check_graph(keys: np.ndarray, offsets: np.ndarray, targets: np.ndarray, entries: np.ndarray) -> None:
     """The invariants the compiled search relies on (``_search.py``): raise ``IndexFormatError`` if any fails."""
-    n = keys.shape[0]
-    if n < 1 or keys.shape[1] < 1:
+    if keys.shape[0] < 1 or keys.shape[1] < 1:
         raise IndexFormatError(f"index holds keys of shape {keys.shape}")
     if not np.isfinite(keys).all():
         raise IndexFormatError("index keys hold non-finite values")
+    check_structure(keys.shape[0], offsets, targets, entries)
+
+
+def check_structure(n: int, offsets: np.ndarray, targets: np.ndarray, entries: np.ndarray) -> None:
+    """A graph over ``n`` keys: CSR offsets of them, targets among them, distinct int64 entries among them."""
     if offsets.shape != (n + 1,) or offsets[0] != 0 or offsets[-1] != targets.shape[0] or (np.diff(offsets) < 0).any():
         raise IndexFormatError("index graph offsets are not a CSR of its keys")
     if targets.size and (targets.min() < 0 or targets.max() >= n):
         raise IndexFormatError("index graph links to a key it does not hold")
-    if not 0 <= entry < n:
-        raise IndexFormatError(f"index entry {entry} is not one of its {n} keys")
+    if entries.ndim != 1 or entries.shape[0] < 1 or entries.dtype != np.int64:
+        raise IndexFormatError(f"index entries must be int64 [>= 1], got {entries.dtype} {entries.shape}")
+    if entries.min() < 0 or entries.max() >= n:
+        raise IndexFormatError(f"an index entry is not one of its {n} keys")
+    if np.unique(entries).shape[0] != entries.shape[0]:
+        raise IndexFormatError("index entries repeat a key")

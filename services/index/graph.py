@@ -13,6 +13,8 @@ How the graph is built: ``build.py``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from services.index._search import search_attend, search_batch
@@ -55,8 +57,8 @@ class AttentionIndex:
     __slots__ = ("_keys", "_graph", "_config")
 
     def __init__(self, keys: np.ndarray, graph: Graph, config: BuildConfig):
-        check_graph(keys, graph.offsets, graph.targets, graph.entry)
-        for arr in (keys, graph.offsets, graph.targets):
+        check_graph(keys, graph.offsets, graph.targets, graph.entries)
+        for arr in (keys, graph.offsets, graph.targets, graph.entries):
             arr.setflags(write=False)      # shared by every searching thread
         self._keys, self._graph, self._config = keys, graph, config
 
@@ -75,6 +77,34 @@ class AttentionIndex:
         if threads is not None:
             _count("threads", threads, 1)
         return cls(keys, build_graph(keys, train, config, threads), config)
+
+    @classmethod
+    def compose(cls, keys, parts: Sequence[Graph], config: BuildConfig | None = None) -> "AttentionIndex":
+        """One index over ``keys`` ``[N, D]`` made of graphs built apart (a chunk's, in its own frame: the keys here
+        may be rotated from the frame it was built in, by one rotation a part, which keeps every distance the
+        graph was built from). Part i covers the next ``parts[i].num_nodes`` keys, in order, and the parts cover all
+        N. No edge joins two parts: a search starts from every part's entries and one beam spans them, so the
+        parts whose entries score best are explored first. ``config``: the options kept with it (default ones)."""
+        keys = _matrix("keys", keys).copy()
+        if not parts:
+            raise ValueError("compose needs at least one part")
+        sizes = [p.num_nodes for p in parts]
+        if sum(sizes) != keys.shape[0]:
+            raise ValueError(f"the parts cover {sum(sizes)} keys, {keys.shape[0]} were given")
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        edges = np.concatenate([[0], np.cumsum([p.targets.shape[0] for p in parts])]).astype(np.int64)
+        offsets = np.concatenate([[0]] + [p.offsets[1:] + e for p, e in zip(parts, edges[:-1])]).astype(np.int64)
+        targets = np.concatenate([p.targets.astype(np.int64) + s for p, s in zip(parts, starts)]).astype(np.int32)
+        entries = np.concatenate([p.entries + s for p, s in zip(parts, starts)]).astype(np.int64)
+        try:
+            return cls(keys, Graph(offsets, targets, entries), config or BuildConfig())
+        except IndexFormatError as exc:
+            raise ValueError(f"a part is not a graph over its keys: {exc}") from None
+
+    @property
+    def graph(self) -> Graph:
+        """Its graph (read-only arrays)."""
+        return self._graph
 
     @property
     def num_keys(self) -> int:
@@ -147,7 +177,7 @@ class AttentionIndex:
         scanned = np.empty(b, np.int64)
         if b:
             g = self._graph
-            search_attend(self._keys, g.offsets, g.targets, g.entry, values, queries, beam, k, float(scale), out,
+            search_attend(self._keys, g.offsets, g.targets, g.entries, values, queries, beam, k, float(scale), out,
                           lse, scanned)
         return out, lse, scanned
 
@@ -158,7 +188,7 @@ class AttentionIndex:
 
     def to_bytes(self) -> bytes:
         g = self._graph
-        return encode(IndexParts(self._keys, g.offsets, g.targets, g.entry, self._config.as_dict()))
+        return encode(IndexParts(self._keys, g.offsets, g.targets, g.entries, self._config.as_dict()))
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> "AttentionIndex":
@@ -170,7 +200,7 @@ class AttentionIndex:
             config = BuildConfig(**parts.config)
         except (TypeError, ValueError) as exc:
             raise IndexFormatError(f"index options are not this version's: {exc}") from None
-        return cls(parts.keys, Graph(parts.offsets, parts.targets, parts.entry), config)
+        return cls(parts.keys, Graph(parts.offsets, parts.targets, parts.entries), config)
 
     def __repr__(self) -> str:
         return f"AttentionIndex(num_keys={self.num_keys}, dim={self.dim}, num_edges={self.num_edges})"
@@ -183,5 +213,5 @@ def _search(keys: np.ndarray, graph: Graph, queries: np.ndarray, k: int, beam: i
     scores = np.empty((b, k), np.float32)
     scanned = np.empty(b, np.int64)
     if b:
-        search_batch(keys, graph.offsets, graph.targets, graph.entry, queries, beam, k, ids, scores, scanned)
+        search_batch(keys, graph.offsets, graph.targets, graph.entries, queries, beam, k, ids, scores, scanned)
     return ids, scanned

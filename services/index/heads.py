@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
+from services.index.build import Graph
 from services.index.graph import AttentionIndex
 
 
@@ -79,10 +81,14 @@ class IndexSet:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="index-search")
 
-    def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray) -> int:
+    def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray,
+            parts: Sequence[Sequence[Graph]] = ()) -> int:
         """keys, values float32 [Hkv, N, D]; train_queries float32 [Hkv, M, D] (queries in the keys' frame, per the KV
-        head they read). N may be 0 (nothing offloaded at this layer: searches of it return nothing). Replaces what
-        the owner had at that layer; returns the indexes' bytes."""
+        head they read). N may be 0 (nothing offloaded at this layer: searches of it return nothing). ``parts``:
+        graphs built before (a chunk's, per KV head: ``chunks.ChunkIndex``) over the first keys, in order; the
+        keys after them get a graph built here from ``train_queries`` (M may be 0 when the parts cover every key),
+        and each head's index is their composition (``AttentionIndex.compose``). Replaces what the owner had at that
+        layer; returns the bytes of the graphs built here."""
         keys, values = np.ascontiguousarray(keys, np.float32), np.ascontiguousarray(values, np.float32)
         train = np.ascontiguousarray(train_queries, np.float32)
         if keys.ndim != 3 or values.shape != keys.shape:
@@ -90,13 +96,26 @@ class IndexSet:
         if train.ndim != 3 or train.shape[0] != keys.shape[0] or train.shape[2] != keys.shape[2]:
             raise ValueError(f"train_queries must be [Hkv, M, D] with Hkv, D = {keys.shape[0]}, {keys.shape[2]}, "
                              f"got {train.shape}")
-        if keys.shape[1] == 0:
-            heads: list[HeadKV | None] = [None] * keys.shape[0]
+        hkv, n = keys.shape[:2]
+        if any(len(p) != hkv for p in parts):
+            raise ValueError(f"every part needs a graph for each of the {hkv} KV heads")
+        covered = sum(p[0].num_nodes for p in parts)
+        if covered > n:
+            raise ValueError(f"the parts cover {covered} keys, only {n} were given")
+        if n == 0:
+            heads: list[HeadKV | None] = [None] * hkv
         else:   # the KV heads' indexes build in parallel (their compiled loops release the GIL), the cores shared out
-            each = max(1, self.threads // keys.shape[0])
-            built = self._pool.map(lambda h: AttentionIndex.build(keys[h], train[h], threads=each),
-                                   range(keys.shape[0]))
-            heads = [HeadKV(values[h], index) for h, index in enumerate(built)]
+            each = max(1, self.threads // hkv)
+
+            def one(h: int) -> AttentionIndex:
+                if not parts:
+                    return AttentionIndex.build(keys[h], train[h], threads=each)
+                graphs = [p[h] for p in parts]
+                if covered < n:
+                    graphs.append(AttentionIndex.build(keys[h, covered:], train[h], threads=each).graph)
+                return AttentionIndex.compose(keys[h], graphs)
+
+            heads = [HeadKV(values[h], index) for h, index in enumerate(self._pool.map(one, range(hkv)))]
         with self._lock:
             self._heads[(owner, layer)] = heads
         return sum(h.index_bytes for h in heads if h is not None)

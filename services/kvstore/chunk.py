@@ -21,8 +21,9 @@ from services.tiers import Tier
 # the store's tiers (services/tiers.py) as the proto numbers them
 PB_TIER = {Tier.DRAM: pb.TIER_DRAM, Tier.ROCKSDB: pb.TIER_ROCKSDB, Tier.S3: pb.TIER_S3}
 TIER_OF_PB = {v: k for k, v in PB_TIER.items()}
-DTYPE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-_DTYPE_TO_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
+DTYPE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}
+_DTYPE_TO_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
+                "uint8": pb.DTYPE_UINT8}
 _PB_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PB.items()}
 CHUNK_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 MAX_RANK = 8
@@ -143,7 +144,7 @@ class ChunkMeta:
         """Validate a header from the wire or from storage; raise InvalidChunk on anything malformed."""
         check_chunk_id(header.chunk_id)
         if header.dtype not in _PB_TO_DTYPE:
-            raise InvalidChunk(f"unsupported dtype {header.dtype}; expected float32, float16 or bfloat16")
+            raise InvalidChunk(f"unsupported dtype {header.dtype}; expected float32, float16, bfloat16 or uint8")
         if header.checksum_algorithm != pb.CHECKSUM_CRC32:
             raise InvalidChunk(f"unsupported checksum algorithm {header.checksum_algorithm}; expected CRC32")
         n = header.num_layers

@@ -27,9 +27,10 @@ from services.rpc import kvstore_pb2 as pb
 from services.rpc import kvstore_pb2_grpc as pb_grpc
 from services.tiers import Tier
 
-TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.uint8: "uint8"}
 _FROM_NAME = {v: k for k, v in TORCH_DTYPES.items()}
-_DTYPE_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
+_DTYPE_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
+             "uint8": pb.DTYPE_UINT8}
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 # A received message is a ``bytes`` object that only this client references, so a layer that came
@@ -159,6 +160,25 @@ class KVStoreClient:
                 for off in range(0, part.nbytes, step):
                     last = p == 1 and off + step >= part.nbytes
                     yield wire.Frame(i, part[off:off + step], last, crc if last else 0)
+
+    def put_bytes(self, entry_id: str, data: bytes, *, model_fingerprint: str = "",
+                  timeout: float | None = None) -> PutResult:
+        """Store opaque bytes (what a chunk keeps beside its KV: its retrieval indexes, under their own id) as a
+        one-layer uint8 entry: checksummed, tiered and evicted like any chunk."""
+        if len(data) < 2:
+            raise ValueError(f"an entry of bytes needs at least 2 of them, got {len(data)}")
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        half = len(data) // 2          # a layer is K's bytes then V's: the halves
+        return self.put(entry_id, [(t[:half], t[half:])], model_fingerprint=model_fingerprint, timeout=timeout)
+
+    def get_bytes(self, entry_id: str, *, timeout: float | None = None) -> bytes:
+        """What ``put_bytes`` stored (checked on receipt as any layer is); ChunkCorruptError for an entry of another
+        kind, grpc.RpcError NOT_FOUND for none."""
+        got = list(self.get(entry_id, timeout=timeout))
+        if len(got) != 1 or got[0][1].dtype != torch.uint8:
+            raise ChunkCorruptError(f"entry {entry_id} is not an entry of bytes")
+        _, k, v = got[0]
+        return k.numpy().tobytes() + v.numpy().tobytes()
 
     def get(self, chunk_id: str, *, layers: tuple[int, int] | None = None,
             timeout: float | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:

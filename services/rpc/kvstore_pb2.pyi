@@ -13,6 +13,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
 
 class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,6 +30,7 @@ DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
+DTYPE_UINT8: DType
 CHECKSUM_UNSPECIFIED: ChecksumAlgorithm
 CHECKSUM_CRC32: ChecksumAlgorithm
 TIER_UNSPECIFIED: Tier

@@ -80,7 +80,7 @@ def test_every_key_is_reachable_from_the_entry():
     train = _normal(10, (50, 16)) * 0.5 - 3.0        # queries that look at one side of the keys only
     index = AttentionIndex.build(keys, train, query_neighbors=10)
     g = index._graph
-    assert reachable(g.offsets, g.targets, g.entry).all()
+    assert reachable(g.offsets, g.targets, g.entries).all()
 
 
 def test_build_does_not_depend_on_threads():

@@ -49,6 +49,9 @@ from services.engine.kv.block_table import BlockTable
 TRAIN_QUERIES = 2048
 # those a hand-off carries (fp16): 256 x 32 heads x 128 x 2 B = 2 MiB a layer of an 8B-shaped model
 HANDOFF_QUERIES = 256
+# NOTE: a chunk's own queries sit at its first positions, a decode query reading it far to its right: each tapped
+# chunk query is used rotated forward by one of these distances (fractions of the model's positions), in turn
+CHUNK_QUERY_SHIFTS = (0.0, 1 / 32, 1 / 8, 1 / 2)
 
 _owners = itertools.count()
 
@@ -156,15 +159,12 @@ class Offload:
 
 def offload(fwd, seq, policy: RetrievalDecode) -> None:
     """Split each layer's table into the static pages and the offloaded tokens, and hand the latter (keys at global
-    positions, values, the tapped queries) to the index set."""
-    if seq.prefill_queries is None and policy.retrieval_k:
-        raise ValueError("decode='retrieval' needs the prefill pass's queries to build its index: a hand-off must "
-                         "be made with them (prefill_handoff(tap_queries=True))")
+    positions, values, the tapped queries, and the graphs of the shared chunks wholly among them) to the index set."""
     if fwd.indexes is None and policy.retrieval_k:
         from services.index.heads import IndexSet   # numba and faiss load with the first retrieval sequence
 
         fwd.indexes = IndexSet(threads=fwd.options.index_threads)
-    layers: list = []   # per layer, what the builder thread adds: keys, values [Hkv, N, D], queries [Hkv, M, D]
+    layers: list = []   # per layer, what the builder thread adds: keys, values [Hkv, N, D], queries [Hkv, M, D], runs
     pool, model, bs = fwd.pool, fwd.model, fwd.bs
     hq, hkv = fwd.cfg.num_heads, fwd.cfg.num_kv_heads
     g = hq // hkv
@@ -172,7 +172,9 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
     owner = f"seq{next(_owners)}"
     off = Offload(owner)
     bits = torch.arange(bs, device=fwd.device, dtype=torch.int64)
-    split: dict[int, tuple] = {}   # per distinct table object: (static entries, offloaded blocks, slots, offsets)
+    split: dict[int, tuple] = {}   # per distinct table object: (static entries, offloaded blocks, slots, offsets, runs)
+    chunk_graphs = policy.retrieval_k > 0 and fwd.options.chunk_indexes and _composes(fwd.indexes)
+    futures: dict[str, Future] = {}
     try:
         for layer, table in enumerate(seq.layer_tables):
             if id(table) not in split:
@@ -182,9 +184,14 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
                 keep = shown & ((gpos < policy.sink_tokens) | (gpos >= prompt - policy.window_tokens))
                 static = keep.any(1)
                 rows, slots = (shown & ~static[:, None]).nonzero(as_tuple=True)
+                runs: list[tuple[str, int]] = []
+                if chunk_graphs:
+                    order, runs = _chunk_runs(seq, table, gpos[rows, slots].cpu().numpy())
+                    order = torch.as_tensor(order, device=rows.device)
+                    rows, slots = rows[order], slots[order]
                 split[id(table)] = (static.nonzero().squeeze(1).cpu().numpy(), ids[rows], slots,
-                                    table.offsets.long()[rows])
-            static, blocks, slots, offsets = split[id(table)]
+                                    table.offsets.long()[rows], runs)
+            static, blocks, slots, offsets, runs = split[id(table)]
             off.static.append(len(static))
             off.offloaded.append(int(blocks.shape[0]))
             if not policy.retrieval_k:
@@ -192,11 +199,20 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
             cos, sin = rope_cos_sin(offsets, model.inv_freq)
             k = rotate(pool.k[layer][blocks, slots].float(), cos[:, None, :], sin[:, None, :])   # [N, Hkv, D]
             v = pool.v[layer][blocks, slots].float()
-            q = seq.prefill_queries.queries(layer)
-            if q is None:
-                raise ValueError(f"no prefill queries were tapped at layer {layer}")
-            train = q.float().reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
-            layers.append((k.permute(1, 0, 2).cpu().numpy(), v.permute(1, 0, 2).cpu().numpy(), train.cpu().numpy()))
+            for key, _ in runs:
+                if key not in futures:
+                    futures[key] = chunk_index(fwd, key, seq)
+            if sum(n for _, n in runs) == k.shape[0]:
+                train = np.zeros((hkv, 0, k.shape[-1]), np.float32)    # the chunks' graphs cover every key
+            else:
+                q = None if seq.prefill_queries is None else seq.prefill_queries.queries(layer)
+                if q is None:
+                    raise ValueError(f"decode='retrieval' needs the prefill pass's queries to index layer {layer}: "
+                                     "a hand-off must be made with them (prefill_handoff(tap_queries=True))")
+                train = (q.float().reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
+                         .cpu().numpy())
+            layers.append((k.permute(1, 0, 2).cpu().numpy(), v.permute(1, 0, 2).cpu().numpy(), train,
+                           [(futures[key], n) for key, n in runs]))
     except BaseException:
         if fwd.indexes is not None:
             fwd.indexes.drop(owner)
@@ -205,22 +221,120 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
         off.build, off.finished = Future(), True
         off.build.set_result(None)
     else:
-        if fwd.index_builder is None:
-            fwd.index_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-build")
-        off.build = fwd.index_builder.submit(_build, fwd.indexes, off, layers)
+        off.build = _builder(fwd).submit(_build, fwd.indexes, off, layers)
     seq.offload = off
     seq.prefill_queries = None   # the index holds what it needs
     keep_static(fwd, seq, {key: entries for key, (entries, *_) in split.items()})
 
 
+def _composes(indexes) -> bool:
+    """Whether the index set takes graphs built before (an in-process one; the service builds its own)."""
+    from services.index.heads import IndexSet
+
+    return isinstance(indexes, IndexSet)
+
+
+def _builder(fwd) -> ThreadPoolExecutor:
+    """The engine's one index-building thread: builds run in the order they were asked for, so a sequence's build
+    finds the chunk indexes asked for before it done."""
+    if fwd.index_builder is None:
+        fwd.index_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-build")
+    return fwd.index_builder
+
+
+def _chunk_runs(seq, table, gpos: np.ndarray) -> tuple[np.ndarray, list[tuple[str, int]]]:
+    """The offloaded tokens of a table (their global positions ``gpos`` [N], unique) reordered so that every shared
+    chunk placed wholly among them comes first, as a run in its own token order: (order [N], runs [(chunk id,
+    length)]). Each position is offloaded once whichever block shows it, so a run holds the chunk's cached keys and
+    CacheBlend's recomputed ones alike. Chunks touching the static set, and the rest, follow, in their order."""
+    by_pos = np.argsort(gpos, kind="stable")
+    pos = gpos[by_pos]
+    block_ids, offsets = table.block_ids.cpu().numpy(), table.offsets.cpu().numpy()
+    found = []
+    for entry in seq.pinned:
+        if entry.kind != "chunk" or entry.key not in seq.chunk_tokens:
+            continue
+        for start in np.unique(offsets[np.isin(block_ids, entry.blocks)]).tolist():
+            lo, hi = np.searchsorted(pos, [start, start + entry.length])
+            if hi - lo == entry.length:        # unique positions: the run is the whole chunk
+                found.append((start, entry.key, by_pos[lo:hi]))
+    found.sort(key=lambda f: f[0])
+    taken = np.zeros(gpos.shape[0], bool)
+    for _, _, idx in found:
+        taken[idx] = True
+    order = np.concatenate([idx for _, _, idx in found] + [np.nonzero(~taken)[0]]).astype(np.int64)
+    return order, [(key, idx.shape[0]) for _, key, idx in found]
+
+
+def chunk_index(fwd, key: str, seq) -> Future:
+    """The index of shared chunk ``key`` (a ``ChunkIndex``): one built before (``fwd.chunk_indexes``), one being
+    built, or one whose build starts now: the chunk alone runs again to tap its queries, and its keys (as cached) and
+    those queries go to the builder thread."""
+    from services.index.chunks import ChunkIndexCache
+
+    if fwd.chunk_indexes is None:
+        fwd.chunk_indexes = ChunkIndexCache(fwd.options.chunk_index_bytes)
+    built = fwd.chunk_indexes.get(key)
+    if built is not None:
+        done: Future = Future()
+        done.set_result(built)
+        return done
+    pending = fwd.chunk_builds.get(key)
+    if pending is not None:
+        return pending
+    keys, train = chunk_inputs(fwd, seq.chunk_tokens[key], next(e for e in seq.pinned if e.key == key))
+    fut = _builder(fwd).submit(_build_chunk, fwd, key, keys, train)
+    fwd.chunk_builds[key] = fut
+    return fut
+
+
+def chunk_inputs(fwd, tokens, entry) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A resident chunk's keys in its frame, [Hkv, L, D] a layer, and its queries, [Hkv, M, D] a layer (M <=
+    ``CHUNK_TRAIN_QUERIES``): its own, from running it alone, each rotated forward by one of ``CHUNK_QUERY_SHIFTS``
+    (in turn), as the queries of a later position would be. Both on the host, fp16."""
+    from services.index.chunks import CHUNK_TRAIN_QUERIES
+
+    cfg, pool = fwd.cfg, fwd.pool
+    hkv, g = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    tap = QueryTap(cap=max(1, CHUNK_TRAIN_QUERIES // g))
+    fwd.tap_chunk(list(tokens), tap)
+    block, slot = pool.slots_for(entry.blocks, entry.length)
+    shifts = torch.tensor([int(f * cfg.max_position_embeddings) for f in CHUNK_QUERY_SHIFTS], device=fwd.device)
+    keys, train = [], []
+    for layer in range(cfg.num_layers):
+        keys.append(pool.k[layer][block, slot].permute(1, 0, 2).to("cpu", torch.float16))
+        q = tap.queries(layer)
+        cos, sin = rope_cos_sin(shifts[torch.arange(q.shape[0], device=fwd.device) % shifts.shape[0]],
+                                fwd.model.inv_freq)
+        q = rotate(q.float(), cos[:, None, :], sin[:, None, :])
+        train.append(q.reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
+                     .to("cpu", torch.float16))
+    return keys, train
+
+
+def _build_chunk(fwd, key: str, keys: list, train: list):
+    """The builder thread: a chunk's index, kept in the engine's chunk-index cache."""
+    from services.index.chunks import ChunkIndex
+
+    try:
+        index = ChunkIndex.build([k.float().numpy() for k in keys], [q.float().numpy() for q in train],
+                                 threads=fwd.options.index_threads)
+        fwd.chunk_indexes.put(key, index)
+        return index
+    finally:
+        fwd.chunk_builds.pop(key, None)
+
+
 def _build(indexes, off: Offload, layers: list) -> None:
-    """The builder thread: each layer's K/V and indexes into the index set, unless the sequence is released first
-    (what was added is then dropped)."""
+    """The builder thread: each layer's K/V and indexes into the index set (composed with the graphs of its chunks),
+    unless the sequence is released first (what was added is then dropped)."""
     try:
         for layer in range(len(layers)):
             if off.cancelled:
                 break
-            indexes.add(off.owner, layer, *layers[layer])
+            keys, values, train, runs = layers[layer]
+            parts = [fut.result().graphs[layer] for fut, _ in runs]   # built before this job: none waits
+            indexes.add(off.owner, layer, keys, values, train, **({"parts": parts} if parts else {}))
             layers[layer] = None            # the index set holds them now
     finally:
         with off.lock:

@@ -37,3 +37,9 @@ def checked_chunk_id(fingerprint: str, ids, namespace: str = "") -> str:
     """The id of a chunk given as integer token ids the caller has already checked (a list, tuple or a
     message's repeated field)."""
     return scoped_id(namespace, chunk_ids_of(fingerprint, np.asarray(ids, dtype=np.int64), [len(ids)])[0])
+
+
+def index_entry_id(chunk_id: str) -> str:
+    """The store id of a chunk's retrieval indexes (services/index/chunks.py), beside the chunk's own: another hash,
+    so it is never a chunk's id."""
+    return hashlib.sha256(f"retrieval-index\0{chunk_id}".encode()).hexdigest()

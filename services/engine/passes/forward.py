@@ -71,6 +71,8 @@ class Forward:
         self.query_tap = None
         self.indexes = None  # offloaded K/V and their indexes (services/index/heads.py IndexSet), made on first use
         self.index_builder = None  # the thread building them (decode/retrieval.py), likewise
+        self.chunk_indexes = None  # built chunk indexes by chunk id (services/index/chunks.py ChunkIndexCache), likewise
+        self.chunk_builds: dict = {}  # chunk id -> Future of its index while it builds
         self._chunk_tables: OrderedDict[tuple, BlockTable] = OrderedDict()  # see chunk_table
 
     def static_tail(self, n_tokens: int) -> bool:
@@ -202,20 +204,31 @@ class Forward:
             raise
         return self.cache.insert(key, blocks, len(tokens), base=base, kind=kind)
 
-    def _compute_into(self, blocks: list[int], tokens: list[int], base: int) -> None:
+    def tap_chunk(self, tokens: list[int], tap) -> None:
+        """Run a chunk alone at positions 0..L-1 with ``tap`` taking its queries (in its own frame); the KV it writes
+        goes to scratch blocks, freed after."""
+        blocks = self.cache.allocate(-(-len(tokens) // self.bs), for_cache=False)
+        try:
+            self._compute_into(blocks, tokens, 0, tap)
+        finally:
+            self.pool.free(blocks)
+
+    def _compute_into(self, blocks: list[int], tokens: list[int], base: int, chunk_tap=None) -> None:
         pos = torch.arange(base, base + len(tokens), device=self.device)
         table, block, slot = self._dense_table(blocks, len(tokens))
         self.pool.slot_pos[block, slot] = pos.to(torch.int32)
         ids = host_to_device(tokens, torch.long, self.device)
         gate, self.gate = self.gate, None  # a chunk computed alone waits on nothing
-        tap, self.query_tap = self.query_tap, None  # and its queries, in its own frame, are not the request's
+        # and its queries, in its own frame, are not the request's (``chunk_tap``: taken for the chunk's own index)
+        tap, self.query_tap = self.query_tap, chunk_tap
         try:
-            if self.tails is not None and len(tokens) <= STATIC_MAX_TOKENS:
+            if self.tails is not None and len(tokens) <= STATIC_MAX_TOKENS and chunk_tap is None:
                 # replayed as a CUDA graph: every layer, the last one's output unused (one layer of
                 # wasted work against ~1,000 eager launches)
                 self.tail(0, self.model.embed(ids), pos, table, block, slot)
-            else:
-                self.run_layers(ids, pos, [table] * self.cfg.num_layers, block, slot, skip_last_layer=True, causal=True)
+            else:   # a tapped pass attends at the last layer too: that layer's queries are wanted
+                self.run_layers(ids, pos, [table] * self.cfg.num_layers, block, slot,
+                                skip_last_layer=chunk_tap is None, causal=True)
         finally:
             self.gate, self.query_tap = gate, tap
 

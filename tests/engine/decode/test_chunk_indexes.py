@@ -1,0 +1,103 @@
+"""Retrieval decode over shared chunks' own indexes (services/engine/decode/retrieval.py, services/index/chunks.py):
+a chunk wholly offloaded is searched through the graphs built once in its frame, which later requests reuse at other
+offsets and which survive their bytes' round trip; damaged bytes are refused and the index is built again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import Engine
+from services.engine.decode import DENSE, RetrievalDecode
+from services.engine.options import EngineOptions
+
+from ..conftest import random_request
+
+SMALL = dict(sink_tokens=4, window_tokens=8)
+
+
+def request(seed: int, shared: list[list[int]]):
+    """A 16-token head chunk (the sink's page), the shared chunks, a 16-token tail chunk (the window's page)."""
+    (head, tail), suffix = random_request(seed, lengths=(16, 16), suffix_len=2)
+    return [head, *shared, tail], suffix
+
+
+def built(eng) -> set:
+    held = eng.forward.chunk_indexes
+    return set() if held is None else set(held._items)
+
+
+def test_wholly_offloaded_chunks_are_searched_through_their_own_graphs_built_once_and_reused(tiny_dir):
+    eng = Engine.load(tiny_dir)
+    (a, b), _ = random_request(60, lengths=(48, 64), suffix_len=1)
+    ids = {eng.chunk_id(a), eng.chunk_id(b)}
+    chunks, suffix = request(61, [a, b])
+    dense = eng.generate(chunks, suffix, max_new_tokens=6, stop_token_ids=[], recompute_ratio=0.0)
+    got = eng.generate(chunks, suffix, max_new_tokens=6, stop_token_ids=[], recompute_ratio=0.0,
+                       decode="retrieval", retrieval_k=4096, **SMALL)
+    assert got == dense                                  # every key retrieved: dense decoding
+    assert built(eng) == ids                             # and the two shared chunks have their indexes
+    first = {key: eng.forward.chunk_indexes.get(key) for key in ids}
+    # another request places them elsewhere (b first, after a longer head): the same indexes, nothing rebuilt
+    (head, tail), suffix2 = random_request(62, lengths=(40, 16), suffix_len=3)
+    chunks2 = [head, b, a, tail]
+    _, seq = eng.prefill_sequence(chunks2, suffix2, recompute_ratio=0.0, decode=RetrievalDecode(retrieval_k=8, **SMALL),
+                                  extra_tokens=2)
+    try:
+        assert not eng.forward.chunk_builds or all(f.done() for f in eng.forward.chunk_builds.values())
+        seq.offload.build.result()
+        assert {key: eng.forward.chunk_indexes.get(key) for key in ids} == first
+        index = eng.forward.indexes._heads[(seq.offload.owner, 0)][0].index
+        # the composed index starts from every chunk's entries and one more part (the head chunk's rest)
+        assert index.graph.entries.shape[0] > 2
+        eng.decode_step([seq], [5])
+        assert seq.decode_stats.keys_scanned > 0
+    finally:
+        eng.release(seq)
+
+
+def test_recomputed_tokens_are_searched_with_their_own_keys_and_every_key_retrieved_is_dense(tiny_dir):
+    """CacheBlend recomputes some of a chunk's tokens: the chunk's graph is composed over the request's keys, the
+    recomputed ones included, so retrieving every key is still exactly dense decoding (logits within fp32)."""
+    eng = Engine.load(tiny_dir)
+    (a, b, c), _ = random_request(63, lengths=(64, 64, 64), suffix_len=1)
+    chunks, suffix = request(64, [a, b, c])
+    out = []
+    for policy in (DENSE, RetrievalDecode(retrieval_k=10_000, **SMALL)):
+        logits, seq = eng.prefill_sequence(chunks, suffix, recompute_ratio=0.3, decode=policy, extra_tokens=3)
+        out.append(torch.stack([logits] + [eng.decode_step([seq], [t])[0] for t in (4, 8, 15)]))
+        eng.release(seq)
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
+    assert built(eng)                                    # at least the middle chunk was wholly offloaded
+
+
+def test_chunk_indexes_round_trip_through_their_bytes_and_damaged_bytes_are_refused_then_rebuilt(tiny_dir):
+    a_eng, b_eng = Engine.load(tiny_dir), Engine.load(tiny_dir)
+    (a,), _ = random_request(65, lengths=(64,), suffix_len=1)
+    chunks, suffix = request(66, [a])
+    cid = a_eng.chunk_id(a)
+    assert a_eng.export_chunk_index(cid) is None
+    a_eng.generate(chunks, suffix, max_new_tokens=2, recompute_ratio=0.0, decode="retrieval", retrieval_k=8, **SMALL)
+    blob = a_eng.export_chunk_index(cid)
+    assert blob is not None
+    # a good copy is kept by another engine and used there without a build
+    b_eng.insert_chunk_index(cid, blob)
+    b_eng.generate(chunks, suffix, max_new_tokens=2, recompute_ratio=0.0, decode="retrieval", retrieval_k=8, **SMALL)
+    assert b_eng.export_chunk_index(cid) == blob
+    # a damaged copy is refused, nothing is kept, and the next retrieval decode builds the index again
+    c_eng = Engine.load(tiny_dir)
+    bad = bytearray(blob)
+    bad[len(bad) // 3] ^= 0x04
+    with pytest.raises(ValueError, match="digest"):
+        c_eng.insert_chunk_index(cid, bytes(bad))
+    assert c_eng.export_chunk_index(cid) is None
+    c_eng.generate(chunks, suffix, max_new_tokens=2, recompute_ratio=0.0, decode="retrieval", retrieval_k=8, **SMALL)
+    assert c_eng.export_chunk_index(cid) == blob         # built again, the same graphs (builds are deterministic)
+
+
+def test_with_chunk_indexes_off_every_sequence_builds_its_own(tiny_dir):
+    eng = Engine.load(tiny_dir, options=EngineOptions(chunk_indexes=False))
+    (a,), _ = random_request(67, lengths=(64,), suffix_len=1)
+    chunks, suffix = request(68, [a])
+    eng.generate(chunks, suffix, max_new_tokens=3, recompute_ratio=0.0, decode="retrieval", retrieval_k=8, **SMALL)
+    assert built(eng) == set()
