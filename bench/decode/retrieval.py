@@ -6,7 +6,10 @@ random normal KV (inserted as the store would hand them) and a 64-token suffix w
 indexes (the engine's query tap). Per context it reports:
 
 - the retrieval sequence's start: offloading every layer's K/V outside the static set to host memory, then the
-  build of its indexes (one per layer and KV head, on the host's cores) that runs behind it;
+  build of its indexes (on the host's cores) that runs behind it, three ways: one index per (layer, KV head) over
+  all its keys (``per_request``, the peer, at the contexts ``--per-request`` names), the chunks' own indexes built
+  first (``chunks_cold``: every chunk runs alone to tap its queries, its graphs build), and a second sequence over
+  the same chunks reusing them (``chunks_warm``: only the keys outside whole chunks get a graph);
 - the whole decode step, as the decode batcher runs it (``Engine.decode_step`` and a greedy pick read back): dense
   (replayed as a CUDA graph, the default) against retrieval (k, sink, window as given), medians over --steps steps,
   with the share of a retrieval step spent in the CPU searches and attention;
@@ -16,12 +19,14 @@ indexes (the engine's query tap). Per context it reports:
 Random keys make no statement about recall (tests/index and bench/index measure that on trained models' Q/K);
 this measures time.
 
-    python3 bench/decode/retrieval.py --contexts 32768,131072 --out bench/decode/DATE_DEVICE_COMMIT_retrieval.json
+    python3 bench/decode/retrieval.py --contexts 8192,32768,131072 --per-request 8192 \
+        --out bench/decode/DATE_DEVICE_COMMIT_retrieval.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -80,10 +85,22 @@ def time_steps(eng, seq, tok: int, steps: int) -> tuple[list[float], float]:
     return samples, (seq.decode_stats.retrieval_seconds - cpu0) / steps
 
 
+def timed_start(eng, context: int, policy, chunk_indexes: bool):
+    """A retrieval sequence over the context's chunks (the same chunks for the same context), its indexes built:
+    (sequence, first token, start seconds, build seconds after the start)."""
+    eng.forward.options = dataclasses.replace(eng.forward.options, chunk_indexes=chunk_indexes)
+    seq, tok, start_s = one_sequence(eng, context, context, policy)
+    t0 = time.perf_counter()
+    seq.offload.build.result()          # the indexes' build, behind the start on its own thread
+    return seq, tok, start_s, time.perf_counter() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--per-request", default="32768",
+                    help="contexts where a sequence building one index over all its keys runs too (the peer)")
     ap.add_argument("--k", type=int, default=100)
     ap.add_argument("--sink", type=int, default=128)
     ap.add_argument("--window", type=int, default=512)
@@ -97,6 +114,8 @@ def main() -> int:
     from services.index.heads import IndexSet
 
     eng.forward.indexes = IndexSet(threads=os.cpu_count() or 4)
+    eng.forward.options = dataclasses.replace(eng.forward.options, index_threads=os.cpu_count() or 4)
+    per_request = {int(c) for c in args.per_request.split(",") if c}
     results = {"device": torch.cuda.get_device_name(), "cpu_cores": os.cpu_count(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "commit": commit, "layers": args.layers, "k": args.k,
                "sink_tokens": args.sink, "window_tokens": args.window, "weight_bytes": weight_bytes,
@@ -108,37 +127,45 @@ def main() -> int:
     for context in (int(c) for c in args.contexts.split(",")):
         row = {"context": context}
         print(f"context {context}", flush=True)
-        seqs = []
+        seq = None
         try:
             seq, tok, _ = one_sequence(eng, context, context, eng.decode_policy("dense"))
-            seqs.append(seq)
             dense, _ = time_steps(eng, seq, tok, args.steps)
             floor = weight_bytes + sum(t.num_entries for t in seq.layer_tables) // cfg.num_layers * page_bytes
             eng.release(seq)
-            seq, tok, start_s = one_sequence(eng, context, context, policy)
-            seqs.append(seq)
-            t0 = time.perf_counter()
-            seq.offload.build.result()          # the indexes' build, behind the start on its own thread
-            build_s = time.perf_counter() - t0
-            samples, cpu = time_steps(eng, seq, tok, args.steps)
-            st = seq.decode_stats
-            row |= {"dense_ms": statistics.median(dense) * 1e3, "dense_floor_ms": floor * floor_per_byte * 1e3,
-                    "retrieval_ms": statistics.median(samples) * 1e3, "retrieval_p90_ms":
-                    sorted(samples)[int(0.9 * (len(samples) - 1))] * 1e3, "retrieval_cpu_ms_per_step": cpu * 1e3,
-                    "start_seconds": start_s, "build_seconds_after_start": build_s, "offloaded_tokens_per_layer": seq.offload.offloaded[-1],
-                    "keys_scanned_per_step": st.keys_scanned / max(1, st.steps),
-                    "host_kv_bytes": eng.forward.indexes.held()[1], "index_bytes": eng.forward.indexes.held()[2]}
-            print(f"  dense {row['dense_ms']:.2f} ms (floor {row['dense_floor_ms']:.2f}); retrieval "
-                  f"{row['retrieval_ms']:.2f} ms/token ({cpu * 1e3:.2f} ms of it on the CPU); start "
-                  f"{start_s:.1f} s + builds {build_s:.1f} s for {row['offloaded_tokens_per_layer']} keys a layer",
-                  flush=True)
+            seq = None
+            row |= {"dense_ms": statistics.median(dense) * 1e3, "dense_floor_ms": floor * floor_per_byte * 1e3}
+            print(f"  dense {row['dense_ms']:.2f} ms (floor {row['dense_floor_ms']:.2f})", flush=True)
+            # per-request: one index over every offloaded key; then the chunks' own indexes, built (cold), and
+            # reused by a second sequence over the same chunks (warm)
+            variants = (["per_request"] if context in per_request else []) + ["chunks_cold", "chunks_warm"]
+            for name in variants:
+                seq, tok, start_s, build_s = timed_start(eng, context, policy, name != "per_request")
+                samples, cpu = time_steps(eng, seq, tok, args.steps)
+                st = seq.decode_stats
+                row[name] = {"ms": statistics.median(samples) * 1e3,
+                             "p90_ms": sorted(samples)[int(0.9 * (len(samples) - 1))] * 1e3,
+                             "cpu_ms_per_step": cpu * 1e3, "start_seconds": start_s,
+                             "build_seconds_after_start": build_s,
+                             "offloaded_tokens_per_layer": seq.offload.offloaded[-1],
+                             "keys_scanned_per_step": st.keys_scanned / max(1, st.steps),
+                             "host_kv_bytes": eng.forward.indexes.held()[1],
+                             "index_bytes": eng.forward.indexes.held()[2],
+                             "chunk_indexes_held": (eng.forward.chunk_indexes.held()
+                                                    if eng.forward.chunk_indexes is not None else None)}
+                print(f"  {name}: {row[name]['ms']:.2f} ms/token ({cpu * 1e3:.2f} ms of it on the CPU); start "
+                      f"{start_s:.1f} s + builds {build_s:.1f} s for {row[name]['offloaded_tokens_per_layer']} keys "
+                      f"a layer; {row[name]['keys_scanned_per_step']:.0f} keys scanned a step", flush=True)
+                eng.release(seq)
+                seq = None
         except Exception as exc:   # report and go on
             row["error"] = repr(exc)[:2000]
             print(f"  failed: {exc!r}"[:1500], flush=True)
         finally:
-            for s in seqs:
-                eng.release(s)
+            if seq is not None:
+                eng.release(seq)
             eng.cache.clear()
+            eng.forward.chunk_indexes = None
             torch.cuda.empty_cache()
         results["rows"].append(row)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

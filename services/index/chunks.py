@@ -33,6 +33,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -45,8 +46,10 @@ MAGIC = b"TSRCIDX\x00"
 VERSION = 1
 _HEADER = struct.Struct("<8sHHIIII")
 _DIGEST_BYTES = 32
-# NOTE: a chunk's graphs are small (hundreds of keys): training queries past this sample add build time, not recall
-CHUNK_TRAIN_QUERIES = 2048
+# NOTE: training queries of a chunk's (layer, KV head), at most: a 512-token chunk of an 8B-shaped model taps 128 of
+# its tokens (x 4 query heads a KV head), 1 MiB a layer on the host in fp16 until its graphs are built, so that a
+# 128K-token context's chunks wait in 16 GiB rather than 64
+CHUNK_TRAIN_QUERIES = 512
 # NOTE: a composed index's one beam spans many chunks and expands the best-scored keys first: a chunk with one entry is
 # explored only when that key scores well, so each chunk starts a search from several (its most-asked-for keys). On
 # random keys, four 150-300-key chunks at beam 128: recall@20 0.53 with one entry a chunk, 0.97 with 8
@@ -85,7 +88,8 @@ class ChunkIndex:
             q = np.ascontiguousarray(train[layer][h], np.float32)
             return build_graph(k, q, config, threads=1)
 
-        with ThreadPoolExecutor(threads or len(os.sched_getaffinity(0)), thread_name_prefix="chunk-index") as pool:
+        with _one_faiss_thread(), ThreadPoolExecutor(threads or len(os.sched_getaffinity(0)),
+                                                     thread_name_prefix="chunk-index") as pool:
             built = list(pool.map(one, jobs))
         graphs = tuple(tuple(built[layer * hkv:(layer + 1) * hkv]) for layer in range(len(keys)))
         return cls(length, graphs, config)
@@ -160,6 +164,20 @@ class ChunkIndex:
             check_structure(length, offsets[i], targets[i], entries[i])
             flat.append(Graph(offsets[i].copy(), targets[i], entries[i]))
         return cls(length, tuple(tuple(flat[layer * heads:(layer + 1) * heads]) for layer in range(layers)), config)
+
+
+@contextmanager
+def _one_faiss_thread():
+    """faiss' exact search on one OpenMP thread while the graphs build one a thread (else each of them would start
+    as many OpenMP threads as there are cores)."""
+    import faiss
+
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)
 
 
 def _digest(header: bytes, payload: list) -> bytes:
