@@ -65,6 +65,8 @@ BAD = [
     (ClusterConfig, "max_restarts", -2, "--max-restarts must be >= 0 (-1: no limit), got -2"),
     (ClusterConfig, "restart_window_s", "1", "--restart-window-s must be a number, got '1' (str)"),
     (ClusterConfig, "restart_window_s", NAN, "--restart-window-s must be > 0 seconds, got nan"),
+    (ClusterConfig, "index_threads", -1, "--index-threads must be in [0, 1024], got -1"),
+    (ClusterConfig, "index_threads", 2.0, "--index-threads must be an integer, got 2.0 (float)"),
     (ClusterConfig, "text_cache_tokens", -1, "text_cache_tokens must be >= 0"),
     (ClusterConfig, "namespace", "", "namespace must not be empty"),
     (ClusterConfig, "detached", 0, "detached must be True or False, got 0 (int)"),
@@ -103,6 +105,8 @@ BAD = [
     (DecodeSettings, "min_step_interval_s", 10, "min_step_interval_s must be in [0, 10) seconds, got 10"),
     (DecodeSettings, "warmup_tokens", 1.5, "warmup_tokens must be an integer"),
     (DecodeSettings, "warmup_sparse", "false", "warmup_sparse must be"),
+    (DecodeSettings, "index_search_timeout_s", 0, "index_search_timeout_s must be a finite number > 0, got 0"),
+    (DecodeSettings, "index_offload_timeout_s", INF, "index_offload_timeout_s must be a finite number > 0, got inf"),
     # ---- SamplingParams
     (SamplingParams, "temperature", None, "temperature must be a number, got None"),
     (SamplingParams, "temperature", "1", "temperature must be a number"),

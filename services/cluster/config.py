@@ -9,7 +9,8 @@ from pathlib import Path
 from services.checks import check_bool, check_float, check_instance, check_int, check_path, check_str
 
 MiB = 1 << 20
-ROLES = ("gateway", "prefill", "decode", "store")
+ROLES = ("gateway", "prefill", "decode", "store", "index")
+MAX_INDEX_THREADS = 1024
 # NOTE: copies of the engine's dtype names (services/engine/engine.py DTYPES) and largest block
 # (kernels/paged_attention MAX_BLOCK_SIZE), so that checking a config imports no torch;
 # tests/test_config_checks.py keeps them equal
@@ -124,6 +125,12 @@ class DecodeSettings:
     # requests wait for no compile; it costs start-up time (an H100: 45.8 s of decode warm-up against 14.1 s dense
     # only, bench/warmup/README.md)
     warmup_sparse: bool = True
+    # with the cluster's index role (ClusterConfig.index_threads): how long the worker waits for its retrieval
+    # index service, per call. A search is one layer of a step for the whole batch, which waits for it; an
+    # offload is one layer's K/V and its indexes' build (~9 s a layer at 32K tokens on 16 cores:
+    # bench/decode/README.md). Past the deadline the requests concerned fail and the worker goes on serving
+    index_search_timeout_s: float = 10.0
+    index_offload_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         check_int("max_batch", self.max_batch, 1)
@@ -134,11 +141,14 @@ class DecodeSettings:
         check_float("min_step_interval_s", self.min_step_interval_s, 0, 10, hi_open=True, rule="in [0, 10) seconds")
         check_int("warmup_tokens", self.warmup_tokens, 0)
         check_bool("warmup_sparse", self.warmup_sparse)
+        check_float("index_search_timeout_s", self.index_search_timeout_s, 0, lo_open=True)
+        check_float("index_offload_timeout_s", self.index_offload_timeout_s, 0, lo_open=True)
 
 
 @dataclass(slots=True)
 class ClusterConfig:
-    """What ``tessera up`` starts: N prefill, M decode workers, S store shards and one gateway.
+    """What ``tessera up`` starts: N prefill, M decode workers, S store shards, one gateway and, with
+    ``index_threads`` > 0, one retrieval-index service beside each decode worker, on its node.
 
     ``gateway_port``: 0 picks a free one. ``bind_host``: 127.0.0.1 for one machine; 0.0.0.0 on a
     multi-node Ray cluster (peers then dial each node's IP).
@@ -169,6 +179,10 @@ class ClusterConfig:
     max_restarts: int = 5
     restart_window_s: float = 300.0
     text_cache_tokens: int = 8 << 20        # the gateway's token ids of chunk texts seen lately (0: off)
+    # each decode worker's retrieval-index service (services/index/, tessera-index-<i>, on the worker's node): the
+    # threads it builds and searches with, a share of the node's cores; 0: no index services, decode workers hold
+    # their retrieval sequences' K/V and indexes in their own memory
+    index_threads: int = 4
     namespace: str = "tessera"
     detached: bool = False                  # outlive the driver (tessera up)
     gateway_on_head: bool = False           # place the gateway on the Ray head node (a Kubernetes Service's pod)
@@ -196,6 +210,7 @@ class ClusterConfig:
         check_int("--max-restarts", self.max_restarts, -1, rule=">= 0 (-1: no limit)")
         check_float("--restart-window-s", self.restart_window_s, 0, lo_open=True, finite=False, rule="> 0 seconds")
         check_int("text_cache_tokens", self.text_cache_tokens, 0)
+        check_int("--index-threads", self.index_threads, 0, MAX_INDEX_THREADS)
         check_str("namespace", self.namespace, empty=False)
         check_bool("detached", self.detached)
         check_bool("gateway_on_head", self.gateway_on_head)

@@ -1,11 +1,12 @@
 """Mutual TLS between Tessera's services, from one cluster CA, and who may call what.
 
-Every service (gateway, prefill and decode workers, store shards, and the tools an operator runs as
-``admin``) holds a certificate of the cluster CA naming its role: the subject's common name and its one
-DNS name are ``<role>.tessera.internal``. A server asks every caller for a certificate of that CA (a
-caller without one fails the handshake and reaches nothing), and a caller checks that the server is
-the role it meant to dial (``grpc.ssl_target_name_override``), so a store cannot pose as a worker.
-What each role may call is ``POLICY``; ``RoleGuard`` (services/cluster/guard.py) enforces it.
+Every service (gateway, prefill and decode workers, store shards, retrieval index services, and the
+tools an operator runs as ``admin``) holds a certificate of the cluster CA naming its role: the
+subject's common name and its one DNS name are ``<role>.tessera.internal``. A server asks every
+caller for a certificate of that CA (a caller without one fails the handshake and reaches nothing),
+and a caller checks that the server is the role it meant to dial (``grpc.ssl_target_name_override``),
+so a store cannot pose as a worker. What each role may call is ``POLICY``; ``RoleGuard``
+(services/cluster/guard.py) enforces it.
 
 ``mint(directory)`` writes a development CA and one certificate per role (``tessera certs``; ``tessera
 up`` does it for the embedded default). A real deployment brings its own: any CA whose certificates

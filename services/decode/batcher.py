@@ -14,7 +14,9 @@ Engine calls that are not decoding (reset, cache listing) run between steps thro
 
 No request stops the thread: a failure fails the requests it concerns (one sequence's sampling, one
 hand-off's rebuild, or the step's batch), each with a ``RequestError`` (the caller sees an id, never a
-Python exception's text), and the loop goes on. Only when ``MAX_FAILED_STEPS`` iterations fail in a row
+Python exception's text), and the loop goes on. The retrieval index service failing (``IndexUnavailable``,
+services/decode/indexes.py: a sequence's offload, or a step's search) fails those requests saying so and is
+not counted as the engine failing. Only when ``MAX_FAILED_STEPS`` iterations fail in a row
 (the device itself is broken: a sticky CUDA error) or something escapes the loop does it stop for good:
 every waiting job is failed, ``alive`` turns False and ``on_fatal`` is called (the server reports
 NOT_SERVING and the process exits, so Ray restarts the worker).
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from services.cluster.errors import RequestError, internal
+from services.decode.indexes import IndexUnavailable
 from services.engine.decode import DENSE, DecodePolicy, DecodeStats
 from services.engine.sampling import SamplingParams
 from services.handoff.prepare import PreparedHandoff
@@ -289,6 +292,8 @@ class Batcher:
         for lv in self._live:   # a sequence still preparing (a retrieval index building) sits this step out
             try:
                 (batch if lv.seq.decode.ready(lv.seq) else waiting).append(lv)
+            except IndexUnavailable as exc:   # its offload to the index service failed
+                self._finish(lv, None, RequestError("internal", f"{self.name}, request {lv.job.request_id}: {exc}"))
             except Exception as exc:  # noqa: BLE001 - its preparation failed: it fails, the batch goes on
                 self._finish(lv, None, internal(f"{self.name} preparing request {lv.job.request_id}", exc))
         if not batch:
@@ -306,6 +311,13 @@ class Batcher:
         except PoolExhausted as exc:     # KV memory exhausted: fail this batch, keep serving
             log.warning("decode step over %d sequences failed: %s", len(batch), exc)
             err = RequestError("exhausted", f"{self.name}: KV memory ran out during a decode step")
+            for lv in batch:
+                self._finish(lv, None, err)
+            self._live = waiting
+            return
+        except IndexUnavailable as exc:  # a search failed: the batch fails (its K/V half written), not the worker
+            log.warning("decode step over %d sequences failed: %s", len(batch), exc)
+            err = RequestError("internal", f"{self.name}: a decode step failed: {exc}")
             for lv in batch:
                 self._finish(lv, None, err)
             self._live = waiting

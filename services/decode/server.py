@@ -7,7 +7,8 @@ sequence cannot be rebuilt or decoded ends INTERNAL with an error id (the cause 
 log), RESOURCE_EXHAUSTED when KV memory ran out. A client that goes away cancels its sequence (freed
 at the next step). Health follows the engine thread, not the process: when the batcher stops for good
 the worker says NOT_SERVING, fails what it holds and calls ``on_fatal`` (a Ray actor exits then, and
-Ray starts it again).
+Ray starts it again). Handed its retrieval index service's address, the worker keeps its retrieval
+sequences' K/V and indexes there (services/decode/indexes.py), else in its own memory.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from services.cluster.serving import (StoppedForGood, add_health, advertised_hos
                                      set_serving)
 from services.handoff.transport import HandoffError, ReceivedHandoff, probe_transport, receive_handoff
 from services.decode.batcher import Batcher, DecodeJob
+from services.decode.indexes import RemoteIndexes
 from services.decode.metrics import DecodeMetrics
 from services.handoff.prepare import prepare
 from services.engine.decode import DecodePolicy, DecodeStats
@@ -208,21 +210,31 @@ class DecodeServer:
             await asyncio.wait_for(asyncio.wrap_future(self.servicer.batcher.call(profile.close)), 60)
         await asyncio.to_thread(self.servicer.batcher.stop)
         self.servicer.store.close()
+        if isinstance(self.servicer.eng.forward.indexes, RemoteIndexes):
+            self.servicer.eng.forward.indexes.close()
         self._http.shutdown()
 
 
 async def create_server(name: str, engine: EngineSettings, store_addresses: list[str],
                         settings: DecodeSettings | None = None, *, host: str = "127.0.0.1",
                         port: int = 0, on_fatal: Callable[[], None] | None = None,
-                        cluster_tls=None) -> tuple[DecodeServer, int]:
+                        cluster_tls=None, index_address: str | None = None) -> tuple[DecodeServer, int]:
     """Load the model, start the batcher and serve on ``host:port`` (0: any); returns (server, port).
     ``on_fatal()`` runs on the event loop once the engine loop has stopped for good and health says
     NOT_SERVING (a Ray actor exits there, to be restarted). With ``cluster_tls`` (a decode ``ClusterTLS``)
     it serves, and reads the store, over mutual TLS: the gateway may call it, prefill workers push
-    hand-offs (services/cluster/security.py)."""
+    hand-offs (services/cluster/security.py). ``index_address``: its retrieval index service (the cluster's
+    index role, on this node), which holds what retrieval decode offloads; None: the engine's own index set."""
     settings = settings or DecodeSettings()
     metrics = DecodeMetrics()
     eng = await asyncio.to_thread(engine.load)
+    if index_address is not None:
+        from services.index.client import IndexClient   # numba loads with it
+
+        # before the warm-up and the first request: the engine makes its own index set only when it has none
+        eng.forward.indexes = RemoteIndexes(IndexClient(index_address, timeout=settings.index_search_timeout_s,
+                                                        offload_timeout=settings.index_offload_timeout_s,
+                                                        tls=cluster_tls))
     if settings.warmup_tokens:
         sparse = None if settings.warmup_sparse else []       # None: Quest's and Retro's defaults
         warm = await warm_up(name, functools.partial(warm_decode, sparse=sparse), eng, settings.max_batch,

@@ -3,7 +3,8 @@
 
 An offload streams its keys, values and training queries as float32 bytes in ~1 MiB parts after a header carrying
 their CRC32; a search sends one layer's queries of the whole batch and receives each row's partial attention. Every
-call carries a deadline (``timeout`` seconds). Server errors surface as ``grpc.RpcError`` with the status code.
+call carries a deadline (``timeout`` seconds; an offload, which waits for its indexes' build, ``offload_timeout``).
+Server errors surface as ``grpc.RpcError`` with the status code.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ class IndexClient:
     """The index service at ``address`` ("host:port"). ``tls``: this caller's ClusterTLS (mutual TLS; the service
     must prove the index role), None: a plain channel."""
 
-    def __init__(self, address: str, *, timeout: float = 30.0, tls=None) -> None:
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
-        self.address, self.timeout = address, timeout
+    def __init__(self, address: str, *, timeout: float = 30.0, offload_timeout: float | None = None, tls=None) -> None:
+        offload_timeout = timeout if offload_timeout is None else offload_timeout
+        if timeout <= 0 or offload_timeout <= 0:
+            raise ValueError(f"timeouts must be positive, got {timeout} and {offload_timeout}")
+        self.address, self.timeout, self.offload_timeout = address, timeout, offload_timeout
         self._channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if tls is None else
                          grpc.secure_channel(address, tls.channel_credentials(),
                                              options=[*CHANNEL_OPTIONS, *tls.channel_options("index")]))
@@ -49,7 +51,7 @@ class IndexClient:
             for at in range(0, len(body), PART_BYTES):
                 yield pb.OffloadPart(data=bytes(view[at:at + PART_BYTES]))
 
-        return self._stub.Offload(parts(), timeout=self.timeout).index_bytes
+        return self._stub.Offload(parts(), timeout=self.offload_timeout).index_bytes
 
     def attend(self, layer: int, owners: list[str], queries: np.ndarray, k: int, scale: float,
                beam: int | None = None) -> Answer:

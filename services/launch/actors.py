@@ -1,11 +1,11 @@
-"""Ray actor wrapper: one Tessera service (gateway, prefill, decode or store shard) per actor.
+"""Ray actor wrapper: one Tessera service (gateway, prefill, decode, store shard or retrieval index) per actor.
 
 The actor's constructor starts the service's grpc.aio server on a loop thread and returns once
 it serves; a restarted actor runs the constructor again with the same arguments and binds the
 same port when it can (``serving.remembered_port``), so its peers reconnect on their own. Ray
 restarts every crashed actor; a restarted constructor first counts itself against the cluster's
 ``RestartBudget`` and refuses to start when over it, which leaves the actor dead. Actor methods
-are tiny and synchronous: address, ping, pid, stop.
+are tiny and synchronous: address, ping, pid, node, stop.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
 class ServiceSpec:
     """What one actor serves. Fields not used by a role stay None.
 
-    store: StoreConfig; prefill/decode: engine + store_addresses + settings;
-    gateway: model_dir + workers [(name, role, address)] + token + namespace (to resolve restarts).
+    store: StoreConfig; prefill/decode: engine + store_addresses + settings (decode: index_address too, when
+    the cluster runs index services); index: index_threads; gateway: model_dir + workers [(name, role, address)]
+    + token + namespace (to resolve restarts).
     """
 
     role: str
@@ -51,6 +53,8 @@ class ServiceSpec:
     cluster_tls: ClusterTLS | None = None       # this service's mutual-TLS identity (None: plain internal traffic)
     namespace: str = "tessera"
     text_cache_tokens: int = 8 << 20            # gateway: token ids of chunk texts kept (services/gateway/inputs.py)
+    index_address: str | None = None            # decode: its retrieval index service (None: indexes in process)
+    index_threads: int = 0                      # index: threads building and searching (ClusterConfig.index_threads)
 
 
 def gateway_tenants(spec: ServiceSpec):
@@ -102,7 +106,16 @@ async def _create(spec: ServiceSpec, port: int):
         from services.decode.server import create_server
 
         return await create_server(spec.name, spec.engine, list(spec.store_addresses), spec.decode,
-                                   host=spec.host, port=port, on_fatal=_exit_for_restart, cluster_tls=spec.cluster_tls)
+                                   host=spec.host, port=port, on_fatal=_exit_for_restart, cluster_tls=spec.cluster_tls,
+                                   index_address=spec.index_address)
+    if spec.role == "index":
+        # NOTE: faiss (the build's exact kNN) sizes its OpenMP pool from this when it loads; Ray sets it to the actor's
+        # CPUs (none asked: 1). The service's cores are its threads
+        os.environ["OMP_NUM_THREADS"] = str(spec.index_threads)
+        from services.index.server import create_server
+
+        return await create_server(threads=spec.index_threads, host=spec.host, port=port, metrics_port=0,
+                                   tls=spec.cluster_tls)
     if spec.role == "gateway":
         from services.cluster.serving import RayKV
         from services.gateway.inputs import ChunkRegistry
@@ -177,7 +190,7 @@ class ServiceActor:
 
     def metrics_url(self) -> str:
         """Where this actor serves /metrics (Prometheus text)."""
-        if self.spec.role == "store":
+        if self.spec.role in ("store", "index"):
             return f"http://{advertised_host(self.spec.host)}:{self._server.metrics_port}/metrics"
         return self._server.servicer.metrics_url
 
@@ -186,6 +199,11 @@ class ServiceActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str | None:
+        """The Ray node this actor runs on (None outside Ray: a local child process)."""
+        ray = sys.modules.get("ray")
+        return ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
 
     def stop(self) -> None:
         self._loop.run(self._server.stop(1.0), timeout=30)

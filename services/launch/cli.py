@@ -25,13 +25,20 @@ STATE = Path(env.read("TESSERA_STATE") or Path.home() / ".tessera" / "cluster.js
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     up = subparsers.add_parser("up", help="start the cluster (local Ray + tiny model by default)",
-                               description="Start the gateway, prefill/decode workers and KV store shards on Ray.")
+                               description="Start the gateway, prefill/decode workers, KV store shards and a retrieval "
+                                           "index service beside each decode worker on Ray.")
     up.add_argument("--address", help="join this Ray cluster (default: start a local one)")
     up.add_argument("--model", help="model directory, readable on every node (default without --address: the tiny "
                                     "model, written to a temporary directory)")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     up.add_argument("--stores", type=int, default=1, help="KV store shards (default 1; 0: no store)")
+    up.add_argument("--index-threads", type=int, default=4,
+                    help="each decode worker's retrieval index service (tessera-index-<i>, on the worker's node, CPU "
+                         "only) builds and searches with this many threads (default 4; 0: no index services)")
+    up.add_argument("--no-index", dest="index_threads", action="store_const", const=0,
+                    help="start no retrieval index services: decode workers keep decode='retrieval' K/V and indexes "
+                         "in their own memory")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051; 0: any free port)")
     up.add_argument("--host", default=None, help="bind address (default 127.0.0.1 locally, 0.0.0.0 with --address)")
     up.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -144,7 +151,7 @@ def _up(args: argparse.Namespace) -> int:
                         gateway_port=args.port, bind_host=host, token=args.token, tls_cert=args.tls_cert,
                         certs_dir=args.certs_dir, tenants_file=args.tenants,
                         tls_key=args.tls_key, detached=True, text_cache_tokens=args.text_cache_tokens,
-                        gateway_on_head=args.gateway_on_head, **restarts,
+                        gateway_on_head=args.gateway_on_head, index_threads=args.index_threads, **restarts,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                          **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
@@ -171,8 +178,9 @@ def _up(args: argparse.Namespace) -> int:
     STATE.write_text(json.dumps(state, indent=2))
     for name in sorted(cluster.actors):
         print(f"  {name:<20} {cluster.addresses[name]:<22} {cluster.metrics[name]}", file=sys.stderr)
-    print(f"Tessera is up: gateway {cluster.gateway_address} "
-          f"({cfg.prefill} prefill, {cfg.decode} decode, {cfg.stores} store shard(s), {device}); stop with `tessera down`")
+    indexes = cfg.decode if cfg.index_threads else 0
+    print(f"Tessera is up: gateway {cluster.gateway_address} ({cfg.prefill} prefill, {cfg.decode} decode, "
+          f"{cfg.stores} store shard(s), {indexes} index service(s), {device}); stop with `tessera down`")
     print(cluster.gateway_address)
     return 0
 

@@ -1,7 +1,8 @@
 """The cluster without Ray: one child process per service on this machine.
 
 Where Ray cannot be installed (a bare GPU machine), ``start_local_cluster(cfg)`` starts the same
-services ``start_cluster`` places on Ray (store shards, prefill and decode workers, the gateway),
+services ``start_cluster`` places on Ray (store shards, retrieval index services, prefill and decode
+workers, the gateway),
 each in its own spawned process, as a Ray actor would be, so that no two services share an
 interpreter lock. A child builds its service with the actor code (``ServiceActor``; outside Ray
 port memory is off) and reports its address over a pipe; the gateway keeps registered chunk ids in
@@ -177,16 +178,17 @@ def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = la
     metrics: dict[str, str] = {}
     plan = Plan.make(cfg)
     try:
-        progress(f"starting {cfg.stores} KV store shard(s) (local processes)")
-        for spec in plan.store_specs():
+        progress(f"starting {cfg.stores} KV store shard(s) and {len(plan.names['index'])} retrieval index "
+                 "service(s) (local processes)")
+        for spec in plan.store_specs() + plan.index_specs():       # CPU only: no CUDA_VISIBLE_DEVICES of their own
             _spawn(ctx, spec, children)
-        _wait(children, plan.names["store"], addresses, metrics)
+        _wait(children, plan.names["store"] + plan.names["index"], addresses, metrics)
         stores = tuple(addresses[n] for n in plan.names["store"])
         gpus = worker_gpus(len(plan.workers), _visible_gpus() if cfg.device == "cuda" else [])
         where = f" (GPUs {', '.join(map(str, gpus))})" if gpus and gpus[0] is not None else ""
         progress(f"starting {cfg.prefill} prefill and {cfg.decode} decode worker(s) on {cfg.device}{where}")
         for name, gpu in zip(plan.workers, gpus):
-            _spawn(ctx, plan.worker_spec(name, stores), children, gpu)
+            _spawn(ctx, plan.worker_spec(name, stores, addresses), children, gpu)
         _wait(children, plan.workers, addresses, metrics)
         progress("starting the gateway")
         _spawn(ctx, plan.gateway_spec(addresses), children)

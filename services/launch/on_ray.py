@@ -1,10 +1,13 @@
-"""Placing the cluster on Ray: store shards, then prefill and decode workers, then the gateway.
+"""Placing the cluster on Ray: store shards and retrieval index services, then prefill and decode workers,
+then the gateway.
 
 Actors are named ``tessera-<role>-<i>`` in the config's namespace, so ``tessera down`` (another
 process) finds them. Ray restarts a crashed actor every time; the actor itself refuses to start
 again once it has been restarted more than ``max_restarts`` times within ``restart_window_s``
 (``actors.RestartBudget``). Workers ask Ray for a CPU each and, when they run on CUDA, a GPU each;
-store shards and the gateway mostly wait on the network and ask for none. With no Ray address
+store shards and the gateway mostly wait on the network and ask for none. Each decode worker and its
+index service share a placement group, so one node (``placement.py``; the index service asks for no
+CPU of Ray's: its threads are the node's). With no Ray address
 ``ensure_ray`` starts Ray in this process (small object store: Tessera moves KV over gRPC, not
 through Ray's object store); ``tessera up`` starts a head of the cluster's own instead
 (``start_local_head``: loopback only, token authentication, its own temp dir), and ``tessera down``
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
 from services.launch.actors import RestartBudget, ServiceActor, ServiceSpec
+from services.launch.placement import in_group, make_group, remove_groups
 from services.launch.plan import GATEWAY_NAME, Plan, remove_dirs, stop_order
 
 if TYPE_CHECKING:
@@ -255,10 +259,10 @@ class Cluster:
 HEAD_RESOURCE = "node:__internal_head__"  # the custom resource Ray gives its head node (one unit)
 
 
-def actor_options(cfg: ClusterConfig, name: str, num_cpus: float, num_gpus: float) -> dict:
+def actor_options(cfg: ClusterConfig, name: str, num_cpus: float, num_gpus: float, group=None) -> dict:
     """Ray actor options for one service. With ``cfg.gateway_on_head`` the gateway asks for a sliver of the
     head node's own resource, so it runs there: a Kubernetes Service in front of the head pod reaches it
-    (helm/tessera)."""
+    (helm/tessera). ``group``: the placement group it runs in (a decode worker's and its index service's)."""
     # NOTE: Ray restarts without limit; the restart rate is held by the actor (RestartBudget), since Ray's
     # own max_restarts counts over the actor's whole life
     opts = dict(name=name, namespace=cfg.namespace, max_restarts=-1, max_task_retries=0,
@@ -267,12 +271,14 @@ def actor_options(cfg: ClusterConfig, name: str, num_cpus: float, num_gpus: floa
         opts["lifetime"] = "detached"
     if cfg.gateway_on_head and name == GATEWAY_NAME:
         opts["resources"] = {HEAD_RESOURCE: 0.01}
+    if group is not None:
+        opts.update(in_group(group))
     return opts
 
 
-def start_actor(cfg: ClusterConfig, spec: ServiceSpec, num_cpus: float, num_gpus: float):
+def start_actor(cfg: ClusterConfig, spec: ServiceSpec, num_cpus: float, num_gpus: float, group=None):
     """The handle of a new ServiceActor serving ``spec``, under the cluster's restart budget."""
-    actor = _ray().remote(ServiceActor).options(**actor_options(cfg, spec.name, num_cpus, num_gpus))
+    actor = _ray().remote(ServiceActor).options(**actor_options(cfg, spec.name, num_cpus, num_gpus, group))
     return actor.remote(spec, RestartBudget(cfg.max_restarts, cfg.restart_window_s))
 
 
@@ -308,9 +314,17 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
         started(plan.names["store"])
         stores = tuple(addresses[n] for n in plan.names["store"])
         gpus = _gpus_per_worker(cfg)
+        groups = {}
+        if plan.names["index"]:
+            progress(f"starting {len(plan.names['index'])} retrieval index service(s), each on its decode worker's "
+                     f"node ({cfg.index_threads} threads)")
+            groups = {name: make_group(cfg, name, 1, gpus) for name in plan.names["decode"]}
+            for spec, decode in zip(plan.index_specs(), plan.names["decode"]):
+                actors[spec.name] = start_actor(cfg, spec, 0, 0, groups[decode])
+            started(plan.names["index"])
         progress(f"starting {cfg.prefill} prefill and {cfg.decode} decode worker(s) on {cfg.device}")
         for name in plan.workers:
-            actors[name] = start_actor(cfg, plan.worker_spec(name, stores), 1, gpus)
+            actors[name] = start_actor(cfg, plan.worker_spec(name, stores, addresses), 1, gpus, groups.get(name))
         started(plan.workers)
         progress("starting the gateway")
         actors[GATEWAY_NAME] = start_actor(cfg, plan.gateway_spec(addresses), 0, 0)
@@ -337,7 +351,8 @@ def find_actors(namespace: str = "tessera") -> dict[str, object]:
 
 
 def stop_cluster(namespace: str = "tessera", actors: dict[str, object] | None = None) -> list[str]:
-    """Stop the gateway first (no new requests), then workers, then stores; returns the names stopped."""
+    """Stop the gateway first (no new requests), then workers, then index services, then stores, and remove the
+    decode workers' placement groups; returns the names stopped."""
     ray = _ray()
     actors = find_actors(namespace) if actors is None else actors
     order = stop_order(actors)
@@ -347,6 +362,7 @@ def stop_cluster(namespace: str = "tessera", actors: dict[str, object] | None = 
         except Exception:  # noqa: BLE001 - a dead or stuck actor is killed below anyway
             pass
         ray.kill(actors[name], no_restart=True)
+    remove_groups(namespace)
     return order
 
 

@@ -1,9 +1,11 @@
 """What a launcher starts, decided before anything starts: one ``Plan`` for both launchers.
 
 ``on_ray.start_cluster`` (Ray actors) and ``local.start_local_cluster`` (child processes) start the same
-services in the same order from a ``Plan``: the store shards (workers need their addresses), then the prefill
-and decode workers (each loads the model), then the gateway (it needs the workers' addresses). A launcher
-adds only how a service is started, where its GPUs come from and how it is stopped.
+services in the same order from a ``Plan``: the store shards and the retrieval index services (workers need
+their addresses; one index service per decode worker, ``tessera-index-<i>`` beside ``tessera-decode-<i>``, on
+its node, unless ``index_threads`` is 0), then the prefill and decode workers (each loads the model), then the
+gateway (it needs the workers' addresses). A launcher adds only how a service is started, where it runs, where
+its GPUs come from and how it is stopped.
 
 Invariant: a bad tenants file is refused before anything exists (no certificates minted, no directory made),
 and whatever the plan made (temporary RocksDB and certificate directories) is removed by ``remove_scratch``
@@ -36,9 +38,19 @@ def checked_tenants(cfg: ClusterConfig) -> dict | None:
     return Tenants.load(cfg.tenants_file)[1]
 
 
+STOP_RANKS = {"gateway": 0, "prefill": 1, "decode": 1, "index": 2, "store": 3}
+
+
 def stop_order(names: Iterable[str]) -> list[str]:
-    """The gateway first (no new requests), then the workers, then the stores (what they write lands)."""
-    return sorted(names, key=lambda n: (0 if "gateway" in n else 1 if "store" not in n else 2, n))
+    """The gateway first (no new requests), then the workers, then the index services (the decode workers drop
+    what they offloaded), then the stores (what they write lands)."""
+    return sorted(names, key=lambda n: (STOP_RANKS.get(role_of(n), 1), n))
+
+
+def role_of(name: str) -> str:
+    """The role a service's name states: ``tessera-<role>[-<i>]``."""
+    parts = name.split("-")
+    return parts[1] if len(parts) > 1 else ""
 
 
 def remove_dirs(*paths: str | None) -> None:
@@ -51,11 +63,11 @@ def remove_dirs(*paths: str | None) -> None:
 class Plan:
     """The services of one cluster and what they are handed.
 
-    names: role -> service names, ``tessera-<role>-<i>`` ("store", "prefill", "decode"; the gateway is
-    GATEWAY_NAME). tenants: the tenants file's mapping, for the gateway. ids: each role's mutual-TLS identity
-    (None: plain internal traffic). scratch: the temporary RocksDB directory made when ``cfg.store_dir`` was
-    None (then ``cfg.store_dir`` names it); certs_scratch: the development CA minted when ``cfg.certs_dir`` was
-    None.
+    names: role -> service names, ``tessera-<role>-<i>`` ("store", "index", "prefill", "decode"; the gateway is
+    GATEWAY_NAME); index service i serves decode worker i. tenants: the tenants file's mapping, for the gateway.
+    ids: each role's mutual-TLS identity (None: plain internal traffic). scratch: the temporary RocksDB directory
+    made when ``cfg.store_dir`` was None (then ``cfg.store_dir`` names it); certs_scratch: the development CA minted
+    when ``cfg.certs_dir`` was None.
     """
 
     cfg: ClusterConfig
@@ -80,7 +92,8 @@ class Plan:
             raise
         names = {"store": [f"tessera-store-{i}" for i in range(cfg.stores)],
                  "prefill": [f"tessera-prefill-{i}" for i in range(cfg.prefill)],
-                 "decode": [f"tessera-decode-{i}" for i in range(cfg.decode)]}
+                 "decode": [f"tessera-decode-{i}" for i in range(cfg.decode)],
+                 "index": [f"tessera-index-{i}" for i in range(cfg.decode if cfg.index_threads else 0)]}
         return cls(cfg, names, tenants, ids, scratch, certs_scratch)
 
     @property
@@ -94,6 +107,11 @@ class Plan:
     def tls(self, role: str) -> ClusterTLS | None:
         return None if self.ids is None else self.ids.get(role)
 
+    def index_of(self, decode: str) -> str | None:
+        """The name of a decode worker's index service (None: the cluster runs none)."""
+        i = self.names["decode"].index(decode)
+        return self.names["index"][i] if self.names["index"] else None
+
     def store_specs(self) -> list[ServiceSpec]:
         cfg = self.cfg
         from services.kvstore import StoreConfig
@@ -103,13 +121,25 @@ class Plan:
                                               rocksdb_dir=os.path.join(cfg.store_dir, name)))
                 for name in self.names["store"]]
 
-    def worker_spec(self, name: str, stores: tuple[str, ...]) -> ServiceSpec:
-        """A prefill or decode worker's spec; ``stores``: the store shards' addresses."""
+    def index_specs(self) -> list[ServiceSpec]:
+        """The index services' specs: CPU only, each with the cluster's "index" identity."""
+        cfg = self.cfg
+        return [ServiceSpec("index", name, host=cfg.bind_host, namespace=cfg.namespace, cluster_tls=self.tls("index"),
+                            index_threads=cfg.index_threads)
+                for name in self.names["index"]]
+
+    def worker_spec(self, name: str, stores: tuple[str, ...], addresses: dict[str, str] | None = None) -> ServiceSpec:
+        """A prefill or decode worker's spec; ``stores``: the store shards' addresses; ``addresses``: service name ->
+        address, a decode worker's index service's among them when the cluster runs index services."""
         cfg, role = self.cfg, self.role(name)
+        index = self.index_of(name) if role == "decode" else None
+        if index is not None and (addresses is None or index not in addresses):
+            raise ValueError(f"{name} needs the address of its index service {index}: start it first")
         return ServiceSpec(role, name, host=cfg.bind_host, engine=cfg.engine(), store_addresses=stores,
                            prefill=cfg.prefill_settings if role == "prefill" else None,
                            decode=cfg.decode_settings if role == "decode" else None,
-                           namespace=cfg.namespace, cluster_tls=self.tls(role))
+                           namespace=cfg.namespace, cluster_tls=self.tls(role),
+                           index_address=None if index is None else addresses[index])
 
     def gateway_spec(self, addresses: dict[str, str]) -> ServiceSpec:
         """The gateway's spec; ``addresses``: service name -> address, every worker's among them."""

@@ -299,3 +299,50 @@ def test_a_sequence_still_preparing_sits_steps_out_while_the_others_decode():
         batcher.stop()
     steps = [n for kind, n in eng.log if kind == "step"]
     assert steps[:4] == [1, 1, 1, 1] and steps[-1] == 1     # the fast one's steps alone, then the slow one's
+
+
+def _recording_job(rid: str, errors: list, done: threading.Event, tokens: int = 3, policy=DENSE) -> DecodeJob:
+    """A job whose end (its error, None when it finished) is appended to ``errors``."""
+    def emit(new, reason, error):
+        if error is not None or reason is not None:
+            errors.append(error)
+            done.set()
+    prepared = _job(rid, tokens, done).handoff
+    return DecodeJob(rid, prepared, SamplingParams(0.0, 1.0, 0, None, tokens), emit, policy=policy)
+
+
+def test_the_index_service_failing_fails_its_requests_clearly_and_never_the_worker():
+    """A sequence whose offload the retrieval index service failed fails saying so (not an error id); a step whose
+    search failed fails its batch the same way, however many steps in a row, and the worker goes on serving."""
+    from services.decode.batcher import MAX_FAILED_STEPS
+    from services.decode.indexes import IndexUnavailable
+
+    failure = IndexUnavailable("the decode worker's retrieval index service failed to search layer 0: UNAVAILABLE")
+
+    class SearchFails(StandInEngine):
+        failing = MAX_FAILED_STEPS + 1
+
+        def decode_step(self, seqs, tokens):
+            if self.failing:
+                self.failing -= 1
+                raise failure
+            return super().decode_step(seqs, tokens)
+
+    eng = SearchFails()
+    eng.step_gate.set()
+    batcher = Batcher(eng, DecodeMetrics(), max_batch=8, name="decode worker w")
+    try:
+        errors, done = [], threading.Event()
+        batcher.submit(_recording_job("offload", errors, done, policy=_Preparing(threading.Event(), failure)))
+        assert done.wait(10)
+        assert errors[-1].kind == "internal" and errors[-1].message == f"decode worker w, request offload: {failure}"
+        for i in range(MAX_FAILED_STEPS + 1):       # one step after another fails: more than a broken engine's limit
+            done.clear()
+            batcher.submit(_recording_job(f"search{i}", errors, done))
+            assert done.wait(10)
+            assert errors[-1].message == f"decode worker w: a decode step failed: {failure}"
+        done.clear()
+        batcher.submit(_recording_job("after", errors, done))
+        assert done.wait(10) and errors[-1] is None and batcher.alive
+    finally:
+        batcher.stop()

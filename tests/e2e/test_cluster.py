@@ -20,6 +20,10 @@ def cluster(local_ray, tiny_model, tmp_path_factory):
     c = start_ray_cluster(tiny_model, tmp_path_factory.mktemp("rocksdb"), "tessera-test-serve", prefill=2, decode=1)
     yield c
     c.stop()
+    from ray.util.placement_group import placement_group_table       # the decode worker's group went with it
+
+    assert [g["name"] for g in placement_group_table().values()
+            if g["name"].startswith("tessera/tessera-test-serve/") and g["state"] != "REMOVED"] == []
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +94,24 @@ def test_actors_are_placed_with_their_resources(cluster, local_ray):
     ray = local_ray
     assert set(find_actors("tessera-test-serve")) == set(cluster.actors)
     assert all(ray.get(h.ping.remote(), timeout=30) == "ok" for h in cluster.actors.values())
-    # each worker holds one CPU (a GPU too on CUDA); stores and the gateway hold none
+    # each worker holds one CPU (a GPU too on CUDA); stores, index services and the gateway hold none
     held = ray.cluster_resources()["CPU"] - ray.available_resources().get("CPU", 0.0)
     assert held == 3
+    # the decode worker's index service runs on its node, in its placement group
+    assert cluster.names["index"] == ["tessera-index-0"]
+    nodes = ray.get([cluster.actors[n].node.remote() for n in ("tessera-decode-0", "tessera-index-0")], timeout=30)
+    assert nodes[0] is not None and nodes[0] == nodes[1]
+    from ray.util.placement_group import placement_group_table
+
+    groups = [g for g in placement_group_table().values() if g["name"] == "tessera/tessera-test-serve/tessera-decode-0"]
+    assert [(g["state"], g["bundles_to_node_id"][0]) for g in groups] == [("CREATED", nodes[0])]
     st = Client(cluster.gateway_address).stats()
     assert len(st.workers) == 3 and all(w.healthy for w in st.workers)
     # every actor, store shard and gateway included, serves Prometheus metrics of its own
     import urllib.request
 
     prefixes = {"gateway": "tessera_gateway_", "prefill": "tessera_prefill_", "decode": "tessera_decode_",
-                "store": "tessera_kvstore_"}
+                "store": "tessera_kvstore_", "index": "tessera_index_"}
     assert set(cluster.metrics) == set(cluster.actors)
     for name, url in cluster.metrics.items():
         text = urllib.request.urlopen(url, timeout=10).read().decode()

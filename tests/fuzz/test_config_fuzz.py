@@ -155,6 +155,7 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         Field("ClusterConfig", "max_restarts", int_in(-1), (-1, 0, 5)),
         Field("ClusterConfig", "restart_window_s", real_in(0, INF, lo_open=True, finite=False), (1e-3, 300.0, INF)),
         Field("ClusterConfig", "text_cache_tokens", count0, (0, 8 << 20)),
+        Field("ClusterConfig", "index_threads", int_in(0, 1024), (0, 4, 1024)),
         Field("ClusterConfig", "namespace", lambda v: isinstance(v, str) and v != "", ("tessera",)),
         Field("ClusterConfig", "detached", is_bool, (True, False)),
         Field("ClusterConfig", "gateway_on_head", is_bool, (True, False)),
@@ -184,6 +185,8 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         Field("DecodeSettings", "min_step_interval_s", real_in(0, 10, hi_open=True), (0.0, 0.005, 9.9)),
         Field("DecodeSettings", "warmup_tokens", count0, (0, 4096)),
         Field("DecodeSettings", "warmup_sparse", is_bool, (True, False)),
+        Field("DecodeSettings", "index_search_timeout_s", real_in(0, INF, lo_open=True), (1e-3, 10.0)),
+        Field("DecodeSettings", "index_offload_timeout_s", real_in(0, INF, lo_open=True), (1e-3, 600.0)),
         # ---- SamplingParams
         Field("SamplingParams", "temperature", real_in(0, INF), (0.0, 0.7, 1e-30)),
         Field("SamplingParams", "top_p", real_in(0, 1, lo_open=True), (1.0, 0.9, 1e-30)),

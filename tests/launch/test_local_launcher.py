@@ -1,4 +1,5 @@
-"""The Ray-free launcher: every service in its own child process, outputs equal the engine's."""
+"""The Ray-free launcher: every service in its own child process, outputs equal the engine's; a retrieval decode keeps
+its K/V in the decode worker's index service, which answers the roles the policy names only."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_children_are_separate_processes(local_cluster):
     import os
 
     pids = {c.process.pid for c in local_cluster.children.values()}
-    assert len(pids) == 4 and os.getpid() not in pids
+    assert len(pids) == 5 and os.getpid() not in pids          # store, index, prefill, decode, gateway
     assert set(local_cluster.metrics) == set(local_cluster.addresses) == set(local_cluster.children)
 
 
@@ -84,3 +85,79 @@ def test_a_child_starts_with_its_gpus_and_the_parent_keeps_its_environment(monke
     local._spawn(Ctx, type("Spec", (), {"name": "tessera-prefill-0"})(), children, "0")
     assert seen[-1] == "0" and "CUDA_VISIBLE_DEVICES" not in os.environ
     assert set(children) == {"tessera-decode-0", "tessera-store-0", "tessera-prefill-0"}
+
+
+def _index_samples(url: str) -> dict[str, float]:
+    import urllib.request
+
+    page = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in page.splitlines() if ln and not ln.startswith("#")}
+
+
+@pytest.mark.slow
+def test_a_retrieval_decode_keeps_its_kv_in_the_decode_workers_index_service(local_cluster, reference):
+    """Every key a retrieval step scanned was scanned by the index service, which held the sequence's K/V while it
+    decoded and dropped them when it ended; retrieving every key generates the engine's dense tokens."""
+    chunks, suffix = docs(3, 48, seed=9), [4, 5, 6]
+    url = local_cluster.metrics["tessera-index-0"]
+    before = _index_samples(url)
+    with Client(local_cluster.gateway_address, timeout=120) as client:
+        got = client.complete(chunks, suffix, max_new_tokens=6, stop_token_ids=[], decode="retrieval",
+                              retrieval_k=4096, sink_tokens=4, window_tokens=8)
+    assert list(got.token_ids) == reference.generate(chunks, suffix, max_new_tokens=6, stop_token_ids=[])
+    after = _index_samples(url)
+    d = got.stats.decode
+    assert d.policy == "retrieval" and d.steps == 5 and d.keys_scanned > 0
+    assert after["tessera_index_keys_scanned_total"] - before.get("tessera_index_keys_scanned_total", 0) == \
+        d.keys_scanned
+    assert after["tessera_index_keys_offloaded_total"] > before.get("tessera_index_keys_offloaded_total", 0)
+    assert after["tessera_index_search_seconds_count"] > before.get("tessera_index_search_seconds_count", 0)
+    assert after["tessera_index_owners"] == 0 and after["tessera_index_kv_bytes"] == 0    # dropped as it ended
+
+
+@pytest.mark.slow
+def test_the_index_service_proves_its_role_and_refuses_callers_the_policy_does_not_name(local_cluster):
+    import grpc
+    import numpy as np
+
+    from services.cluster.security import ClusterTLS
+    from services.index.client import IndexClient
+
+    address, certs = local_cluster.addresses["tessera-index-0"], local_cluster.certs_scratch
+    q = np.ones((1, 4, 16), np.float32)
+    clients = {role: IndexClient(address, tls=ClusterTLS.load(certs, role), timeout=10)
+               for role in ("gateway", "prefill", "decode")}
+    try:
+        assert clients["gateway"].held()[0] == 0          # Status is open to the gateway; the handshake proved "index"
+        for role in ("gateway", "prefill"):
+            with pytest.raises(grpc.RpcError) as err:
+                clients[role].attend(0, ["seq-x"], q, 5, 0.1)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, role
+        with pytest.raises(grpc.RpcError) as err:          # a decode worker gets in: it is told nothing is held
+            clients["decode"].attend(0, ["seq-x"], q, 5, 0.1)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+@pytest.mark.slow
+def test_without_its_index_service_the_decode_worker_fails_retrieval_clearly_and_serves_the_rest(local_cluster,
+                                                                                                  reference):
+    """Last in this module: it stops the index service. A retrieval request then fails, saying the index service
+    failed, within its deadline; the decode worker keeps serving dense requests."""
+    from services.sdk.errors import TesseraError
+
+    child = local_cluster.children["tessera-index-0"]
+    child.conn.send("stop")
+    child.process.join(30)
+    assert not child.process.is_alive()
+    chunks, suffix = docs(2, 40, seed=31), [7, 8]
+    with Client(local_cluster.gateway_address, timeout=60) as client:
+        with pytest.raises(TesseraError) as err:
+            client.complete(chunks, suffix, max_new_tokens=4, stop_token_ids=[], decode="retrieval", retrieval_k=8,
+                            sink_tokens=4, window_tokens=8)
+        assert err.value.code == "INTERNAL"
+        assert "retrieval index service failed to take layer 0 of the sequence's keys: UNAVAILABLE" in err.value.details
+        got = client.complete(chunks, suffix, max_new_tokens=4, stop_token_ids=[])
+        assert list(got.token_ids) == reference.generate(chunks, suffix, max_new_tokens=4, stop_token_ids=[])
