@@ -1,0 +1,358 @@
+"""Recall@k of an index composed from chunk graphs (built once, in each chunk's frame) against one index built per
+request, on the longgen quality model's queries and keys; the chunks also placed far from where they were built.
+
+Data (``loadgen/quality/qk_dump.py``): every (layer, KV head) of the trained longgen model, ``--prompts`` held-out
+prompts in the *spread* layout: prompt p runs alone at positions 0..T-1 and is then rotated on by its offset (the
+earlier prompts' prompt and answer lengths), so the pool is one request of P x 12 chunks whose every key has its own
+global position. NOTE: pooled, not per prompt: one prompt holds 787 keys, where k = 100 is an eighth of the pool and a
+beam of 128 already scores a large part of it; in the spread layout every chunk's offset is still unambiguous
+(prompt offset + 1 + 64c: ``<bos>`` at 0, 64-token chunks, an 18-token question suffix). The searched queries are
+the answer-position queries (every query head of the group), held out of every build; truth and recall as in
+``recall.py`` (exact inner products over the pool, ties count).
+
+Composed index (the engine's path, ``services/engine/decode/retrieval.py``): each chunk's keys are rotated back by
+its global offset into its own frame (positions 0..63; checked by assertion against the model's RoPE: forth again
+gives the dump's keys, and the same keys from the stacked dump rotated back by the in-prompt offset); its training
+queries are the dump's prefill queries at the chunk's positions, rotated back by the same offset and then forward by
+``CHUNK_QUERY_SHIFTS`` x the model's 1024 positions, in turn (as ``chunk_inputs`` does). NOTE: the engine taps a
+chunk's queries from the chunk run alone; the dump's queries saw the earlier chunks too (layers >= 1), rotated back
+they are a fair stand-in for them, with the same positions and projections. Likewise the keys are the request's
+own (as if CacheBlend had recomputed every token). ``ChunkIndex.build`` (one thread, the chunk defaults unless
+``--sweep`` varies them) makes the chunk's graphs; the request composes them over its keys at their global positions
+(``AttentionIndex.compose``), chunks first in position order, then one graph built over the rest (each prompt's
+``<bos>`` and suffix) from the request's prefill queries, as ``IndexSet.add`` does. Per-request index (today's
+path): ``AttentionIndex.build`` over every key. Both take the request's prefill queries strided to
+``TRAIN_QUERIES`` positions, as the engine's ``QueryTap`` keeps them (every query head of the group each).
+
+Far offsets (``--offsets``): every key and answer query rotated on by the same extra distance, past the model's
+1,024 positions (scores are unchanged up to rounding): the composed index reuses its chunk graphs and rebuilds
+only the rest's graph; the per-request index is rebuilt. Builds are timed on one thread each.
+
+    .venv/bin/python bench/index/chunk_recall.py     # writes bench/index/DATE_cpu_COMMIT_chunk_recall.{json,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.index.recall import at_recall, recall                              # noqa: E402
+from loadgen.quality.model import ModelConfig                                 # noqa: E402
+from loadgen.quality.qk_dump import dump_qk, model_dir                        # noqa: E402
+from loadgen.quality.tasks import longgen_heldout                             # noqa: E402
+from loadgen.quality.vocab import vocab                                       # noqa: E402
+from services.engine.decode.retrieval import CHUNK_QUERY_SHIFTS, TRAIN_QUERIES  # noqa: E402
+from services.index import AttentionIndex                                     # noqa: E402
+from services.index.chunks import ChunkIndex                                  # noqa: E402
+
+# one option changed at a time from ChunkIndex's defaults (its own entries and training-query cap, BuildConfig's rest)
+SWEEP = [{}, {"repair_rounds": 0}, {"repair_rounds": 1}, {"repair_queries": 512}, {"repair_queries": 2048},
+         {"entries": 1}, {"entries": 4}, {"entries": 16}, {"build_beam": 32}, {"query_neighbors": 32},
+         {"degree": 16, "max_degree": 32}]
+
+
+def rotate(x: np.ndarray, positions, inv_freq: np.ndarray) -> np.ndarray:
+    """x float32 [n, D] rotated by ``positions`` (int, or [n]), NeoX halves as the model's ``apply_rope``; in fp64."""
+    angles = np.asarray(positions, np.float64).reshape(-1, 1) * inv_freq                  # [n or 1, D/2]
+    cos, sin = np.cos(angles), np.sin(angles)
+    x1, x2 = np.split(x.astype(np.float64), 2, axis=-1)
+    return np.ascontiguousarray(np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1), np.float32)
+
+
+def layout(prompts: int, seed: int):
+    """Per prompt: (pool index of its ``<bos>``, global offset); chunks [(pool start, global offset, length)]; the
+    rest's pool indices; keys in all."""
+    v = vocab()
+    starts, chunks, rest, at, offset = [], [], [], 0, 0
+    for p in longgen_heldout(seed, prompts):
+        starts.append((at, offset))
+        rest.append(at)
+        pos = 1
+        for c in p.chunks:
+            chunks.append((at + pos, offset + pos, len(c)))
+            pos += len(c)
+        rest.extend(range(at + pos, at + pos + len(p.suffix(v))))
+        pos += len(p.suffix(v))
+        at, offset = at + pos, offset + pos + len(p.target(v))
+    return starts, chunks, np.array(rest, np.int64), at
+
+
+def chunk_frames(heads, stacked, starts, chunks, group, inv_freq, max_positions):
+    """Per chunk: keys [layer][Hkv, L, D] and training queries [layer][Hkv, L * group, D] in its frame."""
+    n, layers, hkv = heads[0].keys.shape[0], 1 + max(h.layer for h in heads), 1 + max(h.kv_head for h in heads)
+    shifts = np.array([int(f * max_positions) for f in CHUNK_QUERY_SHIFTS])
+    prompt_of = np.searchsorted([a for a, _ in starts], [a for a, _, _ in chunks], side="right") - 1
+    out = []
+    for (a, offset, length), p in zip(chunks, prompt_of):
+        keys = [np.empty((hkv, length, heads[0].keys.shape[1]), np.float32) for _ in range(layers)]
+        train = [np.empty((hkv, length * group, heads[0].keys.shape[1]), np.float32) for _ in range(layers)]
+        for h, s in zip(heads, stacked):
+            k = rotate(h.keys[a:a + length], -offset, inv_freq)
+            scale = np.abs(h.keys[a:a + length]).max()
+            assert np.abs(rotate(k, offset, inv_freq) - h.keys[a:a + length]).max() < 1e-5 * scale, "round trip"
+            in_prompt = a - starts[p][0]           # the chunk's offset in its prompt: the stacked dump's frame
+            assert np.abs(rotate(s.keys[a:a + length], -in_prompt, inv_freq) - k).max() < 5e-3 * scale, "offsets"
+            keys[h.layer][h.kv_head] = k
+            q = np.stack([h.queries[j * n + a:j * n + a + length] for j in range(group)], 1)   # [L, g, D]
+            local = -offset + shifts[np.arange(length) % len(shifts)]                         # position t: shift t % 4
+            train[h.layer][h.kv_head] = rotate(q.reshape(-1, q.shape[-1]), np.repeat(local, group), inv_freq)
+        out.append((keys, train))
+    return out
+
+
+def request_queries(head, n: int, group: int) -> np.ndarray:
+    """The request's prefill queries as ``QueryTap`` keeps them: positions strided to TRAIN_QUERIES, every head."""
+    pos = np.arange(0, n, -(-n // TRAIN_QUERIES))
+    return np.ascontiguousarray(np.stack([head.queries[j * n + pos] for j in range(group)], 1).reshape(-1, head.keys.shape[1]))
+
+
+def curve(index, keys, queries, kth, k, beams):
+    rows = []
+    for beam in beams:
+        ids, scanned = index.search(queries, k, beam=beam)
+        rows.append({"beam": beam, "recall": recall(keys, queries, ids, kth), "scanned": float(scanned.mean() / len(keys))})
+    return rows, ids
+
+
+def kth_scores(keys, queries, k):
+    import faiss
+
+    flat = faiss.IndexFlatIP(keys.shape[1])
+    flat.add(keys)
+    return flat.search(queries, k)[0][:, -1]
+
+
+def build_chunks(frames, options):
+    """Every chunk's ChunkIndex on one thread; (indexes, seconds a graph, a digest of their bytes)."""
+    built, digest = [], hashlib.blake2b(digest_size=8)
+    t0 = time.perf_counter()
+    for keys, train in frames:
+        built.append(ChunkIndex.build(keys, train, threads=1, **options))
+    seconds = time.perf_counter() - t0
+    for g in (g for c in built for gs in c.graphs for g in gs):
+        for arr in (g.offsets, g.targets, g.entries):
+            digest.update(arr.tobytes())
+    graphs = len(built) * built[0].num_layers * built[0].num_heads
+    return built, seconds / graphs, digest.hexdigest()
+
+
+def mean_rows(per_head):
+    return [{"beam": rows[0]["beam"], "recall": float(np.mean([r["recall"] for r in rows])),
+             "scanned": float(np.mean([r["scanned"] for r in rows]))} for rows in zip(*per_head)]
+
+
+def recall_at(rows, budget):
+    """Recall where the mean curve reaches scanned = budget, interpolated; None below its first point."""
+    pts = sorted((r["scanned"], r["recall"]) for r in rows)
+    if budget < pts[0][0]:
+        return None
+    for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
+        if s0 <= budget <= s1:
+            return r0 + (r1 - r0) * (budget - s0) / (s1 - s0)
+    return pts[-1][1]
+
+
+def reach(per_head, target):
+    each = [at_recall([(r["recall"], r["scanned"]) for r in rows], target) for rows in per_head]
+    return {"mean": None if None in each else float(np.mean(each)), "max": None if None in each else max(each)}
+
+
+def plot(doc, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), dpi=120)
+    ax = axes[0]
+    for offset, style in zip(["0", *map(str, doc["offsets"])], ["-", "--", ":"]):
+        for name, color in (("composed", "tab:red"), ("per_request", "tab:blue")):
+            rows = doc["curves"][offset][name]["mean"]
+            ax.plot([100 * r["scanned"] for r in rows], [r["recall"] for r in rows], style, marker="o" if style == "-"
+                    else None, color=color, label=f"{name.replace('_', '-')}, +{offset}")
+    ax.set_title(f"composed chunk graphs vs one index per request (mean of {doc['heads']} heads)", fontsize=9)
+    ax = axes[1]
+    for i, s in enumerate(doc["sweep"]):
+        rows = s["mean"]
+        ax.plot([100 * r["scanned"] for r in rows], [r["recall"] for r in rows], marker=".", linewidth=1,
+                color=plt.cm.tab20(i), label=f"{s['name']} ({1e3 * s['seconds_per_graph']:.1f} ms/graph)")
+    rows = doc["curves"]["0"]["per_request"]["mean"]
+    ax.plot([100 * r["scanned"] for r in rows], [r["recall"] for r in rows], "k--", linewidth=1, label="per-request")
+    ax.set_title("composed, chunk build options (one changed from the default)", fontsize=9)
+    for ax in axes:
+        ax.set_xscale("log")
+        ticks = [2, 3, 5, 10, 20, 30, 50, 100]
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("keys scanned (% of the request's keys)")
+        ax.set_ylabel(f"recall@{doc['k']}")
+        ax.axhline(0.95, color="grey", linestyle=":", linewidth=0.8)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"longgen model, {doc['prompts']} prompts spread ({doc['num_keys']} keys, {doc['num_chunks']} "
+                 f"chunks of 64), {doc['heldout_queries']} held-out answer queries a head; CPU, commit {doc['commit']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-k", type=int, default=100)
+    ap.add_argument("--beams", default="100,128,160,200,260,350,500,800")
+    ap.add_argument("--offsets", default="4096,60000", help="extra distances the request is placed at")
+    ap.add_argument("--budgets", default="0.2,0.3", help="scanned fractions the sweep reports recall at")
+    ap.add_argument("--sweep", default="all", help="'all', 'none' or indices into SWEEP, e.g. 0,5")
+    ap.add_argument("--what", default="chunk_recall")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a run's JSON")
+    args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+        return
+    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                        text=True, check=True).stdout.strip()
+    beams = [int(x) for x in args.beams.split(",")]
+    offsets = [int(x) for x in args.offsets.split(",") if x]
+    budgets = [float(x) for x in args.budgets.split(",")]
+    sweep = SWEEP if args.sweep == "all" else [] if args.sweep == "none" else [SWEEP[int(i)] for i in args.sweep.split(",")]
+    started = dt.datetime.now(dt.timezone.utc)
+
+    cfg = ModelConfig.from_hf(json.loads((model_dir("longgen") / "config.json").read_text()))
+    import torch     # the model's inv_freq as it computes it (fp32), used in fp64 here
+
+    inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))).double().numpy()
+    group = cfg.heads // cfg.kv_heads
+    heads = dump_qk("longgen", args.prompts, args.seed, spread=True)
+    stacked = dump_qk("longgen", args.prompts, args.seed)
+    starts, chunks, rest, n = layout(args.prompts, args.seed)
+    assert n == heads[0].keys.shape[0], (n, heads[0].keys.shape)
+    order = np.concatenate([np.arange(a, a + length) for a, _, length in chunks] + [rest])   # the engine's key order
+    frames = chunk_frames(heads, stacked, starts, chunks, group, inv_freq, cfg.max_positions)
+    print(f"{len(heads)} heads, {n} keys, {len(chunks)} chunks, rest {len(rest)} keys, "
+          f"{heads[0].heldout.shape[0]} held-out queries a head", flush=True)
+
+    rest_graphs = {}
+
+    def composed_index(head, built, delta):
+        """The composed index at +delta (the rest's graph built here, once a head and offset) and that build's seconds."""
+        keys = rotate(head.keys, delta, inv_freq) if delta else head.keys
+        t0 = time.perf_counter()
+        if (head.layer, head.kv_head, delta) not in rest_graphs:
+            train = request_queries(head, n, group)
+            train = rotate(train, delta, inv_freq) if delta else train
+            rest_graphs[head.layer, head.kv_head, delta] = AttentionIndex.build(keys[rest], train, threads=1).graph
+        rest_s = time.perf_counter() - t0
+        parts = [c.graphs[head.layer][head.kv_head] for c in built] + [rest_graphs[head.layer, head.kv_head, delta]]
+        return AttentionIndex.compose(keys[order], parts), rest_s
+
+    def per_request_index(head, delta):
+        keys = rotate(head.keys, delta, inv_freq) if delta else head.keys
+        train = request_queries(head, n, group)
+        train = rotate(train, delta, inv_freq) if delta else train
+        t0 = time.perf_counter()
+        full = AttentionIndex.build(keys, train, threads=1)
+        return full, time.perf_counter() - t0
+
+    built, per_graph, base_digest = build_chunks(frames, {})
+    print(f"chunk graphs: {1e3 * per_graph:.2f} ms a graph, one thread", flush=True)
+    curves, builds, same = {}, [], {}
+    first_ids = {}
+    for delta in [0, *offsets]:
+        per = {"composed": [], "per_request": []}
+        for head in heads:
+            composed, rest_s = composed_index(head, built, delta)
+            full, full_s = per_request_index(head, delta)
+            queries = rotate(head.heldout, delta, inv_freq) if delta else head.heldout
+            kth = kth_scores(full.keys, queries, args.k)
+            rows_c, ids_c = curve(composed, composed.keys, queries, kth, args.k, beams)
+            rows_f, ids_f = curve(full, full.keys, queries, kth, args.k, beams)
+            per["composed"].append(rows_c)
+            per["per_request"].append(rows_f)
+            if delta == 0:
+                first_ids[(head.layer, head.kv_head)] = ids_c, ids_f
+                g = composed.graph
+                builds.append({"layer": head.layer, "kv_head": head.kv_head, "rest_build_s": rest_s,
+                               "per_request_build_s": full_s, "per_request_edges_per_key": full.num_edges / n,
+                               "composed_edges_per_key": g.targets.shape[0] / n, "composed_entries": g.entries.shape[0],
+                               "per_request_graph_bytes_per_key": (full.nbytes - full.keys.nbytes) / n,
+                               "per_request_blob_bytes_per_key": len(full.to_bytes()) / n})
+            else:
+                before = first_ids[(head.layer, head.kv_head)]      # at the largest beam
+                for name, ids in (("composed", ids_c), ("per_request", ids_f)):
+                    same.setdefault(str(delta), {}).setdefault(name, []).append(float((ids == before[name == "per_request"]).mean()))
+                builds[heads.index(head)].setdefault("far", {})[str(delta)] = {"rest_build_s": rest_s,
+                                                                              "per_request_build_s": full_s}
+            print(f"+{delta} layer {head.layer} kv {head.kv_head}: composed "
+                  + " ".join(f"{r['recall']:.3f}@{100 * r['scanned']:.1f}%" for r in rows_c[:3]) + "  per-request "
+                  + " ".join(f"{r['recall']:.3f}@{100 * r['scanned']:.1f}%" for r in rows_f[:3])
+                  + f"  build rest {rest_s:.2f}s, per-request {full_s:.2f}s", flush=True)
+        curves[str(delta)] = {name: {"mean": mean_rows(v), "per_head": v, "scanned_at_0.95": reach(v, 0.95),
+                                     "scanned_at_0.9": reach(v, 0.9),
+                                     "recall_at": {str(x): recall_at(mean_rows(v), x) for x in budgets}}
+                              for name, v in per.items()}
+
+    sweep_out = []
+    for options in sweep:
+        b, s, digest = (built, per_graph, base_digest) if not options else build_chunks(frames, options)
+        per_head = []
+        for head in heads:
+            composed, _ = composed_index(head, b, 0)     # the rest's graph as above
+            kth = kth_scores(head.keys, head.heldout, args.k)
+            per_head.append(curve(composed, composed.keys, head.heldout, kth, args.k, beams)[0])
+        rows = mean_rows(per_head)
+        name = ", ".join(f"{k}={v}" for k, v in options.items()) or "default"
+        sweep_out.append({"name": name, "options": options, "seconds_per_graph": s, "graphs_as_default": digest == base_digest,
+                          "bytes_per_key": float(np.mean([len(c.to_bytes()) for c in b]) / (b[0].length * len(heads))),
+                          "entries": int(sum(c.graphs[0][0].entries.shape[0] for c in b)),
+                          "recall_at": {str(x): recall_at(rows, x) for x in budgets}, "scanned_at_0.95": reach(per_head, 0.95),
+                          "mean": rows, "per_head": per_head})
+        print(f"sweep {name}: {1e3 * s:.2f} ms a graph, recall " + ", ".join(
+            f"{v:.3f} at {100 * float(x):.0f}%" if v is not None else f"- at {100 * float(x):.0f}%"
+            for x, v in sweep_out[-1]["recall_at"].items()), flush=True)
+
+    chunk_keys = sum(length for _, _, length in chunks)
+    doc = {"started_utc": started.isoformat(timespec="seconds"), "commit": commit, "argv": sys.argv[1:],
+           "device": f"CPU, {len(os.sched_getaffinity(0))} cores", "task": "longgen", "prompts": args.prompts,
+           "seed": args.seed, "k": args.k, "num_keys": n, "num_chunks": len(chunks), "rest_keys": int(len(rest)),
+           "heads": len(heads), "heldout_queries": int(heads[0].heldout.shape[0]), "offsets": offsets,
+           "train_queries_per_request": int(request_queries(heads[0], n, group).shape[0]),
+           "chunk": {"seconds_per_graph": per_graph, "seconds_per_1k_keys": per_graph * 1000 / chunks[0][2],
+                     "blob_bytes_per_key": float(np.mean([len(c.to_bytes()) for c in built]) / (built[0].length * len(heads))),
+                     "graph_bytes_per_key": float(np.mean([c.nbytes for c in built]) / (built[0].length * len(heads))),
+                     "keys": chunk_keys},
+           "builds": builds, "same_ids_as_offset_0": same, "curves": curves, "sweep": sweep_out,
+           "seconds": (dt.datetime.now(dt.timezone.utc) - started).total_seconds()}
+    print(f"\nrecall@{args.k}, mean of {len(heads)} heads, {n} keys ({len(chunks)} chunks + {len(rest)} rest); "
+          f"CPU {doc['device']}, commit {commit}")
+    for delta, c in curves.items():
+        for name, v in c.items():
+            print(f"+{delta:>6} {name:<12} " + " ".join(f"{r['recall']:.3f}@{100 * r['scanned']:.1f}%" for r in v["mean"])
+                  + f"  scanned@0.95 {v['scanned_at_0.95']}  recall at {v['recall_at']}")
+    print(f"same ids as at +0: {same}")
+    full_s = np.mean([b["per_request_build_s"] for b in builds])
+    print(f"builds, one thread: chunk {1e3 * per_graph:.2f} ms a graph ({doc['chunk']['seconds_per_1k_keys']:.3f} s / 1K"
+          f" keys); per-request {full_s:.2f} s a graph ({full_s / n * 1000:.3f} s / 1K keys); rest "
+          f"{np.mean([b['rest_build_s'] for b in builds]):.3f} s; {doc['seconds']:.0f} s in all")
+    stem = Path(args.out) / f"{started:%Y-%m-%d}_cpu_{commit}_{args.what}"
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    plot(doc, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
