@@ -174,13 +174,13 @@ def plot(doc, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), dpi=120)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.6), dpi=120)
     ax = axes[0]
-    for offset, style in zip(["0", *map(str, doc["offsets"])], ["-", "--", ":"]):
+    for offset, style, marker in zip(["0", *map(str, doc["offsets"])], ["-", "--", ":"], ["o", "x", "+"]):
         for name, color in (("composed", "tab:red"), ("per_request", "tab:blue")):
-            rows = doc["curves"][offset][name]["mean"]
-            ax.plot([100 * r["scanned"] for r in rows], [r["recall"] for r in rows], style, marker="o" if style == "-"
-                    else None, color=color, label=f"{name.replace('_', '-')}, +{offset}")
+            rows = doc["curves"][offset][name]["mean"]     # far offsets: drawn over +0 (the same to rounding)
+            ax.plot([100 * r["scanned"] for r in rows], [r["recall"] for r in rows], style, marker=marker,
+                    markersize=9 if marker == "+" else 6, color=color, label=f"{name.replace('_', '-')}, +{offset}")
     ax.set_title(f"composed chunk graphs vs one index per request (mean of {doc['heads']} heads)", fontsize=9)
     ax = axes[1]
     for i, s in enumerate(doc["sweep"]):
@@ -199,7 +199,8 @@ def plot(doc, path):
         ax.set_ylabel(f"recall@{doc['k']}")
         ax.axhline(0.95, color="grey", linestyle=":", linewidth=0.8)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+    axes[0].legend(fontsize=7, loc="lower right")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(f"longgen model, {doc['prompts']} prompts spread ({doc['num_keys']} keys, {doc['num_chunks']} "
                  f"chunks of 64), {doc['heldout_queries']} held-out answer queries a head; CPU, commit {doc['commit']}",
                  fontsize=9)
