@@ -48,6 +48,9 @@ def register(subparsers) -> None:
     ev.add_argument("--seed", type=int, default=1, help="held-out prompt seed (default 1)")
     ev.add_argument("--dense-layers", type=int, default=None,
                     help="longgen: the first layers the sparse policies keep dense (default 1)")
+    ev.add_argument("--prefill", default="full", choices=("full", "tessera"),
+                    help="longgen: how the prompt is prefilled (tessera: chunk KV reused, retrieval searches the chunks' "
+                         "own indexes)")
     ev.add_argument("--plot", default=None, metavar="FILE.png", help="longgen: accuracy against the budget, as a PNG")
     ev.add_argument("--cross-gap", type=int, default=0,
                     help="harder variant: up to N filler words open a chunk before a cross IT (default 0: the issue's layout)")
@@ -75,8 +78,8 @@ def _eval(args: argparse.Namespace) -> int:
             setattr(args, name, str(value) if name == "model" else value)
     if args.task == "longgen":
         return _eval_longgen(args)
-    if args.dense_layers is not None or args.plot:
-        raise ValueError("--dense-layers and --plot are longgen's (--task longgen)")
+    if args.dense_layers is not None or args.plot or args.prefill != "full":
+        raise ValueError("--dense-layers, --plot and --prefill are longgen's (--task longgen)")
     from loadgen.quality.evaluate import as_json, parse_modes, run_eval
 
     engine_options = {k: v for k, v in (("check_layer", args.check_layer), ("deviation", args.deviation)) if v is not None}
@@ -113,10 +116,10 @@ def _eval_longgen(args: argparse.Namespace) -> int:
     dense_layers = DEFAULT_DENSE_LAYERS if args.dense_layers is None else args.dense_layers
     results = run_longgen_eval(args.model, args.prompts, parse_decode_modes(args.modes), seed=args.seed,
                                questions=args.questions, dense_layers=dense_layers, device=args.device,
-                               progress=True)
+                               progress=True, prefill=args.prefill)
     out = as_json(results)
     title = (f"longgen: {args.prompts} prompts, seed {args.seed}, {args.questions} answers, "
-             f"dense_layers {dense_layers}, {Path(args.model).name}")
+             f"dense_layers {dense_layers}, {args.prefill} prefill, {Path(args.model).name}")
     if args.plot:
         from loadgen.quality.plot import plot_budget_curve
         from loadgen.quality.tasks import LongGenConfig

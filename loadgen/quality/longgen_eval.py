@@ -171,8 +171,10 @@ def check_modes(engine, modes: list[DecodeMode], dense_layers: int) -> None:
 
 
 def evaluate_decode_modes(engine, modes: list[DecodeMode], prompts, dense_layers: int = DEFAULT_DENSE_LAYERS,
-                          progress: bool = True) -> list[GenResult]:
-    """Generate every prompt's answers greedily in every mode through ``engine.generate``."""
+                          progress: bool = True, prefill: str = "full") -> list[GenResult]:
+    """Generate every prompt's answers greedily in every mode through ``engine.generate``, the prompt prefilled in
+    ``prefill`` mode ("full": exactly; "tessera": each chunk's cached KV reused, so a retrieval decode searches the
+    chunks' own indexes)."""
     from tqdm import tqdm
 
     check_modes(engine, modes, dense_layers)
@@ -185,7 +187,7 @@ def evaluate_decode_modes(engine, modes: list[DecodeMode], prompts, dense_layers
         for p in prompts:
             t0 = time.perf_counter()
             out = engine.generate(chunks=[[v.bos]] + [list(c) for c in p.chunks], suffix=p.suffix(v),
-                                  max_new_tokens=2 * len(p.questions) + 1, mode="full",
+                                  max_new_tokens=2 * len(p.questions) + 1, mode=prefill,
                                   **mode.generate_args(dense_layers))
             seconds += time.perf_counter() - t0
             right.append(tuple(p.answers_right(out)))
@@ -200,7 +202,7 @@ def evaluate_decode_modes(engine, modes: list[DecodeMode], prompts, dense_layers
 def run_longgen_eval(model_dir: str, n_prompts: int, modes: list[DecodeMode], seed: int = 1,
                      questions: int = DEFAULT_QUESTIONS,
                      dense_layers: int = DEFAULT_DENSE_LAYERS, device: str = "cpu",
-                     progress: bool = True) -> list[GenResult]:
+                     progress: bool = True, prefill: str = "full") -> list[GenResult]:
     from loadgen.quality.evaluate import load_engine
     from loadgen.quality.tasks import LongGenConfig, longgen_heldout
 
@@ -212,7 +214,9 @@ def run_longgen_eval(model_dir: str, n_prompts: int, modes: list[DecodeMode], se
         raise ValueError("--dense-layers must be at least 0")
     engine = load_engine(model_dir, device)
     prompts = longgen_heldout(seed, n_prompts, LongGenConfig(questions=questions))
-    return evaluate_decode_modes(engine, modes, prompts, dense_layers, progress)
+    if prefill not in ("full", "tessera"):
+        raise ValueError(f"--prefill must be full or tessera, got {prefill!r}")
+    return evaluate_decode_modes(engine, modes, prompts, dense_layers, progress, prefill)
 
 
 def as_json(results: list[GenResult]) -> dict[str, dict]:

@@ -48,6 +48,7 @@ POLICY: dict[str, frozenset[str]] = {
     "/tessera.v1.DecodeWorker/Prefetch": frozenset({"gateway"}),
     "/tessera.v1.DecodeWorker/Status": frozenset({"gateway", "prefill", "admin"}),
     "/tessera.index.v1.RetrievalIndex/Offload": frozenset({"prefill", "decode"}),
+    "/tessera.index.v1.RetrievalIndex/PutChunkIndex": frozenset({"prefill", "decode"}),
     "/tessera.index.v1.RetrievalIndex/Drop": frozenset({"prefill", "decode"}),
     "/tessera.index.v1.RetrievalIndex/Search": frozenset({"decode"}),
     "/tessera.index.v1.RetrievalIndex/Status": frozenset({"prefill", "decode", "gateway", "admin"}),

@@ -50,10 +50,12 @@ _DIGEST_BYTES = 32
 # its tokens (x 4 query heads a KV head), 1 MiB a layer on the host in fp16 until its graphs are built, so that a
 # 128K-token context's chunks wait in 16 GiB rather than 64
 CHUNK_TRAIN_QUERIES = 512
-# NOTE: a composed index's one beam spans many chunks and expands the best-scored keys first: a chunk with one entry is
-# explored only when that key scores well, so each chunk starts a search from several (its most-asked-for keys). On
-# random keys, four 150-300-key chunks at beam 128: recall@20 0.53 with one entry a chunk, 0.97 with 8
-CHUNK_ENTRIES = 8
+# NOTE: a composed index's one beam spans many chunks and expands the best-scored keys first: a chunk is explored only
+# when one of its entries scores well, so each starts searches from one key per ``KEYS_PER_ENTRY`` of it (its
+# most-asked-for keys). Entries alone do not carry recall (bench/index/README.md: composed recall@100 0.59 at 20% of
+# keys scored with 8 a 64-key chunk): the request's own queries repair the composition (heads.IndexSet.add), and
+# every entry is a key each search scores
+KEYS_PER_ENTRY = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +75,9 @@ class ChunkIndex:
         if not keys or len(keys) != len(train):
             raise ValueError(f"need keys and training queries for every layer, got {len(keys)} and {len(train)}")
         options.setdefault("max_train_queries", CHUNK_TRAIN_QUERIES)
-        options.setdefault("entries", CHUNK_ENTRIES)
-        config = BuildConfig(**options)
         hkv, length, dim = keys[0].shape
+        options.setdefault("entries", max(1, length // KEYS_PER_ENTRY))
+        config = BuildConfig(**options)
         for layer, (k, q) in enumerate(zip(keys, train)):
             if k.shape != (hkv, length, dim) or q.ndim != 3 or q.shape[0] != hkv or q.shape[2] != dim or not q.shape[1]:
                 raise ValueError(f"layer {layer}: keys {k.shape} and queries {q.shape} do not match "

@@ -36,14 +36,18 @@ class IndexClient:
                          grpc.secure_channel(address, tls.channel_credentials(),
                                              options=[*CHANNEL_OPTIONS, *tls.channel_options("index")]))
         self._stub = pb_grpc.RetrievalIndexStub(self._channel)
+        self._put: set[str] = set()   # chunk ids whose index this client has put
 
-    def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray) -> int:
-        """As ``IndexSet.add``; returns the indexes' bytes."""
+    def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray,
+            chunks=()) -> int:
+        """As ``IndexSet.add``; returns the indexes' bytes. The chunks' indexes are put first where this client has
+        not put them yet, and again, once, when the service answers that it no longer holds one (evicted)."""
         keys, values = np.ascontiguousarray(keys, "<f4"), np.ascontiguousarray(values, "<f4")
         train = np.ascontiguousarray(train_queries, "<f4")
         body = b"".join(a.tobytes() for a in (keys, values, train))
         header = pb.OffloadHeader(owner=owner, layer=layer, kv_shape=list(keys.shape), train_shape=list(train.shape),
-                                  crc32=zlib.crc32(body))
+                                  crc32=zlib.crc32(body),
+                                  chunks=[pb.ChunkRun(chunk_id=cid, length=index.length) for cid, index in chunks])
 
         def parts():
             yield pb.OffloadPart(header=header)
@@ -51,7 +55,30 @@ class IndexClient:
             for at in range(0, len(body), PART_BYTES):
                 yield pb.OffloadPart(data=bytes(view[at:at + PART_BYTES]))
 
+        for cid, index in chunks:
+            if cid not in self._put:
+                self.put_chunk_index(cid, index)
+        try:
+            return self._stub.Offload(parts(), timeout=self.offload_timeout).index_bytes
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or not chunks:
+                raise
+        for cid, index in chunks:
+            self.put_chunk_index(cid, index)
         return self._stub.Offload(parts(), timeout=self.offload_timeout).index_bytes
+
+    def put_chunk_index(self, chunk_id: str, index) -> None:
+        """Hand the service a chunk's index (``chunks.ChunkIndex``), for offloads that name the chunk."""
+        blob = index.to_bytes()
+
+        def parts():
+            yield pb.ChunkIndexPart(header=pb.ChunkIndexHeader(chunk_id=chunk_id, nbytes=len(blob)))
+            view = memoryview(blob)
+            for at in range(0, len(blob), PART_BYTES):
+                yield pb.ChunkIndexPart(data=bytes(view[at:at + PART_BYTES]))
+
+        self._stub.PutChunkIndex(parts(), timeout=self.offload_timeout)
+        self._put.add(chunk_id)
 
     def attend(self, layer: int, owners: list[str], queries: np.ndarray, k: int, scale: float,
                beam: int | None = None) -> Answer:

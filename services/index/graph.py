@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from services.index._search import search_attend, search_batch
-from services.index.build import BuildConfig, Graph, build_graph
+from services.index.build import BuildConfig, Graph, build_graph, repair_graph
 from services.index.format import IndexFormatError, IndexParts, check_graph, decode, encode
 
 # Search list size when the caller names none: bench/index/README.md measures recall@100 by beam.
@@ -100,6 +100,15 @@ class AttentionIndex:
             return cls(keys, Graph(offsets, targets, entries), config or BuildConfig())
         except IndexFormatError as exc:
             raise ValueError(f"a part is not a graph over its keys: {exc}") from None
+
+    def repaired(self, train_queries, *, threads: int | None = None) -> "AttentionIndex":
+        """This index with the links its searches for ``train_queries`` ``[M, D]`` lacked (``build.repair_graph``):
+        for a composed one, the edges between its parts that the request's own queries show."""
+        train = _matrix("train_queries", train_queries, dim=self.dim)
+        if threads is not None:
+            _count("threads", threads, 1)
+        return AttentionIndex(self._keys, repair_graph(self._keys, self._graph, train, self._config, threads),
+                              self._config)
 
     @property
     def graph(self) -> Graph:

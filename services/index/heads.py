@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.index.build import Graph
+from services.index.chunks import ChunkIndex
 from services.index.graph import AttentionIndex
 
 
@@ -82,13 +82,13 @@ class IndexSet:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="index-search")
 
     def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray,
-            parts: Sequence[Sequence[Graph]] = ()) -> int:
+            chunks: Sequence[tuple[str, ChunkIndex]] = ()) -> int:
         """keys, values float32 [Hkv, N, D]; train_queries float32 [Hkv, M, D] (queries in the keys' frame, per the KV
-        head they read). N may be 0 (nothing offloaded at this layer: searches of it return nothing). ``parts``:
-        graphs built before (a chunk's, per KV head: ``chunks.ChunkIndex``) over the first keys, in order; the
-        keys after them get a graph built here from ``train_queries`` (M may be 0 when the parts cover every key),
-        and each head's index is their composition (``AttentionIndex.compose``). Replaces what the owner had at that
-        layer; returns the bytes of the graphs built here."""
+        head they read). N may be 0 (nothing offloaded at this layer: searches of it return nothing). ``chunks``:
+        (chunk id, its ``ChunkIndex``) of the shared chunks whose keys come first, whole and in order; the keys after
+        them get a graph built here from ``train_queries`` (M may be 0 when the chunks cover every key), and each
+        head's index composes the chunks' graphs at this layer with it (``AttentionIndex.compose``). Replaces what the
+        owner had at that layer; returns the indexes' bytes."""
         keys, values = np.ascontiguousarray(keys, np.float32), np.ascontiguousarray(values, np.float32)
         train = np.ascontiguousarray(train_queries, np.float32)
         if keys.ndim != 3 or values.shape != keys.shape:
@@ -97,9 +97,12 @@ class IndexSet:
             raise ValueError(f"train_queries must be [Hkv, M, D] with Hkv, D = {keys.shape[0]}, {keys.shape[2]}, "
                              f"got {train.shape}")
         hkv, n = keys.shape[:2]
-        if any(len(p) != hkv for p in parts):
-            raise ValueError(f"every part needs a graph for each of the {hkv} KV heads")
-        covered = sum(p[0].num_nodes for p in parts)
+        for cid, index in chunks:
+            if index.num_heads != hkv or layer >= index.num_layers:
+                raise ValueError(f"chunk index {cid[:16]} has {index.num_layers} layers x {index.num_heads} KV heads: "
+                                 f"it has no graph for layer {layer} of {hkv} heads")
+        parts = [index.graphs[layer] for _, index in chunks]
+        covered = sum(index.length for _, index in chunks)
         if covered > n:
             raise ValueError(f"the parts cover {covered} keys, only {n} were given")
         if n == 0:
@@ -113,7 +116,10 @@ class IndexSet:
                 graphs = [p[h] for p in parts]
                 if covered < n:
                     graphs.append(AttentionIndex.build(keys[h, covered:], train[h], threads=each).graph)
-                return AttentionIndex.compose(keys[h], graphs)
+                index = AttentionIndex.compose(keys[h], graphs)
+                if train.shape[1]:      # the request's queries link the parts (build.repair_graph)
+                    index = index.repaired(train[h], threads=each)
+                return index
 
             heads = [HeadKV(values[h], index) for h, index in enumerate(self._pool.map(one, range(hkv)))]
         with self._lock:

@@ -3,8 +3,9 @@ runner for synchronous callers (tests, a Ray actor).
 
 Status codes: a malformed request (shapes, sizes, owner name, k, scale, non-finite values) INVALID_ARGUMENT naming
 what is wrong; an Offload whose bytes fail the header's checksum or fall short DATA_LOSS; an Offload of an (owner,
-layer) already held ALREADY_EXISTS (offloads are write-once: drop first); a Search naming an owner not held at the
-layer NOT_FOUND. A refused call stores nothing and changes nothing held. Builds and searches run on worker threads,
+layer) already held ALREADY_EXISTS (offloads are write-once: drop first); an Offload naming a chunk whose index is
+not held FAILED_PRECONDITION (put it: PutChunkIndex); a chunk index whose bytes are not an intact one DATA_LOSS; a
+Search naming an owner not held at the layer NOT_FOUND. A refused call stores nothing and changes nothing held. Builds and searches run on worker threads,
 so the event loop keeps answering while one runs. With the cluster's mutual TLS on, only prefill and decode
 workers offload and drop, only decode workers search (services/cluster/security.py POLICY).
 """
@@ -21,6 +22,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.index.chunks import ChunkIndexCache
 from services.index.heads import IndexSet
 from services.index.metrics import IndexMetrics
 from services.modes import MAX_RETRIEVAL_K
@@ -34,6 +36,8 @@ MAX_LAYERS = 1024
 MAX_HEAD_DIM = 1024
 MAX_K = MAX_RETRIEVAL_K
 MAX_OFFLOAD_BYTES = 64 << 30   # one (owner, layer): keys, values and training queries
+MAX_CHUNK_INDEX_BYTES = 1 << 30
+CHUNK_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")    # the store's chunk ids
 
 
 class Refused(Exception):
@@ -79,8 +83,16 @@ def check_offload_header(h: pb.OffloadHeader) -> tuple[tuple[int, ...], tuple[in
     if kv[0] < 1 or not 1 <= kv[2] <= MAX_HEAD_DIM or train[0] != kv[0] or train[2] != kv[2]:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                       f"kv_shape {list(kv)} and train_shape {list(train)} must share Hkv >= 1 and D in 1..{MAX_HEAD_DIM}")
-    if kv[1] > 0 and train[1] < 1:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "offloaded keys need at least one training query")
+    for run in h.chunks:
+        if not CHUNK_ID.fullmatch(run.chunk_id) or run.length < 1:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a chunk run needs an id of [A-Za-z0-9._-] (1-200) and a length >= 1, got "
+                          f"{run.chunk_id[:40]!r}, {run.length}")
+    covered = sum(run.length for run in h.chunks)
+    if covered > kv[1]:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the chunks cover {covered} keys, the offload has {kv[1]}")
+    if kv[1] > covered and train[1] < 1:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "offloaded keys outside the chunks need a training query")
     if offload_bytes(kv, train) > MAX_OFFLOAD_BYTES:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"an offload is at most {MAX_OFFLOAD_BYTES} bytes")
     return kv, train
@@ -91,9 +103,10 @@ def offload_bytes(kv, train) -> int:
 
 
 class IndexServicer(pb_grpc.RetrievalIndexServicer):
-    def __init__(self, indexes: IndexSet, metrics: IndexMetrics) -> None:
+    def __init__(self, indexes: IndexSet, metrics: IndexMetrics, chunk_indexes: ChunkIndexCache) -> None:
         self.indexes = indexes
         self.metrics = metrics
+        self.chunk_indexes = chunk_indexes
         self._writing: set[tuple[str, int]] = set()   # offloads in flight: a second one of the same key is refused
 
     async def _refuse(self, context, exc: Refused):
@@ -116,10 +129,22 @@ class IndexServicer(pb_grpc.RetrievalIndexServicer):
         if not (np.isfinite(keys).all() and np.isfinite(values).all() and np.isfinite(queries).all()):
             return await self._refuse(context, Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                                        "keys, values and train queries must be finite"))
+        chunks = []
+        for run in header.chunks:
+            index = self.chunk_indexes.get(run.chunk_id)
+            if index is None:
+                return await self._refuse(context, Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                                                           f"no index held for chunk {run.chunk_id}: put it first"))
+            if index.length != run.length or index.num_heads != kv[0] or header.layer >= index.num_layers:
+                return await self._refuse(context, Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"chunk {run.chunk_id}'s index ({index.length} keys, {index.num_layers} layers x {index.num_heads} "
+                    f"heads) does not fit a run of {run.length} keys at layer {header.layer} of {kv[0]} heads"))
+            chunks.append((run.chunk_id, index))
         self._writing.add(key)
         try:
             t0 = time.perf_counter()
-            graph = await asyncio.to_thread(self.indexes.add, header.owner, header.layer, keys, values, queries)
+            graph = await asyncio.to_thread(self.indexes.add, header.owner, header.layer, keys, values, queries, chunks)
             took = time.perf_counter() - t0
         finally:
             self._writing.discard(key)
@@ -151,6 +176,46 @@ class IndexServicer(pb_grpc.RetrievalIndexServicer):
         if zlib.crc32(body) != header.crc32:
             raise Refused(grpc.StatusCode.DATA_LOSS, "the offload's bytes fail its checksum")
         return header, body
+
+    async def PutChunkIndex(self, request_iterator, context):
+        from services.index.chunks import ChunkIndex
+        from services.index.format import IndexFormatError
+
+        header, parts, got = None, [], 0
+        try:
+            async for msg in request_iterator:
+                which = msg.WhichOneof("item")
+                if header is None:
+                    if which != "header":
+                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a chunk index starts with its header")
+                    header = msg.header
+                    if not CHUNK_ID.fullmatch(header.chunk_id):
+                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"chunk_id must be 1-200 characters of [A-Za-z0-9._-], got {header.chunk_id[:40]!r}")
+                    if not 1 <= header.nbytes <= MAX_CHUNK_INDEX_BYTES:
+                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"a chunk index is 1..{MAX_CHUNK_INDEX_BYTES} bytes, got {header.nbytes}")
+                    continue
+                if which != "data":
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a chunk index has one header, then data")
+                got += len(msg.data)
+                if got > header.nbytes:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"more than the header's {header.nbytes} bytes")
+                parts.append(msg.data)
+            if header is None:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a chunk index starts with its header")
+            if got != header.nbytes:
+                raise Refused(grpc.StatusCode.DATA_LOSS, f"the chunk index ended after {got} of {header.nbytes} bytes")
+            try:
+                index = await asyncio.to_thread(ChunkIndex.from_bytes, b"".join(parts))
+            except IndexFormatError as exc:
+                raise Refused(grpc.StatusCode.DATA_LOSS, f"chunk {header.chunk_id}: {exc}") from None
+        except Refused as exc:
+            return await self._refuse(context, exc)
+        self.chunk_indexes.put(header.chunk_id, index)
+        held, nbytes = self.chunk_indexes.held()
+        return pb.ChunkIndexReply(length=index.length, layers=index.num_layers, heads=index.num_heads,
+                                  chunk_indexes=held, chunk_index_bytes=nbytes)
 
     async def Search(self, request, context):
         try:
@@ -215,16 +280,17 @@ class IndexServer:
 
 
 async def create_server(*, threads: int = 4, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None,
-                        tls=None) -> tuple[IndexServer, int]:
+                        tls=None, chunk_index_bytes: int = 4 << 30) -> tuple[IndexServer, int]:
     """Start serving on ``host:port`` (0 picks a free port); returns (server, port). ``threads``: searches run at once
     (the node's cores for the service); ``tls``: the service's ClusterTLS (mutual TLS, callers authorized by role),
-    None: plain, anyone may call."""
+    None: plain, anyone may call. ``chunk_index_bytes``: the chunk indexes held (least recently used out first)."""
     from services.cluster.guard import RoleGuard
 
     indexes = IndexSet(threads)
     metrics = IndexMetrics(indexes)
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RoleGuard("retrieval index", authorize=tls is not None)])
-    pb_grpc.add_RetrievalIndexServicer_to_server(IndexServicer(indexes, metrics), server)
+    pb_grpc.add_RetrievalIndexServicer_to_server(IndexServicer(indexes, metrics, ChunkIndexCache(chunk_index_bytes)),
+                                                 server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -14,19 +14,59 @@ class Tensor(_message.Message):
     data: bytes
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class ChunkRun(_message.Message):
+    __slots__ = ("chunk_id", "length")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: str
+    length: int
+    def __init__(self, chunk_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
 class OffloadHeader(_message.Message):
-    __slots__ = ("owner", "layer", "kv_shape", "train_shape", "crc32")
+    __slots__ = ("owner", "layer", "kv_shape", "train_shape", "crc32", "chunks")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     KV_SHAPE_FIELD_NUMBER: _ClassVar[int]
     TRAIN_SHAPE_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     owner: str
     layer: int
     kv_shape: _containers.RepeatedScalarFieldContainer[int]
     train_shape: _containers.RepeatedScalarFieldContainer[int]
     crc32: int
-    def __init__(self, owner: _Optional[str] = ..., layer: _Optional[int] = ..., kv_shape: _Optional[_Iterable[int]] = ..., train_shape: _Optional[_Iterable[int]] = ..., crc32: _Optional[int] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkRun]
+    def __init__(self, owner: _Optional[str] = ..., layer: _Optional[int] = ..., kv_shape: _Optional[_Iterable[int]] = ..., train_shape: _Optional[_Iterable[int]] = ..., crc32: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRun, _Mapping]]] = ...) -> None: ...
+
+class ChunkIndexHeader(_message.Message):
+    __slots__ = ("chunk_id", "nbytes")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: str
+    nbytes: int
+    def __init__(self, chunk_id: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ChunkIndexPart(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ChunkIndexHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ChunkIndexHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ChunkIndexReply(_message.Message):
+    __slots__ = ("length", "layers", "heads", "chunk_indexes", "chunk_index_bytes")
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    layers: int
+    heads: int
+    chunk_indexes: int
+    chunk_index_bytes: int
+    def __init__(self, length: _Optional[int] = ..., layers: _Optional[int] = ..., heads: _Optional[int] = ..., chunk_indexes: _Optional[int] = ..., chunk_index_bytes: _Optional[int] = ...) -> None: ...
 
 class OffloadPart(_message.Message):
     __slots__ = ("header", "data")

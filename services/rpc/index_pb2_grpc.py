@@ -39,6 +39,11 @@ class RetrievalIndexStub:
                 request_serializer=services_dot_rpc_dot_index__pb2.OffloadPart.SerializeToString,
                 response_deserializer=services_dot_rpc_dot_index__pb2.OffloadReply.FromString,
                 _registered_method=True)
+        self.PutChunkIndex = channel.stream_unary(
+                '/tessera.index.v1.RetrievalIndex/PutChunkIndex',
+                request_serializer=services_dot_rpc_dot_index__pb2.ChunkIndexPart.SerializeToString,
+                response_deserializer=services_dot_rpc_dot_index__pb2.ChunkIndexReply.FromString,
+                _registered_method=True)
         self.Search = channel.unary_unary(
                 '/tessera.index.v1.RetrievalIndex/Search',
                 request_serializer=services_dot_rpc_dot_index__pb2.SearchRequest.SerializeToString,
@@ -61,6 +66,13 @@ class RetrievalIndexServicer:
 
     def Offload(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutChunkIndex(self, request_iterator, context):
+        """FAILED_PRECONDITION from Offload names a chunk whose index the service does not hold (never put, or evicted)
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -90,6 +102,11 @@ def add_RetrievalIndexServicer_to_server(servicer, server):
                     servicer.Offload,
                     request_deserializer=services_dot_rpc_dot_index__pb2.OffloadPart.FromString,
                     response_serializer=services_dot_rpc_dot_index__pb2.OffloadReply.SerializeToString,
+            ),
+            'PutChunkIndex': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutChunkIndex,
+                    request_deserializer=services_dot_rpc_dot_index__pb2.ChunkIndexPart.FromString,
+                    response_serializer=services_dot_rpc_dot_index__pb2.ChunkIndexReply.SerializeToString,
             ),
             'Search': grpc.unary_unary_rpc_method_handler(
                     servicer.Search,
@@ -134,6 +151,33 @@ class RetrievalIndex:
             '/tessera.index.v1.RetrievalIndex/Offload',
             services_dot_rpc_dot_index__pb2.OffloadPart.SerializeToString,
             services_dot_rpc_dot_index__pb2.OffloadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutChunkIndex(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tessera.index.v1.RetrievalIndex/PutChunkIndex',
+            services_dot_rpc_dot_index__pb2.ChunkIndexPart.SerializeToString,
+            services_dot_rpc_dot_index__pb2.ChunkIndexReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,9 +54,9 @@ def test_a_chunk_index_built_once_finds_the_same_keys_for_a_query_at_two_offsets
     assert [set(r) for r in in_frame.tolist()] == found[0]
 
 
-def test_composed_chunks_and_a_graph_built_for_the_rest_search_all_keys():
-    """Two chunks' graphs and one built over the keys after them: exact with k covering every key, and the search
-    reaches keys of every part."""
+def test_composed_chunks_and_a_graph_built_for_the_rest_search_all_keys_and_the_request_queries_repair_it():
+    """Two chunks' graphs and one built over the keys after them: exact with k covering every key; the request's own
+    queries link the parts (``repaired``), and its searches then find the true top keys across them."""
     parts, keys = [], []
     for seed, n in ((2, 200), (3, 150)):
         k, t = chunk(seed, n)
@@ -64,17 +64,25 @@ def test_composed_chunks_and_a_graph_built_for_the_rest_search_all_keys():
         keys.append(k[0][0])
     rng = np.random.default_rng(4)
     rest = rng.standard_normal((90, D)).astype(np.float32)
-    rest_graph = AttentionIndex.build(rest, rng.standard_normal((300, D)).astype(np.float32) + 0.5, threads=1).graph
+    request_queries = rng.standard_normal((600, D)).astype(np.float32) + 0.5
+    rest_graph = AttentionIndex.build(rest, request_queries, threads=1).graph
     all_keys = np.concatenate(keys + [rest])
     index = AttentionIndex.compose(all_keys, parts + [rest_graph])
-    assert index.graph.entries.shape[0] == 2 * 8 + 1        # each chunk starts searches from 8 keys
-    q = rng.standard_normal((16, D)).astype(np.float32) + 0.5     # queries like the chunks' training ones
+    assert index.graph.entries.shape[0] == 200 // 64 + 150 // 64 + 1     # one a 64 keys of a chunk, one of the rest
+    q = rng.standard_normal((32, D)).astype(np.float32) + 0.5            # held out of every build
     exact = np.argsort(-(q @ all_keys.T), axis=1)[:, :20]
     ids, _ = index.search(q, k=all_keys.shape[0])
     np.testing.assert_array_equal(ids[:, :20], exact)
-    ids, scanned = index.search(q, k=20, beam=128)
-    recall = np.mean([len(set(a) & set(b)) / 20 for a, b in zip(ids.tolist(), exact.tolist())])
-    assert recall >= 0.9 and (scanned < all_keys.shape[0]).all()
+
+    def recall(idx):
+        ids, scanned = idx.search(q, k=20, beam=64)
+        assert (scanned < all_keys.shape[0]).all()
+        return np.mean([len(set(a) & set(b)) / 20 for a, b in zip(ids.tolist(), exact.tolist())])
+
+    repaired = index.repaired(request_queries, threads=1)
+    assert repaired.graph.targets.shape[0] > index.graph.targets.shape[0]
+    np.testing.assert_array_equal(repaired.graph.entries, index.graph.entries)
+    assert recall(repaired) >= max(0.9, recall(index))
     with pytest.raises(ValueError, match="cover"):
         AttentionIndex.compose(all_keys[:-1], parts + [rest_graph])
 

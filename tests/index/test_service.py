@@ -177,9 +177,11 @@ def test_only_the_roles_the_policy_names_get_in(tmp_path):
         assert as_role["decode"].attend(0, ["seq-e"], q, 5, 0.1).scanned[0] > 0
         for role in ("prefill", "gateway", "store"):
             assert _code(lambda: as_role[role].attend(0, ["seq-e"], q, 5, 0.1)) == grpc.StatusCode.PERMISSION_DENIED
+        chunk = _chunk_index(keys)
         for role in ("gateway", "store"):
             assert _code(lambda: as_role[role].add("seq-f", 0, keys, values, train)) == \
                 grpc.StatusCode.PERMISSION_DENIED
+            assert _code(lambda: as_role[role].put_chunk_index("c" * 64, chunk)) == grpc.StatusCode.PERMISSION_DENIED
             assert _code(lambda: as_role[role].drop("seq-e")) == grpc.StatusCode.PERMISSION_DENIED
         assert as_role["gateway"].held()[0] == 1           # the refused calls changed nothing
         other = mint(tmp_path / "other")                   # a certificate of another CA reaches nothing
@@ -211,3 +213,59 @@ def test_the_service_counts_what_it_builds_holds_and_searches_on_its_metrics_pag
         client.drop("seq-g")
         page = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10).read().decode()
         assert "tessera_index_owners 0.0" in page
+
+
+def _chunk_index(keys, length: int = 120, seed: int = 9):
+    """A chunk index over the first ``length`` keys of each head (one layer), trained on shifted random queries."""
+    from services.index.chunks import ChunkIndex
+
+    rng = np.random.default_rng(seed)
+    return ChunkIndex.build([keys[:, :length]], [rng.standard_normal((HKV, 100, D)).astype(np.float32) + 0.5],
+                            threads=1)
+
+
+def test_offloads_composed_of_chunk_indexes_answer_what_the_index_set_does_and_bad_chunk_indexes_are_refused(service):
+    """The client puts a chunk's index once and names the chunk in its offloads; the service composes and repairs as
+    the in-process set does. An offload naming a chunk the service lacks is FAILED_PRECONDITION (the client then
+    puts it again); damaged index bytes are DATA_LOSS; neither stores anything."""
+    keys, values, train = _data(11)
+    chunk = _chunk_index(keys)
+    q = np.random.default_rng(12).standard_normal((2, HQ, D)).astype(np.float32)
+    local = IndexSet(threads=1)
+    with IndexClient(service.address) as client:
+        for ix in (local, client):
+            ix.add("seq-c", 0, keys, values, train, chunks=[("c" * 64, chunk)])
+        a, b = (ix.attend(0, ["seq-c", "seq-c"], q, 7, 0.25) for ix in (local, client))
+        np.testing.assert_allclose(b.out, a.out, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(b.scanned, a.scanned)
+        before = client.held()
+        stub = client._stub
+        header = pb.OffloadHeader(owner="seq-d", layer=0, kv_shape=list(keys.shape), train_shape=list(train.shape),
+                                  chunks=[pb.ChunkRun(chunk_id="d" * 64, length=120)])
+        body = b"".join(np.ascontiguousarray(x, "<f4").tobytes() for x in (keys, values, train))
+        header.crc32 = zlib.crc32(body)
+        offload = [pb.OffloadPart(header=header), pb.OffloadPart(data=body)]
+        assert _code(lambda: stub.Offload(iter(offload))) == grpc.StatusCode.FAILED_PRECONDITION
+        blob = bytearray(chunk.to_bytes())
+        blob[len(blob) // 2] ^= 2
+        put = [pb.ChunkIndexPart(header=pb.ChunkIndexHeader(chunk_id="d" * 64, nbytes=len(blob))),
+               pb.ChunkIndexPart(data=bytes(blob))]
+        assert _code(lambda: stub.PutChunkIndex(iter(put))) == grpc.StatusCode.DATA_LOSS
+        short = [put[0], pb.ChunkIndexPart(data=bytes(blob[:-5]))]
+        assert _code(lambda: stub.PutChunkIndex(iter(short))) == grpc.StatusCode.DATA_LOSS
+        bad_id = [pb.ChunkIndexPart(header=pb.ChunkIndexHeader(chunk_id="../x", nbytes=4)),
+                  pb.ChunkIndexPart(data=b"1234")]
+        assert _code(lambda: stub.PutChunkIndex(iter(bad_id))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert _code(lambda: stub.Offload(iter(offload))) == grpc.StatusCode.FAILED_PRECONDITION   # still not held
+        too_long = pb.OffloadHeader()
+        too_long.CopyFrom(header)
+        too_long.chunks[0].length = N + 1
+        assert _code(lambda: stub.Offload(iter([pb.OffloadPart(header=too_long), offload[1]]))) == \
+            grpc.StatusCode.INVALID_ARGUMENT
+        assert client.held() == before
+        client._put.add("d" * 64)   # the client believes it put the chunk: the service's answer makes it put it again
+        client.add("seq-d", 0, keys, values, train, chunks=[("d" * 64, chunk)])
+        assert client.held()[0] == before[0] + 1
+        for owner in ("seq-c", "seq-d"):
+            client.drop(owner)
+    local.close()

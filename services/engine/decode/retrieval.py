@@ -22,8 +22,14 @@ on the GPU is its static set.
 At a step, layer by layer: the query rows go to the host first (a pinned copy, waited for alone), the static set's
 attention is issued on the GPU, and the CPU searches and attends while it runs.
 
+Shared chunks (``EngineOptions.chunk_indexes``): a chunk wholly among the offloaded tokens is searched through its own
+graphs, built once in its frame (services/index/chunks.py: the chunk runs alone once to tap its queries, shifted
+forward by ``CHUNK_QUERY_SHIFTS``) and kept by chunk id; the sequence's offload puts each such chunk's tokens first, as
+a run in its own order (CacheBlend's recomputed tokens with their own keys), composes the graphs over its keys and
+repairs the composition with its own prefill queries (links between chunks), and builds one graph for the rest.
+
 Not yet (issue #22): the prefill pass still holds the whole context on the GPU (a context larger than the GPU is not
-served yet); indexes are per sequence, not reused per chunk. A hand-off carries a sample of the queries
+served yet). A hand-off carries a sample of the queries
 (``HANDOFF_QUERIES`` a layer) when its prefill was asked to (``tap_queries``), and a decode engine builds from those.
 """
 
@@ -173,7 +179,7 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
     off = Offload(owner)
     bits = torch.arange(bs, device=fwd.device, dtype=torch.int64)
     split: dict[int, tuple] = {}   # per distinct table object: (static entries, offloaded blocks, slots, offsets, runs)
-    chunk_graphs = policy.retrieval_k > 0 and fwd.options.chunk_indexes and _composes(fwd.indexes)
+    chunk_graphs = policy.retrieval_k > 0 and fwd.options.chunk_indexes
     futures: dict[str, Future] = {}
     try:
         for layer, table in enumerate(seq.layer_tables):
@@ -202,17 +208,19 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
             for key, _ in runs:
                 if key not in futures:
                     futures[key] = chunk_index(fwd, key, seq)
-            if sum(n for _, n in runs) == k.shape[0]:
-                train = np.zeros((hkv, 0, k.shape[-1]), np.float32)    # the chunks' graphs cover every key
-            else:
-                q = None if seq.prefill_queries is None else seq.prefill_queries.queries(layer)
-                if q is None:
-                    raise ValueError(f"decode='retrieval' needs the prefill pass's queries to index layer {layer}: "
-                                     "a hand-off must be made with them (prefill_handoff(tap_queries=True))")
+            # the request's queries index the keys outside whole chunks and link the chunks' graphs to one another
+            # (IndexSet.add); without them, only chunks' graphs alone (a hand-off made without its queries)
+            q = None if seq.prefill_queries is None else seq.prefill_queries.queries(layer)
+            if q is not None:
                 train = (q.float().reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
                          .cpu().numpy())
+            elif sum(n for _, n in runs) == k.shape[0]:
+                train = np.zeros((hkv, 0, k.shape[-1]), np.float32)
+            else:
+                raise ValueError(f"decode='retrieval' needs the prefill pass's queries to index layer {layer}: "
+                                 "a hand-off must be made with them (prefill_handoff(tap_queries=True))")
             layers.append((k.permute(1, 0, 2).cpu().numpy(), v.permute(1, 0, 2).cpu().numpy(), train,
-                           [(futures[key], n) for key, n in runs]))
+                           [(key, futures[key]) for key, _ in runs]))
     except BaseException:
         if fwd.indexes is not None:
             fwd.indexes.drop(owner)
@@ -225,13 +233,6 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
     seq.offload = off
     seq.prefill_queries = None   # the index holds what it needs
     keep_static(fwd, seq, {key: entries for key, (entries, *_) in split.items()})
-
-
-def _composes(indexes) -> bool:
-    """Whether the index set takes graphs built before (an in-process one; the service builds its own)."""
-    from services.index.heads import IndexSet
-
-    return isinstance(indexes, IndexSet)
 
 
 def _builder(fwd) -> ThreadPoolExecutor:
@@ -333,8 +334,8 @@ def _build(indexes, off: Offload, layers: list) -> None:
             if off.cancelled:
                 break
             keys, values, train, runs = layers[layer]
-            parts = [fut.result().graphs[layer] for fut, _ in runs]   # built before this job: none waits
-            indexes.add(off.owner, layer, keys, values, train, **({"parts": parts} if parts else {}))
+            chunks = [(key, fut.result()) for key, fut in runs]   # built before this job: none waits
+            indexes.add(off.owner, layer, keys, values, train, **({"chunks": chunks} if chunks else {}))
             layers[layer] = None            # the index set holds them now
     finally:
         with off.lock:
