@@ -1,5 +1,6 @@
-"""Recall@k of an index composed from chunk graphs (built once, in each chunk's frame) against one index built per
-request, on the longgen quality model's queries and keys; the chunks also placed far from where they were built.
+"""Recall@k of an index composed from chunk graphs (built once, in each chunk's frame), alone and repaired with the
+request's own queries, against one index built per request, on the longgen quality model's queries and keys; the
+chunks also placed far from where they were built.
 
 Data (``loadgen/quality/qk_dump.py``): every (layer, KV head) of the trained longgen model, ``--prompts`` held-out
 prompts in the *spread* layout: prompt p runs alone at positions 0..T-1 and is then rotated on by its offset (the
@@ -24,9 +25,15 @@ own (as if CacheBlend had recomputed every token). ``ChunkIndex.build`` (one thr
 path): ``AttentionIndex.build`` over every key. Both take the request's prefill queries strided to
 ``TRAIN_QUERIES`` positions, as the engine's ``QueryTap`` keeps them (every query head of the group each).
 
+Repaired composed index (``IndexSet.add`` whenever the request has queries): the composed index above,
+``.repaired(train)`` with those same request queries of the head (the composed index's default ``BuildConfig``: the
+build's step 4, 2 rounds, across parts). ``--subsample`` repeats it at +0 with a seeded sample of that many of the
+training queries a head (the repair's cost grows with them).
+
 Far offsets (``--offsets``): every key and answer query rotated on by the same extra distance, past the model's
 1,024 positions (scores are unchanged up to rounding): the composed index reuses its chunk graphs and rebuilds
-only the rest's graph; the per-request index is rebuilt. Builds are timed on one thread each.
+only the rest's graph, the repaired one that and the repair; the per-request index is rebuilt. Builds and repairs
+are timed on one thread each.
 
     .venv/bin/python bench/index/chunk_recall.py     # writes bench/index/DATE_cpu_COMMIT_chunk_recall.{json,png}
 """
@@ -58,7 +65,7 @@ from services.index.chunks import ChunkIndex                                  # 
 
 # one option changed at a time from ChunkIndex's defaults (its own entries and training-query cap, BuildConfig's rest)
 SWEEP = [{}, {"repair_rounds": 0}, {"repair_rounds": 1}, {"repair_queries": 512}, {"repair_queries": 2048},
-         {"entries": 1}, {"entries": 4}, {"entries": 16}, {"build_beam": 32}, {"query_neighbors": 32},
+         {"entries": 4}, {"entries": 8}, {"entries": 16}, {"build_beam": 32}, {"query_neighbors": 32},
          {"degree": 16, "max_degree": 32}]
 
 
@@ -168,28 +175,49 @@ def reach(per_head, target):
     return {"mean": None if None in each else float(np.mean(each)), "max": None if None in each else max(each)}
 
 
+COLORS = {"composed": "tab:red", "repaired": "tab:green", "per_request": "tab:blue"}
+
+
 def plot(doc, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.6), dpi=120)
+    panels = 1 + bool(doc.get("repair_subsample")) + bool(doc["sweep"])
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4.6), dpi=120, squeeze=False)
+    axes = list(axes[0])
+    per_request = doc["curves"]["0"]["per_request"]["mean"]
     ax = axes[0]
     for offset, style, marker in zip(["0", *map(str, doc["offsets"])], ["-", "--", ":"], ["o", "x", "+"]):
-        for name, color in (("composed", "tab:red"), ("per_request", "tab:blue")):
-            rows = doc["curves"][offset][name]["mean"]     # far offsets: drawn over +0 (the same to rounding)
+        for name, curves in doc["curves"][offset].items():
+            rows = curves["mean"]     # far offsets: drawn over +0 (the same to rounding)
             ax.plot([100 * r["scanned"] for r in rows], [r["recall"] for r in rows], style, marker=marker,
-                    markersize=9 if marker == "+" else 6, color=color, label=f"{name.replace('_', '-')}, +{offset}")
-    ax.set_title(f"composed chunk graphs vs one index per request (mean of {doc['heads']} heads)", fontsize=9)
-    ax = axes[1]
-    for i, s in enumerate(doc["sweep"]):
-        rows = s["mean"]
-        ax.plot([100 * r["scanned"] for r in rows], [r["recall"] for r in rows], marker=".", linewidth=1,
-                color=plt.cm.tab20(i), label=f"{s['name']} ({1e3 * s['seconds_per_graph']:.1f} ms/graph)")
-    rows = doc["curves"]["0"]["per_request"]["mean"]
-    ax.plot([100 * r["scanned"] for r in rows], [r["recall"] for r in rows], "k--", linewidth=1, label="per-request")
-    ax.set_title("composed, chunk build options (one changed from the default)", fontsize=9)
+                    markersize=9 if marker == "+" else 6, color=COLORS[name], label=f"{name.replace('_', '-')}, +{offset}")
+    ax.set_title(f"composed chunk graphs, alone and repaired, vs one index per request (mean of {doc['heads']} heads)",
+                 fontsize=9)
+    if doc.get("repair_subsample"):
+        ax = axes[1]
+        full = np.mean([b["repair_s"] for b in doc["builds"]])
+        runs = [(doc["train_queries_per_request"], full, doc["curves"]["0"]["repaired"]["mean"])]
+        runs += [(s["queries"], s["repair_s"], s["mean"]) for s in doc["repair_subsample"]]
+        for (queries, seconds, rows), color in zip(runs, ["tab:green", "tab:olive", "tab:purple", "tab:brown"]):
+            ax.plot([100 * r["scanned"] for r in rows], [r["recall"] for r in rows], marker=".", color=color,
+                    label=f"repaired from {queries} queries a head ({seconds:.2f} s a head)")
+        for name in ("per_request", "composed"):
+            rows = doc["curves"]["0"][name]["mean"]
+            ax.plot([100 * r["scanned"] for r in rows], [r["recall"] for r in rows], "--", linewidth=1,
+                    color=COLORS[name], label=name.replace("_", "-"))
+        ax.set_title("repaired composition, the repair's training queries subsampled (+0)", fontsize=9)
+    if doc["sweep"]:
+        ax = axes[-1]
+        for i, s in enumerate(doc["sweep"]):
+            rows = s["mean"]
+            ax.plot([100 * r["scanned"] for r in rows], [r["recall"] for r in rows], marker=".", linewidth=1,
+                    color=plt.cm.tab20(i), label=f"{s['name']} ({1e3 * s['seconds_per_graph']:.1f} ms/graph)")
+        ax.plot([100 * r["scanned"] for r in per_request], [r["recall"] for r in per_request], "k--", linewidth=1,
+                label="per-request")
+        ax.set_title("composed (not repaired), chunk build options (one changed from the default)", fontsize=9)
     for ax in axes:
         ax.set_xscale("log")
         ticks = [2, 3, 5, 10, 20, 30, 50, 100]
@@ -199,8 +227,10 @@ def plot(doc, path):
         ax.set_ylabel(f"recall@{doc['k']}")
         ax.axhline(0.95, color="grey", linestyle=":", linewidth=0.8)
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=7, loc="lower right")
-    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    for ax in axes[:2 if doc.get("repair_subsample") else 1]:
+        ax.legend(fontsize=7, loc="lower right")
+    if doc["sweep"]:
+        axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(f"longgen model, {doc['prompts']} prompts spread ({doc['num_keys']} keys, {doc['num_chunks']} "
                  f"chunks of 64), {doc['heldout_queries']} held-out answer queries a head; CPU, commit {doc['commit']}",
                  fontsize=9)
@@ -216,7 +246,8 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=100)
     ap.add_argument("--beams", default="100,128,160,200,260,350,500,800")
     ap.add_argument("--offsets", default="4096,60000", help="extra distances the request is placed at")
-    ap.add_argument("--budgets", default="0.2,0.3", help="scanned fractions the sweep reports recall at")
+    ap.add_argument("--budgets", default="0.2,0.3", help="scanned fractions recall is reported at")
+    ap.add_argument("--subsample", default="1024,512", help="training queries a head the repair also runs with, at +0")
     ap.add_argument("--sweep", default="all", help="'all', 'none' or indices into SWEEP, e.g. 0,5")
     ap.add_argument("--what", default="chunk_recall")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
@@ -229,6 +260,7 @@ def main() -> None:
                                                         text=True, check=True).stdout.strip()
     beams = [int(x) for x in args.beams.split(",")]
     offsets = [int(x) for x in args.offsets.split(",") if x]
+    subsamples = [int(x) for x in args.subsample.split(",") if x]
     budgets = [float(x) for x in args.budgets.split(",")]
     sweep = SWEEP if args.sweep == "all" else [] if args.sweep == "none" else [SWEEP[int(i)] for i in args.sweep.split(",")]
     started = dt.datetime.now(dt.timezone.utc)
@@ -261,6 +293,17 @@ def main() -> None:
         parts = [c.graphs[head.layer][head.kv_head] for c in built] + [rest_graphs[head.layer, head.kv_head, delta]]
         return AttentionIndex.compose(keys[order], parts), rest_s
 
+    def repaired_index(composed, head, delta, subsample=None):
+        """``composed`` repaired as ``IndexSet.add`` does (the request's queries of the head; ``subsample``: a seeded
+        sample of that many of them), and the repair's seconds."""
+        train = request_queries(head, n, group)
+        if subsample is not None and subsample < train.shape[0]:
+            train = train[np.sort(np.random.default_rng(args.seed).choice(train.shape[0], subsample, replace=False))]
+        train = rotate(train, delta, inv_freq) if delta else train
+        t0 = time.perf_counter()
+        index = composed.repaired(train, threads=1)
+        return index, time.perf_counter() - t0
+
     def per_request_index(head, delta):
         keys = rotate(head.keys, delta, inv_freq) if delta else head.keys
         train = request_queries(head, n, group)
@@ -273,39 +316,60 @@ def main() -> None:
     print(f"chunk graphs: {1e3 * per_graph:.2f} ms a graph, one thread", flush=True)
     curves, builds, same = {}, [], {}
     first_ids = {}
+    subsampled = {m: [] for m in subsamples}
     for delta in [0, *offsets]:
-        per = {"composed": [], "per_request": []}
+        per = {"composed": [], "repaired": [], "per_request": []}
         for head in heads:
             composed, rest_s = composed_index(head, built, delta)
+            repaired, repair_s = repaired_index(composed, head, delta)
             full, full_s = per_request_index(head, delta)
             queries = rotate(head.heldout, delta, inv_freq) if delta else head.heldout
             kth = kth_scores(full.keys, queries, args.k)
-            rows_c, ids_c = curve(composed, composed.keys, queries, kth, args.k, beams)
-            rows_f, ids_f = curve(full, full.keys, queries, kth, args.k, beams)
-            per["composed"].append(rows_c)
-            per["per_request"].append(rows_f)
+            ids = {}
+            for name, index in (("composed", composed), ("repaired", repaired), ("per_request", full)):
+                rows, ids[name] = curve(index, index.keys, queries, kth, args.k, beams)
+                per[name].append(rows)
             if delta == 0:
-                first_ids[(head.layer, head.kv_head)] = ids_c, ids_f
+                first_ids[(head.layer, head.kv_head)] = ids
                 g = composed.graph
                 builds.append({"layer": head.layer, "kv_head": head.kv_head, "rest_build_s": rest_s,
-                               "per_request_build_s": full_s, "per_request_edges_per_key": full.num_edges / n,
+                               "repair_s": repair_s, "per_request_build_s": full_s,
+                               "per_request_edges_per_key": full.num_edges / n,
                                "composed_edges_per_key": g.targets.shape[0] / n, "composed_entries": g.entries.shape[0],
+                               "repaired_edges_per_key": repaired.num_edges / n,
                                "per_request_graph_bytes_per_key": (full.nbytes - full.keys.nbytes) / n,
                                "per_request_blob_bytes_per_key": len(full.to_bytes()) / n})
+                for m in subsamples:
+                    sub, sub_s = repaired_index(composed, head, 0, m)
+                    rows = curve(sub, sub.keys, queries, kth, args.k, beams)[0]
+                    subsampled[m].append((rows, sub_s, sub.num_edges / n))
+                    builds[-1].setdefault("repair_subsample_s", {})[str(m)] = sub_s
+                    print(f"  repair from {m} queries: {sub_s:.2f}s, recall "
+                          + " ".join(f"{r['recall']:.3f}@{100 * r['scanned']:.1f}%" for r in rows[:3]), flush=True)
             else:
                 before = first_ids[(head.layer, head.kv_head)]      # at the largest beam
-                for name, ids in (("composed", ids_c), ("per_request", ids_f)):
-                    same.setdefault(str(delta), {}).setdefault(name, []).append(float((ids == before[name == "per_request"]).mean()))
-                builds[heads.index(head)].setdefault("far", {})[str(delta)] = {"rest_build_s": rest_s,
-                                                                              "per_request_build_s": full_s}
-            print(f"+{delta} layer {head.layer} kv {head.kv_head}: composed "
-                  + " ".join(f"{r['recall']:.3f}@{100 * r['scanned']:.1f}%" for r in rows_c[:3]) + "  per-request "
-                  + " ".join(f"{r['recall']:.3f}@{100 * r['scanned']:.1f}%" for r in rows_f[:3])
-                  + f"  build rest {rest_s:.2f}s, per-request {full_s:.2f}s", flush=True)
+                for name, now in ids.items():
+                    same.setdefault(str(delta), {}).setdefault(name, []).append(float((now == before[name]).mean()))
+                builds[heads.index(head)].setdefault("far", {})[str(delta)] = {
+                    "rest_build_s": rest_s, "repair_s": repair_s, "per_request_build_s": full_s}
+            print(f"+{delta} layer {head.layer} kv {head.kv_head}: " + "  ".join(
+                f"{name} " + " ".join(f"{r['recall']:.3f}@{100 * r['scanned']:.1f}%" for r in rows[-1][:3])
+                for name, rows in per.items())
+                  + f"  rest {rest_s:.2f}s, repair {repair_s:.2f}s, per-request {full_s:.2f}s", flush=True)
         curves[str(delta)] = {name: {"mean": mean_rows(v), "per_head": v, "scanned_at_0.95": reach(v, 0.95),
                                      "scanned_at_0.9": reach(v, 0.9),
                                      "recall_at": {str(x): recall_at(mean_rows(v), x) for x in budgets}}
                               for name, v in per.items()}
+
+    train_queries = int(request_queries(heads[0], n, group).shape[0])
+    subsample_out = []
+    for m, runs in subsampled.items():
+        per_head = [rows for rows, _, _ in runs]
+        rows = mean_rows(per_head)
+        subsample_out.append({"queries": min(m, train_queries), "repair_s": float(np.mean([s for _, s, _ in runs])),
+                              "repaired_edges_per_key": float(np.mean([e for _, _, e in runs])),
+                              "recall_at": {str(x): recall_at(rows, x) for x in budgets},
+                              "scanned_at_0.95": reach(per_head, 0.95), "mean": rows, "per_head": per_head})
 
     sweep_out = []
     for options in sweep:
@@ -331,7 +395,7 @@ def main() -> None:
            "device": f"CPU, {len(os.sched_getaffinity(0))} cores", "task": "longgen", "prompts": args.prompts,
            "seed": args.seed, "k": args.k, "num_keys": n, "num_chunks": len(chunks), "rest_keys": int(len(rest)),
            "heads": len(heads), "heldout_queries": int(heads[0].heldout.shape[0]), "offsets": offsets,
-           "train_queries_per_request": int(request_queries(heads[0], n, group).shape[0]),
+           "train_queries_per_request": train_queries, "repair_subsample": subsample_out,
            "chunk": {"seconds_per_graph": per_graph, "seconds_per_1k_keys": per_graph * 1000 / chunks[0][2],
                      "blob_bytes_per_key": float(np.mean([len(c.to_bytes()) for c in built]) / (built[0].length * len(heads))),
                      "graph_bytes_per_key": float(np.mean([c.nbytes for c in built]) / (built[0].length * len(heads))),
@@ -344,11 +408,16 @@ def main() -> None:
         for name, v in c.items():
             print(f"+{delta:>6} {name:<12} " + " ".join(f"{r['recall']:.3f}@{100 * r['scanned']:.1f}%" for r in v["mean"])
                   + f"  scanned@0.95 {v['scanned_at_0.95']}  recall at {v['recall_at']}")
-    print(f"same ids as at +0: {same}")
+    for sub in subsample_out:
+        print(f"repaired from {sub['queries']} of {train_queries} queries: repair {sub['repair_s']:.2f} s a head, recall "
+              f"at {sub['recall_at']}, scanned@0.95 {sub['scanned_at_0.95']}")
+    print("same ids as at +0, min over heads: " + ", ".join(
+        f"+{d} {name} {min(v):.5f}" for d, names in same.items() for name, v in names.items()))
     full_s = np.mean([b["per_request_build_s"] for b in builds])
     print(f"builds, one thread: chunk {1e3 * per_graph:.2f} ms a graph ({doc['chunk']['seconds_per_1k_keys']:.3f} s / 1K"
           f" keys); per-request {full_s:.2f} s a graph ({full_s / n * 1000:.3f} s / 1K keys); rest "
-          f"{np.mean([b['rest_build_s'] for b in builds]):.3f} s; {doc['seconds']:.0f} s in all")
+          f"{np.mean([b['rest_build_s'] for b in builds]):.3f} s; repair {np.mean([b['repair_s'] for b in builds]):.3f}"
+          f" s a head; {doc['seconds']:.0f} s in all")
     stem = Path(args.out) / f"{started:%Y-%m-%d}_cpu_{commit}_{args.what}"
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     plot(doc, stem.with_suffix(".png"))
