@@ -20,6 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 
 from services.cluster.hostcache import HostChunks
+from services.engine.kv.chunk_ids import index_entry_id
+from services.kvstore.client import ChunkCorruptError
 from services.engine.kv.loader import StreamedLayer
 from services.tiers import Tier
 
@@ -203,6 +205,40 @@ class StoreAccess:
             with self._lock:
                 self._pending -= 1
 
+    def get_blob(self, entry_id: str) -> bytes | None:
+        """An entry of bytes (``KVStoreClient.put_bytes``) from its shard, or None when no reachable shard holds
+        it or it arrives damaged (the store checks every layer it serves)."""
+        if self._client is None:
+            return None
+        shard = self._client.shard_for(entry_id)
+        if not self._up(shard):
+            return None
+        try:
+            return self._client.client_for(entry_id).get_bytes(entry_id, timeout=self.get_timeout)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                self._failed(shard, "get", exc)
+            return None
+        except ChunkCorruptError as exc:
+            log.warning("kv store entry %s refused: %s", entry_id[:16], exc)
+            return None
+
+    def put_blob_later(self, entry_id: str, blob: bytes) -> Future | None:
+        """Store an entry of bytes on the put thread (best effort, as chunk puts); None when there is no store."""
+        if self._client is None:
+            return None
+
+        def put() -> bool:
+            try:
+                self._client.client_for(entry_id).put_bytes(entry_id, blob, timeout=self.put_timeout)
+                return True
+            except (grpc.RpcError, ValueError) as exc:
+                self.put_errors += 1
+                self._failed(self._client.shard_for(entry_id), "put", exc)
+                return False
+
+        return self._puts.submit(put)
+
     def drop_known(self) -> int:
         """Delete every chunk this worker stored, and empty its host tier (cold start between benchmark
         modes). Returns how many the store deleted."""
@@ -237,3 +273,22 @@ class StoreAccess:
         self._keeper.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             self._client.close()
+
+
+class ChunkIndexStore:
+    """Chunks' retrieval indexes in the store, beside their KV (``Forward.chunk_index_store``): ``get(chunk id)`` the
+    bytes a worker stored (the engine checks them before any use), ``put(chunk id, bytes)`` in the background,
+    ``drop(chunk id)`` a copy the engine refused (entries are write-once: a put does not replace one). Each is an entry
+    of bytes under ``index_entry_id`` of the chunk, so its tiers, checksums and eviction are a chunk's."""
+
+    def __init__(self, store: StoreAccess) -> None:
+        self.store = store
+
+    def get(self, chunk_id: str) -> bytes | None:
+        return self.store.get_blob(index_entry_id(chunk_id))
+
+    def put(self, chunk_id: str, blob: bytes) -> None:
+        self.store.put_blob_later(index_entry_id(chunk_id), blob)
+
+    def drop(self, chunk_id: str) -> None:
+        self.store.forget([index_entry_id(chunk_id)], store=True)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import grpc
 
 from services.cluster.config import DecodeSettings, EngineSettings
-from services.cluster.kvio import StoreAccess
+from services.cluster.kvio import ChunkIndexStore, StoreAccess
 from services.handoff.cuda_ipc import copy_out, placement
 from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import read_decode_policy, read_sampling
@@ -243,6 +243,8 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
             log.info("decode worker %s warmed up in %.1f s: batches %s over %d tokens", name, warm["seconds"],
                      warm["batches"], warm["context_tokens"])
     store = StoreAccess(store_addresses, host_bytes=settings.host_cache_bytes, tls=cluster_tls)
+    if store_addresses:   # chunks' retrieval indexes kept beside their KV: built once for every decode worker
+        eng.forward.chunk_index_store = ChunkIndexStore(store)
 
     def fetch(cid: str):
         # the decode worker has no lookup ahead of the pass: ask now, stream if present

@@ -17,20 +17,25 @@ BUILD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 
 
 class _HeldCollector:
-    def __init__(self, indexes) -> None:
-        self._indexes = indexes
+    def __init__(self, indexes, chunk_indexes) -> None:
+        self._indexes, self._chunk_indexes = indexes, chunk_indexes
 
     def collect(self):
         owners, kv, graph = self._indexes.held()
         yield GaugeMetricFamily("tessera_index_owners", "Owners (sequences) with offloaded K/V held", value=owners)
         yield GaugeMetricFamily("tessera_index_kv_bytes", "Offloaded K/V bytes held", value=kv)
         yield GaugeMetricFamily("tessera_index_index_bytes", "Bytes of the indexes over them", value=graph)
+        if self._chunk_indexes is not None:
+            chunks, nbytes = self._chunk_indexes.held()
+            yield GaugeMetricFamily("tessera_index_chunk_indexes", "Shared chunks' indexes held", value=chunks)
+            yield GaugeMetricFamily("tessera_index_chunk_index_bytes", "Bytes of the chunks' indexes held",
+                                    value=nbytes)
 
 
 class IndexMetrics(MetricsEndpoint):
-    def __init__(self, indexes, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, indexes, registry: CollectorRegistry | None = None, chunk_indexes=None) -> None:
         self.registry = registry or CollectorRegistry()
-        self.registry.register(_HeldCollector(indexes))
+        self.registry.register(_HeldCollector(indexes, chunk_indexes))
         self.build_seconds = Histogram("tessera_index_build_seconds", "Building one (owner, layer)'s indexes",
                                        buckets=BUILD_BUCKETS, registry=self.registry)
         self.search_seconds = Histogram("tessera_index_search_seconds",

@@ -287,10 +287,10 @@ async def create_server(*, threads: int = 4, host: str = "127.0.0.1", port: int 
     from services.cluster.guard import RoleGuard
 
     indexes = IndexSet(threads)
-    metrics = IndexMetrics(indexes)
+    chunk_indexes = ChunkIndexCache(chunk_index_bytes)
+    metrics = IndexMetrics(indexes, chunk_indexes=chunk_indexes)
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RoleGuard("retrieval index", authorize=tls is not None)])
-    pb_grpc.add_RetrievalIndexServicer_to_server(IndexServicer(indexes, metrics, ChunkIndexCache(chunk_index_bytes)),
-                                                 server)
+    pb_grpc.add_RetrievalIndexServicer_to_server(IndexServicer(indexes, metrics, chunk_indexes), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

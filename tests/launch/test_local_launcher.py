@@ -97,7 +97,8 @@ def _index_samples(url: str) -> dict[str, float]:
 @pytest.mark.slow
 def test_a_retrieval_decode_keeps_its_kv_in_the_decode_workers_index_service(local_cluster, reference):
     """Every key a retrieval step scanned was scanned by the index service, which held the sequence's K/V while it
-    decoded and dropped them when it ended; retrieving every key generates the engine's dense tokens."""
+    decoded and dropped them when it ended; retrieving every key generates the engine's dense tokens. The middle
+    chunk, wholly offloaded, was searched through its own index, which the service keeps for later requests."""
     chunks, suffix = docs(3, 48, seed=9), [4, 5, 6]
     url = local_cluster.metrics["tessera-index-0"]
     before = _index_samples(url)
@@ -113,6 +114,7 @@ def test_a_retrieval_decode_keeps_its_kv_in_the_decode_workers_index_service(loc
     assert after["tessera_index_keys_offloaded_total"] > before.get("tessera_index_keys_offloaded_total", 0)
     assert after["tessera_index_search_seconds_count"] > before.get("tessera_index_search_seconds_count", 0)
     assert after["tessera_index_owners"] == 0 and after["tessera_index_kv_bytes"] == 0    # dropped as it ended
+    assert after["tessera_index_chunk_indexes"] >= 1 and after["tessera_index_chunk_index_bytes"] > 0
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ served yet). A hand-off carries a sample of the queries
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ HANDOFF_QUERIES = 256
 CHUNK_QUERY_SHIFTS = (0.0, 1 / 32, 1 / 8, 1 / 2)
 
 _owners = itertools.count()
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,14 +270,18 @@ def _chunk_runs(seq, table, gpos: np.ndarray) -> tuple[np.ndarray, list[tuple[st
 
 
 def chunk_index(fwd, key: str, seq) -> Future:
-    """The index of shared chunk ``key`` (a ``ChunkIndex``): one built before (``fwd.chunk_indexes``), one being
-    built, or one whose build starts now: the chunk alone runs again to tap its queries, and its keys (as cached) and
-    those queries go to the builder thread."""
+    """The index of shared chunk ``key`` (a ``ChunkIndex``): one held (``fwd.chunk_indexes``), one being built, one
+    the store holds (``fwd.chunk_index_store``: its bytes checked, and its shape against the chunk's), or one whose
+    build starts now: the chunk alone runs again to tap its queries, and its keys (as cached) and those queries go to
+    the builder thread, which then stores it."""
     from services.index.chunks import ChunkIndexCache
 
     if fwd.chunk_indexes is None:
         fwd.chunk_indexes = ChunkIndexCache(fwd.options.chunk_index_bytes)
+    entry = next(e for e in seq.pinned if e.key == key)
     built = fwd.chunk_indexes.get(key)
+    if built is None:
+        built = _stored_chunk_index(fwd, key, entry.length)
     if built is not None:
         done: Future = Future()
         done.set_result(built)
@@ -283,10 +289,35 @@ def chunk_index(fwd, key: str, seq) -> Future:
     pending = fwd.chunk_builds.get(key)
     if pending is not None:
         return pending
-    keys, train = chunk_inputs(fwd, seq.chunk_tokens[key], next(e for e in seq.pinned if e.key == key))
+    keys, train = chunk_inputs(fwd, seq.chunk_tokens[key], entry)
     fut = _builder(fwd).submit(_build_chunk, fwd, key, keys, train)
     fwd.chunk_builds[key] = fut
     return fut
+
+
+def _stored_chunk_index(fwd, key: str, length: int):
+    """The store's copy of a chunk's index, kept in ``fwd.chunk_indexes``; None when there is no store, it holds
+    none, or its bytes are not an intact index of this chunk and model (refused and logged: the index is built
+    again and the store's copy replaced)."""
+    store = fwd.chunk_index_store
+    blob = None if store is None else store.get(key)
+    if blob is None:
+        return None
+    from services.index.chunks import ChunkIndex
+
+    cfg = fwd.cfg
+    try:
+        index = ChunkIndex.from_bytes(blob)
+        if (index.length, index.num_layers, index.num_heads) != (length, cfg.num_layers, cfg.num_kv_heads):
+            raise ValueError(f"it has {index.length} keys x {index.num_layers} layers x {index.num_heads} heads, the "
+                             f"chunk {length} x {cfg.num_layers} x {cfg.num_kv_heads}")
+    except ValueError as exc:
+        log.warning("the stored index of chunk %s is refused, and built again: %s", key[:16], exc)
+        fwd.chunk_index_refused += 1
+        store.drop(key)          # so that the rebuilt one takes its place
+        return None
+    fwd.chunk_indexes.put(key, index)
+    return index
 
 
 def chunk_inputs(fwd, tokens, entry) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -321,6 +352,8 @@ def _build_chunk(fwd, key: str, keys: list, train: list):
         index = ChunkIndex.build([k.float().numpy() for k in keys], [q.float().numpy() for q in train],
                                  threads=fwd.options.index_threads)
         fwd.chunk_indexes.put(key, index)
+        if fwd.chunk_index_store is not None:
+            fwd.chunk_index_store.put(key, index.to_bytes())
         return index
     finally:
         fwd.chunk_builds.pop(key, None)

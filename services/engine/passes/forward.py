@@ -73,6 +73,8 @@ class Forward:
         self.index_builder = None  # the thread building them (decode/retrieval.py), likewise
         self.chunk_indexes = None  # built chunk indexes by chunk id (services/index/chunks.py ChunkIndexCache), likewise
         self.chunk_builds: dict = {}  # chunk id -> Future of its index while it builds
+        self.chunk_index_store = None  # where chunk indexes are kept beside the chunks' KV (get / put by chunk id)
+        self.chunk_index_refused = 0  # stored chunk indexes refused (damaged or another shape), built again
         self._chunk_tables: OrderedDict[tuple, BlockTable] = OrderedDict()  # see chunk_table
 
     def static_tail(self, n_tokens: int) -> bool:

@@ -101,3 +101,49 @@ def test_with_chunk_indexes_off_every_sequence_builds_its_own(tiny_dir):
     chunks, suffix = request(68, [a])
     eng.generate(chunks, suffix, max_new_tokens=3, recompute_ratio=0.0, decode="retrieval", retrieval_k=8, **SMALL)
     assert built(eng) == set()
+
+
+def test_chunk_indexes_are_kept_in_the_store_and_a_damaged_copy_there_is_refused_and_replaced(tiny_dir, tmp_path,
+                                                                                               monkeypatch):
+    """A decode worker's engine stores each chunk index it builds (services/cluster/kvio.py ChunkIndexStore); another
+    engine on the same store loads it instead of building; a damaged stored copy is refused, built again and
+    replaced."""
+    from services.cluster.kvio import ChunkIndexStore, StoreAccess
+    from services.engine.kv.chunk_ids import index_entry_id
+    from services.index import chunks as chunk_module
+    from services.kvstore import BackgroundServer, StoreConfig
+
+    (a,), _ = random_request(69, lengths=(64,), suffix_len=1)
+    chunks, suffix = request(70, [a])
+    with BackgroundServer(StoreConfig(dram_bytes=16 << 20, rocksdb_dir=str(tmp_path / "rocksdb"))) as srv:
+        store = StoreAccess([srv.address])
+        engines = [Engine.load(tiny_dir) for _ in range(3)]
+        for eng in engines:
+            eng.forward.chunk_index_store = ChunkIndexStore(store)
+
+        def run(eng):
+            return eng.generate(chunks, suffix, max_new_tokens=4, stop_token_ids=[], recompute_ratio=0.0,
+                                decode="retrieval", retrieval_k=8, **SMALL)
+
+        first = run(engines[0])
+        cid = engines[0].chunk_id(a)
+        blob = engines[0].export_chunk_index(cid)
+        store._puts.submit(lambda: None).result()            # the put thread has stored it
+        assert store.get_blob(index_entry_id(cid)) == blob
+        built = chunk_module.ChunkIndex.build
+        monkeypatch.setattr(chunk_module.ChunkIndex, "build", classmethod(
+            lambda *_a, **_k: (_ for _ in ()).throw(AssertionError("built, not loaded"))))
+        assert run(engines[1]) == first                       # loaded from the store: no build
+        assert engines[1].export_chunk_index(cid) == blob
+        monkeypatch.setattr(chunk_module.ChunkIndex, "build", built)
+        bad = bytearray(blob)
+        bad[100] ^= 1
+        client = store._client.client_for(index_entry_id(cid))
+        client.delete(index_entry_id(cid))
+        client.put_bytes(index_entry_id(cid), bytes(bad))    # a writer's bad bytes (the store checks only transport)
+        assert run(engines[2]) == first                       # refused, built again
+        assert engines[2].forward.chunk_index_refused == 1
+        assert engines[2].export_chunk_index(cid) == blob
+        store._puts.submit(lambda: None).result()
+        assert store.get_blob(index_entry_id(cid)) == blob    # and the store's copy replaced
+        store.close()
