@@ -160,14 +160,13 @@ def mean_rows(per_head):
 
 
 def recall_at(rows, budget):
-    """Recall where the mean curve reaches scanned = budget, interpolated; None below its first point."""
+    """Recall where the mean curve reaches scanned = budget, interpolated; None outside its points (no beam scanned
+    that little, or none that much)."""
     pts = sorted((r["scanned"], r["recall"]) for r in rows)
-    if budget < pts[0][0]:
-        return None
     for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
         if s0 <= budget <= s1:
             return r0 + (r1 - r0) * (budget - s0) / (s1 - s0)
-    return pts[-1][1]
+    return None
 
 
 def reach(per_head, target):
