@@ -209,7 +209,11 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
             v = pool.v[layer][blocks, slots].float()
             for key, _ in runs:
                 if key not in futures:
-                    futures[key] = chunk_index(fwd, key, seq)
+                    try:
+                        futures[key] = chunk_index(fwd, key, seq)
+                    except Exception as exc:     # e.g. no KV blocks left for its query pass: the builder falls back
+                        futures[key] = Future()
+                        futures[key].set_exception(exc)
             # the request's queries index the keys outside whole chunks and link the chunks' graphs to one another
             # (IndexSet.add); without them, only chunks' graphs alone (a hand-off made without its queries)
             q = None if seq.prefill_queries is None else seq.prefill_queries.queries(layer)
@@ -367,7 +371,14 @@ def _build(indexes, off: Offload, layers: list) -> None:
             if off.cancelled:
                 break
             keys, values, train, runs = layers[layer]
-            chunks = [(key, fut.result()) for key, fut in runs]   # built before this job: none waits
+            try:
+                chunks = [(key, fut.result()) for key, fut in runs]   # built before this job: none waits
+            except Exception as exc:
+                if not train.shape[1]:
+                    raise
+                # a chunk's index could not be had: this layer's index is the sequence's own, over every key
+                log.warning("a chunk index failed (%s): layer %d of %s is indexed whole", exc, layer, off.owner)
+                chunks = []
             indexes.add(off.owner, layer, keys, values, train, **({"chunks": chunks} if chunks else {}))
             layers[layer] = None            # the index set holds them now
     finally:

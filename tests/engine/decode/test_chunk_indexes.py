@@ -147,3 +147,25 @@ def test_chunk_indexes_are_kept_in_the_store_and_a_damaged_copy_there_is_refused
         store._puts.submit(lambda: None).result()
         assert store.get_blob(index_entry_id(cid)) == blob    # and the store's copy replaced
         store.close()
+
+
+@pytest.mark.parametrize("where", ["query pass", "build"])
+def test_a_chunk_index_that_cannot_be_had_falls_back_to_the_sequences_own_index(tiny_dir, monkeypatch, where):
+    """The chunk's query pass (no KV blocks left for it) or its build fails: the sequence indexes every key itself,
+    decodes as dense when every key is retrieved, and no chunk index is kept."""
+    from services.engine.kv.chunk_cache import PoolExhausted
+    from services.engine.passes.forward import Forward
+    from services.index.chunks import ChunkIndex
+
+    def fail(*_a, **_k):
+        raise PoolExhausted("KV memory exhausted (test)") if where == "query pass" else RuntimeError("build (test)")
+
+    monkeypatch.setattr(Forward, "tap_chunk", fail) if where == "query pass" else \
+        monkeypatch.setattr(ChunkIndex, "build", classmethod(fail))
+    eng = Engine.load(tiny_dir)
+    (a, b), _ = random_request(71, lengths=(48, 64), suffix_len=1)
+    chunks, suffix = request(72, [a, b])
+    dense = eng.generate(chunks, suffix, max_new_tokens=5, stop_token_ids=[], recompute_ratio=0.0)
+    got = eng.generate(chunks, suffix, max_new_tokens=5, stop_token_ids=[], recompute_ratio=0.0,
+                       decode="retrieval", retrieval_k=4096, **SMALL)
+    assert got == dense and built(eng) == set()
