@@ -243,7 +243,9 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
             log.info("decode worker %s warmed up in %.1f s: batches %s over %d tokens", name, warm["seconds"],
                      warm["batches"], warm["context_tokens"])
     store = StoreAccess(store_addresses, host_bytes=settings.host_cache_bytes, tls=cluster_tls)
-    if store_addresses:   # chunks' retrieval indexes kept beside their KV: built once for every decode worker
+    # chunks' retrieval indexes kept beside their KV, built once for every decode worker; not under the cluster's
+    # mutual TLS, where the store takes puts from prefill workers only (README: security model)
+    if store_addresses and cluster_tls is None:
         eng.forward.chunk_index_store = ChunkIndexStore(store)
 
     def fetch(cid: str):

@@ -4,8 +4,8 @@ Between workers on one GPU the private K/V stay on the device (``cuda_ipc``: the
 only the small rest of the hand-off). Otherwise the hand-off is a gRPC client stream to the decode
 worker's ``PushHandoff``: a ``HandoffHeader`` then the payload in ~1 MiB parts, checked against the
 header's length and crc32 (zlib's value, computed by ISA-L) on arrival. NIXL (UCX) is probed and
-reported, but its data path is not wired in: where it is found the gRPC stream is still used (the
-report names both).
+reported; its data plane (``nixl.py``: registered memory read by a peer, checked on landing) is not yet
+what hand-offs use: where it is found the gRPC stream is still used (the report names both).
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ class TransportChoice:
 
 def probe_transport(device=None) -> TransportChoice:
     ipc = device is not None and device.type == "cuda"
-    nixl = ("nixl is not installed" if importlib.util.find_spec("nixl") is None
-            else "nixl found; its data path is not wired in yet")
+    found = [m for m in ("nixl", "nixl_cu13", "nixl_cu12") if importlib.util.find_spec(m) is not None]
+    nixl = ("nixl is not installed" if not found
+            else f"{found[0]} found; hand-offs do not use its data path yet (services/handoff/nixl.py)")
     if ipc:
         return TransportChoice("cuda-ipc", f"cuda-ipc to decode workers on this GPU, else grpc stream ({nixl})")
     return TransportChoice("grpc", f"grpc stream ({nixl})")

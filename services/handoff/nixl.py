@@ -1,0 +1,197 @@
+"""NIXL data plane (issue #23): bytes read straight from a peer's registered memory, the control plane left to gRPC.
+
+A worker makes one ``NixlEndpoint`` (a NIXL agent with the UCX backend) and registers the memory it will expose or
+fill once (``register``: its KV pool, the store's DRAM tier, a staging buffer). To hand bytes over, the owner makes an
+``Offer`` of some of its registered tensors: its agent's metadata, the tensors' transfer descriptors, their byte
+count and their CRC-32. The offer travels over the existing gRPC services (mutual TLS: only cluster members learn
+where registered memory is); the receiver ``read``s the offered bytes into its own registered tensors, which NIXL
+(UCX) moves without the sender's CPU, and then checks the CRC-32 over what landed (``verified``) before any use: a
+transfer that fails, stalls past its deadline or lands other bytes raises ``TransferFailed`` and the caller falls
+back (recompute, or the gRPC stream). A notification tells the sender the read is done, so it may reuse the memory.
+
+What the data plane does not protect: UCX moves the bytes unencrypted; anyone on the network path can read them, and
+a peer holding an offer can read the offered memory until it is deregistered. The README's security model says so.
+
+NIXL ships per CUDA major (``nixl-cu12``, ``nixl-cu13``; ``nixl`` picks one); ``load_nixl`` finds whichever is
+installed or says why none can be used, and callers report that as the transport's choice.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import struct
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.kvstore.chunk import checksum
+
+_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+_OFFER = struct.Struct("<4sHHIIQI")     # magic, version, reserved, name, metadata, nbytes, crc32 (+ descs length)
+_MAGIC = b"NXOF"
+_VERSION = 1
+_names = itertools.count()
+
+
+class NixlUnavailable(RuntimeError):
+    """No usable NIXL here (not installed, or without its UCX plugin); the text says which."""
+
+
+class TransferFailed(RuntimeError):
+    """A NIXL read that did not land the offered bytes whole and intact in time."""
+
+
+def load_nixl():
+    """The NIXL Python API module of the first package found (``nixl``, ``nixl-cu13``, ``nixl-cu12``)."""
+    reasons = []
+    for name in _MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            reasons.append(f"{name.split('.')[0]}: {exc}")
+    raise NixlUnavailable("no NIXL package is installed (" + "; ".join(reasons) + ")")
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """What a receiver needs to read some of the sender's registered memory: the sender agent's name and metadata,
+    the transfer descriptors of the offered tensors (serialized by NIXL), their total bytes and CRC-32."""
+
+    agent: str
+    metadata: bytes
+    descs: bytes
+    nbytes: int
+    crc32: int
+
+    def to_bytes(self) -> bytes:
+        name = self.agent.encode()
+        head = _OFFER.pack(_MAGIC, _VERSION, 0, len(name), len(self.metadata), self.nbytes, self.crc32)
+        return head + struct.pack("<I", len(self.descs)) + name + self.metadata + self.descs
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> "Offer":
+        """ValueError for anything ``to_bytes`` did not write (wrong magic or version, lengths that do not add up)."""
+        fixed = _OFFER.size + 4
+        if len(blob) < fixed:
+            raise ValueError(f"a NIXL offer is at least {fixed} bytes, got {len(blob)}")
+        magic, version, reserved, n_name, n_meta, nbytes, crc = _OFFER.unpack_from(blob)
+        (n_descs,) = struct.unpack_from("<I", blob, _OFFER.size)
+        if magic != _MAGIC or version != _VERSION or reserved:
+            raise ValueError("not a NIXL offer of this version")
+        if fixed + n_name + n_meta + n_descs != len(blob) or not n_name or not n_meta or not n_descs:
+            raise ValueError("a NIXL offer's lengths do not add up")
+        at = fixed
+        name = blob[at:at + n_name].decode()
+        at += n_name
+        meta = bytes(blob[at:at + n_meta])
+        at += n_meta
+        return cls(name, meta, bytes(blob[at:at + n_descs]), nbytes, crc)
+
+
+def crc_of(tensors: list[torch.Tensor]) -> int:
+    """CRC-32 over the tensors' bytes in order (host tensors; what ``verified`` checks on the other side)."""
+    crc = 0
+    for t in tensors:
+        crc = checksum(memoryview(t.contiguous().view(torch.uint8).numpy()), crc)
+    return crc
+
+
+class NixlEndpoint:
+    """One worker's NIXL agent (UCX backend). ``name``: unique in the cluster (default: a new one of this process)."""
+
+    def __init__(self, name: str | None = None) -> None:
+        api = load_nixl()
+        self.name = name or f"tessera-{os.getpid()}-{next(_names)}"
+        agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        if "UCX" not in agent.backends:
+            raise NixlUnavailable(f"NIXL's UCX plugin did not load (plugins: {agent.plugin_list})")
+        self.agent = agent
+        self._registered: list = []
+        self._peers: dict[str, str] = {}     # metadata digest -> remote agent name
+
+    def register(self, tensors: list[torch.Tensor]) -> None:
+        """Register contiguous tensors (host or device memory) once: they may then be offered or read into."""
+        for t in tensors:
+            if not t.is_contiguous() or t.numel() == 0:
+                raise ValueError("only non-empty contiguous tensors are registered")
+        self._registered.append(self.agent.register_memory(tensors))
+
+    def offer(self, tensors: list[torch.Tensor]) -> Offer:
+        """An offer of registered tensors' bytes (their CRC-32 computed here: host tensors)."""
+        descs = self.agent.get_xfer_descs(tensors)
+        if descs is None:
+            raise ValueError("offered tensors must be contiguous and on one device")
+        return Offer(self.name, self.agent.get_agent_metadata(), self.agent.get_serialized_descs(descs),
+                     sum(t.numel() * t.element_size() for t in tensors), crc_of(tensors))
+
+    def read(self, offer: Offer, into: list[torch.Tensor], timeout: float = 10.0, notify: bytes = b"") -> None:
+        """Read the offered bytes into registered tensors of the same total size, then verify them; the sender is
+        notified with ``notify`` once they have landed. TransferFailed when the transfer errs, has not finished
+        within ``timeout`` seconds, or the bytes that landed fail the offer's CRC-32."""
+        size = sum(t.numel() * t.element_size() for t in into)
+        if size != offer.nbytes:
+            raise ValueError(f"the offer holds {offer.nbytes} bytes, the tensors to fill {size}")
+        local = self.agent.get_xfer_descs(into)
+        if local is None:
+            raise ValueError("the tensors to fill must be contiguous and on one device")
+        try:
+            peer = self._peer(offer)
+            remote = self.agent.deserialize_descs(offer.descs)
+            handle = self.agent.initialize_xfer("READ", local, remote, peer, notify)
+        except ValueError:
+            raise
+        except Exception as exc:       # NIXL raises its own error types: a peer it cannot reach, a refused request
+            self._forget(offer)
+            raise TransferFailed(f"NIXL could not read from {offer.agent}: {exc}") from None
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + timeout
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(0)
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                self._forget(offer)
+                raise TransferFailed(f"the read from {offer.agent} {'failed' if state == 'ERR' else 'timed out'}")
+        finally:
+            handle.release()
+        self.verified(offer, into)
+
+    @staticmethod
+    def verified(offer: Offer, landed: list[torch.Tensor]) -> None:
+        """TransferFailed unless the landed bytes have the offer's CRC-32 (device tensors are copied to check)."""
+        crc = crc_of([t.cpu() for t in landed])
+        if crc != offer.crc32:
+            raise TransferFailed(f"the bytes read from {offer.agent} fail the offer's checksum")
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, by sending agent."""
+        return self.agent.get_new_notifs()
+
+    def _peer(self, offer: Offer) -> str:
+        key = checksum(offer.metadata)
+        name = self._peers.get(str(key))
+        if name is None:
+            name = self.agent.add_remote_agent(offer.metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            if name != offer.agent:
+                raise ValueError(f"the offer names agent {offer.agent!r}, its metadata {name!r}")
+            self._peers[str(key)] = name
+        return name
+
+    def _forget(self, offer: Offer) -> None:
+        """Drop a peer after a failed transfer (it may be gone): its next offer connects afresh."""
+        for key, name in list(self._peers.items()):
+            if name == offer.agent:
+                del self._peers[key]
+                try:
+                    self.agent.remove_remote_agent(name)
+                except Exception:    # noqa: BLE001 - already gone
+                    pass
+
+    def close(self) -> None:
+        for reg in self._registered:
+            self.agent.deregister_memory(reg)
+        self._registered.clear()
