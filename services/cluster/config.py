@@ -89,9 +89,14 @@ class PrefillSettings:
     # before serving, on a GPU: one made-up prefill per pass the worker runs, over a context of this many
     # tokens, so that no request waits for a kernel compile or a graph capture (services/engine/graphs/warmup.py); 0: off
     warmup_tokens: int = 3072
+    # how hand-offs' private K/V reach a decode worker on another GPU or host: "grpc" in the stream, "nixl" read
+    # by the decode worker over NIXL (UCX; the gRPC stream when NIXL cannot load, reported), "auto" gRPC for now
+    # (NIXL becomes auto's choice once measured: issue #23); one GPU shared: CUDA IPC, whatever this says
+    handoff_transport: str = "auto"
 
     def __post_init__(self) -> None:
         check_float("quality_floor", self.quality_floor, 0, 1)
+        check_str("handoff_transport", self.handoff_transport, choices=("auto", "nixl", "grpc"))
         check_float("default_ratio", self.default_ratio, 0, 1, optional=True)
         check_str("store_loads", self.store_loads, choices=("cost", "always"))
         check_int("host_cache_bytes", self.host_cache_bytes, 0)

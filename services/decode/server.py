@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -48,6 +49,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.batcher, self.eng, self.store, self.metrics = batcher, engine, store, metrics
         self.name, self.metrics_url, self.settings = name, metrics_url, settings
         self.transport = probe_transport(engine.device)
+        self._nixl = None          # a NIXL endpoint, made with the first hand-off whose K/V are read over NIXL
+        self._nixl_lock = threading.Lock()
         self._pending: dict[str, tuple[ReceivedHandoff, float]] = {}
         self._arrived: dict[str, asyncio.Event] = {}
         self.decoding = 0
@@ -88,6 +91,15 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.DATA_LOSS, f"hand-off {received.header.request_id}: "
                                                                f"cannot open its CUDA IPC buffer: {exc}")
             received = ReceivedHandoff(received.header, received.payload, kv)
+        elif received.header.HasField("nixl"):
+            # the K/V are in the prefill worker's registered memory: read them over NIXL and check them before
+            # acknowledging (the sender deregisters them then)
+            try:
+                kv = await asyncio.to_thread(self._read_nixl, received.header.nixl)
+            except (RuntimeError, ValueError) as exc:
+                await context.abort(grpc.StatusCode.DATA_LOSS, f"hand-off {received.header.request_id}: "
+                                                               f"its K/V could not be read over NIXL: {exc}")
+            received = ReceivedHandoff(received.header, received.payload, kv)
         rid = received.header.request_id
         self._sweep()
         self._pending[rid] = (received, time.monotonic())
@@ -95,6 +107,27 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.metrics.handoff_bytes.inc(len(received.payload))
         self.metrics.handoffs.labels(received.header.kind).inc()
         return pb.HandoffAck(received_bytes=len(received.payload))
+
+    def _read_nixl(self, msg: pb.NixlBuffer):
+        """The hand-off's K/V read over NIXL into this worker's memory (registered for the read), checked."""
+        import torch
+
+        from services.handoff.nixl import NixlEndpoint, Offer
+
+        dtype = getattr(torch, msg.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not msg.numel:
+            raise ValueError(f"NIXL buffer of dtype {msg.dtype!r} and {msg.numel} elements")
+        offer = Offer.from_bytes(msg.offer)
+        with self._nixl_lock:
+            if self._nixl is None:
+                self._nixl = NixlEndpoint()
+        kv = torch.empty(msg.numel, dtype=dtype)
+        self._nixl.register([kv])
+        try:
+            self._nixl.read(offer, [kv], timeout=self.settings.handoff_wait_s, notify=b"read")
+        finally:
+            self._nixl.deregister(kv)
+        return kv
 
     async def _serving(self, context) -> None:
         """UNAVAILABLE at once when the engine thread has stopped (the worker is about to restart)."""

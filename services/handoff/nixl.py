@@ -110,6 +110,7 @@ class NixlEndpoint:
             raise NixlUnavailable(f"NIXL's UCX plugin did not load (plugins: {agent.plugin_list})")
         self.agent = agent
         self._registered: list = []
+        self._tensors: list = []             # the tensor a registration holds, when it holds one alone
         self._peers: dict[str, str] = {}     # metadata digest -> remote agent name
 
     def register(self, tensors: list[torch.Tensor]) -> None:
@@ -118,6 +119,7 @@ class NixlEndpoint:
             if not t.is_contiguous() or t.numel() == 0:
                 raise ValueError("only non-empty contiguous tensors are registered")
         self._registered.append(self.agent.register_memory(tensors))
+        self._tensors.append(tensors[0] if len(tensors) == 1 else None)
 
     def offer(self, tensors: list[torch.Tensor]) -> Offer:
         """An offer of registered tensors' bytes (their CRC-32 computed here: host tensors)."""
@@ -191,7 +193,17 @@ class NixlEndpoint:
                 except Exception:    # noqa: BLE001 - already gone
                     pass
 
+    def deregister(self, tensor: torch.Tensor) -> None:
+        """Deregister the registration that holds ``tensor`` (registered alone, by ``register([tensor])``)."""
+        for i, reg in enumerate(self._registered):
+            if self._tensors[i] is tensor:
+                self.agent.deregister_memory(reg)
+                del self._registered[i], self._tensors[i]
+                return
+        raise KeyError("that tensor is not registered here alone")
+
     def close(self) -> None:
         for reg in self._registered:
             self.agent.deregister_memory(reg)
         self._registered.clear()
+        self._tensors.clear()

@@ -3,9 +3,10 @@
 Between workers on one GPU the private K/V stay on the device (``cuda_ipc``: the stream carries
 only the small rest of the hand-off). Otherwise the hand-off is a gRPC client stream to the decode
 worker's ``PushHandoff``: a ``HandoffHeader`` then the payload in ~1 MiB parts, checked against the
-header's length and crc32 (zlib's value, computed by ISA-L) on arrival. NIXL (UCX) is probed and
-reported; its data plane (``nixl.py``: registered memory read by a peer, checked on landing) is not yet
-what hand-offs use: where it is found the gRPC stream is still used (the report names both).
+header's length and crc32 (zlib's value, computed by ISA-L) on arrival. With ``handoff_transport="nixl"``
+the stream carries a NIXL offer instead of the K/V, which the decode worker reads from the prefill
+worker's registered memory (``nixl.py``) and checks before it acknowledges; where NIXL cannot load, the
+stream carries them and the report says why.
 """
 
 from __future__ import annotations
@@ -30,11 +31,22 @@ class TransportChoice:
     detail: str      # why, for Stats and logs
 
 
-def probe_transport(device=None) -> TransportChoice:
+def probe_transport(device=None, want: str = "auto") -> TransportChoice:
+    """The hand-off transport of a worker on ``device``: ``want`` "nixl" reads the K/V over NIXL where it loads (else
+    the gRPC stream, saying why); "auto" and "grpc" stream them; on a GPU, CUDA IPC to decode workers sharing it."""
     ipc = device is not None and device.type == "cuda"
     found = [m for m in ("nixl", "nixl_cu13", "nixl_cu12") if importlib.util.find_spec(m) is not None]
     nixl = ("nixl is not installed" if not found
-            else f"{found[0]} found; hand-offs do not use its data path yet (services/handoff/nixl.py)")
+            else f"{found[0]} found, not asked for (handoff_transport='nixl')")
+    if want == "nixl":
+        from services.handoff.nixl import NixlUnavailable, load_nixl
+
+        try:
+            load_nixl()
+            return TransportChoice("nixl", ("cuda-ipc to decode workers on this GPU, else " if ipc else "")
+                                   + f"nixl (UCX) reads of the K/V ({found[0]}), checked on landing")
+        except NixlUnavailable as exc:
+            nixl = f"nixl asked for but unavailable: {exc}"
     if ipc:
         return TransportChoice("cuda-ipc", f"cuda-ipc to decode workers on this GPU, else grpc stream ({nixl})")
     return TransportChoice("grpc", f"grpc stream ({nixl})")

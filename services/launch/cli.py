@@ -39,6 +39,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--no-index", dest="index_threads", action="store_const", const=0,
                     help="start no retrieval index services: decode workers keep decode='retrieval' K/V and indexes "
                          "in their own memory")
+    up.add_argument("--handoff-transport", choices=("auto", "nixl", "grpc"), default="auto",
+                    help="how a hand-off's K/V reach a decode worker on another GPU or host: nixl (read over NIXL/UCX, "
+                         "checked on landing; the gRPC stream when NIXL cannot load, reported in Stats), grpc (in the "
+                         "stream), auto (gRPC for now). One GPU shared: CUDA IPC whatever this says")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051; 0: any free port)")
     up.add_argument("--host", default=None, help="bind address (default 127.0.0.1 locally, 0.0.0.0 with --address)")
     up.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -153,7 +157,7 @@ def _up(args: argparse.Namespace) -> int:
                         tls_key=args.tls_key, detached=True, text_cache_tokens=args.text_cache_tokens,
                         gateway_on_head=args.gateway_on_head, index_threads=args.index_threads, **restarts,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
-                                                         **warm),
+                                                         handoff_transport=args.handoff_transport, **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                        min_step_interval_s=args.decode_step_interval_ms / 1e3,
                                                        warmup_sparse=args.warmup_sparse, **warm))

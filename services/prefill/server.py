@@ -43,12 +43,14 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker, name: str, metrics_url: str,
-                 on_fatal: Callable[[BaseException], None] | None = None, cluster_tls=None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None, cluster_tls=None,
+                 handoff_transport: str = "auto") -> None:
         self.worker = worker
         self.cluster_tls = cluster_tls      # ClusterTLS: decode workers are dialled over mutual TLS
         self.name = name
         self.metrics_url = metrics_url
-        self.transport = probe_transport(worker.eng.device)
+        self.transport = probe_transport(worker.eng.device, handoff_transport)
+        self._nixl = None          # this worker's NIXL endpoint, made with its first NIXL hand-off
         self._same_gpu: dict[str, bool] = {}
         # one engine thread, pipelined by one request (engine_loop.py)
         self.engine = EngineLoop(on_fatal=on_fatal)
@@ -157,10 +159,19 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         header = pb.HandoffHeader(request_id=request_id, kind="engine", first_token=out.first_token,
                                   storing=out.storing)
         kv = None               # held until the decode worker has copied it out (its ack)
-        if self.transport.name == "cuda-ipc" and await self._shares_gpu(address):
+        used = "grpc"
+        if self.transport.name in ("cuda-ipc", "nixl") and await self._shares_gpu(address):
             kv = await loop.run_in_executor(self.io_threads, out.handoff.kv_buffer)
             header.kv.CopyFrom(await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
                                                           lambda: share(kv)))
+            used = "cuda-ipc"
+        elif self.transport.name == "nixl" and out.handoff.layers:
+            kv = await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
+                                            lambda: out.handoff.kv_buffer().contiguous())
+            registered = await loop.run_in_executor(self.io_threads, self._offer_nixl, kv, header)
+            used = "nixl" if registered else "grpc"
+            kv = kv if registered else None
+        if kv is not None:
             payload = await loop.run_in_executor(self.io_threads, lambda: out.handoff.to_bytes(with_kv=False))
         else:
             payload = await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
@@ -173,9 +184,30 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             self.worker.metrics.requests.labels("handoff_failed").inc()
             await context.abort(grpc.StatusCode.ABORTED, f"hand-off to decode worker {address} "
                                                          f"failed: {exc.code().name}: {exc.details()}")
+        finally:
+            if used == "nixl":      # read and acknowledged (or failed): the memory goes back
+                await loop.run_in_executor(self.io_threads, self._nixl.deregister, kv)
         moved = len(payload) + (kv.numel() * kv.element_size() if kv is not None else 0)
         self.worker.metrics.handoff_bytes.inc(moved)
-        return moved, "cuda-ipc" if kv is not None else "grpc"
+        return moved, used
+
+    def _offer_nixl(self, kv, header: pb.HandoffHeader) -> bool:
+        """Register the hand-off's K/V with this worker's NIXL endpoint and put the offer in the header; False
+        (logged: the stream carries them) when NIXL fails here."""
+        from services.handoff.nixl import NixlEndpoint
+
+        try:
+            if self._nixl is None:
+                self._nixl = NixlEndpoint()
+            self._nixl.register([kv])
+            offer = self._nixl.offer([kv])
+        except Exception as exc:   # noqa: BLE001 - any NIXL failure: this hand-off goes by the stream
+            log.warning("prefill worker %s: NIXL could not offer a hand-off (%s); it goes by the gRPC stream",
+                        self.name, exc)
+            return False
+        header.nixl.CopyFrom(pb.NixlBuffer(offer=offer.to_bytes(), dtype=str(kv.dtype).removeprefix("torch."),
+                                           numel=kv.numel()))
+        return True
 
     def _after_export(self, handoff, fn):
         """fn() (an io thread) on a side stream ordered after the hand-off's gathers only: on the engine's
@@ -266,7 +298,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     http, http_port = serve_metrics(metrics.registry, host)
     fatal = StoppedForGood((SERVICE_NAME,), on_fatal)
     servicer = PrefillServicer(worker, name, f"http://{advertised_host(host)}:{http_port}/metrics", on_fatal=fatal,
-                               cluster_tls=cluster_tls)
+                               cluster_tls=cluster_tls, handoff_transport=settings.handoff_transport)
     server = make_server(f"prefill worker {name}", cluster_tls)
     pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))

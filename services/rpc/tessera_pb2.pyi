@@ -340,7 +340,7 @@ class ResetReply(_message.Message):
     def __init__(self, chunks_dropped: _Optional[int] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("request_id", "kind", "total_bytes", "crc32", "first_token", "kv", "storing")
+    __slots__ = ("request_id", "kind", "total_bytes", "crc32", "first_token", "kv", "storing", "nixl")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +348,7 @@ class HandoffHeader(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     STORING_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: str
     total_bytes: int
@@ -355,7 +356,18 @@ class HandoffHeader(_message.Message):
     first_token: int
     kv: CudaIpcBuffer
     storing: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., first_token: _Optional[int] = ..., kv: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., storing: _Optional[_Iterable[str]] = ...) -> None: ...
+    nixl: NixlBuffer
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., first_token: _Optional[int] = ..., kv: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., storing: _Optional[_Iterable[str]] = ..., nixl: _Optional[_Union[NixlBuffer, _Mapping]] = ...) -> None: ...
+
+class NixlBuffer(_message.Message):
+    __slots__ = ("offer", "dtype", "numel")
+    OFFER_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    offer: bytes
+    dtype: str
+    numel: int
+    def __init__(self, offer: _Optional[bytes] = ..., dtype: _Optional[str] = ..., numel: _Optional[int] = ...) -> None: ...
 
 class CudaIpcBuffer(_message.Message):
     __slots__ = ("dtype", "numel", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index", "tensor_offset")

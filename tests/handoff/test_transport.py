@@ -50,6 +50,24 @@ def test_transport_probe_reports_nixl():
     assert probe_transport(torch.device("cuda", 0)).name == "cuda-ipc"   # a probe only: touches no GPU
 
 
+def test_nixl_is_used_where_asked_for_and_loadable_else_the_stream_says_why(monkeypatch):
+    import torch
+
+    from services.handoff import nixl
+
+    assert probe_transport(torch.device("cpu"), "nixl").name == "nixl"
+    assert probe_transport(torch.device("cpu"), "grpc").name == "grpc"
+    gpu = probe_transport(torch.device("cuda", 0), "nixl")
+    assert gpu.name == "nixl" and "cuda-ipc" in gpu.detail      # one GPU shared: CUDA IPC still
+
+    def missing():
+        raise nixl.NixlUnavailable("no NIXL package is installed (test)")
+
+    monkeypatch.setattr(nixl, "load_nixl", missing)
+    choice = probe_transport(torch.device("cpu"), "nixl")
+    assert choice.name == "grpc" and "nixl asked for but unavailable: no NIXL package" in choice.detail
+
+
 def test_cuda_ipc_needs_one_gpu_on_one_host():
     import torch
 

@@ -1,5 +1,6 @@
-"""The Ray-free launcher: every service in its own child process, outputs equal the engine's; a retrieval decode keeps
-its K/V in the decode worker's index service, which answers the roles the policy names only."""
+"""The Ray-free launcher: every service in its own child process, outputs equal the engine's (hand-offs' K/V read by
+the decode worker over NIXL: handoff_transport="nixl"); a retrieval decode keeps its K/V in the decode worker's index
+service, which answers the roles the policy names only."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from tests.helpers import docs
 
 @pytest.fixture(scope="module")
 def local_cluster(tiny_model, tmp_path_factory):
-    from services.cluster.config import ClusterConfig
+    from services.cluster.config import ClusterConfig, PrefillSettings
     from services.launch.local import start_local_cluster
 
     cfg = ClusterConfig(model_dir=tiny_model, store_dir=str(tmp_path_factory.mktemp("rocksdb")),
-                        kv_cache_bytes=64 << 20, namespace="tessera-test-local")
+                        kv_cache_bytes=64 << 20, namespace="tessera-test-local",
+                        prefill_settings=PrefillSettings(handoff_transport="nixl"))
     cluster = start_local_cluster(cfg)
     yield cluster
     cluster.stop()
@@ -44,6 +46,7 @@ def test_local_cluster_output_equals_engine_generate(local_cluster, reference, m
                                       stop_token_ids=[])
             assert list(got.token_ids) == want
             assert sum(got.stats.chunk_tokens_by_tier.values()) == 120
+            assert got.stats.transport == "nixl" and got.stats.handoff_bytes > 0
 
 
 def test_workers_get_a_gpu_each_when_there_are_enough_and_share_them_round_robin_otherwise():
