@@ -70,6 +70,17 @@ def _offer(nb, score, beam, ids, scores, size, queue, queue_neg, queued):
     return size, queued + 1
 
 
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _visit(nb, keys, query, beam, visited, touched, n_touched, ids, scores, size, queue, queue_neg, queued):
+    """Key ``nb`` scored and offered (``_offer``) unless visited already; returns ``(size, queued, n_touched)``."""
+    if visited[nb]:
+        return size, queued, n_touched
+    visited[nb] = 1
+    touched[n_touched] = nb
+    size, queued = _offer(nb, dot(keys[nb], query), beam, ids, scores, size, queue, queue_neg, queued)
+    return size, queued, n_touched + 1
+
+
 @njit(nogil=True, cache=True)
 def scratch(n, beam):
     """Per-call state of ``beam_search_one`` for an index of ``n`` keys: visited marks (all 0), the keys
@@ -88,16 +99,10 @@ def beam_search_one(keys, offsets, targets, entries, query, beam, visited, touch
     list expands, at O(log beam) a scored key instead of O(beam). On return ``ids``/``scores[:size]`` are
     sorted by descending score. ``scanned`` counts the inner products computed (each key at most once:
     ``visited``, which the caller resets from ``touched[:n_touched]``); the entries count."""
-    size, queued, scanned, n_touched = 0, 0, 0, 0
+    size, queued, n_touched = 0, 0, 0
     for i in range(entries.shape[0]):
-        nb = entries[i]
-        if visited[nb]:
-            continue
-        visited[nb] = 1
-        touched[n_touched] = nb
-        n_touched += 1
-        scanned += 1
-        size, queued = _offer(nb, dot(keys[nb], query), beam, ids, scores, size, queue, queue_neg, queued)
+        size, queued, n_touched = _visit(entries[i], keys, query, beam, visited, touched, n_touched, ids, scores, size,
+                                         queue, queue_neg, queued)
     while queued > 0:
         node, node_score = queue[0], -queue_neg[0]
         queued -= 1
@@ -106,17 +111,11 @@ def beam_search_one(keys, offsets, targets, entries, query, beam, visited, touch
         if size == beam and node_score < scores[0]:
             break                     # every key left in the queue is worse than the whole beam
         for e in range(offsets[node], offsets[node + 1]):
-            nb = targets[e]
-            if visited[nb]:
-                continue
-            visited[nb] = 1
-            touched[n_touched] = nb
-            n_touched += 1
-            scanned += 1
-            size, queued = _offer(nb, dot(keys[nb], query), beam, ids, scores, size, queue, queue_neg, queued)
+            size, queued, n_touched = _visit(targets[e], keys, query, beam, visited, touched, n_touched, ids, scores,
+                                             size, queue, queue_neg, queued)
     order = np.argsort(-scores[:size])
     ids[:size], scores[:size] = ids[:size][order], scores[:size][order]
-    return size, scanned, n_touched
+    return size, n_touched, n_touched      # every key touched was scored once
 
 
 @njit(nogil=True, cache=True)

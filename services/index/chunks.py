@@ -27,7 +27,6 @@ damaged blob (a flipped bit in any tier) raises ``IndexFormatError`` and is neve
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -40,12 +39,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.index.build import BuildConfig, Graph, build_graph
-from services.index.format import IndexFormatError, check_structure
+from services.index.format import DIGEST_BYTES, IndexFormatError, check_structure, sealed, unsealed
 
 MAGIC = b"TSRCIDX\x00"
 VERSION = 1
 _HEADER = struct.Struct("<8sHHIIII")
-_DIGEST_BYTES = 32
 # NOTE: training queries of a chunk's (layer, KV head), at most: a 512-token chunk of an 8B-shaped model taps 128 of
 # its tokens (x 4 query heads a KV head), 1 MiB a layer on the host in fp16 until its graphs are built, so that a
 # 128K-token context's chunks wait in 16 GiB rather than 64
@@ -119,7 +117,7 @@ class ChunkIndex:
                    np.concatenate([g.offsets for g in flat]).astype("<i4").tobytes(),
                    np.concatenate([g.targets for g in flat]).astype("<i4").tobytes(),
                    np.concatenate([g.entries for g in flat]).astype("<i4").tobytes()]
-        return b"".join([header, _digest(header, payload), *payload])
+        return sealed(header, payload)
 
     @classmethod
     def from_bytes(cls, blob) -> "ChunkIndex":
@@ -127,7 +125,7 @@ class ChunkIndex:
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise IndexFormatError(f"chunk index must be bytes, got {type(blob).__name__}")
         view = memoryview(blob).cast("B")
-        if len(view) < _HEADER.size + _DIGEST_BYTES:
+        if len(view) < _HEADER.size + DIGEST_BYTES:
             raise IndexFormatError(f"chunk index of {len(view)} bytes is shorter than its header")
         header = bytes(view[:_HEADER.size])
         magic, version, reserved, layers, heads, length, config_len = _HEADER.unpack(header)
@@ -138,7 +136,7 @@ class ChunkIndex:
         if reserved != 0 or layers < 1 or heads < 1 or length < 1:
             raise IndexFormatError(f"chunk index header names {layers} layers, {heads} heads, {length} keys")
         n = layers * heads
-        start = _HEADER.size + _DIGEST_BYTES
+        start = _HEADER.size + DIGEST_BYTES
         fixed = config_len + 16 * n + 4 * n * (length + 1)
         if start + fixed > len(view):
             raise IndexFormatError(f"chunk index of {len(view)} bytes is shorter than its header describes")
@@ -146,14 +144,7 @@ class ChunkIndex:
         if (counts < 0).any() or (counts[1] < 1).any():
             raise IndexFormatError("chunk index names negative edge or entry counts")
         sizes = [config_len, 8 * n, 8 * n, 4 * n * (length + 1), 4 * int(counts[0].sum()), 4 * int(counts[1].sum())]
-        if start + sum(sizes) != len(view):
-            raise IndexFormatError(f"chunk index holds {len(view)} bytes, its header describes {start + sum(sizes)}")
-        payload, at = [], start
-        for size in sizes:
-            payload.append(view[at:at + size])
-            at += size
-        if bytes(view[_HEADER.size:start]) != _digest(header, payload):
-            raise IndexFormatError("chunk index digest does not match its contents (corrupt blob)")
+        payload = unsealed(view, _HEADER.size, sizes, "chunk index")
         try:
             config = BuildConfig(**json.loads(bytes(payload[0])))
         except (TypeError, ValueError) as exc:
@@ -180,13 +171,6 @@ def _one_faiss_thread():
         yield
     finally:
         faiss.omp_set_num_threads(before)
-
-
-def _digest(header: bytes, payload: list) -> bytes:
-    h = hashlib.blake2b(header, digest_size=_DIGEST_BYTES)
-    for part in payload:
-        h.update(part)
-    return h.digest()
 
 
 class ChunkIndexCache:

@@ -27,7 +27,7 @@ import numpy as np
 MAGIC = b"TSRAIDX\x00"
 VERSION = 2
 _HEADER = struct.Struct("<8sHHIQQQI")
-_DIGEST_BYTES = 32
+DIGEST_BYTES = 32
 
 
 class IndexFormatError(ValueError):
@@ -47,10 +47,30 @@ class IndexParts:
 
 
 def _digest(header: bytes, payload: list[bytes]) -> bytes:
-    h = hashlib.blake2b(header, digest_size=_DIGEST_BYTES)
+    h = hashlib.blake2b(header, digest_size=DIGEST_BYTES)
     for part in payload:
         h.update(part)
     return h.digest()
+
+
+def sealed(header: bytes, payload: list[bytes]) -> bytes:
+    """A blob: the header, the blake2b digest of header and payload, the payload's parts."""
+    return b"".join([header, _digest(header, payload), *payload])
+
+
+def unsealed(view: memoryview, header_size: int, sizes: list[int], what: str) -> list[memoryview]:
+    """The payload parts of ``sizes`` bytes after a header and its digest, once the blob's length and digest are
+    checked: IndexFormatError naming ``what`` otherwise."""
+    start = header_size + DIGEST_BYTES
+    if start + sum(sizes) != len(view):
+        raise IndexFormatError(f"{what} holds {len(view)} bytes, its header describes {start + sum(sizes)}")
+    payload, at = [], start
+    for size in sizes:
+        payload.append(view[at: at + size])
+        at += size
+    if bytes(view[header_size: start]) != _digest(bytes(view[:header_size]), payload):
+        raise IndexFormatError(f"{what} digest does not match its contents (corrupt blob)")
+    return payload
 
 
 def encode(parts: IndexParts) -> bytes:
@@ -59,12 +79,12 @@ def encode(parts: IndexParts) -> bytes:
     header = _HEADER.pack(MAGIC, VERSION, 0, d, n, parts.targets.shape[0], parts.entries.shape[0], len(config))
     payload = [config, parts.keys.astype("<f4").tobytes(), parts.offsets.astype("<i8").tobytes(),
                parts.targets.astype("<i4").tobytes(), parts.entries.astype("<i8").tobytes()]
-    return b"".join([header, _digest(header, payload), *payload])
+    return sealed(header, payload)
 
 
 def decode(blob: bytes) -> IndexParts:
     view = memoryview(blob)
-    if len(view) < _HEADER.size + _DIGEST_BYTES:
+    if len(view) < _HEADER.size + DIGEST_BYTES:
         raise IndexFormatError(f"blob of {len(view)} bytes is shorter than an index header")
     header = bytes(view[: _HEADER.size])
     magic, version, reserved, d, n, e, n_entries, config_len = _HEADER.unpack(header)
@@ -74,16 +94,7 @@ def decode(blob: bytes) -> IndexParts:
         raise IndexFormatError(f"index format version {version}, this build reads version {VERSION} only")
     if reserved != 0:
         raise IndexFormatError(f"reserved header field is {reserved}, expected 0")
-    sizes = [config_len, 4 * n * d, 8 * (n + 1), 4 * e, 8 * n_entries]
-    start = _HEADER.size + _DIGEST_BYTES
-    if start + sum(sizes) != len(view):
-        raise IndexFormatError(f"blob holds {len(view)} bytes, its header describes {start + sum(sizes)}")
-    payload, at = [], start
-    for size in sizes:
-        payload.append(view[at: at + size])
-        at += size
-    if bytes(view[_HEADER.size: start]) != _digest(header, payload):
-        raise IndexFormatError("index digest does not match its contents (corrupt blob)")
+    payload = unsealed(view, _HEADER.size, [config_len, 4 * n * d, 8 * (n + 1), 4 * e, 8 * n_entries], "index")
     try:
         config = json.loads(bytes(payload[0]))
     except ValueError as exc:

@@ -142,7 +142,7 @@ def test_round_trip_searches_the_same(small):
 
 def test_damaged_blobs_are_refused(small):
     blob = small[0].to_bytes()
-    header = fmt._HEADER.size + fmt._DIGEST_BYTES
+    header = fmt._HEADER.size + fmt.DIGEST_BYTES
     positions = list(range(header)) + list(range(header, len(blob), 97)) + [len(blob) - 1]
     for pos in positions:                                   # one flipped bit anywhere
         bad = bytearray(blob)
@@ -163,7 +163,7 @@ def test_other_version_is_refused_even_with_a_valid_digest(small):
     fields = list(fmt._HEADER.unpack_from(blob))
     fields[1] = fmt.VERSION + 1
     header = fmt._HEADER.pack(*fields)
-    payload = blob[fmt._HEADER.size + fmt._DIGEST_BYTES:]
+    payload = blob[fmt._HEADER.size + fmt.DIGEST_BYTES:]
     forged = header + fmt._digest(header, [payload]) + payload
     with pytest.raises(IndexFormatError, match="version"):
         AttentionIndex.from_bytes(forged)
