@@ -19,6 +19,7 @@ installed or says why none can be used, and callers report that as the transport
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import itertools
 import os
 import struct
@@ -44,15 +45,23 @@ class TransferFailed(RuntimeError):
     """A NIXL read that did not land the offered bytes whole and intact in time."""
 
 
-def load_nixl():
-    """The NIXL Python API module of the first package found (``nixl``, ``nixl-cu13``, ``nixl-cu12``)."""
-    reasons = []
+def nixl_module() -> str:
+    """The API module of the first NIXL package installed (``nixl``, ``nixl-cu13``, ``nixl-cu12``), found without
+    loading it: its native libraries carry their own protobuf and abseil, which must not share a process with
+    another copy (grpc_tools' protoc crashes beside them), so only a process that moves bytes loads it."""
     for name in _MODULES:
-        try:
-            return importlib.import_module(name)
-        except ImportError as exc:
-            reasons.append(f"{name.split('.')[0]}: {exc}")
-    raise NixlUnavailable("no NIXL package is installed (" + "; ".join(reasons) + ")")
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            return name
+    raise NixlUnavailable("no NIXL package is installed (nixl, nixl-cu13, nixl-cu12)")
+
+
+def load_nixl():
+    """The NIXL Python API module (``nixl_module``), loaded."""
+    name = nixl_module()
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise NixlUnavailable(f"{name.split('.')[0]} cannot load: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,10 +39,10 @@ def probe_transport(device=None, want: str = "auto") -> TransportChoice:
     nixl = ("nixl is not installed" if not found
             else f"{found[0]} found, not asked for (handoff_transport='nixl')")
     if want == "nixl":
-        from services.handoff.nixl import NixlUnavailable, load_nixl
+        from services.handoff.nixl import NixlUnavailable, nixl_module
 
         try:
-            load_nixl()
+            nixl_module()       # found, not loaded: the first hand-off loads it, and streams its K/V if it fails
             return TransportChoice("nixl", ("cuda-ipc to decode workers on this GPU, else " if ipc else "")
                                    + f"nixl (UCX) reads of the K/V ({found[0]}), checked on landing")
         except NixlUnavailable as exc:

@@ -50,13 +50,14 @@ def test_calls_pass_through_and_a_search_of_what_the_service_lost_says_so():
     keys, values, train = _data()
     q = np.random.default_rng(4).standard_normal((1, HQ, D)).astype(np.float32)
     with BackgroundIndexServer(threads=1) as srv:
-        indexes = RemoteIndexes(IndexClient(srv.address, timeout=10))
+        # the first build in a fresh checkout compiles the index's numba loops: minutes on a busy 2-core machine
+        indexes = RemoteIndexes(IndexClient(srv.address, timeout=10, offload_timeout=300))
         assert indexes.add("seq1", 0, keys, values, train) > 0
         ans = indexes.attend(0, ["seq1"], q, 10_000, 0.3)
         assert ans.out.shape == (1, HQ, D) and ans.scanned[0] > 0
         assert indexes.held()[0] == 1 and indexes.nbytes() == keys.nbytes + values.nbytes
         # a restarted worker numbers its sequences from 0 again: what the earlier process left does not refuse them
-        again = RemoteIndexes(IndexClient(srv.address, timeout=10))
+        again = RemoteIndexes(IndexClient(srv.address, timeout=10, offload_timeout=300))
         assert again.add("seq1", 0, keys[:, :10], values[:, :10], train) > 0 and again.held()[0] == 2
         assert again.attend(0, ["seq1"], q, 10_000, 0.3).scanned[0] < ans.scanned[0]
         assert indexes.drop("seq1") == 1 and again.drop("seq1") == 1

@@ -63,7 +63,7 @@ def test_nixl_is_used_where_asked_for_and_loadable_else_the_stream_says_why(monk
     def missing():
         raise nixl.NixlUnavailable("no NIXL package is installed (test)")
 
-    monkeypatch.setattr(nixl, "load_nixl", missing)
+    monkeypatch.setattr(nixl, "nixl_module", missing)
     choice = probe_transport(torch.device("cpu"), "nixl")
     assert choice.name == "grpc" and "nixl asked for but unavailable: no NIXL package" in choice.detail
 

@@ -171,7 +171,7 @@ def test_only_the_roles_the_policy_names_get_in(tmp_path):
     keys, values, train = _data(5)
     q = np.ones((1, HQ, D), np.float32)
     with BackgroundIndexServer(threads=1, tls=ClusterTLS.load(certs, "index")) as srv:
-        as_role = {r: IndexClient(srv.address, tls=ClusterTLS.load(certs, r), timeout=10)
+        as_role = {r: IndexClient(srv.address, tls=ClusterTLS.load(certs, r), timeout=10, offload_timeout=300)
                    for r in ("decode", "prefill", "gateway", "store")}
         as_role["prefill"].add("seq-e", 0, keys, values, train)
         assert as_role["decode"].attend(0, ["seq-e"], q, 5, 0.1).scanned[0] > 0
