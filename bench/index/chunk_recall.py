@@ -26,8 +26,9 @@ path): ``AttentionIndex.build`` over every key. Both take the request's prefill 
 ``TRAIN_QUERIES`` positions, as the engine's ``QueryTap`` keeps them (every query head of the group each).
 
 Repaired composed index (``IndexSet.add`` whenever the request has queries): the composed index above,
-``.repaired(train)`` with those same request queries of the head (the composed index's default ``BuildConfig``: the
-build's step 4, 2 rounds, across parts). ``--subsample`` repeats it at +0 with a seeded sample of that many of the
+``.repaired(train)`` with those same request queries of the head (the build's step 4 across parts, with the options
+``IndexSet.add`` composes with, ``heads.COMPOSED``: one round; ``--repair-rounds`` for another count).
+``--subsample`` repeats it at +0 with a seeded sample of that many of the
 training queries a head (the repair's cost grows with them).
 
 Far offsets (``--offsets``): every key and answer query rotated on by the same extra distance, past the model's
@@ -61,7 +62,9 @@ from loadgen.quality.tasks import longgen_heldout                             # 
 from loadgen.quality.vocab import vocab                                       # noqa: E402
 from services.engine.decode.retrieval import CHUNK_QUERY_SHIFTS, TRAIN_QUERIES  # noqa: E402
 from services.index import AttentionIndex                                     # noqa: E402
+from services.index.build import BuildConfig                                  # noqa: E402
 from services.index.chunks import ChunkIndex                                  # noqa: E402
+from services.index.heads import COMPOSED                                     # noqa: E402
 
 # one option changed at a time from ChunkIndex's defaults (its own entries and training-query cap, BuildConfig's rest)
 SWEEP = [{}, {"repair_rounds": 0}, {"repair_rounds": 1}, {"repair_queries": 512}, {"repair_queries": 2048},
@@ -249,6 +252,8 @@ def main() -> None:
     ap.add_argument("--subsample", default="1024,512", help="training queries a head the repair also runs with, at +0")
     ap.add_argument("--sweep", default="all", help="'all', 'none' or indices into SWEEP, e.g. 0,5")
     ap.add_argument("--what", default="chunk_recall")
+    ap.add_argument("--repair-rounds", type=int, default=None,
+                    help="the repair's rounds (default: what IndexSet.add uses, services/index/heads.py COMPOSED)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a run's JSON")
     args = ap.parse_args()
@@ -279,6 +284,7 @@ def main() -> None:
           f"{heads[0].heldout.shape[0]} held-out queries a head", flush=True)
 
     rest_graphs = {}
+    composed_config = COMPOSED if args.repair_rounds is None else BuildConfig(repair_rounds=args.repair_rounds)
 
     def composed_index(head, built, delta):
         """The composed index at +delta (the rest's graph built here, once a head and offset) and that build's seconds."""
@@ -290,7 +296,7 @@ def main() -> None:
             rest_graphs[head.layer, head.kv_head, delta] = AttentionIndex.build(keys[rest], train, threads=1).graph
         rest_s = time.perf_counter() - t0
         parts = [c.graphs[head.layer][head.kv_head] for c in built] + [rest_graphs[head.layer, head.kv_head, delta]]
-        return AttentionIndex.compose(keys[order], parts), rest_s
+        return AttentionIndex.compose(keys[order], parts, composed_config), rest_s
 
     def repaired_index(composed, head, delta, subsample=None):
         """``composed`` repaired as ``IndexSet.add`` does (the request's queries of the head; ``subsample``: a seeded
@@ -391,6 +397,7 @@ def main() -> None:
 
     chunk_keys = sum(length for _, _, length in chunks)
     doc = {"started_utc": started.isoformat(timespec="seconds"), "commit": commit, "argv": sys.argv[1:],
+           "repair_rounds": composed_config.repair_rounds,
            "device": f"CPU, {len(os.sched_getaffinity(0))} cores", "task": "longgen", "prompts": args.prompts,
            "seed": args.seed, "k": args.k, "num_keys": n, "num_chunks": len(chunks), "rest_keys": int(len(rest)),
            "heads": len(heads), "heldout_queries": int(heads[0].heldout.shape[0]), "offsets": offsets,
