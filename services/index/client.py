@@ -23,6 +23,15 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send
 PART_BYTES = 1 << 20
 
 
+def _framed(part, header, body: bytes):
+    """A client stream's messages (``part``: the message type with its ``header`` / ``data`` oneof): the header,
+    then ``body`` in ~1 MiB parts."""
+    yield part(header=header)
+    view = memoryview(body)
+    for at in range(0, len(body), PART_BYTES):
+        yield part(data=bytes(view[at:at + PART_BYTES]))
+
+
 class IndexClient:
     """The index service at ``address`` ("host:port"). ``tls``: this caller's ClusterTLS (mutual TLS; the service
     must prove the index role), None: a plain channel."""
@@ -50,10 +59,7 @@ class IndexClient:
                                   chunks=[pb.ChunkRun(chunk_id=cid, length=index.length) for cid, index in chunks])
 
         def parts():
-            yield pb.OffloadPart(header=header)
-            view = memoryview(body)
-            for at in range(0, len(body), PART_BYTES):
-                yield pb.OffloadPart(data=bytes(view[at:at + PART_BYTES]))
+            return _framed(pb.OffloadPart, header, body)
 
         for cid, index in chunks:
             if cid not in self._put:
@@ -70,14 +76,8 @@ class IndexClient:
     def put_chunk_index(self, chunk_id: str, index) -> None:
         """Hand the service a chunk's index (``chunks.ChunkIndex``), for offloads that name the chunk."""
         blob = index.to_bytes()
-
-        def parts():
-            yield pb.ChunkIndexPart(header=pb.ChunkIndexHeader(chunk_id=chunk_id, nbytes=len(blob)))
-            view = memoryview(blob)
-            for at in range(0, len(blob), PART_BYTES):
-                yield pb.ChunkIndexPart(data=bytes(view[at:at + PART_BYTES]))
-
-        self._stub.PutChunkIndex(parts(), timeout=self.offload_timeout)
+        header = pb.ChunkIndexHeader(chunk_id=chunk_id, nbytes=len(blob))
+        self._stub.PutChunkIndex(_framed(pb.ChunkIndexPart, header, blob), timeout=self.offload_timeout)
         self._put.add(chunk_id)
 
     def attend(self, layer: int, owners: list[str], queries: np.ndarray, k: int, scale: float,

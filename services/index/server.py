@@ -98,6 +98,42 @@ def check_offload_header(h: pb.OffloadHeader) -> tuple[tuple[int, ...], tuple[in
     return kv, train
 
 
+def check_chunk_index_header(h: pb.ChunkIndexHeader) -> int:
+    """The bytes a well-formed chunk index header announces, else Refused(INVALID_ARGUMENT)."""
+    if not CHUNK_ID.fullmatch(h.chunk_id):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"chunk_id must be 1-200 characters of [A-Za-z0-9._-], got {h.chunk_id[:40]!r}")
+    if not 1 <= h.nbytes <= MAX_CHUNK_INDEX_BYTES:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"a chunk index is 1..{MAX_CHUNK_INDEX_BYTES} bytes, got {h.nbytes}")
+    return h.nbytes
+
+
+async def _stream(request_iterator, what: str, size_of) -> tuple:
+    """A client stream of one header message, then data parts: (header, their bytes joined). ``size_of(header)``
+    checks the header and gives the bytes it announces; INVALID_ARGUMENT for another order or more bytes than
+    that, DATA_LOSS for fewer."""
+    header, parts, got, want = None, [], 0, 0
+    async for msg in request_iterator:
+        which = msg.WhichOneof("item")
+        if header is None:
+            if which != "header":
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what} starts with its header")
+            header = msg.header
+            want = size_of(header)
+            continue
+        if which != "data":
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what} has one header, then data")
+        got += len(msg.data)
+        if got > want:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what} sent more than its {want} bytes")
+        parts.append(msg.data)
+    if header is None:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what} starts with its header")
+    if got != want:
+        raise Refused(grpc.StatusCode.DATA_LOSS, f"{what} ended after {got} of its {want} bytes")
+    return header, b"".join(parts)
+
+
 def offload_bytes(kv, train) -> int:
     return 4 * (2 * int(np.prod(kv, dtype=np.int64)) + int(np.prod(train, dtype=np.int64)))
 
@@ -153,26 +189,7 @@ class IndexServicer(pb_grpc.RetrievalIndexServicer):
         return pb.OffloadReply(keys=kv[0] * kv[1], build_seconds=took, index_bytes=graph)
 
     async def _receive(self, request_iterator) -> tuple[pb.OffloadHeader, bytes]:
-        header, parts, got, want = None, [], 0, 0
-        async for msg in request_iterator:
-            which = msg.WhichOneof("item")
-            if header is None:
-                if which != "header":
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an offload starts with its header")
-                header = msg.header
-                want = offload_bytes(*check_offload_header(header))
-                continue
-            if which != "data":
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an offload has one header, then data")
-            got += len(msg.data)
-            if got > want:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the offload sent more than its {want} bytes")
-            parts.append(msg.data)
-        if header is None:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an offload starts with its header")
-        body = b"".join(parts)
-        if got != want:
-            raise Refused(grpc.StatusCode.DATA_LOSS, f"the offload ended after {got} of its {want} bytes")
+        header, body = await _stream(request_iterator, "an offload", lambda h: offload_bytes(*check_offload_header(h)))
         if zlib.crc32(body) != header.crc32:
             raise Refused(grpc.StatusCode.DATA_LOSS, "the offload's bytes fail its checksum")
         return header, body
@@ -181,33 +198,10 @@ class IndexServicer(pb_grpc.RetrievalIndexServicer):
         from services.index.chunks import ChunkIndex
         from services.index.format import IndexFormatError
 
-        header, parts, got = None, [], 0
         try:
-            async for msg in request_iterator:
-                which = msg.WhichOneof("item")
-                if header is None:
-                    if which != "header":
-                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a chunk index starts with its header")
-                    header = msg.header
-                    if not CHUNK_ID.fullmatch(header.chunk_id):
-                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"chunk_id must be 1-200 characters of [A-Za-z0-9._-], got {header.chunk_id[:40]!r}")
-                    if not 1 <= header.nbytes <= MAX_CHUNK_INDEX_BYTES:
-                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"a chunk index is 1..{MAX_CHUNK_INDEX_BYTES} bytes, got {header.nbytes}")
-                    continue
-                if which != "data":
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a chunk index has one header, then data")
-                got += len(msg.data)
-                if got > header.nbytes:
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"more than the header's {header.nbytes} bytes")
-                parts.append(msg.data)
-            if header is None:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a chunk index starts with its header")
-            if got != header.nbytes:
-                raise Refused(grpc.StatusCode.DATA_LOSS, f"the chunk index ended after {got} of {header.nbytes} bytes")
+            header, body = await _stream(request_iterator, "a chunk index", check_chunk_index_header)
             try:
-                index = await asyncio.to_thread(ChunkIndex.from_bytes, b"".join(parts))
+                index = await asyncio.to_thread(ChunkIndex.from_bytes, body)
             except IndexFormatError as exc:
                 raise Refused(grpc.StatusCode.DATA_LOSS, f"chunk {header.chunk_id}: {exc}") from None
         except Refused as exc:
