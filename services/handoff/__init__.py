@@ -5,6 +5,8 @@
   imports.py    on the decode worker's engine: a hand-off rebuilt as a live sequence
   transport.py  between workers: the gRPC stream of a hand-off's parts (checksummed)
   cuda_ipc.py   between workers on one GPU: the K/V shared by CUDA IPC instead of copied
+  nixl.py       between hosts or GPUs (handoff_transport="nixl"): the K/V read over NIXL (UCX) from the sender's
+                registered memory, checked on landing; the stream carries only the offer
   prepare.py    on the decode worker, off its engine thread: a received hand-off parsed, its missing chunks
                 fetched from the store and staged on the GPU before admission
 
