@@ -23,6 +23,7 @@ import importlib.util
 import itertools
 import os
 import struct
+import threading
 import time
 from dataclasses import dataclass
 
@@ -109,26 +110,31 @@ def crc_of(tensors: list[torch.Tensor]) -> int:
 
 
 class NixlEndpoint:
-    """One worker's NIXL agent (UCX backend). ``name``: unique in the cluster (default: a new one of this process)."""
+    """One worker's NIXL agent (UCX backend). ``name``: unique in the cluster (default: a new one of this process).
+
+    Thread safe: a worker's hand-off threads share it (the agent in NIXL's strict thread-sync mode, the
+    registrations and peers here under a lock)."""
 
     def __init__(self, name: str | None = None) -> None:
         api = load_nixl()
         self.name = name or f"tessera-{os.getpid()}-{next(_names)}"
-        agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        agent = api.nixl_agent(self.name, api.nixl_agent_config(
+            backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         if "UCX" not in agent.backends:
             raise NixlUnavailable(f"NIXL's UCX plugin did not load (plugins: {agent.plugin_list})")
         self.agent = agent
-        self._registered: list = []
-        self._tensors: list = []             # the tensor a registration holds, when it holds one alone
-        self._peers: dict[str, str] = {}     # metadata digest -> remote agent name
+        self._lock = threading.Lock()
+        self._registered: list[tuple] = []   # (registration, the tensor it holds when it holds one alone, else None)
+        self._peers: dict[int, str] = {}     # CRC-32 of a peer's metadata -> its agent name
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         """Register contiguous tensors (host or device memory) once: they may then be offered or read into."""
         for t in tensors:
             if not t.is_contiguous() or t.numel() == 0:
                 raise ValueError("only non-empty contiguous tensors are registered")
-        self._registered.append(self.agent.register_memory(tensors))
-        self._tensors.append(tensors[0] if len(tensors) == 1 else None)
+        reg = self.agent.register_memory(tensors)
+        with self._lock:
+            self._registered.append((reg, tensors[0] if len(tensors) == 1 else None))
 
     def offer(self, tensors: list[torch.Tensor]) -> Offer:
         """An offer of registered tensors' bytes (their CRC-32 computed here: host tensors)."""
@@ -183,36 +189,40 @@ class NixlEndpoint:
 
     def _peer(self, offer: Offer) -> str:
         key = checksum(offer.metadata)
-        name = self._peers.get(str(key))
-        if name is None:
-            name = self.agent.add_remote_agent(offer.metadata)
-            name = name.decode() if isinstance(name, bytes) else name
-            if name != offer.agent:
-                raise ValueError(f"the offer names agent {offer.agent!r}, its metadata {name!r}")
-            self._peers[str(key)] = name
+        with self._lock:
+            name = self._peers.get(key)
+            if name is None:
+                name = self.agent.add_remote_agent(offer.metadata)
+                name = name.decode() if isinstance(name, bytes) else name
+                if name != offer.agent:
+                    raise ValueError(f"the offer names agent {offer.agent!r}, its metadata {name!r}")
+                self._peers[key] = name
         return name
 
     def _forget(self, offer: Offer) -> None:
         """Drop a peer after a failed transfer (it may be gone): its next offer connects afresh."""
-        for key, name in list(self._peers.items()):
-            if name == offer.agent:
-                del self._peers[key]
-                try:
-                    self.agent.remove_remote_agent(name)
-                except Exception:    # noqa: BLE001 - already gone
-                    pass
+        with self._lock:
+            for key, name in list(self._peers.items()):
+                if name == offer.agent:
+                    del self._peers[key]
+                    try:
+                        self.agent.remove_remote_agent(name)
+                    except Exception:    # noqa: BLE001 - already gone
+                        pass
 
     def deregister(self, tensor: torch.Tensor) -> None:
         """Deregister the registration that holds ``tensor`` (registered alone, by ``register([tensor])``)."""
-        for i, reg in enumerate(self._registered):
-            if self._tensors[i] is tensor:
-                self.agent.deregister_memory(reg)
-                del self._registered[i], self._tensors[i]
-                return
-        raise KeyError("that tensor is not registered here alone")
+        with self._lock:
+            for i, (reg, alone) in enumerate(self._registered):
+                if alone is tensor:
+                    del self._registered[i]
+                    break
+            else:
+                raise KeyError("that tensor is not registered here alone")
+        self.agent.deregister_memory(reg)
 
     def close(self) -> None:
-        for reg in self._registered:
+        with self._lock:
+            regs, self._registered = self._registered, []
+        for reg, _ in regs:
             self.agent.deregister_memory(reg)
-        self._registered.clear()
-        self._tensors.clear()
