@@ -379,7 +379,7 @@ def _build(indexes, off: Offload, layers: list) -> None:
                 # a chunk's index could not be had: this layer's index is the sequence's own, over every key
                 log.warning("a chunk index failed (%s): layer %d of %s is indexed whole", exc, layer, off.owner)
                 chunks = []
-            indexes.add(off.owner, layer, keys, values, train, **({"chunks": chunks} if chunks else {}))
+            indexes.add(off.owner, layer, keys, values, train, chunks)
             layers[layer] = None            # the index set holds them now
     finally:
         with off.lock:
