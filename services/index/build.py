@@ -169,8 +169,8 @@ def repair_graph(keys: np.ndarray, graph: Graph, train: np.ndarray, cfg: BuildCo
     no edge between its parts, so a search reaches a part only through its own entries. The request's queries
     (``train``, in the keys' frame) link each key their searches miss from the nearest they find, across parts
     too. On the longgen model's Q/K (bench/index/README.md, 192 64-key chunks and 304 other keys), composed recall@100
-    was 0.41 at 18% of the keys scored and never reached 20%; repaired, 0.923 at 20% (0.95 at 24%) against 0.955 for
-    the request's own index, the repair taking 0.4x that index's build."""
+    was 0.41 at 18% of the keys scored and never reached 20%; repaired in one round (``heads.COMPOSED``), 0.910 at 20%
+    against 0.955 for the request's own index, the repair taking 0.2x that index's build (two rounds: 0.923, 0.4x)."""
     threads = threads or len(os.sched_getaffinity(0))
     rng = np.random.default_rng(cfg.seed)
     if train.shape[0] > cfg.max_train_queries:
