@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -49,8 +48,6 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.batcher, self.eng, self.store, self.metrics = batcher, engine, store, metrics
         self.name, self.metrics_url, self.settings = name, metrics_url, settings
         self.transport = probe_transport(engine.device)
-        self._nixl = None          # a NIXL endpoint, made with the first hand-off whose K/V are read over NIXL
-        self._nixl_lock = threading.Lock()
         self._pending: dict[str, tuple[ReceivedHandoff, float]] = {}
         self._arrived: dict[str, asyncio.Event] = {}
         self.decoding = 0
@@ -112,21 +109,19 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         """The hand-off's K/V read over NIXL into this worker's memory (registered for the read), checked."""
         import torch
 
-        from services.handoff.nixl import NixlEndpoint, Offer
+        from services.handoff.nixl import Offer, process_endpoint
 
         dtype = getattr(torch, msg.dtype, None)
         if not isinstance(dtype, torch.dtype) or not msg.numel:
             raise ValueError(f"NIXL buffer of dtype {msg.dtype!r} and {msg.numel} elements")
         offer = Offer.from_bytes(msg.offer)
-        with self._nixl_lock:
-            if self._nixl is None:
-                self._nixl = NixlEndpoint()
+        endpoint = process_endpoint()
         kv = torch.empty(msg.numel, dtype=dtype)
-        self._nixl.register([kv])
+        endpoint.register([kv])
         try:
-            self._nixl.read(offer, [kv], timeout=self.settings.handoff_wait_s, notify=b"read")
+            endpoint.read(offer, [kv], timeout=self.settings.handoff_wait_s, notify=b"read")
         finally:
-            self._nixl.deregister(kv)
+            endpoint.deregister(kv)
         return kv
 
     async def _serving(self, context) -> None:

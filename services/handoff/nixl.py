@@ -222,7 +222,21 @@ class NixlEndpoint:
         self.agent.deregister_memory(reg)
 
     def close(self) -> None:
+        """Deregister everything registered here."""
         with self._lock:
             regs, self._registered = self._registered, []
         for reg, _ in regs:
             self.agent.deregister_memory(reg)
+
+
+_endpoint: NixlEndpoint | None = None
+_endpoint_lock = threading.Lock()
+
+
+def process_endpoint() -> NixlEndpoint:
+    """This process's one NIXL endpoint, made on first use (a worker's hand-off threads share it)."""
+    global _endpoint
+    with _endpoint_lock:
+        if _endpoint is None:
+            _endpoint = NixlEndpoint()
+        return _endpoint

@@ -50,7 +50,6 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.name = name
         self.metrics_url = metrics_url
         self.transport = probe_transport(worker.eng.device, handoff_transport)
-        self._nixl = None          # this worker's NIXL endpoint, made with its first NIXL hand-off
         self._same_gpu: dict[str, bool] = {}
         # one engine thread, pipelined by one request (engine_loop.py)
         self.engine = EngineLoop(on_fatal=on_fatal)
@@ -186,21 +185,26 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                                          f"failed: {exc.code().name}: {exc.details()}")
         finally:
             if used == "nixl":      # read and acknowledged (or failed): the memory goes back
-                await loop.run_in_executor(self.io_threads, self._nixl.deregister, kv)
+                await loop.run_in_executor(self.io_threads, self._nixl_deregister, kv)
         moved = len(payload) + (kv.numel() * kv.element_size() if kv is not None else 0)
         self.worker.metrics.handoff_bytes.inc(moved)
         return moved, used
 
+    @staticmethod
+    def _nixl_deregister(kv) -> None:
+        from services.handoff.nixl import process_endpoint
+
+        process_endpoint().deregister(kv)
+
     def _offer_nixl(self, kv, header: pb.HandoffHeader) -> bool:
         """Register the hand-off's K/V with this worker's NIXL endpoint and put the offer in the header; False
         (logged: the stream carries them) when NIXL fails here."""
-        from services.handoff.nixl import NixlEndpoint
+        from services.handoff.nixl import process_endpoint
 
         try:
-            if self._nixl is None:
-                self._nixl = NixlEndpoint()
-            self._nixl.register([kv])
-            offer = self._nixl.offer([kv])
+            endpoint = process_endpoint()
+            endpoint.register([kv])
+            offer = endpoint.offer([kv])
         except Exception as exc:   # noqa: BLE001 - any NIXL failure: this hand-off goes by the stream
             log.warning("prefill worker %s: NIXL could not offer a hand-off (%s); it goes by the gRPC stream",
                         self.name, exc)
