@@ -166,3 +166,23 @@ def test_a_handlers_unexpected_error_is_internal_with_an_id_never_its_text():
     finally:
         loop.run(server.stop(0))
         loop.stop()
+
+
+@pytest.mark.parametrize("nixl, says", [
+    (pb.NixlBuffer(offer=b"NXOF" + b"\0" * 30, dtype="float32", numel=4), "not a NIXL offer"),
+    (pb.NixlBuffer(offer=b"x", dtype="no_such_dtype", numel=4), "NIXL buffer of dtype 'no_such_dtype'"),
+    (pb.NixlBuffer(offer=b"x", dtype="float32", numel=0), "and 0 elements"),
+])
+def test_a_hand_off_naming_a_bad_nixl_buffer_is_refused_and_the_decode_worker_serves_on(cluster, nixl, says):
+    """A prefill worker's hand-off whose K/V are to be read over NIXL, with an offer or buffer that cannot be: DATA_LOSS
+    naming why, nothing kept (refused before any NIXL agent is made), and the worker still answers."""
+    from services.handoff.transport import handoff_parts
+
+    tls = ClusterTLS.load(cluster.certs, "prefill")
+    with _channel(_addresses(cluster)["decode"], "decode", tls) as ch:
+        d = pb_grpc.DecodeWorkerStub(ch)
+        header = pb.HandoffHeader(request_id="bad-nixl", kind="engine", nixl=nixl)
+        with pytest.raises(grpc.RpcError) as err:
+            d.PushHandoff(handoff_parts(header, b"payload"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS and says in err.value.details()
+        assert d.Status(pb.WorkerStatusRequest(), timeout=5).in_flight == 0
