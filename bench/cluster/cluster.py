@@ -196,6 +196,11 @@ def main() -> int:
                          "defaults; 0: off)")
     ap.add_argument("--decode-step-interval-ms", type=float, default=0.0,
                     help="DecodeSettings.min_step_interval_s, in ms (0: decode steps back to back)")
+    ap.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    ap.add_argument("--decode", type=int, default=1, help="decode workers (they and the prefill workers take the "
+                                                          "visible GPUs round-robin: CUDA_VISIBLE_DEVICES picks them)")
+    ap.add_argument("--routing", choices=("residency", "load"), default="residency",
+                    help="the gateway's choice of prefill worker: chunk residency less load (default), or load only")
     ap.add_argument("--register-corpus", action="store_true",
                     help="register the trace's documents before each reuse mode (then drop device caches)")
     args = ap.parse_args()
@@ -239,6 +244,7 @@ def main() -> int:
     cfg = ClusterConfig(model_dir=str(model), device=device, dtype=dtype, kv_cache_bytes=int(args.kv_cache_bytes),
                         chunk_cache_bytes=int(args.chunk_cache_bytes), store_dram_bytes=int(args.store_dram_bytes),
                         store_dir=str(Path(tmp) / "rocksdb"), internal_tls=args.internal_tls == "on",
+                        prefill=args.prefill, decode=args.decode, routing=args.routing,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_bytes),
                                                          **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_bytes),
@@ -257,11 +263,12 @@ def main() -> int:
     target = ClusterTarget(cluster.gateway_address, timeout=1800)
     vocab = min(target.vocab_size, 128000)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    gpu = None
+    gpu, gpus = None, 0
     if device == "cuda":
         import torch
 
-        gpu = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+        gpus = torch.cuda.device_count()
+        gpu = f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     launcher = "local processes (--no-ray)" if args.no_ray else "Ray actors"
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shape": args.shape,
                "layers": args.layers, "device": device, "gpu": gpu, "launcher": launcher,
@@ -271,11 +278,14 @@ def main() -> int:
                "chunk_cache_bytes": args.chunk_cache_bytes,
                "host_cache_bytes": args.host_cache_bytes, "register_corpus": args.register_corpus,
                "internal_tls": args.internal_tls, "commit": _commit(), "runs": [],
+               "prefill_workers": args.prefill, "decode_workers": args.decode, "routing": args.routing,
+               "gpus": gpus,
                "rate_sweeps": []}
     shape = args.shape if tiny else f"{args.shape}, {args.layers} layers"
     md = [f"# Cluster benchmark ({shape}, {device})", "",
           f"Date: {results['date']}. Device: {gpu or device}. Services: {launcher}. "
-          f"Hand-off transport: {target.client.stats().transport}.",
+          f"Hand-off transport: {target.client.stats().transport}. Workers: {args.prefill} prefill, "
+          f"{args.decode} decode; routing: {args.routing}.",
           "Command: `" + " ".join(sys.argv) + "`", ""]
     runs_dir = Path(args.runs_dir or f"{args.out}-runs")
 

@@ -184,6 +184,9 @@ class ClusterConfig:
     max_restarts: int = 5
     restart_window_s: float = 300.0
     text_cache_tokens: int = 8 << 20        # the gateway's token ids of chunk texts seen lately (0: off)
+    # how the gateway picks a prefill worker: "residency" (the one holding most of the request's chunk tokens on
+    # its GPU, less a load penalty) or "load" (the least loaded: the A/B's peer); services/gateway/router.py
+    routing: str = "residency"
     # each decode worker's retrieval-index service (services/index/, tessera-index-<i>, on the worker's node): the
     # threads it builds and searches with, a share of the node's cores; 0: no index services, decode workers hold
     # their retrieval sequences' K/V and indexes in their own memory
@@ -215,6 +218,7 @@ class ClusterConfig:
         check_int("--max-restarts", self.max_restarts, -1, rule=">= 0 (-1: no limit)")
         check_float("--restart-window-s", self.restart_window_s, 0, lo_open=True, finite=False, rule="> 0 seconds")
         check_int("text_cache_tokens", self.text_cache_tokens, 0)
+        check_str("--routing", self.routing, choices=("residency", "load"))
         check_int("--index-threads", self.index_threads, 0, MAX_INDEX_THREADS)
         check_str("namespace", self.namespace, empty=False)
         check_bool("detached", self.detached)

@@ -83,7 +83,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         if received.header.HasField("kv"):
             # the K/V stay on the GPU: copy them out before acknowledging (the sender frees them then)
             try:
-                kv = await asyncio.to_thread(copy_out, received.header.kv)
+                kv = await asyncio.to_thread(copy_out, received.header.kv, self.eng.device)
             except (RuntimeError, ValueError) as exc:
                 await context.abort(grpc.StatusCode.DATA_LOSS, f"hand-off {received.header.request_id}: "
                                                                f"cannot open its CUDA IPC buffer: {exc}")

@@ -3,7 +3,8 @@
 Each prefill worker publishes the chunk ids resident in its device cache (with every prefill
 reply and every status poll). A request scores each healthy worker by the fraction of its chunk
 tokens already resident there, minus a load penalty per request in flight; the best score wins,
-ties going to the less loaded worker, then in turn. Decode workers are picked by load alone.
+ties going to the less loaded worker, then in turn. With ``residency=False`` (an A/B's peer) the
+resident tokens count for nothing: load alone, then in turn. Decode workers are picked by load alone.
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ class Router:
     between GPUs it crosses the host, and a pair of H200s apart served a quarter of what one shared GPU did
     (bench/cluster/README.md)."""
 
-    def __init__(self, load_penalty: float = 0.25, colocate_bonus: int = 8) -> None:
+    def __init__(self, load_penalty: float = 0.25, colocate_bonus: int = 8, residency: bool = True) -> None:
         if load_penalty < 0:
             raise ValueError(f"load_penalty must be >= 0, got {load_penalty}")
         if colocate_bonus < 0:
             raise ValueError(f"colocate_bonus must be >= 0, got {colocate_bonus}")
         self.load_penalty = load_penalty
         self.colocate_bonus = colocate_bonus
+        self.residency = bool(residency)
         self.workers: dict[str, WorkerView] = {}
         self._turn = itertools.count()
         self._lock = threading.Lock()
@@ -89,7 +91,8 @@ class Router:
 
             def score(iw: tuple[int, WorkerView]):
                 i, w = iw
-                resident = sum(length for cid, length in zip(chunk_ids, chunk_lens) if cid in w.resident)
+                resident = (sum(length for cid, length in zip(chunk_ids, chunk_lens) if cid in w.resident)
+                            if self.residency else 0)
                 return (resident / total - self.load_penalty * w.in_flight, -w.in_flight, -((i - turn) % n))
 
             best = max(enumerate(cands), key=score)[1]

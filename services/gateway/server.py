@@ -439,19 +439,23 @@ async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, 
                         tls: tuple[bytes, bytes] | None = None, registry: ChunkRegistry | None = None,
                         host: str = "127.0.0.1", port: int = 0, resolve=None,
                         ready_timeout_s: float = 120.0, text_cache_tokens: int = 8 << 20,
-                        cluster_tls=None, tenants: Tenants | None = None) -> tuple[GatewayServer, int]:
+                        cluster_tls=None, tenants: Tenants | None = None,
+                        routing: str = "residency") -> tuple[GatewayServer, int]:
     """Serve the client API on ``host:port`` (0: any) over ``workers`` [(name, role, address)];
     ``tls`` = (certificate chain PEM, private key PEM) serves it over TLS. Waits until the prefill
     workers report the model fingerprint. ``text_cache_tokens``: token ids of chunk texts kept for
     requests that send them again (0: every text tokenized every time). ``cluster_tls``: the gateway's
     ``ClusterTLS``: workers are called over mutual TLS (services/cluster/security.py). ``tenants``: who each
     bearer token is (services/gateway/tenants.py); None: one default tenant behind ``token`` (open without
-    one). Returns (server, port)."""
+    one). ``routing``: "residency" sends a request to the prefill worker holding most of its chunk tokens on its GPU
+    (less a load penalty), "load" to the least loaded (services/gateway/router.py). Returns (server, port)."""
     if tenants is not None and token is not None:
         raise ValueError("give either a token or a tenants file: a tenants file names every token")
     tenants = tenants if tenants is not None else Tenants.single(token)
     metrics = GatewayMetrics()
-    router = Router()
+    if routing not in ("residency", "load"):
+        raise ValueError(f"routing must be 'residency' or 'load', got {routing!r}")
+    router = Router(residency=routing == "residency")
     for name, role, address in workers:
         router.add(WorkerView(name, role, address))
     if not router.of_role("prefill") or not router.of_role("decode"):

@@ -1,15 +1,20 @@
-"""Hand-offs between workers that share one GPU: the private K/V never leave the device.
+"""Hand-offs between workers on one host's GPUs: the private K/V never cross the host.
 
 The prefill worker concatenates the request's private K/V into one device buffer and exports it
 with CUDA IPC (torch.multiprocessing's reduction of a CUDA tensor; its fields travel in a
 ``CudaIpcBuffer`` message, not as a pickle); only the rest of the hand-off (chunk ids, positions,
 logits: a few KB) goes through the gRPC stream. The decode worker opens the buffer, copies it into
-its own memory on the device, closes it and only then acknowledges the push; the prefill worker
-holds the buffer until that acknowledgement. Without IPC this is the gRPC path's 4-8 host copies of
-every private byte, on two Python processes' CPUs.
+its own memory on its GPU (on the device when they share one, GPU to GPU over NVLink or PCIe
+peer-to-peer when not), closes it and only then acknowledges the push; the prefill worker holds the
+buffer until that acknowledgement. Without IPC this is the gRPC path's 4-8 host copies of every
+private byte, on two Python processes' CPUs: a pair of H200s apart served a quarter of what one
+shared GPU did that way (bench/cluster/README.md).
 
-Whether two workers share a GPU is decided from their ``WorkerStatus``: same ``host_id`` (hostname
-and boot id) and same ``device_uuid``.
+A process opens only the buffers of GPUs it sees, so a worker process is started seeing its own GPU
+first (its ``cuda``) and the host's others after it (``gpu_order``); the buffer names its GPU by
+uuid, which every process maps to its own index. Whether a decode worker can take a prefill
+worker's buffer is decided from their ``WorkerStatus``: same ``host_id`` (hostname and boot id), and
+the prefill worker's ``device_uuid`` among the decode worker's ``ipc_gpus``.
 """
 
 from __future__ import annotations
@@ -43,13 +48,49 @@ def device_uuid(device: torch.device) -> str:
     return str(getattr(torch.cuda.get_device_properties(idx), "uuid", ""))
 
 
-def placement(device: torch.device) -> dict[str, str]:
-    """This worker's machine and GPU, as the ``WorkerStatus`` fields ``same_gpu`` compares."""
-    return {"host_id": host_id(), "device_uuid": device_uuid(device)}
+@lru_cache(maxsize=1)
+def visible_uuids() -> tuple[str, ...]:
+    """The uuids of the GPUs this process sees, by its device index ("" for one without a uuid)."""
+    if not torch.cuda.is_available():
+        return ()
+    return tuple(str(getattr(torch.cuda.get_device_properties(i), "uuid", "")) for i in range(torch.cuda.device_count()))
+
+
+def placement(device: torch.device) -> dict:
+    """This worker's machine and GPUs, as the ``WorkerStatus`` fields ``same_gpu`` and ``ipc_reaches`` compare."""
+    own = device_uuid(device)
+    return {"host_id": host_id(), "device_uuid": own,
+            "ipc_gpus": [u for u in visible_uuids() if u] if own else []}
 
 
 def same_gpu(a: pb.WorkerStatus, b: pb.WorkerStatus) -> bool:
     return bool(a.device_uuid) and a.host_id == b.host_id and a.device_uuid == b.device_uuid
+
+
+def ipc_reaches(sender: pb.WorkerStatus, receiver: pb.WorkerStatus) -> bool:
+    """Whether ``receiver`` can open CUDA IPC buffers of ``sender``'s GPU: one host, and the GPU among those it sees."""
+    return (bool(sender.device_uuid) and sender.host_id == receiver.host_id
+            and (sender.device_uuid == receiver.device_uuid or sender.device_uuid in receiver.ipc_gpus))
+
+
+def gpu_order(own: str, visible: list[str]) -> str:
+    """CUDA_VISIBLE_DEVICES for a worker process of GPU ``own``: it first (the process's ``cuda``), then the rest
+    of ``visible`` (the GPUs whose hand-off buffers it can open)."""
+    if own not in visible:
+        raise ValueError(f"GPU {own!r} is not among the visible GPUs {visible}")
+    return ",".join([own] + [g for g in visible if g != own])
+
+
+def local_index(uuid: str, fallback: int) -> int:
+    """This process's index of the GPU of ``uuid`` ("" keeps ``fallback``, a sender's own index: one process's
+    numbering, right only when both see the same GPUs in the same order)."""
+    if not uuid:
+        return fallback
+    try:
+        return visible_uuids().index(uuid)
+    except ValueError:
+        raise ValueError(f"CUDA IPC buffer on GPU {uuid}, which this process does not see "
+                         f"(it sees {len(visible_uuids())})") from None
 
 
 def share(buf: torch.Tensor) -> pb.CudaIpcBuffer:
@@ -65,26 +106,35 @@ def share(buf: torch.Tensor) -> pb.CudaIpcBuffer:
                             storage_handle=handle, storage_size_bytes=size_bytes, storage_offset_bytes=offset_bytes,
                             ref_counter_handle=ref_handle, ref_counter_offset=ref_offset,
                             event_handle=event_handle or b"", event_sync_required=bool(event_sync),
-                            device_index=int(device), tensor_offset=int(offset))
+                            device_index=int(device), tensor_offset=int(offset),
+                            device_uuid=device_uuid(buf.device))
 
 
-def copy_out(msg: pb.CudaIpcBuffer) -> torch.Tensor:
-    """Open a shared buffer, copy it into this process's memory on the same device, close it."""
+def copy_out(msg: pb.CudaIpcBuffer, device: torch.device | None = None) -> torch.Tensor:
+    """Open a shared buffer, copy it into this process's memory on ``device`` (default: the buffer's GPU), close it.
+    From another GPU the copy runs peer to peer, on the sender GPU's stream after its export event."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     dtype = getattr(torch, msg.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"CUDA IPC buffer of unknown dtype {msg.dtype!r}")
+    src = local_index(msg.device_uuid, msg.device_index)
+    if device is not None and device.type != "cuda":
+        raise ValueError(f"a CUDA IPC buffer is copied to a GPU, not to {device}")
+    dst = torch.device("cuda", src if device is None
+                       else device.index if device.index is not None else torch.cuda.current_device())
     # on a stream of its own: the copy waits for the sender's export event, not behind this process's
     # queued work (the decode steps its engine thread keeps issuing on the current stream)
-    consumer = torch.cuda.current_stream(msg.device_index)
-    side = side_stream(torch.device("cuda", msg.device_index), "ipc-copy")
+    consumer = torch.cuda.current_stream(dst)
+    side = side_stream(dst, "ipc-copy")
     with torch.cuda.stream(side):
+        # opening it queues a wait for the sender's event on the sender GPU's current stream in this process; a
+        # copy between GPUs runs on the source's current stream, then the destination's (``side``) waits for it
         shared = rebuild_cuda_tensor(torch.Tensor, (msg.numel,), (1,), msg.tensor_offset, torch.UntypedStorage,
-                                     dtype, msg.device_index, msg.storage_handle, msg.storage_size_bytes,
+                                     dtype, src, msg.storage_handle, msg.storage_size_bytes,
                                      msg.storage_offset_bytes, False, msg.ref_counter_handle, msg.ref_counter_offset,
                                      msg.event_handle or None, msg.event_sync_required)
-        own = shared.clone()
+        own = shared.clone() if dst.index == src else torch.empty_like(shared, device=dst).copy_(shared)
     side.synchronize()                  # copied before the sender may free it
     own.record_stream(consumer)         # its memory is not reused while the consumer's kernels may read it
     del shared

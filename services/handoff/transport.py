@@ -1,7 +1,7 @@
 """Prefill-to-decode hand-off transport: chosen once at start, reported in Stats.
 
-Between workers on one GPU the private K/V stay on the device (``cuda_ipc``: the stream carries
-only the small rest of the hand-off). Otherwise the hand-off is a gRPC client stream to the decode
+Between workers on one host's GPUs the private K/V stay on the GPUs (``cuda_ipc``: copied on the device, or GPU
+to GPU; the stream carries only the small rest of the hand-off). Otherwise the hand-off is a gRPC client stream to the decode
 worker's ``PushHandoff``: a ``HandoffHeader`` then the payload in ~1 MiB parts, checked against the
 header's length and crc32 (zlib's value, computed by ISA-L) on arrival. With ``handoff_transport="nixl"``
 the stream carries a NIXL offer instead of the K/V, which the decode worker reads from the prefill
@@ -33,7 +33,8 @@ class TransportChoice:
 
 def probe_transport(device=None, want: str = "auto") -> TransportChoice:
     """The hand-off transport of a worker on ``device``: ``want`` "nixl" reads the K/V over NIXL where it loads (else
-    the gRPC stream, saying why); "auto" and "grpc" stream them; on a GPU, CUDA IPC to decode workers sharing it."""
+    the gRPC stream, saying why); "auto" and "grpc" stream them; on a GPU, CUDA IPC to decode workers on this host's
+    GPUs that can open its buffers."""
     ipc = device is not None and device.type == "cuda"
     found = [m for m in ("nixl", "nixl_cu13", "nixl_cu12") if importlib.util.find_spec(m) is not None]
     nixl = ("nixl is not installed" if not found
@@ -43,12 +44,12 @@ def probe_transport(device=None, want: str = "auto") -> TransportChoice:
 
         try:
             nixl_module()       # found, not loaded: the first hand-off loads it, and streams its K/V if it fails
-            return TransportChoice("nixl", ("cuda-ipc to decode workers on this GPU, else " if ipc else "")
+            return TransportChoice("nixl", ("cuda-ipc to decode workers on this host's GPUs, else " if ipc else "")
                                    + f"nixl (UCX) reads of the K/V ({found[0]}), checked on landing")
         except NixlUnavailable as exc:
             nixl = f"nixl asked for but unavailable: {exc}"
     if ipc:
-        return TransportChoice("cuda-ipc", f"cuda-ipc to decode workers on this GPU, else grpc stream ({nixl})")
+        return TransportChoice("cuda-ipc", f"cuda-ipc to decode workers on this host's GPUs, else grpc stream ({nixl})")
     return TransportChoice("grpc", f"grpc stream ({nixl})")
 
 

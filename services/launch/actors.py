@@ -53,6 +53,7 @@ class ServiceSpec:
     cluster_tls: ClusterTLS | None = None       # this service's mutual-TLS identity (None: plain internal traffic)
     namespace: str = "tessera"
     text_cache_tokens: int = 8 << 20            # gateway: token ids of chunk texts kept (services/gateway/inputs.py)
+    routing: str = "residency"                  # gateway: how prefill workers are picked (ClusterConfig.routing)
     index_address: str | None = None            # decode: its retrieval index service (None: indexes in process)
     index_threads: int = 0                      # index: threads building and searching (ClusterConfig.index_threads)
 
@@ -126,7 +127,8 @@ async def _create(spec: ServiceSpec, port: int):
         return await create_server(spec.model_dir, list(spec.workers), token=spec.token, tls=spec.tls, host=spec.host,
                                    tenants=gateway_tenants(spec),
                                    port=port, resolve=_resolver(spec.namespace), registry=registry,
-                                   text_cache_tokens=spec.text_cache_tokens, cluster_tls=spec.cluster_tls)
+                                   text_cache_tokens=spec.text_cache_tokens, cluster_tls=spec.cluster_tls,
+                                   routing=spec.routing)
     raise ValueError(f"unknown role {spec.role!r}")
 
 

@@ -63,6 +63,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--no-warmup-sparse", dest="warmup_sparse", action="store_false",
                     help="decode workers warm up dense decode only, not Quest's and Retro's default policies too "
                          "(a shorter start; a worker's first sparse requests then wait for kernel compiles)")
+    up.add_argument("--routing", choices=("residency", "load"), default="residency",
+                    help="how the gateway picks a prefill worker: the one holding most of the request's chunk tokens "
+                         "on its GPU, less a load penalty (default), or the least loaded")
     up.add_argument("--text-cache-tokens", type=int, default=8 << 20,
                     help="token ids of chunk texts the gateway keeps for requests that send them again, in tokens "
                          "(default 8M, ~4 bytes each plus the text; 0: tokenize every text every time)")
@@ -155,6 +158,7 @@ def _up(args: argparse.Namespace) -> int:
                         gateway_port=args.port, bind_host=host, token=args.token, tls_cert=args.tls_cert,
                         certs_dir=args.certs_dir, tenants_file=args.tenants,
                         tls_key=args.tls_key, detached=True, text_cache_tokens=args.text_cache_tokens,
+                        routing=args.routing,
                         gateway_on_head=args.gateway_on_head, index_threads=args.index_threads, **restarts,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                          handoff_transport=args.handoff_transport, **warm),

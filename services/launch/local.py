@@ -8,7 +8,8 @@ interpreter lock. A child builds its service with the actor code (``ServiceActor
 port memory is off) and reports its address over a pipe; the gateway keeps registered chunk ids in
 its own memory and is handed fixed worker addresses. No restarts: a child that dies stays dead.
 GPUs are placed as ``start_cluster`` places them on Ray: with at least one GPU per worker each worker process
-sees its own (``CUDA_VISIBLE_DEVICES``), else they take the GPUs round-robin and share them. ``tessera up`` keeps
+has its own (first in its ``CUDA_VISIBLE_DEVICES``; the host's others follow, for hand-offs GPU to GPU), else they
+take the GPUs round-robin and share them. ``tessera up`` keeps
 using Ray; this is for benchmarks and tests.
 """
 
@@ -42,7 +43,7 @@ class _Gateway:
             create_server(spec.model_dir, list(spec.workers), token=spec.token, tls=spec.tls, host=spec.host,
                           tenants=gateway_tenants(spec),
                           port=spec.port, registry=ChunkRegistry(), resolve=None,
-                          text_cache_tokens=spec.text_cache_tokens, cluster_tls=spec.cluster_tls),
+                          text_cache_tokens=spec.text_cache_tokens, cluster_tls=spec.cluster_tls, routing=spec.routing),
             timeout=START_TIMEOUT_S)
         self._address = f"{advertised_host(spec.host)}:{port}"
 
@@ -122,11 +123,14 @@ def _stop_children(children: dict[str, _Child]) -> None:
 
 def worker_gpus(n_workers: int, visible: list[str]) -> list[str | None]:
     """The GPUs each of ``n_workers`` worker processes sees (its CUDA_VISIBLE_DEVICES), from the machine's
-    ``visible`` ones: one each, round-robin (shared) when there are fewer than workers; None (the environment
-    as it is) with one GPU or none."""
+    ``visible`` ones: its own first (one each, round-robin, so shared, when there are fewer than workers), then the
+    others, whose hand-off buffers it copies GPU to GPU (``cuda_ipc.gpu_order``); None (the environment as it is)
+    with one GPU or none."""
+    from services.handoff.cuda_ipc import gpu_order
+
     if len(visible) <= 1:
         return [None] * n_workers
-    return [visible[k % len(visible)] for k in range(n_workers)]
+    return [gpu_order(visible[k % len(visible)], visible) for k in range(n_workers)]
 
 
 def _visible_gpus() -> list[str]:
@@ -185,7 +189,7 @@ def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = la
         _wait(children, plan.names["store"] + plan.names["index"], addresses, metrics)
         stores = tuple(addresses[n] for n in plan.names["store"])
         gpus = worker_gpus(len(plan.workers), _visible_gpus() if cfg.device == "cuda" else [])
-        where = f" (GPUs {', '.join(map(str, gpus))})" if gpus and gpus[0] is not None else ""
+        where = f" (GPUs {', '.join(g.split(',')[0] for g in gpus)})" if gpus and gpus[0] is not None else ""
         progress(f"starting {cfg.prefill} prefill and {cfg.decode} decode worker(s) on {cfg.device}{where}")
         for name, gpu in zip(plan.workers, gpus):
             _spawn(ctx, plan.worker_spec(name, stores, addresses), children, gpu)

@@ -148,7 +148,7 @@ class Plan:
         return ServiceSpec("gateway", GATEWAY_NAME, host=cfg.bind_host, port=cfg.gateway_port,
                            model_dir=cfg.model_dir, workers=workers, token=cfg.token, tenants=self.tenants,
                            tls=cfg.tls(), namespace=cfg.namespace, text_cache_tokens=cfg.text_cache_tokens,
-                           cluster_tls=self.tls("gateway"))
+                           cluster_tls=self.tls("gateway"), routing=cfg.routing)
 
     def remove_scratch(self) -> None:
         remove_dirs(self.scratch, self.certs_scratch)

@@ -21,7 +21,7 @@ import grpc
 
 from services.cluster.config import EngineSettings, PrefillSettings
 from services.cluster.kvio import StoreAccess
-from services.handoff.cuda_ipc import placement, same_gpu, share
+from services.handoff.cuda_ipc import ipc_reaches, placement, same_gpu, share
 from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import read_decode_policy, read_sampling
 from services.cluster.staging import side_stream
@@ -50,7 +50,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.name = name
         self.metrics_url = metrics_url
         self.transport = probe_transport(worker.eng.device, handoff_transport)
-        self._same_gpu: dict[str, bool] = {}
+        self._ipc: dict[str, str] = {}     # decode worker address -> "same", "peer" (its GPU opens ours) or ""
         # one engine thread, pipelined by one request (engine_loop.py)
         self.engine = EngineLoop(on_fatal=on_fatal)
         # hand-offs are serialised here, so the engine thread goes on to the next request meanwhile
@@ -153,17 +153,19 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     async def _push(self, out, request_id: str, address: str, context) -> tuple[int, str]:
         """Serialise the hand-off (off the engine thread) and stream it to the decode worker; ABORTED
         when that fails (the gateway then tries another decode worker). Returns (private and payload
-        bytes moved, the transport used): CUDA IPC for the K/V when the decode worker shares this GPU."""
+        bytes moved, the transport used): CUDA IPC for the K/V when the decode worker shares this GPU
+        ("cuda-ipc") or sees it from another GPU of this host ("cuda-ipc-peer": it copies them GPU to GPU)."""
         loop = asyncio.get_running_loop()
         header = pb.HandoffHeader(request_id=request_id, kind="engine", first_token=out.first_token,
                                   storing=out.storing)
         kv = None               # held until the decode worker has copied it out (its ack)
         used = "grpc"
-        if self.transport.name in ("cuda-ipc", "nixl") and await self._shares_gpu(address):
+        ipc = await self._ipc_to(address) if self.transport.name in ("cuda-ipc", "nixl") else ""
+        if ipc:
             kv = await loop.run_in_executor(self.io_threads, out.handoff.kv_buffer)
             header.kv.CopyFrom(await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
                                                           lambda: share(kv)))
-            used = "cuda-ipc"
+            used = "cuda-ipc" if ipc == "same" else "cuda-ipc-peer"
         elif self.transport.name == "nixl" and out.handoff.layers:
             kv = await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
                                             lambda: out.handoff.kv_buffer().contiguous())
@@ -227,15 +229,17 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             side.wait_event(ready)
             return fn()
 
-    async def _shares_gpu(self, address: str) -> bool:
-        """Whether the decode worker at ``address`` runs on this worker's GPU (asked once per address)."""
-        if address not in self._same_gpu:
+    async def _ipc_to(self, address: str) -> str:
+        """Whether the decode worker at ``address`` runs on this worker's GPU ("same"), can open CUDA IPC buffers of
+        it from another GPU of this host ("peer"), or neither (""); asked once per address."""
+        if address not in self._ipc:
             try:
                 st = await self._decode_stub(address).Status(pb.WorkerStatusRequest(), timeout=5.0)
             except grpc.aio.AioRpcError:
-                return False       # asked again next time
-            self._same_gpu[address] = same_gpu(pb.WorkerStatus(**placement(self.worker.eng.device)), st)
-        return self._same_gpu[address]
+                return ""       # asked again next time
+            me = pb.WorkerStatus(**placement(self.worker.eng.device))
+            self._ipc[address] = "same" if same_gpu(me, st) else "peer" if ipc_reaches(me, st) else ""
+        return self._ipc[address]
 
     async def Warm(self, request: pb.WarmRequest, context):
         chunks = [list(c.ids) for c in request.chunks]

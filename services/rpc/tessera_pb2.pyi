@@ -244,7 +244,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "in_flight", "resident_chunk_ids", "transport", "metrics_url", "model_fingerprint", "host_id", "device_uuid")
+    __slots__ = ("name", "in_flight", "resident_chunk_ids", "transport", "metrics_url", "model_fingerprint", "host_id", "device_uuid", "ipc_gpus")
     NAME_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,7 @@ class WorkerStatus(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    IPC_GPUS_FIELD_NUMBER: _ClassVar[int]
     name: str
     in_flight: int
     resident_chunk_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -261,7 +262,8 @@ class WorkerStatus(_message.Message):
     model_fingerprint: str
     host_id: str
     device_uuid: str
-    def __init__(self, name: _Optional[str] = ..., in_flight: _Optional[int] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., metrics_url: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    ipc_gpus: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., in_flight: _Optional[int] = ..., resident_chunk_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., metrics_url: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ipc_gpus: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "chunks", "suffix", "mode", "recompute_ratio", "decode_address", "sampling", "chunk_namespaces", "decode")
@@ -370,7 +372,7 @@ class NixlBuffer(_message.Message):
     def __init__(self, offer: _Optional[bytes] = ..., dtype: _Optional[str] = ..., numel: _Optional[int] = ...) -> None: ...
 
 class CudaIpcBuffer(_message.Message):
-    __slots__ = ("dtype", "numel", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index", "tensor_offset")
+    __slots__ = ("dtype", "numel", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index", "tensor_offset", "device_uuid")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     STORAGE_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +384,7 @@ class CudaIpcBuffer(_message.Message):
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     numel: int
     storage_handle: bytes
@@ -393,7 +396,8 @@ class CudaIpcBuffer(_message.Message):
     event_sync_required: bool
     device_index: int
     tensor_offset: int
-    def __init__(self, dtype: _Optional[str] = ..., numel: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, dtype: _Optional[str] = ..., numel: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ..., tensor_offset: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class HandoffPart(_message.Message):
     __slots__ = ("header", "data")

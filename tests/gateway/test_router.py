@@ -24,6 +24,28 @@ def test_router_prefers_the_worker_holding_the_chunks():
     assert r.pick_prefill(("x", "y"), (100, 100)).name == "p1"
 
 
+def test_load_only_routing_ignores_residency_and_spreads_by_load():
+    r = Router(residency=False)
+    for v in (WorkerView("p0", "prefill", "a"), WorkerView("p1", "prefill", "b", resident=frozenset({"x", "y"}))):
+        r.add(v)
+    picked = [r.pick_prefill(("x", "y"), (100, 100)).name for _ in range(4)]
+    assert sorted(picked) == ["p0", "p0", "p1", "p1"]       # the resident chunks pull nothing to p1
+    r.workers["p0"].in_flight += 1
+    assert r.pick_prefill(("x", "y"), (100, 100)).name == "p1"   # the less loaded one
+    r.workers["p1"].in_flight += 3
+    assert r.pick_prefill(("x", "y"), (100, 100)).name == "p0"
+
+
+def test_a_gateway_with_an_unknown_routing_is_refused():
+    from services.cluster.config import ClusterConfig
+    from services.gateway.server import create_server
+
+    with pytest.raises(ValueError, match="routing must be 'residency' or 'load'"):
+        asyncio.run(create_server("/nonexistent", [("p", "prefill", "a"), ("d", "decode", "b")], routing="lru"))
+    with pytest.raises(ValueError, match="--routing"):
+        ClusterConfig(model_dir=".", routing="random")
+
+
 def test_router_weighs_residency_by_tokens():
     r = router_with(WorkerView("p0", "prefill", "a", resident=frozenset({"small"})),
                     WorkerView("p1", "prefill", "b", resident=frozenset({"big"})))

@@ -1,4 +1,4 @@
-"""The CUDA IPC hand-off path between two processes on one GPU (skipped without CUDA; on a GPU host
+"""The CUDA IPC hand-off path between two processes on one GPU and on two (skipped without them; on a GPU host
 ``python -m tests.handoff.ipc_child`` runs the same check without pytest)."""
 
 from __future__ import annotations
@@ -12,3 +12,13 @@ def test_a_buffer_shared_with_another_process_arrives_whole():
     from .ipc_child import round_trip
 
     assert round_trip()
+
+
+def test_a_buffer_copied_to_a_process_of_another_gpu_arrives_whole():
+    import torch
+
+    from .ipc_child import round_trip
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    assert round_trip(peer=True)

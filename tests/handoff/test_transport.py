@@ -68,10 +68,11 @@ def test_nixl_is_used_where_asked_for_and_loadable_else_the_stream_says_why(monk
     assert choice.name == "grpc" and "nixl asked for but unavailable: no NIXL package" in choice.detail
 
 
-def test_cuda_ipc_needs_one_gpu_on_one_host():
+def test_cuda_ipc_needs_one_host_and_a_gpu_the_receiver_sees():
     import torch
 
-    from services.handoff.cuda_ipc import device_uuid, host_id, placement, same_gpu, share
+    from services.handoff.cuda_ipc import (device_uuid, gpu_order, host_id, ipc_reaches, local_index, placement,
+                                           same_gpu, share)
     me = pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-1")
     assert same_gpu(me, pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-1"))
     assert not same_gpu(me, pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-2"))
@@ -79,6 +80,20 @@ def test_cuda_ipc_needs_one_gpu_on_one_host():
     assert not same_gpu(pb.WorkerStatus(host_id=host_id(), device_uuid=""),
                         pb.WorkerStatus(host_id=host_id(), device_uuid=""))   # CPU workers
     assert device_uuid(torch.device("cpu")) == ""
-    assert placement(torch.device("cpu")) == {"host_id": host_id(), "device_uuid": ""}
+    assert placement(torch.device("cpu")) == {"host_id": host_id(), "device_uuid": "", "ipc_gpus": []}
+    # another GPU of the host: only when the receiver's process sees it
+    peer = pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-2", ipc_gpus=["GPU-2", "GPU-1"])
+    assert ipc_reaches(me, peer) and not same_gpu(me, peer)
+    assert not ipc_reaches(me, pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-2", ipc_gpus=["GPU-2"]))
+    assert not ipc_reaches(me, pb.WorkerStatus(host_id="elsewhere/1", device_uuid="GPU-2", ipc_gpus=["GPU-1"]))
+    assert ipc_reaches(me, pb.WorkerStatus(host_id=host_id(), device_uuid="GPU-1"))   # a peer of before ipc_gpus
+    assert not ipc_reaches(pb.WorkerStatus(host_id=host_id()), pb.WorkerStatus(host_id=host_id(), ipc_gpus=[""]))
+    # a worker's process sees its own GPU first, then the others
+    assert gpu_order("2", ["0", "1", "2", "3"]) == "2,0,1,3" and gpu_order("0", ["0"]) == "0"
+    with pytest.raises(ValueError, match="not among the visible GPUs"):
+        gpu_order("5", ["0", "1"])
+    assert local_index("", 3) == 3      # a sender of before device_uuid: its own index
+    with pytest.raises(ValueError, match="does not see"):
+        local_index("GPU-not-here", 0)
     with pytest.raises(ValueError, match="CUDA tensor"):
         share(torch.zeros(4))

@@ -52,9 +52,9 @@ def test_local_cluster_output_equals_engine_generate(local_cluster, reference, m
 def test_workers_get_a_gpu_each_when_there_are_enough_and_share_them_round_robin_otherwise():
     from services.launch.local import worker_gpus
 
-    assert worker_gpus(2, ["0", "1"]) == ["0", "1"]
-    assert worker_gpus(3, ["4", "5", "6", "7"]) == ["4", "5", "6"]
-    assert worker_gpus(4, ["0", "1"]) == ["0", "1", "0", "1"]
+    assert worker_gpus(2, ["0", "1"]) == ["0,1", "1,0"]
+    assert worker_gpus(3, ["4", "5", "6", "7"]) == ["4,5,6,7", "5,4,6,7", "6,4,5,7"]
+    assert worker_gpus(4, ["0", "1"]) == ["0,1", "1,0", "0,1", "1,0"]
     assert worker_gpus(2, ["3"]) == [None, None] and worker_gpus(2, []) == [None, None]
 
 
