@@ -15,7 +15,7 @@ for spec in "$@"; do
     echo "=== $name: GPUs $gpus, $prefill prefill + $decode decode, routing $routing, alphas $alphas, $requests requests, $concurrency clients ($(date -u +%H:%M:%S))"
     CUDA_VISIBLE_DEVICES=$gpus python3 bench/cluster/cluster.py --no-ray --model-dir "$model" --layers 32 \
         --requests "$requests" --warmup 8 --concurrency "$concurrency" --alphas "$alphas" \
-        --chunk-cache-bytes 2.5e9 --host-cache-bytes 16e9 --register-corpus --modes tessera \
+        --chunk-cache-bytes 2.5e9 --host-cache-bytes 16e9 --register-corpus --modes tessera --no-warmup-sparse \
         --prefill "$prefill" --decode "$decode" --routing "$routing" \
         --runs-dir "/tmp/runs-$name" --out "$out/$name" || echo "=== $name failed: $?"
 done
