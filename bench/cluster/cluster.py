@@ -201,6 +201,8 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=1, help="prefill workers")
     ap.add_argument("--decode", type=int, default=1, help="decode workers (they and the prefill workers take the "
                                                           "visible GPUs round-robin: CUDA_VISIBLE_DEVICES picks them)")
+    ap.add_argument("--store-shm", choices=("on", "off"), default="on",
+                    help="the store shards' DRAM tier in /dev/shm, read by workers on its host (on), or streamed (off)")
     ap.add_argument("--routing", choices=("residency", "load"), default="residency",
                     help="the gateway's choice of prefill worker: chunk residency less load (default), or load only")
     ap.add_argument("--register-corpus", action="store_true",
@@ -247,6 +249,7 @@ def main() -> int:
                         chunk_cache_bytes=int(args.chunk_cache_bytes), store_dram_bytes=int(args.store_dram_bytes),
                         store_dir=str(Path(tmp) / "rocksdb"), internal_tls=args.internal_tls == "on",
                         prefill=args.prefill, decode=args.decode, routing=args.routing,
+                        store_shm=args.store_shm == "on",
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_bytes),
                                                          **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_bytes),
@@ -281,13 +284,14 @@ def main() -> int:
                "host_cache_bytes": args.host_cache_bytes, "register_corpus": args.register_corpus,
                "internal_tls": args.internal_tls, "commit": _commit(), "runs": [],
                "prefill_workers": args.prefill, "decode_workers": args.decode, "routing": args.routing,
+               "store_shm": args.store_shm,
                "gpus": gpus,
                "rate_sweeps": []}
     shape = args.shape if tiny else f"{args.shape}, {args.layers} layers"
     md = [f"# Cluster benchmark ({shape}, {device})", "",
           f"Date: {results['date']}. Device: {gpu or device}. Services: {launcher}. "
           f"Hand-off transport: {target.client.stats().transport}. Workers: {args.prefill} prefill, "
-          f"{args.decode} decode; routing: {args.routing}.",
+          f"{args.decode} decode; routing: {args.routing}; store DRAM tier in shared memory: {args.store_shm}.",
           "Command: `" + " ".join(sys.argv) + "`", ""]
     runs_dir = Path(args.runs_dir or f"{args.out}-runs")
 

@@ -168,6 +168,9 @@ class ClusterConfig:
     kv_cache_bytes: int | None = None
     chunk_cache_bytes: int | None = None
     store_dram_bytes: int = 256 * MiB
+    # each store shard's DRAM tier in shared memory (/dev/shm, where the machine has one): workers on its host read
+    # chunks from it at memory speed instead of a gRPC stream (services/kvstore/tiers.py, ShmDramTier)
+    store_shm: bool = True
     store_dir: str | None = None            # RocksDB directories go under it (None: DRAM only)
     gateway_port: int = 0
     bind_host: str = "127.0.0.1"
@@ -208,6 +211,7 @@ class ClusterConfig:
         check_int("kv_cache_bytes", self.kv_cache_bytes, 1, optional=True, rule="positive")
         check_int("chunk_cache_bytes", self.chunk_cache_bytes, 0, optional=True)
         check_int("store_dram_bytes", self.store_dram_bytes, 1, rule="positive")
+        check_bool("store_shm", self.store_shm)
         check_path("store_dir", self.store_dir, optional=True)
         check_int("gateway port", self.gateway_port, 0, 65535)
         check_str("bind_host", self.bind_host, empty=False)

@@ -35,8 +35,12 @@ class StoreAccess:
         from services.kvstore import ShardedKVStoreClient
 
         self.addresses = list(addresses)
-        # tls: the worker's ClusterTLS (the store is reached over mutual TLS), None: plain channels
-        self._client = ShardedKVStoreClient(self.addresses, timeout=put_timeout, tls=tls) if self.addresses else None
+        # tls: the worker's ClusterTLS (the store is reached over mutual TLS), None: plain channels. A shard on this
+        # host with its DRAM tier in shared memory is read from its files (into pinned memory on a GPU host)
+        import torch
+
+        self._client = (ShardedKVStoreClient(self.addresses, timeout=put_timeout, tls=tls, local=True,
+                                             pin=torch.cuda.is_available()) if self.addresses else None)
         self.host = HostChunks(host_bytes) if host_bytes > 0 else None
         self.lookup_timeout, self.get_timeout, self.put_timeout = lookup_timeout, get_timeout, put_timeout
         self.backoff_s = backoff_s

@@ -19,24 +19,16 @@ the prefill worker's ``device_uuid`` among the decode worker's ``ipc_gpus``.
 
 from __future__ import annotations
 
-import socket
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
 from services.cluster.staging import side_stream
+from services.hostid import host_id
 from services.rpc import tessera_pb2 as pb
 
-
-@lru_cache(maxsize=1)
-def host_id() -> str:
-    """This machine: hostname plus the kernel's boot id (a container reuses a hostname)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+__all__ = ["host_id", "device_uuid", "visible_uuids", "placement", "same_gpu", "ipc_reaches", "gpu_order",
+           "local_index", "share", "copy_out"]
 
 
 @lru_cache(maxsize=8)

@@ -27,6 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, required=True, help="gRPC port (0 picks a free one; printed at start)")
     p.add_argument("--dram-bytes", type=_size, required=True, help="DRAM tier budget, e.g. 8G")
+    p.add_argument("--dram-dir", help="keep the DRAM tier as files in this directory of a memory file system "
+                                      "(e.g. /dev/shm/tessera-store), read by workers on this host themselves")
     p.add_argument("--rocksdb-dir", required=True, help="RocksDB directory (created if missing)")
     p.add_argument("--rocksdb-bytes", type=_size, default=16 << 30, help="RocksDB tier budget (default 16G)")
     p.add_argument("--s3-endpoint", help="S3 endpoint URL; credentials from AWS_* environment variables")
@@ -58,7 +60,8 @@ def _serve(args) -> int:
         s3 = S3Config(endpoint_url=args.s3_endpoint, bucket=args.s3_bucket, prefix=args.s3_prefix,
                       region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
     config = StoreConfig(dram_bytes=args.dram_bytes, rocksdb_dir=args.rocksdb_dir, rocksdb_bytes=args.rocksdb_bytes,
-                         s3=s3, policy=args.policy, write_mode=args.write_mode, rocksdb_sync=args.rocksdb_sync)
+                         s3=s3, policy=args.policy, write_mode=args.write_mode, rocksdb_sync=args.rocksdb_sync,
+                         dram_dir=args.dram_dir)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be within 0..65535, got {args.port}")
     tls = None

@@ -13,14 +13,17 @@ surface as ``grpc.RpcError`` with the status code.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 import torch
 
+from services.hostid import host_id
 from services.kvstore import wire
 from services.kvstore.chunk import TIER_OF_PB, ChunkMeta, InvalidChunk, check_chunk_id, checksum, layer_checksum
 from services.rpc import kvstore_pb2 as pb
@@ -41,11 +44,17 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
     torch.frombuffer(b"\0", dtype=torch.uint8)
 
+LOCAL_READ_AHEAD = 4      # layers of a shared-memory file read at once (a layer of an 8B chunk: 2 MiB)
+
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
 class ChunkCorruptError(RuntimeError):
     """Bytes received from the store do not match the chunk's header or checksums."""
+
+
+class _LocalGone(Exception):
+    """The shared-memory file a store named is gone (its chunk evicted or replaced since): read it by the stream."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +102,13 @@ class KVStoreClient:
     ``verify``: check each received layer's crc32 end to end (the server checks every tier read
     regardless; turning this off saves the client ~a third of its CPU per byte). ``tls``: this caller's
     ``ClusterTLS`` (services/cluster/security.py): the store is reached over mutual TLS and must prove
-    its role; None: a plain channel (a store started without the cluster's certificates).
+    its role; None: a plain channel (a store started without the cluster's certificates). ``local``: on the
+    store's host, read layers of its shared-memory DRAM tier from its files (``LocalLayers``), into pinned host
+    memory with ``pin`` (a GPU's worker: the copy to the device then runs at full speed); always checked.
     """
 
     def __init__(self, address: str, *, timeout: float = 30.0, frame_bytes: int = 3 << 20, verify: bool = True,
-                 tls=None) -> None:
+                 tls=None, local: bool = False, pin: bool = False) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if not 4096 <= frame_bytes <= 3 << 20:
@@ -106,6 +117,9 @@ class KVStoreClient:
         self.timeout = timeout
         self.frame_bytes = frame_bytes
         self.verify = verify
+        self.local, self.pin = local, pin
+        self.local_reads = 0        # gets answered with a shared-memory file, read here
+        self._readers: ThreadPoolExecutor | None = None
         self._channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if tls is None else
                          grpc.secure_channel(address, tls.channel_credentials(),
                                              options=[*CHANNEL_OPTIONS, *tls.channel_options("store")]))
@@ -186,7 +200,7 @@ class KVStoreClient:
 
         Raises grpc.RpcError NOT_FOUND for an unknown chunk, DATA_LOSS if no tier holds a good copy.
         """
-        request = pb.GetRequest(chunk_id=chunk_id)
+        request = pb.GetRequest(chunk_id=chunk_id, local_host=host_id() if self.local else "")
         if layers is not None:
             start, stop = layers
             if not 0 <= start < stop:
@@ -195,8 +209,17 @@ class KVStoreClient:
         call = self._get(request, timeout=timeout or self.timeout)
         try:
             yield from self._assemble(chunk_id, call)
+            return
+        except _LocalGone:
+            pass
         finally:
             call.cancel()     # no-op once finished; stops the stream when the caller breaks early
+        request.local_host = ""             # its file went away before it was opened: the bytes by the stream
+        call = self._get(request, timeout=timeout or self.timeout)
+        try:
+            yield from self._assemble(chunk_id, call)
+        finally:
+            call.cancel()
 
     def _assemble(self, chunk_id: str, call) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         first = next(call, None)
@@ -213,6 +236,11 @@ class KVStoreClient:
         parts: list = []          # payloads of the current layer's frames (memoryviews into the messages)
         got = 0
         for msg in call:
+            if not isinstance(msg, wire.Frame) and msg.HasField("local"):
+                if not self.local or index != first.header.layer_start:
+                    raise ChunkCorruptError(f"chunk {chunk_id}: a shared-memory file not asked for, or after frames")
+                yield from self._read_local(meta, dtype, index, stop, msg.local)
+                return
             frame = msg if isinstance(msg, wire.Frame) else msg.frame
             if index >= stop or frame.layer_index != index:
                 raise ChunkCorruptError(f"chunk {chunk_id}: frame for layer {frame.layer_index}, expected {index}")
@@ -235,6 +263,47 @@ class KVStoreClient:
         if index != stop:
             raise ChunkCorruptError(f"chunk {chunk_id}: stream ended at layer {index} of [{first.header.layer_start}, {stop})")
 
+    def _read_local(self, meta: ChunkMeta, dtype, start: int, stop: int, local) -> Iterator:
+        """Layers [start, stop) read from the store's shared-memory file, each checked against its crc32: up to
+        ``LOCAL_READ_AHEAD`` layers at once on the client's reader threads (the read and the crc release the
+        interpreter lock), yielded in order as each is ready."""
+        if len(local.offsets) != stop - start:
+            raise ChunkCorruptError(f"chunk {meta.chunk_id}: {len(local.offsets)} offsets for layers [{start}, {stop})")
+        try:
+            fd = os.open(local.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise _LocalGone() from None
+        except OSError as exc:      # not readable by this process: this host's store is not for it
+            raise ChunkCorruptError(f"chunk {meta.chunk_id}: cannot open the store's file: {exc}") from None
+        self.local_reads += 1
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(LOCAL_READ_AHEAD, thread_name_prefix="kv-local-read")
+
+        def read(index: int, offset: int) -> torch.Tensor:
+            nbytes = meta.layer_nbytes(index)
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            if os.preadv(fd, [buf.numpy()], offset) != nbytes:
+                raise ChunkCorruptError(f"chunk {meta.chunk_id} layer {index}: its file ends early")
+            if checksum(buf.numpy()) != meta.checksums[index]:
+                raise ChunkCorruptError(f"chunk {meta.chunk_id} layer {index}: checksum mismatch in the store's file")
+            return buf
+
+        todo = list(zip(range(start, stop), local.offsets))
+        pending = [self._readers.submit(read, *todo[j]) for j in range(min(LOCAL_READ_AHEAD, len(todo)))]
+        try:
+            for j, (index, _) in enumerate(todo):
+                buf = pending[j].result()
+                if j + LOCAL_READ_AHEAD < len(todo):
+                    pending.append(self._readers.submit(read, *todo[j + LOCAL_READ_AHEAD]))
+                kn = meta.k_nbytes(index)
+                yield (index, buf[:kn].view(dtype).reshape(meta.k_shapes[index]),
+                       buf[kn:].view(dtype).reshape(meta.v_shapes[index]))
+        finally:
+            for f in pending:           # the descriptor stays open until no read uses it
+                f.cancel()
+            wait(pending)
+            os.close(fd)
+
     def lookup(self, chunk_ids: Sequence[str], *, timeout: float | None = None) -> list[ChunkLocation]:
         """Which tiers hold each chunk (one answer per id, in order)."""
         resp = self._stub.Lookup(pb.LookupRequest(chunk_ids=list(chunk_ids)), timeout=timeout or self.timeout)
@@ -252,6 +321,8 @@ class KVStoreClient:
 
     def close(self) -> None:
         self._channel.close()
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
 
     def __enter__(self) -> "KVStoreClient":
         return self

@@ -47,6 +47,8 @@ class StoreConfig:
     and is not counted). ``write_mode="through"`` writes every put to every tier before it is
     acknowledged (an acknowledged chunk survives a SIGKILL when RocksDB is configured);
     ``"behind"`` acknowledges once the chunk is in DRAM and copies it down in the background.
+    ``dram_dir``: keep the DRAM tier as files in this directory of a memory file system (/dev/shm), which
+    workers on the store's host read themselves (``tiers.ShmDramTier``); None: in the store's own memory.
     """
 
     dram_bytes: int = 1 << 30
@@ -58,6 +60,7 @@ class StoreConfig:
     frame_bytes: int = 3 * MiB   # largest payload of one get message; a layer up to this travels whole
     rocksdb_sync: bool = False   # fsync the WAL on every put: only needed against power loss
     max_chunk_bytes: int = 4 << 30
+    dram_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_int("dram_bytes", self.dram_bytes, 1, rule="positive")
@@ -74,3 +77,8 @@ class StoreConfig:
         check_int("frame_bytes", self.frame_bytes, 4096, 3 * MiB, rule="within [4096, 3 MiB]")
         check_bool("rocksdb_sync", self.rocksdb_sync)
         check_int("max_chunk_bytes", self.max_chunk_bytes, 1, rule="positive")
+        check_path("dram_dir", self.dram_dir, optional=True)
+        if self.dram_dir is not None:
+            parent = os.path.dirname(os.path.abspath(self.dram_dir))
+            if not os.path.isdir(parent):
+                raise FileNotFoundError(f"parent directory of dram_dir does not exist: {parent}")

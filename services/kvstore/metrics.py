@@ -7,7 +7,7 @@ are computed from the counters by the reader, never stored.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.cluster.serving import MetricsEndpoint
@@ -50,5 +50,7 @@ class StoreMetrics(MetricsEndpoint):
                                      ["tier"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.first_layer_seconds = Histogram("tessera_kvstore_get_first_layer_seconds", "Get request to first layer sent",
                                              ["tier"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.local_gets = Counter("tessera_kvstore_local_gets", "Gets answered with the shared-memory file of the "
+                                  "chunk, read by the caller on this host", registry=self.registry)
         self.put_seconds = Histogram("tessera_kvstore_put_seconds", "Put stream from first message to acknowledgement",
                                      buckets=LATENCY_BUCKETS, registry=self.registry)

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.kvstore.chunk import PB_TIER, ChunkMeta, CorruptEntry, LayerData
 from services.kvstore.config import StoreConfig
 from services.kvstore.policy import Residency
-from services.kvstore.tiers import DramTier, RocksDBTier
+from services.kvstore.tiers import DramTier, RocksDBTier, ShmDramTier
 from services.tiers import Tier
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class TierSlot:
     """One tier: its storage, its budget bookkeeping (None for unbounded S3), its counters."""
 
     name: Tier
-    storage: DramTier | RocksDBTier | S3Tier
+    storage: DramTier | ShmDramTier | RocksDBTier | S3Tier
     residency: Residency | None
     counters: TierCounters = field(default_factory=TierCounters)
 
@@ -73,7 +74,7 @@ class TierSlot:
 
     @property
     def blocking(self) -> bool:
-        return self.name != Tier.DRAM
+        return self.name != Tier.DRAM or getattr(self.storage, "blocking", False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,14 @@ class Location:
     chunk_id: str
     tiers: tuple[int, ...]
     nbytes: int
+
+
+def shm_room(path: str) -> int:
+    """Bytes free on the file system that holds ``path`` (or its nearest existing parent)."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path) or "."
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 class TieredStore:
@@ -97,7 +106,15 @@ class TieredStore:
 
     async def start(self) -> None:
         cfg = self.config
-        self.slots.append(TierSlot(Tier.DRAM, DramTier(), Residency(cfg.dram_bytes, cfg.policy)))
+        dram = DramTier()
+        if cfg.dram_dir is not None:
+            room = shm_room(cfg.dram_dir)
+            if room >= cfg.dram_bytes:
+                dram = await asyncio.to_thread(ShmDramTier, cfg.dram_dir)
+            else:       # a full or small /dev/shm (a container's is 64 MiB by default) would refuse puts
+                log.warning("DRAM tier in the store's own memory: %s has %d bytes free, under its budget of %d",
+                            cfg.dram_dir, room, cfg.dram_bytes)
+        self.slots.append(TierSlot(Tier.DRAM, dram, Residency(cfg.dram_bytes, cfg.policy)))
         if cfg.rocksdb_dir is not None:
             db = await asyncio.to_thread(RocksDBTier, cfg.rocksdb_dir, sync=cfg.rocksdb_sync)
             slot = TierSlot(Tier.ROCKSDB, db, Residency(cfg.rocksdb_bytes, cfg.policy))
@@ -189,7 +206,7 @@ class TieredStore:
         slot.counters.evictions += 1
 
     async def _write_down(self, chunk_id: str) -> None:
-        stored = self.slots[0].storage.get(chunk_id)
+        stored = await self._call(self.slots[0], self.slots[0].storage.get, chunk_id)
         self._dirty.discard(chunk_id)
         if stored is None:
             return
@@ -364,6 +381,15 @@ class ReadSession:
                     future.add_done_callback(self.store._reads.discard)
                     self._ahead[j] = future
         return data
+
+    def local_file(self, start: int, stop: int) -> tuple[str, list[int]] | None:
+        """The file and offsets a caller on this host reads layers [start, stop) from, when this session reads the
+        shared-memory DRAM tier (counted as served: the caller reads them)."""
+        slot = self.store.slots[self._index]
+        if not isinstance(slot.storage, ShmDramTier):
+            return None
+        slot.counters.bytes_out += sum(self.meta.layer_nbytes(i) for i in range(start, stop))
+        return slot.storage.local_file(self._reader, start, stop)
 
     async def _changed_under_us(self, slot: TierSlot) -> bool:
         """True if the tier now holds no copy or another version: a failed check was a race with

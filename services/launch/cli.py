@@ -63,6 +63,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--no-warmup-sparse", dest="warmup_sparse", action="store_false",
                     help="decode workers warm up dense decode only, not Quest's and Retro's default policies too "
                          "(a shorter start; a worker's first sparse requests then wait for kernel compiles)")
+    up.add_argument("--no-store-shm", dest="store_shm", action="store_false",
+                    help="keep each store shard's DRAM tier in its own memory, streamed to every worker over gRPC "
+                         "(default: in /dev/shm, read by the workers on its host themselves)")
     up.add_argument("--routing", choices=("residency", "load"), default="residency",
                     help="how the gateway picks a prefill worker: the one holding most of the request's chunk tokens "
                          "on its GPU, less a load penalty (default), or the least loaded")
@@ -158,7 +161,7 @@ def _up(args: argparse.Namespace) -> int:
                         gateway_port=args.port, bind_host=host, token=args.token, tls_cert=args.tls_cert,
                         certs_dir=args.certs_dir, tenants_file=args.tenants,
                         tls_key=args.tls_key, detached=True, text_cache_tokens=args.text_cache_tokens,
-                        routing=args.routing,
+                        routing=args.routing, store_shm=args.store_shm,
                         gateway_on_head=args.gateway_on_head, index_threads=args.index_threads, **restarts,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                          handoff_transport=args.handoff_transport, **warm),
@@ -180,6 +183,8 @@ def _up(args: argparse.Namespace) -> int:
     except BaseException:
         _cleanup(state)
         raise
+    if cluster.shm_scratch:             # the store shards' shared-memory DRAM tiers: removed by `tessera down`
+        state["temp"].append(cluster.shm_scratch)
     state.update(address=args.address, namespace=cfg.namespace, gateway=cluster.gateway_address,
                  actors=sorted(cluster.actors))
     STATE.parent.mkdir(parents=True, exist_ok=True)

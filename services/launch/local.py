@@ -100,10 +100,11 @@ class LocalCluster:
     names: dict[str, list[str]] = field(default_factory=dict)
     metrics: dict[str, str] = field(default_factory=dict)
     certs_scratch: str | None = None    # the development CA minted for this cluster, removed by stop()
+    shm_scratch: str | None = None      # the store shards' shared-memory DRAM tiers, removed by stop()
 
     def stop(self) -> None:
         _stop_children(self.children)
-        remove_dirs(self.scratch, self.certs_scratch)
+        remove_dirs(self.scratch, self.certs_scratch, self.shm_scratch)
 
 
 def _stop_children(children: dict[str, _Child]) -> None:
@@ -202,7 +203,7 @@ def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = la
         plan.remove_scratch()
         raise
     return LocalCluster(cfg, addresses[GATEWAY_NAME], addresses, children, plan.scratch, plan.names, metrics,
-                        plan.certs_scratch)
+                        plan.certs_scratch, plan.shm_scratch)
 
 
 __all__ = ["LocalCluster", "start_local_cluster"]

@@ -247,13 +247,14 @@ class Cluster:
     names: dict[str, list[str]] = field(default_factory=dict)
     metrics: dict[str, str] = field(default_factory=dict)     # actor name -> its /metrics URL
     certs_scratch: str | None = None    # the development CA minted for this cluster, removed by stop()
+    shm_scratch: str | None = None      # the store shards' shared-memory DRAM tiers, removed by stop()
 
     def handle(self, name: str):
         return self.actors[name]
 
     def stop(self) -> None:
         stop_cluster(self.config.namespace, self.actors)
-        remove_dirs(self.scratch, self.certs_scratch)
+        remove_dirs(self.scratch, self.certs_scratch, self.shm_scratch)
 
 
 HEAD_RESOURCE = "node:__internal_head__"  # the custom resource Ray gives its head node (one unit)
@@ -335,7 +336,7 @@ def start_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = lambda _
         plan.remove_scratch()
         raise
     return Cluster(cfg, addresses[GATEWAY_NAME], actors, addresses, plan.scratch, plan.names, metrics,
-                   plan.certs_scratch)
+                   plan.certs_scratch, plan.shm_scratch)
 
 
 def find_actors(namespace: str = "tessera") -> dict[str, object]:

@@ -8,7 +8,7 @@ gateway (it needs the workers' addresses). A launcher adds only how a service is
 its GPUs come from and how it is stopped.
 
 Invariant: a bad tenants file is refused before anything exists (no certificates minted, no directory made),
-and whatever the plan made (temporary RocksDB and certificate directories) is removed by ``remove_scratch``
+and whatever the plan made (temporary RocksDB, shared-memory and certificate directories) is removed by ``remove_scratch``
 when the cluster stops or fails to start.
 """
 
@@ -53,6 +53,9 @@ def role_of(name: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+SHM = "/dev/shm"       # the memory file system the store shards' DRAM tiers live in, where a machine has one
+
+
 def remove_dirs(*paths: str | None) -> None:
     for path in paths:
         if path:
@@ -67,7 +70,9 @@ class Plan:
     GATEWAY_NAME); index service i serves decode worker i. tenants: the tenants file's mapping, for the gateway.
     ids: each role's mutual-TLS identity (None: plain internal traffic). scratch: the temporary RocksDB directory
     made when ``cfg.store_dir`` was None (then ``cfg.store_dir`` names it); certs_scratch: the development CA minted
-    when ``cfg.certs_dir`` was None.
+    when ``cfg.certs_dir`` was None; shm_scratch: the directory in /dev/shm holding the store shards' DRAM tiers
+    (``tiers.ShmDramTier``: workers on their host read chunks from them) when ``cfg.store_shm`` and this machine has
+    one, else None (the tiers in the shards' own memory).
     """
 
     cfg: ClusterConfig
@@ -76,25 +81,28 @@ class Plan:
     ids: dict[str, ClusterTLS] | None
     scratch: str | None
     certs_scratch: str | None
+    shm_scratch: str | None = None
 
     @classmethod
     def make(cls, cfg: ClusterConfig) -> Plan:
         tenants = checked_tenants(cfg)      # before anything starts: a bad file starts nothing
         ids, certs_scratch = identities(cfg.certs_dir, cfg.internal_tls)
-        scratch = None
+        scratch = shm = None
         try:
             if cfg.store_dir is None and cfg.stores:
                 scratch = cfg.store_dir = tempfile.mkdtemp(prefix="tessera-rocksdb-")
             if cfg.store_dir is not None:
                 os.makedirs(cfg.store_dir, exist_ok=True)
+            if cfg.store_shm and cfg.stores and os.path.isdir(SHM) and os.access(SHM, os.W_OK):
+                shm = tempfile.mkdtemp(prefix="tessera-dram-", dir=SHM)
         except BaseException:
-            remove_dirs(scratch, certs_scratch)
+            remove_dirs(scratch, certs_scratch, shm)
             raise
         names = {"store": [f"tessera-store-{i}" for i in range(cfg.stores)],
                  "prefill": [f"tessera-prefill-{i}" for i in range(cfg.prefill)],
                  "decode": [f"tessera-decode-{i}" for i in range(cfg.decode)],
                  "index": [f"tessera-index-{i}" for i in range(cfg.decode if cfg.index_threads else 0)]}
-        return cls(cfg, names, tenants, ids, scratch, certs_scratch)
+        return cls(cfg, names, tenants, ids, scratch, certs_scratch, shm)
 
     @property
     def workers(self) -> list[str]:
@@ -118,7 +126,8 @@ class Plan:
 
         return [ServiceSpec("store", name, host=cfg.bind_host, namespace=cfg.namespace, cluster_tls=self.tls("store"),
                             store=StoreConfig(dram_bytes=cfg.store_dram_bytes, write_mode="behind",
-                                              rocksdb_dir=os.path.join(cfg.store_dir, name)))
+                                              rocksdb_dir=os.path.join(cfg.store_dir, name),
+                                              dram_dir=os.path.join(self.shm_scratch, name) if self.shm_scratch else None))
                 for name in self.names["store"]]
 
     def index_specs(self) -> list[ServiceSpec]:
@@ -151,4 +160,4 @@ class Plan:
                            cluster_tls=self.tls("gateway"), routing=cfg.routing)
 
     def remove_scratch(self) -> None:
-        remove_dirs(self.scratch, self.certs_scratch)
+        remove_dirs(self.scratch, self.certs_scratch, self.shm_scratch)

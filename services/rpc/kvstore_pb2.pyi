@@ -103,22 +103,34 @@ class PutResponse(_message.Message):
     def __init__(self, stored_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., already_stored: _Optional[bool] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("chunk_id", "layer_start", "layer_stop")
+    __slots__ = ("chunk_id", "layer_start", "layer_stop", "local_host")
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_STOP_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_HOST_FIELD_NUMBER: _ClassVar[int]
     chunk_id: str
     layer_start: int
     layer_stop: int
-    def __init__(self, chunk_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ...) -> None: ...
+    local_host: str
+    def __init__(self, chunk_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., local_host: _Optional[str] = ...) -> None: ...
+
+class LocalLayers(_message.Message):
+    __slots__ = ("path", "offsets")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, path: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("header", "frame")
+    __slots__ = ("header", "frame", "local")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
     header: ChunkHeader
     frame: LayerFrame
-    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., frame: _Optional[_Union[LayerFrame, _Mapping]] = ...) -> None: ...
+    local: LocalLayers
+    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., frame: _Optional[_Union[LayerFrame, _Mapping]] = ..., local: _Optional[_Union[LocalLayers, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("chunk_ids",)

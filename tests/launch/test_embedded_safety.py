@@ -102,7 +102,7 @@ def test_up_records_its_own_head_and_connects_to_it_only(tmp_path, tiny_model, m
 
     def cluster(cfg, progress):
         seen["cfg"] = cfg
-        return type("C", (), dict(gateway_address="127.0.0.1:1", actors={}, addresses={}, metrics={}))()
+        return type("C", (), dict(gateway_address="127.0.0.1:1", actors={}, addresses={}, metrics={}, shm_scratch=None))()
 
     monkeypatch.setattr(launch, "start_local_head", lambda n, root, cli_path: seen.update(root=root) or fake)
     monkeypatch.setattr(launch, "use_local_head", lambda h: seen.update(used=h))

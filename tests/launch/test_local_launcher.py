@@ -98,6 +98,30 @@ def _index_samples(url: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
+def test_workers_on_the_stores_host_read_its_shared_memory_tier_and_answer_the_same(local_cluster, reference):
+    """The store shard's DRAM tier is in /dev/shm (where the machine has one): with the workers' device caches
+    dropped, the chunks come from the store, read from its files by the workers themselves, and the tokens stay."""
+    import os
+
+    if local_cluster.shm_scratch is None:
+        pytest.skip("no writable /dev/shm here: the tier stays in the store's memory")
+    assert os.listdir(local_cluster.shm_scratch) == ["tessera-store-0"]
+    chunks, suffix = docs(3, 40, seed=33), [7, 8, 9]
+    url = local_cluster.metrics["tessera-store-0"]
+    want = reference.generate(chunks, suffix, max_new_tokens=6, mode="tessera", recompute_ratio=0.15,
+                              stop_token_ids=[])
+    with Client(local_cluster.gateway_address, timeout=120) as client:
+        client.complete(chunks, suffix, max_new_tokens=6, mode="tessera", recompute_ratio=0.15, stop_token_ids=[])
+        before = _index_samples(url).get("tessera_kvstore_local_gets_total", 0)
+        client.reset_caches(device_only=True)
+        got = client.complete(chunks, suffix, max_new_tokens=6, mode="tessera", recompute_ratio=0.15,
+                              stop_token_ids=[])
+    assert list(got.token_ids) == want
+    assert got.stats.chunk_tokens_by_tier.get("dram", 0) > 0
+    assert _index_samples(url)["tessera_kvstore_local_gets_total"] > before
+
+
+@pytest.mark.slow
 def test_a_retrieval_decode_keeps_its_kv_in_the_decode_workers_index_service(local_cluster, reference):
     """Every key a retrieval step scanned was scanned by the index service, which held the sequence's K/V while it
     decoded and dropped them when it ended; retrieving every key generates the engine's dense tokens. The middle

@@ -71,7 +71,7 @@ def test_up_takes_the_index_role_s_threads_or_turns_it_off(tmp_path, tiny_model,
 
     def cluster(cfg, progress):
         seen["cfg"] = cfg
-        return type("C", (), dict(gateway_address="127.0.0.1:1", actors={}, addresses={}, metrics={}))()
+        return type("C", (), dict(gateway_address="127.0.0.1:1", actors={}, addresses={}, metrics={}, shm_scratch=None))()
 
     head = LocalHead("127.0.0.1:40001", str(tmp_path / "ray"), str(tmp_path / "token"))
     monkeypatch.setattr(launch, "start_local_head", lambda n, root, cli_path: head)

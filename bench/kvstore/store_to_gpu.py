@@ -1,0 +1,185 @@
+"""A chunk from the KV store onto the GPU, against computing it there and against the host-to-device ceiling, all
+measured in one run.
+
+A store shard (`tessera kvstore serve`, its own process) keeps N Llama-3-8B chunks (32 layers x K, V of
+[512, 8, 128] bf16 = 64 MiB each) in its DRAM tier. Per chunk, every layer read and copied to the GPU as the engine's
+loader does (non-blocking copies, one sync at the end), timed from the get to the last byte on the device:
+- `shm`: the tier in /dev/shm, the client on the store's host reading its file itself into pinned memory;
+- `stream`: the same chunks streamed over loopback gRPC (the tier in the store's memory), as before;
+- peers: the same bytes copied host to device from pinned memory (the ceiling) and from pageable memory, and
+  computing the chunk on the GPU (a `full` prefill of its 512 tokens and one more, random Llama-3-8B weights).
+
+    python3 bench/kvstore/store_to_gpu.py --chunks 16 --json bench/kvstore/DATE_DEVICE_COMMIT_store_to_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+LAYERS, TOKENS, HEADS, DIM = 32, 512, 8, 128
+
+
+def start_store(dram_bytes: int, work: Path, dram_dir: str | None) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "services.cli", "kvstore", "serve", "--port", "0", "--dram-bytes", str(dram_bytes),
+           "--rocksdb-dir", str(work / "db"), "--log-level", "WARNING"]
+    if dram_dir:
+        cmd += ["--dram-dir", dram_dir]
+    work.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line.startswith("kvstore listening on"):
+        proc.kill()
+        raise RuntimeError(f"store did not start: {line!r}")
+    return proc, line.split()[3]
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def load_seconds(client, chunk_id: str, dev) -> float:
+    _sync(dev)
+    t0 = time.perf_counter()
+    landed = [(k.to(dev, non_blocking=True), v.to(dev, non_blocking=True)) for _, k, v in client.get(chunk_id)]
+    _sync(dev)
+    seconds = time.perf_counter() - t0
+    assert len(landed) == LAYERS
+    return seconds
+
+
+def copy_seconds(layers, dev, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        landed = [(k.to(dev, non_blocking=True), v.to(dev, non_blocking=True)) for k, v in layers]
+        _sync(dev)
+        out.append(time.perf_counter() - t0)
+        del landed
+    return out
+
+
+def compute_seconds(model_dir: str | None, reps: int) -> tuple[list[float], str]:
+    """A `full` prefill of 513 fresh random tokens (a chunk and one more) on the GPU, timed after two warm-ups."""
+    import torch
+
+    from services.engine import Engine
+
+    tmp = None
+    if model_dir is None:
+        sys.path.insert(0, str(REPO / "bench" / "cluster"))
+        import cluster
+
+        tmp = tempfile.mkdtemp(prefix="tessera-model-")
+        model_dir = str(cluster.write_random_llama(Path(tmp), LAYERS))
+    eng = Engine.load(model_dir, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(reps + 2):
+        tokens = torch.randint(1000, 100000, (TOKENS,), generator=g).tolist()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.prefill([tokens], [5], mode="full")
+        torch.cuda.synchronize()
+        if i >= 2:
+            out.append(time.perf_counter() - t0)
+    name = torch.cuda.get_device_name(0)
+    del eng
+    torch.cuda.empty_cache()
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out, name
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="reads of every chunk per path")
+    ap.add_argument("--model-dir", help="a Llama-3-8B-shaped model to compute chunks with (default: random weights)")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu checks the script on a machine without a GPU "
+                                                     "(no pinned memory, no compute peer)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    import torch
+
+    from services.kvstore.client import KVStoreClient
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    chunk_bytes = LAYERS * 2 * TOKENS * HEADS * DIM * 2
+    g = torch.Generator().manual_seed(0)
+    chunks = {f"chunk-{i:03d}": [(torch.randn(TOKENS, HEADS, DIM, generator=g).to(torch.bfloat16),
+                                  torch.randn(TOKENS, HEADS, DIM, generator=g).to(torch.bfloat16))
+                                 for _ in range(LAYERS)] for i in range(args.chunks)}
+    work = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
+    shm = tempfile.mkdtemp(prefix="tessera-bench-dram-", dir="/dev/shm") if os.path.isdir("/dev/shm") else None
+    rows = {}
+    try:
+        for path, dram_dir in (("shm", os.path.join(shm, "dram") if shm else None), ("stream", None)):
+            if path == "shm" and dram_dir is None:
+                continue
+            proc, address = start_store((args.chunks + 2) * chunk_bytes, work / path, dram_dir)
+            try:
+                writer = KVStoreClient(address, timeout=120)
+                for cid, layers in chunks.items():
+                    writer.put(cid, layers)
+                reader = KVStoreClient(address, timeout=120, local=path == "shm", pin=cuda)
+                load_seconds(reader, "chunk-000", dev)          # warm: connections, the pinned allocator
+                times = [load_seconds(reader, cid, dev) for _ in range(args.rounds) for cid in chunks]
+                assert (reader.local_reads > 0) == (path == "shm")
+                rows[path] = times
+                writer.close()
+                reader.close()
+            finally:
+                proc.terminate()
+                proc.wait(60)
+        first = chunks["chunk-000"]
+        gpu = "cpu"
+        if cuda:
+            pinned = [(k.pin_memory(), v.pin_memory()) for k, v in first]
+            rows["h2d_pinned"] = copy_seconds(pinned, dev, 10)
+            rows["h2d_pageable"] = copy_seconds(first, dev, 10)
+            rows["compute"], gpu = compute_seconds(args.model_dir, 10)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if shm:
+            shutil.rmtree(shm, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    table = {k: {"ms_p50": med[k] * 1e3, "ms_max": max(rows[k]) * 1e3,
+                 "GBps": chunk_bytes / med[k] / 1e9 if k != "compute" else None} for k in rows}
+    for k, v in table.items():
+        extra = f", {v['GBps']:.1f} GB/s" if v["GBps"] else ""
+        print(f"{k:>13}: {v['ms_p50']:.2f} ms p50 (max {v['ms_max']:.2f}){extra}", flush=True)
+    ratios = {}
+    for k in ("shm", "stream"):
+        if k in med and cuda:
+            ratios[f"{k}_of_pinned_ceiling"] = med["h2d_pinned"] / med[k]
+            ratios[f"compute_over_{k}"] = med["compute"] / med[k]
+    print(json.dumps(ratios, indent=1))
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+              "device": gpu, "torch": torch.__version__, "commit": os.environ.get("TESSERA_COMMIT", ""),
+              "chunk_bytes": chunk_bytes, "chunks": args.chunks, "rounds": args.rounds, "paths": table,
+              "ratios": ratios, "samples_s": rows}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

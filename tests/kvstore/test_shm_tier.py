@@ -1,0 +1,190 @@
+"""The DRAM tier in shared memory: workers on the store's host read a chunk's layers from its file (``LocalLayers``),
+checked against the header's crc32; a caller from elsewhere, or one whose file went away, is streamed the bytes."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import grpc
+import pytest
+
+from services.hostid import host_id
+from services.kvstore.client import ChunkCorruptError, KVStoreClient
+from services.rpc import kvstore_pb2 as pb
+
+from .helpers import MiB, assert_roundtrip, make_layers, tiers_of
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    """A directory for the tier: under /dev/shm where this machine has one, else the test's own."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    path = os.path.join(base, f"tessera-test-{os.getpid()}-{os.urandom(4).hex()}")
+    yield path
+    if os.path.isdir(path):
+        for name in os.listdir(path):
+            os.unlink(os.path.join(path, name))
+        os.rmdir(path)
+
+
+def files_of(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if not n.startswith("."))
+
+
+def test_a_local_get_reads_the_file_and_a_remote_one_is_streamed(start_store, shm_dir):
+    srv, plain = start_store(dram_dir=shm_dir)
+    layers = make_layers(n_layers=5, tokens=70, heads=3, dim=24, seed=1)
+    plain.put("doc-a", layers)
+    assert tiers_of(plain, "doc-a") == ("dram",)
+    [name] = files_of(shm_dir)
+    assert stat.S_IMODE(os.stat(shm_dir).st_mode) == 0o700       # only the store's user reads the tier
+    assert stat.S_IMODE(os.stat(os.path.join(shm_dir, name)).st_mode) == 0o600
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        assert_roundtrip(local, "doc-a", layers)
+        assert_roundtrip(local, "doc-a", layers, (1, 4))
+        assert local.local_reads == 2
+        # got tensors are the client's own memory: writable, the file untouched
+        _, k, _ = next(iter(local.get("doc-a")))
+        k.zero_()
+        assert_roundtrip(local, "doc-a", layers)
+        assert_roundtrip(plain, "doc-a", layers)      # a caller not on the store's host: frames
+        assert plain.local_reads == 0
+    finally:
+        local.close()
+
+
+def test_another_hosts_id_gets_the_bytes_not_the_file(start_store, shm_dir):
+    srv, plain = start_store(dram_dir=shm_dir)
+    plain.put("doc-b", make_layers(n_layers=2, seed=2))
+    stub = plain._get(pb.GetRequest(chunk_id="doc-b", local_host="elsewhere/" + host_id()), timeout=30)
+    kinds = [("frame" if not hasattr(m, "HasField") else m.WhichOneof("item")) for m in stub]
+    assert kinds[0] == "header" and "local" not in kinds and len(kinds) == 3
+
+
+def test_a_damaged_file_is_refused_never_used(start_store, shm_dir):
+    srv, plain = start_store(dram_dir=shm_dir)
+    layers = make_layers(n_layers=3, tokens=64, seed=3)
+    plain.put("doc-c", layers)
+    [name] = files_of(shm_dir)
+    path = os.path.join(shm_dir, name)
+    with open(path, "r+b") as f:            # one byte of layer 1's K||V flipped in place
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        with pytest.raises(ChunkCorruptError, match="checksum mismatch in the store's file"):
+            list(local.get("doc-c"))
+        # the store's own read checks it too: the stream is refused (DATA_LOSS), and the bad copy dropped
+        with pytest.raises(grpc.RpcError) as err:
+            list(plain.get("doc-c"))
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert files_of(shm_dir) == []
+    finally:
+        local.close()
+
+
+def test_a_file_gone_before_the_read_is_streamed_instead(start_store, shm_dir, monkeypatch):
+    srv, plain = start_store(dram_dir=shm_dir)
+    layers = make_layers(n_layers=3, seed=4)
+    plain.put("doc-d", layers)
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    real_open = os.open
+    gone = []
+
+    def open_once_missing(path, *args, **kwargs):     # the chunk evicted between the reply and the open
+        if path.startswith(shm_dir) and not gone:
+            gone.append(path)
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_once_missing)
+    try:
+        assert_roundtrip(local, "doc-d", layers)
+        assert gone and local.local_reads == 0
+    finally:
+        local.close()
+
+
+def test_eviction_replacement_and_delete_remove_files_and_a_restart_starts_empty(start_store, shm_dir):
+    srv, plain = start_store(dram_dir=shm_dir, dram_bytes=1 * MiB)
+    small = make_layers(n_layers=2, tokens=64, heads=2, dim=32, seed=5)       # 32 KiB
+    plain.put("doc-e", small)
+    plain.put("doc-f", make_layers(n_layers=2, tokens=64, heads=2, dim=32, seed=6))
+    assert len(files_of(shm_dir)) == 2
+    assert plain.delete("doc-e")
+    assert len(files_of(shm_dir)) == 1
+    big = make_layers(n_layers=4, tokens=1024, heads=2, dim=32, seed=7)      # 1 MiB: evicts doc-f
+    plain.put("doc-g", big)
+    assert len(files_of(shm_dir)) == 1 and not plain.lookup(["doc-f"])[0].found
+    srv.stop()
+    srv2, plain2 = start_store(dram_dir=shm_dir)
+    assert files_of(shm_dir) == [] and not plain2.lookup(["doc-g"])[0].found
+
+
+def test_write_behind_copies_a_shared_memory_chunk_down(start_store, shm_dir):
+    srv, plain = start_store(dram_dir=shm_dir, rocksdb_dir="tmp", write_mode="behind")
+    layers = make_layers(n_layers=3, seed=8)
+    plain.put("doc-h", layers)
+    for _ in range(200):
+        if "rocksdb" in tiers_of(plain, "doc-h"):
+            break
+        import time
+
+        time.sleep(0.05)
+    assert tiers_of(plain, "doc-h") == ("dram", "rocksdb")
+    assert plain.delete("doc-h") and files_of(shm_dir) == []
+
+
+def test_a_bad_dram_dir_is_refused(tmp_path):
+    from services.kvstore.config import StoreConfig
+
+    with pytest.raises(FileNotFoundError, match="parent directory of dram_dir"):
+        StoreConfig(dram_dir=str(tmp_path / "no" / "such"))
+
+
+def test_a_shared_memory_dir_without_room_for_the_budget_keeps_the_tier_in_process(start_store, shm_dir, monkeypatch):
+    from services.kvstore import store as store_module
+
+    monkeypatch.setattr(store_module, "shm_room", lambda _path: 1024)
+    srv, plain = start_store(dram_dir=shm_dir)
+    plain.put("doc-i", make_layers(n_layers=2, seed=9))
+    assert tiers_of(plain, "doc-i") == ("dram",) and not os.path.exists(shm_dir)
+
+
+def test_a_cluster_plan_puts_each_shards_dram_tier_in_shared_memory_and_removes_it(tmp_path):
+    from services.cluster.config import ClusterConfig
+    from services.launch.plan import SHM, Plan
+
+    cfg = ClusterConfig(model_dir=str(tmp_path), stores=2, store_dir=str(tmp_path / "db"))
+    plan = Plan.make(cfg)
+    try:
+        specs = plan.store_specs()
+        if not (os.path.isdir(SHM) and os.access(SHM, os.W_OK)):
+            assert plan.shm_scratch is None and all(s.store.dram_dir is None for s in specs)
+            return
+        assert plan.shm_scratch.startswith(SHM + "/tessera-dram-")
+        assert [s.store.dram_dir for s in specs] == [os.path.join(plan.shm_scratch, n) for n in plan.names["store"]]
+    finally:
+        plan.remove_scratch()
+    assert not os.path.exists(plan.shm_scratch)
+    off = Plan.make(ClusterConfig(model_dir=str(tmp_path), stores=1, store_dir=str(tmp_path / "db"), store_shm=False))
+    assert off.shm_scratch is None and off.store_specs()[0].store.dram_dir is None
+
+
+def test_a_reader_that_stops_early_leaves_no_descriptor_open(start_store, shm_dir):
+    srv, plain = start_store(dram_dir=shm_dir)
+    plain.put("doc-j", make_layers(n_layers=12, tokens=64, seed=10))
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            stream = local.get("doc-j")
+            next(stream)
+            stream.close()              # the reads ahead are waited for, then the file is closed
+        assert local.local_reads == 3 and len(os.listdir("/proc/self/fd")) <= before
+    finally:
+        local.close()
