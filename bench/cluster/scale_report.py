@@ -22,6 +22,7 @@ def rows_of(path: Path) -> list[dict]:
             stages = s.get("stage_p50_ms", {})
             out.append({"run": path.stem, "gpus": d.get("gpus"), "prefill": d.get("prefill_workers", 1),
                         "decode": d.get("decode_workers", 1), "routing": d.get("routing", "residency"),
+                        "store_shm": d.get("store_shm", "off"),
                         "alpha": run["alpha"], "concurrency": d.get("concurrency"), "completed": s["completed"],
                         "failed": s["failed"], "throughput": s["request_throughput"],
                         "steady": s.get("steady_request_throughput") or s["request_throughput"],
@@ -42,15 +43,15 @@ def main() -> int:
     if not rows:
         raise SystemExit("no finished run in the files given")
     base = {r["alpha"]: r for r in rows if r["run"] == args.baseline}
-    lines = ["| run | GPUs | prefill + decode | routing | alpha | clients | done / failed | req/s (steady) | "
+    lines = ["| run | GPUs | prefill + decode | routing | store shm | alpha | clients | done / failed | req/s (steady) | "
              f"x {args.baseline} | TTFT p50 / p99 ms | TPOT p50 ms | hand-off p50 ms | chunk tokens on GPU |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         b = base.get(r["alpha"])
         ratio = f"{r['steady'] / b['steady']:.2f}x" if b else "-"
         hand = f"{r['handoff_p50']:.1f}" if r["handoff_p50"] is not None else "-"
         tier = f"{100 * r['gpu_tier']:.0f}%" if r["gpu_tier"] is not None else "-"
-        lines.append(f"| {r['run']} | {r['gpus']} | {r['prefill']} + {r['decode']} | {r['routing']} | {r['alpha']:g} | "
+        lines.append(f"| {r['run']} | {r['gpus']} | {r['prefill']} + {r['decode']} | {r['routing']} | {r['store_shm']} | {r['alpha']:g} | "
                      f"{r['concurrency']} | {r['completed']} / {r['failed']} | {r['throughput']:.2f} "
                      f"({r['steady']:.2f}) | {ratio} | {r['ttft_p50']:,.0f} / {r['ttft_p99']:,.0f} | "
                      f"{r['tpot_p50']:.1f} | {hand} | {tier} |")
@@ -59,7 +60,7 @@ def main() -> int:
         if r["routing"] != "residency":
             continue
         peer = [q for q in rows if q["routing"] == "load" and q["alpha"] == r["alpha"] and q["gpus"] == r["gpus"]
-                and (q["prefill"], q["decode"]) == (r["prefill"], r["decode"])]
+                and (q["prefill"], q["decode"], q["store_shm"]) == (r["prefill"], r["decode"], r["store_shm"])]
         for q in peer:
             ab.append(f"- {r['gpus']} GPUs, alpha {r['alpha']:g}: TTFT p50 load-only / residency "
                       f"**{q['ttft_p50'] / r['ttft_p50']:.2f}x** ({q['ttft_p50']:,.0f} against {r['ttft_p50']:,.0f} ms), "
@@ -87,11 +88,14 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for alpha in sorted({r["alpha"] for r in rows}):
         for routing, style in (("residency", "o-"), ("load", "s--")):
-            pts = sorted((r["gpus"], r["steady"], r["ttft_p50"]) for r in rows
-                         if r["alpha"] == alpha and r["routing"] == routing and r["prefill"] == r["decode"])
-            if pts:
-                ax1.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"alpha {alpha:g}, {routing}")
-                ax2.plot([p[0] for p in pts], [p[2] for p in pts], style, label=f"alpha {alpha:g}, {routing}")
+            for shm in ("on", "off"):
+                pts = sorted((r["gpus"], r["steady"], r["ttft_p50"]) for r in rows
+                             if r["alpha"] == alpha and r["routing"] == routing and r["prefill"] == r["decode"]
+                             and r["store_shm"] == shm)
+                label = f"alpha {alpha:g}, {routing}, store shm {shm}"
+                if pts:
+                    ax1.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, alpha=1.0 if shm == "on" else 0.5)
+                    ax2.plot([p[0] for p in pts], [p[2] for p in pts], style, label=label, alpha=1.0 if shm == "on" else 0.5)
     ax1.set(xlabel="GPUs (a prefill and a decode worker each)", ylabel="requests/s (steady)", title="Throughput")
     ax2.set(xlabel="GPUs (a prefill and a decode worker each)", ylabel="ms", title="TTFT p50")
     for ax in (ax1, ax2):
