@@ -39,6 +39,8 @@ from services.rpc import tessera_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+# after a zero-copy hand-off (CUDA IPC, NIXL) to a decode worker failed, its hand-offs go by the gRPC stream this long
+STREAM_ONLY_S = 60.0
 
 
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
@@ -50,6 +52,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.name = name
         self.metrics_url = metrics_url
         self.transport = probe_transport(worker.eng.device, handoff_transport)
+        # decode worker address -> until when its hand-offs go by the stream (a zero-copy one to it failed)
+        self._stream_only: dict[str, float] = {}
         self._ipc: dict[str, str] = {}     # decode worker address -> "same", "peer" (its GPU opens ours) or ""
         # one engine thread, pipelined by one request (engine_loop.py)
         self.engine = EngineLoop(on_fatal=on_fatal)
@@ -160,35 +164,54 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                   storing=out.storing)
         kv = None               # held until the decode worker has copied it out (its ack)
         used = "grpc"
-        ipc = await self._ipc_to(address) if self.transport.name in ("cuda-ipc", "nixl") else ""
+        zero_copy = time.monotonic() >= self._stream_only.get(address, 0.0)
+        ipc = await self._ipc_to(address) if zero_copy and self.transport.name in ("cuda-ipc", "nixl") else ""
         if ipc:
             kv = await loop.run_in_executor(self.io_threads, out.handoff.kv_buffer)
             header.kv.CopyFrom(await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
                                                           lambda: share(kv)))
             used = "cuda-ipc" if ipc == "same" else "cuda-ipc-peer"
-        elif self.transport.name == "nixl" and out.handoff.layers:
+        elif zero_copy and self.transport.name == "nixl" and out.handoff.layers:
             kv = await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
                                             lambda: out.handoff.kv_buffer().contiguous())
             registered = await loop.run_in_executor(self.io_threads, self._offer_nixl, kv, header)
             used = "nixl" if registered else "grpc"
             kv = kv if registered else None
+        header_nixl = used == "nixl"        # its registration is undone once the push is over, however it went
         if kv is not None:
             payload = await loop.run_in_executor(self.io_threads, lambda: out.handoff.to_bytes(with_kv=False))
         else:
             payload = await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
                                                  out.handoff.to_bytes)
-        remaining = context.time_remaining()
         try:
-            await self._decode_stub(address).PushHandoff(handoff_parts(header, payload),
-                                                         timeout=max(remaining or 30.0, 0.1))
+            try:
+                await self._decode_stub(address).PushHandoff(handoff_parts(header, payload),
+                                                             timeout=max(context.time_remaining() or 30.0, 0.1))
+            except grpc.aio.AioRpcError as exc:
+                if kv is None or exc.code() != grpc.StatusCode.DATA_LOSS:
+                    raise
+                # the decode worker could not take the K/V where they are (it cannot open the buffer, the NIXL
+                # read failed or arrived damaged): the stream carries them, and for a while every hand-off to it
+                log.warning("prefill worker %s: hand-off %s by %s to %s failed (%s); it goes by the gRPC stream, "
+                            "and so do this worker's next ones for %.0f s", self.name, request_id, used, address,
+                            exc.details(), STREAM_ONLY_S)
+                self._stream_only[address] = time.monotonic() + STREAM_ONLY_S
+                self.worker.metrics.requests.labels("handoff_fallback").inc()
+                header.ClearField("kv")
+                header.ClearField("nixl")
+                payload = await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
+                                                     out.handoff.to_bytes)
+                used = "grpc"
+                await self._decode_stub(address).PushHandoff(handoff_parts(header, payload),
+                                                             timeout=max(context.time_remaining() or 30.0, 0.1))
         except grpc.aio.AioRpcError as exc:
             self.worker.metrics.requests.labels("handoff_failed").inc()
             await context.abort(grpc.StatusCode.ABORTED, f"hand-off to decode worker {address} "
                                                          f"failed: {exc.code().name}: {exc.details()}")
         finally:
-            if used == "nixl":      # read and acknowledged (or failed): the memory goes back
+            if header_nixl:         # read and acknowledged (or failed): the memory goes back
                 await loop.run_in_executor(self.io_threads, self._nixl_deregister, kv)
-        moved = len(payload) + (kv.numel() * kv.element_size() if kv is not None else 0)
+        moved = len(payload) + (kv.numel() * kv.element_size() if kv is not None and used != "grpc" else 0)
         self.worker.metrics.handoff_bytes.inc(moved)
         return moved, used
 
