@@ -156,6 +156,8 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         Field("ClusterConfig", "restart_window_s", real_in(0, INF, lo_open=True, finite=False), (1e-3, 300.0, INF)),
         Field("ClusterConfig", "text_cache_tokens", count0, (0, 8 << 20)),
         Field("ClusterConfig", "index_threads", int_in(0, 1024), (0, 4, 1024)),
+        Field("ClusterConfig", "routing", one_of("residency", "load"), ("residency", "load")),
+        Field("ClusterConfig", "store_shm", is_bool, (True, False)),
         Field("ClusterConfig", "namespace", lambda v: isinstance(v, str) and v != "", ("tessera",)),
         Field("ClusterConfig", "detached", is_bool, (True, False)),
         Field("ClusterConfig", "gateway_on_head", is_bool, (True, False)),
@@ -208,6 +210,8 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         Field("StoreConfig", "frame_bytes", int_in(4096, 3 << 20), (4096, 3 << 20)),
         Field("StoreConfig", "rocksdb_sync", is_bool, (True, False)),
         Field("StoreConfig", "max_chunk_bytes", count1, (1, 4 << 30)),
+        Field("StoreConfig", "dram_dir", lambda v: v is None or (isinstance(v, (str, os.PathLike)) and "\x00" not in str(v)
+              and os.path.isdir(os.path.dirname(os.path.abspath(v)))), (None, os.path.join(a_dir, "shm")), names=("dram_dir",)),
     ]
 
 
