@@ -93,6 +93,43 @@ def _exit_for_restart() -> None:
     os._exit(70)
 
 
+# A GPU worker's actor is started with Ray told not to narrow its CUDA_VISIBLE_DEVICES to the GPU it assigned: the
+# worker then sees that GPU first and its node's others after it (``node_gpu_order``), so a decode worker opens the
+# CUDA IPC hand-off buffers of prefill workers on the node's other GPUs and copies them GPU to GPU
+NODE_GPUS_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
+def node_gpu_order(assigned: Sequence, inherited: str | None, node_gpus: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a worker Ray assigned the GPU(s) ``assigned`` (``ray.get_gpu_ids()``: ids among the
+    raylet's ``inherited`` CUDA_VISIBLE_DEVICES when it had one, else indices below ``node_gpus``): the first of them,
+    then the node's other GPUs."""
+    from services.handoff.cuda_ipc import gpu_order
+
+    visible = [d.strip() for d in (inherited or "").split(",") if d.strip()] or [str(i) for i in range(node_gpus)]
+    if not assigned:
+        raise RuntimeError("Ray assigned this GPU worker no GPU")
+    own = str(assigned[0])
+    if own not in visible:
+        raise RuntimeError(f"Ray assigned GPU {own}, which is not among the node's GPUs {visible}")
+    return gpu_order(own, visible)
+
+
+def _see_node_gpus(name: str) -> None:
+    """On Ray, before anything touches CUDA: this GPU worker's CUDA_VISIBLE_DEVICES, its own GPU first
+    (``node_gpu_order``)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized() or os.environ.get(next(iter(NODE_GPUS_ENV))) != "1":
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError(f"{name}: CUDA was initialised before the worker chose its GPUs")
+    node = ray.get_runtime_context().get_node_id()
+    count = next((int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["NodeID"] == node), 0)
+    order = node_gpu_order(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), count)
+    os.environ["CUDA_VISIBLE_DEVICES"] = order
+    logging.getLogger(__name__).info("%s sees GPUs %s (its own first)", name, order)
+
+
 async def _create(spec: ServiceSpec, port: int):
     if spec.role == "store":
         from services.kvstore import create_server
@@ -179,6 +216,8 @@ class ServiceActor:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
         if restarts is not None:
             _count_restart(spec, restarts)
+        if spec.role in ("prefill", "decode"):
+            _see_node_gpus(spec.name)
         self.spec = spec
         self._loop = LoopThread(f"{spec.role}-loop")
         key = f"{spec.namespace}/{spec.name}"

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.cluster.config import ClusterConfig, DecodeSettings, PrefillSettings
-from services.launch.actors import RestartBudget, ServiceActor, ServiceSpec
+from services.launch.actors import NODE_GPUS_ENV, RestartBudget, ServiceActor, ServiceSpec
 from services.launch.placement import in_group, make_group, remove_groups
 from services.launch.plan import GATEWAY_NAME, Plan, remove_dirs, stop_order
 
@@ -274,6 +274,8 @@ def actor_options(cfg: ClusterConfig, name: str, num_cpus: float, num_gpus: floa
         opts["resources"] = {HEAD_RESOURCE: 0.01}
     if group is not None:
         opts.update(in_group(group))
+    if num_gpus > 0:                    # it sees its node's GPUs, its own first (actors.node_gpu_order)
+        opts["runtime_env"] = {"env_vars": dict(NODE_GPUS_ENV)}
     return opts
 
 
