@@ -40,6 +40,7 @@ def test_time_budget_from_the_workers_metrics():
     assert abs(b["handoff_mean_ms"] - 5.0) < 1e-6
     assert b["decode_steps"] == 2 and b["decode_mean_batch"] == 5.0 and abs(b["decode_step_mean_ms"] - 25.0) < 1e-6
     assert b["admits"] == 1 and abs(b["admit_mean_ms"] - 4.0) < 1e-6 and b["gpu_busy_pct"] == 50.0
+    assert b["prefill_cpu_pct"] is None            # no process CPU sampled in this delta
     row = probe.budget_line("tessera", b)
     assert row.startswith("| tessera | 50% | 60.0 |") and row.count("|") == probe.BUDGET_HEADER[1].count("|")
 
@@ -48,3 +49,36 @@ def test_an_idle_run_reads_as_dashes_not_zero_division():
     b = probe.time_budget({}, duration_s=2.0, gpu_busy=None)
     assert b["prefill_mean_ms"] is None and b["decode_mean_batch"] is None
     assert "| - |" in probe.budget_line("full", b)
+
+
+def test_worker_cpu_is_read_per_role_from_the_process_metrics_every_service_serves():
+    from prometheus_client import CollectorRegistry
+
+    from services.cluster.serving import serve_metrics
+
+    registry = CollectorRegistry()
+    server, port = serve_metrics(registry, "127.0.0.1")
+    try:
+        import urllib.request
+
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        server.shutdown()
+    assert probe.parse_metrics(page)["cpu_s"] > 0          # this process has spent CPU
+
+    class Stats:
+        workers = [type("W", (), dict(role=r, metrics_url=f"url-{i}"))() for i, r in enumerate(("prefill", "decode",
+                                                                                                "decode"))]
+
+    pages = {"url-0": "process_cpu_seconds_total 3.0\n", "url-1": "process_cpu_seconds_total 1.0\n",
+             "url-2": "process_cpu_seconds_total 2.0\n"}
+    meter = probe.WorkerMeter(type("C", (), dict(stats=lambda self: Stats()))())
+    import unittest.mock
+
+    with unittest.mock.patch.object(probe.urllib.request, "urlopen",
+                                    lambda url, timeout: type("R", (), dict(read=lambda self: pages[url].encode()))()):
+        snap = meter.snapshot()
+    assert snap == {"cpu_s/prefill": 3.0, "cpu_s/decode": 3.0, "workers/prefill": 1.0, "workers/decode": 2.0}
+    b = probe.time_budget(probe.delta(snap, {"cpu_s/prefill": 1.0, "cpu_s/decode": 1.0, "workers/prefill": 1.0,
+                                             "workers/decode": 2.0}), duration_s=2.0, gpu_busy=None)
+    assert b["prefill_cpu_pct"] == 100.0 and b["decode_cpu_pct"] == 50.0

@@ -337,6 +337,7 @@ def main() -> int:
                     used = delta(meter.snapshot(), before)
                     sources[f"{alpha:g}/{mode}"] = chunk_sources(used)
                     budgets[mode] = time_budget(used, mode_runs[0].duration_s, gpu_samples.busy)
+                    budgets[mode]["gpu_busy_pct_by_gpu"] = gpu_samples.by_gpu
                     runs += mode_runs
                     summaries += mode_summaries
                     print(f"alpha {alpha:g} {mode}: done at {time.monotonic() - started:.0f} s", flush=True)
@@ -366,7 +367,9 @@ def main() -> int:
                                                 for k, v in sorted(sources.get(f"{alpha:g}/{m}", {}).items()))
                            for m in modes), "",
                        "Where the time went (the workers' counters over each mode's replay; busy: share of the "
-                       "replay's wall time; GPU busy: nvidia-smi's utilisation, any kernel of any process):", "",
+                       "replay's wall time; GPU busy: nvidia-smi's utilisation, any kernel of any process, the mean "
+                       "over the run's GPUs; worker CPU: a worker process's CPU time over the replay, 100% = one core, "
+                       "the mean over the role's workers):", "",
                        *BUDGET_HEADER, *(budget_line(m, budgets[m]) for m in modes if m in budgets), "",
                        "Ratios (targets: TTFT vs full >= 3, throughput vs full >= 2.5, TTFT vs blend_copy >= 1.3): "
                        + ", ".join(f"{k} " + ("-" if v is None else f"{v:.2f}x") for k, v in checks.items()), ""]

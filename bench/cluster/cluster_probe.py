@@ -27,6 +27,7 @@ WANTED = {
     "tessera_decode_batch_size_sum": "batch_rows",
     "tessera_decode_admit_seconds_sum": "admit_s", "tessera_decode_admit_seconds_count": "admits",
     "tessera_decode_chunks_total": "decode_chunks",
+    "process_cpu_seconds_total": "cpu_s",       # per role: WorkerMeter adds the role to the key
 }
 
 
@@ -52,19 +53,22 @@ class WorkerMeter:
         self.client = client
 
     def snapshot(self) -> dict[str, float]:
-        """Sums over every prefill and decode worker of the gateway's cluster."""
+        """Sums over every prefill and decode worker of the gateway's cluster; their processes' CPU seconds and
+        their count by role (``cpu_s/<role>``, ``workers/<role>``)."""
         total: dict[str, float] = {}
         for w in self.client.stats().workers:
             if w.role not in ("prefill", "decode") or not w.metrics_url:
                 continue
             page = urllib.request.urlopen(w.metrics_url, timeout=10).read().decode()
             for k, v in parse_metrics(page).items():
+                k = f"{k}/{w.role}" if k == "cpu_s" else k
                 total[k] = total.get(k, 0.0) + v
+            total[f"workers/{w.role}"] = total.get(f"workers/{w.role}", 0.0) + 1
         return total
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return {k: v if k.startswith("workers/") else v - before.get(k, 0.0) for k, v in after.items()}
 
 
 def chunk_sources(d: dict[str, float]) -> dict[str, float]:
@@ -73,7 +77,8 @@ def chunk_sources(d: dict[str, float]) -> dict[str, float]:
 
 
 class GpuSampler:
-    """``with GpuSampler() as g: ...``; then ``g.busy`` (mean utilisation %, None without nvidia-smi)."""
+    """``with GpuSampler() as g: ...``; then ``g.busy`` (mean utilisation % over every GPU the run's processes may
+    use, None without nvidia-smi) and ``g.by_gpu`` (each one's)."""
 
     def __init__(self, period_ms: int = 100) -> None:
         self.period_ms = period_ms
@@ -85,8 +90,12 @@ class GpuSampler:
         exe = shutil.which("nvidia-smi")
         if exe is None:
             return self
-        self._proc = subprocess.Popen([exe, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                       f"-lms={self.period_ms}", "-i", "0"], stdout=subprocess.PIPE,
+        import os
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        which = ["-i", visible] if visible else []
+        self._proc = subprocess.Popen([exe, "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
+                                       f"-lms={self.period_ms}", *which], stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -95,7 +104,8 @@ class GpuSampler:
     def _read(self) -> None:
         for line in self._proc.stdout:
             try:
-                self.samples.append(float(line.strip()))
+                gpu, util = line.split(",")
+                self.samples.append((gpu.strip(), float(util)))
             except ValueError:
                 pass
 
@@ -107,7 +117,14 @@ class GpuSampler:
 
     @property
     def busy(self) -> float | None:
-        return sum(self.samples) / len(self.samples) if self.samples else None
+        return sum(u for _, u in self.samples) / len(self.samples) if self.samples else None
+
+    @property
+    def by_gpu(self) -> dict[str, float]:
+        seen: dict[str, list[float]] = {}
+        for gpu, u in self.samples:
+            seen.setdefault(gpu, []).append(u)
+        return {gpu: sum(us) / len(us) for gpu, us in sorted(seen.items())}
 
 
 def time_budget(d: dict[str, float], duration_s: float, gpu_busy: float | None) -> dict[str, float | None]:
@@ -125,6 +142,9 @@ def time_budget(d: dict[str, float], duration_s: float, gpu_busy: float | None) 
         "decode_steps_busy_pct": per(100 * d.get("step_s", 0.0), duration_s),
         "admits": admits, "admit_mean_ms": per(1e3 * d.get("admit_s", 0.0), admits),
         "decode_admit_busy_pct": per(100 * d.get("admit_s", 0.0), duration_s),
+        # a worker process's CPU, in cores (100% = one core busy the whole run), averaged over the role's workers
+        "prefill_cpu_pct": per(100 * d.get("cpu_s/prefill", 0.0), duration_s * d.get("workers/prefill", 0.0)),
+        "decode_cpu_pct": per(100 * d.get("cpu_s/decode", 0.0), duration_s * d.get("workers/decode", 0.0)),
     }
 
 
@@ -136,9 +156,11 @@ def budget_line(mode: str, b: dict) -> str:
     return (f"| {mode} | {f('gpu_busy_pct', '{:.0f}%')} | {f('prefill_mean_ms')} | {f('prefill_engine_busy_pct', '{:.0f}%')} "
             f"| {f('handoff_mean_ms')} | {f('decode_steps', '{:.0f}')} | {f('decode_mean_batch')} "
             f"| {f('decode_step_mean_ms')} | {f('decode_steps_busy_pct', '{:.0f}%')} | {f('admit_mean_ms')} "
-            f"| {f('decode_admit_busy_pct', '{:.0f}%')} |")
+            f"| {f('decode_admit_busy_pct', '{:.0f}%')} | {f('prefill_cpu_pct', '{:.0f}%')} "
+            f"| {f('decode_cpu_pct', '{:.0f}%')} |")
 
 
 BUDGET_HEADER = ["| mode | GPU busy (nvidia-smi) | prefill ms / request | prefill engine busy | hand-off ms / request "
-                 "| decode steps | mean batch | step ms | decode in steps | admission ms / request | decode admitting |",
-                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| decode steps | mean batch | step ms | decode in steps | admission ms / request | decode admitting "
+                 "| prefill worker CPU | decode worker CPU |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

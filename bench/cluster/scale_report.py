@@ -20,6 +20,7 @@ def rows_of(path: Path) -> list[dict]:
     for run in runs:
         for s in run["summaries"]:
             stages = s.get("stage_p50_ms", {})
+            budget = (run.get("time_budget") or {}).get(s["mode"], {})
             out.append({"run": path.stem, "gpus": d.get("gpus"), "prefill": d.get("prefill_workers", 1),
                         "decode": d.get("decode_workers", 1), "routing": d.get("routing", "residency"),
                         "store_shm": d.get("store_shm", "off"),
@@ -29,6 +30,8 @@ def rows_of(path: Path) -> list[dict]:
                         "ttft_p50": s["ttft_ms"]["p50"], "ttft_p99": s["ttft_ms"]["p99"],
                         "tpot_p50": s["tpot_ms"]["p50"], "handoff_p50": stages.get("hand-off"),
                         "gpu_tier": (s.get("tier_hit_ratios") or {}).get("gpu"), "transport": d.get("transport", ""),
+                        "gpu_busy": budget.get("gpu_busy_pct"), "step_ms": budget.get("decode_step_mean_ms"),
+                        "batch": budget.get("decode_mean_batch"), "decode_cpu": budget.get("decode_cpu_pct"),
                         "date": d["date"], "commit": d.get("commit", ""), "device": d.get("gpu", "")})
     return out
 
@@ -44,8 +47,9 @@ def main() -> int:
         raise SystemExit("no finished run in the files given")
     base = {r["alpha"]: r for r in rows if r["run"] == args.baseline}
     lines = ["| run | GPUs | prefill + decode | routing | store shm | alpha | clients | done / failed | req/s (steady) | "
-             f"x {args.baseline} | TTFT p50 / p99 ms | TPOT p50 ms | hand-off p50 ms | chunk tokens on GPU |",
-             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"x {args.baseline} | TTFT p50 / p99 ms | TPOT p50 ms | hand-off p50 ms | chunk tokens on GPU "
+             "| decode step ms (batch) | GPU busy | decode worker CPU |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         b = base.get(r["alpha"])
         ratio = f"{r['steady'] / b['steady']:.2f}x" if b else "-"
@@ -54,7 +58,9 @@ def main() -> int:
         lines.append(f"| {r['run']} | {r['gpus']} | {r['prefill']} + {r['decode']} | {r['routing']} | {r['store_shm']} | {r['alpha']:g} | "
                      f"{r['concurrency']} | {r['completed']} / {r['failed']} | {r['throughput']:.2f} "
                      f"({r['steady']:.2f}) | {ratio} | {r['ttft_p50']:,.0f} / {r['ttft_p99']:,.0f} | "
-                     f"{r['tpot_p50']:.1f} | {hand} | {tier} |")
+                     f"{r['tpot_p50']:.1f} | {hand} | {tier} | {_num(r['step_ms'], '{:.1f}')} "
+                     f"({_num(r['batch'], '{:.1f}')}) | {_num(r['gpu_busy'], '{:.0f}%')} "
+                     f"| {_num(r['decode_cpu'], '{:.0f}%')} |")
     ab = []
     for r in rows:
         if r["routing"] != "residency":
@@ -77,6 +83,10 @@ def main() -> int:
     _plot(rows, Path(f"{args.out}.png"))
     print("\n".join(md))
     return 0
+
+
+def _num(v, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -131,8 +131,12 @@ def serve_metrics(registry, host: str, port: int = 0) -> tuple[object, int]:
     from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
     from wsgiref.simple_server import make_server as wsgi_server
 
-    from prometheus_client import make_wsgi_app
+    from prometheus_client import ProcessCollector, make_wsgi_app
 
+    try:        # the process's CPU seconds, memory and open files (process_*), beside the service's own
+        ProcessCollector(registry=registry)
+    except ValueError:      # this registry has them already (served before)
+        pass
     metrics_app = make_wsgi_app(registry)
 
     # NOTE: prometheus_client's own server answers every path with the metrics; only /metrics is ours
