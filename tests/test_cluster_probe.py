@@ -40,7 +40,7 @@ def test_time_budget_from_the_workers_metrics():
     assert abs(b["handoff_mean_ms"] - 5.0) < 1e-6
     assert b["decode_steps"] == 2 and b["decode_mean_batch"] == 5.0 and abs(b["decode_step_mean_ms"] - 25.0) < 1e-6
     assert b["admits"] == 1 and abs(b["admit_mean_ms"] - 4.0) < 1e-6 and b["gpu_busy_pct"] == 50.0
-    assert b["prefill_cpu_pct"] is None            # no process CPU sampled in this delta
+    assert b["prefill_cpu_pct"] is None and b["store_errors"] == 0      # no process CPU or store errors here
     row = probe.budget_line("tessera", b)
     assert row.startswith("| tessera | 50% | 60.0 |") and row.count("|") == probe.BUDGET_HEADER[1].count("|")
 

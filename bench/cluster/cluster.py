@@ -199,6 +199,7 @@ def main() -> int:
     ap.add_argument("--no-warmup-sparse", dest="warmup_sparse", action="store_false",
                     help="decode workers warm up dense decode only (the trace decodes densely; a shorter start)")
     ap.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    ap.add_argument("--stores", type=int, default=1, help="KV store shards")
     ap.add_argument("--decode", type=int, default=1, help="decode workers (they and the prefill workers take the "
                                                           "visible GPUs round-robin: CUDA_VISIBLE_DEVICES picks them)")
     ap.add_argument("--store-shm", choices=("on", "off"), default="on",
@@ -248,7 +249,7 @@ def main() -> int:
     cfg = ClusterConfig(model_dir=str(model), device=device, dtype=dtype, kv_cache_bytes=int(args.kv_cache_bytes),
                         chunk_cache_bytes=int(args.chunk_cache_bytes), store_dram_bytes=int(args.store_dram_bytes),
                         store_dir=str(Path(tmp) / "rocksdb"), internal_tls=args.internal_tls == "on",
-                        prefill=args.prefill, decode=args.decode, routing=args.routing,
+                        prefill=args.prefill, decode=args.decode, routing=args.routing, stores=args.stores,
                         store_shm=args.store_shm == "on",
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_bytes),
                                                          **warm),
@@ -284,6 +285,7 @@ def main() -> int:
                "host_cache_bytes": args.host_cache_bytes, "register_corpus": args.register_corpus,
                "internal_tls": args.internal_tls, "commit": _commit(), "runs": [],
                "prefill_workers": args.prefill, "decode_workers": args.decode, "routing": args.routing,
+               "stores": args.stores,
                "store_shm": args.store_shm,
                "gpus": gpus,
                "rate_sweeps": []}
@@ -291,7 +293,7 @@ def main() -> int:
     md = [f"# Cluster benchmark ({shape}, {device})", "",
           f"Date: {results['date']}. Device: {gpu or device}. Services: {launcher}. "
           f"Hand-off transport: {target.client.stats().transport}. Workers: {args.prefill} prefill, "
-          f"{args.decode} decode; routing: {args.routing}; store DRAM tier in shared memory: {args.store_shm}.",
+          f"{args.decode} decode, {args.stores} store shard(s); routing: {args.routing}; store DRAM tier in shared memory: {args.store_shm}.",
           "Command: `" + " ".join(sys.argv) + "`", ""]
     runs_dir = Path(args.runs_dir or f"{args.out}-runs")
 

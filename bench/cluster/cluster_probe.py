@@ -28,6 +28,8 @@ WANTED = {
     "tessera_decode_admit_seconds_sum": "admit_s", "tessera_decode_admit_seconds_count": "admits",
     "tessera_decode_chunks_total": "decode_chunks",
     "process_cpu_seconds_total": "cpu_s",       # per role: WorkerMeter adds the role to the key
+    # failed store calls (a lookup or get past its deadline: the shard is skipped for a moment, its chunks computed)
+    "tessera_prefill_store_errors_total": "store_errors", "tessera_decode_store_errors_total": "store_errors",
 }
 
 
@@ -145,6 +147,7 @@ def time_budget(d: dict[str, float], duration_s: float, gpu_busy: float | None) 
         # a worker process's CPU, in cores (100% = one core busy the whole run), averaged over the role's workers
         "prefill_cpu_pct": per(100 * d.get("cpu_s/prefill", 0.0), duration_s * d.get("workers/prefill", 0.0)),
         "decode_cpu_pct": per(100 * d.get("cpu_s/decode", 0.0), duration_s * d.get("workers/decode", 0.0)),
+        "store_errors": sum(v for k, v in d.items() if k.startswith("store_errors/")),
     }
 
 
@@ -157,10 +160,10 @@ def budget_line(mode: str, b: dict) -> str:
             f"| {f('handoff_mean_ms')} | {f('decode_steps', '{:.0f}')} | {f('decode_mean_batch')} "
             f"| {f('decode_step_mean_ms')} | {f('decode_steps_busy_pct', '{:.0f}%')} | {f('admit_mean_ms')} "
             f"| {f('decode_admit_busy_pct', '{:.0f}%')} | {f('prefill_cpu_pct', '{:.0f}%')} "
-            f"| {f('decode_cpu_pct', '{:.0f}%')} |")
+            f"| {f('decode_cpu_pct', '{:.0f}%')} | {f('store_errors', '{:.0f}')} |")
 
 
 BUDGET_HEADER = ["| mode | GPU busy (nvidia-smi) | prefill ms / request | prefill engine busy | hand-off ms / request "
                  "| decode steps | mean batch | step ms | decode in steps | admission ms / request | decode admitting "
-                 "| prefill worker CPU | decode worker CPU |",
-                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| prefill worker CPU | decode worker CPU | failed store calls |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

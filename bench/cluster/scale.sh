@@ -2,22 +2,23 @@
 # Runs bench/cluster/cluster.py once per configuration, each a fresh cluster on the GPUs it names, `tessera` mode,
 # the registered corpus and sizes of bench/cluster/README.md's command; then bench/cluster/scale_report.py merges them.
 #
-#   bench/cluster/scale.sh MODEL_DIR OUT_DIR NAME:GPUS:PREFILL:DECODE:ROUTING:ALPHAS:REQUESTS:CONCURRENCY[:STORE_SHM] ...
+#   bench/cluster/scale.sh MODEL_DIR OUT_DIR NAME:GPUS:PREFILL:DECODE:ROUTING:ALPHAS:REQUESTS:CONCURRENCY[:STORE_SHM[:STORES]] ...
 #   e.g. together:0:1:1:residency:1.1:256:32  apart:0,1:1:1:residency:1.1:256:32  x4:0,1,2,3:4:4:load:1.1,2.1:1024:128
 #
 # GPUS is the CUDA_VISIBLE_DEVICES the cluster starts under: the workers take those GPUs round-robin. STORE_SHM: on
 # (default: the store shard's DRAM tier in /dev/shm, read by the workers themselves) or off (streamed over gRPC).
+# STORES: KV store shards (default 1).
 set -euo pipefail
 model=$1 out=$2
 shift 2
 mkdir -p "$out"
 for spec in "$@"; do
-    IFS=: read -r name gpus prefill decode routing alphas requests concurrency shm <<<"$spec"
-    shm=${shm:-on}
+    IFS=: read -r name gpus prefill decode routing alphas requests concurrency shm stores <<<"$spec"
+    shm=${shm:-on} stores=${stores:-1}
     echo "=== $name: GPUs $gpus, $prefill prefill + $decode decode, routing $routing, store shm $shm, alphas $alphas, $requests requests, $concurrency clients ($(date -u +%H:%M:%S))"
     CUDA_VISIBLE_DEVICES=$gpus python3 bench/cluster/cluster.py --no-ray --model-dir "$model" --layers 32 \
         --requests "$requests" --warmup 8 --concurrency "$concurrency" --alphas "$alphas" \
         --chunk-cache-bytes 2.5e9 --host-cache-bytes 16e9 --register-corpus --modes tessera --no-warmup-sparse \
-        --prefill "$prefill" --decode "$decode" --routing "$routing" --store-shm "$shm" \
+        --prefill "$prefill" --decode "$decode" --routing "$routing" --store-shm "$shm" --stores "$stores" \
         --runs-dir "/tmp/runs-$name" --out "$out/$name" || echo "=== $name failed: $?"
 done

@@ -25,6 +25,8 @@ class DecodeMetrics:
         self.handoffs_dropped = Counter("tessera_decode_handoffs_dropped", "Hand-offs parked past handoff_wait_s "
                                         "with no Decode call for them (dropped)", registry=r)
         self.handoffs = Counter("tessera_decode_handoffs", "Hand-offs received by kind", ["kind"], registry=r)
+        self.store_errors = Counter("tessera_decode_store_errors", "Failed store calls (the shard is then skipped for a "
+                                    "moment and its chunks computed)", ["call"], registry=r)
         self.chunks = Counter("tessera_decode_chunks", "Shared chunks of hand-offs by where the decode worker found "
                               "them (gpu: its cache, store: prefetched, computed: neither)", ["source"], registry=r)
         self.store_wait_seconds = Histogram("tessera_decode_store_wait_seconds", "Time a hand-off waited for chunks "

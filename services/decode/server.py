@@ -270,7 +270,8 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
         if warm and warm["batches"]:
             log.info("decode worker %s warmed up in %.1f s: batches %s over %d tokens", name, warm["seconds"],
                      warm["batches"], warm["context_tokens"])
-    store = StoreAccess(store_addresses, host_bytes=settings.host_cache_bytes, tls=cluster_tls)
+    store = StoreAccess(store_addresses, on_error=lambda call: metrics.store_errors.labels(call).inc(),
+                        host_bytes=settings.host_cache_bytes, tls=cluster_tls)
     # chunks' retrieval indexes kept beside their KV, built once for every decode worker; not under the cluster's
     # mutual TLS, where the store takes puts from prefill workers only (README: security model)
     if store_addresses and cluster_tls is None:
