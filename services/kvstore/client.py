@@ -57,6 +57,16 @@ class _LocalGone(Exception):
     """The shared-memory file a store named is gone (its chunk evicted or replaced since): read it by the stream."""
 
 
+class _LocalDamaged(Exception):
+    """Layer ``index`` of a store's shared-memory file failed its check (nothing from it on was handed out): the
+    layers [index, stop) are read again by the stream, where the store checks its copy, drops a damaged one and
+    serves a good one from a lower tier if it holds one."""
+
+    def __init__(self, index: int, stop: int, checksums: tuple, why: str) -> None:
+        super().__init__(why)
+        self.index, self.stop, self.checksums = index, stop, checksums
+
+
 @dataclass(frozen=True, slots=True)
 class PutResult:
     chunk_id: str
@@ -119,6 +129,7 @@ class KVStoreClient:
         self.verify = verify
         self.local, self.pin = local, pin
         self.local_reads = 0        # gets answered with a shared-memory file, read here
+        self.local_damaged = 0      # of those, reads that found a damaged layer and went on by the stream
         self._readers: ThreadPoolExecutor | None = None
         self._channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if tls is None else
                          grpc.secure_channel(address, tls.channel_credentials(),
@@ -207,21 +218,28 @@ class KVStoreClient:
                 raise ValueError(f"layers must be (start, stop) with 0 <= start < stop, got {layers}")
             request.layer_start, request.layer_stop = start, stop
         call = self._get(request, timeout=timeout or self.timeout)
+        expect = None
         try:
             yield from self._assemble(chunk_id, call)
             return
         except _LocalGone:
-            pass
+            pass            # its file went away before it was opened: the bytes by the stream
+        except _LocalDamaged as damaged:
+            self.local_damaged += 1
+            request.layer_start, request.layer_stop = damaged.index, damaged.stop
+            expect = damaged.checksums
         finally:
             call.cancel()     # no-op once finished; stops the stream when the caller breaks early
-        request.local_host = ""             # its file went away before it was opened: the bytes by the stream
+        request.local_host = ""
         call = self._get(request, timeout=timeout or self.timeout)
         try:
-            yield from self._assemble(chunk_id, call)
+            yield from self._assemble(chunk_id, call, expect)
         finally:
             call.cancel()
 
-    def _assemble(self, chunk_id: str, call) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _assemble(self, chunk_id: str, call, expect: tuple | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """The layers a Get stream carries, checked; ``expect``: the checksums the chunk must have (a read resumed
+        after a damaged local layer continues the same version)."""
         first = next(call, None)
         if first is None or isinstance(first, wire.Frame) or not first.HasField("header"):
             raise ChunkCorruptError(f"chunk {chunk_id}: the stream did not start with a header")
@@ -231,6 +249,8 @@ class KVStoreClient:
             raise ChunkCorruptError(f"chunk {chunk_id}: bad header: {exc}") from None
         if meta.chunk_id != chunk_id or len(meta.checksums) != meta.num_layers:
             raise ChunkCorruptError(f"chunk {chunk_id}: header names {meta.chunk_id} or lacks checksums")
+        if expect is not None and tuple(meta.checksums) != tuple(expect):
+            raise ChunkCorruptError(f"chunk {chunk_id}: another version than the one being read")
         dtype = _FROM_NAME[meta.dtype]
         index, stop = first.header.layer_start, first.header.layer_stop
         parts: list = []          # payloads of the current layer's frames (memoryviews into the messages)
@@ -292,7 +312,10 @@ class KVStoreClient:
         pending = [self._readers.submit(read, *todo[j]) for j in range(min(LOCAL_READ_AHEAD, len(todo)))]
         try:
             for j, (index, _) in enumerate(todo):
-                buf = pending[j].result()
+                try:
+                    buf = pending[j].result()
+                except ChunkCorruptError as exc:
+                    raise _LocalDamaged(index, stop, tuple(meta.checksums), str(exc)) from None
                 if j + LOCAL_READ_AHEAD < len(todo):
                     pending.append(self._readers.submit(read, *todo[j + LOCAL_READ_AHEAD]))
                 kn = meta.k_nbytes(index)

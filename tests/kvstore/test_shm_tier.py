@@ -63,26 +63,46 @@ def test_another_hosts_id_gets_the_bytes_not_the_file(start_store, shm_dir):
     assert kinds[0] == "header" and "local" not in kinds and len(kinds) == 3
 
 
-def test_a_damaged_file_is_refused_never_used(start_store, shm_dir):
-    srv, plain = start_store(dram_dir=shm_dir)
-    layers = make_layers(n_layers=3, tokens=64, seed=3)
-    plain.put("doc-c", layers)
+def _flip_a_byte_in_the_middle(shm_dir: str) -> None:
     [name] = files_of(shm_dir)
     path = os.path.join(shm_dir, name)
-    with open(path, "r+b") as f:            # one byte of layer 1's K||V flipped in place
+    with open(path, "r+b") as f:            # one byte of the middle layer's K||V flipped in place
         f.seek(os.path.getsize(path) // 2)
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_damaged_file_is_never_used_and_its_only_copy_is_dropped(start_store, shm_dir):
+    srv, plain = start_store(dram_dir=shm_dir)
+    plain.put("doc-c", make_layers(n_layers=3, tokens=64, seed=3))
+    _flip_a_byte_in_the_middle(shm_dir)
     local = KVStoreClient(srv.address, timeout=30, local=True)
     try:
-        with pytest.raises(ChunkCorruptError, match="checksum mismatch in the store's file"):
-            list(local.get("doc-c"))
-        # the store's own read checks it too: the stream is refused (DATA_LOSS), and the bad copy dropped
-        with pytest.raises(grpc.RpcError) as err:
-            list(plain.get("doc-c"))
-        assert err.value.code() == grpc.StatusCode.DATA_LOSS
-        assert files_of(shm_dir) == []
+        got = []
+        with pytest.raises(grpc.RpcError) as err:       # the rest re-read by the stream: the store finds it damaged
+            for i, _, _ in local.get("doc-c"):
+                got.append(i)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS and got == [0] and local.local_damaged == 1
+        assert files_of(shm_dir) == [] and not plain.lookup(["doc-c"])[0].found
+    finally:
+        local.close()
+
+
+def test_a_damaged_file_is_read_on_from_a_good_copy_below(start_store, shm_dir):
+    srv, plain = start_store(dram_dir=shm_dir, rocksdb_dir="tmp")      # write-through: RocksDB holds it too
+    layers = make_layers(n_layers=3, tokens=64, seed=11)
+    plain.put("doc-k", layers)
+    _flip_a_byte_in_the_middle(shm_dir)
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        assert_roundtrip(local, "doc-k", layers)        # layer 0 from the file, 1 and 2 from RocksDB
+        assert local.local_reads == 1 and local.local_damaged == 1
+        assert tiers_of(plain, "doc-k") == ("rocksdb",)            # the damaged copy dropped
+        assert_roundtrip(local, "doc-k", layers)        # streamed from RocksDB whole, and promoted to DRAM again
+        assert tiers_of(plain, "doc-k") == ("dram", "rocksdb") and local.local_reads == 1
+        assert_roundtrip(local, "doc-k", layers)        # from the new file
+        assert local.local_reads == 2 and local.local_damaged == 1
     finally:
         local.close()
 
