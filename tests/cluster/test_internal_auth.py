@@ -9,6 +9,7 @@ import torch
 
 from services.cluster.security import ClusterTLS, mint
 from services.kvstore import KVStoreClient
+from services.rpc import kvstore_pb2 as kv_pb
 from services.rpc import tessera_pb2 as pb
 from services.rpc import tessera_pb2_grpc as pb_grpc
 from services.sdk import Client
@@ -186,3 +187,18 @@ def test_a_hand_off_naming_a_bad_nixl_buffer_is_refused_and_the_decode_worker_se
             d.PushHandoff(handoff_parts(header, b"payload"), timeout=10)
         assert err.value.code() == grpc.StatusCode.DATA_LOSS and says in err.value.details()
         assert d.Status(pb.WorkerStatusRequest(), timeout=5).in_flight == 0
+
+
+@pytest.mark.parametrize("role", ["gateway", "index", "admin", "store"])
+def test_a_role_the_store_does_not_serve_learns_no_chunk_and_no_file(cluster, role):
+    """A Get asking for the shared-memory file (local_host) is refused before the store looks anything up."""
+    from services.hostid import host_id
+
+    tls = ClusterTLS.load(cluster.certs, role)
+    client = KVStoreClient(cluster.store.address, tls=tls, local=True)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client._get(kv_pb.GetRequest(chunk_id="a" * 64, local_host=host_id()), timeout=10))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and client.local_reads == 0
+    finally:
+        client.close()
