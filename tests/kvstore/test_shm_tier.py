@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from services.hostid import host_id
-from services.kvstore.client import ChunkCorruptError, KVStoreClient
+from services.kvstore.client import KVStoreClient
 from services.rpc import kvstore_pb2 as pb
 
 from .helpers import MiB, assert_roundtrip, make_layers, tiers_of
