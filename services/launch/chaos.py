@@ -1,4 +1,5 @@
-"""``tessera chaos``: a bounded soak that SIGKILLs workers and store shards while clients send prompts.
+"""``tessera chaos``: a bounded soak that SIGKILLs workers, store shards and retrieval index services while clients
+send prompts.
 
 What a soak checks (``SoakReport.ok``):
 - every completed greedy output equals its fault-free reference, computed beforehand by an ``Engine`` in
@@ -29,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROLES = ("prefill", "decode", "store", "gateway")
+ROLES = ("prefill", "decode", "store", "gateway", "index")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,9 @@ class SoakSettings:
     doc_tokens: int = 64
     registered: int = 4                     # documents registered first, then sent by ChunkId
     register_share: float = 0.1             # share of client operations that register a fresh document
+    # share of generate requests decoded by retrieval (the decode worker's index service), retrieving every key so
+    # that the tokens are dense decoding's: a killed index service may fail such a request, never change it
+    retrieval_share: float = 0.0
     recompute_ratio: float = 0.15           # fixed: the loading controller would follow measured timings
     request_timeout_s: float = 60.0
     restart_timeout_s: float = 120.0        # how long a killed actor may take to come back
@@ -80,6 +84,8 @@ class SoakSettings:
             raise ValueError(f"registered must be in [0, docs={self.docs}], got {self.registered}")
         if not 0.0 <= self.register_share < 1.0:
             raise ValueError(f"register_share must be in [0, 1), got {self.register_share}")
+        if not 0.0 <= self.retrieval_share <= 1.0:
+            raise ValueError(f"retrieval_share must be in [0, 1], got {self.retrieval_share}")
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
         if min(self.request_timeout_s, self.restart_timeout_s, self.settle_timeout_s) <= 0:
@@ -137,6 +143,7 @@ class SoakReport:
     settings: dict
     sent: int = 0
     completed: int = 0
+    retrieval_completed: int = 0            # of them, decoded by retrieval
     failed: dict[str, int] = field(default_factory=dict)            # status code -> requests
     failure_examples: list[str] = field(default_factory=list)       # the first few, at seconds into the soak
     kills: list[Kill] = field(default_factory=list)
@@ -174,7 +181,9 @@ class SoakReport:
         by_role = ", ".join(f"{r} {n}" for r, n in sorted(self.kills_by_role.items())) or "none"
         rows = [("soak", f"{self.soak_s:.1f} s of {self.wall_s:.1f} s (seed {s['seed']}, {s['concurrency']} clients, "
                          f"roles {','.join(s['roles'])})"),
-                ("requests sent", self.sent), ("completed", self.completed), ("failed", failed),
+                ("requests sent", self.sent),
+                ("completed", f"{self.completed} ({self.retrieval_completed} decoded by retrieval)"),
+                ("failed", failed),
                 ("kills", f"{len(self.kills)} ({by_role})"), ("restarts observed", self.restarts),
                 ("served after each kill", "yes" if all(k.served_after for k in self.kills) else "NO"),
                 ("mismatches", self.mismatches),
@@ -209,6 +218,7 @@ class _Tally:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.sent = self.completed = self.mismatches = self.registrations = self.registrations_failed = 0
+        self.retrieval_completed = 0
         self.failed: Counter = Counter()
         self.failures: list[str] = []
         self.examples: list[dict] = []
@@ -221,11 +231,12 @@ class _Tally:
             if len(self.failures) < 5:
                 self.failures.append(what)
 
-    def done(self, prompt: _Prompt, got, at: float | None) -> None:
+    def done(self, prompt: _Prompt, got, at: float | None, retrieval: bool = False) -> None:
         """A completed request (``at`` None: a check after the soak, not counted as served)."""
         with self.lock:
             if at is not None:
                 self.completed += 1
+                self.retrieval_completed += retrieval
                 self.last_done = max(self.last_done, at)
             if tuple(got.token_ids) != prompt.want:
                 self.mismatches += 1
@@ -250,9 +261,13 @@ def _generate(engine, chunks, suffix, s: SoakSettings) -> tuple[int, ...]:
                                  recompute_ratio=s.recompute_ratio, stop_token_ids=[]))
 
 
-def _complete(client, prompt: _Prompt, s: SoakSettings):
+RETRIEVE_ALL = dict(decode="retrieval", retrieval_k=4096, sink_tokens=4, window_tokens=8)   # every key of a prompt
+
+
+def _complete(client, prompt: _Prompt, s: SoakSettings, retrieval: bool = False):
     return client.complete(list(prompt.chunks), list(prompt.suffix), max_new_tokens=s.max_new_tokens,
-                           recompute_ratio=s.recompute_ratio, stop_token_ids=[], timeout=s.request_timeout_s)
+                           recompute_ratio=s.recompute_ratio, stop_token_ids=[], timeout=s.request_timeout_s,
+                           **(RETRIEVE_ALL if retrieval else {}))
 
 
 def _wait(check, timeout_s: float, every_s: float = 0.5):
@@ -353,6 +368,7 @@ def run_soak(target, settings: SoakSettings, *, model_dir: str | None = None, na
             report.problems.append("after the soak, an actor does not answer or a worker is unhealthy")
         report.lost = _lost(client, engine, target, tally, s)
     report.sent, report.completed, report.mismatches = tally.sent, tally.completed, tally.mismatches
+    report.retrieval_completed = tally.retrieval_completed
     report.failed, report.failure_examples = dict(tally.failed), tally.failures
     report.mismatch_examples = tally.examples
     report.registrations, report.registrations_failed = tally.registrations, tally.registrations_failed
@@ -387,12 +403,13 @@ def _client_loop(i: int, target: SoakTarget, s: SoakSettings, prompts: list[_Pro
                     return
                 tally.sent += 1
             prompt = rng.choice(prompts)
+            retrieval = rng.random() < s.retrieval_share
             try:
-                got = _complete(client, prompt, s)
+                got = _complete(client, prompt, s, retrieval)
             except Exception as exc:  # noqa: BLE001 - counted by its code (a TesseraError) or type: the report shows it
                 tally.fail(getattr(exc, "code", type(exc).__name__), f"{time.monotonic() - started:.1f} s: {exc}")
             else:
-                tally.done(prompt, got, time.monotonic())
+                tally.done(prompt, got, time.monotonic(), retrieval)
 
 
 def _killer(target: SoakTarget, s: SoakSettings, report: SoakReport, client, t0: float,
@@ -496,6 +513,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"comma-separated roles that may be killed, among {','.join(ROLES)} (default prefill,decode,store)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, intervals and victims (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per request (default 8)")
+    p.add_argument("--retrieval-share", type=float, default=0.0,
+                   help="share of requests decoded by retrieval through the index services, every key retrieved so "
+                        "that the tokens are dense decoding's (default 0; kill the index role with --roles ...,index)")
     p.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
     p.add_argument("--stores", type=int, default=1, help="KV store shards (default 1)")
@@ -509,7 +529,7 @@ def _chaos(args: argparse.Namespace) -> int:
     settings = SoakSettings(duration_s=args.duration_s, requests=args.requests,
                             concurrency=args.concurrency, kill_every_s=args.kill_every_s, max_kills=args.max_kills,
                             roles=tuple(r.strip() for r in args.roles.split(",") if r.strip()), seed=args.seed,
-                            max_new_tokens=args.max_new_tokens)
+                            max_new_tokens=args.max_new_tokens, retrieval_share=args.retrieval_share)
     t0 = time.monotonic()
     report = soak_local(settings, args.prefill, args.decode, args.stores,
                         say=lambda m: print(f"{time.monotonic() - t0:6.1f} s  {m}", file=sys.stderr))

@@ -1,5 +1,6 @@
-"""Chaos soak: a prefill worker, a decode worker and a store shard SIGKILLed in turn while two clients send
-prompts and register chunks; every completed output is the fault-free one and no acknowledged chunk is lost."""
+"""Chaos soak: a prefill worker, a decode worker, a store shard and a retrieval index service SIGKILLed in turn while
+two clients send prompts and register chunks; every completed output is the fault-free one and no acknowledged chunk
+is lost."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ def cluster(local_ray, tiny_model, tmp_path_factory):
 @pytest.mark.parametrize("fields, message", [
     (dict(duration_s=10, requests=10), "one of duration_s and requests, not both"),
     (dict(requests=0), "requests must be >= 1"),
+    (dict(requests=10, retrieval_share=1.5), "retrieval_share must be in"),
     (dict(duration_s=0), "duration_s must be in"),
-    (dict(roles=("prefill", "index")), "roles must be distinct names"),
+    (dict(roles=("prefill", "gpu")), "roles must be distinct names"),
     (dict(roles=("store", "store")), "roles must be distinct names"),
     (dict(roles=()), "roles must be distinct names"),
     (dict(kill_every_s=0), "kill_every_s must be > 0"),
@@ -67,15 +69,16 @@ def test_report_is_ok_only_without_mismatch_loss_or_unserved_kill():
 @pytest.mark.slow
 def test_soak_survives_a_kill_of_each_role(cluster):
     # three kills need three restarts (3-8 s each on a 2-core machine, longer when it is busy) and the pauses between
-    settings = SoakSettings(duration_s=40, concurrency=2, kill_every_s=3, max_kills=3, seed=7, max_new_tokens=6,
+    settings = SoakSettings(duration_s=50, concurrency=2, kill_every_s=3, max_kills=4, seed=7, max_new_tokens=6,
                             prompts=12, docs=8, registered=3, register_share=0.15, restart_timeout_s=90,
-                            settle_timeout_s=90)
+                            settle_timeout_s=90, roles=("prefill", "decode", "store", "index"), retrieval_share=0.3)
     t0 = time.monotonic()
     report = run_soak(cluster, settings, say=lambda m: print(f"{time.monotonic() - t0:6.1f} s  {m}"))
     print(report.table())
     assert report.mismatches == 0, report.mismatch_examples
     assert report.lost == []
-    assert report.kills_by_role == {"prefill": 1, "decode": 1, "store": 1}, report.kills
-    assert report.restarts == 3 and all(k.served_after for k in report.kills)
+    assert report.kills_by_role == {"prefill": 1, "decode": 1, "store": 1, "index": 1}, report.kills
+    assert report.restarts == 4 and all(k.served_after for k in report.kills)
     assert report.completed > 0 and report.acknowledged >= 3
+    assert 0 < report.retrieval_completed < report.completed          # both decodings served, and checked
     assert report.ok, report.table()
