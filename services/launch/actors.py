@@ -118,7 +118,8 @@ def _see_node_gpus(name: str) -> None:
     """On Ray, before anything touches CUDA: this GPU worker's CUDA_VISIBLE_DEVICES, its own GPU first
     (``node_gpu_order``)."""
     ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized() or os.environ.get(next(iter(NODE_GPUS_ENV))) != "1":
+    if (ray is None or not ray.is_initialized() or os.environ.get(next(iter(NODE_GPUS_ENV))) != "1"
+            or ray.get_runtime_context().get_actor_id() is None):       # not a Ray actor (a driver, a local child)
         return
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():

@@ -18,8 +18,12 @@ from .helpers import MiB, assert_roundtrip, make_layers, tiers_of
 
 @pytest.fixture
 def shm_dir(tmp_path):
-    """A directory for the tier: under /dev/shm where this machine has one, else the test's own."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    """A directory for the tier: under /dev/shm where this machine has one with room, else the test's own (the tier
+    is files in a directory either way)."""
+    from services.kvstore.store import shm_room
+
+    usable = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) and shm_room("/dev/shm") >= 1 << 30
+    base = "/dev/shm" if usable else str(tmp_path)
     path = os.path.join(base, f"tessera-test-{os.getpid()}-{os.urandom(4).hex()}")
     yield path
     if os.path.isdir(path):

@@ -44,5 +44,29 @@ def test_outside_ray_nothing_changes(monkeypatch):
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     monkeypatch.setenv(next(iter(NODE_GPUS_ENV)), "1")
-    actors._see_node_gpus("tessera-prefill-0")           # no Ray connected in this process
+    actors._see_node_gpus("tessera-prefill-0")           # not a Ray actor (Ray may be connected: a driver)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+@pytest.mark.slow
+def test_a_ray_actor_that_was_assigned_no_gpu_refuses_to_choose(local_ray):
+    """Inside an actor with the variable set but no GPU (this machine has none), the choice fails loudly rather than
+    leave every worker on the node's first GPU."""
+    import ray
+
+    from services.launch import actors
+
+    @ray.remote(num_cpus=0, runtime_env={"env_vars": dict(NODE_GPUS_ENV)})
+    class Probe:
+        def choose(self):
+            try:
+                actors._see_node_gpus("tessera-prefill-0")
+            except RuntimeError as exc:
+                return str(exc)
+            return "chose"
+
+    probe = Probe.remote()
+    try:
+        assert ray.get(probe.choose.remote(), timeout=120) == "Ray assigned this GPU worker no GPU"
+    finally:
+        ray.kill(probe)
