@@ -200,6 +200,9 @@ def main() -> int:
                     help="decode workers warm up dense decode only (the trace decodes densely; a shorter start)")
     ap.add_argument("--prefill", type=int, default=1, help="prefill workers")
     ap.add_argument("--stores", type=int, default=1, help="KV store shards")
+    ap.add_argument("--store-loads", choices=("cost", "always"), default="cost",
+                    help="prefill workers load a chunk the store holds when the loading controller measured that "
+                         "cheaper than computing it (cost, the default), or always")
     ap.add_argument("--decode", type=int, default=1, help="decode workers (they and the prefill workers take the "
                                                           "visible GPUs round-robin: CUDA_VISIBLE_DEVICES picks them)")
     ap.add_argument("--store-shm", choices=("on", "off"), default="on",
@@ -252,7 +255,7 @@ def main() -> int:
                         prefill=args.prefill, decode=args.decode, routing=args.routing, stores=args.stores,
                         store_shm=args.store_shm == "on",
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_bytes),
-                                                         **warm),
+                                                         store_loads=args.store_loads, **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_bytes),
                                                        min_step_interval_s=args.decode_step_interval_ms / 1e3,
                                                        warmup_sparse=args.warmup_sparse, **warm))
@@ -285,7 +288,7 @@ def main() -> int:
                "host_cache_bytes": args.host_cache_bytes, "register_corpus": args.register_corpus,
                "internal_tls": args.internal_tls, "commit": _commit(), "runs": [],
                "prefill_workers": args.prefill, "decode_workers": args.decode, "routing": args.routing,
-               "stores": args.stores,
+               "stores": args.stores, "store_loads": args.store_loads,
                "store_shm": args.store_shm,
                "gpus": gpus,
                "rate_sweeps": []}

@@ -7,7 +7,8 @@
 #
 # GPUS is the CUDA_VISIBLE_DEVICES the cluster starts under: the workers take those GPUs round-robin. STORE_SHM: on
 # (default: the store shard's DRAM tier in /dev/shm, read by the workers themselves) or off (streamed over gRPC).
-# STORES: KV store shards (default 1).
+# STORES: KV store shards (default 1). CLUSTER_ARGS (environment): more cluster.py flags for every run, e.g.
+# "--store-loads always".
 set -euo pipefail
 model=$1 out=$2
 shift 2
@@ -20,5 +21,5 @@ for spec in "$@"; do
         --requests "$requests" --warmup 8 --concurrency "$concurrency" --alphas "$alphas" \
         --chunk-cache-bytes 2.5e9 --host-cache-bytes 16e9 --register-corpus --modes tessera --no-warmup-sparse \
         --prefill "$prefill" --decode "$decode" --routing "$routing" --store-shm "$shm" --stores "$stores" \
-        --runs-dir "/tmp/runs-$name" --out "$out/$name" || echo "=== $name failed: $?"
+        --runs-dir "/tmp/runs-$name" --out "$out/$name" ${CLUSTER_ARGS:-} || echo "=== $name failed: $?"
 done
