@@ -279,14 +279,21 @@ class ShmDramTier:
 
     name = Tier.DRAM
     blocking = True
+    MARK = ".tessera-dram-tier"     # the directory is a tier's: what it holds may be removed
 
     def __init__(self, path: str) -> None:
         os.makedirs(path, mode=0o700, exist_ok=True)
+        names = os.listdir(path)
+        if names and self.MARK not in names:
+            raise ValueError(f"{path} holds files that are not a Tessera DRAM tier's: give the tier a directory of its "
+                             "own (e.g. /dev/shm/tessera-store)")
         os.chmod(path, 0o700)
         self.path = path
         self._chunks: dict[str, tuple[ChunkMeta, str]] = {}
-        for name in os.listdir(path):       # a store restarted on the same directory starts empty
-            self._unlink(name)
+        for name in names:                  # a store restarted on the same directory starts empty
+            if name != self.MARK:
+                self._unlink(name)
+        open(os.path.join(path, self.MARK), "w").close()
 
     def write(self, meta: ChunkMeta, layers: tuple[LayerData, ...]) -> None:
         name = _file_name(meta.chunk_id, meta.encode())
@@ -341,6 +348,7 @@ class ShmDramTier:
     def close(self) -> None:
         for chunk_id in list(self._chunks):
             self.remove(chunk_id)
+        self._unlink(self.MARK)
         try:
             os.rmdir(self.path)
         except OSError:

@@ -212,3 +212,18 @@ def test_a_reader_that_stops_early_leaves_no_descriptor_open(start_store, shm_di
         assert local.local_reads == 3 and len(os.listdir("/proc/self/fd")) <= before
     finally:
         local.close()
+
+
+def test_a_directory_holding_other_files_is_refused_and_left_as_it_is(shm_dir):
+    import asyncio
+
+    from services.kvstore.config import StoreConfig
+    from services.kvstore.store import TieredStore
+
+    os.makedirs(shm_dir)
+    with open(os.path.join(shm_dir, "someone-elses"), "w") as f:
+        f.write("keep me")
+    store = TieredStore(StoreConfig(dram_dir=shm_dir))
+    with pytest.raises(ValueError, match="not a Tessera DRAM tier's"):
+        asyncio.run(store.start())
+    assert os.listdir(shm_dir) == ["someone-elses"]
