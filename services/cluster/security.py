@@ -33,8 +33,9 @@ CA_NAME = "Tessera cluster CA"
 
 # method -> roles allowed to call it; a method of a cluster service not listed is refused
 POLICY: dict[str, frozenset[str]] = {
-    "/tessera.kvstore.v1.KVStore/Put": frozenset({"prefill"}),
-    "/tessera.kvstore.v1.KVStore/Delete": frozenset({"prefill"}),
+    # a decode worker: a chunk's retrieval indexes only (the store checks what it writes: kvstore/server.py)
+    "/tessera.kvstore.v1.KVStore/Put": frozenset({"prefill", "decode"}),
+    "/tessera.kvstore.v1.KVStore/Delete": frozenset({"prefill", "decode"}),
     "/tessera.kvstore.v1.KVStore/Get": frozenset({"prefill", "decode"}),
     "/tessera.kvstore.v1.KVStore/Lookup": frozenset({"prefill", "decode"}),
     "/tessera.kvstore.v1.KVStore/Stats": frozenset({"prefill", "decode", "gateway", "admin"}),

@@ -272,9 +272,9 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
                      warm["batches"], warm["context_tokens"])
     store = StoreAccess(store_addresses, on_error=lambda call: metrics.store_errors.labels(call).inc(),
                         host_bytes=settings.host_cache_bytes, tls=cluster_tls)
-    # chunks' retrieval indexes kept beside their KV, built once for every decode worker; not under the cluster's
-    # mutual TLS, where the store takes puts from prefill workers only (README: security model)
-    if store_addresses and cluster_tls is None:
+    # chunks' retrieval indexes kept beside their KV, built once for every decode worker (under the cluster's mutual
+    # TLS the store takes these, and only these, from decode workers: README, security model)
+    if store_addresses:
         eng.forward.chunk_index_store = ChunkIndexStore(store)
 
     def fetch(cid: str):

@@ -51,16 +51,27 @@ class _BadPut(Exception):
         self.code = code
 
 
+# what a decode worker may write (and delete) under mutual TLS: a chunk's retrieval indexes, opaque bytes kept beside
+# its KV (services/index/chunks.py); a chunk's KV is the prefill workers' alone to write
+DECODE_WRITES = "uint8"
+
+
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, store: TieredStore, metrics: StoreMetrics) -> None:
+    def __init__(self, store: TieredStore, metrics: StoreMetrics, authorize: bool = False) -> None:
         self.store = store
         self.metrics = metrics
         self.frame_bytes = store.config.frame_bytes
+        self.authorize = authorize          # mutual TLS: callers' roles are known (services/cluster/guard.py)
+
+    def _decode_caller(self, context) -> bool:
+        from services.cluster.guard import caller_role
+
+        return self.authorize and caller_role(context) == "decode"
 
     async def Put(self, request_iterator, context):
         started = time.perf_counter()
         try:
-            meta, layers = await self._receive(request_iterator)
+            meta, layers = await self._receive(request_iterator, self._decode_caller(context))
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
                 raise _BadPut(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the put was stored")
@@ -76,10 +87,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.metrics.put_seconds.observe(time.perf_counter() - started)
         return pb.PutResponse(stored_bytes=meta.nbytes, tiers=tiers)
 
-    async def _receive(self, request_iterator) -> tuple[ChunkMeta, tuple[LayerData, ...]]:
+    async def _receive(self, request_iterator, decode: bool = False) -> tuple[ChunkMeta, tuple[LayerData, ...]]:
         """Collect a whole put in memory; nothing is stored unless every layer arrives intact.
         A layer that fits one get message is kept as that message (``wire.FramedLayer``), a larger
-        one as the frames it arrived in (memoryviews into the received messages)."""
+        one as the frames it arrived in (memoryviews into the received messages). ``decode``: the caller is a decode
+        worker, which may store a chunk's retrieval indexes (``DECODE_WRITES``) and nothing else."""
         meta = None
         layers: list[LayerData] = []
         sums: list[int] = []
@@ -91,6 +103,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 if frame is not None or not request.HasField("header"):
                     raise InvalidChunk("a put must start with a header")
                 meta = ChunkMeta.from_proto(request.header, max_bytes=self.store.config.max_chunk_bytes)
+                if decode and meta.dtype != DECODE_WRITES:
+                    raise _BadPut(grpc.StatusCode.PERMISSION_DENIED, "a decode worker may store a chunk's retrieval "
+                                                                    f"indexes ({DECODE_WRITES}), not KV ({meta.dtype})")
                 if meta.checksums:
                     raise InvalidChunk("put headers carry no layer checksums: each rides on its layer's last frame")
                 self.store.check_admissible(meta.nbytes)
@@ -200,6 +215,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             check_chunk_id(request.chunk_id)
         except InvalidChunk as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self._decode_caller(context):
+            try:
+                session = await self.store.open_read(request.chunk_id)
+            except DataLoss:
+                session = None          # no good copy left (the bad ones were dropped): nothing a delete could take
+            if session is not None:
+                dtype = session.meta.dtype
+                session.abort()
+                if dtype != DECODE_WRITES:
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a decode worker may delete a chunk's "
+                                                                         f"retrieval indexes, not KV ({dtype})")
         return pb.DeleteResponse(deleted=await self.store.delete(request.chunk_id))
 
     async def Stats(self, request, context):
@@ -278,7 +304,8 @@ async def create_server(config: StoreConfig, *, host: str = "127.0.0.1", port: i
 
     ``metrics_port``: serve /metrics over HTTP on that port (0 picks one; None: no HTTP endpoint).
     ``tls``: the store's ``ClusterTLS`` (services/cluster/security.py): serve over mutual TLS, callers
-    authorized by role (only prefill workers write and delete; workers read); None: plain, anyone may call.
+    authorized by role (prefill workers write and delete; decode workers only a chunk's retrieval indexes; workers
+    read); None: plain, anyone may call.
     """
     from services.cluster.guard import RoleGuard
 
@@ -287,7 +314,7 @@ async def create_server(config: StoreConfig, *, host: str = "127.0.0.1", port: i
     await store.start()
     metrics = StoreMetrics(store)
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RoleGuard("KV store", authorize=tls is not None)])
-    _add_servicer(KVStoreServicer(store, metrics), server)
+    _add_servicer(KVStoreServicer(store, metrics, authorize=tls is not None), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -116,7 +116,7 @@ def test_store_writes_are_refused_to_all_but_prefill_workers_and_never_replace_a
             assert prefill.lookup([cid])[0].found
             layers = [(torch.randn_like(k), torch.randn_like(v)) for _, k, v in prefill.get(cid)]
             stored = [(k.clone(), v.clone()) for _, k, v in prefill.get(cid)]
-            for role in ("gateway", "decode", "admin", "store"):
+            for role in ("gateway", "decode", "admin", "store"):     # a decode worker writes retrieval indexes only
                 with KVStoreClient(cluster.store.address, tls=ClusterTLS.load(cluster.certs, role)) as other:
                     assert _code(lambda: other.put(cid, layers)) == grpc.StatusCode.PERMISSION_DENIED, role
                     assert _code(lambda: other.delete(cid)) == grpc.StatusCode.PERMISSION_DENIED, role
@@ -202,3 +202,30 @@ def test_a_role_the_store_does_not_serve_learns_no_chunk_and_no_file(cluster, ro
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and client.local_reads == 0
     finally:
         client.close()
+
+
+def test_a_decode_worker_stores_and_deletes_retrieval_indexes_and_nothing_else(cluster):
+    """Under mutual TLS a decode worker may keep a chunk's retrieval indexes (uint8 entries) in the store, delete
+    them, and never write or delete KV; a refused put stores nothing."""
+    from services.engine.kv.chunk_ids import index_entry_id
+
+    decode = KVStoreClient(cluster.store.address, tls=ClusterTLS.load(cluster.certs, "decode"))
+    prefill = KVStoreClient(cluster.store.address, tls=ClusterTLS.load(cluster.certs, "prefill"))
+    try:
+        entry = index_entry_id("c" * 64)
+        blob = bytes(range(256)) * 40
+        assert decode.put_bytes(entry, blob).nbytes == len(blob)
+        assert decode.get_bytes(entry) == blob
+        kv_id = "d" * 64
+        kv = [(torch.randn(4, 2, 8).to(torch.bfloat16), torch.randn(4, 2, 8).to(torch.bfloat16))]
+        assert _code(lambda: decode.put(kv_id, kv)) == grpc.StatusCode.PERMISSION_DENIED
+        assert not prefill.lookup([kv_id])[0].found                    # nothing stored
+        prefill.put(kv_id, kv)
+        assert _code(lambda: decode.delete(kv_id)) == grpc.StatusCode.PERMISSION_DENIED
+        assert prefill.lookup([kv_id])[0].found                        # still there
+        assert decode.delete(entry) and not prefill.lookup([entry])[0].found
+        assert not decode.delete("e" * 64)                             # nothing there: nothing to refuse
+    finally:
+        prefill.delete(kv_id)
+        decode.close()
+        prefill.close()

@@ -147,6 +147,22 @@ def test_a_retrieval_decode_keeps_its_kv_in_the_decode_workers_index_service(loc
     assert after["tessera_index_search_seconds_count"] > before.get("tessera_index_search_seconds_count", 0)
     assert after["tessera_index_owners"] == 0 and after["tessera_index_kv_bytes"] == 0    # dropped as it ended
     assert after["tessera_index_chunk_indexes"] >= 1 and after["tessera_index_chunk_index_bytes"] > 0
+    # and the store keeps the chunk's index beside it, for every decode worker: under mutual TLS too
+    import time
+
+    from services.cluster.security import ClusterTLS
+    from services.engine.kv.chunk_ids import index_entry_id
+    from services.kvstore import KVStoreClient
+
+    entry = index_entry_id(reference.chunk_id(chunks[1]))
+    assert local_cluster.config.internal_tls      # the store takes the entry from a decode worker under mutual TLS
+    tls = ClusterTLS.load(local_cluster.certs_scratch, "prefill")
+    with KVStoreClient(local_cluster.addresses["tessera-store-0"], tls=tls) as store:
+        for _ in range(60):             # written after the build, in the background
+            if store.lookup([entry])[0].found:
+                break
+            time.sleep(0.5)
+        assert store.lookup([entry])[0].found
 
 
 @pytest.mark.slow
