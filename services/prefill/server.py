@@ -156,7 +156,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
     async def _push(self, out, request_id: str, address: str, context) -> tuple[int, str]:
         """Serialise the hand-off (off the engine thread) and stream it to the decode worker; ABORTED
-        when that fails (the gateway then tries another decode worker). Returns (private and payload
+        when that fails (the gateway then tries another decode worker); a zero-copy hand-off the decode worker
+        answers DATA_LOSS to goes again by the stream (``STREAM_ONLY_S``). Returns (private and payload
         bytes moved, the transport used): CUDA IPC for the K/V when the decode worker shares this GPU
         ("cuda-ipc") or sees it from another GPU of this host ("cuda-ipc-peer": it copies them GPU to GPU)."""
         loop = asyncio.get_running_loop()
@@ -177,7 +178,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             registered = await loop.run_in_executor(self.io_threads, self._offer_nixl, kv, header)
             used = "nixl" if registered else "grpc"
             kv = kv if registered else None
-        header_nixl = used == "nixl"        # its registration is undone once the push is over, however it went
+        nixl_registered = used == "nixl"    # its registration is undone once the push is over, however it went
         if kv is not None:
             payload = await loop.run_in_executor(self.io_threads, lambda: out.handoff.to_bytes(with_kv=False))
         else:
@@ -209,7 +210,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.ABORTED, f"hand-off to decode worker {address} "
                                                          f"failed: {exc.code().name}: {exc.details()}")
         finally:
-            if header_nixl:         # read and acknowledged (or failed): the memory goes back
+            if nixl_registered:     # read and acknowledged (or failed): the memory goes back
                 await loop.run_in_executor(self.io_threads, self._nixl_deregister, kv)
         moved = len(payload) + (kv.numel() * kv.element_size() if kv is not None and used != "grpc" else 0)
         self.worker.metrics.handoff_bytes.inc(moved)
