@@ -85,19 +85,45 @@ def _file_name(chunk_id: str, meta_record: bytes) -> str:
     return f"{chunk_id}.{bytes(meta_record[:4]).hex()}"
 
 
-def layer_spans(meta: ChunkMeta) -> list[tuple[int, int]]:
-    """(offset, length) of each layer's message in the chunk's layer file: the messages back to
+def _layer_layout(meta: ChunkMeta) -> list[tuple[int, int, int]]:
+    """(offset, head length, length) of each layer's message in the chunk's layer file: the messages back to
     back, each ``wire.frame_layer``'s (envelope, K||V, tail), so a read hands them on as they are."""
-    spans, offset = [], 0
+    out, offset = [], 0
     for i in range(meta.num_layers):
         nbytes = meta.layer_nbytes(i)
         head, tail = envelope(i, nbytes, True, meta.checksums[i], ALIGN)
-        spans.append((offset, len(head) + nbytes + len(tail)))
-        offset += spans[-1][1]
-    return spans
+        out.append((offset, len(head), len(head) + nbytes + len(tail)))
+        offset += out[-1][2]
+    return out
 
 
-class RocksDBTier:
+def layer_spans(meta: ChunkMeta) -> list[tuple[int, int]]:
+    """(offset, length) of each layer's message in the chunk's layer file (``_layer_layout``)."""
+    return [(offset, length) for offset, _, length in _layer_layout(meta)]
+
+
+def layer_data_offsets(meta: ChunkMeta, start: int, stop: int) -> list[int]:
+    """Where the K||V bytes of layers [start, stop) begin in the chunk's layer file (after each message's head)."""
+    return [offset + head for offset, head, _ in _layer_layout(meta)[start:stop]]
+
+
+class _LayerFiles:
+    """What the tiers that keep each chunk's layers as one file in the directory ``files`` share."""
+
+    files: str
+
+    def read_layer(self, reader: "RocksDBReader", index: int) -> bytes:
+        offset, length = reader.spans[index]
+        return os.pread(reader.file.fileno(), length, offset)     # short when the file was cut
+
+    def _unlink(self, name: str) -> None:
+        try:
+            os.unlink(os.path.join(self.files, name))
+        except FileNotFoundError:
+            pass
+
+
+class RocksDBTier(_LayerFiles):
     """The disk tier: RocksDB (rocksdict, raw mode) keeps each chunk's metadata under ``m/<id>``
     (WAL on), and the chunk's layers are one file, ``layers/<id>.<crc>``: each layer as the message
     that carries it whole (``wire.FramedLayer``, what a get sends), back to back.
@@ -162,10 +188,6 @@ class RocksDBTier:
             return RocksDBReader(meta, self, file)
         return None
 
-    def read_layer(self, reader: "RocksDBReader", index: int) -> bytes:
-        offset, length = reader.spans[index]
-        return os.pread(reader.file.fileno(), length, offset)     # short when the file was cut
-
     def remove(self, chunk_id: str) -> None:
         from rocksdict import WriteBatch
 
@@ -181,12 +203,6 @@ class RocksDBTier:
         prefix = _legacy_layer_prefix(chunk_id)
         batch.delete_range(prefix, prefix[:-1] + b"0")   # "/" + 1 == "0": layers an older version stored
         batch.delete(_meta_key(chunk_id))
-
-    def _unlink(self, name: str) -> None:
-        try:
-            os.unlink(os.path.join(self.files, name))
-        except FileNotFoundError:
-            pass
 
     def scan(self) -> list[tuple[str, int]]:
         """Chunks present on disk, with sizes. Corrupt metadata records, records whose file is
@@ -259,17 +275,7 @@ def write_layer_file(directory: str, name: str, meta: ChunkMeta, layers: tuple[L
         _fsync_dir(directory)
 
 
-def layer_data_offsets(meta: ChunkMeta, start: int, stop: int) -> list[int]:
-    """Where the K||V bytes of layers [start, stop) begin in the chunk's layer file (after each message's head)."""
-    out = []
-    for i, (offset, _) in enumerate(layer_spans(meta)):
-        if start <= i < stop:
-            head, _ = envelope(i, meta.layer_nbytes(i), True, meta.checksums[i], ALIGN)
-            out.append(offset + len(head))
-    return out
-
-
-class ShmDramTier:
+class ShmDramTier(_LayerFiles):
     """The DRAM tier in shared memory: each chunk one layer file (as the RocksDB tier's, ``layer_spans``) in a
     directory of a memory file system (/dev/shm), owned by the store's user and closed to others (0700). Workers on
     the store's host read a chunk's layers from it themselves (``Get`` with their host id answers with the file,
@@ -288,7 +294,7 @@ class ShmDramTier:
             raise ValueError(f"{path} holds files that are not a Tessera DRAM tier's: give the tier a directory of its "
                              "own (e.g. /dev/shm/tessera-store)")
         os.chmod(path, 0o700)
-        self.path = path
+        self.files = path
         self._chunks: dict[str, tuple[ChunkMeta, str]] = {}
         for name in names:                  # a store restarted on the same directory starts empty
             if name != self.MARK:
@@ -297,7 +303,7 @@ class ShmDramTier:
 
     def write(self, meta: ChunkMeta, layers: tuple[LayerData, ...]) -> None:
         name = _file_name(meta.chunk_id, meta.encode())
-        write_layer_file(self.path, name, meta, layers, mode=0o600)
+        write_layer_file(self.files, name, meta, layers, mode=0o600)
         old = self._chunks.get(meta.chunk_id)
         self._chunks[meta.chunk_id] = (meta, name)
         if old is not None and old[1] != name:
@@ -318,14 +324,10 @@ class ShmDramTier:
             return None
         meta, name = found
         try:
-            file = open(os.path.join(self.path, name), "rb", buffering=0)
+            file = open(os.path.join(self.files, name), "rb", buffering=0)
         except FileNotFoundError:
             raise CorruptEntry(f"chunk {chunk_id}: its shared-memory file is missing") from None
         return RocksDBReader(meta, self, file)
-
-    def read_layer(self, reader: "RocksDBReader", index: int) -> bytes:
-        offset, length = reader.spans[index]
-        return os.pread(reader.file.fileno(), length, offset)
 
     def local_file(self, reader: "RocksDBReader", start: int, stop: int) -> tuple[str, list[int]]:
         """(path, offsets of the K||V bytes of layers [start, stop)) of the file ``reader`` opened."""
@@ -339,18 +341,12 @@ class ShmDramTier:
     def scan(self) -> list[tuple[str, int]]:
         return [(cid, meta.nbytes) for cid, (meta, _) in self._chunks.items()]
 
-    def _unlink(self, name: str) -> None:
-        try:
-            os.unlink(os.path.join(self.path, name))
-        except FileNotFoundError:
-            pass
-
     def close(self) -> None:
         for chunk_id in list(self._chunks):
             self.remove(chunk_id)
         self._unlink(self.MARK)
         try:
-            os.rmdir(self.path)
+            os.rmdir(self.files)
         except OSError:
             pass
 
