@@ -217,29 +217,27 @@ class KVStoreClient:
             if not 0 <= start < stop:
                 raise ValueError(f"layers must be (start, stop) with 0 <= start < stop, got {layers}")
             request.layer_start, request.layer_stop = start, stop
-        call = self._get(request, timeout=timeout or self.timeout)
         expect = None
-        try:
-            yield from self._assemble(chunk_id, call)
-            return
-        except _LocalGone:
-            pass            # its file went away before it was opened: the bytes by the stream
-        except _LocalDamaged as damaged:
-            self.local_damaged += 1
-            request.layer_start, request.layer_stop = damaged.index, damaged.stop
-            expect = damaged.checksums
-        finally:
-            call.cancel()     # no-op once finished; stops the stream when the caller breaks early
-        request.local_host = ""
-        call = self._get(request, timeout=timeout or self.timeout)
-        try:
-            yield from self._assemble(chunk_id, call, expect)
-        finally:
-            call.cancel()
+        while True:         # twice at most: a read of a store's file that could not go on goes on by the stream
+            call = self._get(request, timeout=timeout or self.timeout)
+            try:
+                yield from self._assemble(chunk_id, call, expect, asked_local=bool(request.local_host))
+                return
+            except _LocalGone:
+                pass            # its file went away before it was opened: the bytes by the stream
+            except _LocalDamaged as damaged:
+                self.local_damaged += 1
+                request.layer_start, request.layer_stop = damaged.index, damaged.stop
+                expect = damaged.checksums
+            finally:
+                call.cancel()     # no-op once finished; stops the stream when the caller breaks early
+            request.local_host = ""       # the store then sends frames, and _assemble refuses a file it did not ask for
 
-    def _assemble(self, chunk_id: str, call, expect: tuple | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _assemble(self, chunk_id: str, call, expect: tuple | None = None,
+                  asked_local: bool = False) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """The layers a Get stream carries, checked; ``expect``: the checksums the chunk must have (a read resumed
-        after a damaged local layer continues the same version)."""
+        after a damaged local layer continues the same version); ``asked_local``: the request named this host, so
+        the store may answer with its shared-memory file."""
         first = next(call, None)
         if first is None or isinstance(first, wire.Frame) or not first.HasField("header"):
             raise ChunkCorruptError(f"chunk {chunk_id}: the stream did not start with a header")
@@ -257,7 +255,7 @@ class KVStoreClient:
         got = 0
         for msg in call:
             if not isinstance(msg, wire.Frame) and msg.HasField("local"):
-                if not self.local or index != first.header.layer_start:
+                if not asked_local or index != first.header.layer_start:
                     raise ChunkCorruptError(f"chunk {chunk_id}: a shared-memory file not asked for, or after frames")
                 yield from self._read_local(meta, dtype, index, stop, msg.local)
                 return
