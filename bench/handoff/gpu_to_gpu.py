@@ -66,21 +66,16 @@ def main() -> int:
     import torch
 
     from services.handoff.cuda_ipc import gpu_order, share
+    from services.launch.local import child_gpus, visible_gpus
 
     if torch.cuda.device_count() < 2:
         raise SystemExit("needs two GPUs")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if os.environ.get("CUDA_VISIBLE_DEVICES") \
-        else [str(i) for i in range(torch.cuda.device_count())]
+    visible = visible_gpus()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = gpu_order(visible[1], visible)
     proc = ctx.Process(target=_child, args=(child,), daemon=True)
-    proc.start()
-    if before is None:
-        del os.environ["CUDA_VISIBLE_DEVICES"]
-    else:
-        os.environ["CUDA_VISIBLE_DEVICES"] = before
+    with child_gpus(gpu_order(visible[1], visible)):      # a decode worker of the second GPU, as the launcher starts one
+        proc.start()
     a, b = torch.device("cuda", 0), torch.device("cuda", 1)
     rows = []
     for mib in (int(x) for x in args.mib.split(",")):

@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 import os
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from services.cluster.config import ClusterConfig
@@ -134,7 +135,7 @@ def worker_gpus(n_workers: int, visible: list[str]) -> list[str | None]:
     return [gpu_order(visible[k % len(visible)], visible) for k in range(n_workers)]
 
 
-def _visible_gpus() -> list[str]:
+def visible_gpus() -> list[str]:
     """This process's GPUs as CUDA_VISIBLE_DEVICES names them."""
     import torch
 
@@ -143,20 +144,27 @@ def _visible_gpus() -> list[str]:
     return named[:n] if named else [str(i) for i in range(n)]
 
 
+@contextmanager
+def child_gpus(gpus: str | None):
+    """CUDA_VISIBLE_DEVICES = ``gpus`` for the processes started inside the block (a spawned child takes this process's
+    environment as it is at start()), this process's own again after it; None: the environment as it is."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+    try:
+        yield
+    finally:
+        if gpus is not None and before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        elif gpus is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def _spawn(ctx, spec: ServiceSpec, children: dict[str, _Child], gpus: str | None = None) -> None:
     parent, child = ctx.Pipe()
     process = ctx.Process(target=_serve, args=(spec, child), name=spec.name, daemon=True)
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if gpus is not None:  # a spawned child takes this process's environment as it is at start()
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
-    try:
+    with child_gpus(gpus):
         process.start()
-    finally:
-        if gpus is not None:
-            if before is None:
-                del os.environ["CUDA_VISIBLE_DEVICES"]
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = before
     child.close()
     children[spec.name] = _Child(process, parent)
 
@@ -189,7 +197,7 @@ def start_local_cluster(cfg: ClusterConfig, progress: Callable[[str], None] = la
             _spawn(ctx, spec, children)
         _wait(children, plan.names["store"] + plan.names["index"], addresses, metrics)
         stores = tuple(addresses[n] for n in plan.names["store"])
-        gpus = worker_gpus(len(plan.workers), _visible_gpus() if cfg.device == "cuda" else [])
+        gpus = worker_gpus(len(plan.workers), visible_gpus() if cfg.device == "cuda" else [])
         where = f" (GPUs {', '.join(g.split(',')[0] for g in gpus)})" if gpus and gpus[0] is not None else ""
         progress(f"starting {cfg.prefill} prefill and {cfg.decode} decode worker(s) on {cfg.device}{where}")
         for name, gpu in zip(plan.workers, gpus):

@@ -26,26 +26,18 @@ def round_trip(n: int = 3 * 1024 * 1024 + 7, offset: int = 5, peer: bool = False
     """Share a bf16 CUDA buffer that starts ``offset`` elements into its allocation with a spawned
     process; True when what it copied out equals the original. ``peer``: the process is a worker of this
     host's second GPU (it sees that GPU first, as the launcher starts one) and copies the buffer GPU to GPU."""
-    import os
-
     from services.handoff.cuda_ipc import gpu_order, share
+    from services.launch.local import child_gpus, visible_gpus
 
     src = torch.randn(n, device="cuda:0", dtype=torch.bfloat16)
     buf = src[offset:]                 # the offset inside the allocation must travel too
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=receive, args=(share(buf).SerializeToString(), q, 0 if peer else None))
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if peer:        # the child's cuda:0 is this process's cuda:1; this one's cuda:0 is its cuda:1
-        visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_order(visible[1], visible)
-    try:
+    visible = visible_gpus()
+    # peer: the child's cuda:0 is this process's cuda:1; this one's cuda:0 is its cuda:1
+    with child_gpus(gpu_order(visible[1], visible) if peer else None):
         p.start()
-    finally:
-        if peer and before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        elif peer:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
     got = q.get(timeout=120)
     p.join(60)
     return p.exitcode == 0 and got == buf.cpu().view(torch.int16).numpy().tobytes()
