@@ -23,6 +23,10 @@ class Mode(str, Enum):
 
 MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 
+# how the gateway picks a prefill worker (services/gateway/router.py): the chunk residency of the request's chunks
+# less a load penalty, or load alone (an A/B's peer)
+ROUTINGS: tuple[str, ...] = ("residency", "load")
+
 # the decode policies a request may name (services/engine/decode holds them; the gateway and the SDK check names here)
 DECODE_POLICIES: tuple[str, ...] = ("dense", "quest", "retro", "retrieval")
 # each policy's parameters (a request giving another policy's is refused), and retro's largest window (the engine's

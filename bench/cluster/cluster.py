@@ -207,7 +207,9 @@ def main() -> int:
                                                           "visible GPUs round-robin: CUDA_VISIBLE_DEVICES picks them)")
     ap.add_argument("--store-shm", choices=("on", "off"), default="on",
                     help="the store shards' DRAM tier in /dev/shm, read by workers on its host (on), or streamed (off)")
-    ap.add_argument("--routing", choices=("residency", "load"), default="residency",
+    from services.modes import ROUTINGS
+
+    ap.add_argument("--routing", choices=ROUTINGS, default="residency",
                     help="the gateway's choice of prefill worker: chunk residency less load (default), or load only")
     ap.add_argument("--register-corpus", action="store_true",
                     help="register the trace's documents before each reuse mode (then drop device caches)")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.checks import check_bool, check_float, check_instance, check_int, check_path, check_str
+from services.modes import ROUTINGS
 
 MiB = 1 << 20
 ROLES = ("gateway", "prefill", "decode", "store", "index")
@@ -89,9 +90,10 @@ class PrefillSettings:
     # before serving, on a GPU: one made-up prefill per pass the worker runs, over a context of this many
     # tokens, so that no request waits for a kernel compile or a graph capture (services/engine/graphs/warmup.py); 0: off
     warmup_tokens: int = 3072
-    # how hand-offs' private K/V reach a decode worker on another GPU or host: "grpc" in the stream, "nixl" read
-    # by the decode worker over NIXL (UCX; the gRPC stream when NIXL cannot load, reported), "auto" gRPC for now
-    # (NIXL becomes auto's choice once measured: issue #23); one GPU shared: CUDA IPC, whatever this says
+    # how hand-offs' private K/V reach a decode worker that cannot open this worker's GPU memory (another host, or a
+    # process that does not see the GPU): "grpc" in the stream, "nixl" read by the decode worker over NIXL (UCX; the
+    # gRPC stream when NIXL cannot load, reported), "auto" gRPC for now (NIXL becomes auto's choice once measured:
+    # issue #23); to one that can (the same host's GPUs), CUDA IPC whatever this says
     handoff_transport: str = "auto"
 
     def __post_init__(self) -> None:
@@ -222,7 +224,7 @@ class ClusterConfig:
         check_int("--max-restarts", self.max_restarts, -1, rule=">= 0 (-1: no limit)")
         check_float("--restart-window-s", self.restart_window_s, 0, lo_open=True, finite=False, rule="> 0 seconds")
         check_int("text_cache_tokens", self.text_cache_tokens, 0)
-        check_str("--routing", self.routing, choices=("residency", "load"))
+        check_str("--routing", self.routing, choices=ROUTINGS)
         check_int("--index-threads", self.index_threads, 0, MAX_INDEX_THREADS)
         check_str("namespace", self.namespace, empty=False)
         check_bool("detached", self.detached)

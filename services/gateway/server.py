@@ -18,6 +18,7 @@ import uuid
 
 import grpc
 
+from services.modes import ROUTINGS
 from services.cluster.sampling import write_sampling
 from services.cluster.serving import add_health, advertised_host, bind, make_server, serve_metrics, set_serving
 from services.gateway.auth import TenantAuth
@@ -453,8 +454,8 @@ async def create_server(model_dir: str, workers: list[tuple[str, str, str]], *, 
         raise ValueError("give either a token or a tenants file: a tenants file names every token")
     tenants = tenants if tenants is not None else Tenants.single(token)
     metrics = GatewayMetrics()
-    if routing not in ("residency", "load"):
-        raise ValueError(f"routing must be 'residency' or 'load', got {routing!r}")
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be {' or '.join(map(repr, ROUTINGS))}, got {routing!r}")
     router = Router(residency=routing == "residency")
     for name, role, address in workers:
         router.add(WorkerView(name, role, address))

@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from services import env
+from services.modes import ROUTINGS
 
 STATE = Path(env.read("TESSERA_STATE") or Path.home() / ".tessera" / "cluster.json")
 
@@ -42,7 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--handoff-transport", choices=("auto", "nixl", "grpc"), default="auto",
                     help="how a hand-off's K/V reach a decode worker on another GPU or host: nixl (read over NIXL/UCX, "
                          "checked on landing; the gRPC stream when NIXL cannot load, reported in Stats), grpc (in the "
-                         "stream), auto (gRPC for now). One GPU shared: CUDA IPC whatever this says")
+                         "stream), auto (gRPC for now). To a decode worker on this host's GPUs: CUDA IPC whatever this "
+                         "says")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051; 0: any free port)")
     up.add_argument("--host", default=None, help="bind address (default 127.0.0.1 locally, 0.0.0.0 with --address)")
     up.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -66,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--no-store-shm", dest="store_shm", action="store_false",
                     help="keep each store shard's DRAM tier in its own memory, streamed to every worker over gRPC "
                          "(default: in /dev/shm, read by the workers on its host themselves)")
-    up.add_argument("--routing", choices=("residency", "load"), default="residency",
+    up.add_argument("--routing", choices=ROUTINGS, default="residency",
                     help="how the gateway picks a prefill worker: the one holding most of the request's chunk tokens "
                          "on its GPU, less a load penalty (default), or the least loaded")
     up.add_argument("--text-cache-tokens", type=int, default=8 << 20,
