@@ -31,13 +31,11 @@ __all__ = ["host_id", "device_uuid", "visible_uuids", "placement", "same_gpu", "
            "local_index", "share", "copy_out"]
 
 
-@lru_cache(maxsize=8)
 def device_uuid(device: torch.device) -> str:
     """The GPU's UUID, "" for a CPU device (no IPC there)."""
     if device.type != "cuda":
         return ""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return str(getattr(torch.cuda.get_device_properties(idx), "uuid", ""))
+    return visible_uuids()[device.index if device.index is not None else torch.cuda.current_device()]
 
 
 @lru_cache(maxsize=1)
