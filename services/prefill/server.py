@@ -179,15 +179,21 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             used = "nixl" if registered else "grpc"
             kv = kv if registered else None
         nixl_registered = used == "nixl"    # its registration is undone once the push is over, however it went
+
+        def whole():        # the hand-off with its K/V, for the stream
+            return loop.run_in_executor(self.io_threads, self._after_export, out.handoff, out.handoff.to_bytes)
+
+        def push(payload: bytes):
+            return self._decode_stub(address).PushHandoff(handoff_parts(header, payload),
+                                                          timeout=max(context.time_remaining() or 30.0, 0.1))
+
         if kv is not None:
             payload = await loop.run_in_executor(self.io_threads, lambda: out.handoff.to_bytes(with_kv=False))
         else:
-            payload = await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
-                                                 out.handoff.to_bytes)
+            payload = await whole()
         try:
             try:
-                await self._decode_stub(address).PushHandoff(handoff_parts(header, payload),
-                                                             timeout=max(context.time_remaining() or 30.0, 0.1))
+                await push(payload)
             except grpc.aio.AioRpcError as exc:
                 if kv is None or exc.code() != grpc.StatusCode.DATA_LOSS:
                     raise
@@ -200,11 +206,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 self.worker.metrics.requests.labels("handoff_fallback").inc()
                 header.ClearField("kv")
                 header.ClearField("nixl")
-                payload = await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
-                                                     out.handoff.to_bytes)
+                payload = await whole()
                 used = "grpc"
-                await self._decode_stub(address).PushHandoff(handoff_parts(header, payload),
-                                                             timeout=max(context.time_remaining() or 30.0, 0.1))
+                await push(payload)
         except grpc.aio.AioRpcError as exc:
             self.worker.metrics.requests.labels("handoff_failed").inc()
             await context.abort(grpc.StatusCode.ABORTED, f"hand-off to decode worker {address} "
