@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.index.chunks import ChunkIndexCache
+from services.kvstore.chunk import CHUNK_ID_RE as CHUNK_ID     # a chunk index is named by its chunk's store id
 from services.index.heads import IndexSet
 from services.index.metrics import IndexMetrics
 from services.modes import MAX_RETRIEVAL_K
@@ -37,7 +38,6 @@ MAX_HEAD_DIM = 1024
 MAX_K = MAX_RETRIEVAL_K
 MAX_OFFLOAD_BYTES = 64 << 30   # one (owner, layer): keys, values and training queries
 MAX_CHUNK_INDEX_BYTES = 1 << 30
-CHUNK_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")    # the store's chunk ids
 
 
 class Refused(Exception):
