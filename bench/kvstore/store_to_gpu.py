@@ -4,7 +4,10 @@ measured in one run.
 A store shard (`tessera kvstore serve`, its own process) keeps N Llama-3-8B chunks (32 layers x K, V of
 [512, 8, 128] bf16 = 64 MiB each) in its DRAM tier. Per chunk, every layer read and copied to the GPU as the engine's
 loader does (non-blocking copies, one sync at the end), timed from the get to the last byte on the device:
-- `shm`: the tier in /dev/shm, the client on the store's host reading its file itself into pinned memory;
+- `arena`: the tier in /dev/shm as segment files (the default), the client on the store's host viewing a chunk's
+  layers in the segment it mapped and registered with CUDA once (timed after the registration; `arena_first`: the
+  first read, while the segment is still being registered);
+- `shm_file`: the tier in /dev/shm as a file per chunk (`--dram-segment-bytes 0`), read into pinned memory;
 - `stream`: the same chunks streamed over loopback gRPC (the tier in the store's memory), as before;
 - peers: the same bytes copied host to device from pinned memory (the ceiling) and from pageable memory, and
   computing the chunk on the GPU (a `full` prefill of its 512 tokens and one more, random Llama-3-8B weights).
@@ -31,11 +34,13 @@ sys.path.insert(0, str(REPO))
 LAYERS, TOKENS, HEADS, DIM = 32, 512, 8, 128
 
 
-def start_store(dram_bytes: int, work: Path, dram_dir: str | None) -> tuple[subprocess.Popen, str]:
+def start_store(dram_bytes: int, work: Path, dram_dir: str | None, segment_bytes: int | None) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "services.cli", "kvstore", "serve", "--port", "0", "--dram-bytes", str(dram_bytes),
            "--rocksdb-dir", str(work / "db"), "--log-level", "WARNING"]
     if dram_dir:
         cmd += ["--dram-dir", dram_dir]
+    if segment_bytes is not None:
+        cmd += ["--dram-segment-bytes", str(segment_bytes)]
     work.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
@@ -130,18 +135,28 @@ def main() -> int:
     shm = tempfile.mkdtemp(prefix="tessera-bench-dram-", dir="/dev/shm") if os.path.isdir("/dev/shm") else None
     rows = {}
     try:
-        for path, dram_dir in (("shm", os.path.join(shm, "dram") if shm else None), ("stream", None)):
-            if path == "shm" and dram_dir is None:
+        for path, segment_bytes in (("arena", None), ("shm_file", 0), ("stream", None)):
+            dram_dir = os.path.join(shm, path) if shm and path != "stream" else None
+            if path != "stream" and dram_dir is None:
                 continue
-            proc, address = start_store((args.chunks + 2) * chunk_bytes, work / path, dram_dir)
+            proc, address = start_store((args.chunks + 2) * chunk_bytes, work / path, dram_dir, segment_bytes)
             try:
                 writer = KVStoreClient(address, timeout=120)
                 for cid, layers in chunks.items():
                     writer.put(cid, layers)
-                reader = KVStoreClient(address, timeout=120, local=path == "shm", pin=cuda)
-                load_seconds(reader, "chunk-000", dev)          # warm: connections, the pinned allocator
+                reader = KVStoreClient(address, timeout=120, local=path != "stream", pin=cuda)
+                first = load_seconds(reader, "chunk-000", dev)   # warm: connections, the pinned allocator, the map
+                if path == "arena":
+                    rows["arena_first"] = [first]
+                    t0 = time.perf_counter()
+                    for seg in list(reader.segments._maps.values()):
+                        if seg.registered is not None:
+                            registered = seg.registered.result()
+                            print(f"segment {os.path.basename(seg.path)} ({seg.size >> 20} MiB) registered: "
+                                  f"{registered}, {1e3 * (time.perf_counter() - t0):.1f} ms after the first read")
                 times = [load_seconds(reader, cid, dev) for _ in range(args.rounds) for cid in chunks]
-                assert (reader.local_reads > 0) == (path == "shm")
+                assert (reader.local_reads > 0) == (path != "stream")
+                assert (reader.arena_reads > 0) == (path == "arena")
                 rows[path] = times
                 writer.close()
                 reader.close()
@@ -166,7 +181,7 @@ def main() -> int:
         extra = f", {v['GBps']:.1f} GB/s" if v["GBps"] else ""
         print(f"{k:>13}: {v['ms_p50']:.2f} ms p50 (max {v['ms_max']:.2f}){extra}", flush=True)
     ratios = {}
-    for k in ("shm", "stream"):
+    for k in ("arena", "shm_file", "stream"):
         if k in med and cuda:
             ratios[f"{k}_of_pinned_ceiling"] = med["h2d_pinned"] / med[k]
             ratios[f"compute_over_{k}"] = med["compute"] / med[k]

@@ -110,12 +110,17 @@ class StoreAccess:
 
     def _keeping(self, cid: str, stream: Iterator) -> Iterator:
         """``stream`` passed through; its layers kept in the host tier once it has ended whole (pinned
-        first on a GPU host, by the keeper thread: the reader does not wait for that copy)."""
+        first on a GPU host, by the keeper thread: the reader does not wait for that copy). Not a chunk read from
+        this host's store arena: it is a pinned-rate copy away already, and its views are the store's memory."""
         layers = []
         for item in stream:
-            layers.append((item.k, item.v))
+            if layers is not None and self.in_arena(item.k):
+                layers = None
+            if layers is not None:
+                layers.append((item.k, item.v))
             yield item
-        self._keeper.submit(self._keep, cid, layers)
+        if layers is not None:
+            self._keeper.submit(self._keep, cid, layers)
 
     def _keep(self, cid: str, layers) -> None:
         import torch
@@ -123,6 +128,10 @@ class StoreAccess:
         if torch.cuda.is_available():
             layers = [(k.pin_memory(), v.pin_memory()) for k, v in layers]
         self.host.put(cid, layers)
+
+    def in_arena(self, t) -> bool:
+        """Whether ``t`` is a view of this host's store arena (``KVStoreClient.in_arena``)."""
+        return self._client is not None and self._client.in_arena(t)
 
     def prefetch(self, chunk_ids: Sequence[str]) -> int:
         """Read the chunks the shards hold into the host tier (blocking); returns how many of ``chunk_ids``

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from services.kvstore.arena import SEGMENT_BYTES
+
 
 def _size(text: str) -> int:
     """Bytes from '1073741824', '512M', '4G' or '1.5GiB' (powers of 1024)."""
@@ -29,6 +31,9 @@ def register(subparsers) -> None:
     p.add_argument("--dram-bytes", type=_size, required=True, help="DRAM tier budget, e.g. 8G")
     p.add_argument("--dram-dir", help="keep the DRAM tier as files in this directory of a memory file system "
                                       "(e.g. /dev/shm/tessera-store), read by workers on this host themselves")
+    p.add_argument("--dram-segment-bytes", type=_size, default=SEGMENT_BYTES,
+                   help="with --dram-dir: the size of the tier's arena segments, which workers on this host map and "
+                        "register with CUDA once each (default 1G); 0: a file per chunk")
     p.add_argument("--rocksdb-dir", required=True, help="RocksDB directory (created if missing)")
     p.add_argument("--rocksdb-bytes", type=_size, default=16 << 30, help="RocksDB tier budget (default 16G)")
     p.add_argument("--s3-endpoint", help="S3 endpoint URL; credentials from AWS_* environment variables")
@@ -61,7 +66,7 @@ def _serve(args) -> int:
                       region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
     config = StoreConfig(dram_bytes=args.dram_bytes, rocksdb_dir=args.rocksdb_dir, rocksdb_bytes=args.rocksdb_bytes,
                          s3=s3, policy=args.policy, write_mode=args.write_mode, rocksdb_sync=args.rocksdb_sync,
-                         dram_dir=args.dram_dir)
+                         dram_dir=args.dram_dir, dram_segment_bytes=args.dram_segment_bytes)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be within 0..65535, got {args.port}")
     tls = None

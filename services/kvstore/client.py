@@ -14,6 +14,7 @@ surface as ``grpc.RpcError`` with the status code.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -26,6 +27,7 @@ import torch
 from services.hostid import host_id
 from services.kvstore import wire
 from services.kvstore.chunk import TIER_OF_PB, ChunkMeta, InvalidChunk, check_chunk_id, checksum, layer_checksum
+from services.kvstore.segments import SharedSegments
 from services.rpc import kvstore_pb2 as pb
 from services.rpc import kvstore_pb2_grpc as pb_grpc
 from services.tiers import Tier
@@ -45,6 +47,9 @@ with warnings.catch_warnings():
     torch.frombuffer(b"\0", dtype=torch.uint8)
 
 LOCAL_READ_AHEAD = 4      # layers of a shared-memory file read at once (a layer of an 8B chunk: 2 MiB)
+# a read of the store's arena hands on no layer later than this after it began: the store reuses a freed extent only
+# after its grace (arena.REUSE_GRACE_S, 30 s), so the copies a layer's user queued read what was checked
+ARENA_READ_WINDOW_S = 10.0
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
@@ -65,6 +70,11 @@ class _LocalDamaged(Exception):
     def __init__(self, index: int, stop: int, checksums: tuple, why: str) -> None:
         super().__init__(why)
         self.index, self.stop, self.checksums = index, stop, checksums
+
+
+class _LocalMoved(_LocalDamaged):
+    """The arena extent a store named holds another chunk now, or the read outlasted its window: the layers
+    [index, stop) by the stream (nothing is damaged)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +140,9 @@ class KVStoreClient:
         self.local, self.pin = local, pin
         self.local_reads = 0        # gets answered with a shared-memory file, read here
         self.local_damaged = 0      # of those, reads that found a damaged layer and went on by the stream
+        self.arena_reads = 0        # of those, reads from the store's arena (zero-copy views of its segments)
         self._readers: ThreadPoolExecutor | None = None
+        self.segments = SharedSegments(pin)
         self._channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if tls is None else
                          grpc.secure_channel(address, tls.channel_credentials(),
                                              options=[*CHANNEL_OPTIONS, *tls.channel_options("store")]))
@@ -226,7 +238,7 @@ class KVStoreClient:
             except _LocalGone:
                 pass            # its file went away before it was opened: the bytes by the stream
             except _LocalDamaged as damaged:
-                self.local_damaged += 1
+                self.local_damaged += not isinstance(damaged, _LocalMoved)
                 request.layer_start, request.layer_stop = damaged.index, damaged.stop
                 expect = damaged.checksums
             finally:
@@ -287,6 +299,9 @@ class KVStoreClient:
         interpreter lock), yielded in order as each is ready."""
         if len(local.offsets) != stop - start:
             raise ChunkCorruptError(f"chunk {meta.chunk_id}: {len(local.offsets)} offsets for layers [{start}, {stop})")
+        if local.generation:
+            yield from self._read_arena(meta, dtype, start, stop, local)
+            return
         try:
             fd = os.open(local.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -325,6 +340,57 @@ class KVStoreClient:
             wait(pending)
             os.close(fd)
 
+    def _read_arena(self, meta: ChunkMeta, dtype, start: int, stop: int, local) -> Iterator:
+        """Layers [start, stop) as views of the store's arena segment (no copy; registered with CUDA on a GPU host, so
+        a copy to the GPU reads them at the pinned rate): each checked against its crc32 on the reader threads, up to
+        ``LOCAL_READ_AHEAD`` ahead, and handed on only while the extent's header still holds the generation the store
+        named and within ``ARENA_READ_WINDOW_S`` of the read's start."""
+        began = time.monotonic()
+        try:
+            seg = self.segments.open(local.path)
+        except FileNotFoundError:
+            raise _LocalGone() from None
+        except OSError as exc:      # not readable by this process: this host's store is not for it
+            raise ChunkCorruptError(f"chunk {meta.chunk_id}: cannot open the store's segment: {exc}") from None
+        spans = [(i, offset, meta.layer_nbytes(i)) for i, offset in zip(range(start, stop), local.offsets)]
+        if any(offset + n > seg.size for _, offset, n in spans) or local.header + 16 > seg.size:
+            raise ChunkCorruptError(f"chunk {meta.chunk_id}: offsets past the end of the store's segment")
+        self.local_reads += 1
+        self.arena_reads += 1
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(LOCAL_READ_AHEAD, thread_name_prefix="kv-local-read")
+
+        def check(index: int, offset: int, nbytes: int) -> torch.Tensor:
+            buf = seg.bytes[offset:offset + nbytes]
+            if checksum(seg.array[offset:offset + nbytes]) != meta.checksums[index]:
+                raise ChunkCorruptError(f"chunk {meta.chunk_id} layer {index}: checksum mismatch in the store's arena")
+            return buf
+
+        pending = [self._readers.submit(check, *spans[j]) for j in range(min(LOCAL_READ_AHEAD, len(spans)))]
+        try:
+            for j, (index, _, _) in enumerate(spans):
+                try:
+                    buf = pending[j].result()
+                except ChunkCorruptError as exc:
+                    moved = seg.header(local.header) != local.generation
+                    raise (_LocalMoved if moved else _LocalDamaged)(index, stop, tuple(meta.checksums), str(exc)) from None
+                if seg.header(local.header) != local.generation or time.monotonic() - began > ARENA_READ_WINDOW_S:
+                    raise _LocalMoved(index, stop, tuple(meta.checksums), "the extent moved on or the read was slow")
+                if j + LOCAL_READ_AHEAD < len(spans):
+                    pending.append(self._readers.submit(check, *spans[j + LOCAL_READ_AHEAD]))
+                kn = meta.k_nbytes(index)
+                yield (index, buf[:kn].view(dtype).reshape(meta.k_shapes[index]),
+                       buf[kn:].view(dtype).reshape(meta.v_shapes[index]))
+        finally:
+            for f in pending:
+                f.cancel()
+            wait(pending)
+
+    def in_arena(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a view of the store's arena (``_read_arena``): memory the store reuses after its grace, so
+        whoever keeps the layer copies it."""
+        return self.segments.holds(t)
+
     def lookup(self, chunk_ids: Sequence[str], *, timeout: float | None = None) -> list[ChunkLocation]:
         """Which tiers hold each chunk (one answer per id, in order)."""
         resp = self._stub.Lookup(pb.LookupRequest(chunk_ids=list(chunk_ids)), timeout=timeout or self.timeout)
@@ -344,6 +410,7 @@ class KVStoreClient:
         self._channel.close()
         if self._readers is not None:
             self._readers.shutdown(wait=True)
+        self.segments.close()
 
     def __enter__(self) -> "KVStoreClient":
         return self

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from services.checks import check_bool, check_instance, check_int, check_path, check_str
+from services.kvstore.arena import PAGE, SEGMENT_BYTES
 
 POLICIES = ("lru", "s3fifo")
 WRITE_MODES = ("through", "behind")
@@ -48,7 +49,9 @@ class StoreConfig:
     acknowledged (an acknowledged chunk survives a SIGKILL when RocksDB is configured);
     ``"behind"`` acknowledges once the chunk is in DRAM and copies it down in the background.
     ``dram_dir``: keep the DRAM tier as files in this directory of a memory file system (/dev/shm), which
-    workers on the store's host read themselves (``tiers.ShmDramTier``); None: in the store's own memory.
+    workers on the store's host read themselves (``tiers.ShmDramTier``); None: in the store's own memory. There,
+    ``dram_segment_bytes``: the size of the arena's segment files, which such workers map and register with CUDA
+    once each (``arena.Arena``); 0: each chunk a file of its own (pinned per read: slower onto a GPU).
     """
 
     dram_bytes: int = 1 << 30
@@ -61,6 +64,7 @@ class StoreConfig:
     rocksdb_sync: bool = False   # fsync the WAL on every put: only needed against power loss
     max_chunk_bytes: int = 4 << 30
     dram_dir: str | None = None
+    dram_segment_bytes: int = SEGMENT_BYTES
 
     def __post_init__(self) -> None:
         check_int("dram_bytes", self.dram_bytes, 1, rule="positive")
@@ -78,6 +82,9 @@ class StoreConfig:
         check_bool("rocksdb_sync", self.rocksdb_sync)
         check_int("max_chunk_bytes", self.max_chunk_bytes, 1, rule="positive")
         check_path("dram_dir", self.dram_dir, optional=True)
+        check_int("dram_segment_bytes", self.dram_segment_bytes, 0)
+        if 0 < self.dram_segment_bytes < 2 * PAGE:
+            raise ValueError(f"dram_segment_bytes must be 0 (no arena) or at least {2 * PAGE}, got {self.dram_segment_bytes}")
         if self.dram_dir is not None:
             parent = os.path.dirname(os.path.abspath(self.dram_dir))
             if not os.path.isdir(parent):

@@ -170,7 +170,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if local is not None:
             # the caller shares this host: it reads the layers from the DRAM tier's file itself (and checks them)
             try:
-                yield pb.GetResponse(local=pb.LocalLayers(path=local[0], offsets=local[1]))
+                yield pb.GetResponse(local=pb.LocalLayers(path=local.path, offsets=local.offsets,
+                                                          generation=local.generation, header=local.header))
             finally:
                 session.abort()
             self.metrics.local_gets.inc()

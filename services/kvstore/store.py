@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from services.kvstore.chunk import PB_TIER, ChunkMeta, CorruptEntry, LayerData
 from services.kvstore.config import StoreConfig
 from services.kvstore.policy import Residency
-from services.kvstore.tiers import DramTier, RocksDBTier, ShmDramTier
+from services.kvstore.tiers import DramTier, LocalFile, RocksDBTier, ShmDramTier
 from services.tiers import Tier
 
 if TYPE_CHECKING:
@@ -110,7 +110,9 @@ class TieredStore:
         if cfg.dram_dir is not None:
             room = shm_room(cfg.dram_dir)
             if room >= cfg.dram_bytes:
-                dram = await asyncio.to_thread(ShmDramTier, cfg.dram_dir)
+                # the arena a little over the budget: its segments' tails and the chunks' envelopes take room
+                dram = await asyncio.to_thread(ShmDramTier, cfg.dram_dir, segment_bytes=cfg.dram_segment_bytes,
+                                               arena_bytes=cfg.dram_bytes + cfg.dram_bytes // 8)
             else:       # a full or small /dev/shm (a container's is 64 MiB by default) would refuse puts
                 log.warning("DRAM tier in the store's own memory: %s has %d bytes free, under its budget of %d",
                             cfg.dram_dir, room, cfg.dram_bytes)
@@ -382,8 +384,8 @@ class ReadSession:
                     self._ahead[j] = future
         return data
 
-    def local_file(self, start: int, stop: int) -> tuple[str, list[int]] | None:
-        """The file and offsets a caller on this host reads layers [start, stop) from, when this session reads the
+    def local_file(self, start: int, stop: int) -> LocalFile | None:
+        """The place a caller on this host reads layers [start, stop) from, when this session reads the
         shared-memory DRAM tier (counted as served: the caller reads them)."""
         slot = self.store.slots[self._index]
         if not isinstance(slot.storage, ShmDramTier):

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from services.kvstore.arena import Arena, Extent
 from services.kvstore.chunk import ChunkMeta, CorruptEntry, LayerData, layer_len, layer_parts
 from services.kvstore.wire import ALIGN, FramedLayer, envelope, read_framed_layer
 from services.tiers import Tier
@@ -85,11 +87,14 @@ def _file_name(chunk_id: str, meta_record: bytes) -> str:
     return f"{chunk_id}.{bytes(meta_record[:4]).hex()}"
 
 
-def _layer_layout(meta: ChunkMeta) -> list[tuple[int, int, int]]:
+def _layer_layout(meta: ChunkMeta, align: int = 1) -> list[tuple[int, int, int]]:
     """(offset, head length, length) of each layer's message in the chunk's layer file: the messages back to
-    back, each ``wire.frame_layer``'s (envelope, K||V, tail), so a read hands them on as they are."""
+    back, each ``wire.frame_layer``'s (envelope, K||V, tail), so a read hands them on as they are; with ``align``,
+    each message starts at a multiple of it (an arena's layer files: its K||V bytes are then ``wire.ALIGN``-aligned in
+    memory, viewable as tensors in place)."""
     out, offset = [], 0
     for i in range(meta.num_layers):
+        offset = -(-offset // align) * align
         nbytes = meta.layer_nbytes(i)
         head, tail = envelope(i, nbytes, True, meta.checksums[i], ALIGN)
         out.append((offset, len(head), len(head) + nbytes + len(tail)))
@@ -97,14 +102,14 @@ def _layer_layout(meta: ChunkMeta) -> list[tuple[int, int, int]]:
     return out
 
 
-def layer_spans(meta: ChunkMeta) -> list[tuple[int, int]]:
+def layer_spans(meta: ChunkMeta, align: int = 1) -> list[tuple[int, int]]:
     """(offset, length) of each layer's message in the chunk's layer file (``_layer_layout``)."""
-    return [(offset, length) for offset, _, length in _layer_layout(meta)]
+    return [(offset, length) for offset, _, length in _layer_layout(meta, align)]
 
 
-def layer_data_offsets(meta: ChunkMeta, start: int, stop: int) -> list[int]:
+def layer_data_offsets(meta: ChunkMeta, start: int, stop: int, align: int = 1) -> list[int]:
     """Where the K||V bytes of layers [start, stop) begin in the chunk's layer file (after each message's head)."""
-    return [offset + head for offset, head, _ in _layer_layout(meta)[start:stop]]
+    return [offset + head for offset, head, _ in _layer_layout(meta, align)[start:stop]]
 
 
 class _LayerFiles:
@@ -249,20 +254,36 @@ class RocksDBTier(_LayerFiles):
         self._db.close()
 
 
+def layer_file_parts(meta: ChunkMeta, layers: tuple[LayerData, ...], align: int = 1) -> Iterator:
+    """The chunk's layer file (``layer_spans``) as bytes-like parts: each layer as the message that carries it whole,
+    back to back (each at a multiple of ``align``, zeros between)."""
+    at = 0
+    for (offset, _, length), (i, data) in zip(_layer_layout(meta, align), enumerate(layers)):
+        if offset > at:
+            yield bytes(offset - at)
+        if isinstance(data, FramedLayer):
+            yield data.message
+        else:                               # a layer larger than a message: the same bytes, unjoined
+            head, tail = envelope(i, layer_len(data), True, meta.checksums[i], ALIGN)
+            yield from (head, *layer_parts(data), tail)
+        at = offset + length
+
+
+def layer_file_bytes(meta: ChunkMeta, align: int = 1) -> int:
+    """The length of the chunk's layer file."""
+    offset, _, length = _layer_layout(meta, align)[-1]
+    return offset + length
+
+
 def write_layer_file(directory: str, name: str, meta: ChunkMeta, layers: tuple[LayerData, ...], *,
                      sync: bool = False, mode: int = 0o644) -> None:
-    """The chunk's layers as one file, ``directory/name``: each layer as the message that carries it whole, back to
-    back (``layer_spans``); written under a temporary name and renamed, so a reader finds it whole or not at all."""
+    """The chunk's layer file as ``directory/name``, written under a temporary name and renamed, so a reader finds it
+    whole or not at all."""
     temp = os.path.join(directory, f".{name}.{os.urandom(4).hex()}")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
-        for i, data in enumerate(layers):
-            if isinstance(data, FramedLayer):
-                _write_all(fd, data.message)
-            else:                               # a layer larger than a message: the same bytes, unjoined
-                head, tail = envelope(i, layer_len(data), True, meta.checksums[i], ALIGN)
-                for part in (head, *layer_parts(data), tail):
-                    _write_all(fd, part)
+        for part in layer_file_parts(meta, layers):
+            _write_all(fd, part)
         if sync:
             os.fsync(fd)
     except BaseException:
@@ -275,19 +296,36 @@ def write_layer_file(directory: str, name: str, meta: ChunkMeta, layers: tuple[L
         _fsync_dir(directory)
 
 
+ARENA_ALIGN = 64     # an arena layer file's messages start at multiples of this (a cache line)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalFile:
+    """Where a caller on the store's host reads layers [start, stop) of a chunk: ``offsets`` of their K||V bytes in
+    ``path``; in an arena segment, ``generation`` is what the extent's header at ``header`` holds while these bytes
+    are the chunk's (``arena``), else 0."""
+
+    path: str
+    offsets: list[int]
+    generation: int = 0
+    header: int = 0
+
+
 class ShmDramTier(_LayerFiles):
-    """The DRAM tier in shared memory: each chunk one layer file (as the RocksDB tier's, ``layer_spans``) in a
-    directory of a memory file system (/dev/shm), owned by the store's user and closed to others (0700). Workers on
-    the store's host read a chunk's layers from it themselves (``Get`` with their host id answers with the file,
-    ``LocalLayers``) at memory speed, where the gRPC stream moves ~1.5 GB/s; everyone else is streamed the same
-    bytes. The store keeps the metadata; a file is removed when its chunk is evicted, replaced or deleted, and a
-    reader that opened it keeps its bytes (an unlinked file lives while open). Blocking calls (file writes)."""
+    """The DRAM tier in shared memory: a directory of a memory file system (/dev/shm), owned by the store's user and
+    closed to others (0700). Each chunk is one layer file (as the RocksDB tier's, ``layer_spans``): an extent of the
+    arena's segments (``arena.Arena``; ``segment_bytes`` 0: no arena), or a file of its own when the arena has no
+    room for it. Workers on the store's host read a chunk's layers from it themselves (``Get`` with their host id
+    answers with the place, ``LocalLayers``) at memory speed, where the gRPC stream moves ~1.5 GB/s; everyone else is
+    streamed the same bytes. The store keeps the metadata; a chunk's place is freed when it is evicted, replaced or
+    deleted: a file is unlinked (a reader that opened it keeps its bytes), an extent rests for the arena's grace
+    before it is reused. Blocking calls (file writes)."""
 
     name = Tier.DRAM
     blocking = True
     MARK = ".tessera-dram-tier"     # the directory is a tier's: what it holds may be removed
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, arena_bytes: int = 0, segment_bytes: int = 0) -> None:
         os.makedirs(path, mode=0o700, exist_ok=True)
         names = os.listdir(path)
         if names and self.MARK not in names:
@@ -295,19 +333,35 @@ class ShmDramTier(_LayerFiles):
                              "own (e.g. /dev/shm/tessera-store)")
         os.chmod(path, 0o700)
         self.files = path
-        self._chunks: dict[str, tuple[ChunkMeta, str]] = {}
+        self._chunks: dict[str, tuple[ChunkMeta, str | Extent]] = {}
         for name in names:                  # a store restarted on the same directory starts empty
             if name != self.MARK:
                 self._unlink(name)
         open(os.path.join(path, self.MARK), "w").close()
+        self.arena = None
+        if arena_bytes > 0 and segment_bytes > 0:
+            self.arena = Arena(path, arena_bytes, segment_bytes=segment_bytes)
+        self.unplaced = 0       # chunks the arena had no room for, kept as files of their own
 
     def write(self, meta: ChunkMeta, layers: tuple[LayerData, ...]) -> None:
-        name = _file_name(meta.chunk_id, meta.encode())
-        write_layer_file(self.files, name, meta, layers, mode=0o600)
+        place: str | Extent | None = None
+        if self.arena is not None:
+            place = self.arena.allocate(layer_file_bytes(meta, ARENA_ALIGN))
+            if place is not None:
+                try:
+                    self.arena.write(place, layer_file_parts(meta, layers, ARENA_ALIGN))
+                except BaseException:
+                    self.arena.release(place)
+                    raise
+            else:
+                self.unplaced += 1
+        if place is None:
+            place = _file_name(meta.chunk_id, meta.encode())
+            write_layer_file(self.files, place, meta, layers, mode=0o600)
         old = self._chunks.get(meta.chunk_id)
-        self._chunks[meta.chunk_id] = (meta, name)
-        if old is not None and old[1] != name:
-            self._unlink(old[1])
+        self._chunks[meta.chunk_id] = (meta, place)
+        if old is not None and old[1] != place:
+            self._free(old[1])
 
     def get(self, chunk_id: str) -> StoredChunk | None:
         reader = self.open(chunk_id)
@@ -322,21 +376,38 @@ class ShmDramTier(_LayerFiles):
         found = self._chunks.get(chunk_id)
         if found is None:
             return None
-        meta, name = found
+        meta, place = found
+        if isinstance(place, Extent):
+            # the segment stays open and the extent rests for the grace once freed: the read sees this version, or
+            # fails its checksums (the store then finds the chunk changed under it)
+            reader = RocksDBReader(meta, self, open(self.arena.path(place.segment), "rb", buffering=0), base=place.data,
+                                   align=ARENA_ALIGN)
+            reader.extent = place
+            return reader
         try:
-            file = open(os.path.join(self.files, name), "rb", buffering=0)
+            file = open(os.path.join(self.files, place), "rb", buffering=0)
         except FileNotFoundError:
             raise CorruptEntry(f"chunk {chunk_id}: its shared-memory file is missing") from None
         return RocksDBReader(meta, self, file)
 
-    def local_file(self, reader: "RocksDBReader", start: int, stop: int) -> tuple[str, list[int]]:
-        """(path, offsets of the K||V bytes of layers [start, stop)) of the file ``reader`` opened."""
-        return reader.file.name, layer_data_offsets(reader.meta, start, stop)
+    def local_file(self, reader: "RocksDBReader", start: int, stop: int) -> LocalFile:
+        """Where a caller on this host reads layers [start, stop) of the chunk ``reader`` opened."""
+        offsets = [reader.base + offset for offset in layer_data_offsets(reader.meta, start, stop, reader.align)]
+        extent = reader.extent
+        if extent is None:
+            return LocalFile(reader.file.name, offsets)
+        return LocalFile(reader.file.name, offsets, extent.generation, extent.offset)
 
     def remove(self, chunk_id: str) -> None:
         found = self._chunks.pop(chunk_id, None)
         if found is not None:
-            self._unlink(found[1])
+            self._free(found[1])
+
+    def _free(self, place: str | Extent) -> None:
+        if isinstance(place, Extent):
+            self.arena.release(place)
+        else:
+            self._unlink(place)
 
     def scan(self) -> list[tuple[str, int]]:
         return [(cid, meta.nbytes) for cid, (meta, _) in self._chunks.items()]
@@ -344,6 +415,8 @@ class ShmDramTier(_LayerFiles):
     def close(self) -> None:
         for chunk_id in list(self._chunks):
             self.remove(chunk_id)
+        if self.arena is not None:
+            self.arena.close()
         self._unlink(self.MARK)
         try:
             os.rmdir(self.files)
@@ -368,10 +441,12 @@ def _fsync_dir(path: str) -> None:
 class RocksDBReader:
     concurrent_reads = True     # independent preads: several layers may be read at once
 
-    def __init__(self, meta: ChunkMeta, tier: RocksDBTier, file) -> None:
+    def __init__(self, meta: ChunkMeta, tier: RocksDBTier, file, base: int = 0, align: int = 1) -> None:
         self.meta = meta
         self.file = file               # open: the version stays readable if it is replaced or removed
-        self.spans = layer_spans(meta)
+        self.base, self.align = base, align     # where the layer file starts in ``file``, its messages' alignment
+        self.spans = [(base + offset, length) for offset, length in layer_spans(meta, align)]
+        self.extent: Extent | None = None
         self._tier = tier
 
     def layer(self, index: int) -> LayerData | None:

@@ -115,12 +115,16 @@ class GetRequest(_message.Message):
     def __init__(self, chunk_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., local_host: _Optional[str] = ...) -> None: ...
 
 class LocalLayers(_message.Message):
-    __slots__ = ("path", "offsets")
+    __slots__ = ("path", "offsets", "generation", "header")
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     path: str
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, path: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    generation: int
+    header: int
+    def __init__(self, path: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ..., header: _Optional[int] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("header", "frame", "local")

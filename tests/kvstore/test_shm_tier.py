@@ -1,5 +1,7 @@
 """The DRAM tier in shared memory: workers on the store's host read a chunk's layers from its file (``LocalLayers``),
-checked against the header's crc32; a caller from elsewhere, or one whose file went away, is streamed the bytes."""
+checked against the header's crc32; a caller from elsewhere, or one whose file went away, is streamed the bytes. Each
+test runs on both layouts of the tier: a file per chunk, and the arena of segment files (``arena.Arena``), whose
+extents a reader views without a copy."""
 
 from __future__ import annotations
 
@@ -32,26 +34,55 @@ def shm_dir(tmp_path):
         os.rmdir(path)
 
 
+@pytest.fixture(params=["file", "arena"])
+def shm_store(request, start_store, shm_dir):
+    """start(**StoreConfig fields) -> (server, client) with the DRAM tier in ``shm_dir``, laid out as the test's
+    parameter says; ``start.arena``: whether it is the arena."""
+    arena = request.param == "arena"
+
+    def start(**fields):
+        fields.setdefault("dram_segment_bytes", 8 * MiB if arena else 0)
+        return start_store(dram_dir=shm_dir, **fields)
+    start.arena = arena
+    return start
+
+
 def files_of(path: str) -> list[str]:
     return sorted(n for n in os.listdir(path) if not n.startswith("."))
 
 
-def test_a_local_get_reads_the_file_and_a_remote_one_is_streamed(start_store, shm_dir):
-    srv, plain = start_store(dram_dir=shm_dir)
+def chunk_files(path: str) -> list[str]:
+    """The tier's files of chunks of their own (not the arena's segments)."""
+    return [n for n in files_of(path) if not n.startswith("seg-")]
+
+
+def local_place(client: KVStoreClient, chunk_id: str) -> pb.LocalLayers:
+    """Where the store tells a caller on its host to read ``chunk_id``'s layers."""
+    stream = client._get(pb.GetRequest(chunk_id=chunk_id, local_host=host_id()), timeout=30)
+    [local] = [m.local for m in stream if hasattr(m, "HasField") and m.HasField("local")]
+    return local
+
+
+def test_a_local_get_reads_the_file_and_a_remote_one_is_streamed(shm_store, shm_dir):
+    srv, plain = shm_store()
     layers = make_layers(n_layers=5, tokens=70, heads=3, dim=24, seed=1)
     plain.put("doc-a", layers)
     assert tiers_of(plain, "doc-a") == ("dram",)
     [name] = files_of(shm_dir)
+    assert name.startswith("seg-") == shm_store.arena
     assert stat.S_IMODE(os.stat(shm_dir).st_mode) == 0o700       # only the store's user reads the tier
     assert stat.S_IMODE(os.stat(os.path.join(shm_dir, name)).st_mode) == 0o600
     local = KVStoreClient(srv.address, timeout=30, local=True)
     try:
         assert_roundtrip(local, "doc-a", layers)
         assert_roundtrip(local, "doc-a", layers, (1, 4))
-        assert local.local_reads == 2
-        # got tensors are the client's own memory: writable, the file untouched
+        assert local.local_reads == 2 and local.arena_reads == (2 if shm_store.arena else 0)
         _, k, _ = next(iter(local.get("doc-a")))
-        k.zero_()
+        if shm_store.arena:         # a view of the store's segment, read-only, no copy: whoever keeps it copies it
+            assert local.in_arena(k) and not plain.in_arena(k)
+        else:                       # the client's own memory: writable, the file untouched
+            k.zero_()
+            assert not local.in_arena(k)
         assert_roundtrip(local, "doc-a", layers)
         assert_roundtrip(plain, "doc-a", layers)      # a caller not on the store's host: frames
         assert plain.local_reads == 0
@@ -67,20 +98,19 @@ def test_another_hosts_id_gets_the_bytes_not_the_file(start_store, shm_dir):
     assert kinds[0] == "header" and "local" not in kinds and len(kinds) == 3
 
 
-def _flip_a_byte_in_the_middle(shm_dir: str) -> None:
-    [name] = files_of(shm_dir)
-    path = os.path.join(shm_dir, name)
-    with open(path, "r+b") as f:            # one byte of the middle layer's K||V flipped in place
-        f.seek(os.path.getsize(path) // 2)
+def _flip_a_byte_in_the_middle(client: KVStoreClient, chunk_id: str) -> None:
+    local = local_place(client, chunk_id)
+    with open(local.path, "r+b") as f:      # one byte of the middle layer's K||V flipped in place
+        f.seek(local.offsets[len(local.offsets) // 2] + 100)
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def test_a_damaged_file_is_never_used_and_its_only_copy_is_dropped(start_store, shm_dir):
-    srv, plain = start_store(dram_dir=shm_dir)
+def test_a_damaged_file_is_never_used_and_its_only_copy_is_dropped(shm_store, shm_dir):
+    srv, plain = shm_store()
     plain.put("doc-c", make_layers(n_layers=3, tokens=64, seed=3))
-    _flip_a_byte_in_the_middle(shm_dir)
+    _flip_a_byte_in_the_middle(plain, "doc-c")
     local = KVStoreClient(srv.address, timeout=30, local=True)
     try:
         got = []
@@ -88,16 +118,16 @@ def test_a_damaged_file_is_never_used_and_its_only_copy_is_dropped(start_store, 
             for i, _, _ in local.get("doc-c"):
                 got.append(i)
         assert err.value.code() == grpc.StatusCode.DATA_LOSS and got == [0] and local.local_damaged == 1
-        assert files_of(shm_dir) == [] and not plain.lookup(["doc-c"])[0].found
+        assert chunk_files(shm_dir) == [] and not plain.lookup(["doc-c"])[0].found
     finally:
         local.close()
 
 
-def test_a_damaged_file_is_read_on_from_a_good_copy_below(start_store, shm_dir):
-    srv, plain = start_store(dram_dir=shm_dir, rocksdb_dir="tmp")      # write-through: RocksDB holds it too
+def test_a_damaged_file_is_read_on_from_a_good_copy_below(shm_store):
+    srv, plain = shm_store(rocksdb_dir="tmp")      # write-through: RocksDB holds it too
     layers = make_layers(n_layers=3, tokens=64, seed=11)
     plain.put("doc-k", layers)
-    _flip_a_byte_in_the_middle(shm_dir)
+    _flip_a_byte_in_the_middle(plain, "doc-k")
     local = KVStoreClient(srv.address, timeout=30, local=True)
     try:
         assert_roundtrip(local, "doc-k", layers)        # layer 0 from the file, 1 and 2 from RocksDB
@@ -111,8 +141,8 @@ def test_a_damaged_file_is_read_on_from_a_good_copy_below(start_store, shm_dir):
         local.close()
 
 
-def test_a_file_gone_before_the_read_is_streamed_instead(start_store, shm_dir, monkeypatch):
-    srv, plain = start_store(dram_dir=shm_dir)
+def test_a_file_gone_before_the_read_is_streamed_instead(shm_store, shm_dir, monkeypatch):
+    srv, plain = shm_store()
     layers = make_layers(n_layers=3, seed=4)
     plain.put("doc-d", layers)
     local = KVStoreClient(srv.address, timeout=30, local=True)
@@ -134,7 +164,7 @@ def test_a_file_gone_before_the_read_is_streamed_instead(start_store, shm_dir, m
 
 
 def test_eviction_replacement_and_delete_remove_files_and_a_restart_starts_empty(start_store, shm_dir):
-    srv, plain = start_store(dram_dir=shm_dir, dram_bytes=1 * MiB)
+    srv, plain = start_store(dram_dir=shm_dir, dram_bytes=1 * MiB, dram_segment_bytes=0)
     small = make_layers(n_layers=2, tokens=64, heads=2, dim=32, seed=5)       # 32 KiB
     plain.put("doc-e", small)
     plain.put("doc-f", make_layers(n_layers=2, tokens=64, heads=2, dim=32, seed=6))
@@ -149,8 +179,8 @@ def test_eviction_replacement_and_delete_remove_files_and_a_restart_starts_empty
     assert files_of(shm_dir) == [] and not plain2.lookup(["doc-g"])[0].found
 
 
-def test_write_behind_copies_a_shared_memory_chunk_down(start_store, shm_dir):
-    srv, plain = start_store(dram_dir=shm_dir, rocksdb_dir="tmp", write_mode="behind")
+def test_write_behind_copies_a_shared_memory_chunk_down(shm_store, shm_dir):
+    srv, plain = shm_store(rocksdb_dir="tmp", write_mode="behind")
     layers = make_layers(n_layers=3, seed=8)
     plain.put("doc-h", layers)
     for _ in range(200):
@@ -160,7 +190,7 @@ def test_write_behind_copies_a_shared_memory_chunk_down(start_store, shm_dir):
 
         time.sleep(0.05)
     assert tiers_of(plain, "doc-h") == ("dram", "rocksdb")
-    assert plain.delete("doc-h") and files_of(shm_dir) == []
+    assert plain.delete("doc-h") and chunk_files(shm_dir) == []
 
 
 def test_a_bad_dram_dir_is_refused(tmp_path):
@@ -199,17 +229,19 @@ def test_a_cluster_plan_puts_each_shards_dram_tier_in_shared_memory_and_removes_
     assert off.shm_scratch is None and off.store_specs()[0].store.dram_dir is None
 
 
-def test_a_reader_that_stops_early_leaves_no_descriptor_open(start_store, shm_dir):
-    srv, plain = start_store(dram_dir=shm_dir)
+def test_a_reader_that_stops_early_leaves_no_descriptor_open(shm_store):
+    srv, plain = shm_store()
     plain.put("doc-j", make_layers(n_layers=12, tokens=64, seed=10))
     local = KVStoreClient(srv.address, timeout=30, local=True)
     try:
+        for _ in local.get("doc-j"):    # the arena's segment stays mapped (one descriptor) after the first read
+            pass
         before = len(os.listdir("/proc/self/fd"))
         for _ in range(3):
             stream = local.get("doc-j")
             next(stream)
             stream.close()              # the reads ahead are waited for, then the file is closed
-        assert local.local_reads == 3 and len(os.listdir("/proc/self/fd")) <= before
+        assert local.local_reads == 4 and len(os.listdir("/proc/self/fd")) <= before
     finally:
         local.close()
 

@@ -1,0 +1,109 @@
+"""A client's read-only maps of its host's store arena segments (``arena.Arena``), registered with CUDA once each.
+
+The first read from a segment maps it; with ``pin`` (a GPU's worker) a background thread then registers the map with
+CUDA (read-only, portable: ~35-50 ms a GiB on an H100 host), after which copies from it to any GPU run at the pinned
+host-to-device rate with no staging copy. Until then the same views copy as pageable memory. A segment file replaced
+under the same name (the store restarted) is mapped again; the old map is dropped."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+_READ_ONLY, _PORTABLE = 8, 1        # cudaHostRegisterReadOnly, cudaHostRegisterPortable
+
+
+class Segment:
+    def __init__(self, path: str, fd: int, ident: tuple[int, int], size: int) -> None:
+        self.path, self.ident, self.size = path, ident, size
+        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+        with warnings.catch_warnings():         # read-only memory: views of it are only ever copied from
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.from_numpy(self.array)
+        self.registered: Future | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return self.registered is not None and self.registered.done() and self.registered.result()
+
+    def header(self, offset: int) -> int:
+        """The generation in the extent header at ``offset`` (arena.GENERATION_AT)."""
+        from services.kvstore.arena import GENERATION_AT
+
+        return int(self.array[offset + GENERATION_AT: offset + GENERATION_AT + 8].view(np.uint64)[0])
+
+    def holds(self, t: torch.Tensor) -> bool:
+        start = self.array.ctypes.data
+        return start <= t.data_ptr() < start + self.size
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
+        self.registered = None
+        del self.bytes, self.array
+        try:
+            self.map.close()
+        except BufferError:     # a view is still held somewhere: the map goes when it does
+            pass
+
+
+class SharedSegments:
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._maps: dict[str, Segment] = {}
+        self._lock = threading.Lock()
+        self._registrar: ThreadPoolExecutor | None = None
+        self.registered_bytes = 0
+
+    def open(self, path: str) -> Segment:
+        """The map of the segment file now at ``path`` (FileNotFoundError when there is none)."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            ident = (st.st_dev, st.st_ino)
+            with self._lock:
+                seg = self._maps.get(path)
+                if seg is not None and seg.ident == ident:
+                    return seg
+                if seg is not None:
+                    seg.close()
+                seg = self._maps[path] = Segment(path, fd, ident, st.st_size)
+                if self.pin:
+                    if self._registrar is None:
+                        self._registrar = ThreadPoolExecutor(1, thread_name_prefix="kv-segment-pin")
+                    seg.registered = self._registrar.submit(self._register, seg)
+                return seg
+        finally:
+            os.close(fd)
+
+    def _register(self, seg: Segment) -> bool:
+        cudart = torch.cuda.cudart()
+        for flags in (_READ_ONLY | _PORTABLE, _READ_ONLY):
+            if int(cudart.cudaHostRegister(seg.array.ctypes.data, seg.size, flags)) == 0:
+                self.registered_bytes += seg.size
+                return True
+        log.warning("could not register %s with CUDA: its chunks copy to the GPU as pageable memory", seg.path)
+        return False
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a view of a mapped segment (memory the store may reuse after its grace: copy it to keep it)."""
+        with self._lock:
+            return any(seg.holds(t) for seg in self._maps.values())
+
+    def close(self) -> None:
+        if self._registrar is not None:
+            self._registrar.shutdown(wait=True)
+        with self._lock:
+            for seg in self._maps.values():
+                seg.close()
+            self._maps.clear()

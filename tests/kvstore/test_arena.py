@@ -1,0 +1,161 @@
+"""The shared-memory tier's arena (``arena.Arena``): extents of segment files, reused only after a grace; readers on the
+store's host view them without a copy and check the extent's generation before they hand on each layer."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+
+from services.kvstore import arena as arena_module
+from services.kvstore.arena import HEADER, PAGE, Arena
+from services.kvstore.client import KVStoreClient
+
+from .helpers import MiB, assert_roundtrip, make_layers, tiers_of
+from .test_shm_tier import local_place, shm_dir  # noqa: F401 - the fixture
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_extents_are_first_fit_coalesce_and_rest_for_the_grace(tmp_path):
+    clock = Clock()
+    arena = Arena(str(tmp_path), budget=64 * PAGE, segment_bytes=32 * PAGE, grace_s=5.0, clock=clock)
+    try:
+        a = arena.allocate(3 * PAGE)            # header + 3 pages
+        b = arena.allocate(PAGE + 1)            # header + 2 pages
+        assert (a.segment, a.offset, a.length) == (0, 0, 4 * PAGE)
+        assert (b.segment, b.offset, b.length) == (0, 4 * PAGE, 3 * PAGE)
+        assert b.generation > a.generation > 0 and a.data == HEADER
+        arena.write(a, [b"x" * 100])
+        assert arena.generation(a) == a.generation and arena.generation(b) == 0    # b's header not written yet
+        arena.release(a)
+        assert arena.generation(a) == 0                                 # readers see it gone at once
+        c = arena.allocate(3 * PAGE)            # a's room still rests: after b
+        assert c.offset == 7 * PAGE
+        clock.now = 5.0
+        d = arena.allocate(3 * PAGE)            # a's room again, first fit
+        assert d.offset == 0 and d.generation not in (a.generation, c.generation)
+        arena.release(b)
+        arena.release(c)
+        arena.release(d)
+        clock.now = 10.0
+        whole = arena.allocate(32 * PAGE - HEADER)  # all of segment 0, coalesced
+        assert (whole.segment, whole.offset) == (0, 0)
+        second = arena.allocate(32 * PAGE - HEADER)  # the budget's second segment
+        assert second.segment == 1
+        assert arena.allocate(PAGE) is None          # the budget is made; nothing free
+        assert sorted(os.listdir(tmp_path)) == ["seg-0000", "seg-0001"]
+        assert all(os.stat(tmp_path / n).st_mode & 0o777 == 0o600 for n in os.listdir(tmp_path))
+    finally:
+        arena.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_write_past_its_extent_is_refused(tmp_path):
+    arena = Arena(str(tmp_path), budget=16 * PAGE, segment_bytes=16 * PAGE)
+    try:
+        extent = arena.allocate(PAGE)
+        with pytest.raises(ValueError, match="overruns"):
+            arena.write(extent, [bytes(PAGE), b"!"])
+        assert arena.generation(extent) == 0
+    finally:
+        arena.close()
+
+
+def test_a_too_small_segment_is_refused(tmp_path):
+    from services.kvstore.config import StoreConfig
+
+    with pytest.raises(ValueError, match="under two pages"):
+        Arena(str(tmp_path), budget=MiB, segment_bytes=PAGE)
+    with pytest.raises(ValueError, match="dram_segment_bytes"):
+        StoreConfig(dram_dir=str(tmp_path / "d"), dram_segment_bytes=100)
+
+
+def arena_store(start_store, shm_dir, **fields):  # noqa: F811 - the fixture's name
+    fields.setdefault("dram_segment_bytes", 4 * MiB)
+    return start_store(dram_dir=shm_dir, **fields)
+
+
+def test_a_chunk_without_room_in_the_arena_gets_a_file_of_its_own(start_store, shm_dir):  # noqa: F811
+    srv, plain = arena_store(start_store, shm_dir, dram_bytes=8 * MiB, dram_segment_bytes=1 * MiB)
+    big = make_layers(n_layers=4, tokens=1024, heads=2, dim=64, seed=1)          # 2 MiB: over a segment
+    small = make_layers(n_layers=2, tokens=64, heads=2, dim=32, seed=2)
+    plain.put("doc-big", big)
+    plain.put("doc-small", small)
+    names = sorted(os.listdir(shm_dir))
+    assert "seg-0000" in names and any(n.startswith("doc-big.") for n in names)
+    assert local_place(plain, "doc-big").generation == 0 and local_place(plain, "doc-small").generation > 0
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        assert_roundtrip(local, "doc-big", big)
+        assert_roundtrip(local, "doc-small", small)
+        assert local.local_reads == 2 and local.arena_reads == 1
+    finally:
+        local.close()
+
+
+def test_a_read_whose_extent_moves_on_goes_on_by_the_stream(start_store, shm_dir, monkeypatch):  # noqa: F811
+    """The chunk deleted and its extent reused (no grace here) while a reader is between layers: the reader hands on
+    nothing of the new content; it goes on by the stream, where the store says the chunk is gone."""
+    monkeypatch.setattr(arena_module, "REUSE_GRACE_S", 0.0)
+    srv, plain = arena_store(start_store, shm_dir)
+    layers = make_layers(n_layers=6, tokens=64, heads=2, dim=32, seed=3)
+    plain.put("doc-a", layers)
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        stream = local.get("doc-a")
+        first = next(stream)
+        assert first[0] == 0 and local.in_arena(first[1])
+        where = local_place(plain, "doc-a")
+        assert plain.delete("doc-a")
+        plain.put("doc-b", make_layers(n_layers=6, tokens=64, heads=2, dim=32, seed=4))     # the same room
+        assert local_place(plain, "doc-b").header == where.header
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and local.local_damaged == 0
+    finally:
+        local.close()
+
+
+def test_a_restarted_store_is_mapped_again(start_store, shm_dir):  # noqa: F811
+    srv, plain = arena_store(start_store, shm_dir)
+    layers = make_layers(n_layers=3, seed=5)
+    plain.put("doc-c", layers)
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        assert_roundtrip(local, "doc-c", layers)
+        srv.stop()
+        srv2, plain2 = arena_store(start_store, shm_dir)        # the same directory: new segment files
+        other = make_layers(n_layers=3, seed=6)
+        plain2.put("doc-c", other)
+        local2 = KVStoreClient(srv2.address, timeout=30, local=True)
+        local2.segments = local.segments                          # the same process's maps
+        assert_roundtrip(local2, "doc-c", other)
+        assert local2.arena_reads == 1
+    finally:
+        local.close()
+
+
+def test_the_host_tier_does_not_keep_views_of_the_arena(start_store, shm_dir):  # noqa: F811
+    from services.cluster.kvio import StoreAccess
+
+    srv, plain = arena_store(start_store, shm_dir)
+    layers = make_layers(n_layers=3, seed=7)
+    plain.put("doc-d", layers)
+    access = StoreAccess([srv.address], host_bytes=64 * MiB)
+    try:
+        present = access.lookup(["doc-d"])
+        got = list(access.fetcher(present)("doc-d"))
+        assert len(got) == 3 and access.in_arena(got[0].k)
+        access._keeper.submit(lambda: None).result()              # a keep would have been queued before this
+        assert "doc-d" not in access.host
+        assert tiers_of(plain, "doc-d") == ("dram",)
+    finally:
+        access.close()
