@@ -7,8 +7,11 @@ loader does (non-blocking copies, one sync at the end), timed from the get to th
 - `arena`: the tier in /dev/shm as segment files (the default), the client on the store's host viewing a chunk's
   layers in the segment it mapped and registered with CUDA once (timed after the registration; `arena_first`: the
   first read, while the segment is still being registered);
+- `arena_gpu`: the same, the read copying each group of layers onto the GPU itself and checking their CRC-32 there
+  (`get(device=)`, what a prefill worker's loads do);
 - `shm_file`: the tier in /dev/shm as a file per chunk (`--dram-segment-bytes 0`), read into pinned memory;
 - `stream`: the same chunks streamed over loopback gRPC (the tier in the store's memory), as before;
+- `*_x4`: the same reads four at a time on four threads, as a pass's chunk loads run (a chunk's share of the wall time);
 - peers: the same bytes copied host to device from pinned memory (the ceiling) and from pageable memory, and
   computing the chunk on the GPU (a `full` prefill of its 512 tokens and one more, random Llama-3-8B weights).
 
@@ -57,14 +60,61 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def load_seconds(client, chunk_id: str, dev) -> float:
+def load_seconds(client, chunk_id: str, dev, on_device: bool = False) -> float:
     _sync(dev)
     t0 = time.perf_counter()
-    landed = [(k.to(dev, non_blocking=True), v.to(dev, non_blocking=True)) for _, k, v in client.get(chunk_id)]
+    landed = [(k.to(dev, non_blocking=True), v.to(dev, non_blocking=True))
+              for _, k, v in client.get(chunk_id, device=dev if on_device else None)]
     _sync(dev)
     seconds = time.perf_counter() - t0
     assert len(landed) == LAYERS
     return seconds
+
+
+def parallel_seconds(client, chunk_ids: list[str], dev, n: int, on_device: bool = False) -> list[float]:
+    """``chunk_ids`` loaded ``n`` at a time on ``n`` threads (as a pass's chunk loads run): each group's wall time over
+    ``n``, a chunk's share of the pipeline."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(cid):
+        return [(k.to(dev, non_blocking=True), v.to(dev, non_blocking=True))
+                for _, k, v in client.get(cid, device=dev if on_device else None)]
+
+    out = []
+    with ThreadPoolExecutor(n) as pool:
+        for g in range(0, len(chunk_ids) - n + 1, n):
+            _sync(dev)
+            t0 = time.perf_counter()
+            landed = list(pool.map(one, chunk_ids[g:g + n]))
+            _sync(dev)
+            out.append((time.perf_counter() - t0) / n)
+            assert all(len(x) == LAYERS for x in landed)
+    return out
+
+
+def crc_seconds(layers, dev, reps: int) -> list[float]:
+    """The CRC-32 of a chunk's 32 layers (K||V each) already on the GPU: one checksum launch, as an arena read does
+    per group of layers; checked against zlib."""
+    import zlib
+
+    import torch
+
+    from kernels.checksum import crc32_spans
+
+    flat = torch.cat([torch.cat([k.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)]) for k, v in layers])
+    n = flat.numel() // len(layers)
+    data = flat.to(dev)
+    starts, lengths = [i * n for i in range(len(layers))], [n] * len(layers)
+    want = [zlib.crc32(flat[s:s + n].numpy().tobytes()) for s in starts]
+    assert [c & 0xFFFFFFFF for c in crc32_spans(data, starts, lengths, backend="triton").tolist()] == want
+    out = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        crc32_spans(data, starts, lengths, backend="triton")
+        _sync(dev)
+        out.append(time.perf_counter() - t0)
+    return out
 
 
 def copy_seconds(layers, dev, reps: int) -> list[float]:
@@ -155,6 +205,15 @@ def main() -> int:
                             print(f"segment {os.path.basename(seg.path)} ({seg.size >> 20} MiB) registered: "
                                   f"{registered}, {1e3 * (time.perf_counter() - t0):.1f} ms after the first read")
                 times = [load_seconds(reader, cid, dev) for _ in range(args.rounds) for cid in chunks]
+                if path != "stream":
+                    rows[f"{path}_x4"] = parallel_seconds(reader, list(chunks) * args.rounds, dev, 4)
+                if path == "arena" and cuda:    # copied onto the GPU by the read and checked there
+                    got = list(reader.get("chunk-000", device=dev))        # also the checksum kernel's compile
+                    assert all(k.device == dev and torch.equal(k.cpu(), chunks["chunk-000"][i][0])
+                               and torch.equal(v.cpu(), chunks["chunk-000"][i][1]) for i, k, v in got)
+                    del got
+                    rows["arena_gpu"] = [load_seconds(reader, cid, dev, True) for _ in range(args.rounds) for cid in chunks]
+                    rows["arena_gpu_x4"] = parallel_seconds(reader, list(chunks) * args.rounds, dev, 4, True)
                 assert (reader.local_reads > 0) == (path != "stream")
                 assert (reader.arena_reads > 0) == (path == "arena")
                 rows[path] = times
@@ -169,6 +228,7 @@ def main() -> int:
             pinned = [(k.pin_memory(), v.pin_memory()) for k, v in first]
             rows["h2d_pinned"] = copy_seconds(pinned, dev, 10)
             rows["h2d_pageable"] = copy_seconds(first, dev, 10)
+            rows["gpu_crc32"] = crc_seconds(first, dev, 10)
             rows["compute"], gpu = compute_seconds(args.model_dir, 10)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -181,7 +241,7 @@ def main() -> int:
         extra = f", {v['GBps']:.1f} GB/s" if v["GBps"] else ""
         print(f"{k:>13}: {v['ms_p50']:.2f} ms p50 (max {v['ms_max']:.2f}){extra}", flush=True)
     ratios = {}
-    for k in ("arena", "shm_file", "stream"):
+    for k in ("arena_gpu", "arena_gpu_x4", "arena", "arena_x4", "shm_file", "shm_file_x4", "stream"):
         if k in med and cuda:
             ratios[f"{k}_of_pinned_ceiling"] = med["h2d_pinned"] / med[k]
             ratios[f"compute_over_{k}"] = med["compute"] / med[k]

@@ -91,9 +91,10 @@ class StoreAccess:
                 self._failed(shard, "lookup", exc)
         return found
 
-    def fetcher(self, present: dict[str, Tier]) -> Callable[[str], Iterator | None]:
+    def fetcher(self, present: dict[str, Tier], device=None) -> Callable[[str], Iterator | None]:
         """``fetch(chunk_id)`` for the engine: a layer stream for chunks ``lookup`` found, else None.
-        A stream that breaks midway is recomputed by the engine."""
+        A stream that breaks midway is recomputed by the engine. ``device``: the engine's CUDA device, where layers
+        from this host's store arena are copied and checked by the read (``KVStoreClient.get``)."""
         def fetch(cid: str):
             if cid not in present:
                 return None
@@ -104,17 +105,19 @@ class StoreAccess:
                 # evicted since the lookup: the store may still hold it
             if self._client is None:
                 return None
-            stream = (StreamedLayer(layer, k, v) for layer, k, v in self._client.get(cid, timeout=self.get_timeout))
+            stream = (StreamedLayer(layer, k, v)
+                      for layer, k, v in self._client.get(cid, timeout=self.get_timeout, device=device))
             return stream if self.host is None else self._keeping(cid, stream)
         return fetch
 
     def _keeping(self, cid: str, stream: Iterator) -> Iterator:
         """``stream`` passed through; its layers kept in the host tier once it has ended whole (pinned
         first on a GPU host, by the keeper thread: the reader does not wait for that copy). Not a chunk read from
-        this host's store arena: it is a pinned-rate copy away already, and its views are the store's memory."""
+        this host's store arena: it is a pinned-rate copy away already (its views are the store's memory, or it came
+        onto the GPU already)."""
         layers = []
         for item in stream:
-            if layers is not None and self.in_arena(item.k):
+            if layers is not None and (item.k.device.type != "cpu" or self.in_arena(item.k)):
                 layers = None
             if layers is not None:
                 layers.append((item.k, item.v))

@@ -67,6 +67,11 @@ class SharedSegments:
 
     def open(self, path: str) -> Segment:
         """The map of the segment file now at ``path`` (FileNotFoundError when there is none)."""
+        st = os.stat(path)
+        with self._lock:
+            seg = self._maps.get(path)
+            if seg is not None and seg.ident == (st.st_dev, st.st_ino):
+                return seg
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)

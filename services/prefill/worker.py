@@ -152,7 +152,7 @@ class PrefillWorker:
 
         pending = self.eng.begin_prefill_handoff(
             req, None, mode=job.mode, recompute_ratio=ratio,
-            fetch=self.store.fetcher(present) if store else None,
+            fetch=self.store.fetcher(present, self.eng.device) if store else None,
             on_computed=on_computed if store else None,
             extra_tokens=job.sampling.max_new_tokens,
             kv_on_device=self.eng.device.type == "cuda",   # copied to the host (or shared) off this thread

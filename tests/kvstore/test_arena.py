@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import grpc
+import torch
 import pytest
 
 from services.kvstore import arena as arena_module
@@ -159,3 +160,49 @@ def test_the_host_tier_does_not_keep_views_of_the_arena(start_store, shm_dir):  
         assert tiers_of(plain, "doc-d") == ("dram",)
     finally:
         access.close()
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    """Arena reads given a device take the copy-and-check-there path on the CPU too (the checksum's twin)."""
+    monkeypatch.setattr(KVStoreClient, "check_on", ("cuda", "cpu"))
+    return torch.device("cpu")
+
+
+def test_a_read_onto_a_device_is_checked_there(start_store, shm_dir, on_device, monkeypatch):  # noqa: F811
+    from services.kvstore import client as client_module
+
+    monkeypatch.setattr(client_module, "ARENA_GROUP", 3)        # several groups, the last one short
+    srv, plain = arena_store(start_store, shm_dir)
+    layers = make_layers(n_layers=7, tokens=70, heads=3, dim=24, seed=8)
+    plain.put("doc-e", layers)
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        got = list(local.get("doc-e", device=on_device))
+        assert [i for i, _, _ in got] == list(range(7)) and local.arena_reads == 1
+        assert not any(local.in_arena(k) or local.in_arena(v) for _, k, v in got)     # copies, not views
+        for (_, k, v), (k0, v0) in zip(got, layers):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+        assert [i for i, _, _ in local.get("doc-e", layers=(2, 6), device=on_device)] == [2, 3, 4, 5]
+    finally:
+        local.close()
+
+
+def test_a_damaged_layer_landed_on_a_device_is_never_handed_on(start_store, shm_dir, on_device):  # noqa: F811
+    srv, plain = arena_store(start_store, shm_dir, rocksdb_dir="tmp")
+    layers = make_layers(n_layers=5, tokens=64, seed=9)
+    plain.put("doc-f", layers)
+    where = local_place(plain, "doc-f")
+    with open(where.path, "r+b") as f:          # a byte of layer 3
+        f.seek(where.offsets[3] + 10)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 1]))
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        got = list(local.get("doc-f", device=on_device))   # layers 3 and 4 by the stream, from RocksDB's copy
+        for (i, k, v), (k0, v0) in zip(got, layers):
+            assert torch.equal(k, k0) and torch.equal(v, v0), i
+        assert len(got) == 5 and local.local_damaged == 1 and tiers_of(plain, "doc-f") == ("rocksdb",)
+    finally:
+        local.close()
