@@ -209,8 +209,9 @@ def main() -> int:
                     rows[f"{path}_x4"] = parallel_seconds(reader, list(chunks) * args.rounds, dev, 4)
                 if path == "arena" and cuda:    # copied onto the GPU by the read and checked there
                     got = list(reader.get("chunk-000", device=dev))        # also the checksum kernel's compile
-                    assert all(k.device == dev and torch.equal(k.cpu(), chunks["chunk-000"][i][0])
-                               and torch.equal(v.cpu(), chunks["chunk-000"][i][1]) for i, k, v in got)
+                    assert all(k.is_cuda and v.is_cuda for _, k, v in got), "layers fell back to the host path"
+                    assert all(torch.equal(k.cpu(), chunks["chunk-000"][i][0]) and
+                               torch.equal(v.cpu(), chunks["chunk-000"][i][1]) for i, k, v in got)
                     del got
                     rows["arena_gpu"] = [load_seconds(reader, cid, dev, True) for _ in range(args.rounds) for cid in chunks]
                     rows["arena_gpu_x4"] = parallel_seconds(reader, list(chunks) * args.rounds, dev, 4, True)

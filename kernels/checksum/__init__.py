@@ -2,12 +2,14 @@
 
 CRC-32 is linear over GF(2) once its initial and final inversions are taken out: with ``crc0`` the register's value
 after the message from a zero register, ``zlib.crc32(m) = crc0(m) ^ zlib.crc32(bytes(len(m)))``, and leading zero
-bytes leave ``crc0`` unchanged. A message left-padded to whole blocks of ``BLOCK_WORDS`` little-endian 32-bit words
-then splits into blocks checked independently: word i of a block contributes ``S^(B-i) w`` to the block's own
-``crc0`` (S: the register advanced over four zero bytes, a 32x32 bit matrix), and block q of nb contributes
-``S^(B(nb-1-q))`` of that, applied as a product of the squarings ``S^(B 2^k)``. Both tables are made once on the CPU
-(``reference.tables``). The kernel (``triton.py``) gives each block a program and XORs its contribution into the
-span's result; ``reference.py`` is its plain-torch twin, the same sums written as parities.
+bytes leave ``crc0`` unchanged, so a span is left-padded to whole blocks and its blocks are checked independently:
+the register of a piece followed by d bytes contributes its value times x^(8d) mod P.
+- The kernel (``triton.py``): a program per 16 KiB block, a lane per 64-byte piece run through the register a word
+  at a time (four lookups in ``reference.kernel_tables``' slices); each piece's register times its power of x (a
+  carry-less product; the block's products XORed, then reduced mod P once), the block's times its own power (the
+  squarings x^(8 * 16 KiB * 2^k)), XORed into the span's result with one atomic.
+- Its plain-torch twin (``reference.py``): the same function as bit matrices: word i of a 1 KiB block contributes
+  ``S^(B-i) w`` (S: the register advanced over four zero bytes, a 32x32 bit matrix), each sum written as parities.
 
     crc32_spans(data, starts, lengths) -> int32 [L]: zlib.crc32 of data[starts[i]:starts[i] + lengths[i]]
 """

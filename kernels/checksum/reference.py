@@ -1,4 +1,5 @@
-"""The plain-torch twin of the CRC-32 kernel, and the tables both use (the package's docstring gives the method)."""
+"""The plain-torch twin of the CRC-32 kernel (bit matrices), and the kernel's tables (the package's docstring gives both
+methods)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,56 @@ def tables() -> tuple[np.ndarray, np.ndarray]:
     return words.astype(np.int64), powers.astype(np.int64)
 
 
+PIECE = 64                   # the kernel: bytes a lane runs through the register one word at a time
+LANES = 256                  # the kernel: lanes of a program; a program's block is PIECE * LANES bytes (16 KiB)
+
+
+def _advance(r: int, nbytes: int) -> int:
+    """r times x^(8 nbytes) mod P: the register advanced over nbytes zero bytes."""
+    t = _byte_table()
+    for _ in range(nbytes):
+        r = int(t[r & 0xFF]) ^ (r >> 8)
+    return r
+
+
+def _clmul(a: int, b: int) -> int:
+    out = 0
+    for j in range(32):
+        if (b >> j) & 1:
+            out ^= a << j
+    return out
+
+
+def mulmod(a: int, b: int) -> int:
+    """A·B mod P of two registers: the carry-less product (63 bits, one more to the left in the reflected order), its
+    upper word advanced over four zero bytes into the lower."""
+    u = _clmul(a, b) << 1
+    return _advance(u & 0xFFFFFFFF, 4) ^ (u >> 32)
+
+
+def _signed(values) -> np.ndarray:
+    return np.array(values, dtype=np.uint32).view(np.int32)
+
+
+@functools.cache
+def kernel_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(slices [4, 256]: T advanced over 3, 2, 1 and 0 more bytes, a word's step in four lookups; lanes [LANES]:
+    x^(8 PIECE (LANES-1-l)) mod P, what lane l's piece is multiplied by within its block; powers [32]:
+    x^(8 PIECE LANES 2^k) mod P, the block shifts), as int32."""
+    t = [int(v) for v in _byte_table()]
+    slices = [[_advance(v, k) for v in t] for k in (3, 2, 1, 0)]
+    one = 0x80000000                        # the polynomial 1, reflected
+    piece = _advance(one, PIECE)
+    lanes, power = [], one
+    for _ in range(LANES):
+        lanes.append(power)
+        power = mulmod(power, piece)
+    powers = [power]                        # x^(8 PIECE LANES)
+    for _ in range(31):
+        powers.append(mulmod(powers[-1], powers[-1]))
+    return _signed(slices), _signed(lanes[::-1]), _signed(powers)
+
+
 @functools.lru_cache(maxsize=64)
 def zeros_crc(n: int) -> int:
     """zlib.crc32 of n zero bytes: what turns a span's crc0 into its CRC-32."""
@@ -66,10 +117,14 @@ def _device_tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(words).to(device), torch.from_numpy(powers).to(device)
 
 
+@functools.lru_cache(maxsize=256)
+def _zeros_crcs(device: str, lengths: tuple) -> torch.Tensor:
+    return torch.tensor([zeros_crc(n) for n in lengths], dtype=torch.int64).to(device)
+
+
 def finish(crc0: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """int64 crc0 per span -> int32 CRC-32 per span."""
-    z = torch.tensor([zeros_crc(n) for n in lengths], dtype=torch.int64).to(crc0.device, non_blocking=True)
-    out = crc0 ^ z
+    out = crc0 ^ _zeros_crcs(str(crc0.device), tuple(lengths))
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 

@@ -147,6 +147,7 @@ class KVStoreClient:
         self.arena_reads = 0        # of those, reads from the store's arena (zero-copy views of its segments)
         self._readers: ThreadPoolExecutor | None = None
         self._checkers: ThreadPoolExecutor | None = None
+        self._check_streams: dict = {}      # per CUDA device: the stream arena reads check landed bytes on
         self.segments = SharedSegments(pin)
         self._channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if tls is None else
                          grpc.secure_channel(address, tls.channel_credentials(),
@@ -404,17 +405,24 @@ class KVStoreClient:
         from kernels.checksum import crc32_spans
 
         cuda = device.type == "cuda"
+        # the checks run on a stream of their own, so that a group's check overlaps the next group's copy
+        checking = self._check_streams.setdefault(device, torch.cuda.Stream(device)) if cuda else None
 
         def issue(group):
             lo = group[0][1]
+            spans = [offset - lo for _, offset, _ in group], [n for _, _, n in group]
             landed = seg.bytes[lo:group[-1][1] + group[-1][2]].to(device, non_blocking=True)
-            if not cuda:
-                landed = landed.clone()         # the device's own memory, as a GPU's would be
-            crcs = crc32_spans(landed, [offset - lo for _, offset, _ in group], [n for _, _, n in group],
-                               backend="triton" if cuda else "torch").to("cpu", non_blocking=True)
-            done = torch.cuda.Event() if cuda else None
-            if done is not None:
-                done.record()
+            if not cuda:                        # the device's own memory, as a GPU's would be
+                landed = landed.clone()
+                return group, lo, landed, crc32_spans(landed, *spans, backend="torch"), None
+            copied = torch.cuda.Event()
+            copied.record()
+            with torch.cuda.stream(checking):
+                checking.wait_event(copied)
+                landed.record_stream(checking)
+                crcs = crc32_spans(landed, *spans, backend="triton").to("cpu", non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(checking)
             return group, lo, landed, crcs, done
 
         groups = [spans[g:g + ARENA_GROUP] for g in range(0, len(spans), ARENA_GROUP)]

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from kernels.checksum import crc32_spans
-from kernels.checksum.reference import BLOCK_WORDS
+from kernels.checksum.reference import BLOCK_WORDS, LANES, PIECE, kernel_tables, mulmod
 
 
 def _spans(rng, size: int) -> tuple[list[int], list[int]]:
-    block = 4 * BLOCK_WORDS
-    lengths = [0, 1, 3, 4, 5, block - 1, block, block + 1, 3 * block + 7, size - 11]
+    block, big = 4 * BLOCK_WORDS, LANES * PIECE        # the twin's block and the kernel's
+    lengths = [0, 1, 3, 4, 5, PIECE + 1, block - 1, block, block + 1, big - 1, big, 2 * big + 7, size - 11]
     starts = [int(rng.integers(0, size - n + 1)) for n in lengths]
     return starts, lengths
 
@@ -22,7 +22,7 @@ def _spans(rng, size: int) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_crc32_of_each_span_is_zlibs(backend):
     rng = np.random.default_rng(7)
-    data = rng.integers(0, 256, 4 * 4 * BLOCK_WORDS + 13, dtype=np.uint8)
+    data = rng.integers(0, 256, 3 * LANES * PIECE + 13, dtype=np.uint8)
     starts, lengths = _spans(rng, data.size)
     got = crc32_spans(torch.from_numpy(data), starts, lengths, backend=backend)
     assert got.dtype == torch.int32 and got.shape == (len(starts),)
@@ -51,3 +51,14 @@ def test_bad_spans_are_refused():
         crc32_spans(data, [0, 1], [4])
     with pytest.raises(ValueError, match="unknown checksum backend"):
         crc32_spans(data, [0], [4], backend="cuda")
+
+
+def test_the_kernels_tables_multiply_as_powers_of_x():
+    """mulmod by the polynomial 1 is the identity, lane constants step by x^(8 PIECE), and each power is the square of
+    the one before."""
+    _, lanes, powers = (t.view(np.uint32).astype(np.int64) for t in kernel_tables())
+    assert mulmod(0x12345678, 0x80000000) == 0x12345678 and lanes[-1] == 0x80000000
+    step = int(lanes[-2])
+    assert all(mulmod(int(lanes[i + 1]), step) == lanes[i] for i in range(LANES - 1))
+    assert all(mulmod(int(powers[k]), int(powers[k])) == powers[k + 1] for k in range(31))
+    assert mulmod(int(lanes[0]), step) == powers[0]
