@@ -51,7 +51,7 @@ LOCAL_READ_AHEAD = 4      # layers of a shared-memory file read at once (a layer
 # after its grace (arena.REUSE_GRACE_S, 30 s), so the copies a layer's user queued read what was checked
 ARENA_READ_WINDOW_S = 10.0
 ARENA_CHECKERS = 8        # threads checking an arena read's layers (~11 GB/s each on an H100 host; 8: 64 MiB in ~1.7 ms)
-ARENA_GROUP = 8           # layers of an arena read onto a GPU copied and checked there at once (one group ahead)
+ARENA_GROUP = 8           # layers of an arena read onto a GPU copied and checked there at once
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
@@ -398,8 +398,8 @@ class KVStoreClient:
             wait(pending)
 
     def _arena_to_device(self, meta: ChunkMeta, dtype, stop: int, local, seg, spans, device) -> Iterator:
-        """``ARENA_GROUP`` layers at a time: one copy of their span onto ``device`` and one checksum launch there, the
-        next group issued before this one is waited for. A group is handed on only once its bytes have landed, each
+        """``ARENA_GROUP`` layers at a time: one copy of their span onto ``device`` and one checksum launch there, all
+        groups queued before the first is waited for. A group is handed on only once its bytes have landed, each
         layer's CRC-32 over the landed bytes is the header's, and the extent's header still holds the generation the
         store named: the store writes that header before it reuses the room, so what landed is what was checked."""
         from kernels.checksum import crc32_spans
@@ -425,12 +425,10 @@ class KVStoreClient:
                 done.record(checking)
             return group, lo, landed, crcs, done
 
-        groups = [spans[g:g + ARENA_GROUP] for g in range(0, len(spans), ARENA_GROUP)]
-        ahead = issue(groups[0])
-        for g in range(len(groups)):
-            group, lo, landed, crcs, done = ahead
-            if g + 1 < len(groups):
-                ahead = issue(groups[g + 1])
+        # every group's copy and check queued at once (the copies back to back, each check beside the next copy);
+        # the groups are handed on as their checks finish
+        issued = [issue(spans[g:g + ARENA_GROUP]) for g in range(0, len(spans), ARENA_GROUP)]
+        for group, lo, landed, crcs, done in issued:
             if done is not None:
                 done.synchronize()
             if seg.header(local.header) != local.generation:
