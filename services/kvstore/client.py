@@ -56,6 +56,16 @@ ARENA_GROUP = 8           # layers of an arena read onto a GPU copied and checke
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
+def warm_device_checks(device) -> None:
+    """Compile the checksum kernel that arena reads onto ``device`` (a CUDA device) use, before any read needs it (a
+    first compile takes about a second, which a load would otherwise pay)."""
+    from kernels.checksum import crc32_spans
+
+    data = torch.zeros(4096, dtype=torch.uint8, device=device)
+    if (crc32_spans(data, [0], [4096], backend="triton").item() & 0xFFFFFFFF) != checksum(bytes(4096)):
+        raise RuntimeError(f"the checksum kernel is wrong on {device}")
+
+
 class ChunkCorruptError(RuntimeError):
     """Bytes received from the store do not match the chunk's header or checksums."""
 

@@ -329,6 +329,10 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
                      ", ".join(warm["passes"]), warm["context_tokens"])
     store = StoreAccess(store_addresses, on_error=lambda call: metrics.store_errors.labels(call).inc(),
                         host_bytes=settings.host_cache_bytes, tls=cluster_tls)
+    if settings.warmup_tokens and eng.device.type == "cuda" and store_addresses:
+        from services.kvstore.client import warm_device_checks
+
+        await asyncio.to_thread(warm_device_checks, eng.device)     # the loads' checksum kernel compiled now
     controller = LoadingController(settings.quality_floor, probe_every=8 if settings.store_loads == "cost" else 1)
     worker = PrefillWorker(eng, store, controller, metrics, settings.default_ratio)
     http, http_port = serve_metrics(metrics.registry, host)

@@ -206,3 +206,23 @@ def test_a_damaged_layer_landed_on_a_device_is_never_handed_on(start_store, shm_
         assert len(got) == 5 and local.local_damaged == 1 and tiers_of(plain, "doc-f") == ("rocksdb",)
     finally:
         local.close()
+
+
+def test_the_device_checks_warm_up_and_check_themselves(monkeypatch):
+    """warm_device_checks runs the kernel once and compares it with the host's CRC (the kernel's twin here)."""
+    from services.kvstore import client as client_module
+    import kernels.checksum as checksum_module
+
+    real = checksum_module.crc32_spans
+    calls = []
+
+    def twin(data, starts, lengths, backend="torch"):
+        calls.append(backend)
+        return real(data, starts, lengths, backend="torch")
+
+    monkeypatch.setattr(checksum_module, "crc32_spans", twin)
+    client_module.warm_device_checks("cpu")
+    assert calls == ["triton"]
+    monkeypatch.setattr(checksum_module, "crc32_spans", lambda *a, **k: torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="checksum kernel is wrong"):
+        client_module.warm_device_checks("cpu")
