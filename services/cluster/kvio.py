@@ -132,6 +132,18 @@ class StoreAccess:
             layers = [(k.pin_memory(), v.pin_memory()) for k, v in layers]
         self.host.put(cid, layers)
 
+    def read_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(gets by how their bytes came, reads of this host's tier that went on by the stream by why), over the
+        shards (``KVStoreClient.reads`` and ``fallbacks``)."""
+        from services.kvstore.client import READ_PATHS
+
+        reads, fallbacks = dict.fromkeys(READ_PATHS, 0), {"gone": 0, "moved": 0, "damaged": 0}
+        for client in ([] if self._client is None else self._client.clients()):
+            for total, counts in ((reads, client.reads), (fallbacks, client.fallbacks)):
+                for key, n in counts.items():
+                    total[key] += n
+        return reads, fallbacks
+
     def in_arena(self, t) -> bool:
         """Whether ``t`` is a view of this host's store arena (``KVStoreClient.in_arena``)."""
         return self._client is not None and self._client.in_arena(t)
@@ -308,3 +320,30 @@ class ChunkIndexStore:
 
     def drop(self, chunk_id: str) -> None:
         self.store.forget([index_entry_id(chunk_id)], store=True)
+
+
+class StoreReadMetrics:
+    """A Prometheus collector of a worker's store reads (``StoreAccess.read_counts``), read at scrape time:
+    ``<prefix>_store_reads_total{path}`` and ``<prefix>_store_read_fallbacks_total{why}``."""
+
+    def __init__(self, store: StoreAccess, prefix: str) -> None:
+        self.store, self.prefix = store, prefix
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        reads, fallbacks = self.store.read_counts()
+        by_path = CounterMetricFamily(f"{self.prefix}_store_reads", "Chunk reads from the KV store by how their bytes "
+                                      "came: arena-device (this host's shared-memory arena, copied onto the GPU and "
+                                      "checked there), arena (its views, checked on the CPU), file (a file of this "
+                                      "host's tier), stream (gRPC)", labels=["path"])
+        for path, n in reads.items():
+            by_path.add_metric([path], n)
+        yield by_path
+        why = CounterMetricFamily(f"{self.prefix}_store_read_fallbacks", "Reads of this host's store tier that went "
+                                  "on by the gRPC stream: gone (evicted before the read), moved (its extent reused), "
+                                  "damaged (a layer failed its CRC-32)", labels=["why"])
+        for reason, n in fallbacks.items():
+            why.add_metric([reason], n)
+        yield why
+

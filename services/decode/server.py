@@ -22,7 +22,7 @@ from collections.abc import Callable
 import grpc
 
 from services.cluster.config import DecodeSettings, EngineSettings
-from services.cluster.kvio import ChunkIndexStore, StoreAccess
+from services.cluster.kvio import ChunkIndexStore, StoreAccess, StoreReadMetrics
 from services.handoff.cuda_ipc import copy_out, placement
 from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import read_decode_policy, read_sampling
@@ -272,6 +272,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
                      warm["batches"], warm["context_tokens"])
     store = StoreAccess(store_addresses, on_error=lambda call: metrics.store_errors.labels(call).inc(),
                         host_bytes=settings.host_cache_bytes, tls=cluster_tls)
+    metrics.registry.register(StoreReadMetrics(store, "tessera_decode"))
     # chunks' retrieval indexes kept beside their KV, built once for every decode worker (under the cluster's mutual
     # TLS the store takes these, and only these, from decode workers: README, security model)
     if store_addresses:

@@ -52,6 +52,9 @@ LOCAL_READ_AHEAD = 4      # layers of a shared-memory file read at once (a layer
 ARENA_READ_WINDOW_S = 10.0
 ARENA_CHECKERS = 8        # threads checking an arena read's layers (~11 GB/s each on an H100 host; 8: 64 MiB in ~1.7 ms)
 ARENA_GROUP = 8           # layers of an arena read onto a GPU copied and checked there at once
+# how a get's bytes came: this host's store arena copied onto the GPU and checked there, its views checked on the CPU,
+# a file of this host's tier read into (pinned) memory, or the gRPC stream
+READ_PATHS = ("arena-device", "arena", "file", "stream")
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
@@ -155,6 +158,9 @@ class KVStoreClient:
         self.local_reads = 0        # gets answered with a shared-memory file, read here
         self.local_damaged = 0      # of those, reads that found a damaged layer and went on by the stream
         self.arena_reads = 0        # of those, reads from the store's arena (zero-copy views of its segments)
+        # reads by how their bytes came (READ_PATHS), and reads of this host's tier that went on by the stream, by why
+        self.reads = dict.fromkeys(READ_PATHS, 0)
+        self.fallbacks = dict.fromkeys(("gone", "moved", "damaged"), 0)
         self._readers: ThreadPoolExecutor | None = None
         self._checkers: ThreadPoolExecutor | None = None
         self._check_streams: dict = {}      # per CUDA device: the stream arena reads check landed bytes on
@@ -255,9 +261,11 @@ class KVStoreClient:
                 yield from self._assemble(chunk_id, call, expect, asked_local=bool(request.local_host), device=device)
                 return
             except _LocalGone:
-                pass            # its file went away before it was opened: the bytes by the stream
+                self.fallbacks["gone"] += 1     # its file went away before it was opened: the bytes by the stream
             except _LocalDamaged as damaged:
-                self.local_damaged += not isinstance(damaged, _LocalMoved)
+                moved = isinstance(damaged, _LocalMoved)
+                self.local_damaged += not moved
+                self.fallbacks["moved" if moved else "damaged"] += 1
                 request.layer_start, request.layer_stop = damaged.index, damaged.stop
                 expect = damaged.checksums
             finally:
@@ -291,6 +299,8 @@ class KVStoreClient:
                 yield from self._read_local(meta, dtype, index, stop, msg.local, device)
                 return
             frame = msg if isinstance(msg, wire.Frame) else msg.frame
+            if not got and index == first.header.layer_start:
+                self.reads["stream"] += 1
             if index >= stop or frame.layer_index != index:
                 raise ChunkCorruptError(f"chunk {chunk_id}: frame for layer {frame.layer_index}, expected {index}")
             nbytes = meta.layer_nbytes(index)
@@ -328,6 +338,7 @@ class KVStoreClient:
         except OSError as exc:      # not readable by this process: this host's store is not for it
             raise ChunkCorruptError(f"chunk {meta.chunk_id}: cannot open the store's file: {exc}") from None
         self.local_reads += 1
+        self.reads["file"] += 1
         if self._readers is None:
             self._readers = ThreadPoolExecutor(LOCAL_READ_AHEAD, thread_name_prefix="kv-local-read")
 
@@ -379,10 +390,12 @@ class KVStoreClient:
         if device is not None and torch.device(device).type in self.check_on:
             self.local_reads += 1
             self.arena_reads += 1
+            self.reads["arena-device"] += 1
             yield from self._arena_to_device(meta, dtype, stop, local, seg, spans, torch.device(device))
             return
         self.local_reads += 1
         self.arena_reads += 1
+        self.reads["arena"] += 1
         if self._checkers is None:
             self._checkers = ThreadPoolExecutor(ARENA_CHECKERS, thread_name_prefix="kv-arena-check")
 

@@ -104,6 +104,9 @@ class ShardedKVStoreClient:
     def delete(self, chunk_id: str, *, timeout: float | None = None) -> bool:
         return self.client_for(chunk_id).delete(chunk_id, timeout=timeout)
 
+    def clients(self) -> list[KVStoreClient]:
+        return list(self._clients.values())
+
     def in_arena(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a view of some shard's arena (``KVStoreClient.in_arena``)."""
         return any(c.in_arena(t) for c in self._clients.values())

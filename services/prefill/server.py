@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.cluster.config import EngineSettings, PrefillSettings
-from services.cluster.kvio import StoreAccess
+from services.cluster.kvio import StoreAccess, StoreReadMetrics
 from services.handoff.cuda_ipc import ipc_reaches, placement, same_gpu, share
 from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import read_decode_policy, read_sampling
@@ -329,6 +329,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
                      ", ".join(warm["passes"]), warm["context_tokens"])
     store = StoreAccess(store_addresses, on_error=lambda call: metrics.store_errors.labels(call).inc(),
                         host_bytes=settings.host_cache_bytes, tls=cluster_tls)
+    metrics.registry.register(StoreReadMetrics(store, "tessera_prefill"))
     if settings.warmup_tokens and eng.device.type == "cuda" and store_addresses:
         from services.kvstore.client import warm_device_checks
 

@@ -226,3 +226,38 @@ def test_the_device_checks_warm_up_and_check_themselves(monkeypatch):
     monkeypatch.setattr(checksum_module, "crc32_spans", lambda *a, **k: torch.tensor([1], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="checksum kernel is wrong"):
         client_module.warm_device_checks("cpu")
+
+
+def test_workers_count_their_reads_by_path_and_fallback(start_store, shm_dir, on_device):  # noqa: F811
+    """What a worker's /metrics shows of its store reads: the arena onto the device, its views, the stream, and the
+    reads that went on by the stream."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.cluster.kvio import StoreAccess, StoreReadMetrics
+
+    srv, plain = arena_store(start_store, shm_dir, rocksdb_dir="tmp")
+    plain.put("doc-g", make_layers(n_layers=3, seed=10))
+    access = StoreAccess([srv.address])
+    registry = CollectorRegistry()
+    registry.register(StoreReadMetrics(access, "tessera_prefill"))
+    try:
+        present = access.lookup(["doc-g"])
+        assert len(list(access.fetcher(present, on_device)("doc-g"))) == 3
+        assert len(list(access.fetcher(present)("doc-g"))) == 3
+        where = local_place(plain, "doc-g")
+        with open(where.path, "r+b") as f:          # layer 1 damaged: the read goes on by the stream
+            f.seek(where.offsets[1])
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 1]))
+        assert len(list(access.fetcher(present)("doc-g"))) == 3
+        text = generate_latest(registry).decode()
+        for line in ('tessera_prefill_store_reads_total{path="arena-device"} 1.0',
+                     'tessera_prefill_store_reads_total{path="arena"} 2.0',
+                     'tessera_prefill_store_reads_total{path="stream"} 1.0',
+                     'tessera_prefill_store_reads_total{path="file"} 0.0',
+                     'tessera_prefill_store_read_fallbacks_total{why="damaged"} 1.0',
+                     'tessera_prefill_store_read_fallbacks_total{why="moved"} 0.0'):
+            assert line in text, line
+    finally:
+        access.close()
