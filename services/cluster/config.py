@@ -93,7 +93,8 @@ class PrefillSettings:
     # how hand-offs' private K/V reach a decode worker that cannot open this worker's GPU memory (another host, or a
     # process that does not see the GPU): "grpc" in the stream, "nixl" read by the decode worker over NIXL (UCX; the
     # gRPC stream when NIXL cannot load, reported), "auto" gRPC for now (NIXL becomes auto's choice once measured:
-    # issue #23); to one that can (the same host's GPUs), CUDA IPC whatever this says
+    # issue #23); to one that can (the same host's GPUs), CUDA IPC whatever this says. "nixl" also has the worker read
+    # chunks of store shards on other hosts from their memory over NIXL (the shards then run a NIXL agent)
     handoff_transport: str = "auto"
 
     def __post_init__(self) -> None:

@@ -31,16 +31,18 @@ log = logging.getLogger(__name__)
 class StoreAccess:
     def __init__(self, addresses: Sequence[str], *, lookup_timeout: float = 2.0, get_timeout: float = 30.0,
                  put_timeout: float = 30.0, backoff_s: float = 2.0, max_pending_puts: int = 64,
-                 on_error: Callable[[str], None] | None = None, host_bytes: int = 0, tls=None) -> None:
+                 on_error: Callable[[str], None] | None = None, host_bytes: int = 0, tls=None,
+                 nixl: bool = False) -> None:
         from services.kvstore import ShardedKVStoreClient
 
         self.addresses = list(addresses)
         # tls: the worker's ClusterTLS (the store is reached over mutual TLS), None: plain channels. A shard on this
-        # host with its DRAM tier in shared memory is read from its files (into pinned memory on a GPU host)
+        # host with its DRAM tier in shared memory is read from its files (into pinned memory on a GPU host); with
+        # ``nixl``, a shard on another host running a NIXL agent is read from its memory over NIXL
         import torch
 
         self._client = (ShardedKVStoreClient(self.addresses, timeout=put_timeout, tls=tls, local=True,
-                                             pin=torch.cuda.is_available()) if self.addresses else None)
+                                             pin=torch.cuda.is_available(), nixl=nixl) if self.addresses else None)
         self.host = HostChunks(host_bytes) if host_bytes > 0 else None
         self.lookup_timeout, self.get_timeout, self.put_timeout = lookup_timeout, get_timeout, put_timeout
         self.backoff_s = backoff_s

@@ -151,18 +151,26 @@ class NixlEndpoint:
         size = sum(t.numel() * t.element_size() for t in into)
         if size != offer.nbytes:
             raise ValueError(f"the offer holds {offer.nbytes} bytes, the tensors to fill {size}")
+        self.read_descs(offer.agent, offer.metadata, offer.descs, into, timeout, notify)
+        self.verified(offer, into)
+
+    def read_descs(self, agent: str, metadata: bytes, descs: bytes, into: list[torch.Tensor], timeout: float = 10.0,
+                   notify: bytes = b"") -> None:
+        """Read the memory that the serialized transfer descriptors ``descs`` of agent ``agent`` (its ``metadata``)
+        name into registered tensors, one per descriptor, unverified: the caller checks what landed.
+        TransferFailed when the transfer errs or has not finished within ``timeout`` seconds."""
         local = self.agent.get_xfer_descs(into)
         if local is None:
             raise ValueError("the tensors to fill must be contiguous and on one device")
         try:
-            peer = self._peer(offer)
-            remote = self.agent.deserialize_descs(offer.descs)
+            peer = self._peer(agent, metadata)
+            remote = self.agent.deserialize_descs(descs)
             handle = self.agent.initialize_xfer("READ", local, remote, peer, notify)
         except ValueError:
             raise
         except Exception as exc:       # NIXL raises its own error types: a peer it cannot reach, a refused request
-            self._forget(offer)
-            raise TransferFailed(f"NIXL could not read from {offer.agent}: {exc}") from None
+            self._forget(agent)
+            raise TransferFailed(f"NIXL could not read from {agent}: {exc}") from None
         try:
             state = self.agent.transfer(handle)
             deadline = time.monotonic() + timeout
@@ -170,11 +178,21 @@ class NixlEndpoint:
                 time.sleep(0)
                 state = self.agent.check_xfer_state(handle)
             if state != "DONE":
-                self._forget(offer)
-                raise TransferFailed(f"the read from {offer.agent} {'failed' if state == 'ERR' else 'timed out'}")
+                self._forget(agent)
+                raise TransferFailed(f"the read from {agent} {'failed' if state == 'ERR' else 'timed out'}")
         finally:
             handle.release()
-        self.verified(offer, into)
+
+    def descs_of(self, tensors: list[torch.Tensor]) -> bytes:
+        """The serialized transfer descriptors of registered tensors (one each), for a peer's ``read_descs``."""
+        descs = self.agent.get_xfer_descs(tensors)
+        if descs is None:
+            raise ValueError("the tensors must be contiguous and on one device")
+        return self.agent.get_serialized_descs(descs)
+
+    @property
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
 
     @staticmethod
     def verified(offer: Offer, landed: list[torch.Tensor]) -> None:
@@ -187,23 +205,23 @@ class NixlEndpoint:
         """Notifications received since the last call, by sending agent."""
         return self.agent.get_new_notifs()
 
-    def _peer(self, offer: Offer) -> str:
-        key = checksum(offer.metadata)
+    def _peer(self, agent: str, metadata: bytes) -> str:
+        key = checksum(metadata)
         with self._lock:
             name = self._peers.get(key)
             if name is None:
-                name = self.agent.add_remote_agent(offer.metadata)
+                name = self.agent.add_remote_agent(metadata)
                 name = name.decode() if isinstance(name, bytes) else name
-                if name != offer.agent:
-                    raise ValueError(f"the offer names agent {offer.agent!r}, its metadata {name!r}")
+                if name != agent:
+                    raise ValueError(f"the offer names agent {agent!r}, its metadata {name!r}")
                 self._peers[key] = name
         return name
 
-    def _forget(self, offer: Offer) -> None:
+    def _forget(self, agent: str) -> None:
         """Drop a peer after a failed transfer (it may be gone): its next offer connects afresh."""
         with self._lock:
             for key, name in list(self._peers.items()):
-                if name == offer.agent:
+                if name == agent:
                     del self._peers[key]
                     try:
                         self.agent.remove_remote_agent(name)

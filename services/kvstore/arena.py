@@ -98,6 +98,7 @@ class Arena:
         self._resting: deque[tuple[float, int, int, int]] = deque()     # (free from, segment, offset, length)
         self._generation = 0
         self._lock = threading.Lock()
+        self.on_segment: Callable[[str, int], None] | None = None     # (path, size) of each segment made
 
     def path(self, segment: int) -> str:
         return self.segments[segment].path
@@ -121,6 +122,8 @@ class Arena:
                 return None
             index = len(self.segments)
             self.segments.append(_Segment(os.path.join(self.directory, f"seg-{index:04d}"), size))
+            if self.on_segment is not None:
+                self.on_segment(self.segments[index].path, size)
             return self._stamp(index, self.segments[index].take(length), length)
 
     def _stamp(self, segment: int, offset: int, length: int) -> Extent:

@@ -34,6 +34,9 @@ def register(subparsers) -> None:
     p.add_argument("--dram-segment-bytes", type=_size, default=SEGMENT_BYTES,
                    help="with --dram-dir: the size of the tier's arena segments, which workers on this host map and "
                         "register with CUDA once each (default 1G); 0: a file per chunk")
+    p.add_argument("--nixl", action="store_true",
+                   help="with --dram-dir: run a NIXL agent over the tier's arena, so that workers on other hosts read "
+                        "chunks from this store's memory over NIXL (UCX) rather than the gRPC stream")
     p.add_argument("--rocksdb-dir", required=True, help="RocksDB directory (created if missing)")
     p.add_argument("--rocksdb-bytes", type=_size, default=16 << 30, help="RocksDB tier budget (default 16G)")
     p.add_argument("--s3-endpoint", help="S3 endpoint URL; credentials from AWS_* environment variables")
@@ -66,7 +69,8 @@ def _serve(args) -> int:
                       region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
     config = StoreConfig(dram_bytes=args.dram_bytes, rocksdb_dir=args.rocksdb_dir, rocksdb_bytes=args.rocksdb_bytes,
                          s3=s3, policy=args.policy, write_mode=args.write_mode, rocksdb_sync=args.rocksdb_sync,
-                         dram_dir=args.dram_dir, dram_segment_bytes=args.dram_segment_bytes)
+                         dram_dir=args.dram_dir, dram_segment_bytes=args.dram_segment_bytes,
+                         nixl=args.nixl)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be within 0..65535, got {args.port}")
     tls = None

@@ -14,6 +14,7 @@ surface as ``grpc.RpcError`` with the status code.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -53,8 +54,8 @@ ARENA_READ_WINDOW_S = 10.0
 ARENA_CHECKERS = 8        # threads checking an arena read's layers (~11 GB/s each on an H100 host; 8: 64 MiB in ~1.7 ms)
 ARENA_GROUP = 8           # layers of an arena read onto a GPU copied and checked there at once
 # how a get's bytes came: this host's store arena copied onto the GPU and checked there, its views checked on the CPU,
-# a file of this host's tier read into (pinned) memory, or the gRPC stream
-READ_PATHS = ("arena-device", "arena", "file", "stream")
+# a file of this host's tier read into (pinned) memory, another host's store arena read over NIXL, or the gRPC stream
+READ_PATHS = ("arena-device", "arena", "file", "nixl", "stream")
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
@@ -145,7 +146,7 @@ class KVStoreClient:
     check_on = ("cuda",)    # devices an arena read copies to and checks there (the tests add "cpu": the same path, the twin)
 
     def __init__(self, address: str, *, timeout: float = 30.0, frame_bytes: int = 3 << 20, verify: bool = True,
-                 tls=None, local: bool = False, pin: bool = False) -> None:
+                 tls=None, local: bool = False, pin: bool = False, nixl: bool = False) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if not 4096 <= frame_bytes <= 3 << 20:
@@ -164,6 +165,11 @@ class KVStoreClient:
         self._readers: ThreadPoolExecutor | None = None
         self._checkers: ThreadPoolExecutor | None = None
         self._check_streams: dict = {}      # per CUDA device: the stream arena reads check landed bytes on
+        # NIXL reads of a store's arena (another host's): this process's endpoint, made at the first get; the reason
+        # when NIXL cannot be used here (the gets are then streamed)
+        self.nixl, self.nixl_unavailable = nixl, ""
+        self._nixl_lock = threading.Lock()
+        self._nixl_buf: torch.Tensor | None = None
         self.segments = SharedSegments(pin)
         self._channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if tls is None else
                          grpc.secure_channel(address, tls.channel_credentials(),
@@ -248,7 +254,8 @@ class KVStoreClient:
         current stream, complete when yielded). Other layers come in host memory whatever it says.
         Raises grpc.RpcError NOT_FOUND for an unknown chunk, DATA_LOSS if no tier holds a good copy.
         """
-        request = pb.GetRequest(chunk_id=chunk_id, local_host=host_id() if self.local else "")
+        request = pb.GetRequest(chunk_id=chunk_id, local_host=host_id() if self.local else "",
+                                nixl=self._nixl_endpoint() is not None)
         if layers is not None:
             start, stop = layers
             if not 0 <= start < stop:
@@ -258,7 +265,8 @@ class KVStoreClient:
         while True:         # twice at most: a read of a store's file that could not go on goes on by the stream
             call = self._get(request, timeout=timeout or self.timeout)
             try:
-                yield from self._assemble(chunk_id, call, expect, asked_local=bool(request.local_host), device=device)
+                yield from self._assemble(chunk_id, call, expect, asked_local=bool(request.local_host), device=device,
+                                          asked_nixl=request.nixl)
                 return
             except _LocalGone:
                 self.fallbacks["gone"] += 1     # its file went away before it was opened: the bytes by the stream
@@ -270,10 +278,11 @@ class KVStoreClient:
                 expect = damaged.checksums
             finally:
                 call.cancel()     # no-op once finished; stops the stream when the caller breaks early
-            request.local_host = ""       # the store then sends frames, and _assemble refuses a file it did not ask for
+            request.local_host, request.nixl = "", False   # frames now: _assemble refuses a place it did not ask for
 
     def _assemble(self, chunk_id: str, call, expect: tuple | None = None, asked_local: bool = False,
-                  device: torch.device | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+                  device: torch.device | None = None,
+                  asked_nixl: bool = False) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """The layers a Get stream carries, checked; ``expect``: the checksums the chunk must have (a read resumed
         after a damaged local layer continues the same version); ``asked_local``: the request named this host, so
         the store may answer with its shared-memory file."""
@@ -297,6 +306,11 @@ class KVStoreClient:
                 if not asked_local or index != first.header.layer_start:
                     raise ChunkCorruptError(f"chunk {chunk_id}: a shared-memory file not asked for, or after frames")
                 yield from self._read_local(meta, dtype, index, stop, msg.local, device)
+                return
+            if not isinstance(msg, wire.Frame) and msg.HasField("nixl"):
+                if not asked_nixl or index != first.header.layer_start:
+                    raise ChunkCorruptError(f"chunk {chunk_id}: a NIXL place not asked for, or after frames")
+                yield from self._read_nixl(meta, dtype, index, stop, msg.nixl)
                 return
             frame = msg if isinstance(msg, wire.Frame) else msg.frame
             if not got and index == first.header.layer_start:
@@ -464,6 +478,63 @@ class KVStoreClient:
                 at, kn = offset - lo, meta.k_nbytes(index)
                 yield (index, landed[at:at + kn].view(dtype).reshape(meta.k_shapes[index]),
                        landed[at + kn:at + nbytes].view(dtype).reshape(meta.v_shapes[index]))
+
+    def _nixl_endpoint(self):
+        """This process's NIXL endpoint when this client reads over NIXL and NIXL can be used here, else None."""
+        if not self.nixl or self.nixl_unavailable:
+            return None
+        from services.handoff.nixl import NixlUnavailable, process_endpoint
+
+        try:
+            return process_endpoint()
+        except NixlUnavailable as exc:
+            self.nixl_unavailable = str(exc)
+            return None
+
+    def _staging(self, ep, nbytes: int) -> torch.Tensor:
+        """The registered buffer NIXL reads land in (grown, and registered again, as chunks need)."""
+        if self._nixl_buf is None or self._nixl_buf.numel() < nbytes:
+            if self._nixl_buf is not None:
+                ep.deregister(self._nixl_buf)
+            self._nixl_buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=self.pin)
+            ep.register([self._nixl_buf])
+        return self._nixl_buf
+
+    def _read_nixl(self, meta: ChunkMeta, dtype, start: int, stop: int, place) -> Iterator:
+        """Layers [start, stop) read over NIXL from the store's registered arena, then the extent's header: handed on
+        (copied out of the staging buffer) only if the header still holds the generation the store named and each
+        layer passes its CRC-32. A transfer that fails or a moved extent goes on by the stream (``_LocalMoved``), a
+        damaged layer too, from that layer (``_LocalDamaged``: the store checks its copy and drops a bad one)."""
+        from services.handoff.nixl import TransferFailed
+
+        ep = self._nixl_endpoint()
+        checksums = tuple(meta.checksums)
+        sizes = [meta.layer_nbytes(i) for i in range(start, stop)]
+        with self._nixl_lock:
+            buf = self._staging(ep, 16 + sum(sizes))
+            head, views, at = buf[:16], [], 16
+            for n in sizes:
+                views.append(buf[at:at + n])
+                at += n
+            try:
+                ep.read_descs(place.agent, place.metadata, place.descs, views, timeout=self.timeout)
+                ep.read_descs(place.agent, place.metadata, place.header_descs, [head], timeout=self.timeout)
+            except (TransferFailed, ValueError) as exc:
+                raise _LocalMoved(start, stop, checksums, f"the NIXL read failed: {exc}") from None
+            if int.from_bytes(head[8:16].numpy().tobytes(), "little") != place.generation:
+                raise _LocalMoved(start, stop, checksums, "the extent moved on during the NIXL read")
+            self.reads["nixl"] += 1
+            good = []
+            for i, view in zip(range(start, stop), views):
+                if checksum(view.numpy()) != meta.checksums[i]:
+                    break
+                good.append(view.clone())
+        for i, buf_i in zip(range(start, stop), good):
+            kn = meta.k_nbytes(i)
+            yield (i, buf_i[:kn].view(dtype).reshape(meta.k_shapes[i]), buf_i[kn:].view(dtype).reshape(meta.v_shapes[i]))
+        if len(good) < len(sizes):
+            bad = start + len(good)
+            raise _LocalDamaged(bad, stop, checksums, f"chunk {meta.chunk_id} layer {bad}: checksum mismatch read over NIXL")
 
     def in_arena(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a view of the store's arena (``_read_arena``): memory the store reuses after its grace, so

@@ -65,6 +65,9 @@ class StoreConfig:
     max_chunk_bytes: int = 4 << 30
     dram_dir: str | None = None
     dram_segment_bytes: int = SEGMENT_BYTES
+    # run a NIXL agent over the arena: callers on other hosts that ask (GetRequest.nixl) read a chunk's layers from
+    # the store's memory over NIXL (UCX) instead of the gRPC stream (services/kvstore/nixl_export.py)
+    nixl: bool = False
 
     def __post_init__(self) -> None:
         check_int("dram_bytes", self.dram_bytes, 1, rule="positive")
@@ -83,6 +86,7 @@ class StoreConfig:
         check_int("max_chunk_bytes", self.max_chunk_bytes, 1, rule="positive")
         check_path("dram_dir", self.dram_dir, optional=True)
         check_int("dram_segment_bytes", self.dram_segment_bytes, 0)
+        check_bool("nixl", self.nixl)
         if 0 < self.dram_segment_bytes < 2 * PAGE:
             raise ValueError(f"dram_segment_bytes must be 0 (no arena) or at least {2 * PAGE}, got {self.dram_segment_bytes}")
         if self.dram_dir is not None:

@@ -57,8 +57,9 @@ DECODE_WRITES = "uint8"
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, store: TieredStore, metrics: StoreMetrics, authorize: bool = False) -> None:
+    def __init__(self, store: TieredStore, metrics: StoreMetrics, authorize: bool = False, nixl=None) -> None:
         self.store = store
+        self.nixl = nixl            # the arena's NIXL agent (nixl_export.ArenaExporter), None: no NIXL reads
         self.metrics = metrics
         self.frame_bytes = store.config.frame_bytes
         self.authorize = authorize          # mutual TLS: callers' roles are known (services/cluster/guard.py)
@@ -166,7 +167,20 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         tier = TIER_OF_PB[session.tier]
         local = (session.local_file(start, stop) if request.local_host and request.local_host == host_id()
                  else None)
+        remote = None
+        if local is None and request.nixl and self.nixl is not None:
+            place = session.local_file(start, stop, arena_only=True)
+            remote = None if place is None else self.nixl.layers(place, [meta.layer_nbytes(i) for i in range(start, stop)])
         yield pb.GetResponse(header=meta.to_proto(start, stop, session.tier))
+        if remote is not None:
+            # the caller reads the layers from this store's registered memory over NIXL (and checks them)
+            try:
+                yield pb.GetResponse(nixl=pb.NixlLayers(**remote))
+            finally:
+                session.abort()
+            self.metrics.nixl_gets.inc()
+            self.metrics.get_seconds.labels(tier).observe(time.perf_counter() - started)
+            return
         if local is not None:
             # the caller shares this host: it reads the layers from the DRAM tier's file itself (and checks them)
             try:
@@ -280,8 +294,9 @@ class KVStoreServer:
     """A started store: the grpc.aio server, the tiered store behind it, health and metrics."""
 
     def __init__(self, grpc_server: grpc.aio.Server, store: TieredStore, metrics: StoreMetrics,
-                 health_servicer: health.aio.HealthServicer, metrics_port: int | None) -> None:
+                 health_servicer: health.aio.HealthServicer, metrics_port: int | None, nixl=None) -> None:
         self.grpc_server = grpc_server
+        self.nixl = nixl
         self.store = store
         self.metrics = metrics
         self.health = health_servicer
@@ -292,11 +307,36 @@ class KVStoreServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc_server.stop(grace)
+        if self.nixl is not None:
+            self.nixl.close()
         await self.store.close()
         self.metrics.stop_http()
 
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
+
+
+def _nixl_exporter(store: TieredStore):
+    """The arena's NIXL agent (``nixl_export.ArenaExporter``), registering each segment as the arena makes it; None,
+    said in the log, where there is no arena or NIXL cannot load (callers are then streamed the bytes)."""
+    from services.handoff.nixl import NixlUnavailable
+    from services.kvstore.tiers import ShmDramTier
+
+    dram = store.slots[0].storage
+    if not isinstance(dram, ShmDramTier) or dram.arena is None:
+        log.warning("--nixl: the DRAM tier has no arena (it needs --dram-dir and segments): callers are streamed")
+        return None
+    try:
+        from services.kvstore.nixl_export import ArenaExporter
+
+        exporter = ArenaExporter()
+    except NixlUnavailable as exc:
+        log.warning("--nixl: NIXL cannot be used (%s): callers are streamed", exc)
+        return None
+    for seg in dram.arena.segments:
+        exporter.add(seg.path, seg.size)
+    dram.arena.on_segment = exporter.add
+    return exporter
 
 
 async def create_server(config: StoreConfig, *, host: str = "127.0.0.1", port: int = 0,
@@ -314,8 +354,9 @@ async def create_server(config: StoreConfig, *, host: str = "127.0.0.1", port: i
     store = TieredStore(config)
     await store.start()
     metrics = StoreMetrics(store)
+    exporter = await asyncio.to_thread(_nixl_exporter, store) if config.nixl else None
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RoleGuard("KV store", authorize=tls is not None)])
-    _add_servicer(KVStoreServicer(store, metrics, authorize=tls is not None), server)
+    _add_servicer(KVStoreServicer(store, metrics, authorize=tls is not None, nixl=exporter), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -328,7 +369,7 @@ async def create_server(config: StoreConfig, *, host: str = "127.0.0.1", port: i
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     http_port = metrics.serve_http(metrics_port, host) if metrics_port is not None else None
-    return KVStoreServer(server, store, metrics, health_servicer, http_port), bound
+    return KVStoreServer(server, store, metrics, health_servicer, http_port, exporter), bound
 
 
 def serve(config: StoreConfig, *, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None,

@@ -384,11 +384,12 @@ class ReadSession:
                     self._ahead[j] = future
         return data
 
-    def local_file(self, start: int, stop: int) -> LocalFile | None:
+    def local_file(self, start: int, stop: int, arena_only: bool = False) -> LocalFile | None:
         """The place a caller on this host reads layers [start, stop) from, when this session reads the
-        shared-memory DRAM tier (counted as served: the caller reads them)."""
+        shared-memory DRAM tier (counted as served: the caller reads them); with ``arena_only``, only an arena
+        extent (what a NIXL caller can read)."""
         slot = self.store.slots[self._index]
-        if not isinstance(slot.storage, ShmDramTier):
+        if not isinstance(slot.storage, ShmDramTier) or (arena_only and self._reader.extent is None):
             return None
         slot.counters.bytes_out += sum(self.meta.layer_nbytes(i) for i in range(start, stop))
         return slot.storage.local_file(self._reader, start, stop)

@@ -127,7 +127,11 @@ class Plan:
         return [ServiceSpec("store", name, host=cfg.bind_host, namespace=cfg.namespace, cluster_tls=self.tls("store"),
                             store=StoreConfig(dram_bytes=cfg.store_dram_bytes, write_mode="behind",
                                               rocksdb_dir=os.path.join(cfg.store_dir, name),
-                                              dram_dir=os.path.join(self.shm_scratch, name) if self.shm_scratch else None))
+                                              dram_dir=os.path.join(self.shm_scratch, name) if self.shm_scratch else None,
+                                              # workers on other hosts read its arena over NIXL when the cluster's
+                                              # data plane is NIXL
+                                              nixl=bool(self.shm_scratch)
+                                              and cfg.prefill_settings.handoff_transport == "nixl"))
                 for name in self.names["store"]]
 
     def index_specs(self) -> list[ServiceSpec]:

@@ -328,7 +328,8 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
             log.info("prefill worker %s warmed up in %.1f s: %s over %d tokens", name, warm["seconds"],
                      ", ".join(warm["passes"]), warm["context_tokens"])
     store = StoreAccess(store_addresses, on_error=lambda call: metrics.store_errors.labels(call).inc(),
-                        host_bytes=settings.host_cache_bytes, tls=cluster_tls)
+                        host_bytes=settings.host_cache_bytes, tls=cluster_tls,
+                        nixl=settings.handoff_transport == "nixl")     # the data plane: stores on other hosts too
     metrics.registry.register(StoreReadMetrics(store, "tessera_prefill"))
     if settings.warmup_tokens and eng.device.type == "cuda" and store_addresses:
         from services.kvstore.client import warm_device_checks

@@ -103,16 +103,32 @@ class PutResponse(_message.Message):
     def __init__(self, stored_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., already_stored: _Optional[bool] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("chunk_id", "layer_start", "layer_stop", "local_host")
+    __slots__ = ("chunk_id", "layer_start", "layer_stop", "local_host", "nixl")
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_STOP_FIELD_NUMBER: _ClassVar[int]
     LOCAL_HOST_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     chunk_id: str
     layer_start: int
     layer_stop: int
     local_host: str
-    def __init__(self, chunk_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., local_host: _Optional[str] = ...) -> None: ...
+    nixl: bool
+    def __init__(self, chunk_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., local_host: _Optional[str] = ..., nixl: _Optional[bool] = ...) -> None: ...
+
+class NixlLayers(_message.Message):
+    __slots__ = ("agent", "metadata", "descs", "header_descs", "generation")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    DESCS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_DESCS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    metadata: bytes
+    descs: bytes
+    header_descs: bytes
+    generation: int
+    def __init__(self, agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., descs: _Optional[bytes] = ..., header_descs: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class LocalLayers(_message.Message):
     __slots__ = ("path", "offsets", "generation", "header")
@@ -127,14 +143,16 @@ class LocalLayers(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ..., header: _Optional[int] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("header", "frame", "local")
+    __slots__ = ("header", "frame", "local", "nixl")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     header: ChunkHeader
     frame: LayerFrame
     local: LocalLayers
-    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., frame: _Optional[_Union[LayerFrame, _Mapping]] = ..., local: _Optional[_Union[LocalLayers, _Mapping]] = ...) -> None: ...
+    nixl: NixlLayers
+    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., frame: _Optional[_Union[LayerFrame, _Mapping]] = ..., local: _Optional[_Union[LocalLayers, _Mapping]] = ..., nixl: _Optional[_Union[NixlLayers, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("chunk_ids",)

@@ -226,7 +226,20 @@ def test_a_cluster_plan_puts_each_shards_dram_tier_in_shared_memory_and_removes_
         plan.remove_scratch()
     assert not os.path.exists(plan.shm_scratch)
     off = Plan.make(ClusterConfig(model_dir=str(tmp_path), stores=1, store_dir=str(tmp_path / "db"), store_shm=False))
-    assert off.shm_scratch is None and off.store_specs()[0].store.dram_dir is None
+    assert off.shm_scratch is None and off.store_specs()[0].store.dram_dir is None and not specs[0].store.nixl
+
+
+def test_a_cluster_on_nixl_runs_its_stores_nixl_agents(tmp_path):
+    from services.cluster.config import ClusterConfig, PrefillSettings
+    from services.launch.plan import Plan
+
+    plan = Plan.make(ClusterConfig(model_dir=str(tmp_path), stores=1, store_dir=str(tmp_path / "db"),
+                                   prefill_settings=PrefillSettings(handoff_transport="nixl")))
+    try:
+        [spec] = plan.store_specs()
+        assert spec.store.nixl == (plan.shm_scratch is not None)       # NIXL reads need the arena in shared memory
+    finally:
+        plan.remove_scratch()
 
 
 def test_a_reader_that_stops_early_leaves_no_descriptor_open(shm_store):
