@@ -28,7 +28,8 @@ SHAPE = {"n_layers": 4, "tokens": 96, "heads": 2, "dim": 32}
 
 @pytest.fixture
 def store(tmp_path):
-    """start(nixl=True) -> the address of a store process with its DRAM tier as an arena in shared memory."""
+    """start(nixl=True) -> the address of a store process with its DRAM tier as an arena in shared memory
+    (``start.pid``: the last one's process id)."""
     procs = []
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else str(tmp_path)
 
@@ -44,6 +45,7 @@ def store(tmp_path):
             if line.startswith("kvstore listening on") or not line:
                 break
         assert line.startswith("kvstore listening on"), line
+        start.pid = proc.pid
         return line.split()[3]
 
     yield start
@@ -116,3 +118,48 @@ def test_a_store_without_nixl_streams_the_bytes(store):
         plain.put("doc-s", make_layers(**SHAPE, seed=1))
     kind, same, reads, fallbacks, why = _read_in_child(address, "doc-s")
     assert kind == "read" and same and reads["nixl"] == 0 and reads["stream"] == 1
+
+
+def _reader_whose_store_dies(conn, address: str, chunk_id: str, store_pid: int) -> None:
+    """As ``_reader``, the store process killed between its answer and the NIXL read."""
+    import signal
+    import time
+
+    from services.handoff import nixl
+
+    real = nixl.NixlEndpoint.read_descs
+
+    def read_after_the_store_died(self, *args, **kwargs):
+        os.kill(store_pid, signal.SIGKILL)
+        time.sleep(0.5)
+        return real(self, *args, **kwargs)
+
+    nixl.NixlEndpoint.read_descs = read_after_the_store_died
+    client = KVStoreClient(address, timeout=10, nixl=True)
+    t0 = time.monotonic()
+    try:
+        list(client.get(chunk_id))
+        conn.send(("read", time.monotonic() - t0, dict(client.fallbacks)))
+    except grpc.RpcError as exc:
+        conn.send((exc.code().name, time.monotonic() - t0, dict(client.fallbacks)))
+    except Exception as exc:     # noqa: BLE001 - reported to the test
+        conn.send((type(exc).__name__, time.monotonic() - t0, str(exc)))
+
+
+def test_a_store_that_dies_before_the_nixl_read_fails_the_read_clearly(store):
+    address = store()
+    with KVStoreClient(address, timeout=30) as plain:
+        plain.put("doc-k", make_layers(**SHAPE, seed=1))
+    pid = store.pid
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_reader_whose_store_dies, args=(child, address, "doc-k", pid), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(60), "the reader did not answer"
+        what, seconds, fallbacks = parent.recv()
+    finally:
+        proc.join(30)
+    # the NIXL read fails, the read goes on by the stream, the store is gone: the caller is told so, in bounded time
+    assert what == "UNAVAILABLE" and seconds < 30 and fallbacks["moved"] == 1, (what, seconds, fallbacks)
+
