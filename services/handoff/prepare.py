@@ -78,10 +78,11 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s:
     fetch = store.fetcher(present)
     for cid in present:
         try:
-            fetched[cid] = list(fetch(cid))
+            layers = list(fetch(cid))
             if engine.device.type != "cuda":      # views of the store's arena are copied now, not at admission
-                fetched[cid] = [StreamedLayer(i, *(t.clone() if store.in_arena(t) else t for t in (k, v)))
-                                for i, k, v in fetched[cid]]
+                layers = [StreamedLayer(i, *(t.clone() if store.in_arena(t) else t for t in (k, v)))
+                          for i, k, v in layers]
+            fetched[cid] = layers
         except Exception as exc:  # noqa: BLE001 - a broken stream: the engine computes the chunk instead
             log.warning("prefetch of chunk %s failed: %s", cid[:12], exc)
     from_host = sum(1 for cid in fetched if present[cid] == Tier.HOST)

@@ -401,14 +401,12 @@ class KVStoreClient:
         spans = [(i, offset, meta.layer_nbytes(i)) for i, offset in zip(range(start, stop), local.offsets)]
         if any(offset + n > seg.size for _, offset, n in spans) or local.header + 16 > seg.size:
             raise ChunkCorruptError(f"chunk {meta.chunk_id}: offsets past the end of the store's segment")
+        self.local_reads += 1
+        self.arena_reads += 1
         if device is not None and torch.device(device).type in self.check_on:
-            self.local_reads += 1
-            self.arena_reads += 1
             self.reads["arena-device"] += 1
             yield from self._arena_to_device(meta, dtype, stop, local, seg, spans, torch.device(device))
             return
-        self.local_reads += 1
-        self.arena_reads += 1
         self.reads["arena"] += 1
         if self._checkers is None:
             self._checkers = ThreadPoolExecutor(ARENA_CHECKERS, thread_name_prefix="kv-arena-check")

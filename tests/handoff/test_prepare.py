@@ -24,6 +24,10 @@ class _LandingStore:
     def fetcher(self, present):
         return lambda cid: numbered(self.layers) if cid in present else None
 
+    @staticmethod
+    def in_arena(t) -> bool:
+        return False
+
 
 @pytest.mark.parametrize("wait_s, fetched", [(5.0, True), (0.0, False)])
 def test_decode_waits_for_a_chunk_still_being_stored(tiny_model, wait_s, fetched):

@@ -70,7 +70,7 @@ class _RecordingStore:
     def lookup(self, ids):
         return {cid: "dram" for cid in ids if cid in self.held}
 
-    def fetcher(self, present):
+    def fetcher(self, present, device=None):
         return lambda cid: None          # never asked: the controller prefers computing below
 
     def put_later(self, cid, layers, fingerprint=""):
