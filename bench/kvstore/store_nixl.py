@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,22 +24,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench" / "kvstore"))
 
-
-def start_store(dram_bytes: int, work: Path) -> tuple[subprocess.Popen, str]:
-    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(work)
-    cmd = [sys.executable, "-m", "services.cli", "kvstore", "serve", "--port", "0", "--dram-bytes", str(dram_bytes),
-           "--dram-dir", os.path.join(shm, f"tessera-bench-nixl-{os.getpid()}"), "--rocksdb-dir", str(work / "db"),
-           "--nixl", "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
-    for _ in range(50):             # NIXL logs a line or two first
-        line = proc.stdout.readline()
-        if line.startswith("kvstore listening on") or not line:
-            break
-    if not line.startswith("kvstore listening on"):
-        proc.kill()
-        raise RuntimeError(f"store did not start: {line!r}")
-    return proc, line.split()[3]
+from store_to_gpu import start_store  # noqa: E402 - the bench's own store launcher
 
 
 def main() -> int:
@@ -62,7 +48,9 @@ def main() -> int:
                                  for _ in range(layers)] for i in range(args.chunks)}
     chunk_bytes = layers * 2 * tokens * heads * dim * 2
     work = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
-    proc, address = start_store((args.chunks + 2) * chunk_bytes, work)
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(work)
+    proc, address = start_store((args.chunks + 2) * chunk_bytes, work, os.path.join(shm, f"tessera-bench-nixl-{os.getpid()}"),
+                                extra=("--nixl",))
     rows: dict[str, list[float]] = {"nixl": [], "stream": [], "memcpy": []}
     try:
         with KVStoreClient(address, timeout=120) as writer:

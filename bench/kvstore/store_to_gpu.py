@@ -37,16 +37,21 @@ sys.path.insert(0, str(REPO))
 LAYERS, TOKENS, HEADS, DIM = 32, 512, 8, 128
 
 
-def start_store(dram_bytes: int, work: Path, dram_dir: str | None, segment_bytes: int | None) -> tuple[subprocess.Popen, str]:
+def start_store(dram_bytes: int, work: Path, dram_dir: str | None, segment_bytes: int | None = None,
+                extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """A store shard in its own process (``extra``: more ``kvstore serve`` flags); (the process, its address)."""
     cmd = [sys.executable, "-m", "services.cli", "kvstore", "serve", "--port", "0", "--dram-bytes", str(dram_bytes),
-           "--rocksdb-dir", str(work / "db"), "--log-level", "WARNING"]
+           "--rocksdb-dir", str(work / "db"), "--log-level", "WARNING", *extra]
     if dram_dir:
         cmd += ["--dram-dir", dram_dir]
     if segment_bytes is not None:
         cmd += ["--dram-segment-bytes", str(segment_bytes)]
     work.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
+    for _ in range(50):             # NIXL (--nixl) logs a line or two first
+        line = proc.stdout.readline()
+        if line.startswith("kvstore listening on") or not line:
+            break
     if not line.startswith("kvstore listening on"):
         proc.kill()
         raise RuntimeError(f"store did not start: {line!r}")
@@ -205,7 +210,7 @@ def main() -> int:
                             print(f"segment {os.path.basename(seg.path)} ({seg.size >> 20} MiB) registered: "
                                   f"{registered}, {1e3 * (time.perf_counter() - t0):.1f} ms after the first read")
                 times = [load_seconds(reader, cid, dev) for _ in range(args.rounds) for cid in chunks]
-                if path != "stream":
+                if path != "stream" and len(chunks) * args.rounds >= 4:
                     rows[f"{path}_x4"] = parallel_seconds(reader, list(chunks) * args.rounds, dev, 4)
                 if path == "arena" and cuda:    # copied onto the GPU by the read and checked there
                     got = list(reader.get("chunk-000", device=dev))        # also the checksum kernel's compile

@@ -33,3 +33,13 @@ def assert_roundtrip(client, chunk_id, layers, layer_range=None):
 
 def tiers_of(client, chunk_id) -> tuple[str, ...]:
     return client.lookup([chunk_id])[0].tiers
+
+
+def flip_byte(path: str, offset: int, mask: int = 0xFF) -> None:
+    """XOR the byte at ``offset`` of the file at ``path`` with ``mask``, in place (a store's tier damaged under it)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+

@@ -13,7 +13,7 @@ from services.kvstore import arena as arena_module
 from services.kvstore.arena import HEADER, PAGE, Arena
 from services.kvstore.client import KVStoreClient
 
-from .helpers import MiB, assert_roundtrip, make_layers, tiers_of
+from .helpers import MiB, assert_roundtrip, flip_byte, make_layers, tiers_of
 from .test_shm_tier import local_place, shm_dir  # noqa: F401 - the fixture
 
 
@@ -193,11 +193,7 @@ def test_a_damaged_layer_landed_on_a_device_is_never_handed_on(start_store, shm_
     layers = make_layers(n_layers=5, tokens=64, seed=9)
     plain.put("doc-f", layers)
     where = local_place(plain, "doc-f")
-    with open(where.path, "r+b") as f:          # a byte of layer 3
-        f.seek(where.offsets[3] + 10)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(where.path, where.offsets[3] + 10, 1)         # a byte of layer 3
     local = KVStoreClient(srv.address, timeout=30, local=True)
     try:
         got = list(local.get("doc-f", device=on_device))   # layers 3 and 4 by the stream, from RocksDB's copy
@@ -245,11 +241,7 @@ def test_workers_count_their_reads_by_path_and_fallback(start_store, shm_dir, on
         assert len(list(access.fetcher(present, on_device)("doc-g"))) == 3
         assert len(list(access.fetcher(present)("doc-g"))) == 3
         where = local_place(plain, "doc-g")
-        with open(where.path, "r+b") as f:          # layer 1 damaged: the read goes on by the stream
-            f.seek(where.offsets[1])
-            b = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([b[0] ^ 1]))
+        flip_byte(where.path, where.offsets[1], 1)      # layer 1 damaged: the read goes on by the stream
         assert len(list(access.fetcher(present)("doc-g"))) == 3
         text = generate_latest(registry).decode()
         for line in ('tessera_prefill_store_reads_total{path="arena-device"} 1.0',

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from services.kvstore.client import KVStoreClient
 from services.rpc import kvstore_pb2 as pb
 from services.tiers import Tier
 
-from .helpers import make_layers
+from .helpers import flip_byte, make_layers
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = {"n_layers": 4, "tokens": 96, "heads": 2, "dim": 32}
@@ -30,11 +31,12 @@ SHAPE = {"n_layers": 4, "tokens": 96, "heads": 2, "dim": 32}
 def store(tmp_path):
     """start(nixl=True) -> the address of a store process with its DRAM tier as an arena in shared memory
     (``start.pid``: the last one's process id)."""
-    procs = []
+    procs, dirs = [], []
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else str(tmp_path)
 
     def start(nixl: bool = True) -> str:
         dram = os.path.join(base, f"tessera-test-nixl-{os.getpid()}-{os.urandom(3).hex()}")
+        dirs.append(dram)
         cmd = [sys.executable, "-m", "services.cli", "kvstore", "serve", "--port", "0", "--dram-bytes", "32M",
                "--dram-dir", dram, "--dram-segment-bytes", "8M", "--rocksdb-dir", str(tmp_path / f"db{len(procs)}"),
                "--log-level", "WARNING"] + (["--nixl"] if nixl else [])
@@ -52,6 +54,8 @@ def store(tmp_path):
     for proc in procs:
         proc.terminate()
         proc.wait(30)
+    for path in dirs:               # a store killed by its test leaves its tier behind
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _reader(conn, address: str, chunk_id: str) -> None:
@@ -99,11 +103,7 @@ def test_a_damaged_layer_read_over_nixl_is_refused_and_read_on_from_a_good_copy(
         plain.put("doc-d", make_layers(**SHAPE, seed=1))       # write-through: RocksDB holds it too
         stream = plain._get(pb.GetRequest(chunk_id="doc-d", local_host=host_id()), timeout=30)
         [where] = [m.local for m in stream if hasattr(m, "HasField") and m.HasField("local")]
-        with open(where.path, "r+b") as f:          # a byte of layer 2, in the store's memory
-            f.seek(where.offsets[2] + 5)
-            b = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([b[0] ^ 0x10]))
+        flip_byte(where.path, where.offsets[2] + 5, 0x10)      # a byte of layer 2, in the store's memory
         kind, same, reads, fallbacks, _ = _read_in_child(address, "doc-d")
         # layers 0 and 1 handed on from the NIXL read; from layer 2 on the stream, where the store finds its DRAM copy
         # damaged, drops it and serves RocksDB's

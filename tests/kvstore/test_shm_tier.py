@@ -15,7 +15,7 @@ from services.hostid import host_id
 from services.kvstore.client import KVStoreClient
 from services.rpc import kvstore_pb2 as pb
 
-from .helpers import MiB, assert_roundtrip, make_layers, tiers_of
+from .helpers import MiB, assert_roundtrip, flip_byte, make_layers, tiers_of
 
 
 @pytest.fixture
@@ -100,11 +100,7 @@ def test_another_hosts_id_gets_the_bytes_not_the_file(start_store, shm_dir):
 
 def _flip_a_byte_in_the_middle(client: KVStoreClient, chunk_id: str) -> None:
     local = local_place(client, chunk_id)
-    with open(local.path, "r+b") as f:      # one byte of the middle layer's K||V flipped in place
-        f.seek(local.offsets[len(local.offsets) // 2] + 100)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(local.path, local.offsets[len(local.offsets) // 2] + 100)     # a byte of the middle layer's K||V
 
 
 def test_a_damaged_file_is_never_used_and_its_only_copy_is_dropped(shm_store, shm_dir):
