@@ -247,6 +247,8 @@ class Batcher:
     def _rebuild(self, prepared: PreparedHandoff, policy: DecodePolicy = DENSE):
         """(sequence, first-token logits) from a hand-off; the sequence's steps attend by ``policy``."""
         prepared.adopt()
+        for cid, (blob, length) in prepared.chunk_indexes.items():
+            self.eng.adopt_chunk_index(cid, blob, length)
         def fetch(cid: str):
             if cid in prepared.fetched:
                 return iter(prepared.fetched[cid])

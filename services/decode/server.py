@@ -141,7 +141,15 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         received, _ = self._pending.pop(rid)
         self._arrived.pop(rid, None)
         try:
-            prepared = await asyncio.to_thread(prepare, received, self.eng, self.store, self.settings.store_wait_s)
+            name, params = read_decode_policy(request.decode)
+            policy = self.eng.decode_policy(name, **params)
+        except (ValueError, TypeError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"decode: {exc}")
+        # a retrieval decode's chunk indexes come from the store here, off the engine thread
+        indexes = self.eng.forward.chunk_index_store if policy.name == "retrieval" else None
+        try:
+            prepared = await asyncio.to_thread(prepare, received, self.eng, self.store, self.settings.store_wait_s,
+                                               indexes)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hand-off of request {rid}: {exc}")
         for source, n in prepared.sources.items():
@@ -152,11 +160,6 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             sampling = read_sampling(request.sampling, self.eng.cfg.eos_token_id)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
-        try:
-            name, params = read_decode_policy(request.decode)
-            policy = self.eng.decode_policy(name, **params)
-        except (ValueError, TypeError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"decode: {exc}")
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         job = DecodeJob(rid, prepared, sampling,

@@ -403,6 +403,19 @@ class Engine:
         index = None if held is None else held.get(chunk_id)
         return None if index is None else index.to_bytes()
 
+    def holds_chunk_index(self, chunk_id: str) -> bool:
+        """Whether this engine keeps the chunk's retrieval indexes (a hint from any thread: it may change)."""
+        held = self.forward.chunk_indexes
+        return held is not None and chunk_id in held
+
+    def adopt_chunk_index(self, chunk_id: str, blob: bytes, length: int) -> bool:
+        """Keep a chunk's retrieval indexes fetched from the store ahead of its sequence (on the engine thread); False
+        when the bytes are not an intact index of this chunk and model: refused as a stored copy is
+        (``retrieval.adopt_chunk_index``), and built again when a sequence needs it."""
+        from services.engine.decode.retrieval import adopt_chunk_index
+
+        return adopt_chunk_index(self.forward, chunk_id, length, blob) is not None
+
     def insert_chunk_index(self, chunk_id: str, blob: bytes) -> None:
         """Keep a chunk's retrieval indexes from their bytes (the store's copy), for its next retrieval decode.
         ValueError (IndexFormatError) for bytes that are not an intact chunk index of this model's shape: nothing

@@ -40,6 +40,10 @@ class PreparedHandoff:
     # it waited for chunks the prefill worker was still writing (None: it did not wait): the decode worker's metrics
     sources: dict[str, int] = field(default_factory=dict)
     store_wait_s: float | None = None
+    # a retrieval decode's shared chunks' indexes the store holds and the engine does not: {chunk id: (their bytes,
+    # the chunk's length)}, fetched here so that the engine thread adopts them (``Engine.adopt_chunk_index``) without
+    # a store round trip of its own
+    chunk_indexes: dict[str, tuple[bytes, int]] = field(default_factory=dict)
 
     def adopt(self) -> None:
         """On the engine thread, before using ``fetched``: order its stream after the staging copies and
@@ -56,9 +60,12 @@ class PreparedHandoff:
                 item.v.record_stream(stream)
 
 
-def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s: float = 0.0) -> PreparedHandoff:
+def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s: float = 0.0,
+            index_store=None) -> PreparedHandoff:
     """``store_wait_s``: how long to wait for chunks the prefill worker is still writing to the store
-    (the header's ``storing``) before leaving them to be computed at admission."""
+    (the header's ``storing``) before leaving them to be computed at admission. ``index_store``: where chunks'
+    retrieval indexes are kept (``kvio.ChunkIndexStore``), for a request decoded by retrieval: the indexes of its
+    shared chunks are fetched from it here (``PreparedHandoff.chunk_indexes``)."""
     from services.handoff.wire import Handoff
 
     if received.header.kind != "engine":
@@ -89,7 +96,25 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s:
     sources = {Tier.GPU.value: len(ids) - len(missing), Tier.HOST.value: from_host,
                "store": len(fetched) - from_host, Tier.COMPUTED.value: len(missing) - len(fetched)}
     fetched, ready = _stage(fetched, engine.device)
-    return PreparedHandoff(received, handoff, fetched, ready, sources, waited)
+    indexes = {} if index_store is None else _chunk_indexes(handoff, engine, index_store)
+    return PreparedHandoff(received, handoff, fetched, ready, sources, waited, indexes)
+
+
+def _chunk_indexes(handoff, engine, index_store) -> dict[str, tuple[bytes, int]]:
+    """The stored indexes of the hand-off's shared chunks that the engine does not keep (a store that fails leaves
+    them to the engine, which fetches or builds them itself)."""
+    out: dict[str, tuple[bytes, int]] = {}
+    for ref in handoff.chunks:
+        if ref.chunk_id in out or engine.holds_chunk_index(ref.chunk_id):
+            continue
+        try:
+            blob = index_store.get(ref.chunk_id)
+        except Exception as exc:  # noqa: BLE001 - the engine's own path stands behind this one
+            log.warning("prefetch of chunk %s's index failed: %s", ref.chunk_id[:12], exc)
+            continue
+        if blob is not None:
+            out[ref.chunk_id] = (blob, ref.length)
+    return out
 
 
 POLL_S = 0.02

@@ -45,7 +45,8 @@ class StandInEngine:
 def _job(rid: str, tokens: int, done: threading.Event) -> DecodeJob:
     handoff = SimpleNamespace(request_id=rid, logits=torch.zeros(VOCAB))
     header = SimpleNamespace(HasField=lambda name: False)
-    prepared = SimpleNamespace(adopt=lambda: None, handoff=handoff, fetched={}, received=SimpleNamespace(header=header))
+    prepared = SimpleNamespace(adopt=lambda: None, handoff=handoff, fetched={}, chunk_indexes={},
+                               received=SimpleNamespace(header=header))
     sampling = SamplingParams(0.0, 1.0, 0, None, tokens)
 
     def emit(new, reason, error):

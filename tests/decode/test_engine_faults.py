@@ -91,7 +91,7 @@ class Outcome:
 def _job(rid: str, n: int, temperature: float = 0.7) -> tuple[DecodeJob, Outcome]:
     handoff = SimpleNamespace(request_id=rid, logits=torch.randn(VOCAB))
     header = SimpleNamespace(HasField=lambda name: False)
-    prepared = SimpleNamespace(adopt=lambda: None, handoff=handoff, fetched={},
+    prepared = SimpleNamespace(adopt=lambda: None, handoff=handoff, fetched={}, chunk_indexes={},
                                received=SimpleNamespace(header=header))
     out = Outcome()
     sampling = SamplingParams(temperature, 1.0, 0, 7, n)

@@ -301,13 +301,19 @@ def chunk_index(fwd, key: str, seq) -> Future:
 
 def _stored_chunk_index(fwd, key: str, length: int):
     """The store's copy of a chunk's index, kept in ``fwd.chunk_indexes``; None when there is no store, it holds
-    none, or its bytes are not an intact index of this chunk and model (refused and logged: the index is built
-    again and the store's copy replaced)."""
+    none, or its bytes are not an intact index of this chunk and model (``adopt_chunk_index``). A decode worker
+    fetches it before admission (services/handoff/prepare.py), so this round trip is the engine thread's only when
+    that did not."""
     store = fwd.chunk_index_store
     blob = None if store is None else store.get(key)
-    if blob is None:
-        return None
-    from services.index.chunks import ChunkIndex
+    return None if blob is None else adopt_chunk_index(fwd, key, length, blob)
+
+
+def adopt_chunk_index(fwd, key: str, length: int, blob: bytes):
+    """A chunk index from its stored bytes, kept in ``fwd.chunk_indexes``; None when the bytes are not an intact index
+    of this chunk (``length`` tokens) and model: refused, counted and logged, the store's copy dropped so that the
+    index built again takes its place."""
+    from services.index.chunks import ChunkIndex, ChunkIndexCache
 
     cfg = fwd.cfg
     try:
@@ -318,8 +324,11 @@ def _stored_chunk_index(fwd, key: str, length: int):
     except ValueError as exc:
         log.warning("the stored index of chunk %s is refused, and built again: %s", key[:16], exc)
         fwd.chunk_index_refused += 1
-        store.drop(key)          # so that the rebuilt one takes its place
+        if fwd.chunk_index_store is not None:
+            fwd.chunk_index_store.drop(key)          # so that the rebuilt one takes its place
         return None
+    if fwd.chunk_indexes is None:
+        fwd.chunk_indexes = ChunkIndexCache(fwd.options.chunk_index_bytes)
     fwd.chunk_indexes.put(key, index)
     return index
 

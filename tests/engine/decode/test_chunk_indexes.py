@@ -169,3 +169,55 @@ def test_a_chunk_index_that_cannot_be_had_falls_back_to_the_sequences_own_index(
     got = eng.generate(chunks, suffix, max_new_tokens=5, stop_token_ids=[], recompute_ratio=0.0,
                        decode="retrieval", retrieval_k=4096, **SMALL)
     assert got == dense and built(eng) == set()
+
+
+def test_a_decode_workers_preparation_fetches_the_stored_chunk_indexes_off_the_engine_thread(tiny_dir, tmp_path):
+    """prepare (the decode worker's helper thread) fetches the stored indexes of a retrieval request's shared chunks
+    that the engine lacks; the engine thread adopts them without a store call of its own; damaged bytes are refused,
+    counted, and the store's copy dropped."""
+    from services.cluster.kvio import ChunkIndexStore, StoreAccess
+    from services.engine.kv.chunk_ids import index_entry_id
+    from services.handoff.prepare import prepare
+    from services.handoff.transport import ReceivedHandoff
+    from services.kvstore import BackgroundServer, StoreConfig
+    from services.rpc import tessera_pb2 as pb
+
+    (a,), _ = random_request(71, lengths=(64,), suffix_len=1)
+    chunks, suffix = request(72, [a])
+    with BackgroundServer(StoreConfig(dram_bytes=16 << 20)) as srv:
+        store = StoreAccess([srv.address])
+        first, second = Engine.load(tiny_dir), Engine.load(tiny_dir)
+        first.forward.chunk_index_store = ChunkIndexStore(store)
+        first.generate(chunks, suffix, max_new_tokens=2, stop_token_ids=[], recompute_ratio=0.0,
+                       decode="retrieval", retrieval_k=8, **SMALL)
+        cid = first.chunk_id(a)
+        blob = first.export_chunk_index(cid)
+        store._puts.submit(lambda: None).result()            # the put thread has stored it
+        _, handoff = first.prefill_handoff(chunks, suffix, recompute_ratio=0.0)
+        received = ReceivedHandoff(pb.HandoffHeader(request_id="r", kind="engine"), handoff.to_bytes())
+
+        calls = []
+
+        class Counting(ChunkIndexStore):
+            def get(self, chunk_id):
+                calls.append(chunk_id)
+                return super().get(chunk_id)
+
+        prepared = prepare(received, second, store, index_store=Counting(store))
+        assert prepared.chunk_indexes == {cid: (blob, len(a))} and cid in calls
+        assert not second.holds_chunk_index(cid)
+        assert second.adopt_chunk_index(cid, *prepared.chunk_indexes[cid])      # the engine thread's part
+        assert second.holds_chunk_index(cid) and second.export_chunk_index(cid) == blob
+        calls.clear()
+        assert prepare(received, second, store, index_store=Counting(store)).chunk_indexes == {}
+        assert cid not in calls                               # held already: not fetched again
+
+        bad = bytearray(blob)
+        bad[100] ^= 1
+        third = Engine.load(tiny_dir)
+        third.forward.chunk_index_store = ChunkIndexStore(store)
+        assert not third.adopt_chunk_index(cid, bytes(bad), len(a))
+        assert third.forward.chunk_index_refused == 1 and not third.holds_chunk_index(cid)
+        store._puts.submit(lambda: None).result()
+        assert store.get_blob(index_entry_id(cid)) is None    # the store's copy dropped, to be replaced
+        store.close()
