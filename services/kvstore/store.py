@@ -109,13 +109,16 @@ class TieredStore:
         dram = DramTier()
         if cfg.dram_dir is not None:
             room = shm_room(cfg.dram_dir)
-            if room >= cfg.dram_bytes:
-                # the arena a little over the budget: its segments' tails and the chunks' envelopes take room
+            # the arena a little over the budget: its segments' tails and the chunks' envelopes take room. Its
+            # segments are made as chunks need them, and a worker that registers one with CUDA commits all of its
+            # pages: plan /dev/shm for the whole arena
+            arena = cfg.dram_bytes + cfg.dram_bytes // 8 if cfg.dram_segment_bytes else cfg.dram_bytes
+            if room >= arena:
                 dram = await asyncio.to_thread(ShmDramTier, cfg.dram_dir, segment_bytes=cfg.dram_segment_bytes,
-                                               arena_bytes=cfg.dram_bytes + cfg.dram_bytes // 8)
+                                               arena_bytes=arena)
             else:       # a full or small /dev/shm (a container's is 64 MiB by default) would refuse puts
-                log.warning("DRAM tier in the store's own memory: %s has %d bytes free, under its budget of %d",
-                            cfg.dram_dir, room, cfg.dram_bytes)
+                log.warning("DRAM tier in the store's own memory: %s has %d bytes free, under the %d its arena takes",
+                            cfg.dram_dir, room, arena)
         self.slots.append(TierSlot(Tier.DRAM, dram, Residency(cfg.dram_bytes, cfg.policy)))
         if cfg.rocksdb_dir is not None:
             db = await asyncio.to_thread(RocksDBTier, cfg.rocksdb_dir, sync=cfg.rocksdb_sync)
