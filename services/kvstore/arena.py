@@ -28,7 +28,7 @@ HEADER = PAGE                   # the extent's header page: the layer file start
 MAGIC = b"TSRXTNT1"
 _HEAD = struct.Struct("<8sQ")   # magic, generation
 GENERATION_AT = 8               # the generation's offset within the header
-REUSE_GRACE_S = 30.0
+REUSE_GRACE_S = 5.0             # a reader hands on a view no later than 2 s after its read began (client.py)
 
 
 def _pages(nbytes: int) -> int:

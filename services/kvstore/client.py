@@ -48,9 +48,11 @@ with warnings.catch_warnings():
     torch.frombuffer(b"\0", dtype=torch.uint8)
 
 LOCAL_READ_AHEAD = 4      # layers of a shared-memory file read at once (a layer of an 8B chunk: 2 MiB)
-# a read of the store's arena hands on no layer later than this after it began: the store reuses a freed extent only
-# after its grace (arena.REUSE_GRACE_S, 30 s), so the copies a layer's user queued read what was checked
-ARENA_READ_WINDOW_S = 10.0
+# a read of the store's arena hands on no view later than this after it began: the store reuses a freed extent only
+# after its grace (arena.REUSE_GRACE_S, 5 s), so the copies a layer's user makes at once read what was checked (a
+# read onto a GPU checks the bytes that landed and needs no window). The grace is short because resting room is room
+# the arena cannot use: under churn, chunks that find none are kept as files of their own, the slower path
+ARENA_READ_WINDOW_S = 2.0
 ARENA_CHECKERS = 8        # threads checking an arena read's layers (~11 GB/s each on an H100 host; 8: 64 MiB in ~1.7 ms)
 ARENA_GROUP = 8           # layers of an arena read onto a GPU copied and checked there at once
 # how a get's bytes came: this host's store arena copied onto the GPU and checked there, its views checked on the CPU,

@@ -52,6 +52,8 @@ class StoreMetrics(MetricsEndpoint):
                                              ["tier"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.local_gets = Counter("tessera_kvstore_local_gets", "Gets answered with the shared-memory file of the "
                                   "chunk, read by the caller on this host", registry=self.registry)
+        self.staged_gets = Counter("tessera_kvstore_staged_gets", "Gets of a chunk from a lower tier, for a caller "
+                                   "that reads the DRAM arena itself, staged through it first", registry=self.registry)
         self.nixl_gets = Counter("tessera_kvstore_nixl_gets", "Gets answered with where the chunk's layers lie in this "
                                  "store's registered memory, read by the caller over NIXL", registry=self.registry)
         self.put_seconds = Histogram("tessera_kvstore_put_seconds", "Put stream from first message to acknowledgement",

@@ -164,11 +164,22 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             session.abort()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"layer range [{start}, {stop}) is not within the chunk's {meta.num_layers} layers")
+        here = bool(request.local_host) and request.local_host == host_id()
+        staged: list | None = None
+        if (here or (request.nixl and self.nixl is not None)) and session.tier != pb.TIER_DRAM and start == 0 \
+                and stop == meta.num_layers and self._stages():
+            # a whole chunk from a lower tier, for a caller that reads the DRAM arena itself: staged through it (read,
+            # checked, promoted), then read from there; the layers read are streamed if the arena did not take it
+            try:
+                session, staged = await self._stage(session, request.chunk_id)
+            except DataLoss as exc:
+                await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+            except ChunkVanished as exc:
+                await context.abort(grpc.StatusCode.ABORTED, str(exc))
         tier = TIER_OF_PB[session.tier]
-        local = (session.local_file(start, stop) if request.local_host and request.local_host == host_id()
-                 else None)
+        local = session.local_file(start, stop) if here and staged is None else None
         remote = None
-        if local is None and request.nixl and self.nixl is not None:
+        if local is None and staged is None and request.nixl and self.nixl is not None:
             place = session.local_file(start, stop, arena_only=True)
             remote = None if place is None else self.nixl.layers(place, [meta.layer_nbytes(i) for i in range(start, stop)])
         yield pb.GetResponse(header=meta.to_proto(start, stop, session.tier))
@@ -195,7 +206,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         try:
             for i in range(start, stop):
                 try:
-                    data = await session.layer(i, stop)
+                    data = staged[i] if staged is not None else await session.layer(i, stop)
                 except DataLoss as exc:
                     await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
                 except ChunkVanished as exc:
@@ -213,6 +224,24 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 session.abort()
         await session.finish()
         self.metrics.get_seconds.labels(tier).observe(time.perf_counter() - started)
+
+    def _stages(self) -> bool:
+        """Whether reads from lower tiers stage through the DRAM tier's arena (it is one, in shared memory)."""
+        dram = self.store.slots[0].storage
+        return getattr(dram, "arena", None) is not None
+
+    async def _stage(self, session, chunk_id: str):
+        """Read a lower tier's copy whole (checked), let the session promote it, and open the chunk again: (a session
+        on the DRAM tier, None), or (the lower tier's session, its layers) when the DRAM tier did not take it."""
+        layers = [await session.layer(i, session.meta.num_layers) for i in range(session.meta.num_layers)]
+        await session.finish()      # promotes into the faster tiers that have room
+        again = await self.store.open_read(chunk_id)
+        if again is not None and again.tier == pb.TIER_DRAM and again.meta == session.meta:
+            self.metrics.staged_gets.inc()
+            return again, None
+        if again is not None:
+            again.abort()
+        return session, layers
 
     async def Lookup(self, request, context):
         try:

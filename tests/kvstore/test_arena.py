@@ -253,3 +253,26 @@ def test_workers_count_their_reads_by_path_and_fallback(start_store, shm_dir, on
             assert line in text, line
     finally:
         access.close()
+
+
+def test_a_chunk_only_a_lower_tier_holds_is_staged_through_the_arena_for_a_reader_here(start_store, shm_dir):  # noqa: F811
+    """The DRAM tier evicted it, RocksDB holds it: a reader on the store's host gets it through the arena (read,
+    checked, promoted, then its place); a read of some of its layers is streamed as before."""
+    srv, plain = arena_store(start_store, shm_dir, rocksdb_dir="tmp", dram_bytes=1 * MiB)
+    a = make_layers(n_layers=4, tokens=512, heads=2, dim=32, seed=11)            # 512 KiB each
+    b = make_layers(n_layers=4, tokens=512, heads=2, dim=32, seed=12)
+    c = make_layers(n_layers=4, tokens=512, heads=2, dim=32, seed=13)
+    for cid, layers in (("doc-a", a), ("doc-b", b), ("doc-c", c)):
+        plain.put(cid, layers)
+    assert tiers_of(plain, "doc-a") == ("rocksdb",)
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        assert_roundtrip(local, "doc-a", a)
+        # read here, from the arena or (its room freed by the evictions still resting) a file of the tier
+        assert local.local_reads == 1 and local.reads["stream"] == 0
+        assert tiers_of(plain, "doc-a") == ("dram", "rocksdb")
+        evicted = next(cid for cid in ("doc-b", "doc-c") if tiers_of(plain, cid) == ("rocksdb",))
+        assert_roundtrip(local, evicted, b if evicted == "doc-b" else c, (1, 3))     # some layers: streamed
+        assert local.reads["stream"] == 1 and tiers_of(plain, evicted) == ("rocksdb",)
+    finally:
+        local.close()
