@@ -213,6 +213,7 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         Field("StoreConfig", "dram_dir", lambda v: v is None or (isinstance(v, (str, os.PathLike)) and "\x00" not in str(v)
               and os.path.isdir(os.path.dirname(os.path.abspath(v)))), (None, os.path.join(a_dir, "shm")), names=("dram_dir",)),
         Field("StoreConfig", "dram_segment_bytes", lambda v: count0(v) and (v == 0 or v >= 2 * 4096), (0, 8192, 1 << 30)),
+        Field("StoreConfig", "nixl", is_bool, (False, True)),
     ]
 
 
