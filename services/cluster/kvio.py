@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -26,6 +27,8 @@ from services.engine.kv.loader import StreamedLayer
 from services.tiers import Tier
 
 log = logging.getLogger(__name__)
+
+MAX_PLACES = 4096       # chunk places from lookups kept for the fetches that follow them
 
 
 class StoreAccess:
@@ -56,6 +59,9 @@ class StoreAccess:
         self.put_bytes = 0
         self.put_errors = 0
         self.known_ids: set[str] = set()     # chunk ids this worker stored (dropped by reset)
+        # chunks' places in this host's store arena, from the last lookups (pb.LocalChunk by chunk id): a fetch reads
+        # them without a Get. Bounded: the oldest go first
+        self._places: OrderedDict[str, object] = OrderedDict()
 
     @property
     def enabled(self) -> bool:
@@ -89,6 +95,12 @@ class StoreAccess:
                 for loc in self._client.client_for(ids[0]).lookup(ids, timeout=self.lookup_timeout):
                     if loc.found and loc.tiers:
                         found[loc.chunk_id] = loc.tiers[0]
+                    if loc.place is not None:
+                        with self._lock:
+                            self._places[loc.chunk_id] = loc.place
+                            self._places.move_to_end(loc.chunk_id)
+                            while len(self._places) > MAX_PLACES:
+                                self._places.popitem(last=False)
             except grpc.RpcError as exc:
                 self._failed(shard, "lookup", exc)
         return found
@@ -107,8 +119,10 @@ class StoreAccess:
                 # evicted since the lookup: the store may still hold it
             if self._client is None:
                 return None
+            with self._lock:
+                place = self._places.pop(cid, None)       # one read a place: the next lookup gives a fresh one
             stream = (StreamedLayer(layer, k, v)
-                      for layer, k, v in self._client.get(cid, timeout=self.get_timeout, device=device))
+                      for layer, k, v in self._client.get(cid, timeout=self.get_timeout, device=device, place=place))
             return stream if self.host is None else self._keeping(cid, stream)
         return fetch
 

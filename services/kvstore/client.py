@@ -109,6 +109,8 @@ class ChunkLocation:
     found: bool
     tiers: tuple[Tier, ...]     # fastest first
     nbytes: int                 # K and V bytes over all layers
+    # for a ``local`` client: the chunk's place in its store's shared-memory arena (pb.LocalChunk), for ``get(place=)``
+    place: object | None = None
 
 
 def _layer_tensor(parts: list, nbytes: int) -> torch.Tensor:
@@ -248,12 +250,15 @@ class KVStoreClient:
         return k.numpy().tobytes() + v.numpy().tobytes()
 
     def get(self, chunk_id: str, *, layers: tuple[int, int] | None = None, timeout: float | None = None,
-            device: torch.device | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+            device: torch.device | None = None, place=None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(layer_index, k, v)`` in layer order for layers [start, stop) (default: all).
 
         ``device``: a CUDA device the caller copies the layers to anyway; layers read from this host's store arena
         are then copied there here and checked there (``kernels.checksum``), and come as tensors on it (issued on the
         current stream, complete when yielded). Other layers come in host memory whatever it says.
+        ``place``: the chunk's place from this client's ``lookup`` (``ChunkLocation.place``): the whole chunk is read
+        from the arena without a Get, checked as ever; a place gone stale (the chunk moved or damaged) is read on by
+        a Get.
         Raises grpc.RpcError NOT_FOUND for an unknown chunk, DATA_LOSS if no tier holds a good copy.
         """
         request = pb.GetRequest(chunk_id=chunk_id, local_host=host_id() if self.local else "",
@@ -264,6 +269,10 @@ class KVStoreClient:
                 raise ValueError(f"layers must be (start, stop) with 0 <= start < stop, got {layers}")
             request.layer_start, request.layer_stop = start, stop
         expect = None
+        if place is not None and layers is None:
+            expect = yield from self._read_placed(chunk_id, place, device, request)
+            if expect is True:
+                return
         while True:         # twice at most: a read of a store's file that could not go on goes on by the stream
             call = self._get(request, timeout=timeout or self.timeout)
             try:
@@ -281,6 +290,30 @@ class KVStoreClient:
             finally:
                 call.cancel()     # no-op once finished; stops the stream when the caller breaks early
             request.local_host, request.nixl = "", False   # frames now: _assemble refuses a place it did not ask for
+
+    def _read_placed(self, chunk_id: str, place, device, request: pb.GetRequest):
+        """The whole chunk from its arena place (``lookup``): True when read; else the checksums a Get must read on
+        with, from the layer ``request`` now starts at (None: from the start), by the stream (as a Get's local read
+        that could not go on is)."""
+        request.local_host, request.nixl = "", False
+        try:
+            meta = ChunkMeta.from_proto(place.header)
+        except InvalidChunk as exc:
+            raise ChunkCorruptError(f"chunk {chunk_id}: bad header in its place: {exc}") from None
+        if meta.chunk_id != chunk_id or len(meta.checksums) != meta.num_layers or not place.layers.generation:
+            raise ChunkCorruptError(f"chunk {chunk_id}: its place names {meta.chunk_id} or no arena extent")
+        try:
+            yield from self._read_local(meta, _FROM_NAME[meta.dtype], 0, meta.num_layers, place.layers, device)
+            return True
+        except _LocalGone:
+            self.fallbacks["gone"] += 1
+            return None
+        except _LocalDamaged as damaged:
+            moved = isinstance(damaged, _LocalMoved)
+            self.local_damaged += not moved
+            self.fallbacks["moved" if moved else "damaged"] += 1
+            request.layer_start, request.layer_stop = damaged.index, damaged.stop
+            return damaged.checksums
 
     def _assemble(self, chunk_id: str, call, expect: tuple | None = None, asked_local: bool = False,
                   device: torch.device | None = None,
@@ -543,8 +576,10 @@ class KVStoreClient:
 
     def lookup(self, chunk_ids: Sequence[str], *, timeout: float | None = None) -> list[ChunkLocation]:
         """Which tiers hold each chunk (one answer per id, in order)."""
-        resp = self._stub.Lookup(pb.LookupRequest(chunk_ids=list(chunk_ids)), timeout=timeout or self.timeout)
-        return [ChunkLocation(c.chunk_id, c.found, tuple(TIER_OF_PB[t] for t in c.tiers), c.nbytes) for c in resp.chunks]
+        request = pb.LookupRequest(chunk_ids=list(chunk_ids), local_host=host_id() if self.local else "")
+        resp = self._stub.Lookup(request, timeout=timeout or self.timeout)
+        return [ChunkLocation(c.chunk_id, c.found, tuple(TIER_OF_PB[t] for t in c.tiers), c.nbytes,
+                              c.local if c.HasField("local") else None) for c in resp.chunks]
 
     def delete(self, chunk_id: str, *, timeout: float | None = None) -> bool:
         """Remove a chunk from every tier; False if no tier held it."""

@@ -88,8 +88,8 @@ class ShardedKVStoreClient:
         return self.client_for(chunk_id).put(chunk_id, layers, model_fingerprint=model_fingerprint, timeout=timeout)
 
     def get(self, chunk_id: str, *, layers: tuple[int, int] | None = None, timeout: float | None = None,
-            device: torch.device | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        return self.client_for(chunk_id).get(chunk_id, layers=layers, timeout=timeout, device=device)
+            device: torch.device | None = None, place=None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        return self.client_for(chunk_id).get(chunk_id, layers=layers, timeout=timeout, device=device, place=place)
 
     def lookup(self, chunk_ids: Sequence[str], *, timeout: float | None = None) -> list[ChunkLocation]:
         by_shard: dict[str, list[str]] = {}

@@ -260,6 +260,31 @@ class TieredStore:
             out.append(Location(chunk_id, tuple(tiers), nbytes))
         return out
 
+    async def local_place(self, chunk_id: str) -> tuple[ChunkMeta, LocalFile] | None:
+        """(metadata, place) of a chunk held in the DRAM tier's shared-memory arena, for a caller on this host that
+        reads it without a Get (counted as a read served: a hit, its bytes out, and the chunk touched); None when the
+        arena does not hold it."""
+        slot = self.slots[0]
+        dram = slot.storage
+        if getattr(dram, "arena", None) is None or chunk_id not in slot.residency:
+            return None
+        try:
+            reader = await self._call(slot, dram.open, chunk_id)
+        except CorruptEntry:
+            return None
+        if reader is None:
+            return None
+        try:
+            if reader.extent is None:
+                return None
+            place = dram.local_file(reader, 0, reader.meta.num_layers)
+        finally:
+            reader.close()
+        slot.counters.hits += 1
+        slot.counters.bytes_out += reader.meta.nbytes
+        slot.residency.touch(chunk_id)
+        return reader.meta, place
+
     async def open_read(self, chunk_id: str) -> "ReadSession | None":
         """A session streaming the chunk from the fastest tier holding it; None if no tier holds
         it; DataLoss if tiers held it but every copy was corrupt (those copies are dropped)."""

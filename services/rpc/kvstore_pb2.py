@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aservices/rpc/kvstore.proto\x12\x12tessera.kvstore.v1\".\n\nLayerShape\x12\x0f\n\x07k_shape\x18\x01 \x03(\x04\x12\x0f\n\x07v_shape\x18\x02 \x03(\x04\"\xd5\x02\n\x0b\x43hunkHeader\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12(\n\x05\x64type\x18\x04 \x01(\x0e\x32\x19.tessera.kvstore.v1.DType\x12.\n\x06layers\x18\x05 \x03(\x0b\x32\x1e.tessera.kvstore.v1.LayerShape\x12\x41\n\x12\x63hecksum_algorithm\x18\x06 \x01(\x0e\x32%.tessera.kvstore.v1.ChecksumAlgorithm\x12\x17\n\x0flayer_checksums\x18\x07 \x03(\r\x12\x13\n\x0blayer_start\x18\x08 \x01(\r\x12\x12\n\nlayer_stop\x18\t \x01(\r\x12&\n\x04tier\x18\n \x01(\x0e\x32\x18.tessera.kvstore.v1.Tier\"h\n\nLayerFrame\x12\x13\n\x0blayer_index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x14\n\x0c\x65nd_of_layer\x18\x03 \x01(\x08\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\r\x12\x0f\n\x07padding\x18\x05 \x01(\x0c\"x\n\nPutRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.tessera.kvstore.v1.ChunkHeaderH\x00\x12/\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x1e.tessera.kvstore.v1.LayerFrameH\x00\x42\x06\n\x04item\"d\n\x0bPutResponse\x12\x14\n\x0cstored_bytes\x18\x01 \x01(\x04\x12\'\n\x05tiers\x18\x02 \x03(\x0e\x32\x18.tessera.kvstore.v1.Tier\x12\x16\n\x0e\x61lready_stored\x18\x03 \x01(\x08\"}\n\nGetRequest\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x17\n\nlayer_stop\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nlocal_host\x18\x04 \x01(\t\x12\x0c\n\x04nixl\x18\x05 \x01(\x08\x42\r\n\x0b_layer_stop\"f\n\nNixlLayers\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65scs\x18\x03 \x01(\x0c\x12\x14\n\x0cheader_descs\x18\x04 \x01(\x0c\x12\x12\n\ngeneration\x18\x05 \x01(\x04\"P\n\x0bLocalLayers\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0e\n\x06header\x18\x04 \x01(\x04\"\xdb\x01\n\x0bGetResponse\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.tessera.kvstore.v1.ChunkHeaderH\x00\x12/\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x1e.tessera.kvstore.v1.LayerFrameH\x00\x12\x30\n\x05local\x18\x03 \x01(\x0b\x32\x1f.tessera.kvstore.v1.LocalLayersH\x00\x12.\n\x04nixl\x18\x04 \x01(\x0b\x32\x1e.tessera.kvstore.v1.NixlLayersH\x00\x42\x06\n\x04item\"\"\n\rLookupRequest\x12\x11\n\tchunk_ids\x18\x01 \x03(\t\"i\n\rChunkLocation\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\'\n\x05tiers\x18\x03 \x03(\x0e\x32\x18.tessera.kvstore.v1.Tier\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"C\n\x0eLookupResponse\x12\x31\n\x06\x63hunks\x18\x01 \x03(\x0b\x32!.tessera.kvstore.v1.ChunkLocation\"!\n\rDeleteRequest\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xe0\x01\n\tTierStats\x12&\n\x04tier\x18\x01 \x01(\x0e\x32\x18.tessera.kvstore.v1.Tier\x12\x14\n\x0c\x62udget_bytes\x18\x02 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x17\n\x0f\x63orrupt_entries\x18\n \x01(\x04\"a\n\rStatsResponse\x12,\n\x05tiers\x18\x01 \x03(\x0b\x32\x1d.tessera.kvstore.v1.TierStats\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x12\n\nwrite_mode\x18\x03 \x01(\t*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x04*A\n\x11\x43hecksumAlgorithm\x12\x18\n\x14\x43HECKSUM_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x43HECKSUM_CRC32\x10\x01*J\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x10\n\x0cTIER_ROCKSDB\x10\x02\x12\x0b\n\x07TIER_S3\x10\x03\x32\x8d\x03\n\x07KVStore\x12H\n\x03Put\x12\x1e.tessera.kvstore.v1.PutRequest\x1a\x1f.tessera.kvstore.v1.PutResponse(\x01\x12H\n\x03Get\x12\x1e.tessera.kvstore.v1.GetRequest\x1a\x1f.tessera.kvstore.v1.GetResponse0\x01\x12O\n\x06Lookup\x12!.tessera.kvstore.v1.LookupRequest\x1a\".tessera.kvstore.v1.LookupResponse\x12O\n\x06\x44\x65lete\x12!.tessera.kvstore.v1.DeleteRequest\x1a\".tessera.kvstore.v1.DeleteResponse\x12L\n\x05Stats\x12 .tessera.kvstore.v1.StatsRequest\x1a!.tessera.kvstore.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aservices/rpc/kvstore.proto\x12\x12tessera.kvstore.v1\".\n\nLayerShape\x12\x0f\n\x07k_shape\x18\x01 \x03(\x04\x12\x0f\n\x07v_shape\x18\x02 \x03(\x04\"\xd5\x02\n\x0b\x43hunkHeader\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12(\n\x05\x64type\x18\x04 \x01(\x0e\x32\x19.tessera.kvstore.v1.DType\x12.\n\x06layers\x18\x05 \x03(\x0b\x32\x1e.tessera.kvstore.v1.LayerShape\x12\x41\n\x12\x63hecksum_algorithm\x18\x06 \x01(\x0e\x32%.tessera.kvstore.v1.ChecksumAlgorithm\x12\x17\n\x0flayer_checksums\x18\x07 \x03(\r\x12\x13\n\x0blayer_start\x18\x08 \x01(\r\x12\x12\n\nlayer_stop\x18\t \x01(\r\x12&\n\x04tier\x18\n \x01(\x0e\x32\x18.tessera.kvstore.v1.Tier\"h\n\nLayerFrame\x12\x13\n\x0blayer_index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x14\n\x0c\x65nd_of_layer\x18\x03 \x01(\x08\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\r\x12\x0f\n\x07padding\x18\x05 \x01(\x0c\"x\n\nPutRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.tessera.kvstore.v1.ChunkHeaderH\x00\x12/\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x1e.tessera.kvstore.v1.LayerFrameH\x00\x42\x06\n\x04item\"d\n\x0bPutResponse\x12\x14\n\x0cstored_bytes\x18\x01 \x01(\x04\x12\'\n\x05tiers\x18\x02 \x03(\x0e\x32\x18.tessera.kvstore.v1.Tier\x12\x16\n\x0e\x61lready_stored\x18\x03 \x01(\x08\"}\n\nGetRequest\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x17\n\nlayer_stop\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nlocal_host\x18\x04 \x01(\t\x12\x0c\n\x04nixl\x18\x05 \x01(\x08\x42\r\n\x0b_layer_stop\"f\n\nNixlLayers\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65scs\x18\x03 \x01(\x0c\x12\x14\n\x0cheader_descs\x18\x04 \x01(\x0c\x12\x12\n\ngeneration\x18\x05 \x01(\x04\"P\n\x0bLocalLayers\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0e\n\x06header\x18\x04 \x01(\x04\"\xdb\x01\n\x0bGetResponse\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.tessera.kvstore.v1.ChunkHeaderH\x00\x12/\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x1e.tessera.kvstore.v1.LayerFrameH\x00\x12\x30\n\x05local\x18\x03 \x01(\x0b\x32\x1f.tessera.kvstore.v1.LocalLayersH\x00\x12.\n\x04nixl\x18\x04 \x01(\x0b\x32\x1e.tessera.kvstore.v1.NixlLayersH\x00\x42\x06\n\x04item\"6\n\rLookupRequest\x12\x11\n\tchunk_ids\x18\x01 \x03(\t\x12\x12\n\nlocal_host\x18\x02 \x01(\t\"n\n\nLocalChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.tessera.kvstore.v1.ChunkHeader\x12/\n\x06layers\x18\x02 \x01(\x0b\x32\x1f.tessera.kvstore.v1.LocalLayers\"\x98\x01\n\rChunkLocation\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\'\n\x05tiers\x18\x03 \x03(\x0e\x32\x18.tessera.kvstore.v1.Tier\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12-\n\x05local\x18\x05 \x01(\x0b\x32\x1e.tessera.kvstore.v1.LocalChunk\"C\n\x0eLookupResponse\x12\x31\n\x06\x63hunks\x18\x01 \x03(\x0b\x32!.tessera.kvstore.v1.ChunkLocation\"!\n\rDeleteRequest\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xe0\x01\n\tTierStats\x12&\n\x04tier\x18\x01 \x01(\x0e\x32\x18.tessera.kvstore.v1.Tier\x12\x14\n\x0c\x62udget_bytes\x18\x02 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x17\n\x0f\x63orrupt_entries\x18\n \x01(\x04\"a\n\rStatsResponse\x12,\n\x05tiers\x18\x01 \x03(\x0b\x32\x1d.tessera.kvstore.v1.TierStats\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x12\n\nwrite_mode\x18\x03 \x01(\t*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x04*A\n\x11\x43hecksumAlgorithm\x12\x18\n\x14\x43HECKSUM_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x43HECKSUM_CRC32\x10\x01*J\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x10\n\x0cTIER_ROCKSDB\x10\x02\x12\x0b\n\x07TIER_S3\x10\x03\x32\x8d\x03\n\x07KVStore\x12H\n\x03Put\x12\x1e.tessera.kvstore.v1.PutRequest\x1a\x1f.tessera.kvstore.v1.PutResponse(\x01\x12H\n\x03Get\x12\x1e.tessera.kvstore.v1.GetRequest\x1a\x1f.tessera.kvstore.v1.GetResponse0\x01\x12O\n\x06Lookup\x12!.tessera.kvstore.v1.LookupRequest\x1a\".tessera.kvstore.v1.LookupResponse\x12O\n\x06\x44\x65lete\x12!.tessera.kvstore.v1.DeleteRequest\x1a\".tessera.kvstore.v1.DeleteResponse\x12L\n\x05Stats\x12 .tessera.kvstore.v1.StatsRequest\x1a!.tessera.kvstore.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'services.rpc.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1931
-  _globals['_DTYPE']._serialized_end=2036
-  _globals['_CHECKSUMALGORITHM']._serialized_start=2038
-  _globals['_CHECKSUMALGORITHM']._serialized_end=2103
-  _globals['_TIER']._serialized_start=2105
-  _globals['_TIER']._serialized_end=2179
+  _globals['_DTYPE']._serialized_start=2111
+  _globals['_DTYPE']._serialized_end=2216
+  _globals['_CHECKSUMALGORITHM']._serialized_start=2218
+  _globals['_CHECKSUMALGORITHM']._serialized_end=2283
+  _globals['_TIER']._serialized_start=2285
+  _globals['_TIER']._serialized_end=2359
   _globals['_LAYERSHAPE']._serialized_start=50
   _globals['_LAYERSHAPE']._serialized_end=96
   _globals['_CHUNKHEADER']._serialized_start=99
@@ -56,21 +56,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETRESPONSE']._serialized_start=1086
   _globals['_GETRESPONSE']._serialized_end=1305
   _globals['_LOOKUPREQUEST']._serialized_start=1307
-  _globals['_LOOKUPREQUEST']._serialized_end=1341
-  _globals['_CHUNKLOCATION']._serialized_start=1343
-  _globals['_CHUNKLOCATION']._serialized_end=1448
-  _globals['_LOOKUPRESPONSE']._serialized_start=1450
-  _globals['_LOOKUPRESPONSE']._serialized_end=1517
-  _globals['_DELETEREQUEST']._serialized_start=1519
-  _globals['_DELETEREQUEST']._serialized_end=1552
-  _globals['_DELETERESPONSE']._serialized_start=1554
-  _globals['_DELETERESPONSE']._serialized_end=1587
-  _globals['_STATSREQUEST']._serialized_start=1589
-  _globals['_STATSREQUEST']._serialized_end=1603
-  _globals['_TIERSTATS']._serialized_start=1606
-  _globals['_TIERSTATS']._serialized_end=1830
-  _globals['_STATSRESPONSE']._serialized_start=1832
-  _globals['_STATSRESPONSE']._serialized_end=1929
-  _globals['_KVSTORE']._serialized_start=2182
-  _globals['_KVSTORE']._serialized_end=2579
+  _globals['_LOOKUPREQUEST']._serialized_end=1361
+  _globals['_LOCALCHUNK']._serialized_start=1363
+  _globals['_LOCALCHUNK']._serialized_end=1473
+  _globals['_CHUNKLOCATION']._serialized_start=1476
+  _globals['_CHUNKLOCATION']._serialized_end=1628
+  _globals['_LOOKUPRESPONSE']._serialized_start=1630
+  _globals['_LOOKUPRESPONSE']._serialized_end=1697
+  _globals['_DELETEREQUEST']._serialized_start=1699
+  _globals['_DELETEREQUEST']._serialized_end=1732
+  _globals['_DELETERESPONSE']._serialized_start=1734
+  _globals['_DELETERESPONSE']._serialized_end=1767
+  _globals['_STATSREQUEST']._serialized_start=1769
+  _globals['_STATSREQUEST']._serialized_end=1783
+  _globals['_TIERSTATS']._serialized_start=1786
+  _globals['_TIERSTATS']._serialized_end=2010
+  _globals['_STATSRESPONSE']._serialized_start=2012
+  _globals['_STATSRESPONSE']._serialized_end=2109
+  _globals['_KVSTORE']._serialized_start=2362
+  _globals['_KVSTORE']._serialized_end=2759
 # @@protoc_insertion_point(module_scope)

@@ -155,22 +155,34 @@ class GetResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., frame: _Optional[_Union[LayerFrame, _Mapping]] = ..., local: _Optional[_Union[LocalLayers, _Mapping]] = ..., nixl: _Optional[_Union[NixlLayers, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("chunk_ids",)
+    __slots__ = ("chunk_ids", "local_host")
     CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_HOST_FIELD_NUMBER: _ClassVar[int]
     chunk_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    local_host: str
+    def __init__(self, chunk_ids: _Optional[_Iterable[str]] = ..., local_host: _Optional[str] = ...) -> None: ...
+
+class LocalChunk(_message.Message):
+    __slots__ = ("header", "layers")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    header: ChunkHeader
+    layers: LocalLayers
+    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., layers: _Optional[_Union[LocalLayers, _Mapping]] = ...) -> None: ...
 
 class ChunkLocation(_message.Message):
-    __slots__ = ("chunk_id", "found", "tiers", "nbytes")
+    __slots__ = ("chunk_id", "found", "tiers", "nbytes", "local")
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
     chunk_id: str
     found: bool
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     nbytes: int
-    def __init__(self, chunk_id: _Optional[str] = ..., found: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    local: LocalChunk
+    def __init__(self, chunk_id: _Optional[str] = ..., found: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., nbytes: _Optional[int] = ..., local: _Optional[_Union[LocalChunk, _Mapping]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("chunks",)

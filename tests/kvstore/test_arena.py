@@ -276,3 +276,71 @@ def test_a_chunk_only_a_lower_tier_holds_is_staged_through_the_arena_for_a_reade
         assert local.reads["stream"] == 1 and tiers_of(plain, evicted) == ("rocksdb",)
     finally:
         local.close()
+
+
+def _counting_gets(client: KVStoreClient) -> list:
+    """Count the client's Get calls (the bulk RPC, wrapped)."""
+    calls, real = [], client._get
+
+    def counted(request, **kwargs):
+        calls.append(request.chunk_id)
+        return real(request, **kwargs)
+
+    client._get = counted
+    return calls
+
+
+def test_a_lookup_here_gives_the_arena_place_and_a_read_from_it_needs_no_get(start_store, shm_dir):  # noqa: F811
+    srv, plain = arena_store(start_store, shm_dir)
+    layers = make_layers(n_layers=5, tokens=70, heads=3, dim=24, seed=14)
+    plain.put("doc-p", layers)
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        assert plain.lookup(["doc-p"])[0].place is None              # not on the store's host: no place
+        [loc] = local.lookup(["doc-p"])
+        assert loc.found and loc.place is not None and loc.place.layers.generation
+        assert local.lookup(["doc-none"])[0].place is None
+        calls = _counting_gets(local)
+        got = list(local.get("doc-p", place=loc.place))
+        assert calls == [] and local.reads["arena"] == 1
+        for (_, k, v), (k0, v0) in zip(got, layers):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+    finally:
+        local.close()
+
+
+def test_a_stale_place_is_read_on_by_a_get(start_store, shm_dir, monkeypatch):  # noqa: F811
+    """The chunk deleted and its room reused between the lookup and the read: nothing of the new content is handed
+    on; the read goes on by a Get, which finds the chunk gone."""
+    monkeypatch.setattr(arena_module, "REUSE_GRACE_S", 0.0)
+    srv, plain = arena_store(start_store, shm_dir)
+    plain.put("doc-q", make_layers(n_layers=3, seed=15))
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        [loc] = local.lookup(["doc-q"])
+        assert plain.delete("doc-q")
+        plain.put("doc-r", make_layers(n_layers=3, seed=16))       # the same room
+        calls = _counting_gets(local)
+        with pytest.raises(grpc.RpcError) as err:
+            list(local.get("doc-q", place=loc.place))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and calls == ["doc-q"]
+        assert local.fallbacks["moved"] == 1 and local.local_damaged == 0
+    finally:
+        local.close()
+
+
+def test_a_workers_fetch_after_its_lookup_reads_the_arena_without_a_get(start_store, shm_dir):  # noqa: F811
+    from services.cluster.kvio import StoreAccess
+
+    srv, plain = arena_store(start_store, shm_dir)
+    layers = make_layers(n_layers=3, seed=17)
+    plain.put("doc-s", layers)
+    access = StoreAccess([srv.address])
+    try:
+        [client] = access._client.clients()
+        calls = _counting_gets(client)
+        present = access.lookup(["doc-s"])
+        assert len(list(access.fetcher(present)("doc-s"))) == 3 and calls == []
+        assert len(list(access.fetcher(present)("doc-s"))) == 3 and calls == ["doc-s"]    # a place serves one read
+    finally:
+        access.close()
