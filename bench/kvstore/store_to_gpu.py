@@ -9,6 +9,8 @@ loader does (non-blocking copies, one sync at the end), timed from the get to th
   first read, while the segment is still being registered);
 - `arena_gpu`: the same, the read copying each group of layers onto the GPU itself and checking their CRC-32 there
   (`get(device=)`, what a prefill worker's loads do);
+- `arena_gpu_placed`: the same as a worker reads it, its lookup (which gives the chunk's arena place) then the read
+  from there without a `Get` (both timed);
 - `shm_file`: the tier in /dev/shm as a file per chunk (`--dram-segment-bytes 0`), read into pinned memory;
 - `stream`: the same chunks streamed over loopback gRPC (the tier in the store's memory), as before;
 - `*_x4`: the same reads four at a time on four threads, as a pass's chunk loads run (a chunk's share of the wall time);
@@ -65,11 +67,14 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def load_seconds(client, chunk_id: str, dev, on_device: bool = False) -> float:
+def load_seconds(client, chunk_id: str, dev, on_device: bool = False, placed: bool = False) -> float:
+    """A chunk's get and copy onto ``dev``; ``placed``: as a worker reads it, its lookup first (which gives its arena
+    place), then the read from there without a Get."""
     _sync(dev)
     t0 = time.perf_counter()
+    place = client.lookup([chunk_id])[0].place if placed else None
     landed = [(k.to(dev, non_blocking=True), v.to(dev, non_blocking=True))
-              for _, k, v in client.get(chunk_id, device=dev if on_device else None)]
+              for _, k, v in client.get(chunk_id, device=dev if on_device else None, place=place)]
     _sync(dev)
     seconds = time.perf_counter() - t0
     assert len(landed) == LAYERS
@@ -219,6 +224,8 @@ def main() -> int:
                                torch.equal(v.cpu(), chunks["chunk-000"][i][1]) for i, k, v in got)
                     del got
                     rows["arena_gpu"] = [load_seconds(reader, cid, dev, True) for _ in range(args.rounds) for cid in chunks]
+                    rows["arena_gpu_placed"] = [load_seconds(reader, cid, dev, True, True)
+                                                for _ in range(args.rounds) for cid in chunks]
                     rows["arena_gpu_x4"] = parallel_seconds(reader, list(chunks) * args.rounds, dev, 4, True)
                 assert (reader.local_reads > 0) == (path != "stream")
                 assert (reader.arena_reads > 0) == (path == "arena")
@@ -247,7 +254,7 @@ def main() -> int:
         extra = f", {v['GBps']:.1f} GB/s" if v["GBps"] else ""
         print(f"{k:>13}: {v['ms_p50']:.2f} ms p50 (max {v['ms_max']:.2f}){extra}", flush=True)
     ratios = {}
-    for k in ("arena_gpu", "arena_gpu_x4", "arena", "arena_x4", "shm_file", "shm_file_x4", "stream"):
+    for k in ("arena_gpu", "arena_gpu_placed", "arena_gpu_x4", "arena", "arena_x4", "shm_file", "shm_file_x4", "stream"):
         if k in med and cuda:
             ratios[f"{k}_of_pinned_ceiling"] = med["h2d_pinned"] / med[k]
             ratios[f"compute_over_{k}"] = med["compute"] / med[k]
