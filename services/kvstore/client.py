@@ -476,7 +476,9 @@ class KVStoreClient:
 
         cuda = device.type == "cuda"
         # the checks run on a stream of their own, so that a group's check overlaps the next group's copy
-        checking = self._check_streams.setdefault(device, torch.cuda.Stream(device)) if cuda else None
+        checking = None
+        if cuda:
+            checking = self._check_streams.get(device) or self._check_streams.setdefault(device, torch.cuda.Stream(device))
 
         def issue(group):
             lo = group[0][1]
