@@ -40,6 +40,16 @@ class _TierCollector:
                 budget.add_metric([slot.name], slot.residency.budget)
         yield from fams.values()
         yield from (resident, chunks, budget)
+        arena = getattr(self._store.slots[0].storage, "arena", None) if self._store.slots else None
+        if arena is not None:       # the DRAM tier's arena: room it can use, and chunks it had none for
+            free = GaugeMetricFamily("tessera_kvstore_arena_free_bytes", "Room in the DRAM arena: free, resting "
+                                     "(freed, reusable after the grace) and not yet made into segments")
+            free.add_metric([], arena.free_bytes())
+            yield free
+            unplaced = CounterMetricFamily("tessera_kvstore_arena_unplaced", "Chunks the DRAM arena had no room for, "
+                                           "kept as files of their own (read the slower, per-file way)")
+            unplaced.add_metric([], self._store.slots[0].storage.unplaced)
+            yield unplaced
 
 
 class StoreMetrics(MetricsEndpoint):

@@ -344,3 +344,16 @@ def test_a_workers_fetch_after_its_lookup_reads_the_arena_without_a_get(start_st
         assert len(list(access.fetcher(present)("doc-s"))) == 3 and calls == ["doc-s"]    # a place serves one read
     finally:
         access.close()
+
+
+def test_the_store_reports_its_arenas_room_and_the_chunks_it_had_none_for(start_store, shm_dir):  # noqa: F811
+    from prometheus_client import generate_latest
+
+    srv, plain = arena_store(start_store, shm_dir, dram_bytes=8 * MiB, dram_segment_bytes=1 * MiB)
+    plain.put("doc-big", make_layers(n_layers=4, tokens=1024, heads=2, dim=64, seed=18))   # 2 MiB: over a segment
+    plain.put("doc-small", make_layers(n_layers=2, tokens=64, heads=2, dim=32, seed=19))
+    text = generate_latest(srv.server.metrics.registry).decode()
+    assert "tessera_kvstore_arena_unplaced_total 1.0" in text
+    free = float(next(line.split()[1] for line in text.splitlines()
+                      if line.startswith("tessera_kvstore_arena_free_bytes ")))
+    assert 0 < free < 9 * MiB + MiB // 8
