@@ -130,8 +130,10 @@ def test_a_restarted_store_is_mapped_again(start_store, shm_dir):  # noqa: F811
     layers = make_layers(n_layers=3, seed=5)
     plain.put("doc-c", layers)
     local = KVStoreClient(srv.address, timeout=30, local=True)
+    local2 = None
     try:
         assert_roundtrip(local, "doc-c", layers)
+        before = dict(local.segments._maps)
         srv.stop()
         srv2, plain2 = arena_store(start_store, shm_dir)        # the same directory: new segment files
         other = make_layers(n_layers=3, seed=6)
@@ -140,7 +142,11 @@ def test_a_restarted_store_is_mapped_again(start_store, shm_dir):  # noqa: F811
         local2.segments = local.segments                          # the same process's maps
         assert_roundtrip(local2, "doc-c", other)
         assert local2.arena_reads == 1
+        [(path, old)] = before.items()
+        assert local.segments._maps[path] is not old              # the new file mapped, the old map dropped
     finally:
+        if local2 is not None:
+            local2.close()
         local.close()
 
 
