@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -25,6 +26,9 @@ from services.engine.kv.chunk_ids import index_entry_id
 from services.kvstore.client import ChunkCorruptError
 from services.engine.kv.loader import StreamedLayer
 from services.tiers import Tier
+
+if TYPE_CHECKING:
+    from services.rpc import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +65,7 @@ class StoreAccess:
         self.known_ids: set[str] = set()     # chunk ids this worker stored (dropped by reset)
         # chunks' places in this host's store arena, from the last lookups (pb.LocalChunk by chunk id): a fetch reads
         # them without a Get. Bounded: the oldest go first
-        self._places: OrderedDict[str, object] = OrderedDict()
+        self._places: OrderedDict[str, pb.LocalChunk] = OrderedDict()
 
     @property
     def enabled(self) -> bool:

@@ -110,7 +110,7 @@ class ChunkLocation:
     tiers: tuple[Tier, ...]     # fastest first
     nbytes: int                 # K and V bytes over all layers
     # for a ``local`` client: the chunk's place in its store's shared-memory arena (pb.LocalChunk), for ``get(place=)``
-    place: object | None = None
+    place: pb.LocalChunk | None = None
 
 
 def _layer_tensor(parts: list, nbytes: int) -> torch.Tensor:
