@@ -155,9 +155,9 @@ class StoreAccess:
     def read_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """(gets by how their bytes came, reads of this host's tier that went on by the stream by why), over the
         shards (``KVStoreClient.reads`` and ``fallbacks``)."""
-        from services.kvstore.client import READ_PATHS
+        from services.kvstore.client import FALLBACKS, READ_PATHS
 
-        reads, fallbacks = dict.fromkeys(READ_PATHS, 0), {"gone": 0, "moved": 0, "damaged": 0}
+        reads, fallbacks = dict.fromkeys(READ_PATHS, 0), dict.fromkeys(FALLBACKS, 0)
         for client in ([] if self._client is None else self._client.clients()):
             for total, counts in ((reads, client.reads), (fallbacks, client.fallbacks)):
                 for key, n in counts.items():

@@ -58,6 +58,8 @@ ARENA_GROUP = 8           # layers of an arena read onto a GPU copied and checke
 # how a get's bytes came: this host's store arena copied onto the GPU and checked there, its views checked on the CPU,
 # a file of this host's tier read into (pinned) memory, another host's store arena read over NIXL, or the gRPC stream
 READ_PATHS = ("arena-device", "arena", "file", "nixl", "stream")
+# why a read of this host's tier (or over NIXL) went on by the stream: its file gone, its extent moved, a layer damaged
+FALLBACKS = ("gone", "moved", "damaged")
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
@@ -165,7 +167,7 @@ class KVStoreClient:
         self.arena_reads = 0        # of those, reads from the store's arena (zero-copy views of its segments)
         # reads by how their bytes came (READ_PATHS), and reads of this host's tier that went on by the stream, by why
         self.reads = dict.fromkeys(READ_PATHS, 0)
-        self.fallbacks = dict.fromkeys(("gone", "moved", "damaged"), 0)
+        self.fallbacks = dict.fromkeys(FALLBACKS, 0)
         self._readers: ThreadPoolExecutor | None = None
         self._checkers: ThreadPoolExecutor | None = None
         self._check_streams: dict = {}      # per CUDA device: the stream arena reads check landed bytes on
@@ -282,14 +284,18 @@ class KVStoreClient:
             except _LocalGone:
                 self.fallbacks["gone"] += 1     # its file went away before it was opened: the bytes by the stream
             except _LocalDamaged as damaged:
-                moved = isinstance(damaged, _LocalMoved)
-                self.local_damaged += not moved
-                self.fallbacks["moved" if moved else "damaged"] += 1
+                self._fell_back(damaged)
                 request.layer_start, request.layer_stop = damaged.index, damaged.stop
                 expect = damaged.checksums
             finally:
                 call.cancel()     # no-op once finished; stops the stream when the caller breaks early
             request.local_host, request.nixl = "", False   # frames now: _assemble refuses a place it did not ask for
+
+    def _fell_back(self, why: "_LocalDamaged") -> None:
+        """Count a read of this host's tier that goes on by the stream: a moved extent, or a damaged layer."""
+        moved = isinstance(why, _LocalMoved)
+        self.local_damaged += not moved
+        self.fallbacks["moved" if moved else "damaged"] += 1
 
     def _read_placed(self, chunk_id: str, place, device, request: pb.GetRequest):
         """The whole chunk from its arena place (``lookup``): True when read; else the checksums a Get must read on
@@ -309,9 +315,7 @@ class KVStoreClient:
             self.fallbacks["gone"] += 1
             return None
         except _LocalDamaged as damaged:
-            moved = isinstance(damaged, _LocalMoved)
-            self.local_damaged += not moved
-            self.fallbacks["moved" if moved else "damaged"] += 1
+            self._fell_back(damaged)
             request.layer_start, request.layer_stop = damaged.index, damaged.stop
             return damaged.checksums
 
