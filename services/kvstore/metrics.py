@@ -40,7 +40,7 @@ class _TierCollector:
                 budget.add_metric([slot.name], slot.residency.budget)
         yield from fams.values()
         yield from (resident, chunks, budget)
-        arena = getattr(self._store.slots[0].storage, "arena", None) if self._store.slots else None
+        arena = self._store.arena
         if arena is not None:       # the DRAM tier's arena: room it can use, and chunks it had none for
             free = GaugeMetricFamily("tessera_kvstore_arena_free_bytes", "Room in the DRAM arena: free, resting "
                                      "(freed, reusable after the grace) and not yet made into segments")

@@ -167,7 +167,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         here = bool(request.local_host) and request.local_host == host_id()
         staged: list | None = None
         if (here or (request.nixl and self.nixl is not None)) and session.tier != pb.TIER_DRAM and start == 0 \
-                and stop == meta.num_layers and self._stages():
+                and stop == meta.num_layers and self.store.arena is not None:
             # a whole chunk from a lower tier, for a caller that reads the DRAM arena itself: staged through it (read,
             # checked, promoted), then read from there; the layers read are streamed if the arena did not take it
             try:
@@ -195,8 +195,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if local is not None:
             # the caller shares this host: it reads the layers from the DRAM tier's file itself (and checks them)
             try:
-                yield pb.GetResponse(local=pb.LocalLayers(path=local.path, offsets=local.offsets,
-                                                          generation=local.generation, header=local.header))
+                yield pb.GetResponse(local=_local_layers(local))
             finally:
                 session.abort()
             self.metrics.local_gets.inc()
@@ -224,11 +223,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 session.abort()
         await session.finish()
         self.metrics.get_seconds.labels(tier).observe(time.perf_counter() - started)
-
-    def _stages(self) -> bool:
-        """Whether reads from lower tiers stage through the DRAM tier's arena (it is one, in shared memory)."""
-        dram = self.store.slots[0].storage
-        return getattr(dram, "arena", None) is not None
 
     async def _stage(self, session, chunk_id: str):
         """Read a lower tier's copy whole (checked), let the session promote it, and open the chunk again: (a session
@@ -259,8 +253,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 if placed is not None:      # the caller reads it from the arena without a Get
                     meta, place = placed
                     item.local.header.CopyFrom(meta.to_proto(0, meta.num_layers, pb.TIER_DRAM))
-                    item.local.layers.CopyFrom(pb.LocalLayers(path=place.path, offsets=place.offsets,
-                                                              generation=place.generation, header=place.header))
+                    item.local.layers.CopyFrom(_local_layers(place))
                     self.metrics.local_gets.inc()
             out.append(item)
         return pb.LookupResponse(chunks=out)
@@ -356,14 +349,18 @@ class KVStoreServer:
         await self.grpc_server.wait_for_termination()
 
 
+def _local_layers(place) -> pb.LocalLayers:
+    """A ``tiers.LocalFile`` as the message that tells a caller on this host where to read it."""
+    return pb.LocalLayers(path=place.path, offsets=place.offsets, generation=place.generation, header=place.header)
+
+
 def _nixl_exporter(store: TieredStore):
     """The arena's NIXL agent (``nixl_export.ArenaExporter``), registering each segment as the arena makes it; None,
     said in the log, where there is no arena or NIXL cannot load (callers are then streamed the bytes)."""
     from services.handoff.nixl import NixlUnavailable
-    from services.kvstore.tiers import ShmDramTier
 
-    dram = store.slots[0].storage
-    if not isinstance(dram, ShmDramTier) or dram.arena is None:
+    arena = store.arena
+    if arena is None:
         log.warning("--nixl: the DRAM tier has no arena (it needs --dram-dir and segments): callers are streamed")
         return None
     try:
@@ -373,9 +370,9 @@ def _nixl_exporter(store: TieredStore):
     except NixlUnavailable as exc:
         log.warning("--nixl: NIXL cannot be used (%s): callers are streamed", exc)
         return None
-    for seg in dram.arena.segments:
+    for seg in arena.segments:
         exporter.add(seg.path, seg.size)
-    dram.arena.on_segment = exporter.add
+    arena.on_segment = exporter.add
     return exporter
 
 

@@ -260,13 +260,18 @@ class TieredStore:
             out.append(Location(chunk_id, tuple(tiers), nbytes))
         return out
 
+    @property
+    def arena(self):
+        """The DRAM tier's shared-memory arena (``arena.Arena``), None when the tier has none."""
+        return getattr(self.slots[0].storage, "arena", None) if self.slots else None
+
     async def local_place(self, chunk_id: str) -> tuple[ChunkMeta, LocalFile] | None:
         """(metadata, place) of a chunk held in the DRAM tier's shared-memory arena, for a caller on this host that
         reads it without a Get (counted as a read served: a hit, its bytes out, and the chunk touched); None when the
         arena does not hold it."""
         slot = self.slots[0]
         dram = slot.storage
-        if getattr(dram, "arena", None) is None or chunk_id not in slot.residency:
+        if self.arena is None or chunk_id not in slot.residency:
             return None
         try:
             reader = await self._call(slot, dram.open, chunk_id)
