@@ -363,3 +363,25 @@ def test_the_store_reports_its_arenas_room_and_the_chunks_it_had_none_for(start_
     free = float(next(line.split()[1] for line in text.splitlines()
                       if line.startswith("tessera_kvstore_arena_free_bytes ")))
     assert 0 < free < 9 * MiB + MiB // 8
+
+
+def test_a_caller_naming_another_host_gets_no_place_and_bad_segment_sizes_are_refused(start_store, shm_dir, tmp_path):  # noqa: F811
+    """A Lookup or Get naming a host that is not the store's gets no place in its memory (the bytes by the stream);
+    a segment size under two pages is refused by name, at the command line too, and nothing is started."""
+    import subprocess
+    import sys
+
+    from services.hostid import host_id
+    from services.rpc import kvstore_pb2 as pb
+
+    srv, plain = arena_store(start_store, shm_dir)
+    plain.put("doc-t", make_layers(n_layers=2, seed=20))
+    resp = plain._stub.Lookup(pb.LookupRequest(chunk_ids=["doc-t"], local_host="elsewhere/" + host_id()), timeout=30)
+    assert resp.chunks[0].found and not resp.chunks[0].HasField("local")
+    stream = plain._get(pb.GetRequest(chunk_id="doc-t", local_host="elsewhere/" + host_id(), nixl=True), timeout=30)
+    kinds = [("frame" if not hasattr(m, "HasField") else m.WhichOneof("item")) for m in stream]
+    assert kinds[0] == "header" and "local" not in kinds and "nixl" not in kinds
+    out = subprocess.run([sys.executable, "-m", "services.cli", "kvstore", "serve", "--port", "0", "--dram-bytes", "8M",
+                          "--dram-dir", str(tmp_path / "d"), "--dram-segment-bytes", "100",
+                          "--rocksdb-dir", str(tmp_path / "db")], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "dram_segment_bytes" in out.stderr and not (tmp_path / "d").exists()
