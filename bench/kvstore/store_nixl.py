@@ -13,10 +13,8 @@ Peer in the same run: a plain host memcpy of the chunk's bytes (what moving them
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -26,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench" / "kvstore"))
 
-from store_to_gpu import start_store  # noqa: E402 - the bench's own store launcher
+from store_to_gpu import paths_table, start_store, write_result  # noqa: E402 - the bench's own pieces
 
 
 def main() -> int:
@@ -78,19 +76,11 @@ def main() -> int:
         proc.terminate()
         proc.wait(60)
         shutil.rmtree(work, ignore_errors=True)
-    table = {k: {"ms_p50": statistics.median(v) * 1e3, "ms_max": max(v) * 1e3,
-                 "GBps": chunk_bytes / statistics.median(v) / 1e9} for k, v in rows.items()}
-    for k, v in table.items():
-        print(f"{k:>7}: {v['ms_p50']:.2f} ms p50 (max {v['ms_max']:.2f}), {v['GBps']:.2f} GB/s", flush=True)
+    table = paths_table(rows, chunk_bytes)
     ratio = table["stream"]["ms_p50"] / table["nixl"]["ms_p50"]
     print(f"nixl is {ratio:.2f}x faster than the stream")
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
-              "device": f"CPU ({os.cpu_count()} cores)", "torch": torch.__version__,
-              "commit": os.environ.get("TESSERA_COMMIT", ""), "chunk_bytes": chunk_bytes, "chunks": args.chunks,
-              "rounds": args.rounds, "paths": table, "stream_over_nixl": ratio, "samples_s": rows}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_result(args.json, device=f"CPU ({os.cpu_count()} cores)", chunk_bytes=chunk_bytes, chunks=args.chunks,
+                 rounds=args.rounds, paths=table, stream_over_nixl=ratio, samples_s=rows)
     return 0
 
 

@@ -171,6 +171,29 @@ def compute_seconds(model_dir: str | None, reps: int) -> tuple[list[float], str]
     return out, name
 
 
+def paths_table(rows: dict[str, list[float]], chunk_bytes: int, no_rate: tuple[str, ...] = ()) -> dict:
+    """{path: ms p50, ms max, GB/s of a chunk (None for ``no_rate`` paths)} from each path's seconds, printed."""
+    table = {}
+    for k, v in rows.items():
+        med = statistics.median(v)
+        table[k] = {"ms_p50": med * 1e3, "ms_max": max(v) * 1e3,
+                    "GBps": None if k in no_rate else chunk_bytes / med / 1e9}
+        rate = f", {table[k]['GBps']:.2f} GB/s" if table[k]["GBps"] else ""
+        print(f"{k:>16}: {table[k]['ms_p50']:.2f} ms p50 (max {table[k]['ms_max']:.2f}){rate}", flush=True)
+    return table
+
+
+def write_result(path: str | None, **fields) -> None:
+    """The run's JSON (date, command, torch, commit, then ``fields``) at ``path``, when given."""
+    import torch
+
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+              "torch": torch.__version__, "commit": os.environ.get("TESSERA_COMMIT", ""), **fields}
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=16)
@@ -248,24 +271,15 @@ def main() -> int:
         if shm:
             shutil.rmtree(shm, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    table = {k: {"ms_p50": med[k] * 1e3, "ms_max": max(rows[k]) * 1e3,
-                 "GBps": chunk_bytes / med[k] / 1e9 if k != "compute" else None} for k in rows}
-    for k, v in table.items():
-        extra = f", {v['GBps']:.1f} GB/s" if v["GBps"] else ""
-        print(f"{k:>13}: {v['ms_p50']:.2f} ms p50 (max {v['ms_max']:.2f}){extra}", flush=True)
+    table = paths_table(rows, chunk_bytes, no_rate=("compute",))
     ratios = {}
     for k in ("arena_gpu", "arena_gpu_placed", "arena_gpu_x4", "arena", "arena_x4", "shm_file", "shm_file_x4", "stream"):
         if k in med and cuda:
             ratios[f"{k}_of_pinned_ceiling"] = med["h2d_pinned"] / med[k]
             ratios[f"compute_over_{k}"] = med["compute"] / med[k]
     print(json.dumps(ratios, indent=1))
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
-              "device": gpu, "torch": torch.__version__, "commit": os.environ.get("TESSERA_COMMIT", ""),
-              "chunk_bytes": chunk_bytes, "chunks": args.chunks, "rounds": args.rounds, "paths": table,
-              "ratios": ratios, "samples_s": rows}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_result(args.json, device=gpu, chunk_bytes=chunk_bytes, chunks=args.chunks, rounds=args.rounds, paths=table,
+                 ratios=ratios, samples_s=rows)
     return 0
 
 
