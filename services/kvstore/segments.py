@@ -17,6 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from services.kvstore.arena import GENERATION_AT
+
 log = logging.getLogger(__name__)
 
 _READ_ONLY, _PORTABLE = 8, 1        # cudaHostRegisterReadOnly, cudaHostRegisterPortable
@@ -38,8 +40,6 @@ class Segment:
 
     def header(self, offset: int) -> int:
         """The generation in the extent header at ``offset`` (arena.GENERATION_AT)."""
-        from services.kvstore.arena import GENERATION_AT
-
         return int(self.array[offset + GENERATION_AT: offset + GENERATION_AT + 8].view(np.uint64)[0])
 
     def holds(self, t: torch.Tensor) -> bool:
