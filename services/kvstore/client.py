@@ -13,6 +13,7 @@ surface as ``grpc.RpcError`` with the status code.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -113,6 +114,29 @@ class ChunkLocation:
     nbytes: int                 # K and V bytes over all layers
     # for a ``local`` client: the chunk's place in its store's shared-memory arena (pb.LocalChunk), for ``get(place=)``
     place: pb.LocalChunk | None = None
+
+
+@functools.lru_cache(maxsize=4096)
+def _placed_meta(header: bytes) -> ChunkMeta:
+    """A looked-up place's chunk header, checked (``ChunkMeta.from_proto``); kept by its bytes, as a chunk's header is
+    the same at every lookup while the store keeps that version."""
+    return ChunkMeta.from_proto(pb.ChunkHeader.FromString(header))
+
+
+def _groups(spans: list) -> list[list]:
+    """An arena read's layers in the groups copied and checked at once: ``ARENA_GROUP`` at a time, the last of them
+    halved down to two layers (8, 8, 8, 4, 2, 2 of 32), so that little is left to check after the last copy lands."""
+    out, at = [], 0
+    while len(spans) - at > ARENA_GROUP:
+        out.append(spans[at:at + ARENA_GROUP])
+        at += ARENA_GROUP
+    while len(spans) - at > 2:
+        size = (len(spans) - at + 1) // 2
+        out.append(spans[at:at + size])
+        at += size
+    if at < len(spans):
+        out.append(spans[at:])
+    return out
 
 
 def _layer_tensor(parts: list, nbytes: int) -> torch.Tensor:
@@ -303,7 +327,7 @@ class KVStoreClient:
         that could not go on is)."""
         request.local_host, request.nixl = "", False
         try:
-            meta = ChunkMeta.from_proto(place.header)
+            meta = _placed_meta(place.header.SerializeToString())
         except InvalidChunk as exc:
             raise ChunkCorruptError(f"chunk {chunk_id}: bad header in its place: {exc}") from None
         if meta.chunk_id != chunk_id or len(meta.checksums) != meta.num_layers or not place.layers.generation:
@@ -472,7 +496,7 @@ class KVStoreClient:
             wait(pending)
 
     def _arena_to_device(self, meta: ChunkMeta, dtype, stop: int, local, seg, spans, device) -> Iterator:
-        """``ARENA_GROUP`` layers at a time: one copy of their span onto ``device`` and one checksum launch there, all
+        """Layers in groups (``_groups``): one copy of a group's span onto ``device`` and one checksum launch there, all
         groups queued before the first is waited for. A group is handed on only once its bytes have landed, each
         layer's CRC-32 over the landed bytes is the header's, and the extent's header still holds the generation the
         store named: the store writes that header before it reuses the room, so what landed is what was checked."""
@@ -490,7 +514,14 @@ class KVStoreClient:
             landed = seg.bytes[lo:group[-1][1] + group[-1][2]].to(device, non_blocking=True)
             if not cuda:                        # the device's own memory, as a GPU's would be
                 landed = landed.clone()
-                return group, lo, landed, crc32_spans(landed, *spans, backend="torch"), None
+            # the layers' views made now, while the copies run, not after the last check
+            views = []
+            for index, offset, nbytes in group:
+                at, kn = offset - lo, meta.k_nbytes(index)
+                views.append((index, landed[at:at + kn].view(dtype).reshape(meta.k_shapes[index]),
+                              landed[at + kn:at + nbytes].view(dtype).reshape(meta.v_shapes[index])))
+            if not cuda:
+                return group, views, crc32_spans(landed, *spans, backend="torch"), None
             copied = torch.cuda.Event()
             copied.record()
             with torch.cuda.stream(checking):
@@ -499,24 +530,22 @@ class KVStoreClient:
                 crcs = crc32_spans(landed, *spans, backend="triton").to("cpu", non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(checking)
-            return group, lo, landed, crcs, done
+            return group, views, crcs, done
 
         # every group's copy and check queued at once (the copies back to back, each check beside the next copy);
         # the groups are handed on as their checks finish
-        issued = [issue(spans[g:g + ARENA_GROUP]) for g in range(0, len(spans), ARENA_GROUP)]
-        for group, lo, landed, crcs, done in issued:
+        issued = [issue(group) for group in _groups(spans)]
+        for group, views, crcs, done in issued:
             if done is not None:
                 done.synchronize()
             if seg.header(local.header) != local.generation:
                 raise _LocalMoved(group[0][0], stop, tuple(meta.checksums), "the extent moved on")
-            for (index, offset, nbytes), crc in zip(group, crcs.tolist()):
+            for (index, _, _), crc in zip(group, crcs.tolist()):
                 if crc & 0xFFFFFFFF != meta.checksums[index]:
                     raise _LocalDamaged(index, stop, tuple(meta.checksums),
                                         f"chunk {meta.chunk_id} layer {index}: checksum mismatch of the bytes landed "
                                         "from the store's arena")
-                at, kn = offset - lo, meta.k_nbytes(index)
-                yield (index, landed[at:at + kn].view(dtype).reshape(meta.k_shapes[index]),
-                       landed[at + kn:at + nbytes].view(dtype).reshape(meta.v_shapes[index]))
+            yield from views
 
     def _nixl_endpoint(self):
         """This process's NIXL endpoint when this client reads over NIXL and NIXL can be used here, else None."""

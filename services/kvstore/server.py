@@ -12,6 +12,7 @@ chunk evicted or replaced mid-read with no other copy of that version, ABORTED (
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import threading
@@ -252,7 +253,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 placed = await self.store.local_place(loc.chunk_id)
                 if placed is not None:      # the caller reads it from the arena without a Get
                     meta, place = placed
-                    item.local.header.CopyFrom(meta.to_proto(0, meta.num_layers, pb.TIER_DRAM))
+                    item.local.header.CopyFrom(_dram_header(meta))
                     item.local.layers.CopyFrom(_local_layers(place))
                     self.metrics.local_gets.inc()
             out.append(item)
@@ -347,6 +348,12 @@ class KVStoreServer:
 
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
+
+
+@functools.lru_cache(maxsize=4096)
+def _dram_header(meta: ChunkMeta) -> pb.ChunkHeader:
+    """A whole chunk's header as its DRAM place is looked up (kept: a lookup of many chunks builds none twice)."""
+    return meta.to_proto(0, meta.num_layers, pb.TIER_DRAM)
 
 
 def _local_layers(place) -> pb.LocalLayers:

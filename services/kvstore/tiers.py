@@ -390,6 +390,16 @@ class ShmDramTier(_LayerFiles):
             raise CorruptEntry(f"chunk {chunk_id}: its shared-memory file is missing") from None
         return RocksDBReader(meta, self, file)
 
+    def place(self, chunk_id: str) -> tuple[ChunkMeta, LocalFile] | None:
+        """(metadata, place) of a chunk held in an arena extent, from the tier's own records: no file is opened, so
+        it need not leave the event loop; None when the chunk is not in an extent."""
+        found = self._chunks.get(chunk_id)
+        if found is None or not isinstance(found[1], Extent):
+            return None
+        meta, extent = found
+        offsets = [extent.data + offset for offset in layer_data_offsets(meta, 0, meta.num_layers, ARENA_ALIGN)]
+        return meta, LocalFile(self.arena.path(extent.segment), offsets, extent.generation, extent.offset)
+
     def local_file(self, reader: "RocksDBReader", start: int, stop: int) -> LocalFile:
         """Where a caller on this host reads layers [start, stop) of the chunk ``reader`` opened."""
         offsets = [reader.base + offset for offset in layer_data_offsets(reader.meta, start, stop, reader.align)]

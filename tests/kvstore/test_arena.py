@@ -194,6 +194,22 @@ def test_a_read_onto_a_device_is_checked_there(start_store, shm_dir, on_device, 
         local.close()
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 8])
+def test_a_device_reads_groups_keep_layer_order_and_end_small(group, monkeypatch):
+    """Every layer once, in order; after the full groups the rest is halved down to groups of at most two (little is
+    left to check once the last copy lands)."""
+    from services.kvstore import client as client_module
+
+    monkeypatch.setattr(client_module, "ARENA_GROUP", group)
+    for n in range(1, 40):
+        groups = client_module._groups(list(range(n)))
+        assert [i for g in groups for i in g] == list(range(n))
+        assert all(1 <= len(g) <= max(group, 2) for g in groups)
+        assert len(groups[-1]) <= 2
+    assert [len(g) for g in client_module._groups(list(range(32)))] == {1: [1] * 32, 2: [2] * 16, 3: [3] * 10 + [2],
+                                                                         8: [8, 8, 8, 4, 2, 2]}[group]
+
+
 def test_a_damaged_layer_landed_on_a_device_is_never_handed_on(start_store, shm_dir, on_device):  # noqa: F811
     srv, plain = arena_store(start_store, shm_dir, rocksdb_dir="tmp")
     layers = make_layers(n_layers=5, tokens=64, seed=9)
