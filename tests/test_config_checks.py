@@ -88,7 +88,7 @@ BAD = [
     (PrefillSettings, "quality_floor", "1", "quality_floor must be a number, got '1' (str)"),
     (PrefillSettings, "default_ratio", True, "default_ratio must be a number, got True (bool)"),
     (PrefillSettings, "store_loads", None, "store_loads must be a str"),
-    (PrefillSettings, "store_loads", "never", "store_loads must be one of ('cost', 'always'), got 'never'"),
+    (PrefillSettings, "store_loads", "sometimes", "store_loads must be one of ('cost', 'always', 'never'), got 'sometimes'"),
     (PrefillSettings, "host_cache_bytes", INF, "host_cache_bytes must be an integer"),
     (PrefillSettings, "warmup_tokens", -1, "warmup_tokens must be >= 0, got -1"),
     # ---- DecodeSettings

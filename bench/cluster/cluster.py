@@ -200,9 +200,10 @@ def main() -> int:
                     help="decode workers warm up dense decode only (the trace decodes densely; a shorter start)")
     ap.add_argument("--prefill", type=int, default=1, help="prefill workers")
     ap.add_argument("--stores", type=int, default=1, help="KV store shards")
-    ap.add_argument("--store-loads", choices=("cost", "always"), default="cost",
+    ap.add_argument("--store-loads", choices=("cost", "always", "never"), default="cost",
                     help="prefill workers load a chunk the store holds when the loading controller measured that "
-                         "cheaper than computing it (cost, the default), or always")
+                         "cheaper than computing it (cost, the default), always, or never (every chunk the GPU "
+                         "lacks computed: the store path off, for an A/B)")
     ap.add_argument("--decode", type=int, default=1, help="decode workers (they and the prefill workers take the "
                                                           "visible GPUs round-robin: CUDA_VISIBLE_DEVICES picks them)")
     ap.add_argument("--store-shm", choices=("on", "off"), default="on",

@@ -82,7 +82,7 @@ class PrefillSettings:
     quality_floor: float = 0.15             # the loading controller never recomputes less than this
     default_ratio: float | None = None      # a fixed ratio instead of the controller (None: controller)
     # "cost": stream a store-held chunk only when that is measured faster than computing it;
-    # "always": stream every store-held chunk
+    # "always": stream every store-held chunk; "never": compute every chunk the GPU lacks (the store path off)
     store_loads: str = "cost"
     # the worker's own host-memory chunk tier (services/cluster/hostcache.py): chunks it wrote to or read
     # from the store, kept pinned for a fast way back to the GPU; 0: off
@@ -101,7 +101,7 @@ class PrefillSettings:
         check_float("quality_floor", self.quality_floor, 0, 1)
         check_str("handoff_transport", self.handoff_transport, choices=("auto", "nixl", "grpc"))
         check_float("default_ratio", self.default_ratio, 0, 1, optional=True)
-        check_str("store_loads", self.store_loads, choices=("cost", "always"))
+        check_str("store_loads", self.store_loads, choices=("cost", "always", "never"))
         check_int("host_cache_bytes", self.host_cache_bytes, 0)
         check_int("warmup_tokens", self.warmup_tokens, 0)
 

@@ -9,7 +9,8 @@ Measurements are exponential moving averages of what the engine reported on earl
 The same two measurements decide whether a store-held chunk is worth loading at all (``prefer_load``):
 when streaming its bytes takes longer than computing its tokens (a small model on a fast GPU, a
 slow store), the chunk is computed instead, except for one request in ``probe_every`` that still
-loads, so that the load estimate follows the store (``probe_every=1``: every request loads).
+loads, so that the load estimate follows the store (``probe_every=1``: every request loads). With ``loads`` off
+no chunk is loaded at all: every chunk the GPU lacks is computed (the store path off, for an A/B).
 
 NOTE: the ratio is rounded up to a multiple of ``step`` (default 0.05). A continuous ratio gives
 nearly every request its own number of recomputed tokens, hence its own static-tail shape, and the
@@ -23,7 +24,8 @@ import threading
 
 
 class LoadingController:
-    def __init__(self, floor: float = 0.15, smoothing: float = 0.2, step: float = 0.05, probe_every: int = 8) -> None:
+    def __init__(self, floor: float = 0.15, smoothing: float = 0.2, step: float = 0.05, probe_every: int = 8,
+                 loads: bool = True) -> None:
         if not 0.0 <= floor <= 1.0:
             raise ValueError(f"floor must be in [0, 1], got {floor}")
         if not 0.0 < smoothing <= 1.0:
@@ -34,6 +36,7 @@ class LoadingController:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.step = step
         self.probe_every = probe_every
+        self.loads = loads
         self._decisions = 0
         self.floor = floor
         self.smoothing = smoothing

@@ -335,7 +335,8 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
         from services.kvstore.client import warm_device_checks
 
         await asyncio.to_thread(warm_device_checks, eng.device)     # the loads' checksum kernel compiled now
-    controller = LoadingController(settings.quality_floor, probe_every=8 if settings.store_loads == "cost" else 1)
+    controller = LoadingController(settings.quality_floor, probe_every=8 if settings.store_loads == "cost" else 1,
+                                   loads=settings.store_loads != "never")
     worker = PrefillWorker(eng, store, controller, metrics, settings.default_ratio)
     http, http_port = serve_metrics(metrics.registry, host)
     fatal = StoppedForGood((SERVICE_NAME,), on_fatal)

@@ -96,6 +96,8 @@ class PrefillWorker:
         missing = [cid for cid in ids if cid not in self.eng.cache]
         present = self.store.lookup(missing) if missing else {}
         held = set(present)
+        if not self.controller.loads:
+            present = {}            # the store path off: every chunk the GPU lacks is computed
         remote = [cid for cid, tier in present.items() if tier != Tier.HOST]
         if remote:
             # stream from the shards only what loads faster than it computes (one probe request in a few loads

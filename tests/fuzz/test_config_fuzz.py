@@ -175,7 +175,7 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         # ---- PrefillSettings
         Field("PrefillSettings", "quality_floor", real_in(0, 1), (0.0, 0.15, 1.0)),
         Field("PrefillSettings", "default_ratio", opt(real_in(0, 1)), (None, 0.0, 0.3, 1.0)),
-        Field("PrefillSettings", "store_loads", one_of("cost", "always"), ("cost", "always")),
+        Field("PrefillSettings", "store_loads", one_of("cost", "always", "never"), ("cost", "always", "never")),
         Field("PrefillSettings", "handoff_transport", one_of("auto", "nixl", "grpc"), ("auto", "nixl", "grpc")),
         Field("PrefillSettings", "host_cache_bytes", count0, (0, 1 << 20)),
         Field("PrefillSettings", "warmup_tokens", count0, (0, 3072)),

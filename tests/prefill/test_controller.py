@@ -99,3 +99,26 @@ def test_a_chunk_computed_instead_of_loaded_is_not_stored_again(tiny_model):
     assert out.tier_tokens == {"computed": 64}           # a was held by the store, yet computed here
     assert store.puts == [eng.chunk_id(b)]               # and only b, which the store lacked, is written
     assert out.storing == (eng.chunk_id(b),)              # the hand-off names it: the decode worker may wait for it
+
+
+def test_with_store_loads_off_every_chunk_the_gpu_lacks_is_computed_and_nothing_held_is_stored_again(tiny_model):
+    """``store_loads="never"`` (the A/B's "store path off"): a held chunk is computed even on a probe request, where
+    the controller would otherwise load it, and still not written to the store again."""
+    from services.cluster.sampling import read_sampling
+    from services.engine import Engine
+    from services.prefill.metrics import PrefillMetrics
+    from services.prefill.worker import PrefillJob, PrefillWorker
+
+    from tests.helpers import docs
+
+    eng = Engine.load(tiny_model, kv_cache_bytes=64 << 20)
+    a, b = docs(2, 32, seed=78)
+    store = _RecordingStore([eng.chunk_id(a)])
+    controller = LoadingController(probe_every=1, loads=False)     # nothing measured, every request a probe: loads
+    assert controller.prefer_load(10**6, 100)                      # ... were they not off
+    worker = PrefillWorker(eng, store, controller, PrefillMetrics())
+    job = PrefillJob("r", (tuple(a), tuple(b)), (1,), "tessera", 0.15,
+                     read_sampling(pb.SamplingParams(max_new_tokens=2), None))
+    out = worker.prefill(job)
+    assert out.tier_tokens == {"computed": 64}
+    assert store.puts == [eng.chunk_id(b)]
