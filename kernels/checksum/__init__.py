@@ -12,6 +12,8 @@ the register of a piece followed by d bytes contributes its value times x^(8d) m
   ``S^(B-i) w`` (S: the register advanced over four zero bytes, a 32x32 bit matrix), each sum written as parities.
 
     crc32_spans(data, starts, lengths) -> int32 [L]: zlib.crc32 of data[starts[i]:starts[i] + lengths[i]]
+    crc0_spans(data, starts, lengths) -> int32 [L]: each span's crc0, which ``crc32_of_crc0`` turns into the CRC-32
+        on the host (a caller that reads the values there anyway saves the finishing kernels)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from kernels.checksum import reference
 
-__all__ = ["crc32_spans"]
+__all__ = ["crc0_spans", "crc32_of_crc0", "crc32_spans"]
 
 
 def _impl(backend: str):
@@ -33,9 +35,7 @@ def _impl(backend: str):
     raise ValueError(f"unknown checksum backend {backend!r} (torch or triton)")
 
 
-def crc32_spans(data: torch.Tensor, starts: list[int], lengths: list[int], backend: str = "torch") -> torch.Tensor:
-    """data uint8 [N] -> int32 [L] on data's device (no host sync): the CRC-32 of each span (two's complement: ``&
-    0xFFFFFFFF`` gives zlib's value). Spans may overlap; an empty span's CRC is 0."""
+def _check(data: torch.Tensor, starts: list[int], lengths: list[int]) -> None:
     if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
         raise ValueError(f"data must be a contiguous uint8 vector, got {data.dtype} of shape {tuple(data.shape)}")
     if len(starts) != len(lengths):
@@ -43,4 +43,22 @@ def crc32_spans(data: torch.Tensor, starts: list[int], lengths: list[int], backe
     for s, n in zip(starts, lengths):
         if s < 0 or n < 0 or s + n > data.numel():
             raise ValueError(f"span [{s}, {s + n}) is not within the data's {data.numel()} bytes")
+
+
+def crc32_spans(data: torch.Tensor, starts: list[int], lengths: list[int], backend: str = "torch") -> torch.Tensor:
+    """data uint8 [N] -> int32 [L] on data's device (no host sync): the CRC-32 of each span (two's complement: ``&
+    0xFFFFFFFF`` gives zlib's value). Spans may overlap; an empty span's CRC is 0."""
+    _check(data, starts, lengths)
     return _impl(backend).crc32_spans(data, list(starts), list(lengths))
+
+
+def crc0_spans(data: torch.Tensor, starts: list[int], lengths: list[int], backend: str = "torch") -> torch.Tensor:
+    """As ``crc32_spans`` but each span's crc0 (the register after the span from a zero register), int32 on data's
+    device: one kernel and no finishing ones."""
+    _check(data, starts, lengths)
+    return _impl(backend).crc0_spans(data, list(starts), list(lengths))
+
+
+def crc32_of_crc0(crc0: list[int], lengths: list[int]) -> list[int]:
+    """On the host: the CRC-32s (zlib's, unsigned) of spans of ``lengths`` bytes from their ``crc0_spans`` values."""
+    return [(c & 0xFFFFFFFF) ^ reference.zeros_crc(n) for c, n in zip(crc0, lengths)]

@@ -135,7 +135,8 @@ def _xor_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return (parity << torch.arange(32, device=x.device)).sum(-1)
 
 
-def crc32_spans(data: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
+def crc0_spans(data: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
+    """Each span's crc0 as int32 (two's complement)."""
     words, powers = device_tables(data.device)
     out = torch.zeros(len(starts), dtype=torch.int64, device=data.device)
     for s, (start, n) in enumerate(zip(starts, lengths)):
@@ -157,4 +158,8 @@ def crc32_spans(data: torch.Tensor, starts: list[int], lengths: list[int]) -> to
                 b = (block[m].unsqueeze(-1) >> torch.arange(32, device=data.device)) & 1
                 block[m] = _xor_sum(torch.where(b == 1, powers[k], 0), 1)
         out[s] = _xor_sum(block, 0)
-    return finish(out, lengths)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+def crc32_spans(data: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
+    return finish(crc0_spans(data, starts, lengths).to(torch.int64) & 0xFFFFFFFF, lengths)

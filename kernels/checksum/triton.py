@@ -88,11 +88,15 @@ def _spans(device: str, starts: tuple, lengths: tuple) -> tuple[torch.Tensor, to
     return (torch.tensor(starts, dtype=torch.int64).to(device), torch.tensor(lengths, dtype=torch.int64).to(device))
 
 
-def crc32_spans(data: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
+def crc0_spans(data: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
     device = str(data.device)
     crc0 = torch.zeros(len(starts), dtype=torch.int32, device=data.device)
     if starts and max(lengths) > 0:
         st, ln = _spans(device, tuple(starts), tuple(lengths))
         grid = (-(-max(lengths) // (LANES * PIECE)), len(starts))
         _crc_blocks[grid](data, st, ln, *_tables(device), crc0, LANES=LANES, PIECE=PIECE)
-    return finish(crc0.to(torch.int64) & 0xFFFFFFFF, lengths)
+    return crc0
+
+
+def crc32_spans(data: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
+    return finish(crc0_spans(data, starts, lengths).to(torch.int64) & 0xFFFFFFFF, lengths)

@@ -496,56 +496,62 @@ class KVStoreClient:
             wait(pending)
 
     def _arena_to_device(self, meta: ChunkMeta, dtype, stop: int, local, seg, spans, device) -> Iterator:
-        """Layers in groups (``_groups``): one copy of a group's span onto ``device`` and one checksum launch there, all
-        groups queued before the first is waited for. A group is handed on only once its bytes have landed, each
-        layer's CRC-32 over the landed bytes is the header's, and the extent's header still holds the generation the
-        store named: the store writes that header before it reuses the room, so what landed is what was checked."""
-        from kernels.checksum import crc32_spans
+        """Layers in groups (``_groups``): one copy of a group's span onto ``device`` and one checksum launch there.
+        Every group's copy is queued first (back to back on the current stream, whatever the host then takes to
+        queue the checks), then the checks (on a stream of their own, each after its group's copy), then the layers'
+        views are made while the copies run. A group is handed on only once its bytes have landed, each layer's
+        CRC-32 over the landed bytes is the header's, and the extent's header still holds the generation the store
+        named: the store writes that header before it reuses the room, so what landed is what was checked."""
+        from kernels.checksum import crc0_spans, crc32_of_crc0
 
         cuda = device.type == "cuda"
-        # the checks run on a stream of their own, so that a group's check overlaps the next group's copy
         checking = None
         if cuda:
             checking = self._check_streams.get(device) or self._check_streams.setdefault(device, torch.cuda.Stream(device))
-
-        def issue(group):
+        groups = _groups(spans)
+        landed, copied = [], []
+        for group in groups:
+            data = seg.bytes[group[0][1]:group[-1][1] + group[-1][2]].to(device, non_blocking=True)
+            if cuda:
+                copied.append(torch.cuda.Event())
+                copied[-1].record()
+            else:                               # the device's own memory, as a GPU's would be
+                data = data.clone()
+            landed.append(data)
+        checks = []
+        for i, (group, data) in enumerate(zip(groups, landed)):
             lo = group[0][1]
-            spans = [offset - lo for _, offset, _ in group], [n for _, _, n in group]
-            landed = seg.bytes[lo:group[-1][1] + group[-1][2]].to(device, non_blocking=True)
-            if not cuda:                        # the device's own memory, as a GPU's would be
-                landed = landed.clone()
-            # the layers' views made now, while the copies run, not after the last check
-            views = []
-            for index, offset, nbytes in group:
-                at, kn = offset - lo, meta.k_nbytes(index)
-                views.append((index, landed[at:at + kn].view(dtype).reshape(meta.k_shapes[index]),
-                              landed[at + kn:at + nbytes].view(dtype).reshape(meta.v_shapes[index])))
+            starts, lengths = [offset - lo for _, offset, _ in group], [n for _, _, n in group]
             if not cuda:
-                return group, views, crc32_spans(landed, *spans, backend="torch"), None
-            copied = torch.cuda.Event()
-            copied.record()
+                checks.append((crc0_spans(data, starts, lengths, backend="torch"), None))
+                continue
             with torch.cuda.stream(checking):
-                checking.wait_event(copied)
-                landed.record_stream(checking)
-                crcs = crc32_spans(landed, *spans, backend="triton").to("cpu", non_blocking=True)
+                checking.wait_event(copied[i])
+                data.record_stream(checking)
+                crc0 = crc0_spans(data, starts, lengths, backend="triton").to("cpu", non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(checking)
-            return group, views, crcs, done
-
-        # every group's copy and check queued at once (the copies back to back, each check beside the next copy);
-        # the groups are handed on as their checks finish
-        issued = [issue(group) for group in _groups(spans)]
-        for group, views, crcs, done in issued:
+            checks.append((crc0, done))
+        views = []
+        for group, data in zip(groups, landed):
+            lo, out = group[0][1], []
+            for index, offset, nbytes in group:
+                at, kn = offset - lo, meta.k_nbytes(index)
+                out.append((index, data[at:at + kn].view(dtype).reshape(meta.k_shapes[index]),
+                            data[at + kn:at + nbytes].view(dtype).reshape(meta.v_shapes[index])))
+            views.append(out)
+        for group, (crc0, done), out in zip(groups, checks, views):
             if done is not None:
                 done.synchronize()
             if seg.header(local.header) != local.generation:
                 raise _LocalMoved(group[0][0], stop, tuple(meta.checksums), "the extent moved on")
-            for (index, _, _), crc in zip(group, crcs.tolist()):
-                if crc & 0xFFFFFFFF != meta.checksums[index]:
+            crcs = crc32_of_crc0(crc0.tolist(), [n for _, _, n in group])
+            for (index, _, _), crc in zip(group, crcs):
+                if crc != meta.checksums[index]:
                     raise _LocalDamaged(index, stop, tuple(meta.checksums),
                                         f"chunk {meta.chunk_id} layer {index}: checksum mismatch of the bytes landed "
                                         "from the store's arena")
-            yield from views
+            yield from out
 
     def _nixl_endpoint(self):
         """This process's NIXL endpoint when this client reads over NIXL and NIXL can be used here, else None."""

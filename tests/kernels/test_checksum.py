@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.checksum import crc32_spans
+from kernels.checksum import crc0_spans, crc32_of_crc0, crc32_spans
 from kernels.checksum.reference import BLOCK_WORDS, LANES, PIECE, kernel_tables, mulmod
 
 
@@ -28,6 +28,19 @@ def test_crc32_of_each_span_is_zlibs(backend):
     assert got.dtype == torch.int32 and got.shape == (len(starts),)
     want = [zlib.crc32(data[s:s + n].tobytes()) for s, n in zip(starts, lengths)]
     assert [x & 0xFFFFFFFF for x in got.tolist()] == want
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_each_spans_crc0_finished_on_the_host_is_zlibs(backend):
+    """crc0_spans (one kernel, no finishing ones) and crc32_of_crc0 on the host give zlib's CRC-32, as crc32_spans."""
+    rng = np.random.default_rng(9)
+    data = rng.integers(0, 256, 2 * LANES * PIECE + 29, dtype=np.uint8)
+    starts, lengths = _spans(rng, data.size)
+    raw = crc0_spans(torch.from_numpy(data), starts, lengths, backend=backend)
+    assert raw.dtype == torch.int32 and raw.shape == (len(starts),)
+    assert crc32_of_crc0(raw.tolist(), lengths) == [zlib.crc32(data[s:s + n].tobytes()) for s, n in zip(starts, lengths)]
+    with pytest.raises(ValueError, match="not within"):
+        crc0_spans(torch.from_numpy(data), [data.size - 3], [4], backend=backend)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
