@@ -25,11 +25,9 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from kernels import pdl
 from kernels.lse_merge.triton import UNROLL_PARTS, merge_rows
 from kernels.paged_attention._decode import attend_tile, merge_lanes, split_outputs
 from kernels.paged_attention._meta import dot_f32, sm_count
-from kernels.pdl import enter as pdl_enter
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -140,10 +138,8 @@ def _sparse_decode_kernel(
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_sr, stride_sh, stride_cr,
     stride_os, stride_or, stride_oh, stride_ls, stride_lr,
     G: tl.constexpr, G_PAD: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BS: tl.constexpr,
-    D2: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    D2: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    if PDL:  # every input may come from a kernel before it (kernels/pdl.py): wait first
-        pdl_enter(PDL)
     r_id = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -197,7 +193,7 @@ def launch(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq,
             sel.stride(0), sel.stride(1), count.stride(0), *o_strides, *l_strides,
             G=group, G_PAD=g_pad, NB=nb, ROWS=max(16, nb * g_pad), BS=bs, D2=dim // 2,
             DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=stages,
-            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **pdl.launch_kwargs(q.device),
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
     if nsplit == 1:
         return out, lse

@@ -14,9 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.pdl import enter as pdl_enter
-
 MAX_SCAN = 1024     # block ids compared per step of the union scan
 MAX_COLS = 1024     # key columns (heads x head dim) per tile: [16, 1024] bf16 is 64 values a thread at 8 warps
 NUM_WARPS = 8
@@ -26,9 +23,7 @@ NUM_WARPS = 8
 def _bounds_kernel(k_ptr, kmin_ptr, kmax_ptr, blk_ptr, vis_ptr, n_rows,
                    stride_kb, stride_ks, stride_kh, stride_mb, stride_mh, stride_vr,
                    BS: tl.constexpr, BS_PAD: tl.constexpr, D: tl.constexpr, COLS: tl.constexpr,
-                   BLOCK_C: tl.constexpr, SCAN: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # every input may come from a kernel before it (kernels/pdl.py): wait first
-        pdl_enter(PDL)
+                   BLOCK_C: tl.constexpr, SCAN: tl.constexpr):
     blk = tl.load(blk_ptr + tl.program_id(0)).to(tl.int64)
     s = tl.arange(0, BS_PAD)
     s_ok = s < BS
@@ -68,4 +63,4 @@ def launch(k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, blocks
         k_cache, kmin, kmax, blocks, visible, n_rows,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), kmin.stride(0), kmin.stride(1), visible.stride(0),
         BS=bs, BS_PAD=triton.next_power_of_2(bs), D=dim, COLS=cols, BLOCK_C=min(MAX_COLS, triton.next_power_of_2(cols)),
-        SCAN=min(MAX_SCAN, triton.next_power_of_2(n_rows)), num_warps=NUM_WARPS, **pdl.launch_kwargs(k_cache.device))
+        SCAN=min(MAX_SCAN, triton.next_power_of_2(n_rows)), num_warps=NUM_WARPS)

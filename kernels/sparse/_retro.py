@@ -17,10 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
 from kernels.lse_merge.triton import UNROLL_PARTS, merge_finish, merge_rows
 from kernels.paged_attention._meta import dot_f32
-from kernels.pdl import enter as pdl_enter
 from kernels.sparse._attend import LOG2E, AttendConfig, attend_run, pick_splits
 from kernels.sparse.triton import _check_query, _table
 
@@ -81,10 +79,7 @@ def _unseen(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, r, h, s_pb, s_ph, s_sr
 @triton.jit
 def _new_pages_kernel(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, sel_ptr, cnt_ptr,
                       s_pb, s_ph, s_sr, s_sh, s_or, s_oh,
-                      K: tl.constexpr, K_PAD: tl.constexpr, WIDTH: tl.constexpr, TILE: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    if PDL:  # every input may come from a kernel before it (kernels/pdl.py): wait first
-        pdl_enter(PDL)
+                      K: tl.constexpr, K_PAD: tl.constexpr, WIDTH: tl.constexpr, TILE: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     picked, new, pos, count = _unseen(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, r, h, s_pb, s_ph, s_sr, s_sh,
@@ -107,7 +102,7 @@ def new_pages_triton(picked, seq_of, entries, seen, cu):
         _new_pages_kernel[(r, hkv)](
             picked, seq_of, entries, seen, cu, sel, count,
             picked.stride(0), picked.stride(1), seen.stride(0), seen.stride(1), sel.stride(0), sel.stride(1),
-            K=k, K_PAD=triton.next_power_of_2(max(k, 1)), WIDTH=w, TILE=SEEN_TILE, **pdl.launch_kwargs(picked.device))
+            K=k, K_PAD=triton.next_power_of_2(max(k, 1)), WIDTH=w, TILE=SEEN_TILE)
     return sel, count
 
 
@@ -121,13 +116,11 @@ def _retro_attention_kernel(
     stride_ir, stride_ih, stride_jr, stride_os, stride_or, stride_oh, stride_ls, stride_lr,
     K: tl.constexpr, K_PAD: tl.constexpr, WIDTH: tl.constexpr, TILE: tl.constexpr,
     G: tl.constexpr, G_PAD: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BS: tl.constexpr,
-    D2: tl.constexpr, DOT_F32: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr = False,
+    D2: tl.constexpr, DOT_F32: tl.constexpr, NSPLIT: tl.constexpr,
 ):
     """Program (row, KV head, split): the split's run [split * per, + per) of the row's new pages. One split: the
     result merged with the prior and stored in q's dtype; several: each split's part (fp32) stored at its index
     and split 0 copies the prior to part NSPLIT, for merge_rows."""
-    if PDL:  # every input may come from a kernel before it (kernels/pdl.py): wait first
-        pdl_enter(PDL)
     LANES: tl.constexpr = ROWS // G_PAD
     r_id = tl.program_id(0)
     h = tl.program_id(1)
@@ -215,8 +208,7 @@ def retro_attention_launch(q, k_cache, v_cache, block_ids, offsets, masks, picke
             out_in.stride(0), out_in.stride(1), lse_in.stride(0), *o_strides, *l_strides,
             K=k, K_PAD=triton.next_power_of_2(max(k, 1)), WIDTH=width, TILE=cfg.seen_tile,
             G=group, G_PAD=g_pad, NB=nb, ROWS=max(16, nb * g_pad), BS=bs, D2=dim // 2,
-            DOT_F32=dot_f32(q.dtype), NSPLIT=nsplit, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **pdl.launch_kwargs(q.device))
+            DOT_F32=dot_f32(q.dtype), NSPLIT=nsplit, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if nsplit == 1:
         return out, lse, count
     merged, merged_lse = merge_rows(out.reshape(nsplit + 1, n_rows * hq, dim), lse.reshape(nsplit + 1, n_rows * hq),

@@ -18,9 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.pdl import enter as pdl_enter
-
 
 @dataclass(frozen=True, slots=True)
 class ScoresConfig:
@@ -42,10 +39,7 @@ class ScoresConfig:
 def _scores_kernel(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr, invf_ptr, out_ptr,
                    n_entries, n_seqs, n_heads, search_steps,
                    stride_qb, stride_qh, stride_mb, stride_mh,
-                   G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    if PDL:  # every input may come from a kernel before it (kernels/pdl.py): wait first
-        pdl_enter(PDL)
+                   G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr):
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     ok = e < n_entries
     # the entry's sequence: the largest b with cu[b] <= e (an empty sequence before it shares its bound)
@@ -103,6 +97,5 @@ def launch(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq,
             q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq, out,
             n_entries, n_seqs, hkv, max(1, n_seqs - 1).bit_length(),
             q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
-            G=hq // hkv, D2=dim // 2, BLOCK_E=block_e, HB=heads, num_warps=cfg.num_warps,
-            **pdl.launch_kwargs(q.device))
+            G=hq // hkv, D2=dim // 2, BLOCK_E=block_e, HB=heads, num_warps=cfg.num_warps)
     return out.t()

@@ -26,9 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.pdl import enter as pdl_enter
-
 MAX_BLOCK = 8192  # row entries kept in registers: 8 warps hold 32 int32 keys a thread
 PAD_BLOCK = 128   # -1 padding written this many slots at a time
 RADIX_BITS = 5    # bits a pass: 32 histogram bins, one a lane (tl.histogram pads fewer to 32)
@@ -145,10 +142,7 @@ def _emit(key, ok, first, r, prefix, need, above_seen, eq_seen, out_row, BLOCK: 
 @triton.jit
 def _select_kernel(scores_ptr, cu_ptr, sel_ptr, cnt_ptr, budget,
                    stride_se, stride_sh, stride_ob, stride_oh, stride_cb,
-                   BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, W: tl.constexpr, FIRST: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    if PDL:  # every input may come from a kernel before it (kernels/pdl.py): wait first
-        pdl_enter(PDL)
+                   BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, W: tl.constexpr, FIRST: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     e_lo = tl.load(cu_ptr + b)
@@ -224,5 +218,5 @@ def launch(scores: torch.Tensor, cu_entries: torch.Tensor, budget_pages: int, ma
             scores, cu_entries, sel, count, budget_pages,
             scores.stride(0), scores.stride(1), sel.stride(0), sel.stride(1), count.stride(0),
             BLOCK=block, PAD_BLOCK=PAD_BLOCK, W=radix_bits, FIRST=first,
-            num_warps=num_warps or max(2, min(8, block // 256)), **pdl.launch_kwargs(scores.device))
+            num_warps=num_warps or max(2, min(8, block // 256)))
     return sel, count
