@@ -11,7 +11,8 @@ loader does (non-blocking copies, one sync at the end), timed from the get to th
   (`get(device=)`, what a prefill worker's loads do);
 - `arena_gpu_placed`: the same as a prefill worker reads it: one lookup of every chunk (a request's lookup, which
   gives each chunk its arena place; `lookup_per_chunk`: its time over the chunks), then each read from its place
-  without a `Get` (timed alone);
+  without a `Get` (timed alone); `arena_gpu_at_once`: the same as a prefill worker's pass reads it
+  (`device_read`: every copy and check queued at once, then verified);
 - `shm_file`: the tier in /dev/shm as a file per chunk (`--dram-segment-bytes 0`), read into pinned memory;
 - `stream`: the same chunks streamed over loopback gRPC (the tier in the store's memory), as before;
 - `*_x4`: the same reads four at a time on four threads, as a pass's chunk loads run (a chunk's share of the wall time);
@@ -82,9 +83,24 @@ def load_seconds(client, chunk_id: str, dev, on_device: bool = False, place=None
     return seconds
 
 
-def placed_seconds(client, chunk_ids: list[str], dev, rounds: int) -> tuple[list[float], list[float]]:
-    """Reads as a prefill worker makes them: per round one lookup of every chunk (a request's lookup, which gives
-    each chunk its arena place), then each chunk read from its place onto ``dev``. (the reads' seconds, each round's
+def at_once_seconds(client, chunk_id: str, place, dev) -> float:
+    """A chunk read as a prefill worker's pass reads it (``device_read``): every copy and check queued at once,
+    then verified; timed to the verified last byte on ``dev``."""
+    _sync(dev)
+    t0 = time.perf_counter()
+    read = client.device_read(chunk_id, place, dev)
+    landed = list(read)
+    read.verify()
+    _sync(dev)
+    seconds = time.perf_counter() - t0
+    assert len(landed) == LAYERS
+    return seconds
+
+
+def placed_seconds(client, chunk_ids: list[str], dev, rounds: int, read=load_seconds) -> tuple[list[float], list[float]]:
+    """Reads from looked-up places: per round one lookup of every chunk (a request's lookup, which gives each chunk
+    its arena place), then each chunk read from its place onto ``dev`` by ``read`` (``load_seconds``: the layer
+    stream of ``get``; ``at_once_seconds``: as a prefill worker's pass reads it). (the reads' seconds, each round's
     lookup seconds per chunk)."""
     reads, lookups = [], []
     for _ in range(rounds):
@@ -92,7 +108,8 @@ def placed_seconds(client, chunk_ids: list[str], dev, rounds: int) -> tuple[list
         places = {loc.chunk_id: loc.place for loc in client.lookup(chunk_ids)}
         lookups.append((time.perf_counter() - t0) / len(chunk_ids))
         assert all(p is not None for p in places.values()), "the lookup gave no arena place"
-        reads += [load_seconds(client, cid, dev, True, places[cid]) for cid in chunk_ids]
+        reads += [read(client, cid, dev, True, places[cid]) if read is load_seconds else
+                  read(client, cid, places[cid], dev) for cid in chunk_ids]
     return reads, lookups
 
 
@@ -265,6 +282,8 @@ def main() -> int:
                     rows["arena_gpu"] = [load_seconds(reader, cid, dev, True) for _ in range(args.rounds) for cid in chunks]
                     rows["arena_gpu_placed"], rows["lookup_per_chunk"] = placed_seconds(reader, list(chunks), dev,
                                                                                         args.rounds)
+                    rows["arena_gpu_at_once"], _ = placed_seconds(reader, list(chunks), dev, args.rounds,
+                                                                  at_once_seconds)
                     rows["arena_gpu_x4"] = parallel_seconds(reader, list(chunks) * args.rounds, dev, 4, True)
                 assert (reader.local_reads > 0) == (path != "stream")
                 assert (reader.arena_reads > 0) == (path == "arena")
@@ -292,7 +311,7 @@ def main() -> int:
     table = paths_table(rows, chunk_bytes, no_rate=("compute", "lookup_per_chunk"))
     ratios = {}
     ceiling = min(med.get("h2d_pinned", 0), med.get("h2d_pinned_whole", 0))   # the faster pinned copy of the chunk
-    for k in ("arena_gpu", "arena_gpu_placed", "arena_gpu_x4", "arena", "arena_x4", "shm_file", "shm_file_x4", "stream"):
+    for k in ("arena_gpu", "arena_gpu_placed", "arena_gpu_at_once", "arena_gpu_x4", "arena", "arena_x4", "shm_file", "shm_file_x4", "stream"):
         if k in med and cuda:
             ratios[f"{k}_of_pinned_ceiling"] = ceiling / med[k]
             ratios[f"compute_over_{k}"] = med["compute"] / med[k]

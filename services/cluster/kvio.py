@@ -35,6 +35,24 @@ log = logging.getLogger(__name__)
 MAX_PLACES = 4096       # chunk places from lookups kept for the fetches that follow them
 
 
+class DeviceLayers:
+    """A chunk read from this host's store arena onto the GPU (``KVStoreClient.device_read``) as the engine takes a
+    fetch: ``local`` (every layer queued at once, landing within milliseconds) and checked later: the engine calls
+    ``verify()`` before any layer is used, and recomputes the chunk if it raises (services/engine/kv/loader.py)."""
+
+    local = True
+
+    def __init__(self, read) -> None:
+        self._read = read
+
+    def __iter__(self) -> Iterator[StreamedLayer]:
+        for layer, k, v in self._read:
+            yield StreamedLayer(layer, k, v)
+
+    def verify(self) -> None:
+        self._read.verify()
+
+
 class StoreAccess:
     def __init__(self, addresses: Sequence[str], *, lookup_timeout: float = 2.0, get_timeout: float = 30.0,
                  put_timeout: float = 30.0, backoff_s: float = 2.0, max_pending_puts: int = 64,
@@ -125,6 +143,10 @@ class StoreAccess:
                 return None
             with self._lock:
                 place = self._places.pop(cid, None)       # one read a place: the next lookup gives a fresh one
+            if place is not None and device is not None:
+                read = self._client.client_for(cid).device_read(cid, place, device)
+                if read is not None:        # this host's arena onto the GPU: all at once, checked before use
+                    return DeviceLayers(read)
             stream = (StreamedLayer(layer, k, v)
                       for layer, k, v in self._client.get(cid, timeout=self.get_timeout, device=device, place=place))
             return stream if self.host is None else self._keeping(cid, stream)

@@ -98,6 +98,114 @@ class _LocalMoved(_LocalDamaged):
     [index, stop) by the stream (nothing is damaged)."""
 
 
+class _DeviceIssue:
+    """A chunk's layers from an arena segment onto a device, in groups (``_groups``): every group's copy queued first
+    (back to back on the current stream, whatever the host then takes to queue the checks), then each group's
+    CRC-32 launch (on a stream of its own, after its group's copy; ``kernels.checksum.crc0_spans``, finished on the
+    host), then the layers' views, made while the copies run. ``check(g)`` waits for group g's check and raises
+    unless its bytes landed, each layer's CRC-32 over the landed bytes is the header's, and the extent's header
+    still holds the generation the store named: the store writes that header before it reuses the room, so what
+    landed is what was checked."""
+
+    def __init__(self, client: "KVStoreClient", meta: ChunkMeta, dtype, stop: int, local, seg, spans, device) -> None:
+        from kernels.checksum import crc0_spans
+
+        self.meta, self.stop, self.local, self.seg = meta, stop, local, seg
+        cuda = device.type == "cuda"
+        checking = None
+        if cuda:
+            checking = client._check_streams.get(device) or client._check_streams.setdefault(
+                device, torch.cuda.Stream(device))
+        self.groups = _groups(spans)
+        landed, copied = [], []
+        for group in self.groups:
+            data = seg.bytes[group[0][1]:group[-1][1] + group[-1][2]].to(device, non_blocking=True)
+            if cuda:
+                copied.append(torch.cuda.Event())
+                copied[-1].record()
+            else:                               # the device's own memory, as a GPU's would be
+                data = data.clone()
+            landed.append(data)
+        self.checks = []
+        for i, (group, data) in enumerate(zip(self.groups, landed)):
+            lo = group[0][1]
+            starts, lengths = [offset - lo for _, offset, _ in group], [n for _, _, n in group]
+            if not cuda:
+                self.checks.append((crc0_spans(data, starts, lengths, backend="torch"), None))
+                continue
+            with torch.cuda.stream(checking):
+                checking.wait_event(copied[i])
+                data.record_stream(checking)
+                crc0 = crc0_spans(data, starts, lengths, backend="triton").to("cpu", non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(checking)
+            self.checks.append((crc0, done))
+        self.views = []
+        for group, data in zip(self.groups, landed):
+            lo, out = group[0][1], []
+            for index, offset, nbytes in group:
+                at, kn = offset - lo, meta.k_nbytes(index)
+                out.append((index, data[at:at + kn].view(dtype).reshape(meta.k_shapes[index]),
+                            data[at + kn:at + nbytes].view(dtype).reshape(meta.v_shapes[index])))
+            self.views.append(out)
+
+    def check(self, g: int) -> None:
+        from kernels.checksum import crc32_of_crc0
+
+        group, (crc0, done), meta = self.groups[g], self.checks[g], self.meta
+        if done is not None:
+            done.synchronize()
+        if self.seg.header(self.local.header) != self.local.generation:
+            raise _LocalMoved(group[0][0], self.stop, tuple(meta.checksums), "the extent moved on")
+        for (index, _, _), crc in zip(group, crc32_of_crc0(crc0.tolist(), [n for _, _, n in group])):
+            if crc != meta.checksums[index]:
+                raise _LocalDamaged(index, self.stop, tuple(meta.checksums),
+                                    f"chunk {meta.chunk_id} layer {index}: checksum mismatch of the bytes landed from "
+                                    "the store's arena")
+
+
+class DeviceRead:
+    """``KVStoreClient.device_read``: a chunk's layers onto a device, iterated at once (``local``: they land within
+    milliseconds), checked by ``verify()``."""
+
+    local = True
+
+    def __init__(self, client: "KVStoreClient", meta: ChunkMeta, dtype, local, seg, spans, device) -> None:
+        self._client, self._args = client, (meta, dtype, meta.num_layers, local, seg, spans, device)
+        self.chunk_id = meta.chunk_id
+        self._issued: _DeviceIssue | None = None
+        self._verified = False
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        if self._issued is not None:
+            raise RuntimeError(f"chunk {self.chunk_id}: a device read is iterated once")
+        client = self._client
+        self._issued = _DeviceIssue(client, *self._args)
+        client.local_reads += 1
+        client.arena_reads += 1
+        client.reads["arena-device"] += 1
+        for views in self._issued.views:
+            yield from views
+
+    def verify(self) -> None:
+        """Wait for every group's check; ChunkCorruptError (counted as a fallback: the chunk is recomputed, and its
+        next read goes by a Get) unless every layer landed as the store wrote it."""
+        if self._verified:
+            return
+        if self._issued is None:
+            raise RuntimeError(f"chunk {self.chunk_id}: verify() before the read was issued")
+        try:
+            for g in range(len(self._issued.groups)):
+                self._issued.check(g)
+        except _LocalDamaged as exc:
+            client = self._client
+            client._fell_back(exc)
+            with client._lock:
+                client._refused.add(self.chunk_id)
+            raise ChunkCorruptError(str(exc)) from None
+        self._verified = True
+
+
 @dataclass(frozen=True, slots=True)
 class PutResult:
     chunk_id: str
@@ -195,6 +303,8 @@ class KVStoreClient:
         self._readers: ThreadPoolExecutor | None = None
         self._checkers: ThreadPoolExecutor | None = None
         self._check_streams: dict = {}      # per CUDA device: the stream arena reads check landed bytes on
+        self._lock = threading.Lock()
+        self._refused: set[str] = set()     # chunks whose last device_read failed its checks: next read by a Get
         # NIXL reads of a store's arena (another host's): this process's endpoint, made at the first get; the reason
         # when NIXL cannot be used here (the gets are then streamed)
         self.nixl, self.nixl_unavailable = nixl, ""
@@ -496,62 +606,42 @@ class KVStoreClient:
             wait(pending)
 
     def _arena_to_device(self, meta: ChunkMeta, dtype, stop: int, local, seg, spans, device) -> Iterator:
-        """Layers in groups (``_groups``): one copy of a group's span onto ``device`` and one checksum launch there.
-        Every group's copy is queued first (back to back on the current stream, whatever the host then takes to
-        queue the checks), then the checks (on a stream of their own, each after its group's copy), then the layers'
-        views are made while the copies run. A group is handed on only once its bytes have landed, each layer's
-        CRC-32 over the landed bytes is the header's, and the extent's header still holds the generation the store
-        named: the store writes that header before it reuses the room, so what landed is what was checked."""
-        from kernels.checksum import crc0_spans, crc32_of_crc0
+        """Layers in groups (``_groups``), copied onto ``device`` and checked there (``_DeviceIssue``); a group is
+        handed on once its check has passed."""
+        issued = _DeviceIssue(self, meta, dtype, stop, local, seg, spans, device)
+        for g, views in enumerate(issued.views):
+            issued.check(g)
+            yield from views
 
-        cuda = device.type == "cuda"
-        checking = None
-        if cuda:
-            checking = self._check_streams.get(device) or self._check_streams.setdefault(device, torch.cuda.Stream(device))
-        groups = _groups(spans)
-        landed, copied = [], []
-        for group in groups:
-            data = seg.bytes[group[0][1]:group[-1][1] + group[-1][2]].to(device, non_blocking=True)
-            if cuda:
-                copied.append(torch.cuda.Event())
-                copied[-1].record()
-            else:                               # the device's own memory, as a GPU's would be
-                data = data.clone()
-            landed.append(data)
-        checks = []
-        for i, (group, data) in enumerate(zip(groups, landed)):
-            lo = group[0][1]
-            starts, lengths = [offset - lo for _, offset, _ in group], [n for _, _, n in group]
-            if not cuda:
-                checks.append((crc0_spans(data, starts, lengths, backend="torch"), None))
-                continue
-            with torch.cuda.stream(checking):
-                checking.wait_event(copied[i])
-                data.record_stream(checking)
-                crc0 = crc0_spans(data, starts, lengths, backend="triton").to("cpu", non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(checking)
-            checks.append((crc0, done))
-        views = []
-        for group, data in zip(groups, landed):
-            lo, out = group[0][1], []
-            for index, offset, nbytes in group:
-                at, kn = offset - lo, meta.k_nbytes(index)
-                out.append((index, data[at:at + kn].view(dtype).reshape(meta.k_shapes[index]),
-                            data[at + kn:at + nbytes].view(dtype).reshape(meta.v_shapes[index])))
-            views.append(out)
-        for group, (crc0, done), out in zip(groups, checks, views):
-            if done is not None:
-                done.synchronize()
-            if seg.header(local.header) != local.generation:
-                raise _LocalMoved(group[0][0], stop, tuple(meta.checksums), "the extent moved on")
-            crcs = crc32_of_crc0(crc0.tolist(), [n for _, _, n in group])
-            for (index, _, _), crc in zip(group, crcs):
-                if crc != meta.checksums[index]:
-                    raise _LocalDamaged(index, stop, tuple(meta.checksums),
-                                        f"chunk {meta.chunk_id} layer {index}: checksum mismatch of the bytes landed "
-                                        "from the store's arena")
-            yield from out
+    def device_read(self, chunk_id: str, place, device) -> DeviceRead | None:
+        """A whole chunk from its arena place (``lookup``) onto CUDA ``device``, its checks deferred: iterating the
+        result queues every copy and check on the current stream and yields ``(layer, k, v)`` views of the landed
+        bytes at once, before they have landed; ``verify()`` then waits for the checks and raises ChunkCorruptError
+        if a layer's bytes are not the header's or the extent moved on. Whoever uses the layers must verify first,
+        and recompute the chunk if it fails. None where this read does not apply (no place here, a device the
+        checks do not run on, a segment gone, or a chunk whose last deferred read failed: its next read goes by a
+        Get, where the store checks its own copy and drops a damaged one)."""
+        if place is None or torch.device(device).type not in self.check_on:
+            return None
+        with self._lock:
+            if chunk_id in self._refused:
+                self._refused.discard(chunk_id)
+                return None
+        try:
+            meta = _placed_meta(place.header.SerializeToString())
+        except InvalidChunk as exc:
+            raise ChunkCorruptError(f"chunk {chunk_id}: bad header in its place: {exc}") from None
+        local = place.layers
+        if meta.chunk_id != chunk_id or len(meta.checksums) != meta.num_layers or not local.generation:
+            raise ChunkCorruptError(f"chunk {chunk_id}: its place names {meta.chunk_id} or no arena extent")
+        try:
+            seg = self.segments.open(local.path)
+        except OSError:
+            return None
+        spans = [(i, offset, meta.layer_nbytes(i)) for i, offset in zip(range(meta.num_layers), local.offsets)]
+        if len(spans) != meta.num_layers or any(o + n > seg.size for _, o, n in spans) or local.header + 16 > seg.size:
+            raise ChunkCorruptError(f"chunk {chunk_id}: offsets past the end of the store's segment")
+        return DeviceRead(self, meta, _FROM_NAME[meta.dtype], local, seg, spans, torch.device(device))
 
     def _nixl_endpoint(self):
         """This process's NIXL endpoint when this client reads over NIXL and NIXL can be used here, else None."""

@@ -11,7 +11,7 @@ import pytest
 
 from services.kvstore import arena as arena_module
 from services.kvstore.arena import HEADER, PAGE, Arena
-from services.kvstore.client import KVStoreClient
+from services.kvstore.client import ChunkCorruptError, KVStoreClient
 
 from .helpers import MiB, assert_roundtrip, flip_byte, make_layers, tiers_of
 from .test_shm_tier import local_place, shm_dir  # noqa: F401 - the fixture
@@ -368,6 +368,102 @@ def test_a_workers_fetch_after_its_lookup_reads_the_arena_without_a_get(start_st
         access.close()
 
 
+def test_a_device_read_hands_every_layer_over_at_once_and_verifies_before_use(start_store, shm_dir, on_device,  # noqa: F811
+                                                                           monkeypatch):
+    """``device_read``: all layers queued and handed over at once (``local``), checked by ``verify``; no Get."""
+    from services.kvstore import client as client_module
+
+    monkeypatch.setattr(client_module, "ARENA_GROUP", 2)
+    srv, plain = arena_store(start_store, shm_dir)
+    layers = make_layers(n_layers=5, tokens=40, heads=2, dim=16, seed=21)
+    plain.put("doc-t", layers)
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        calls = _counting_gets(local)
+        [loc] = local.lookup(["doc-t"])
+        read = local.device_read("doc-t", loc.place, on_device)
+        assert read is not None and read.local
+        with pytest.raises(RuntimeError, match="before the read was issued"):
+            read.verify()
+        got = list(read)
+        read.verify()
+        assert [i for i, _, _ in got] == list(range(5)) and calls == [] and local.reads["arena-device"] == 1
+        for (_, k, v), (k0, v0) in zip(got, layers):
+            assert torch.equal(k, k0) and torch.equal(v, v0) and not local.in_arena(k)
+        with pytest.raises(RuntimeError, match="iterated once"):
+            list(read)
+        assert local.device_read("doc-t", None, on_device) is None                 # no place: by a Get
+        assert local.device_read("doc-t", loc.place, torch.device("meta")) is None  # checks do not run there
+    finally:
+        local.close()
+
+
+def test_a_device_read_of_damaged_bytes_fails_its_verify_and_the_next_read_goes_by_a_get(start_store, shm_dir,  # noqa: F811
+                                                                                       on_device):
+    srv, plain = arena_store(start_store, shm_dir, rocksdb_dir="tmp")
+    layers = make_layers(n_layers=4, tokens=64, seed=22)
+    plain.put("doc-u", layers)
+    where = local_place(plain, "doc-u")
+    flip_byte(where.path, where.offsets[2] + 5, 8)              # a byte of layer 2
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        [loc] = local.lookup(["doc-u"])
+        read = local.device_read("doc-u", loc.place, on_device)
+        list(read)
+        with pytest.raises(ChunkCorruptError, match="layer 2: checksum mismatch"):
+            read.verify()
+        assert local.fallbacks["damaged"] == 1 and local.local_damaged == 1
+        [loc] = local.lookup(["doc-u"])
+        assert local.device_read("doc-u", loc.place, on_device) is None      # refused once: this read by a Get
+        got = list(local.get("doc-u", device=on_device))       # the Get's read finds the damage: the store drops it
+        assert len(got) == 4
+        for (_, k, v), (k0, v0) in zip(got, layers):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+        assert tiers_of(plain, "doc-u") == ("rocksdb",)
+    finally:
+        local.close()
+
+
+def test_a_device_read_whose_extent_moved_on_fails_its_verify(start_store, shm_dir, on_device,  # noqa: F811
+                                                               monkeypatch):
+    monkeypatch.setattr(arena_module, "REUSE_GRACE_S", 0.0)
+    srv, plain = arena_store(start_store, shm_dir)
+    plain.put("doc-v", make_layers(n_layers=3, seed=23))
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        [loc] = local.lookup(["doc-v"])
+        assert plain.delete("doc-v")
+        plain.put("doc-w", make_layers(n_layers=3, seed=24))       # the same room
+        read = local.device_read("doc-v", loc.place, on_device)
+        list(read)
+        with pytest.raises(ChunkCorruptError, match="moved on"):
+            read.verify()
+        assert local.fallbacks["moved"] == 1 and local.local_damaged == 0
+    finally:
+        local.close()
+
+
+def test_a_workers_fetch_onto_a_device_is_one_read_of_every_layer_at_once(start_store, shm_dir,  # noqa: F811
+                                                                                       on_device):
+    """StoreAccess's fetch with a device and a looked-up place gives the engine a local, checked-later read."""
+    from services.cluster.kvio import DeviceLayers, StoreAccess
+
+    srv, plain = arena_store(start_store, shm_dir)
+    plain.put("doc-x", make_layers(n_layers=3, seed=25))
+    access = StoreAccess([srv.address])
+    try:
+        [client] = access._client.clients()
+        client.local = True
+        present = access.lookup(["doc-x"])
+        layers = access.fetcher(present, on_device)("doc-x")
+        assert isinstance(layers, DeviceLayers) and layers.local
+        assert [item.layer for item in layers] == [0, 1, 2]
+        layers.verify()
+        assert client.reads["arena-device"] == 1
+    finally:
+        access.close()
+
+
 def test_the_store_reports_its_arenas_room_and_the_chunks_it_had_none_for(start_store, shm_dir):  # noqa: F811
     from prometheus_client import generate_latest
 
@@ -401,3 +497,39 @@ def test_a_caller_naming_another_host_gets_no_place_and_bad_segment_sizes_are_re
                           "--dram-dir", str(tmp_path / "d"), "--dram-segment-bytes", "100",
                           "--rocksdb-dir", str(tmp_path / "db")], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "dram_segment_bytes" in out.stderr and not (tmp_path / "d").exists()
+
+
+def test_a_prefill_reading_chunks_onto_its_device_matches_and_recomputes_damaged_ones(start_store, shm_dir,  # noqa: F811
+                                                                                     on_device, tiny_model):
+    """End to end: an engine's pass over chunks read from the arena at once (``DeviceLayers``) gives the logits of
+    the same pass over chunks computed in place; a chunk whose bytes in the arena are damaged fails its check and
+    is recomputed before any layer is used: the logits do not change."""
+    from services.cluster.kvio import StoreAccess
+    from services.engine import Engine
+
+    from tests.helpers import docs
+
+    writer = Engine.load(tiny_model, kv_cache_bytes=64 << 20)
+    chunks, suffix = docs(2, 40, seed=31), [5, 6, 7]
+    want = writer.prefill(chunks, suffix).logits
+    srv, plain = arena_store(start_store, shm_dir)
+    ids = [writer.chunk_id(c) for c in chunks]
+    for cid in ids:
+        plain.put(cid, writer.export_chunk(cid), model_fingerprint=writer.fingerprint)
+    for damage in (False, True):
+        if damage:
+            where = local_place(plain, ids[1])
+            flip_byte(where.path, where.offsets[0] + 3, 2)
+        eng = Engine.load(tiny_model, kv_cache_bytes=64 << 20)
+        access = StoreAccess([srv.address])
+        try:
+            [client] = access._client.clients()
+            client.local = True
+            fetch = access.fetcher(access.lookup(ids), on_device)
+            logits, seq, stats = eng._prefill(chunks, suffix, "tessera", 0.15, fetch=fetch, ids=ids)
+            eng.release(seq)
+            assert stats.store_hits == 2 and client.reads["arena-device"] == 2
+            assert stats.load_failures == int(damage) and client.fallbacks["damaged"] == int(damage)
+            assert torch.allclose(logits, want, atol=1e-4, rtol=1e-4)
+        finally:
+            access.close()

@@ -11,6 +11,11 @@ kernels instead of queueing between them: the side stream starts after what the 
 queued when the load was made (the chunk's blocks may have just been freed by kernels still queued),
 each layer records an event that ``LayerGate.wait`` makes the engine's stream wait for, and joining
 a load makes the joining thread's stream wait for all of its writes.
+
+A load whose layers are checked after they were handed over (``verify``: a chunk read from the store's
+arena straight onto the GPU, its checksums computed there) is verified by the gate before any of its
+layers is used: at the first ``wait``, at ``settled`` and at ``finish``. A failed check is a failed load:
+the chunk is recomputed, so bytes that did not pass are never attended.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class ChunkLoad(threading.Thread):
     only contend with the engine thread for the interpreter."""
 
     def __init__(self, key: str, tokens: list[int], layers: Iterable, write: Callable, num_layers: int,
-                 local: bool = False, write_many: Callable | None = None):
+                 local: bool = False, write_many: Callable | None = None, verify: Callable[[], None] | None = None):
         super().__init__(name=f"chunk-load-{key[:8]}", daemon=True)
         self.key, self.tokens, self.layers, self.write = key, tokens, layers, write
         self.write_many = write_many
@@ -48,6 +53,7 @@ class ChunkLoad(threading.Thread):
         self.delivered = 0           # layers 0..delivered-1 are in place
         self.error: BaseException | None = None
         self.recovered = False
+        self.verify, self.verified = verify, verify is None   # verify(): raises unless the delivered bytes are right
         self.bytes = 0
         self.seconds = 0.0
         self.cond = threading.Condition()
@@ -122,6 +128,22 @@ class ChunkLoad(threading.Thread):
             self.delivered = len(items)
             self.cond.notify_all()
 
+    def check(self) -> None:
+        """Verify the delivered layers once (``verify``), now; a failure becomes the load's error (recomputed by the
+        gate). Its time counts in the load's seconds."""
+        if self.verified:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.error is None:
+                self.verify()
+        except BaseException as exc:  # noqa: BLE001 - any failure means: recompute this chunk
+            with self.cond:
+                self.error = exc
+        finally:
+            self.verified = True
+            self.seconds += time.perf_counter() - t0
+
     def join(self, timeout: float | None = None) -> None:
         """Thread join (when it ran as one); then the caller's stream waits for every write of the load."""
         if self.ident is not None:
@@ -147,6 +169,7 @@ class LayerGate:
         for load in self.loads:
             with load.cond:
                 load.cond.wait_for(lambda: load.delivered > layer or load.error is not None)
+            load.check()
             if load.error is not None and not load.recovered:
                 load.join()
                 self.recompute(load)
@@ -166,11 +189,13 @@ class LayerGate:
                 if not load.cond.wait_for(lambda: load.delivered == load.num_layers or load.error is not None,
                                           max(0.0, deadline - time.perf_counter())):
                     return False
+            load.check()
         return True
 
     def finish(self) -> None:
         for load in self.loads:
             load.join()
+            load.check()
             if load.error is not None and not load.recovered:
                 self.recompute(load)
                 load.recovered = True

@@ -414,7 +414,7 @@ class Forward:
         write = self._chunk_writer(key, n, blocks, block, slot)
         local = getattr(layers, "local", False)
         load = ChunkLoad(key, tokens, as_layers(layers), write, self.cfg.num_layers, local=local,
-                         write_many=write.many if local else None)
+                         write_many=write.many if local else None, verify=getattr(layers, "verify", None))
         load.entry = entry
         loads.append(load)
         if load.write_many is not None:

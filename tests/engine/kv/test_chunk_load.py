@@ -67,3 +67,32 @@ def test_a_stream_yields_streamed_layers_and_nothing_else():
     assert list(as_layers(iter(items))) == items
     with pytest.raises(TypeError, match="yields StreamedLayer items, got tuple"):
         list(as_layers(iter([(0, k, v)])))
+
+
+@pytest.mark.parametrize("passes", [True, False])
+def test_a_load_checked_later_is_verified_before_any_layer_is_used_and_recomputed_if_it_fails(passes):
+    """``verify`` (a chunk read onto the GPU, its checksums computed there) runs once, at the first wait, settle or
+    finish, before the pass reads a layer; a failure is the load's error: the chunk is recomputed, never used."""
+    calls, recomputed = [], []
+
+    def verify():
+        calls.append(1)
+        if not passes:
+            raise RuntimeError("checksum mismatch")
+
+    for first in ("wait", "settled", "finish"):
+        calls.clear(), recomputed.clear()
+        load = ChunkLoad("c" * 12, [1, 2], iter(_layers(2, 2, 1, 4)), lambda *a: None, 2, local=True,
+                         write_many=lambda items: None, verify=verify)
+        load.issue()
+        assert load.delivered == 2 and calls == []          # delivered, not yet checked
+        gate = LayerGate([load], recomputed.append)
+        if first == "wait":
+            gate.wait(0)
+        elif first == "settled":
+            assert gate.settled(0.0)
+        gate.wait(1)
+        gate.finish()
+        assert calls == [1]                                 # once, whichever came first
+        assert (recomputed, gate.failed) == (([], 0) if passes else ([load], 1))
+        assert passes or isinstance(load.error, RuntimeError)
