@@ -82,11 +82,16 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s:
         present.update(_await_writes(store, pending, store_wait_s))
         waited = time.monotonic() - t0
     fetched: dict[str, list] = {}
-    fetch = store.fetcher(present)
+    cuda = engine.device.type == "cuda"
+    # on a GPU, a chunk in this host's store arena is copied onto it and checked there (kvio.DeviceLayers)
+    fetch = store.fetcher(present, engine.device)
     for cid in present:
         try:
-            layers = list(fetch(cid))
-            if engine.device.type != "cuda":      # views of the store's arena are copied now, not at admission
+            got = fetch(cid)
+            layers = list(got)
+            if getattr(got, "verify", None) is not None:
+                got.verify()        # here, off the engine thread: a chunk that fails is computed at admission
+            if not cuda:      # views of the store's arena are copied now, not at admission
                 layers = [StreamedLayer(i, *(t.clone() if store.in_arena(t) else t for t in (k, v)))
                           for i, k, v in layers]
             fetched[cid] = layers
@@ -135,15 +140,21 @@ def _await_writes(store: StoreAccess, ids: list[str], wait_s: float) -> dict[str
 
 def _stage(fetched: dict[str, list], device):
     """Fetched host layers -> device tensors copied off the engine's stream (``copy_aside``), so that
-    admitting the sequence on the engine thread copies nothing. Returns (fetched on the device, the
-    event marking the copies done)."""
+    admitting the sequence on the engine thread copies nothing; layers already on the device (read there and
+    checked) are kept. Returns (fetched on the device, the event marking the copies done)."""
     if device.type != "cuda" or not fetched:
         return fetched, None
+    import torch
+
     from services.cluster.staging import copy_aside
 
-    order = [(cid, item.layer) for cid, layers in fetched.items() for item in layers]
-    flat, ready = copy_aside([t for layers in fetched.values() for item in layers for t in (item.k, item.v)], device)
-    out: dict[str, list] = {cid: [] for cid in fetched}
-    for n, (cid, i) in enumerate(order):
-        out[cid].append(StreamedLayer(i, flat[2 * n], flat[2 * n + 1]))
+    order = [(cid, n) for cid, layers in fetched.items() for n, item in enumerate(layers) if not item.k.is_cuda]
+    out: dict[str, list] = {cid: list(layers) for cid, layers in fetched.items()}
+    if not order:
+        ready = torch.cuda.Event()
+        ready.record()          # after the device reads' copies (checked: they have landed)
+        return out, ready
+    flat, ready = copy_aside([t for cid, n in order for t in (fetched[cid][n].k, fetched[cid][n].v)], device)
+    for j, (cid, n) in enumerate(order):
+        out[cid][n] = StreamedLayer(fetched[cid][n].layer, flat[2 * j], flat[2 * j + 1])
     return out, ready

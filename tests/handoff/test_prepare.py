@@ -21,7 +21,7 @@ class _LandingStore:
         self.lookups += 1
         return {self.cid: "dram"} if self.cid in ids and self.lookups >= self.after else {}
 
-    def fetcher(self, present):
+    def fetcher(self, present, device=None):
         return lambda cid: numbered(self.layers) if cid in present else None
 
     @staticmethod
@@ -48,5 +48,52 @@ def test_decode_waits_for_a_chunk_still_being_stored(tiny_model, wait_s, fetched
     assert store.lookups == (3 if fetched else 1)
     assert prepared.sources == {"gpu": 0, "host": 0, "store": int(fetched), "computed": int(not fetched)}
     assert (prepared.store_wait_s is not None) is (wait_s > 0)
+    seq = decode.import_handoff(prepared.handoff, fetch=lambda c: iter(prepared.fetched[c]) if c in prepared.fetched else None)
+    decode.release(seq)
+
+
+class _CheckedLater:
+    """A fetch as a read onto the device gives it (kvio.DeviceLayers): layers at once, checked by ``verify``."""
+
+    local = True
+
+    def __init__(self, layers, passes: bool) -> None:
+        self.layers, self.passes, self.verified = layers, passes, 0
+
+    def __iter__(self):
+        return iter(numbered(self.layers))
+
+    def verify(self) -> None:
+        self.verified += 1
+        if not self.passes:
+            raise RuntimeError("checksum mismatch of the bytes landed from the store's arena")
+
+
+@pytest.mark.parametrize("passes", [True, False])
+def test_a_chunk_read_onto_the_device_is_verified_before_the_engine_gets_it(tiny_model, passes):
+    """The helper thread verifies a checked-later read before handing it on; one that fails is left to be computed
+    at admission (never handed to the engine)."""
+    from services.engine import Engine
+    from services.handoff.prepare import prepare
+    from services.handoff.transport import ReceivedHandoff
+
+    from tests.helpers import docs
+
+    prefill, decode = Engine.load(tiny_model, kv_cache_bytes=64 << 20), Engine.load(tiny_model, kv_cache_bytes=64 << 20)
+    (a,) = docs(1, 32, seed=79)
+    _, h = prefill.prefill_handoff([a], [2], recompute_ratio=0.15)
+    cid = prefill.chunk_id(a)
+    store = _LandingStore(cid, prefill.export_chunk(cid), after=1)
+    reads = []
+
+    def fetcher(present, device=None):
+        assert device == decode.device          # the engine's device: the store may read onto it
+        reads.append(_CheckedLater(store.layers, passes))
+        return lambda c: reads[-1] if c in present else None
+
+    store.fetcher = fetcher
+    prepared = prepare(ReceivedHandoff(pb.HandoffHeader(request_id="r", kind="engine"), h.to_bytes()), decode, store)
+    assert reads[0].verified == 1 and (cid in prepared.fetched) is passes
+    assert prepared.sources == {"gpu": 0, "host": 0, "store": int(passes), "computed": int(not passes)}
     seq = decode.import_handoff(prepared.handoff, fetch=lambda c: iter(prepared.fetched[c]) if c in prepared.fetched else None)
     decode.release(seq)
