@@ -102,10 +102,18 @@ class Offer:
 
 
 def crc_of(tensors: list[torch.Tensor]) -> int:
-    """CRC-32 over the tensors' bytes in order (host tensors; what ``verified`` checks on the other side)."""
+    """CRC-32 over the tensors' bytes in order (what ``verified`` checks on the other side). Host tensors on the
+    CPU; GPU tensors where they are (``kernels.checksum``, on the current stream, one sync for the value), so that
+    a GPU's hand-off buffer is not copied to the host to be checked."""
+    if tensors and all(t.is_cuda for t in tensors):
+        from kernels.checksum import crc32_spans
+
+        flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        data = flat[0] if len(flat) == 1 else torch.cat(flat)
+        return crc32_spans(data, [0], [data.numel()], backend="triton").item() & 0xFFFFFFFF
     crc = 0
     for t in tensors:
-        crc = checksum(memoryview(t.contiguous().view(torch.uint8).numpy()), crc)
+        crc = checksum(memoryview(t.detach().cpu().contiguous().view(torch.uint8).numpy()), crc)
     return crc
 
 
@@ -137,7 +145,7 @@ class NixlEndpoint:
             self._registered.append((reg, tensors[0] if len(tensors) == 1 else None))
 
     def offer(self, tensors: list[torch.Tensor]) -> Offer:
-        """An offer of registered tensors' bytes (their CRC-32 computed here: host tensors)."""
+        """An offer of registered tensors' bytes (their CRC-32 computed here, on their device)."""
         descs = self.agent.get_xfer_descs(tensors)
         if descs is None:
             raise ValueError("offered tensors must be contiguous and on one device")
@@ -196,8 +204,8 @@ class NixlEndpoint:
 
     @staticmethod
     def verified(offer: Offer, landed: list[torch.Tensor]) -> None:
-        """TransferFailed unless the landed bytes have the offer's CRC-32 (device tensors are copied to check)."""
-        crc = crc_of([t.cpu() for t in landed])
+        """TransferFailed unless the landed bytes have the offer's CRC-32 (checked where they landed)."""
+        crc = crc_of(landed)
         if crc != offer.crc32:
             raise TransferFailed(f"the bytes read from {offer.agent} fail the offer's checksum")
 

@@ -136,3 +136,23 @@ def test_a_sender_gone_before_the_read_fails_it_in_bounded_time():
 def test_malformed_offers_are_refused(blob):
     with pytest.raises(ValueError):
         nixl.Offer.from_bytes(blob)
+
+
+def test_an_offers_checksum_is_zlibs_on_the_host():
+    """crc_of chains the tensors' bytes in order (no NIXL needed: the checksum alone)."""
+    import zlib
+
+    import torch
+
+    k, v = _kv()
+    want = zlib.crc32(k.numpy().tobytes() + v.numpy().tobytes())
+    assert nixl.crc_of([k, v]) == want and nixl.crc_of([torch.cat([k, v])]) == want
+
+
+@pytest.mark.cuda
+def test_an_offers_checksum_over_gpu_tensors_is_computed_there_and_equals_the_hosts():
+    """A GPU hand-off buffer is checked on the GPU (kernels.checksum), with the value the host would compute."""
+
+    k, v = _kv()
+    assert nixl.crc_of([k.cuda(), v.cuda()]) == nixl.crc_of([k, v])
+    assert nixl.crc_of([k.cuda()]) == nixl.crc_of([k])
