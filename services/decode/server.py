@@ -106,23 +106,18 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return pb.HandoffAck(received_bytes=len(received.payload))
 
     def _read_nixl(self, msg: pb.NixlBuffer):
-        """The hand-off's K/V read over NIXL into this worker's memory (registered for the read), checked."""
+        """The hand-off's K/V read over NIXL onto this worker's device (through its NIXL slab, registered once; into
+        memory registered for this read where the slab has no room), checked there."""
         import torch
 
-        from services.handoff.nixl import Offer, process_endpoint
+        from services.handoff.nixl import Offer, process_endpoint, read_via_slab
 
         dtype = getattr(torch, msg.dtype, None)
         if not isinstance(dtype, torch.dtype) or not msg.numel:
             raise ValueError(f"NIXL buffer of dtype {msg.dtype!r} and {msg.numel} elements")
         offer = Offer.from_bytes(msg.offer)
-        endpoint = process_endpoint()
-        kv = torch.empty(msg.numel, dtype=dtype)
-        endpoint.register([kv])
-        try:
-            endpoint.read(offer, [kv], timeout=self.settings.handoff_wait_s, notify=b"read")
-        finally:
-            endpoint.deregister(kv)
-        return kv
+        return read_via_slab(process_endpoint(), offer, dtype, msg.numel, self.eng.device,
+                             timeout=self.settings.handoff_wait_s, notify=b"read")
 
     async def _serving(self, context) -> None:
         """UNAVAILABLE at once when the engine thread has stopped (the worker is about to restart)."""

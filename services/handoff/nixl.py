@@ -9,8 +9,13 @@ where registered memory is); the receiver ``read``s the offered bytes into its o
 transfer that fails, stalls past its deadline or lands other bytes raises ``TransferFailed`` and the caller falls
 back (recompute, or the gRPC stream). A notification tells the sender the read is done, so it may reuse the memory.
 
+Hand-offs go through a ``Slab`` per worker and device, registered once: the sender copies a hand-off's K/V into a piece
+of its slab and offers that; the receiver reads into a piece of its own and copies them out; both pieces are lent
+again. Only a transfer larger than the free room registers memory of its own for that transfer.
+
 What the data plane does not protect: UCX moves the bytes unencrypted; anyone on the network path can read them, and
-a peer holding an offer can read the offered memory until it is deregistered. The README's security model says so.
+a peer holding an offer can read the offered memory until it is deregistered (a slab's: while its worker runs,
+whatever the piece holds by then). The README's security model says so.
 
 NIXL ships per CUDA major (``nixl-cu12``, ``nixl-cu13``; ``nixl`` picks one); ``load_nixl`` finds whichever is
 installed or says why none can be used, and callers report that as the transport's choice.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import itertools
+import logging
 import os
 import struct
 import threading
@@ -30,6 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from services.kvstore.chunk import checksum
+
+log = logging.getLogger(__name__)
 
 _MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 _OFFER = struct.Struct("<4sHHIIQI")     # magic, version, reserved, name, metadata, nbytes, crc32 (+ descs length)
@@ -133,6 +141,7 @@ class NixlEndpoint:
         self.agent = agent
         self._lock = threading.Lock()
         self._registered: list[tuple] = []   # (registration, the tensor it holds when it holds one alone, else None)
+        self.registrations = 0               # register calls made (a slab is one; a transfer without one, one each)
         self._peers: dict[int, str] = {}     # CRC-32 of a peer's metadata -> its agent name
 
     def register(self, tensors: list[torch.Tensor]) -> None:
@@ -143,6 +152,7 @@ class NixlEndpoint:
         reg = self.agent.register_memory(tensors)
         with self._lock:
             self._registered.append((reg, tensors[0] if len(tensors) == 1 else None))
+            self.registrations += 1
 
     def offer(self, tensors: list[torch.Tensor]) -> Offer:
         """An offer of registered tensors' bytes (their CRC-32 computed here, on their device)."""
@@ -253,6 +263,145 @@ class NixlEndpoint:
             regs, self._registered = self._registered, []
         for reg, _ in regs:
             self.agent.deregister_memory(reg)
+
+
+SLAB_BYTES = 512 << 20     # a worker's NIXL hand-off memory, registered once (a larger hand-off registers its own)
+SLAB_ALIGN = 4096
+
+
+class Slab:
+    """Memory registered with an endpoint once and lent out in pieces: a hand-off's K/V are offered from a piece,
+    or read into one, instead of from or into memory registered for that hand-off alone (registering costs a
+    pinning of the pages, and on a GPU an export of them, per call). Pieces are first fit in ``SLAB_ALIGN``
+    bytes (``arena.FreeList``); ``take`` gives None when no piece that large is free, and the caller registers
+    memory of its own for that transfer, as it would without a slab. Thread safe."""
+
+    def __init__(self, endpoint: NixlEndpoint, nbytes: int, device: torch.device | str = "cpu") -> None:
+        from services.kvstore.arena import FreeList
+
+        device = torch.device(device)
+        pin = device.type == "cpu" and torch.cuda.is_available()
+        self.data = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        endpoint.register([self.data])
+        self.endpoint, self.device = endpoint, device
+        self._free = FreeList(nbytes)
+        self._lock = threading.Lock()
+        self.taken = 0          # pieces lent now
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A uint8 piece of ``nbytes`` (> 0), or None when the slab has no such room now."""
+        if nbytes <= 0:
+            raise ValueError(f"a piece holds at least one byte, not {nbytes}")
+        length = -(-nbytes // SLAB_ALIGN) * SLAB_ALIGN
+        with self._lock:
+            offset = self._free.take(length)
+            if offset is None:
+                return None
+            self.taken += 1
+        return self.data[offset:offset + nbytes]
+
+    def give(self, piece: torch.Tensor) -> None:
+        """A piece ``take`` lent, back (its bytes may be overwritten by the next taker at once)."""
+        offset = piece.data_ptr() - self.data.data_ptr()
+        if not (piece.dtype == torch.uint8 and self.holds(piece) and offset % SLAB_ALIGN == 0):
+            raise ValueError("that tensor is not a piece of this slab")
+        with self._lock:
+            self._free.give(offset, -(-piece.numel() // SLAB_ALIGN) * SLAB_ALIGN)
+            self.taken -= 1
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a view of this slab's memory."""
+        start = self.data.data_ptr()
+        return t.device == self.data.device and start <= t.data_ptr() < start + self.data.numel()
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return self._free.free_bytes
+
+
+_slabs: dict[str, Slab] = {}
+_no_slab: dict[str, str] = {}       # devices where no slab could be made, and why
+
+
+def process_slab(device: torch.device | str = "cpu") -> Slab:
+    """This process's slab on ``device`` (``SLAB_BYTES``, registered with ``process_endpoint`` at first use)."""
+    key = str(torch.device(device))
+    with _endpoint_lock:
+        slab = _slabs.get(key)
+    if slab is None:
+        made = Slab(process_endpoint(), SLAB_BYTES, device)
+        with _endpoint_lock:
+            slab = _slabs.setdefault(key, made)
+        if slab is not made:
+            made.endpoint.deregister(made.data)
+    return slab
+
+
+def _slab_for(device) -> Slab | None:
+    """This process's slab on ``device``; None (said once in the log) where one cannot be made there."""
+    try:
+        return process_slab(device)
+    except Exception as exc:   # noqa: BLE001 - no room or no registration: transfers register their own memory
+        key = str(torch.device(device))
+        if key not in _no_slab:
+            _no_slab[key] = str(exc)
+            log.warning("no NIXL slab on %s (%s): hand-offs there register their own memory", key, exc)
+        return None
+
+
+def offer_from_slab(endpoint: NixlEndpoint, kv: torch.Tensor) -> tuple[torch.Tensor, Offer]:
+    """An offer of ``kv``'s bytes (contiguous): copied into a piece of this process's slab on its device, or, when
+    the slab has no room, ``kv`` registered for this offer alone. Returns (what the offer names: give it back with
+    ``release`` once the peer has read it, the offer)."""
+    raw = kv.reshape(-1).view(torch.uint8)
+    slab = _slab_for(kv.device)
+    piece = None if slab is None else slab.take(raw.numel())
+    if piece is None:
+        endpoint.register([kv])
+        try:
+            return kv, endpoint.offer([kv])
+        except BaseException:
+            endpoint.deregister(kv)
+            raise
+    try:
+        piece.copy_(raw)            # on the caller's stream; the offer's checksum (crc_of) waits for it
+        return piece, endpoint.offer([piece])
+    except BaseException:
+        slab.give(piece)
+        raise
+
+
+def release(endpoint: NixlEndpoint, offered: torch.Tensor) -> None:
+    """What ``offer_from_slab`` offered, back: a slab piece to its slab, memory registered alone deregistered."""
+    slab = _slabs.get(str(offered.device))
+    if slab is not None and slab.holds(offered):
+        slab.give(offered)
+    else:
+        endpoint.deregister(offered)
+
+
+def read_via_slab(endpoint: NixlEndpoint, offer: Offer, dtype: torch.dtype, numel: int, device,
+                  timeout: float, notify: bytes = b"") -> torch.Tensor:
+    """The offered bytes read (``NixlEndpoint.read``: checked) into a piece of this process's slab on ``device``,
+    then copied out into a tensor of their own (``numel`` of ``dtype`` there) and the piece given back; where the
+    slab has no room, into memory registered for this read alone."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    slab = _slab_for(device)
+    piece = None if slab is None else slab.take(nbytes)
+    if piece is None:
+        out = torch.empty(numel, dtype=dtype, device=device)
+        endpoint.register([out])
+        try:
+            endpoint.read(offer, [out], timeout=timeout, notify=notify)
+        finally:
+            endpoint.deregister(out)
+        return out
+    try:
+        endpoint.read(offer, [piece], timeout=timeout, notify=notify)
+        return piece.view(dtype).clone()
+    finally:
+        slab.give(piece)
 
 
 _endpoint: NixlEndpoint | None = None

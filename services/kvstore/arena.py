@@ -49,30 +49,48 @@ class Extent:
         return self.offset + HEADER
 
 
+class FreeList:
+    """Free byte ranges of one region: first fit, coalesced on return (a segment's here; a NIXL slab's in
+    services/handoff/nixl.py)."""
+
+    def __init__(self, size: int) -> None:
+        self.ranges: list[list[int]] = [[0, size]] if size > 0 else []   # [offset, length], by offset, coalesced
+
+    def take(self, length: int) -> int | None:
+        for i, (offset, room) in enumerate(self.ranges):      # first fit
+            if room >= length:
+                if room == length:
+                    del self.ranges[i]
+                else:
+                    self.ranges[i] = [offset + length, room - length]
+                return offset
+        return None
+
+    def give(self, offset: int, length: int) -> None:
+        i = bisect.bisect_left(self.ranges, [offset, 0])
+        self.ranges.insert(i, [offset, length])
+        if i + 1 < len(self.ranges) and offset + length == self.ranges[i + 1][0]:    # joins the next
+            self.ranges[i][1] += self.ranges.pop(i + 1)[1]
+        if i > 0 and self.ranges[i - 1][0] + self.ranges[i - 1][1] == offset:       # joins the previous
+            self.ranges[i - 1][1] += self.ranges.pop(i)[1]
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(length for _, length in self.ranges)
+
+
 class _Segment:
     def __init__(self, path: str, size: int) -> None:
         self.path, self.size = path, size
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         os.ftruncate(self.fd, size)
-        self.free: list[list[int]] = [[0, size]]    # [offset, length], sorted by offset, coalesced
+        self.free = FreeList(size)
 
     def take(self, length: int) -> int | None:
-        for i, (offset, room) in enumerate(self.free):      # first fit
-            if room >= length:
-                if room == length:
-                    del self.free[i]
-                else:
-                    self.free[i] = [offset + length, room - length]
-                return offset
-        return None
+        return self.free.take(length)
 
     def give(self, offset: int, length: int) -> None:
-        i = bisect.bisect_left(self.free, [offset, 0])
-        self.free.insert(i, [offset, length])
-        if i + 1 < len(self.free) and offset + length == self.free[i + 1][0]:    # joins the next
-            self.free[i][1] += self.free.pop(i + 1)[1]
-        if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == offset:       # joins the previous
-            self.free[i - 1][1] += self.free.pop(i)[1]
+        self.free.give(offset, length)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -166,7 +184,7 @@ class Arena:
         """Room reusable now or after the grace, plus segments not yet made (the gauge of fragmentation)."""
         with self._lock:
             made = sum(seg.size for seg in self.segments)
-            return (self.budget - made + sum(length for seg in self.segments for _, length in seg.free)
+            return (self.budget - made + sum(seg.free.free_bytes for seg in self.segments)
                     + sum(r[3] for r in self._resting))
 
     def close(self) -> None:

@@ -174,11 +174,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             used = "cuda-ipc" if ipc == "same" else "cuda-ipc-peer"
         elif zero_copy and self.transport.name == "nixl" and out.handoff.layers:
             kv = await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
-                                            lambda: out.handoff.kv_buffer().contiguous())
-            registered = await loop.run_in_executor(self.io_threads, self._offer_nixl, kv, header)
-            used = "nixl" if registered else "grpc"
-            kv = kv if registered else None
-        nixl_registered = used == "nixl"    # its registration is undone once the push is over, however it went
+                                            lambda: self._offer_nixl(out.handoff.kv_buffer().contiguous(), header))
+            used = "nixl" if kv is not None else "grpc"
+        nixl_offered = kv if used == "nixl" else None   # given back once the push is over, however it went
 
         def whole():        # the hand-off with its K/V, for the stream
             return loop.run_in_executor(self.io_threads, self._after_export, out.handoff, out.handoff.to_bytes)
@@ -214,34 +212,35 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.ABORTED, f"hand-off to decode worker {address} "
                                                          f"failed: {exc.code().name}: {exc.details()}")
         finally:
-            if nixl_registered:     # read and acknowledged (or failed): the memory goes back
-                await loop.run_in_executor(self.io_threads, self._nixl_deregister, kv)
+            if nixl_offered is not None:     # read and acknowledged (or failed): the memory goes back
+                await loop.run_in_executor(self.io_threads, self._nixl_release, nixl_offered)
         moved = len(payload) + (kv.numel() * kv.element_size() if kv is not None and used != "grpc" else 0)
         self.worker.metrics.handoff_bytes.inc(moved)
         return moved, used
 
     @staticmethod
-    def _nixl_deregister(kv) -> None:
-        from services.handoff.nixl import process_endpoint
+    def _nixl_release(offered) -> None:
+        """What an offer named, back: a piece of this worker's NIXL slab, or memory registered for it alone."""
+        from services.handoff.nixl import process_endpoint, release
 
-        process_endpoint().deregister(kv)
+        release(process_endpoint(), offered)
 
-    def _offer_nixl(self, kv, header: pb.HandoffHeader) -> bool:
-        """Register the hand-off's K/V with this worker's NIXL endpoint and put the offer in the header; False
-        (logged: the stream carries them) when NIXL fails here."""
-        from services.handoff.nixl import process_endpoint
+    def _offer_nixl(self, kv, header: pb.HandoffHeader):
+        """Offer the hand-off's K/V over this worker's NIXL endpoint and put the offer in the header: from a piece of
+        the worker's slab (registered once; the K/V copied in), else registered alone for this hand-off. Returns what
+        the offer names (give it back with ``_nixl_release``), or None (logged: the stream carries them) when NIXL
+        fails here."""
+        from services.handoff.nixl import offer_from_slab, process_endpoint
 
         try:
-            endpoint = process_endpoint()
-            endpoint.register([kv])
-            offer = endpoint.offer([kv])
+            offered, offer = offer_from_slab(process_endpoint(), kv)
         except Exception as exc:   # noqa: BLE001 - any NIXL failure: this hand-off goes by the stream
             log.warning("prefill worker %s: NIXL could not offer a hand-off (%s); it goes by the gRPC stream",
                         self.name, exc)
-            return False
+            return None
         header.nixl.CopyFrom(pb.NixlBuffer(offer=offer.to_bytes(), dtype=str(kv.dtype).removeprefix("torch."),
                                            numel=kv.numel()))
-        return True
+        return offered
 
     def _after_export(self, handoff, fn):
         """fn() (an io thread) on a side stream ordered after the hand-off's gathers only: on the engine's

@@ -156,3 +156,76 @@ def test_an_offers_checksum_over_gpu_tensors_is_computed_there_and_equals_the_ho
     k, v = _kv()
     assert nixl.crc_of([k.cuda(), v.cuda()]) == nixl.crc_of([k, v])
     assert nixl.crc_of([k.cuda()]) == nixl.crc_of([k])
+
+
+def _round_kv(r: int):
+    import torch
+
+    return torch.randn(N, generator=torch.Generator().manual_seed(100 + r))
+
+
+def _slab_sender(conn, rounds: int, slab_bytes: int) -> None:
+    """Offer ``rounds`` hand-offs' K/V from this process's slab (``offer_from_slab``), one after another, each given
+    back (``release``) once the reader is done; report the endpoint's registrations and the slab's state."""
+    from services.handoff import nixl as mod
+
+    mod.SLAB_BYTES = slab_bytes
+    ep = mod.process_endpoint()
+    pieces = []
+    for r in range(rounds):
+        offered, offer = mod.offer_from_slab(ep, _round_kv(r))
+        pieces.append(mod.process_slab().holds(offered))
+        conn.send(offer.to_bytes())
+        assert conn.recv() == "done"
+        mod.release(ep, offered)
+    slab = mod.process_slab()
+    conn.send((len(ep._registered), ep.registrations, pieces, slab.taken, slab.free_bytes))
+    ep.close()
+
+
+def _slab_reader(conn, rounds: int, slab_bytes: int) -> None:
+    """Read each offer into this process's slab (``read_via_slab``); report whether each landed right, the
+    endpoint's registrations and the slab's state."""
+    import torch
+
+    from services.handoff import nixl as mod
+
+    mod.SLAB_BYTES = slab_bytes
+    ep = mod.process_endpoint()
+    right = []
+    for r in range(rounds):
+        offer = mod.Offer.from_bytes(conn.recv())
+        got = mod.read_via_slab(ep, offer, torch.float32, N, "cpu", timeout=10.0)
+        right.append(torch.equal(got, _round_kv(r)) and not mod.process_slab().holds(got))
+        conn.send("done")
+    slab = mod.process_slab()
+    conn.send((len(ep._registered), ep.registrations, right, slab.taken, slab.free_bytes))
+    ep.close()
+
+
+@pytest.mark.parametrize("slab_bytes, in_slab", [(8 << 20, True), (1 << 20, False)], ids=["slab", "too-small"])
+def test_hand_offs_go_through_slabs_registered_once(slab_bytes, in_slab):
+    """Three hand-offs one after another: each side registers its slab once and lends a piece a hand-off; the bytes
+    land right and every piece comes back. A hand-off larger than the slab registers memory of its own, as before,
+    and deregisters it after."""
+    rounds = 3
+    sender, s_conn = _spawn(_slab_sender, rounds, slab_bytes)
+    reader, r_conn = _spawn(_slab_reader, rounds, slab_bytes)
+    try:
+        for _ in range(rounds):
+            assert s_conn.poll(60), "the sender made no offer"
+            r_conn.send(s_conn.recv())
+            assert r_conn.poll(60), "the reader did not read"
+            s_conn.send(r_conn.recv())
+        assert s_conn.poll(30) and r_conn.poll(30)
+        s_regs, s_made, pieces, s_taken, s_free = s_conn.recv()
+        r_regs, r_made, right, r_taken, r_free = r_conn.recv()
+    finally:
+        for proc in (sender, reader):
+            proc.join(15)
+            if proc.is_alive():
+                proc.kill()
+    assert right == [True] * rounds and pieces == [in_slab] * rounds
+    assert (s_regs, r_regs) == (1, 1)           # the slabs alone: nothing registered per hand-off is left
+    assert s_made == r_made == (1 if in_slab else 1 + rounds)      # registered once, or once more a hand-off
+    assert (s_taken, r_taken) == (0, 0) and s_free == r_free == slab_bytes

@@ -72,10 +72,10 @@ def servicer(decode: Decode, offered: list, released: list):
     def offer(kv, header):
         offered.append(kv)
         header.nixl.CopyFrom(pb.NixlBuffer(offer=b"offer", dtype="float32", numel=kv.numel()))
-        return True
+        return kv
 
     s._offer_nixl = offer
-    s._nixl_deregister = released.append
+    s._nixl_release = released.append
     return s
 
 
@@ -93,7 +93,7 @@ def test_a_nixl_read_the_decode_worker_refuses_goes_by_the_stream_and_the_next_o
     assert first.HasField("nixl") and first_payload == FakeHandoff().to_bytes(with_kv=False)
     assert not second.HasField("nixl") and not second.HasField("kv")
     assert second_payload == FakeHandoff().to_bytes() and moved == len(second_payload)
-    assert len(released) == 1 and released[0] is offered[0]        # its registration undone
+    assert len(released) == 1 and released[0] is offered[0]        # what the offer named, given back
     # the next hand-off to that worker goes straight by the stream: nothing offered
     assert push(s, "r2") == (len(FakeHandoff().to_bytes()), "grpc")
     assert len(offered) == 1 and len(decode.pushes) == 3 and not decode.pushes[2][0].HasField("nixl")
