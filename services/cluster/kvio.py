@@ -144,7 +144,11 @@ class StoreAccess:
             with self._lock:
                 place = self._places.pop(cid, None)       # one read a place: the next lookup gives a fresh one
             if place is not None and device is not None:
-                read = self._client.client_for(cid).device_read(cid, place, device)
+                try:
+                    read = self._client.client_for(cid).device_read(cid, place, device)
+                except ChunkCorruptError as exc:    # a place that names another chunk or lies past its segment
+                    log.warning("chunk %s: its looked-up place is unusable (%s); read by a Get", cid[:12], exc)
+                    read = place = None
                 if read is not None:        # this host's arena onto the GPU: all at once, checked before use
                     return DeviceLayers(read)
             stream = (StreamedLayer(layer, k, v)

@@ -499,6 +499,29 @@ def test_a_caller_naming_another_host_gets_no_place_and_bad_segment_sizes_are_re
     assert out.returncode != 0 and "dram_segment_bytes" in out.stderr and not (tmp_path / "d").exists()
 
 
+def test_a_fetch_given_an_unusable_place_reads_the_chunk_by_a_get(start_store, shm_dir, on_device):  # noqa: F811
+    """A place naming another chunk is refused by the read onto the device, and the fetch goes by a Get: the engine
+    gets the chunk's own layers, never the other chunk's."""
+    from services.cluster.kvio import StoreAccess
+
+    srv, plain = arena_store(start_store, shm_dir)
+    mine, other = make_layers(n_layers=3, seed=26), make_layers(n_layers=3, seed=27)
+    plain.put("doc-y", mine)
+    plain.put("doc-z", other)
+    access = StoreAccess([srv.address])
+    try:
+        [client] = access._client.clients()
+        present = access.lookup(["doc-y", "doc-z"])
+        access._places["doc-y"] = access._places["doc-z"]          # the wrong chunk's place
+        calls = _counting_gets(client)
+        got = list(access.fetcher(present, on_device)("doc-y"))
+        assert calls == ["doc-y"] and len(got) == 3
+        for item, (k0, v0) in zip(got, mine):
+            assert torch.equal(item.k, k0) and torch.equal(item.v, v0)
+    finally:
+        access.close()
+
+
 def test_a_prefill_reading_chunks_onto_its_device_matches_and_recomputes_damaged_ones(start_store, shm_dir,  # noqa: F811
                                                                                      on_device, tiny_model):
     """End to end: an engine's pass over chunks read from the arena at once (``DeviceLayers``) gives the logits of
