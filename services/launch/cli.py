@@ -45,6 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "checked on landing; the gRPC stream when NIXL cannot load, reported in Stats), grpc (in the "
                          "stream), auto (gRPC for now). To a decode worker on this host's GPUs: CUDA IPC whatever this "
                          "says")
+    up.add_argument("--store-loads", choices=("cost", "always", "never"), default="cost",
+                    help="whether prefill workers load a chunk the store holds: cost (when the loading controller "
+                         "measured that cheaper than computing it; the default), always, or never (every chunk the "
+                         "GPU lacks is computed: the store path off, for an A/B)")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051; 0: any free port)")
     up.add_argument("--host", default=None, help="bind address (default 127.0.0.1 locally, 0.0.0.0 with --address)")
     up.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -166,7 +170,8 @@ def _up(args: argparse.Namespace) -> int:
                         routing=args.routing, store_shm=args.store_shm,
                         gateway_on_head=args.gateway_on_head, index_threads=args.index_threads, **restarts,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
-                                                         handoff_transport=args.handoff_transport, **warm),
+                                                         handoff_transport=args.handoff_transport,
+                                                         store_loads=args.store_loads, **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                        min_step_interval_s=args.decode_step_interval_ms / 1e3,
                                                        warmup_sparse=args.warmup_sparse, **warm))

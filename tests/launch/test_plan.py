@@ -58,9 +58,11 @@ def test_index_services_stop_after_the_workers_and_before_the_stores():
                                  "tessera-index-0", "tessera-index-1", "tessera-store-0"]
 
 
-@pytest.mark.parametrize("flags, threads", [([], 4), (["--index-threads", "2"], 2), (["--no-index"], 0)],
-                         ids=["default", "threads-2", "no-index"])
-def test_up_takes_the_index_role_s_threads_or_turns_it_off(tmp_path, tiny_model, monkeypatch, capsys, flags, threads):
+@pytest.mark.parametrize("flags, threads, loads", [([], 4, "cost"), (["--index-threads", "2"], 2, "cost"),
+                                                   (["--no-index", "--store-loads", "never"], 0, "never")],
+                         ids=["default", "threads-2", "no-index-no-loads"])
+def test_up_takes_the_index_role_s_threads_or_turns_it_off(tmp_path, tiny_model, monkeypatch, capsys, flags, threads,
+                                                           loads):
     import services.launch.cli as cli
     import services.launch.on_ray as launch
     from services.cli import main
@@ -79,7 +81,7 @@ def test_up_takes_the_index_role_s_threads_or_turns_it_off(tmp_path, tiny_model,
     monkeypatch.setattr(launch, "ensure_ray", lambda address: None)
     monkeypatch.setattr(launch, "start_cluster", cluster)
     assert main(["up", "--model", tiny_model, "--stores", "0", "--device", "cpu", "--decode", "2", *flags]) == 0
-    assert seen["cfg"].index_threads == threads
+    assert seen["cfg"].index_threads == threads and seen["cfg"].prefill_settings.store_loads == loads
     assert f"{2 if threads else 0} index service(s)" in capsys.readouterr().out
 
 
