@@ -22,13 +22,20 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def assert_same_layers(got, layers, start: int = 0) -> None:
+    """``got`` ((layer, k, v) triples, as a read yields them) is layers [start, start + len(got)) of ``layers`` ((k, v)
+    pairs), in order, byte for byte (wherever their tensors lie)."""
+    assert [i for i, _, _ in got] == list(range(start, start + len(got)))
+    for i, k, v in got:
+        assert same_bytes(k.cpu(), layers[i][0]) and same_bytes(v.cpu(), layers[i][1]), f"layer {i} differs"
+
+
 def assert_roundtrip(client, chunk_id, layers, layer_range=None):
     """get() returns exactly ``layers`` (or the given range), byte for byte, in order."""
     start, stop = layer_range or (0, len(layers))
     got = list(client.get(chunk_id, layers=layer_range))
-    assert [i for i, _, _ in got] == list(range(start, stop))
-    for i, k, v in got:
-        assert same_bytes(k, layers[i][0]) and same_bytes(v, layers[i][1]), f"layer {i} differs"
+    assert len(got) == stop - start
+    assert_same_layers(got, layers, start)
 
 
 def tiers_of(client, chunk_id) -> tuple[str, ...]:

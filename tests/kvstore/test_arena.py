@@ -13,7 +13,7 @@ from services.kvstore import arena as arena_module
 from services.kvstore.arena import HEADER, PAGE, Arena
 from services.kvstore.client import ChunkCorruptError, KVStoreClient
 
-from .helpers import MiB, assert_roundtrip, flip_byte, make_layers, tiers_of
+from .helpers import MiB, assert_roundtrip, assert_same_layers, flip_byte, make_layers, tiers_of
 from .test_shm_tier import local_place, shm_dir  # noqa: F401 - the fixture
 
 
@@ -387,9 +387,9 @@ def test_a_device_read_hands_every_layer_over_at_once_and_verifies_before_use(st
             read.verify()
         got = list(read)
         read.verify()
-        assert [i for i, _, _ in got] == list(range(5)) and calls == [] and local.reads["arena-device"] == 1
-        for (_, k, v), (k0, v0) in zip(got, layers):
-            assert torch.equal(k, k0) and torch.equal(v, v0) and not local.in_arena(k)
+        assert len(got) == 5 and calls == [] and local.reads["arena-device"] == 1
+        assert_same_layers(got, layers)
+        assert not any(local.in_arena(k) for _, k, _ in got)
         with pytest.raises(RuntimeError, match="iterated once"):
             list(read)
         assert local.device_read("doc-t", None, on_device) is None                 # no place: by a Get
@@ -417,8 +417,7 @@ def test_a_device_read_of_damaged_bytes_fails_its_verify_and_the_next_read_goes_
         assert local.device_read("doc-u", loc.place, on_device) is None      # refused once: this read by a Get
         got = list(local.get("doc-u", device=on_device))       # the Get's read finds the damage: the store drops it
         assert len(got) == 4
-        for (_, k, v), (k0, v0) in zip(got, layers):
-            assert torch.equal(k, k0) and torch.equal(v, v0)
+        assert_same_layers(got, layers)
         assert tiers_of(plain, "doc-u") == ("rocksdb",)
     finally:
         local.close()
@@ -516,8 +515,7 @@ def test_a_fetch_given_an_unusable_place_reads_the_chunk_by_a_get(start_store, s
         calls = _counting_gets(client)
         got = list(access.fetcher(present, on_device)("doc-y"))
         assert calls == ["doc-y"] and len(got) == 3
-        for item, (k0, v0) in zip(got, mine):
-            assert torch.equal(item.k, k0) and torch.equal(item.v, v0)
+        assert_same_layers(got, mine)
     finally:
         access.close()
 
