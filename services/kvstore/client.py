@@ -224,6 +224,17 @@ class ChunkLocation:
     place: pb.LocalChunk | None = None
 
 
+def _place_meta(chunk_id: str, place) -> ChunkMeta:
+    """A looked-up place's chunk metadata, checked to be this chunk's with an arena extent (ChunkCorruptError)."""
+    try:
+        meta = _placed_meta(place.header.SerializeToString())
+    except InvalidChunk as exc:
+        raise ChunkCorruptError(f"chunk {chunk_id}: bad header in its place: {exc}") from None
+    if meta.chunk_id != chunk_id or len(meta.checksums) != meta.num_layers or not place.layers.generation:
+        raise ChunkCorruptError(f"chunk {chunk_id}: its place names {meta.chunk_id} or no arena extent")
+    return meta
+
+
 @functools.lru_cache(maxsize=4096)
 def _placed_meta(header: bytes) -> ChunkMeta:
     """A looked-up place's chunk header, checked (``ChunkMeta.from_proto``); kept by its bytes, as a chunk's header is
@@ -436,12 +447,7 @@ class KVStoreClient:
         with, from the layer ``request`` now starts at (None: from the start), by the stream (as a Get's local read
         that could not go on is)."""
         request.local_host, request.nixl = "", False
-        try:
-            meta = _placed_meta(place.header.SerializeToString())
-        except InvalidChunk as exc:
-            raise ChunkCorruptError(f"chunk {chunk_id}: bad header in its place: {exc}") from None
-        if meta.chunk_id != chunk_id or len(meta.checksums) != meta.num_layers or not place.layers.generation:
-            raise ChunkCorruptError(f"chunk {chunk_id}: its place names {meta.chunk_id} or no arena extent")
+        meta = _place_meta(chunk_id, place)
         try:
             yield from self._read_local(meta, _FROM_NAME[meta.dtype], 0, meta.num_layers, place.layers, device)
             return True
@@ -565,15 +571,7 @@ class KVStoreClient:
         generation the store named and within ``ARENA_READ_WINDOW_S`` of the read's start (a freed extent rests for
         the store's grace, so the caller's copy reads what was checked)."""
         began = time.monotonic()
-        try:
-            seg = self.segments.open(local.path)
-        except FileNotFoundError:
-            raise _LocalGone() from None
-        except OSError as exc:      # not readable by this process: this host's store is not for it
-            raise ChunkCorruptError(f"chunk {meta.chunk_id}: cannot open the store's segment: {exc}") from None
-        spans = [(i, offset, meta.layer_nbytes(i)) for i, offset in zip(range(start, stop), local.offsets)]
-        if any(offset + n > seg.size for _, offset, n in spans) or local.header + 16 > seg.size:
-            raise ChunkCorruptError(f"chunk {meta.chunk_id}: offsets past the end of the store's segment")
+        seg, spans = self._arena_spans(meta, start, stop, local)
         self.local_reads += 1
         self.arena_reads += 1
         if device is not None and torch.device(device).type in self.check_on:
@@ -605,6 +603,20 @@ class KVStoreClient:
                 f.cancel()
             wait(pending)
 
+    def _arena_spans(self, meta: ChunkMeta, start: int, stop: int, local) -> tuple:
+        """(the mapped segment, [(layer, offset, bytes)] for layers [start, stop)) of an arena place; _LocalGone when
+        its segment file is gone, ChunkCorruptError when it cannot be read here or the offsets run past it."""
+        try:
+            seg = self.segments.open(local.path)
+        except FileNotFoundError:
+            raise _LocalGone() from None
+        except OSError as exc:      # not readable by this process: this host's store is not for it
+            raise ChunkCorruptError(f"chunk {meta.chunk_id}: cannot open the store's segment: {exc}") from None
+        spans = [(i, offset, meta.layer_nbytes(i)) for i, offset in zip(range(start, stop), local.offsets)]
+        if len(spans) != stop - start or any(o + n > seg.size for _, o, n in spans) or local.header + 16 > seg.size:
+            raise ChunkCorruptError(f"chunk {meta.chunk_id}: offsets past the end of the store's segment")
+        return seg, spans
+
     def _arena_to_device(self, meta: ChunkMeta, dtype, stop: int, local, seg, spans, device) -> Iterator:
         """Layers in groups (``_groups``), copied onto ``device`` and checked there (``_DeviceIssue``); a group is
         handed on once its check has passed."""
@@ -627,21 +639,12 @@ class KVStoreClient:
             if chunk_id in self._refused:
                 self._refused.discard(chunk_id)
                 return None
+        meta = _place_meta(chunk_id, place)
         try:
-            meta = _placed_meta(place.header.SerializeToString())
-        except InvalidChunk as exc:
-            raise ChunkCorruptError(f"chunk {chunk_id}: bad header in its place: {exc}") from None
-        local = place.layers
-        if meta.chunk_id != chunk_id or len(meta.checksums) != meta.num_layers or not local.generation:
-            raise ChunkCorruptError(f"chunk {chunk_id}: its place names {meta.chunk_id} or no arena extent")
-        try:
-            seg = self.segments.open(local.path)
-        except OSError:
+            seg, spans = self._arena_spans(meta, 0, meta.num_layers, place.layers)
+        except _LocalGone:
             return None
-        spans = [(i, offset, meta.layer_nbytes(i)) for i, offset in zip(range(meta.num_layers), local.offsets)]
-        if len(spans) != meta.num_layers or any(o + n > seg.size for _, o, n in spans) or local.header + 16 > seg.size:
-            raise ChunkCorruptError(f"chunk {chunk_id}: offsets past the end of the store's segment")
-        return DeviceRead(self, meta, _FROM_NAME[meta.dtype], local, seg, spans, torch.device(device))
+        return DeviceRead(self, meta, _FROM_NAME[meta.dtype], place.layers, seg, spans, torch.device(device))
 
     def _nixl_endpoint(self):
         """This process's NIXL endpoint when this client reads over NIXL and NIXL can be used here, else None."""
