@@ -48,6 +48,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.batcher, self.eng, self.store, self.metrics = batcher, engine, store, metrics
         self.name, self.metrics_url, self.settings = name, metrics_url, settings
         self.transport = probe_transport(engine.device)
+        self._nixl_device_ok = True     # NIXL reads hand-offs onto the engine's device until that once fails
         self._pending: dict[str, tuple[ReceivedHandoff, float]] = {}
         self._arrived: dict[str, asyncio.Event] = {}
         self.decoding = 0
@@ -107,17 +108,30 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
 
     def _read_nixl(self, msg: pb.NixlBuffer):
         """The hand-off's K/V read over NIXL onto this worker's device (through its NIXL slab, registered once; into
-        memory registered for this read where the slab has no room), checked there."""
+        memory registered for this read where the slab has no room), checked there. Where NIXL cannot take this
+        GPU's memory (a UCX without CUDA), into host memory instead (said once in the log). RuntimeError (the
+        caller's DATA_LOSS) when the read fails."""
         import torch
 
-        from services.handoff.nixl import Offer, process_endpoint, read_via_slab
+        from services.handoff.nixl import Offer, TransferFailed, process_endpoint, read_via_slab
 
         dtype = getattr(torch, msg.dtype, None)
         if not isinstance(dtype, torch.dtype) or not msg.numel:
             raise ValueError(f"NIXL buffer of dtype {msg.dtype!r} and {msg.numel} elements")
         offer = Offer.from_bytes(msg.offer)
-        return read_via_slab(process_endpoint(), offer, dtype, msg.numel, self.eng.device,
-                             timeout=self.settings.handoff_wait_s, notify=b"read")
+        device = self.eng.device if self._nixl_device_ok else torch.device("cpu")
+        try:
+            return read_via_slab(process_endpoint(), offer, dtype, msg.numel, device,
+                                 timeout=self.settings.handoff_wait_s, notify=b"read")
+        except TransferFailed:
+            raise
+        except Exception as exc:   # noqa: BLE001 - NIXL's own error types: registering or reading this memory
+            if device.type == "cpu":
+                raise RuntimeError(f"NIXL read failed: {exc}") from None
+            log.warning("decode worker %s: NIXL cannot read into %s memory (%s); hand-offs land in host memory",
+                        self.name, device, exc)
+            self._nixl_device_ok = False
+            return self._read_nixl(msg)
 
     async def _serving(self, context) -> None:
         """UNAVAILABLE at once when the engine thread has stopped (the worker is about to restart)."""
