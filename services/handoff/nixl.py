@@ -324,9 +324,17 @@ _slabs: dict[str, Slab] = {}
 _no_slab: dict[str, str] = {}       # devices where no slab could be made, and why
 
 
+def _slab_key(device) -> str:
+    """A device's name with its index ("cuda" is the current GPU's), as its tensors name it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
 def process_slab(device: torch.device | str = "cpu") -> Slab:
     """This process's slab on ``device`` (``SLAB_BYTES``, registered with ``process_endpoint`` at first use)."""
-    key = str(torch.device(device))
+    key = _slab_key(device)
     with _endpoint_lock:
         slab = _slabs.get(key)
     if slab is None:
@@ -343,7 +351,7 @@ def _slab_for(device) -> Slab | None:
     try:
         return process_slab(device)
     except Exception as exc:   # noqa: BLE001 - no room or no registration: transfers register their own memory
-        key = str(torch.device(device))
+        key = _slab_key(device)
         if key not in _no_slab:
             _no_slab[key] = str(exc)
             log.warning("no NIXL slab on %s (%s): hand-offs there register their own memory", key, exc)
@@ -374,7 +382,7 @@ def offer_from_slab(endpoint: NixlEndpoint, kv: torch.Tensor) -> tuple[torch.Ten
 
 def release(endpoint: NixlEndpoint, offered: torch.Tensor) -> None:
     """What ``offer_from_slab`` offered, back: a slab piece to its slab, memory registered alone deregistered."""
-    slab = _slabs.get(str(offered.device))
+    slab = _slabs.get(_slab_key(offered.device))
     if slab is not None and slab.holds(offered):
         slab.give(offered)
     else:
