@@ -96,9 +96,13 @@ class PrefillSettings:
     # issue #23); to one that can (the same host's GPUs), CUDA IPC whatever this says. "nixl" also has the worker read
     # chunks of store shards on other hosts from their memory over NIXL (the shards then run a NIXL agent)
     handoff_transport: str = "auto"
+    # with "nixl": the memory the worker offers hand-offs from, registered with NIXL once, on its device (a GPU
+    # worker's is GPU memory); a hand-off larger than its free room registers memory of its own. 0: no slab
+    nixl_slab_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         check_float("quality_floor", self.quality_floor, 0, 1)
+        check_int("nixl_slab_bytes", self.nixl_slab_bytes, 0)
         check_str("handoff_transport", self.handoff_transport, choices=("auto", "nixl", "grpc"))
         check_float("default_ratio", self.default_ratio, 0, 1, optional=True)
         check_str("store_loads", self.store_loads, choices=("cost", "always", "never"))
@@ -139,9 +143,13 @@ class DecodeSettings:
     # bench/decode/README.md). Past the deadline the requests concerned fail and the worker goes on serving
     index_search_timeout_s: float = 10.0
     index_offload_timeout_s: float = 600.0
+    # hand-offs read over NIXL land in this memory, registered with NIXL once, on the worker's device (then copied
+    # out); a larger one registers memory of its own. 0: no slab
+    nixl_slab_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         check_int("max_batch", self.max_batch, 1)
+        check_int("nixl_slab_bytes", self.nixl_slab_bytes, 0)
         check_float("handoff_wait_s", self.handoff_wait_s, 0, lo_open=True)
         check_float("store_wait_s", self.store_wait_s, 0)
         check_int("host_cache_bytes", self.host_cache_bytes, 0)

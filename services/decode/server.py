@@ -122,7 +122,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         device = self.eng.device if self._nixl_device_ok else torch.device("cpu")
         try:
             return read_via_slab(process_endpoint(), offer, dtype, msg.numel, device,
-                                 timeout=self.settings.handoff_wait_s, notify=b"read")
+                                 timeout=self.settings.handoff_wait_s, notify=b"read",
+                                 slab_bytes=self.settings.nixl_slab_bytes)
         except TransferFailed:
             raise
         except Exception as exc:   # noqa: BLE001 - NIXL's own error types: registering or reading this memory

@@ -265,7 +265,8 @@ class NixlEndpoint:
             self.agent.deregister_memory(reg)
 
 
-SLAB_BYTES = 512 << 20     # a worker's NIXL hand-off memory, registered once (a larger hand-off registers its own)
+SLAB_BYTES = 512 << 20     # default size of a worker's NIXL hand-off memory, registered once (its settings'
+#                            nixl_slab_bytes; a hand-off larger than the free room registers memory of its own)
 SLAB_ALIGN = 4096
 
 
@@ -332,13 +333,14 @@ def _slab_key(device) -> str:
     return str(device)
 
 
-def process_slab(device: torch.device | str = "cpu") -> Slab:
-    """This process's slab on ``device`` (``SLAB_BYTES``, registered with ``process_endpoint`` at first use)."""
+def process_slab(device: torch.device | str = "cpu", nbytes: int | None = None) -> Slab:
+    """This process's slab on ``device``, made at first use with ``nbytes`` (default ``SLAB_BYTES``) and registered
+    with ``process_endpoint``; later calls get that one whatever they ask."""
     key = _slab_key(device)
     with _endpoint_lock:
         slab = _slabs.get(key)
     if slab is None:
-        made = Slab(process_endpoint(), SLAB_BYTES, device)
+        made = Slab(process_endpoint(), SLAB_BYTES if nbytes is None else nbytes, device)
         with _endpoint_lock:
             slab = _slabs.setdefault(key, made)
         if slab is not made:
@@ -346,10 +348,13 @@ def process_slab(device: torch.device | str = "cpu") -> Slab:
     return slab
 
 
-def _slab_for(device) -> Slab | None:
-    """This process's slab on ``device``; None (said once in the log) where one cannot be made there."""
+def _slab_for(device, nbytes: int | None) -> Slab | None:
+    """This process's slab on ``device`` (``process_slab``); None when ``nbytes`` is 0 (no slab: every transfer
+    registers its own memory), or (said once in the log) where one cannot be made there."""
+    if nbytes == 0:
+        return None
     try:
-        return process_slab(device)
+        return process_slab(device, nbytes)
     except Exception as exc:   # noqa: BLE001 - no room or no registration: transfers register their own memory
         key = _slab_key(device)
         if key not in _no_slab:
@@ -358,12 +363,13 @@ def _slab_for(device) -> Slab | None:
         return None
 
 
-def offer_from_slab(endpoint: NixlEndpoint, kv: torch.Tensor) -> tuple[torch.Tensor, Offer]:
-    """An offer of ``kv``'s bytes (contiguous): copied into a piece of this process's slab on its device, or, when
-    the slab has no room, ``kv`` registered for this offer alone. Returns (what the offer names: give it back with
-    ``release`` once the peer has read it, the offer)."""
+def offer_from_slab(endpoint: NixlEndpoint, kv: torch.Tensor, slab_bytes: int | None = None,
+                    ) -> tuple[torch.Tensor, Offer]:
+    """An offer of ``kv``'s bytes (contiguous): copied into a piece of this process's slab on its device (made with
+    ``slab_bytes`` at first use; 0: none), or, when the slab has no room, ``kv`` registered for this offer alone.
+    Returns (what the offer names: give it back with ``release`` once the peer has read it, the offer)."""
     raw = kv.reshape(-1).view(torch.uint8)
-    slab = _slab_for(kv.device)
+    slab = _slab_for(kv.device, slab_bytes)
     piece = None if slab is None else slab.take(raw.numel())
     if piece is None:
         endpoint.register([kv])
@@ -390,12 +396,13 @@ def release(endpoint: NixlEndpoint, offered: torch.Tensor) -> None:
 
 
 def read_via_slab(endpoint: NixlEndpoint, offer: Offer, dtype: torch.dtype, numel: int, device,
-                  timeout: float, notify: bytes = b"") -> torch.Tensor:
-    """The offered bytes read (``NixlEndpoint.read``: checked) into a piece of this process's slab on ``device``,
-    then copied out into a tensor of their own (``numel`` of ``dtype`` there) and the piece given back; where the
-    slab has no room, into memory registered for this read alone."""
+                  timeout: float, notify: bytes = b"", slab_bytes: int | None = None) -> torch.Tensor:
+    """The offered bytes read (``NixlEndpoint.read``: checked) into a piece of this process's slab on ``device``
+    (made with ``slab_bytes`` at first use; 0: none), then copied out into a tensor of their own (``numel`` of
+    ``dtype`` there) and the piece given back; where the slab has no room, into memory registered for this read
+    alone."""
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    slab = _slab_for(device)
+    slab = _slab_for(device, slab_bytes)
     piece = None if slab is None else slab.take(nbytes)
     if piece is None:
         out = torch.empty(numel, dtype=dtype, device=device)

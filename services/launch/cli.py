@@ -45,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "checked on landing; the gRPC stream when NIXL cannot load, reported in Stats), grpc (in the "
                          "stream), auto (gRPC for now). To a decode worker on this host's GPUs: CUDA IPC whatever this "
                          "says")
+    up.add_argument("--nixl-slab-mb", type=int, default=512,
+                    help="with --handoff-transport nixl: each worker's hand-off memory registered with NIXL once, "
+                         "on its device, in MiB (default 512; 0: every hand-off registers its own)")
     up.add_argument("--store-loads", choices=("cost", "always", "never"), default="cost",
                     help="whether prefill workers load a chunk the store holds: cost (when the loading controller "
                          "measured that cheaper than computing it; the default), always, or never (every chunk the "
@@ -171,8 +174,10 @@ def _up(args: argparse.Namespace) -> int:
                         gateway_on_head=args.gateway_on_head, index_threads=args.index_threads, **restarts,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                          handoff_transport=args.handoff_transport,
-                                                         store_loads=args.store_loads, **warm),
+                                                         store_loads=args.store_loads,
+                                                         nixl_slab_bytes=args.nixl_slab_mb << 20, **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
+                                                       nixl_slab_bytes=args.nixl_slab_mb << 20,
                                                        min_step_interval_s=args.decode_step_interval_ms / 1e3,
                                                        warmup_sparse=args.warmup_sparse, **warm))
     address = args.address

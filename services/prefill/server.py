@@ -46,8 +46,9 @@ STREAM_ONLY_S = 60.0
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker, name: str, metrics_url: str,
                  on_fatal: Callable[[BaseException], None] | None = None, cluster_tls=None,
-                 handoff_transport: str = "auto") -> None:
+                 handoff_transport: str = "auto", nixl_slab_bytes: int | None = None) -> None:
         self.worker = worker
+        self.nixl_slab_bytes = nixl_slab_bytes     # PrefillSettings.nixl_slab_bytes (None: nixl.SLAB_BYTES)
         self.cluster_tls = cluster_tls      # ClusterTLS: decode workers are dialled over mutual TLS
         self.name = name
         self.metrics_url = metrics_url
@@ -233,7 +234,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         from services.handoff.nixl import offer_from_slab, process_endpoint
 
         try:
-            offered, offer = offer_from_slab(process_endpoint(), kv)
+            offered, offer = offer_from_slab(process_endpoint(), kv, self.nixl_slab_bytes)
         except Exception as exc:   # noqa: BLE001 - any NIXL failure: this hand-off goes by the stream
             log.warning("prefill worker %s: NIXL could not offer a hand-off (%s); it goes by the gRPC stream",
                         self.name, exc)
@@ -340,7 +341,8 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     http, http_port = serve_metrics(metrics.registry, host)
     fatal = StoppedForGood((SERVICE_NAME,), on_fatal)
     servicer = PrefillServicer(worker, name, f"http://{advertised_host(host)}:{http_port}/metrics", on_fatal=fatal,
-                               cluster_tls=cluster_tls, handoff_transport=settings.handoff_transport)
+                               cluster_tls=cluster_tls, handoff_transport=settings.handoff_transport,
+                               nixl_slab_bytes=settings.nixl_slab_bytes)
     server = make_server(f"prefill worker {name}", cluster_tls)
     pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))

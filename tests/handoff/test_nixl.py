@@ -169,17 +169,16 @@ def _slab_sender(conn, rounds: int, slab_bytes: int) -> None:
     back (``release``) once the reader is done; report the endpoint's registrations and the slab's state."""
     from services.handoff import nixl as mod
 
-    mod.SLAB_BYTES = slab_bytes
     ep = mod.process_endpoint()
     pieces = []
     for r in range(rounds):
-        offered, offer = mod.offer_from_slab(ep, _round_kv(r))
-        pieces.append(mod.process_slab().holds(offered))
+        offered, offer = mod.offer_from_slab(ep, _round_kv(r), slab_bytes)
+        pieces.append(bool(slab_bytes) and mod.process_slab().holds(offered))
         conn.send(offer.to_bytes())
         assert conn.recv() == "done"
         mod.release(ep, offered)
-    slab = mod.process_slab()
-    conn.send((len(ep._registered), ep.registrations, pieces, slab.taken, slab.free_bytes))
+    slab = mod.process_slab() if slab_bytes else None
+    conn.send((len(ep._registered), ep.registrations, pieces, slab and slab.taken, slab and slab.free_bytes))
     ep.close()
 
 
@@ -190,24 +189,24 @@ def _slab_reader(conn, rounds: int, slab_bytes: int) -> None:
 
     from services.handoff import nixl as mod
 
-    mod.SLAB_BYTES = slab_bytes
     ep = mod.process_endpoint()
     right = []
     for r in range(rounds):
         offer = mod.Offer.from_bytes(conn.recv())
-        got = mod.read_via_slab(ep, offer, torch.float32, N, "cpu", timeout=10.0)
-        right.append(torch.equal(got, _round_kv(r)) and not mod.process_slab().holds(got))
+        got = mod.read_via_slab(ep, offer, torch.float32, N, "cpu", timeout=10.0, slab_bytes=slab_bytes)
+        right.append(torch.equal(got, _round_kv(r)) and not (slab_bytes and mod.process_slab().holds(got)))
         conn.send("done")
-    slab = mod.process_slab()
-    conn.send((len(ep._registered), ep.registrations, right, slab.taken, slab.free_bytes))
+    slab = mod.process_slab() if slab_bytes else None
+    conn.send((len(ep._registered), ep.registrations, right, slab and slab.taken, slab and slab.free_bytes))
     ep.close()
 
 
-@pytest.mark.parametrize("slab_bytes, in_slab", [(8 << 20, True), (1 << 20, False)], ids=["slab", "too-small"])
+@pytest.mark.parametrize("slab_bytes, in_slab", [(8 << 20, True), (1 << 20, False), (0, False)],
+                         ids=["slab", "too-small", "no-slab"])
 def test_hand_offs_go_through_slabs_registered_once(slab_bytes, in_slab):
     """Three hand-offs one after another: each side registers its slab once and lends a piece a hand-off; the bytes
-    land right and every piece comes back. A hand-off larger than the slab registers memory of its own, as before,
-    and deregisters it after."""
+    land right and every piece comes back. A hand-off larger than the slab, or one of a worker without a slab
+    (``nixl_slab_bytes`` 0), registers memory of its own, as before, and deregisters it after."""
     rounds = 3
     sender, s_conn = _spawn(_slab_sender, rounds, slab_bytes)
     reader, r_conn = _spawn(_slab_reader, rounds, slab_bytes)
@@ -226,6 +225,8 @@ def test_hand_offs_go_through_slabs_registered_once(slab_bytes, in_slab):
             if proc.is_alive():
                 proc.kill()
     assert right == [True] * rounds and pieces == [in_slab] * rounds
-    assert (s_regs, r_regs) == (1, 1)           # the slabs alone: nothing registered per hand-off is left
-    assert s_made == r_made == (1 if in_slab else 1 + rounds)      # registered once, or once more a hand-off
-    assert (s_taken, r_taken) == (0, 0) and s_free == r_free == slab_bytes
+    slabs = int(slab_bytes > 0)
+    assert (s_regs, r_regs) == (slabs, slabs)       # the slabs alone: nothing registered per hand-off is left
+    assert s_made == r_made == (1 if in_slab else slabs + rounds)      # registered once, or once a hand-off
+    if slabs:
+        assert (s_taken, r_taken) == (0, 0) and s_free == r_free == slab_bytes

@@ -59,7 +59,8 @@ def test_index_services_stop_after_the_workers_and_before_the_stores():
 
 
 @pytest.mark.parametrize("flags, threads, loads", [([], 4, "cost"), (["--index-threads", "2"], 2, "cost"),
-                                                   (["--no-index", "--store-loads", "never"], 0, "never")],
+                                                   (["--no-index", "--store-loads", "never", "--nixl-slab-mb", "0"], 0,
+                                                    "never")],
                          ids=["default", "threads-2", "no-index-no-loads"])
 def test_up_takes_the_index_role_s_threads_or_turns_it_off(tmp_path, tiny_model, monkeypatch, capsys, flags, threads,
                                                            loads):
@@ -82,6 +83,8 @@ def test_up_takes_the_index_role_s_threads_or_turns_it_off(tmp_path, tiny_model,
     monkeypatch.setattr(launch, "start_cluster", cluster)
     assert main(["up", "--model", tiny_model, "--stores", "0", "--device", "cpu", "--decode", "2", *flags]) == 0
     assert seen["cfg"].index_threads == threads and seen["cfg"].prefill_settings.store_loads == loads
+    slab = 0 if loads == "never" else 512 << 20
+    assert seen["cfg"].prefill_settings.nixl_slab_bytes == seen["cfg"].decode_settings.nixl_slab_bytes == slab
     assert f"{2 if threads else 0} index service(s)" in capsys.readouterr().out
 
 
@@ -92,3 +95,5 @@ def test_up_refuses_negative_index_threads(tmp_path, tiny_model, monkeypatch, ca
     monkeypatch.setattr(cli, "STATE", tmp_path / "cluster.json")
     assert main(["up", "--model", tiny_model, "--stores", "0", "--device", "cpu", "--index-threads", "-1"]) == 2
     assert "--index-threads must be in [0, 1024], got -1" in capsys.readouterr().err
+    assert main(["up", "--model", tiny_model, "--stores", "0", "--device", "cpu", "--nixl-slab-mb", "-1"]) == 2
+    assert "nixl_slab_bytes must be" in capsys.readouterr().err
