@@ -19,7 +19,7 @@ def _servicer(device: str):
 
     s = DecodeServicer.__new__(DecodeServicer)
     s.name, s.eng = "decode-test", SimpleNamespace(device=torch.device(device))
-    s.settings = SimpleNamespace(handoff_wait_s=1.0)
+    s.settings = SimpleNamespace(handoff_wait_s=1.0, nixl_slab_bytes=1 << 20)
     s._nixl_device_ok = True
     return s
 
@@ -34,7 +34,8 @@ def reads(monkeypatch):
     """Every read_via_slab call's device; ``fail`` maps a device type to the error a read there raises."""
     seen, fail = [], {}
 
-    def read(endpoint, offer, dtype, numel, device, timeout, notify=b""):
+    def read(endpoint, offer, dtype, numel, device, timeout, notify=b"", slab_bytes=None):
+        assert slab_bytes == 1 << 20                     # the worker's setting
         seen.append(torch.device(device).type)
         if torch.device(device).type in fail:
             raise fail[torch.device(device).type]
