@@ -86,7 +86,7 @@ def random_engine(layers: int, kv_gib: float):
 
 def commit_of() -> str:
     """The commit measured: $COMMIT (a device's tree has no .git), else this checkout's head."""
-    return os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+    return os.environ.get("COMMIT") or os.environ.get("TESSERA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                        text=True).stdout.strip()
 
 

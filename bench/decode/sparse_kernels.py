@@ -267,11 +267,11 @@ def main() -> int:
     args = ap.parse_args()
     start = time.monotonic()
     old = load_old(args.old, args.old_commit)
-    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+    commit = os.environ.get("COMMIT") or os.environ.get("TESSERA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                          text=True).stdout.strip()
     import triton
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "date": time.strftime("%Y-%m-%d"), "commit": commit, "old_commit": args.old_commit,
+               "date": time.strftime("%Y-%m-%d"), "commit": commit, "old_commit": args.old or args.old_commit,
                "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BS, "dtype": "bf16"},
                "cases": []}
     budgets = [int(b) for b in args.budgets.split(",")]

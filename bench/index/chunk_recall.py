@@ -260,7 +260,7 @@ def main() -> None:
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
         return
-    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+    commit = os.environ.get("COMMIT") or os.environ.get("TESSERA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                         text=True, check=True).stdout.strip()
     beams = [int(x) for x in args.beams.split(",")]
     offsets = [int(x) for x in args.offsets.split(",") if x]

@@ -215,7 +215,7 @@ def main() -> None:
         plot(doc["heads"], doc["summary"], doc["k"], Path(args.replot).with_suffix(".png"), _title(doc))
         return
 
-    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+    commit = os.environ.get("COMMIT") or os.environ.get("TESSERA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                         text=True, check=True).stdout.strip()
     import faiss
 
