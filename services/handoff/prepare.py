@@ -9,6 +9,7 @@ at admission (the slow case).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -83,12 +84,21 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s:
         waited = time.monotonic() - t0
     fetched: dict[str, list] = {}
     cuda = engine.device.type == "cuda"
-    # on a GPU, a chunk in this host's store arena is copied onto it and checked there (kvio.DeviceLayers)
+    # on a GPU, a chunk in this host's store arena is copied onto it and checked there (kvio.DeviceLayers), its
+    # copies queued on a side stream: on the engine's they would wait behind its decode steps
     fetch = store.fetcher(present, engine.device)
+    side = None
+    if cuda:
+        import torch
+
+        from services.cluster.staging import side_stream
+
+        side = side_stream(engine.device, "prepare")
     for cid in present:
         try:
             got = fetch(cid)
-            layers = list(got)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                layers = list(got)
             if getattr(got, "verify", None) is not None:
                 got.verify()        # here, off the engine thread: a chunk that fails is computed at admission
             if not cuda:      # views of the store's arena are copied now, not at admission
