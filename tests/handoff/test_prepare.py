@@ -97,3 +97,27 @@ def test_a_chunk_read_onto_the_device_is_verified_before_the_engine_gets_it(tiny
     assert prepared.sources == {"gpu": 0, "host": 0, "store": int(passes), "computed": int(not passes)}
     seq = decode.import_handoff(prepared.handoff, fetch=lambda c: iter(prepared.fetched[c]) if c in prepared.fetched else None)
     decode.release(seq)
+
+
+@pytest.mark.cuda
+def test_staging_keeps_layers_already_on_the_gpu_and_copies_the_rest_in_order():
+    """_stage: a chunk read onto the GPU (and checked there) is kept as it is; host layers are copied aside; every
+    chunk's layers keep their order, and the event covers the copies."""
+    import torch
+
+    from services.handoff.prepare import _stage
+
+    dev = torch.device("cuda")
+    host = list(numbered([(torch.full((2, 1, 4), float(i)), torch.full((2, 1, 4), -float(i))) for i in range(3)]))
+    on_gpu = list(numbered([(torch.full((2, 1, 4), 10.0 + i, device=dev),
+                             torch.full((2, 1, 4), -10.0 - i, device=dev)) for i in range(3)]))
+    out, ready = _stage({"a": host, "b": on_gpu}, dev)
+    ready.synchronize()
+    assert [item.layer for item in out["a"]] == [0, 1, 2] and [item.layer for item in out["b"]] == [0, 1, 2]
+    assert all(item.k.is_cuda and item.v.is_cuda for layers in out.values() for item in layers)
+    assert all(out["b"][i].k is on_gpu[i].k for i in range(3))                 # not copied again
+    assert all(torch.equal(out["a"][i].k.cpu(), host[i].k) and torch.equal(out["a"][i].v.cpu(), host[i].v)
+               for i in range(3))
+    out, ready = _stage({"b": on_gpu}, dev)                                      # nothing on the host: no copy
+    ready.synchronize()
+    assert out["b"][0].k is on_gpu[0].k
