@@ -49,7 +49,8 @@ def crc32_spans(data: torch.Tensor, starts: list[int], lengths: list[int], backe
     """data uint8 [N] -> int32 [L] on data's device (no host sync): the CRC-32 of each span (two's complement: ``&
     0xFFFFFFFF`` gives zlib's value). Spans may overlap; an empty span's CRC is 0."""
     _check(data, starts, lengths)
-    return _impl(backend).crc32_spans(data, list(starts), list(lengths))
+    crc0 = _impl(backend).crc0_spans(data, list(starts), list(lengths))
+    return reference.finish(crc0.to(torch.int64) & 0xFFFFFFFF, list(lengths))
 
 
 def crc0_spans(data: torch.Tensor, starts: list[int], lengths: list[int], backend: str = "torch") -> torch.Tensor:

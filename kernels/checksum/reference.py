@@ -159,7 +159,3 @@ def crc0_spans(data: torch.Tensor, starts: list[int], lengths: list[int]) -> tor
                 block[m] = _xor_sum(torch.where(b == 1, powers[k], 0), 1)
         out[s] = _xor_sum(block, 0)
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
-
-
-def crc32_spans(data: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
-    return finish(crc0_spans(data, starts, lengths).to(torch.int64) & 0xFFFFFFFF, lengths)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checksum.reference import LANES, PIECE, finish, kernel_tables
+from kernels.checksum.reference import LANES, PIECE, kernel_tables
 
 
 @triton.jit
@@ -96,7 +96,3 @@ def crc0_spans(data: torch.Tensor, starts: list[int], lengths: list[int]) -> tor
         grid = (-(-max(lengths) // (LANES * PIECE)), len(starts))
         _crc_blocks[grid](data, st, ln, *_tables(device), crc0, LANES=LANES, PIECE=PIECE)
     return crc0
-
-
-def crc32_spans(data: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
-    return finish(crc0_spans(data, starts, lengths).to(torch.int64) & 0xFFFFFFFF, lengths)

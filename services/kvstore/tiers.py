@@ -397,16 +397,18 @@ class ShmDramTier(_LayerFiles):
         if found is None or not isinstance(found[1], Extent):
             return None
         meta, extent = found
-        offsets = [extent.data + offset for offset in layer_data_offsets(meta, 0, meta.num_layers, ARENA_ALIGN)]
-        return meta, LocalFile(self.arena.path(extent.segment), offsets, extent.generation, extent.offset)
+        return meta, self._extent_file(meta, extent, 0, meta.num_layers)
+
+    def _extent_file(self, meta: ChunkMeta, extent: Extent, start: int, stop: int) -> LocalFile:
+        """Where layers [start, stop) of a chunk in ``extent`` lie in its segment."""
+        offsets = [extent.data + offset for offset in layer_data_offsets(meta, start, stop, ARENA_ALIGN)]
+        return LocalFile(self.arena.path(extent.segment), offsets, extent.generation, extent.offset)
 
     def local_file(self, reader: "RocksDBReader", start: int, stop: int) -> LocalFile:
         """Where a caller on this host reads layers [start, stop) of the chunk ``reader`` opened."""
-        offsets = [reader.base + offset for offset in layer_data_offsets(reader.meta, start, stop, reader.align)]
-        extent = reader.extent
-        if extent is None:
-            return LocalFile(reader.file.name, offsets)
-        return LocalFile(reader.file.name, offsets, extent.generation, extent.offset)
+        if reader.extent is not None:
+            return self._extent_file(reader.meta, reader.extent, start, stop)
+        return LocalFile(reader.file.name, layer_data_offsets(reader.meta, start, stop, reader.align))
 
     def remove(self, chunk_id: str) -> None:
         found = self._chunks.pop(chunk_id, None)
