@@ -11,8 +11,10 @@ CUDA graphs (graph_ms, bench/decode/sparse.py), ms per replay:
 - per budget: scores, selection, sparse attention and the three together (one layer's Quest), old against new;
   the new kernels with the tables as the decode graphs hold them (int64 ids and offsets), the old with int32 ones
   (their own casts left out: kernel time only, as bench/decode/sparse.py timed them);
-- --sweep: the new kernels' launch configurations (scores tile / heads / warps, selection radix bits / warps,
-  attention lanes / splits / warps / stages);
+- --sweep: the new kernels' launch configurations (scores tile / heads / warps / one query a program, selection
+  radix bits / warps, attention lanes / splits / warps / stages / how splits merge);
+- --profile: each kernel's GPU time in one layer's Quest (torch.profiler over eager calls), so the launches'
+  shares are known;
 - checks on the GPU: the new kernels against their torch twins (bounds exact; scores close; selection: counts
   equal, the selected scores' sums equal; attention's relative error), and the old selection's sums.
 
@@ -49,10 +51,11 @@ from kernels.sparse._scores import ScoresConfig  # noqa: E402
 
 HQ, HKV, D, BS, CHUNK = 32, 8, 128, 16, 512
 DEV = "cuda"
-SCORES_SWEEP = [ScoresConfig(32, 8, 4), ScoresConfig(16, 8, 2), ScoresConfig(64, 8, 8), ScoresConfig(32, 1, 8)]
-SELECT_SWEEP = [(5, None), (4, None), (5, 4), (5, 16)]
-ATTEND_SWEEP = [AttendConfig(), AttendConfig(num_stages=1), AttendConfig(num_stages=3), AttendConfig(num_warps=4),
-                AttendConfig(num_warps=4, num_stages=1), AttendConfig(programs_per_sm=1)]
+SCORES_SWEEP = [ScoresConfig(32, 8, 4), ScoresConfig(32, 8, 4, one_query=False), ScoresConfig(16, 8, 2),
+                ScoresConfig(64, 8, 4), ScoresConfig(64, 8, 8), ScoresConfig(128, 8, 8), ScoresConfig(32, 1, 8)]
+SELECT_SWEEP = [(5, None), (4, None), (6, None), (7, None), (8, None), (5, 4), (5, 16)]
+ATTEND_SWEEP = [AttendConfig(), AttendConfig(merge="kernel"), AttendConfig(num_stages=1), AttendConfig(num_warps=4),
+                AttendConfig(programs_per_sm=1), AttendConfig(programs_per_sm=4), AttendConfig(lanes=8)]
 
 
 def load_old(src: str | None, commit: str):
@@ -70,6 +73,24 @@ def load_old(src: str | None, commit: str):
         (dst / name).write_text(text.replace("kernels.sparse", "sparse_old"))
     sys.path.insert(0, str(dst.parent))
     return importlib.import_module("sparse_old.triton")
+
+
+def kernel_times(fn, reps: int = 20) -> dict[str, float]:
+    """ms a call of each kernel ``fn`` launches (its name shortened), from torch.profiler's CUDA activity."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for evt in prof.key_averages():
+        total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if total and evt.count >= reps:
+            times[evt.key[:60]] = round(total / reps / 1000.0, 5)   # us -> ms
+    return times
 
 
 def make_case(context: int, batch: int, seed: int):
@@ -134,7 +155,7 @@ def rel_err(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def case_rows(c, old, budgets, sweep: bool, deadline: float) -> dict:
+def case_rows(c, old, budgets, sweep: bool, deadline: float, profile: bool = False) -> dict:
     inv = rope_inv_freq(D, 500000.0).to(DEV)
     scale = D ** -0.5
     q, k, v, cu = c["q"], c["k"], c["v"], c["cu"]
@@ -211,6 +232,11 @@ def case_rows(c, old, budgets, sweep: bool, deadline: float) -> dict:
             row[label] = {"scores_ms": scores_ms[label], "select_ms": graph_ms(f_select),
                           "attend_ms": graph_ms(f_attend), "quest_ms": graph_ms(f_quest),
                           "quest_and_step_bounds_ms": graph_ms(lambda: (f_bound(), f_quest()))}
+        if profile:
+            row["new"]["kernels_ms"] = kernel_times(quest_new)
+            row["dense_kernels_ms"] = kernel_times(
+                lambda: decode_launch(q, k, v, packed, cu, inv, scale, cfg=DecodeConfig(num_splits=splits)))
+            print(f"  profile {budget}: quest {row['new']['kernels_ms']} dense {row['dense_kernels_ms']}", flush=True)
         row["quest_speedup"] = row["old"]["quest_ms"] / row["new"]["quest_ms"]
         row["dense_over_quest_old"] = out["dense_ms"] / row["old"]["quest_ms"]
         row["dense_over_quest_new"] = out["dense_ms"] / row["new"]["quest_ms"]
@@ -264,6 +290,7 @@ def main() -> int:
     ap.add_argument("--old-commit", default="2a071d2")
     ap.add_argument("--sweep", action="store_true", help="also the new kernels' launch configurations")
     ap.add_argument("--seconds", type=float, default=1e9, help="no sweep is started after this many seconds")
+    ap.add_argument("--profile", action="store_true", help="each kernel's GPU time in one layer's Quest")
     args = ap.parse_args()
     start = time.monotonic()
     old = load_old(args.old, args.old_commit)
@@ -281,7 +308,8 @@ def main() -> int:
         label = {"context": context, "batch": batch}
         try:
             c = make_case(context, batch, seed=context + batch)
-            results["cases"].append({**label, **case_rows(c, old, budgets, args.sweep, start + args.seconds)})
+            results["cases"].append({**label, **case_rows(c, old, budgets, args.sweep, start + args.seconds,
+                                                                args.profile)})
         except Exception as exc:   # report and go on: one shape failing must not hide the others
             results["cases"].append({**label, "error": repr(exc)[:2000]})
             print(f"  failed: {exc!r}"[:1500], flush=True)

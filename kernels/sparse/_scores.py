@@ -27,6 +27,7 @@ class ScoresConfig:
     tile: int = 32
     max_heads: int = 8
     num_warps: int = 4
+    one_query: bool = True   # a program whose entries are all of one sequence loads its query heads once
 
     def __post_init__(self):
         for name in ("tile", "max_heads"):
@@ -36,10 +37,21 @@ class ScoresConfig:
 
 
 @triton.jit
+def _bound(q1, q2, cos, sin, hi1, hi2, lo1, lo2):
+    """One query head's bound [BLOCK_E, HB] from its halves (rotated here backwards by each entry's offset)."""
+    r1 = q1 * cos + q2 * sin                                             # R_{-o} q
+    r2 = q2 * cos - q1 * sin
+    bound = tl.maximum(r1 * hi1.to(tl.float32), r1 * lo1.to(tl.float32)) + \
+        tl.maximum(r2 * hi2.to(tl.float32), r2 * lo2.to(tl.float32))
+    return tl.sum(bound, axis=2)
+
+
+@triton.jit
 def _scores_kernel(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr, invf_ptr, out_ptr,
                    n_entries, n_seqs, n_heads, search_steps,
                    stride_qb, stride_qh, stride_mb, stride_mh,
-                   G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr):
+                   G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr,
+                   ONE_QUERY: tl.constexpr):
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     ok = e < n_entries
     # the entry's sequence: the largest b with cu[b] <= e (an empty sequence before it shares its bound)
@@ -65,17 +77,24 @@ def _scores_kernel(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr
     ang = off[:, None] * tl.load(invf_ptr + d)[None, :]                      # [BLOCK_E, D2]
     cos = tl.cos(ang)[:, None, :]
     sin = tl.sin(ang)[:, None, :]
-    q_seq = q_ptr + lo.to(tl.int64)[:, None, None] * stride_qb + d[None, None, :]
     best = tl.full([BLOCK_E, HB], float("-inf"), tl.float32)
-    for g in tl.static_range(G):
-        q_row = q_seq + (h * G + g)[None, :, None] * stride_qh
-        q1 = tl.load(q_row, mask=ok3, other=0.0).to(tl.float32)
-        q2 = tl.load(q_row + D2, mask=ok3, other=0.0).to(tl.float32)
-        r1 = q1 * cos + q2 * sin                                             # R_{-o} q
-        r2 = q2 * cos - q1 * sin
-        bound = tl.maximum(r1 * hi1.to(tl.float32), r1 * lo1.to(tl.float32)) + \
-            tl.maximum(r2 * hi2.to(tl.float32), r2 * lo2.to(tl.float32))
-        best = tl.maximum(best, tl.sum(bound, axis=2))
+    first = tl.min(tl.where(ok, lo, n_seqs), axis=0)
+    if ONE_QUERY & (first == tl.max(tl.where(ok, lo, -1), axis=0)):
+        # every entry of one sequence: its query heads loaded once, [1, HB, D2], not once an entry
+        q_one = q_ptr + first.to(tl.int64) * stride_qb + d[None, None, :]
+        h_ok = (h < n_heads)[None, :, None]
+        for g in tl.static_range(G):
+            q_row = q_one + (h * G + g)[None, :, None] * stride_qh
+            q1 = tl.load(q_row, mask=h_ok, other=0.0).to(tl.float32)
+            q2 = tl.load(q_row + D2, mask=h_ok, other=0.0).to(tl.float32)
+            best = tl.maximum(best, _bound(q1, q2, cos, sin, hi1, hi2, lo1, lo2))
+    else:
+        q_seq = q_ptr + lo.to(tl.int64)[:, None, None] * stride_qb + d[None, None, :]
+        for g in tl.static_range(G):
+            q_row = q_seq + (h * G + g)[None, :, None] * stride_qh
+            q1 = tl.load(q_row, mask=ok3, other=0.0).to(tl.float32)
+            q2 = tl.load(q_row + D2, mask=ok3, other=0.0).to(tl.float32)
+            best = tl.maximum(best, _bound(q1, q2, cos, sin, hi1, hi2, lo1, lo2))
     shown = tl.load(mask_ptr + e, mask=ok, other=0) != 0
     # head-major [Hkv, E]: the selection reads a (sequence, head) row contiguously
     tl.store(out_ptr + h[None, :].to(tl.int64) * n_entries + e[:, None], tl.where(shown[:, None], best, float("-inf")),
@@ -97,5 +116,5 @@ def launch(q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq,
             q, kmin, kmax, block_ids, offsets, masks, cu_entries, inv_freq, out,
             n_entries, n_seqs, hkv, max(1, n_seqs - 1).bit_length(),
             q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
-            G=hq // hkv, D2=dim // 2, BLOCK_E=block_e, HB=heads, num_warps=cfg.num_warps)
+            G=hq // hkv, D2=dim // 2, BLOCK_E=block_e, HB=heads, ONE_QUERY=cfg.one_query, num_warps=cfg.num_warps)
     return out.t()

@@ -332,14 +332,16 @@ def test_block_pool_bound_dispatches_to_its_backend():
 # -- launch configurations and table dtypes of the kernels
 
 def test_page_scores_configs_and_int64_tables():
-    """Head groups (3 KV heads in tiles of 4 and of 2, a partial last group), one entry a program, and the int64
-    tables the decode graphs hold: all equal to the twin."""
+    """Head groups (3 KV heads in tiles of 4 and of 2, a partial last group), one entry a program, programs whose
+    entries span two sequences, and the int64 tables the decode graphs hold: all equal to the twin."""
     spec = ([([40, 33], 5), ([17], 3)], 6, 3, 64, 16, torch.bfloat16, 0.2, 900)
     case, q, kmin, kmax, inv = _setup(spec)
     want = page_scores(q, kmin, kmax, *_table(case), case.cu_entries, inv, backend="torch")
     fin = torch.isfinite(want)
     ids64, offs64 = case.block_ids.long(), case.offsets.long()
-    for cfg in (ScoresConfig(), ScoresConfig(tile=4, max_heads=2, num_warps=2), ScoresConfig(tile=1, max_heads=1)):
+    # programs of one sequence's entries (its query loaded once) and of two (a query an entry), either way
+    for cfg in (ScoresConfig(), ScoresConfig(tile=4, max_heads=2, num_warps=2), ScoresConfig(tile=1, max_heads=1),
+                ScoresConfig(tile=64, max_heads=4), ScoresConfig(one_query=False)):
         for ids, offs in ((case.block_ids, case.offsets), (ids64, offs64)):
             got = _scores.launch(q, kmin, kmax, ids, offs, case.masks, case.cu_entries, inv, cfg=cfg)
             assert torch.equal(torch.isneginf(got), torch.isneginf(want))
@@ -394,6 +396,17 @@ def test_sparse_attention_steps_splits_and_lanes():
                                   d ** -0.5, cfg=cfg)
         assert rel_err(out, want) <= TOL[dtype]
         assert_lse_close(lse, want_lse, 50 * TOL[dtype])
+    # the splits merged by their last arriver against by a kernel of their own: equal, and the counters the
+    # arrivers share are all back at zero for the next launch (a CUDA graph replays onto the same ones)
+    for splits in (2, 24):
+        args = (q, case.k_cache, case.v_cache, ids64, offs64, case.masks, sel, count, inv, d ** -0.5)
+        arrive = _attend.launch(*args, cfg=AttendConfig(lanes=1, num_splits=splits, merge="arrive"))
+        kernel = _attend.launch(*args, cfg=AttendConfig(lanes=1, num_splits=splits, merge="kernel"))
+        torch.testing.assert_close(arrive[0], kernel[0], rtol=0, atol=TOL[dtype])
+        assert_lse_close(arrive[1], kernel[1], 50 * TOL[dtype])
+        assert not _attend._COUNTERS.get(q.device, rows * hkv)[:rows * hkv].any()
+    with pytest.raises(ValueError, match="merge"):
+        AttendConfig(merge="atomic")
     assert _attend.pick_splits(AttendConfig(lanes=1, num_splits=24), rows, hkv, width, 1, q.device) == (24, 1)
     # picked: the fewest steps a program that fit the program slots (the CPU counts 4 SMs: 8 slots, 2 steps)
     assert _attend.pick_splits(AttendConfig(), 1, 2, 24, 4, q.device) == (3, 8)
