@@ -6,7 +6,9 @@ over cu_entries (no host sync, no per-entry sequence table), gathers that sequen
 rotates them BACKWARDS by the entry's offset (fp32: cos/sin of offset * inv_freq, as the decode kernel), and takes
     max over g of Σ_i max(q'_gi · kmax_i, q'_gi · kmin_i)
 on the half-split layout (rotate-half RoPE): the two halves of D are loaded and rotated as [BLOCK_E, HB, D/2] tiles,
-every head's bounds requested at once. An entry whose mask shows no slot scores -inf. Scores are stored head-major
+every head's bounds requested at once. A program whose entries are all of one sequence at one offset (pages of one
+chunk: nearly every program) loads and rotates its query heads once, not once an entry. An entry whose mask shows no
+slot scores -inf. Scores are stored head-major
 ([Hkv, E], returned as its [E, Hkv] view): a selection row is then one contiguous read, not a 32-byte stride.
 """
 
@@ -18,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+INT32_MAX = tl.constexpr(2147483647)
+
 
 @dataclass(frozen=True, slots=True)
 class ScoresConfig:
@@ -27,7 +31,7 @@ class ScoresConfig:
     tile: int = 32
     max_heads: int = 8
     num_warps: int = 4
-    one_query: bool = True   # a program whose entries are all of one sequence loads its query heads once
+    one_query: bool = True   # a program of one sequence's entries at one offset rotates its query heads once
 
     def __post_init__(self):
         for name in ("tile", "max_heads"):
@@ -73,14 +77,17 @@ def _scores_kernel(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr
     hi2 = tl.load(kmax_ptr + m_row + D2, mask=ok3, other=0.0)
     lo1 = tl.load(kmin_ptr + m_row, mask=ok3, other=0.0)
     lo2 = tl.load(kmin_ptr + m_row + D2, mask=ok3, other=0.0)
-    off = tl.load(off_ptr + e, mask=ok, other=0).to(tl.float32)
-    ang = off[:, None] * tl.load(invf_ptr + d)[None, :]                      # [BLOCK_E, D2]
-    cos = tl.cos(ang)[:, None, :]
-    sin = tl.sin(ang)[:, None, :]
+    off = tl.load(off_ptr + e, mask=ok, other=0).to(tl.int32)
+    invf = tl.load(invf_ptr + d)
     best = tl.full([BLOCK_E, HB], float("-inf"), tl.float32)
     first = tl.min(tl.where(ok, lo, n_seqs), axis=0)
-    if ONE_QUERY & (first == tl.max(tl.where(ok, lo, -1), axis=0)):
-        # every entry of one sequence: its query heads loaded once, [1, HB, D2], not once an entry
+    off_first = tl.min(tl.where(ok, off, INT32_MAX), axis=0)
+    if ONE_QUERY & (first == tl.max(tl.where(ok, lo, -1), axis=0)) & (off_first == tl.max(tl.where(ok, off, -1), axis=0)):
+        # every entry of one sequence at one offset (pages of one chunk): its query heads loaded and rotated once,
+        # [1, HB, D2], not once an entry
+        ang = off_first.to(tl.float32) * invf
+        cos = tl.cos(ang)[None, None, :]
+        sin = tl.sin(ang)[None, None, :]
         q_one = q_ptr + first.to(tl.int64) * stride_qb + d[None, None, :]
         h_ok = (h < n_heads)[None, :, None]
         for g in tl.static_range(G):
@@ -89,6 +96,9 @@ def _scores_kernel(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr
             q2 = tl.load(q_row + D2, mask=h_ok, other=0.0).to(tl.float32)
             best = tl.maximum(best, _bound(q1, q2, cos, sin, hi1, hi2, lo1, lo2))
     else:
+        ang = off.to(tl.float32)[:, None] * invf[None, :]                     # [BLOCK_E, D2]
+        cos = tl.cos(ang)[:, None, :]
+        sin = tl.sin(ang)[:, None, :]
         q_seq = q_ptr + lo.to(tl.int64)[:, None, None] * stride_qb + d[None, None, :]
         for g in tl.static_range(G):
             q_row = q_seq + (h * G + g)[None, :, None] * stride_qh
