@@ -5,7 +5,8 @@
 For the busiest host thread (the engine thread): its wall span, the time covered by torch ops (the
 outermost ones), the rest (Python between ops, or waiting for the interpreter lock while other threads
 hold it), the host syncs by the op that made them (``cudaStreamSynchronize`` and friends: time the
-thread stood waiting for the GPU) and the heaviest outermost ops; for the process's GPU work: the
+thread stood waiting for the GPU), the named spans the workers mark (``tessera.*``: a decode worker's admissions
+and steps, with the host syncs inside them) and the heaviest outermost ops; for the process's GPU work: the
 time some kernel or copy of this process ran (the union of their intervals) against the span, and
 kernel and copy totals. ``--units aten::item`` also splits the span at each call of that op (the
 prefill worker's first-token read) and reports the median unit.
@@ -74,6 +75,15 @@ def summarize(events: list[dict], units: str | None = None) -> dict:
     for e in top:
         heavy[e["name"]][0] += 1
         heavy[e["name"]][1] += e["dur"] / 1e3
+    # the workers' named spans (record_function "tessera.*": an admission, a decode step, an import's parts): their
+    # time on the engine thread and the host syncs inside them
+    spans: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    sync_events = [e for e in mine if e["name"] in SYNCS]
+    for e in (o for o in mine if o["name"].startswith("tessera.")):
+        spans[e["name"]][0] += 1
+        spans[e["name"]][1] += e["dur"] / 1e3
+        spans[e["name"]][2] += sum(x["dur"] for x in sync_events
+                                   if x["ts"] >= e["ts"] and x["ts"] + x["dur"] <= e["ts"] + e["dur"]) / 1e3
     gpu = [e for e in events if e.get("cat") in GPU]
     out = {
         "engine_thread": tid, "span_ms": span / 1e3, "in_torch_ops_ms": covered / 1e3,
@@ -82,6 +92,8 @@ def summarize(events: list[dict], units: str | None = None) -> dict:
                        sorted(syncs.items(), key=lambda kv: -kv[1][1])},
         "heaviest_ops": {k: {"count": int(v[0]), "ms": round(v[1], 3)} for k, v in
                          sorted(heavy.items(), key=lambda kv: -kv[1][1])[:15]},
+        "spans": {k: {"count": int(v[0]), "ms": round(v[1], 3), "sync_ms": round(v[2], 3)} for k, v in
+                  sorted(spans.items(), key=lambda kv: -kv[1][1])},
         "gpu_busy_ms": union_us(gpu) / 1e3,
         "kernel_ms": sum(e["dur"] for e in gpu if e["cat"] == "kernel") / 1e3,
         "copy_ms": sum(e["dur"] for e in gpu if e["cat"] == "gpu_memcpy") / 1e3,
@@ -109,6 +121,8 @@ def main() -> int:
           f"copies {s['copy_ms']:.1f} ms")
     print("  host syncs by op: " + (", ".join(f"{k} {v['count']}x {v['ms']:.1f} ms" for k, v in s["host_syncs"].items())
                                      or "none"))
+    print("  named spans: " + (", ".join(f"{k} {v['count']}x {v['ms']:.1f} ms ({v['sync_ms']:.1f} waiting on the GPU)"
+                                         for k, v in s["spans"].items()) or "none"))
     print("  heaviest outermost ops: " + ", ".join(f"{k} {v['count']}x {v['ms']:.1f} ms"
                                                    for k, v in list(s["heaviest_ops"].items())[:8]))
     if args.json:

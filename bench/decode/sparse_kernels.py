@@ -51,8 +51,8 @@ from kernels.sparse._scores import ScoresConfig  # noqa: E402
 
 HQ, HKV, D, BS, CHUNK = 32, 8, 128, 16, 512
 DEV = "cuda"
-SCORES_SWEEP = [ScoresConfig(32, 8, 4), ScoresConfig(32, 8, 4, one_query=False), ScoresConfig(16, 8, 2),
-                ScoresConfig(64, 8, 4), ScoresConfig(64, 8, 8), ScoresConfig(128, 8, 8), ScoresConfig(32, 1, 8)]
+SCORES_SWEEP = [ScoresConfig(32, 8, 4), ScoresConfig(32, 8, 4, one_query=False), ScoresConfig(32, 8, 8),
+                ScoresConfig(16, 8, 4), ScoresConfig(16, 8, 2), ScoresConfig(64, 8, 8), ScoresConfig(32, 1, 8)]
 SELECT_SWEEP = [(5, None), (4, None), (6, None), (7, None), (8, None), (5, 1), (5, 2), (8, 2), (5, 4), (5, 16)]
 ATTEND_SWEEP = [AttendConfig(), AttendConfig(merge="kernel"), AttendConfig(num_stages=1), AttendConfig(num_warps=4),
                 AttendConfig(programs_per_sm=1), AttendConfig(programs_per_sm=4), AttendConfig(lanes=8)]

@@ -51,6 +51,41 @@ def _bound(q1, q2, cos, sin, hi1, hi2, lo1, lo2):
 
 
 @triton.jit
+def _best_one(q_ptr, seq, off, invf, h, n_heads, d, stride_qb, stride_qh, hi1, hi2, lo1, lo2,
+              G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr):
+    """Max over the group heads of the bound [BLOCK_E, HB], every entry of sequence ``seq`` at offset ``off``."""
+    ang = off.to(tl.float32) * invf
+    cos = tl.cos(ang)[None, None, :]
+    sin = tl.sin(ang)[None, None, :]
+    q_seq = q_ptr + seq.to(tl.int64) * stride_qb + d[None, None, :]
+    h_ok = (h < n_heads)[None, :, None]
+    best = tl.full([BLOCK_E, HB], float("-inf"), tl.float32)
+    for g in tl.static_range(G):
+        q_row = q_seq + (h * G + g)[None, :, None] * stride_qh
+        q1 = tl.load(q_row, mask=h_ok, other=0.0).to(tl.float32)
+        q2 = tl.load(q_row + D2, mask=h_ok, other=0.0).to(tl.float32)
+        best = tl.maximum(best, _bound(q1, q2, cos, sin, hi1, hi2, lo1, lo2))
+    return best
+
+
+@triton.jit
+def _best_each(q_ptr, seq, off, invf, h, d, ok3, stride_qb, stride_qh, hi1, hi2, lo1, lo2,
+               G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr):
+    """The same, each entry with its own sequence seq [BLOCK_E] and offset off [BLOCK_E]."""
+    ang = off.to(tl.float32)[:, None] * invf[None, :]                     # [BLOCK_E, D2]
+    cos = tl.cos(ang)[:, None, :]
+    sin = tl.sin(ang)[:, None, :]
+    q_seq = q_ptr + seq.to(tl.int64)[:, None, None] * stride_qb + d[None, None, :]
+    best = tl.full([BLOCK_E, HB], float("-inf"), tl.float32)
+    for g in tl.static_range(G):
+        q_row = q_seq + (h * G + g)[None, :, None] * stride_qh
+        q1 = tl.load(q_row, mask=ok3, other=0.0).to(tl.float32)
+        q2 = tl.load(q_row + D2, mask=ok3, other=0.0).to(tl.float32)
+        best = tl.maximum(best, _bound(q1, q2, cos, sin, hi1, hi2, lo1, lo2))
+    return best
+
+
+@triton.jit
 def _scores_kernel(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr, invf_ptr, out_ptr,
                    n_entries, n_seqs, n_heads, search_steps,
                    stride_qb, stride_qh, stride_mb, stride_mh,
@@ -79,32 +114,16 @@ def _scores_kernel(q_ptr, kmin_ptr, kmax_ptr, ids_ptr, off_ptr, mask_ptr, cu_ptr
     lo2 = tl.load(kmin_ptr + m_row + D2, mask=ok3, other=0.0)
     off = tl.load(off_ptr + e, mask=ok, other=0).to(tl.int32)
     invf = tl.load(invf_ptr + d)
-    best = tl.full([BLOCK_E, HB], float("-inf"), tl.float32)
     first = tl.min(tl.where(ok, lo, n_seqs), axis=0)
     off_first = tl.min(tl.where(ok, off, INT32_MAX), axis=0)
     if ONE_QUERY & (first == tl.max(tl.where(ok, lo, -1), axis=0)) & (off_first == tl.max(tl.where(ok, off, -1), axis=0)):
         # every entry of one sequence at one offset (pages of one chunk): its query heads loaded and rotated once,
         # [1, HB, D2], not once an entry
-        ang = off_first.to(tl.float32) * invf
-        cos = tl.cos(ang)[None, None, :]
-        sin = tl.sin(ang)[None, None, :]
-        q_one = q_ptr + first.to(tl.int64) * stride_qb + d[None, None, :]
-        h_ok = (h < n_heads)[None, :, None]
-        for g in tl.static_range(G):
-            q_row = q_one + (h * G + g)[None, :, None] * stride_qh
-            q1 = tl.load(q_row, mask=h_ok, other=0.0).to(tl.float32)
-            q2 = tl.load(q_row + D2, mask=h_ok, other=0.0).to(tl.float32)
-            best = tl.maximum(best, _bound(q1, q2, cos, sin, hi1, hi2, lo1, lo2))
+        best = _best_one(q_ptr, first, off_first, invf, h, n_heads, d, stride_qb, stride_qh, hi1, hi2, lo1, lo2,
+                         G, D2, BLOCK_E, HB)
     else:
-        ang = off.to(tl.float32)[:, None] * invf[None, :]                     # [BLOCK_E, D2]
-        cos = tl.cos(ang)[:, None, :]
-        sin = tl.sin(ang)[:, None, :]
-        q_seq = q_ptr + lo.to(tl.int64)[:, None, None] * stride_qb + d[None, None, :]
-        for g in tl.static_range(G):
-            q_row = q_seq + (h * G + g)[None, :, None] * stride_qh
-            q1 = tl.load(q_row, mask=ok3, other=0.0).to(tl.float32)
-            q2 = tl.load(q_row + D2, mask=ok3, other=0.0).to(tl.float32)
-            best = tl.maximum(best, _bound(q1, q2, cos, sin, hi1, hi2, lo1, lo2))
+        best = _best_each(q_ptr, lo, off, invf, h, d, ok3, stride_qb, stride_qh, hi1, hi2, lo1, lo2,
+                          G, D2, BLOCK_E, HB)
     shown = tl.load(mask_ptr + e, mask=ok, other=0) != 0
     # head-major [Hkv, E]: the selection reads a (sequence, head) row contiguously
     tl.store(out_ptr + h[None, :].to(tl.int64) * n_entries + e[:, None], tl.where(shown[:, None], best, float("-inf")),

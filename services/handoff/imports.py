@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from services.handoff.wire import ChunkRef, Handoff, layer_views
 from services.engine.kv.block_table import BlockTable, dense_run, host_to_device
@@ -21,34 +22,43 @@ def import_sequence(fwd, h: Handoff, fetch=None):
     layer's private K/V is then one indexed write. Nothing here waits for the GPU, unless a chunk is
     nowhere to be had and is computed.
     """
-    from services.engine.decode import QueryTap
-    from services.engine.request import Sequence
-
-    cache, bs, dev = fwd.cache, fwd.bs, fwd.device
+    cache = fwd.cache
     if len(h.layers) != fwd.cfg.num_layers:
         raise ValueError(f"hand-off has {len(h.layers)} layers, this model {fwd.cfg.num_layers}")
     pinned, private = [], []
     try:
-        for ref in h.chunks:
-            pinned.append(_place_chunk(fwd, ref, fetch))
-        layout = _ImportLayout(h)
-        blocks = cache.allocate(-(-layout.n // bs), for_cache=False) if layout.n else []
-        private += blocks
-        on_dev = layout.to_device(h.chunks, pinned, blocks, bs, dev)
-        if layout.n:
-            fwd.pool.slot_pos[on_dev.block, on_dev.slot] = on_dev.pos
-        for layer, (k, v) in enumerate(_device_kv(h, dev)):
-            block, slot = on_dev.writes[layout.write_of[layer]]
-            if block.numel():
-                fwd.pool.write(layer, block, slot, k, v)
-        tokens = {ref.chunk_id: list(ref.tokens) for ref in h.chunks}
-        return Sequence([on_dev.tables[i] for i in layout.table_of], pinned, private, h.next_pos,
-                        chunk_tokens=tokens, prefill_queries=QueryTap.of(h.queries) if h.queries else None)
+        with record_function("tessera.import.chunks"):   # named spans in a TESSERA_TORCH_PROFILE trace
+            for ref in h.chunks:
+                pinned.append(_place_chunk(fwd, ref, fetch))
+        with record_function("tessera.import.private"):
+            seq = _import_private(fwd, h, pinned, private)
+        return seq
     except BaseException:
         for e in pinned:
             cache.release(e)
         fwd.pool.free(private)
         raise
+
+
+def _import_private(fwd, h: Handoff, pinned: list, private: list):
+    """The private tokens' blocks (appended to ``private`` as they are taken), slots and K/V, and the Sequence."""
+    from services.engine.decode import QueryTap
+    from services.engine.request import Sequence
+
+    cache, bs, dev = fwd.cache, fwd.bs, fwd.device
+    layout = _ImportLayout(h)
+    blocks = cache.allocate(-(-layout.n // bs), for_cache=False) if layout.n else []
+    private += blocks
+    on_dev = layout.to_device(h.chunks, pinned, blocks, bs, dev)
+    if layout.n:
+        fwd.pool.slot_pos[on_dev.block, on_dev.slot] = on_dev.pos
+    for layer, (k, v) in enumerate(_device_kv(h, dev)):
+        block, slot = on_dev.writes[layout.write_of[layer]]
+        if block.numel():
+            fwd.pool.write(layer, block, slot, k, v)
+    tokens = {ref.chunk_id: list(ref.tokens) for ref in h.chunks}
+    return Sequence([on_dev.tables[i] for i in layout.table_of], pinned, private, h.next_pos,
+                    chunk_tokens=tokens, prefill_queries=QueryTap.of(h.queries) if h.queries else None)
 
 
 def _place_chunk(fwd, ref: ChunkRef, fetch):

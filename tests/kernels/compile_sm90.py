@@ -133,6 +133,41 @@ def kernels():
     yield "rope", lambda: compile_kernel(
         _rope_kernel, dict(x_ptr="bf16", pos_ptr="i64", invf_ptr="fp32", tab_ptr="fp32", out_ptr="bf16"),
         dict(BLOCK_H=8, BLOCK_D2=d // 2, USE_TABLE=False))
+    yield from sparse_kernels(d, g, bs)
+
+
+def sparse_kernels(d: int, g: int, bs: int):
+    """Quest's and RetroAttention's decode kernels (kernels/sparse) at the decode graphs' table types (int64 ids and
+    offsets), with their default configurations: one split, and several merged by the last to arrive."""
+    from kernels.sparse import _attend, _retro, _scores, _select
+
+    nb = 16 // g
+    attend = dict(G=g, G_PAD=g, NB=nb, ROWS=16, BS=bs, D2=d // 2, DOT_F32=False)
+    table = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", ids_ptr="i64", off_ptr="i64", mask_ptr="i64",
+                 invf_ptr="fp32", cnt_ptr="i32", lse_ptr="fp32", fin_lse_ptr="fp32")
+    for parts in (0, 32):
+        ptrs = {**table, "sel_ptr": "i32", "out_ptr": "fp32" if parts else "bf16", "arrive_ptr": "i32",
+                "fin_ptr": "bf16"}
+        yield f"sparse-attend-p{parts}", lambda parts=parts, ptrs=ptrs: compile_kernel(
+            _attend._sparse_decode_kernel, ptrs, {**attend, "P_PAD": parts}, dict(qk_scale="fp32"),
+            num_warps=_attend.AttendConfig().num_warps, num_stages=1)
+    cfg = _scores.ScoresConfig()
+    yield "sparse-scores", lambda: compile_kernel(
+        _scores._scores_kernel, dict(q_ptr="bf16", kmin_ptr="bf16", kmax_ptr="bf16", ids_ptr="i64", off_ptr="i64",
+                                     mask_ptr="i64", cu_ptr="i32", invf_ptr="fp32", out_ptr="fp32"),
+        dict(G=g, D2=d // 2, BLOCK_E=cfg.tile // 8, HB=8, ONE_QUERY=cfg.one_query), num_warps=cfg.num_warps)
+    yield "sparse-select", lambda: compile_kernel(
+        _select._select_kernel, dict(scores_ptr="fp32", cu_ptr="i32", sel_ptr="i32", cnt_ptr="i32"),
+        dict(BLOCK=2048, PAD_BLOCK=_select.PAD_BLOCK, W=_select.RADIX_BITS,
+             FIRST=32 - _select.RADIX_BITS * (31 // _select.RADIX_BITS)), num_warps=8)
+    for parts in (0, 16):
+        ptrs = {**table, "pick_ptr": "i32", "seq_ptr": "i32", "ent_ptr": "i32", "seen_ptr": "i32", "cu_ptr": "i32",
+                "list_ptr": "i32", "oin_ptr": "bf16", "lin_ptr": "fp32", "out_ptr": "fp32", "arrive_ptr": "i32",
+                "fin_ptr": "bf16"}
+        yield f"retro-attend-p{parts}", lambda parts=parts, ptrs=ptrs: compile_kernel(
+            _retro._retro_attention_kernel, ptrs,
+            {**attend, "K": 128, "K_PAD": 128, "WIDTH": 128, "TILE": _retro.SEEN_TILE, "NSPLIT": 8 if parts else 1,
+             "P_PAD": parts}, dict(qk_scale="fp32"), num_warps=_retro.RetroConfig().num_warps, num_stages=1)
 
 
 def resources(cubin: bytes) -> str:

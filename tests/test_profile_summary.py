@@ -1,0 +1,43 @@
+"""bench/cluster/profile_summary.py finds the workers' named spans (record_function "tessera.*") in a real torch
+profiler trace, with the host syncs inside them."""
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+_spec = importlib.util.spec_from_file_location(
+    "profile_summary", Path(__file__).resolve().parents[1] / "bench" / "cluster" / "profile_summary.py")
+summary = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(summary)
+
+
+def test_named_spans_from_a_trace(tmp_path):
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            with record_function("tessera.admit"):
+                with record_function("tessera.import.chunks"):
+                    x = x @ x / 64
+            with record_function("tessera.step"):
+                x = torch.tanh(x)
+    trace = tmp_path / "t.json"
+    prof.export_chrome_trace(str(trace))
+    s = summary.summarize(summary.load(trace))
+    assert {k: v["count"] for k, v in s["spans"].items()} == {
+        "tessera.admit": 3, "tessera.import.chunks": 3, "tessera.step": 3}
+    assert s["spans"]["tessera.admit"]["ms"] >= s["spans"]["tessera.import.chunks"]["ms"] > 0
+    assert all(v["sync_ms"] == 0 for v in s["spans"].values())   # a CPU trace waits on no GPU
+
+
+def test_syncs_inside_a_span_are_counted():
+    def ev(name, ts, dur, cat="cpu_op"):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": 1}
+
+    events = [ev("tessera.admit", 0, 100, "user_annotation"), ev("aten::_to_copy", 10, 60),
+              ev("cudaStreamSynchronize", 20, 40, "cuda_runtime"), ev("tessera.step", 200, 50, "user_annotation"),
+              ev("cudaStreamSynchronize", 300, 5, "cuda_runtime")]
+    s = summary.summarize(events)
+    assert s["spans"]["tessera.admit"] == {"count": 1, "ms": 0.1, "sync_ms": 0.04}
+    assert s["spans"]["tessera.step"]["sync_ms"] == 0    # the later sync lies outside every span
