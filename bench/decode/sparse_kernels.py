@@ -12,7 +12,7 @@ CUDA graphs (graph_ms, bench/decode/sparse.py), ms per replay:
   the new kernels with the tables as the decode graphs hold them (int64 ids and offsets), the old with int32 ones
   (their own casts left out: kernel time only, as bench/decode/sparse.py timed them);
 - --sweep: the new kernels' launch configurations (scores tile / heads / warps / one query a program, selection
-  radix bits / warps, attention lanes / splits / warps / stages / how splits merge);
+  radix bits / warps, attention lanes / splits / warps / stages);
 - --profile: each kernel's GPU time in one layer's Quest (torch.profiler over eager calls), so the launches'
   shares are known;
 - checks on the GPU: the new kernels against their torch twins (bounds exact; scores close; selection: counts
@@ -54,7 +54,7 @@ DEV = "cuda"
 SCORES_SWEEP = [ScoresConfig(32, 8, 4), ScoresConfig(32, 8, 4, one_query=False), ScoresConfig(32, 8, 8),
                 ScoresConfig(16, 8, 4), ScoresConfig(16, 8, 2), ScoresConfig(64, 8, 8), ScoresConfig(32, 1, 8)]
 SELECT_SWEEP = [(5, None), (4, None), (6, None), (7, None), (8, None), (5, 1), (5, 2), (8, 2), (5, 4), (5, 16)]
-ATTEND_SWEEP = [AttendConfig(), AttendConfig(merge="kernel"), AttendConfig(num_stages=1), AttendConfig(num_warps=4),
+ATTEND_SWEEP = [AttendConfig(), AttendConfig(num_stages=1), AttendConfig(num_warps=4),
                 AttendConfig(programs_per_sm=1), AttendConfig(programs_per_sm=4), AttendConfig(lanes=8)]
 
 

@@ -13,9 +13,7 @@ for one load (its K/V), not for a chain of four.
 Rows are independent of sequences (a past query with its own selection is a row like any other). Splits cut every
 (row, head) selection into runs of PER entries (a whole number of steps) from its start, so a selection shorter than
 its width leaves the last splits empty; the split count fills the device's program slots about once (few rows: one
-step a program). Several splits store fp32 partials, merged by log-sum-exp either by the last program of each
-(row, KV head) to arrive (``merge="arrive"``: a per-(row, head) counter, kernels/counters.py; no second launch) or
-by kernels/lse_merge's kernel (``merge="kernel"``). The block table
+step a program), and partials (fp32) are merged by kernels/lse_merge only when there are several. The block table
 is read as given (block_ids and offsets int32 or int64, masks int64): a step reads at most 24 bytes an entry besides
 its keys, so no packed table is built.
 """
@@ -24,21 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 import triton
 import triton.language as tl
 
-from kernels.counters import ArrivalCounters
 from kernels.lse_merge.triton import UNROLL_PARTS, merge_rows
 from kernels.paged_attention._decode import attend_tile, merge_lanes, split_outputs
 from kernels.paged_attention._meta import dot_f32, sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-MERGES = ("arrive", "kernel")
-ARRIVE_MAX_SPLITS = 32   # the last arriver loads every part at once: [P_PAD, G_PAD, D] fp32 in registers
-_COUNTERS = ArrivalCounters(1 << 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +48,8 @@ class AttendConfig:
     programs_per_sm: int = 2      # the split count's program slots an SM (the one that was measured)
     num_splits: int | None = None
     maxnreg: int | None = None    # a register cap (more programs an SM, spills): benchmark sweeps
-    merge: str = "arrive"         # several splits: merged by the last to arrive, or by a kernel of their own
 
     def __post_init__(self):
-        if self.merge not in MERGES:
-            raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
         if self.lanes is not None and (self.lanes < 1 or self.lanes & (self.lanes - 1)):
@@ -146,15 +134,12 @@ def attend_run(q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_lo_ptr, invf_ptr, sel
 @triton.jit
 def _sparse_decode_kernel(
     q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_ptr, sel_ptr, cnt_ptr, invf_ptr, out_ptr, lse_ptr,
-    arrive_ptr, fin_ptr, fin_lse_ptr,
     qk_scale, per,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_sr, stride_sh, stride_cr,
-    stride_os, stride_or, stride_oh, stride_ls, stride_lr, stride_fr, stride_fh, stride_flr,
+    stride_os, stride_or, stride_oh, stride_ls, stride_lr,
     G: tl.constexpr, G_PAD: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BS: tl.constexpr,
-    D2: tl.constexpr, DOT_F32: tl.constexpr, P_PAD: tl.constexpr,
+    D2: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """P_PAD > 0: the splits' parts are merged by the last program of each (row, KV head) to arrive (P_PAD: the
-    split count's next power of two) into fin / fin_lse."""
     r_id = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -175,59 +160,6 @@ def _sparse_decode_kernel(
     o_row = out_ptr + split * stride_os + r_id.to(tl.int64) * stride_or + (h * G + gg)[:, None] * stride_oh
     tl.store(o_row + dd[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
     tl.store(lse_ptr + split * stride_ls + r_id.to(tl.int64) * stride_lr + h * G + gg, lse, mask=g_ok)
-    if P_PAD > 0:
-        merge_arrived(arrive_ptr, out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, r_id, h, tl.num_programs(2),
-                      stride_os, stride_or, stride_oh, stride_ls, stride_lr, stride_fr, stride_fh, stride_flr,
-                      G, G_PAD, D2, P_PAD)
-
-
-@triton.jit
-def merge_arrived(arrive_ptr, out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, r_id, h, n_parts,
-                  stride_os, stride_or, stride_oh, stride_ls, stride_lr, stride_fr, stride_fh, stride_flr,
-                  G: tl.constexpr, G_PAD: tl.constexpr, D2: tl.constexpr, P_PAD: tl.constexpr):
-    """After this program's part is stored: counts its arrival at (row r_id, KV head h)'s counter, and the last of
-    the grid's splits to arrive merges the n_parts parts into fin / fin_lse and zeroes the counter for the next
-    launch. The sparse attention and RetroAttention's correction (its prior one part more) end with it."""
-    tl.debug_barrier()  # every thread's stores are done before the release below
-    counter = arrive_ptr + r_id * tl.num_programs(1) + h
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    if arrived == tl.num_programs(2) - 1:
-        tl.debug_barrier()
-        _merge_parts(out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, r_id, h, n_parts,
-                     stride_os, stride_or, stride_oh, stride_ls, stride_lr, stride_fr, stride_fh, stride_flr,
-                     G, G_PAD, D2, P_PAD)
-        tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _merge_parts(out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, r_id, h, nsplit,
-                 stride_os, stride_or, stride_oh, stride_ls, stride_lr, stride_fr, stride_fh, stride_flr,
-                 G: tl.constexpr, G_PAD: tl.constexpr, D2: tl.constexpr, P_PAD: tl.constexpr):
-    """Every split's part of (row r_id, KV head h)'s group heads, loaded at once and merged by log-sum-exp (as
-    kernels/lse_merge's all-parts kernel) into the final out (fin's dtype) and lse. .cg: read past L1, which may
-    hold another call's parts."""
-    p = tl.arange(0, P_PAD)
-    gg = tl.arange(0, G_PAD)
-    dd = tl.arange(0, 2 * D2)
-    g_ok = gg < G
-    pg_ok = (p < nsplit)[:, None] & g_ok[None, :]
-    heads = h * G + gg
-    lse_p = tl.load(lse_ptr + p[:, None] * stride_ls + r_id.to(tl.int64) * stride_lr + heads[None, :], mask=pg_ok,
-                    other=float("-inf"), cache_modifier=".cg") * LOG2E  # [P_PAD, G_PAD]
-    m = tl.max(lse_p, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse_p - m_safe[None, :])   # a part that saw nothing weighs 0
-    l = tl.sum(w, axis=0)
-    o_p = tl.load(out_ptr + p[:, None, None] * stride_os + r_id.to(tl.int64) * stride_or
-                  + heads[None, :, None] * stride_oh + dd[None, None, :], mask=pg_ok[:, :, None], other=0.0,
-                  cache_modifier=".cg")  # [P_PAD, G_PAD, D]
-    acc = tl.sum(w[:, :, None] * o_p, axis=0)
-    empty = l == 0.0
-    l_safe = tl.where(empty, 1.0, l)
-    f_row = fin_ptr + r_id.to(tl.int64) * stride_fr + heads[:, None] * stride_fh + dd[None, :]
-    tl.store(f_row, (acc / l_safe[:, None]).to(fin_ptr.dtype.element_ty), mask=g_ok[:, None])
-    tl.store(fin_lse_ptr + r_id.to(tl.int64) * stride_flr + heads, tl.where(empty, float("-inf"),
-             (m + tl.math.log2(l_safe)) * LN2), mask=g_ok)
 
 
 def pick_splits(cfg: AttendConfig, n_rows: int, n_kv_heads: int, width: int, lanes: int, device) -> tuple[int, int]:
@@ -242,16 +174,6 @@ def pick_splits(cfg: AttendConfig, n_rows: int, n_kv_heads: int, width: int, lan
     return triton.cdiv(steps, iters), iters * lanes
 
 
-def arrival_outputs(q, n_kv_heads: int, arrive: bool, out, lse):
-    """(final out, final lse, counters) for a launch whose parts its last arriver merges; not arriving: out, lse
-    and lse again (passed, never read)."""
-    if not arrive:
-        return out, lse, lse
-    fin = torch.empty_like(q)
-    fin_lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    return fin, fin_lse, _COUNTERS.get(q.device, q.shape[0] * n_kv_heads)
-
-
 def launch(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale,
            *, cfg: AttendConfig = AttendConfig()):
     """Inputs checked by triton.py. Returns out [R, Hq, D] (q.dtype), lse [R, Hq] fp32."""
@@ -263,24 +185,18 @@ def launch(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq,
     nsplit, per = pick_splits(cfg, n_rows, hkv, sel.shape[2], nb, q.device)
     stages = cfg.num_stages or (3 if per // nb >= cfg.pipelined_from else 1)
     out, lse, o_strides, l_strides = split_outputs(q, nsplit)
-    arrive = cfg.merge == "arrive" and 1 < nsplit <= ARRIVE_MAX_SPLITS
-    fin, fin_lse, counters = arrival_outputs(q, hkv, arrive, out, lse)
     if n_rows:
         _sparse_decode_kernel[(n_rows, hkv, nsplit)](
-            q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, out, lse, counters, fin, fin_lse,
+            q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, out, lse,
             float(scale) * LOG2E.value, per,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             sel.stride(0), sel.stride(1), count.stride(0), *o_strides, *l_strides,
-            fin.stride(0), fin.stride(1), fin_lse.stride(0),
             G=group, G_PAD=g_pad, NB=nb, ROWS=max(16, nb * g_pad), BS=bs, D2=dim // 2,
-            DOT_F32=dot_f32(q.dtype), P_PAD=triton.next_power_of_2(nsplit) if arrive else 0,
-            num_warps=cfg.num_warps, num_stages=stages,
+            DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
     if nsplit == 1:
         return out, lse
-    if arrive:
-        return fin, fin_lse
     # more parts than the unrolled merge takes: every part loaded at once (a loop over them waits on each)
     merged, merged_lse = merge_rows(out.reshape(nsplit, n_rows * hq, dim), lse.reshape(nsplit, n_rows * hq), q.dtype,
                                     all_parts=nsplit > UNROLL_PARTS)

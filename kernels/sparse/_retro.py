@@ -5,8 +5,8 @@ candidate pages (its sequence's selection now) are tested against the pages it h
 ones get their ranks by a prefix sum. ``new_pages`` stores them compacted. ``retro_attention`` stores each split's
 run of them to a scratch list, attends the row's query to the run as kernels/sparse/_attend.py does (its table
 reads, its deferred rotation, the shared online-softmax tile, its split count), and merges by log-sum-exp with the
-row's prior output: in the kernel when there is one split, else the splits' parts and the prior by the last split
-of the (row, head) to arrive (_attend.merge_arrived; one launch) or by kernels/lse_merge's merge_rows (two). It replaces a page-set kernel, a sparse attention (one or two
+row's prior output: in the kernel when there is one split (one launch), else the splits' parts and the prior by
+kernels/lse_merge's merge_rows (two launches). It replaces a page-set kernel, a sparse attention (one or two
 launches), two stacks and a merge."""
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import triton.language as tl
 
 from kernels.lse_merge.triton import UNROLL_PARTS, merge_finish, merge_rows
 from kernels.paged_attention._meta import dot_f32
-from kernels.sparse._attend import ARRIVE_MAX_SPLITS, LOG2E, MERGES, AttendConfig, arrival_outputs, attend_run, merge_arrived
-from kernels.sparse._attend import pick_splits
+from kernels.sparse._attend import LOG2E, AttendConfig, attend_run, pick_splits
 from kernels.sparse.triton import _check_query, _table
 
 SEEN_TILE = 64
@@ -44,11 +43,8 @@ class RetroConfig:
     programs_per_sm: int = 2
     num_splits: int | None = None
     seen_tile: int = SEEN_TILE
-    merge: str = "arrive"          # several splits: merged by the last to arrive, or by lse_merge's kernel
 
     def __post_init__(self):
-        if self.merge not in MERGES:
-            raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
         if self.lanes is not None and (self.lanes < 1 or self.lanes & (self.lanes - 1)):
             raise ValueError(f"lanes must be a power of two, got {self.lanes}")
         if self.seen_tile < 1 or self.seen_tile & (self.seen_tile - 1):
@@ -114,19 +110,17 @@ def new_pages_triton(picked, seq_of, entries, seen, cu):
 def _retro_attention_kernel(
     q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_ptr, invf_ptr,
     pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, list_ptr, cnt_ptr,
-    oin_ptr, lin_ptr, out_ptr, lse_ptr, arrive_ptr, fin_ptr, fin_lse_ptr,
+    oin_ptr, lin_ptr, out_ptr, lse_ptr,
     qk_scale, per,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, s_pb, s_ph, s_sr, s_sh,
     stride_ir, stride_ih, stride_jr, stride_os, stride_or, stride_oh, stride_ls, stride_lr,
-    stride_fr, stride_fh, stride_flr,
     K: tl.constexpr, K_PAD: tl.constexpr, WIDTH: tl.constexpr, TILE: tl.constexpr,
     G: tl.constexpr, G_PAD: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BS: tl.constexpr,
-    D2: tl.constexpr, DOT_F32: tl.constexpr, NSPLIT: tl.constexpr, P_PAD: tl.constexpr,
+    D2: tl.constexpr, DOT_F32: tl.constexpr, NSPLIT: tl.constexpr,
 ):
     """Program (row, KV head, split): the split's run [split * per, + per) of the row's new pages. One split: the
     result merged with the prior and stored in q's dtype; several: each split's part (fp32) stored at its index
-    and split 0 copies the prior to part NSPLIT, merged by the last split to arrive (P_PAD > 0: the part count's
-    next power of two) into fin / fin_lse, or else by merge_rows."""
+    and split 0 copies the prior to part NSPLIT, for merge_rows."""
     LANES: tl.constexpr = ROWS // G_PAD
     r_id = tl.program_id(0)
     h = tl.program_id(1)
@@ -180,10 +174,6 @@ def _retro_attention_kernel(
             p_o = o_row + NSPLIT * stride_os
             tl.store(p_o, tl.load(oin_row, mask=g_ok[:, None], other=0.0).to(tl.float32), mask=g_ok[:, None])
             tl.store(l_row + NSPLIT * stride_ls, tl.load(lin_row, mask=g_ok, other=float("-inf")), mask=g_ok)
-        if P_PAD > 0:
-            merge_arrived(arrive_ptr, out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, r_id, h, NSPLIT + 1,
-                          stride_os, stride_or, stride_oh, stride_ls, stride_lr, stride_fr, stride_fh, stride_flr,
-                          G, G_PAD, D2, P_PAD)
 
 
 def retro_attention_launch(q, k_cache, v_cache, block_ids, offsets, masks, picked, seq_of, entries, seen, cu,
@@ -206,27 +196,21 @@ def retro_attention_launch(q, k_cache, v_cache, block_ids, offsets, masks, picke
         out = torch.empty((nsplit + 1, n_rows, hq, dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((nsplit + 1, n_rows, hq), dtype=torch.float32, device=q.device)
         o_strides, l_strides = (out.stride(0), out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1))
-    arrive = cfg.merge == "arrive" and 1 < nsplit and nsplit + 1 <= ARRIVE_MAX_SPLITS
-    fin, fin_lse, counters = arrival_outputs(q, hkv, arrive, out, lse)
     count = torch.empty((n_rows, hkv), dtype=torch.int32, device=q.device)
     pages = torch.empty((n_rows, hkv, max(k, 1)), dtype=torch.int32, device=q.device)   # scratch: the lists
     if n_rows:
         _retro_attention_kernel[(n_rows, hkv, nsplit)](
             q, k_cache, v_cache, block_ids, offsets, masks, inv_freq,
-            picked, seq_of, entries, seen, cu, pages, count, out_in, lse_in, out, lse, counters, fin, fin_lse,
+            picked, seq_of, entries, seen, cu, pages, count, out_in, lse_in, out, lse,
             float(scale) * LOG2E.value, per,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             picked.stride(0), picked.stride(1), seen.stride(0), seen.stride(1),
             out_in.stride(0), out_in.stride(1), lse_in.stride(0), *o_strides, *l_strides,
-            fin.stride(0), fin.stride(1), fin_lse.stride(0),
             K=k, K_PAD=triton.next_power_of_2(max(k, 1)), WIDTH=width, TILE=cfg.seen_tile,
             G=group, G_PAD=g_pad, NB=nb, ROWS=max(16, nb * g_pad), BS=bs, D2=dim // 2,
-            DOT_F32=dot_f32(q.dtype), NSPLIT=nsplit, P_PAD=triton.next_power_of_2(nsplit + 1) if arrive else 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            DOT_F32=dot_f32(q.dtype), NSPLIT=nsplit, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if nsplit == 1:
         return out, lse, count
-    if arrive:
-        return fin, fin_lse, count
     merged, merged_lse = merge_rows(out.reshape(nsplit + 1, n_rows * hq, dim), lse.reshape(nsplit + 1, n_rows * hq),
                                     q.dtype, all_parts=nsplit + 1 > UNROLL_PARTS)
     return merged.reshape(n_rows, hq, dim), merged_lse.reshape(n_rows, hq), count

@@ -138,18 +138,16 @@ def kernels():
 
 def sparse_kernels(d: int, g: int, bs: int):
     """Quest's and RetroAttention's decode kernels (kernels/sparse) at the decode graphs' table types (int64 ids and
-    offsets), with their default configurations: one split, and several merged by the last to arrive."""
+    offsets), with their default configurations: one split and several."""
     from kernels.sparse import _attend, _retro, _scores, _select
 
     nb = 16 // g
     attend = dict(G=g, G_PAD=g, NB=nb, ROWS=16, BS=bs, D2=d // 2, DOT_F32=False)
     table = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", ids_ptr="i64", off_ptr="i64", mask_ptr="i64",
-                 invf_ptr="fp32", cnt_ptr="i32", lse_ptr="fp32", fin_lse_ptr="fp32")
-    for parts in (0, 32):
-        ptrs = {**table, "sel_ptr": "i32", "out_ptr": "fp32" if parts else "bf16", "arrive_ptr": "i32",
-                "fin_ptr": "bf16"}
-        yield f"sparse-attend-p{parts}", lambda parts=parts, ptrs=ptrs: compile_kernel(
-            _attend._sparse_decode_kernel, ptrs, {**attend, "P_PAD": parts}, dict(qk_scale="fp32"),
+                 invf_ptr="fp32", cnt_ptr="i32", lse_ptr="fp32")
+    for out in ("bf16", "fp32"):   # one split writes q's dtype, several fp32 parts
+        yield f"sparse-attend-{out}", lambda out=out: compile_kernel(
+            _attend._sparse_decode_kernel, {**table, "sel_ptr": "i32", "out_ptr": out}, attend, dict(qk_scale="fp32"),
             num_warps=_attend.AttendConfig().num_warps, num_stages=1)
     cfg = _scores.ScoresConfig()
     yield "sparse-scores", lambda: compile_kernel(
@@ -160,14 +158,13 @@ def sparse_kernels(d: int, g: int, bs: int):
         _select._select_kernel, dict(scores_ptr="fp32", cu_ptr="i32", sel_ptr="i32", cnt_ptr="i32"),
         dict(BLOCK=2048, PAD_BLOCK=_select.PAD_BLOCK, W=_select.RADIX_BITS,
              FIRST=32 - _select.RADIX_BITS * (31 // _select.RADIX_BITS)), num_warps=8)
-    for parts in (0, 16):
+    for splits in (1, 8):
         ptrs = {**table, "pick_ptr": "i32", "seq_ptr": "i32", "ent_ptr": "i32", "seen_ptr": "i32", "cu_ptr": "i32",
-                "list_ptr": "i32", "oin_ptr": "bf16", "lin_ptr": "fp32", "out_ptr": "fp32", "arrive_ptr": "i32",
-                "fin_ptr": "bf16"}
-        yield f"retro-attend-p{parts}", lambda parts=parts, ptrs=ptrs: compile_kernel(
+                "list_ptr": "i32", "oin_ptr": "bf16", "lin_ptr": "fp32", "out_ptr": "fp32" if splits > 1 else "bf16"}
+        yield f"retro-attend-s{splits}", lambda splits=splits, ptrs=ptrs: compile_kernel(
             _retro._retro_attention_kernel, ptrs,
-            {**attend, "K": 128, "K_PAD": 128, "WIDTH": 128, "TILE": _retro.SEEN_TILE, "NSPLIT": 8 if parts else 1,
-             "P_PAD": parts}, dict(qk_scale="fp32"), num_warps=_retro.RetroConfig().num_warps, num_stages=1)
+            {**attend, "K": 128, "K_PAD": 128, "WIDTH": 128, "TILE": _retro.SEEN_TILE, "NSPLIT": splits},
+            dict(qk_scale="fp32"), num_warps=_retro.RetroConfig().num_warps, num_stages=1)
 
 
 def resources(cubin: bytes) -> str:

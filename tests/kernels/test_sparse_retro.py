@@ -119,11 +119,9 @@ def test_retro_attention_kernel_equals_the_twin(spec):
     results = [retro_attention(*args[:3], *table, *args[5:], backend="triton")
                for table in (args[3:5], (ids64, offs64))]                        # int32 and int64 tables
     # one page a step in one split (many steps, a rotation at each new chunk); 8 pages a step, seen lists 4 at a
-    # time; 3 splits and one page a split, their parts (and the prior) merged by the last split to arrive, or by
-    # lse_merge's kernel (in a loop; more parts than the unrolled merge takes)
+    # time; 3 splits (parts merged in a loop) and one page a split (more parts than the unrolled merge takes)
     configs = (RetroConfig(lanes=1, num_splits=1), RetroConfig(lanes=8, seen_tile=4, num_splits=1),
-               RetroConfig(num_splits=3), RetroConfig(lanes=1, num_splits=20),
-               RetroConfig(num_splits=3, merge="kernel"), RetroConfig(lanes=1, num_splits=20, merge="kernel"))
+               RetroConfig(num_splits=3), RetroConfig(lanes=1, num_splits=20))
     results += [_retro.retro_attention_launch(*args, cfg=cfg) for cfg in configs]
     for got, lse, got_count in results:
         assert got.dtype == dtype and got.shape == q.shape and lse.dtype == torch.float32
