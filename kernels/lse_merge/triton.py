@@ -22,6 +22,10 @@ BLOCK_R = 16
 UNROLL_PARTS = 16  # part counts up to this compile a kernel of their own with the loop unrolled (the KV splits'
 # counts: a handful of distinct values), on half as many rows a program: every part's tile is in flight at once
 UNROLLED_BLOCK_R = 8
+# parts one program of _merge_all_kernel takes (every part of a row at once); more parts loop. A dense decode at 32K,
+# batch 1 splits each KV head 99 ways on an H100: the loop over them took 66.9 us against the attention's 58.5
+# (bench/decode/sparse_kernels.py --profile)
+MAX_ALL_PARTS = 128
 
 
 @triton.jit
@@ -115,7 +119,8 @@ def _merge_all_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, n_parts, n_rows, dim
 def merge_rows(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype,
                all_parts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """outs [P, R, D] (last dim contiguous), lses [P, R] -> out [R, D] out_dtype, lse [R] fp32.
-    all_parts: each program loads every part at once (_merge_all_kernel; up to 64 parts) instead of looping."""
+    all_parts: each program loads every part at once (_merge_all_kernel; up to MAX_ALL_PARTS parts, on more warps
+    past 64 so that a thread holds ~64 values of the tile) instead of looping."""
     n_parts, n_rows, dim = outs.shape
     if outs.stride(2) != 1:
         outs = outs.contiguous()
@@ -123,13 +128,14 @@ def merge_rows(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype,
         lses = lses.contiguous()
     out = torch.empty((n_rows, dim), dtype=out_dtype, device=outs.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=outs.device)
-    if n_rows and all_parts and n_parts <= 64:
+    if n_rows and all_parts and n_parts <= MAX_ALL_PARTS:
         p_pad = triton.next_power_of_2(n_parts)
         block_d = triton.next_power_of_2(dim)
         block_r = max(1, 8192 // (p_pad * block_d))  # ~64 fp32 values of the part tile per thread (4 warps)
+        warps = min(16, max(4, p_pad * block_r * block_d // 2048))
         _merge_all_kernel[(triton.cdiv(n_rows, block_r),)](
             outs, lses, out, lse, n_parts, n_rows, dim, outs.stride(0), outs.stride(1), lses.stride(0),
-            P_PAD=p_pad, BLOCK_R=block_r, BLOCK_D=block_d, **pdl.launch_kwargs(outs.device))
+            P_PAD=p_pad, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps, **pdl.launch_kwargs(outs.device))
     elif n_rows:
         unroll = n_parts <= UNROLL_PARTS
         block_r = UNROLLED_BLOCK_R if unroll else BLOCK_R

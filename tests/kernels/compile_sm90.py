@@ -118,6 +118,9 @@ def kernels():
         yield "lse-merge-all" + sfx, lambda pdl=pdl: compile_kernel(
             _merge_all_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
             dict(P_PAD=8, BLOCK_R=8, BLOCK_D=d, PDL=pdl))
+        yield "lse-merge-all128" + sfx, lambda pdl=pdl: compile_kernel(   # a dense decode's 99 splits
+            _merge_all_kernel, dict(outs_ptr="fp32", lses_ptr="fp32", out_ptr="bf16", lse_ptr="fp32"),
+            dict(P_PAD=128, BLOCK_R=1, BLOCK_D=d, PDL=pdl), num_warps=8)
     yield "gather-rotate", lambda: compile_kernel(
         _gather_rotate_kernel, dict(k_ptr="bf16", v_ptr="bf16", ids_ptr="i32", off_ptr="i32", invf_ptr="fp32",
                                     ko_ptr="bf16", vo_ptr="bf16"),
