@@ -5,7 +5,8 @@ Per (context, batch): a pool of the layer's K/V, each sequence (context - 128) /
 chunk's offset, a 4-page suffix and the page of its newest token, on random block ids; q random. Timed as replayed
 CUDA graphs (graph_ms, bench/decode/sparse.py), ms per replay:
 
-- the peer: dense paged decode of the same table (its split count);
+- the peer: dense paged decode of the same table (its split count), and the same with its parts merged by the loop
+  it used before their merge took every part at once (``dense_loop_merge_ms``);
 - page bounds: a decode step's (each sequence's newest block and a scratch row, as QuestStep.touched) and a
   sequence's chunk blocks (what a fresh context costs a layer), the old torch ops against bound_pages;
 - per budget: scores, selection, sparse attention and the three together (one layer's Quest), old against new;
@@ -170,6 +171,18 @@ def case_rows(c, old, budgets, sweep: bool, deadline: float, profile: bool = Fal
     splits = pick_splits(DecodeConfig(), batch, HKV, ids.numel(), q.device)
     out["dense_ms"] = graph_ms(lambda: decode_launch(q, k, v, packed, cu, inv, scale, cfg=DecodeConfig(num_splits=splits)))
     out["dense_splits"] = splits
+    # the peer's merge as it was before 2026-11-27 (a loop over the parts past the unrolled 16), for the same-run
+    # ratio of that change
+    import kernels.paged_attention._decode as decode_module
+    unroll = decode_module.UNROLL_PARTS
+    decode_module.UNROLL_PARTS = 1 << 30
+    try:
+        out["dense_loop_merge_ms"] = graph_ms(
+            lambda: decode_launch(q, k, v, packed, cu, inv, scale, cfg=DecodeConfig(num_splits=splits)))
+    finally:
+        decode_module.UNROLL_PARTS = unroll
+    print(f"  dense {out['dense_ms']:.4f} ms ({splits} splits), with the looped merge {out['dense_loop_merge_ms']:.4f}",
+          flush=True)
 
     def new_scores():
         return sparse.page_scores(q, kmin, kmax, ids, offs, masks, cu, inv, backend="triton")
