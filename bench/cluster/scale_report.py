@@ -72,7 +72,8 @@ def main() -> int:
                       f"**{q['ttft_p50'] / r['ttft_p50']:.2f}x** ({q['ttft_p50']:,.0f} against {r['ttft_p50']:,.0f} ms), "
                       f"p99 {q['ttft_p99'] / r['ttft_p99']:.2f}x; throughput residency / load-only "
                       f"{r['steady'] / q['steady']:.2f}x")
-    md = [f"# Scale-out: {rows[0]['device']}, commit {rows[0]['commit']}", "",
+    widest = max(rows, key=lambda r: r['gpus'])   # the host's device line, not the one-GPU baseline's
+    md = [f"# Scale-out: {widest['device']}, commit {rows[0]['commit']}", "",
           f"Runs from {min(r['date'] for r in rows)} to {max(r['date'] for r in rows)}. Transport: "
           f"{rows[0]['transport']}.", "", "\n".join(lines), ""]
     if ab:

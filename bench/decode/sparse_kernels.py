@@ -312,6 +312,7 @@ def main() -> int:
     import triton
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "date": time.strftime("%Y-%m-%d"), "commit": commit, "old_commit": args.old or args.old_commit,
+               "command": "python3 " + " ".join(sys.argv),
                "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BS, "dtype": "bf16"},
                "cases": []}
     budgets = [int(b) for b in args.budgets.split(",")]
