@@ -3,6 +3,7 @@ or recompute, the private K/V written into new blocks (the format: ``wire.py``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +12,8 @@ from torch.profiler import record_function
 
 from services.handoff.wire import ChunkRef, Handoff, layer_views
 from services.engine.kv.block_table import BlockTable, dense_run, host_to_device
+
+log = logging.getLogger(__name__)
 
 
 def import_sequence(fwd, h: Handoff, fetch=None):
@@ -52,13 +55,41 @@ def _import_private(fwd, h: Handoff, pinned: list, private: list):
     on_dev = layout.to_device(h.chunks, pinned, blocks, bs, dev)
     if layout.n:
         fwd.pool.slot_pos[on_dev.block, on_dev.slot] = on_dev.pos
-    for layer, (k, v) in enumerate(_device_kv(h, dev)):
-        block, slot = on_dev.writes[layout.write_of[layer]]
-        if block.numel():
-            fwd.pool.write(layer, block, slot, k, v)
+    kv = _device_kv(h, dev)
+    for first, last in _runs(layout.write_of):   # layers [first, last) share one write set
+        block, slot = on_dev.writes[layout.write_of[first]]
+        if not block.numel():
+            continue
+        if last - first == 1:
+            fwd.pool.write(first, block, slot, *kv[first])
+        else:
+            fwd.pool.write_layers(slice(first, last), block, slot, _stacked([k for k, _ in kv[first:last]]),
+                                  _stacked([v for _, v in kv[first:last]]))
     tokens = {ref.chunk_id: list(ref.tokens) for ref in h.chunks}
     return Sequence([on_dev.tables[i] for i in layout.table_of], pinned, private, h.next_pos,
                     chunk_tokens=tokens, prefill_queries=QueryTap.of(h.queries) if h.queries else None)
+
+
+def _runs(keys: list) -> list[tuple[int, int]]:
+    """[first, last) of each run of equal consecutive keys."""
+    runs, first = [], 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] != keys[first]:
+            runs.append((first, i))
+            first = i
+    return runs
+
+
+def _stacked(ts: list[torch.Tensor]) -> torch.Tensor:
+    """ts (one shape, dtype and device) as one [len(ts), *shape] tensor: a view without a copy when they lie
+    equally spaced in one storage (a hand-off's layers, as ``layer_views`` cuts them), else a stack."""
+    t0 = ts[0]
+    if len(ts) > 1 and all(t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr() and
+                           t.shape == t0.shape and t.stride() == t0.stride() for t in ts):
+        step = ts[1].storage_offset() - t0.storage_offset()
+        if step > 0 and all(t.storage_offset() == t0.storage_offset() + i * step for i, t in enumerate(ts)):
+            return t0.as_strided((len(ts), *t0.shape), (step, *t0.stride()), t0.storage_offset())
+    return torch.stack(ts)
 
 
 def _place_chunk(fwd, ref: ChunkRef, fetch):
@@ -69,7 +100,8 @@ def _place_chunk(fwd, ref: ChunkRef, fetch):
     if entry is None and layers is not None:
         try:
             entry = fwd.insert_chunk(ref.chunk_id, list(ref.tokens), layers)
-        except Exception:  # noqa: BLE001 - a broken stream falls back to computing the chunk
+        except Exception as exc:  # noqa: BLE001 - a broken stream falls back to computing the chunk
+            log.warning("writing fetched chunk %s failed, computing it: %s", ref.chunk_id[:12], exc)
             entry = None
     return entry if entry is not None else fwd.compute_chunk(ref.chunk_id, list(ref.tokens))
 

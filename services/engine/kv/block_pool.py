@@ -41,8 +41,11 @@ class BlockPool:
         if num_blocks <= 0:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        # every layer's K (and V) in one tensor [L, N, BS, Hkv, D], self.k[layer] a view of it: a chunk written over
+        # a run of blocks takes the run's views of all layers in a few calls, not a few a layer (``write_runs``)
+        self.k_all = torch.zeros((num_layers, *shape), device=device, dtype=dtype)
+        self.v_all = torch.zeros((num_layers, *shape), device=device, dtype=dtype)
+        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
         self.kmin = [torch.zeros(shape[:1] + shape[2:], device=device, dtype=dtype) for _ in range(num_layers)]
         self.kmax = [torch.zeros(shape[:1] + shape[2:], device=device, dtype=dtype) for _ in range(num_layers)]
         self.slot_pos = torch.zeros((num_blocks, block_size), device=device, dtype=torch.int32)
@@ -126,12 +129,27 @@ class BlockPool:
         dst_v.copy_(v, non_blocking=True)
 
     def write_runs(self, run: slice, items) -> None:
-        """``write_run`` for many layers, [(layer, k, v), ...], issued as one batched copy."""
-        dst, src = [], []
-        for layer, k, v in items:
-            dst += self._run_views(layer, run, k.shape[0])
-            src += [k, v]
+        """``write_run`` for many layers, [(layer, k, v), ...], issued as one batched copy. Every layer in order (a
+        whole chunk) takes the run's views of all layers in a few calls: each call is a round trip through the
+        interpreter lock, which a decode worker's engine thread shares with its event loop."""
+        items = [(layer, k, v) for layer, k, v in items]
+        if not items:
+            return
+        n = items[0][1].shape[0]
+        if [layer for layer, _, _ in items] == list(range(len(self.k))) and all(k.shape[0] == n for _, k, _ in items):
+            dst = [*self._all_run_views(self.k_all, run, n), *self._all_run_views(self.v_all, run, n)]
+            src = [k for _, k, _ in items] + [v for _, _, v in items]
+        else:
+            dst, src = [], []
+            for layer, k, v in items:
+                dst += self._run_views(layer, run, k.shape[0])
+                src += [k, v]
         torch._foreach_copy_(dst, src, non_blocking=True)
+
+    @staticmethod
+    def _all_run_views(t: torch.Tensor, run: slice, n: int) -> tuple[torch.Tensor, ...]:
+        """Every layer's first n slots of the blocks ``run`` of t [L, N, BS, Hkv, D]: L views [n, Hkv, D]."""
+        return t[:, run].flatten(1, 2)[:, :n].unbind(0)
 
     def _run_views(self, layer: int, run: slice, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V slots of the blocks ``run``, the first n of them: [n, Hkv, D] views."""
@@ -151,6 +169,13 @@ class BlockPool:
     def write(self, layer: int, block: torch.Tensor, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [n, Hkv, D] at (block[n], slot[n]) int64 of one layer, in the pool's dtype."""
         write_kv(k, v, self.at(layer, block, slot), backend=self.kernels)
+
+    def write_layers(self, layers: slice, block: torch.Tensor, slot: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """``write`` for a run of layers with one set of slots: k, v [len(layers), n, Hkv, D] at (block[n],
+        slot[n]) of each, two indexed stores in all (a hand-off's private K/V: not two launches a layer)."""
+        self.k_all[layers][:, block, slot] = k.to(self.k_all.dtype)
+        self.v_all[layers][:, block, slot] = v.to(self.v_all.dtype)
 
     def read(self, layer: int, block: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][block, slot], self.v[layer][block, slot]

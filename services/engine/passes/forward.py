@@ -239,13 +239,11 @@ class Forward:
         n = tokens_or_length if isinstance(tokens_or_length, int) else len(tokens_or_length)
         blocks, block, slot, _ = self._private(torch.arange(n, device=self.device), for_cache=True, contiguous=True)
         write = self._chunk_writer(key, n, blocks, block, slot)
-        count = 0
         try:
-            for layer, k, v in as_layers(layers):
-                write(layer, k, v)
-                count += 1
-            if count != self.cfg.num_layers:
-                raise ValueError(f"chunk {key[:12]} came with {count} layers, the model has {self.cfg.num_layers}")
+            items = list(as_layers(layers))
+            if len(items) != self.cfg.num_layers:
+                raise ValueError(f"chunk {key[:12]} came with {len(items)} layers, the model has {self.cfg.num_layers}")
+            write.many(items)   # every layer in one batched copy when the blocks are a run
         except BaseException:
             self.pool.free(blocks)
             raise

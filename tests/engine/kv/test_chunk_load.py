@@ -26,6 +26,23 @@ def test_write_runs_equals_one_write_run_per_layer():
     assert a.k[0][2:5].reshape(-1, 2, 8)[:10].equal(items[0][1]) and not a.k[0][5].any()
 
 
+def test_write_runs_of_some_layers_and_of_streamed_layers():
+    """A whole chunk (every layer, in order, as StreamedLayer items) takes the all-layer views; some layers, or
+    layers out of order, take one view a layer: both land where write_run puts them, in no other slot."""
+    from services.engine.kv.loader import StreamedLayer
+
+    items = _layers(3, 6, 2, 8, seed=1)
+    for given in ([StreamedLayer(*it) for it in items], [items[2], items[0]], items[1:]):
+        a = BlockPool(3, 9, 4, 2, 8, torch.device("cpu"), torch.float32)
+        b = BlockPool(3, 9, 4, 2, 8, torch.device("cpu"), torch.float32)
+        a.write_runs(slice(4, 6), given)
+        for layer, k, v in given:
+            b.write_run(layer, slice(4, 6), k, v)
+        assert torch.equal(a.k_all, b.k_all) and torch.equal(a.v_all, b.v_all)
+        assert a.k_all.count_nonzero() == a.v_all.count_nonzero() == len(given) * 6 * 2 * 8
+    a.write_runs(slice(0, 1), [])   # nothing to write: nothing written
+
+
 def test_an_issued_load_is_delivered_before_issue_returns_and_runs_no_thread():
     got = []
     load = ChunkLoad("c" * 12, [1, 2], iter(_layers(2, 2, 1, 4)), lambda *a: pytest.fail("per-layer write"),
@@ -96,3 +113,28 @@ def test_a_load_checked_later_is_verified_before_any_layer_is_used_and_recompute
         assert calls == [1]                                 # once, whichever came first
         assert (recomputed, gate.failed) == (([], 0) if passes else ([load], 1))
         assert passes or isinstance(load.error, RuntimeError)
+
+
+def test_write_layers_equals_a_write_a_layer():
+    """A run of layers with one set of slots written by two indexed stores == one write a layer; the hand-off's
+    layers (views of one buffer, as layer_views cuts them) are stacked without a copy, other tensors by a copy."""
+    from services.handoff.imports import _runs, _stacked
+    from services.handoff.wire import layer_views
+
+    g = torch.Generator().manual_seed(3)
+    flat = torch.randn(2 * 3 * 5 * 2 * 8, generator=g)
+    kv = layer_views(flat, [5, 5, 5], torch.Size([2, 8]))        # K0 V0 K1 V1 K2 V2, 5 tokens each
+    ks, vs = kv[0::2], kv[1::2]
+    k_all, v_all = _stacked(ks), _stacked(vs)
+    assert k_all.data_ptr() == ks[0].data_ptr() and all(torch.equal(k_all[i], ks[i]) for i in range(3))
+    assert torch.equal(v_all, torch.stack(vs))
+    apart = [torch.randn(5, 2, 8, generator=g) for _ in range(3)]   # separate storages: stacked by a copy
+    assert torch.equal(_stacked(apart), torch.stack(apart))
+    a = BlockPool(3, 9, 4, 2, 8, torch.device("cpu"), torch.float32)
+    b = BlockPool(3, 9, 4, 2, 8, torch.device("cpu"), torch.float32)
+    block, slot = torch.tensor([7, 7, 2, 2, 2]), torch.tensor([0, 3, 1, 2, 0])
+    a.write_layers(slice(0, 3), block, slot, k_all, v_all)
+    for layer in range(3):
+        b.write(layer, block, slot, ks[layer], vs[layer])
+    assert torch.equal(a.k_all, b.k_all) and torch.equal(a.v_all, b.v_all) and a.k_all.count_nonzero() > 0
+    assert _runs([0, 1, 1, 1, 2, 1]) == [(0, 1), (1, 4), (4, 5), (5, 6)] and _runs([]) == []
