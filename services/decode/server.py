@@ -291,9 +291,12 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     if store_addresses:
         eng.forward.chunk_index_store = ChunkIndexStore(store)
 
+    # a chunk evicted between a hand-off's preparation and its admission: asked for now, read onto the GPU and
+    # checked there when this host's store arena holds it (as the preparation reads), else streamed
+    device = eng.device if eng.device.type == "cuda" else None
+
     def fetch(cid: str):
-        # the decode worker has no lookup ahead of the pass: ask now, stream if present
-        return store.fetcher(store.lookup([cid]))(cid)
+        return store.fetcher(store.lookup([cid]), device)(cid)
 
     fatal = StoppedForGood((SERVICE_NAME,), on_fatal)
     batcher = Batcher(eng, metrics, settings.max_batch, fetch if store.enabled else None,

@@ -94,13 +94,18 @@ def _stacked(ts: list[torch.Tensor]) -> torch.Tensor:
 
 def _place_chunk(fwd, ref: ChunkRef, fetch):
     """A shared chunk, pinned: resident here, else written from ``fetch`` (layers already on the device
-    when the decode worker staged them), else computed (a broken stream falls back to that)."""
+    when the decode worker staged them; a read onto the GPU is verified first), else computed (a broken stream or
+    a failed check falls back to that)."""
     entry = fwd.cache.acquire(ref.chunk_id)
     layers = None if entry is not None or fetch is None else fetch(ref.chunk_id)
     if entry is None and layers is not None:
         try:
+            verify = getattr(layers, "verify", None)
+            if verify is not None:   # read onto the GPU and checked there (kvio.DeviceLayers): checked before use
+                layers = list(layers)
+                verify()
             entry = fwd.insert_chunk(ref.chunk_id, list(ref.tokens), layers)
-        except Exception as exc:  # noqa: BLE001 - a broken stream falls back to computing the chunk
+        except Exception as exc:  # noqa: BLE001 - a broken stream or a failed check: the chunk is computed
             log.warning("writing fetched chunk %s failed, computing it: %s", ref.chunk_id[:12], exc)
             entry = None
     return entry if entry is not None else fwd.compute_chunk(ref.chunk_id, list(ref.tokens))

@@ -230,3 +230,49 @@ def test_cuda_import_equals_the_reference_and_never_syncs(tiny_dir, mode, ratio,
         finally:
             torch.cuda.set_sync_debug_mode("default")
         b.release(seq)
+
+
+class _Checked:
+    """A fetched chunk read onto the device and checked later (as kvio.DeviceLayers): its check fails or passes."""
+
+    def __init__(self, layers, ok: bool):
+        self.layers, self.ok, self.verified = layers, ok, False
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def verify(self):
+        from services.kvstore import ChunkCorruptError
+
+        self.verified = True
+        if not self.ok:
+            raise ChunkCorruptError("checksum mismatch of the bytes landed")
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_checked_fetch_is_verified_before_its_chunk_is_written(engine, ok, monkeypatch):
+    """A chunk fetched at admission as a device read is verified before the pool takes it: one that fails is
+    computed instead (the same sequence either way), one that passes is written, never computed."""
+    chunks, suffix = random_request(56)
+    engine.prefill(chunks, suffix, mode="tessera")
+    store = {engine.chunk_id(c): engine.export_chunk(engine.chunk_id(c)) for c in chunks}
+    h = _handoff(engine, chunks, suffix, "tessera", 0.15)
+    engine.cache.clear()
+    computed, fetched = [], []
+    real = engine.forward.compute_chunk
+    monkeypatch.setattr(engine.forward, "compute_chunk", lambda cid, toks: computed.append(cid) or real(cid, toks))
+
+    def fetch(cid):
+        fetched.append(_Checked(list(numbered(store[cid])), ok))
+        return fetched[-1]
+
+    seq = engine.import_handoff(h, fetch=fetch)
+    try:
+        assert fetched and all(f.verified for f in fetched)
+        assert sorted(computed) == ([] if ok else sorted(f"{c}" for c in store))
+        for cid in store:   # resident either way, with the chunk's own K/V
+            got = engine.export_chunk(cid)
+            assert all(torch.allclose(a, b, atol=1e-5) for (ka, va), (kb, vb) in zip(got, store[cid])
+                       for a, b in ((ka, kb), (va, vb)))
+    finally:
+        engine.release(seq)
