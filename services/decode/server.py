@@ -185,8 +185,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.decoding += 1
         self.batcher.submit(job)
         try:
+            held = None
             while True:
-                toks, reason, err = await out.get()
+                toks, reason, err, held = coalesce(held if held is not None else await out.get(), out)
                 if err is not None:
                     await context.abort(err.code, err.message)
                 if reason is None:
@@ -225,6 +226,26 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 self.store.drop_known()          # empties the host tier (a decode worker stores nothing)
             return before - len(self.eng.cache)
         return pb.ResetReply(chunks_dropped=await asyncio.wrap_future(self.batcher.call(clear)))
+
+
+def coalesce(first: tuple, out: asyncio.Queue) -> tuple[list[int], str | None, object, tuple | None]:
+    """``first`` (tokens, finish reason, error) and the token items queued behind it as one message: when the event
+    loop falls behind the decode steps, a stream sends what has piled up at once rather than a message a token (less
+    work on the loop, which shares the interpreter lock with the engine thread). Stops at an item that ends the
+    stream or fails it: the tokens before it are sent first, and it is returned as ``held`` for the next message.
+    -> (tokens, reason, error, held)."""
+    toks, reason, err = first
+    if reason is not None or err is not None:
+        return list(toks), reason, err, None
+    toks = list(toks)
+    while not out.empty():
+        item = out.get_nowait()
+        if item[2] is not None:            # a failure: the tokens so far go first
+            return toks, None, None, item
+        toks += item[0]
+        if item[1] is not None:            # the last tokens, with how the stream ended
+            return toks, item[1], None, None
+    return toks, None, None, None
 
 
 def decode_stats(policy: DecodePolicy, stats: DecodeStats | None) -> pb.DecodeStats:
