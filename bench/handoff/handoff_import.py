@@ -20,14 +20,20 @@ unique, indexing by a boolean mask, ``Tensor.tolist`` and ``torch.tensor(list, d
 ``--baseline`` also runs the import as it was before its tables were built on the host
 (tests/handoff/handoff_import_reference.py), interleaved with the current one pass by pass.
 ``--contend`` (CUDA) keeps the GPU busy from a second process while measuring, as the prefill worker's
-process does in the cluster benchmark: each host sync then waits for this process's turn.
+process does in the cluster benchmark: each host sync then waits for this process's turn. ``--busy F`` keeps a
+second thread of this process running Python F of the time (2 ms bursts), as a decode worker's event loop and
+helper threads do beside its engine thread: each torch call gives up the interpreter lock and may wait to get it
+back, so an import's time grows with its number of calls. To compare two trees, run this file inside each (a
+``git worktree`` of the older commit, this file copied in).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import threading
 import time
 import warnings
 from collections import Counter
@@ -159,6 +165,30 @@ def one_import(eng: Engine, h: Handoff, fetch, meter: bool, baseline: bool = Fal
     return row
 
 
+@contextlib.contextmanager
+def interpreter_busy(fraction: float):
+    """A thread running pure Python ``fraction`` of the time (bursts of 2 ms, then sleeps) while inside."""
+    stop = threading.Event()
+
+    def spin():
+        burst = 0.002
+        while not stop.is_set():
+            t0, x = time.perf_counter(), 0
+            while time.perf_counter() - t0 < burst:
+                x += 1
+            time.sleep(burst * (1 - fraction) / fraction)
+
+    th = threading.Thread(target=spin, daemon=True) if fraction > 0 else None
+    if th is not None:
+        th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if th is not None:
+            th.join()
+
+
 def received(eng: Engine, chunks, suffix, mode: str, ratio: float) -> Handoff:
     """A hand-off as a decode worker holds it after parsing: host positions and hidden lists; on CUDA the
     K/V one device buffer (CUDA IPC), on the CPU host tensors from the payload."""
@@ -187,7 +217,11 @@ def main() -> int:
     ap.add_argument("--sources", default="resident,fetched", help="where the shared chunks come from")
     ap.add_argument("--baseline", action="store_true",
                     help="also the import as it was before (tests/handoff/handoff_import_reference.py), interleaved")
+    ap.add_argument("--busy", type=float, default=0.0,
+                    help="a second thread runs Python this fraction of the time while measuring (0 <= F < 1)")
     args = parse_shared(ap)
+    if not 0 <= args.busy < 1:
+        ap.error(f"--busy is a fraction in [0, 1), got {args.busy}")
     chunks, suffix = request(args)
     if args.device == "cpu":
         torch.set_num_threads(1)   # the engine thread does all of the work: its CPU time is the import's
@@ -199,9 +233,10 @@ def main() -> int:
     variants = ["reference", "host-built"] if args.baseline else ["host-built"]
     times = ("import_ms", "import_cpu_ms", "gpu_ms")
     rows = []
-    with contention(args.contend) as contended, torch.no_grad():
+    with contention(args.contend) as contended, interpreter_busy(args.busy), torch.no_grad():
         print(f"{args.device}, {eng.cfg.num_layers} layers, {args.chunks} x {args.chunk_tokens} + {args.suffix_tokens} "
-              f"tokens{', GPU contended' if contended else ''}", flush=True)
+              f"tokens{', GPU contended' if contended else ''}"
+              f"{f', a thread running Python {args.busy:.0%} of the time' if args.busy else ''}", flush=True)
         for spec in args.modes.split(","):
             mode, _, ratio = spec.partition("@")
             ratio = float(ratio or 0.0)
@@ -213,7 +248,8 @@ def main() -> int:
                     return one_import(eng, h, lambda cid: iter(store[cid]), meter, variant == "reference")
                 # warm-up: chunks resident or inserted once, kernels compiled
                 for row in interleaved(run, variants, args.reps, times):
-                    rows.append({"mode": mode, "ratio": ratio, "source": source, "import": row.pop("variant"), **row})
+                    rows.append({"mode": mode, "ratio": ratio, "source": source, "import": row.pop("variant"),
+                                 "busy": args.busy, **row})
                     print(report(rows[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
