@@ -48,6 +48,7 @@ import services.engine.engine as engine_mod  # noqa: E402
 from bench.handoff.handoff_export import (OpMeter, add_shared_args, build, contention, interleaved,  # noqa: E402
                                   parse_shared, request)
 from services.engine import Engine, Handoff  # noqa: E402
+from services.engine.kv.loader import StreamedLayer  # noqa: E402
 
 aten = torch.ops.aten
 INDEX = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
@@ -190,14 +191,14 @@ def interpreter_busy(fraction: float):
 
 
 def received(eng: Engine, chunks, suffix, mode: str, ratio: float) -> Handoff:
-    """A hand-off as a decode worker holds it after parsing: host positions and hidden lists; on CUDA the
-    K/V one device buffer (CUDA IPC), on the CPU host tensors from the payload."""
+    """A hand-off as a decode worker holds it after parsing: host positions and hidden lists, the K/V one buffer
+    (on CUDA a device buffer, as CUDA IPC delivers it; on the CPU a host one, as a GPU worker's import gathers a
+    streamed hand-off's K/V before its one copy to the device)."""
     cuda = eng.device.type == "cuda"
     _, h = eng.prefill_handoff(chunks, suffix, mode=mode, recompute_ratio=ratio, kv_on_device=cuda)
     if cuda:
         torch.cuda.synchronize()
-        return Handoff.from_bytes(h.to_bytes(with_kv=False), h.kv_buffer())
-    return Handoff.from_bytes(h.to_bytes())
+    return Handoff.from_bytes(h.to_bytes(with_kv=False), h.kv_buffer())
 
 
 def report(row: dict) -> str:
@@ -228,7 +229,9 @@ def main() -> int:
     eng = build(args)
     with torch.no_grad():   # the chunks' K/V as the decode worker's prepare stages them: on the device
         eng.prefill(chunks, suffix, mode="tessera")
-        store = {cid: [(i, k, v) for i, (k, v) in enumerate(eng.export_chunk(cid))]
+        # StreamedLayer items, as a fetch yields them (tuples were refused, and the chunks silently computed:
+        # the "fetched" rows before 2026-11-27 timed a recompute)
+        store = {cid: [StreamedLayer(i, k, v) for i, (k, v) in enumerate(eng.export_chunk(cid))]
                  for cid in map(eng.chunk_id, chunks)}
     variants = ["reference", "host-built"] if args.baseline else ["host-built"]
     times = ("import_ms", "import_cpu_ms", "gpu_ms")

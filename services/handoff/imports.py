@@ -60,11 +60,13 @@ def _import_private(fwd, h: Handoff, pinned: list, private: list):
         block, slot = on_dev.writes[layout.write_of[first]]
         if not block.numel():
             continue
-        if last - first == 1:
-            fwd.pool.write(first, block, slot, *kv[first])
-        else:
-            fwd.pool.write_layers(slice(first, last), block, slot, _stacked([k for k, _ in kv[first:last]]),
-                                  _stacked([v for _, v in kv[first:last]]))
+        ks = _stacked([k for k, _ in kv[first:last]])
+        vs = _stacked([v for _, v in kv[first:last]])
+        if ks is not None and vs is not None:
+            fwd.pool.write_layers(slice(first, last), block, slot, ks, vs)
+        else:   # one layer, or layers apart in memory (stacking them would copy them): a write a layer
+            for layer in range(first, last):
+                fwd.pool.write(layer, block, slot, *kv[layer])
     tokens = {ref.chunk_id: list(ref.tokens) for ref in h.chunks}
     return Sequence([on_dev.tables[i] for i in layout.table_of], pinned, private, h.next_pos,
                     chunk_tokens=tokens, prefill_queries=QueryTap.of(h.queries) if h.queries else None)
@@ -80,16 +82,17 @@ def _runs(keys: list) -> list[tuple[int, int]]:
     return runs
 
 
-def _stacked(ts: list[torch.Tensor]) -> torch.Tensor:
-    """ts (one shape, dtype and device) as one [len(ts), *shape] tensor: a view without a copy when they lie
-    equally spaced in one storage (a hand-off's layers, as ``layer_views`` cuts them), else a stack."""
+def _stacked(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """ts (one shape, dtype and device) as one [len(ts), *shape] view, when there are several and they lie equally
+    spaced in one storage (a hand-off's layers, as ``layer_views`` cuts a received buffer); else None."""
     t0 = ts[0]
-    if len(ts) > 1 and all(t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr() and
-                           t.shape == t0.shape and t.stride() == t0.stride() for t in ts):
-        step = ts[1].storage_offset() - t0.storage_offset()
-        if step > 0 and all(t.storage_offset() == t0.storage_offset() + i * step for i, t in enumerate(ts)):
-            return t0.as_strided((len(ts), *t0.shape), (step, *t0.stride()), t0.storage_offset())
-    return torch.stack(ts)
+    if len(ts) < 2 or not all(t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr() and
+                              t.shape == t0.shape and t.stride() == t0.stride() for t in ts):
+        return None
+    step = ts[1].storage_offset() - t0.storage_offset()
+    if step <= 0 or any(t.storage_offset() != t0.storage_offset() + i * step for i, t in enumerate(ts)):
+        return None
+    return t0.as_strided((len(ts), *t0.shape), (step, *t0.stride()), t0.storage_offset())
 
 
 def _place_chunk(fwd, ref: ChunkRef, fetch):

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.engine import Engine, Handoff
-from services.handoff.imports import _ImportLayout, _runs, import_sequence
+from services.handoff.imports import import_sequence
 from services.handoff.wire import LayerView
 from services.engine.kv.loader import StreamedLayer, numbered
 
@@ -183,14 +183,10 @@ def test_import_issues_no_syncing_op_and_one_write_per_layer(engine, mode, ratio
         engine.release(seq)
         assert not SYNCING & set(ops.names) and not ops.mask_indexing, ops.names
         launches[fetched] = ops.launches
-    # on the CPU the one copy to the device is none: what launches is the private slots' positions and, per run of
-    # layers sharing one set of positions, two indexed stores (a stack of K and of V first: these host tensors are
-    # not views of one buffer), or one K/V write for a run of one layer (two index stores here)
-    runs = _runs(_ImportLayout(h).write_of)
-    assert len(runs) <= 2 < n_layers                     # layer 0 (recomputed tokens apart) and the rest
-    want = ["index_put_"] + [op for first, last in runs for op in
-                             (["index_put_"] * 2 if last - first == 1 else ["stack", "stack", "index_put_", "index_put_"])]
-    assert launches[False] == want, launches[False]
+    # on the CPU the one copy to the device is none: what launches is the private slots' positions and one K/V
+    # write a layer (two index stores here): these host tensors are not views of one buffer (a received hand-off's
+    # are: test_write_layers_equals_a_write_a_layer)
+    assert launches[False] == ["index_put_"] * (2 * n_layers + 1)
     # a fetched chunk: its slots and positions, and two plain copies a layer
     assert len(launches[True]) - len(launches[False]) <= n_chunks * (2 * n_layers + 4), launches[True]
     ref_ops = Ops()
