@@ -51,38 +51,38 @@ def _bound(q1, q2, cos, sin, hi1, hi2, lo1, lo2):
 
 
 @triton.jit
-def _best_one(q_ptr, seq, off, invf, h, n_heads, d, stride_qb, stride_qh, hi1, hi2, lo1, lo2,
-              G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr):
-    """Max over the group heads of the bound [BLOCK_E, HB], every entry of sequence ``seq`` at offset ``off``."""
-    ang = off.to(tl.float32) * invf
-    cos = tl.cos(ang)[None, None, :]
-    sin = tl.sin(ang)[None, None, :]
-    q_seq = q_ptr + seq.to(tl.int64) * stride_qb + d[None, None, :]
-    h_ok = (h < n_heads)[None, :, None]
+def _best(q_seq, h, q_ok, cos, sin, stride_qh, hi1, hi2, lo1, lo2, G: tl.constexpr, D2: tl.constexpr,
+          BLOCK_E: tl.constexpr, HB: tl.constexpr):
+    """Max over the group heads of the bound [BLOCK_E, HB]; q_seq points at the query rows of the entries' sequence
+    ([1, 1, D2] for one sequence, [BLOCK_E, 1, D2] for an entry each), rotated by cos / sin of the same shapes."""
     best = tl.full([BLOCK_E, HB], float("-inf"), tl.float32)
     for g in tl.static_range(G):
         q_row = q_seq + (h * G + g)[None, :, None] * stride_qh
-        q1 = tl.load(q_row, mask=h_ok, other=0.0).to(tl.float32)
-        q2 = tl.load(q_row + D2, mask=h_ok, other=0.0).to(tl.float32)
+        q1 = tl.load(q_row, mask=q_ok, other=0.0).to(tl.float32)
+        q2 = tl.load(q_row + D2, mask=q_ok, other=0.0).to(tl.float32)
         best = tl.maximum(best, _bound(q1, q2, cos, sin, hi1, hi2, lo1, lo2))
     return best
 
 
 @triton.jit
+def _best_one(q_ptr, seq, off, invf, h, n_heads, d, stride_qb, stride_qh, hi1, hi2, lo1, lo2,
+              G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr):
+    """``_best`` of entries that are all of sequence ``seq`` at offset ``off``: the query heads loaded and rotated
+    once."""
+    ang = off.to(tl.float32) * invf
+    return _best(q_ptr + seq.to(tl.int64) * stride_qb + d[None, None, :], h, (h < n_heads)[None, :, None],
+                 tl.cos(ang)[None, None, :], tl.sin(ang)[None, None, :], stride_qh, hi1, hi2, lo1, lo2,
+                 G, D2, BLOCK_E, HB)
+
+
+@triton.jit
 def _best_each(q_ptr, seq, off, invf, h, d, ok3, stride_qb, stride_qh, hi1, hi2, lo1, lo2,
                G: tl.constexpr, D2: tl.constexpr, BLOCK_E: tl.constexpr, HB: tl.constexpr):
-    """The same, each entry with its own sequence seq [BLOCK_E] and offset off [BLOCK_E]."""
+    """``_best``, each entry with its own sequence seq [BLOCK_E] and offset off [BLOCK_E]."""
     ang = off.to(tl.float32)[:, None] * invf[None, :]                     # [BLOCK_E, D2]
-    cos = tl.cos(ang)[:, None, :]
-    sin = tl.sin(ang)[:, None, :]
-    q_seq = q_ptr + seq.to(tl.int64)[:, None, None] * stride_qb + d[None, None, :]
-    best = tl.full([BLOCK_E, HB], float("-inf"), tl.float32)
-    for g in tl.static_range(G):
-        q_row = q_seq + (h * G + g)[None, :, None] * stride_qh
-        q1 = tl.load(q_row, mask=ok3, other=0.0).to(tl.float32)
-        q2 = tl.load(q_row + D2, mask=ok3, other=0.0).to(tl.float32)
-        best = tl.maximum(best, _bound(q1, q2, cos, sin, hi1, hi2, lo1, lo2))
-    return best
+    return _best(q_ptr + seq.to(tl.int64)[:, None, None] * stride_qb + d[None, None, :], h, ok3,
+                 tl.cos(ang)[:, None, :], tl.sin(ang)[:, None, :], stride_qh, hi1, hi2, lo1, lo2,
+                 G, D2, BLOCK_E, HB)
 
 
 @triton.jit
