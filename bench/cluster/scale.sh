@@ -8,7 +8,9 @@
 # GPUS is the CUDA_VISIBLE_DEVICES the cluster starts under: the workers take those GPUs round-robin. STORE_SHM: on
 # (default: the store shard's DRAM tier in /dev/shm, read by the workers themselves) or off (streamed over gRPC).
 # STORES: KV store shards (default 1). CLUSTER_ARGS (environment): more cluster.py flags for every run, e.g.
-# "--store-loads always".
+# "--store-loads always". PROFILE_DECODE=START,COUNT (environment): the decode workers record a torch-profiler window
+# of COUNT steps from step START (TESSERA_TORCH_PROFILE_DECODE); each trace is summarised by profile_summary.py into
+# OUT_DIR/NAME-prof/ and then deleted (a trace is megabytes: a device call brings back only so much).
 set -euo pipefail
 model=$1 out=$2
 shift 2
@@ -17,9 +19,21 @@ for spec in "$@"; do
     IFS=: read -r name gpus prefill decode routing alphas requests concurrency shm stores <<<"$spec"
     shm=${shm:-on} stores=${stores:-1}
     echo "=== $name: GPUs $gpus, $prefill prefill + $decode decode, routing $routing, store shm $shm, alphas $alphas, $requests requests, $concurrency clients ($(date -u +%H:%M:%S))"
-    CUDA_VISIBLE_DEVICES=$gpus python3 bench/cluster/cluster.py --no-ray --model-dir "$model" --layers 32 \
+    prof=()
+    if [ -n "${PROFILE_DECODE:-}" ]; then
+        mkdir -p "$out/$name-prof"
+        prof=(env "TESSERA_TORCH_PROFILE_DECODE=$out/$name-prof,$PROFILE_DECODE")
+    fi
+    ${prof[@]+"${prof[@]}"} env CUDA_VISIBLE_DEVICES=$gpus python3 bench/cluster/cluster.py --no-ray --model-dir "$model" --layers 32 \
         --requests "$requests" --warmup 8 --concurrency "$concurrency" --alphas "$alphas" \
         --chunk-cache-bytes 2.5e9 --host-cache-bytes 16e9 --register-corpus --modes tessera --no-warmup-sparse \
         --prefill "$prefill" --decode "$decode" --routing "$routing" --store-shm "$shm" --stores "$stores" \
         --runs-dir "/tmp/runs-$name" --out "$out/$name" ${CLUSTER_ARGS:-} || echo "=== $name failed: $?"
+    if [ -n "${PROFILE_DECODE:-}" ]; then
+        for trace in "$out/$name-prof"/*.json.gz; do
+            [ -e "$trace" ] || continue
+            python3 bench/cluster/profile_summary.py "$trace" --json "${trace%.json.gz}.summary.json" \
+                >> "$out/$name-prof/summary.txt" && rm -f "$trace"
+        done
+    fi
 done
