@@ -195,17 +195,19 @@ class RetroStep(QuestStep):
         """This step's tokens into their sequences' windows (the oldest out), the past tokens' corrected outputs
         into their records."""
         n = len(self.seqs)
-        # new tensors (stacks): what the records keep must outlive the buffers a decode graph's next replay writes
-        q, out, lse, sel = (torch.stack([c[k][:n] for c in self.cur], 1) for k in range(4))   # [n, S, ...]
-        cu = torch.stack([c[4] for c in self.cur], 1).long()                                     # [b + 1, S]
+        # new tensors (stacks): what the records keep must outlive the buffers a decode graph's next replay writes.
+        # A stack a kind over all sparse layers, then one slice and one unbind: a few calls a step, not a few a
+        # layer and a sequence (each call is a turn of the interpreter lock a decode worker's threads share)
+        q, out, lse, sel = (torch.stack([c[k] for c in self.cur], 1)[:n] for k in range(4))   # [n, S, ...]
+        cu = torch.stack([c[4] for c in self.cur], 1).long()                                   # [b + 1, S]
         entries, h = (cu[1:] - cu[:-1])[:n], self.h_cur[:n].clone()
         sel = torch.where(sel >= 0, sel.long() - cu[:n, :, None, None], -1)   # entry indices within the sequence
         if self.past_tokens:
             m = len(self.past_tokens)
-            out_p, lse_p = (torch.stack([f[k][:m] for f in self.fixed], 1) for k in range(2))   # [m, S, ...]
-            for r, token in enumerate(self.past_tokens):     # the corrected outputs back into their records
-                token.out, token.lse = out_p[r], lse_p[r]
-        for b, s in enumerate(self.seqs):
-            pos, block, slot = self.where[b]
-            s.past.append(PastToken(pos, block, slot, entries[b], h[b], q[b], out[b], lse[b], sel[b]))
+            out_p, lse_p = (torch.stack([f[k] for f in self.fixed], 1)[:m].unbind(0) for k in range(2))  # m x [S, ...]
+            for token, o, l in zip(self.past_tokens, out_p, lse_p):   # the corrected outputs back into their records
+                token.out, token.lse = o, l
+        rows = zip(*(t.unbind(0) for t in (entries, h, q, out, lse, sel)))
+        for s, (pos, block, slot), row in zip(self.seqs, self.where, rows):
+            s.past.append(PastToken(pos, block, slot, *row))
             del s.past[:-window]
