@@ -171,8 +171,8 @@ def case_rows(c, old, budgets, sweep: bool, deadline: float, profile: bool = Fal
     splits = pick_splits(DecodeConfig(), batch, HKV, ids.numel(), q.device)
     out["dense_ms"] = graph_ms(lambda: decode_launch(q, k, v, packed, cu, inv, scale, cfg=DecodeConfig(num_splits=splits)))
     out["dense_splits"] = splits
-    # the peer's merge as it was before 2026-11-27 (a loop over the parts past the unrolled 16), for the same-run
-    # ratio of that change
+    # the peer's merge as it was before its parts were merged all at once (a loop over the parts past the unrolled
+    # 16), for the same-run ratio of that change (bench/decode/README.md)
     import kernels.paged_attention._decode as decode_module
     unroll = decode_module.UNROLL_PARTS
     decode_module.UNROLL_PARTS = 1 << 30

@@ -229,8 +229,8 @@ def main() -> int:
     eng = build(args)
     with torch.no_grad():   # the chunks' K/V as the decode worker's prepare stages them: on the device
         eng.prefill(chunks, suffix, mode="tessera")
-        # StreamedLayer items, as a fetch yields them (tuples were refused, and the chunks silently computed:
-        # the "fetched" rows before 2026-11-27 timed a recompute)
+        # StreamedLayer items, as a fetch yields them (tuples are refused, and the import then computes the chunks:
+        # bench/handoff/README.md)
         store = {cid: [StreamedLayer(i, k, v) for i, (k, v) in enumerate(eng.export_chunk(cid))]
                  for cid in map(eng.chunk_id, chunks)}
     variants = ["reference", "host-built"] if args.baseline else ["host-built"]

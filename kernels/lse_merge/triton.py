@@ -24,7 +24,7 @@ UNROLL_PARTS = 16  # part counts up to this compile a kernel of their own with t
 UNROLLED_BLOCK_R = 8
 # parts one program of _merge_all_kernel takes (every part of a row at once); more parts loop. A dense decode at 32K,
 # batch 1 splits each KV head 99 ways on an H100: the loop over them took 66.9 us against the attention's 58.5
-# (bench/decode/sparse_kernels.py --profile)
+# (bench/decode/README.md)
 MAX_ALL_PARTS = 128
 
 
