@@ -30,7 +30,8 @@ def ttft_cdf(runs: Sequence[ReplayRun], path: Path) -> Path:
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(title="mode")
+    if ax.get_legend_handles_labels()[0]:   # a run whose every request failed draws no line
+        ax.legend(title="mode")
     ax.set_title("Time to first token")
     fig.tight_layout()
     fig.savefig(path)
@@ -66,7 +67,8 @@ def hit_ratio_over_time(runs: Sequence[ReplayRun], path: Path, bins: int = 20) -
     ax.set_ylabel("chunk tokens served from cache (%)")
     ax.set_ylim(-2, 102)
     ax.grid(alpha=0.3)
-    ax.legend(title="mode")
+    if ax.get_legend_handles_labels()[0]:   # a run whose every request failed draws no line
+        ax.legend(title="mode")
     ax.set_title("Chunk KV hit ratio over time")
     fig.tight_layout()
     fig.savefig(path)
