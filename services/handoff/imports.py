@@ -21,9 +21,10 @@ def import_sequence(fwd, h: Handoff, fetch=None):
 
     The private tokens (every layer's positions, ascending) are laid densely over new blocks. Their
     slots, each layer's write rows and the tables are worked out on the host from the hand-off's
-    host-side positions and hidden lists (``_ImportLayout``) and reach the device in one copy; each
-    layer's private K/V is then one indexed write. Nothing here waits for the GPU, unless a chunk is
-    nowhere to be had and is computed.
+    host-side positions and hidden lists (``_ImportLayout``) and reach the device in one copy; the private
+    K/V of each run of layers that share one set of positions is then two indexed stores (one write a layer
+    when their K/V are not views of one buffer). Nothing here waits for the GPU, unless a chunk is nowhere to
+    be had and is computed. Named spans mark the shared chunks' part and the private part in a profile.
     """
     cache = fwd.cache
     if len(h.layers) != fwd.cfg.num_layers:
@@ -34,8 +35,7 @@ def import_sequence(fwd, h: Handoff, fetch=None):
             for ref in h.chunks:
                 pinned.append(_place_chunk(fwd, ref, fetch))
         with record_function("tessera.import.private"):
-            seq = _import_private(fwd, h, pinned, private)
-        return seq
+            return _import_private(fwd, h, pinned, private)
     except BaseException:
         for e in pinned:
             cache.release(e)
