@@ -33,9 +33,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from torch.profiler import record_function
-
 from services.cluster.errors import RequestError, internal
+from services.engine.spans import span
 from services.decode.indexes import IndexUnavailable
 from services.engine.decode import DENSE, DecodePolicy, DecodeStats
 from services.engine.sampling import SamplingParams
@@ -213,7 +212,7 @@ class Batcher:
 
         t0 = time.perf_counter()
         try:
-            with record_function("tessera.admit"):   # a named span in a TESSERA_TORCH_PROFILE trace
+            with span("tessera.admit"):   # a named span in a TESSERA_TORCH_PROFILE trace
                 seq, logits = self._rebuild(job.handoff, job.policy)
         except PoolExhausted as exc:
             _quietly(job.emit, [], None, RequestError("exhausted", f"{self.name}: no KV memory for the "
@@ -312,7 +311,7 @@ class Batcher:
         from services.engine.kv.block_pool import PoolExhausted
 
         try:
-            with record_function("tessera.step"):
+            with span("tessera.step"):
                 logits = self.eng.decode_step([lv.seq for lv in batch], [lv.last for lv in batch])  # [B, vocab]
         except PoolExhausted as exc:     # KV memory exhausted: fail this batch, keep serving
             log.warning("decode step over %d sequences failed: %s", len(batch), exc)

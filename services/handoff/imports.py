@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
+from services.engine.spans import span
 from services.handoff.wire import ChunkRef, Handoff, layer_views
 from services.engine.kv.block_table import BlockTable, dense_run, host_to_device
 
@@ -31,10 +31,10 @@ def import_sequence(fwd, h: Handoff, fetch=None):
         raise ValueError(f"hand-off has {len(h.layers)} layers, this model {fwd.cfg.num_layers}")
     pinned, private = [], []
     try:
-        with record_function("tessera.import.chunks"):   # named spans in a TESSERA_TORCH_PROFILE trace
+        with span("tessera.import.chunks"):   # named spans in a TESSERA_TORCH_PROFILE trace
             for ref in h.chunks:
                 pinned.append(_place_chunk(fwd, ref, fetch))
-        with record_function("tessera.import.private"):
+        with span("tessera.import.private"):
             return _import_private(fwd, h, pinned, private)
     except BaseException:
         for e in pinned:

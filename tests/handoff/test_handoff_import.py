@@ -31,7 +31,7 @@ class Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
         self.names.append(name)
-        if not func.is_view and name not in FREE and not name.startswith("_record_function"):  # profiler spans
+        if not func.is_view and name not in FREE:
             self.launches.append(name)
         if name.startswith("index") and len(args) > 1 and isinstance(args[1], (list, tuple)):
             self.mask_indexing += any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
