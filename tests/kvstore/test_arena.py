@@ -93,13 +93,10 @@ def test_a_chunk_without_room_in_the_arena_gets_a_file_of_its_own(start_store, s
     names = sorted(os.listdir(shm_dir))
     assert "seg-0000" in names and any(n.startswith("doc-big.") for n in names)
     assert local_place(plain, "doc-big").generation == 0 and local_place(plain, "doc-small").generation > 0
-    local = KVStoreClient(srv.address, timeout=30, local=True)
-    try:
+    with KVStoreClient(srv.address, timeout=30, local=True) as local:
         assert_roundtrip(local, "doc-big", big)
         assert_roundtrip(local, "doc-small", small)
         assert local.local_reads == 2 and local.arena_reads == 1
-    finally:
-        local.close()
 
 
 def test_a_read_whose_extent_moves_on_goes_on_by_the_stream(start_store, shm_dir, monkeypatch):  # noqa: F811
@@ -109,8 +106,7 @@ def test_a_read_whose_extent_moves_on_goes_on_by_the_stream(start_store, shm_dir
     srv, plain = arena_store(start_store, shm_dir)
     layers = make_layers(n_layers=6, tokens=64, heads=2, dim=32, seed=3)
     plain.put("doc-a", layers)
-    local = KVStoreClient(srv.address, timeout=30, local=True)
-    try:
+    with KVStoreClient(srv.address, timeout=30, local=True) as local:
         stream = local.get("doc-a")
         first = next(stream)
         assert first[0] == 0 and local.in_arena(first[1])
@@ -121,8 +117,6 @@ def test_a_read_whose_extent_moves_on_goes_on_by_the_stream(start_store, shm_dir
         with pytest.raises(grpc.RpcError) as err:
             list(stream)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and local.local_damaged == 0
-    finally:
-        local.close()
 
 
 def test_a_restarted_store_is_mapped_again(start_store, shm_dir):  # noqa: F811
@@ -182,16 +176,13 @@ def test_a_read_onto_a_device_is_checked_there(start_store, shm_dir, on_device, 
     srv, plain = arena_store(start_store, shm_dir)
     layers = make_layers(n_layers=7, tokens=70, heads=3, dim=24, seed=8)
     plain.put("doc-e", layers)
-    local = KVStoreClient(srv.address, timeout=30, local=True)
-    try:
+    with KVStoreClient(srv.address, timeout=30, local=True) as local:
         got = list(local.get("doc-e", device=on_device))
         assert [i for i, _, _ in got] == list(range(7)) and local.arena_reads == 1
         assert not any(local.in_arena(k) or local.in_arena(v) for _, k, v in got)     # copies, not views
         for (_, k, v), (k0, v0) in zip(got, layers):
             assert torch.equal(k, k0) and torch.equal(v, v0)
         assert [i for i, _, _ in local.get("doc-e", layers=(2, 6), device=on_device)] == [2, 3, 4, 5]
-    finally:
-        local.close()
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 8])
@@ -216,14 +207,11 @@ def test_a_damaged_layer_landed_on_a_device_is_never_handed_on(start_store, shm_
     plain.put("doc-f", layers)
     where = local_place(plain, "doc-f")
     flip_byte(where.path, where.offsets[3] + 10, 1)         # a byte of layer 3
-    local = KVStoreClient(srv.address, timeout=30, local=True)
-    try:
+    with KVStoreClient(srv.address, timeout=30, local=True) as local:
         got = list(local.get("doc-f", device=on_device))   # layers 3 and 4 by the stream, from RocksDB's copy
         for (i, k, v), (k0, v0) in zip(got, layers):
             assert torch.equal(k, k0) and torch.equal(v, v0), i
         assert len(got) == 5 and local.local_damaged == 1 and tiers_of(plain, "doc-f") == ("rocksdb",)
-    finally:
-        local.close()
 
 
 def test_the_device_checks_warm_up_and_check_themselves(monkeypatch):
@@ -287,8 +275,7 @@ def test_a_chunk_only_a_lower_tier_holds_is_staged_through_the_arena_for_a_reade
     for cid, layers in (("doc-a", a), ("doc-b", b), ("doc-c", c)):
         plain.put(cid, layers)
     assert tiers_of(plain, "doc-a") == ("rocksdb",)
-    local = KVStoreClient(srv.address, timeout=30, local=True)
-    try:
+    with KVStoreClient(srv.address, timeout=30, local=True) as local:
         assert_roundtrip(local, "doc-a", a)
         # read here, from the arena or (its room freed by the evictions still resting) a file of the tier
         assert local.local_reads == 1 and local.reads["stream"] == 0
@@ -296,8 +283,6 @@ def test_a_chunk_only_a_lower_tier_holds_is_staged_through_the_arena_for_a_reade
         evicted = next(cid for cid in ("doc-b", "doc-c") if tiers_of(plain, cid) == ("rocksdb",))
         assert_roundtrip(local, evicted, b if evicted == "doc-b" else c, (1, 3))     # some layers: streamed
         assert local.reads["stream"] == 1 and tiers_of(plain, evicted) == ("rocksdb",)
-    finally:
-        local.close()
 
 
 def _counting_gets(client: KVStoreClient) -> list:
@@ -316,8 +301,7 @@ def test_a_lookup_here_gives_the_arena_place_and_a_read_from_it_needs_no_get(sta
     srv, plain = arena_store(start_store, shm_dir)
     layers = make_layers(n_layers=5, tokens=70, heads=3, dim=24, seed=14)
     plain.put("doc-p", layers)
-    local = KVStoreClient(srv.address, timeout=30, local=True)
-    try:
+    with KVStoreClient(srv.address, timeout=30, local=True) as local:
         assert plain.lookup(["doc-p"])[0].place is None              # not on the store's host: no place
         [loc] = local.lookup(["doc-p"])
         assert loc.found and loc.place is not None and loc.place.layers.generation
@@ -327,8 +311,6 @@ def test_a_lookup_here_gives_the_arena_place_and_a_read_from_it_needs_no_get(sta
         assert calls == [] and local.reads["arena"] == 1
         for (_, k, v), (k0, v0) in zip(got, layers):
             assert torch.equal(k, k0) and torch.equal(v, v0)
-    finally:
-        local.close()
 
 
 def test_a_stale_place_is_read_on_by_a_get(start_store, shm_dir, monkeypatch):  # noqa: F811
@@ -337,8 +319,7 @@ def test_a_stale_place_is_read_on_by_a_get(start_store, shm_dir, monkeypatch):  
     monkeypatch.setattr(arena_module, "REUSE_GRACE_S", 0.0)
     srv, plain = arena_store(start_store, shm_dir)
     plain.put("doc-q", make_layers(n_layers=3, seed=15))
-    local = KVStoreClient(srv.address, timeout=30, local=True)
-    try:
+    with KVStoreClient(srv.address, timeout=30, local=True) as local:
         [loc] = local.lookup(["doc-q"])
         assert plain.delete("doc-q")
         plain.put("doc-r", make_layers(n_layers=3, seed=16))       # the same room
@@ -347,8 +328,6 @@ def test_a_stale_place_is_read_on_by_a_get(start_store, shm_dir, monkeypatch):  
             list(local.get("doc-q", place=loc.place))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and calls == ["doc-q"]
         assert local.fallbacks["moved"] == 1 and local.local_damaged == 0
-    finally:
-        local.close()
 
 
 def test_a_workers_fetch_after_its_lookup_reads_the_arena_without_a_get(start_store, shm_dir):  # noqa: F811
@@ -377,8 +356,7 @@ def test_a_device_read_hands_every_layer_over_at_once_and_verifies_before_use(st
     srv, plain = arena_store(start_store, shm_dir)
     layers = make_layers(n_layers=5, tokens=40, heads=2, dim=16, seed=21)
     plain.put("doc-t", layers)
-    local = KVStoreClient(srv.address, timeout=30, local=True)
-    try:
+    with KVStoreClient(srv.address, timeout=30, local=True) as local:
         calls = _counting_gets(local)
         [loc] = local.lookup(["doc-t"])
         read = local.device_read("doc-t", loc.place, on_device)
@@ -394,8 +372,6 @@ def test_a_device_read_hands_every_layer_over_at_once_and_verifies_before_use(st
             list(read)
         assert local.device_read("doc-t", None, on_device) is None                 # no place: by a Get
         assert local.device_read("doc-t", loc.place, torch.device("meta")) is None  # checks do not run there
-    finally:
-        local.close()
 
 
 def test_a_device_read_of_damaged_bytes_fails_its_verify_and_the_next_read_goes_by_a_get(start_store, shm_dir,  # noqa: F811
@@ -405,8 +381,7 @@ def test_a_device_read_of_damaged_bytes_fails_its_verify_and_the_next_read_goes_
     plain.put("doc-u", layers)
     where = local_place(plain, "doc-u")
     flip_byte(where.path, where.offsets[2] + 5, 8)              # a byte of layer 2
-    local = KVStoreClient(srv.address, timeout=30, local=True)
-    try:
+    with KVStoreClient(srv.address, timeout=30, local=True) as local:
         [loc] = local.lookup(["doc-u"])
         read = local.device_read("doc-u", loc.place, on_device)
         list(read)
@@ -419,8 +394,6 @@ def test_a_device_read_of_damaged_bytes_fails_its_verify_and_the_next_read_goes_
         assert len(got) == 4
         assert_same_layers(got, layers)
         assert tiers_of(plain, "doc-u") == ("rocksdb",)
-    finally:
-        local.close()
 
 
 def test_a_device_read_whose_extent_moved_on_fails_its_verify(start_store, shm_dir, on_device,  # noqa: F811
@@ -428,8 +401,7 @@ def test_a_device_read_whose_extent_moved_on_fails_its_verify(start_store, shm_d
     monkeypatch.setattr(arena_module, "REUSE_GRACE_S", 0.0)
     srv, plain = arena_store(start_store, shm_dir)
     plain.put("doc-v", make_layers(n_layers=3, seed=23))
-    local = KVStoreClient(srv.address, timeout=30, local=True)
-    try:
+    with KVStoreClient(srv.address, timeout=30, local=True) as local:
         [loc] = local.lookup(["doc-v"])
         assert plain.delete("doc-v")
         plain.put("doc-w", make_layers(n_layers=3, seed=24))       # the same room
@@ -438,8 +410,6 @@ def test_a_device_read_whose_extent_moved_on_fails_its_verify(start_store, shm_d
         with pytest.raises(ChunkCorruptError, match="moved on"):
             read.verify()
         assert local.fallbacks["moved"] == 1 and local.local_damaged == 0
-    finally:
-        local.close()
 
 
 def test_a_workers_fetch_onto_a_device_is_one_read_of_every_layer_at_once(start_store, shm_dir,  # noqa: F811
