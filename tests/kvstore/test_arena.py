@@ -3,6 +3,7 @@ store's host view them without a copy and check the extent's generation before t
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import grpc
@@ -313,16 +314,23 @@ def test_a_lookup_here_gives_the_arena_place_and_a_read_from_it_needs_no_get(sta
             assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
+@contextlib.contextmanager
+def _stale_place(start_store, shm_dir, monkeypatch, chunk: str, other: str, seed: int):  # noqa: F811
+    """(a local client, ``chunk``'s looked-up location) after ``chunk`` was deleted and ``other`` put in its room."""
+    monkeypatch.setattr(arena_module, "REUSE_GRACE_S", 0.0)
+    srv, plain = arena_store(start_store, shm_dir)
+    plain.put(chunk, make_layers(n_layers=3, seed=seed))
+    with KVStoreClient(srv.address, timeout=30, local=True) as local:
+        [loc] = local.lookup([chunk])
+        assert plain.delete(chunk)
+        plain.put(other, make_layers(n_layers=3, seed=seed + 1))       # the same room
+        yield local, loc
+
+
 def test_a_stale_place_is_read_on_by_a_get(start_store, shm_dir, monkeypatch):  # noqa: F811
     """The chunk deleted and its room reused between the lookup and the read: nothing of the new content is handed
     on; the read goes on by a Get, which finds the chunk gone."""
-    monkeypatch.setattr(arena_module, "REUSE_GRACE_S", 0.0)
-    srv, plain = arena_store(start_store, shm_dir)
-    plain.put("doc-q", make_layers(n_layers=3, seed=15))
-    with KVStoreClient(srv.address, timeout=30, local=True) as local:
-        [loc] = local.lookup(["doc-q"])
-        assert plain.delete("doc-q")
-        plain.put("doc-r", make_layers(n_layers=3, seed=16))       # the same room
+    with _stale_place(start_store, shm_dir, monkeypatch, "doc-q", "doc-r", seed=15) as (local, loc):
         calls = _counting_gets(local)
         with pytest.raises(grpc.RpcError) as err:
             list(local.get("doc-q", place=loc.place))
@@ -398,13 +406,7 @@ def test_a_device_read_of_damaged_bytes_fails_its_verify_and_the_next_read_goes_
 
 def test_a_device_read_whose_extent_moved_on_fails_its_verify(start_store, shm_dir, on_device,  # noqa: F811
                                                                monkeypatch):
-    monkeypatch.setattr(arena_module, "REUSE_GRACE_S", 0.0)
-    srv, plain = arena_store(start_store, shm_dir)
-    plain.put("doc-v", make_layers(n_layers=3, seed=23))
-    with KVStoreClient(srv.address, timeout=30, local=True) as local:
-        [loc] = local.lookup(["doc-v"])
-        assert plain.delete("doc-v")
-        plain.put("doc-w", make_layers(n_layers=3, seed=24))       # the same room
+    with _stale_place(start_store, shm_dir, monkeypatch, "doc-v", "doc-w", seed=23) as (local, loc):
         read = local.device_read("doc-v", loc.place, on_device)
         list(read)
         with pytest.raises(ChunkCorruptError, match="moved on"):
