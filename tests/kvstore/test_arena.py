@@ -181,8 +181,7 @@ def test_a_read_onto_a_device_is_checked_there(start_store, shm_dir, on_device, 
         got = list(local.get("doc-e", device=on_device))
         assert [i for i, _, _ in got] == list(range(7)) and local.arena_reads == 1
         assert not any(local.in_arena(k) or local.in_arena(v) for _, k, v in got)     # copies, not views
-        for (_, k, v), (k0, v0) in zip(got, layers):
-            assert torch.equal(k, k0) and torch.equal(v, v0)
+        assert_same_layers(got, layers)
         assert [i for i, _, _ in local.get("doc-e", layers=(2, 6), device=on_device)] == [2, 3, 4, 5]
 
 
@@ -210,8 +209,7 @@ def test_a_damaged_layer_landed_on_a_device_is_never_handed_on(start_store, shm_
     flip_byte(where.path, where.offsets[3] + 10, 1)         # a byte of layer 3
     with KVStoreClient(srv.address, timeout=30, local=True) as local:
         got = list(local.get("doc-f", device=on_device))   # layers 3 and 4 by the stream, from RocksDB's copy
-        for (i, k, v), (k0, v0) in zip(got, layers):
-            assert torch.equal(k, k0) and torch.equal(v, v0), i
+        assert_same_layers(got, layers)
         assert len(got) == 5 and local.local_damaged == 1 and tiers_of(plain, "doc-f") == ("rocksdb",)
 
 
@@ -310,8 +308,7 @@ def test_a_lookup_here_gives_the_arena_place_and_a_read_from_it_needs_no_get(sta
         calls = _counting_gets(local)
         got = list(local.get("doc-p", place=loc.place))
         assert calls == [] and local.reads["arena"] == 1
-        for (_, k, v), (k0, v0) in zip(got, layers):
-            assert torch.equal(k, k0) and torch.equal(v, v0)
+        assert_same_layers(got, layers)
 
 
 @contextlib.contextmanager
