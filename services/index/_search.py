@@ -100,6 +100,7 @@ def beam_search_one(keys, offsets, targets, entries, query, beam, visited, touch
     sorted by descending score. ``scanned`` counts the inner products computed (each key at most once:
     ``visited``, which the caller resets from ``touched[:n_touched]``); the entries count."""
     size, queued, n_touched = 0, 0, 0
+    fresh = np.empty(64, np.float32)          # one expansion's scores (grown for a node of more neighbours)
     for i in range(entries.shape[0]):
         size, queued, n_touched = _visit(entries[i], keys, query, beam, visited, touched, n_touched, ids, scores, size,
                                          queue, queue_neg, queued)
@@ -110,9 +111,21 @@ def beam_search_one(keys, offsets, targets, entries, query, beam, visited, touch
         _sift_down(queue, queue_neg, queued, 0)
         if size == beam and node_score < scores[0]:
             break                     # every key left in the queue is worse than the whole beam
+        # the node's unvisited neighbours first, then their scores in one tight loop (independent key reads the
+        # core overlaps), then the offers: a key's read no longer waits behind the heap work of the one before
+        first = n_touched
+        if offsets[node + 1] - offsets[node] > fresh.shape[0]:
+            fresh = np.empty(offsets[node + 1] - offsets[node], np.float32)
         for e in range(offsets[node], offsets[node + 1]):
-            size, queued, n_touched = _visit(targets[e], keys, query, beam, visited, touched, n_touched, ids, scores,
-                                             size, queue, queue_neg, queued)
+            nb = targets[e]
+            if not visited[nb]:
+                visited[nb] = 1
+                touched[n_touched] = nb
+                n_touched += 1
+        for j in range(first, n_touched):
+            fresh[j - first] = dot(keys[touched[j]], query)
+        for j in range(first, n_touched):
+            size, queued = _offer(touched[j], fresh[j - first], beam, ids, scores, size, queue, queue_neg, queued)
     order = np.argsort(-scores[:size])
     ids[:size], scores[:size] = ids[:size][order], scores[:size][order]
     return size, n_touched, n_touched      # every key touched was scored once

@@ -180,19 +180,28 @@ class IndexSet:
         out = np.zeros((b, hq, d), np.float32)
         lse = np.full((b, hq), -np.inf, np.float32)
         scanned = np.zeros(b, np.int64)
-        jobs = []
+        searched = []
         for i, heads in enumerate(rows):
             hkv = len(heads)
             if hq % hkv:
                 raise ValueError(f"{hq} query heads do not share {hkv} KV heads evenly")
-            g = hq // hkv
             for h, head in enumerate(heads):
                 if head is None:
                     continue
                 if head.keys.shape[1] != d:
                     raise ValueError(f"queries have head_dim {d}, the keys of {owners[i]!r} have {head.keys.shape[1]}")
-                rows_q = slice(h * g, (h + 1) * g)
-                jobs.append((i, rows_q, self._pool.submit(partial_attention, head, queries[i, rows_q], k, scale, beam)))
+                searched.append((i, h, hkv, head))
+        # a (row, KV head)'s query heads are cut into pieces searched apart when there are fewer pairs than threads
+        # (a batch of one has 8 pairs of an 8B-shaped model's 32 query heads for 16 cores): every thread has work
+        pieces = min(hq, max(1, -(-self.threads // max(1, len(searched)))))
+        jobs = []
+        for i, h, hkv, head in searched:
+            g = hq // hkv
+            size = -(-g // min(g, pieces))
+            for lo in range(h * g, (h + 1) * g, size):
+                rows_q = slice(lo, min(lo + size, (h + 1) * g))
+                jobs.append((i, rows_q, self._pool.submit(partial_attention, head, queries[i, rows_q], k, scale,
+                                                          beam)))
         for i, rows_q, job in jobs:
             o, s, n = job.result()
             out[i, rows_q], lse[i, rows_q] = o, s

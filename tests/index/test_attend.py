@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from services.index import AttentionIndex
+from services.index.heads import IndexSet
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +55,25 @@ def test_attend_refuses_bad_values(index):
         idx.attend(q, values, 50, 0.1, beam=10)
     with pytest.raises(ValueError, match="queries"):
         idx.attend(np.zeros((1, 23), np.float32), values, 5, 0.1)
+
+
+def test_an_index_set_splitting_query_heads_over_threads_answers_what_one_thread_does():
+    """With fewer (row, KV head) pairs than threads, IndexSet searches a KV head's query heads in pieces on several
+    threads (heads.IndexSet.attend); every query's answer is its own search, so the pieces change nothing."""
+    rng = np.random.default_rng(5)
+    hkv, n, d, hq = 2, 900, 16, 8
+    keys = rng.standard_normal((hkv, n, d)).astype(np.float32)
+    values = rng.standard_normal((hkv, n, d)).astype(np.float32)
+    train = (rng.standard_normal((hkv, 300, d)) + 0.4).astype(np.float32)
+    q = rng.standard_normal((1, hq, d)).astype(np.float32)
+    one, many = IndexSet(threads=1), IndexSet(threads=7)     # 2 pairs, 7 threads: 4 query heads a KV head, one a piece
+    try:
+        for ix in (one, many):
+            ix.add("seq", 0, keys, values, train)
+        want, got = one.attend(0, ["seq"], q, 20, 0.3), many.attend(0, ["seq"], q, 20, 0.3)
+        np.testing.assert_array_equal(got.out, want.out)
+        np.testing.assert_array_equal(got.lse, want.lse)
+        assert got.scanned.tolist() == want.scanned.tolist() and want.scanned[0] > 0
+    finally:
+        one.close()
+        many.close()
