@@ -43,13 +43,18 @@ from bench.decode.sparse import CHUNK, commit_of, random_engine  # noqa: E402
 from services.engine.decode import QueryTap, RetrievalDecode  # noqa: E402
 
 
-def one_sequence(eng, context: int, seed: int, decode):
+def one_sequence(eng, context: int, seed: int, decode, distinct: int = 0):
     """A sequence of ``context`` chunk tokens (random KV inserted per chunk) and a 64-token suffix, prefilled with
-    its queries tapped and started under ``decode``: (sequence, first token, seconds its start took)."""
+    its queries tapped and started under ``decode``: (sequence, first token, seconds its start took). ``distinct``
+    (> 0): the context's chunks cycle through that many distinct ones, each placed at several offsets (its keys
+    rotated apart by each), so that a long context's chunk indexes build in the time of a few."""
     g = torch.Generator().manual_seed(seed)
     cfg = eng.cfg
     chunks = []
-    for _ in range((context - 128) // CHUNK):
+    for i in range((context - 128) // CHUNK):
+        if distinct and i >= distinct:
+            chunks.append(chunks[i % distinct])
+            continue
         tokens = torch.randint(0, 128000, (CHUNK,), generator=g).tolist()
         kv = [(torch.randn(CHUNK, cfg.num_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16),
                torch.randn(CHUNK, cfg.num_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16))
@@ -85,11 +90,11 @@ def time_steps(eng, seq, tok: int, steps: int) -> tuple[list[float], float]:
     return samples, (seq.decode_stats.retrieval_seconds - cpu0) / steps
 
 
-def timed_start(eng, context: int, policy, chunk_indexes: bool):
+def timed_start(eng, context: int, policy, chunk_indexes: bool, distinct: int):
     """A retrieval sequence over the context's chunks (the same chunks for the same context), its indexes built:
     (sequence, first token, start seconds, build seconds after the start)."""
     eng.forward.options = dataclasses.replace(eng.forward.options, chunk_indexes=chunk_indexes)
-    seq, tok, start_s = one_sequence(eng, context, context, policy)
+    seq, tok, start_s = one_sequence(eng, context, context, policy, distinct)
     t0 = time.perf_counter()
     seq.offload.build.result()          # the indexes' build, behind the start on its own thread
     return seq, tok, start_s, time.perf_counter() - t0
@@ -107,6 +112,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--kv-gib", type=float, default=40.0)
+    ap.add_argument("--distinct", type=int, default=0,
+                    help="distinct chunks a context cycles through (0: every chunk its own): one_sequence")
     args = ap.parse_args()
     eng, cfg, weight_bytes = random_engine(args.layers, args.kv_gib)
     floor_per_byte = hbm_floor_seconds(1 << 30) / (1 << 30)
@@ -119,6 +126,7 @@ def main() -> int:
     results = {"device": torch.cuda.get_device_name(), "cpu_cores": os.cpu_count(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "commit": commit, "layers": args.layers, "k": args.k,
                "sink_tokens": args.sink, "window_tokens": args.window, "weight_bytes": weight_bytes,
+               "distinct_chunks": args.distinct or None, "index_threads": os.cpu_count() or 4,
                "copy_bandwidth_gb_s": 1e-9 / floor_per_byte, "rows": []}
     print(f"{results['device']}, {results['cpu_cores']} CPU cores: copy bandwidth {1e-9 / floor_per_byte:.0f} GB/s",
           flush=True)
@@ -129,7 +137,7 @@ def main() -> int:
         print(f"context {context}", flush=True)
         seq = None
         try:
-            seq, tok, _ = one_sequence(eng, context, context, eng.decode_policy("dense"))
+            seq, tok, _ = one_sequence(eng, context, context, eng.decode_policy("dense"), args.distinct)
             dense, _ = time_steps(eng, seq, tok, args.steps)
             floor = weight_bytes + sum(t.num_entries for t in seq.layer_tables) // cfg.num_layers * page_bytes
             eng.release(seq)
@@ -140,7 +148,7 @@ def main() -> int:
             # reused by a second sequence over the same chunks (warm)
             variants = (["per_request"] if context in per_request else []) + ["chunks_cold", "chunks_warm"]
             for name in variants:
-                seq, tok, start_s, build_s = timed_start(eng, context, policy, name != "per_request")
+                seq, tok, start_s, build_s = timed_start(eng, context, policy, name != "per_request", args.distinct)
                 samples, cpu = time_steps(eng, seq, tok, args.steps)
                 st = seq.decode_stats
                 row[name] = {"ms": statistics.median(samples) * 1e3,

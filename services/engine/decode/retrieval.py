@@ -257,11 +257,16 @@ def _chunk_runs(seq, table, gpos: np.ndarray) -> tuple[np.ndarray, list[tuple[st
     by_pos = np.argsort(gpos, kind="stable")
     pos = gpos[by_pos]
     block_ids, offsets = table.block_ids.cpu().numpy(), table.offsets.cpu().numpy()
-    found = []
+    found, starts = [], set()
     for entry in seq.pinned:
         if entry.kind != "chunk" or entry.key not in seq.chunk_tokens:
             continue
+        # a chunk placed twice shows its one set of blocks at both starts (and may be pinned once a placement): a run
+        # a start
         for start in np.unique(offsets[np.isin(block_ids, entry.blocks)]).tolist():
+            if start in starts:
+                continue
+            starts.add(start)
             lo, hi = np.searchsorted(pos, [start, start + entry.length])
             if hi - lo == entry.length:        # unique positions: the run is the whole chunk
                 found.append((start, entry.key, by_pos[lo:hi]))

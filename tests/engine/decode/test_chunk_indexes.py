@@ -56,6 +56,17 @@ def test_wholly_offloaded_chunks_are_searched_through_their_own_graphs_built_onc
         eng.release(seq)
 
 
+def test_a_chunk_placed_twice_in_one_request_is_searched_through_one_index_at_both_offsets(tiny_dir):
+    eng = Engine.load(tiny_dir)
+    (a, b), _ = random_request(63, lengths=(48, 32), suffix_len=1)
+    chunks, suffix = request(64, [a, b, a])
+    dense = eng.generate(chunks, suffix, max_new_tokens=6, stop_token_ids=[], recompute_ratio=0.0)
+    got = eng.generate(chunks, suffix, max_new_tokens=6, stop_token_ids=[], recompute_ratio=0.0,
+                       decode="retrieval", retrieval_k=4096, **SMALL)
+    assert got == dense
+    assert built(eng) == {eng.chunk_id(a), eng.chunk_id(b)}
+
+
 def test_recomputed_tokens_are_searched_with_their_own_keys_and_every_key_retrieved_is_dense(tiny_dir):
     """CacheBlend recomputes some of a chunk's tokens: the chunk's graph is composed over the request's keys, the
     recomputed ones included, so retrieving every key is still exactly dense decoding (logits within fp32)."""
