@@ -112,6 +112,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--kv-gib", type=float, default=40.0)
+    ap.add_argument("--variants", default="chunks_cold,chunks_warm",
+                    help="of chunks_cold (the chunks' indexes built first), chunks_warm (a second sequence reusing them)")
     ap.add_argument("--distinct", type=int, default=0,
                     help="distinct chunks a context cycles through (0: every chunk its own): one_sequence")
     args = ap.parse_args()
@@ -120,13 +122,13 @@ def main() -> int:
     commit = commit_of()
     from services.index.heads import IndexSet
 
-    eng.forward.indexes = IndexSet(threads=os.cpu_count() or 4)
-    eng.forward.options = dataclasses.replace(eng.forward.options, index_threads=os.cpu_count() or 4)
+    eng.forward.indexes = IndexSet(threads=len(os.sched_getaffinity(0)))
+    eng.forward.options = dataclasses.replace(eng.forward.options, index_threads=len(os.sched_getaffinity(0)))
     per_request = {int(c) for c in args.per_request.split(",") if c}
     results = {"device": torch.cuda.get_device_name(), "cpu_cores": os.cpu_count(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "commit": commit, "layers": args.layers, "k": args.k,
                "sink_tokens": args.sink, "window_tokens": args.window, "weight_bytes": weight_bytes,
-               "distinct_chunks": args.distinct or None, "index_threads": os.cpu_count() or 4,
+               "distinct_chunks": args.distinct or None, "index_threads": len(os.sched_getaffinity(0)),
                "copy_bandwidth_gb_s": 1e-9 / floor_per_byte, "rows": []}
     print(f"{results['device']}, {results['cpu_cores']} CPU cores: copy bandwidth {1e-9 / floor_per_byte:.0f} GB/s",
           flush=True)
@@ -146,7 +148,8 @@ def main() -> int:
             print(f"  dense {row['dense_ms']:.2f} ms (floor {row['dense_floor_ms']:.2f})", flush=True)
             # per-request: one index over every offloaded key; then the chunks' own indexes, built (cold), and
             # reused by a second sequence over the same chunks (warm)
-            variants = (["per_request"] if context in per_request else []) + ["chunks_cold", "chunks_warm"]
+            variants = (["per_request"] if context in per_request else []) + [v for v in ("chunks_cold", "chunks_warm")
+                                                                            if v in args.variants.split(",")]
             for name in variants:
                 seq, tok, start_s, build_s = timed_start(eng, context, policy, name != "per_request", args.distinct)
                 samples, cpu = time_steps(eng, seq, tok, args.steps)
