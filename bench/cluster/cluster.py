@@ -206,6 +206,8 @@ def main() -> int:
                          "lacks computed: the store path off, for an A/B)")
     ap.add_argument("--decode", type=int, default=1, help="decode workers (they and the prefill workers take the "
                                                           "visible GPUs round-robin: CUDA_VISIBLE_DEVICES picks them)")
+    ap.add_argument("--ipc-slab-mb", type=int, default=1024,
+                    help="each prefill worker's CUDA IPC slab (PrefillSettings.ipc_slab_bytes); 0: a buffer a hand-off")
     ap.add_argument("--store-shm", choices=("on", "off"), default="on",
                     help="the store shards' DRAM tier in /dev/shm, read by workers on its host (on), or streamed (off)")
     from services.modes import ROUTINGS
@@ -258,7 +260,8 @@ def main() -> int:
                         prefill=args.prefill, decode=args.decode, routing=args.routing, stores=args.stores,
                         store_shm=args.store_shm == "on",
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_bytes),
-                                                         store_loads=args.store_loads, **warm),
+                                                         store_loads=args.store_loads,
+                                                         ipc_slab_bytes=args.ipc_slab_mb << 20, **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_bytes),
                                                        min_step_interval_s=args.decode_step_interval_ms / 1e3,
                                                        warmup_sparse=args.warmup_sparse, **warm))

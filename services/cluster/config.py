@@ -99,10 +99,15 @@ class PrefillSettings:
     # with "nixl": the memory the worker offers hand-offs from, registered with NIXL once, on its device (a GPU
     # worker's is GPU memory); a hand-off larger than its free room registers memory of its own. 0: no slab
     nixl_slab_bytes: int = 512 << 20
+    # the GPU memory the worker shares CUDA IPC hand-offs from, shared once with the decode workers of its host, which
+    # keep it open (services/handoff/cuda_ipc.py); a hand-off larger than its free room shares a buffer of its own.
+    # 0: every hand-off shares its own buffer, which each decode worker opens and closes
+    ipc_slab_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         check_float("quality_floor", self.quality_floor, 0, 1)
         check_int("nixl_slab_bytes", self.nixl_slab_bytes, 0)
+        check_int("ipc_slab_bytes", self.ipc_slab_bytes, 0)
         check_str("handoff_transport", self.handoff_transport, choices=("auto", "nixl", "grpc"))
         check_float("default_ratio", self.default_ratio, 0, 1, optional=True)
         check_str("store_loads", self.store_loads, choices=("cost", "always", "never"))

@@ -19,16 +19,29 @@ the prefill worker's ``device_uuid`` among the decode worker's ``ipc_gpus``.
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections import OrderedDict
 from functools import lru_cache
 
 import torch
 
 from services.cluster.staging import side_stream
+from services.handoff.slab import Slab
 from services.hostid import host_id
 from services.rpc import tessera_pb2 as pb
 
 __all__ = ["host_id", "device_uuid", "visible_uuids", "placement", "same_gpu", "ipc_reaches", "gpu_order",
-           "local_index", "share", "copy_out"]
+           "local_index", "share", "copy_out", "IpcSlab", "process_ipc_slab", "share_from_slab"]
+
+log = logging.getLogger(__name__)
+
+# NOTE: opening a buffer (torch's rebuild_cuda_tensor: cudaIpcOpenMemHandle, the export's event, its ref counter)
+# holds the interpreter lock: a profile of four decode workers on four H100s found them holding it 12-30% of the
+# replay there, beside an engine thread holding it 5-9% (bench/cluster/README.md). A prefill worker therefore shares
+# one slab once and sends pieces of it; a decode worker opens each sender's slab once and keeps it open.
+IPC_SLAB_BYTES = 1 << 30        # default size of a GPU prefill worker's CUDA IPC slab (its settings' ipc_slab_bytes)
+KEPT_SLABS = 8                  # senders' slabs a receiving process keeps open (least recently used closed first)
 
 
 def device_uuid(device: torch.device) -> str:
@@ -120,13 +133,109 @@ def copy_out(msg: pb.CudaIpcBuffer, device: torch.device | None = None) -> torch
     with torch.cuda.stream(side):
         # opening it queues a wait for the sender's event on the sender GPU's current stream in this process; a
         # copy between GPUs runs on the source's current stream, then the destination's (``side``) waits for it
-        shared = rebuild_cuda_tensor(torch.Tensor, (msg.numel,), (1,), msg.tensor_offset, torch.UntypedStorage,
-                                     dtype, src, msg.storage_handle, msg.storage_size_bytes,
-                                     msg.storage_offset_bytes, False, msg.ref_counter_handle, msg.ref_counter_offset,
-                                     msg.event_handle or None, msg.event_sync_required)
+        if msg.slab:
+            shared = _slab_piece(msg, src, dtype)
+        else:
+            shared = rebuild_cuda_tensor(torch.Tensor, (msg.numel,), (1,), msg.tensor_offset, torch.UntypedStorage,
+                                         dtype, src, msg.storage_handle, msg.storage_size_bytes,
+                                         msg.storage_offset_bytes, False, msg.ref_counter_handle,
+                                         msg.ref_counter_offset, msg.event_handle or None, msg.event_sync_required)
         own = shared.clone() if dst.index == src else torch.empty_like(shared, device=dst).copy_(shared)
     side.synchronize()                  # copied before the sender may free it
     own.record_stream(consumer)         # its memory is not reused while the consumer's kernels may read it
     del shared
     return own
 
+
+
+class IpcSlab(Slab):
+    """A GPU's memory shared over CUDA IPC once (``message``: every field but the piece's), lent in pieces: a hand-off's
+    K/V are copied into a piece and the piece is named to the receiver (``share_from_slab``), which keeps the slab open
+    (``copy_out``). Whoever reads a piece may read the slab's other pieces too: they hold other hand-offs' K/V of
+    this worker, for peers of this host that could open its per-hand-off buffers as well."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"a CUDA IPC slab is GPU memory, not {device}")
+        super().__init__(nbytes, device)
+        self.message = share(self.data)
+
+
+_ipc_slabs: dict[str, IpcSlab] = {}
+_no_ipc_slab: dict[str, str] = {}
+_ipc_lock = threading.Lock()
+
+
+def process_ipc_slab(device: torch.device, nbytes: int | None = None) -> IpcSlab | None:
+    """This process's CUDA IPC slab on ``device``, made at first use with ``nbytes`` (default ``IPC_SLAB_BYTES``;
+    later calls get that one whatever they ask); None when ``nbytes`` is 0 or (said once in the log) where none can
+    be made: hand-offs there share buffers of their own."""
+    if nbytes == 0:
+        return None
+    device = torch.device(device)
+    key = str(torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device()))
+    with _ipc_lock:
+        if key in _ipc_slabs or key in _no_ipc_slab:
+            return _ipc_slabs.get(key)
+        try:
+            _ipc_slabs[key] = IpcSlab(IPC_SLAB_BYTES if nbytes is None else nbytes, torch.device(key))
+        except Exception as exc:    # noqa: BLE001 - no room on the GPU, or no IPC there: buffers of their own
+            _no_ipc_slab[key] = str(exc)
+            log.warning("no CUDA IPC slab on %s (%s): hand-offs there share buffers of their own", key, exc)
+            return None
+        return _ipc_slabs[key]
+
+
+def share_from_slab(buf: torch.Tensor, slab: IpcSlab | None) -> tuple[torch.Tensor | None, pb.CudaIpcBuffer]:
+    """Share contiguous CUDA ``buf`` for a peer to copy: from a piece of ``slab`` (the bytes copied in and the copy
+    waited for, so the peer reads them without an event), or, with no slab or no room in it, ``buf`` itself
+    (``share``). Returns (the piece: give it back to the slab once the peer has copied it; None when ``buf`` was
+    shared, which the caller then keeps alive until then, the message)."""
+    raw = buf.reshape(-1).view(torch.uint8)
+    piece = None if slab is None or not raw.numel() else slab.take(raw.numel())
+    if piece is None:
+        return None, share(buf)
+    try:
+        piece.copy_(raw)
+        torch.cuda.current_stream(piece.device).synchronize()
+        base = slab.data.untyped_storage().data_ptr()
+        msg = pb.CudaIpcBuffer()
+        msg.CopyFrom(slab.message)
+        msg.dtype, msg.numel = str(buf.dtype).removeprefix("torch."), buf.numel()
+        msg.tensor_offset = (piece.data_ptr() - base) // buf.element_size()
+        msg.slab = True
+        return piece, msg
+    except BaseException:
+        slab.give(piece)
+        raise
+
+
+_kept: OrderedDict[tuple[bytes, int], torch.UntypedStorage] = OrderedDict()
+_kept_lock = threading.Lock()
+
+
+def _slab_piece(msg: pb.CudaIpcBuffer, src: int, dtype: torch.dtype) -> torch.Tensor:
+    """The piece of a sender's slab that ``msg`` names, on GPU ``src``: the slab opened at its first piece and kept
+    open (``KEPT_SLABS`` of them), so that later pieces open nothing. ValueError when the piece is not inside it."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    key = (msg.storage_handle, msg.storage_offset_bytes)
+    with _kept_lock:
+        storage = _kept.get(key)
+        if storage is not None:
+            _kept.move_to_end(key)
+    if storage is None:
+        whole = rebuild_cuda_tensor(torch.Tensor, (msg.storage_size_bytes,), (1,), 0, torch.UntypedStorage,
+                                    torch.uint8, src, msg.storage_handle, msg.storage_size_bytes,
+                                    msg.storage_offset_bytes, False, msg.ref_counter_handle, msg.ref_counter_offset,
+                                    msg.event_handle or None, msg.event_sync_required)
+        storage = whole.untyped_storage()
+        with _kept_lock:
+            storage = _kept.setdefault(key, storage)
+            while len(_kept) > KEPT_SLABS:
+                _kept.popitem(last=False)
+    size = torch.empty(0, dtype=dtype).element_size()
+    if (msg.tensor_offset + msg.numel) * size > storage.nbytes():
+        raise ValueError(f"a slab piece of {msg.numel} x {msg.dtype} at element {msg.tensor_offset} runs past its "
+                         f"slab of {storage.nbytes()} bytes")
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, msg.tensor_offset, (msg.numel,), (1,))

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.handoff.slab import Slab as _Slab
 from services.kvstore.chunk import checksum
 
 log = logging.getLogger(__name__)
@@ -267,58 +268,18 @@ class NixlEndpoint:
 
 SLAB_BYTES = 512 << 20     # default size of a worker's NIXL hand-off memory, registered once (its settings'
 #                            nixl_slab_bytes; a hand-off larger than the free room registers memory of its own)
-SLAB_ALIGN = 4096
 
 
-class Slab:
-    """Memory registered with an endpoint once and lent out in pieces: a hand-off's K/V are offered from a piece,
-    or read into one, instead of from or into memory registered for that hand-off alone (registering costs a
-    pinning of the pages, and on a GPU an export of them, per call). Pieces are first fit in ``SLAB_ALIGN``
-    bytes (``arena.FreeList``); ``take`` gives None when no piece that large is free, and the caller registers
-    memory of its own for that transfer, as it would without a slab. Thread safe."""
+class Slab(_Slab):
+    """Memory registered with an endpoint once and lent out in pieces (``slab.Slab``): a hand-off's K/V are offered
+    from a piece, or read into one, instead of from or into memory registered for that hand-off alone (registering
+    costs a pinning of the pages, and on a GPU an export of them, per call); where ``take`` gives None, the caller
+    registers memory of its own for that transfer, as it would without a slab."""
 
     def __init__(self, endpoint: NixlEndpoint, nbytes: int, device: torch.device | str = "cpu") -> None:
-        from services.kvstore.arena import FreeList
-
-        device = torch.device(device)
-        pin = device.type == "cpu" and torch.cuda.is_available()
-        self.data = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        super().__init__(nbytes, device)
         endpoint.register([self.data])
-        self.endpoint, self.device = endpoint, device
-        self._free = FreeList(nbytes)
-        self._lock = threading.Lock()
-        self.taken = 0          # pieces lent now
-
-    def take(self, nbytes: int) -> torch.Tensor | None:
-        """A uint8 piece of ``nbytes`` (> 0), or None when the slab has no such room now."""
-        if nbytes <= 0:
-            raise ValueError(f"a piece holds at least one byte, not {nbytes}")
-        length = -(-nbytes // SLAB_ALIGN) * SLAB_ALIGN
-        with self._lock:
-            offset = self._free.take(length)
-            if offset is None:
-                return None
-            self.taken += 1
-        return self.data[offset:offset + nbytes]
-
-    def give(self, piece: torch.Tensor) -> None:
-        """A piece ``take`` lent, back (its bytes may be overwritten by the next taker at once)."""
-        offset = piece.data_ptr() - self.data.data_ptr()
-        if not (piece.dtype == torch.uint8 and self.holds(piece) and offset % SLAB_ALIGN == 0):
-            raise ValueError("that tensor is not a piece of this slab")
-        with self._lock:
-            self._free.give(offset, -(-piece.numel() // SLAB_ALIGN) * SLAB_ALIGN)
-            self.taken -= 1
-
-    def holds(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is a view of this slab's memory."""
-        start = self.data.data_ptr()
-        return t.device == self.data.device and start <= t.data_ptr() < start + self.data.numel()
-
-    @property
-    def free_bytes(self) -> int:
-        with self._lock:
-            return self._free.free_bytes
+        self.endpoint = endpoint
 
 
 _slabs: dict[str, Slab] = {}

@@ -48,6 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--nixl-slab-mb", type=int, default=512,
                     help="with --handoff-transport nixl: each worker's hand-off memory registered with NIXL once, "
                          "on its device, in MiB (default 512; 0: every hand-off registers its own)")
+    up.add_argument("--ipc-slab-mb", type=int, default=1024,
+                    help="each GPU prefill worker's memory its CUDA IPC hand-offs to the same host's decode workers "
+                         "go through, shared once, in MiB (default 1024; 0: every hand-off shares a buffer of its own)")
     up.add_argument("--store-loads", choices=("cost", "always", "never"), default="cost",
                     help="whether prefill workers load a chunk the store holds: cost (when the loading controller "
                          "measured that cheaper than computing it; the default), always, or never (every chunk the "
@@ -175,7 +178,8 @@ def _up(args: argparse.Namespace) -> int:
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                          handoff_transport=args.handoff_transport,
                                                          store_loads=args.store_loads,
-                                                         nixl_slab_bytes=args.nixl_slab_mb << 20, **warm),
+                                                         nixl_slab_bytes=args.nixl_slab_mb << 20,
+                                                         ipc_slab_bytes=args.ipc_slab_mb << 20, **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                        nixl_slab_bytes=args.nixl_slab_mb << 20,
                                                        min_step_interval_s=args.decode_step_interval_ms / 1e3,

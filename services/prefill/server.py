@@ -21,7 +21,7 @@ import grpc
 
 from services.cluster.config import EngineSettings, PrefillSettings
 from services.cluster.kvio import StoreAccess, StoreReadMetrics
-from services.handoff.cuda_ipc import ipc_reaches, placement, same_gpu, share
+from services.handoff.cuda_ipc import ipc_reaches, placement, process_ipc_slab, same_gpu, share_from_slab
 from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import read_decode_policy, read_sampling
 from services.cluster.staging import side_stream
@@ -46,9 +46,11 @@ STREAM_ONLY_S = 60.0
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker, name: str, metrics_url: str,
                  on_fatal: Callable[[BaseException], None] | None = None, cluster_tls=None,
-                 handoff_transport: str = "auto", nixl_slab_bytes: int | None = None) -> None:
+                 handoff_transport: str = "auto", nixl_slab_bytes: int | None = None,
+                 ipc_slab_bytes: int | None = None) -> None:
         self.worker = worker
         self.nixl_slab_bytes = nixl_slab_bytes     # PrefillSettings.nixl_slab_bytes (None: nixl.SLAB_BYTES)
+        self.ipc_slab_bytes = ipc_slab_bytes       # PrefillSettings.ipc_slab_bytes (None: cuda_ipc.IPC_SLAB_BYTES)
         self.cluster_tls = cluster_tls      # ClusterTLS: decode workers are dialled over mutual TLS
         self.name = name
         self.metrics_url = metrics_url
@@ -168,10 +170,13 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         used = "grpc"
         zero_copy = time.monotonic() >= self._stream_only.get(address, 0.0)
         ipc = await self._ipc_to(address) if zero_copy and self.transport.name in ("cuda-ipc", "nixl") else ""
+        piece = None            # a piece of this worker's CUDA IPC slab: given back once the push is over
         if ipc:
             kv = await loop.run_in_executor(self.io_threads, out.handoff.kv_buffer)
-            header.kv.CopyFrom(await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
-                                                          lambda: share(kv)))
+            slab = process_ipc_slab(kv.device, self.ipc_slab_bytes)
+            piece, msg = await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
+                                                    lambda: share_from_slab(kv, slab))
+            header.kv.CopyFrom(msg)
             used = "cuda-ipc" if ipc == "same" else "cuda-ipc-peer"
         elif zero_copy and self.transport.name == "nixl" and out.handoff.layers:
             kv = await loop.run_in_executor(self.io_threads, self._after_export, out.handoff,
@@ -215,6 +220,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         finally:
             if nixl_offered is not None:     # read and acknowledged (or failed): the memory goes back
                 await loop.run_in_executor(self.io_threads, self._nixl_release, nixl_offered)
+            if piece is not None:            # copied out and acknowledged (or failed): the piece goes back
+                slab.give(piece)
         moved = len(payload) + (kv.numel() * kv.element_size() if kv is not None and used != "grpc" else 0)
         self.worker.metrics.handoff_bytes.inc(moved)
         return moved, used
@@ -342,7 +349,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     fatal = StoppedForGood((SERVICE_NAME,), on_fatal)
     servicer = PrefillServicer(worker, name, f"http://{advertised_host(host)}:{http_port}/metrics", on_fatal=fatal,
                                cluster_tls=cluster_tls, handoff_transport=settings.handoff_transport,
-                               nixl_slab_bytes=settings.nixl_slab_bytes)
+                               nixl_slab_bytes=settings.nixl_slab_bytes, ipc_slab_bytes=settings.ipc_slab_bytes)
     server = make_server(f"prefill worker {name}", cluster_tls)
     pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     health = await add_health(server, (SERVICE_NAME,))

@@ -372,7 +372,7 @@ class NixlBuffer(_message.Message):
     def __init__(self, offer: _Optional[bytes] = ..., dtype: _Optional[str] = ..., numel: _Optional[int] = ...) -> None: ...
 
 class CudaIpcBuffer(_message.Message):
-    __slots__ = ("dtype", "numel", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index", "tensor_offset", "device_uuid")
+    __slots__ = ("dtype", "numel", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index", "tensor_offset", "device_uuid", "slab")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     STORAGE_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +385,7 @@ class CudaIpcBuffer(_message.Message):
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    SLAB_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     numel: int
     storage_handle: bytes
@@ -397,7 +398,8 @@ class CudaIpcBuffer(_message.Message):
     device_index: int
     tensor_offset: int
     device_uuid: str
-    def __init__(self, dtype: _Optional[str] = ..., numel: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ..., tensor_offset: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    slab: bool
+    def __init__(self, dtype: _Optional[str] = ..., numel: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ..., tensor_offset: _Optional[int] = ..., device_uuid: _Optional[str] = ..., slab: _Optional[bool] = ...) -> None: ...
 
 class HandoffPart(_message.Message):
     __slots__ = ("header", "data")

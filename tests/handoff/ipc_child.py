@@ -43,7 +43,40 @@ def round_trip(n: int = 3 * 1024 * 1024 + 7, offset: int = 5, peer: bool = False
     return p.exitcode == 0 and got == buf.cpu().view(torch.int16).numpy().tobytes()
 
 
+def receive_pieces(wires: list[bytes], out) -> None:
+    """Child process: copy out every piece named (one sender's slab, opened at the first), send host copies back, and
+    how many slabs this process keeps open."""
+    from services.handoff import cuda_ipc
+    from services.rpc import tessera_pb2 as pb
+
+    got = [cuda_ipc.copy_out(pb.CudaIpcBuffer.FromString(w)).cpu() for w in wires]
+    out.put(([g.view(torch.int16).numpy().tobytes() for g in got], len(cuda_ipc._kept)))
+
+
+def slab_round_trip(sizes=(3 * 1024 * 1024 + 7, 1000, 65536)) -> bool:
+    """Share bf16 buffers of ``sizes`` through one slab (``share_from_slab``: each copied into a piece, the pieces
+    lent at once) with a spawned process that copies each out; True when each arrived whole, every message named the
+    slab, and the child kept one slab open. The pieces then go back, and the slab lends them again."""
+    from services.handoff.cuda_ipc import IpcSlab, share_from_slab
+
+    slab = IpcSlab(64 << 20, torch.device("cuda:0"))
+    bufs = [torch.randn(n, device="cuda:0", dtype=torch.bfloat16) for n in sizes]
+    shared = [share_from_slab(b, slab) for b in bufs]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=receive_pieces, args=([m.SerializeToString() for _, m in shared], q))
+    p.start()
+    got, kept = q.get(timeout=120)
+    p.join(60)
+    ok = (p.exitcode == 0 and kept == 1 and all(m.slab and piece is not None for piece, m in shared)
+          and all(g == b.cpu().view(torch.int16).numpy().tobytes() for g, b in zip(got, bufs)))
+    for piece, _ in shared:
+        slab.give(piece)
+    return ok and slab.taken == 0 and slab.take(64 << 20) is not None
+
+
 if __name__ == "__main__":
+    print("cuda ipc slab round trip:", "ok" if slab_round_trip() else "MISMATCH")
     print("cuda ipc round trip:", "ok" if round_trip() else "MISMATCH")
     if torch.cuda.device_count() > 1:
         print("cuda ipc round trip, GPU to GPU:", "ok" if round_trip(peer=True) else "MISMATCH")

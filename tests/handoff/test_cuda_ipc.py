@@ -22,3 +22,9 @@ def test_a_buffer_copied_to_a_process_of_another_gpu_arrives_whole():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     assert round_trip(peer=True)
+
+
+def test_pieces_of_one_slab_arrive_whole_and_the_receiver_opens_the_slab_once():
+    from .ipc_child import slab_round_trip
+
+    assert slab_round_trip()

@@ -64,6 +64,7 @@ class Decode:
 def servicer(decode: Decode, offered: list, released: list):
     s = prefill_server.PrefillServicer.__new__(prefill_server.PrefillServicer)
     s.name, s.transport = "prefill-test", TransportChoice("nixl", "nixl (test)")
+    s.ipc_slab_bytes = None
     s._stream_only, s._ipc = {}, {}
     s.io_threads = ThreadPoolExecutor(1)
     s.worker = SimpleNamespace(metrics=PrefillMetrics(), eng=SimpleNamespace(device=torch.device("cpu")))
@@ -127,8 +128,42 @@ def test_a_cuda_ipc_buffer_the_decode_worker_cannot_open_goes_by_the_stream(monk
     s = servicer(decode, [], [])
     s.transport = TransportChoice("cuda-ipc", "cuda-ipc (test)")
     s._ipc["decode-0:1"] = "peer"                     # another GPU of this host, which it turns out not to see
-    monkeypatch.setattr(prefill_server, "share", lambda kv: pb.CudaIpcBuffer(dtype="float32", numel=kv.numel()))
+    monkeypatch.setattr(prefill_server, "process_ipc_slab", lambda device, nbytes: None)
+    monkeypatch.setattr(prefill_server, "share_from_slab",
+                        lambda kv, slab: (None, pb.CudaIpcBuffer(dtype="float32", numel=kv.numel())))
     moved, used = push(s)
     (first, _), (second, second_payload) = decode.pushes
     assert first.HasField("kv") and not second.HasField("kv") and used == "grpc"
     assert second_payload == FakeHandoff().to_bytes() and "decode-0:1" in s._stream_only
+
+
+@pytest.mark.parametrize("replies, used", [([None], "cuda-ipc-peer"), ([grpc.StatusCode.DATA_LOSS, None], "grpc"),
+                                           ([grpc.StatusCode.UNAVAILABLE], None)],
+                         ids=["taken", "refused-then-streamed", "failed"])
+def test_a_hand_off_from_a_piece_of_the_ipc_slab_gives_the_piece_back_however_the_push_ends(monkeypatch, replies,
+                                                                                          used):
+    from services.handoff.slab import Slab
+
+    slab = Slab(1 << 16)
+    decode = Decode(replies)
+    s = servicer(decode, [], [])
+    s.transport = TransportChoice("cuda-ipc", "cuda-ipc (test)")
+    s._ipc["decode-0:1"] = "peer"
+    lent = []
+
+    def from_slab(kv, given):
+        piece = given.take(kv.numel() * kv.element_size())
+        piece.copy_(kv.view(torch.uint8))
+        lent.append(piece)
+        return piece, pb.CudaIpcBuffer(dtype="float32", numel=kv.numel(), slab=True)
+
+    monkeypatch.setattr(prefill_server, "process_ipc_slab", lambda device, nbytes: slab)
+    monkeypatch.setattr(prefill_server, "share_from_slab", from_slab)
+    if used is None:
+        with pytest.raises(Aborted):
+            push(s)
+    else:
+        assert push(s)[1] == used
+    assert decode.pushes[0][0].kv.slab and len(lent) == 1
+    assert torch.equal(lent[0].view(torch.float32), FakeHandoff().kv_buffer())
+    assert slab.taken == 0 and slab.free_bytes == 1 << 16        # the piece went back

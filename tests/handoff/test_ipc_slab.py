@@ -1,0 +1,58 @@
+"""The receiving side of CUDA IPC slab hand-offs (services/handoff/cuda_ipc.py), on the CPU: a piece is read from the
+sender's slab once it is open, never past its end, and a process keeps only so many slabs open. Opening a slab and
+the round trip between processes need a GPU: tests/handoff/test_cuda_ipc.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.handoff import cuda_ipc
+from services.rpc import tessera_pb2 as pb
+
+
+@pytest.fixture
+def kept(monkeypatch):
+    """A clean set of kept slabs, with one CPU storage standing for an opened slab of 4096 bytes."""
+    store = cuda_ipc.OrderedDict()
+    monkeypatch.setattr(cuda_ipc, "_kept", store)
+    slab = torch.UntypedStorage(4096)
+    torch.empty(0, dtype=torch.uint8).set_(slab, 0, (4096,), (1,)).copy_(torch.arange(4096) % 251)
+    store[(b"slab-a", 0)] = slab
+    return store
+
+
+def piece(offset: int, numel: int, handle: bytes = b"slab-a", dtype: str = "bfloat16") -> pb.CudaIpcBuffer:
+    return pb.CudaIpcBuffer(dtype=dtype, numel=numel, storage_handle=handle, storage_size_bytes=4096,
+                            storage_offset_bytes=0, tensor_offset=offset, slab=True)
+
+
+def test_a_piece_of_an_open_slab_is_a_view_at_its_offset(kept):
+    got = cuda_ipc._slab_piece(piece(8, 100), 0, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (100,)
+    want = (torch.arange(4096) % 251).to(torch.uint8)[16:216]
+    assert torch.equal(got.view(torch.uint8), want)
+
+
+def test_a_piece_past_the_end_of_its_slab_is_refused(kept):
+    with pytest.raises(ValueError, match="runs past its slab"):
+        cuda_ipc._slab_piece(piece(2000, 100), 0, torch.bfloat16)        # bytes 4000..4200 of 4096
+    with pytest.raises(ValueError, match="runs past its slab"):
+        cuda_ipc._slab_piece(piece(0, 1025, dtype="float32"), 0, torch.float32)
+
+
+def test_the_least_recently_used_slabs_are_closed_past_the_bound(kept, monkeypatch):
+    opened = []
+
+    def rebuild(*args):
+        opened.append(args[7])                     # the storage handle
+        return torch.zeros(4096, dtype=torch.uint8)
+
+    monkeypatch.setattr("torch.multiprocessing.reductions.rebuild_cuda_tensor", rebuild)
+    monkeypatch.setattr(cuda_ipc, "KEPT_SLABS", 2)
+    cuda_ipc._slab_piece(piece(0, 4, b"slab-b"), 0, torch.bfloat16)
+    cuda_ipc._slab_piece(piece(0, 4, b"slab-a"), 0, torch.bfloat16)    # open already: nothing opened
+    cuda_ipc._slab_piece(piece(0, 4, b"slab-c"), 0, torch.bfloat16)    # closes b, the least recently used
+    assert opened == [b"slab-b", b"slab-c"] and [k[0] for k in kept] == [b"slab-a", b"slab-c"]
+    cuda_ipc._slab_piece(piece(0, 4, b"slab-b"), 0, torch.bfloat16)    # opened again
+    assert opened[-1] == b"slab-b"
