@@ -23,7 +23,7 @@ import grpc
 
 from services.cluster.config import DecodeSettings, EngineSettings
 from services.cluster.kvio import ChunkIndexStore, StoreAccess, StoreReadMetrics
-from services.handoff.cuda_ipc import copy_out, placement
+from services.handoff.cuda_ipc import close_idle_slabs, copy_out, placement
 from services.cluster.profiling import ProfileWindow
 from services.cluster.sampling import read_decode_policy, read_sampling
 from services.cluster.serving import (StoppedForGood, add_health, advertised_host, bind, make_server, serve_metrics,
@@ -75,6 +75,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         while True:
             await asyncio.sleep(every)
             self._sweep()
+            close_idle_slabs()       # a CUDA IPC slab no hand-off came from lately (its sender may have stopped)
 
     async def PushHandoff(self, request_iterator, context):
         try:

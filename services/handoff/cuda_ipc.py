@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from functools import lru_cache
 
@@ -32,7 +33,7 @@ from services.hostid import host_id
 from services.rpc import tessera_pb2 as pb
 
 __all__ = ["host_id", "device_uuid", "visible_uuids", "placement", "same_gpu", "ipc_reaches", "gpu_order",
-           "local_index", "share", "copy_out", "IpcSlab", "process_ipc_slab", "share_from_slab"]
+           "local_index", "share", "copy_out", "IpcSlab", "process_ipc_slab", "share_from_slab", "close_idle_slabs"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 # one slab once and sends pieces of it; a decode worker opens each sender's slab once and keeps it open.
 IPC_SLAB_BYTES = 1 << 30        # default size of a GPU prefill worker's CUDA IPC slab (its settings' ipc_slab_bytes)
 KEPT_SLABS = 8                  # senders' slabs a receiving process keeps open (least recently used closed first)
+# a kept slab no piece came from for this long is closed: an open slab keeps its sender's GPU memory allocated, also
+# after that sender has stopped (a prefill worker restarted makes a new slab)
+KEPT_IDLE_S = 60.0
 
 
 def device_uuid(device: torch.device) -> str:
@@ -210,8 +214,19 @@ def share_from_slab(buf: torch.Tensor, slab: IpcSlab | None) -> tuple[torch.Tens
         raise
 
 
-_kept: OrderedDict[tuple[bytes, int], torch.UntypedStorage] = OrderedDict()
+_kept: OrderedDict[tuple[bytes, int], tuple[torch.UntypedStorage, float]] = OrderedDict()   # (slab, last used)
 _kept_lock = threading.Lock()
+
+
+def close_idle_slabs(now: float | None = None) -> int:
+    """Close the kept slabs no piece came from in ``KEPT_IDLE_S`` (a decode worker calls this on a timer too);
+    returns how many were closed."""
+    now = time.monotonic() if now is None else now
+    with _kept_lock:
+        idle = [key for key, (_, used) in _kept.items() if now - used > KEPT_IDLE_S]
+        for key in idle:
+            del _kept[key]
+    return len(idle)
 
 
 def _slab_piece(msg: pb.CudaIpcBuffer, src: int, dtype: torch.dtype) -> torch.Tensor:
@@ -220,9 +235,12 @@ def _slab_piece(msg: pb.CudaIpcBuffer, src: int, dtype: torch.dtype) -> torch.Te
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     key = (msg.storage_handle, msg.storage_offset_bytes)
+    now = time.monotonic()
+    close_idle_slabs(now)
     with _kept_lock:
-        storage = _kept.get(key)
+        storage = _kept.get(key, (None, 0.0))[0]
         if storage is not None:
+            _kept[key] = (storage, now)
             _kept.move_to_end(key)
     if storage is None:
         whole = rebuild_cuda_tensor(torch.Tensor, (msg.storage_size_bytes,), (1,), 0, torch.UntypedStorage,
@@ -231,7 +249,7 @@ def _slab_piece(msg: pb.CudaIpcBuffer, src: int, dtype: torch.dtype) -> torch.Te
                                     msg.event_handle or None, msg.event_sync_required)
         storage = whole.untyped_storage()
         with _kept_lock:
-            storage = _kept.setdefault(key, storage)
+            storage = _kept.setdefault(key, (storage, now))[0]
             while len(_kept) > KEPT_SLABS:
                 _kept.popitem(last=False)
     size = torch.empty(0, dtype=dtype).element_size()

@@ -18,7 +18,7 @@ def kept(monkeypatch):
     monkeypatch.setattr(cuda_ipc, "_kept", store)
     slab = torch.UntypedStorage(4096)
     torch.empty(0, dtype=torch.uint8).set_(slab, 0, (4096,), (1,)).copy_(torch.arange(4096) % 251)
-    store[(b"slab-a", 0)] = slab
+    store[(b"slab-a", 0)] = (slab, cuda_ipc.time.monotonic())
     return store
 
 
@@ -56,3 +56,13 @@ def test_the_least_recently_used_slabs_are_closed_past_the_bound(kept, monkeypat
     assert opened == [b"slab-b", b"slab-c"] and [k[0] for k in kept] == [b"slab-a", b"slab-c"]
     cuda_ipc._slab_piece(piece(0, 4, b"slab-b"), 0, torch.bfloat16)    # opened again
     assert opened[-1] == b"slab-b"
+
+
+def test_a_slab_no_piece_came_from_for_a_while_is_closed(kept, monkeypatch):
+    monkeypatch.setattr(cuda_ipc, "KEPT_IDLE_S", 60.0)
+    kept[(b"slab-a", 0)] = (kept[(b"slab-a", 0)][0], cuda_ipc.time.monotonic() - 50)     # last used 50 s ago
+    cuda_ipc._slab_piece(piece(0, 4), 0, torch.bfloat16)            # a piece: the slab is used now
+    used = kept[(b"slab-a", 0)][1]
+    assert cuda_ipc.time.monotonic() - used < 5
+    assert cuda_ipc.close_idle_slabs(used + 30) == 0 and len(kept) == 1
+    assert cuda_ipc.close_idle_slabs(used + 61) == 1 and len(kept) == 0
