@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import dataclasses
 import json
 import os
 import subprocess
@@ -206,6 +207,8 @@ def main() -> None:
     ap.add_argument("--options", default="{}", help="AttentionIndex.build options as JSON")
     ap.add_argument("--heads", default="", help="only these (layer:kv_head,...), e.g. 3:1,0:0")
     ap.add_argument("--skip-peers", action="store_true", help="ours only")
+    ap.add_argument("--queries", type=int, default=0,
+                    help="search a seeded sample of this many of a head's held-out queries (0: all of them)")
     ap.add_argument("--what", default="recall", help="the output files' last name part")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a run's JSON")
@@ -228,6 +231,9 @@ def main() -> None:
         heads = [h for h in heads if (h.layer, h.kv_head) in wanted]
     results = []
     for head in heads:
+        if args.queries and head.heldout.shape[0] > args.queries:
+            pick = np.sort(np.random.default_rng(args.seed).choice(head.heldout.shape[0], args.queries, replace=False))
+            head = dataclasses.replace(head, heldout=np.ascontiguousarray(head.heldout[pick]))
         flat = faiss.IndexFlatIP(head.keys.shape[1])
         flat.add(head.keys)
         kth = flat.search(head.heldout, args.k)[0][:, -1]
@@ -264,6 +270,7 @@ def main() -> None:
     doc = {"started_utc": started.isoformat(timespec="seconds"), "commit": commit, "argv": sys.argv[1:],
            "device": f"CPU, {len(os.sched_getaffinity(0))} cores", "task": args.task, "prompts": args.prompts, "spread": args.spread,
            "seed": args.seed, "k": args.k, "options": options, "hnsw_m": args.hnsw_m, "nlist": args.nlist,
+           "queries_sampled": args.queries or None,
            "seconds": (dt.datetime.now(dt.timezone.utc) - started).total_seconds(), "summary": summary,
            "heads": results}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
