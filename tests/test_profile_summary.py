@@ -45,3 +45,29 @@ def test_syncs_inside_a_span_are_counted():
     s = summary.summarize(events)
     assert s["spans"]["tessera.admit"] == {"count": 1, "ms": 0.1, "sync_ms": 0.04}
     assert s["spans"]["tessera.step"]["sync_ms"] == 0    # the later sync lies outside every span
+
+
+def test_a_py_spy_recording_is_summarised_by_process_role_and_thread(tmp_path):
+    """bench/cluster/spy_summary.py: samples per process and thread, the process's role read off its stacks, and each
+    thread's innermost frame of this repository."""
+    spec = importlib.util.spec_from_file_location(
+        "spy_summary", Path(__file__).resolve().parents[1] / "bench" / "cluster" / "spy_summary.py")
+    spy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(spy)
+    top = 'process 1:"python3 bench/cluster/cluster.py"'
+    lines = [
+        f'{top};process 7:"python3 -c spawn";thread (11): asyncio_2;_WorkItem.run (/x/lib/python3.12/concurrent/'
+        'futures/thread.py:58);copy_out (/repo/services/handoff/cuda_ipc.py:123);rebuild_cuda_tensor (/x/'
+        'site-packages/torch/multiprocessing/reductions.py:180) 6',
+        f'{top};process 7:"python3 -c spawn";thread (12): decode-engine;Batcher._run (/repo/services/decode/'
+        'batcher.py:132) 3',
+        f'{top};process 8:"python3 -c spawn";thread (21): prefill-engine;EngineLoop._run (/repo/services/prefill/'
+        'engine_loop.py:63) 4',
+        "not a sample line",
+    ]
+    path = tmp_path / "gil.txt"
+    path.write_text("\n".join(lines) + "\n")
+    procs = spy.summarize(str(path))
+    assert {pid: p["role"] for pid, p in procs.items()} == {"7": "decode", "8": "prefill"}
+    assert procs["7"]["samples"] == 9 and dict(procs["7"]["threads"]) == {"asyncio_2": 6, "decode-engine": 3}
+    assert dict(procs["7"]["frames"]["asyncio_2"]) == {"copy_out (services/handoff/cuda_ipc.py:123)": 6}

@@ -39,9 +39,27 @@ def read(path: str):
                 continue
             pid = procs[-1].split(":")[0].split()[1]
             thread = next((p.split(":", 1)[-1].strip() for p in parts if p.startswith("thread ")), "?")
-            frames = [re.sub(r"\(/\S*/(site-packages|python3[.\d]*)/", "(", p) for p in parts
+            frames = [re.sub(r"\(/\S*?/(site-packages/|python3[.\d]*/|(?=services/|kernels/))", "(", p) for p in parts
                       if not p.startswith(("process ", "thread "))]
             yield pid, thread, frames, int(n)
+
+
+def summarize(path: str) -> dict:
+    """Per process: {"role", "samples", "threads": {name: samples}, "frames": {thread: {innermost frame: samples}}},
+    the innermost frame being the deepest of this repository's (``services/``, ``kernels/``) where the stack has one."""
+    procs: dict[str, dict] = {}
+    for pid, thread, frames, n in read(path):
+        p = procs.setdefault(pid, {"role": None, "samples": 0, "threads": collections.Counter(),
+                                   "frames": collections.defaultdict(collections.Counter)})
+        text = ";".join(frames)
+        for marker, name in ROLES:
+            if marker in text and (p["role"] is None or name == "decode"):
+                p["role"] = name
+        p["samples"] += n
+        p["threads"][thread] += n
+        ours = [f for f in frames if "(services/" in f or "(kernels/" in f]
+        p["frames"][thread][(ours or frames or ["?"])[-1]] += n
+    return procs
 
 
 def main() -> int:
@@ -52,23 +70,13 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=6, help="threads and innermost frames shown a process")
     args = ap.parse_args()
     ticks = args.rate * args.seconds
-    total, role = collections.Counter(), {}
-    threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    inner: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
-    for pid, thread, frames, n in read(args.recording):
-        text = ";".join(frames)
-        for marker, name in ROLES:
-            if marker in text and (pid not in role or name == "decode"):
-                role[pid] = name
-        total[pid] += n
-        threads[pid][thread] += n
-        ours = [f for f in frames if "(services/" in f or "(kernels/" in f]
-        inner[(pid, thread)][(ours or frames or ["?"])[-1]] += n
-    print(f"{args.recording}: {sum(total.values())} samples over {ticks:.0f} ticks a process")
-    for pid, n in total.most_common():
-        print(f"\nprocess {pid} ({role.get(pid, '?')}): {n} samples, {n / ticks:.0%} of the ticks")
-        for thread, m in threads[pid].most_common(args.top):
-            frames = ", ".join(f"{f} {k}" for f, k in inner[(pid, thread)].most_common(2))
+    procs = summarize(args.recording)
+    print(f"{args.recording}: {sum(p['samples'] for p in procs.values())} samples over {ticks:.0f} ticks a process")
+    for pid, p in sorted(procs.items(), key=lambda kv: -kv[1]["samples"]):
+        n = p["samples"]
+        print(f"\nprocess {pid} ({p['role'] or '?'}): {n} samples, {n / ticks:.0%} of the ticks")
+        for thread, m in p["threads"].most_common(args.top):
+            frames = ", ".join(f"{f} {k}" for f, k in p["frames"][thread].most_common(2))
             print(f"  {m:5d} {m / ticks:5.0%}  {thread}: {frames}"[:240])
     return 0
 
