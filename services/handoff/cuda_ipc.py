@@ -10,6 +10,11 @@ buffer until that acknowledgement. Without IPC this is the gRPC path's 4-8 host 
 private byte, on two Python processes' CPUs: a pair of H200s apart served a quarter of what one
 shared GPU did that way (bench/cluster/README.md).
 
+The buffer is a piece of the prefill worker's slab (``IpcSlab``, shared once; ``share_from_slab``) where it has
+one with room: the decode worker opens a slab at its first piece and keeps it open (``KEPT_SLABS``, closed after
+``KEPT_IDLE_S`` unused), so that a hand-off opens nothing. Without the slab, or without room in it, the hand-off's
+own buffer is shared and opened, as above.
+
 A process opens only the buffers of GPUs it sees, so a worker process is started seeing its own GPU
 first (its ``cuda``) and the host's others after it (``gpu_order``); the buffer names its GPU by
 uuid, which every process maps to its own index. Whether a decode worker can take a prefill
