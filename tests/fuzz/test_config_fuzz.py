@@ -179,6 +179,7 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         Field("PrefillSettings", "handoff_transport", one_of("auto", "nixl", "grpc"), ("auto", "nixl", "grpc")),
         Field("PrefillSettings", "host_cache_bytes", count0, (0, 1 << 20)),
         Field("PrefillSettings", "nixl_slab_bytes", count0, (0, 512 << 20)),
+        Field("PrefillSettings", "ipc_slab_bytes", count0, (0, 1 << 30)),
         Field("PrefillSettings", "warmup_tokens", count0, (0, 3072)),
         # ---- DecodeSettings
         Field("DecodeSettings", "max_batch", count1, (1, 32)),
