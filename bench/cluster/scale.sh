@@ -10,8 +10,31 @@
 # STORES: KV store shards (default 1). CLUSTER_ARGS (environment): more cluster.py flags for every run, e.g.
 # "--store-loads always". PROFILE_DECODE=START,COUNT (environment): the decode workers record a torch-profiler window
 # of COUNT steps from step START (TESSERA_TORCH_PROFILE_DECODE); each trace is summarised by profile_summary.py into
-# OUT_DIR/NAME-prof/ and then deleted (a trace is megabytes: a device call brings back only so much).
+# OUT_DIR/NAME-prof/ and then deleted (a trace is megabytes: a device call brings back only so much). SPY=SECONDS
+# (environment; py-spy on the PATH, e.g. its wheel installed): once the replay starts, py-spy records every process of
+# the cluster for SECONDS at 10 Hz, non-blocking, every busy thread and then only the one holding the interpreter
+# lock, into OUT_DIR/NAME-pyspy_{all,gil}.txt.gz, each summarised by spy_summary.py beside it (.txt).
 set -euo pipefail
+
+spy() {     # NAME SECONDS: wait for the replay of run NAME (cluster.py's warm-up line), then record the cluster
+    local name=$1 seconds=$2 pid i
+    for i in $(seq 1 900); do
+        grep -q "warm-up" "$out/$name.out" 2>/dev/null && break
+        # the run ended (or never started) before its replay: nothing to record
+        [ "$i" -gt 20 ] && ! pgrep -f "cluster.py --no-ray.*--out $out/$name" > /dev/null && return 0
+        sleep 1
+    done
+    sleep 3
+    pid=$(pgrep -n -f "cluster.py --no-ray.*--out $out/$name") || return 0
+    for kind in all gil; do
+        timeout $((seconds * 3)) py-spy record --subprocesses --nonblocking --threads $([ $kind = gil ] && echo --gil) \
+            --format raw -r 10 -d "$seconds" -o "$out/$name-pyspy_$kind.txt" -p "$pid" > /dev/null 2>&1 || true
+        [ -s "$out/$name-pyspy_$kind.txt" ] || continue
+        python3 bench/cluster/spy_summary.py "$out/$name-pyspy_$kind.txt" --seconds "$seconds" \
+            > "$out/$name-pyspy_${kind}_summary.txt" 2>&1 || true
+        gzip -f "$out/$name-pyspy_$kind.txt"
+    done
+}
 model=$1 out=$2
 shift 2
 mkdir -p "$out"
@@ -24,11 +47,14 @@ for spec in "$@"; do
         mkdir -p "$out/$name-prof"
         prof=(env "TESSERA_TORCH_PROFILE_DECODE=$out/$name-prof,$PROFILE_DECODE")
     fi
+    [ -n "${SPY:-}" ] && spy "$name" "$SPY" &
     ${prof[@]+"${prof[@]}"} env CUDA_VISIBLE_DEVICES=$gpus python3 bench/cluster/cluster.py --no-ray --model-dir "$model" --layers 32 \
         --requests "$requests" --warmup 8 --concurrency "$concurrency" --alphas "$alphas" \
         --chunk-cache-bytes 2.5e9 --host-cache-bytes 16e9 --register-corpus --modes tessera --no-warmup-sparse \
         --prefill "$prefill" --decode "$decode" --routing "$routing" --store-shm "$shm" --stores "$stores" \
-        --runs-dir "/tmp/runs-$name" --out "$out/$name" ${CLUSTER_ARGS:-} || echo "=== $name failed: $?"
+        --runs-dir "/tmp/runs-$name" --out "$out/$name" ${CLUSTER_ARGS:-} | tee "$out/$name.out" \
+        || echo "=== $name failed: $?"
+    wait        # the recording, if any
     if [ -n "${PROFILE_DECODE:-}" ]; then
         for trace in "$out/$name-prof"/*.json.gz; do
             [ -e "$trace" ] || continue
