@@ -229,3 +229,23 @@ def test_a_decode_worker_stores_and_deletes_retrieval_indexes_and_nothing_else(c
         prefill.delete(kv_id)
         decode.close()
         prefill.close()
+
+
+@pytest.mark.parametrize("kv, says", [
+    (pb.CudaIpcBuffer(dtype="bfloat16", numel=8, slab=True, device_uuid="GPU-not-here"), "does not see"),
+    (pb.CudaIpcBuffer(dtype="no_such_dtype", numel=8, slab=True), "unknown dtype 'no_such_dtype'"),
+])
+def test_a_hand_off_naming_a_cuda_ipc_slab_piece_it_cannot_open_is_refused_and_the_decode_worker_serves_on(
+        cluster, kv, says):
+    """A hand-off whose K/V are a piece of a sender's CUDA IPC slab that this decode worker cannot open (a GPU it does
+    not see, a dtype that is none): DATA_LOSS naming why, and the worker still answers."""
+    from services.handoff.transport import handoff_parts
+
+    tls = ClusterTLS.load(cluster.certs, "prefill")
+    with _channel(_addresses(cluster)["decode"], "decode", tls) as ch:
+        d = pb_grpc.DecodeWorkerStub(ch)
+        header = pb.HandoffHeader(request_id="bad-slab", kind="engine", kv=kv)
+        with pytest.raises(grpc.RpcError) as err:
+            d.PushHandoff(handoff_parts(header, b"payload"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS and says in err.value.details()
+        assert d.Status(pb.WorkerStatusRequest(), timeout=5).in_flight == 0
