@@ -114,6 +114,10 @@ def main() -> int:
     ap.add_argument("--kv-gib", type=float, default=40.0)
     ap.add_argument("--variants", default="chunks_cold,chunks_warm",
                     help="of chunks_cold (the chunks' indexes built first), chunks_warm (a second sequence reusing them)")
+    ap.add_argument("--repair-queries", type=int, default=None,
+                    help="at most this many of a KV head's request queries repair a composition of chunk graphs "
+                         "(IndexSet; default: all of them, 8,192 a KV head): the repair is most of a long context's "
+                         "wait before its first step")
     ap.add_argument("--distinct", type=int, default=0,
                     help="distinct chunks a context cycles through (0: every chunk its own): one_sequence")
     args = ap.parse_args()
@@ -122,13 +126,13 @@ def main() -> int:
     commit = commit_of()
     from services.index.heads import IndexSet
 
-    eng.forward.indexes = IndexSet(threads=len(os.sched_getaffinity(0)))
+    eng.forward.indexes = IndexSet(threads=len(os.sched_getaffinity(0)), repair_queries=args.repair_queries)
     eng.forward.options = dataclasses.replace(eng.forward.options, index_threads=len(os.sched_getaffinity(0)))
     per_request = {int(c) for c in args.per_request.split(",") if c}
     results = {"device": torch.cuda.get_device_name(), "cpu_cores": os.cpu_count(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "commit": commit, "layers": args.layers, "k": args.k,
                "sink_tokens": args.sink, "window_tokens": args.window, "weight_bytes": weight_bytes,
-               "distinct_chunks": args.distinct or None, "index_threads": len(os.sched_getaffinity(0)),
+               "distinct_chunks": args.distinct or None, "repair_queries": args.repair_queries, "index_threads": len(os.sched_getaffinity(0)),
                "copy_bandwidth_gb_s": 1e-9 / floor_per_byte, "rows": []}
     print(f"{results['device']}, {results['cpu_cores']} CPU cores: copy bandwidth {1e-9 / floor_per_byte:.0f} GB/s",
           flush=True)

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -78,12 +78,19 @@ class Answer:
 class IndexSet:
     """Offloaded K/V and indexes of many owners (a sequence, later a chunk), by (owner, layer, KV head).
 
-    ``threads``: searches run at once in one call (the service's cores)."""
+    ``threads``: searches run at once in one call (the service's cores). ``repair_queries``: at most this many of a
+    head's training queries repair a composition of chunk graphs (default ``COMPOSED``'s: all of a request's 8,192 a
+    KV head of an 8B-shaped model). The repair is most of the wait before a retrieval sequence's first step, and its
+    cost grows with them; fewer give lower recall (bench/index/README.md: 1,024 of 3,598 cost 2.8 points at 20%)."""
 
-    def __init__(self, threads: int = 4):
+    def __init__(self, threads: int = 4, repair_queries: int | None = None):
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
+        if repair_queries is not None and (isinstance(repair_queries, bool) or not isinstance(repair_queries, int)
+                                           or repair_queries < 1):
+            raise ValueError(f"repair_queries must be an int >= 1, got {repair_queries!r}")
         self.threads = threads
+        self.composed = COMPOSED if repair_queries is None else replace(COMPOSED, repair_queries=repair_queries)
         self._heads: dict[tuple[str, int], list[HeadKV | None]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="index-search")
@@ -123,7 +130,7 @@ class IndexSet:
                 graphs = [p[h] for p in parts]
                 if covered < n:
                     graphs.append(AttentionIndex.build(keys[h, covered:], train[h], threads=each).graph)
-                index = AttentionIndex.compose(keys[h], graphs, COMPOSED)
+                index = AttentionIndex.compose(keys[h], graphs, self.composed)
                 if train.shape[1]:      # the request's queries link the parts (build.repair_graph)
                     index = index.repaired(train[h], threads=each)
                 return index

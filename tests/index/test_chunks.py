@@ -138,3 +138,31 @@ def test_a_chunk_index_survives_a_store_round_trip_and_a_damaged_copy_is_refused
             client.put_bytes(index_entry_id("b" * 64), bytes(bad))
             with pytest.raises(IndexFormatError, match="digest"):
                 ChunkIndex.from_bytes(client.get_bytes(index_entry_id("b" * 64)))
+
+
+def test_an_index_set_repairs_a_composition_with_its_repair_queries(monkeypatch):
+    """IndexSet(repair_queries=N): a composition of chunk graphs is repaired, in one round, from at most N of the
+    request's queries (build.repair_graph samples them); a bad N is refused by name."""
+    from services.index import build
+    from services.index.heads import IndexSet
+
+    k, t = chunk(5, 200, heads=1)
+    ci = ChunkIndex.build(k, t, threads=1)
+    train = np.random.default_rng(6).standard_normal((1, 600, D)).astype(np.float32) + 0.5
+    keys = k[0]
+    values = np.random.default_rng(7).standard_normal(keys.shape).astype(np.float32)
+    searched = []
+    real = build._repair
+    monkeypatch.setattr(build, "_repair", lambda *a, **kw: searched.append(a[7].repair_queries) or real(*a, **kw))
+    for n in (None, 40):
+        ix = IndexSet(threads=1, repair_queries=n)
+        try:
+            ix.add("seq", 0, keys, values, train, [("chunk", ci)])
+            index = ix._heads[("seq", 0)][0].index
+            assert index.config.repair_queries == (20000 if n is None else 40) and index.config.repair_rounds == 1
+        finally:
+            ix.close()
+    assert searched == [20000, 40]
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="repair_queries"):
+            IndexSet(threads=1, repair_queries=bad)
