@@ -177,12 +177,17 @@ def test_a_handlers_unexpected_error_is_internal_with_an_id_never_its_text():
 def test_a_hand_off_naming_a_bad_nixl_buffer_is_refused_and_the_decode_worker_serves_on(cluster, nixl, says):
     """A prefill worker's hand-off whose K/V are to be read over NIXL, with an offer or buffer that cannot be: DATA_LOSS
     naming why, nothing kept (refused before any NIXL agent is made), and the worker still answers."""
+    _refused_push(cluster, pb.HandoffHeader(request_id="bad-nixl", kind="engine", nixl=nixl), says)
+
+
+def _refused_push(cluster, header: pb.HandoffHeader, says: str) -> None:
+    """A prefill worker's push of ``header`` is DATA_LOSS with ``says`` in its details, and the decode worker still
+    answers, holding nothing in flight."""
     from services.handoff.transport import handoff_parts
 
     tls = ClusterTLS.load(cluster.certs, "prefill")
     with _channel(_addresses(cluster)["decode"], "decode", tls) as ch:
         d = pb_grpc.DecodeWorkerStub(ch)
-        header = pb.HandoffHeader(request_id="bad-nixl", kind="engine", nixl=nixl)
         with pytest.raises(grpc.RpcError) as err:
             d.PushHandoff(handoff_parts(header, b"payload"), timeout=10)
         assert err.value.code() == grpc.StatusCode.DATA_LOSS and says in err.value.details()
@@ -239,13 +244,4 @@ def test_a_hand_off_naming_a_cuda_ipc_slab_piece_it_cannot_open_is_refused_and_t
         cluster, kv, says):
     """A hand-off whose K/V are a piece of a sender's CUDA IPC slab that this decode worker cannot open (a GPU it does
     not see, a dtype that is none): DATA_LOSS naming why, and the worker still answers."""
-    from services.handoff.transport import handoff_parts
-
-    tls = ClusterTLS.load(cluster.certs, "prefill")
-    with _channel(_addresses(cluster)["decode"], "decode", tls) as ch:
-        d = pb_grpc.DecodeWorkerStub(ch)
-        header = pb.HandoffHeader(request_id="bad-slab", kind="engine", kv=kv)
-        with pytest.raises(grpc.RpcError) as err:
-            d.PushHandoff(handoff_parts(header, b"payload"), timeout=10)
-        assert err.value.code() == grpc.StatusCode.DATA_LOSS and says in err.value.details()
-        assert d.Status(pb.WorkerStatusRequest(), timeout=5).in_flight == 0
+    _refused_push(cluster, pb.HandoffHeader(request_id="bad-slab", kind="engine", kv=kv), says)
