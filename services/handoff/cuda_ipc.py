@@ -156,7 +156,6 @@ def copy_out(msg: pb.CudaIpcBuffer, device: torch.device | None = None) -> torch
     return own
 
 
-
 class IpcSlab(Slab):
     """A GPU's memory shared over CUDA IPC once (``message``: every field but the piece's), lent in pieces: a hand-off's
     K/V are copied into a piece and the piece is named to the receiver (``share_from_slab``), which keeps the slab open
@@ -177,11 +176,11 @@ _ipc_lock = threading.Lock()
 
 def process_ipc_slab(device: torch.device, nbytes: int | None = None) -> IpcSlab | None:
     """This process's CUDA IPC slab on ``device``, made at first use with ``nbytes`` (default ``IPC_SLAB_BYTES``;
-    later calls get that one whatever they ask); None when ``nbytes`` is 0 or (said once in the log) where none can
-    be made: hand-offs there share buffers of their own."""
-    if nbytes == 0:
-        return None
+    later calls get that one whatever they ask); None when ``nbytes`` is 0, for a device that is no GPU, or (said once
+    in the log) where none can be made: hand-offs there share buffers of their own."""
     device = torch.device(device)
+    if nbytes == 0 or device.type != "cuda":
+        return None
     key = str(torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device()))
     with _ipc_lock:
         if key in _ipc_slabs or key in _no_ipc_slab:

@@ -66,3 +66,10 @@ def test_a_slab_no_piece_came_from_for_a_while_is_closed(kept, monkeypatch):
     assert cuda_ipc.time.monotonic() - used < 5
     assert cuda_ipc.close_idle_slabs(used + 30) == 0 and len(kept) == 1
     assert cuda_ipc.close_idle_slabs(used + 61) == 1 and len(kept) == 0
+
+
+def test_no_slab_is_made_where_there_is_none_to_make():
+    """A CPU device, or a size of 0, gives no slab (hand-offs share buffers of their own), and makes nothing."""
+    assert cuda_ipc.process_ipc_slab(torch.device("cpu")) is None
+    assert cuda_ipc.process_ipc_slab(torch.device("cuda", 0), 0) is None
+    assert cuda_ipc._ipc_slabs == {} and cuda_ipc._no_ipc_slab == {}
