@@ -33,7 +33,7 @@ from functools import lru_cache
 import torch
 
 from services.cluster.staging import side_stream
-from services.handoff.slab import Slab
+from services.handoff.slab import Slab, device_key
 from services.hostid import host_id
 from services.rpc import tessera_pb2 as pb
 
@@ -181,7 +181,7 @@ def process_ipc_slab(device: torch.device, nbytes: int | None = None) -> IpcSlab
     device = torch.device(device)
     if nbytes == 0 or device.type != "cuda":
         return None
-    key = str(torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device()))
+    key = device_key(device)
     with _ipc_lock:
         if key in _ipc_slabs or key in _no_ipc_slab:
             return _ipc_slabs.get(key)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.handoff.slab import Slab as _Slab
+from services.handoff.slab import Slab as _Slab, device_key
 from services.kvstore.chunk import checksum
 
 log = logging.getLogger(__name__)
@@ -286,18 +286,10 @@ _slabs: dict[str, Slab] = {}
 _no_slab: dict[str, str] = {}       # devices where no slab could be made, and why
 
 
-def _slab_key(device) -> str:
-    """A device's name with its index ("cuda" is the current GPU's), as its tensors name it."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return str(device)
-
-
 def process_slab(device: torch.device | str = "cpu", nbytes: int | None = None) -> Slab:
     """This process's slab on ``device``, made at first use with ``nbytes`` (default ``SLAB_BYTES``) and registered
     with ``process_endpoint``; later calls get that one whatever they ask."""
-    key = _slab_key(device)
+    key = device_key(device)
     with _endpoint_lock:
         slab = _slabs.get(key)
     if slab is None:
@@ -317,7 +309,7 @@ def _slab_for(device, nbytes: int | None) -> Slab | None:
     try:
         return process_slab(device, nbytes)
     except Exception as exc:   # noqa: BLE001 - no room or no registration: transfers register their own memory
-        key = _slab_key(device)
+        key = device_key(device)
         if key not in _no_slab:
             _no_slab[key] = str(exc)
             log.warning("no NIXL slab on %s (%s): hand-offs there register their own memory", key, exc)
@@ -349,7 +341,7 @@ def offer_from_slab(endpoint: NixlEndpoint, kv: torch.Tensor, slab_bytes: int | 
 
 def release(endpoint: NixlEndpoint, offered: torch.Tensor) -> None:
     """What ``offer_from_slab`` offered, back: a slab piece to its slab, memory registered alone deregistered."""
-    slab = _slabs.get(_slab_key(offered.device))
+    slab = _slabs.get(device_key(offered.device))
     if slab is not None and slab.holds(offered):
         slab.give(offered)
     else:

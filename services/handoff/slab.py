@@ -11,6 +11,15 @@ import torch
 SLAB_ALIGN = 4096       # every piece starts at a multiple of this many bytes
 
 
+def device_key(device) -> str:
+    """A device's name with its index ("cuda" is the current GPU's), as its tensors name it: a process's slabs are
+    kept by it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
 class Slab:
     """``nbytes`` of memory on ``device`` (pinned on the host when CUDA is there) lent out in pieces, first fit in
     ``SLAB_ALIGN`` bytes (``arena.FreeList``); ``take`` gives None when no piece that large is free, and the caller
