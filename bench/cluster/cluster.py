@@ -41,7 +41,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # bench/ is on the path as this script's folder (behind the repository: bench/kernels/kernels.py must not hide kernels/)
-from cluster_probe import BUDGET_HEADER, GpuSampler, WorkerMeter, budget_line, chunk_sources, delta, time_budget  # noqa: E402
+from cluster_probe import (BUDGET_HEADER, WORKER_HEADER, GpuSampler, WorkerMeter, budget_line, chunk_sources,  # noqa: E402
+                           delta, per_worker, time_budget, worker_line)
 from cluster_rates import RATE_RATIOS, parse_rates, rate_sweep_md, sweep_rates, sweep_summaries  # noqa: E402
 
 LLAMA3_8B = dict(
@@ -349,6 +350,7 @@ def main() -> int:
                     sources[f"{alpha:g}/{mode}"] = chunk_sources(used)
                     budgets[mode] = time_budget(used, mode_runs[0].duration_s, gpu_samples.busy)
                     budgets[mode]["gpu_busy_pct_by_gpu"] = gpu_samples.by_gpu
+                    budgets[mode]["workers"] = per_worker(used, mode_runs[0].duration_s)
                     runs += mode_runs
                     summaries += mode_summaries
                     print(f"alpha {alpha:g} {mode}: done at {time.monotonic() - started:.0f} s", flush=True)
@@ -382,6 +384,10 @@ def main() -> int:
                        "over the run's GPUs; worker CPU: a worker process's CPU time over the replay, 100% = one core, "
                        "the mean over the role's workers):", "",
                        *BUDGET_HEADER, *(budget_line(m, budgets[m]) for m in modes if m in budgets), "",
+                       *(line for m in modes if m in budgets and len(budgets[m]["workers"]) > 2 for line in (
+                           f"Each worker, {m} (GPU busy by GPU: " + ", ".join(
+                               f"{g} {u:.0f}%" for g, u in budgets[m]["gpu_busy_pct_by_gpu"].items()) + "):", "",
+                           *WORKER_HEADER, *(worker_line(r) for r in budgets[m]["workers"]), "")),
                        "Ratios (targets: TTFT vs full >= 3, throughput vs full >= 2.5, TTFT vs blend_copy >= 1.3): "
                        + ", ".join(f"{k} " + ("-" if v is None else f"{v:.2f}x") for k, v in checks.items()), ""]
                 if registered:

@@ -56,17 +56,67 @@ class WorkerMeter:
 
     def snapshot(self) -> dict[str, float]:
         """Sums over every prefill and decode worker of the gateway's cluster; their processes' CPU seconds and
-        their count by role (``cpu_s/<role>``, ``workers/<role>``)."""
+        their count by role (``cpu_s/<role>``, ``workers/<role>``); each worker's own figures under
+        ``PER_WORKER<role>/<name>|<key>`` (``per_worker`` reads them); the gateway process's CPU seconds
+        (``cpu_s/gateway``) where its Stats names its metrics."""
         total: dict[str, float] = {}
-        for w in self.client.stats().workers:
+        stats = self.client.stats()
+        for w in stats.workers:
             if w.role not in ("prefill", "decode") or not w.metrics_url:
                 continue
             page = urllib.request.urlopen(w.metrics_url, timeout=10).read().decode()
             for k, v in parse_metrics(page).items():
+                total[f"{PER_WORKER}{w.role}/{w.name}|{k}"] = v
                 k = f"{k}/{w.role}" if k == "cpu_s" else k
                 total[k] = total.get(k, 0.0) + v
             total[f"workers/{w.role}"] = total.get(f"workers/{w.role}", 0.0) + 1
+        if getattr(stats, "metrics_url", ""):
+            page = urllib.request.urlopen(stats.metrics_url, timeout=10).read().decode()
+            total["cpu_s/gateway"] = parse_metrics(page).get("cpu_s", 0.0)
         return total
+
+
+PER_WORKER = "w:"      # a snapshot key's prefix for one worker's own figure
+
+
+def per_worker(d: dict[str, float], duration_s: float) -> list[dict]:
+    """Each worker's share of a run from a snapshot delta, by role then name: requests prefilled and the prefill
+    engine's busy share; decode steps, their mean batch and busy share, admissions' busy share; its process's CPU
+    (100% = one core). An uneven split (routing, a slow GPU) shows here where the role's mean hides it."""
+    seen: dict[tuple[str, str], dict[str, float]] = {}
+    for key, v in d.items():
+        if key.startswith(PER_WORKER):
+            who, _, metric = key[len(PER_WORKER):].partition("|")
+            role, _, name = who.partition("/")
+            seen.setdefault((role, name), {})[metric] = v
+    per = lambda a, b: a / b if b else None      # noqa: E731
+    rows = []
+    for (role, name), m in sorted(seen.items()):
+        steps = m.get("steps", 0.0)
+        rows.append({"role": role, "name": name, "prefills": m.get("prefills", 0.0),
+                     "prefill_engine_busy_pct": per(100 * m.get("prefill_engine_s", 0.0), duration_s),
+                     "decode_steps": steps, "decode_mean_batch": per(m.get("batch_rows", 0.0), steps),
+                     "decode_steps_busy_pct": per(100 * m.get("step_s", 0.0), duration_s),
+                     "decode_admit_busy_pct": per(100 * m.get("admit_s", 0.0), duration_s),
+                     "cpu_pct": per(100 * m["cpu_s"], duration_s) if "cpu_s" in m else None})
+    return rows
+
+
+WORKER_HEADER = ["| worker | role | requests prefilled | prefill engine busy | decode steps | mean batch "
+                 "| decode in steps | decode admitting | process CPU |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+
+def worker_line(r: dict) -> str:
+    def f(key: str, fmt: str) -> str:
+        v = r.get(key)
+        return "-" if v is None else fmt.format(v)
+
+    prefill, decode = r["role"] == "prefill", r["role"] == "decode"
+    return (f"| {r['name']} | {r['role']} | {f('prefills', '{:.0f}') if prefill else ''} "
+            f"| {f('prefill_engine_busy_pct', '{:.0f}%') if prefill else ''} "
+            f"| {f('decode_steps', '{:.0f}') if decode else ''} | {f('decode_mean_batch', '{:.1f}') if decode else ''} "
+            f"| {f('decode_steps_busy_pct', '{:.0f}%') if decode else ''} "
+            f"| {f('decode_admit_busy_pct', '{:.0f}%') if decode else ''} | {f('cpu_pct', '{:.0f}%')} |")
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -147,6 +197,7 @@ def time_budget(d: dict[str, float], duration_s: float, gpu_busy: float | None) 
         # a worker process's CPU, in cores (100% = one core busy the whole run), averaged over the role's workers
         "prefill_cpu_pct": per(100 * d.get("cpu_s/prefill", 0.0), duration_s * d.get("workers/prefill", 0.0)),
         "decode_cpu_pct": per(100 * d.get("cpu_s/decode", 0.0), duration_s * d.get("workers/decode", 0.0)),
+        "gateway_cpu_pct": per(100 * d["cpu_s/gateway"], duration_s) if "cpu_s/gateway" in d else None,
         "store_errors": sum(v for k, v in d.items() if k.startswith("store_errors/")),
     }
 
@@ -160,10 +211,10 @@ def budget_line(mode: str, b: dict) -> str:
             f"| {f('handoff_mean_ms')} | {f('decode_steps', '{:.0f}')} | {f('decode_mean_batch')} "
             f"| {f('decode_step_mean_ms')} | {f('decode_steps_busy_pct', '{:.0f}%')} | {f('admit_mean_ms')} "
             f"| {f('decode_admit_busy_pct', '{:.0f}%')} | {f('prefill_cpu_pct', '{:.0f}%')} "
-            f"| {f('decode_cpu_pct', '{:.0f}%')} | {f('store_errors', '{:.0f}')} |")
+            f"| {f('decode_cpu_pct', '{:.0f}%')} | {f('gateway_cpu_pct', '{:.0f}%')} | {f('store_errors', '{:.0f}')} |")
 
 
 BUDGET_HEADER = ["| mode | GPU busy (nvidia-smi) | prefill ms / request | prefill engine busy | hand-off ms / request "
                  "| decode steps | mean batch | step ms | decode in steps | admission ms / request | decode admitting "
-                 "| prefill worker CPU | decode worker CPU | failed store calls |",
-                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| prefill worker CPU | decode worker CPU | gateway CPU | failed store calls |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

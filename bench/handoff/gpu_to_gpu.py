@@ -1,12 +1,20 @@
-"""A hand-off's K/V from a prefill worker's GPU to a decode worker on another GPU of the host (CUDA IPC, copied GPU to
-GPU), against the ceilings measured in the same run.
+"""A hand-off's K/V from a prefill worker's GPU to a decode worker on another GPU of the host, three ways, against
+the ceilings measured in the same run.
 
-The parent is the prefill worker: per repetition it concatenates a fresh buffer of the hand-off's size on its GPU and
-shares it (``cuda_ipc.share``); a spawned child started as the launcher starts a decode worker of the second GPU (that
-GPU first in its CUDA_VISIBLE_DEVICES) opens it and copies it onto its own GPU (``cuda_ipc.copy_out``), timing the
-call from the wire message to the bytes landed. Peers in the same run, one process: the same copy between the two
-GPUs without IPC (the link's ceiling), the copy on one GPU (what a hand-off between workers sharing a GPU costs), and
-the path the gRPC stream's bytes take at best, device to pinned host memory and back onto the other GPU.
+The parent is the prefill worker, a spawned child the decode worker of the second GPU (that GPU first in its
+CUDA_VISIBLE_DEVICES, as the launcher starts one). Per repetition the parent makes a fresh buffer of the hand-off's
+size on its GPU and hands it over:
+- ``ipc``: shares the buffer itself (``cuda_ipc.share``); the child opens it and copies it onto its GPU
+  (``cuda_ipc.copy_out``), timed from the wire message to the bytes landed;
+- ``ipc slab`` (what a worker does now): copies it into a piece of its CUDA IPC slab (``share_from_slab``, timed on
+  the parent) and the child copies the piece out of the slab it opened once (timed on the child); the row is the sum;
+- ``nixl``: copies it into a piece of its NIXL slab and offers it (``nixl.offer_from_slab``: the copy and the CRC-32
+  on the GPU, timed on the parent); the child reads it with NIXL (UCX) into a piece of its own registered slab,
+  checks the CRC-32 there and copies it out (``nixl.read_via_slab``, timed on the child); the row is the sum.
+  Only where a NIXL package loads; the row says why not otherwise.
+Peers in the same run, one process: the same copy between the two GPUs without IPC (the link's ceiling), the copy on
+one GPU (what a hand-off between workers sharing a GPU costs), and the path the gRPC stream's bytes take at best,
+device to pinned host memory and back onto the other GPU.
 
     python3 bench/handoff/gpu_to_gpu.py --mib 69,256 --reps 20 --json bench/handoff/DATE_DEVICE_COMMIT_gpu_to_gpu.json
 """
@@ -26,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _child(conn) -> None:
-    """The decode worker's side: each message is copied out onto this process's GPU; its seconds go back."""
+    """The decode worker's side: each message is landed on this process's GPU (how: its first item); its seconds go
+    back with a sum of its first bytes (that they arrived whole)."""
     import torch
 
     from services.handoff.cuda_ipc import copy_out
@@ -34,12 +43,23 @@ def _child(conn) -> None:
 
     dev = torch.device("cuda", 0)
     torch.ones(1, device=dev)
-    while (wire := conn.recv()) is not None:
-        t0 = time.perf_counter()
-        got = copy_out(pb.CudaIpcBuffer.FromString(wire), dev)
-        seconds = time.perf_counter() - t0
-        conn.send((seconds, float(got[:4096].float().sum()), str(got.device)))
-        del got
+    while (msg := conn.recv()) is not None:
+        how, wire = msg[0], msg[1]
+        try:
+            t0 = time.perf_counter()
+            if how == "nixl":
+                from services.handoff import nixl
+
+                got = nixl.read_via_slab(nixl.process_endpoint(), nixl.Offer.from_bytes(wire), torch.bfloat16,
+                                         msg[2], dev, timeout=30.0)
+            else:
+                got = copy_out(pb.CudaIpcBuffer.FromString(wire), dev)
+            torch.cuda.synchronize(dev)
+            seconds = time.perf_counter() - t0
+            conn.send((seconds, float(got[:4096].float().sum()), str(got.device)))
+            del got
+        except Exception as exc:        # noqa: BLE001 - reported as the row's error, the other rows go on
+            conn.send((None, repr(exc), ""))
 
 
 def _timed(fn, reps: int) -> list[float]:
@@ -65,7 +85,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from services.handoff.cuda_ipc import gpu_order, share
+    from services.handoff.cuda_ipc import gpu_order, process_ipc_slab, share, share_from_slab
     from services.launch.local import child_gpus, visible_gpus
 
     if torch.cuda.device_count() < 2:
@@ -77,41 +97,86 @@ def main() -> int:
     with child_gpus(gpu_order(visible[1], visible)):      # a decode worker of the second GPU, as the launcher starts one
         proc.start()
     a, b = torch.device("cuda", 0), torch.device("cuda", 1)
+    slab = process_ipc_slab(a, 1 << 30)
+    try:
+        from services.handoff import nixl
+
+        endpoint, no_nixl = nixl.process_endpoint(), ""
+    except Exception as exc:        # noqa: BLE001 - not installed, no UCX plugin: the row says so
+        endpoint, no_nixl = None, f"{type(exc).__name__}: {exc}"
     rows = []
     for mib in (int(x) for x in args.mib.split(",")):
         n = mib * (1 << 20) // 2
         src = torch.randn(n, device=a, dtype=torch.bfloat16)
-        ipc, sums = [], set()
-        for i in range(args.reps + 2):
-            buf = src + 0 if i else src.clone()       # a fresh buffer a hand-off, as kv_buffer() makes one
-            torch.cuda.synchronize(a)
-            parent.send(share(buf).SerializeToString())
-            seconds, s, where = parent.recv()
-            if i >= 2:                                # the first two open the peer GPU's context and P2P access
-                ipc.append(seconds)
-            sums.add(s)
-            del buf
         want = float(src[:4096].float().sum())
-        ok = sums == {want} and where.endswith(":0")
+
+        def handed(how: str, src: torch.Tensor) -> tuple[list[float], list[float], bool, str]:
+            """(the child's seconds, the parent's, every landing equal, an error) over the repetitions."""
+            child_s, parent_s, ok = [], [], True
+            for i in range(args.reps + 2):
+                buf = src + 0 if i else src.clone()       # a fresh buffer a hand-off, as kv_buffer() makes one
+                torch.cuda.synchronize(a)
+                t0 = time.perf_counter()
+                piece = None
+                if how == "ipc":
+                    msg = ("ipc", share(buf).SerializeToString())
+                elif how == "ipc_slab":
+                    piece, shared = share_from_slab(buf, slab)
+                    msg = ("ipc", shared.SerializeToString())
+                else:
+                    piece, offer = nixl.offer_from_slab(endpoint, buf)
+                    msg = ("nixl", offer.to_bytes(), n)
+                sent = time.perf_counter() - t0
+                parent.send(msg)
+                seconds, s, where = parent.recv()
+                if piece is not None:
+                    if how == "nixl":
+                        nixl.release(endpoint, piece)
+                    else:
+                        slab.give(piece)
+                if seconds is None:
+                    return child_s, parent_s, False, s
+                if i >= 2:                                # the first two open the peer GPU's context and P2P access
+                    child_s.append(seconds)
+                    parent_s.append(sent)
+                ok = ok and s == want and where.endswith(":0")
+                del buf
+            return child_s, parent_s, ok, ""
+
+        row = {"mib": mib, "bytes": n * 2}
+        for how in ("ipc", "ipc_slab", "nixl"):
+            if how == "nixl" and endpoint is None:
+                row["nixl_error"] = no_nixl
+                continue
+            child_s, parent_s, ok, err = handed(how, src)
+            row[f"{how}_landed_equal"] = ok
+            if err:
+                row[f"{how}_error"] = err
+                continue
+            total = [c + (p if how != "ipc" else 0.0) for c, p in zip(child_s, parent_s)]
+            row[f"{how}_ms_p50"] = statistics.median(total) * 1e3
+            row[f"{how}_ms_max"] = max(total) * 1e3
+            row[f"{how}_sender_ms_p50"] = statistics.median(parent_s) * 1e3
+            row[f"{how}_receiver_ms_p50"] = statistics.median(child_s) * 1e3
+            row[f"{how}_gbs"] = n * 2 / statistics.median(total) / 1e9
         on_b = torch.empty_like(src, device=b)
         on_a = torch.empty_like(src)
         pinned = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
         peer = _timed(lambda: on_b.copy_(src), args.reps)
         same = _timed(lambda: on_a.copy_(src), args.reps)
         host = _timed(lambda: (pinned.copy_(src), on_b.copy_(pinned)), args.reps)
-        nbytes = n * 2
 
         def gbs(xs):
-            return nbytes / statistics.median(xs) / 1e9
+            return n * 2 / statistics.median(xs) / 1e9
 
-        row = {"mib": mib, "bytes": nbytes, "landed_equal": ok,
-               "ipc_gpu_to_gpu_ms_p50": statistics.median(ipc) * 1e3, "ipc_gpu_to_gpu_ms_max": max(ipc) * 1e3,
-               "ipc_gpu_to_gpu_gbs": gbs(ipc), "peer_copy_gbs": gbs(peer), "same_gpu_copy_gbs": gbs(same),
-               "through_pinned_host_gbs": gbs(host)}
+        row.update(peer_copy_gbs=gbs(peer), same_gpu_copy_gbs=gbs(same), through_pinned_host_gbs=gbs(host))
+        row["landed_equal"] = all(row.get(f"{h}_landed_equal", True) for h in ("ipc", "ipc_slab", "nixl"))
         rows.append(row)
-        print(f"{mib} MiB: IPC GPU to GPU {row['ipc_gpu_to_gpu_ms_p50']:.2f} ms p50 = {row['ipc_gpu_to_gpu_gbs']:.1f} "
-              f"GB/s (landed equal: {ok}); in-process GPU to GPU {row['peer_copy_gbs']:.1f} GB/s, on one GPU "
-              f"{row['same_gpu_copy_gbs']:.1f}, through pinned host {row['through_pinned_host_gbs']:.1f}", flush=True)
+        ways = ", ".join(f"{h} {row[f'{h}_ms_p50']:.2f} ms p50 = {row[f'{h}_gbs']:.1f} GB/s" if f"{h}_ms_p50" in row
+                         else f"{h}: {row.get(f'{h}_error', '?')}" for h in ("ipc", "ipc_slab", "nixl"))
+        print(f"{mib} MiB: {ways} (landed equal: {row['landed_equal']}); in-process GPU to GPU "
+              f"{row['peer_copy_gbs']:.1f} GB/s, on one GPU {row['same_gpu_copy_gbs']:.1f}, through pinned host "
+              f"{row['through_pinned_host_gbs']:.1f}", flush=True)
         del src, on_a, on_b, pinned
     parent.send(None)
     proc.join(30)

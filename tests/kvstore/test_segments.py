@@ -1,0 +1,77 @@
+"""A worker's maps of its host's store arena (``kvstore.segments``): the first segment it reads queues the rest of
+the arena for registration, so that registering does not follow its reads through a replay."""
+
+import os
+
+import pytest
+import torch
+
+from services.kvstore.segments import SharedSegments
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_unregister(monkeypatch):
+    """A pinned map is unregistered when closed; here nothing was registered with CUDA (registering is stubbed)."""
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: type("R", (), dict(cudaHostUnregister=lambda self, ptr: 0))())
+
+
+def _arena(tmp_path, n: int, size: int = 1 << 16):
+    for i in range(n):
+        with open(tmp_path / f"seg-{i:04d}", "wb") as f:
+            f.truncate(size)
+    (tmp_path / "not-a-segment").write_bytes(b"x")
+    return [str(tmp_path / f"seg-{i:04d}") for i in range(n)]
+
+
+def test_the_first_segment_read_registers_every_segment_of_its_arena(tmp_path, monkeypatch):
+    paths = _arena(tmp_path, 4)
+    registered = []
+
+    def register(self, seg):
+        registered.append(seg.path)
+        self.registered_bytes += seg.size
+        return True
+
+    monkeypatch.setattr(SharedSegments, "_register", register)
+    segs = SharedSegments(pin=True)
+    try:
+        first = segs.open(paths[2])
+        segs._registrar.submit(lambda: None).result(timeout=30)     # what was queued before it has run
+        segs._registrar.submit(lambda: None).result(timeout=30)     # and what that queued
+        assert sorted(registered) == sorted(paths) and len(registered) == 4      # each once, the stray file not
+        assert first.pinned and segs.registered_bytes == 4 << 16
+        assert segs.open(paths[0]).pinned                            # already mapped: the same map, no new work
+        assert len(registered) == 4
+    finally:
+        segs.close()
+
+
+def test_without_pinning_only_what_is_read_is_mapped(tmp_path):
+    paths = _arena(tmp_path, 3)
+    segs = SharedSegments(pin=False)
+    try:
+        seg = segs.open(paths[1])
+        assert seg.registered is None and segs._registrar is None and list(segs._maps) == [paths[1]]
+    finally:
+        segs.close()
+
+
+def test_a_segment_that_vanishes_before_the_arena_is_met_is_skipped(tmp_path, monkeypatch):
+    paths = _arena(tmp_path, 3)
+    monkeypatch.setattr(SharedSegments, "_register", lambda self, seg: True)
+    real_listdir = os.listdir
+
+    def listdir(d):
+        names = real_listdir(d)
+        os.unlink(paths[2])          # gone between the listing and its map
+        return names
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    segs = SharedSegments(pin=True)
+    try:
+        segs.open(paths[0])
+        segs._registrar.submit(lambda: None).result(timeout=30)
+        segs._registrar.submit(lambda: None).result(timeout=30)
+        assert sorted(segs._maps) == sorted(paths[:2])
+    finally:
+        segs.close()
