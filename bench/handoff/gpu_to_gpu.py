@@ -124,7 +124,10 @@ def main() -> int:
                     piece, shared = share_from_slab(buf, slab)
                     msg = ("ipc", shared.SerializeToString())
                 else:
-                    piece, offer = nixl.offer_from_slab(endpoint, buf)
+                    try:
+                        piece, offer = nixl.offer_from_slab(endpoint, buf)
+                    except Exception as exc:       # noqa: BLE001 - e.g. UCX cannot register GPU memory here
+                        return child_s, parent_s, False, f"offer: {type(exc).__name__}: {exc}"
                     msg = ("nixl", offer.to_bytes(), n)
                 sent = time.perf_counter() - t0
                 parent.send(msg)
