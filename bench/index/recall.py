@@ -15,6 +15,11 @@ its Python binding, so faiss' HNSW stands for HNSW.
 
     .venv/bin/python bench/index/recall.py                 # writes bench/index/DATE_cpu_COMMIT_recall.{json,png}
     .venv/bin/python bench/index/recall.py --options '{"repair_rounds": 0}' --what no_repair --skip-peers
+    .venv/bin/python bench/index/recall.py --spread --skip-peers --grouped unit,raw --cold 160 --what grouped
+
+``--grouped``: each GQA group's query heads also searched in one traversal (``_search.search_group_batch``), the
+queries sampled by position; recall per query head, scanned per query head as the group's keys read over G.
+``--cold N``: both ways also timed with the keys out of cache (``cold_times``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loadgen.quality.qk_dump import dump_qk          # noqa: E402
 from services.index import AttentionIndex            # noqa: E402
+from services.index._search import search_batch, search_group_batch   # noqa: E402
+
+# --grouped: how a group's traversal combines its heads' scores to order its queue (services/index/_search.py)
+NAVIGATION = {"unit": 0, "raw": 1}
 
 
 def recall(keys, queries, ids, kth):
@@ -70,7 +79,7 @@ def one_thread_search(index, queries, k):
         faiss.omp_set_num_threads(threads)
 
 
-def run_ours(head, kth, k, beams, options):
+def run_ours(head, kth, k, beams, options, group=1):
     t0 = time.perf_counter()
     index = AttentionIndex.build(head.keys, head.queries, **options)
     build_s = time.perf_counter() - t0
@@ -78,11 +87,37 @@ def run_ours(head, kth, k, beams, options):
     for beam in beams:
         t0 = time.perf_counter()
         ids, scanned = index.search(head.heldout, k, beam=beam)
-        us = (time.perf_counter() - t0) / len(head.heldout) * 1e6
+        seconds = time.perf_counter() - t0
         rows.append({"setting": beam, "recall": recall(head.keys, head.heldout, ids, kth),
-                     "scanned": float(scanned.mean() / index.num_keys), "us_per_query": us})
-    return {"build_s": build_s, "bytes_per_key": len(index.to_bytes()) / index.num_keys,
-            "edges_per_key": index.num_edges / index.num_keys, "rows": rows}
+                     "scanned": float(scanned.mean() / index.num_keys),
+                     "us_per_query": seconds / len(head.heldout) * 1e6,
+                     "us_per_group": seconds / len(head.heldout) * group * 1e6})
+    return index, {"build_s": build_s, "bytes_per_key": len(index.to_bytes()) / index.num_keys,
+                   "edges_per_key": index.num_edges / index.num_keys, "rows": rows}
+
+
+def run_grouped(index, head, kth, k, beams, group, mode):
+    """The same index searched one traversal a GQA group (``search_group_batch``): the heldout rows are the group's
+    heads one after another (qk_dump.HeadQK), so position i's group is rows i, Q + i, ... Recall is per query head;
+    scanned is the group's keys read over ``group``, per query head as the per-head search counts them."""
+    q = np.ascontiguousarray(head.heldout.reshape(group, -1, head.heldout.shape[1]).transpose(1, 0, 2))   # [Q, G, D]
+    g = index.graph
+    ids, scores, scanned = np.empty((1, group, k), np.int64), np.empty((1, group, k), np.float32), np.empty(1, np.int64)
+    search_group_batch(index.keys, g.offsets, g.targets, g.entries, q[:1], k, k, ids, scores, scanned, mode)  # compiled
+    rows = []
+    for beam in beams:
+        ids = np.empty((q.shape[0], group, k), np.int64)
+        scores = np.empty((q.shape[0], group, k), np.float32)
+        scanned = np.empty(q.shape[0], np.int64)
+        t0 = time.perf_counter()
+        search_group_batch(index.keys, g.offsets, g.targets, g.entries, q, beam, k, ids, scores, scanned, mode)
+        seconds = time.perf_counter() - t0
+        flat = np.ascontiguousarray(ids.transpose(1, 0, 2).reshape(-1, k))     # back to the heldout's row order
+        rows.append({"setting": beam, "recall": recall(head.keys, head.heldout, flat, kth),
+                     "scanned": float(scanned.mean() / group / index.num_keys),
+                     "us_per_query": seconds / len(head.heldout) * 1e6,
+                     "us_per_group": seconds / q.shape[0] * 1e6})
+    return {"rows": rows}
 
 
 def run_hnsw(head, kth, k, efs, m):
@@ -128,6 +163,49 @@ def run_ivf(head, kth, k, nprobes, nlist):
     return {"build_s": build_s, "bytes_per_key": len(faiss.serialize_index(index)) / n, "rows": rows}
 
 
+def cold_times(index, head, k, beams, group, modes, copies, reps=3):
+    """Search time a group with the keys coming from memory, not cache: ``copies`` copies of the index (keys and
+    graph, over the machine's last-level cache together), position i's group searching copy i % copies. Per head,
+    the group's G queries search one after another on their copy (as ``IndexSet`` does a pair's query heads on one
+    thread: the later heads find the keys the first read still cached); grouped, one traversal. Per beam and way:
+    us a group and ns a key read, the best of ``reps`` passes (the ways interleaved)."""
+    q = np.ascontiguousarray(head.heldout.reshape(group, -1, head.heldout.shape[1]).transpose(1, 0, 2))   # [Q, G, D]
+    g = index.graph
+    made = [(np.array(index.keys), g.offsets.copy(), g.targets.copy(), g.entries.copy()) for _ in range(copies)]
+    ids, scores, scanned = np.empty((group, k), np.int64), np.empty((group, k), np.float32), np.empty(group, np.int64)
+    gids, gscores, gscanned = ids[None], scores[None], np.empty(1, np.int64)
+
+    def per_head(beam):
+        read = 0
+        for i in range(q.shape[0]):
+            search_batch(*made[i % copies], q[i], beam, k, ids, scores, scanned)
+            read += int(scanned.sum())
+        return read
+
+    def grouped(beam, mode):
+        read = 0
+        for i in range(q.shape[0]):
+            search_group_batch(*made[i % copies], q[i:i + 1], beam, k, gids, gscores, gscanned, mode)
+            read += int(gscanned[0])
+        return read
+
+    search_batch(*made[0], q[0], k, k, ids, scores, scanned)          # compiled for the copies' (writable) arrays
+    search_group_batch(*made[0], q[:1], k, k, gids, gscores, gscanned, 0)
+    ways = {"per_head": per_head, **{f"grouped_{m}": (lambda beam, m=m: grouped(beam, NAVIGATION[m])) for m in modes}}
+    out = []
+    for beam in beams:
+        best = {w: np.inf for w in ways}
+        read = {}
+        for _ in range(reps):
+            for w, fn in ways.items():
+                t0 = time.perf_counter()
+                read[w] = fn(beam)
+                best[w] = min(best[w], time.perf_counter() - t0)
+        out.append({"setting": beam, **{w: {"us_per_group": best[w] / q.shape[0] * 1e6,
+                                            "ns_per_key": best[w] / read[w] * 1e9} for w in ways}})
+    return {"copies": copies, "bytes": sum(sum(a.nbytes for a in c) for c in made), "reps": reps, "rows": out}
+
+
 def summarize(results, k):
     """Per method and setting: recall and scanned averaged over heads; per method: scanned at recall 0.9/0.95."""
     out = {}
@@ -136,16 +214,20 @@ def summarize(results, k):
         rows = [{"setting": row["setting"],
                  "recall": float(np.mean([p["rows"][i]["recall"] for p in per])),
                  "scanned": float(np.mean([p["rows"][i]["scanned"] for p in per])),
-                 "us_per_query": float(np.mean([p["rows"][i]["us_per_query"] for p in per]))}
+                 "us_per_query": float(np.mean([p["rows"][i]["us_per_query"] for p in per])),
+                 **({"us_per_group": float(np.mean([p["rows"][i]["us_per_group"] for p in per]))}
+                    if "us_per_group" in row else {})}
                 for i, row in enumerate(per[0]["rows"])]
         reach = {}
         for target in (0.9, 0.95):
             each = [at_recall([(x["recall"], x["scanned"]) for x in p["rows"]], target) for p in per]
             reach[str(target)] = {"mean": float(np.mean(each)) if None not in each else None,
                                   "max": max(each) if None not in each else None, "per_head": each}
-        out[method] = {"rows": rows, "scanned_at_recall": reach,
-                       "build_s_per_1k_keys": float(np.mean([p["build_s"] / results[0]["num_keys"] * 1000 for p in per])),
-                       "bytes_per_key": float(np.mean([p["bytes_per_key"] for p in per]))}
+        out[method] = {"rows": rows, "scanned_at_recall": reach}
+        if "build_s" in per[0]:
+            out[method]["build_s_per_1k_keys"] = float(np.mean([p["build_s"] / results[0]["num_keys"] * 1000
+                                                                for p in per]))
+            out[method]["bytes_per_key"] = float(np.mean([p["bytes_per_key"] for p in per]))
     return out
 
 
@@ -156,7 +238,8 @@ def plot(results, summary, k, path, title):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
-    colors = {"ours": "tab:red", "hnsw": "tab:blue", "ivf": "tab:green"}
+    colors = {"ours": "tab:red", "hnsw": "tab:blue", "ivf": "tab:green", "grouped_unit": "tab:orange",
+              "grouped_raw": "tab:purple"}
     for method, s in summary.items():
         axes[0].plot([100 * r["scanned"] for r in s["rows"]], [r["recall"] for r in s["rows"]], marker="o",
                      color=colors.get(method), label=f"{method} (mean of {len(results)} heads)")
@@ -209,6 +292,12 @@ def main() -> None:
     ap.add_argument("--skip-peers", action="store_true", help="ours only")
     ap.add_argument("--queries", type=int, default=0,
                     help="search a seeded sample of this many of a head's held-out queries (0: all of them)")
+    ap.add_argument("--grouped", default="",
+                    help="also search each GQA group's query heads in one traversal, navigating by these combined "
+                         f"scores ({','.join(NAVIGATION)}); the queries sampled by position (every head of one)")
+    ap.add_argument("--cold", type=int, default=0, metavar="COPIES",
+                    help="with --grouped: also time both ways with the keys out of cache, over this many copies of "
+                         "each index (per head and grouped, one thread)")
     ap.add_argument("--what", default="recall", help="the output files' last name part")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a run's JSON")
@@ -230,20 +319,37 @@ def main() -> None:
         wanted = {tuple(int(x) for x in pair.split(":")) for pair in args.heads.split(",")}
         heads = [h for h in heads if (h.layer, h.kv_head) in wanted]
     results = []
+    navigation = [m for m in args.grouped.split(",") if m]
+    if any(m not in NAVIGATION for m in navigation):
+        ap.error(f"--grouped takes some of {','.join(NAVIGATION)}, got {args.grouped!r}")
+    group = heads[0].queries.shape[0] // heads[0].keys.shape[0]      # query heads a KV head (qk_dump.HeadQK)
     for head in heads:
-        if args.queries and head.heldout.shape[0] > args.queries:
+        if navigation and args.queries and head.heldout.shape[0] > args.queries:    # whole groups: positions
+            per = head.heldout.reshape(group, -1, head.heldout.shape[1])
+            pick = np.sort(np.random.default_rng(args.seed).choice(per.shape[1], args.queries // group, replace=False))
+            head = dataclasses.replace(head, heldout=np.ascontiguousarray(per[:, pick].reshape(-1, per.shape[2])))
+        elif args.queries and head.heldout.shape[0] > args.queries:
             pick = np.sort(np.random.default_rng(args.seed).choice(head.heldout.shape[0], args.queries, replace=False))
             head = dataclasses.replace(head, heldout=np.ascontiguousarray(head.heldout[pick]))
         flat = faiss.IndexFlatIP(head.keys.shape[1])
         flat.add(head.keys)
         kth = flat.search(head.heldout, args.k)[0][:, -1]
-        methods = {"ours": run_ours(head, kth, args.k, beams, options)}
+        index, ours = run_ours(head, kth, args.k, beams, options, group)
+        methods = {"ours": ours}
+        for m in navigation:
+            methods[f"grouped_{m}"] = run_grouped(index, head, kth, args.k, beams, group, NAVIGATION[m])
         if not args.skip_peers:
             methods["hnsw"] = run_hnsw(head, kth, args.k, efs, args.hnsw_m)
             methods["ivf"] = run_ivf(head, kth, args.k, nprobes, args.nlist)
         results.append({"layer": head.layer, "kv_head": head.kv_head, "num_keys": int(head.keys.shape[0]),
                         "train_queries": int(head.queries.shape[0]), "heldout_queries": int(head.heldout.shape[0]),
                         "methods": methods})
+        if navigation and args.cold:
+            results[-1]["cold"] = cold_times(index, head, args.k, beams, group, navigation, args.cold)
+            print("  cold, us a group (ns a key read): " + "  ".join(
+                f"beam {r['setting']}: " + ", ".join(f"{w} {v['us_per_group']:.0f} ({v['ns_per_key']:.0f})"
+                                                     for w, v in r.items() if w != "setting")
+                for r in results[-1]["cold"]["rows"]), flush=True)
         line = "  ".join(f"{m} " + " ".join(f"{r['recall']:.3f}@{100 * r['scanned']:.1f}%" for r in v["rows"][:3])
                          for m, v in methods.items())
         print(f"layer {head.layer} kv head {head.kv_head} (N={head.keys.shape[0]}): {line}", flush=True)
@@ -252,26 +358,40 @@ def main() -> None:
     n = results[0]["num_keys"]
     print(f"\nrecall@{args.k} and keys scanned, mean over {len(results)} (layer, KV head) of {n} keys each "
           f"({args.task}, {args.prompts} prompts{', spread' if args.spread else ''}); CPU, {len(os.sched_getaffinity(0))} cores, commit {commit}")
-    print(f"{'method':<6} {'setting':>8} {'recall':>7} {'scanned':>8} {'keys':>6} {'us/query':>9}")
+    print(f"{'method':<14} {'setting':>8} {'recall':>7} {'scanned':>8} {'keys':>6} {'us/query':>9} {'us/group':>9}")
     for method, s in summary.items():
         for r in s["rows"]:
-            print(f"{method:<6} {r['setting']:>8} {r['recall']:7.3f} {100 * r['scanned']:7.2f}% "
-                  f"{r['scanned'] * n:6.0f} {r['us_per_query']:9.1f}")
+            per_group = f"{r['us_per_group']:9.1f}" if "us_per_group" in r else ""
+            print(f"{method:<14} {r['setting']:>8} {r['recall']:7.3f} {100 * r['scanned']:7.2f}% "
+                  f"{r['scanned'] * n:6.0f} {r['us_per_query']:9.1f} {per_group}")
     print(f"\n{'method':<6} {'scanned@0.90':>13} {'scanned@0.95 (mean / worst head)':>34} {'build s/1K keys':>16} "
           f"{'bytes/key':>10}")
     for method, s in summary.items():
         def pct(x):
             return "never" if x is None else f"{100 * x:.2f}%"
         r90, r95 = s["scanned_at_recall"]["0.9"], s["scanned_at_recall"]["0.95"]
-        print(f"{method:<6} {pct(r90['mean']):>13} {pct(r95['mean']) + ' / ' + pct(r95['max']):>34} "
-              f"{s['build_s_per_1k_keys']:16.3f} {s['bytes_per_key']:10.0f}")
+        build = f"{s['build_s_per_1k_keys']:16.3f} {s['bytes_per_key']:10.0f}" if "bytes_per_key" in s else ""
+        print(f"{method:<14} {pct(r90['mean']):>13} {pct(r95['mean']) + ' / ' + pct(r95['max']):>34} {build}")
+
+    cold = None
+    if "cold" in results[0]:
+        rows = [r["cold"]["rows"] for r in results]
+        cold = [{"setting": row["setting"], **{w: {x: float(np.mean([hr[i][w][x] for hr in rows]))
+                                                   for x in ("us_per_group", "ns_per_key")}
+                                               for w in row if w != "setting"}} for i, row in enumerate(rows[0])]
+        print(f"\nkeys out of cache ({results[0]['cold']['copies']} copies of each index), one thread, mean over "
+              f"heads: us a group (ns a key read)")
+        for row in cold:
+            print(f"beam {row['setting']:>5}: " + "  ".join(f"{w} {v['us_per_group']:.0f} ({v['ns_per_key']:.0f})"
+                                                          for w, v in row.items() if w != "setting"))
 
     stem = Path(args.out) / f"{started:%Y-%m-%d}_cpu_{commit}_{args.what}"
     doc = {"started_utc": started.isoformat(timespec="seconds"), "commit": commit, "argv": sys.argv[1:],
            "device": f"CPU, {len(os.sched_getaffinity(0))} cores", "task": args.task, "prompts": args.prompts, "spread": args.spread,
            "seed": args.seed, "k": args.k, "options": options, "hnsw_m": args.hnsw_m, "nlist": args.nlist,
-           "queries_sampled": args.queries or None,
+           "queries_sampled": args.queries or None, "group": group, "grouped": navigation,
            "seconds": (dt.datetime.now(dt.timezone.utc) - started).total_seconds(), "summary": summary,
+           "cold_summary": cold,
            "heads": results}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     plot(results, summary, args.k, stem.with_suffix(".png"), _title(doc))
