@@ -1,8 +1,11 @@
 """A client's read-only maps of its host's store arena segments (``arena.Arena``), registered with CUDA once each.
 
 The first read from a segment maps it; with ``pin`` (a GPU's worker) a background thread then registers the map with
-CUDA (read-only, portable: ~35-50 ms a GiB on an H100 host), after which copies from it to any GPU run at the pinned
-host-to-device rate with no staging copy. Until then the same views copy as pageable memory, synchronously. The
+CUDA for the GPU that read it (read-only: ~35-50 ms a GiB on an H100 host), after which copies from it to that GPU run
+at the pinned host-to-device rate with no staging copy. Until then the same views copy as pageable memory,
+synchronously, as do copies to another GPU. Registering "portable" (for every GPU the process sees, as a worker of a
+four-GPU host sees four) is what it did before, and cost a worker seconds of a replay: ``bench/kvstore/register.py``
+times both. The
 first segment of a directory also queues every other segment already there (``seg-*``): a worker meets the arena
 at its first read and registers the whole of it then, in the background, instead of one segment at a time as its
 reads reach them while it serves (eight workers of a four-GPU host registering 32 GiB each were seen doing so for
@@ -26,7 +29,7 @@ from services.kvstore.arena import GENERATION_AT
 
 log = logging.getLogger(__name__)
 
-_READ_ONLY, _PORTABLE = 8, 1        # cudaHostRegisterReadOnly, cudaHostRegisterPortable
+_READ_ONLY = 8                      # cudaHostRegisterReadOnly
 
 
 class Segment:
@@ -69,6 +72,7 @@ class SharedSegments:
         self._lock = threading.Lock()
         self._registrar: ThreadPoolExecutor | None = None
         self._met: set[str] = set()         # directories whose other segments were queued
+        self.device: int | None = None      # the GPU registrations are for: the first reader's current one
         self.registered_bytes = 0
         self.register_seconds = 0.0         # spent in cudaHostRegister, summed
 
@@ -91,6 +95,8 @@ class SharedSegments:
                     seg.close()
                 seg = self._maps[path] = Segment(path, fd, ident, st.st_size)
                 if self.pin:
+                    if self.device is None:
+                        self.device = torch.cuda.current_device()
                     if self._registrar is None:
                         self._registrar = ThreadPoolExecutor(1, thread_name_prefix="kv-segment-pin")
                     seg.registered = self._registrar.submit(self._register, seg)
@@ -115,8 +121,9 @@ class SharedSegments:
                 pass
 
     def _register(self, seg: Segment) -> bool:
+        torch.cuda.set_device(self.device)        # this thread's registrations are for the reader's GPU
         cudart = torch.cuda.cudart()
-        for flags in (_READ_ONLY | _PORTABLE, _READ_ONLY):
+        for flags in (_READ_ONLY, 0):
             t0 = time.perf_counter()
             done = int(cudart.cudaHostRegister(seg.array.ctypes.data, seg.size, flags)) == 0
             self.register_seconds += time.perf_counter() - t0

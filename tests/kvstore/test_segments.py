@@ -13,6 +13,7 @@ from services.kvstore.segments import SharedSegments
 def _no_cuda_unregister(monkeypatch):
     """A pinned map is unregistered when closed; here nothing was registered with CUDA (registering is stubbed)."""
     monkeypatch.setattr(torch.cuda, "cudart", lambda: type("R", (), dict(cudaHostUnregister=lambda self, ptr: 0))())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
 
 def _arena(tmp_path, n: int, size: int = 1 << 16):
@@ -75,3 +76,37 @@ def test_a_segment_that_vanishes_before_the_arena_is_met_is_skipped(tmp_path, mo
         assert sorted(segs._maps) == sorted(paths[:2])
     finally:
         segs.close()
+
+
+def test_a_segment_is_registered_read_only_for_the_readers_gpu_not_for_every_gpu(tmp_path, monkeypatch):
+    """Portable registration maps a segment for every GPU the process sees (a worker of a four-GPU host sees four)
+    and cost workers seconds of a replay; the reader's GPU alone is asked for, made current on the registering
+    thread. A driver that refuses read-only gets a plain registration."""
+    paths = _arena(tmp_path, 1)
+    calls, devices = [], []
+
+    class Cudart:
+        def __init__(self, refuse):
+            self.refuse = refuse
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(flags)
+            return 1 if flags in self.refuse else 0
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    for refuse, want in (((), [8]), ((8,), [8, 0])):
+        calls.clear()
+        monkeypatch.setattr(torch.cuda, "cudart", lambda refuse=refuse: Cudart(refuse))
+        segs = SharedSegments(pin=True)
+        try:
+            seg = segs.open(paths[0])
+            assert seg.registered.result(timeout=30) is True
+            assert calls == want and not any(f & 1 for f in calls)        # never cudaHostRegisterPortable
+            assert segs.device == 3 and devices[-1] == 3 and segs.registered_bytes == 1 << 16
+            assert segs.register_seconds >= 0
+        finally:
+            segs.close()
