@@ -15,9 +15,9 @@ its Python binding, so faiss' HNSW stands for HNSW.
 
     .venv/bin/python bench/index/recall.py                 # writes bench/index/DATE_cpu_COMMIT_recall.{json,png}
     .venv/bin/python bench/index/recall.py --options '{"repair_rounds": 0}' --what no_repair --skip-peers
-    .venv/bin/python bench/index/recall.py --spread --skip-peers --grouped unit,raw --cold 160 --what grouped
+    .venv/bin/python bench/index/recall.py --spread --skip-peers --grouped --cold 160 --what grouped
 
-``--grouped``: each GQA group's query heads also searched in one traversal (``_search.search_group_batch``), the
+``--grouped``: each GQA group's query heads also searched in one traversal (``AttentionIndex.search_group``), the
 queries sampled by position; recall per query head, scanned per query head as the group's keys read over G.
 ``--cold N``: both ways also timed with the keys out of cache (``cold_times``).
 """
@@ -40,10 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loadgen.quality.qk_dump import dump_qk          # noqa: E402
 from services.index import AttentionIndex            # noqa: E402
-from services.index._search import search_batch, search_group_batch   # noqa: E402
-
-# --grouped: how a group's traversal combines its heads' scores to order its queue (services/index/_search.py)
-NAVIGATION = {"unit": 0, "raw": 1}
+from services.index._search import search_batch                # noqa: E402
+from services.index._search_group import search_group_batch    # noqa: E402
 
 
 def recall(keys, queries, ids, kth):
@@ -96,21 +94,16 @@ def run_ours(head, kth, k, beams, options, group=1):
                    "edges_per_key": index.num_edges / index.num_keys, "rows": rows}
 
 
-def run_grouped(index, head, kth, k, beams, group, mode):
-    """The same index searched one traversal a GQA group (``search_group_batch``): the heldout rows are the group's
-    heads one after another (qk_dump.HeadQK), so position i's group is rows i, Q + i, ... Recall is per query head;
+def run_grouped(index, head, kth, k, beams, group):
+    """The same index searched one traversal a GQA group (``AttentionIndex.search_group``): the heldout rows are the
+    group's heads one after another (qk_dump.HeadQK), so position i's group is rows i, Q + i, ... Recall is per query head;
     scanned is the group's keys read over ``group``, per query head as the per-head search counts them."""
     q = np.ascontiguousarray(head.heldout.reshape(group, -1, head.heldout.shape[1]).transpose(1, 0, 2))   # [Q, G, D]
-    g = index.graph
-    ids, scores, scanned = np.empty((1, group, k), np.int64), np.empty((1, group, k), np.float32), np.empty(1, np.int64)
-    search_group_batch(index.keys, g.offsets, g.targets, g.entries, q[:1], k, k, ids, scores, scanned, mode)  # compiled
+    index.search_group(q[:1], k)            # compiled before the clock runs
     rows = []
     for beam in beams:
-        ids = np.empty((q.shape[0], group, k), np.int64)
-        scores = np.empty((q.shape[0], group, k), np.float32)
-        scanned = np.empty(q.shape[0], np.int64)
         t0 = time.perf_counter()
-        search_group_batch(index.keys, g.offsets, g.targets, g.entries, q, beam, k, ids, scores, scanned, mode)
+        ids, scanned = index.search_group(q, k, beam=beam)
         seconds = time.perf_counter() - t0
         flat = np.ascontiguousarray(ids.transpose(1, 0, 2).reshape(-1, k))     # back to the heldout's row order
         rows.append({"setting": beam, "recall": recall(head.keys, head.heldout, flat, kth),
@@ -163,7 +156,7 @@ def run_ivf(head, kth, k, nprobes, nlist):
     return {"build_s": build_s, "bytes_per_key": len(faiss.serialize_index(index)) / n, "rows": rows}
 
 
-def cold_times(index, head, k, beams, group, modes, copies, reps=3):
+def cold_times(index, head, k, beams, group, copies, reps=3):
     """Search time a group with the keys coming from memory, not cache: ``copies`` copies of the index (keys and
     graph, over the machine's last-level cache together), position i's group searching copy i % copies. Per head,
     the group's G queries search one after another on their copy (as ``IndexSet`` does a pair's query heads on one
@@ -182,16 +175,16 @@ def cold_times(index, head, k, beams, group, modes, copies, reps=3):
             read += int(scanned.sum())
         return read
 
-    def grouped(beam, mode):
+    def grouped(beam):
         read = 0
         for i in range(q.shape[0]):
-            search_group_batch(*made[i % copies], q[i:i + 1], beam, k, gids, gscores, gscanned, mode)
+            search_group_batch(*made[i % copies], q[i:i + 1], beam, k, gids, gscores, gscanned)
             read += int(gscanned[0])
         return read
 
     search_batch(*made[0], q[0], k, k, ids, scores, scanned)          # compiled for the copies' (writable) arrays
-    search_group_batch(*made[0], q[:1], k, k, gids, gscores, gscanned, 0)
-    ways = {"per_head": per_head, **{f"grouped_{m}": (lambda beam, m=m: grouped(beam, NAVIGATION[m])) for m in modes}}
+    search_group_batch(*made[0], q[:1], k, k, gids, gscores, gscanned)
+    ways = {"per_head": per_head, "grouped": grouped}
     out = []
     for beam in beams:
         best = {w: np.inf for w in ways}
@@ -238,8 +231,7 @@ def plot(results, summary, k, path, title):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
-    colors = {"ours": "tab:red", "hnsw": "tab:blue", "ivf": "tab:green", "grouped_unit": "tab:orange",
-              "grouped_raw": "tab:purple"}
+    colors = {"ours": "tab:red", "hnsw": "tab:blue", "ivf": "tab:green", "grouped": "tab:orange"}
     for method, s in summary.items():
         axes[0].plot([100 * r["scanned"] for r in s["rows"]], [r["recall"] for r in s["rows"]], marker="o",
                      color=colors.get(method), label=f"{method} (mean of {len(results)} heads)")
@@ -292,9 +284,9 @@ def main() -> None:
     ap.add_argument("--skip-peers", action="store_true", help="ours only")
     ap.add_argument("--queries", type=int, default=0,
                     help="search a seeded sample of this many of a head's held-out queries (0: all of them)")
-    ap.add_argument("--grouped", default="",
-                    help="also search each GQA group's query heads in one traversal, navigating by these combined "
-                         f"scores ({','.join(NAVIGATION)}); the queries sampled by position (every head of one)")
+    ap.add_argument("--grouped", action="store_true",
+                    help="also search each GQA group's query heads in one traversal (AttentionIndex.search_group); "
+                         "the queries sampled by position (every head of one)")
     ap.add_argument("--cold", type=int, default=0, metavar="COPIES",
                     help="with --grouped: also time both ways with the keys out of cache, over this many copies of "
                          "each index (per head and grouped, one thread)")
@@ -319,12 +311,9 @@ def main() -> None:
         wanted = {tuple(int(x) for x in pair.split(":")) for pair in args.heads.split(",")}
         heads = [h for h in heads if (h.layer, h.kv_head) in wanted]
     results = []
-    navigation = [m for m in args.grouped.split(",") if m]
-    if any(m not in NAVIGATION for m in navigation):
-        ap.error(f"--grouped takes some of {','.join(NAVIGATION)}, got {args.grouped!r}")
     group = heads[0].queries.shape[0] // heads[0].keys.shape[0]      # query heads a KV head (qk_dump.HeadQK)
     for head in heads:
-        if navigation and args.queries and head.heldout.shape[0] > args.queries:    # whole groups: positions
+        if args.grouped and args.queries and head.heldout.shape[0] > args.queries:    # whole groups: positions
             per = head.heldout.reshape(group, -1, head.heldout.shape[1])
             pick = np.sort(np.random.default_rng(args.seed).choice(per.shape[1], args.queries // group, replace=False))
             head = dataclasses.replace(head, heldout=np.ascontiguousarray(per[:, pick].reshape(-1, per.shape[2])))
@@ -336,16 +325,16 @@ def main() -> None:
         kth = flat.search(head.heldout, args.k)[0][:, -1]
         index, ours = run_ours(head, kth, args.k, beams, options, group)
         methods = {"ours": ours}
-        for m in navigation:
-            methods[f"grouped_{m}"] = run_grouped(index, head, kth, args.k, beams, group, NAVIGATION[m])
+        if args.grouped:
+            methods["grouped"] = run_grouped(index, head, kth, args.k, beams, group)
         if not args.skip_peers:
             methods["hnsw"] = run_hnsw(head, kth, args.k, efs, args.hnsw_m)
             methods["ivf"] = run_ivf(head, kth, args.k, nprobes, args.nlist)
         results.append({"layer": head.layer, "kv_head": head.kv_head, "num_keys": int(head.keys.shape[0]),
                         "train_queries": int(head.queries.shape[0]), "heldout_queries": int(head.heldout.shape[0]),
                         "methods": methods})
-        if navigation and args.cold:
-            results[-1]["cold"] = cold_times(index, head, args.k, beams, group, navigation, args.cold)
+        if args.grouped and args.cold:
+            results[-1]["cold"] = cold_times(index, head, args.k, beams, group, args.cold)
             print("  cold, us a group (ns a key read): " + "  ".join(
                 f"beam {r['setting']}: " + ", ".join(f"{w} {v['us_per_group']:.0f} ({v['ns_per_key']:.0f})"
                                                      for w, v in r.items() if w != "setting")
@@ -389,7 +378,7 @@ def main() -> None:
     doc = {"started_utc": started.isoformat(timespec="seconds"), "commit": commit, "argv": sys.argv[1:],
            "device": f"CPU, {len(os.sched_getaffinity(0))} cores", "task": args.task, "prompts": args.prompts, "spread": args.spread,
            "seed": args.seed, "k": args.k, "options": options, "hnsw_m": args.hnsw_m, "nlist": args.nlist,
-           "queries_sampled": args.queries or None, "group": group, "grouped": navigation,
+           "queries_sampled": args.queries or None, "group": group, "grouped": args.grouped,
            "seconds": (dt.datetime.now(dt.timezone.utc) - started).total_seconds(), "summary": summary,
            "cold_summary": cold,
            "heads": results}

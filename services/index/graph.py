@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from services.index._search import search_attend, search_batch
+from services.index._search_group import search_attend_group, search_group_batch
 from services.index.build import BuildConfig, Graph, build_graph, repair_graph
 from services.index.format import IndexFormatError, IndexParts, check_graph, decode, encode
 
@@ -141,10 +142,7 @@ class AttentionIndex:
         padded) and scanned int64 ``[B]`` (keys scored). ``beam`` (>= k; default max(k, DEFAULT_BEAM)) is
         the search list size: larger finds more of the true top-k and scores more keys."""
         queries = _matrix("queries", queries, dim=self.dim, allow_empty=True)
-        k = _count("k", k, 1)
-        beam = max(k, DEFAULT_BEAM) if beam is None else _count("beam", beam, 1)
-        if beam < k:
-            raise ValueError(f"beam must be >= k ({k}), got {beam}")
+        k, beam = self._beam(k, beam)
         if k >= self.num_keys or beam >= self.num_keys:
             return self._exact(queries, k)
         return _search(self._keys, self._graph, queries, k, beam)
@@ -166,13 +164,8 @@ class AttentionIndex:
         (natural log of the summed exp of the scaled scores q.k * scale) and scanned int64 ``[B]``. One compiled
         call without the GIL; the scores are the search's own. ``k >= num_keys`` attends every key, exactly."""
         queries = _matrix("queries", queries, dim=self.dim, allow_empty=True)
-        if values.dtype != np.float32 or values.ndim != 2 or values.shape[0] != self.num_keys:
-            raise ValueError(f"values must be float32 [{self.num_keys}, Dv], got {values.dtype} {values.shape}")
-        values = np.ascontiguousarray(values)
-        k = _count("k", k, 1)
-        beam = max(k, DEFAULT_BEAM) if beam is None else _count("beam", beam, 1)
-        if beam < k:
-            raise ValueError(f"beam must be >= k ({k}), got {beam}")
+        values = self._values(values)
+        k, beam = self._beam(k, beam)
         b = queries.shape[0]
         if k >= self.num_keys or beam >= self.num_keys:
             logits = (queries @ self._keys.T).astype(np.float64) * scale          # [B, N]
@@ -189,6 +182,63 @@ class AttentionIndex:
             search_attend(self._keys, g.offsets, g.targets, g.entries, values, queries, beam, k, float(scale), out,
                           lse, scanned)
         return out, lse, scanned
+
+    def search_group(self, queries, k: int = 100, *, beam: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``search`` for GQA groups: queries float32 ``[B, G, D]`` (the G query heads reading this KV head), each
+        group searched in one traversal that reads a key once for all G (``_search_group``): ids int64 ``[B, G, k]``
+        (each head's own top-k, best first, -1 padded) and scanned int64 ``[B]`` (keys read for the group, once
+        each). With G = 1 it is ``search``, id for id."""
+        queries, b, g = self._groups(queries)
+        k, beam = self._beam(k, beam)
+        if k >= self.num_keys or beam >= self.num_keys:
+            ids, _ = self._exact(queries.reshape(b * g, self.dim), k)
+            return ids.reshape(b, g, k), np.full(b, self.num_keys, np.int64)
+        ids = np.empty((b, g, k), np.int64)
+        scores = np.empty((b, g, k), np.float32)
+        scanned = np.empty(b, np.int64)
+        if b:
+            gr = self._graph
+            search_group_batch(self._keys, gr.offsets, gr.targets, gr.entries, queries, beam, k, ids, scores, scanned)
+        return ids, scanned
+
+    def attend_group(self, queries, values: np.ndarray, k: int, scale: float, *, beam: int | None = None,
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``attend`` for GQA groups, searched as ``search_group`` does: queries ``[B, G, D]`` -> out float32
+        ``[B, G, Dv]``, lse float32 ``[B, G]`` and scanned int64 ``[B]`` (keys read for each group)."""
+        queries, b, g = self._groups(queries)
+        values = self._values(values)
+        k, beam = self._beam(k, beam)
+        if b * g == 0 or k >= self.num_keys or beam >= self.num_keys:
+            out, lse, _ = self.attend(queries.reshape(b * g, self.dim), values, k, scale, beam=beam)
+            return out.reshape(b, g, -1), lse.reshape(b, g), np.full(b, self.num_keys, np.int64)
+        out = np.empty((b, g, values.shape[1]), np.float32)
+        lse = np.empty((b, g), np.float32)
+        scanned = np.empty(b, np.int64)
+        gr = self._graph
+        search_attend_group(self._keys, gr.offsets, gr.targets, gr.entries, values, queries, beam, k, float(scale),
+                            out, lse, scanned)
+        return out, lse, scanned
+
+    def _groups(self, queries) -> tuple[np.ndarray, int, int]:
+        """Queries ``[B, G, D]`` as float32 C-contiguous, checked as ``_matrix`` checks rows, with B and G."""
+        arr = np.asarray(queries)
+        if arr.ndim != 3 or arr.shape[1] < 1:
+            raise ValueError(f"queries must be 3-D [groups, heads, dim] with heads >= 1, got shape {arr.shape}")
+        b, g = arr.shape[:2]
+        flat = _matrix("queries", arr.reshape(b * g, arr.shape[2]), dim=self.dim, allow_empty=True)
+        return flat.reshape(b, g, self.dim), b, g
+
+    def _beam(self, k, beam) -> tuple[int, int]:
+        k = _count("k", k, 1)
+        beam = max(k, DEFAULT_BEAM) if beam is None else _count("beam", beam, 1)
+        if beam < k:
+            raise ValueError(f"beam must be >= k ({k}), got {beam}")
+        return k, beam
+
+    def _values(self, values: np.ndarray) -> np.ndarray:
+        if values.dtype != np.float32 or values.ndim != 2 or values.shape[0] != self.num_keys:
+            raise ValueError(f"values must be float32 [{self.num_keys}, Dv], got {values.dtype} {values.shape}")
+        return np.ascontiguousarray(values)
 
     @property
     def keys(self) -> np.ndarray:

@@ -2,11 +2,12 @@
 
 What a retrieval decode keeps off the GPU, per (owner, layer, KV head): the keys, float32 [N, D], rotated in one frame
 (a sequence's own: its global positions), the values [N, D], and an ``AttentionIndex`` over the keys built from
-training queries in the same frame. At every decode step and layer, each query head searches its KV head's index for
-its top-k keys by inner product; the attention over those keys alone is returned as a partial result, the output
-(softmax-weighted values, [D]) and its log-sum-exp, which the caller merges with the GPU's partial result over the
-static set (kernels/lse_merge). Scores are scaled logits, q·k·scale, as the GPU kernels compute them, so that the two
-log-sum-exps are in the same units.
+training queries in the same frame. At every decode step and layer, the query heads of a KV head's group search its
+index together for each one's top-k keys by inner product (one traversal that reads each key once for the group,
+``AttentionIndex.attend_group``; ``IndexSet(group_search=False)``: a search a query head); the attention over those
+keys alone is returned as a partial result, the output (softmax-weighted values, [D]) and its log-sum-exp, which the
+caller merges with the GPU's partial result over the static set (kernels/lse_merge). Scores are scaled logits,
+q·k·scale, as the GPU kernels compute them, so that the two log-sum-exps are in the same units.
 
 ``IndexSet`` serves many owners at once and searches the (row, KV head) pairs of one call in parallel threads (the
 index's search and numpy's matmuls release the GIL). The retrieval-index service (server.py) serves the same object
@@ -55,11 +56,16 @@ class HeadKV:
         return self.index.nbytes - self.keys.nbytes
 
 
-def partial_attention(head: HeadKV, queries: np.ndarray, k: int, scale: float,
-                      beam: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+def partial_attention(head: HeadKV, queries: np.ndarray, k: int, scale: float, beam: int | None = None,
+                      group_search: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
     """queries float32 [G, D] (the query heads sharing this KV head, rotated in the keys' frame) -> attention over each
-    one's top-k retrieved keys: out float32 [G, D], lse float32 [G] (natural log of the summed exp of the scaled logits),
-    and the keys scored by the search (summed over the G queries). One compiled call (``AttentionIndex.attend``)."""
+    one's top-k retrieved keys: out float32 [G, D], lse float32 [G] (natural log of the summed exp of the scaled
+    logits), and the keys the search read. One compiled call: the G heads in one traversal, each key read once for them
+    (``AttentionIndex.attend_group``), or with ``group_search=False`` a search a head (``attend``; the keys read summed
+    over the heads)."""
+    if group_search:
+        out, lse, scanned = head.index.attend_group(queries[None], head.values, k, scale, beam=beam)
+        return out[0], lse[0], int(scanned[0])
     out, lse, scanned = head.index.attend(queries, head.values, k, scale, beam=beam)
     return out, lse, int(scanned.sum())
 
@@ -67,7 +73,7 @@ def partial_attention(head: HeadKV, queries: np.ndarray, k: int, scale: float,
 @dataclass(frozen=True, slots=True)
 class Answer:
     """One search call's reply: out float32 [B, Hq, D] and lse float32 [B, Hq] (-inf and 0 where a row's owner has no
-    offloaded key at that layer), scanned int64 [B] (keys scored for each row, over its heads), seconds (wall time)."""
+    offloaded key at that layer), scanned int64 [B] (keys read for each row, over its searches), seconds (wall time)."""
 
     out: np.ndarray
     lse: np.ndarray
@@ -82,15 +88,17 @@ class IndexSet:
     head's training queries repair a composition of chunk graphs (default ``COMPOSED``'s: all of a request's 8,192 a
     KV head of an 8B-shaped model). The repair is most of the wait before a retrieval sequence's first step, and its
     cost grows with them; fewer give lower recall (bench/index/README.md: 2,048 of 3,598 cost 1.2 points of recall at
-    20% scanned for 0.56x the repair's time)."""
+    20% scanned for 0.56x the repair's time). ``group_search``: a KV head's query heads searched in one traversal
+    (default; bench/index/README.md: the same recall for fewer keys read a query head) or one search a head."""
 
-    def __init__(self, threads: int = 4, repair_queries: int | None = None):
+    def __init__(self, threads: int = 4, repair_queries: int | None = None, group_search: bool = True):
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         if repair_queries is not None and (isinstance(repair_queries, bool) or not isinstance(repair_queries, int)
                                            or repair_queries < 1):
             raise ValueError(f"repair_queries must be an int >= 1, got {repair_queries!r}")
         self.threads = threads
+        self.group_search = bool(group_search)
         self.composed = COMPOSED if repair_queries is None else replace(COMPOSED, repair_queries=repair_queries)
         self._heads: dict[tuple[str, int], list[HeadKV | None]] = {}
         self._lock = threading.Lock()
@@ -200,7 +208,9 @@ class IndexSet:
                     raise ValueError(f"queries have head_dim {d}, the keys of {owners[i]!r} have {head.keys.shape[1]}")
                 searched.append((i, h, hkv, head))
         # a (row, KV head)'s query heads are cut into pieces searched apart when there are fewer pairs than threads
-        # (a batch of one has 8 pairs of an 8B-shaped model's 32 query heads for 16 cores): every thread has work
+        # (a batch of one has 8 pairs of an 8B-shaped model's 32 query heads for 16 cores): every thread has work.
+        # NOTE: grouped, a piece's heads share one traversal, so which keys a head finds (not how exactly they are
+        # attended) depends on the pieces, and so on ``threads`` against the pairs of a call
         pieces = min(hq, max(1, -(-self.threads // max(1, len(searched)))))
         jobs = []
         for i, h, hkv, head in searched:
@@ -209,7 +219,7 @@ class IndexSet:
             for lo in range(h * g, (h + 1) * g, size):
                 rows_q = slice(lo, min(lo + size, (h + 1) * g))
                 jobs.append((i, rows_q, self._pool.submit(partial_attention, head, queries[i, rows_q], k, scale,
-                                                          beam)))
+                                                          beam, self.group_search)))
         for i, rows_q, job in jobs:
             o, s, n = job.result()
             out[i, rows_q], lse[i, rows_q] = o, s

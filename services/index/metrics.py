@@ -41,6 +41,8 @@ class IndexMetrics(MetricsEndpoint):
         self.search_seconds = Histogram("tessera_index_search_seconds",
                                         "One Search call: a layer of a decode step for every row of the batch",
                                         buckets=SEARCH_BUCKETS, registry=self.registry)
-        self.keys_scanned = Counter("tessera_index_keys_scanned", "Keys scored by searches", registry=self.registry)
+        self.keys_scanned = Counter("tessera_index_keys_scanned",
+                                    "Keys read by searches (once for the query heads of a group searched together)",
+                                    registry=self.registry)
         self.keys_offloaded = Counter("tessera_index_keys_offloaded", "Keys offloaded and indexed",
                                       registry=self.registry)

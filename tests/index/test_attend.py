@@ -59,14 +59,16 @@ def test_attend_refuses_bad_values(index):
 
 def test_an_index_set_splitting_query_heads_over_threads_answers_what_one_thread_does():
     """With fewer (row, KV head) pairs than threads, IndexSet searches a KV head's query heads in pieces on several
-    threads (heads.IndexSet.attend); every query's answer is its own search, so the pieces change nothing."""
+    threads (heads.IndexSet.attend); searched a head at a time (``group_search=False``) every query's answer is its own
+    search, so the pieces change nothing (grouped, a piece's heads share a traversal: tests/index/test_group.py)."""
     rng = np.random.default_rng(5)
     hkv, n, d, hq = 2, 900, 16, 8
     keys = rng.standard_normal((hkv, n, d)).astype(np.float32)
     values = rng.standard_normal((hkv, n, d)).astype(np.float32)
     train = (rng.standard_normal((hkv, 300, d)) + 0.4).astype(np.float32)
     q = rng.standard_normal((1, hq, d)).astype(np.float32)
-    one, many = IndexSet(threads=1), IndexSet(threads=7)     # 2 pairs, 7 threads: 4 query heads a KV head, one a piece
+    # 2 pairs, 7 threads: 4 query heads a KV head, one a piece
+    one, many = IndexSet(threads=1, group_search=False), IndexSet(threads=7, group_search=False)
     try:
         for ix in (one, many):
             ix.add("seq", 0, keys, values, train)
