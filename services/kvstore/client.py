@@ -712,6 +712,8 @@ class KVStoreClient:
         """Which tiers hold each chunk (one answer per id, in order)."""
         request = pb.LookupRequest(chunk_ids=list(chunk_ids), local_host=host_id() if self.local else "")
         resp = self._stub.Lookup(request, timeout=timeout or self.timeout)
+        if resp.arena_directory and self.local:
+            self.segments.watch(resp.arena_directory)
         return [ChunkLocation(c.chunk_id, c.found, tuple(TIER_OF_PB[t] for t in c.tiers), c.nbytes,
                               c.local if c.HasField("local") else None) for c in resp.chunks]
 

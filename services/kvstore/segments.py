@@ -3,14 +3,12 @@
 The first read from a segment maps it; with ``pin`` (a GPU's worker) a background thread then registers the map with
 CUDA for the GPU that read it (read-only: ~35-50 ms a GiB on an H100 host), after which copies from it to that GPU run
 at the pinned host-to-device rate with no staging copy. Until then the same views copy as pageable memory,
-synchronously, as do copies to another GPU. Registering "portable" (for every GPU the process sees, as a worker of a
-four-GPU host sees four) is what it did before, and cost a worker seconds of a replay: ``bench/kvstore/register.py``
-times both. The
-first segment of a directory also queues every other segment already there (``seg-*``): a worker meets the arena
-at its first read and registers the whole of it then, in the background, instead of one segment at a time as its
-reads reach them while it serves (eight workers of a four-GPU host registering 32 GiB each were seen doing so for
-seconds into a replay). A segment file replaced under the same name (the store restarted) is mapped again; the old
-map is dropped."""
+synchronously, as do copies to another GPU. Registering costs ~90-160 ms a GiB on a four-GPU H200 host
+(``bench/kvstore/register.py``), so a worker that met a 30 GiB arena at its first read spent seconds registering while
+it served. It therefore watches the arena's directory instead, from its first lookup (the store names the directory:
+``LookupResponse.arena_directory``) or its first read, whichever comes first: every segment file there is mapped and
+registered in the background as it appears, as the store's arena grows, ahead of the reads. A segment file replaced
+under the same name (the store restarted) is mapped again; the old map is dropped."""
 
 from __future__ import annotations
 
@@ -30,6 +28,7 @@ from services.kvstore.arena import GENERATION_AT
 log = logging.getLogger(__name__)
 
 _READ_ONLY = 8                      # cudaHostRegisterReadOnly
+WATCH_S = 1.0                       # how often a watched arena directory is listed for new segments
 
 
 class Segment:
@@ -71,7 +70,8 @@ class SharedSegments:
         self._maps: dict[str, Segment] = {}
         self._lock = threading.Lock()
         self._registrar: ThreadPoolExecutor | None = None
-        self._met: set[str] = set()         # directories whose other segments were queued
+        self._watched: dict[str, threading.Thread] = {}     # directory -> the thread mapping its new segments
+        self._closing = threading.Event()
         self.device: int | None = None      # the GPU registrations are for: the first reader's current one
         self.registered_bytes = 0
         self.register_seconds = 0.0         # spent in cudaHostRegister, summed
@@ -100,25 +100,42 @@ class SharedSegments:
                     if self._registrar is None:
                         self._registrar = ThreadPoolExecutor(1, thread_name_prefix="kv-segment-pin")
                     seg.registered = self._registrar.submit(self._register, seg)
-                    directory = os.path.dirname(path)
-                    if directory not in self._met:
-                        self._met.add(directory)
-                        self._registrar.submit(self._meet, directory)
-                return seg
         finally:
             os.close(fd)
+        self.watch(os.path.dirname(path))
+        return seg
 
-    def _meet(self, directory: str) -> None:
-        """Map (and so register, queued behind) every segment file of ``directory`` not mapped yet."""
-        try:
-            names = sorted(n for n in os.listdir(directory) if n.startswith("seg-"))
-        except OSError:
+    def watch(self, directory: str) -> None:
+        """With ``pin``: map (and so register) every segment file of ``directory`` now and as it appears, on a thread
+        of its own, every ``WATCH_S`` seconds until ``close``. Once per directory; without ``pin``, nothing."""
+        if not self.pin:
             return
-        for name in names:
+        if self.device is None:
+            self.device = torch.cuda.current_device()
+        with self._lock:
+            if directory in self._watched or self._closing.is_set():
+                return
+            watcher = self._watched[directory] = threading.Thread(target=self._watch, args=(directory,), daemon=True,
+                                                                  name="kv-segment-watch")
+        watcher.start()
+
+    def _watch(self, directory: str) -> None:
+        while not self._closing.is_set():
             try:
-                self.open(os.path.join(directory, name))
-            except OSError:         # gone meanwhile, or not ours to read: its first read says so
-                pass
+                names = sorted(n for n in os.listdir(directory) if n.startswith("seg-"))
+            except OSError:         # not there (yet, or any more): look again later
+                names = []
+            for name in names:
+                path = os.path.join(directory, name)
+                with self._lock:
+                    known = path in self._maps
+                if known or self._closing.is_set():
+                    continue
+                try:
+                    self.open(path)
+                except (OSError, ValueError):     # gone meanwhile, not ours to read, or still empty: a read says so
+                    pass
+            self._closing.wait(WATCH_S)
 
     def _register(self, seg: Segment) -> bool:
         torch.cuda.set_device(self.device)        # this thread's registrations are for the reader's GPU
@@ -139,6 +156,11 @@ class SharedSegments:
             return any(seg.holds(t) for seg in self._maps.values())
 
     def close(self) -> None:
+        self._closing.set()
+        with self._lock:
+            watchers = list(self._watched.values())
+        for w in watchers:
+            w.join(10)
         if self._registrar is not None:
             self._registrar.shutdown(wait=True)
         with self._lock:

@@ -257,7 +257,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     item.local.layers.CopyFrom(_local_layers(place))
                     self.metrics.local_gets.inc()
             out.append(item)
-        return pb.LookupResponse(chunks=out)
+        arena = self.store.arena if here else None
+        return pb.LookupResponse(chunks=out, arena_directory=arena.directory if arena is not None else "")
 
     async def Delete(self, request, context):
         try:

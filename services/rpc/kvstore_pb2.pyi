@@ -185,10 +185,12 @@ class ChunkLocation(_message.Message):
     def __init__(self, chunk_id: _Optional[str] = ..., found: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., nbytes: _Optional[int] = ..., local: _Optional[_Union[LocalChunk, _Mapping]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "arena_directory")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkLocation]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkLocation, _Mapping]]] = ...) -> None: ...
+    arena_directory: str
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkLocation, _Mapping]]] = ..., arena_directory: _Optional[str] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("chunk_id",)

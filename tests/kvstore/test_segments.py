@@ -1,7 +1,8 @@
-"""A worker's maps of its host's store arena (``kvstore.segments``): the first segment it reads queues the rest of
-the arena for registration, so that registering does not follow its reads through a replay."""
+"""A worker's maps of its host's store arena (``kvstore.segments``): it watches the arena's directory and registers
+every segment as it appears, so that registering does not follow its reads through a replay."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -24,7 +25,16 @@ def _arena(tmp_path, n: int, size: int = 1 << 16):
     return [str(tmp_path / f"seg-{i:04d}") for i in range(n)]
 
 
-def test_the_first_segment_read_registers_every_segment_of_its_arena(tmp_path, monkeypatch):
+def _until(check, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.02)
+    return check()
+
+
+def test_the_first_segment_read_registers_every_segment_of_its_arena_and_those_made_later(tmp_path, monkeypatch):
     paths = _arena(tmp_path, 4)
     registered = []
 
@@ -37,12 +47,27 @@ def test_the_first_segment_read_registers_every_segment_of_its_arena(tmp_path, m
     segs = SharedSegments(pin=True)
     try:
         first = segs.open(paths[2])
-        segs._registrar.submit(lambda: None).result(timeout=30)     # what was queued before it has run
-        segs._registrar.submit(lambda: None).result(timeout=30)     # and what that queued
-        assert sorted(registered) == sorted(paths) and len(registered) == 4      # each once, the stray file not
-        assert first.pinned and segs.registered_bytes == 4 << 16
+        assert _until(lambda: len(registered) == 4)
+        assert sorted(registered) == sorted(paths)                   # each once, the stray file not
+        assert _until(lambda: first.pinned) and segs.registered_bytes == 4 << 16
         assert segs.open(paths[0]).pinned                            # already mapped: the same map, no new work
-        assert len(registered) == 4
+        with open(tmp_path / "seg-0004", "wb") as f:                 # the store's arena grows
+            f.truncate(1 << 16)
+        assert _until(lambda: len(registered) == 5) and registered[-1] == str(tmp_path / "seg-0004")
+    finally:
+        segs.close()
+    assert len(registered) == 5 and not any(t.is_alive() for t in segs._watched.values())
+
+
+def test_a_lookup_naming_the_arena_starts_the_watch_before_any_read(tmp_path, monkeypatch):
+    paths = _arena(tmp_path, 2)
+    registered = []
+    monkeypatch.setattr(SharedSegments, "_register", lambda self, seg: registered.append(seg.path) or True)
+    segs = SharedSegments(pin=True)
+    try:
+        segs.watch(str(tmp_path))
+        segs.watch(str(tmp_path))                                    # once per directory
+        assert _until(lambda: sorted(registered) == sorted(paths)) and len(segs._watched) == 1
     finally:
         segs.close()
 
@@ -64,15 +89,16 @@ def test_a_segment_that_vanishes_before_the_arena_is_met_is_skipped(tmp_path, mo
 
     def listdir(d):
         names = real_listdir(d)
-        os.unlink(paths[2])          # gone between the listing and its map
+        if os.path.exists(paths[2]):
+            os.unlink(paths[2])      # gone between the listing and its map
         return names
 
     monkeypatch.setattr(os, "listdir", listdir)
     segs = SharedSegments(pin=True)
     try:
         segs.open(paths[0])
-        segs._registrar.submit(lambda: None).result(timeout=30)
-        segs._registrar.submit(lambda: None).result(timeout=30)
+        assert _until(lambda: sorted(segs._maps) == sorted(paths[:2]))
+        time.sleep(0.1)
         assert sorted(segs._maps) == sorted(paths[:2])
     finally:
         segs.close()

@@ -274,3 +274,26 @@ def test_a_directory_holding_other_files_is_refused_and_left_as_it_is(shm_dir):
     with pytest.raises(ValueError, match="not a Tessera DRAM tier's"):
         asyncio.run(store.start())
     assert os.listdir(shm_dir) == ["someone-elses"]
+
+
+def test_a_lookup_names_the_arena_directory_to_a_caller_on_its_host_only(shm_store, shm_dir):
+    """A worker on the store's host learns where the arena's segments are from its first lookup, and maps and
+    registers them as they appear (``segments.SharedSegments.watch``); a caller from elsewhere learns nothing."""
+    srv, client = shm_store()
+    client.put("doc-w", make_layers(n_layers=2, seed=3))
+    here = client._stub.Lookup(pb.LookupRequest(chunk_ids=["doc-w"], local_host=host_id()), timeout=30)
+    away = client._stub.Lookup(pb.LookupRequest(chunk_ids=["doc-w"], local_host="elsewhere/" + host_id()), timeout=30)
+    unnamed = client._stub.Lookup(pb.LookupRequest(chunk_ids=["doc-w"]), timeout=30)
+    assert away.arena_directory == "" and unnamed.arena_directory == ""
+    if shm_store.arena:
+        assert here.arena_directory == shm_dir and any(n.startswith("seg-") for n in os.listdir(shm_dir))
+    else:
+        assert here.arena_directory == ""              # a file per chunk: no segments to register
+    watched = []
+    local = KVStoreClient(srv.address, timeout=30, local=True)
+    try:
+        local.segments.watch = watched.append          # what a GPU worker's client then does with it
+        assert local.lookup(["doc-w"])[0].found
+        assert watched == ([shm_dir] if shm_store.arena else [])
+    finally:
+        local.close()
