@@ -28,7 +28,7 @@ from services.cluster.staging import side_stream
 from services.cluster.errors import internal
 from services.cluster.serving import (StoppedForGood, add_health, advertised_host, bind, channel, make_server,
                                      serve_metrics, set_serving)
-from services.handoff.transport import handoff_parts, probe_transport
+from services.handoff.transport import TransportChoice, handoff_parts, probe_transport
 from services.engine.graphs.warmup import warm_prefill, warm_up
 from services.prefill.controller import LoadingController
 from services.prefill.engine_loop import EngineLoop
@@ -243,12 +243,25 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         try:
             offered, offer = offer_from_slab(process_endpoint(), kv, self.nixl_slab_bytes)
         except Exception as exc:   # noqa: BLE001 - any NIXL failure: this hand-off goes by the stream
-            log.warning("prefill worker %s: NIXL could not offer a hand-off (%s); it goes by the gRPC stream",
-                        self.name, exc)
+            self._nixl_failed(kv.device, exc)
             return None
         header.nixl.CopyFrom(pb.NixlBuffer(offer=offer.to_bytes(), dtype=str(kv.dtype).removeprefix("torch."),
                                            numel=kv.numel()))
         return offered
+
+    def _nixl_failed(self, device, exc: Exception) -> None:
+        """NIXL could not offer this worker's memory (say a NIXL whose UCX has no CUDA support for this GPU: it
+        cannot register GPU memory at all): this hand-off and every later one go without it, and the transport that
+        Stats reports says so and why, instead of naming NIXL while each hand-off fails over to the stream."""
+        if self.transport.name != "nixl":
+            return
+        gpu = getattr(device, "type", "") == "cuda"
+        self.transport = TransportChoice("cuda-ipc" if gpu else "grpc",
+                                         ("cuda-ipc to decode workers on this host's GPUs, else " if gpu else "")
+                                         + f"grpc stream (nixl asked for, but it could not offer this worker's "
+                                         f"memory: {exc})")
+        log.error("prefill worker %s: NIXL could not offer a hand-off's K/V (%s): hand-offs go without NIXL from "
+                  "now on (%s)", self.name, exc, self.transport.detail)
 
     def _after_export(self, handoff, fn):
         """fn() (an io thread) on a side stream ordered after the hand-off's gathers only: on the engine's

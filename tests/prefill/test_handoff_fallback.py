@@ -167,3 +167,33 @@ def test_a_hand_off_from_a_piece_of_the_ipc_slab_gives_the_piece_back_however_th
     assert decode.pushes[0][0].kv.slab and len(lent) == 1
     assert torch.equal(lent[0].view(torch.float32), FakeHandoff().kv_buffer())
     assert slab.taken == 0 and slab.free_bytes == 1 << 16        # the piece went back
+
+
+def test_nixl_that_cannot_offer_this_workers_memory_is_dropped_and_stats_say_why(monkeypatch):
+    """A NIXL whose UCX cannot register this worker's memory (one built for another CUDA, seen on a CUDA 13 host with
+    nixl-cu12: "VRAM memory is detected as host") fails every offer: the hand-off goes by the stream, later ones do
+    not try NIXL again, and the transport the worker reports names the cause."""
+    from services.handoff import nixl
+
+    decode, released = Decode([None, None]), []
+    s = prefill_server.PrefillServicer.__new__(prefill_server.PrefillServicer)
+    s.name, s.transport = "prefill-test", TransportChoice("nixl", "nixl (test)")
+    s.ipc_slab_bytes, s.nixl_slab_bytes = None, None
+    s._stream_only, s._ipc = {}, {}
+    s.io_threads = ThreadPoolExecutor(1)
+    s.worker = SimpleNamespace(metrics=PrefillMetrics(), eng=SimpleNamespace(device=torch.device("cpu")))
+    s._decode_stub = lambda address: decode
+    s._nixl_release = released.append
+    tried = []
+
+    def refuse(endpoint, kv, slab_bytes=None):
+        tried.append(kv)
+        raise RuntimeError("NIXL_ERR_BACKEND: VRAM memory is detected as host by UCX")
+
+    monkeypatch.setattr(nixl, "offer_from_slab", refuse)
+    monkeypatch.setattr(nixl, "process_endpoint", lambda: object())
+    assert push(s) == (len(FakeHandoff().to_bytes()), "grpc")
+    assert len(tried) == 1 and not decode.pushes[0][0].HasField("nixl") and released == []
+    assert s.transport.name == "grpc" and "could not offer" in s.transport.detail
+    assert "VRAM memory is detected as host" in s.transport.detail
+    assert push(s, "r2") == (len(FakeHandoff().to_bytes()), "grpc") and len(tried) == 1     # not tried again
