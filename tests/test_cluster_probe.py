@@ -27,6 +27,8 @@ def test_time_budget_from_the_workers_metrics():
     d.admit_seconds.observe(0.004)
     d.chunks.labels("gpu").inc(5)
     d.chunks.labels("host").inc(2)
+    p.handoffs.labels("cuda-ipc").inc(3)
+    p.handoffs.labels("cuda-ipc-peer").inc()
     before = {}
     after = {}
     for reg in (p.registry, d.registry):
@@ -41,6 +43,7 @@ def test_time_budget_from_the_workers_metrics():
     assert b["decode_steps"] == 2 and b["decode_mean_batch"] == 5.0 and abs(b["decode_step_mean_ms"] - 25.0) < 1e-6
     assert b["admits"] == 1 and abs(b["admit_mean_ms"] - 4.0) < 1e-6 and b["gpu_busy_pct"] == 50.0
     assert b["prefill_cpu_pct"] is None and b["store_errors"] == 0      # no process CPU or store errors here
+    assert b["handoffs_by_transport"] == {"cuda-ipc": 3.0, "cuda-ipc-peer": 1.0}
     row = probe.budget_line("tessera", b)
     assert row.startswith("| tessera | 50% | 60.0 |") and row.count("|") == probe.BUDGET_HEADER[1].count("|")
 

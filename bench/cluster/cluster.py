@@ -384,6 +384,9 @@ def main() -> int:
                        "over the run's GPUs; worker CPU: a worker process's CPU time over the replay, 100% = one core, "
                        "the mean over the role's workers):", "",
                        *BUDGET_HEADER, *(budget_line(m, budgets[m]) for m in modes if m in budgets), "",
+                       "Hand-offs by transport: " + "; ".join(f"{m}: " + (", ".join(
+                           f"{t} {n:.0f}" for t, n in budgets[m]["handoffs_by_transport"].items()) or "-")
+                           for m in modes if m in budgets), "",
                        *(line for m in modes if m in budgets and len(budgets[m]["workers"]) > 2 for line in (
                            f"Each worker, {m} (GPU busy by GPU: " + ", ".join(
                                f"{g} {u:.0f}%" for g, u in budgets[m]["gpu_busy_pct_by_gpu"].items()) + "):", "",

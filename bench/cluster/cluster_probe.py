@@ -27,6 +27,7 @@ WANTED = {
     "tessera_decode_batch_size_sum": "batch_rows",
     "tessera_decode_admit_seconds_sum": "admit_s", "tessera_decode_admit_seconds_count": "admits",
     "tessera_decode_chunks_total": "decode_chunks",
+    "tessera_prefill_handoffs_total": "handoffs",   # by transport: cuda-ipc, cuda-ipc-peer, nixl, grpc
     "process_cpu_seconds_total": "cpu_s",       # per role: WorkerMeter adds the role to the key
     # failed store calls (a lookup or get past its deadline: the shard is skipped for a moment, its chunks computed)
     "tessera_prefill_store_errors_total": "store_errors", "tessera_decode_store_errors_total": "store_errors",
@@ -199,6 +200,7 @@ def time_budget(d: dict[str, float], duration_s: float, gpu_busy: float | None) 
         "decode_cpu_pct": per(100 * d.get("cpu_s/decode", 0.0), duration_s * d.get("workers/decode", 0.0)),
         "gateway_cpu_pct": per(100 * d["cpu_s/gateway"], duration_s) if "cpu_s/gateway" in d else None,
         "store_errors": sum(v for k, v in d.items() if k.startswith("store_errors/")),
+        "handoffs_by_transport": {k.split("/", 1)[1]: v for k, v in sorted(d.items()) if k.startswith("handoffs/")},
     }
 
 

@@ -25,6 +25,9 @@ class PrefillMetrics:
                                      registry=r)
         self.handoff_bytes = Counter("tessera_prefill_handoff_bytes", "Hand-off bytes sent to decode workers",
                                      registry=r)
+        self.handoffs = Counter("tessera_prefill_handoffs", "Hand-offs by the transport that moved their K/V "
+                                "(cuda-ipc: to this GPU's decode worker, cuda-ipc-peer: to another GPU of this host, "
+                                "nixl, grpc: the stream)", ["transport"], registry=r)
         self.requests = Counter("tessera_prefill_requests", "Prefill requests by outcome", ["outcome"], registry=r)
         self.seconds = Histogram("tessera_prefill_seconds", "Prefill time per request, from its pass being "
                                  "issued to its hand-off exported (the next request's pass may be issued "

@@ -143,6 +143,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 pushed, transport = await self._push(out, job.request_id, request.decode_address, context)
                 handoff_s = time.perf_counter() - t0
                 self.worker.metrics.handoff_seconds.observe(handoff_s)
+                self.worker.metrics.handoffs.labels(transport).inc()
             self.worker.metrics.requests.labels("ok").inc()
             stats = pb.RequestStats(
                 chunk_tokens_by_tier=out.tier_tokens, recomputed_tokens=out.recomputed_tokens,

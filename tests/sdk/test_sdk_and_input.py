@@ -267,7 +267,8 @@ def test_metrics_endpoints_use_base_units(client):
     prefill = next(w for w in st.workers if w.role == "prefill")
     text = urllib.request.urlopen(prefill.metrics_url, timeout=10).read().decode()
     for name in ('tessera_prefill_chunk_hits_total{tier="computed"}', "tessera_prefill_recomputed_tokens_total",
-                 "tessera_prefill_loaded_bytes_total", "tessera_prefill_handoff_bytes_total"):
+                 "tessera_prefill_loaded_bytes_total", "tessera_prefill_handoff_bytes_total",
+                 'tessera_prefill_handoffs_total{transport="grpc"}'):   # a CPU cluster's hand-offs: the stream
         assert name in text
     decode = next(w for w in st.workers if w.role == "decode")
     text = urllib.request.urlopen(decode.metrics_url, timeout=10).read().decode()
