@@ -8,6 +8,8 @@ size on its GPU and hands it over:
   (``cuda_ipc.copy_out``), timed from the wire message to the bytes landed;
 - ``ipc slab`` (what a worker does now): copies it into a piece of its CUDA IPC slab (``share_from_slab``, timed on
   the parent) and the child copies the piece out of the slab it opened once (timed on the child); the row is the sum;
+- ``ipc slab on sender``: the same, the receiver opening the slab on the sender's GPU and copying on that GPU's
+  stream, as it did before ``cuda_ipc.open_on`` (which opens it on the receiver's own GPU, read peer to peer);
 - ``nixl``: copies it into a piece of its NIXL slab and offers it (``nixl.offer_from_slab``: the copy and the CRC-32
   on the GPU, timed on the parent); the child reads it with NIXL (UCX) into a piece of its own registered slab,
   checks the CRC-32 there and copies it out (``nixl.read_via_slab``, timed on the child); the row is the sum.
@@ -53,7 +55,7 @@ def _child(conn) -> None:
                 got = nixl.read_via_slab(nixl.process_endpoint(), nixl.Offer.from_bytes(wire), torch.bfloat16,
                                          msg[2], dev, timeout=30.0)
             else:
-                got = copy_out(pb.CudaIpcBuffer.FromString(wire), dev)
+                got = copy_out(pb.CudaIpcBuffer.FromString(wire), dev, on_sender=how == "ipc_on_sender")
             torch.cuda.synchronize(dev)
             seconds = time.perf_counter() - t0
             conn.send((seconds, float(got[:4096].float().sum()), str(got.device)))
@@ -81,6 +83,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", default="69,256", help="hand-off sizes, MiB (69: a tessera@0.15 hand-off of the 8B shape)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--ways", default="ipc,ipc_slab,ipc_slab_on_sender,nixl",
+                    help="ipc, ipc_slab (opened on the receiver's GPU, as a decode worker does), ipc_slab_on_sender "
+                         "(opened on the sender's GPU, as before), nixl")
     ap.add_argument("--json")
     args = ap.parse_args()
     import torch
@@ -97,13 +102,16 @@ def main() -> int:
     with child_gpus(gpu_order(visible[1], visible)):      # a decode worker of the second GPU, as the launcher starts one
         proc.start()
     a, b = torch.device("cuda", 0), torch.device("cuda", 1)
+    ways = [w for w in args.ways.split(",") if w]
     slab = process_ipc_slab(a, 1 << 30)
-    try:
-        from services.handoff import nixl
+    endpoint, no_nixl = None, "not asked for"
+    if "nixl" in ways:
+        try:
+            from services.handoff import nixl
 
-        endpoint, no_nixl = nixl.process_endpoint(), ""
-    except Exception as exc:        # noqa: BLE001 - not installed, no UCX plugin: the row says so
-        endpoint, no_nixl = None, f"{type(exc).__name__}: {exc}"
+            endpoint, no_nixl = nixl.process_endpoint(), ""
+        except Exception as exc:        # noqa: BLE001 - not installed, no UCX plugin: the row says so
+            endpoint, no_nixl = None, f"{type(exc).__name__}: {exc}"
     rows = []
     for mib in (int(x) for x in args.mib.split(",")):
         n = mib * (1 << 20) // 2
@@ -120,9 +128,9 @@ def main() -> int:
                 piece = None
                 if how == "ipc":
                     msg = ("ipc", share(buf).SerializeToString())
-                elif how == "ipc_slab":
+                elif how in ("ipc_slab", "ipc_slab_on_sender"):
                     piece, shared = share_from_slab(buf, slab)
-                    msg = ("ipc", shared.SerializeToString())
+                    msg = ("ipc" if how == "ipc_slab" else "ipc_on_sender", shared.SerializeToString())
                 else:
                     try:
                         piece, offer = nixl.offer_from_slab(endpoint, buf)
@@ -147,7 +155,7 @@ def main() -> int:
             return child_s, parent_s, ok, ""
 
         row = {"mib": mib, "bytes": n * 2}
-        for how in ("ipc", "ipc_slab", "nixl"):
+        for how in ways:
             if how == "nixl" and endpoint is None:
                 row["nixl_error"] = no_nixl
                 continue
@@ -173,10 +181,10 @@ def main() -> int:
             return n * 2 / statistics.median(xs) / 1e9
 
         row.update(peer_copy_gbs=gbs(peer), same_gpu_copy_gbs=gbs(same), through_pinned_host_gbs=gbs(host))
-        row["landed_equal"] = all(row.get(f"{h}_landed_equal", True) for h in ("ipc", "ipc_slab", "nixl"))
+        row["landed_equal"] = all(row.get(f"{h}_landed_equal", True) for h in ways)
         rows.append(row)
         ways = ", ".join(f"{h} {row[f'{h}_ms_p50']:.2f} ms p50 = {row[f'{h}_gbs']:.1f} GB/s" if f"{h}_ms_p50" in row
-                         else f"{h}: {row.get(f'{h}_error', '?')}" for h in ("ipc", "ipc_slab", "nixl"))
+                         else f"{h}: {row.get(f'{h}_error', '?')}" for h in ways)
         print(f"{mib} MiB: {ways} (landed equal: {row['landed_equal']}); in-process GPU to GPU "
               f"{row['peer_copy_gbs']:.1f} GB/s, on one GPU {row['same_gpu_copy_gbs']:.1f}, through pinned host "
               f"{row['through_pinned_host_gbs']:.1f}", flush=True)

@@ -122,9 +122,20 @@ def share(buf: torch.Tensor) -> pb.CudaIpcBuffer:
                             device_uuid=device_uuid(buf.device))
 
 
-def copy_out(msg: pb.CudaIpcBuffer, device: torch.device | None = None) -> torch.Tensor:
+def open_on(dst: torch.device, src: int) -> int:
+    """The GPU (index) on which a buffer of GPU ``src`` is opened to be copied onto ``dst``: ``dst`` itself where it
+    can read ``src``'s memory (peer to peer), so that this process makes no context on the sender's GPU and queues no
+    copy there, where the sender's own work and every other receiver's would share it; else ``src``."""
+    if dst.index is None or dst.index == src or not torch.cuda.can_device_access_peer(dst.index, src):
+        return src
+    return dst.index
+
+
+def copy_out(msg: pb.CudaIpcBuffer, device: torch.device | None = None, on_sender: bool = False) -> torch.Tensor:
     """Open a shared buffer, copy it into this process's memory on ``device`` (default: the buffer's GPU), close it.
-    From another GPU the copy runs peer to peer, on the sender GPU's stream after its export event."""
+    From another GPU the buffer is opened on ``device`` (``open_on``) and copied there, reading the sender's GPU peer
+    to peer, after the sender's export event. ``on_sender``: opened on the sender's GPU and copied on its stream, as
+    before (``bench/handoff/gpu_to_gpu.py`` times both)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     dtype = getattr(torch, msg.dtype, None)
@@ -139,17 +150,19 @@ def copy_out(msg: pb.CudaIpcBuffer, device: torch.device | None = None) -> torch
     # queued work (the decode steps its engine thread keeps issuing on the current stream)
     consumer = torch.cuda.current_stream(dst)
     side = side_stream(dst, "ipc-copy")
+    at = src if on_sender else open_on(dst, src)
     with torch.cuda.stream(side):
-        # opening it queues a wait for the sender's event on the sender GPU's current stream in this process; a
-        # copy between GPUs runs on the source's current stream, then the destination's (``side``) waits for it
+        # opening it queues a wait for the sender's event on the current stream of the GPU it is opened on (``side``
+        # when that is ``dst``); a copy from a buffer opened on the sender's GPU runs on that GPU's current stream in
+        # this process, and the destination's (``side``) waits for it
         if msg.slab:
-            shared = _slab_piece(msg, src, dtype)
+            shared = _slab_piece(msg, at, dtype)
         else:
             shared = rebuild_cuda_tensor(torch.Tensor, (msg.numel,), (1,), msg.tensor_offset, torch.UntypedStorage,
-                                         dtype, src, msg.storage_handle, msg.storage_size_bytes,
+                                         dtype, at, msg.storage_handle, msg.storage_size_bytes,
                                          msg.storage_offset_bytes, False, msg.ref_counter_handle,
                                          msg.ref_counter_offset, msg.event_handle or None, msg.event_sync_required)
-        own = shared.clone() if dst.index == src else torch.empty_like(shared, device=dst).copy_(shared)
+        own = shared.clone() if shared.device == dst else torch.empty_like(shared, device=dst).copy_(shared)
     side.synchronize()                  # copied before the sender may free it
     own.record_stream(consumer)         # its memory is not reused while the consumer's kernels may read it
     del shared
@@ -218,7 +231,8 @@ def share_from_slab(buf: torch.Tensor, slab: IpcSlab | None) -> tuple[torch.Tens
         raise
 
 
-_kept: OrderedDict[tuple[bytes, int], tuple[torch.UntypedStorage, float]] = OrderedDict()   # (slab, last used)
+# (slab handle, its offset, the GPU it is opened on) -> (the opened slab, last used)
+_kept: OrderedDict[tuple[bytes, int, int], tuple[torch.UntypedStorage, float]] = OrderedDict()
 _kept_lock = threading.Lock()
 
 
@@ -233,12 +247,13 @@ def close_idle_slabs(now: float | None = None) -> int:
     return len(idle)
 
 
-def _slab_piece(msg: pb.CudaIpcBuffer, src: int, dtype: torch.dtype) -> torch.Tensor:
-    """The piece of a sender's slab that ``msg`` names, on GPU ``src``: the slab opened at its first piece and kept
-    open (``KEPT_SLABS`` of them), so that later pieces open nothing. ValueError when the piece is not inside it."""
+def _slab_piece(msg: pb.CudaIpcBuffer, at: int, dtype: torch.dtype) -> torch.Tensor:
+    """The piece of a sender's slab that ``msg`` names, opened on GPU ``at`` (the sender's, or one that reads it peer to
+    peer: ``open_on``): the slab opened at its first piece and kept open (``KEPT_SLABS`` of them), so that later
+    pieces open nothing. ValueError when the piece is not inside it."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    key = (msg.storage_handle, msg.storage_offset_bytes)
+    key = (msg.storage_handle, msg.storage_offset_bytes, at)
     now = time.monotonic()
     close_idle_slabs(now)
     with _kept_lock:
@@ -248,7 +263,7 @@ def _slab_piece(msg: pb.CudaIpcBuffer, src: int, dtype: torch.dtype) -> torch.Te
             _kept.move_to_end(key)
     if storage is None:
         whole = rebuild_cuda_tensor(torch.Tensor, (msg.storage_size_bytes,), (1,), 0, torch.UntypedStorage,
-                                    torch.uint8, src, msg.storage_handle, msg.storage_size_bytes,
+                                    torch.uint8, at, msg.storage_handle, msg.storage_size_bytes,
                                     msg.storage_offset_bytes, False, msg.ref_counter_handle, msg.ref_counter_offset,
                                     msg.event_handle or None, msg.event_sync_required)
         storage = whole.untyped_storage()

@@ -43,29 +43,37 @@ def round_trip(n: int = 3 * 1024 * 1024 + 7, offset: int = 5, peer: bool = False
     return p.exitcode == 0 and got == buf.cpu().view(torch.int16).numpy().tobytes()
 
 
-def receive_pieces(wires: list[bytes], out) -> None:
-    """Child process: copy out every piece named (one sender's slab, opened at the first), send host copies back, and
-    how many slabs this process keeps open."""
+def receive_pieces(wires: list[bytes], out, into: int | None = None, on_sender: bool = False) -> None:
+    """Child process: copy out every piece named (one sender's slab, opened at the first) onto its GPU ``into`` (by
+    default the slab's), send host copies back, and how many slabs this process keeps open."""
     from services.handoff import cuda_ipc
     from services.rpc import tessera_pb2 as pb
 
-    got = [cuda_ipc.copy_out(pb.CudaIpcBuffer.FromString(w)).cpu() for w in wires]
-    out.put(([g.view(torch.int16).numpy().tobytes() for g in got], len(cuda_ipc._kept)))
+    dev = None if into is None else torch.device("cuda", into)
+    got = [cuda_ipc.copy_out(pb.CudaIpcBuffer.FromString(w), dev, on_sender=on_sender) for w in wires]
+    assert into is None or all(g.device.index == into for g in got)
+    out.put(([g.cpu().view(torch.int16).numpy().tobytes() for g in got], len(cuda_ipc._kept)))
 
 
-def slab_round_trip(sizes=(3 * 1024 * 1024 + 7, 1000, 65536)) -> bool:
+def slab_round_trip(sizes=(3 * 1024 * 1024 + 7, 1000, 65536), peer: bool = False, on_sender: bool = False) -> bool:
     """Share bf16 buffers of ``sizes`` through one slab (``share_from_slab``: each copied into a piece, the pieces
     lent at once) with a spawned process that copies each out; True when each arrived whole, every message named the
-    slab, and the child kept one slab open. The pieces then go back, and the slab lends them again."""
-    from services.handoff.cuda_ipc import IpcSlab, share_from_slab
+    slab, and the child kept one slab open. The pieces then go back, and the slab lends them again. ``peer``: the
+    process is a worker of this host's second GPU and copies the pieces GPU to GPU, the slab opened on its own GPU
+    (``cuda_ipc.open_on``), or with ``on_sender`` on the slab's."""
+    from services.handoff.cuda_ipc import IpcSlab, gpu_order, share_from_slab
+    from services.launch.local import child_gpus, visible_gpus
 
     slab = IpcSlab(64 << 20, torch.device("cuda:0"))
     bufs = [torch.randn(n, device="cuda:0", dtype=torch.bfloat16) for n in sizes]
     shared = [share_from_slab(b, slab) for b in bufs]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=receive_pieces, args=([m.SerializeToString() for _, m in shared], q))
-    p.start()
+    p = ctx.Process(target=receive_pieces, args=([m.SerializeToString() for _, m in shared], q,
+                                                  0 if peer else None, on_sender))
+    visible = visible_gpus()
+    with child_gpus(gpu_order(visible[1], visible) if peer else None):
+        p.start()
     got, kept = q.get(timeout=120)
     p.join(60)
     ok = (p.exitcode == 0 and kept == 1 and all(m.slab and piece is not None for piece, m in shared)
@@ -80,3 +88,7 @@ if __name__ == "__main__":
     print("cuda ipc round trip:", "ok" if round_trip() else "MISMATCH")
     if torch.cuda.device_count() > 1:
         print("cuda ipc round trip, GPU to GPU:", "ok" if round_trip(peer=True) else "MISMATCH")
+        print("cuda ipc slab round trip, GPU to GPU, opened on the receiver's GPU:",
+              "ok" if slab_round_trip(peer=True) else "MISMATCH")
+        print("cuda ipc slab round trip, GPU to GPU, opened on the sender's GPU:",
+              "ok" if slab_round_trip(peer=True, on_sender=True) else "MISMATCH")

@@ -28,3 +28,12 @@ def test_pieces_of_one_slab_arrive_whole_and_the_receiver_opens_the_slab_once():
     from .ipc_child import slab_round_trip
 
     assert slab_round_trip()
+
+
+@pytest.mark.parametrize("on_sender", [False, True])
+def test_pieces_of_a_slab_of_another_gpu_arrive_whole_opened_on_either_gpu(on_sender):
+    from .ipc_child import slab_round_trip
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    assert slab_round_trip(peer=True, on_sender=on_sender)

@@ -18,7 +18,7 @@ def kept(monkeypatch):
     monkeypatch.setattr(cuda_ipc, "_kept", store)
     slab = torch.UntypedStorage(4096)
     torch.empty(0, dtype=torch.uint8).set_(slab, 0, (4096,), (1,)).copy_(torch.arange(4096) % 251)
-    store[(b"slab-a", 0)] = (slab, cuda_ipc.time.monotonic())
+    store[(b"slab-a", 0, 0)] = (slab, cuda_ipc.time.monotonic())
     return store
 
 
@@ -60,9 +60,9 @@ def test_the_least_recently_used_slabs_are_closed_past_the_bound(kept, monkeypat
 
 def test_a_slab_no_piece_came_from_for_a_while_is_closed(kept, monkeypatch):
     monkeypatch.setattr(cuda_ipc, "KEPT_IDLE_S", 60.0)
-    kept[(b"slab-a", 0)] = (kept[(b"slab-a", 0)][0], cuda_ipc.time.monotonic() - 50)     # last used 50 s ago
+    kept[(b"slab-a", 0, 0)] = (kept[(b"slab-a", 0, 0)][0], cuda_ipc.time.monotonic() - 50)     # last used 50 s ago
     cuda_ipc._slab_piece(piece(0, 4), 0, torch.bfloat16)            # a piece: the slab is used now
-    used = kept[(b"slab-a", 0)][1]
+    used = kept[(b"slab-a", 0, 0)][1]
     assert cuda_ipc.time.monotonic() - used < 5
     assert cuda_ipc.close_idle_slabs(used + 30) == 0 and len(kept) == 1
     assert cuda_ipc.close_idle_slabs(used + 61) == 1 and len(kept) == 0
@@ -73,3 +73,28 @@ def test_no_slab_is_made_where_there_is_none_to_make():
     assert cuda_ipc.process_ipc_slab(torch.device("cpu")) is None
     assert cuda_ipc.process_ipc_slab(torch.device("cuda", 0), 0) is None
     assert cuda_ipc._ipc_slabs == {} and cuda_ipc._no_ipc_slab == {}
+
+
+def test_a_buffer_of_another_gpu_is_opened_on_the_receivers_gpu_where_it_reads_the_senders(monkeypatch):
+    """Opened on the sender's GPU, a receiver makes a context there and queues its copy beside the sender's own work
+    (and every other receiver's); where its GPU reads the sender's peer to peer it opens the buffer on its own."""
+    peers = {(1, 0): True, (2, 0): False}
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peers[(a, b)])
+    assert cuda_ipc.open_on(torch.device("cuda", 1), 0) == 1          # reads GPU 0 over NVLink: opened on GPU 1
+    assert cuda_ipc.open_on(torch.device("cuda", 2), 0) == 0          # no peer access: opened where it lies
+    assert cuda_ipc.open_on(torch.device("cuda", 0), 0) == 0          # the same GPU
+
+
+def test_a_slab_opened_on_two_gpus_is_kept_once_for_each(kept, monkeypatch):
+    opened = []
+
+    def rebuild(*args):
+        opened.append((args[7], args[6]))          # (the storage handle, the GPU it is opened on)
+        return torch.zeros(4096, dtype=torch.uint8)
+
+    monkeypatch.setattr("torch.multiprocessing.reductions.rebuild_cuda_tensor", rebuild)
+    cuda_ipc._slab_piece(piece(0, 4, b"slab-b"), 1, torch.bfloat16)
+    cuda_ipc._slab_piece(piece(0, 4, b"slab-b"), 1, torch.bfloat16)    # kept: nothing opened
+    cuda_ipc._slab_piece(piece(0, 4, b"slab-b"), 0, torch.bfloat16)    # another GPU: opened there too
+    assert opened == [(b"slab-b", 1), (b"slab-b", 0)]
+    assert (b"slab-b", 0, 1) in kept and (b"slab-b", 0, 0) in kept
