@@ -4,12 +4,12 @@ the ceilings measured in the same run.
 The parent is the prefill worker, a spawned child the decode worker of the second GPU (that GPU first in its
 CUDA_VISIBLE_DEVICES, as the launcher starts one). Per repetition the parent makes a fresh buffer of the hand-off's
 size on its GPU and hands it over:
-- ``ipc``: shares the buffer itself (``cuda_ipc.share``); the child opens it and copies it onto its GPU
-  (``cuda_ipc.copy_out``), timed from the wire message to the bytes landed;
+- ``ipc``: shares the buffer itself (``cuda_ipc.share``); the child opens it on the sender's GPU and copies it onto
+  its own (``cuda_ipc.copy_out``), timed from the wire message to the bytes landed;
 - ``ipc slab`` (what a worker does now): copies it into a piece of its CUDA IPC slab (``share_from_slab``, timed on
   the parent) and the child copies the piece out of the slab it opened once (timed on the child); the row is the sum;
-- ``ipc slab on sender``: the same, the receiver opening the slab on the sender's GPU and copying on that GPU's
-  stream, as it did before ``cuda_ipc.open_on`` (which opens it on the receiver's own GPU, read peer to peer);
+- ``ipc slab`` opens the slab on the receiver's own GPU, read peer to peer (``cuda_ipc.open_on``); ``ipc slab on
+  sender`` on the sender's GPU, the copy queued on that GPU's stream, as a receiver did before;
 - ``nixl``: copies it into a piece of its NIXL slab and offers it (``nixl.offer_from_slab``: the copy and the CRC-32
   on the GPU, timed on the parent); the child reads it with NIXL (UCX) into a piece of its own registered slab,
   checks the CRC-32 there and copies it out (``nixl.read_via_slab``, timed on the child); the row is the sum.
@@ -183,9 +183,9 @@ def main() -> int:
         row.update(peer_copy_gbs=gbs(peer), same_gpu_copy_gbs=gbs(same), through_pinned_host_gbs=gbs(host))
         row["landed_equal"] = all(row.get(f"{h}_landed_equal", True) for h in ways)
         rows.append(row)
-        ways = ", ".join(f"{h} {row[f'{h}_ms_p50']:.2f} ms p50 = {row[f'{h}_gbs']:.1f} GB/s" if f"{h}_ms_p50" in row
+        said = ", ".join(f"{h} {row[f'{h}_ms_p50']:.2f} ms p50 = {row[f'{h}_gbs']:.1f} GB/s" if f"{h}_ms_p50" in row
                          else f"{h}: {row.get(f'{h}_error', '?')}" for h in ways)
-        print(f"{mib} MiB: {ways} (landed equal: {row['landed_equal']}); in-process GPU to GPU "
+        print(f"{mib} MiB: {said} (landed equal: {row['landed_equal']}); in-process GPU to GPU "
               f"{row['peer_copy_gbs']:.1f} GB/s, on one GPU {row['same_gpu_copy_gbs']:.1f}, through pinned host "
               f"{row['through_pinned_host_gbs']:.1f}", flush=True)
         del src, on_a, on_b, pinned

@@ -133,9 +133,11 @@ def open_on(dst: torch.device, src: int) -> int:
 
 def copy_out(msg: pb.CudaIpcBuffer, device: torch.device | None = None, on_sender: bool = False) -> torch.Tensor:
     """Open a shared buffer, copy it into this process's memory on ``device`` (default: the buffer's GPU), close it.
-    From another GPU the buffer is opened on ``device`` (``open_on``) and copied there, reading the sender's GPU peer
-    to peer, after the sender's export event. ``on_sender``: opened on the sender's GPU and copied on its stream, as
-    before (``bench/handoff/gpu_to_gpu.py`` times both)."""
+    A slab of another GPU (opened once, kept) is opened on ``device`` (``open_on``) and its pieces copied there,
+    reading the sender's GPU peer to peer; ``on_sender`` opens it on the sender's GPU, the copy queued on that GPU's
+    stream. A buffer shared on its own is still opened on the sender's GPU: opened on the receiver's, a 69 MiB one
+    took 1.80 ms where the sender's GPU took 0.65-0.79 on other machines (``bench/handoff/README.md``), not yet
+    compared on one."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     dtype = getattr(torch, msg.dtype, None)
@@ -150,7 +152,7 @@ def copy_out(msg: pb.CudaIpcBuffer, device: torch.device | None = None, on_sende
     # queued work (the decode steps its engine thread keeps issuing on the current stream)
     consumer = torch.cuda.current_stream(dst)
     side = side_stream(dst, "ipc-copy")
-    at = src if on_sender else open_on(dst, src)
+    at = src if on_sender or not msg.slab else open_on(dst, src)
     with torch.cuda.stream(side):
         # opening it queues a wait for the sender's event on the current stream of the GPU it is opened on (``side``
         # when that is ``dst``); a copy from a buffer opened on the sender's GPU runs on that GPU's current stream in
