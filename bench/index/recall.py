@@ -20,6 +20,10 @@ its Python binding, so faiss' HNSW stands for HNSW.
 ``--grouped``: each GQA group's query heads also searched in one traversal (``AttentionIndex.search_group``), the
 queries sampled by position; recall per query head, scanned per query head as the group's keys read over G.
 ``--cold N``: both ways also timed with the keys out of cache (``cold_times``).
+``--compact``: ``ours`` and ``grouped`` traverse the float32 keys (``compact=False``, as every run before the int8
+keys); this adds ``ours_int8`` and ``grouped_int8``, the same searches on the int8 keys with the beam rescored
+exactly (``services/index/compact.py``, what ``AttentionIndex`` does by default), in the recall table and the cold
+times.
 """
 
 from __future__ import annotations
@@ -77,33 +81,40 @@ def one_thread_search(index, queries, k):
         faiss.omp_set_num_threads(threads)
 
 
-def run_ours(head, kth, k, beams, options, group=1):
+def run_ours(head, kth, k, beams, options, group=1, index=None, compact=False):
+    """Our index (built here unless given) searched a query at a time, on the float32 keys or the int8 ones."""
     t0 = time.perf_counter()
-    index = AttentionIndex.build(head.keys, head.queries, **options)
+    index = index or AttentionIndex.build(head.keys, head.queries, **options)
     build_s = time.perf_counter() - t0
+    index.search(head.heldout[:1], k, compact=compact)            # compiled before the clock runs
     rows = []
     for beam in beams:
         t0 = time.perf_counter()
-        ids, scanned = index.search(head.heldout, k, beam=beam)
+        ids, scanned = index.search(head.heldout, k, beam=beam, compact=compact)
         seconds = time.perf_counter() - t0
         rows.append({"setting": beam, "recall": recall(head.keys, head.heldout, ids, kth),
                      "scanned": float(scanned.mean() / index.num_keys),
                      "us_per_query": seconds / len(head.heldout) * 1e6,
                      "us_per_group": seconds / len(head.heldout) * group * 1e6})
     return index, {"build_s": build_s, "bytes_per_key": len(index.to_bytes()) / index.num_keys,
-                   "edges_per_key": index.num_edges / index.num_keys, "rows": rows}
+                   "edges_per_key": index.num_edges / index.num_keys,
+                   "memory_bytes_per_key": {"keys": index.keys.nbytes / index.num_keys,
+                                            "int8_keys": index.compact.nbytes / index.num_keys,
+                                            "graph": (index.graph.offsets.nbytes + index.graph.targets.nbytes)
+                                            / index.num_keys},
+                   "rows": rows}
 
 
-def run_grouped(index, head, kth, k, beams, group):
+def run_grouped(index, head, kth, k, beams, group, compact=False):
     """The same index searched one traversal a GQA group (``AttentionIndex.search_group``): the heldout rows are the
     group's heads one after another (qk_dump.HeadQK), so position i's group is rows i, Q + i, ... Recall is per query head;
     scanned is the group's keys read over ``group``, per query head as the per-head search counts them."""
     q = np.ascontiguousarray(head.heldout.reshape(group, -1, head.heldout.shape[1]).transpose(1, 0, 2))   # [Q, G, D]
-    index.search_group(q[:1], k)            # compiled before the clock runs
+    index.search_group(q[:1], k, compact=compact)            # compiled before the clock runs
     rows = []
     for beam in beams:
         t0 = time.perf_counter()
-        ids, scanned = index.search_group(q, k, beam=beam)
+        ids, scanned = index.search_group(q, k, beam=beam, compact=compact)
         seconds = time.perf_counter() - t0
         flat = np.ascontiguousarray(ids.transpose(1, 0, 2).reshape(-1, k))     # back to the heldout's row order
         rows.append({"setting": beam, "recall": recall(head.keys, head.heldout, flat, kth),
@@ -156,35 +167,46 @@ def run_ivf(head, kth, k, nprobes, nlist):
     return {"build_s": build_s, "bytes_per_key": len(faiss.serialize_index(index)) / n, "rows": rows}
 
 
-def cold_times(index, head, k, beams, group, copies, reps=3):
-    """Search time a group with the keys coming from memory, not cache: ``copies`` copies of the index (keys and
-    graph, over the machine's last-level cache together), position i's group searching copy i % copies. Per head,
-    the group's G queries search one after another on their copy (as ``IndexSet`` does a pair's query heads on one
-    thread: the later heads find the keys the first read still cached); grouped, one traversal. Per beam and way:
-    us a group and ns a key read, the best of ``reps`` passes (the ways interleaved)."""
+def cold_times(index, head, k, beams, group, copies, compact=False, reps=3):
+    """Search time a group with the keys coming from memory, not cache: ``copies`` copies of the index (keys, their
+    int8 form and graph, over the machine's last-level cache together), position i's group searching copy i % copies.
+    Per head, the group's G queries search one after another on their copy (as ``IndexSet`` does a pair's query heads
+    on one thread: the later heads find the keys the first read still cached); grouped, one traversal. ``compact``:
+    both ways again on the int8 keys (``_int8``), the beam rescored with the float32 keys. Per beam and way: us a group
+    and ns a key read, the best of ``reps`` passes (the ways interleaved)."""
     q = np.ascontiguousarray(head.heldout.reshape(group, -1, head.heldout.shape[1]).transpose(1, 0, 2))   # [Q, G, D]
     g = index.graph
-    made = [(np.array(index.keys), g.offsets.copy(), g.targets.copy(), g.entries.copy()) for _ in range(copies)]
+    made = [(np.array(index.keys), np.array(index.compact.codes), index.compact.step.copy(), g.offsets.copy(),
+             g.targets.copy(), g.entries.copy()) for _ in range(copies)]
+    ones = np.ones(index.dim, np.float32)
     ids, scores, scanned = np.empty((group, k), np.int64), np.empty((group, k), np.float32), np.empty(group, np.int64)
     gids, gscores, gscanned = ids[None], scores[None], np.empty(1, np.int64)
 
-    def per_head(beam):
+    def args(copy, int8):
+        keys, codes, step, offsets, targets, entries = copy
+        return (codes, step, keys) if int8 else (keys, ones, keys), (offsets, targets, entries)
+
+    def per_head(beam, int8=False):
         read = 0
         for i in range(q.shape[0]):
-            search_batch(*made[i % copies], q[i], beam, k, ids, scores, scanned)
+            nav, graph = args(made[i % copies], int8)
+            search_batch(*nav, *graph, q[i], beam, k, not int8, ids, scores, scanned)
             read += int(scanned.sum())
         return read
 
-    def grouped(beam):
+    def grouped(beam, int8=False):
         read = 0
         for i in range(q.shape[0]):
-            search_group_batch(*made[i % copies], q[i:i + 1], beam, k, gids, gscores, gscanned)
+            nav, graph = args(made[i % copies], int8)
+            search_group_batch(*nav, *graph, q[i:i + 1], beam, k, not int8, gids, gscores, gscanned)
             read += int(gscanned[0])
         return read
 
-    search_batch(*made[0], q[0], k, k, ids, scores, scanned)          # compiled for the copies' (writable) arrays
-    search_group_batch(*made[0], q[:1], k, k, gids, gscores, gscanned)
     ways = {"per_head": per_head, "grouped": grouped}
+    if compact:
+        ways |= {"per_head_int8": lambda beam: per_head(beam, True), "grouped_int8": lambda beam: grouped(beam, True)}
+    for fn in ways.values():
+        fn(k)                                   # compiled for the copies' (writable) arrays
     out = []
     for beam in beams:
         best = {w: np.inf for w in ways}
@@ -197,6 +219,32 @@ def cold_times(index, head, k, beams, group, copies, reps=3):
         out.append({"setting": beam, **{w: {"us_per_group": best[w] / q.shape[0] * 1e6,
                                             "ns_per_key": best[w] / read[w] * 1e9} for w in ways}})
     return {"copies": copies, "bytes": sum(sum(a.nbytes for a in c) for c in made), "reps": reps, "rows": out}
+
+
+COLD_METHOD = {"per_head": "ours", "grouped": "grouped", "per_head_int8": "ours_int8", "grouped_int8": "grouped_int8"}
+
+
+def time_at_recall(results, targets=(0.95, 0.98)):
+    """Per method: us a group at equal recall, interpolated on each head's (recall, us) curve, then the mean over
+    heads; cached (the recall run's times) and, where timed, cold (``cold_times``)."""
+    out = {}
+    for method in results[0]["methods"]:
+        if "us_per_group" not in results[0]["methods"][method]["rows"][0]:
+            continue
+        cold_way = next((w for w, m in COLD_METHOD.items() if m == method), None)
+        entry = {}
+        for target in targets:
+            cached, cold = [], []
+            for r in results:
+                rows = r["methods"][method]["rows"]
+                cached.append(at_recall([(x["recall"], x["us_per_group"]) for x in rows], target))
+                if "cold" in r and cold_way in r["cold"]["rows"][0]:
+                    cold.append(at_recall([(x["recall"], c[cold_way]["us_per_group"])
+                                           for x, c in zip(rows, r["cold"]["rows"])], target))
+            entry[str(target)] = {"cached_us": float(np.mean(cached)) if None not in cached else None,
+                                  "cold_us": float(np.mean(cold)) if cold and None not in cold else None}
+        out[method] = entry
+    return out
 
 
 def summarize(results, k):
@@ -212,7 +260,7 @@ def summarize(results, k):
                     if "us_per_group" in row else {})}
                 for i, row in enumerate(per[0]["rows"])]
         reach = {}
-        for target in (0.9, 0.95):
+        for target in (0.9, 0.95, 0.98):
             each = [at_recall([(x["recall"], x["scanned"]) for x in p["rows"]], target) for p in per]
             reach[str(target)] = {"mean": float(np.mean(each)) if None not in each else None,
                                   "max": max(each) if None not in each else None, "per_head": each}
@@ -231,7 +279,8 @@ def plot(results, summary, k, path, title):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
-    colors = {"ours": "tab:red", "hnsw": "tab:blue", "ivf": "tab:green", "grouped": "tab:orange"}
+    colors = {"ours": "tab:red", "hnsw": "tab:blue", "ivf": "tab:green", "grouped": "tab:orange",
+              "ours_int8": "tab:purple", "grouped_int8": "tab:brown"}
     for method, s in summary.items():
         axes[0].plot([100 * r["scanned"] for r in s["rows"]], [r["recall"] for r in s["rows"]], marker="o",
                      color=colors.get(method), label=f"{method} (mean of {len(results)} heads)")
@@ -290,6 +339,8 @@ def main() -> None:
     ap.add_argument("--cold", type=int, default=0, metavar="COPIES",
                     help="with --grouped: also time both ways with the keys out of cache, over this many copies of "
                          "each index (per head and grouped, one thread)")
+    ap.add_argument("--compact", action="store_true",
+                    help="also search on the int8 keys, the beam rescored exactly (ours_int8, grouped_int8)")
     ap.add_argument("--what", default="recall", help="the output files' last name part")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a run's JSON")
@@ -325,8 +376,12 @@ def main() -> None:
         kth = flat.search(head.heldout, args.k)[0][:, -1]
         index, ours = run_ours(head, kth, args.k, beams, options, group)
         methods = {"ours": ours}
+        if args.compact:
+            methods["ours_int8"] = run_ours(head, kth, args.k, beams, options, group, index, compact=True)[1]
         if args.grouped:
             methods["grouped"] = run_grouped(index, head, kth, args.k, beams, group)
+            if args.compact:
+                methods["grouped_int8"] = run_grouped(index, head, kth, args.k, beams, group, compact=True)
         if not args.skip_peers:
             methods["hnsw"] = run_hnsw(head, kth, args.k, efs, args.hnsw_m)
             methods["ivf"] = run_ivf(head, kth, args.k, nprobes, args.nlist)
@@ -334,7 +389,7 @@ def main() -> None:
                         "train_queries": int(head.queries.shape[0]), "heldout_queries": int(head.heldout.shape[0]),
                         "methods": methods})
         if args.grouped and args.cold:
-            results[-1]["cold"] = cold_times(index, head, args.k, beams, group, args.cold)
+            results[-1]["cold"] = cold_times(index, head, args.k, beams, group, args.cold, args.compact)
             print("  cold, us a group (ns a key read): " + "  ".join(
                 f"beam {r['setting']}: " + ", ".join(f"{w} {v['us_per_group']:.0f} ({v['ns_per_key']:.0f})"
                                                      for w, v in r.items() if w != "setting")
@@ -373,6 +428,13 @@ def main() -> None:
         for row in cold:
             print(f"beam {row['setting']:>5}: " + "  ".join(f"{w} {v['us_per_group']:.0f} ({v['ns_per_key']:.0f})"
                                                           for w, v in row.items() if w != "setting"))
+    at_equal = time_at_recall(results)
+    if at_equal:
+        print("\nus a group at equal recall (each head's curve interpolated, mean over heads): cached / cold")
+        for method, entry in at_equal.items():
+            print(f"{method:<14} " + "  ".join(
+                f"{t}: {'-' if v['cached_us'] is None else round(v['cached_us'])} / "
+                f"{'-' if v['cold_us'] is None else round(v['cold_us'])}" for t, v in entry.items()))
 
     stem = Path(args.out) / f"{started:%Y-%m-%d}_cpu_{commit}_{args.what}"
     doc = {"started_utc": started.isoformat(timespec="seconds"), "commit": commit, "argv": sys.argv[1:],
@@ -380,7 +442,7 @@ def main() -> None:
            "seed": args.seed, "k": args.k, "options": options, "hnsw_m": args.hnsw_m, "nlist": args.nlist,
            "queries_sampled": args.queries or None, "group": group, "grouped": args.grouped,
            "seconds": (dt.datetime.now(dt.timezone.utc) - started).total_seconds(), "summary": summary,
-           "cold_summary": cold,
+           "cold_summary": cold, "us_per_group_at_recall": at_equal,
            "heads": results}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     plot(results, summary, args.k, stem.with_suffix(".png"), _title(doc))

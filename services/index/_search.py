@@ -1,6 +1,8 @@
 """Compiled loops of the attention index: best-first beam search by inner product on a CSR graph.
 
-Invariants (every function here): ``keys`` float32 ``[N, D]`` C-contiguous; the graph is CSR, ``offsets``
+Invariants (every function here): ``keys`` float32 ``[N, D]`` C-contiguous (the exact keys); ``nav`` the keys a
+search traverses with, ``[N, D]`` C-contiguous, float32 (the exact keys themselves) or int8 codes (``compact.py``),
+and ``step`` float32 ``[D]`` the factor a query takes to score them (ones for float32); the graph is CSR, ``offsets``
 int64 ``[N + 1]`` and ``targets`` int32 ``[E]`` (key i's out-neighbours are
 ``targets[offsets[i]:offsets[i + 1]]``, none of them i, no duplicates); ``entries`` int64 ``[>= 1]``: the key ids
 a search starts from (one for a built index, one a part for a composed one: ``graph.AttentionIndex.compose``).
@@ -18,10 +20,21 @@ from numba import njit
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
 def dot(a: np.ndarray, b: np.ndarray) -> float:
+    """``a . b`` in float32; ``a`` float32 or int8 (a compact key's codes, ``b`` a query scaled by the step)."""
     acc = np.float32(0.0)
     for i in range(a.shape[0]):
-        acc += a[i] * b[i]
+        acc += np.float32(a[i]) * b[i]
     return acc
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def rescore(keys, query, ids, scores, size):
+    """The beam ``ids[:size]`` scored again with the exact ``keys`` and sorted by descending exact score: what a
+    search on compact keys keeps its top k from (the traversal's scores are the codes' own, off by their rounding)."""
+    for j in range(size):
+        scores[j] = dot(keys[ids[j]], query)
+    order = np.argsort(-scores[:size])
+    ids[:size], scores[:size] = ids[:size][order], scores[:size][order]
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -132,13 +145,42 @@ def beam_search_one(keys, offsets, targets, entries, query, beam, visited, touch
 
 
 @njit(nogil=True, cache=True)
-def search_batch(keys, offsets, targets, entries, queries, beam, k, out_ids, out_scores, out_scanned):
-    """Search every row of ``queries`` ``[B, D]``: ``out_ids`` int64 ``[B, k]`` (-1 past the beam's keys),
-    ``out_scores`` float32 ``[B, k]``, ``out_scanned`` int64 ``[B]``. ``beam >= k``."""
-    visited, touched, ids, scores, queue, queue_neg = scratch(keys.shape[0], beam)
+def attend_one(ids, scores, m, values, scale, acc, out):
+    """Attention over ``ids[:m]`` of scores ``scores[:m]`` (sorted by descending score, m >= 1): the softmax of the
+    scaled scores weighting ``values`` rows into ``out`` float32 ``[Dv]`` (``acc`` float64 ``[Dv]`` scratch);
+    returns the log-sum-exp of the scaled scores. NOTE: no fastmath here or in its callers: so compiled, the first
+    key's weight came out 0 at scores of 1e30 (a division by zero), and k exps are no part of a search's cost."""
+    best = np.float64(scores[0])                 # sorted by descending score: the largest
+    total = 0.0
+    acc[:] = 0.0
+    for j in range(m):
+        # NOTE: the difference first, then the scale: s * scale - top may be contracted to one fused multiply-add
+        # (fastmath), whose unrounded product differs from top's rounded one by up to 1e13 at huge scores
+        p = np.exp((np.float64(scores[j]) - best) * scale)
+        total += p
+        row = values[ids[j]]
+        for t in range(values.shape[1]):
+            acc[t] += p * row[t]
+    for t in range(values.shape[1]):
+        out[t] = acc[t] / total
+    return best * scale + np.log(total)
+
+
+@njit(nogil=True, cache=True)
+def search_batch(nav, step, keys, offsets, targets, entries, queries, beam, k, exact_nav, out_ids, out_scores,
+                 out_scanned):
+    """Search every row of ``queries`` ``[B, D]`` on ``nav`` (the query scaled by ``step``), then rescore the beam
+    with ``keys`` unless ``exact_nav`` (``nav`` is ``keys``): ``out_ids`` int64 ``[B, k]`` (-1 past the beam's keys),
+    ``out_scores`` float32 ``[B, k]`` (exact), ``out_scanned`` int64 ``[B]`` (keys the traversal scored; a rescore
+    reads the beam's exact keys besides). ``beam >= k``."""
+    visited, touched, ids, scores, queue, queue_neg = scratch(nav.shape[0], beam)
+    q = np.empty(queries.shape[1], np.float32)
     for b in range(queries.shape[0]):
-        size, scanned, n_touched = beam_search_one(keys, offsets, targets, entries, queries[b], beam, visited,
-                                                   touched, ids, scores, queue, queue_neg)
+        q[:] = queries[b] * step
+        size, scanned, n_touched = beam_search_one(nav, offsets, targets, entries, q, beam, visited, touched, ids,
+                                                   scores, queue, queue_neg)
+        if not exact_nav:
+            rescore(keys, queries[b], ids, scores, size)
         for j in range(k):
             if j < size:
                 out_ids[b, j], out_scores[b, j] = ids[j], scores[j]
@@ -149,31 +191,24 @@ def search_batch(keys, offsets, targets, entries, queries, beam, k, out_ids, out
             visited[touched[j]] = 0
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def search_attend(keys, offsets, targets, entries, values, queries, beam, k, scale, out, lse, out_scanned):
-    """Search every row of ``queries`` ``[B, D]`` for its top ``k`` keys and attend them: ``out`` float32
-    ``[B, Dv]`` (the softmax of the scaled scores over those keys, weighting ``values`` ``[N, Dv]``), ``lse``
-    float32 ``[B]`` (natural log of the summed exp of the scaled scores), ``out_scanned`` int64 ``[B]``. The
-    scores are the search's own (no key is read twice). ``beam >= k``."""
-    visited, touched, ids, scores, queue, queue_neg = scratch(keys.shape[0], beam)
+@njit(nogil=True, cache=True)
+def search_attend(nav, step, keys, offsets, targets, entries, values, queries, beam, k, exact_nav, scale, out, lse,
+                  out_scanned):
+    """Search every row of ``queries`` ``[B, D]`` for its top ``k`` keys (as ``search_batch``) and attend them:
+    ``out`` float32 ``[B, Dv]`` (the softmax of the scaled exact scores over those keys, weighting ``values``
+    ``[N, Dv]``), ``lse`` float32 ``[B]`` (natural log of the summed exp of the scaled scores), ``out_scanned`` int64
+    ``[B]``. ``beam >= k``."""
+    visited, touched, ids, scores, queue, queue_neg = scratch(nav.shape[0], beam)
+    q = np.empty(queries.shape[1], np.float32)
     dv = values.shape[1]
     acc = np.empty(dv, np.float64)
     for b in range(queries.shape[0]):
-        size, scanned, n_touched = beam_search_one(keys, offsets, targets, entries, queries[b], beam, visited,
-                                                   touched, ids, scores, queue, queue_neg)
-        m = min(k, size)
-        top = np.float64(scores[0]) * scale          # sorted by descending score: the largest logit
-        total = 0.0
-        acc[:] = 0.0
-        for j in range(m):
-            p = np.exp(np.float64(scores[j]) * scale - top)
-            total += p
-            row = values[ids[j]]
-            for t in range(dv):
-                acc[t] += p * row[t]
-        for t in range(dv):
-            out[b, t] = acc[t] / total
-        lse[b] = top + np.log(total)
+        q[:] = queries[b] * step
+        size, scanned, n_touched = beam_search_one(nav, offsets, targets, entries, q, beam, visited, touched, ids,
+                                                   scores, queue, queue_neg)
+        if not exact_nav:
+            rescore(keys, queries[b], ids, scores, size)
+        lse[b] = attend_one(ids, scores, min(k, size), values, scale, acc, out[b])
         out_scanned[b] = scanned
         for j in range(n_touched):
             visited[touched[j]] = 0

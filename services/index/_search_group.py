@@ -5,8 +5,8 @@ Why: a decode step's search is bound by reading keys at random (services/index/R
 read the keys their searches share G times. On the longgen model's Q/K one traversal reaches each head's recall@100
 reading fewer keys a query head than G searches (bench/index/README.md, "GQA groups searched together").
 
-Invariants: those of ``_search`` (keys float32 ``[N, D]``, the CSR graph, ``entries``); ``queries`` float32 ``[g, D]``
-a group (``[B, g, D]`` a batch of groups). Every function is ``nogil``, its state in arrays allocated per call.
+Invariants: those of ``_search`` (``nav`` and ``step``, the exact ``keys``, the CSR graph, ``entries``); ``queries``
+float32 ``[g, D]`` a group (``[B, g, D]`` a batch of groups). Every function is ``nogil``, its state in arrays allocated per call.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from services.index._search import _sift_down, _sift_up, dot
+from services.index._search import _sift_down, _sift_up, attend_one, dot, rescore
 
 
 @njit(nogil=True, cache=True)
@@ -110,9 +110,10 @@ def _score_group(first, n_touched, keys, queries, touched, seen, weights, beam, 
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def beam_search_group(keys, offsets, targets, entries, queries, beam, visited, touched, seen, ids, scores, sizes,
-                      queue, queue_neg):
-    """The ``g`` queries ``[g, D]`` of one GQA group searched in one best-first traversal; returns
+def beam_search_group(keys, offsets, targets, entries, queries, weights, beam, visited, touched, seen, ids, scores,
+                      sizes, queue, queue_neg):
+    """The ``g`` queries ``[g, D]`` of one GQA group searched in one best-first traversal on ``keys`` (float32, or the
+    int8 codes with the queries scaled by their step), ``weights`` the heads' ``_weights`` (of the exact queries); returns
     ``(scanned, n_touched)``. Each key is read once and scored against every head; each head keeps its own beam
     (``ids``/``scores[h, :sizes[h]]``, sorted by descending score on return), as ``beam_search_one`` would. The queue
     is ordered by a combined score, the best over heads of each head's score scaled to the first head's query norm
@@ -120,7 +121,6 @@ def beam_search_group(keys, offsets, targets, entries, queries, beam, visited, t
     head's beam (that beam has room or the key scores at least its worst); the search stops when the queue's best
     combined score is below every full head's worst, so scaled. ``scanned`` counts keys read, once for the group."""
     g = queries.shape[0]
-    weights = _weights(queries)
     sizes[:] = 0
     n_touched = 0
     for i in range(entries.shape[0]):
@@ -167,15 +167,33 @@ def beam_search_group(keys, offsets, targets, entries, queries, beam, visited, t
 
 
 @njit(nogil=True, cache=True)
-def search_group_batch(keys, offsets, targets, entries, queries, beam, k, out_ids, out_scores, out_scanned):
-    """Search every group of ``queries`` ``[B, g, D]`` together (``beam_search_group``): ``out_ids`` int64
-    ``[B, g, k]`` (-1 past a beam's keys), ``out_scores`` float32 ``[B, g, k]``, ``out_scanned`` int64 ``[B]`` (keys
-    read for the group). ``beam >= k``."""
+def _one_group(nav, step, keys, offsets, targets, entries, queries, beam, exact_nav, q, visited, touched, seen, ids,
+               scores, sizes, queue, queue_neg):
+    """One group ``queries`` ``[g, D]`` searched on ``nav`` (``q`` ``[g, D]`` scratch: the queries scaled by ``step``),
+    then each head's beam rescored with the exact ``keys`` unless ``exact_nav``; returns ``(scanned, n_touched)``."""
+    for h in range(queries.shape[0]):
+        q[h] = queries[h] * step
+    scanned, n_touched = beam_search_group(nav, offsets, targets, entries, q, _weights(queries), beam, visited, touched,
+                                           seen, ids, scores, sizes, queue, queue_neg)
+    if not exact_nav:
+        for h in range(queries.shape[0]):
+            rescore(keys, queries[h], ids[h], scores[h], sizes[h])
+    return scanned, n_touched
+
+
+@njit(nogil=True, cache=True)
+def search_group_batch(nav, step, keys, offsets, targets, entries, queries, beam, k, exact_nav, out_ids, out_scores,
+                       out_scanned):
+    """Search every group of ``queries`` ``[B, g, D]`` together (``beam_search_group``) on ``nav``, each head's beam
+    rescored with ``keys`` unless ``exact_nav``: ``out_ids`` int64 ``[B, g, k]`` (-1 past a beam's keys),
+    ``out_scores`` float32 ``[B, g, k]`` (exact), ``out_scanned`` int64 ``[B]`` (keys the traversal read for the
+    group). ``beam >= k``."""
     g = queries.shape[1]
-    visited, touched, seen, ids, scores, sizes, queue, queue_neg = group_scratch(keys.shape[0], g, beam)
+    visited, touched, seen, ids, scores, sizes, queue, queue_neg = group_scratch(nav.shape[0], g, beam)
+    q = np.empty((g, queries.shape[2]), np.float32)
     for b in range(queries.shape[0]):
-        scanned, n_touched = beam_search_group(keys, offsets, targets, entries, queries[b], beam, visited, touched,
-                                               seen, ids, scores, sizes, queue, queue_neg)
+        scanned, n_touched = _one_group(nav, step, keys, offsets, targets, entries, queries[b], beam, exact_nav, q,
+                                        visited, touched, seen, ids, scores, sizes, queue, queue_neg)
         for h in range(g):
             for j in range(k):
                 if j < sizes[h]:
@@ -187,33 +205,22 @@ def search_group_batch(keys, offsets, targets, entries, queries, beam, k, out_id
             visited[touched[j]] = 0
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def search_attend_group(keys, offsets, targets, entries, values, queries, beam, k, scale, out, lse, out_scanned):
-    """Search every group of ``queries`` ``[B, g, D]`` together (``beam_search_group``) and attend each head's top
-    ``k`` keys: ``out`` float32 ``[B, g, Dv]`` (the softmax of the head's scaled scores over its keys, weighting
+@njit(nogil=True, cache=True)
+def search_attend_group(nav, step, keys, offsets, targets, entries, values, queries, beam, k, exact_nav, scale, out,
+                        lse, out_scanned):
+    """Search every group of ``queries`` ``[B, g, D]`` together (as ``search_group_batch``) and attend each head's top
+    ``k`` keys: ``out`` float32 ``[B, g, Dv]`` (the softmax of the head's scaled exact scores over its keys, weighting
     ``values`` ``[N, Dv]``), ``lse`` float32 ``[B, g]`` (natural log of the summed exp of those scaled scores),
-    ``out_scanned`` int64 ``[B]`` (keys read for the group). The scores are the search's own. ``beam >= k``."""
+    ``out_scanned`` int64 ``[B]`` (keys read for each group). ``beam >= k``."""
     g = queries.shape[1]
-    visited, touched, seen, ids, scores, sizes, queue, queue_neg = group_scratch(keys.shape[0], g, beam)
-    dv = values.shape[1]
-    acc = np.empty(dv, np.float64)
+    visited, touched, seen, ids, scores, sizes, queue, queue_neg = group_scratch(nav.shape[0], g, beam)
+    q = np.empty((g, queries.shape[2]), np.float32)
+    acc = np.empty(values.shape[1], np.float64)
     for b in range(queries.shape[0]):
-        scanned, n_touched = beam_search_group(keys, offsets, targets, entries, queries[b], beam, visited, touched,
-                                               seen, ids, scores, sizes, queue, queue_neg)
+        scanned, n_touched = _one_group(nav, step, keys, offsets, targets, entries, queries[b], beam, exact_nav, q,
+                                        visited, touched, seen, ids, scores, sizes, queue, queue_neg)
         for h in range(g):
-            m = min(k, sizes[h])
-            top = np.float64(scores[h, 0]) * scale          # sorted by descending score: the largest logit
-            total = 0.0
-            acc[:] = 0.0
-            for j in range(m):
-                p = np.exp(np.float64(scores[h, j]) * scale - top)
-                total += p
-                row = values[ids[h, j]]
-                for t in range(dv):
-                    acc[t] += p * row[t]
-            for t in range(dv):
-                out[b, h, t] = acc[t] / total
-            lse[b, h] = top + np.log(total)
+            lse[b, h] = attend_one(ids[h], scores[h], min(k, sizes[h]), values, scale, acc, out[b, h])
         out_scanned[b] = scanned
         for j in range(n_touched):
             visited[touched[j]] = 0

@@ -6,7 +6,10 @@ A search returns, per query, up to ``k`` key ids by descending inner product and
 - ``k >= num_keys`` scores every key: the result is exact (all keys, sorted) and ``scanned == num_keys``;
 - with fewer than ``k`` keys, ids are padded with -1 at the end;
 - searches may run on several threads at once (compiled loops without the GIL, state per call);
-- an index is immutable; ``to_bytes``/``from_bytes`` round-trip it exactly (``format.py``).
+- an index is immutable; ``to_bytes``/``from_bytes`` round-trip it exactly (``format.py``);
+- a search traverses the graph scoring the keys' int8 form (``compact.py``), then scores its beam again with the exact
+  keys and keeps the k best of those exact scores: the ids returned are ranked, and attended, by exact inner products
+  (``compact=False``: the traversal scores the float32 keys, bench/index/README.md's A/B).
 
 How the graph is built: ``build.py``.
 """
@@ -20,6 +23,7 @@ import numpy as np
 from services.index._search import search_attend, search_batch
 from services.index._search_group import search_attend_group, search_group_batch
 from services.index.build import BuildConfig, Graph, build_graph, repair_graph
+from services.index.compact import CompactKeys, quantize
 from services.index.format import IndexFormatError, IndexParts, check_graph, decode, encode
 
 # Search list size when the caller names none: bench/index/README.md measures recall@100 by beam.
@@ -53,15 +57,18 @@ def _count(name: str, value, low: int) -> int:
 
 
 class AttentionIndex:
-    """Keys float32 ``[N, D]`` and a graph over them. Make one with ``build`` or ``from_bytes``."""
+    """Keys float32 ``[N, D]``, their compact form (derived from them) and a graph over them. Make one with ``build``
+    or ``from_bytes``."""
 
-    __slots__ = ("_keys", "_graph", "_config")
+    __slots__ = ("_keys", "_compact", "_ones", "_graph", "_config")
 
     def __init__(self, keys: np.ndarray, graph: Graph, config: BuildConfig):
         check_graph(keys, graph.offsets, graph.targets, graph.entries)
         for arr in (keys, graph.offsets, graph.targets, graph.entries):
             arr.setflags(write=False)      # shared by every searching thread
         self._keys, self._graph, self._config = keys, graph, config
+        self._compact = quantize(keys)
+        self._ones = np.ones(keys.shape[1], np.float32)        # the step of float32 navigation
 
     @classmethod
     def build(cls, keys, train_queries, *, threads: int | None = None, **options) -> "AttentionIndex":
@@ -133,19 +140,39 @@ class AttentionIndex:
         return self._config
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held in memory: keys, graph."""
-        return self._keys.nbytes + self._graph.offsets.nbytes + self._graph.targets.nbytes
+    def compact(self) -> CompactKeys:
+        """The int8 keys its searches traverse with (``compact.py``)."""
+        return self._compact
 
-    def search(self, queries, k: int = 100, *, beam: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in memory: keys, their compact form, graph."""
+        return self._keys.nbytes + self._compact.nbytes + self._graph.offsets.nbytes + self._graph.targets.nbytes
+
+    def _nav(self, compact: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """What the compiled search takes: (nav, step, exact keys, exact_nav) (``_search.py``)."""
+        if compact:
+            return self._compact.codes, self._compact.step, self._keys, False
+        return self._keys, self._ones, self._keys, True
+
+    def search(self, queries, k: int = 100, *, beam: int | None = None, compact: bool = True,
+               ) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` keys of each query ``[B, D]`` by inner product: ids int64 ``[B, k]`` (best first, -1
-        padded) and scanned int64 ``[B]`` (keys scored). ``beam`` (>= k; default max(k, DEFAULT_BEAM)) is
-        the search list size: larger finds more of the true top-k and scores more keys."""
+        padded) and scanned int64 ``[B]`` (keys the traversal scored; it then reads the beam's exact keys).
+        ``beam`` (>= k; default max(k, DEFAULT_BEAM)) is the search list size: larger finds more of the true
+        top-k and scores more keys. ``compact``: traverse on the int8 keys (else the float32 ones)."""
         queries = _matrix("queries", queries, dim=self.dim, allow_empty=True)
         k, beam = self._beam(k, beam)
         if k >= self.num_keys or beam >= self.num_keys:
             return self._exact(queries, k)
-        return _search(self._keys, self._graph, queries, k, beam)
+        b = queries.shape[0]
+        ids, scores, scanned = np.empty((b, k), np.int64), np.empty((b, k), np.float32), np.empty(b, np.int64)
+        if b:
+            g = self._graph
+            nav, step, keys, exact_nav = self._nav(compact)
+            search_batch(nav, step, keys, g.offsets, g.targets, g.entries, queries, beam, k, exact_nav, ids, scores,
+                         scanned)
+        return ids, scanned
 
     def _exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Every key scored; ties in key order."""
@@ -158,11 +185,12 @@ class AttentionIndex:
         return ids, np.full(queries.shape[0], n, np.int64)
 
     def attend(self, queries, values: np.ndarray, k: int, scale: float, *, beam: int | None = None,
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               compact: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Attention of each query ``[B, D]`` over its top-``k`` keys (searched as ``search`` does) with
         ``values`` float32 ``[num_keys, Dv]`` (row i: key i's value): out float32 ``[B, Dv]``, lse float32 ``[B]``
         (natural log of the summed exp of the scaled scores q.k * scale) and scanned int64 ``[B]``. One compiled
-        call without the GIL; the scores are the search's own. ``k >= num_keys`` attends every key, exactly."""
+        call without the GIL; the scores are the exact ones of the search's rescore. ``k >= num_keys`` attends every key,
+        exactly."""
         queries = _matrix("queries", queries, dim=self.dim, allow_empty=True)
         values = self._values(values)
         k, beam = self._beam(k, beam)
@@ -179,11 +207,13 @@ class AttentionIndex:
         scanned = np.empty(b, np.int64)
         if b:
             g = self._graph
-            search_attend(self._keys, g.offsets, g.targets, g.entries, values, queries, beam, k, float(scale), out,
-                          lse, scanned)
+            nav, step, keys, exact_nav = self._nav(compact)
+            search_attend(nav, step, keys, g.offsets, g.targets, g.entries, values, queries, beam, k, exact_nav,
+                          float(scale), out, lse, scanned)
         return out, lse, scanned
 
-    def search_group(self, queries, k: int = 100, *, beam: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def search_group(self, queries, k: int = 100, *, beam: int | None = None, compact: bool = True,
+                     ) -> tuple[np.ndarray, np.ndarray]:
         """``search`` for GQA groups: queries float32 ``[B, G, D]`` (the G query heads reading this KV head), each
         group searched in one traversal that reads a key once for all G (``_search_group``): ids int64 ``[B, G, k]``
         (each head's own top-k, best first, -1 padded) and scanned int64 ``[B]`` (keys read for the group, once
@@ -198,11 +228,13 @@ class AttentionIndex:
         scanned = np.empty(b, np.int64)
         if b:
             gr = self._graph
-            search_group_batch(self._keys, gr.offsets, gr.targets, gr.entries, queries, beam, k, ids, scores, scanned)
+            nav, step, keys, exact_nav = self._nav(compact)
+            search_group_batch(nav, step, keys, gr.offsets, gr.targets, gr.entries, queries, beam, k, exact_nav, ids,
+                               scores, scanned)
         return ids, scanned
 
     def attend_group(self, queries, values: np.ndarray, k: int, scale: float, *, beam: int | None = None,
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     compact: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``attend`` for GQA groups, searched as ``search_group`` does: queries ``[B, G, D]`` -> out float32
         ``[B, G, Dv]``, lse float32 ``[B, G]`` and scanned int64 ``[B]`` (keys read for each group)."""
         queries, b, g = self._groups(queries)
@@ -215,8 +247,9 @@ class AttentionIndex:
         lse = np.empty((b, g), np.float32)
         scanned = np.empty(b, np.int64)
         gr = self._graph
-        search_attend_group(self._keys, gr.offsets, gr.targets, gr.entries, values, queries, beam, k, float(scale),
-                            out, lse, scanned)
+        nav, step, keys, exact_nav = self._nav(compact)
+        search_attend_group(nav, step, keys, gr.offsets, gr.targets, gr.entries, values, queries, beam, k, exact_nav,
+                            float(scale), out, lse, scanned)
         return out, lse, scanned
 
     def _groups(self, queries) -> tuple[np.ndarray, int, int]:
@@ -264,13 +297,3 @@ class AttentionIndex:
     def __repr__(self) -> str:
         return f"AttentionIndex(num_keys={self.num_keys}, dim={self.dim}, num_edges={self.num_edges})"
 
-
-def _search(keys: np.ndarray, graph: Graph, queries: np.ndarray, k: int, beam: int,
-            ) -> tuple[np.ndarray, np.ndarray]:
-    b = queries.shape[0]
-    ids = np.empty((b, k), np.int64)
-    scores = np.empty((b, k), np.float32)
-    scanned = np.empty(b, np.int64)
-    if b:
-        search_batch(keys, graph.offsets, graph.targets, graph.entries, queries, beam, k, ids, scores, scanned)
-    return ids, scanned

@@ -52,7 +52,7 @@ class HeadKV:
 
     @property
     def index_bytes(self) -> int:
-        """The graph's bytes (the keys counted once, in ``nbytes``)."""
+        """The graph's bytes and the int8 keys its searches traverse (the float32 keys counted once, in ``nbytes``)."""
         return self.index.nbytes - self.keys.nbytes
 
 

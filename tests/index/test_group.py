@@ -68,7 +68,9 @@ def test_a_beam_covering_every_key_gives_every_head_its_exact_top_k(built, g):
     gr = index.graph
     ids, scores = np.empty((5, g, k), np.int64), np.empty((5, g, k), np.float32)
     scanned = np.empty(5, np.int64)
-    search_group_batch(index.keys, gr.offsets, gr.targets, gr.entries, q, n, k, ids, scores, scanned)
+    codes = index.compact
+    search_group_batch(codes.codes, codes.step, index.keys, gr.offsets, gr.targets, gr.entries, q, n, k, False, ids,
+                       scores, scanned)
     assert (scanned == n).all()
     exact = np.einsum("bgd,nd->bgn", q.astype(np.float64), keys.astype(np.float64))
     want = np.argsort(-exact, axis=2)[:, :, :k]
