@@ -69,6 +69,7 @@ class AttentionIndex:
         self._keys, self._graph, self._config = keys, graph, config
         self._compact = quantize(keys)
         self._ones = np.ones(keys.shape[1], np.float32)        # the step of float32 navigation
+        self._ones.setflags(write=False)
 
     @classmethod
     def build(cls, keys, train_queries, *, threads: int | None = None, **options) -> "AttentionIndex":
