@@ -94,6 +94,19 @@ def _visit(nb, keys, query, beam, visited, touched, n_touched, ids, scores, size
     return size, queued, n_touched + 1
 
 
+@njit(nogil=True, cache=True, inline="always")
+def mark_unvisited(node, offsets, targets, visited, touched, n_touched):
+    """Key ``node``'s out-neighbours not visited yet, marked and appended to ``touched`` from ``n_touched`` on;
+    returns the new ``n_touched``."""
+    for e in range(offsets[node], offsets[node + 1]):
+        nb = targets[e]
+        if not visited[nb]:
+            visited[nb] = 1
+            touched[n_touched] = nb
+            n_touched += 1
+    return n_touched
+
+
 @njit(nogil=True, cache=True)
 def scratch(n, beam):
     """Per-call state of ``beam_search_one`` for an index of ``n`` keys: visited marks (all 0), the keys
@@ -129,12 +142,7 @@ def beam_search_one(keys, offsets, targets, entries, query, beam, visited, touch
         first = n_touched
         if offsets[node + 1] - offsets[node] > fresh.shape[0]:
             fresh = np.empty(offsets[node + 1] - offsets[node], np.float32)
-        for e in range(offsets[node], offsets[node + 1]):
-            nb = targets[e]
-            if not visited[nb]:
-                visited[nb] = 1
-                touched[n_touched] = nb
-                n_touched += 1
+        n_touched = mark_unvisited(node, offsets, targets, visited, touched, n_touched)
         for j in range(first, n_touched):
             fresh[j - first] = dot(keys[touched[j]], query)
         for j in range(first, n_touched):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from services.index._search import _sift_down, _sift_up, attend_one, dot, rescore
+from services.index._search import _sift_down, _sift_up, attend_one, dot, mark_unvisited, rescore
 
 
 @njit(nogil=True, cache=True)
@@ -151,12 +151,7 @@ def beam_search_group(keys, offsets, targets, entries, queries, weights, beam, v
             continue
         node = touched[place]
         first = n_touched
-        for e in range(offsets[node], offsets[node + 1]):
-            nb = targets[e]
-            if not visited[nb]:
-                visited[nb] = 1
-                touched[n_touched] = nb
-                n_touched += 1
+        n_touched = mark_unvisited(node, offsets, targets, visited, touched, n_touched)
         queued = _score_group(first, n_touched, keys, queries, touched, seen, weights, beam, ids, scores, sizes,
                               queue, queue_neg, queued)
     for h in range(g):

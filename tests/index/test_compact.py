@@ -13,6 +13,8 @@ from services.index._search_group import search_attend_group, search_group_batch
 from services.index.build import Graph
 from services.index.compact import quantize
 
+from .helpers import exact_attention
+
 
 def _normal(seed: int, shape: tuple[int, ...]) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
@@ -39,19 +41,6 @@ def _groups(index, q, k, beam, compact, values, scale):
     return ids, scanned, out, lse
 
 
-def _exact_attention(q, keys, values, ids, scale):
-    """float64 attention of each query [B, D] over its ids [B, k] (-1 skipped): out [B, Dv], lse [B]."""
-    out, lse = [], []
-    for b, row in enumerate(ids):
-        sel = row[row >= 0]
-        logits = keys[sel].astype(np.float64) @ q[b].astype(np.float64) * scale
-        top = logits.max()
-        p = np.exp(logits - top)
-        out.append(p @ values[sel].astype(np.float64) / p.sum())
-        lse.append(top + np.log(p.sum()))
-    return np.array(out), np.array(lse)
-
-
 @pytest.mark.parametrize("n, d, g, k", [(600, 24, 1, 50), (600, 13, 3, 40), (400, 37, 4, 100), (300, 64, 4, 300),
                                         (9, 5, 3, 4)],
                          ids=["N600-D24-G1", "N600-D13-G3", "N400-D37-G4", "N300-D64-G4-k-all", "N9-D5-G3"])
@@ -67,7 +56,7 @@ def test_a_beam_covering_every_key_keeps_the_exact_top_k_and_attention(n, d, g, 
     np.testing.assert_array_equal(ids8, ids32)
     np.testing.assert_allclose(out8, out32, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse8, lse32, rtol=1e-6, atol=1e-6)
-    want_out, want_lse = _exact_attention(q.reshape(5 * g, d), keys, values, want.reshape(5 * g, k), 0.2)
+    want_out, want_lse = exact_attention(q.reshape(5 * g, d), keys, values, want.reshape(5 * g, k), 0.2)
     np.testing.assert_allclose(out8.reshape(5 * g, -1), want_out, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(lse8.reshape(-1), want_lse, rtol=1e-5, atol=1e-5)
     # a query at a time: the same
@@ -94,7 +83,7 @@ def test_what_a_compact_search_returns_is_ranked_and_attended_by_exact_scores(g)
     exact = np.take_along_axis(np.einsum("bgd,nd->bgn", q, keys), ids, axis=2)
     assert (np.diff(exact, axis=2) <= 1e-5).all()
     out, lse, _ = index.attend_group(q, values, 30, 0.3, beam=60)
-    want_out, want_lse = _exact_attention(q.reshape(6 * g, -1), keys, values, ids.reshape(6 * g, -1), 0.3)
+    want_out, want_lse = exact_attention(q.reshape(6 * g, -1), keys, values, ids.reshape(6 * g, -1), 0.3)
     np.testing.assert_allclose(out.reshape(6 * g, -1), want_out, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(lse.reshape(-1), want_lse, rtol=1e-5, atol=1e-5)
     one_ids, _ = index.search(q.reshape(6 * g, -1), 30, beam=60)

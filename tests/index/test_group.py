@@ -11,6 +11,8 @@ from services.index import AttentionIndex
 from services.index._search_group import search_group_batch
 from services.index.heads import IndexSet
 
+from .helpers import exact_attention
+
 
 def _normal(seed: int, shape: tuple[int, ...]) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
@@ -28,19 +30,6 @@ def _groups(shift, b, g, seed=4):
     """[b, g, D] queries of differing norms (one head's may be several times another's)."""
     scale = np.random.default_rng(seed).uniform(0.5, 4.0, (b, g, 1)).astype(np.float32)
     return (scale * (_normal(seed, (b, g, shift.shape[1])) + shift)).astype(np.float32)
-
-
-def _attention(q, keys, values, ids, scale):
-    """float64 attention of each query [B, D] over its ids [B, k] (-1 skipped): out [B, Dv], lse [B]."""
-    out, lse = [], []
-    for b, row in enumerate(ids):
-        sel = row[row >= 0]
-        logits = keys[sel].astype(np.float64) @ q[b].astype(np.float64) * scale
-        top = logits.max()
-        p = np.exp(logits - top)
-        out.append(p @ values[sel].astype(np.float64) / p.sum())
-        lse.append(top + np.log(p.sum()))
-    return np.array(out), np.array(lse)
 
 
 @pytest.mark.parametrize("k, beam", [(1, None), (10, 40), (100, None), (100, 300)], ids=["k1", "k10-beam40", "k100",
@@ -86,7 +75,7 @@ def test_attend_group_is_each_heads_attention_over_its_ids(built, g, k, beam):
     ids, scanned = index.search_group(q, k, beam=beam)
     out, lse, got_scanned = index.attend_group(q, values, k, 0.15, beam=beam)
     assert out.shape == (6, g, 24) and lse.shape == (6, g) and out.dtype == lse.dtype == np.float32
-    want_out, want_lse = _attention(q.reshape(6 * g, -1), keys, values, ids.reshape(6 * g, k), 0.15)
+    want_out, want_lse = exact_attention(q.reshape(6 * g, -1), keys, values, ids.reshape(6 * g, k), 0.15)
     np.testing.assert_allclose(out.reshape(6 * g, -1), want_out, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(lse.reshape(-1), want_lse, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got_scanned, scanned)
@@ -112,7 +101,7 @@ def test_small_indexes_and_k_over_n(n, k):
         np.testing.assert_array_equal(ids[:, :, :n], exact)
         assert (ids[:, :, n:] == -1).all() and (scanned == n).all()
     out, lse, _ = index.attend_group(q, values, k, 0.25, beam=max(k, 4))
-    want_out, want_lse = _attention(q.reshape(12, -1), keys, values, ids.reshape(12, k), 0.25)
+    want_out, want_lse = exact_attention(q.reshape(12, -1), keys, values, ids.reshape(12, k), 0.25)
     np.testing.assert_allclose(out.reshape(12, -1), want_out, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(lse.reshape(-1), want_lse, rtol=1e-5, atol=1e-5)
 
