@@ -32,6 +32,8 @@ def test_pieces_of_one_slab_arrive_whole_and_the_receiver_opens_the_slab_once():
 
 @pytest.mark.parametrize("on_sender", [False, True])
 def test_pieces_of_a_slab_of_another_gpu_arrive_whole_opened_on_either_gpu(on_sender):
+    import torch
+
     from .ipc_child import slab_round_trip
 
     if torch.cuda.device_count() < 2:
