@@ -16,7 +16,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -74,7 +73,6 @@ class SharedSegments:
         self._closing = threading.Event()
         self.device: int | None = None      # the GPU registrations are for: the first reader's current one
         self.registered_bytes = 0
-        self.register_seconds = 0.0         # spent in cudaHostRegister, summed
 
     def open(self, path: str) -> Segment:
         """The map of the segment file now at ``path`` (FileNotFoundError when there is none)."""
@@ -141,10 +139,7 @@ class SharedSegments:
         torch.cuda.set_device(self.device)        # this thread's registrations are for the reader's GPU
         cudart = torch.cuda.cudart()
         for flags in (_READ_ONLY, 0):
-            t0 = time.perf_counter()
-            done = int(cudart.cudaHostRegister(seg.array.ctypes.data, seg.size, flags)) == 0
-            self.register_seconds += time.perf_counter() - t0
-            if done:
+            if int(cudart.cudaHostRegister(seg.array.ctypes.data, seg.size, flags)) == 0:
                 self.registered_bytes += seg.size
                 return True
         log.warning("could not register %s with CUDA: its chunks copy to the GPU as pageable memory", seg.path)

@@ -133,6 +133,5 @@ def test_a_segment_is_registered_read_only_for_the_readers_gpu_not_for_every_gpu
             assert seg.registered.result(timeout=30) is True
             assert calls == want and not any(f & 1 for f in calls)        # never cudaHostRegisterPortable
             assert segs.device == 3 and devices[-1] == 3 and segs.registered_bytes == 1 << 16
-            assert segs.register_seconds >= 0
         finally:
             segs.close()
