@@ -31,14 +31,17 @@ class TransportChoice:
     detail: str      # why, for Stats and logs
 
 
-def probe_transport(device=None, want: str = "auto") -> TransportChoice:
+def probe_transport(device=None, want: str = "auto", nixl_failed: str = "") -> TransportChoice:
     """The hand-off transport of a worker on ``device``: ``want`` "nixl" reads the K/V over NIXL where it loads (else
     the gRPC stream, saying why); "auto" and "grpc" stream them; on a GPU, CUDA IPC to decode workers on this host's
-    GPUs that can open its buffers."""
+    GPUs that can open its buffers. ``nixl_failed``: why NIXL, asked for, no longer serves this worker (it could not
+    offer its memory): the choice without it, saying so."""
     ipc = device is not None and device.type == "cuda"
     found = [m for m in ("nixl", "nixl_cu13", "nixl_cu12") if importlib.util.find_spec(m) is not None]
     nixl = ("nixl is not installed" if not found
             else f"{found[0]} found, not asked for (handoff_transport='nixl')")
+    if nixl_failed:
+        want, nixl = "auto", f"nixl asked for, but {nixl_failed}"
     if want == "nixl":
         from services.handoff.nixl import NixlUnavailable, nixl_module
 

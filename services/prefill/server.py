@@ -28,7 +28,7 @@ from services.cluster.staging import side_stream
 from services.cluster.errors import internal
 from services.cluster.serving import (StoppedForGood, add_health, advertised_host, bind, channel, make_server,
                                      serve_metrics, set_serving)
-from services.handoff.transport import TransportChoice, handoff_parts, probe_transport
+from services.handoff.transport import handoff_parts, probe_transport
 from services.engine.graphs.warmup import warm_prefill, warm_up
 from services.prefill.controller import LoadingController
 from services.prefill.engine_loop import EngineLoop
@@ -256,11 +256,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         Stats reports says so and why, instead of naming NIXL while each hand-off fails over to the stream."""
         if self.transport.name != "nixl":
             return
-        gpu = getattr(device, "type", "") == "cuda"
-        self.transport = TransportChoice("cuda-ipc" if gpu else "grpc",
-                                         ("cuda-ipc to decode workers on this host's GPUs, else " if gpu else "")
-                                         + f"grpc stream (nixl asked for, but it could not offer this worker's "
-                                         f"memory: {exc})")
+        self.transport = probe_transport(device, nixl_failed=f"it could not offer this worker's memory: {exc}")
         log.error("prefill worker %s: NIXL could not offer a hand-off's K/V (%s): hand-offs go without NIXL from "
                   "now on (%s)", self.name, exc, self.transport.detail)
 

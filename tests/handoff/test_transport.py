@@ -97,3 +97,13 @@ def test_cuda_ipc_needs_one_host_and_a_gpu_the_receiver_sees():
         local_index("GPU-not-here", 0)
     with pytest.raises(ValueError, match="CUDA tensor"):
         share(torch.zeros(4))
+
+
+def test_nixl_that_failed_here_is_chosen_no_more_and_the_choice_says_why():
+    import torch
+
+    gpu = probe_transport(torch.device("cuda", 0), "nixl", nixl_failed="it could not offer this worker's memory: X")
+    cpu = probe_transport(torch.device("cpu"), "nixl", nixl_failed="it could not offer this worker's memory: X")
+    assert gpu.name == "cuda-ipc" and cpu.name == "grpc"
+    for choice in (gpu, cpu):
+        assert "nixl asked for, but it could not offer this worker's memory: X" in choice.detail
