@@ -126,9 +126,15 @@ def open_on(dst: torch.device, src: int) -> int:
     """The GPU (index) on which a buffer of GPU ``src`` is opened to be copied onto ``dst``: ``dst`` itself where it
     can read ``src``'s memory (peer to peer), so that this process makes no context on the sender's GPU and queues no
     copy there, where the sender's own work and every other receiver's would share it; else ``src``."""
-    if dst.index is None or dst.index == src or not torch.cuda.can_device_access_peer(dst.index, src):
+    if dst.index is None or dst.index == src or not _reads_peer(dst.index, src):
         return src
     return dst.index
+
+
+@lru_cache(maxsize=None)
+def _reads_peer(dst: int, src: int) -> bool:
+    """Whether GPU ``dst`` can read GPU ``src``'s memory: fixed for the process, asked once a pair, not a hand-off."""
+    return torch.cuda.can_device_access_peer(dst, src)
 
 
 def copy_out(msg: pb.CudaIpcBuffer, device: torch.device | None = None, on_sender: bool = False) -> torch.Tensor:

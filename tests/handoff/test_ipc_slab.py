@@ -79,10 +79,14 @@ def test_a_buffer_of_another_gpu_is_opened_on_the_receivers_gpu_where_it_reads_t
     """Opened on the sender's GPU, a receiver makes a context there and queues its copy beside the sender's own work
     (and every other receiver's); where its GPU reads the sender's peer to peer it opens the buffer on its own."""
     peers = {(1, 0): True, (2, 0): False}
-    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peers[(a, b)])
+    asked = []
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: asked.append((a, b)) or peers[(a, b)])
+    cuda_ipc._reads_peer.cache_clear()
     assert cuda_ipc.open_on(torch.device("cuda", 1), 0) == 1          # reads GPU 0 over NVLink: opened on GPU 1
     assert cuda_ipc.open_on(torch.device("cuda", 2), 0) == 0          # no peer access: opened where it lies
     assert cuda_ipc.open_on(torch.device("cuda", 0), 0) == 0          # the same GPU
+    assert cuda_ipc.open_on(torch.device("cuda", 1), 0) == 1 and asked == [(1, 0), (2, 0)]     # asked once a pair
+    cuda_ipc._reads_peer.cache_clear()
 
 
 def test_a_slab_opened_on_two_gpus_is_kept_once_for_each(kept, monkeypatch):
