@@ -80,6 +80,16 @@ class WorkerMeter:
 PER_WORKER = "w:"      # a snapshot key's prefix for one worker's own figure
 
 
+def _per(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _cell(row: dict, key: str, fmt: str = "{:.1f}") -> str:
+    """A table cell: ``row[key]`` formatted, "-" where it is None (no such work in the run)."""
+    v = row.get(key)
+    return "-" if v is None else fmt.format(v)
+
+
 def per_worker(d: dict[str, float], duration_s: float) -> list[dict]:
     """Each worker's share of a run from a snapshot delta, by role then name: requests prefilled and the prefill
     engine's busy share; decode steps, their mean batch and busy share, admissions' busy share; its process's CPU
@@ -90,16 +100,15 @@ def per_worker(d: dict[str, float], duration_s: float) -> list[dict]:
             who, _, metric = key[len(PER_WORKER):].partition("|")
             role, _, name = who.partition("/")
             seen.setdefault((role, name), {})[metric] = v
-    per = lambda a, b: a / b if b else None      # noqa: E731
     rows = []
     for (role, name), m in sorted(seen.items()):
         steps = m.get("steps", 0.0)
         rows.append({"role": role, "name": name, "prefills": m.get("prefills", 0.0),
-                     "prefill_engine_busy_pct": per(100 * m.get("prefill_engine_s", 0.0), duration_s),
-                     "decode_steps": steps, "decode_mean_batch": per(m.get("batch_rows", 0.0), steps),
-                     "decode_steps_busy_pct": per(100 * m.get("step_s", 0.0), duration_s),
-                     "decode_admit_busy_pct": per(100 * m.get("admit_s", 0.0), duration_s),
-                     "cpu_pct": per(100 * m["cpu_s"], duration_s) if "cpu_s" in m else None})
+                     "prefill_engine_busy_pct": _per(100 * m.get("prefill_engine_s", 0.0), duration_s),
+                     "decode_steps": steps, "decode_mean_batch": _per(m.get("batch_rows", 0.0), steps),
+                     "decode_steps_busy_pct": _per(100 * m.get("step_s", 0.0), duration_s),
+                     "decode_admit_busy_pct": _per(100 * m.get("admit_s", 0.0), duration_s),
+                     "cpu_pct": _per(100 * m["cpu_s"], duration_s) if "cpu_s" in m else None})
     return rows
 
 
@@ -109,8 +118,7 @@ WORKER_HEADER = ["| worker | role | requests prefilled | prefill engine busy | d
 
 def worker_line(r: dict) -> str:
     def f(key: str, fmt: str) -> str:
-        v = r.get(key)
-        return "-" if v is None else fmt.format(v)
+        return _cell(r, key, fmt)
 
     prefill, decode = r["role"] == "prefill", r["role"] == "decode"
     return (f"| {r['name']} | {r['role']} | {f('prefills', '{:.0f}') if prefill else ''} "
@@ -183,22 +191,21 @@ class GpuSampler:
 def time_budget(d: dict[str, float], duration_s: float, gpu_busy: float | None) -> dict[str, float | None]:
     """One run's figures from a counter delta over ``duration_s`` seconds of replay."""
     steps, prefills, admits = d.get("steps", 0.0), d.get("prefills", 0.0), d.get("admits", 0.0)
-    per = lambda a, b: a / b if b else None      # noqa: E731
     return {
         "duration_s": duration_s, "gpu_busy_pct": gpu_busy,
-        "prefills": prefills, "prefill_mean_ms": per(1e3 * d.get("prefill_s", 0.0), prefills),
+        "prefills": prefills, "prefill_mean_ms": _per(1e3 * d.get("prefill_s", 0.0), prefills),
         # the engine thread's own time (a request's prefill seconds overlap the next one's when pipelined)
-        "prefill_engine_busy_pct": per(100 * d.get("prefill_engine_s", d.get("prefill_s", 0.0)), duration_s),
-        "handoff_mean_ms": per(1e3 * d.get("handoff_s", 0.0), prefills),
-        "decode_steps": steps, "decode_mean_batch": per(d.get("batch_rows", 0.0), steps),
-        "decode_step_mean_ms": per(1e3 * d.get("step_s", 0.0), steps),
-        "decode_steps_busy_pct": per(100 * d.get("step_s", 0.0), duration_s),
-        "admits": admits, "admit_mean_ms": per(1e3 * d.get("admit_s", 0.0), admits),
-        "decode_admit_busy_pct": per(100 * d.get("admit_s", 0.0), duration_s),
+        "prefill_engine_busy_pct": _per(100 * d.get("prefill_engine_s", d.get("prefill_s", 0.0)), duration_s),
+        "handoff_mean_ms": _per(1e3 * d.get("handoff_s", 0.0), prefills),
+        "decode_steps": steps, "decode_mean_batch": _per(d.get("batch_rows", 0.0), steps),
+        "decode_step_mean_ms": _per(1e3 * d.get("step_s", 0.0), steps),
+        "decode_steps_busy_pct": _per(100 * d.get("step_s", 0.0), duration_s),
+        "admits": admits, "admit_mean_ms": _per(1e3 * d.get("admit_s", 0.0), admits),
+        "decode_admit_busy_pct": _per(100 * d.get("admit_s", 0.0), duration_s),
         # a worker process's CPU, in cores (100% = one core busy the whole run), averaged over the role's workers
-        "prefill_cpu_pct": per(100 * d.get("cpu_s/prefill", 0.0), duration_s * d.get("workers/prefill", 0.0)),
-        "decode_cpu_pct": per(100 * d.get("cpu_s/decode", 0.0), duration_s * d.get("workers/decode", 0.0)),
-        "gateway_cpu_pct": per(100 * d["cpu_s/gateway"], duration_s) if "cpu_s/gateway" in d else None,
+        "prefill_cpu_pct": _per(100 * d.get("cpu_s/prefill", 0.0), duration_s * d.get("workers/prefill", 0.0)),
+        "decode_cpu_pct": _per(100 * d.get("cpu_s/decode", 0.0), duration_s * d.get("workers/decode", 0.0)),
+        "gateway_cpu_pct": _per(100 * d["cpu_s/gateway"], duration_s) if "cpu_s/gateway" in d else None,
         "store_errors": sum(v for k, v in d.items() if k.startswith("store_errors/")),
         "handoffs_by_transport": {k.split("/", 1)[1]: v for k, v in sorted(d.items()) if k.startswith("handoffs/")},
     }
@@ -206,8 +213,7 @@ def time_budget(d: dict[str, float], duration_s: float, gpu_busy: float | None) 
 
 def budget_line(mode: str, b: dict) -> str:
     def f(key: str, fmt: str = "{:.1f}") -> str:
-        v = b.get(key)
-        return "-" if v is None else fmt.format(v)
+        return _cell(b, key, fmt)
 
     return (f"| {mode} | {f('gpu_busy_pct', '{:.0f}%')} | {f('prefill_mean_ms')} | {f('prefill_engine_busy_pct', '{:.0f}%')} "
             f"| {f('handoff_mean_ms')} | {f('decode_steps', '{:.0f}')} | {f('decode_mean_batch')} "
