@@ -13,7 +13,9 @@
 # OUT_DIR/NAME-prof/ and then deleted (a trace is megabytes: a device call brings back only so much). SPY=SECONDS
 # (environment; py-spy on the PATH, e.g. its wheel installed): once the replay starts, py-spy records every process of
 # the cluster for SECONDS at 10 Hz, non-blocking, every busy thread and then only the one holding the interpreter
-# lock, into OUT_DIR/NAME-pyspy_{all,gil}.txt.gz, each summarised by spy_summary.py beside it (.txt).
+# lock, into OUT_DIR/NAME-pyspy_{all,gil}.txt.gz, each summarised by spy_summary.py beside it (.txt). Every run also
+# writes OUT_DIR/NAME-gpu_apps.txt: 5 s into its replay, the GPU contexts of each process (nvidia-smi) and the host's
+# busiest threads.
 set -euo pipefail
 
 spy() {     # NAME SECONDS: wait for the replay of run NAME (cluster.py's warm-up line), then record the cluster
@@ -35,6 +37,24 @@ spy() {     # NAME SECONDS: wait for the replay of run NAME (cluster.py's warm-u
         gzip -f "$out/$name-pyspy_$kind.txt"
     done
 }
+apps() {    # NAME: 5 s into the replay of run NAME, which processes hold a context on which GPU and how busy each keeps
+            # it (nvidia-smi), and the busiest threads of the host: into OUT_DIR/NAME-gpu_apps.txt
+    local name=$1 i
+    command -v nvidia-smi > /dev/null || return 0
+    for i in $(seq 1 900); do
+        grep -q "warm-up" "$out/$name.out" 2>/dev/null && break
+        [ "$i" -gt 20 ] && ! pgrep -f "cluster.py --no-ray.*--out $out/$name" > /dev/null && return 0
+        sleep 1
+    done
+    sleep 5
+    {
+        nvidia-smi --query-gpu=index,uuid,utilization.gpu,memory.used --format=csv
+        nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv
+        timeout 20 nvidia-smi pmon -c 3 -s um
+        ps -eLo pid,tid,psr,pcpu,comm --sort=-pcpu | head -40
+        ps -eo pid,args | grep -E "spawn_main|cluster.py|services" | grep -v grep | cut -c1-160
+    } > "$out/$name-gpu_apps.txt" 2>&1 || true
+}
 model=$1 out=$2
 shift 2
 mkdir -p "$out"
@@ -48,13 +68,14 @@ for spec in "$@"; do
         prof=(env "TESSERA_TORCH_PROFILE_DECODE=$out/$name-prof,$PROFILE_DECODE")
     fi
     [ -n "${SPY:-}" ] && spy "$name" "$SPY" &
+    apps "$name" &
     ${prof[@]+"${prof[@]}"} env CUDA_VISIBLE_DEVICES=$gpus python3 bench/cluster/cluster.py --no-ray --model-dir "$model" --layers 32 \
         --requests "$requests" --warmup 8 --concurrency "$concurrency" --alphas "$alphas" \
         --chunk-cache-bytes 2.5e9 --host-cache-bytes 16e9 --register-corpus --modes tessera --no-warmup-sparse \
         --prefill "$prefill" --decode "$decode" --routing "$routing" --store-shm "$shm" --stores "$stores" \
         --runs-dir "/tmp/runs-$name" --out "$out/$name" ${CLUSTER_ARGS:-} | tee "$out/$name.out" \
         || echo "=== $name failed: $?"
-    wait        # the recording, if any
+    wait        # the recordings
     if [ -n "${PROFILE_DECODE:-}" ]; then
         for trace in "$out/$name-prof"/*.json.gz; do
             [ -e "$trace" ] || continue

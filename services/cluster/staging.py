@@ -33,14 +33,31 @@ def copy_aside(tensors: list[torch.Tensor], device: torch.device) -> tuple[list[
         stream.wait_stream(torch.cuda.current_stream(gpu))
     out = []
     with torch.cuda.stream(stream):
-        for t in tensors:
-            if device.type == "cuda":
-                out.append(t.pin_memory().to(device, non_blocking=True))
-            else:
-                dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if device.type == "cuda":
+            out = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+        else:
+            for t, dst in zip(tensors, pinned_like(tensors)):
                 dst.copy_(t, non_blocking=True)
                 t.record_stream(stream)
                 out.append(dst)
     ready = torch.cuda.Event()
     ready.record(stream)
     return out, ready
+
+
+def pinned_like(tensors: list[torch.Tensor], pin: bool = True) -> list[torch.Tensor]:
+    """Empty host tensors shaped as ``tensors`` (pinned unless ``pin`` is False): views of one allocation a dtype, not one each. A chunk's 64
+    layer tensors took 64 trips through the pinned allocator (its lock, its events, a cudaHostAlloc whenever no cached
+    block fits), and that was a fifth of a prefill engine's samples in a py-spy recording of the cluster
+    (bench/cluster/README.md). The views keep the allocation alive until the last of them goes."""
+    sizes: dict[torch.dtype, int] = {}
+    for t in tensors:
+        sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+    flat = {dtype: torch.empty(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
+    at = dict.fromkeys(sizes, 0)
+    out = []
+    for t in tensors:
+        n = t.numel()
+        out.append(flat[t.dtype][at[t.dtype]:at[t.dtype] + n].view(t.shape))
+        at[t.dtype] += n
+    return out

@@ -100,14 +100,17 @@ def _place_chunk(fwd, ref: ChunkRef, fetch):
     when the decode worker staged them; a read onto the GPU is verified first), else computed (a broken stream or
     a failed check falls back to that)."""
     entry = fwd.cache.acquire(ref.chunk_id)
-    layers = None if entry is not None or fetch is None else fetch(ref.chunk_id)
+    with span("tessera.import.fetch"):     # a store read this thread waits for, when the worker had not staged it
+        layers = None if entry is not None or fetch is None else fetch(ref.chunk_id)
     if entry is None and layers is not None:
         try:
             verify = getattr(layers, "verify", None)
             if verify is not None:   # read onto the GPU and checked there (kvio.DeviceLayers): checked before use
-                layers = list(layers)
-                verify()
-            entry = fwd.insert_chunk(ref.chunk_id, list(ref.tokens), layers)
+                with span("tessera.import.verify"):     # waits for the copy and the check on the GPU
+                    layers = list(layers)
+                    verify()
+            with span("tessera.import.insert"):
+                entry = fwd.insert_chunk(ref.chunk_id, list(ref.tokens), layers)
         except Exception as exc:  # noqa: BLE001 - a broken stream or a failed check: the chunk is computed
             log.warning("writing fetched chunk %s failed, computing it: %s", ref.chunk_id[:12], exc)
             entry = None
