@@ -256,7 +256,7 @@ class Batcher:
                 return iter(prepared.fetched[cid])
             return self.fetch(cid) if self.fetch is not None else None
 
-        seq = self.eng.import_handoff(prepared.handoff, fetch=fetch, decode=policy)
+        seq = self.eng.import_handoff(prepared.handoff, fetch=fetch, decode=policy, layout=prepared.layout)
         return seq, prepared.handoff.logits
 
     def _emit(self, live: _Live) -> bool:

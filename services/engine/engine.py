@@ -347,15 +347,16 @@ class Engine:
 
     @torch.no_grad()
     @launches
-    def import_handoff(self, handoff: Handoff, fetch=None, decode: str | DecodePolicy = "dense",
+    def import_handoff(self, handoff: Handoff, fetch=None, decode: str | DecodePolicy = "dense", layout=None,
                        **decode_params) -> Sequence:
         """Rebuild a prefilled request here: shared chunks from this cache, ``fetch``, or recompute; its decode
         steps attend by the policy ``decode`` names with ``decode_params`` (services/engine/decode), or by the
-        policy ``decode`` is (one ``decode_policy`` made)."""
+        policy ``decode`` is (one ``decode_policy`` made). ``layout``: ``services.handoff.imports.import_layout(
+        handoff)`` made ahead on another thread (None: made here)."""
         policy = decode if isinstance(decode, DecodePolicy) else self.decode_policy(decode, **decode_params)
         if handoff.model_fingerprint != self.fingerprint:
             raise ValueError(f"hand-off was made by model {handoff.model_fingerprint}, this engine runs {self.fingerprint}")
-        seq = import_sequence(self.forward, handoff, fetch)
+        seq = import_sequence(self.forward, handoff, fetch, layout)
         try:
             self.start_decode(seq, policy)
         except BaseException:

@@ -16,8 +16,16 @@ from services.engine.kv.block_table import BlockTable, dense_run, host_to_device
 log = logging.getLogger(__name__)
 
 
-def import_sequence(fwd, h: Handoff, fetch=None):
-    """Rebuild a Sequence on this engine from a hand-off (chunks from cache, store or recompute).
+def import_layout(h: Handoff) -> "_ImportLayout":
+    """What the import of ``h`` works out on the host from the hand-off alone (which private tokens each layer writes
+    and shows): a decode worker's helper thread makes it while the batch decodes (services/handoff/prepare.py), and
+    ``import_sequence`` takes it, so that the engine thread does not."""
+    return _ImportLayout(h)
+
+
+def import_sequence(fwd, h: Handoff, fetch=None, layout: "_ImportLayout | None" = None):
+    """Rebuild a Sequence on this engine from a hand-off (chunks from cache, store or recompute). ``layout``:
+    ``import_layout(h)``, made ahead (None: made here).
 
     The private tokens (every layer's positions, ascending) are laid densely over new blocks. Their
     slots, each layer's write rows and the tables are worked out on the host from the hand-off's
@@ -29,13 +37,15 @@ def import_sequence(fwd, h: Handoff, fetch=None):
     cache = fwd.cache
     if len(h.layers) != fwd.cfg.num_layers:
         raise ValueError(f"hand-off has {len(h.layers)} layers, this model {fwd.cfg.num_layers}")
+    if layout is not None and layout.handoff is not h:
+        raise ValueError("the import layout was made for another hand-off")
     pinned, private = [], []
     try:
         with span("tessera.import.chunks"):   # named spans in a TESSERA_TORCH_PROFILE trace
             for ref in h.chunks:
                 pinned.append(_place_chunk(fwd, ref, fetch))
         with span("tessera.import.private"):
-            return _import_private(fwd, h, pinned, private)
+            return _import_private(fwd, h, pinned, private, layout)
     except BaseException:
         for e in pinned:
             cache.release(e)
@@ -43,13 +53,13 @@ def import_sequence(fwd, h: Handoff, fetch=None):
         raise
 
 
-def _import_private(fwd, h: Handoff, pinned: list, private: list):
+def _import_private(fwd, h: Handoff, pinned: list, private: list, layout: "_ImportLayout | None" = None):
     """The private tokens' blocks (appended to ``private`` as they are taken), slots and K/V, and the Sequence."""
     from services.engine.decode import QueryTap
     from services.engine.request import Sequence
 
     cache, bs, dev = fwd.cache, fwd.bs, fwd.device
-    layout = _ImportLayout(h)
+    layout = layout if layout is not None else _ImportLayout(h)
     blocks = cache.allocate(-(-layout.n // bs), for_cache=False) if layout.n else []
     private += blocks
     on_dev = layout.to_device(h.chunks, pinned, blocks, bs, dev)
@@ -127,6 +137,7 @@ class _ImportLayout:
     """
 
     def __init__(self, h: Handoff):
+        self.handoff = h     # the hand-off it was made for (import_sequence checks it is given with that one)
         # NOTE: arrays are matched against the few distinct ones met so far rather than hashed as dict
         # keys: a comparison costs less than hashing a layer's bytes
         sets, hiddens, self.write_of = [], [], []

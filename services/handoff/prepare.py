@@ -45,6 +45,9 @@ class PreparedHandoff:
     # the chunk's length)}, fetched here so that the engine thread adopts them (``Engine.adopt_chunk_index``) without
     # a store round trip of its own
     chunk_indexes: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    # the import's host-side layout (services/handoff/imports.import_layout), worked out here rather than on the
+    # engine thread; None: the import makes it
+    layout: object | None = None
 
     def adopt(self) -> None:
         """On the engine thread, before using ``fetched``: order its stream after the staging copies and
@@ -67,6 +70,7 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s:
     (the header's ``storing``) before leaving them to be computed at admission. ``index_store``: where chunks'
     retrieval indexes are kept (``kvio.ChunkIndexStore``), for a request decoded by retrieval: the indexes of its
     shared chunks are fetched from it here (``PreparedHandoff.chunk_indexes``)."""
+    from services.handoff.imports import import_layout
     from services.handoff.wire import Handoff
 
     if received.header.kind != "engine":
@@ -112,7 +116,11 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s:
                "store": len(fetched) - from_host, Tier.COMPUTED.value: len(missing) - len(fetched)}
     fetched, ready = _stage(fetched, engine.device)
     indexes = {} if index_store is None else _chunk_indexes(handoff, engine, index_store)
-    return PreparedHandoff(received, handoff, fetched, ready, sources, waited, indexes)
+    try:
+        layout = import_layout(handoff)
+    except Exception:  # noqa: BLE001 - a hand-off it cannot be made for fails at admission, as it always did
+        layout = None
+    return PreparedHandoff(received, handoff, fetched, ready, sources, waited, indexes, layout)
 
 
 def _chunk_indexes(handoff, engine, index_store) -> dict[str, tuple[bytes, int]]:

@@ -29,7 +29,7 @@ class StandInEngine:
         self.cache = SimpleNamespace(keys=lambda: [])
         self.step_gate = threading.Event()   # steps wait for it: the test decides when decoding starts
 
-    def import_handoff(self, handoff, fetch=None, decode="dense"):
+    def import_handoff(self, handoff, fetch=None, decode="dense", layout=None):
         self.log.append(("import", handoff.request_id))
         return SimpleNamespace(request_id=handoff.request_id, decode=decode, decode_stats=DecodeStats())
 
@@ -45,7 +45,7 @@ class StandInEngine:
 def _job(rid: str, tokens: int, done: threading.Event) -> DecodeJob:
     handoff = SimpleNamespace(request_id=rid, logits=torch.zeros(VOCAB))
     header = SimpleNamespace(HasField=lambda name: False)
-    prepared = SimpleNamespace(adopt=lambda: None, handoff=handoff, fetched={}, chunk_indexes={},
+    prepared = SimpleNamespace(adopt=lambda: None, handoff=handoff, fetched={}, chunk_indexes={}, layout=None,
                                received=SimpleNamespace(header=header))
     sampling = SamplingParams(0.0, 1.0, 0, None, tokens)
 

@@ -57,7 +57,7 @@ class StandIn:
         self.fail_steps = 0
         self.released = 0
 
-    def import_handoff(self, handoff, fetch=None, decode="dense"):
+    def import_handoff(self, handoff, fetch=None, decode="dense", layout=None):
         return SimpleNamespace(request_id=handoff.request_id, decode=decode, decode_stats=DecodeStats())
 
     def decode_step(self, seqs, tokens):
@@ -91,7 +91,7 @@ class Outcome:
 def _job(rid: str, n: int, temperature: float = 0.7) -> tuple[DecodeJob, Outcome]:
     handoff = SimpleNamespace(request_id=rid, logits=torch.randn(VOCAB))
     header = SimpleNamespace(HasField=lambda name: False)
-    prepared = SimpleNamespace(adopt=lambda: None, handoff=handoff, fetched={}, chunk_indexes={},
+    prepared = SimpleNamespace(adopt=lambda: None, handoff=handoff, fetched={}, chunk_indexes={}, layout=None,
                                received=SimpleNamespace(header=header))
     out = Outcome()
     sampling = SamplingParams(temperature, 1.0, 0, 7, n)

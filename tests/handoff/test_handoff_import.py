@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.engine import Engine, Handoff
-from services.handoff.imports import import_sequence
+from services.handoff.imports import import_layout, import_sequence
 from services.handoff.wire import LayerView
 from services.engine.kv.loader import StreamedLayer, numbered
 
@@ -38,11 +38,12 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _import_both(ref_eng, new_eng, h, fetch=None):
-    """Import ``h`` into two engines in the same state, the reference way and the new one; assert that
-    both end in the same state and return the new sequence (released)."""
+def _import_both(ref_eng, new_eng, h, fetch=None, ahead: bool = False):
+    """Import ``h`` into two engines in the same state, the reference way and the new one (``ahead``: with its
+    layout made first, as a decode worker's helper thread does); assert that both end in the same state and return
+    the new sequence (released)."""
     ref = reference_import(ref_eng.forward, h, fetch)
-    new = import_sequence(new_eng.forward, h, fetch)
+    new = import_sequence(new_eng.forward, h, fetch, import_layout(h) if ahead else None)
     try:
         assert new.next_pos == ref.next_pos and new.chunk_tokens == ref.chunk_tokens
         assert [e.key for e in new.pinned] == [e.key for e in ref.pinned]
@@ -147,11 +148,23 @@ def test_awkward_layer_views_equal_the_reference(tiny_dir, block_size):
     chunks, suffix = random_request(53, lengths=(20, 70, 17))
     h = _handoff(prefill, [chunks[0], chunks[1], chunks[2], chunks[0]], suffix, "tessera", 0.3)
     for seed in range(3):
-        _import_both(a, b, _synthetic(b, h, seed))
+        _import_both(a, b, _synthetic(b, h, seed), ahead=seed == 1)
     # no private token at any layer: chunk entries only (with and without hidden tokens)
     seq = _import_both(a, b, _synthetic(b, h, 7, private=False))
     assert seq.private_blocks == []
     _import_both(a, b, _synthetic(b, h, 8, private=False, hidden=False))
+
+
+def test_a_layout_made_ahead_equals_one_made_at_import_and_another_hand_offs_is_refused(tiny_dir):
+    prefill, a, b = (Engine.load(tiny_dir, block_size=8) for _ in range(3))
+    chunks, suffix = random_request(56, lengths=(20, 70, 17))
+    h = _handoff(prefill, chunks, suffix, "tessera", 0.3)
+    _import_both(a, b, h, ahead=True)
+    other = _handoff(prefill, chunks[:2], suffix, "tessera", 0.3)
+    free = b.pool.num_free
+    with pytest.raises(ValueError, match="another hand-off"):
+        import_sequence(b.forward, h, None, import_layout(other))
+    assert b.pool.num_free == free and all(e.refs == 0 for e in b.cache._entries.values())
 
 
 def test_an_import_with_no_entry_is_refused_and_leaves_nothing(engine):

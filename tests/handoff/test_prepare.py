@@ -48,7 +48,9 @@ def test_decode_waits_for_a_chunk_still_being_stored(tiny_model, wait_s, fetched
     assert store.lookups == (3 if fetched else 1)
     assert prepared.sources == {"gpu": 0, "host": 0, "store": int(fetched), "computed": int(not fetched)}
     assert (prepared.store_wait_s is not None) is (wait_s > 0)
-    seq = decode.import_handoff(prepared.handoff, fetch=lambda c: iter(prepared.fetched[c]) if c in prepared.fetched else None)
+    assert prepared.layout is not None and prepared.layout.handoff is prepared.handoff   # made here, not at admission
+    seq = decode.import_handoff(prepared.handoff, fetch=lambda c: iter(prepared.fetched[c]) if c in prepared.fetched else None,
+                                layout=prepared.layout)
     decode.release(seq)
 
 
