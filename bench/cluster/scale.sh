@@ -13,11 +13,20 @@
 # OUT_DIR/NAME-prof/ and then deleted (a trace is megabytes: a device call brings back only so much). SPY=SECONDS
 # (environment; py-spy on the PATH, e.g. its wheel installed): once the replay starts, py-spy records every process of
 # the cluster for SECONDS at 10 Hz, non-blocking, every busy thread and then only the one holding the interpreter
-# lock, into OUT_DIR/NAME-pyspy_{all,gil}.txt.gz, each summarised by spy_summary.py beside it (.txt). Every run also
+# lock, into OUT_DIR/NAME-pyspy_{all,gil}.txt.gz, each summarised by spy_summary.py beside it (.txt). SPY_RATE=HZ
+# (default 10) samples faster; SPY_ROLE=decode|prefill records one worker of that role alone (the first found; the
+# whole cluster at 97 Hz fell behind, one process keeps up), e.g. SPY=10 SPY_RATE=100 SPY_ROLE=decode. Every run also
 # writes OUT_DIR/NAME-gpu_apps.txt: 5 s into its replay, the GPU contexts of each process (nvidia-smi) and the host's
 # busiest threads.
 set -euo pipefail
 
+descendants() {     # PID: its child processes, theirs, and so on
+    local child
+    for child in $(pgrep -P "$1"); do
+        echo "$child"
+        descendants "$child"
+    done
+}
 spy() {     # NAME SECONDS: wait for the replay of run NAME (cluster.py's warm-up line), then record the cluster
     local name=$1 seconds=$2 pid i
     for i in $(seq 1 900); do
@@ -28,11 +37,21 @@ spy() {     # NAME SECONDS: wait for the replay of run NAME (cluster.py's warm-u
     done
     sleep 3
     pid=$(pgrep -n -f "cluster.py --no-ray.*--out $out/$name") || return 0
+    local rate=${SPY_RATE:-10} sub=--subprocesses child
+    if [ -n "${SPY_ROLE:-}" ]; then     # one worker of that role alone: the first whose stacks run services/ROLE/
+        for child in $(descendants "$pid"); do
+            if timeout 20 py-spy dump --nonblocking --pid "$child" 2>/dev/null | grep -q "services/$SPY_ROLE/"; then
+                pid=$child sub=""
+                break
+            fi
+        done
+        [ -z "$sub" ] || { echo "no $SPY_ROLE worker found to record"; return 0; }
+    fi
     for kind in all gil; do
-        timeout $((seconds * 3)) py-spy record --subprocesses --nonblocking --threads $([ $kind = gil ] && echo --gil) \
-            --format raw -r 10 -d "$seconds" -o "$out/$name-pyspy_$kind.txt" -p "$pid" > /dev/null 2>&1 || true
+        timeout $((seconds * 3)) py-spy record $sub --nonblocking --threads $([ $kind = gil ] && echo --gil) \
+            --format raw -r "$rate" -d "$seconds" -o "$out/$name-pyspy_$kind.txt" -p "$pid" > /dev/null 2>&1 || true
         [ -s "$out/$name-pyspy_$kind.txt" ] || continue
-        python3 bench/cluster/spy_summary.py "$out/$name-pyspy_$kind.txt" --seconds "$seconds" \
+        python3 bench/cluster/spy_summary.py "$out/$name-pyspy_$kind.txt" --seconds "$seconds" --rate "$rate" \
             > "$out/$name-pyspy_${kind}_summary.txt" 2>&1 || true
         gzip -f "$out/$name-pyspy_$kind.txt"
     done
