@@ -27,14 +27,19 @@ descendants() {     # PID: its child processes, theirs, and so on
         descendants "$child"
     done
 }
-spy() {     # NAME SECONDS: wait for the replay of run NAME (cluster.py's warm-up line), then record the cluster
-    local name=$1 seconds=$2 pid i
+replay_started() {  # NAME: wait until the replay of run NAME starts (cluster.py's warm-up line); false when the run
+                    # ended (or never started) before its replay
+    local name=$1 i
     for i in $(seq 1 900); do
-        grep -q "warm-up" "$out/$name.out" 2>/dev/null && break
-        # the run ended (or never started) before its replay: nothing to record
-        [ "$i" -gt 20 ] && ! pgrep -f "cluster.py --no-ray.*--out $out/$name" > /dev/null && return 0
+        grep -q "warm-up" "$out/$name.out" 2>/dev/null && return 0
+        [ "$i" -gt 20 ] && ! pgrep -f "cluster.py --no-ray.*--out $out/$name" > /dev/null && return 1
         sleep 1
     done
+    return 1
+}
+spy() {     # NAME SECONDS: once the replay of run NAME starts, record the cluster
+    local name=$1 seconds=$2 pid
+    replay_started "$name" || return 0
     sleep 3
     pid=$(pgrep -n -f "cluster.py --no-ray.*--out $out/$name") || return 0
     local rate=${SPY_RATE:-10} sub=--subprocesses child
@@ -58,13 +63,9 @@ spy() {     # NAME SECONDS: wait for the replay of run NAME (cluster.py's warm-u
 }
 apps() {    # NAME: 5 s into the replay of run NAME, which processes hold a context on which GPU and how busy each keeps
             # it (nvidia-smi), and the busiest threads of the host: into OUT_DIR/NAME-gpu_apps.txt
-    local name=$1 i
+    local name=$1
     command -v nvidia-smi > /dev/null || return 0
-    for i in $(seq 1 900); do
-        grep -q "warm-up" "$out/$name.out" 2>/dev/null && break
-        [ "$i" -gt 20 ] && ! pgrep -f "cluster.py --no-ray.*--out $out/$name" > /dev/null && return 0
-        sleep 1
-    done
+    replay_started "$name" || return 0
     sleep 5
     {
         nvidia-smi --query-gpu=index,uuid,utilization.gpu,memory.used --format=csv

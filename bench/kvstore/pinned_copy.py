@@ -22,23 +22,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def per_tensor(tensors, device):
-    """The allocation before: a pinned tensor each."""
+    """The allocation before: ``copy_aside`` with a pinned tensor each (``staging.pinned_like`` swapped for the call)."""
     import torch
 
-    from services.cluster.staging import side_stream
+    from services.cluster import staging
 
-    stream = side_stream(tensors[0].device)
-    stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
-    out = []
-    with torch.cuda.stream(stream):
-        for t in tensors:
-            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            dst.copy_(t, non_blocking=True)
-            t.record_stream(stream)
-            out.append(dst)
-    ready = torch.cuda.Event()
-    ready.record(stream)
-    return out, ready
+    each = staging.pinned_like
+    staging.pinned_like = lambda ts, pin=True: [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in ts]
+    try:
+        return staging.copy_aside(tensors, device)
+    finally:
+        staging.pinned_like = each
 
 
 def run(way, fn, layers, args) -> dict:
