@@ -39,7 +39,7 @@ from services.engine.passes.forward import Forward
 from services.engine.request import MODES, PrefillResult, PrefillStats, Sequence
 from services.engine.sampling import SamplingParams, sample
 from services.handoff.export import export_sequence, stage_export
-from services.handoff.imports import import_sequence
+from services.handoff.imports import ImportLayout, import_sequence
 from services.handoff.wire import Handoff
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -347,7 +347,8 @@ class Engine:
 
     @torch.no_grad()
     @launches
-    def import_handoff(self, handoff: Handoff, fetch=None, decode: str | DecodePolicy = "dense", layout=None,
+    def import_handoff(self, handoff: Handoff, fetch=None, decode: str | DecodePolicy = "dense",
+                       layout: ImportLayout | None = None,
                        **decode_params) -> Sequence:
         """Rebuild a prefilled request here: shared chunks from this cache, ``fetch``, or recompute; its decode
         steps attend by the policy ``decode`` names with ``decode_params`` (services/engine/decode), or by the

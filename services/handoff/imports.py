@@ -16,20 +16,20 @@ from services.engine.kv.block_table import BlockTable, dense_run, host_to_device
 log = logging.getLogger(__name__)
 
 
-def import_layout(h: Handoff) -> "_ImportLayout":
+def import_layout(h: Handoff) -> ImportLayout:
     """What the import of ``h`` works out on the host from the hand-off alone (which private tokens each layer writes
     and shows): a decode worker's helper thread makes it while the batch decodes (services/handoff/prepare.py), and
     ``import_sequence`` takes it, so that the engine thread does not."""
-    return _ImportLayout(h)
+    return ImportLayout(h)
 
 
-def import_sequence(fwd, h: Handoff, fetch=None, layout: "_ImportLayout | None" = None):
+def import_sequence(fwd, h: Handoff, fetch=None, layout: ImportLayout | None = None):
     """Rebuild a Sequence on this engine from a hand-off (chunks from cache, store or recompute). ``layout``:
     ``import_layout(h)``, made ahead (None: made here).
 
     The private tokens (every layer's positions, ascending) are laid densely over new blocks. Their
     slots, each layer's write rows and the tables are worked out on the host from the hand-off's
-    host-side positions and hidden lists (``_ImportLayout``) and reach the device in one copy; the private
+    host-side positions and hidden lists (``ImportLayout``) and reach the device in one copy; the private
     K/V of each run of layers that share one set of positions is then two indexed stores (one write a layer
     when their K/V are not views of one buffer). Nothing here waits for the GPU, unless a chunk is nowhere to
     be had and is computed. Named spans mark the shared chunks' part and the private part in a profile.
@@ -53,13 +53,13 @@ def import_sequence(fwd, h: Handoff, fetch=None, layout: "_ImportLayout | None" 
         raise
 
 
-def _import_private(fwd, h: Handoff, pinned: list, private: list, layout: "_ImportLayout | None" = None):
+def _import_private(fwd, h: Handoff, pinned: list, private: list, layout: ImportLayout | None = None):
     """The private tokens' blocks (appended to ``private`` as they are taken), slots and K/V, and the Sequence."""
     from services.engine.decode import QueryTap
     from services.engine.request import Sequence
 
     cache, bs, dev = fwd.cache, fwd.bs, fwd.device
-    layout = layout if layout is not None else _ImportLayout(h)
+    layout = layout if layout is not None else ImportLayout(h)
     blocks = cache.allocate(-(-layout.n // bs), for_cache=False) if layout.n else []
     private += blocks
     on_dev = layout.to_device(h.chunks, pinned, blocks, bs, dev)
@@ -127,7 +127,7 @@ def _place_chunk(fwd, ref: ChunkRef, fetch):
     return entry if entry is not None else fwd.compute_chunk(ref.chunk_id, list(ref.tokens))
 
 
-class _ImportLayout:
+class ImportLayout:
     """Which private tokens each layer of a hand-off writes and shows, and which chunk tokens it hides,
     worked out on the host (numpy).
 
@@ -211,7 +211,7 @@ class _ImportLayout:
 class _OnDevice:
     """An import's tables and slots on the device (views of one copy).
 
-    tables: the distinct tables (``_ImportLayout.table_of`` names each layer's); writes[w]: (block, slot)
+    tables: the distinct tables (``ImportLayout.table_of`` names each layer's); writes[w]: (block, slot)
     int64 [P] of write set w's tokens; block, slot int64 [n], pos int32 [n]: every private token's slot
     and position.
     """

@@ -23,6 +23,8 @@ from services.tiers import Tier
 if TYPE_CHECKING:
     import torch
 
+    from services.handoff.imports import ImportLayout
+
     from services.handoff.wire import Handoff
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ class PreparedHandoff:
     chunk_indexes: dict[str, tuple[bytes, int]] = field(default_factory=dict)
     # the import's host-side layout (services/handoff/imports.import_layout), worked out here rather than on the
     # engine thread; None: the import makes it
-    layout: object | None = None
+    layout: ImportLayout | None = None
 
     def adopt(self) -> None:
         """On the engine thread, before using ``fetched``: order its stream after the staging copies and
