@@ -197,6 +197,8 @@ def main() -> int:
                          "defaults; 0: off)")
     ap.add_argument("--decode-step-interval-ms", type=float, default=0.0,
                     help="DecodeSettings.min_step_interval_s, in ms (0: decode steps back to back)")
+    ap.add_argument("--admit-during-step", action="store_true",
+                    help="DecodeSettings.admit_during_step: decode workers admit hand-offs while a step runs on the GPU")
     ap.add_argument("--no-warmup-sparse", dest="warmup_sparse", action="store_false",
                     help="decode workers warm up dense decode only (the trace decodes densely; a shorter start)")
     ap.add_argument("--prefill", type=int, default=1, help="prefill workers")
@@ -265,6 +267,7 @@ def main() -> int:
                                                          ipc_slab_bytes=args.ipc_slab_mb << 20, **warm),
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_bytes),
                                                        min_step_interval_s=args.decode_step_interval_ms / 1e3,
+                                                       admit_during_step=args.admit_during_step,
                                                        warmup_sparse=args.warmup_sparse, **warm))
     if args.no_ray:
         from services.launch.local import start_local_cluster

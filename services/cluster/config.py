@@ -134,6 +134,10 @@ class DecodeSettings:
     # few sequences each take GPU time the prefills need; an interval trades time per output token for
     # larger batches and that GPU time (the wait admits newly arrived hand-offs)
     min_step_interval_s: float = 0.0
+    # admit the hand-offs that arrived while a decode step runs on the GPU (issued, its tokens not yet read back),
+    # so that an admission's host work overlaps the step instead of following it: at four GPUs a decode worker spent
+    # 39-48% of a run admitting and 46-51% stepping (bench/cluster/README.md). Off until measured on a GPU
+    admit_during_step: bool = False
     # before serving, on a GPU: two decode steps at every batch bucket up to max_batch over sequences of this
     # many tokens, so that no step stalls its batch on a kernel compile or a graph capture
     # (services/engine/graphs/warmup.py); 0: off
@@ -162,6 +166,7 @@ class DecodeSettings:
         check_float("min_step_interval_s", self.min_step_interval_s, 0, 10, hi_open=True, rule="in [0, 10) seconds")
         check_int("warmup_tokens", self.warmup_tokens, 0)
         check_bool("warmup_sparse", self.warmup_sparse)
+        check_bool("admit_during_step", self.admit_during_step)
         check_float("index_search_timeout_s", self.index_search_timeout_s, 0, lo_open=True)
         check_float("index_offload_timeout_s", self.index_offload_timeout_s, 0, lo_open=True)
 

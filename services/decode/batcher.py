@@ -8,7 +8,9 @@ arrivals does not stall every live sequence at once: off by default, see DecodeS
 sampling parameters and generator (so a sequence's tokens do not depend on
 which others share its batch), emit it, and retire finished sequences (their KV freed at once).
 With ``min_step_interval_s`` (DecodeSettings) a step starts no sooner than that after the last one
-began, admitting what arrives meanwhile. Stopping mirrors ``Engine.generate``: a stop token is
+began, admitting what arrives meanwhile. With ``admit_during_step`` the hand-offs that arrived are also admitted
+while a step runs: after ``decode_step`` has issued it and before its tokens are read back, so that their host work
+overlaps its device work (they join the next step). Stopping mirrors ``Engine.generate``: a stop token is
 emitted, then the sequence ends.
 Engine calls that are not decoding (reset, cache listing) run between steps through ``call``.
 
@@ -78,12 +80,15 @@ class _Live:
 class Batcher:
     def __init__(self, engine, metrics: DecodeMetrics, max_batch: int, fetch=None,
                  admit_budget_s: float = float("inf"), profile=None, min_step_interval_s: float = 0.0,
-                 on_fatal: Callable[[BaseException], None] | None = None, name: str = "decode worker") -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None, name: str = "decode worker",
+                 admit_during_step: bool = False) -> None:
         self.eng = engine
         self.metrics = metrics
         self.max_batch = max_batch
         self.admit_budget_s = admit_budget_s
         self.min_step_interval_s = min_step_interval_s   # DecodeSettings.min_step_interval_s
+        self.admit_during_step = admit_during_step       # DecodeSettings.admit_during_step
+        self._window = (0, 0.0)   # (hand-offs admitted, seconds) while the last step ran: the next _admit's budget
         self._last_step = float("-inf")
         self.fetch = fetch                    # fetch(chunk_id) for import_handoff, or None
         self.profile = profile                # services.cluster.profiling.ProfileWindow: ticks once a step
@@ -147,7 +152,8 @@ class Batcher:
                 self.on_fatal(exc)
 
     def _iterate(self) -> None:
-        self._admit(block=not self._live)
+        spent, self._window = self._window, (0, 0.0)
+        self._admit(block=not self._live, spent=spent)
         if self._live:
             if self.min_step_interval_s:
                 self._pace()
@@ -178,10 +184,12 @@ class Batcher:
                 return
             self._admit(block=True, timeout=left)
 
-    def _admit(self, block: bool, timeout: float = 0.5) -> None:
-        """Take what the inbox holds, waiting up to ``timeout`` for a first item when ``block``."""
-        t0 = time.perf_counter()
-        admitted = 0
+    def _admit(self, block: bool, timeout: float = 0.5, spent: tuple[int, float] = (0, 0.0)) -> None:
+        """Take what the inbox holds, waiting up to ``timeout`` for a first item when ``block``. ``spent``: hand-offs
+        admitted, and the seconds it took, while the last step ran (``_admit_during_step``): they count against
+        ``admit_budget_s`` as if admitted here."""
+        t0 = time.perf_counter() - spent[1]
+        admitted = spent[0]
         while len(self._live) < self.max_batch:
             if admitted and self._live and time.perf_counter() - t0 >= self.admit_budget_s:
                 return  # the rest waits for the next step: the live sequences have waited long enough
@@ -199,12 +207,39 @@ class Batcher:
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(exc)
             else:
-                self._start(item)
+                self._start(item, self._live)
                 admitted += 1
             # the cache only changes here (imports, resets): keep the snapshot Status reads fresh
             self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)
 
-    def _start(self, job: DecodeJob) -> None:
+    def _admit_during_step(self) -> None:
+        """Hand-offs admitted while a step runs on the GPU (issued, its tokens not yet read back), so that an
+        admission's host work overlaps the step's device work rather than adding to it: the imports' own device work
+        queues behind the step on the engine's stream. The new sequences join ``_live`` (not the running step's
+        batch). Stops at anything that is not a hand-off (an engine call or the stop: they run between steps, in their
+        turn), at ``max_batch``, and at ``admit_budget_s`` (what it spends counts against the next ``_admit``)."""
+        t0 = time.perf_counter()
+        admitted = 0
+        while len(self._live) < self.max_batch:
+            if admitted and time.perf_counter() - t0 >= self.admit_budget_s:
+                break
+            inbox = self._inbox
+            with inbox.mutex:       # a peek: an engine call or the stop is left where it is, first in line
+                if not inbox.queue or not isinstance(inbox.queue[0], DecodeJob):
+                    break
+            try:
+                item = inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._start(item, self._live)
+            admitted += 1
+        if admitted:
+            self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)
+        self._window = (admitted, time.perf_counter() - t0)
+
+    def _start(self, job: DecodeJob, into: list[_Live]) -> None:
+        """Admit ``job``: its sequence rebuilt and its first token taken or sampled; appended to ``into`` unless it
+        ended at once (or failed: its caller is told)."""
         from services.engine.kv.block_table import host_to_device
         from services.engine.sampling import sample
 
@@ -242,9 +277,9 @@ class Batcher:
         live = _Live(job, seq, gen, token, 1)
         self.metrics.admitted.inc()
         if sent:                     # the client has it: decode goes on from it
-            self._live.append(live)
+            into.append(live)
         elif not self._emit(live):
-            self._live.append(live)
+            into.append(live)
 
     def _rebuild(self, prepared: PreparedHandoff, policy: DecodePolicy = DENSE):
         """(sequence, first-token logits) from a hand-off; the sequence's steps attend by ``policy``."""
@@ -327,6 +362,12 @@ class Batcher:
                 self._finish(lv, None, err)
             self._live = waiting
             return
+        # decode_step only issued the step's device work: what has arrived is admitted now, beside it (into _live at
+        # once, so that a failure from here on fails them with the rest)
+        held = len(self._live)
+        if self.admit_during_step:
+            self._admit_during_step()
+        arrived = self._live[held:]
         # greedy rows: one argmax over the batch and one copy to the host, not a sync per sequence
         greedy = [i for i, lv in enumerate(batch) if lv.job.sampling.temperature == 0]
         picked = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
@@ -338,7 +379,8 @@ class Batcher:
                 failed[i] = internal(f"{self.name} sampling request {lv.job.request_id}", exc)
             lv.produced += 1
         # the step ends when its tokens are on the host: decode_step only issues the GPU's work, so timing
-        # it alone measured the launch, not the step (the token read-back above is the wait for the GPU)
+        # it alone measured the launch, not the step (the token read-back above is the wait for the GPU). With
+        # admit_during_step this includes the admissions made meanwhile (admit_seconds counts them too)
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         keep = []
         for i, lv in enumerate(batch):
@@ -346,8 +388,8 @@ class Batcher:
                 self._finish(lv, None, failed[i])
             elif not self._emit(lv):
                 keep.append(lv)
-        self._live = keep + waiting
-        self.metrics.active.set(len(keep))
+        self._live = keep + waiting + arrived
+        self.metrics.active.set(len(keep) + len(arrived))
 
 
 def _quietly(emit, tokens, reason, error) -> bool:

@@ -324,6 +324,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     batcher = Batcher(eng, metrics, settings.max_batch, fetch if store.enabled else None,
                       admit_budget_s=settings.admit_budget_s, profile=ProfileWindow(name, "decode"),
                       min_step_interval_s=settings.min_step_interval_s, on_fatal=fatal,
+                      admit_during_step=settings.admit_during_step,
                       name=f"decode worker {name}")
     http, http_port = serve_metrics(metrics.registry, host)
     servicer = DecodeServicer(batcher, eng, store, metrics, name, f"http://{advertised_host(host)}:{http_port}/metrics", settings)

@@ -65,6 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--decode-step-interval-ms", type=float, default=0.0,
                     help="shortest time between two decode steps (0: as soon as the last one ends); on a GPU "
                          "shared with prefill workers, steps of a few sequences take GPU time the prefills need")
+    up.add_argument("--admit-during-step", action="store_true",
+                    help="decode workers admit the hand-offs that arrived while a step runs on the GPU, beside it, "
+                         "instead of after it (DecodeSettings.admit_during_step)")
     up.add_argument("--gateway-on-head", action="store_true",
                     help="with --address: run the gateway on the Ray head node, where a Kubernetes Service in front "
                          "of the head pod reaches it (the Helm chart, helm/tessera)")
@@ -183,6 +186,7 @@ def _up(args: argparse.Namespace) -> int:
                         decode_settings=DecodeSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                        nixl_slab_bytes=args.nixl_slab_mb << 20,
                                                        min_step_interval_s=args.decode_step_interval_ms / 1e3,
+                                                       admit_during_step=args.admit_during_step,
                                                        warmup_sparse=args.warmup_sparse, **warm))
     address = args.address
     try:

@@ -191,6 +191,7 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         Field("DecodeSettings", "min_step_interval_s", real_in(0, 10, hi_open=True), (0.0, 0.005, 9.9)),
         Field("DecodeSettings", "warmup_tokens", count0, (0, 4096)),
         Field("DecodeSettings", "warmup_sparse", is_bool, (True, False)),
+        Field("DecodeSettings", "admit_during_step", is_bool, (False, True)),
         Field("DecodeSettings", "index_search_timeout_s", real_in(0, INF, lo_open=True), (1e-3, 10.0)),
         Field("DecodeSettings", "index_offload_timeout_s", real_in(0, INF, lo_open=True), (1e-3, 600.0)),
         # ---- SamplingParams
