@@ -46,10 +46,11 @@ def copy_aside(tensors: list[torch.Tensor], device: torch.device) -> tuple[list[
 
 
 def pinned_like(tensors: list[torch.Tensor], pin: bool = True) -> list[torch.Tensor]:
-    """Empty host tensors shaped as ``tensors`` (pinned unless ``pin`` is False): views of one allocation a dtype, not one each. A chunk's 64
-    layer tensors took 64 trips through the pinned allocator (its lock, its events, a cudaHostAlloc whenever no cached
-    block fits), and that was a fifth of a prefill engine's samples in a py-spy recording of the cluster
-    (bench/cluster/README.md). The views keep the allocation alive until the last of them goes."""
+    """Empty host tensors shaped as ``tensors`` (pinned unless ``pin`` is False): views of one allocation a dtype, not
+    one each. A chunk's 64 layer tensors took 64 trips through the pinned allocator (its lock, its events, a
+    cudaHostAlloc whenever no cached block fits), and that was a fifth of a prefill engine's samples in a py-spy
+    recording of the cluster (bench/cluster/README.md). The views keep the allocation alive until the last of them
+    goes."""
     sizes: dict[torch.dtype, int] = {}
     for t in tensors:
         sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
