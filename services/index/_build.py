@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from services.index._search import beam_search_one, dot, scratch
+from services.index._search import beam_search_one, dot, mark_unvisited, scratch
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -133,13 +133,7 @@ def _mark_from(offsets, targets, start, seen, stack) -> None:
     top = 1
     while top > 0:
         top -= 1
-        node = stack[top]
-        for e in range(offsets[node], offsets[node + 1]):
-            nb = targets[e]
-            if not seen[nb]:
-                seen[nb] = 1
-                stack[top] = nb
-                top += 1
+        top = mark_unvisited(stack[top], offsets, targets, seen, stack, top)
 
 
 @njit(nogil=True, cache=True)
