@@ -28,6 +28,22 @@ def _first_live(batcher, eng, done) -> None:
     raise AssertionError("the first sequence never went live")
 
 
+def _burst(eng, n: int, **kw) -> list:
+    """A first sequence goes live, ``n`` hand-offs arrive while its first step waits at the gate, then every request
+    runs to its end; the engine's log."""
+    batcher = _batcher(eng, **kw)
+    done = [threading.Event() for _ in range(n + 1)]
+    try:
+        _first_live(batcher, eng, done[0])
+        for i in range(n):
+            batcher.submit(_job(f"burst{i}", 3, done[i + 1]))
+        eng.step_gate.set()
+        assert all(d.wait(10) for d in done)
+    finally:
+        batcher.stop()
+    return eng.log
+
+
 class _Tracked(StandInEngine):
     """Logs when the running step's tokens are read back: the batcher's argmax over the step's logits."""
 
@@ -45,18 +61,7 @@ class _Tracked(StandInEngine):
 
 @pytest.mark.parametrize("budget, per_step", [(3600.0, 4), (0.0, 1)])
 def test_a_burst_is_admitted_while_the_step_runs_within_the_budget(budget, per_step):
-    eng = _Tracked()
-    batcher = _batcher(eng, max_batch=8, admit_budget_s=budget)
-    done = [threading.Event() for _ in range(5)]
-    try:
-        _first_live(batcher, eng, done[0])
-        for i in range(4):                   # a burst arrives while the first step waits at the gate
-            batcher.submit(_job(f"burst{i}", 3, done[i + 1]))
-        eng.step_gate.set()
-        assert all(d.wait(10) for d in done)
-    finally:
-        batcher.stop()
-    kinds = [k for k, _ in eng.log]
+    kinds = [k for k, _ in _burst(_Tracked(), 4, max_batch=8, admit_budget_s=budget)]
     first = kinds.index("step")
     # admitted between the first step's issue and its tokens' read-back: beside the step, not after it
     assert kinds[first + 1:first + 1 + per_step] == ["import"] * per_step
@@ -73,19 +78,9 @@ def test_a_burst_is_admitted_while_the_step_runs_within_the_budget(budget, per_s
 
 
 def test_the_batch_limit_holds_while_the_step_runs():
-    eng = StandInEngine()
-    batcher = _batcher(eng, max_batch=3)
-    done = [threading.Event() for _ in range(6)]
-    try:
-        _first_live(batcher, eng, done[0])
-        for i in range(5):
-            batcher.submit(_job(f"burst{i}", 3, done[i + 1]))
-        eng.step_gate.set()
-        assert all(d.wait(10) for d in done)
-    finally:
-        batcher.stop()
-    assert max(n for k, n in eng.log if k == "step") == 3
-    assert sum(1 for k, _ in eng.log if k == "import") == 6
+    log = _burst(StandInEngine(), 5, max_batch=3)
+    assert max(n for k, n in log if k == "step") == 3
+    assert sum(1 for k, _ in log if k == "import") == 6
 
 
 def test_an_engine_call_queued_first_runs_between_steps_before_the_hand_offs_behind_it():
