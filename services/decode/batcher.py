@@ -209,8 +209,12 @@ class Batcher:
             else:
                 self._start(item, self._live)
                 admitted += 1
-            # the cache only changes here (imports, resets): keep the snapshot Status reads fresh
-            self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)
+            self._refresh_resident()
+
+    def _refresh_resident(self) -> None:
+        """The cache only changes at admissions and engine calls (imports, resets): keep the snapshot Status reads
+        fresh."""
+        self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)
 
     def _admit_during_step(self) -> None:
         """Hand-offs admitted while a step runs on the GPU (issued, its tokens not yet read back), so that an
@@ -234,7 +238,7 @@ class Batcher:
             self._start(item, self._live)
             admitted += 1
         if admitted:
-            self.resident = tuple(k for k in self.eng.cache.keys() if "@" not in k)
+            self._refresh_resident()
         self._window = (admitted, time.perf_counter() - t0)
 
     def _start(self, job: DecodeJob, into: list[_Live]) -> None:
