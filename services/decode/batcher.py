@@ -207,7 +207,7 @@ class Batcher:
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(exc)
             else:
-                self._start(item, self._live)
+                self._start(item)
                 admitted += 1
             self._refresh_resident()
 
@@ -235,14 +235,14 @@ class Batcher:
                 item = inbox.get_nowait()
             except queue.Empty:
                 break
-            self._start(item, self._live)
+            self._start(item)
             admitted += 1
         if admitted:
             self._refresh_resident()
         self._window = (admitted, time.perf_counter() - t0)
 
-    def _start(self, job: DecodeJob, into: list[_Live]) -> None:
-        """Admit ``job``: its sequence rebuilt and its first token taken or sampled; appended to ``into`` unless it
+    def _start(self, job: DecodeJob) -> None:
+        """Admit ``job``: its sequence rebuilt and its first token taken or sampled; appended to ``_live`` unless it
         ended at once (or failed: its caller is told)."""
         from services.engine.kv.block_table import host_to_device
         from services.engine.sampling import sample
@@ -281,9 +281,9 @@ class Batcher:
         live = _Live(job, seq, gen, token, 1)
         self.metrics.admitted.inc()
         if sent:                     # the client has it: decode goes on from it
-            into.append(live)
+            self._live.append(live)
         elif not self._emit(live):
-            into.append(live)
+            self._live.append(live)
 
     def _rebuild(self, prepared: PreparedHandoff, policy: DecodePolicy = DENSE):
         """(sequence, first-token logits) from a hand-off; the sequence's steps attend by ``policy``."""
