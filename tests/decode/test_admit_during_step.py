@@ -12,7 +12,7 @@ import pytest
 from services.decode.batcher import Batcher
 from services.decode.metrics import DecodeMetrics
 
-from .test_batcher import StandInEngine, _job
+from .test_batcher import StandInEngine, _job, _run
 
 
 def _batcher(eng, **kw) -> Batcher:
@@ -28,20 +28,10 @@ def _first_live(batcher, eng, done) -> None:
     raise AssertionError("the first sequence never went live")
 
 
-def _burst(eng, n: int, **kw) -> list:
-    """A first sequence goes live, ``n`` hand-offs arrive while its first step waits at the gate, then every request
-    runs to its end; the engine's log."""
-    batcher = _batcher(eng, **kw)
-    done = [threading.Event() for _ in range(n + 1)]
-    try:
-        _first_live(batcher, eng, done[0])
-        for i in range(n):
-            batcher.submit(_job(f"burst{i}", 3, done[i + 1]))
-        eng.step_gate.set()
-        assert all(d.wait(10) for d in done)
-    finally:
-        batcher.stop()
-    return eng.log
+def _burst(eng, n: int, admit_budget_s: float = float("inf"), **kw) -> list:
+    """test_batcher's burst (a first sequence live, ``n`` hand-offs arriving while its first step waits) with
+    admissions during steps on; the engine's log."""
+    return _run(admit_budget_s, n, eng, admit_during_step=True, **kw)
 
 
 class _Tracked(StandInEngine):

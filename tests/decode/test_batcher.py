@@ -56,9 +56,11 @@ def _job(rid: str, tokens: int, done: threading.Event) -> DecodeJob:
     return DecodeJob(rid, prepared, sampling, emit)
 
 
-def _run(budget: float, burst: int = 4) -> list[tuple[str, object]]:
-    eng = StandInEngine()
-    batcher = Batcher(eng, DecodeMetrics(), max_batch=8, admit_budget_s=budget)
+def _run(budget: float, burst: int = 4, eng: StandInEngine | None = None, **batcher) -> list[tuple[str, object]]:
+    """A first sequence goes live, ``burst`` hand-offs arrive while its first step waits at the gate, then every
+    request runs to its end; the engine's log. ``batcher``: more Batcher arguments (max_batch 8 unless given)."""
+    eng = eng if eng is not None else StandInEngine()
+    batcher = Batcher(eng, DecodeMetrics(), admit_budget_s=budget, **{"max_batch": 8, **batcher})
     done = [threading.Event() for _ in range(burst + 1)]
     try:
         batcher.submit(_job("first", 40, done[0]))
