@@ -90,6 +90,25 @@ def time_steps(eng, seq, tok: int, steps: int) -> tuple[list[float], float]:
     return samples, (seq.decode_stats.retrieval_seconds - cpu0) / steps
 
 
+def profile_steps(eng, seq, tok: int, steps: int) -> dict:
+    """``steps`` decode steps under torch.profiler: the ops by host (self) time and by GPU time, per step, and the
+    GPU's busy time a step (the sum of its kernels and copies): what a step spends outside the index's search."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cur = [tok]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            cur = eng.decode_step([seq], cur).argmax(-1).tolist()
+        torch.cuda.synchronize()
+    ops = prof.key_averages()
+
+    def top(key, n):
+        return [{"name": e.key, "calls": e.count / steps, "host_us": e.self_cpu_time_total / steps,
+                 "gpu_us": e.self_device_time_total / steps} for e in sorted(ops, key=key)[:n]]
+    return {"steps": steps, "gpu_busy_ms": sum(e.self_device_time_total for e in ops) / steps / 1e3,
+            "by_host": top(lambda e: -e.self_cpu_time_total, 30), "by_gpu": top(lambda e: -e.self_device_time_total, 15)}
+
+
 def timed_start(eng, context: int, policy, chunk_indexes: bool, distinct: int):
     """A retrieval sequence over the context's chunks (the same chunks for the same context), its indexes built:
     (sequence, first token, start seconds, build seconds after the start)."""
@@ -118,6 +137,9 @@ def main() -> int:
                     help="at most this many of a KV head's request queries repair a composition of chunk graphs "
                          "(IndexSet; default: all of them, 8,192 a KV head): the repair is most of a long context's "
                          "wait before its first step")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile two retrieval steps a variant (torch.profiler): the host's and the GPU's time "
+                         "by op, a step's GPU busy time")
     ap.add_argument("--distinct", type=int, default=0,
                     help="distinct chunks a context cycles through (0: every chunk its own): one_sequence")
     args = ap.parse_args()
@@ -145,11 +167,18 @@ def main() -> int:
         try:
             seq, tok, _ = one_sequence(eng, context, context, eng.decode_policy("dense"), args.distinct)
             dense, _ = time_steps(eng, seq, tok, args.steps)
+            eng.forward.static_tails = False        # the same step eager, as a retrieval step runs: its launch cost
+            try:
+                eager, _ = time_steps(eng, seq, tok, args.steps)
+            finally:
+                eng.forward.static_tails = True
             floor = weight_bytes + sum(t.num_entries for t in seq.layer_tables) // cfg.num_layers * page_bytes
             eng.release(seq)
             seq = None
-            row |= {"dense_ms": statistics.median(dense) * 1e3, "dense_floor_ms": floor * floor_per_byte * 1e3}
-            print(f"  dense {row['dense_ms']:.2f} ms (floor {row['dense_floor_ms']:.2f})", flush=True)
+            row |= {"dense_ms": statistics.median(dense) * 1e3, "dense_floor_ms": floor * floor_per_byte * 1e3,
+                    "dense_eager_ms": statistics.median(eager) * 1e3}
+            print(f"  dense {row['dense_ms']:.2f} ms (floor {row['dense_floor_ms']:.2f}), eager "
+                  f"{row['dense_eager_ms']:.2f}", flush=True)
             # per-request: one index over every offloaded key; then the chunks' own indexes, built (cold), and
             # reused by a second sequence over the same chunks (warm)
             variants = (["per_request"] if context in per_request else []) + [v for v in ("chunks_cold", "chunks_warm")
@@ -168,6 +197,8 @@ def main() -> int:
                              "index_bytes": eng.forward.indexes.held()[2],
                              "chunk_indexes_held": (eng.forward.chunk_indexes.held()
                                                     if eng.forward.chunk_indexes is not None else None)}
+                if args.profile:
+                    row[name]["profile"] = profile_steps(eng, seq, tok, 2)
                 print(f"  {name}: {row[name]['ms']:.2f} ms/token ({cpu * 1e3:.2f} ms of it on the CPU); start "
                       f"{start_s:.1f} s + builds {build_s:.1f} s for {row[name]['offloaded_tokens_per_layer']} keys "
                       f"a layer; {row[name]['keys_scanned_per_step']:.0f} keys scanned a step", flush=True)
