@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.decode.decode import hbm_floor_seconds  # noqa: E402
+from bench.decode.profiling import profile_calls  # noqa: E402
 from bench.decode.sparse import CHUNK, commit_of, random_engine  # noqa: E402
 from services.engine.decode import QueryTap, RetrievalDecode  # noqa: E402
 
@@ -91,22 +92,15 @@ def time_steps(eng, seq, tok: int, steps: int) -> tuple[list[float], float]:
 
 
 def profile_steps(eng, seq, tok: int, steps: int) -> dict:
-    """``steps`` decode steps under torch.profiler: the ops by host (self) time and by GPU time, per step, and the
-    GPU's busy time a step (the sum of its kernels and copies): what a step spends outside the index's search."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """``steps`` decode steps under torch.profiler (bench/decode/profiling.py): what a step spends outside the
+    index's search."""
     cur = [tok]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            cur = eng.decode_step([seq], cur).argmax(-1).tolist()
-        torch.cuda.synchronize()
-    ops = prof.key_averages()
 
-    def top(key, n):
-        return [{"name": e.key, "calls": e.count / steps, "host_us": e.self_cpu_time_total / steps,
-                 "gpu_us": e.self_device_time_total / steps} for e in sorted(ops, key=key)[:n]]
-    return {"steps": steps, "gpu_busy_ms": sum(e.self_device_time_total for e in ops) / steps / 1e3,
-            "by_host": top(lambda e: -e.self_cpu_time_total, 30), "by_gpu": top(lambda e: -e.self_device_time_total, 15)}
+    def step():
+        nonlocal cur
+        cur = eng.decode_step([seq], cur).argmax(-1).tolist()
+
+    return profile_calls(step, steps)
 
 
 def timed_start(eng, context: int, policy, chunk_indexes: bool, distinct: int):

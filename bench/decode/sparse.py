@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.decode.decode import hbm_floor_seconds, rewind  # noqa: E402
+from bench.decode.profiling import profile_calls  # noqa: E402
 from bench.engine.engine import LLAMA3_8B  # noqa: E402
 from kernels import sparse  # noqa: E402
 from kernels.paged_attention._decode import DecodeConfig, pick_splits  # noqa: E402
@@ -200,7 +201,8 @@ def attention_rows(eng, seqs, budgets, dense_layers: int) -> list[dict]:
     return rows
 
 
-def step_rows(eng, seqs, toks, policies, steps: int, floor_per_byte: float, weight_bytes: int) -> list[dict]:
+def step_rows(eng, seqs, toks, policies, steps: int, floor_per_byte: float, weight_bytes: int,
+              profile: bool = False) -> list[dict]:
     fwd = eng.forward
     marks = [(s.gen_count, s.next_pos, len(s.gen_blocks)) for s in seqs]
     cfg, bs = eng.cfg, eng.block_size
@@ -240,6 +242,8 @@ def step_rows(eng, seqs, toks, policies, steps: int, floor_per_byte: float, weig
                      "pages_read_per_step": pages, "pages_visible_per_step": visible,
                      "pages_corrected": sum(s.decode_stats.pages_corrected for s in seqs),
                      "floor_bytes": floor_bytes, "floor_ms": floor_bytes * floor_per_byte * 1e3})
+        if profile:
+            rows[-1]["profile"] = profile_calls(step, 5)
         print(f"  step {label:16s} graphs={int(graphs)} {ms:8.2f} ms  floor {floor_bytes * floor_per_byte * 1e3:6.2f} "
               f"ms ({floor_bytes / 2**30:.2f} GiB)  pages {pages:.0f}/{visible}", flush=True)
     rewind(eng, seqs, marks)
@@ -259,6 +263,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--kv-gib", type=float, default=44.0)
     ap.add_argument("--eager", action="store_true", help="also a Quest step without graphs")
+    ap.add_argument("--profile", action="store_true",
+                    help="also five steps of each policy under torch.profiler (bench/decode/profiling.py): ops by host "
+                         "and GPU time, the GPU's busy time a step")
     ap.add_argument("--skip", default="", help="context:batch pairs to skip, e.g. 131072:4")
     args = ap.parse_args()
     eng, cfg, weight_bytes = random_engine(args.layers, args.kv_gib)
@@ -295,7 +302,7 @@ def main() -> int:
                                                                         retro_window=2), True))
                 if args.eager:
                     policies.append((f"quest@{budgets[0]} eager", policies[1][1], False))
-                steps = step_rows(eng, seqs, toks, policies, args.steps, floor_per_byte, weight_bytes)
+                steps = step_rows(eng, seqs, toks, policies, args.steps, floor_per_byte, weight_bytes, args.profile)
                 results["rows"].append({**label, "attention": att, "steps": steps})
             except Exception as exc:   # report and go on: one shape failing must not hide the others
                 results["rows"].append({**label, "error": repr(exc)[:2000]})
