@@ -212,7 +212,6 @@ def step_rows(eng, seqs, toks, policies, steps: int, floor_per_byte: float, weig
     for label, policy, graphs in policies:
         rewind(eng, seqs, marks)
         for s in seqs:
-            s.past.clear()
             s.decode_stats = type(s.decode_stats)()
             eng.start_decode(s, policy)
         fwd.static_tails = graphs

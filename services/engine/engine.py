@@ -18,7 +18,7 @@ import torch
 
 from kernels.options import using
 from kernels.paged_attention import MAX_BLOCK_ID, MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
-from services.engine.decode import HANDOFF_QUERIES, DecodePolicy, QueryTap, policy_for
+from services.engine.decode import HANDOFF_QUERIES, DecodePolicy, QueryTap, clear_window, policy_for
 from services.engine.kv.block_pool import BlockPool, block_bytes
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.chunk_cache import ChunkCache, chunk_id
@@ -369,6 +369,7 @@ class Engine:
     def start_decode(self, seq: Sequence, policy: DecodePolicy) -> None:
         """``seq``'s decode steps attend by ``policy`` from now on: what the policy reads is made ready (a sparse
         policy's page bounds) and its stats start."""
+        clear_window(seq)          # a window of an earlier policy's steps is not this one's
         seq.decode = policy
         seq.decode_stats.table_pages = sum(t.num_entries for t in seq.layer_tables)
         policy.prepare(self.forward, seq)
@@ -476,7 +477,7 @@ class Engine:
         for entry in seq.pinned:
             self.cache.release(entry)
         self.pool.free(seq.private_blocks + seq.gen_blocks)
-        seq.past.clear()
+        clear_window(seq)
         seq.prefill_queries = None
         seq.decode.release(self.forward, seq)
 

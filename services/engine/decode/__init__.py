@@ -16,7 +16,7 @@ from services.engine.decode.dense import DenseDecode
 from services.engine.decode.policy import DecodePolicy, PastRows, PolicyStep
 from services.engine.decode.quest import QuestDecode
 from services.engine.decode.retrieval import HANDOFF_QUERIES, Offload, QueryTap, RetrievalDecode
-from services.engine.decode.retro import PastToken, RetroDecode
+from services.engine.decode.retro import PastToken, RetroDecode, RetroRecords, clear_window
 from services.engine.decode.stats import DecodeStats
 
 # the names services/modes.py's DECODE_POLICIES gives the gateway and the SDK (a test keeps the two equal)
@@ -40,4 +40,5 @@ def policy_for(name: str, **params) -> DecodePolicy:
 
 
 __all__ = ["DENSE", "HANDOFF_QUERIES", "POLICIES", "DecodePolicy", "DecodeStats", "DenseDecode", "Offload", "PastRows", "PastToken",
-           "PolicyStep", "QueryTap", "QuestDecode", "RetrievalDecode", "RetroDecode", "policy_for"]
+           "PolicyStep", "QueryTap", "QuestDecode", "RetrievalDecode", "RetroDecode", "RetroRecords", "clear_window",
+           "policy_for"]

@@ -82,6 +82,14 @@ class PolicyStep:
         """After the step's last layer: what each sequence read (a dense step: every page it sees)."""
         count_dense(self.fwd, self.seqs)
 
+    def stale(self) -> bool:
+        """Whether a graph captured with this step reads buffers that have moved since (its ``load`` just moved
+        them): graphs/decode.py captures it again."""
+        return False
+
+    def captured(self) -> None:
+        """A graph has just captured this step (with the buffers it holds now)."""
+
 
 def count_dense(fwd: Forward, seqs: list[Sequence]) -> None:
     """A dense step's reads in each sequence's stats."""

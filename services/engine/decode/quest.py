@@ -126,6 +126,7 @@ class QuestStep(PolicyStep):
         self.touched = torch.zeros(rows * self.blocks_per_row, dtype=torch.int64, device=fwd.device)
         self.touched_slots = torch.zeros((rows * self.blocks_per_row, fwd.bs), dtype=torch.bool, device=fwd.device)
         self.sel = self.count = self.lse = None
+        self.tally = None   # [rows, 2] pages read and corrected, made after the last layer (``_finish``)
 
     def load(self, seqs) -> None:
         """This step's sequences (at most ``rows``; the rest of the rows are padding with no entries)."""
@@ -143,6 +144,12 @@ class QuestStep(PolicyStep):
                                      for i in range(min(policy.dense_layers, n_layers))) for s in seqs]
 
     def attend(self, layer, q, table, cu_entries):
+        out = self._attend(layer, q, table, cu_entries)
+        if layer == self.fwd.cfg.num_layers - 1 and self.sparse_layers:
+            self._finish()
+        return out
+
+    def _attend(self, layer, q, table, cu_entries):
         fwd, policy = self.fwd, self.policy
         if layer < policy.dense_layers:
             return self.dense_attend(layer, q, table, cu_entries)
@@ -157,15 +164,19 @@ class QuestStep(PolicyStep):
         self.reads[layer - policy.dense_layers] = self.count   # by reference: a graph's replays write it again
         return out
 
-    def corrections(self, n: int) -> torch.Tensor | None:
-        """Pages each of this step's n sequences corrected, int64 [n] on the device (RetroAttention), or None."""
+    def corrections(self) -> torch.Tensor | None:
+        """Pages each row corrected, int64 [rows] on the device (RetroAttention), or None."""
         return None
+
+    def _finish(self) -> None:
+        """After the last layer's attention, within the step (a graph replays it): per row, the pages its sparse
+        layers read and those it corrected, int64 [rows, 2]."""
+        read = torch.stack(self.reads).sum((0, 2), dtype=torch.int64)
+        fixed = self.corrections()
+        self.tally = torch.stack([read, torch.zeros_like(read) if fixed is None else fixed], 1)
 
     def end(self) -> None:
         n = len(self.seqs)
-        read = (torch.stack(self.reads)[:, :n].sum((0, 2), dtype=torch.int64) if self.sparse_layers else
-                torch.zeros(n, dtype=torch.int64, device=self.fwd.device))
-        fixed = self.corrections(n)
-        both = torch.stack([read, read * 0 if fixed is None else fixed], 1).tolist()   # one copy a step
+        both = self.tally[:n].tolist() if self.sparse_layers else [(0, 0)] * n     # one copy a step
         for s, visible, dense, (pages, corrected) in zip(self.seqs, self.visible, self.dense_read, both):
             s.decode_stats.add(visible, dense + pages, corrected)

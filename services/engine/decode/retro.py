@@ -16,6 +16,13 @@ past token's slot in its generated-token block (private to the sequence: shared 
 so later steps read the corrected keys and values. A past token's query stays the one its output was computed
 with (what makes the merge exact); its K/V, and the page bounds of its block, are what the re-embedding changes.
 
+The windows live on the device (``RetroRecords``): a record per token of a window, its query, output, log-sum-exp,
+pages and residual input at every sparse layer. A step reads its past tokens' records and writes this step's tokens'
+records and the past tokens' corrected ones into records it takes anew, all within the step (a decode graph replays
+the gathers and writes with the rest); the host keeps only which record is whose (``PastToken``), and gives the old
+ones back after the step. Reading and writing apart keeps a step idempotent, as a graph's capture needs (it runs the
+step twice).
+
 ``retro_window`` = 1 keeps no past token: Quest.
 """
 
@@ -64,97 +71,198 @@ class RetroDecode(QuestDecode):
         return RetroStep(self, fwd, rows, rows * (self.retro_window - 1), dense)
 
 
+class RetroRecords:
+    """The RetroAttention windows of an engine's sequences of one shape (``sparse_layers``, ``budget_pages``), on the
+    device, a record per token: h [C, hidden] (its residual input to the first sparse layer), q and out [S, C, Hq, D]
+    (its query and, corrected so far, attention output at each sparse layer), lse [S, C, Hq] fp32, sel [S, C, Hkv, K]
+    int64 (the pages its own step read, as entry indices within its sequence, -1 padded) and entries [S, C] int64
+    (its sequence's table entries at its step). Record ``EMPTY`` is what a padded past row reads (no pages, lse
+    -inf) and is never written; ``SINK`` takes padded rows' writes. ``take``/``give`` hand records out on the host;
+    growing moves every tensor (``version`` counts the moves: a graph captured before one captures again)."""
+
+    EMPTY, SINK = 0, 1
+
+    def __init__(self, fwd, sparse_layers: int, budget_pages: int, capacity: int = 64):
+        cfg = fwd.cfg
+        self.dims = (sparse_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, budget_pages, cfg.hidden_size)
+        self.device, self.dtype = fwd.device, fwd.pool.k[0].dtype
+        self.version = 0
+        self.capacity = 0
+        self.free: list[int] = []
+        self._grow(max(capacity, 3))
+
+    def _grow(self, capacity: int) -> None:
+        s, hq, hkv, d, k, hidden = self.dims
+        dev, dt, old = self.device, self.dtype, self.capacity
+        new = {"h": torch.zeros(capacity, hidden, dtype=dt, device=dev),
+               "q": torch.zeros(s, capacity, hq, d, dtype=dt, device=dev),
+               "out": torch.zeros(s, capacity, hq, d, dtype=dt, device=dev),
+               "lse": torch.full((s, capacity, hq), float("-inf"), dtype=torch.float32, device=dev),
+               "sel": torch.full((s, capacity, hkv, k), -1, dtype=torch.int64, device=dev),
+               "entries": torch.zeros(s, capacity, dtype=torch.int64, device=dev)}
+        if old:
+            new["h"][:old] = self.h
+            for name in ("q", "out", "lse", "sel", "entries"):
+                new[name][:, :old] = getattr(self, name)
+            self.version += 1
+        self.h, self.q, self.out, self.lse, self.sel, self.entries = (new[n] for n in ("h", "q", "out", "lse", "sel",
+                                                                                       "entries"))
+        self.free += range(capacity - 1, max(old, self.SINK + 1) - 1, -1)   # popped lowest first
+        self.capacity = capacity
+
+    def take(self, n: int) -> list[int]:
+        """``n`` free records (the tensors grow, doubling, when too few are free)."""
+        if len(self.free) < n:
+            self._grow(max(2 * self.capacity, self.capacity + n - len(self.free)))
+        return [self.free.pop() for _ in range(n)]
+
+    def give(self, records) -> None:
+        """Records no window holds any more (their data is left as it is: a later step overwrites it)."""
+        self.free += records
+
+    @property
+    def held(self) -> int:
+        """Records in windows or taken by a step (the empty and sink records not counted)."""
+        return self.capacity - 2 - len(self.free)
+
+
+def records_for(fwd, sparse_layers: int, budget_pages: int) -> RetroRecords:
+    """The engine's records for windows of this shape, made on first use."""
+    key = (sparse_layers, budget_pages)
+    rec = fwd.retro_records.get(key)
+    if rec is None:
+        rec = fwd.retro_records[key] = RetroRecords(fwd, sparse_layers, budget_pages)
+    return rec
+
+
+def clear_window(seq) -> None:
+    """Forget a sequence's window, its records given back (when it is released or starts decoding anew)."""
+    for token in seq.past:
+        token.records.give([token.record])
+    seq.past.clear()
+
+
 @dataclass(slots=True)
 class PastToken:
-    """One token of a sequence's retro window. pos, block, slot: its position and where its K/V live; entries
-    [S]: how many table entries (pages) its sequence had at each sparse layer at its step; h [hidden]: its residual
-    input to the first sparse layer; q, out [S, Hq, D] and lse [S, Hq] fp32: its query and (corrected) attention at
-    each sparse layer; sel [S, Hkv, K]: the pages (entry indices within its sequence, -1 padded) its step read."""
+    """One token of a sequence's retro window: pos, block, slot (its position, where its K/V live) and the record
+    holding its state (``records``' row ``record``). Its record's fields, per sparse layer, as views: entries [S],
+    h [hidden], q, out [S, Hq, D], lse [S, Hq], sel [S, Hkv, K]."""
 
     pos: int
     block: int
     slot: int
-    entries: torch.Tensor
-    h: torch.Tensor
-    q: torch.Tensor
-    out: torch.Tensor
-    lse: torch.Tensor
-    sel: torch.Tensor
+    record: int
+    records: RetroRecords
+
+    @property
+    def entries(self) -> torch.Tensor:
+        return self.records.entries[:, self.record]
+
+    @property
+    def h(self) -> torch.Tensor:
+        return self.records.h[self.record]
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.records.q[:, self.record]
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self.records.out[:, self.record]
+
+    @property
+    def lse(self) -> torch.Tensor:
+        return self.records.lse[:, self.record]
+
+    @property
+    def sel(self) -> torch.Tensor:
+        return self.records.sel[:, self.record]
 
 
 class RetroStep(QuestStep):
     """A RetroAttention step on fixed buffers (see QuestStep): ``rows`` current sequences and ``past`` past-token
-    rows (a decode graph: rows x (window - 1), the rows a step lacks padded, inert: no entries, writes to the
-    scratch block; the eager step: exactly its batch's)."""
+    rows (a decode graph: rows x (window - 1), the rows a step lacks padded, inert: the empty record, no entries,
+    writes to the scratch block and the sink record; the eager step: exactly its batch's)."""
 
     def __init__(self, policy: RetroDecode, fwd, rows: int, past: int, dense=None):
         self.lookback = policy.retro_window      # the generated tokens whose K this step may write
         super().__init__(policy, fwd, rows, dense)
-        cfg, dev, dtype = fwd.cfg, fwd.device, fwd.pool.k[0].dtype
-        s, hq, hkv, d = self.sparse_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        width = (policy.retro_window - 1) * self.budget_pages
+        self.window = policy.retro_window - 1
         self.first, self.past_cap = policy.dense_layers, past
-        z = lambda *shape, dt=dtype: torch.zeros(shape, dtype=dt, device=dev)   # noqa: E731
-        # the past tokens, flattened over the step's sequences: row r is a past token of sequence seq_of[r], with
-        # its outputs as the step found them (a step never writes these, so that running it twice, as a graph's
-        # capture does, gives what running it once does)
-        self.h_p, self.q_p, self.out_in = z(past, cfg.hidden_size), z(s, past, hq, d), z(s, past, hq, d)
-        self.lse_in, self.entries_p = z(s, past, hq, dt=torch.float32), z(s, past, dt=torch.int64)
-        self.seen = z(s, past, hkv, width, dt=torch.int64)      # pages each has seen (entry indices, -1 padded)
-        self.seq_of, self.pos_p, self.block_p, self.slot_p = (z(past, dt=torch.int64) for _ in range(4))
-        # What a step makes, by reference (no copies: in a decode graph, tensors its replays write again): per
-        # sparse layer, this step's tokens' (q, out, lse, pages as entry indices within their sequence, cu) and the
-        # past rows' corrected (out, lse, pages corrected [R, Hkv]); this step's residual input to the first.
-        self.cur: list = [None] * s
-        self.fixed: list = [None] * s
+        self.records = records_for(fwd, self.sparse_layers, self.budget_pages)
+        self.version = self.records.version
+        # what the host says each step, in one copy: per past row its sequence's row, position, block, slot, record
+        # read and record written; per current row the record written; per past row the records whose pages it has
+        # seen (its own and every later token's of its window)
+        w = max(self.window, 1)
+        self.index = torch.zeros(6 * past + rows + past * w, dtype=torch.int64, device=fwd.device)
+        self.seq_of, self.pos_p, self.block_p, self.slot_p, self.past_src, self.past_dst = (
+            self.index[i * past:(i + 1) * past] for i in range(6))
+        self.cur_dst = self.index[6 * past:6 * past + rows]
+        self.seen_src = self.index[6 * past + rows:].view(past, w)
+        # made within the step: the past rows' state (gathered at the first sparse layer), and per sparse layer this
+        # step's tokens' (q, out, lse, pages, cu) and the past rows' corrected (out, lse, pages corrected [R, Hkv])
+        self.h_p = self.q_p = self.out_in = self.lse_in = self.sel_p = self.entries_p = self.seen = None
+        self.cur: list = [None] * self.sparse_layers
+        self.fixed: list = [None] * self.sparse_layers
         self.h_cur = None
-        self.past_tokens: list[PastToken] = []
+        self.taken: list[int] = []
 
     def load(self, seqs) -> None:
         super().load(seqs)
         fwd, bs = self.fwd, self.fwd.bs
         self.where = [(s.next_pos - 1, s.gen_blocks[(s.gen_count - 1) // bs], (s.gen_count - 1) % bs) for s in seqs]
-        past = [(b, j, p) for b, s in enumerate(seqs) for j, p in enumerate(s.past)]
-        self.past_tokens = [p for _, _, p in past]
-        n, cap = len(past), self.past_cap
+        past = [(s, j, p) for s in seqs for j, p in enumerate(s.past)]
+        n, cap, rows = len(past), self.past_cap, self.rows_cap
         if n > cap:
             raise RuntimeError(f"{n} past tokens for a retro step of {cap} rows")
-        if not cap:
+        if not self.window:
             return
-        dev = fwd.device
-        host = np.zeros((4, cap), dtype=np.int64)               # seq_of, pos, block, slot; padding: scratch block
-        host[2] = fwd.scratch_block
-        for r, (b, _, p) in enumerate(past):
-            host[:, r] = (b, p.pos, p.block, p.slot)
-        for buf, row in zip((self.seq_of, self.pos_p, self.block_p, self.slot_p), host_to_device(host, torch.long,
-                                                                                                  dev)):
-            buf.copy_(row)
-        for buf in (self.h_p, self.q_p, self.out_in, self.entries_p):
-            buf.zero_()
-        self.lse_in.fill_(float("-inf"))
-        self.seen.fill_(-1)
-        if not n:
-            return
-        tokens = self.past_tokens
-        self.h_p[:n] = torch.stack([p.h for p in tokens])
-        self.q_p[:, :n] = torch.stack([p.q for p in tokens], 1)
-        self.out_in[:, :n] = torch.stack([p.out for p in tokens], 1)
-        self.lse_in[:, :n] = torch.stack([p.lse for p in tokens], 1)
-        self.entries_p[:, :n] = torch.stack([p.entries for p in tokens], 1)
-        # what each past query has seen: its own step's pages and every later step's
-        for r, (b, j, _) in enumerate(past):
-            own = torch.cat([t.sel for t in seqs[b].past[j:]], -1)             # [S, Hkv, m*K]
-            self.seen[:, r, :, :own.shape[-1]] = own
+        self.taken = self.records.take(len(seqs) + n)
+        w = max(self.window, 1)
+        host = np.zeros(len(self.index), dtype=np.int64)
+        cols = host[:6 * cap].reshape(6, cap)        # seq_of, pos, block, slot, src, dst; padding: inert rows
+        cols[2], cols[4], cols[5] = fwd.scratch_block, RetroRecords.EMPTY, RetroRecords.SINK
+        cur = host[6 * cap:6 * cap + rows]
+        cur[:] = RetroRecords.SINK
+        cur[:len(seqs)] = self.taken[:len(seqs)]
+        seen = host[6 * cap + rows:].reshape(cap, w)
+        seen[:] = RetroRecords.EMPTY
+        row_of = {id(s): b for b, s in enumerate(seqs)}
+        for r, (s, j, p) in enumerate(past):
+            cols[:, r] = (row_of[id(s)], p.pos, p.block, p.slot, p.record, self.taken[len(seqs) + r])
+            later = s.past[j:]
+            seen[r, :len(later)] = [t.record for t in later]
+        self.index.copy_(host_to_device(host, torch.long, fwd.device))   # in place: a graph reads this very buffer
 
-    def attend(self, layer, q, table, cu_entries):
-        out = super().attend(layer, q, table, cu_entries)
+    def stale(self) -> bool:
+        return self.records.version != self.version
+
+    def captured(self) -> None:
+        self.version = self.records.version
+
+    def _attend(self, layer, q, table, cu_entries):
+        out = super()._attend(layer, q, table, cu_entries)
         if layer < self.first:
             return out
         i = layer - self.first
+        if i == 0 and self.past_cap:
+            self._gather()
         self.cur[i] = (q, out, self.lse, self.sel, cu_entries)
         if self.past_cap:
             self.fixed[i] = self._correct(i, table, cu_entries)
         return out
+
+    def _gather(self) -> None:
+        """The past rows' records (within the step: a graph gathers them at every replay)."""
+        rec, src = self.records, self.past_src
+        s, _, hkv, _, k, _ = rec.dims
+        self.h_p = rec.h.index_select(0, src)
+        self.q_p, self.out_in, self.lse_in, self.sel_p, self.entries_p = (
+            t.index_select(1, src) for t in (rec.q, rec.out, rec.lse, rec.sel, rec.entries))
+        r, w = self.seen_src.shape
+        self.seen = (rec.sel.index_select(1, self.seen_src.reshape(-1)).view(s, r, w, hkv, k).transpose(2, 3)
+                     .reshape(s, r, hkv, w * k))
 
     def _correct(self, i: int, table, cu: torch.Tensor):
         """Past rows' attention at sparse layer i: their output merged with what they get from this step's pages
@@ -178,36 +286,54 @@ class RetroStep(QuestStep):
     def attend_past(self, layer, table, cu_entries):
         return self.fixed[layer - self.first][0]
 
-    def corrections(self, n):
+    def corrections(self) -> torch.Tensor | None:
         if not self.past_cap:
             return None
         per_row = torch.stack([f[2] for f in self.fixed]).sum((0, 2), dtype=torch.int64)      # [R]
-        return torch.zeros(max(n, 1), dtype=torch.int64, device=per_row.device).index_add_(0, self.seq_of,
-                                                                                         per_row)[:n]
+        return torch.zeros(self.rows_cap, dtype=torch.int64, device=per_row.device).index_add_(0, self.seq_of,
+                                                                                              per_row)
+
+    def _finish(self) -> None:
+        super()._finish()
+        if self.window:
+            self._write()
+
+    def _write(self) -> None:
+        """This step's tokens' records and the past tokens' corrected ones, each into the record the host took for
+        it (within the step: a graph writes them at every replay, and a replay reads none of them)."""
+        rec, dst = self.records, self.cur_dst
+        q, out, lse, sel = (torch.stack([c[k] for c in self.cur]) for k in range(4))   # [S, rows, ...]
+        cu = torch.stack([c[4] for c in self.cur]).long()                              # [S, rows + 1]
+        rows = q.shape[1]
+        sel = torch.where(sel >= 0, sel.long() - cu[:, :rows, None, None], -1)   # entry indices within the sequence
+        for t, v in ((rec.q, q), (rec.out, out), (rec.lse, lse), (rec.sel, sel), (rec.entries, cu[:, 1:] - cu[:, :-1])):
+            t.index_copy_(1, dst, v)
+        rec.h.index_copy_(0, dst, self.h_cur)
+        if self.past_cap:
+            dst = self.past_dst
+            out_p, lse_p = (torch.stack([f[k] for f in self.fixed]) for k in range(2))
+            for t, v in ((rec.q, self.q_p), (rec.out, out_p), (rec.lse, lse_p), (rec.sel, self.sel_p),
+                         (rec.entries, self.entries_p)):
+                t.index_copy_(1, dst, v)
+            rec.h.index_copy_(0, dst, self.h_p)
 
     def end(self) -> None:
-        window = self.policy.retro_window - 1
-        if window:
-            self._push(window)
-        super().end()   # the stats: a copy to the host, which waits for the device while it makes the records
+        if self.window:
+            self._advance()
+        super().end()   # the stats: a copy to the host, which waits for the device
 
-    def _push(self, window: int) -> None:
-        """This step's tokens into their sequences' windows (the oldest out), the past tokens' corrected outputs
-        into their records."""
-        n = len(self.seqs)
-        # new tensors (stacks): what the records keep must outlive the buffers a decode graph's next replay writes.
-        # A stack a kind over all sparse layers, then one slice and one unbind: a few calls a step, not a few a
-        # layer and a sequence (each call is a turn of the interpreter lock a decode worker's threads share)
-        q, out, lse, sel = (torch.stack([c[k] for c in self.cur], 1)[:n] for k in range(4))   # [n, S, ...]
-        cu = torch.stack([c[4] for c in self.cur], 1).long()                                   # [b + 1, S]
-        entries, h = (cu[1:] - cu[:-1])[:n], self.h_cur[:n].clone()
-        sel = torch.where(sel >= 0, sel.long() - cu[:n, :, None, None], -1)   # entry indices within the sequence
-        if self.past_tokens:
-            m = len(self.past_tokens)
-            out_p, lse_p = (torch.stack([f[k] for f in self.fixed], 1)[:m].unbind(0) for k in range(2))  # m x [S, ...]
-            for token, o, l in zip(self.past_tokens, out_p, lse_p):   # the corrected outputs back into their records
-                token.out, token.lse = o, l
-        rows = zip(*(t.unbind(0) for t in (entries, h, q, out, lse, sel)))
-        for s, (pos, block, slot), row in zip(self.seqs, self.where, rows):
-            s.past.append(PastToken(pos, block, slot, *row))
-            del s.past[:-window]
+    def _advance(self) -> None:
+        """On the host: each past token now lives in its corrected record, this step's tokens join their windows
+        (the oldest out), and the records no window holds are given back."""
+        rec, seqs = self.records, self.seqs
+        cur, fixed = self.taken[:len(seqs)], iter(self.taken[len(seqs):])
+        old = []
+        for s, (pos, block, slot), record in zip(seqs, self.where, cur):
+            for token in s.past:
+                old.append(token.record)
+                token.record = next(fixed)
+            s.past.append(PastToken(pos, block, slot, record, rec))
+            old += [t.record for t in s.past[:-self.window]]
+            del s.past[:-self.window]
+        rec.give(old)
+        self.taken = []

@@ -240,9 +240,13 @@ class DecodeGraph:
         if self.out.device.type != "cuda":
             self._body()
         else:
+            if self.graph is not None and self.step is not None and self.step.stale():
+                self.graph = None     # the step's buffers moved (RetroAttention's records grew): captured again
             if self.graph is None:
                 self.graph = capture(self._body, self.graph_pool)   # the step's writes are idempotent
                 self.kernel_options = current()  # what its launches were captured with (kernels/options.py)
+                if self.step is not None:
+                    self.step.captured()
             self.graph.replay()
         if self.step is not None:
             self.step.end()

@@ -119,7 +119,6 @@ def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool
             seqs.append(seq)
         for policy in policies:
             for seq in seqs:
-                seq.past.clear()
                 eng.start_decode(seq, policy)
             for b in batches:
                 progress(f"warm-up: {policy.name} decode steps of {b} sequence(s) over {n} tokens")

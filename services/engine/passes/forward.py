@@ -67,6 +67,7 @@ class Forward:
         self.id_tails = None  # ratio-0 reuse passes' tails, made on first use (reuse_tail.py)
         self.blend_tails = None  # ratio > 0 reuse passes' whole-pass graphs, likewise (blend_tail.py)
         self.decode_graphs = None  # decode steps' graphs per batch bucket, likewise (graphs/decode.py)
+        self.retro_records: dict = {}  # RetroAttention's windows on the device by shape (decode/retro.py RetroRecords)
         # while a request's own pass runs for a retrieval decode: its queries are kept (decode/retrieval.py QueryTap)
         self.query_tap = None
         self.indexes = None  # offloaded K/V and their indexes (services/index/heads.py IndexSet), made on first use

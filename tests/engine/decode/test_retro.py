@@ -180,3 +180,43 @@ def test_a_decode_graphs_step_equals_the_eager_step(tiny_dir, decode):
     assert stats[1] == stats[0] and all(s["pages_read"] < s["pages_visible"] for s in stats[0])
     if decode == "retro":
         assert all(s["pages_corrected"] > 0 for s in stats[0])
+
+
+def test_windows_live_in_device_records_that_grow_and_are_given_back(tiny_dir):
+    """The windows' records (RetroRecords): a step's tokens and corrected past tokens go to records taken anew and the
+    old ones come back, so the records held are the windows' tokens; records too few for a step grow (every tensor
+    moved, a graph captured before capturing again) and the sequences decode as with records to spare; a released
+    sequence gives its records back."""
+    from services.engine.decode import RetroRecords
+
+    params = dict(budget_tokens=32, dense_layers=1, retro_window=6)
+    requests = [random_request(80 + i, lengths=(30, 41 + i), suffix_len=3) for i in range(3)]
+    tokens = [5, 9, 2, 7, 3, 8, 1, 4]
+    out = []
+    for capacity in (3, 4096):
+        eng = Engine.load(tiny_dir)
+        policy = eng.decode_policy("retro", **params)
+        key = (eng.cfg.num_layers - policy.dense_layers, policy.budget_tokens // eng.block_size)
+        rec = eng.forward.retro_records[key] = RetroRecords(eng.forward, *key, capacity=capacity)
+        step = policy.graph_step(eng.forward, 4, None)
+        seqs = []
+        for request in requests:
+            _, h = eng.prefill_handoff(*request)
+            seqs.append(eng.import_handoff(h, decode=policy))
+        logits = []
+        for t in tokens:
+            logits.append(eng.decode_step(seqs, [t] * len(seqs)))
+            assert rec.held == sum(len(s.past) for s in seqs) and all(len(s.past) <= 5 for s in seqs)
+        out.append(torch.stack(logits))
+        assert step.stale() == (capacity == 3) and rec.capacity >= 2 + 3 * (5 + 6)
+        step.captured()
+        assert not step.stale()
+        assert len({t.record for s in seqs for t in s.past}) == rec.held        # no record is two tokens'
+        assert RetroRecords.EMPTY not in {t.record for s in seqs for t in s.past}
+        assert torch.equal(rec.lse[:, RetroRecords.EMPTY], torch.full_like(rec.lse[:, 0], float("-inf")))
+        eng.release(seqs[0])
+        assert rec.held == sum(len(s.past) for s in seqs[1:]) and not seqs[0].past
+        for seq in seqs[1:]:
+            eng.release(seq)
+        assert rec.held == 0
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
