@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.decode.decode import hbm_floor_seconds  # noqa: E402
+from bench.decode.decode import hbm_floor_seconds, rewind  # noqa: E402
 from bench.decode.profiling import profile_calls  # noqa: E402
 from bench.decode.sparse import CHUNK, commit_of, random_engine  # noqa: E402
 from services.engine.decode import QueryTap, RetrievalDecode  # noqa: E402
@@ -101,6 +101,20 @@ def profile_steps(eng, seq, tok: int, steps: int) -> dict:
         cur = eng.decode_step([seq], cur).argmax(-1).tolist()
 
     return profile_calls(step, steps)
+
+
+def graphs_against_eager(eng, seq, tok: int, steps: int = 4) -> dict:
+    """The same ``steps`` steps (the same token fed at each) with the work between attentions replayed as graphs
+    (graphs/layers.py) and run eagerly, from the same start: the largest logit difference."""
+    mark = [(seq.gen_count, seq.next_pos, len(seq.gen_blocks))]
+    runs = []
+    for graphs in (True, False):
+        rewind(eng, [seq], mark)
+        eng.forward.static_tails = graphs
+        runs.append(torch.stack([eng.decode_step([seq], [tok]).float() for _ in range(steps)]))
+    eng.forward.static_tails = True
+    return {"steps": steps, "max_abs_logit_diff": float((runs[0] - runs[1]).abs().max()),
+            "logit_scale": float(runs[1].abs().max())}
 
 
 def timed_start(eng, context: int, policy, chunk_indexes: bool, distinct: int):
@@ -180,8 +194,16 @@ def main() -> int:
             for name in variants:
                 seq, tok, start_s, build_s = timed_start(eng, context, policy, name != "per_request", args.distinct)
                 samples, cpu = time_steps(eng, seq, tok, args.steps)
+                eng.forward.static_tails = False        # the same sequence's steps with no graph at all (the peer)
+                try:
+                    eager, eager_cpu = time_steps(eng, seq, tok, args.steps)
+                finally:
+                    eng.forward.static_tails = True
+                check = graphs_against_eager(eng, seq, tok)
                 st = seq.decode_stats
                 row[name] = {"ms": statistics.median(samples) * 1e3,
+                             "eager_ms": statistics.median(eager) * 1e3, "eager_cpu_ms_per_step": eager_cpu * 1e3,
+                             "graphs_against_eager": check,
                              "p90_ms": sorted(samples)[int(0.9 * (len(samples) - 1))] * 1e3,
                              "cpu_ms_per_step": cpu * 1e3, "start_seconds": start_s,
                              "build_seconds_after_start": build_s,
@@ -193,6 +215,8 @@ def main() -> int:
                                                     if eng.forward.chunk_indexes is not None else None)}
                 if args.profile:
                     row[name]["profile"] = profile_steps(eng, seq, tok, 2)
+                print(f"  {name}: eager {row[name]['eager_ms']:.2f} ms/token ({eager_cpu * 1e3:.2f} on the CPU); graphs "
+                      f"against eager: |dlogit| {check['max_abs_logit_diff']:.3g}", flush=True)
                 print(f"  {name}: {row[name]['ms']:.2f} ms/token ({cpu * 1e3:.2f} ms of it on the CPU); start "
                       f"{start_s:.1f} s + builds {build_s:.1f} s for {row[name]['offloaded_tokens_per_layer']} keys "
                       f"a layer; {row[name]['keys_scanned_per_step']:.0f} keys scanned a step", flush=True)

@@ -23,6 +23,7 @@ class DecodePolicy:
 
     name: str = "base"
     replays_graph: bool = False
+    layer_graphs: bool = False   # a step's work between its attentions may replay as graphs (graphs/layers.py)
     taps_queries: bool = False   # whether ``prepare`` reads the prefill pass's queries (Sequence.prefill_queries)
 
     def check(self, block_size: int, num_layers: int) -> None:

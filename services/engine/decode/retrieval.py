@@ -75,6 +75,7 @@ class RetrievalDecode(DecodePolicy):
     window_tokens: int = 512
     name = "retrieval"
     replays_graph = False     # a step waits for the host at every layer
+    layer_graphs = True       # what lies between those waits replays as graphs
 
     @property
     def taps_queries(self) -> bool:

@@ -67,6 +67,7 @@ class Forward:
         self.id_tails = None  # ratio-0 reuse passes' tails, made on first use (reuse_tail.py)
         self.blend_tails = None  # ratio > 0 reuse passes' whole-pass graphs, likewise (blend_tail.py)
         self.decode_graphs = None  # decode steps' graphs per batch bucket, likewise (graphs/decode.py)
+        self.layer_graphs = None  # graphs between a step's attentions, when they wait for the host (graphs/layers.py)
         self.retro_records: dict = {}  # RetroAttention's windows on the device by shape (decode/retro.py RetroRecords)
         # while a request's own pass runs for a retrieval decode: its queries are kept (decode/retrieval.py QueryTap)
         self.query_tap = None
@@ -468,29 +469,46 @@ class Forward:
             logits = self.decode_graphs.run(seqs, tokens, blocks, slots, positions)
             if logits is not None:
                 return logits
-        block = host_to_device(blocks, torch.long, dev)
-        slot = host_to_device(slots, torch.long, dev)
-        pos = host_to_device(positions, torch.long, dev)
-        self.pool.slot_pos[block, slot] = pos.to(torch.int32)
         gen_tables = [BlockTable.for_run(s.gen_blocks, s.gen_count, bs, 0, dev) for s in seqs]
-        h = self.model.embed(host_to_device(tokens, torch.long, dev))
         # the batch grouped by decode policy once a step (one group, every row, when it has one policy), each
         # group's part of the step begun once
         groups = self._policy_groups(seqs, dev)
         steps = [policy.begin(self, [seqs[i] for i in rows]) for policy, rows, _ in groups]
         n = len(seqs)
-        joined: list[tuple[int, PolicyStep]] = []   # (group, step) whose past rows follow the batch's, in order
         # Layers share table objects (one or two distinct per sequence), so each group's batch table and its
         # bounds are built once per distinct combination: the same tensors at every layer let the
         # kernels reuse their packed metadata (one validation and packing per combination, not per layer).
         batch: dict[tuple, list[tuple[BlockTable, torch.Tensor]]] = {}
-        for layer in range(self.cfg.num_layers):
-            q, _, _ = self.model.attention_inputs(layer, h, pos, write=self.pool.at(layer, block, slot))
+
+        def tables_at(layer: int) -> list[tuple[BlockTable, torch.Tensor]]:
             key = tuple(id(s.layer_tables[layer]) for s in seqs)
             if key not in batch:
                 batch[key] = [self._step_table(layer, [seqs[i] for i in rows], [gen_tables[i] for i in rows], dev)
                               for _, rows, _ in groups]
-            tables = batch[key]
+            return batch[key]
+
+        # a policy whose attention waits for the host (retrieval): the rest of each layer replayed as graphs
+        if self.static_tails and len(groups) == 1 and groups[0][0].layer_graphs:
+            if self.layer_graphs is None:
+                from services.engine.graphs.layers import LayerGraphs
+
+                self.layer_graphs = LayerGraphs(self)
+            logits = self.layer_graphs.run(tokens, positions, blocks, slots,
+                                           lambda layer, q: self._decode_attend(layer, q, steps, groups,
+                                                                                tables_at(layer)))
+            if logits is not None:
+                for st in steps:
+                    st.end()
+                return logits
+        block = host_to_device(blocks, torch.long, dev)
+        slot = host_to_device(slots, torch.long, dev)
+        pos = host_to_device(positions, torch.long, dev)
+        self.pool.slot_pos[block, slot] = pos.to(torch.int32)
+        h = self.model.embed(host_to_device(tokens, torch.long, dev))
+        joined: list[tuple[int, PolicyStep]] = []   # (group, step) whose past rows follow the batch's, in order
+        for layer in range(self.cfg.num_layers):
+            q, _, _ = self.model.attention_inputs(layer, h, pos, write=self.pool.at(layer, block, slot))
+            tables = tables_at(layer)
             attn = self._decode_attend(layer, q[:n] if joined else q, steps, groups, tables)
             if joined:   # past rows (RetroAttention) re-embedding: their attention here, after the current rows'
                 attn = torch.cat([attn] + [st.attend_past(layer, *tables[g]) for g, st in joined])

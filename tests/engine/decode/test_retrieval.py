@@ -262,3 +262,36 @@ def test_retrieving_nothing_attends_the_static_set_alone(tiny_dir):
         eng.release(s)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, dense, rtol=1e-3, atol=1e-3)     # what was left out mattered
+
+
+def test_layer_graphs_step_as_the_eager_step_does(tiny_dir):
+    """With static tails on, a retrieval batch's work between its attentions runs as a graph a layer
+    (graphs/layers.py; on the CPU the same bodies run eagerly on their fixed, padded buffers): logits and stats as the
+    eager step's, batch after batch (3 sequences in a bucket of 4); a dense row in the batch takes the eager step; a
+    token outside the vocabulary is refused with nothing written."""
+    reqs = [random_request(90 + i, lengths=(34 + 5 * i, 28), suffix_len=4) for i in range(3)]
+    policy = RetrievalDecode(retrieval_k=6, **SMALL)
+    out, stats, engines = [], [], []
+    for static in (False, True):
+        eng = Engine.load(tiny_dir, static_tails=static)
+        seqs = [eng.prefill_sequence(c, s, decode=policy, extra_tokens=6)[1] for c, s in reqs]
+        out.append(torch.stack([eng.decode_step(seqs, [t, t + 1, t + 2]) for t in (3, 8, 5, 1)]))
+        stats.append([{k: v for k, v in s.decode_stats.as_dict().items() if k != "retrieval_seconds"} for s in seqs])
+        engines.append((eng, seqs))
+    eager, graphs = engines
+    assert eager[0].forward.layer_graphs is None and graphs[0].forward.layer_graphs.steps == 4
+    assert list(graphs[0].forward.layer_graphs.sets) == [4]
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
+    assert stats[1] == stats[0] and all(s["keys_scanned"] > 0 for s in stats[0])
+    eng, seqs = graphs
+    before = [(s.gen_count, s.next_pos) for s in seqs]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.forward.layer_graphs.run([1, eng.cfg.vocab_size], [0, 0], [0, 0], [0, 0], None)
+    assert [(s.gen_count, s.next_pos) for s in seqs] == before and graphs[0].forward.layer_graphs.steps == 4
+    dense_chunks, dense_suffix = random_request(99, lengths=(30,), suffix_len=3)
+    _, dense = eng.prefill_sequence(dense_chunks, dense_suffix, decode=DENSE, extra_tokens=2)
+    eng.decode_step(seqs + [dense], [2, 2, 2, 2])          # two policies: the eager step
+    assert eng.forward.layer_graphs.steps == 4
+    for e, ss in engines:
+        for s in ss + ([dense] if e is eng else []):
+            e.release(s)
