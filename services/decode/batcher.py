@@ -99,6 +99,9 @@ class Batcher:
         self.on_fatal = on_fatal              # called once, from the engine thread, when it stops for good
         self.name = name                      # in the errors callers see
         self.failure: BaseException | None = None   # why the thread stopped for good
+        # set (under the lock) once the thread has stopped for good: what a job submitted after is failed with
+        self._closing = threading.Lock()
+        self._closed: RequestError | None = None
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._thread.start()
 
@@ -112,13 +115,26 @@ class Batcher:
         return self._thread.is_alive() and self.failure is None
 
     def submit(self, job: DecodeJob) -> None:
-        self._inbox.put(job)
+        """Queue a hand-off for the engine thread; once that thread has stopped for good, fail it at once (it would
+        wait for nobody)."""
+        self._put(job)
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run ``fn`` on the engine thread between steps."""
         fut: Future = Future()
-        self._inbox.put((fn, fut))
+        self._put((fn, fut))
         return fut
+
+    def _put(self, item) -> None:
+        with self._closing:
+            if self._closed is None:
+                self._inbox.put(item)
+                return
+            err = self._closed
+        if isinstance(item, tuple):
+            item[1].set_exception(RuntimeError(err.message))
+        else:
+            _quietly(item.emit, [], None, err)
 
     def stop(self) -> None:
         self._stop.set()
@@ -161,10 +177,12 @@ class Batcher:
             self._step()
 
     def _fail_all(self, err: RequestError) -> None:
-        """Fail every live and waiting job (the loop is stopping for good)."""
+        """Fail every live and waiting job (the loop is stopping for good), and every job submitted from now on."""
         for lv in self._live:
             _quietly(lv.job.emit, [], None, err)
         self._live = []
+        with self._closing:
+            self._closed = err
         while True:
             try:
                 item = self._inbox.get_nowait()

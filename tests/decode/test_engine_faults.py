@@ -155,6 +155,11 @@ def test_a_broken_device_stops_the_loop_for_good_and_says_so():
         assert fatal.wait(10)
         assert not batcher.alive
         assert all(o.done.wait(10) and o.error is not None and o.error.kind == "internal" for o in outs)
+        late, late_out = _job("late", 4)          # a hand-off arriving after the loop stopped: failed at once
+        batcher.submit(late)
+        assert late_out.done.is_set() and late_out.error is not None and late_out.error.kind == "internal"
+        with pytest.raises(RuntimeError, match="engine loop"):
+            batcher.call(lambda: 1).result(0)
     finally:
         batcher.stop()
 
