@@ -49,7 +49,7 @@ from kernels.lse_merge import merge_attention
 from kernels.rope import rope_cos_sin, rotate
 from services.checks import check_int
 from services.engine.decode.policy import DecodePolicy, PolicyStep
-from services.engine.kv.block_table import BlockTable
+from services.engine.kv.block_table import BlockTable, host_to_device
 
 # NOTE: the prefill queries kept per layer for the index (evenly strided over each tapped call): every query of
 # an 8B-shaped model at 128K would be 32 GB; RoarGraph-style graphs need a sample of the query distribution only
@@ -436,27 +436,33 @@ class RetrievalStep(PolicyStep):
         self.static_read = [0] * n
         self.visible = [s.decode_stats.visible(s, fwd.cfg.num_layers, fwd.cfg.num_kv_heads) for s in seqs]
         self.owners = [s.offload.owner for s in seqs]
+        self._selections: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}   # by the rows' entry counts
         for s in seqs:            # a sequence whose indexes are still being built is waited for (and its error raised)
             s.offload.build.result()
 
     def _selection(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every entry of each row at ``layer`` (its static table's, then its generated blocks), as the sparse
         attention's sel [B, Hkv, K] int32 and count [B, Hkv] int32 (which also gives the log-sum-exp the merge
-        needs)."""
+        needs). Made once a step for the layers whose tables hold as many entries (most share one table), and sent
+        in one asynchronous copy."""
         hkv = self.fwd.cfg.num_kv_heads
-        rows, base = [], 0
-        for s in self.seqs:   # global entry indices: each row's entries follow the rows before it (_step_table)
-            n = s.layer_tables[layer].num_entries + len(s.gen_blocks)
-            rows.append(np.arange(base, base + n))
-            base += n
-        width = max(1, max(len(r) for r in rows))
-        sel = np.full((len(rows), hkv, width), -1, np.int32)
-        for i, r in enumerate(rows):
-            sel[i, :, :len(r)] = r
-            self.static_read[i] += hkv * len(r)
-        count = np.array([[len(r)] * hkv for r in rows], np.int32)
-        dev = self.fwd.device
-        return torch.from_numpy(sel).to(dev), torch.from_numpy(count).to(dev)
+        lengths = tuple(s.layer_tables[layer].num_entries + len(s.gen_blocks) for s in self.seqs)
+        for i, n in enumerate(lengths):
+            self.static_read[i] += hkv * n
+        made = self._selections.get(lengths)
+        if made is None:
+            rows, width = len(lengths), max(1, max(lengths))
+            host = np.full(rows * hkv * (width + 1), -1, np.int32)         # sel [B, Hkv, K], then count [B, Hkv]
+            sel, count = host[:rows * hkv * width].reshape(rows, hkv, width), host[rows * hkv * width:]
+            base = 0
+            for i, n in enumerate(lengths):   # global entry indices: each row's entries follow the rows before it
+                sel[i, :, :n] = np.arange(base, base + n)
+                count[i * hkv:(i + 1) * hkv] = n
+                base += n
+            both = host_to_device(host, torch.int32, self.fwd.device)
+            made = self._selections[lengths] = (both[:rows * hkv * width].view(rows, hkv, width),
+                                                both[rows * hkv * width:].view(rows, hkv))
+        return made
 
     def attend(self, layer, q, table, cu_entries):
         if not self.policy.retrieval_k:

@@ -540,8 +540,8 @@ class Forward:
     def _step_table(layer: int, seqs: list[Sequence], gen_tables: list[BlockTable], dev):
         """(one table of the sequences' entries at ``layer`` then their generated tokens, int32 cu bounds)."""
         per_seq = [BlockTable.cat([s.layer_tables[layer], g]) for s, g in zip(seqs, gen_tables)]
-        cu = torch.tensor([0] + [t.num_entries for t in per_seq], dtype=torch.int64).cumsum(0)
-        return BlockTable.cat(per_seq), cu.to(device=dev, dtype=torch.int32)
+        cu = np.cumsum([0] + [t.num_entries for t in per_seq])
+        return BlockTable.cat(per_seq), host_to_device(cu, torch.int32, dev)   # pinned, asynchronous
 
     def _decode_attend(self, layer: int, q: torch.Tensor, steps: list[PolicyStep], groups, tables):
         """A step's attention at one layer, each sequence through its decode policy (services/engine/decode): one
