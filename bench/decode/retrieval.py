@@ -145,6 +145,9 @@ def main() -> int:
                     help="at most this many of a KV head's request queries repair a composition of chunk graphs "
                          "(IndexSet; default: all of them, 8,192 a KV head): the repair is most of a long context's "
                          "wait before its first step")
+    ap.add_argument("--no-scan", action="store_true",
+                    help="never scan a head whole (IndexSet(scan_share=None)): its graph searches only, the peer of "
+                         "the scans that heads whose graph searches read widely take (services/index/_scan.py)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile two retrieval steps a variant (torch.profiler): the host's and the GPU's time "
                          "by op, a step's GPU busy time")
@@ -154,15 +157,17 @@ def main() -> int:
     eng, cfg, weight_bytes = random_engine(args.layers, args.kv_gib)
     floor_per_byte = hbm_floor_seconds(1 << 30) / (1 << 30)
     commit = commit_of()
-    from services.index.heads import IndexSet
+    from services.index.heads import SCAN_SHARE, IndexSet
 
-    eng.forward.indexes = IndexSet(threads=len(os.sched_getaffinity(0)), repair_queries=args.repair_queries)
+    eng.forward.indexes = IndexSet(threads=len(os.sched_getaffinity(0)), repair_queries=args.repair_queries,
+                                   scan_share=None if args.no_scan else SCAN_SHARE)
     eng.forward.options = dataclasses.replace(eng.forward.options, index_threads=len(os.sched_getaffinity(0)))
     per_request = {int(c) for c in args.per_request.split(",") if c}
     results = {"device": torch.cuda.get_device_name(), "cpu_cores": os.cpu_count(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "commit": commit, "layers": args.layers, "k": args.k,
                "sink_tokens": args.sink, "window_tokens": args.window, "weight_bytes": weight_bytes,
-               "distinct_chunks": args.distinct or None, "repair_queries": args.repair_queries, "index_threads": len(os.sched_getaffinity(0)),
+               "distinct_chunks": args.distinct or None, "repair_queries": args.repair_queries,
+               "scan_share": None if args.no_scan else SCAN_SHARE, "index_threads": len(os.sched_getaffinity(0)),
                "copy_bandwidth_gb_s": 1e-9 / floor_per_byte, "rows": []}
     print(f"{results['device']}, {results['cpu_cores']} CPU cores: copy bandwidth {1e-9 / floor_per_byte:.0f} GB/s",
           flush=True)

@@ -29,6 +29,13 @@ from services.index.chunks import ChunkIndex
 from services.index.graph import AttentionIndex
 
 
+# NOTE: a head whose graph search read at least this share of its keys (for a query group) is scanned whole instead
+# for its next SCAN_CALLS searches, then searched by its graph once more to see whether that still holds: a scan reads
+# keys in order, ~3x cheaper a key than a graph search's reads at random (services/index/_scan.py), so past about a
+# third of the keys the scan costs less, and it finds the exact top keys (up to the int8 codes' rounding)
+SCAN_SHARE = 0.3
+SCAN_CALLS = 64
+
 # NOTE: a composition's repair with the request's queries, one round: on the longgen model's Q/K (bench/index/README.md)
 # one round gave recall@100 0.910 at 20% of the keys scored in 0.38 s a head, two 0.923 in 0.87 s; the repair is what
 # a request reusing its chunks' indexes waits for before its first step
@@ -57,12 +64,15 @@ class HeadKV:
 
 
 def partial_attention(head: HeadKV, queries: np.ndarray, k: int, scale: float, beam: int | None = None,
-                      group_search: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
+                      group_search: bool = True, scan: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
     """queries float32 [G, D] (the query heads sharing this KV head, rotated in the keys' frame) -> attention over each
     one's top-k retrieved keys: out float32 [G, D], lse float32 [G] (natural log of the summed exp of the scaled
     logits), and the keys the search read. One compiled call: the G heads in one traversal, each key read once for them
     (``AttentionIndex.attend_group``), or with ``group_search=False`` a search a head (``attend``; the keys read summed
-    over the heads)."""
+    over the heads). ``scan``: every key scored instead (``AttentionIndex.scan_group``; the keys read: all of them)."""
+    if scan:
+        out, lse, scanned = head.index.scan_group(queries[None], head.values, k, scale, beam=beam)
+        return out[0], lse[0], int(scanned[0])
     if group_search:
         out, lse, scanned = head.index.attend_group(queries[None], head.values, k, scale, beam=beam)
         return out[0], lse[0], int(scanned[0])
@@ -91,14 +101,20 @@ class IndexSet:
     20% scanned for 0.56x the repair's time). ``group_search``: a KV head's query heads searched in one traversal
     (default; bench/index/README.md: the same recall for fewer keys read a query head) or one search a head."""
 
-    def __init__(self, threads: int = 4, repair_queries: int | None = None, group_search: bool = True):
+    def __init__(self, threads: int = 4, repair_queries: int | None = None, group_search: bool = True,
+                 scan_share: float | None = SCAN_SHARE):
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         if repair_queries is not None and (isinstance(repair_queries, bool) or not isinstance(repair_queries, int)
                                            or repair_queries < 1):
             raise ValueError(f"repair_queries must be an int >= 1, got {repair_queries!r}")
         self.threads = threads
+        if scan_share is not None and not 0 < scan_share <= 1:
+            raise ValueError(f"scan_share must be in (0, 1] or None, got {scan_share!r}")
         self.group_search = bool(group_search)
+        self.scan_share = scan_share
+        # (owner, layer, KV head) -> searches left that scan every key instead of the graph (SCAN_SHARE)
+        self._scans: dict[tuple[str, int, int], int] = {}
         self.composed = COMPOSED if repair_queries is None else replace(COMPOSED, repair_queries=repair_queries)
         self._heads: dict[tuple[str, int], list[HeadKV | None]] = {}
         self._lock = threading.Lock()
@@ -147,6 +163,8 @@ class IndexSet:
             heads = [HeadKV(values[h], index) for h, index in enumerate(self._pool.map(one, range(hkv)))]
         with self._lock:
             self._heads[(owner, layer)] = heads
+            for key in [key for key in self._scans if key[:2] == (owner, layer)]:
+                del self._scans[key]      # what the replaced indexes' searches read says nothing of these
         return sum(h.index_bytes for h in heads if h is not None)
 
     def has(self, owner: str, layer: int) -> bool:
@@ -166,6 +184,8 @@ class IndexSet:
             gone = [key for key in self._heads if key[0] == owner]
             for key in gone:
                 del self._heads[key]
+            for key in [key for key in self._scans if key[0] == owner]:
+                del self._scans[key]
         return len(gone)
 
     def __contains__(self, owner: str) -> bool:
@@ -189,6 +209,7 @@ class IndexSet:
             raise ValueError(f"k must be at least 1, got {k}")
         with self._lock:
             rows = [self._heads.get((o, layer)) for o in owners]
+            scans = {key: left for key, left in self._scans.items() if key[1] == layer}
         for o, heads in zip(owners, rows):
             if heads is None:
                 raise KeyError(f"no offloaded K/V for {o!r} at layer {layer}")
@@ -216,14 +237,32 @@ class IndexSet:
         for i, h, hkv, head in searched:
             g = hq // hkv
             size = -(-g // min(g, pieces))
+            scan = scans.get((owners[i], layer, h), 0) > 0
             for lo in range(h * g, (h + 1) * g, size):
                 rows_q = slice(lo, min(lo + size, (h + 1) * g))
-                jobs.append((i, rows_q, self._pool.submit(partial_attention, head, queries[i, rows_q], k, scale,
-                                                          beam, self.group_search)))
-        for i, rows_q, job in jobs:
+                jobs.append((i, h, head, rows_q, scan, self._pool.submit(
+                    partial_attention, head, queries[i, rows_q], k, scale, beam, self.group_search, scan)))
+        share: dict[tuple[str, int, int], float] = {}    # the largest share of its keys a graph search of a head read
+        for i, h, head, rows_q, scan, job in jobs:
             o, s, n = job.result()
             out[i, rows_q], lse[i, rows_q] = o, s
             scanned[i] += n
+            if not scan:
+                heads_read = 1 if self.group_search else rows_q.stop - rows_q.start
+                key = (owners[i], layer, h)
+                share[key] = max(share.get(key, 0.0), n / (heads_read * head.keys.shape[0]))
+        if self.scan_share is not None:
+            with self._lock:
+                for i, h, _, _, scan, _ in jobs:
+                    key = (owners[i], layer, h)
+                    if (owners[i], layer) not in self._heads:
+                        continue                    # dropped meanwhile
+                    if scan:
+                        self._scans[key] = scans[key] - 1
+                    elif share[key] >= self.scan_share:
+                        self._scans[key] = SCAN_CALLS
+                    else:
+                        self._scans.pop(key, None)
         return Answer(out, lse, scanned, time.perf_counter() - t0)
 
     def close(self) -> None:
