@@ -25,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loadgen.quality.qk_dump import dump_qk          # noqa: E402
 from services.index import AttentionIndex            # noqa: E402
+from services.index._scan import TILE, scan_group   # noqa: E402
+from services.index._search import rescore            # noqa: E402
+from services.index.graph import DEFAULT_BEAM         # noqa: E402
 from services.index.heads import SCAN_SHARE          # noqa: E402
 
 
@@ -34,6 +37,18 @@ def recall(keys, query, ids, k):
     kth = exact[k - 1]
     got = keys[ids[ids >= 0]] @ query
     return float(min(k, int((got >= kth - 1e-4 * abs(kth)).sum())) / k)
+
+
+def scan_ids(index, group, k, beam=DEFAULT_BEAM):
+    """The ids a scan attends for each head of ``group`` [g, D]: its beam by code score, rescored exactly, the top k
+    (what ``scan_attend_group`` does before attending)."""
+    g = group.shape[0]
+    ids, scores = np.empty((g, beam), np.int64), np.empty((g, beam), np.float32)
+    sizes, tile = np.zeros(g, np.int64), np.empty((g, TILE), np.float32)
+    scan_group(index.compact.codes, index.compact.step, group, beam, ids, scores, sizes, tile)
+    for h in range(g):
+        rescore(index.keys, group[h], ids[h], scores[h], sizes[h])
+    return ids[:, :k]
 
 
 def case(index, keys, values, groups, k, reps):
@@ -48,12 +63,8 @@ def case(index, keys, values, groups, k, reps):
                 _, _, scanned = call(groups[b:b + 1], values, k, 0.1)
                 times.append(time.perf_counter() - t0)
                 reads.append(int(scanned[0]))
-        ids_fn = index.search_group if name == "graph" else None
         for b in range(groups.shape[0]):
-            if ids_fn is not None:
-                ids = ids_fn(groups[b:b + 1], k)[0][0]
-            else:       # the scan's ids: the exact top-k up to the codes' rounding, as its attention shows
-                ids = np.stack([np.argsort(-(keys @ q))[:k] for q in groups[b]])
+            ids = index.search_group(groups[b:b + 1], k)[0][0] if name == "graph" else scan_ids(index, groups[b], k)
             recalls += [recall(keys, q, ids[h], k) for h, q in enumerate(groups[b])]
         out[name] = {"ms": statistics.median(times) * 1e3, "keys_read": statistics.mean(reads),
                      "recall": statistics.mean(recalls)}
