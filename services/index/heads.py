@@ -31,8 +31,8 @@ from services.index.graph import AttentionIndex
 
 # NOTE: a head whose graph search read at least this share of its keys (for a query group) is scanned whole instead
 # for its next SCAN_CALLS searches, then searched by its graph once more to see whether that still holds: a scan reads
-# keys in order, ~3x cheaper a key than a graph search's reads at random (services/index/_scan.py), so past about a
-# third of the keys the scan costs less, and it finds the exact top keys (up to the int8 codes' rounding)
+# keys in order, ~2.5x cheaper a key than a graph search's reads at random on one core (services/index/_scan.py), so
+# past about a third of the keys the scan costs no more, and it finds the exact top keys (up to the codes' rounding)
 SCAN_SHARE = 0.3
 SCAN_CALLS = 64
 
