@@ -3,7 +3,7 @@
 Two kinds of keys: random normal ones (as the decode benchmarks' random weights make: nothing for a graph to use),
 and the trained longgen model's post-RoPE Q/K (``loadgen/quality/qk_dump.py``, every (layer, KV head), its held-out
 answer-position queries searched as groups). Per case: ms a group (median over the groups), keys read a group,
-recall@k against the exact top-k (tie-aware), for the graph (``attend_group``) and the scan (``scan_group``); and
+recall@k against the exact top-k (tie-aware), for the graph (``attend_group``) and the scan (``attend_group(scan=True)``); and
 whether ``IndexSet`` would scan that head (its graph search read at least ``heads.SCAN_SHARE`` of the keys).
 
     python3 bench/index/scan.py --random 8192,31680 --prompts 16 --out bench/index/DATE_DEVICE_COMMIT_scan.json
@@ -54,13 +54,13 @@ def scan_ids(index, group, k, beam=DEFAULT_BEAM):
 def case(index, keys, values, groups, k, reps):
     """groups [B, G, D]: per path, ms a group (median), keys read a group (mean), recall@k (mean over heads)."""
     out = {}
-    for name, call in (("graph", index.attend_group), ("scan", index.scan_group)):
-        call(groups[:1], values, k, 0.1)                 # compiled
+    for name, scan in (("graph", False), ("scan", True)):
+        index.attend_group(groups[:1], values, k, 0.1, scan=scan)                 # compiled
         times, reads, recalls = [], [], []
         for _ in range(reps):
             for b in range(groups.shape[0]):
                 t0 = time.perf_counter()
-                _, _, scanned = call(groups[b:b + 1], values, k, 0.1)
+                _, _, scanned = index.attend_group(groups[b:b + 1], values, k, 0.1, scan=scan)
                 times.append(time.perf_counter() - t0)
                 reads.append(int(scanned[0]))
         for b in range(groups.shape[0]):

@@ -78,7 +78,7 @@ def scan_group(codes, step, queries, beam, ids, scores, sizes, tile):
 
 @njit(nogil=True, cache=True)
 def scan_attend_group(codes, step, keys, values, queries, beam, k, scale, out, lse):
-    """Every group of ``queries`` ``[B, g, D]`` scanned (``scan_group``), each head's beam rescored with ``keys`` and
+    """Every group of ``queries`` ``[B, g, D]`` scanned (``attend_group(scan=True)``), each head's beam rescored with ``keys`` and
     its top ``k`` attended: ``out`` float32 ``[B, g, Dv]``, ``lse`` float32 ``[B, g]``. ``beam >= k``."""
     b, g, _ = queries.shape
     ids = np.empty((g, beam), np.int64)

@@ -236,9 +236,11 @@ class AttentionIndex:
         return ids, scanned
 
     def attend_group(self, queries, values: np.ndarray, k: int, scale: float, *, beam: int | None = None,
-                     compact: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     compact: bool = True, scan: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``attend`` for GQA groups, searched as ``search_group`` does: queries ``[B, G, D]`` -> out float32
-        ``[B, G, Dv]``, lse float32 ``[B, G]`` and scanned int64 ``[B]`` (keys read for each group)."""
+        ``[B, G, Dv]``, lse float32 ``[B, G]`` and scanned int64 ``[B]`` (keys read for each group). ``scan``: a
+        whole scan instead of the graph (``_scan``): every key's int8 code scored against each head, each head's best
+        ``beam`` rescored with the exact keys and its top ``k`` attended; scanned is then ``num_keys``."""
         queries, b, g = self._groups(queries)
         values = self._values(values)
         k, beam = self._beam(k, beam)
@@ -247,29 +249,16 @@ class AttentionIndex:
             return out.reshape(b, g, -1), lse.reshape(b, g), np.full(b, self.num_keys, np.int64)
         out = np.empty((b, g, values.shape[1]), np.float32)
         lse = np.empty((b, g), np.float32)
+        if scan:
+            scan_attend_group(self._compact.codes, self._compact.step, self._keys, values, queries, beam, k,
+                              float(scale), out, lse)
+            return out, lse, np.full(b, self.num_keys, np.int64)
         scanned = np.empty(b, np.int64)
         gr = self._graph
         nav, step, keys, exact_nav = self._nav(compact)
         search_attend_group(nav, step, keys, gr.offsets, gr.targets, gr.entries, values, queries, beam, k, exact_nav,
                             float(scale), out, lse, scanned)
         return out, lse, scanned
-
-    def scan_group(self, queries, values: np.ndarray, k: int, scale: float, *, beam: int | None = None,
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``attend_group`` by a whole scan instead of the graph (``_scan``): every key's int8 code scored against
-        each head, each head's best ``beam`` rescored with the exact keys and its top ``k`` attended. Same shapes as
-        ``attend_group``; scanned is ``num_keys`` a group."""
-        queries, b, g = self._groups(queries)
-        values = self._values(values)
-        k, beam = self._beam(k, beam)
-        if b * g == 0 or k >= self.num_keys or beam >= self.num_keys:
-            out, lse, _ = self.attend(queries.reshape(b * g, self.dim), values, k, scale, beam=beam)
-            return out.reshape(b, g, -1), lse.reshape(b, g), np.full(b, self.num_keys, np.int64)
-        out = np.empty((b, g, values.shape[1]), np.float32)
-        lse = np.empty((b, g), np.float32)
-        scan_attend_group(self._compact.codes, self._compact.step, self._keys, values, queries, beam, k, float(scale),
-                          out, lse)
-        return out, lse, np.full(b, self.num_keys, np.int64)
 
     def _groups(self, queries) -> tuple[np.ndarray, int, int]:
         """Queries ``[B, G, D]`` as float32 C-contiguous, checked as ``_matrix`` checks rows, with B and G."""

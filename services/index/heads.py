@@ -69,12 +69,9 @@ def partial_attention(head: HeadKV, queries: np.ndarray, k: int, scale: float, b
     one's top-k retrieved keys: out float32 [G, D], lse float32 [G] (natural log of the summed exp of the scaled
     logits), and the keys the search read. One compiled call: the G heads in one traversal, each key read once for them
     (``AttentionIndex.attend_group``), or with ``group_search=False`` a search a head (``attend``; the keys read summed
-    over the heads). ``scan``: every key scored instead (``AttentionIndex.scan_group``; the keys read: all of them)."""
-    if scan:
-        out, lse, scanned = head.index.scan_group(queries[None], head.values, k, scale, beam=beam)
-        return out[0], lse[0], int(scanned[0])
-    if group_search:
-        out, lse, scanned = head.index.attend_group(queries[None], head.values, k, scale, beam=beam)
+    over the heads). ``scan``: every key scored instead (``attend_group(scan=True)``; the keys read: all of them)."""
+    if group_search or scan:
+        out, lse, scanned = head.index.attend_group(queries[None], head.values, k, scale, beam=beam, scan=scan)
         return out[0], lse[0], int(scanned[0])
     out, lse, scanned = head.index.attend(queries, head.values, k, scale, beam=beam)
     return out, lse, int(scanned.sum())

@@ -1,5 +1,5 @@
-"""A whole scan instead of the graph (services/index/_scan.py, ``AttentionIndex.scan_group``): each head's exact top-k
-keys attended exactly; ``IndexSet`` scans a head whose graph searches read at least ``scan_share`` of its keys, for
+"""A whole scan instead of the graph (services/index/_scan.py, ``AttentionIndex.attend_group(scan=True)``): each
+head's exact top-k keys attended exactly; ``IndexSet`` scans a head whose graph searches read at least ``scan_share`` of its keys, for
 ``SCAN_CALLS`` searches, then asks its graph again; never with ``scan_share=None``; a dropped owner leaves no state."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def random_index():
 def test_a_scan_attends_each_heads_exact_top_k(random_index, g, k, beam):
     index, keys, values = random_index
     q = (1.5 * _normal(3 + g, (2, g, 48))).astype(np.float32)
-    out, lse, scanned = index.scan_group(q, values, k, 0.2, beam=beam)
+    out, lse, scanned = index.attend_group(q, values, k, 0.2, beam=beam, scan=True)
     assert out.shape == (2, g, 40) and lse.shape == (2, g) and scanned.tolist() == [1500, 1500]
     flat = q.reshape(-1, 48)
     top = np.argsort(-(flat @ keys.T), axis=1, kind="stable")[:, :k]          # the exact top-k of every head
@@ -38,14 +38,14 @@ def test_a_scan_attends_each_heads_exact_top_k(random_index, g, k, beam):
     np.testing.assert_allclose(lse.reshape(-1), want_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_scan_group_checks_its_inputs_as_attend_group_does(random_index):
+def test_a_scans_inputs_are_checked_as_a_graph_searchs_are(random_index):
     index, _, values = random_index
     with pytest.raises(ValueError, match="queries"):
-        index.scan_group(np.zeros((2, 48), np.float32), values, 5, 0.2)
+        index.attend_group(np.zeros((2, 48), np.float32), values, 5, 0.2, scan=True)
     with pytest.raises(ValueError, match="values"):
-        index.scan_group(np.zeros((1, 2, 48), np.float32), values[:10], 5, 0.2)
+        index.attend_group(np.zeros((1, 2, 48), np.float32), values[:10], 5, 0.2, scan=True)
     with pytest.raises(ValueError, match="beam"):
-        index.scan_group(np.zeros((1, 2, 48), np.float32), values, 5, 0.2, beam=3)
+        index.attend_group(np.zeros((1, 2, 48), np.float32), values, 5, 0.2, beam=3, scan=True)
 
 
 def test_an_index_set_scans_a_head_its_graph_searches_read_widely_and_asks_the_graph_again(monkeypatch):
