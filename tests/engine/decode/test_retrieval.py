@@ -295,3 +295,38 @@ def test_layer_graphs_step_as_the_eager_step_does(tiny_dir):
     for e, ss in engines:
         for s in ss + ([dense] if e is eng else []):
             e.release(s)
+
+
+def test_a_step_failing_between_layer_graphs_leaves_them_serving(tiny_dir):
+    """The index failing at one layer of a step fails that step (its error raised as it is); the next sequences'
+    steps through the same layer graphs give what the eager step gives."""
+    reqs = [random_request(110 + i, lengths=(38, 30), suffix_len=4) for i in range(2)]
+    policy = RetrievalDecode(retrieval_k=5, **SMALL)
+    eager = Engine.load(tiny_dir)
+    want = []
+    for c, s in reqs[1:]:
+        _, seq = eager.prefill_sequence(c, s, decode=policy, extra_tokens=3)
+        want.append(torch.stack([eager.decode_step([seq], [t])[0] for t in (4, 6)]))
+        eager.release(seq)
+    eng = Engine.load(tiny_dir, static_tails=True)
+    _, broken = eng.prefill_sequence(*reqs[0], decode=policy, extra_tokens=3)
+    index_set = eng.forward.indexes
+    real = index_set.attend
+
+    def failing(layer, *args, **kwargs):
+        if layer == 1:
+            raise RuntimeError("index service lost")
+        return real(layer, *args, **kwargs)
+
+    index_set.attend = failing
+    with pytest.raises(RuntimeError, match="index service lost"):
+        eng.decode_step([broken], [4])
+    index_set.attend = real
+    eng.release(broken)
+    got = []
+    for c, s in reqs[1:]:
+        _, seq = eng.prefill_sequence(c, s, decode=policy, extra_tokens=3)
+        got.append(torch.stack([eng.decode_step([seq], [t])[0] for t in (4, 6)]))
+        eng.release(seq)
+    assert eng.forward.layer_graphs.steps == 2
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
