@@ -109,7 +109,7 @@ class RetrievalDecode(DecodePolicy):
             return
         with off.lock:
             off.cancelled = True
-            if off.finished and fwd.indexes is not None:
+            if off.finished and fwd.indexes is not None and self.retrieval_k:    # retrieving nothing offloads nothing
                 fwd.indexes.drop(off.owner)
 
 

@@ -10,7 +10,8 @@ sequence of its batch: a closed loop of 32 clients saw requests of 9 s end to en
 
 ``warm_decode`` runs two decode steps in every batch bucket up to ``max_batch`` (for each sparse decode policy it
 is given, Quest's and Retro's defaults unless told, then densely: the sparse kernels compile, and the dense graphs,
-captured last, are the ones kept should the graph cache be full), ``warm_prefill`` one
+captured last, are the ones kept should the graph cache be full; then retrieval decode retrieving nothing, whose
+graphs between attentions every retrieval request shares), ``warm_prefill`` one
 prefill per pass a prefill worker runs (every mode; ``tessera`` at ratio 0 and at its recompute ratio). The
 requests are made up: one context of ``context_tokens`` tokens as 512-token chunks (the decode sequences all
 share one chunk, so a batch of 32 costs one context's KV), sized down to what the KV pool and the model's
@@ -76,11 +77,13 @@ def _finish(eng, done: dict, n: int, t0: float) -> dict:
 
 
 def default_sparse_policies(eng) -> list:
-    """Quest's and Retro's default policies, those this engine can serve (a model of few layers may not)."""
+    """Quest's and Retro's default policies, those this engine can serve (a model of few layers may not), and
+    retrieval decode retrieving nothing (the static set alone: it captures the graphs between a retrieval step's
+    attentions, graphs/layers.py, which every retrieval request shares, without an index to search)."""
     out = []
-    for name in ("quest", "retro"):
+    for name, params in (("quest", {}), ("retro", {}), ("retrieval", {"retrieval_k": 0})):
         try:
-            out.append(eng.decode_policy(name))
+            out.append(eng.decode_policy(name, **params))
         except ValueError:
             pass
     return out
@@ -100,7 +103,9 @@ def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool
     done = {"batches": [], "policies": [], "context_tokens": 0, "seconds": 0.0}
     if only_cuda and eng.device.type != "cuda":
         return done
-    policies = [*(default_sparse_policies(eng) if sparse is None else sparse), DENSE]
+    sparse = default_sparse_policies(eng) if sparse is None else sparse
+    # a policy with graphs between its attentions (retrieval) last: its start keeps each sequence's static set alone
+    policies = [*(p for p in sparse if not p.layer_graphs), DENSE, *(p for p in sparse if p.layer_graphs)]
     t0 = time.perf_counter()
     # a batch size in each bucket the batcher can reach (a batch of 3 replays bucket 4's graph; past the
     # largest bucket a step runs eagerly)
@@ -126,6 +131,8 @@ def warm_decode(eng, max_batch: int, context_tokens: int = 4096, only_cuda: bool
                     eng.decode_step(seqs[:b], [1] * b)
                 if policy is DENSE:
                     done["batches"].append(b)
+            if policy.layer_graphs:
+                done["layer_graph_batches"] = list(batches)
             done["policies"].append(policy.name)
     except PoolExhausted as exc:  # a pool too small for the made-up batch: serve without the rest of it
         done["stopped"] = str(exc)

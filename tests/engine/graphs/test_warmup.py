@@ -35,7 +35,8 @@ def test_decode_warm_up_steps_every_bucket_the_batcher_reaches_and_leaves_nothin
     sizes = _spy_steps(eng)
     free = eng.pool.num_free
     done = warm_decode(eng, max_batch, context_tokens=600, only_cuda=False)
-    assert done["batches"] == want and done["policies"] == ["quest", "retro", "dense"]   # the sparse ones first
+    assert done["batches"] == want and done["policies"] == ["quest", "retro", "dense", "retrieval"]   # dense before retrieval
+    assert done["layer_graph_batches"] == want
     assert sizes == [b for _ in done["policies"] for b in want for _ in range(DECODE_STEPS)]
     assert done["context_tokens"] == 600 and done["seconds"] > 0
     assert eng.pool.num_free == free and eng.cache.keys() == []
@@ -123,3 +124,15 @@ def test_a_failing_warm_up_is_logged_and_the_worker_goes_on(caplog):
     assert "tessera-decode-0: warm-up failed" in caplog.text and "no kernel for this GPU" in caplog.text
     done = asyncio.run(warm_up("tessera-prefill-0", lambda: {"passes": [], "stopped": "KV memory exhausted"}))
     assert done["stopped"] == "KV memory exhausted" and "stopped early (KV memory exhausted)" in caplog.text
+
+
+def test_decode_warm_up_makes_the_graphs_between_a_retrieval_steps_attentions():
+    """With static tails on, the warm-up's retrieval decode (retrieving nothing: no index is searched or offloaded
+    to) steps through the layer graphs of every bucket, as a real retrieval request then does, and leaves nothing."""
+    cfg = tiny_config("llama")
+    eng = Engine.from_state_dict(cfg, random_weights(cfg, 0), device="cpu", dtype=torch.float32, static_tails=True)
+    free = eng.pool.num_free
+    done = warm_decode(eng, 3, context_tokens=600, only_cuda=False)
+    assert done["policies"][-1] == "retrieval" and done["layer_graph_batches"] == [1, 2, 3]
+    assert sorted(eng.forward.layer_graphs.sets) == [1, 2, 4] and eng.forward.layer_graphs.steps == 3 * DECODE_STEPS
+    assert eng.forward.indexes is None and eng.pool.num_free == free and eng.cache.keys() == []
