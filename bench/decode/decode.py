@@ -65,6 +65,28 @@ def rewind(eng, seqs, marks) -> None:
         seq.gen_count, seq.next_pos = count, pos
 
 
+def graphs_against_eager(eng, seqs, tokens, marks, steps: int, restart=None) -> dict:
+    """The same ``steps`` steps (``tokens`` fed at each) with the engine's graphs on and then off, each from the
+    start ``marks`` (``rewind``; ``restart()``, if given, after it): the largest logit difference, the logits' scale,
+    and whether the sequences' stats agree (timings left out). The sequences end rewound."""
+    runs = []
+    for graphs in (True, False):
+        rewind(eng, seqs, marks)
+        for s in seqs:
+            s.decode_stats = type(s.decode_stats)()
+        if restart is not None:
+            restart()
+        eng.forward.static_tails = graphs
+        logits = torch.stack([eng.decode_step(seqs, list(tokens)).float() for _ in range(steps)])
+        runs.append((logits, [{k: v for k, v in s.decode_stats.as_dict().items() if k != "retrieval_seconds"}
+                              for s in seqs]))
+    eng.forward.static_tails = True
+    rewind(eng, seqs, marks)
+    (g, g_stats), (e, e_stats) = runs
+    return {"steps": steps, "max_abs_logit_diff": float((g - e).abs().max()), "logit_scale": float(e.abs().max()),
+            "stats_equal": g_stats == e_stats}
+
+
 def run_rows(eng, seqs, tokens, graphs: list[str], steps: int, label: dict) -> list[dict]:
     rows, fwd = [], eng.forward
     toks = list(tokens)

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.decode.decode import hbm_floor_seconds, rewind  # noqa: E402
+from bench.decode.decode import graphs_against_eager, hbm_floor_seconds, rewind  # noqa: E402
 from bench.decode.profiling import profile_calls  # noqa: E402
 from bench.engine.engine import LLAMA3_8B  # noqa: E402
 from kernels import sparse  # noqa: E402
@@ -201,25 +201,6 @@ def attention_rows(eng, seqs, budgets, dense_layers: int) -> list[dict]:
     return rows
 
 
-def graph_vs_eager(eng, seqs, toks, policy, marks, steps: int = 6) -> dict:
-    """The same ``steps`` steps (the same tokens fed at each) replayed as CUDA graphs and run eagerly, from the same
-    start: the largest logit difference, and whether each sequence's stats (pages read and corrected) agree."""
-    fwd, runs = eng.forward, []
-    for graphs in (True, False):
-        rewind(eng, seqs, marks)
-        for s in seqs:
-            s.decode_stats = type(s.decode_stats)()
-            eng.start_decode(s, policy)
-        fwd.static_tails = graphs
-        logits = torch.stack([eng.decode_step(seqs, list(toks)).float() for _ in range(steps)])
-        runs.append((logits, [s.decode_stats.as_dict() for s in seqs]))
-    fwd.static_tails = True
-    rewind(eng, seqs, marks)
-    (g, g_stats), (e, e_stats) = runs
-    return {"steps": steps, "max_abs_logit_diff": float((g - e).abs().max()), "logit_scale": float(e.abs().max()),
-            "stats_equal": g_stats == e_stats}
-
-
 def step_rows(eng, seqs, toks, policies, steps: int, floor_per_byte: float, weight_bytes: int,
               profile: bool = False) -> list[dict]:
     fwd = eng.forward
@@ -263,7 +244,8 @@ def step_rows(eng, seqs, toks, policies, steps: int, floor_per_byte: float, weig
         if profile:
             rows[-1]["profile"] = profile_calls(step, 5)
         if graphs:
-            rows[-1]["graph_vs_eager"] = graph_vs_eager(eng, seqs, toks, policy, marks)
+            rows[-1]["graph_vs_eager"] = graphs_against_eager(
+                eng, seqs, toks, marks, 6, lambda: [eng.start_decode(s, policy) for s in seqs])
         print(f"  step {label:16s} graphs={int(graphs)} {ms:8.2f} ms  floor {floor_bytes * floor_per_byte * 1e3:6.2f} "
               f"ms ({floor_bytes / 2**30:.2f} GiB)  pages {pages:.0f}/{visible}", flush=True)
         if graphs:
