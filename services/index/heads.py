@@ -206,7 +206,10 @@ class IndexSet:
             raise ValueError(f"k must be at least 1, got {k}")
         with self._lock:
             rows = [self._heads.get((o, layer)) for o in owners]
-            scans = {key: left for key, left in self._scans.items() if key[1] == layer}
+            # this call's heads' scan counts alone (the record holds every owner's layers: a scan of it would cost
+            # a batch's owners x layers x heads at every layer)
+            scans = {(o, layer, h): self._scans[(o, layer, h)] for o, heads in zip(owners, rows) if heads is not None
+                     for h in range(len(heads)) if (o, layer, h) in self._scans}
         for o, heads in zip(owners, rows):
             if heads is None:
                 raise KeyError(f"no offloaded K/V for {o!r} at layer {layer}")
