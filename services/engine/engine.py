@@ -369,7 +369,7 @@ class Engine:
     def start_decode(self, seq: Sequence, policy: DecodePolicy) -> None:
         """``seq``'s decode steps attend by ``policy`` from now on: what the policy reads is made ready (a sparse
         policy's page bounds) and its stats start."""
-        clear_window(seq)          # a window of an earlier policy's steps is not this one's
+        clear_window(self.forward, seq)          # a window of an earlier policy's steps is not this one's
         seq.decode = policy
         seq.decode_stats.table_pages = sum(t.num_entries for t in seq.layer_tables)
         policy.prepare(self.forward, seq)
@@ -477,7 +477,7 @@ class Engine:
         for entry in seq.pinned:
             self.cache.release(entry)
         self.pool.free(seq.private_blocks + seq.gen_blocks)
-        clear_window(seq)
+        clear_window(self.forward, seq)
         seq.prefill_queries = None
         seq.decode.release(self.forward, seq)
 

@@ -89,6 +89,9 @@ class RetroRecords:
         self.version = 0
         self.capacity = 0
         self.free: list[int] = []
+        # per sequence (by id), the records a step took for it and has not handed over yet: a step that fails between
+        # load and end leaves them here, and they are given back at its sequence's next step or release
+        self.pending: dict[int, list[int]] = {}
         self._grow(max(capacity, 3))
 
     def _grow(self, capacity: int) -> None:
@@ -120,6 +123,12 @@ class RetroRecords:
         """Records no window holds any more (their data is left as it is: a later step overwrites it)."""
         self.free += records
 
+    def settle(self, seq) -> None:
+        """Give back what a step took for ``seq`` and never handed over (it failed before its end)."""
+        stale = self.pending.pop(id(seq), None)
+        if stale:
+            self.give(stale)
+
     @property
     def held(self) -> int:
         """Records in windows or taken by a step (the empty and sink records not counted)."""
@@ -135,11 +144,14 @@ def records_for(fwd, sparse_layers: int, budget_pages: int) -> RetroRecords:
     return rec
 
 
-def clear_window(seq) -> None:
-    """Forget a sequence's window, its records given back (when it is released or starts decoding anew)."""
+def clear_window(fwd, seq) -> None:
+    """Forget a sequence's window, its records given back, and those a failed step took for it (when it is released
+    or starts decoding anew)."""
     for token in seq.past:
         token.records.give([token.record])
     seq.past.clear()
+    for rec in fwd.retro_records.values():
+        rec.settle(seq)
 
 
 @dataclass(slots=True)
@@ -218,6 +230,8 @@ class RetroStep(QuestStep):
             raise RuntimeError(f"{n} past tokens for a retro step of {cap} rows")
         if not self.window:
             return
+        for s in seqs:
+            self.records.settle(s)
         self.taken = self.records.take(len(seqs) + n)
         w = max(self.window, 1)
         host = np.zeros(len(self.index), dtype=np.int64)
@@ -229,8 +243,11 @@ class RetroStep(QuestStep):
         seen = host[6 * cap + rows:].reshape(cap, w)
         seen[:] = RetroRecords.EMPTY
         row_of = {id(s): b for b, s in enumerate(seqs)}
+        for b, s in enumerate(seqs):
+            self.records.pending[id(s)] = [self.taken[b]]
         for r, (s, j, p) in enumerate(past):
             cols[:, r] = (row_of[id(s)], p.pos, p.block, p.slot, p.record, self.taken[len(seqs) + r])
+            self.records.pending[id(s)].append(self.taken[len(seqs) + r])
             later = s.past[j:]
             seen[r, :len(later)] = [t.record for t in later]
         self.index.copy_(host_to_device(host, torch.long, fwd.device))   # in place: a graph reads this very buffer
@@ -329,6 +346,7 @@ class RetroStep(QuestStep):
         cur, fixed = self.taken[:len(seqs)], iter(self.taken[len(seqs):])
         old = []
         for s, (pos, block, slot), record in zip(seqs, self.where, cur):
+            rec.pending.pop(id(s), None)
             for token in s.past:
                 old.append(token.record)
                 token.record = next(fixed)

@@ -220,3 +220,33 @@ def test_windows_live_in_device_records_that_grow_and_are_given_back(tiny_dir):
             eng.release(seq)
         assert rec.held == 0
     torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
+
+
+def test_records_a_failed_step_took_come_back(tiny_dir, monkeypatch):
+    """A Retro step failing between taking its records and handing them over (its correction kernel raising) leaves
+    them pending for its sequences: they come back at the sequence's next step, or when it is released."""
+    from kernels import sparse as sparse_mod
+
+    eng = Engine.load(tiny_dir)
+    policy = eng.decode_policy("retro", budget_tokens=32, dense_layers=1, retro_window=3)
+    seqs = [eng.import_handoff(eng.prefill_handoff(*random_request(120 + i, **LONG))[1], decode=policy)
+            for i in range(2)]
+    for t in (3, 5, 7):
+        eng.decode_step(seqs, [t, t])
+    rec = next(iter(eng.forward.retro_records.values()))
+    windows = sum(len(s.past) for s in seqs)
+    assert rec.held == windows == 4
+    real = sparse_mod.retro_attention
+    monkeypatch.setattr(sparse_mod, "retro_attention", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.decode_step(seqs, [2, 2])
+    assert rec.held == windows + 2 + windows and len(rec.pending) == 2      # taken: a token's and a corrected each
+    monkeypatch.setattr(sparse_mod, "retro_attention", real)
+    eng.decode_step(seqs, [4, 4])                                            # the next step gives them back first
+    assert rec.held == sum(len(s.past) for s in seqs) and not rec.pending
+    monkeypatch.setattr(sparse_mod, "retro_attention", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.decode_step(seqs, [6, 6])
+    for s in seqs:
+        eng.release(s)
+    assert rec.held == 0 and not rec.pending
