@@ -482,7 +482,7 @@ class Engine:
         seq.decode.release(self.forward, seq)
 
     def describe_memory(self) -> dict:
-        """Bytes of KV: per block, resident in the chunk cache, free in the pool."""
+        """Bytes of KV: per block, resident in the chunk cache, free in the pool; and of Retro's windows."""
         return {
             "block_bytes": self.pool.block_bytes,
             "page_bounds_bytes_per_block": self.pool.bounds_bytes,
@@ -492,6 +492,8 @@ class Engine:
             "chunks_resident": len(self.cache),
             "free_blocks": self.pool.num_free,
             "total_blocks": self.pool.usable_blocks,
+            # RetroAttention's windows (decode/retro.py RetroRecords), on the device beside the pool
+            "retro_records_bytes": sum(r.nbytes for r in self.forward.retro_records.values()),
         }
 
 

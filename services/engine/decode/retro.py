@@ -130,6 +130,11 @@ class RetroRecords:
             self.give(stale)
 
     @property
+    def nbytes(self) -> int:
+        """Device bytes of its tensors (outside the KV pool's budget)."""
+        return sum(t.numel() * t.element_size() for t in (self.h, self.q, self.out, self.lse, self.sel, self.entries))
+
+    @property
     def held(self) -> int:
         """Records in windows or taken by a step (the empty and sink records not counted)."""
         return self.capacity - 2 - len(self.free)

@@ -197,6 +197,7 @@ def test_windows_live_in_device_records_that_grow_and_are_given_back(tiny_dir):
         eng = Engine.load(tiny_dir)
         policy = eng.decode_policy("retro", **params)
         key = (eng.cfg.num_layers - policy.dense_layers, policy.budget_tokens // eng.block_size)
+        assert eng.describe_memory()["retro_records_bytes"] == 0
         rec = eng.forward.retro_records[key] = RetroRecords(eng.forward, *key, capacity=capacity)
         step = policy.graph_step(eng.forward, 4, None)
         seqs = []
@@ -209,6 +210,10 @@ def test_windows_live_in_device_records_that_grow_and_are_given_back(tiny_dir):
             assert rec.held == sum(len(s.past) for s in seqs) and all(len(s.past) <= 5 for s in seqs)
         out.append(torch.stack(logits))
         assert step.stale() == (capacity == 3) and rec.capacity >= 2 + 3 * (5 + 6)
+        s_layers, hq, hkv, d, k, hidden = rec.dims     # h, q, out, lse, sel, entries a record, in the pool's dtype
+        size = eng.pool.k[0].element_size()
+        per = hidden * size + 2 * s_layers * hq * d * size + s_layers * hq * 4 + s_layers * hkv * k * 8 + s_layers * 8
+        assert eng.describe_memory()["retro_records_bytes"] == rec.nbytes == rec.capacity * per
         step.captured()
         assert not step.stale()
         assert len({t.record for s in seqs for t in s.past}) == rec.held        # no record is two tokens'
