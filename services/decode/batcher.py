@@ -131,10 +131,7 @@ class Batcher:
                 self._inbox.put(item)
                 return
             err = self._closed
-        if isinstance(item, tuple):
-            item[1].set_exception(RuntimeError(err.message))
-        else:
-            _quietly(item.emit, [], None, err)
+        _refuse(item, err)
 
     def stop(self) -> None:
         self._stop.set()
@@ -188,10 +185,8 @@ class Batcher:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, tuple):
-                item[1].set_exception(RuntimeError(err.message))
-            elif item is not None:
-                _quietly(item.emit, [], None, err)
+            if item is not None:
+                _refuse(item, err)
 
     def _pace(self) -> None:
         """Until ``min_step_interval_s`` has passed since the last step began (or the batch is full),
@@ -412,6 +407,14 @@ class Batcher:
                 keep.append(lv)
         self._live = keep + waiting + arrived
         self.metrics.active.set(len(keep) + len(arrived))
+
+
+def _refuse(item, err: RequestError) -> None:
+    """An inbox item the engine thread will never take: an engine call's future or a hand-off, failed with ``err``."""
+    if isinstance(item, tuple):
+        item[1].set_exception(RuntimeError(err.message))
+    else:
+        _quietly(item.emit, [], None, err)
 
 
 def _quietly(emit, tokens, reason, error) -> bool:
