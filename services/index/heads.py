@@ -160,8 +160,7 @@ class IndexSet:
             heads = [HeadKV(values[h], index) for h, index in enumerate(self._pool.map(one, range(hkv)))]
         with self._lock:
             self._heads[(owner, layer)] = heads
-            for key in [key for key in self._scans if key[:2] == (owner, layer)]:
-                del self._scans[key]      # what the replaced indexes' searches read says nothing of these
+            self._forget_scans(owner, layer)   # what the replaced indexes' searches read says nothing of these
         return sum(h.index_bytes for h in heads if h is not None)
 
     def has(self, owner: str, layer: int) -> bool:
@@ -181,9 +180,13 @@ class IndexSet:
             gone = [key for key in self._heads if key[0] == owner]
             for key in gone:
                 del self._heads[key]
-            for key in [key for key in self._scans if key[0] == owner]:
-                del self._scans[key]
+            self._forget_scans(owner)
         return len(gone)
+
+    def _forget_scans(self, owner: str, layer: int | None = None) -> None:
+        """Drop the scan counts of an owner's heads (at ``layer``, or every layer); the lock held."""
+        for key in [key for key in self._scans if key[0] == owner and (layer is None or key[1] == layer)]:
+            del self._scans[key]
 
     def __contains__(self, owner: str) -> bool:
         with self._lock:
@@ -255,8 +258,8 @@ class IndexSet:
             with self._lock:
                 for i, h, _, _, scan, _ in jobs:
                     key = (owners[i], layer, h)
-                    if (owners[i], layer) not in self._heads:
-                        continue                    # dropped meanwhile
+                    if self._heads.get((owners[i], layer)) is not rows[i]:
+                        continue                    # dropped or replaced meanwhile: its searches were of others
                     if scan:
                         self._scans[key] = scans[key] - 1
                     elif share[key] >= self.scan_share:
