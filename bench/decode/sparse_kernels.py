@@ -16,6 +16,10 @@ CUDA graphs (graph_ms, bench/decode/sparse.py), ms per replay:
   radix bits / warps, attention lanes / splits / warps / stages);
 - --profile: each kernel's GPU time in one layer's Quest (torch.profiler over eager calls), so the launches'
   shares are known;
+- --retro: one layer of a RetroAttention step (window 2: a past row a sequence, whose seen pages are the selection of
+  another random query, so most of this step's pages are new to it): the current rows' sparse attention and the
+  past rows' correction as two launches (``retro_attention``), against ``quest_retro_attention``, which reads each
+  selected page once for both (its default lanes, and --retro-lanes), each checked against its twin;
 - checks on the GPU: the new kernels against their torch twins (bounds exact; scores close; selection: counts
   equal, the selected scores' sums equal; attention's relative error), and the old selection's sums.
 
@@ -156,7 +160,8 @@ def rel_err(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def case_rows(c, old, budgets, sweep: bool, deadline: float, profile: bool = False) -> dict:
+def case_rows(c, old, budgets, sweep: bool, deadline: float, profile: bool = False,
+              retro_lanes: list[int] | None = None) -> dict:
     inv = rope_inv_freq(D, 500000.0).to(DEV)
     scale = D ** -0.5
     q, k, v, cu = c["q"], c["k"], c["v"], c["cu"]
@@ -250,6 +255,8 @@ def case_rows(c, old, budgets, sweep: bool, deadline: float, profile: bool = Fal
             row["dense_kernels_ms"] = kernel_times(
                 lambda: decode_launch(q, k, v, packed, cu, inv, scale, cfg=DecodeConfig(num_splits=splits)))
             print(f"  profile {budget}: quest {row['new']['kernels_ms']} dense {row['dense_kernels_ms']}", flush=True)
+        if retro_lanes is not None:
+            row["retro"] = retro_rows(c, sel, count, budget, inv, scale, retro_lanes)
         row["quest_speedup"] = row["old"]["quest_ms"] / row["new"]["quest_ms"]
         row["dense_over_quest_old"] = out["dense_ms"] / row["old"]["quest_ms"]
         row["dense_over_quest_new"] = out["dense_ms"] / row["new"]["quest_ms"]
@@ -294,6 +301,59 @@ def case_rows(c, old, budgets, sweep: bool, deadline: float, profile: bool = Fal
     return out
 
 
+def retro_rows(c, sel, count, budget: int, inv, scale, lanes: list[int]) -> dict:
+    """One sparse layer of a Retro step (window 2) at this case and budget: two launches against the fused one."""
+    from kernels.sparse import _retro
+    from kernels.sparse.retro import quest_retro_attention_reference, retro_attention
+
+    q, k, v, cu, kmin, kmax = c["q"], c["k"], c["v"], c["cu"], c["kmin"], c["kmax"]
+    ids, offs, masks = c["ids"], c["offs"], c["masks"]
+    batch = cu.numel() - 1
+    g = torch.Generator(device=DEV).manual_seed(budget)
+    q_past = torch.randn(q.shape, generator=g, device=DEV).to(q.dtype)
+    other = sparse.page_scores(torch.randn(q.shape, generator=g, device=DEV).to(q.dtype), kmin, kmax, ids, offs,
+                               masks, cu, inv, backend="triton")
+    sel_then, _ = sparse.select_pages(other, cu, budget // BS, backend="triton")
+    seen = torch.where(sel_then >= 0, sel_then.long() - cu.long()[:-1, None, None], -1)   # within the sequence
+    entries = (cu[1:] - cu[:-1]).long() - 1            # the past step's table lacked the newest page
+    out_in = torch.randn(q.shape, generator=g, device=DEV).to(q.dtype)
+    lse_in = torch.randn(q.shape[:2], generator=g, device=DEV) + 4
+    seq_of = torch.arange(batch, device=DEV)
+    args = (q, q_past, k, v, ids, offs, masks, sel, count, entries, seen, cu, out_in, lse_in, inv, scale)
+    want = quest_retro_attention_reference(*args)
+    row = {"new_pages_per_head": float(want[4].float().mean()), "selected_per_head": float(count.float().mean())}
+
+    def two_launches():
+        out = sparse.sparse_decode_attention(q, k, v, ids, offs, masks, sel, count, inv, scale, backend="triton")
+        return out, retro_attention(q_past, k, v, ids, offs, masks, sel, seq_of, entries, seen, cu, out_in, lse_in,
+                                    inv, scale, backend="triton")
+
+    row["quest_attend_ms"] = graph_ms(lambda: sparse.sparse_decode_attention(q, k, v, ids, offs, masks, sel, count,
+                                                                             inv, scale, backend="triton"))
+    row["two_launches_ms"] = graph_ms(two_launches)
+    (o, lse), (o_p, lse_p, cnt) = two_launches()
+    row["two_launches_checks"] = {"rel_err": rel_err(o, want[0]), "past_rel_err": rel_err(o_p, want[2]),
+                                  "counts_equal": bool(torch.equal(cnt, want[4]))}
+    row["fused"] = []
+    for n in [0] + lanes:
+        cfg = _retro.RetroConfig(lanes=n or None)
+        try:
+            ms = graph_ms(lambda: _retro.quest_retro_launch(*args, cfg=cfg))
+            got = _retro.quest_retro_launch(*args, cfg=cfg)
+            row["fused"].append({"lanes": n or "default", "ms": ms, "rel_err": rel_err(got[0], want[0]),
+                                 "past_rel_err": rel_err(got[2], want[2]),
+                                 "lse_max_abs_err": float((got[3] - want[3]).abs().max()),
+                                 "counts_equal": bool(torch.equal(got[4], want[4]))})
+        except Exception as exc:  # a configuration that does not compile: recorded, the others go on
+            row["fused"].append({"lanes": n or "default", "error": repr(exc)[:500]})
+    best = min((f["ms"] for f in row["fused"] if "ms" in f), default=float("nan"))
+    print(f"  retro {budget}: quest attention {row['quest_attend_ms']:.4f} ms, + correction in two launches "
+          f"{row['two_launches_ms']:.4f}, fused {[(f['lanes'], f.get('ms')) for f in row['fused']]} "
+          f"(two / fused {row['two_launches_ms'] / best:.2f}x); new pages a head {row['new_pages_per_head']:.1f} of "
+          f"{row['selected_per_head']:.1f}; checks {row['two_launches_checks']} {row['fused']}", flush=True)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -304,6 +364,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also the new kernels' launch configurations")
     ap.add_argument("--seconds", type=float, default=1e9, help="no sweep is started after this many seconds")
     ap.add_argument("--profile", action="store_true", help="each kernel's GPU time in one layer's Quest")
+    ap.add_argument("--retro", action="store_true", help="a Retro layer: two launches against the fused kernel")
+    ap.add_argument("--retro-lanes", default="2,8", help="the fused kernel's lanes to time besides its default")
     args = ap.parse_args()
     start = time.monotonic()
     old = load_old(args.old, args.old_commit)
@@ -322,8 +384,9 @@ def main() -> int:
         label = {"context": context, "batch": batch}
         try:
             c = make_case(context, batch, seed=context + batch)
+            lanes = [int(n) for n in args.retro_lanes.split(",") if n] if args.retro else None
             results["cases"].append({**label, **case_rows(c, old, budgets, args.sweep, start + args.seconds,
-                                                                args.profile)})
+                                                                args.profile, lanes)})
         except Exception as exc:   # report and go on: one shape failing must not hide the others
             results["cases"].append({**label, "error": repr(exc)[:2000]})
             print(f"  failed: {exc!r}"[:1500], flush=True)

@@ -11,7 +11,9 @@ Scores and attention rotate the query backwards by each entry's offset (deferred
 metadata, computed once in the chunk's frame, serves wherever the chunk is placed.
 
 RetroAttention's correction of past queries at a sparse layer is ``retro_attention`` (retro.py: the pages a past
-query has not seen among those selected, attended and merged with its prior output, in one or two launches).
+query has not seen among those selected, attended and merged with its prior output, in one or two launches), and
+``quest_retro_attention`` does it together with the current queries' sparse attention, each selected page read once
+for both (a Retro step's sparse layer).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from kernels.sparse import reference
-from kernels.sparse.retro import retro_attention
+from kernels.sparse.retro import quest_retro_attention, retro_attention
 
-__all__ = ["bound_pages", "page_scores", "retro_attention", "select_pages", "sparse_decode_attention"]
+__all__ = ["bound_pages", "page_scores", "quest_retro_attention", "retro_attention", "select_pages",
+           "sparse_decode_attention"]
 
 
 def _impl(backend: str):

@@ -89,22 +89,46 @@ def _rotate(q_row, off, invf_ptr, d, row_ok, ROWS: tl.constexpr, G_PAD: tl.const
 
 
 @triton.jit
+def _step_flags(flag_ptr, past, h, stride_fr, stride_fh, k_start, hi, j, c, row_ok, KINDS: tl.constexpr):
+    """Per row, may it attend its lane's entry of the step at k_start: current rows (kind 0) always; a past row
+    (kind c >= 1) where its flag (int8 [R, Hkv, K], by selection slot) is set. [ROWS] bool."""
+    if KINDS == 1:
+        return row_ok
+    at = k_start + j
+    ok = row_ok & (c > 0) & (at < hi)
+    fl = tl.load(flag_ptr + past * stride_fr + h * stride_fh + at, mask=ok, other=0)
+    return row_ok & ((c == 0) | (fl != 0))
+
+
+@triton.jit
 def attend_run(q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_lo_ptr, invf_ptr, sel_row, r_id, h, lo, hi, qk_scale,
                stride_qr, stride_qh, stride_kb, stride_ks, stride_kh,
+               qp_ptr, flag_ptr, stride_pr, stride_ph, stride_fr, stride_fh,
                G: tl.constexpr, G_PAD: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BS: tl.constexpr,
-               D2: tl.constexpr, DOT_F32: tl.constexpr):
+               D2: tl.constexpr, DOT_F32: tl.constexpr, P: tl.constexpr, KINDS: tl.constexpr):
     """Row r_id's query at KV head h over the entries sel_row[lo:hi] (their K/V read NB a step, the query rotated
     back by each entry's offset): the lanes' running (m_i, l_i, acc), [ROWS], [ROWS], [ROWS, D], not yet merged.
-    The sparse decode kernel and RetroAttention's correction (_retro.py) attend through it."""
+    With P past rows a row (KINDS = next power of two of 1 + P, else 1 and the past arguments unused), each lane's
+    rows are KINDS kinds of G_PAD group heads: kind 0 row r_id's query (q_ptr), kind c its past row r_id * P + c - 1
+    (qp_ptr), which attends an entry only where flag_ptr says it is new to it: one read of each page serves both.
+    The sparse decode kernel, RetroAttention's correction and their fusion (_retro.py) attend through it."""
     BLOCK_N: tl.constexpr = NB * BS
-    # row r = (lane j, group head g): lane j attends to the j-th selected entry of every step
+    RPL: tl.constexpr = KINDS * G_PAD    # rows a lane
+    # row r = (lane j, kind c, group head g): lane j attends to the j-th selected entry of every step
     r = tl.arange(0, ROWS)
-    j = r // G_PAD
+    j = r // RPL
+    c = (r // G_PAD) % KINDS
     g = r % G_PAD
-    row_ok = (j < NB) & (g < G)
+    row_ok = (j < NB) & (g < G) & (c <= P)
     d = tl.arange(0, D2)
     dd = tl.arange(0, 2 * D2)
-    q_row = q_ptr + r_id.to(tl.int64) * stride_qr + (h * G + g)[:, None] * stride_qh
+    heads = (h * G + g)[:, None]
+    past = r_id.to(tl.int64) * P + c - 1       # kind c's past row (kind 0: unused)
+    if KINDS == 1:
+        q_row = q_ptr + r_id.to(tl.int64) * stride_qr + heads * stride_qh
+    else:
+        q_row = tl.where((c == 0)[:, None], q_ptr + r_id.to(tl.int64) * stride_qr + heads * stride_qh,
+                         qp_ptr + tl.maximum(past, 0)[:, None] * stride_pr + heads * stride_ph)
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -112,7 +136,8 @@ def attend_run(q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_lo_ptr, invf_ptr, sel
     n = tl.arange(0, BLOCK_N)
     slot = n % BS
     blk, bits, off = _step_table(sel_row, ids_ptr, mask_lo_ptr, off_ptr, lo, hi, n, slot, j, BS)
-    qr1, qr2 = _rotate(q_row, off, invf_ptr, d, row_ok, ROWS, G_PAD, D2)
+    act = _step_flags(flag_ptr, past, h, stride_fr, stride_fh, lo, hi, j, c, row_ok, KINDS)
+    qr1, qr2 = _rotate(q_row, off, invf_ptr, d, row_ok, ROWS, RPL, D2)
     prev = off
     for k_start in range(lo, hi, NB):
         vis = ((bits >> (slot % 32)) & 1) != 0
@@ -120,13 +145,14 @@ def attend_run(q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_lo_ptr, invf_ptr, sel
         k1 = tl.load(k_ptr + k_row[:, None] + d[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D2]
         k2 = tl.load(k_ptr + k_row[:, None] + D2 + d[None, :], mask=vis[:, None], other=0.0)
         v = tl.load(v_ptr + k_row[:, None] + dd[None, :], mask=vis[:, None], other=0.0)  # [BLOCK_N, D]
-        # the next step's table, in flight while this step computes (past the run: nothing is read)
+        own = (j[:, None] == (n // BS)[None, :]) & vis[None, :] & act[:, None]  # lane j sees only its own entry
+        # the next step's table (and flags), in flight while this step computes (past the run: nothing is read)
         blk, bits, off = _step_table(sel_row, ids_ptr, mask_lo_ptr, off_ptr, k_start + NB, hi, n, slot, j, BS)
-        own = (j[:, None] == (n // BS)[None, :]) & vis[None, :]  # lane j sees only its own entry
+        act = _step_flags(flag_ptr, past, h, stride_fr, stride_fh, k_start + NB, hi, j, c, row_ok, KINDS)
         m_i, l_i, acc = attend_tile(qr1, qr2, k1, k2, v, own, qk_scale, m_i, l_i, acc, DOT_F32)
         # the next step's query, once this step's keys are dead (registers): rotated again only for a new chunk
         if (k_start + NB < hi) & (tl.max((off != prev).to(tl.int32), axis=0) > 0):
-            qr1, qr2 = _rotate(q_row, off, invf_ptr, d, row_ok, ROWS, G_PAD, D2)
+            qr1, qr2 = _rotate(q_row, off, invf_ptr, d, row_ok, ROWS, RPL, D2)
             prev = off
     return m_i, l_i, acc
 
@@ -151,7 +177,7 @@ def _sparse_decode_kernel(
 
     m_i, l_i, acc = attend_run(q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_lo_ptr, invf_ptr, sel_row, r_id, h, lo,
                                hi, qk_scale, stride_qr, stride_qh, stride_kb, stride_ks, stride_kh,
-                               G, G_PAD, NB, ROWS, BS, D2, DOT_F32)
+                               q_ptr, cnt_ptr, 0, 0, 0, 0, G, G_PAD, NB, ROWS, BS, D2, DOT_F32, 0, 1)
     dd = tl.arange(0, 2 * D2)
 
     out, lse = merge_lanes(m_i, l_i, acc, ROWS, G_PAD, D2)   # the lanes of each group head, by log-sum-exp

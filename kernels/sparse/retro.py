@@ -75,3 +75,35 @@ def retro_attention(q_past, k_cache, v_cache, block_ids, offsets, masks, sel, se
 
         return retro_attention_triton(*args)
     raise ValueError(f"unknown backend {backend!r} (torch or triton)")
+
+
+def quest_retro_attention_reference(q, q_past, k_cache, v_cache, block_ids, offsets, masks, sel, count, entries, seen,
+                                    cu, out_in, lse_in, inv_freq, scale):
+    """The sparse attention's twin for the current rows, then retro_attention_reference for the past ones."""
+    out, lse = reference.sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq,
+                                                 scale)
+    per = q_past.shape[0] // max(q.shape[0], 1)
+    seq_of = torch.arange(q_past.shape[0], device=q.device) // max(per, 1)
+    out_p, lse_p, count_p = retro_attention_reference(q_past, k_cache, v_cache, block_ids, offsets, masks, sel, seq_of,
+                                                      entries, seen, cu, out_in, lse_in, inv_freq, scale)
+    return out, lse, out_p, lse_p, count_p
+
+
+def quest_retro_attention(q, q_past, k_cache, v_cache, block_ids, offsets, masks, sel, count, entries, seen, cu, out_in,
+                          lse_in, inv_freq, scale, backend: str = "torch"):
+    """A RetroAttention step's sparse layer in one read of the selected pages: the current rows' attention over
+    their selection (``sparse_decode_attention``) and their past rows' correction (``retro_attention``) at once.
+    q [B, Hq, D] the current rows, sel / count [B, Hkv, K] / [B, Hkv] their selection; q_past [B * P, Hq, D] their
+    past rows, P a row (row b's are b * P .. b * P + P - 1; a row with fewer pads the rest with inert rows: no
+    entries, prior 0 and -inf), with entries, seen, out_in, lse_in as ``retro_attention`` takes them and cu [B + 1].
+    Returns out [B, Hq, D], lse [B, Hq], out_past [B * P, Hq, D], lse_past [B * P, Hq] and count_past int32
+    [B * P, Hkv]. No host sync, nothing written but its outputs (a decode graph replays it)."""
+    args = (q, q_past, k_cache, v_cache, block_ids, offsets, masks, sel, count, entries, seen, cu, out_in, lse_in,
+            inv_freq, scale)
+    if backend == "torch":
+        return quest_retro_attention_reference(*args)
+    if backend == "triton":
+        from kernels.sparse._retro import quest_retro_attention_triton
+
+        return quest_retro_attention_triton(*args)
+    raise ValueError(f"unknown backend {backend!r} (torch or triton)")

@@ -168,6 +168,15 @@ def sparse_kernels(d: int, g: int, bs: int):
             _retro._retro_attention_kernel, ptrs,
             {**attend, "K": 128, "K_PAD": 128, "WIDTH": 128, "TILE": _retro.SEEN_TILE, "NSPLIT": splits},
             dict(qk_scale="fp32"), num_warps=_retro.RetroConfig().num_warps, num_stages=1)
+    for splits, stages in ((1, 1), (8, 3)):   # the fused kernel, as Retro's decode graphs launch it (window 2)
+        ptrs = {**table, "qp_ptr": "bf16", "sel_ptr": "i32", "ent_ptr": "i64", "seen_ptr": "i64", "cu_ptr": "i64",
+                "flag_ptr": "i8", "pcnt_ptr": "i32", "oin_ptr": "bf16", "lin_ptr": "fp32",
+                "out_ptr": "fp32" if splits > 1 else "bf16"}
+        fused = {**attend, "ROWS": 2 * nb * g, "K": 128, "K_PAD": 128, "WIDTH": 256, "TILE": _retro.SEEN_TILE, "P": 1,
+                 "KINDS": 2, "NSPLIT": splits}
+        yield f"quest-retro-s{splits}", lambda ptrs=ptrs, fused=fused, stages=stages: compile_kernel(
+            _retro._quest_retro_kernel, ptrs, fused, dict(qk_scale="fp32"), num_warps=_retro.RetroConfig().num_warps,
+            num_stages=stages)
 
 
 def resources(cubin: bytes) -> str:

@@ -153,16 +153,23 @@ class QuestStep(PolicyStep):
         fwd, policy = self.fwd, self.policy
         if layer < policy.dense_layers:
             return self.dense_attend(layer, q, table, cu_entries)
+        self._select(layer, q, table, cu_entries)
+        pool, model = fwd.pool, fwd.model
+        out, self.lse = sparse.sparse_decode_attention(q, pool.k[layer], pool.v[layer], table.block_ids,
+                                                       table.offsets, table.masks, self.sel, self.count,
+                                                       model.inv_freq, model.scale, backend=fwd.backend)
+        return out
+
+    def _select(self, layer, q, table, cu_entries) -> None:
+        """A sparse layer's pages: the bounds of this step's written blocks, the scores, the top pages (``sel``,
+        ``count``, counted in the step's reads)."""
+        fwd = self.fwd
         pool, model, backend = fwd.pool, fwd.model, fwd.backend
         pool.bound(layer, self.touched, self.touched_slots)        # this step's K (and overwritten ones) written
         scores = sparse.page_scores(q, pool.kmin[layer], pool.kmax[layer], table.block_ids, table.offsets,
                                     table.masks, cu_entries, model.inv_freq, backend=backend)
         self.sel, self.count = sparse.select_pages(scores, cu_entries, self.budget_pages, backend=backend)
-        out, self.lse = sparse.sparse_decode_attention(q, pool.k[layer], pool.v[layer], table.block_ids,
-                                                       table.offsets, table.masks, self.sel, self.count,
-                                                       model.inv_freq, model.scale, backend=backend)
-        self.reads[layer - policy.dense_layers] = self.count   # by reference: a graph's replays write it again
-        return out
+        self.reads[layer - self.policy.dense_layers] = self.count   # by reference: a graph's replays write it again
 
     def corrections(self) -> torch.Tensor | None:
         """Pages each row corrected, int64 [rows] on the device (RetroAttention), or None."""

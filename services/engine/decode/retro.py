@@ -61,7 +61,9 @@ class RetroDecode(QuestDecode):
                              f"{self.dense_layers}")
 
     def begin(self, fwd, seqs):
-        step = RetroStep(self, fwd, len(seqs), sum(len(s.past) for s in seqs))
+        # past rows in quest_retro_attention's layout: window - 1 a sequence, the ones a sequence lacks inert
+        past = len(seqs) * (self.retro_window - 1) if any(s.past for s in seqs) else 0
+        step = RetroStep(self, fwd, len(seqs), past)
         step.load(seqs)
         return step
 
@@ -229,30 +231,33 @@ class RetroStep(QuestStep):
         super().load(seqs)
         fwd, bs = self.fwd, self.fwd.bs
         self.where = [(s.next_pos - 1, s.gen_blocks[(s.gen_count - 1) // bs], (s.gen_count - 1) % bs) for s in seqs]
-        past = [(s, j, p) for s in seqs for j, p in enumerate(s.past)]
-        n, cap, rows = len(past), self.past_cap, self.rows_cap
-        if n > cap:
-            raise RuntimeError(f"{n} past tokens for a retro step of {cap} rows")
+        # sequence b's j-th past token is past row b * (window - 1) + j (kernels/sparse/retro.py's layout)
+        past = [(b, s, j, p) for b, s in enumerate(seqs) for j, p in enumerate(s.past)]
+        cap, rows = self.past_cap, self.rows_cap
+        if past and (len(seqs) * self.window > cap or max(len(s.past) for s in seqs) > self.window):
+            raise RuntimeError(f"{len(seqs)} sequences with up to {max(len(s.past) for s in seqs)} past tokens for a "
+                               f"retro step of {cap} past rows, {self.window} a sequence")
         if not self.window:
             return
         for s in seqs:
             self.records.settle(s)
-        self.taken = self.records.take(len(seqs) + n)
+        self.taken = self.records.take(len(seqs) + len(past))
         w = max(self.window, 1)
         host = np.zeros(len(self.index), dtype=np.int64)
         cols = host[:6 * cap].reshape(6, cap)        # seq_of, pos, block, slot, src, dst; padding: inert rows
+        cols[0] = np.arange(cap) // max(self.window, 1)
         cols[2], cols[4], cols[5] = fwd.scratch_block, RetroRecords.EMPTY, RetroRecords.SINK
         cur = host[6 * cap:6 * cap + rows]
         cur[:] = RetroRecords.SINK
         cur[:len(seqs)] = self.taken[:len(seqs)]
         seen = host[6 * cap + rows:].reshape(cap, w)
         seen[:] = RetroRecords.EMPTY
-        row_of = {id(s): b for b, s in enumerate(seqs)}
         for b, s in enumerate(seqs):
             self.records.pending[id(s)] = [self.taken[b]]
-        for r, (s, j, p) in enumerate(past):
-            cols[:, r] = (row_of[id(s)], p.pos, p.block, p.slot, p.record, self.taken[len(seqs) + r])
-            self.records.pending[id(s)].append(self.taken[len(seqs) + r])
+        for n, (b, s, j, p) in enumerate(past):
+            r = b * self.window + j
+            cols[:, r] = (b, p.pos, p.block, p.slot, p.record, self.taken[len(seqs) + n])
+            self.records.pending[id(s)].append(self.taken[len(seqs) + n])
             later = s.past[j:]
             seen[r, :len(later)] = [t.record for t in later]
         self.index.copy_(host_to_device(host, torch.long, fwd.device))   # in place: a graph reads this very buffer
@@ -264,15 +269,30 @@ class RetroStep(QuestStep):
         self.version = self.records.version
 
     def _attend(self, layer, q, table, cu_entries):
-        out = super()._attend(layer, q, table, cu_entries)
-        if layer < self.first:
-            return out
+        if layer < self.first or not self.past_cap:
+            out = super()._attend(layer, q, table, cu_entries)
+        else:
+            out = self._attend_both(layer, q, table, cu_entries)
+        if layer >= self.first:
+            self.cur[layer - self.first] = (q, out, self.lse, self.sel, cu_entries)
+        return out
+
+    def _attend_both(self, layer, q, table, cu_entries):
+        """A sparse layer with past rows: the pages this step selects, read once for the current rows' attention and
+        the past rows' correction (their output merged with what they get from the selected pages they have not
+        seen and that existed at their step: ``fixed`` = (out, lse, pages corrected [R, Hkv])); one launch, two
+        when the selection is split (kernels/sparse/retro.py)."""
         i = layer - self.first
-        if i == 0 and self.past_cap:
+        if i == 0:
             self._gather()
-        self.cur[i] = (q, out, self.lse, self.sel, cu_entries)
-        if self.past_cap:
-            self.fixed[i] = self._correct(i, table, cu_entries)
+        self._select(layer, q, table, cu_entries)
+        fwd = self.fwd
+        pool, model = fwd.pool, fwd.model
+        out, self.lse, *fixed = sparse.quest_retro_attention(
+            q, self.q_p[i], pool.k[layer], pool.v[layer], table.block_ids, table.offsets, table.masks, self.sel,
+            self.count, self.entries_p[i], self.seen[i], cu_entries, self.out_in[i], self.lse_in[i], model.inv_freq,
+            model.scale, backend=fwd.backend)
+        self.fixed[i] = tuple(fixed)
         return out
 
     def _gather(self) -> None:
@@ -285,17 +305,6 @@ class RetroStep(QuestStep):
         r, w = self.seen_src.shape
         self.seen = (rec.sel.index_select(1, self.seen_src.reshape(-1)).view(s, r, w, hkv, k).transpose(2, 3)
                      .reshape(s, r, hkv, w * k))
-
-    def _correct(self, i: int, table, cu: torch.Tensor):
-        """Past rows' attention at sparse layer i: their output merged with what they get from this step's pages
-        that they have not seen and that existed at their step -> (out, lse, pages corrected [R, Hkv]); one or two
-        launches (kernels/sparse/retro.py)."""
-        fwd = self.fwd
-        pool, model, layer = fwd.pool, fwd.model, self.first + i
-        return sparse.retro_attention(
-            self.q_p[i], pool.k[layer], pool.v[layer], table.block_ids, table.offsets, table.masks, self.sel,
-            self.seq_of, self.entries_p[i], self.seen[i], cu, self.out_in[i], self.lse_in[i], model.inv_freq,
-            model.scale, backend=fwd.backend)
 
     def join(self, layer, h):
         if layer != self.first:

@@ -241,15 +241,15 @@ def test_records_a_failed_step_took_come_back(tiny_dir, monkeypatch):
     rec = next(iter(eng.forward.retro_records.values()))
     windows = sum(len(s.past) for s in seqs)
     assert rec.held == windows == 4
-    real = sparse_mod.retro_attention
-    monkeypatch.setattr(sparse_mod, "retro_attention", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    real = sparse_mod.quest_retro_attention
+    monkeypatch.setattr(sparse_mod, "quest_retro_attention", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         eng.decode_step(seqs, [2, 2])
     assert rec.held == windows + 2 + windows and len(rec.pending) == 2      # taken: a token's and a corrected each
-    monkeypatch.setattr(sparse_mod, "retro_attention", real)
+    monkeypatch.setattr(sparse_mod, "quest_retro_attention", real)
     eng.decode_step(seqs, [4, 4])                                            # the next step gives them back first
     assert rec.held == sum(len(s.past) for s in seqs) and not rec.pending
-    monkeypatch.setattr(sparse_mod, "retro_attention", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(sparse_mod, "quest_retro_attention", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         eng.decode_step(seqs, [6, 6])
     for s in seqs:
