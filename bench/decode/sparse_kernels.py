@@ -17,9 +17,10 @@ CUDA graphs (graph_ms, bench/decode/sparse.py), ms per replay:
 - --profile: each kernel's GPU time in one layer's Quest (torch.profiler over eager calls), so the launches'
   shares are known;
 - --retro: one layer of a RetroAttention step (window 2: a past row a sequence, whose seen pages are the selection of
-  another random query, so most of this step's pages are new to it): the current rows' sparse attention and the
-  past rows' correction as two launches (``retro_attention``), against ``quest_retro_attention``, which reads each
-  selected page once for both (its default lanes, and --retro-lanes), each checked against its twin;
+  another random query, so most of this step's pages are new to it): ``quest_retro_attention``, which reads each
+  selected page once for the current and the past rows (its default lanes, and --retro-lanes), against the current
+  rows' sparse attention and the older commit's ``retro_attention`` kernel as two launches (what a1a9a8e ran; the
+  older commit must have it), each checked against the twin;
 - checks on the GPU: the new kernels against their torch twins (bounds exact; scores close; selection: counts
   equal, the selected scores' sums equal; attention's relative error), and the old selection's sums.
 
@@ -304,7 +305,9 @@ def case_rows(c, old, budgets, sweep: bool, deadline: float, profile: bool = Fal
 def retro_rows(c, sel, count, budget: int, inv, scale, lanes: list[int]) -> dict:
     """One sparse layer of a Retro step (window 2) at this case and budget: two launches against the fused one."""
     from kernels.sparse import _retro
-    from kernels.sparse.retro import quest_retro_attention_reference, retro_attention
+    from kernels.sparse.retro import quest_retro_attention_reference
+
+    retro_attention = importlib.import_module("sparse_old.retro").retro_attention   # the older commit's kernel
 
     q, k, v, cu, kmin, kmax = c["q"], c["k"], c["v"], c["cu"], c["kmin"], c["kmax"]
     ids, offs, masks = c["ids"], c["offs"], c["masks"]

@@ -10,10 +10,10 @@ Triton kernels (``triton.py``). A decode step is
 Scores and attention rotate the query backwards by each entry's offset (deferred RoPE), so a shared chunk's page
 metadata, computed once in the chunk's frame, serves wherever the chunk is placed.
 
-RetroAttention's correction of past queries at a sparse layer is ``retro_attention`` (retro.py: the pages a past
-query has not seen among those selected, attended and merged with its prior output, in one or two launches), and
+RetroAttention's correction of past queries at a sparse layer is ``retro_attention`` (retro.py, plain torch: the
+pages a past query has not seen among those selected, attended and merged with its prior output);
 ``quest_retro_attention`` does it together with the current queries' sparse attention, each selected page read once
-for both (a Retro step's sparse layer).
+for both (a Retro step's sparse layer; a Triton kernel and its twin).
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""Triton forms of kernels/sparse/retro.py: ``new_pages`` and ``retro_attention``.
+"""Triton form of kernels/sparse/retro.py's ``quest_retro_attention``: a RetroAttention step's sparse layer, each
+selected page read once for the current rows and their past rows.
 
-Both start alike (``_unseen``), in one program per (past row, KV head) and, for retro_attention, split: the row's
-candidate pages (its sequence's selection now) are tested against the pages it has seen, tile by tile, and the new
-ones get their ranks by a prefix sum. ``new_pages`` stores them compacted. ``retro_attention`` stores each split's
-run of them to a scratch list, attends the row's query to the run as kernels/sparse/_attend.py does (its table
-reads, its deferred rotation, the shared online-softmax tile, its split count), and merges by log-sum-exp with the
-row's prior output: in the kernel when there is one split (one launch), else the splits' parts and the prior by
-kernels/lse_merge's merge_rows (two launches). It replaces a page-set kernel, a sparse attention (one or two
-launches), two stacks and a merge."""
+One program per (current row b, KV head, split) over a run of b's selection. It first finds, for each of b's past
+rows (``_unseen``), which of the selected pages are new to it (existed at its step, not seen: its candidates tested
+against its seen pages tile by tile) and stores them as flags for its run; then it attends the run as
+kernels/sparse/_attend.py does (its table reads, its deferred rotation, the shared online-softmax tile, its split
+count), with the past rows' queries as more rows of each lane's tile that see a page only where it is new to them.
+The past rows' results are merged by log-sum-exp with their prior outputs: in the kernel when there is one split
+(one launch), else with the splits' parts by kernels/lse_merge's merge_rows (two launches). It replaces the current
+rows' sparse attention and the past rows' correction, which read the pages twice (bench/decode/README.md)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lse_merge.triton import UNROLL_PARTS, merge_finish, merge_rows
+from kernels.lse_merge.triton import UNROLL_PARTS, merge_rows
 from kernels.paged_attention._decode import merge_lanes
 from kernels.paged_attention._meta import dot_f32
 from kernels.sparse._attend import LOG2E, AttendConfig, attend_run, pick_splits
@@ -28,18 +29,15 @@ SEEN_TILE = 64
 
 @dataclass(frozen=True, slots=True)
 class RetroConfig:
-    """Launch shape of ``retro_attention``. lanes: entries a step (None: _attend's, 16 tl.dot rows' worth, at most
-    64 keys); splits (None: picked as _attend picks them, from the selection's width: no host sync for the counts)
-    cut each row's new pages into runs of whole steps, so that rows x KV heads x splits fill about waves x SMs x
-    programs_per_sm programs; seen_tile: seen pages tested at once."""
+    """Launch shape of ``quest_retro_attention``. lanes: entries a step (None: 16 tl.dot rows' worth, a lane's rows
+    being its kinds (the current row and its past rows, to a power of two) x group heads, at most 64 keys); splits
+    (None: picked as _attend picks them, from the selection's width: no host sync for the counts) cut each
+    selection into runs of whole steps, so that rows x KV heads x splits fill about waves x SMs x programs_per_sm
+    programs; num_stages (None: as _attend picks them); seen_tile: seen pages tested at once."""
 
-    # NOTE: splits, not one program per (row, KV head): with the bench's random weights ~119 of a row's 128
-    # selected pages are new at each step, and one program walking them in ~30 serial steps made Retro's step
-    # 1.59x Quest's at 32K, batch 1 on an H200 (1.20x with the launches this kernel replaced; bench/decode's
-    # results at e8e9121 and b33c929)
+    # NOTE: 16 rows a step, not _attend's lanes with the past rows added: on an H200 (bench/decode/README.md) 4 lanes
+    # x 8 rows took 42.4 us at 32K, batch 4, budget 2048 against 30.8 for 2 lanes x 8 rows (15.2 / 15.1 at batch 1)
     num_warps: int = 8
-    # None: retro_attention 1 (_attend: 3 stages lose up to 84% at one or two steps a program); the fused kernel
-    # as _attend picks it
     num_stages: int | None = None
     lanes: int | None = None
     waves: float = 1.0
@@ -80,146 +78,6 @@ def _unseen(pick_ptr, b, ent_ptr, seen_ptr, cu_ptr, r, h, s_pb, s_ph, s_sr, s_sh
     return picked, new, tl.cumsum(take, axis=0) - take, tl.sum(take, axis=0)
 
 
-@triton.jit
-def _new_pages_kernel(pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, sel_ptr, cnt_ptr,
-                      s_pb, s_ph, s_sr, s_sh, s_or, s_oh,
-                      K: tl.constexpr, K_PAD: tl.constexpr, WIDTH: tl.constexpr, TILE: tl.constexpr):
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    picked, new, pos, count = _unseen(pick_ptr, tl.load(seq_ptr + r), ent_ptr, seen_ptr, cu_ptr, r, h, s_pb, s_ph, s_sr, s_sh,
-                                      K, K_PAD, WIDTH, TILE)
-    kk = tl.arange(0, K_PAD)
-    out_row = sel_ptr + r.to(tl.int64) * s_or + h * s_oh
-    # every slot at or past the count is -1, each written once: the new pages land at their ranks below it
-    tl.store(out_row + kk, tl.full([K_PAD], -1, tl.int32), mask=(kk < K) & (kk >= count))
-    tl.store(out_row + pos, picked.to(tl.int32), mask=new)
-    tl.store(cnt_ptr + r.to(tl.int64) * tl.num_programs(1) + h, count)
-
-
-def new_pages_triton(picked, seq_of, entries, seen, cu):
-    r, hkv, w = seen.shape
-    k = picked.shape[-1]
-    sel = torch.empty((r, hkv, k), dtype=torch.int32, device=picked.device)
-    count = torch.empty((r, hkv), dtype=torch.int32, device=picked.device)
-    if r and hkv:
-        picked, seen = picked.contiguous(), seen.contiguous()
-        _new_pages_kernel[(r, hkv)](
-            picked, seq_of, entries, seen, cu, sel, count,
-            picked.stride(0), picked.stride(1), seen.stride(0), seen.stride(1), sel.stride(0), sel.stride(1),
-            K=k, K_PAD=triton.next_power_of_2(max(k, 1)), WIDTH=w, TILE=SEEN_TILE)
-    return sel, count
-
-
-@triton.jit
-def _retro_attention_kernel(
-    q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_ptr, invf_ptr,
-    pick_ptr, seq_ptr, ent_ptr, seen_ptr, cu_ptr, list_ptr, cnt_ptr,
-    oin_ptr, lin_ptr, out_ptr, lse_ptr,
-    qk_scale, per,
-    stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, s_pb, s_ph, s_sr, s_sh,
-    stride_ir, stride_ih, stride_jr, stride_os, stride_or, stride_oh, stride_ls, stride_lr,
-    K: tl.constexpr, K_PAD: tl.constexpr, WIDTH: tl.constexpr, TILE: tl.constexpr,
-    G: tl.constexpr, G_PAD: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BS: tl.constexpr,
-    D2: tl.constexpr, DOT_F32: tl.constexpr, NSPLIT: tl.constexpr,
-):
-    """Program (row, KV head, split): the split's run [split * per, + per) of the row's new pages. One split: the
-    result merged with the prior and stored in q's dtype; several: each split's part (fp32) stored at its index
-    and split 0 copies the prior to part NSPLIT, for merge_rows."""
-    LANES: tl.constexpr = ROWS // G_PAD
-    r_id = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
-    picked, new, pos, n_sel = _unseen(pick_ptr, tl.load(seq_ptr + r_id), ent_ptr, seen_ptr, cu_ptr, r_id, h, s_pb, s_ph, s_sr, s_sh,
-                                      K, K_PAD, WIDTH, TILE)
-    lo = split * per
-    hi = tl.minimum(lo + per, n_sel)
-    row = r_id.to(tl.int64) * tl.num_programs(1) + h
-    sel_row = list_ptr + row * K                                    # the compacted new pages, [K] (scratch)
-    # each split stores the run it reads (the splits' stores never overlap)
-    tl.store(sel_row + pos, picked.to(tl.int32), mask=new & (pos >= lo) & (pos < hi))
-    tl.store(cnt_ptr + row, n_sel, mask=split == 0)
-    # NOTE: the run is read back below by other threads than those that stored it: a barrier between
-    tl.debug_barrier()
-    mask_lo_ptr = mask_ptr.to(tl.pointer_type(tl.int32))          # little-endian: word 2e is entry e's low 32 bits
-
-    # as _attend: lane j attends to the j-th new page of every step
-    m_i, l_i, acc = attend_run(q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_lo_ptr, invf_ptr, sel_row, r_id, h, lo,
-                               hi, qk_scale, stride_qr, stride_qh, stride_kb, stride_ks, stride_kh,
-                               q_ptr, cnt_ptr, 0, 0, 0, 0, G, G_PAD, NB, ROWS, BS, D2, DOT_F32, 0, 1)
-    dd = tl.arange(0, 2 * D2)
-
-    # per group head, the LANES lanes (and, one split, the prior: a part of weight exp(lse_in)) merged by
-    # log-sum-exp
-    gg = tl.arange(0, G_PAD)
-    g_ok = gg < G
-    heads = h * G + gg
-    lin_row = lin_ptr + r_id.to(tl.int64) * stride_jr + heads
-    oin_row = oin_ptr + r_id.to(tl.int64) * stride_ir + heads[:, None] * stride_ih + dd[None, :]
-    if NSPLIT == 1:
-        lse_in = tl.load(lin_row, mask=g_ok, other=float("-inf")) * LOG2E
-        o_in = tl.load(oin_row, mask=g_ok[:, None], other=0.0).to(tl.float32)    # [G_PAD, D]
-    else:
-        lse_in = tl.full([G_PAD], float("-inf"), tl.float32)
-        o_in = tl.zeros([G_PAD, 2 * D2], tl.float32)
-    m3 = tl.reshape(m_i, [LANES, G_PAD])
-    m_g = tl.maximum(tl.max(m3, axis=0), lse_in)                    # [G_PAD], log2 units
-    m_gs = tl.where(m_g == float("-inf"), 0.0, m_g)
-    w = tl.math.exp2(m3 - m_gs[None, :])                            # [LANES, G_PAD]
-    w_in = tl.math.exp2(lse_in - m_gs)
-    l_g = tl.sum(w * tl.reshape(l_i, [LANES, G_PAD]), axis=0) + w_in
-    acc_g = tl.sum(tl.reshape(acc, [LANES, G_PAD, 2 * D2]) * w[:, :, None], axis=0) + w_in[:, None] * o_in
-    out, lse = merge_finish(m_g, l_g, acc_g)                        # an empty run: 0, -inf
-    o_row = out_ptr + split * stride_os + r_id.to(tl.int64) * stride_or + heads[:, None] * stride_oh + dd[None, :]
-    l_row = lse_ptr + split * stride_ls + r_id.to(tl.int64) * stride_lr + heads
-    tl.store(o_row, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-    tl.store(l_row, lse, mask=g_ok)
-    if NSPLIT > 1:
-        if split == 0:
-            p_o = o_row + NSPLIT * stride_os
-            tl.store(p_o, tl.load(oin_row, mask=g_ok[:, None], other=0.0).to(tl.float32), mask=g_ok[:, None])
-            tl.store(l_row + NSPLIT * stride_ls, tl.load(lin_row, mask=g_ok, other=float("-inf")), mask=g_ok)
-
-
-def retro_attention_launch(q, k_cache, v_cache, block_ids, offsets, masks, picked, seq_of, entries, seen, cu,
-                           out_in, lse_in, inv_freq, scale, *, cfg: RetroConfig = RetroConfig()):
-    """Inputs checked by retro_attention_triton. Returns out [R, Hq, D] (q.dtype), lse [R, Hq] fp32, count int32
-    [R, Hkv]."""
-    n_rows, hq, dim = q.shape
-    _, bs, hkv, _ = k_cache.shape
-    k, width = picked.shape[2], seen.shape[2]
-    group = hq // hkv
-    g_pad = triton.next_power_of_2(group)
-    nb = cfg.lanes or max(1, min(16 // g_pad, 64 // bs))
-    split_cfg = AttendConfig(waves=cfg.waves, programs_per_sm=cfg.programs_per_sm, num_splits=cfg.num_splits)
-    nsplit, per = pick_splits(split_cfg, n_rows, hkv, k, nb, q.device)
-    if nsplit == 1:
-        out = torch.empty_like(q)
-        lse = torch.empty((n_rows, hq), dtype=torch.float32, device=q.device)
-        o_strides, l_strides = (0, out.stride(0), out.stride(1)), (0, lse.stride(0))
-    else:   # the splits' parts and the prior (part nsplit)
-        out = torch.empty((nsplit + 1, n_rows, hq, dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((nsplit + 1, n_rows, hq), dtype=torch.float32, device=q.device)
-        o_strides, l_strides = (out.stride(0), out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1))
-    count = torch.empty((n_rows, hkv), dtype=torch.int32, device=q.device)
-    pages = torch.empty((n_rows, hkv, max(k, 1)), dtype=torch.int32, device=q.device)   # scratch: the lists
-    if n_rows:
-        _retro_attention_kernel[(n_rows, hkv, nsplit)](
-            q, k_cache, v_cache, block_ids, offsets, masks, inv_freq,
-            picked, seq_of, entries, seen, cu, pages, count, out_in, lse_in, out, lse,
-            float(scale) * LOG2E.value, per,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            picked.stride(0), picked.stride(1), seen.stride(0), seen.stride(1),
-            out_in.stride(0), out_in.stride(1), lse_in.stride(0), *o_strides, *l_strides,
-            K=k, K_PAD=triton.next_power_of_2(max(k, 1)), WIDTH=width, TILE=cfg.seen_tile,
-            G=group, G_PAD=g_pad, NB=nb, ROWS=max(16, nb * g_pad), BS=bs, D2=dim // 2,
-            DOT_F32=dot_f32(q.dtype), NSPLIT=nsplit, num_warps=cfg.num_warps, num_stages=cfg.num_stages or 1)
-    if nsplit == 1:
-        return out, lse, count
-    merged, merged_lse = merge_rows(out.reshape(nsplit + 1, n_rows * hq, dim), lse.reshape(nsplit + 1, n_rows * hq),
-                                    q.dtype, all_parts=nsplit + 1 > UNROLL_PARTS)
-    return merged.reshape(n_rows, hq, dim), merged_lse.reshape(n_rows, hq), count
-
-
 def _check_past(q, k_cache, v_cache, inv_freq, out_in) -> None:
     """The checks retro_attention and quest_retro_attention share: caches, a past query per row, its prior."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() \
@@ -232,32 +90,6 @@ def _check_past(q, k_cache, v_cache, inv_freq, out_in) -> None:
     if not q.dtype == k_cache.dtype == v_cache.dtype == out_in.dtype:
         raise ValueError(f"q, k_cache, v_cache and out_in dtypes differ: {q.dtype}, {k_cache.dtype}, "
                          f"{v_cache.dtype}, {out_in.dtype}")
-
-
-def retro_attention_triton(q, k_cache, v_cache, block_ids, offsets, masks, picked, seq_of, entries, seen, cu, out_in,
-                           lse_in, inv_freq, scale):
-    """See kernels/sparse/retro.py's retro_attention: its inputs checked once, then one launch."""
-    _check_past(q, k_cache, v_cache, inv_freq, out_in)
-    n_rows, hq, _ = q.shape
-    hkv = k_cache.shape[2]
-    if picked.dim() != 3 or picked.shape[1] != hkv or seen.dim() != 3 or seen.shape[:2] != (n_rows, hkv):
-        raise ValueError(f"sel {tuple(picked.shape)} must be [B, Hkv, K] and seen {tuple(seen.shape)} [R, Hkv, W] "
-                         f"for {n_rows} rows and {hkv} KV heads")
-    if seq_of.shape != (n_rows,) or entries.shape != (n_rows,) or cu.shape != (picked.shape[0] + 1,):
-        raise ValueError(f"seq_of {tuple(seq_of.shape)}, entries {tuple(entries.shape)} must be [{n_rows}] and cu "
-                         f"{tuple(cu.shape)} [{picked.shape[0] + 1}]")
-    if out_in.shape != q.shape or lse_in.shape != q.shape[:2] or lse_in.dtype != torch.float32:
-        raise ValueError(f"out_in {tuple(out_in.shape)} must be q's shape and lse_in {lse_in.dtype} "
-                         f"{tuple(lse_in.shape)} fp32 [R, Hq]")
-    block_ids, offsets, masks = _table(block_ids, offsets, masks)
-    last = lambda t: t if t.stride(-1) == 1 else t.contiguous()     # noqa: E731
-    return retro_attention_launch(
-        last(q), k_cache, v_cache, block_ids, offsets, masks, picked.contiguous(), seq_of.contiguous(),
-        entries.contiguous(), seen.contiguous(), cu.contiguous(), last(out_in), last(lse_in),
-        inv_freq.to(device=q.device, dtype=torch.float32).contiguous(), scale)
-
-
-# -- the current rows' sparse attention and their past rows' correction, in one read of the selected pages
 
 
 @triton.jit
@@ -347,7 +179,7 @@ def quest_retro_launch(q, q_past, k_cache, v_cache, block_ids, offsets, masks, s
     group = hq // hkv
     g_pad = triton.next_power_of_2(group)
     kinds = triton.next_power_of_2(1 + past)
-    nb = cfg.lanes or max(1, min(16 // g_pad, 64 // bs))
+    nb = cfg.lanes or max(1, min(16 // (kinds * g_pad), 64 // bs))
     split_cfg = AttendConfig(waves=cfg.waves, programs_per_sm=cfg.programs_per_sm, num_splits=cfg.num_splits)
     nsplit, per = pick_splits(split_cfg, n_cur, hkv, k, nb, q.device)
     stages = cfg.num_stages or (3 if per // nb >= split_cfg.pipelined_from else 1)
@@ -388,7 +220,7 @@ def quest_retro_attention_triton(q, q_past, k_cache, v_cache, block_ids, offsets
     selection is split)."""
     _check_past(q_past, k_cache, v_cache, inv_freq, out_in)
     _check_query(q, k_cache.shape[3], inv_freq)
-    n_cur, hq, _ = q.shape
+    n_cur = q.shape[0]
     n_past, hkv = q_past.shape[0], k_cache.shape[2]
     if q.dtype != q_past.dtype or q.shape[1] != q_past.shape[1]:
         raise ValueError(f"q {q.dtype} {tuple(q.shape)} and q_past {q_past.dtype} {tuple(q_past.shape)} must share "

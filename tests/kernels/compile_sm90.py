@@ -161,18 +161,11 @@ def sparse_kernels(d: int, g: int, bs: int):
         _select._select_kernel, dict(scores_ptr="fp32", cu_ptr="i32", sel_ptr="i32", cnt_ptr="i32"),
         dict(BLOCK=2048, PAD_BLOCK=_select.PAD_BLOCK, W=_select.RADIX_BITS,
              FIRST=32 - _select.RADIX_BITS * (31 // _select.RADIX_BITS)), num_warps=8)
-    for splits in (1, 8):
-        ptrs = {**table, "pick_ptr": "i32", "seq_ptr": "i32", "ent_ptr": "i32", "seen_ptr": "i32", "cu_ptr": "i32",
-                "list_ptr": "i32", "oin_ptr": "bf16", "lin_ptr": "fp32", "out_ptr": "fp32" if splits > 1 else "bf16"}
-        yield f"retro-attend-s{splits}", lambda splits=splits, ptrs=ptrs: compile_kernel(
-            _retro._retro_attention_kernel, ptrs,
-            {**attend, "K": 128, "K_PAD": 128, "WIDTH": 128, "TILE": _retro.SEEN_TILE, "NSPLIT": splits},
-            dict(qk_scale="fp32"), num_warps=_retro.RetroConfig().num_warps, num_stages=1)
     for splits, stages in ((1, 1), (8, 3)):   # the fused kernel, as Retro's decode graphs launch it (window 2)
         ptrs = {**table, "qp_ptr": "bf16", "sel_ptr": "i32", "ent_ptr": "i64", "seen_ptr": "i64", "cu_ptr": "i64",
                 "flag_ptr": "i8", "pcnt_ptr": "i32", "oin_ptr": "bf16", "lin_ptr": "fp32",
                 "out_ptr": "fp32" if splits > 1 else "bf16"}
-        fused = {**attend, "ROWS": 2 * nb * g, "K": 128, "K_PAD": 128, "WIDTH": 256, "TILE": _retro.SEEN_TILE, "P": 1,
+        fused = {**attend, "NB": nb // 2, "K": 128, "K_PAD": 128, "WIDTH": 128, "TILE": _retro.SEEN_TILE, "P": 1,
                  "KINDS": 2, "NSPLIT": splits}
         yield f"quest-retro-s{splits}", lambda ptrs=ptrs, fused=fused, stages=stages: compile_kernel(
             _retro._quest_retro_kernel, ptrs, fused, dict(qk_scale="fp32"), num_warps=_retro.RetroConfig().num_warps,

@@ -1,6 +1,7 @@
-"""RetroAttention's page sets and correction (kernels/sparse/retro.py): the Triton kernels equal their twins; the
-page-set twin keeps exactly the pages a past query has not seen that existed at its step, ascending and global, and
-the correction's twin is attention over the union of the pages seen and the new ones."""
+"""RetroAttention's page sets and correction (kernels/sparse/retro.py): the page-set twin keeps exactly the pages a
+past query has not seen that existed at its step, ascending and global; a Retro layer's kernel (the current rows'
+sparse attention and their past rows' correction at once) equals its twin, and its past rows' output is attention
+over the union of the pages they had seen and the new ones."""
 
 import pytest
 import torch
@@ -11,29 +12,6 @@ from kernels.rope import apply_rope, rope_inv_freq
 from kernels.sparse import _retro, retro_attention, sparse_decode_attention
 from kernels.sparse._retro import RetroConfig
 from kernels.sparse.retro import new_pages, quest_retro_attention
-
-
-def _case(b, r, hkv, k, w, seed):
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(k // 2, 4 * k, (b,), generator=g)
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]) + 7      # views need not start at 0
-    sel = torch.full((b, hkv, k), -1, dtype=torch.int32)
-    for i in range(b):
-        for h in range(hkv):
-            n = int(torch.randint(0, min(k, int(lens[i])) + 1, (1,), generator=g))
-            sel[i, h, :n] = torch.randperm(int(lens[i]), generator=g)[:n].sort().values + int(cu[i])
-    seq_of = torch.arange(r) % b                                                 # every sequence's rows
-    entries = torch.randint(0, 4 * k, (r,), generator=g)
-    seen = torch.randint(-1, 4 * k, (r, hkv, w), generator=g)
-    return sel, seq_of, entries, seen, cu
-
-
-@pytest.mark.parametrize("b, r, hkv, k, w", [(1, 1, 1, 1, 0), (3, 5, 2, 7, 13), (2, 6, 4, 16, 64), (4, 3, 8, 33, 130)])
-def test_the_kernel_equals_the_twin(b, r, hkv, k, w):
-    case = _case(b, r, hkv, k, w, seed=b * 100 + k)
-    want = new_pages(*case, backend="torch")
-    got = new_pages(*case, backend="triton")
-    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
 def test_the_twin_keeps_the_unseen_pages_that_existed_at_the_past_step():
@@ -112,30 +90,6 @@ def _attn_case(spec, seed=0, per=None):
             d ** -0.5)
 
 
-@pytest.mark.parametrize("spec", ATTN_CASES, ids=[_attn_id(c) for c in ATTN_CASES])
-def test_retro_attention_kernel_equals_the_twin(spec):
-    args = _attn_case(spec, seed=len(spec[0]) * 10 + spec[7])
-    q, dtype = args[0], spec[5]
-    want, want_lse, want_count = retro_attention(*args, backend="torch")
-    _, count = new_pages(*args[6:11])
-    assert torch.equal(want_count, count) and (count[0] == 0).all() and (count[-1] == 0).all() and count.sum() > 0
-    assert torch.isneginf(want_lse[-1]).all() and torch.equal(want[-1], torch.zeros_like(want[-1]))
-    assert torch.equal(want[0], args[11][0])                                     # nothing new: the prior output
-    ids64, offs64 = args[3].long(), args[4].long()
-    results = [retro_attention(*args[:3], *table, *args[5:], backend="triton")
-               for table in (args[3:5], (ids64, offs64))]                        # int32 and int64 tables
-    # one page a step in one split (many steps, a rotation at each new chunk); 8 pages a step, seen lists 4 at a
-    # time; 3 splits (parts merged in a loop) and one page a split (more parts than the unrolled merge takes)
-    configs = (RetroConfig(lanes=1, num_splits=1), RetroConfig(lanes=8, seen_tile=4, num_splits=1),
-               RetroConfig(num_splits=3), RetroConfig(lanes=1, num_splits=20))
-    results += [_retro.retro_attention_launch(*args, cfg=cfg) for cfg in configs]
-    for got, lse, got_count in results:
-        assert got.dtype == dtype and got.shape == q.shape and lse.dtype == torch.float32
-        assert torch.equal(got_count, want_count)
-        assert rel_err(got, want) <= TOL[dtype]
-        assert_lse_close(lse, want_lse, 50 * TOL[dtype])
-
-
 def _attend_sets(q, k_cache, v_cache, ids, offs, masks, inv, scale, pages):
     """Sparse attention (the twin) over each (row, KV head)'s set of pages, given with repeats and -1 anywhere."""
     sets = [[sorted({int(p) for p in row if p >= 0}) for row in rows] for rows in pages.tolist()]
@@ -148,22 +102,28 @@ def _attend_sets(q, k_cache, v_cache, ids, offs, masks, inv, scale, pages):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_retro_attention_is_attention_over_the_union(backend):
-    """A prior output that is attention over the pages a row has seen (those that existed at its step), merged
-    with its new pages == one sparse attention over both sets together."""
-    spec = ([([70, 40], 3), ([25], 9)], 8, 2, 64, 16, torch.float32, 0.1, 6, 7, 3)
-    q, k_cache, v_cache, ids, offs, masks, sel, seq_of, entries, seen, cu, _, _, inv, scale = _attn_case(spec, 4)
-    table = (q, k_cache, v_cache, ids, offs, masks, inv, scale)
+def test_a_past_rows_output_is_attention_over_the_union(backend):
+    """A prior output that is attention over the pages a past row has seen (those that existed at its step), merged
+    with its new pages == one sparse attention over both sets together; the current rows' output is the sparse
+    attention over their selection."""
+    spec = ([([70, 40], 3), ([25], 9)], 8, 2, 64, 16, torch.float32, 0.1, 6, 0, 4)
+    args, seq_of = _fused_case(spec, seed=4)
+    q, q_past, k_cache, v_cache, ids, offs, masks, sel, count, entries, seen, cu, _, _, inv, scale = args
+    table = (k_cache, v_cache, ids, offs, masks, inv, scale)
     start = cu.long()[seq_of][:, None, None]
     seen_g = torch.where((seen >= 0) & (seen < entries[:, None, None]), seen + start, -1)    # global entries
-    out_in, lse_in = _attend_sets(*table, seen_g)
-    out, lse, count = retro_attention(q, k_cache, v_cache, ids, offs, masks, sel, seq_of, entries, seen, cu, out_in,
-                                      lse_in, inv, scale, backend=backend)
+    out_in, lse_in = _attend_sets(q_past, *table, seen_g)
+    out, lse, out_p, lse_p, count_p = quest_retro_attention(q, q_past, k_cache, v_cache, ids, offs, masks, sel, count,
+                                                            entries, seen, cu, out_in, lse_in, inv, scale,
+                                                            backend=backend)
     new, _ = new_pages(sel, seq_of, entries, seen, cu)
-    assert count.sum() > 0
-    want, want_lse = _attend_sets(*table, torch.cat([seen_g, new.long()], -1))
-    assert rel_err(out, want) <= TOL[torch.float32]
-    assert_lse_close(lse, want_lse, 1e-4)
+    assert count_p.sum() > 0
+    want, want_lse = _attend_sets(q_past, *table, torch.cat([seen_g, new.long()], -1))
+    assert rel_err(out_p, want) <= TOL[torch.float32]
+    assert_lse_close(lse_p, want_lse, 1e-4)
+    now, now_lse = _attend_sets(q, *table, sel)
+    assert rel_err(out, now) <= TOL[torch.float32]
+    assert_lse_close(lse, now_lse, 1e-4)
 
 
 # -- quest_retro_attention: a Retro step's sparse layer, the current rows and their past rows in one launch
@@ -191,7 +151,7 @@ def test_quest_retro_attention_kernel_equals_the_twin(spec):
     q, q_past, dtype = args[0], args[1], spec[5]
     want = quest_retro_attention(*args, backend="torch")
     alone = sparse_decode_attention(q, *args[2:7], args[7], args[8], args[14], args[15])
-    past = retro_attention(q_past, *args[2:7], args[7], seq_of, *args[9:], backend="torch")
+    past = retro_attention(q_past, *args[2:7], args[7], seq_of, *args[9:])
     for a, b in zip(want, (*alone, *past)):
         assert torch.equal(a, b)
     assert want[4].sum() > 0 and (want[4][-1] == 0).all() and torch.isneginf(want[3][-1]).all()

@@ -61,9 +61,9 @@ class RetroDecode(QuestDecode):
                              f"{self.dense_layers}")
 
     def begin(self, fwd, seqs):
-        # past rows in quest_retro_attention's layout: window - 1 a sequence, the ones a sequence lacks inert
-        past = len(seqs) * (self.retro_window - 1) if any(s.past for s in seqs) else 0
-        step = RetroStep(self, fwd, len(seqs), past)
+        # past rows in quest_retro_attention's layout: window - 1 a sequence, the ones a sequence lacks inert (so the
+        # eager step runs the kernel a decode graph does, before the windows fill too)
+        step = RetroStep(self, fwd, len(seqs), len(seqs) * (self.retro_window - 1))
         step.load(seqs)
         return step
 
