@@ -7,7 +7,7 @@ A past query (row r, of sequence seq_of[r]) is corrected with the pages its sequ
 step (index within its sequence, sel - cu[seq_of[r]], < entries[r]) and that it has not seen (not in ``seen``
 [R, Hkv, W]: indices within the sequence, -1 padded).
 
-``new_pages`` and ``retro_attention`` are plain torch (the twins the fused kernel's is made of):
+``new_pages`` and ``retro_attention`` are plain torch (the fused kernel's twin is made of them):
     new_pages:        those pages as a selection (global, ascending, -1 past the count) and their count;
     retro_attention:  out, lse = attention over (the pages the row had seen) ∪ (its new pages), by merging the
                       attention over the new pages with the row's prior output by log-sum-exp; count = its new pages.

@@ -25,7 +25,7 @@ def test_the_twin_keeps_the_unseen_pages_that_existed_at_the_past_step():
     assert sel.tolist() == [[[10, 15, -1, -1, -1]], [[10, 12, -1, -1, -1]]]
 
 
-# -- retro_attention: the page sets above, attended and merged with the past rows' prior outputs, in one launch
+# -- the cases: a step's table, selections, past rows with their seen pages and priors
 
 # per sequence (chunk lengths, suffix), Hq, Hkv, D, BS, dtype, hidden fraction, budget K, past rows, window
 ATTN_CASES = [

@@ -7,7 +7,9 @@ selection and those of every later step. At a step, once the current query's pag
 past token attends with its cached query to the pages of S it has not seen and that existed at its step (pages
 made later hold only later tokens), and the two results merge by log-sum-exp:
     out = attention over the union of every page the past query has seen          (kernels/lse_merge)
-so its output tends to what a larger budget would have given, at no extra read: S is read for the current token.
+so its output tends to what a larger budget would have given, at no extra read: S is read for the current token,
+and one kernel (``quest_retro_attention``) attends each page of S once for the current token and its past tokens
+(sequence b's j-th past token is past row b * (retro_window - 1) + j; rows a sequence lacks are inert).
 
 The corrected outputs then re-embed (cross-layer overwrite): past tokens join the step's batch after the first
 sparse layer's attention, with their cached residual input to it and their corrected output, and run the layers
