@@ -9,7 +9,9 @@ index built from M random training queries), random queries. Per thread count T 
 - ``sequential``: the same pieces' searches (``partial_attention``) one after another on the calling thread: the sum
   of their times and the longest one;
 - ``bare``: the pieces on T threads started once and released together by a barrier, each calling the compiled
-  search directly: the wall of the slowest, with no pool, no checks and no queue between.
+  search directly: the wall of the slowest, with no pool, no checks and no queue between;
+- ``scan``: ``attend`` with every head scanned (``attend_group(scan=True)``: every key's int8 code scored) instead
+  of searched on its graph.
 
 efficiency = sequential sum / (T x attend wall): the share of the T threads' time a layer's call keeps busy.
 
@@ -124,17 +126,27 @@ def main() -> int:
             seq_max.append(max(times))
         q = rng.standard_normal((1, HQ, D), dtype=np.float32)
         bare = bare_wall(heads, q, jobs, args.k, scale, min(threads, len(jobs)), args.calls)
+        iset.scan_share = 0.0                                  # every head scanned from the first call on
+        scans = []
+        for i in range(args.calls + 3):
+            for h in range(HKV):
+                iset._scans[("seq", 0, h)] = 1 << 30
+            q = rng.standard_normal((1, HQ, D), dtype=np.float32)
+            t0 = time.perf_counter()
+            iset.attend(0, ["seq"], q, args.k, scale)
+            if i >= 3:
+                scans.append(time.perf_counter() - t0)
         row = {"threads": threads, "pieces": len(jobs), "attend_ms": statistics.median(calls) * 1e3,
                "keys_read_per_call": read / args.calls,
                "sequential_sum_ms": statistics.median(seq_sum) * 1e3,
                "sequential_longest_ms": statistics.median(seq_max) * 1e3,
-               "bare_ms": statistics.median(bare) * 1e3}
+               "bare_ms": statistics.median(bare) * 1e3, "scan_ms": statistics.median(scans) * 1e3}
         row["efficiency"] = row["sequential_sum_ms"] / (threads * row["attend_ms"])
         row["bare_efficiency"] = row["sequential_sum_ms"] / (min(threads, len(jobs)) * row["bare_ms"])
         results["rows"].append(row)
         print(f"T={threads}: {len(jobs)} pieces; attend {row['attend_ms']:.3f} ms a layer ({row['keys_read_per_call']:.0f}"
               f" keys read), one after another {row['sequential_sum_ms']:.3f} ms (longest {row['sequential_longest_ms']:.3f})"
-              f", bare threads {row['bare_ms']:.3f} ms; efficiency {row['efficiency']:.2f} (bare "
+              f", bare threads {row['bare_ms']:.3f} ms, every head scanned {row['scan_ms']:.3f} ms; efficiency {row['efficiency']:.2f} (bare "
               f"{row['bare_efficiency']:.2f})", flush=True)
         iset.close()
     build.close()
