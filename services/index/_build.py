@@ -178,3 +178,42 @@ def link_unreachable(keys, sq_norms, offsets, targets, entries, beam):
         m += 1
         _mark_from(offsets, targets, u, seen, stack)     # everything u reaches is now reached
     return src[:m], dst[:m]
+
+
+@njit(nogil=True, cache=True)
+def absent_pairs(offsets, targets, src, dst):
+    """bool ``[P]``: pair i is not an edge yet (``dst[i]`` is not among ``src[i]``'s targets)."""
+    out = np.ones(src.shape[0], np.bool_)
+    for i in range(src.shape[0]):
+        s, d = src[i], dst[i]
+        for j in range(offsets[s], offsets[s + 1]):
+            if targets[j] == d:
+                out[i] = False
+                break
+    return out
+
+
+@njit(nogil=True, cache=True)
+def append_edges(offsets, targets, src, dst):
+    """The CSR with pair i's target added after ``src[i]``'s own targets, the pairs of a source in their order:
+    (offsets int64 ``[N + 1]``, targets int32). One pass over the edges: no sort of them."""
+    n = offsets.shape[0] - 1
+    added = np.zeros(n, np.int64)
+    for i in range(src.shape[0]):
+        added[src[i]] += 1
+    new_offsets = np.empty(n + 1, np.int64)
+    new_offsets[0] = 0
+    for v in range(n):
+        new_offsets[v + 1] = new_offsets[v] + (offsets[v + 1] - offsets[v]) + added[v]
+    out = np.empty(new_offsets[n], np.int32)
+    cursor = np.empty(n, np.int64)
+    for v in range(n):
+        at = new_offsets[v]
+        for j in range(offsets[v], offsets[v + 1]):
+            out[at] = targets[j]
+            at += 1
+        cursor[v] = at
+    for i in range(src.shape[0]):
+        out[cursor[src[i]]] = dst[i]
+        cursor[src[i]] += 1
+    return new_offsets, out

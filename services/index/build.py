@@ -126,20 +126,23 @@ def _with_reverse(keys, sq_norms, offsets, targets, cfg, threads):
 
 
 def _add_ranked(offsets, targets, src, dst, cap: int | None):
-    """Add the pairs not yet edges, most-requested first, while a key has fewer than ``cap`` edges."""
+    """Add the pairs not yet edges, most-requested first, while a key has fewer than ``cap`` edges: each key's new
+    targets after its own, by descending request count, then ascending id.
+    NOTE: only the pairs are sorted; the edges are tested and copied in compiled passes (``_build``): sorting every
+    edge again took 0.80 s of a 0.80 s repair (32,768 keys, 256 queries, one thread)."""
     n = offsets.shape[0] - 1
     pairs, counts = np.unique(src * n + dst, return_counts=True)
-    e_src, e_dst = _edges(offsets, targets)
-    new = (pairs // n != pairs % n) & ~np.isin(pairs, e_src * n + e_dst)
-    pairs, counts = pairs[new], counts[new]
-    order = np.lexsort((-counts, pairs // n))
-    a_src, a_dst = pairs[order] // n, pairs[order] % n
+    p_src, p_dst = pairs // n, pairs % n
+    new = (p_src != p_dst) & _build.absent_pairs(offsets, targets, p_src, p_dst)
+    p_src, p_dst, counts = p_src[new], p_dst[new], counts[new]
+    order = np.lexsort((-counts, p_src))
+    a_src, a_dst = p_src[order], p_dst[order]
     if cap is not None:
         first = np.searchsorted(a_src, a_src, side="left")        # rank of each pair within its source
         room = cap - np.diff(offsets)[a_src]
         keep = (np.arange(a_src.shape[0]) - first) < room
         a_src, a_dst = a_src[keep], a_dst[keep]
-    return _csr(n, np.concatenate([e_src, a_src]), np.concatenate([e_dst, a_dst]))
+    return _build.append_edges(offsets, targets, a_src, a_dst)
 
 
 def exact_lists(keys: np.ndarray, queries: np.ndarray, p: int) -> np.ndarray:

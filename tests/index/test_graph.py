@@ -12,6 +12,7 @@ import pytest
 from services.index import AttentionIndex, IndexFormatError
 from services.index import format as fmt
 from services.index._build import reachable
+from services.index.build import _add_ranked
 
 
 def _normal(seed: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -211,3 +212,45 @@ def test_concurrent_searches_match_sequential(small):
         got = list(pool.map(lambda q: index.search(q, k=20, beam=64), batches))
     for (a_ids, a_scanned), (b_ids, b_scanned) in zip(want, got):
         assert (a_ids == b_ids).all() and (a_scanned == b_scanned).all()
+
+
+def _add_ranked_by_sorting(offsets, targets, src, dst, cap):
+    """_add_ranked written plainly: every edge and every new pair listed, then sorted by source (stable)."""
+    n = offsets.shape[0] - 1
+    pairs, counts = np.unique(src * n + dst, return_counts=True)
+    e_src = np.repeat(np.arange(n), np.diff(offsets))
+    e_dst = targets.astype(np.int64)
+    new = (pairs // n != pairs % n) & ~np.isin(pairs, e_src * n + e_dst)
+    pairs, counts = pairs[new], counts[new]
+    order = np.lexsort((-counts, pairs // n))
+    a_src, a_dst = pairs[order] // n, pairs[order] % n
+    if cap is not None:
+        first = np.searchsorted(a_src, a_src, side="left")
+        keep = (np.arange(a_src.shape[0]) - first) < cap - np.diff(offsets)[a_src]
+        a_src, a_dst = a_src[keep], a_dst[keep]
+    all_src, all_dst = np.concatenate([e_src, a_src]), np.concatenate([e_dst, a_dst])
+    order = np.argsort(all_src, kind="stable")
+    out = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(all_src, minlength=n), out=out[1:])
+    return out, all_dst[order].astype(np.int32)
+
+
+@pytest.mark.parametrize("cap", [None, 3, 6])
+def test_added_edges_are_those_of_sorting_every_edge(cap):
+    """A repair's new edges (pairs not yet edges, self-pairs dropped, most requested first, within the cap) land
+    after each key's own, as sorting every edge by source would place them: equal CSR, dtypes included."""
+    rng = np.random.default_rng(cap or 0)
+    n = 300
+    degrees = rng.integers(0, 6, n)
+    offsets = np.concatenate([[0], np.cumsum(degrees)]).astype(np.int64)
+    targets = rng.integers(0, n, offsets[-1]).astype(np.int32)
+    src = rng.integers(0, n, 4000)
+    dst = rng.integers(0, n, 4000)
+    dst[:200] = src[:200]                                                  # self-pairs
+    e_src = np.repeat(np.arange(n), degrees)
+    src[200:400], dst[200:400] = e_src[:200], targets[:200]                # pairs that are edges already
+    want = _add_ranked_by_sorting(offsets, targets, src, dst, cap)
+    got = _add_ranked(offsets, targets, src, dst, cap)
+    assert got[0].dtype == np.int64 and got[1].dtype == np.int32
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert got[1].shape[0] > targets.shape[0]
