@@ -145,13 +145,22 @@ def _add_ranked(offsets, targets, src, dst, cap: int | None):
     return _build.append_edges(offsets, targets, a_src, a_dst)
 
 
-def exact_lists(keys: np.ndarray, queries: np.ndarray, p: int) -> np.ndarray:
-    """int64 ``[M, p]``: each query's top-``p`` keys by inner product, best first."""
+def exact_lists(keys: np.ndarray, queries: np.ndarray, p: int, threads: int) -> np.ndarray:
+    """int64 ``[M, p]``: each query's top-``p`` keys by inner product, best first, searched on ``threads`` OpenMP
+    threads.
+    NOTE: an OpenMP thread count is the calling thread's own: set in one thread it leaves every other at the default
+    (all of the host's cores), so each build thread sets its own here, or builds running side by side would each start
+    a pool of every core for their faiss search."""
     import faiss
 
-    flat = faiss.IndexFlatIP(keys.shape[1])
-    flat.add(keys)
-    _, ids = flat.search(queries, p)
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(threads)
+    try:
+        flat = faiss.IndexFlatIP(keys.shape[1])
+        flat.add(keys)
+        _, ids = flat.search(queries, p)
+    finally:
+        faiss.omp_set_num_threads(before)
     return ids.astype(np.int64)
 
 
@@ -179,7 +188,7 @@ def repair_graph(keys: np.ndarray, graph: Graph, train: np.ndarray, cfg: BuildCo
     if train.shape[0] > cfg.max_train_queries:
         train = train[np.sort(rng.choice(train.shape[0], cfg.max_train_queries, replace=False))]
     sq_norms = np.einsum("nd,nd->n", keys, keys).astype(np.float32)
-    lists = exact_lists(keys, train, min(cfg.query_neighbors, keys.shape[0]))
+    lists = exact_lists(keys, train, min(cfg.query_neighbors, keys.shape[0]), threads)
     offsets, targets = _repair(keys, sq_norms, graph.offsets, graph.targets.astype(np.int32), graph.entries, train,
                                lists, cfg, threads, rng)
     return Graph(offsets, targets, graph.entries)
@@ -194,7 +203,7 @@ def build_graph(keys: np.ndarray, train: np.ndarray, cfg: BuildConfig, threads: 
     if train.shape[0] > cfg.max_train_queries:
         train = train[np.sort(rng.choice(train.shape[0], cfg.max_train_queries, replace=False))]
     sq_norms = np.einsum("nd,nd->n", keys, keys).astype(np.float32)
-    lists = exact_lists(keys, train, min(cfg.query_neighbors, n))
+    lists = exact_lists(keys, train, min(cfg.query_neighbors, n), threads)
     firsts = np.bincount(lists[:, 0], minlength=n)
     entry = np.argsort(-firsts, kind="stable")[:min(cfg.entries, n)].astype(np.int64)
 

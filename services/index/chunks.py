@@ -32,7 +32,6 @@ import os
 import struct
 import threading
 from collections import OrderedDict
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -88,8 +87,8 @@ class ChunkIndex:
             q = np.ascontiguousarray(train[layer][h], np.float32)
             return build_graph(k, q, config, threads=1)
 
-        with _one_faiss_thread(), ThreadPoolExecutor(threads or len(os.sched_getaffinity(0)),
-                                                     thread_name_prefix="chunk-index") as pool:
+        # each graph's exact lists on its own thread's one OpenMP thread (build.exact_lists)
+        with ThreadPoolExecutor(threads or len(os.sched_getaffinity(0)), thread_name_prefix="chunk-index") as pool:
             built = list(pool.map(one, jobs))
         graphs = tuple(tuple(built[layer * hkv:(layer + 1) * hkv]) for layer in range(len(keys)))
         return cls(length, graphs, config)
@@ -157,20 +156,6 @@ class ChunkIndex:
             check_structure(length, offsets[i], targets[i], entries[i])
             flat.append(Graph(offsets[i].copy(), targets[i], entries[i]))
         return cls(length, tuple(tuple(flat[layer * heads:(layer + 1) * heads]) for layer in range(layers)), config)
-
-
-@contextmanager
-def _one_faiss_thread():
-    """faiss' exact search on one OpenMP thread while the graphs build one a thread (else each of them would start
-    as many OpenMP threads as there are cores)."""
-    import faiss
-
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    try:
-        yield
-    finally:
-        faiss.omp_set_num_threads(before)
 
 
 class ChunkIndexCache:

@@ -166,3 +166,28 @@ def test_an_index_set_repairs_a_composition_with_its_repair_queries(monkeypatch)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="repair_queries"):
             IndexSet(threads=1, repair_queries=bad)
+
+
+def test_each_graph_searches_its_exact_lists_on_its_own_one_thread(monkeypatch):
+    """A chunk's graphs build one a thread, so each one's exact kNN (faiss) must run on one OpenMP thread: an OpenMP
+    count set in the calling thread would leave the build threads at every core each."""
+    import faiss
+
+    seen = []
+    search = faiss.IndexFlatIP.search
+
+    def spy(self, *args, **kwargs):
+        seen.append(faiss.omp_get_max_threads())
+        return search(self, *args, **kwargs)
+
+    monkeypatch.setattr(faiss.IndexFlatIP, "search", spy)
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(2)              # the host's default, as the build threads see it
+    try:
+        rng = np.random.default_rng(0)
+        keys = [rng.standard_normal((2, 40, 16), dtype=np.float32) for _ in range(2)]
+        train = [rng.standard_normal((2, 24, 16), dtype=np.float32) for _ in range(2)]
+        ChunkIndex.build(keys, train, threads=2)
+    finally:
+        faiss.omp_set_num_threads(before)
+    assert seen == [1] * 4
