@@ -80,18 +80,20 @@ def rotate(x: np.ndarray, positions, inv_freq: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1), np.float32)
 
 
-def layout(prompts: int, seed: int):
+def layout(prompts: int, seed: int, merge: int = 1):
     """Per prompt: (pool index of its ``<bos>``, global offset); chunks [(pool start, global offset, length)]; the
-    rest's pool indices; keys in all."""
+    rest's pool indices; keys in all. ``merge``: each run of that many consecutive 64-token chunks of a prompt taken as
+    one chunk (larger chunks, as an 8B model's 512-token ones; a prompt's last run may be shorter)."""
     v = vocab()
     starts, chunks, rest, at, offset = [], [], [], 0, 0
     for p in longgen_heldout(seed, prompts):
         starts.append((at, offset))
         rest.append(at)
         pos = 1
-        for c in p.chunks:
-            chunks.append((at + pos, offset + pos, len(c)))
-            pos += len(c)
+        for i in range(0, len(p.chunks), merge):
+            length = sum(len(c) for c in p.chunks[i:i + merge])
+            chunks.append((at + pos, offset + pos, length))
+            pos += length
         rest.extend(range(at + pos, at + pos + len(p.suffix(v))))
         pos += len(p.suffix(v))
         at, offset = at + pos, offset + pos + len(p.target(v))
@@ -234,7 +236,7 @@ def plot(doc, path):
     if doc["sweep"]:
         axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(f"longgen model, {doc['prompts']} prompts spread ({doc['num_keys']} keys, {doc['num_chunks']} "
-                 f"chunks of 64), {doc['heldout_queries']} held-out answer queries a head; CPU, commit {doc['commit']}",
+                 f"chunks of {64 * doc.get('merge', 1)}), {doc['heldout_queries']} held-out answer queries a head; CPU, commit {doc['commit']}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
@@ -252,6 +254,9 @@ def main() -> None:
     ap.add_argument("--subsample", default="1024,512", help="training queries a head the repair also runs with, at +0")
     ap.add_argument("--sweep", default="all", help="'all', 'none' or indices into SWEEP, e.g. 0,5")
     ap.add_argument("--what", default="chunk_recall")
+    ap.add_argument("--merge", type=int, default=1, help="consecutive 64-token chunks of a prompt taken as one chunk")
+    ap.add_argument("--chunk-options", default="{}",
+                    help="BuildConfig options of the chunks' graphs (JSON; the chunk defaults otherwise)")
     ap.add_argument("--repair-rounds", type=int, default=None,
                     help="the repair's rounds (default: what IndexSet.add uses, services/index/heads.py COMPOSED)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
@@ -276,7 +281,8 @@ def main() -> None:
     group = cfg.heads // cfg.kv_heads
     heads = dump_qk("longgen", args.prompts, args.seed, spread=True)
     stacked = dump_qk("longgen", args.prompts, args.seed)
-    starts, chunks, rest, n = layout(args.prompts, args.seed)
+    starts, chunks, rest, n = layout(args.prompts, args.seed, args.merge)
+    chunk_options = json.loads(args.chunk_options)
     assert n == heads[0].keys.shape[0], (n, heads[0].keys.shape)
     order = np.concatenate([np.arange(a, a + length) for a, _, length in chunks] + [rest])   # the engine's key order
     frames = chunk_frames(heads, stacked, starts, chunks, group, inv_freq, cfg.max_positions)
@@ -317,7 +323,7 @@ def main() -> None:
         full = AttentionIndex.build(keys, train, threads=1)
         return full, time.perf_counter() - t0
 
-    built, per_graph, base_digest = build_chunks(frames, {})
+    built, per_graph, base_digest = build_chunks(frames, chunk_options)
     print(f"chunk graphs: {1e3 * per_graph:.2f} ms a graph, one thread", flush=True)
     curves, builds, same = {}, [], {}
     first_ids = {}
@@ -397,7 +403,7 @@ def main() -> None:
 
     chunk_keys = sum(length for _, _, length in chunks)
     doc = {"started_utc": started.isoformat(timespec="seconds"), "commit": commit, "argv": sys.argv[1:],
-           "repair_rounds": composed_config.repair_rounds,
+           "repair_rounds": composed_config.repair_rounds, "merge": args.merge, "chunk_options": chunk_options,
            "device": f"CPU, {len(os.sched_getaffinity(0))} cores", "task": "longgen", "prompts": args.prompts,
            "seed": args.seed, "k": args.k, "num_keys": n, "num_chunks": len(chunks), "rest_keys": int(len(rest)),
            "heads": len(heads), "heldout_queries": int(heads[0].heldout.shape[0]), "offsets": offsets,
