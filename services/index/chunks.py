@@ -47,6 +47,12 @@ _HEADER = struct.Struct("<8sHHIIII")
 # its tokens (x 4 query heads a KV head), 1 MiB a layer on the host in fp16 until its graphs are built, so that a
 # 128K-token context's chunks wait in 16 GiB rather than 64
 CHUNK_TRAIN_QUERIES = 512
+# NOTE: no repair round in a chunk's own graphs: a request repairs the composition of its chunks' graphs with its own
+# queries (heads.IndexSet.add), and that repair does their work. On the longgen model's Q/K in 384-key chunks
+# (bench/index/README.md) the repaired composition's recall@100 at 20% of the keys read was 0.9295 with none against
+# 0.9298 with the build's 2 rounds (0.5162 against 0.5153 composed alone), and a chunk's graph built in 40.7 ms against
+# 93.0 (one thread): the start of a request whose chunks are new
+CHUNK_REPAIR_ROUNDS = 0
 # NOTE: a composed index's one beam spans many chunks and expands the best-scored keys first: a chunk is explored only
 # when one of its entries scores well, so each starts searches from one key per ``KEYS_PER_ENTRY`` of it (its
 # most-asked-for keys). Entries alone do not carry recall (bench/index/README.md: composed recall@100 0.59 at 20% of
@@ -72,6 +78,7 @@ class ChunkIndex:
         if not keys or len(keys) != len(train):
             raise ValueError(f"need keys and training queries for every layer, got {len(keys)} and {len(train)}")
         options.setdefault("max_train_queries", CHUNK_TRAIN_QUERIES)
+        options.setdefault("repair_rounds", CHUNK_REPAIR_ROUNDS)
         hkv, length, dim = keys[0].shape
         options.setdefault("entries", max(1, length // KEYS_PER_ENTRY))
         config = BuildConfig(**options)
