@@ -11,7 +11,8 @@ actually look. The build (``build_graph``):
    candidates, pruned by the occlusion rule (``_build.prune``) to ``degree``; then reverse edges, pruned
    again (RoarGraph's projected bipartite graph, our own code);
 3. connectivity enhancement: every key searched on the graph so far with itself as the query, its beam
-   merged into its candidates and pruned, reverse edges again;
+   merged into its candidates and pruned, reverse edges again (up to ``EXACT_CANDIDATES`` keys: its exact top
+   keys instead of a search's beam);
 4. repair, ``repair_rounds`` times: training queries searched on the graph as it stands; each key of a
    query's exact list the search missed gets an edge from the nearest key of that list it found, kept by
    how many queries asked for it up to ``max_degree`` a key (the step that matters most on the longgen
@@ -194,6 +195,11 @@ def repair_graph(keys: np.ndarray, graph: Graph, train: np.ndarray, cfg: BuildCo
     return Graph(offsets, targets, graph.entries)
 
 
+# NOTE: step 3 of an index of at most this many keys (a chunk's: 512 tokens) takes each key's exact top ``build_beam``
+# keys by inner product (faiss' flat index) instead of searching the graph for them: what the search approximates
+EXACT_CANDIDATES = 2048
+
+
 def build_graph(keys: np.ndarray, train: np.ndarray, cfg: BuildConfig, threads: int | None = None) -> Graph:
     """The graph of the module docstring's steps 1-5. ``keys`` float32 ``[N, D]``, ``train`` float32 ``[M, D]``,
     both C-contiguous and finite. The result does not depend on ``threads`` (default: this process' CPUs)."""
@@ -211,8 +217,12 @@ def build_graph(keys: np.ndarray, train: np.ndarray, cfg: BuildConfig, threads: 
     offsets, targets = _pruned(keys, sq_norms, np.repeat(lists[:, 0], p - 1), lists[:, 1:].reshape(-1), cfg, threads)
     offsets, targets = _with_reverse(keys, sq_norms, offsets, targets, cfg, threads)
 
-    found = _concat_pairs(_in_ranges(_build.search_candidates, n, threads, keys, offsets, targets, entry,
-                                     cfg.build_beam))
+    if n <= EXACT_CANDIDATES:    # what each key's search looks for, found exactly
+        beams = exact_lists(keys, keys, min(cfg.build_beam, n), threads)
+        found = np.repeat(np.arange(n, dtype=np.int64), beams.shape[1]), beams.reshape(-1)
+    else:
+        found = _concat_pairs(_in_ranges(_build.search_candidates, n, threads, keys, offsets, targets, entry,
+                                         cfg.build_beam))
     src, dst = _edges(offsets, targets)
     offsets, targets = _pruned(keys, sq_norms, np.concatenate([src, found[0]]), np.concatenate([dst, found[1]]),
                                cfg, threads)

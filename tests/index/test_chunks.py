@@ -190,4 +190,4 @@ def test_each_graph_searches_its_exact_lists_on_its_own_one_thread(monkeypatch):
         ChunkIndex.build(keys, train, threads=2)
     finally:
         faiss.omp_set_num_threads(before)
-    assert seen == [1] * 4
+    assert len(seen) >= 4 and set(seen) == {1}       # a search or more a graph, every one on one thread
