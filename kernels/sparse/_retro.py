@@ -78,20 +78,6 @@ def _unseen(pick_ptr, b, ent_ptr, seen_ptr, cu_ptr, r, h, s_pb, s_ph, s_sr, s_sh
     return picked, new, tl.cumsum(take, axis=0) - take, tl.sum(take, axis=0)
 
 
-def _check_past(q, k_cache, v_cache, inv_freq, out_in) -> None:
-    """The checks retro_attention and quest_retro_attention share: caches, a past query per row, its prior."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() \
-            or k_cache.stride(3) != 1:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
-                         "[N, BS, Hkv, D], with one set of strides and a contiguous head dimension")
-    _check_query(q, k_cache.shape[3], inv_freq)
-    if q.shape[1] % k_cache.shape[2]:
-        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
-    if not q.dtype == k_cache.dtype == v_cache.dtype == out_in.dtype:
-        raise ValueError(f"q, k_cache, v_cache and out_in dtypes differ: {q.dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}, {out_in.dtype}")
-
-
 @triton.jit
 def _quest_retro_kernel(
     q_ptr, qp_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_ptr, invf_ptr,
@@ -218,13 +204,22 @@ def quest_retro_attention_triton(q, q_past, k_cache, v_cache, block_ids, offsets
                                  cu, out_in, lse_in, inv_freq, scale):
     """See kernels/sparse/retro.py's quest_retro_attention: its inputs checked once, then one launch (two when the
     selection is split)."""
-    _check_past(q_past, k_cache, v_cache, inv_freq, out_in)
-    _check_query(q, k_cache.shape[3], inv_freq)
-    n_cur = q.shape[0]
-    n_past, hkv = q_past.shape[0], k_cache.shape[2]
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() \
+            or k_cache.stride(3) != 1:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+                         "[N, BS, Hkv, D], with one set of strides and a contiguous head dimension")
+    for t in (q, q_past):
+        _check_query(t, k_cache.shape[3], inv_freq)
     if q.dtype != q_past.dtype or q.shape[1] != q_past.shape[1]:
         raise ValueError(f"q {q.dtype} {tuple(q.shape)} and q_past {q_past.dtype} {tuple(q_past.shape)} must share "
                          "a dtype and their heads")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+    if not q.dtype == k_cache.dtype == v_cache.dtype == out_in.dtype:
+        raise ValueError(f"q, k_cache, v_cache and out_in dtypes differ: {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}, {out_in.dtype}")
+    n_cur = q.shape[0]
+    n_past, hkv = q_past.shape[0], k_cache.shape[2]
     if n_cur == 0 and n_past or n_cur and n_past % n_cur:
         raise ValueError(f"{n_past} past rows are not a whole number a row for {n_cur} rows")
     if sel.dim() != 3 or sel.shape[:2] != (n_cur, hkv) or count.shape != (n_cur, hkv):
