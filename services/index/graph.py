@@ -63,12 +63,13 @@ class AttentionIndex:
 
     __slots__ = ("_keys", "_compact", "_ones", "_graph", "_config")
 
-    def __init__(self, keys: np.ndarray, graph: Graph, config: BuildConfig):
+    def __init__(self, keys: np.ndarray, graph: Graph, config: BuildConfig, compact: CompactKeys | None = None):
+        """``compact``: ``quantize(keys)`` when the caller has it already (an index of the same keys)."""
         check_graph(keys, graph.offsets, graph.targets, graph.entries)
         for arr in (keys, graph.offsets, graph.targets, graph.entries):
             arr.setflags(write=False)      # shared by every searching thread
         self._keys, self._graph, self._config = keys, graph, config
-        self._compact = quantize(keys)
+        self._compact = quantize(keys) if compact is None else compact
         self._ones = np.ones(keys.shape[1], np.float32)        # the step of float32 navigation
         self._ones.setflags(write=False)
 
@@ -118,7 +119,7 @@ class AttentionIndex:
         if threads is not None:
             _count("threads", threads, 1)
         return AttentionIndex(self._keys, repair_graph(self._keys, self._graph, train, self._config, threads),
-                              self._config)
+                              self._config, self._compact)      # the same keys: their codes too
 
     @property
     def graph(self) -> Graph:

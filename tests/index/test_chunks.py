@@ -153,7 +153,8 @@ def test_an_index_set_repairs_a_composition_with_its_repair_queries(monkeypatch)
     values = np.random.default_rng(7).standard_normal(keys.shape).astype(np.float32)
     searched = []
     real = build._repair
-    monkeypatch.setattr(build, "_repair", lambda *a, **kw: searched.append(a[7].repair_queries) or real(*a, **kw))
+    monkeypatch.setattr(build, "_repair", lambda *a, **kw: searched.append((a[8].repair_queries, [len(p) for p in a[7]]))
+                        or real(*a, **kw))
     for n in (None, 40):
         ix = IndexSet(threads=1, repair_queries=n)
         try:
@@ -162,7 +163,7 @@ def test_an_index_set_repairs_a_composition_with_its_repair_queries(monkeypatch)
             assert index.config.repair_queries == (20000 if n is None else 40) and index.config.repair_rounds == 1
         finally:
             ix.close()
-    assert searched == [20000, 40]
+    assert searched == [(20000, [600]), (40, [40])]      # one round, of every query or of 40
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="repair_queries"):
             IndexSet(threads=1, repair_queries=bad)

@@ -254,3 +254,30 @@ def test_added_edges_are_those_of_sorting_every_edge(cap):
     assert got[0].dtype == np.int64 and got[1].dtype == np.int32
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     assert got[1].shape[0] > targets.shape[0]
+
+
+def test_a_repair_computes_exact_lists_only_for_the_queries_it_searches(monkeypatch):
+    """A repair from fewer queries than it is given (``repair_queries``) computes the exact lists of those it picks
+    only, and makes the graph that every query's list would."""
+    from dataclasses import replace
+
+    from services.index import build as B
+
+    rng = np.random.default_rng(5)
+    keys = rng.standard_normal((600, 16), dtype=np.float32)
+    train = rng.standard_normal((300, 16), dtype=np.float32)
+    parts = [AttentionIndex.build(keys[i:i + 200], train[:50]).graph for i in (0, 200, 400)]
+    cfg = replace(B.BuildConfig(repair_rounds=2), repair_queries=40)
+    composed = AttentionIndex.compose(keys, parts, cfg)
+    rows = []
+    lists_of = B.exact_lists
+    monkeypatch.setattr(B, "exact_lists", lambda k, q, p, t: rows.append(q.shape[0]) or lists_of(k, q, p, t))
+    got = composed.repaired(train, threads=1).graph
+    picks = B._repair_picks(np.random.default_rng(cfg.seed), train.shape[0], cfg)
+    assert rows == [np.unique(np.concatenate(picks)).shape[0]] and rows[0] <= 80 < train.shape[0]
+    sq = np.einsum("nd,nd->n", keys, keys).astype(np.float32)
+    full = lists_of(keys, train, cfg.query_neighbors, 1)
+    g = composed.graph
+    want = B._repair(keys, sq, g.offsets, g.targets.astype(np.int32), g.entries, train, full, picks, cfg, 1)
+    assert np.array_equal(got.offsets, want[0]) and np.array_equal(got.targets, want[1])
+    assert got.targets.shape[0] > g.targets.shape[0]
