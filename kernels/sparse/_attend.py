@@ -111,7 +111,8 @@ def attend_run(q_ptr, k_ptr, v_ptr, ids_ptr, off_ptr, mask_lo_ptr, invf_ptr, sel
     With P past rows a row (KINDS = next power of two of 1 + P, else 1 and the past arguments unused), each lane's
     rows are KINDS kinds of G_PAD group heads: kind 0 row r_id's query (q_ptr), kind c its past row r_id * P + c - 1
     (qp_ptr), which attends an entry only where flag_ptr says it is new to it: one read of each page serves both.
-    The sparse decode kernel, RetroAttention's correction and their fusion (_retro.py) attend through it."""
+    The sparse decode kernel and RetroAttention's layer (_retro.py: the current and past rows at once) attend
+    through it."""
     BLOCK_N: tl.constexpr = NB * BS
     RPL: tl.constexpr = KINDS * G_PAD    # rows a lane
     # row r = (lane j, kind c, group head g): lane j attends to the j-th selected entry of every step
