@@ -71,3 +71,18 @@ def test_a_py_spy_recording_is_summarised_by_process_role_and_thread(tmp_path):
     assert {pid: p["role"] for pid, p in procs.items()} == {"7": "decode", "8": "prefill"}
     assert procs["7"]["samples"] == 9 and dict(procs["7"]["threads"]) == {"asyncio_2": 6, "decode-engine": 3}
     assert dict(procs["7"]["frames"]["asyncio_2"]) == {"copy_out (services/handoff/cuda_ipc.py:123)": 6}
+
+
+def test_a_py_spy_recording_of_one_process_is_summarised_as_that_process(tmp_path):
+    """A recording of one worker (scale.sh's SPY_ROLE: no --subprocesses) names no process on its lines: they are all
+    that process's samples, not none."""
+    spec = importlib.util.spec_from_file_location(
+        "spy_summary", Path(__file__).resolve().parents[1] / "bench" / "cluster" / "spy_summary.py")
+    spy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(spy)
+    path = tmp_path / "gil.txt"
+    path.write_text("thread (21): prefill-engine;EngineLoop._run (/repo/services/prefill/engine_loop.py:63) 4\n"
+                    "thread (22): kv-put_0;KVStoreClient.put (/repo/services/kvstore/client.py:339) 2\n")
+    procs = spy.summarize(str(path))
+    assert list(procs) == ["recorded"] and procs["recorded"]["role"] == "prefill"
+    assert dict(procs["recorded"]["threads"]) == {"prefill-engine": 4, "kv-put_0": 2}

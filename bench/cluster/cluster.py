@@ -347,6 +347,8 @@ def main() -> int:
                         replay_target.mode = mode
                     replay_target.reset()
                     before = meter.snapshot()
+                    # bench/cluster/scale.sh waits for this line before it records the replay (py-spy, GPU contexts)
+                    print(f"alpha {alpha:g} {mode}: replay started at {time.monotonic() - started:.0f} s", flush=True)
                     with GpuSampler() as gpu_samples:
                         mode_runs, mode_summaries = replay_modes(trace, Prepared(replay_target), rcfg, [mode])
                     used = delta(meter.snapshot(), before)

@@ -27,11 +27,12 @@ descendants() {     # PID: its child processes, theirs, and so on
         descendants "$child"
     done
 }
-replay_started() {  # NAME: wait until the replay of run NAME starts (cluster.py's warm-up line); false when the run
-                    # ended (or never started) before its replay
-    local name=$1 i
+replay_started() {  # NAME [LINE]: wait until run NAME's output has LINE (default: cluster.py's "replay started",
+                    # printed after the warm-up and the corpus's registration); false when the run ended (or never
+                    # started) before it
+    local name=$1 line=${2:-replay started} i
     for i in $(seq 1 900); do
-        grep -q "warm-up" "$out/$name.out" 2>/dev/null && return 0
+        grep -q "$line" "$out/$name.out" 2>/dev/null && return 0
         [ "$i" -gt 20 ] && ! pgrep -f "cluster.py --no-ray.*--out $out/$name" > /dev/null && return 1
         sleep 1
     done
@@ -39,8 +40,9 @@ replay_started() {  # NAME: wait until the replay of run NAME starts (cluster.py
 }
 spy() {     # NAME SECONDS: once the replay of run NAME starts, record the cluster
     local name=$1 seconds=$2 pid
-    replay_started "$name" || return 0
-    sleep 3
+    # the workers are up once the warm-up is done: find the one to record then (a four-GPU replay lasts ~15 s, less
+    # than finding it takes), and record once the replay has started
+    replay_started "$name" "warm-up" || return 0
     pid=$(pgrep -n -f "cluster.py --no-ray.*--out $out/$name") || return 0
     local rate=${SPY_RATE:-10} sub=--subprocesses child
     if [ -n "${SPY_ROLE:-}" ]; then     # one worker of that role alone: the first whose stacks run services/ROLE/
@@ -52,6 +54,8 @@ spy() {     # NAME SECONDS: once the replay of run NAME starts, record the clust
         done
         [ -z "$sub" ] || { echo "no $SPY_ROLE worker found to record"; return 0; }
     fi
+    replay_started "$name" || return 0
+    sleep 2
     for kind in all gil; do
         timeout $((seconds * 3)) py-spy record $sub --nonblocking --threads $([ $kind = gil ] && echo --gil) \
             --format raw -r "$rate" -d "$seconds" -o "$out/$name-pyspy_$kind.txt" -p "$pid" > /dev/null 2>&1 || true

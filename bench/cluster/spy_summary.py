@@ -35,9 +35,10 @@ def read(path: str):
                 continue
             parts = stack.split(";")
             procs = [p for p in parts if p.startswith("process ")]
-            if not procs:
+            # a recording of one process (no --subprocesses) names none: its lines are that process's
+            pid = procs[-1].split(":")[0].split()[1] if procs else "recorded"
+            if not any(p.startswith("thread ") for p in parts):
                 continue
-            pid = procs[-1].split(":")[0].split()[1]
             thread = next((p.split(":", 1)[-1].strip() for p in parts if p.startswith("thread ")), "?")
             frames = [re.sub(r"\(/\S*?/(site-packages/|python3[.\d]*/|(?=services/|kernels/))", "(", p) for p in parts
                       if not p.startswith(("process ", "thread "))]
