@@ -182,6 +182,16 @@ def search_batch(nav, step, keys, offsets, targets, entries, queries, beam, k, e
     ``out_scores`` float32 ``[B, k]`` (exact), ``out_scanned`` int64 ``[B]`` (keys the traversal scored; a rescore
     reads the beam's exact keys besides). ``beam >= k``."""
     visited, touched, ids, scores, queue, queue_neg = scratch(nav.shape[0], beam)
+    search_batch_into(nav, step, keys, offsets, targets, entries, queries, beam, k, exact_nav, out_ids, out_scores,
+                      out_scanned, visited, touched, ids, scores, queue, queue_neg)
+
+
+@njit(nogil=True, cache=True)
+def search_batch_into(nav, step, keys, offsets, targets, entries, queries, beam, k, exact_nav, out_ids, out_scores,
+                      out_scanned, visited, touched, ids, scores, queue, queue_neg):
+    """``search_batch`` in the caller's ``scratch`` (its arrays at least ``nav.shape[0]`` long, ``beam`` as the
+    call's; ``visited`` all 0, and all 0 again on return), so that a thread searching again and again allocates it
+    once (services/index/scratch.py)."""
     q = np.empty(queries.shape[1], np.float32)
     for b in range(queries.shape[0]):
         q[:] = queries[b] * step
@@ -207,6 +217,14 @@ def search_attend(nav, step, keys, offsets, targets, entries, values, queries, b
     ``[N, Dv]``), ``lse`` float32 ``[B]`` (natural log of the summed exp of the scaled scores), ``out_scanned`` int64
     ``[B]``. ``beam >= k``."""
     visited, touched, ids, scores, queue, queue_neg = scratch(nav.shape[0], beam)
+    search_attend_into(nav, step, keys, offsets, targets, entries, values, queries, beam, k, exact_nav, scale, out,
+                       lse, out_scanned, visited, touched, ids, scores, queue, queue_neg)
+
+
+@njit(nogil=True, cache=True)
+def search_attend_into(nav, step, keys, offsets, targets, entries, values, queries, beam, k, exact_nav, scale, out,
+                       lse, out_scanned, visited, touched, ids, scores, queue, queue_neg):
+    """``search_attend`` in the caller's ``scratch``, as ``search_batch_into``."""
     q = np.empty(queries.shape[1], np.float32)
     dv = values.shape[1]
     acc = np.empty(dv, np.float64)

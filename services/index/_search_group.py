@@ -183,8 +183,18 @@ def search_group_batch(nav, step, keys, offsets, targets, entries, queries, beam
     rescored with ``keys`` unless ``exact_nav``: ``out_ids`` int64 ``[B, g, k]`` (-1 past a beam's keys),
     ``out_scores`` float32 ``[B, g, k]`` (exact), ``out_scanned`` int64 ``[B]`` (keys the traversal read for the
     group). ``beam >= k``."""
+    visited, touched, seen, ids, scores, sizes, queue, queue_neg = group_scratch(nav.shape[0], queries.shape[1], beam)
+    search_group_batch_into(nav, step, keys, offsets, targets, entries, queries, beam, k, exact_nav, out_ids,
+                            out_scores, out_scanned, visited, touched, seen, ids, scores, sizes, queue, queue_neg)
+
+
+@njit(nogil=True, cache=True)
+def search_group_batch_into(nav, step, keys, offsets, targets, entries, queries, beam, k, exact_nav, out_ids,
+                            out_scores, out_scanned, visited, touched, seen, ids, scores, sizes, queue, queue_neg):
+    """``search_group_batch`` in the caller's ``group_scratch`` (its arrays at least ``nav.shape[0]`` long, ``g`` and
+    ``beam`` as the call's; ``visited`` all 0, and all 0 again on return), so that a thread searching again and again
+    allocates it once (services/index/scratch.py)."""
     g = queries.shape[1]
-    visited, touched, seen, ids, scores, sizes, queue, queue_neg = group_scratch(nav.shape[0], g, beam)
     q = np.empty((g, queries.shape[2]), np.float32)
     for b in range(queries.shape[0]):
         scanned, n_touched = _one_group(nav, step, keys, offsets, targets, entries, queries[b], beam, exact_nav, q,
@@ -207,8 +217,16 @@ def search_attend_group(nav, step, keys, offsets, targets, entries, values, quer
     ``k`` keys: ``out`` float32 ``[B, g, Dv]`` (the softmax of the head's scaled exact scores over its keys, weighting
     ``values`` ``[N, Dv]``), ``lse`` float32 ``[B, g]`` (natural log of the summed exp of those scaled scores),
     ``out_scanned`` int64 ``[B]`` (keys read for each group). ``beam >= k``."""
+    visited, touched, seen, ids, scores, sizes, queue, queue_neg = group_scratch(nav.shape[0], queries.shape[1], beam)
+    search_attend_group_into(nav, step, keys, offsets, targets, entries, values, queries, beam, k, exact_nav, scale,
+                             out, lse, out_scanned, visited, touched, seen, ids, scores, sizes, queue, queue_neg)
+
+
+@njit(nogil=True, cache=True)
+def search_attend_group_into(nav, step, keys, offsets, targets, entries, values, queries, beam, k, exact_nav, scale,
+                             out, lse, out_scanned, visited, touched, seen, ids, scores, sizes, queue, queue_neg):
+    """``search_attend_group`` in the caller's ``group_scratch``, as ``search_group_batch_into``."""
     g = queries.shape[1]
-    visited, touched, seen, ids, scores, sizes, queue, queue_neg = group_scratch(nav.shape[0], g, beam)
     q = np.empty((g, queries.shape[2]), np.float32)
     acc = np.empty(values.shape[1], np.float64)
     for b in range(queries.shape[0]):

@@ -21,8 +21,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from services.index._scan import scan_attend_group
-from services.index._search import search_attend, search_batch
-from services.index._search_group import search_attend_group, search_group_batch
+from services.index import scratch
+from services.index._search import search_attend_into, search_batch_into
+from services.index._search_group import search_attend_group_into, search_group_batch_into
 from services.index.build import BuildConfig, Graph, build_graph, repair_graph
 from services.index.compact import CompactKeys, quantize
 from services.index.format import IndexFormatError, IndexParts, check_graph, decode, encode
@@ -173,8 +174,9 @@ class AttentionIndex:
         if b:
             g = self._graph
             nav, step, keys, exact_nav = self._nav(compact)
-            search_batch(nav, step, keys, g.offsets, g.targets, g.entries, queries, beam, k, exact_nav, ids, scores,
-                         scanned)
+            with scratch.searching():
+                search_batch_into(nav, step, keys, g.offsets, g.targets, g.entries, queries, beam, k, exact_nav, ids,
+                                  scores, scanned, *scratch.one(nav.shape[0], beam))
         return ids, scanned
 
     def _exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -211,8 +213,9 @@ class AttentionIndex:
         if b:
             g = self._graph
             nav, step, keys, exact_nav = self._nav(compact)
-            search_attend(nav, step, keys, g.offsets, g.targets, g.entries, values, queries, beam, k, exact_nav,
-                          float(scale), out, lse, scanned)
+            with scratch.searching():
+                search_attend_into(nav, step, keys, g.offsets, g.targets, g.entries, values, queries, beam, k,
+                                   exact_nav, float(scale), out, lse, scanned, *scratch.one(nav.shape[0], beam))
         return out, lse, scanned
 
     def search_group(self, queries, k: int = 100, *, beam: int | None = None, compact: bool = True,
@@ -232,8 +235,9 @@ class AttentionIndex:
         if b:
             gr = self._graph
             nav, step, keys, exact_nav = self._nav(compact)
-            search_group_batch(nav, step, keys, gr.offsets, gr.targets, gr.entries, queries, beam, k, exact_nav, ids,
-                               scores, scanned)
+            with scratch.searching():
+                search_group_batch_into(nav, step, keys, gr.offsets, gr.targets, gr.entries, queries, beam, k,
+                                        exact_nav, ids, scores, scanned, *scratch.group(nav.shape[0], g, beam))
         return ids, scanned
 
     def attend_group(self, queries, values: np.ndarray, k: int, scale: float, *, beam: int | None = None,
@@ -257,8 +261,9 @@ class AttentionIndex:
         scanned = np.empty(b, np.int64)
         gr = self._graph
         nav, step, keys, exact_nav = self._nav(compact)
-        search_attend_group(nav, step, keys, gr.offsets, gr.targets, gr.entries, values, queries, beam, k, exact_nav,
-                            float(scale), out, lse, scanned)
+        with scratch.searching():
+            search_attend_group_into(nav, step, keys, gr.offsets, gr.targets, gr.entries, values, queries, beam, k,
+                                     exact_nav, float(scale), out, lse, scanned, *scratch.group(nav.shape[0], g, beam))
         return out, lse, scanned
 
     def _groups(self, queries) -> tuple[np.ndarray, int, int]:
