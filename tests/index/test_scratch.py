@@ -1,6 +1,7 @@
 """A thread's reused search scratch (services/index/scratch.py): searches of indexes of different sizes, one after
 another in one thread's scratch, answer exactly as searches that allocate their own; a search that raises drops the
-thread's scratch; threads keep scratch of their own."""
+thread's scratch; threads keep scratch of their own; a thread holds one set a kind, grown, whatever beams and groups
+it is asked for."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def test_searches_in_one_threads_scratch_answer_as_fresh_ones():
     # mark a search left behind would change the next one's traversal
     small, large = (AttentionIndex.build(_normal(s, (n, 24)), _normal(s + 1, (90, 24))) for s, n in ((1, 301), (3, 977)))
     values = {id(i): _normal(7, (i.num_keys, 8)) for i in (small, large)}
+    # first a wider group and a larger beam: the searches below run in views of a set larger than they need
+    large.attend_group(_normal(5, (2, 4, 24)), values[id(large)], 6, 0.1, beam=40)
+    large.attend(_normal(6, (2, 24)), values[id(large)], 6, 0.1, beam=40)
     for rnd, index in enumerate((large, small, large, small, large)):
         q = _normal(20 + rnd, (5, 3, 24))
         out, lse, read = index.attend_group(q, values[id(index)], 6, 0.1, beam=16)
@@ -77,3 +81,15 @@ def test_each_thread_has_scratch_of_its_own():
     assert not np.shares_memory(mine[0], theirs[0][0]) and not np.shares_memory(mine[2], theirs[0][2])
     again = scratch.group(32, 2, 8)              # a smaller index: views of the same arrays
     assert np.shares_memory(again[0], mine[0]) and again[0].shape == (32,)
+
+
+def test_a_thread_holds_one_set_a_kind_whatever_the_beams_and_groups():
+    with pytest.raises(RuntimeError), scratch.searching():     # start from no sets
+        raise RuntimeError("reset")
+    for beam in range(8, 200, 7):
+        for g in (1, 2, 4, 3):
+            scratch.group(500, g, beam)
+        scratch.one(500, beam)
+    largest = scratch.held_bytes()
+    # one group set of 500 keys, 4 heads and beam 197, and one single-query set of 500 keys and beam 197
+    assert largest == (500 * (1 + 8 + 16 + 8 + 4) + 4 * 197 * (8 + 4) + 4 * 8) + (500 * (1 + 8 + 8 + 4) + 197 * 12)
