@@ -134,12 +134,8 @@ def _split_kv(buf: torch.Tensor, meta: dict, counts: list[int]) -> dict[str, tor
     want = 2 * sum(counts) * hkv * dim
     if buf.numel() != want:
         raise ValueError(f"hand-off K/V buffer holds {buf.numel()} values, its layers need {want}")
-    out, at = {}, 0
-    for i, p in enumerate(counts):
-        for name in ("k", "v"):
-            out[f"{i}.{name}"] = buf[at:at + p * hkv * dim].view(p, hkv, dim)
-            at += p * hkv * dim
-    return out
+    views = layer_views(buf, counts, torch.Size((hkv, dim)))    # a few calls a run of layers, not two a tensor
+    return {f"{i}.{name}": views[2 * i + j] for i in range(len(counts)) for j, name in enumerate(("k", "v"))}
 
 
 def layer_views(flat: torch.Tensor, counts: list[int], shape) -> list[torch.Tensor]:

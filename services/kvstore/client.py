@@ -140,14 +140,7 @@ class _DeviceIssue:
                 done = torch.cuda.Event()
                 done.record(checking)
             self.checks.append((crc0, done))
-        self.views = []
-        for group, data in zip(self.groups, landed):
-            lo, out = group[0][1], []
-            for index, offset, nbytes in group:
-                at, kn = offset - lo, meta.k_nbytes(index)
-                out.append((index, data[at:at + kn].view(dtype).reshape(meta.k_shapes[index]),
-                            data[at + kn:at + nbytes].view(dtype).reshape(meta.v_shapes[index])))
-            self.views.append(out)
+        self.views = [_group_views(data, group, meta, dtype) for group, data in zip(self.groups, landed)]
 
     def check(self, g: int) -> None:
         from kernels.checksum import crc32_of_crc0
@@ -240,6 +233,41 @@ def _placed_meta(header: bytes) -> ChunkMeta:
     """A looked-up place's chunk header, checked (``ChunkMeta.from_proto``); kept by its bytes, as a chunk's header is
     the same at every lookup while the store keeps that version."""
     return ChunkMeta.from_proto(pb.ChunkHeader.FromString(header))
+
+
+def _group_views(data: torch.Tensor, group: list, meta: ChunkMeta, dtype) -> list[tuple]:
+    """(index, K, V) views of a group's layers (``group``: their (index, offset, nbytes) spans) in ``data`` (uint8, the
+    group's bytes from its first span on). Layers of one shape lying equally spaced, as a chunk's do in the arena,
+    are cut from two strided views over all of them (five torch calls a group); others three calls a tensor. Each call
+    gives up the interpreter lock and may wait to get it back: these views are made on a decode worker's helper threads
+    beside its engine thread (bench/cluster/README.md, 2026-11-28: 27% of a decode worker's lock samples)."""
+    lo, (first, _, size) = group[0][1], group[0]
+    ks, vs, kn, item = meta.k_shapes[first], meta.v_shapes[first], meta.k_nbytes(first), dtype.itemsize
+    step = group[1][1] - lo if len(group) > 1 else size
+    if (len(group) > 1 and step % item == 0 and kn % item == 0 and data.numel() % item == 0
+            and data.storage_offset() % item == 0
+            and all(meta.k_shapes[i] == ks and meta.v_shapes[i] == vs and off - lo == j * step and n == size
+                    for j, (i, off, n) in enumerate(group))):
+        flat = data.view(dtype)
+        base = flat.storage_offset()
+        k_all = flat.as_strided((len(group), *ks), (step // item, *_strides(ks)), base)
+        v_all = flat.as_strided((len(group), *vs), (step // item, *_strides(vs)), base + kn // item)
+        return [(index, k, v) for (index, _, _), k, v in zip(group, k_all.unbind(0), v_all.unbind(0))]
+    out = []
+    for index, offset, nbytes in group:
+        at, kn = offset - lo, meta.k_nbytes(index)
+        out.append((index, data[at:at + kn].view(dtype).reshape(meta.k_shapes[index]),
+                    data[at + kn:at + nbytes].view(dtype).reshape(meta.v_shapes[index])))
+    return out
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A contiguous tensor's strides (in elements) for ``shape``."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
 
 
 def _groups(spans: list) -> list[list]:

@@ -523,3 +523,48 @@ def test_a_prefill_reading_chunks_onto_its_device_matches_and_recomputes_damaged
             assert torch.allclose(logits, want, atol=1e-4, rtol=1e-4)
         finally:
             access.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["even", "padded", "ragged", "one"])
+def test_a_groups_layer_views_are_the_bytes_per_layer_slicing_gives(dtype, layout):
+    """``client._group_views`` cuts equally spaced layers of one shape from two strided views; each (K, V) is the same
+    view of the same bytes as slicing each layer on its own gives (values, shape, strides, address), whatever the
+    layout: back to back, padded to an alignment, layers of different shapes (sliced one by one), one layer."""
+    from services.kvstore import client as client_module
+    from services.kvstore.chunk import ChunkMeta
+
+    item = dtype.itemsize
+    shapes = {"even": [(5, 3, 8)] * 4, "padded": [(5, 3, 8)] * 4, "ragged": [(5, 3, 8), (7, 3, 8), (5, 3, 8)],
+              "one": [(9, 2, 4)]}[layout]
+    kv = [(s, (s[0], s[1], s[2] + (2 if layout == "ragged" else 0))) for s in shapes]
+    pad = 96 if layout == "padded" else 0
+    spans, at = [], 0
+    for i, (ks, vs) in enumerate(kv):
+        n = (int(torch.tensor(ks).prod()) + int(torch.tensor(vs).prod())) * item
+        spans.append((i + 3, 1000 + at, n))          # the group's layers 3.., at arena offsets from 1000
+        at += n + pad
+    meta = ChunkMeta("c" * 64, "m", {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype],
+                     tuple([(1, 1, 1)] * 3 + [k for k, _ in kv]), tuple([(1, 1, 1)] * 3 + [v for _, v in kv]))
+    data = torch.randint(0, 256, (spans[-1][1] - 1000 + spans[-1][2],), dtype=torch.uint8)
+
+    class Calls(torch.overrides.TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Calls.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Calls():
+        got = client_module._group_views(data, spans, meta, dtype)
+    if layout in ("even", "padded"):      # the point: torch calls a group, not a layer
+        assert Calls.n <= 8 < 6 * len(spans)
+    assert [i for i, _, _ in got] == [i for i, _, _ in spans]
+    for (index, k, v), (_, offset, nbytes) in zip(got, spans):
+        rel, kn = offset - 1000, meta.k_nbytes(index)
+        want_k = data[rel:rel + kn].view(dtype).reshape(meta.k_shapes[index])
+        want_v = data[rel + kn:rel + nbytes].view(dtype).reshape(meta.v_shapes[index])
+        for t, want in ((k, want_k), (v, want_v)):
+            assert t.shape == want.shape and t.stride() == want.stride() and t.is_contiguous()
+            assert t.data_ptr() == want.data_ptr()
+            assert torch.equal(t.view(torch.uint8), want.view(torch.uint8))
