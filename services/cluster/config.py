@@ -135,8 +135,8 @@ class DecodeSettings:
     # larger batches and that GPU time (the wait admits newly arrived hand-offs)
     min_step_interval_s: float = 0.0
     # admit the hand-offs that arrived while a decode step runs on the GPU (issued, its tokens not yet read back),
-    # so that an admission's host work overlaps the step instead of following it: at four GPUs a decode worker spent
-    # 39-48% of a run admitting and 46-51% stepping (bench/cluster/README.md). Off until measured on a GPU
+    # so that an admission's host work overlaps the step instead of following it. Off: measured on four H200s
+    # (bench/cluster/README.md, 2026-11-28) it lowered TTFT p50 2.3-3.1x and throughput 15-20%; on two, neither
     admit_during_step: bool = False
     # before serving, on a GPU: two decode steps at every batch bucket up to max_batch over sequences of this
     # many tokens, so that no step stalls its batch on a kernel compile or a graph capture
