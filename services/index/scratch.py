@@ -16,6 +16,9 @@ import threading
 
 import numpy as np
 
+from services.index._search import scratch
+from services.index._search_group import group_scratch
+
 _local = threading.local()
 
 
@@ -33,24 +36,18 @@ def _grown(name: str, n: int, g: int, beam: int, make) -> tuple:
 
 
 def one(n: int, beam: int) -> tuple[np.ndarray, ...]:
-    """``_search.scratch(n, beam)``'s arrays for this thread: visited uint8 [n] (all 0), touched int64 [n], ids int64
-    and scores float32 (at least ``beam`` long), queue int64 [n], queue_neg float32 [n]."""
-    visited, touched, ids, scores, queue, queue_neg = _grown(
-        "one", n, 1, beam, lambda n, _g, beam: (np.zeros(n, np.uint8), np.empty(n, np.int64), np.empty(beam, np.int64),
-                                                np.empty(beam, np.float32), np.empty(n, np.int64),
-                                                np.empty(n, np.float32)))
+    """``_search.scratch(n, beam)``'s arrays (it makes them) for this thread: visited uint8 [n] (all 0), touched
+    int64 [n], ids int64 and scores float32 (at least ``beam`` long), queue int64 [n], queue_neg float32 [n]."""
+    visited, touched, ids, scores, queue, queue_neg = _grown("one", n, 1, beam, lambda n, _g, beam: scratch(n, beam))
     return visited[:n], touched[:n], ids, scores, queue[:n], queue_neg[:n]
 
 
 def group(n: int, g: int, beam: int) -> tuple[np.ndarray, ...]:
-    """``_search_group.group_scratch(n, g, beam)``'s arrays for this thread: visited uint8 [n] (all 0), touched int64
-    [n], seen float32 [n, >= g], ids int64 and scores float32 [>= g, >= beam], sizes int64 [>= g], queue int64 [n],
-    queue_neg float32 [n]. (The compiled searches read sizes from their ``g`` and ``beam``, not from the arrays.)"""
-    visited, touched, seen, ids, scores, sizes, queue, queue_neg = _grown(
-        "group", n, g, beam, lambda n, g, beam: (np.zeros(n, np.uint8), np.empty(n, np.int64),
-                                                 np.empty((n, g), np.float32), np.empty((g, beam), np.int64),
-                                                 np.empty((g, beam), np.float32), np.zeros(g, np.int64),
-                                                 np.empty(n, np.int64), np.empty(n, np.float32)))
+    """``_search_group.group_scratch(n, g, beam)``'s arrays (it makes them) for this thread: visited uint8 [n] (all
+    0), touched int64 [n], seen float32 [n, >= g], ids int64 and scores float32 [>= g, >= beam], sizes int64 [>= g],
+    queue int64 [n], queue_neg float32 [n]. (The compiled searches read sizes from their ``g`` and ``beam``, not from
+    the arrays.)"""
+    visited, touched, seen, ids, scores, sizes, queue, queue_neg = _grown("group", n, g, beam, group_scratch)
     return visited[:n], touched[:n], seen[:n], ids, scores, sizes, queue[:n], queue_neg[:n]
 
 

@@ -41,7 +41,8 @@ def _fresh_one(index: AttentionIndex, values: np.ndarray, q: np.ndarray, k: int,
 def test_searches_in_one_threads_scratch_answer_as_fresh_ones():
     # a large index, then a smaller one (views of the grown arrays), then the large one again, twice each: any visited
     # mark a search left behind would change the next one's traversal
-    small, large = (AttentionIndex.build(_normal(s, (n, 24)), _normal(s + 1, (90, 24))) for s, n in ((1, 301), (3, 977)))
+    small, large = (AttentionIndex.build(_normal(s, (n, 24)), _normal(s + 1, (90, 24)))
+                    for s, n in ((1, 301), (3, 977)))
     values = {id(i): _normal(7, (i.num_keys, 8)) for i in (small, large)}
     # first a wider group and a larger beam: the searches below run in views of a set larger than they need
     large.attend_group(_normal(5, (2, 4, 24)), values[id(large)], 6, 0.1, beam=40)
