@@ -5,7 +5,8 @@ for (bench/handoff/lock_wait.py), so the calls are counted beside the time.
 
 - an arena read of an 8B-shaped chunk (32 layers of K, V [512, 8, 128] bf16) in ``_groups``' groups (8, 8, 8, 4, 2,
   2), by ``client._group_views``;
-- a hand-off's K/V buffer (32 layers of 3,136 private tokens), cut by ``wire._split_kv``.
+- a hand-off's K/V buffer (32 layers of 3,136 private tokens), cut by ``wire._split_kv``;
+- and, one way only, a whole hand-off parsed (``Handoff.from_bytes``): what else a helper spends its calls on.
 
     .venv/bin/python bench/handoff/helper_views.py --json F
 """
@@ -80,6 +81,26 @@ def handoff_buffer() -> tuple:
     return grouped, per_layer
 
 
+def parsed_handoff() -> tuple:
+    """A hand-off as a decode worker's helper parses it (``Handoff.from_bytes`` of a payload without its K/V, the K/V
+    buffer given apart, as CUDA IPC delivers it): 32 layers of 525 private tokens (a 64-token suffix and 15% of 3,072
+    chunk tokens recomputed), 461 hidden chunk positions each, the logits of a 128,256-token vocabulary."""
+    from services.handoff.wire import ChunkRef, Handoff, LayerView
+
+    private, hidden = 525, 461
+    kv = torch.zeros(2 * LAYERS * private * HKV * DIM, dtype=torch.bfloat16)
+    views = wire.layer_views(kv, [private] * LAYERS, torch.Size((HKV, DIM)))
+    layers = tuple(LayerView(torch.arange(hidden), torch.arange(private), views[2 * i], views[2 * i + 1])
+                   for i in range(LAYERS))
+    chunks = tuple(ChunkRef(f"{i:064x}", i * TOKENS, tuple(range(TOKENS))) for i in range(6))
+    payload = Handoff("m", chunks, layers, 6 * TOKENS + 64, torch.zeros(128256), kv=kv).to_bytes(with_kv=False)
+
+    def parse():
+        return Handoff.from_bytes(payload, kv)
+
+    return parse
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--number", type=int, default=500)
@@ -102,6 +123,15 @@ def main() -> int:
         print(f"{what}: per layer {row['per_layer']['torch_calls']} torch calls, {row['per_layer']['us_min']:.1f} us; "
               f"grouped {row['grouped']['torch_calls']} calls, {row['grouped']['us_min']:.1f} us "
               f"({row['per_layer']['us_min'] / row['grouped']['us_min']:.2f}x)", flush=True)
+    parse = parsed_handoff()          # one way only, as it is: what a helper thread spends on each hand-off
+    counter = Calls()
+    with counter:
+        parse()
+    times = timeit.repeat(parse, number=max(1, args.number // 10), repeat=args.repeat)
+    row = {"what": "a hand-off parsed, 32 layers (Handoff.from_bytes, K/V apart)", "as_is": {
+        "torch_calls": counter.n, "us_min": min(times) / max(1, args.number // 10) * 1e6}}
+    rows.append(row)
+    print(f"{row['what']}: {counter.n} torch calls, {row['as_is']['us_min']:.1f} us", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                                "command": "bench/handoff/helper_views.py " + " ".join(sys.argv[1:]),
