@@ -19,7 +19,7 @@ Imports nothing heavy at module level (``tessera --help`` reads its defaults).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loadgen.quality.vocab import vocab
 from services.modes import DECODE_PARAMS, DECODE_POLICIES
@@ -133,13 +133,16 @@ def parse_decode_modes(text: str) -> list[DecodeMode]:
 class GenResult:
     """One mode over the prompts: ``right[p][i]`` whether prompt p's answer i is right, ``names[p][i]``
     whether its name slot held question i's name, ``generations[p]`` the tokens, and the mean wall time
-    of one ``generate`` call in seconds."""
+    of one ``generate`` call in seconds. ``pages``: what the decode steps read over every prompt (``DecodeStats``:
+    steps, pages_visible, pages_read, pages_corrected), so that a policy's work is seen beside its accuracy (a Retro
+    mode whose answers equal Quest's still shows the pages its past tokens were corrected with)."""
 
     mode: DecodeMode
     right: tuple[tuple[bool, ...], ...]
     names: tuple[tuple[bool, ...], ...]
     generations: tuple[tuple[int, ...], ...]
     mean_generate_s: float
+    pages: dict[str, int] = field(default_factory=dict)
 
     def accuracy(self) -> float:
         return sum(map(sum, self.right)) / sum(map(len, self.right))
@@ -156,7 +159,19 @@ class GenResult:
             "name_accuracy": sum(map(sum, self.names)) / sum(map(len, self.names)),
             "prompts_all_right": sum(map(all, self.right)) / len(self.right),
             "mean_generate_s": self.mean_generate_s,
+            **self._pages_json(),
         }
+
+    def _pages_json(self) -> dict:
+        """Per decode step, the pages (KV blocks, per KV head and layer) a dense step would read, those this policy
+        read, and those a Retro step attended for past tokens that had not seen them."""
+        steps = self.pages.get("steps", 0)
+        if not steps:
+            return {}
+        return {"decode_steps": steps,
+                "pages_visible_per_step": self.pages["pages_visible"] / steps,
+                "pages_read_per_step": self.pages["pages_read"] / steps,
+                "pages_corrected_per_step": self.pages["pages_corrected"] / steps}
 
 
 def check_modes(engine, modes: list[DecodeMode], dense_layers: int) -> None:
@@ -184,17 +199,21 @@ def evaluate_decode_modes(engine, modes: list[DecodeMode], prompts, dense_layers
     for mode in modes:
         bar.set_postfix(mode=str(mode))
         right, names, gens, seconds = [], [], [], 0.0
+        pages = dict.fromkeys(("steps", "pages_visible", "pages_read", "pages_corrected"), 0)
         for p in prompts:
             t0 = time.perf_counter()
+            stats: dict = {}
             out = engine.generate(chunks=[[v.bos]] + [list(c) for c in p.chunks], suffix=p.suffix(v),
-                                  max_new_tokens=2 * len(p.questions) + 1, mode=prefill,
+                                  max_new_tokens=2 * len(p.questions) + 1, mode=prefill, stats=stats,
                                   **mode.generate_args(dense_layers))
             seconds += time.perf_counter() - t0
+            for key in pages:
+                pages[key] += int(stats.get(key, 0))
             right.append(tuple(p.answers_right(out)))
             names.append(tuple(p.names_right(out)))
             gens.append(tuple(out))
             bar.update(1)
-        results.append(GenResult(mode, tuple(right), tuple(names), tuple(gens), seconds / len(prompts)))
+        results.append(GenResult(mode, tuple(right), tuple(names), tuple(gens), seconds / len(prompts), pages))
     bar.close()
     return results
 

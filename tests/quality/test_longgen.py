@@ -153,6 +153,16 @@ def test_retrieval_of_every_offloaded_key_answers_as_dense_and_the_static_set_al
     assert static.accuracy() < dense.accuracy()
 
 
+def test_each_mode_reports_the_pages_its_steps_read_and_retro_the_pages_it_corrected_with(engine):
+    dense, quest, retro = evaluate_decode_modes(engine, parse_decode_modes("dense,quest@64,retro@64"),
+                                                longgen_heldout(1, 1), progress=False)
+    d, q, r = dense.as_json(), quest.as_json(), retro.as_json()
+    assert d["decode_steps"] == dense.pages["steps"] > 0 and d["pages_read_per_step"] == d["pages_visible_per_step"]
+    assert d["pages_corrected_per_step"] == 0 and q["pages_corrected_per_step"] == 0
+    assert 0 < q["pages_read_per_step"] < q["pages_visible_per_step"]
+    assert 0 < r["pages_read_per_step"] < r["pages_visible_per_step"] and r["pages_corrected_per_step"] > 0
+
+
 def test_modes_the_engine_cannot_run_are_refused_before_any_runs(engine):
     with pytest.raises(ValueError, match=r"mode quest@8: the engine cannot run it: budget_tokens"):
         evaluate_decode_modes(engine, parse_decode_modes("dense,quest@8"), longgen_heldout(1, 1), progress=False)
