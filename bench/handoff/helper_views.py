@@ -6,7 +6,8 @@ for (bench/handoff/lock_wait.py), so the calls are counted beside the time.
 - an arena read of an 8B-shaped chunk (32 layers of K, V [512, 8, 128] bf16) in ``_groups``' groups (8, 8, 8, 4, 2,
   2), by ``client._group_views``;
 - a hand-off's K/V buffer (32 layers of 3,136 private tokens), cut by ``wire._split_kv``;
-- and, one way only, a whole hand-off parsed (``Handoff.from_bytes``): what else a helper spends its calls on.
+- and, one way only (as the tree has it), a whole hand-off parsed (``Handoff.from_bytes``: what else a decode
+  worker's helper spends its calls on) and made (``Handoff.to_bytes``, on a prefill worker's hand-off thread).
 
     .venv/bin/python bench/handoff/helper_views.py --json F
 """
@@ -98,7 +99,10 @@ def parsed_handoff() -> tuple:
     def parse():
         return Handoff.from_bytes(payload, kv)
 
-    return parse
+    def serialize():
+        return Handoff("m", chunks, layers, 6 * TOKENS + 64, torch.zeros(128256), kv=kv).to_bytes(with_kv=False)
+
+    return parse, serialize
 
 
 def main() -> int:
@@ -123,15 +127,18 @@ def main() -> int:
         print(f"{what}: per layer {row['per_layer']['torch_calls']} torch calls, {row['per_layer']['us_min']:.1f} us; "
               f"grouped {row['grouped']['torch_calls']} calls, {row['grouped']['us_min']:.1f} us "
               f"({row['per_layer']['us_min'] / row['grouped']['us_min']:.2f}x)", flush=True)
-    parse = parsed_handoff()          # one way only, as it is: what a helper thread spends on each hand-off
-    counter = Calls()
-    with counter:
-        parse()
-    times = timeit.repeat(parse, number=max(1, args.number // 10), repeat=args.repeat)
-    row = {"what": "a hand-off parsed, 32 layers (Handoff.from_bytes, K/V apart)", "as_is": {
-        "torch_calls": counter.n, "us_min": min(times) / max(1, args.number // 10) * 1e6}}
-    rows.append(row)
-    print(f"{row['what']}: {counter.n} torch calls, {row['as_is']['us_min']:.1f} us", flush=True)
+    # one way only, as the tree has it: what a decode worker's helper spends parsing each hand-off, and a prefill
+    # worker's hand-off thread making it (run the script in another tree to compare)
+    parse, serialize = parsed_handoff()
+    for what, f in (("a hand-off parsed, 32 layers (Handoff.from_bytes, K/V apart)", parse),
+                    ("a hand-off serialized, 32 layers (Handoff.to_bytes, K/V apart)", serialize)):
+        counter = Calls()
+        with counter:
+            f()
+        times = timeit.repeat(f, number=max(1, args.number // 10), repeat=args.repeat)
+        row = {"what": what, "as_is": {"torch_calls": counter.n, "us_min": min(times) / max(1, args.number // 10) * 1e6}}
+        rows.append(row)
+        print(f"{row['what']}: {counter.n} torch calls, {row['as_is']['us_min']:.1f} us", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                                "command": "bench/handoff/helper_views.py " + " ".join(sys.argv[1:]),

@@ -79,31 +79,34 @@ class Handoff:
 
     def to_bytes(self, with_kv: bool = True) -> bytes:
         """safetensors bytes: tensors plus a JSON header of the chunk refs. ``with_kv=False`` leaves the
-        private K/V out (they travel apart, as ``kv_buffer()``; ``from_bytes`` takes them back)."""
+        private K/V out (they travel apart, as ``kv_buffer()``; ``from_bytes`` takes them back).
+
+        Every layer's hidden positions travel as one tensor, their positions as another and the K/V as one (with
+        each layer's lengths in the header), not as tensors a layer: each torch call gives up the interpreter lock,
+        which the worker's engine thread waits for (bench/handoff/README.md), and 32 layers made 64-128 of them."""
         from safetensors.torch import save
 
         tensors = {"logits": self.logits.detach().float().cpu().contiguous()}
-        kv = None
-        if with_kv and self.kv is not None and self.layers:  # one copy to the host for every layer
-            k = self.layers[0].k
-            kv = layer_views(self.kv.detach().cpu(), [lv.k.shape[0] for lv in self.layers], k.shape[1:])
-        for i, lv in enumerate(self.layers):
-            for name in ("hidden", "positions", "k", "v") if with_kv else ("hidden", "positions"):
-                t = getattr(lv, name) if kv is None or name in ("hidden", "positions") else kv[2 * i + (name == "v")]
-                tensors[f"{i}.{name}"] = t.detach().cpu().clone()  # layers may share views
-        for i, q in enumerate(self.queries):
-            tensors[f"{i}.queries"] = q.detach().cpu().contiguous()
         meta = {"fingerprint": self.model_fingerprint, "next_pos": str(self.next_pos),
                 "layers": str(len(self.layers)),
                 "chunks": json.dumps([[c.chunk_id, c.start, list(c.tokens)] for c in self.chunks])}
         if self.layers:
+            for name in ("hidden", "positions"):
+                parts = [getattr(lv, name) for lv in self.layers]
+                tensors[name] = torch.cat(parts).to("cpu", torch.int64).contiguous()
+                meta[name] = json.dumps([t.numel() for t in parts])
+            if with_kv:
+                tensors["kv"] = self.kv_buffer().detach().cpu().contiguous()
             k = self.layers[0].k
             meta["kv"] = json.dumps([list(k.shape[1:]), str(k.dtype).removeprefix("torch.")])
+        for i, q in enumerate(self.queries):
+            tensors[f"{i}.queries"] = q.detach().cpu().contiguous()
         return save(tensors, metadata=meta)
 
     @staticmethod
     def from_bytes(data: bytes, kv_buffer: torch.Tensor | None = None) -> "Handoff":
-        """The inverse of ``to_bytes``; ``kv_buffer``: the K/V a ``with_kv=False`` payload left out."""
+        """The inverse of ``to_bytes``; ``kv_buffer``: the K/V a ``with_kv=False`` payload left out. Reads the
+        per-layer tensors of payloads made before the layers were packed too."""
         from safetensors.torch import load
 
         tensors = load(data)
@@ -113,6 +116,12 @@ class Handoff:
         if "fingerprint" not in meta:
             raise ValueError("not a Tessera hand-off: its header carries no model fingerprint")
         n_layers = int(meta["layers"])
+        if "hidden" in tensors:
+            for name in ("hidden", "positions"):
+                tensors.update((f"{i}.{name}", t) for i, t in enumerate(_split_packed(tensors.pop(name), meta, name,
+                                                                                      n_layers)))
+        if kv_buffer is None:
+            kv_buffer = tensors.pop("kv", None)
         if kv_buffer is not None:
             tensors.update(_split_kv(kv_buffer, meta, [tensors[f"{i}.positions"].numel() for i in range(n_layers)]))
         missing = [i for i in range(n_layers) if f"{i}.k" not in tensors]
@@ -124,6 +133,18 @@ class Handoff:
         queries = tuple(tensors[f"{i}.queries"] for i in range(n_layers)) if "0.queries" in tensors else ()
         return Handoff(meta["fingerprint"], chunks, layers, int(meta["next_pos"]), tensors["logits"], kv=kv_buffer,
                        queries=queries)
+
+
+def _split_packed(flat: torch.Tensor, meta: dict, name: str, n_layers: int) -> tuple[torch.Tensor, ...]:
+    """A packed tensor (every layer's ``name`` one after another) cut back into the layers' by the header's lengths;
+    ValueError if they do not fit."""
+    counts = json.loads(meta.get(name, "null"))
+    if (not isinstance(counts, list) or len(counts) != n_layers
+            or not all(isinstance(c, int) and c >= 0 for c in counts)):
+        raise ValueError(f"hand-off header's {name} lengths are not {n_layers} counts: {meta.get(name)!r}")
+    if flat.dim() != 1 or flat.numel() != sum(counts):
+        raise ValueError(f"hand-off {name} holds {flat.numel()} values, its layers' lengths sum to {sum(counts)}")
+    return flat.split(counts)
 
 
 def _split_kv(buf: torch.Tensor, meta: dict, counts: list[int]) -> dict[str, torch.Tensor]:

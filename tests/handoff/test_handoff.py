@@ -55,6 +55,74 @@ def test_kv_apart_from_the_payload_round_trips(tiny_dir):
         Handoff.from_bytes(h.to_bytes(with_kv=False), h.kv_buffer().double())
 
 
+def _tiny_handoff(layers: int = 5) -> Handoff:
+    """A hand-off of ``layers`` layers of ragged lengths (an empty one among them), K/V views of one buffer."""
+    from services.handoff.wire import ChunkRef, LayerView, layer_views
+
+    counts = [3, 0, 7, 7, 2][:layers]
+    kv = torch.randn(2 * sum(counts) * 2 * 4)
+    views = layer_views(kv, counts, torch.Size((2, 4)))
+    ls = tuple(LayerView(torch.arange(i + 1) * 3, torch.arange(n) + 100 * i, views[2 * i], views[2 * i + 1])
+               for i, n in enumerate(counts))
+    return Handoff("fp", (ChunkRef("c" * 64, 0, (1, 2, 3)),), ls, 40, torch.randn(11), kv=kv)
+
+
+def _same_layers(a: Handoff, b: Handoff) -> None:
+    assert len(a.layers) == len(b.layers) and a.chunks == b.chunks and torch.equal(a.logits, b.logits)
+    for x, y in zip(a.layers, b.layers):
+        for name in ("hidden", "positions", "k", "v"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+
+
+def test_a_payloads_layers_travel_packed_and_come_back_whole():
+    """Every layer's hidden positions, positions and K/V travel as one tensor each (a few torch calls, not a few a
+    layer); with the K/V inside or apart, the layers come back equal, the K/V views of one buffer."""
+    from safetensors.torch import load
+
+    h = _tiny_handoff()
+    inside = h.to_bytes()
+    assert set(load(inside)) == {"logits", "hidden", "positions", "kv"}
+    for back in (Handoff.from_bytes(inside), Handoff.from_bytes(h.to_bytes(with_kv=False), h.kv_buffer())):
+        _same_layers(back, h)
+        assert all(lv.k.untyped_storage().data_ptr() == back.kv.untyped_storage().data_ptr() for lv in back.layers)
+
+
+def test_a_payload_made_a_layer_at_a_time_is_still_read():
+    """A payload of per-layer tensors (as hand-offs were made before the layers were packed) parses the same."""
+    import json
+
+    from safetensors.torch import save
+
+    h = _tiny_handoff()
+    tensors = {"logits": h.logits}
+    for i, lv in enumerate(h.layers):
+        tensors.update({f"{i}.{n}": getattr(lv, n).clone() for n in ("hidden", "positions", "k", "v")})
+    meta = {"fingerprint": "fp", "next_pos": "40", "layers": str(len(h.layers)), "kv": json.dumps([[2, 4], "float32"]),
+            "chunks": json.dumps([[c.chunk_id, c.start, list(c.tokens)] for c in h.chunks])}
+    _same_layers(Handoff.from_bytes(save(tensors, metadata=meta)), h)
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda m, t: m.update(hidden="[1, 2]"), "hidden lengths are not 5 counts"),
+    (lambda m, t: m.update(positions='[3, 0, 7, 7, "2"]'), "positions lengths are not 5 counts"),
+    (lambda m, t: m.update(positions="[3, 0, 7, 7, -2]"), "positions lengths are not 5 counts"),
+    (lambda m, t: m.pop("hidden"), "hidden lengths are not 5 counts"),
+    (lambda m, t: t.update(positions=t["positions"][:-1]), "positions holds 18 values, its layers' lengths sum to 19"),
+    (lambda m, t: t.update(hidden=t["hidden"].reshape(3, 5)), "hidden holds 15 values"),
+])
+def test_a_packed_payload_whose_lengths_do_not_fit_is_refused(damage, match):
+    import json
+
+    from safetensors.torch import load, save
+
+    data = _tiny_handoff().to_bytes()
+    tensors = load(data)
+    meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+    damage(meta, tensors)
+    with pytest.raises(ValueError, match=match):
+        Handoff.from_bytes(save(tensors, metadata=meta))
+
+
 @pytest.mark.slow
 def test_tessera_handoff_ships_only_private_kv(tiny_dir):
     eng = Engine.load(tiny_dir)
