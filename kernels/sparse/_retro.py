@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lse_merge.triton import UNROLL_PARTS, merge_rows
+from kernels.lse_merge.triton import UNROLL_PARTS, merge_finish, merge_rows, merge_step
 from kernels.paged_attention._decode import merge_lanes
 from kernels.paged_attention._meta import dot_f32
 from kernels.sparse._attend import LOG2E, AttendConfig, attend_run, pick_splits
@@ -132,18 +132,13 @@ def _quest_retro_kernel(
     oin_row = oin_ptr + past[:, None] * stride_ir + heads[:, None] * stride_ih + dd[None, :]
     o_row = out_ptr + split * stride_os + dest[:, None] * stride_or + heads[:, None] * stride_oh + dd[None, :]
     l_row = lse_ptr + split * stride_ls + dest * stride_lr + heads
-    if NSPLIT == 1:   # the past rows' priors merged here (natural log; a prior of -inf weighs nothing)
+    if NSPLIT == 1:   # the past rows' priors merged here, by lse_merge's arithmetic (a prior of -inf weighs nothing)
         lse_in = tl.load(lin_row, mask=is_past, other=float("-inf"))
-        o_in = tl.load(oin_row, mask=is_past[:, None], other=0.0).to(tl.float32)
-        m = tl.maximum(lse, lse_in)
-        m_s = tl.where(m == float("-inf"), 0.0, m)
-        w_now = tl.exp(lse - m_s)
-        w_in = tl.exp(lse_in - m_s)
-        l_sum = w_now + w_in
-        empty = l_sum == 0.0
-        l_safe = tl.where(empty, 1.0, l_sum)
-        out = (out * w_now[:, None] + o_in * w_in[:, None]) / l_safe[:, None]
-        lse = tl.where(empty, float("-inf"), m_s + tl.log(l_safe))
+        o_in = tl.load(oin_row, mask=is_past[:, None], other=0.0)
+        m = tl.full([RPL], float("-inf"), tl.float32)
+        m, l, acc = merge_step(m, tl.zeros([RPL], tl.float32), tl.zeros([RPL, 2 * D2], tl.float32), lse, out)
+        m, l, acc = merge_step(m, l, acc, lse_in, o_in)
+        out, lse = merge_finish(m, l, acc)
     tl.store(o_row, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
     tl.store(l_row, lse, mask=ok)
     if NSPLIT > 1:
