@@ -60,7 +60,7 @@ def quest_retro_attention_reference(q, q_past, k_cache, v_cache, block_ids, offs
     per = q_past.shape[0] // max(q.shape[0], 1)
     seq_of = torch.arange(q_past.shape[0], device=q.device) // max(per, 1)
     out_p, lse_p, count_p = retro_attention(q_past, k_cache, v_cache, block_ids, offsets, masks, sel, seq_of,
-                                                      entries, seen, cu, out_in, lse_in, inv_freq, scale)
+                                            entries, seen, cu, out_in, lse_in, inv_freq, scale)
     return out, lse, out_p, lse_p, count_p
 
 
