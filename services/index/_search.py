@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from services.index._prefetch import prefetch_row
+
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
 def dot(a: np.ndarray, b: np.ndarray) -> float:
@@ -31,6 +33,8 @@ def dot(a: np.ndarray, b: np.ndarray) -> float:
 def rescore(keys, query, ids, scores, size):
     """The beam ``ids[:size]`` scored again with the exact ``keys`` and sorted by descending exact score: what a
     search on compact keys keeps its top k from (the traversal's scores are the codes' own, off by their rounding)."""
+    for j in range(size):
+        prefetch_row(keys, ids[j])
     for j in range(size):
         scores[j] = dot(keys[ids[j]], query)
     order = np.argsort(-scores[:size])
@@ -143,6 +147,8 @@ def beam_search_one(keys, offsets, targets, entries, query, beam, visited, touch
         if offsets[node + 1] - offsets[node] > fresh.shape[0]:
             fresh = np.empty(offsets[node + 1] - offsets[node], np.float32)
         n_touched = mark_unvisited(node, offsets, targets, visited, touched, n_touched)
+        for j in range(first, n_touched):     # every row requested before the first is scored (_prefetch.py)
+            prefetch_row(keys, touched[j])
         for j in range(first, n_touched):
             fresh[j - first] = dot(keys[touched[j]], query)
         for j in range(first, n_touched):
@@ -161,6 +167,8 @@ def attend_one(ids, scores, m, values, scale, acc, out):
     best = np.float64(scores[0])                 # sorted by descending score: the largest
     total = 0.0
     acc[:] = 0.0
+    for j in range(m):
+        prefetch_row(values, ids[j])
     for j in range(m):
         # NOTE: the difference first, then the scale: s * scale - top may be contracted to one fused multiply-add
         # (fastmath), whose unrounded product differs from top's rounded one by up to 1e13 at huge scores

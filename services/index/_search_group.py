@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from services.index._prefetch import prefetch_row
 from services.index._search import _sift_down, _sift_up, attend_one, dot, mark_unvisited, rescore
 
 
@@ -76,6 +77,8 @@ def _score_group(first, n_touched, keys, queries, touched, seen, weights, beam, 
     """Score ``touched[first:n_touched]`` against every head (one read of each key), offer each score to its head's
     beam, and queue a key that entered some head's beam by its combined score; returns the new ``queued``."""
     g = queries.shape[0]
+    for j in range(first, n_touched):     # every row requested before the first is scored (services/index/_prefetch)
+        prefetch_row(keys, touched[j])
     # the first head's scores in the tight loop of beam_search_one (independent key reads the core overlaps), then
     # the other heads' while those keys are in cache
     for j in range(first, n_touched):
