@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from services.index._prefetch import prefetch_row
+from services.index._prefetch import prefetch_item, prefetch_row
 from services.index._search import _sift_down, _sift_up, attend_one, dot, mark_unvisited, rescore
 
 
@@ -157,6 +157,9 @@ def beam_search_group(keys, offsets, targets, entries, queries, weights, beam, v
         n_touched = mark_unvisited(node, offsets, targets, visited, touched, n_touched)
         queued = _score_group(first, n_touched, keys, queries, touched, seen, weights, beam, ids, scores, sizes,
                               queue, queue_neg, queued)
+        if queued > 0:            # the next node's neighbour list, likely the next one expanded
+            nxt = touched[queue[0]]
+            prefetch_item(targets, offsets[nxt])
     for h in range(g):
         size = sizes[h]
         order = np.argsort(-scores[h, :size])

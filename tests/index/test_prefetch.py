@@ -1,5 +1,6 @@
 """The compiled searches' software prefetch (services/index/_prefetch.py): it compiles on this machine's numba, reads
-and writes nothing (every row of int8, float32 and unaligned arrays intact, the arrays' last lines included), and
+and writes nothing (every row of int8, float32 and unaligned arrays and every item of 1-D ones intact, the arrays'
+last lines included), and
 where the LLVM's prefetch name does not compile the module falls back to a prefetch that does nothing, not to an error."""
 
 from __future__ import annotations
@@ -34,6 +35,23 @@ def test_prefetching_every_row_changes_nothing(dtype, cols):
     total = _prefetch_all(a)
     np.testing.assert_array_equal(a, before)
     np.testing.assert_allclose(total, before.astype(np.float64).sum(), rtol=1e-5)
+
+
+@njit
+def _prefetch_items(a):
+    total = 0
+    for i in range(a.shape[0]):
+        _prefetch.prefetch_item(a, i)
+        total += a[i]
+    return total
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_prefetching_every_item_changes_nothing(dtype):
+    a = np.arange(-500, 777, dtype=dtype)[::1].copy()
+    before = a.copy()
+    assert _prefetch_items(a) == before.sum()
+    np.testing.assert_array_equal(a, before)
 
 
 def test_rows_not_aligned_to_a_line_are_prefetched_whole():
