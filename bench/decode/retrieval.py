@@ -12,7 +12,8 @@ indexes (the engine's query tap). Per context it reports:
   the same chunks reusing them (``chunks_warm``: only the keys outside whole chunks get a graph);
 - the whole decode step, as the decode batcher runs it (``Engine.decode_step`` and a greedy pick read back): dense
   (replayed as a CUDA graph, the default) against retrieval (k, sink, window as given), medians over --steps steps,
-  with the share of a retrieval step spent in the CPU searches and attention;
+  with the share of a retrieval step spent in the CPU searches and attention; a layer's searches in one compiled
+  call (``services/index/_layer.py``, the default) and, for the same sequence, on the thread pool (``pool_ms``);
 - the floor of the dense step: the bytes it must read (weights once, every page's K/V) at the device's copy
   bandwidth measured in the same run.
 
@@ -42,6 +43,7 @@ from bench.decode.decode import graphs_against_eager, hbm_floor_seconds  # noqa:
 from bench.decode.profiling import profile_calls  # noqa: E402
 from bench.decode.sparse import CHUNK, commit_of, random_engine  # noqa: E402
 from services.engine.decode import QueryTap, RetrievalDecode  # noqa: E402
+from services.index import _layer  # noqa: E402
 
 
 def one_sequence(eng, context: int, seed: int, decode, distinct: int = 0):
@@ -184,7 +186,13 @@ def main() -> int:
                                                                             if v in args.variants.split(",")]
             for name in variants:
                 seq, tok, start_s, build_s = timed_start(eng, context, policy, name != "per_request", args.distinct)
+                _layer.warm()                           # the compiled layer call ready (its first add started it)
                 samples, cpu = time_steps(eng, seq, tok, args.steps)
+                eng.forward.indexes.compiled = False    # the same sequence's steps searched on the thread pool (the peer)
+                try:
+                    pool, pool_cpu = time_steps(eng, seq, tok, args.steps)
+                finally:
+                    eng.forward.indexes.compiled = True
                 eng.forward.static_tails = False        # the same sequence's steps with no graph at all (the peer)
                 try:
                     eager, eager_cpu = time_steps(eng, seq, tok, args.steps)
@@ -192,6 +200,7 @@ def main() -> int:
                     eng.forward.static_tails = True
                 st = seq.decode_stats
                 row[name] = {"ms": statistics.median(samples) * 1e3,
+                             "pool_ms": statistics.median(pool) * 1e3, "pool_cpu_ms_per_step": pool_cpu * 1e3,
                              "eager_ms": statistics.median(eager) * 1e3, "eager_cpu_ms_per_step": eager_cpu * 1e3,
                              "p90_ms": sorted(samples)[int(0.9 * (len(samples) - 1))] * 1e3,
                              "cpu_ms_per_step": cpu * 1e3, "start_seconds": start_s,
@@ -209,6 +218,8 @@ def main() -> int:
                     row[name]["profile"] = profile_steps(eng, seq, tok, 2)
                 print(f"  {name}: eager {row[name]['eager_ms']:.2f} ms/token ({eager_cpu * 1e3:.2f} on the CPU); graphs "
                       f"against eager: |dlogit| {check['max_abs_logit_diff']:.3g}", flush=True)
+                print(f"  {name}: searched on a thread pool {row[name]['pool_ms']:.2f} ms/token ({pool_cpu * 1e3:.2f} "
+                      f"on the CPU)", flush=True)
                 print(f"  {name}: {row[name]['ms']:.2f} ms/token ({cpu * 1e3:.2f} ms of it on the CPU); start "
                       f"{start_s:.1f} s + builds {build_s:.1f} s for {row[name]['offloaded_tokens_per_layer']} keys "
                       f"a layer; {row[name]['keys_scanned_per_step']:.0f} keys scanned a step", flush=True)

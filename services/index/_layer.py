@@ -1,32 +1,145 @@
-"""A decode layer's grouped searches in one compiled call: every piece (a KV head's index and some of its query
-heads) searched and attended on numba's own threads (``prange``), with no Python between them.
+"""A decode layer's grouped searches in one compiled call: every piece (one row's KV head and some of its query
+heads) searched and attended on numba's own threads (``prange``), with no Python between the pieces.
 
-Why: on a 16-core host a layer's 16 searches took 3.3-4.1 ms on a thread pool against 0.95-2.06 ms for the longest
-one alone (bench/index/README.md): each piece's start waits for the interpreter lock and a thread's wake-up.
+Why: on the 16-core host of ``nvidia-h200`` a layer's 16 searches (130,048 keys a head) took 3.28-3.31 ms on a
+thread pool, each piece's start waiting for the interpreter lock and a thread's wake-up, against 1.31-1.34 ms in one
+compiled call, with equal answers (bench/index/README.md, "A layer's searches in one compiled call").
 
 Invariants: those of ``_search_group`` for each piece; every index compact (int8 codes navigated, exact keys
-rescored); the pieces' query groups of one size ``g``; ``head_of[p]`` the place of piece p's index in the typed
-lists; the scratch stacked a piece (``[P, ...]``, each as ``group_scratch``'s, ``visited`` all 0, and all 0 again on
-return). NOTE: numba's default threading layer (workqueue) must not be entered by two threads at once: callers
-hold one lock around the call.
+rescored) and larger than the beam; the pieces' query groups of one size ``g``; piece p reads row ``row_of[p]``'s KV
+head ``head_of[p]``, the place of its arrays in the nested typed lists (``lists[row][head]``); the scratch stacked a
+piece (``[P, ...]``, each as ``group_scratch``'s, ``visited`` all 0, and all 0 again on return).
+
+NOTE: numba's default threading layer (workqueue) must not be entered by two threads at once, and its threads are
+the process's: every call goes through ``attend`` below, which holds one lock for the process.
+
+NOTE: compiling the call takes ~25 s on this repository's machine without numba's cache (~2 s loading it). No
+search waits for that: ``IndexSet`` searches on its thread pool until ``ready()``, and its first search starts
+``warming()``, which compiles the call on a few keys in a thread of its own (``warm()`` does it in the caller's).
 """
 
 from __future__ import annotations
 
-from numba import njit, prange
+import threading
 
-from services.index._search_group import search_attend_group_into
+import numba
+import numpy as np
+from numba import njit, prange, typed
+
+from services.index._search_group import group_scratch, search_attend_group_into
+
+_LOCK = threading.Lock()       # one parallel region at a time in this process (the workqueue layer's rule)
+_SCRATCH: list[np.ndarray] = []
+_READY = threading.Event()     # attend_pieces compiled (or loaded from numba's cache) in this process
+_WARMING = threading.Lock()    # held by the one thread compiling it
 
 
 @njit(nogil=True, parallel=True, cache=True)
-def attend_pieces(navs, steps, keyss, offsets, targets, entries, values, head_of, queries, beam, k, scale, out, lse,
-                  scanned, visited, touched, seen, ids, scores, sizes, queue, queue_neg):
-    """Piece p's queries ``queries[p]`` ``[g, D]`` searched in index ``head_of[p]`` and its top ``k`` attended:
-    ``out[p]`` ``[g, Dv]``, ``lse[p]`` ``[g]``, ``scanned[p]`` (keys its traversal read), as
-    ``search_attend_group_into`` answers for one group."""
+def attend_pieces(navs, steps, keyss, offsets, targets, entries, values, row_of, head_of, queries, beam, k, scale,
+                  out, lse, scanned, visited, touched, seen, ids, scores, sizes, queue, queue_neg):
+    """Piece p's queries ``queries[p]`` ``[g, D]`` searched in the index of row ``row_of[p]``'s KV head
+    ``head_of[p]`` and its top ``k`` attended: ``out[p]`` ``[g, Dv]``, ``lse[p]`` ``[g]``, ``scanned[p]`` (keys its
+    traversal read), as ``search_attend_group_into`` answers for one group."""
     for p in prange(queries.shape[0]):
-        h = head_of[p]
-        search_attend_group_into(navs[h], steps[h], keyss[h], offsets[h], targets[h], entries[h], values[h],
-                                 queries[p:p + 1], beam, k, False, scale, out[p:p + 1], lse[p:p + 1],
+        r, h = row_of[p], head_of[p]
+        search_attend_group_into(navs[r][h], steps[r][h], keyss[r][h], offsets[r][h], targets[r][h], entries[r][h],
+                                 values[r][h], queries[p:p + 1], beam, k, False, scale, out[p:p + 1], lse[p:p + 1],
                                  scanned[p:p + 1], visited[p], touched[p], seen[p], ids[p], scores[p], sizes[p],
                                  queue[p], queue_neg[p])
+
+
+def _read_only(arr: np.ndarray) -> np.ndarray:
+    """A read-only, C-contiguous view of ``arr`` (a copy only if it is not C-contiguous). Every array the call takes
+    is read-only so that one compiled signature serves all (numba types a read-only array apart from a writable one,
+    and a typed list holds arrays of one type)."""
+    view = np.ascontiguousarray(arr).view()
+    view.flags.writeable = False
+    return view
+
+
+class LayerArrays:
+    """One (owner, layer)'s KV heads as the compiled call takes them: seven typed lists (codes, steps, exact keys,
+    graph offsets, targets, entries, values), each a head; made once when the heads are, not at every call.
+    ``num_keys``: the smallest head's keys (the call needs every head larger than its beam)."""
+
+    __slots__ = ("lists", "num_keys")
+
+    def __init__(self, heads) -> None:
+        """``heads``: the layer's ``(AttentionIndex, values)`` in KV head order."""
+        cols: list[list[np.ndarray]] = [[] for _ in range(7)]
+        for index, vals in heads:
+            codes, step, keys, exact_nav = index._nav(True)
+            if exact_nav:
+                raise ValueError("the compiled layer call needs compact indexes")
+            g = index.graph
+            for col, arr in zip(cols, (codes, step, keys, g.offsets, g.targets, g.entries, vals)):
+                col.append(_read_only(arr))
+        self.lists = tuple(typed.List(col) for col in cols)
+        self.num_keys = min(index.num_keys for index, _ in heads)
+
+
+def _scratch(pieces: int, n: int, g: int, beam: int) -> list[np.ndarray]:
+    """The process's stacked scratch, at least ``pieces`` x ``group_scratch(n, g, beam)``; the lock held. Grown (never
+    shrunk) by any dimension a call needs beyond it, and ``visited`` all 0 between calls."""
+    global _SCRATCH
+    if _SCRATCH:
+        v, _, seen, ids = _SCRATCH[0], _SCRATCH[1], _SCRATCH[2], _SCRATCH[3]
+        if v.shape[0] >= pieces and v.shape[1] >= n and seen.shape[2] == g and ids.shape[2] == beam:
+            return [a[:pieces] for a in _SCRATCH]
+        pieces, n = max(pieces, v.shape[0]), max(n, v.shape[1])
+    one = group_scratch(n, g, beam)
+    _SCRATCH = [np.zeros((pieces,) + a.shape, a.dtype) for a in one]
+    return [a[:pieces] for a in _SCRATCH]
+
+
+def attend(layers: list[LayerArrays], row_of: np.ndarray, head_of: np.ndarray, queries: np.ndarray, beam: int,
+           k: int, scale: float, threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces ``queries`` float32 ``[P, g, D]``, piece p reading ``layers[row_of[p]]``'s KV head ``head_of[p]``, on
+    at most ``threads`` of numba's threads -> out float32 ``[P, g, Dv]``, lse float32 ``[P, g]``, scanned int64
+    ``[P]``. The caller checks the invariants (compact indexes, every one larger than ``beam``, ``beam >= k``)."""
+    p, g, _ = queries.shape
+    dv = layers[0].lists[6][0].shape[1]
+    out = np.empty((p, g, dv), np.float32)
+    lse = np.empty((p, g), np.float32)
+    scanned = np.empty(p, np.int64)
+    n = max(max(int(a.shape[0]) for a in lay.lists[0]) for lay in layers)
+    cols = [typed.List([lay.lists[c] for lay in layers]) for c in range(7)]
+    with _LOCK:
+        numba.set_num_threads(max(1, min(threads, p, numba.config.NUMBA_NUM_THREADS)))
+        attend_pieces(*cols, row_of, head_of, queries, beam, k, float(scale), out, lse, scanned,
+                      *_scratch(p, n, g, beam))
+    return out, lse, scanned
+
+
+def ready() -> bool:
+    """Whether the compiled call is ready in this process (``warm`` has run)."""
+    return _READY.is_set()
+
+
+def warm() -> None:
+    """Compile the call (or load it from numba's cache) for the argument types ``attend`` passes, on two pieces of
+    a four-key index, in this thread; ``ready()`` after. Idempotent."""
+    if _READY.is_set():
+        return
+    with _WARMING:
+        if _READY.is_set():
+            return
+        d = 4
+        keys = np.eye(4, d, dtype=np.float32)
+        ring = np.array([1, 2, 3, 0], np.int32)                   # key i's one neighbour: i + 1
+        head = (np.eye(4, d, dtype=np.int8), np.ones(d, np.float32), keys, np.arange(5, dtype=np.int64), ring,
+                np.zeros(1, np.int64), keys.copy())
+        cols = [typed.List([typed.List([_read_only(head[c])])]) for c in range(7)]
+        scratch = [np.zeros((2,) + a.shape, a.dtype) for a in group_scratch(4, 1, 2)]
+        out, lse, scanned = np.empty((2, 1, d), np.float32), np.empty((2, 1), np.float32), np.empty(2, np.int64)
+        with _LOCK:
+            attend_pieces(*cols, np.zeros(2, np.int64), np.zeros(2, np.int64), np.ones((2, 1, d), np.float32), 2, 1,
+                          1.0, out, lse, scanned, *scratch)
+        _READY.set()
+
+
+def warming() -> None:
+    """Start ``warm`` in a daemon thread of its own unless it has run or is running; returns at once."""
+    if _READY.is_set() or _WARMING.locked():
+        return
+    threading.Thread(target=warm, name="index-compile", daemon=True).start()

@@ -9,8 +9,8 @@ keys alone is returned as a partial result, the output (softmax-weighted values,
 caller merges with the GPU's partial result over the static set (kernels/lse_merge). Scores are scaled logits,
 q·k·scale, as the GPU kernels compute them, so that the two log-sum-exps are in the same units.
 
-``IndexSet`` serves many owners at once and searches the (row, KV head) pairs of one call in parallel threads (the
-index's search and numpy's matmuls release the GIL). The retrieval-index service (server.py) serves the same object
+``IndexSet`` serves many owners at once and searches the (row, KV head) pairs of one call in parallel: in one compiled
+call on numba's threads (``_layer``) where it applies, else on a thread pool (the index's search releases the GIL). The retrieval-index service (server.py) serves the same object
 over gRPC; the engine's in-process decode path calls it directly.
 """
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from services.index import _layer
 from services.index.build import BuildConfig
 from services.index.chunks import ChunkIndex
 from services.index.graph import AttentionIndex
@@ -77,6 +78,12 @@ def partial_attention(head: HeadKV, queries: np.ndarray, k: int, scale: float, b
     return out, lse, int(scanned.sum())
 
 
+def layers_beam(rows, k: int, beam: int | None) -> int:
+    """The beam a call's searches use (``AttentionIndex._beam``'s rule: ``beam``, or at least ``DEFAULT_BEAM``)."""
+    head = next(h for heads in rows for h in heads if h is not None)
+    return head.index._beam(k, beam)[1]
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     """One search call's reply: out float32 [B, Hq, D] and lse float32 [B, Hq] (-inf and 0 where a row's owner has no
@@ -91,7 +98,9 @@ class Answer:
 class IndexSet:
     """Offloaded K/V and indexes of many owners (a sequence, later a chunk), by (owner, layer, KV head).
 
-    ``threads``: searches run at once in one call (the service's cores). ``repair_queries``: at most this many of a
+    ``threads``: searches run at once in one call (the service's cores). ``compiled``: a call's searches in one
+    compiled call on numba's threads where they allow it (``_layer``: 2.5x less wall a layer on a 16-core host), once
+    it is compiled in the process (the first ``add`` starts that); else, and until then, on a thread pool. ``repair_queries``: at most this many of a
     head's training queries repair a composition of chunk graphs (default ``COMPOSED``'s: all of a request's 8,192 a
     KV head of an 8B-shaped model). The repair is most of the wait before a retrieval sequence's first step, and its
     cost grows with them; fewer give lower recall (bench/index/README.md: 2,048 of 3,598 cost 1.2 points of recall at
@@ -99,7 +108,7 @@ class IndexSet:
     (default; bench/index/README.md: the same recall for fewer keys read a query head) or one search a head."""
 
     def __init__(self, threads: int = 4, repair_queries: int | None = None, group_search: bool = True,
-                 scan_share: float | None = SCAN_SHARE):
+                 scan_share: float | None = SCAN_SHARE, compiled: bool = True):
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         if repair_queries is not None and (isinstance(repair_queries, bool) or not isinstance(repair_queries, int)
@@ -109,11 +118,13 @@ class IndexSet:
         if scan_share is not None and not 0 < scan_share <= 1:
             raise ValueError(f"scan_share must be in (0, 1] or None, got {scan_share!r}")
         self.group_search = bool(group_search)
+        self.compiled = bool(compiled)
         self.scan_share = scan_share
         # (owner, layer, KV head) -> searches left that scan every key instead of the graph (SCAN_SHARE)
         self._scans: dict[tuple[str, int, int], int] = {}
         self.composed = COMPOSED if repair_queries is None else replace(COMPOSED, repair_queries=repair_queries)
         self._heads: dict[tuple[str, int], list[HeadKV | None]] = {}
+        self._layer_arrays: dict[tuple[str, int], _layer.LayerArrays] = {}      # what ``_layer.attend`` takes
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="index-search")
 
@@ -158,9 +169,18 @@ class IndexSet:
                 return index
 
             heads = [HeadKV(values[h], index) for h, index in enumerate(self._pool.map(one, range(hkv)))]
+        arrays = None
+        if self.compiled and heads and all(h is not None for h in heads):
+            arrays = _layer.LayerArrays([(h.index, h.values) for h in heads])
         with self._lock:
             self._heads[(owner, layer)] = heads
+            if arrays is None:
+                self._layer_arrays.pop((owner, layer), None)
+            else:
+                self._layer_arrays[(owner, layer)] = arrays
             self._forget_scans(owner, layer)   # what the replaced indexes' searches read says nothing of these
+        if arrays is not None:
+            _layer.warming()                   # compiled before the searches come, once this build's loops are
         return sum(h.index_bytes for h in heads if h is not None)
 
     def has(self, owner: str, layer: int) -> bool:
@@ -180,6 +200,7 @@ class IndexSet:
             gone = [key for key in self._heads if key[0] == owner]
             for key in gone:
                 del self._heads[key]
+                self._layer_arrays.pop(key, None)
             self._forget_scans(owner)
         return len(gone)
 
@@ -236,18 +257,34 @@ class IndexSet:
         # NOTE: grouped, a piece's heads share one traversal, so which keys a head finds (not how exactly they are
         # attended) depends on the pieces, and so on ``threads`` against the pairs of a call
         pieces = min(hq, max(1, -(-self.threads // max(1, len(searched)))))
-        jobs = []
+        plan = []
         for i, h, hkv, head in searched:
             g = hq // hkv
             size = -(-g // min(g, pieces))
             scan = scans.get((owners[i], layer, h), 0) > 0
             for lo in range(h * g, (h + 1) * g, size):
-                rows_q = slice(lo, min(lo + size, (h + 1) * g))
-                jobs.append((i, h, head, rows_q, scan, self._pool.submit(
-                    partial_attention, head, queries[i, rows_q], k, scale, beam, self.group_search, scan)))
+                plan.append((i, h, head, slice(lo, min(lo + size, (h + 1) * g)), scan))
+        layers = self._compiled_call(layer, owners, rows, plan, k, beam)
+        if layers is not None and not _layer.ready():
+            layers = None
+            warm = True                 # after this call's searches: the pool's own compile is not kept waiting
+        else:
+            warm = False
+        if layers is not None:
+            row_of = np.array([i for i, *_ in plan], np.int64)
+            head_of = np.array([h for _, h, *_ in plan], np.int64)
+            pieces_q = np.ascontiguousarray(np.stack([queries[i, rows_q] for i, _, _, rows_q, _ in plan]))
+            o_all, s_all, n_all = _layer.attend(layers, row_of, head_of, pieces_q,
+                                                layers_beam(rows, k, beam), k, scale, self.threads)
+            results = [(o_all[p], s_all[p], int(n_all[p])) for p in range(len(plan))]
+        else:
+            jobs = [self._pool.submit(partial_attention, head, queries[i, rows_q], k, scale, beam, self.group_search,
+                                      scan) for i, _, head, rows_q, scan in plan]
+            results = [job.result() for job in jobs]
+            if warm:
+                _layer.warming()
         share: dict[tuple[str, int, int], float] = {}    # the largest share of its keys a graph search of a head read
-        for i, h, head, rows_q, scan, job in jobs:
-            o, s, n = job.result()
+        for (i, h, head, rows_q, scan), (o, s, n) in zip(plan, results):
             out[i, rows_q], lse[i, rows_q] = o, s
             scanned[i] += n
             if not scan:
@@ -256,7 +293,7 @@ class IndexSet:
                 share[key] = max(share.get(key, 0.0), n / (heads_read * head.keys.shape[0]))
         if self.scan_share is not None:
             with self._lock:
-                for i, h, _, _, scan, _ in jobs:
+                for i, h, _, _, scan in plan:
                     key = (owners[i], layer, h)
                     if self._heads.get((owners[i], layer)) is not rows[i]:
                         continue                    # dropped or replaced meanwhile: its searches were of others
@@ -267,6 +304,20 @@ class IndexSet:
                     else:
                         self._scans.pop(key, None)
         return Answer(out, lse, scanned, time.perf_counter() - t0)
+
+    def _compiled_call(self, layer: int, owners: list[str], rows, plan, k: int, beam: int | None):
+        """The rows' ``LayerArrays`` when this call's pieces can be searched in one compiled call
+        (``_layer.attend``): ``compiled`` on, grouped searches, no piece scanning, every row's heads all held,
+        compact and larger than the beam, every piece of one size; else None (the thread pool's searches)."""
+        if not (self.compiled and self.group_search and plan) or any(scan for *_, scan in plan):
+            return None
+        if len({rows_q.stop - rows_q.start for _, _, _, rows_q, _ in plan}) != 1:
+            return None
+        with self._lock:
+            layers = [self._layer_arrays.get((o, layer)) for o in owners]
+        if any(lay is None or lay.num_keys <= layers_beam(rows, k, beam) for lay in layers):
+            return None
+        return layers
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

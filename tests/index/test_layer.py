@@ -1,0 +1,168 @@
+"""A layer's searches in one compiled call (services/index/_layer.py, ``IndexSet(compiled=True)``, the default): the
+same answers, bit for bit, as the thread pool's searches (``compiled=False``) for one row and for several owners, at
+every piece size; the pool where the compiled call does not apply (a head scanned, an owner with no keys at the
+layer, an index no larger than the beam, pieces of unequal size), still answering alike; callers on several threads
+and index sets at once; scratch grown for a larger index and reused for a smaller one."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from services.index import _layer
+from services.index import heads as heads_mod
+from services.index.heads import IndexSet
+
+
+def _normal(seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@pytest.fixture(autouse=True)
+def compiled_ready():
+    """The compiled call ready before each test (else the first searches of a process use the pool while it compiles)."""
+    _layer.warm()
+    assert _layer.ready()
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many compiled layer calls ran (so that a test knows which path answered)."""
+    calls = []
+    real = _layer.attend
+
+    def attend(*args, **kwargs):
+        calls.append(len(args[3]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_layer, "attend", attend)
+    return calls
+
+
+def _pair(threads: int, **kwargs) -> tuple[IndexSet, IndexSet]:
+    return IndexSet(threads=threads, **kwargs), IndexSet(threads=threads, compiled=False, **kwargs)
+
+
+def _assert_same(got, want):
+    np.testing.assert_array_equal(got.out, want.out)
+    np.testing.assert_array_equal(got.lse, want.lse)
+    np.testing.assert_array_equal(got.scanned, want.scanned)
+
+
+@pytest.mark.parametrize("threads", [1, 4, 16], ids=["whole-groups", "halves", "single-heads"])
+def test_the_compiled_call_answers_as_the_pool_bit_for_bit(threads, counted):
+    hkv, hq, d = 2, 8, 24
+    keys, values = _normal(1, (hkv, 700, d)), _normal(2, (hkv, 700, d))
+    train = _normal(3, (hkv, 300, d))
+    compiled, pool = _pair(threads, scan_share=None)
+    try:
+        for ix in (compiled, pool):
+            ix.add("a", 0, keys, values, train)
+            ix.add("b", 0, keys[:, :500] * 1.5, values[:, :500], train)
+            ix.add("c", 0, keys[:, 100:], values[:, 100:], train)
+        for rows in (["a"], ["a", "b"], ["c", "a", "b"]):
+            q = _normal(len(rows) + threads, (len(rows), hq, d))
+            _assert_same(compiled.attend(0, rows, q, 20, 0.25), pool.attend(0, rows, q, 20, 0.25))
+        assert len(counted) == 3        # every call compiled: with 1 thread a piece is a KV head's 4 query heads
+        assert counted[0] == hkv * {1: 1, 4: 2, 16: 4}[threads]
+    finally:
+        compiled.close()
+        pool.close()
+
+
+def test_the_pool_answers_where_the_compiled_call_does_not_apply(counted, monkeypatch):
+    monkeypatch.setattr(heads_mod, "SCAN_CALLS", 2)
+    hkv, hq, d = 2, 6, 16
+    keys, values = _normal(4, (hkv, 900, d)), _normal(5, (hkv, 900, d))
+    train = _normal(6, (hkv, 200, d))
+    compiled, pool = _pair(4)
+    try:
+        for ix in (compiled, pool):
+            ix.add("big", 0, keys, values, train)
+            ix.add("small", 0, keys[:, :100], values[:, :100], train)        # no larger than the beam (128)
+            ix.add("none", 0, keys[:, :0], values[:, :0], train)              # nothing offloaded at this layer
+        q = _normal(7, (1, hq, d))
+        for rows in (["small"], ["big", "small"], ["none"], ["big", "none"]):
+            qs = np.repeat(q, len(rows), axis=0)
+            _assert_same(compiled.attend(0, rows, qs, 10, 0.3), pool.attend(0, rows, qs, 10, 0.3))
+        assert counted == []
+        # 3 query heads a KV head in pieces of 2 and 1 (4 threads, 2 pairs): unequal pieces, the pool
+        _assert_same(compiled.attend(0, ["big"], q, 10, 0.3), pool.attend(0, ["big"], q, 10, 0.3))
+        assert counted == []
+        # random keys: the graph reads widely, so the next calls scan (the pool), then the graph again (compiled)
+        wide = IndexSet(threads=1)
+        try:
+            wide.add("a", 0, keys, values, train)
+            q4 = _normal(8, (1, 4, d))
+            first = wide.attend(0, ["a"], q4, 10, 0.3)
+            assert len(counted) == 1 and first.scanned[0] < hkv * 900
+            assert [wide.attend(0, ["a"], q4, 10, 0.3).scanned[0] for _ in range(2)] == [hkv * 900] * 2
+            assert len(counted) == 1
+            assert wide.attend(0, ["a"], q4, 10, 0.3).scanned[0] == first.scanned[0] and len(counted) == 2
+        finally:
+            wide.close()
+    finally:
+        compiled.close()
+        pool.close()
+
+
+def test_callers_on_several_threads_and_index_sets_at_once_answer_as_alone():
+    hkv, hq, d = 2, 8, 16
+    sets = []
+    want = []
+    for s in range(3):
+        ix = IndexSet(threads=4, scan_share=None)
+        ix.add("a", 0, _normal(10 + s, (hkv, 600, d)), _normal(20 + s, (hkv, 600, d)), _normal(30 + s, (hkv, 200, d)))
+        sets.append(ix)
+    queries = [_normal(40 + i, (1, hq, d)) for i in range(12)]
+    for i, q in enumerate(queries):
+        want.append(sets[i % 3].attend(0, ["a"], q, 15, 0.3))
+    got: list = [None] * len(queries)
+
+    def work(i: int) -> None:
+        got[i] = sets[i % 3].attend(0, ["a"], queries[i], 15, 0.3)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(queries))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for g, w in zip(got, want):
+            _assert_same(g, w)
+    finally:
+        for ix in sets:
+            ix.close()
+
+
+def test_scratch_grown_for_a_larger_index_serves_a_smaller_one_after_it():
+    hkv, hq, d = 2, 4, 16
+    compiled, pool = _pair(2, scan_share=None)
+    try:
+        for ix in (compiled, pool):
+            ix.add("small", 0, _normal(50, (hkv, 300, d)), _normal(51, (hkv, 300, d)), _normal(52, (hkv, 100, d)))
+            ix.add("large", 0, _normal(53, (hkv, 2500, d)), _normal(54, (hkv, 2500, d)), _normal(55, (hkv, 100, d)))
+        q = _normal(56, (1, hq, d))
+        for owner in ("small", "large", "small", "large"):
+            _assert_same(compiled.attend(0, [owner], q, 10, 0.3), pool.attend(0, [owner], q, 10, 0.3))
+        assert _layer._SCRATCH[0].shape[1] >= 2500 and not _layer._SCRATCH[0].any()     # visited: all 0 again
+    finally:
+        compiled.close()
+        pool.close()
+
+
+def test_a_dropped_or_replaced_owner_leaves_no_compiled_arrays():
+    hkv, d = 2, 16
+    ix = IndexSet(threads=2)
+    try:
+        ix.add("a", 0, _normal(60, (hkv, 400, d)), _normal(61, (hkv, 400, d)), _normal(62, (hkv, 100, d)))
+        ix.add("a", 1, _normal(63, (hkv, 400, d)), _normal(64, (hkv, 400, d)), _normal(65, (hkv, 100, d)))
+        assert set(ix._layer_arrays) == {("a", 0), ("a", 1)}                  # noqa: SLF001
+        ix.add("a", 1, _normal(63, (hkv, 0, d)), _normal(64, (hkv, 0, d)), _normal(65, (hkv, 100, d)))
+        assert set(ix._layer_arrays) == {("a", 0)}                            # noqa: SLF001
+        ix.drop("a")
+        assert not ix._layer_arrays                                           # noqa: SLF001
+    finally:
+        ix.close()
