@@ -228,6 +228,8 @@ class IndexSet:
             raise ValueError(f"queries must be [B, Hq, D] with B = {len(owners)} owners, got {queries.shape}")
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
+        if not np.isfinite(queries).all():      # checked here for both paths (the compiled call checks nothing)
+            raise ValueError("queries holds non-finite values (after conversion to float32)")
         with self._lock:
             rows = [self._heads.get((o, layer)) for o in owners]
             # this call's heads' scan counts alone (the record holds every owner's layers: a scan of it would cost

@@ -2,7 +2,9 @@
 same answers, bit for bit, as the thread pool's searches (``compiled=False``) for one row and for several owners, at
 every piece size; the pool where the compiled call does not apply (a head scanned, an owner with no keys at the
 layer, an index no larger than the beam, pieces of unequal size), still answering alike; callers on several threads
-and index sets at once; scratch grown for a larger index and reused for a smaller one."""
+and index sets at once; scratch grown for a larger index and reused for a smaller one; an owner dropped and added
+while searched; malformed calls (wrong head_dim, beam under k, an unknown owner, non-finite queries) refused alike on
+both paths, which serve on."""
 
 from __future__ import annotations
 
@@ -166,3 +168,68 @@ def test_a_dropped_or_replaced_owner_leaves_no_compiled_arrays():
         assert not ix._layer_arrays                                           # noqa: SLF001
     finally:
         ix.close()
+
+
+def test_an_owner_dropped_and_added_again_while_searched_leaves_the_set_serving():
+    """A search racing a drop answers from the arrays it started with or names the missing owner; nothing else."""
+    hkv, hq, d = 2, 8, 16
+    keys, values, train = _normal(70, (hkv, 800, d)), _normal(71, (hkv, 800, d)), _normal(72, (hkv, 100, d))
+    compiled, pool = _pair(4, scan_share=None)
+    q = _normal(73, (1, hq, d))
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    try:
+        for ix in (compiled, pool):
+            ix.add("a", 0, keys, values, train)
+        want = pool.attend(0, ["a"], q, 10, 0.3)
+
+        def search() -> None:
+            while not stop.is_set():
+                try:
+                    _assert_same(compiled.attend(0, ["a"], q, 10, 0.3), want)
+                except KeyError as exc:
+                    assert "'a'" in str(exc)
+                except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+                    errors.append(exc)
+                    return
+
+        t = threading.Thread(target=search)
+        t.start()
+        for _ in range(20):
+            compiled.drop("a")
+            compiled.add("a", 0, keys, values, train)
+        stop.set()
+        t.join(timeout=60)
+        assert not t.is_alive() and errors == []
+        _assert_same(compiled.attend(0, ["a"], q, 10, 0.3), want)
+    finally:
+        stop.set()
+        compiled.close()
+        pool.close()
+
+
+def test_malformed_calls_are_refused_alike_on_both_paths():
+    hkv, d = 2, 16
+    compiled, pool = _pair(4)
+    try:
+        for ix in (compiled, pool):
+            ix.add("a", 0, _normal(80, (hkv, 400, d)), _normal(81, (hkv, 400, d)), _normal(82, (hkv, 100, d)))
+        for ix in (compiled, pool):
+            with pytest.raises(ValueError, match="head_dim"):
+                ix.attend(0, ["a"], _normal(83, (1, 4, d + 1)), 10, 0.3)
+            with pytest.raises(ValueError, match="beam"):
+                ix.attend(0, ["a"], _normal(84, (1, 4, d)), 10, 0.3, beam=5)
+            with pytest.raises(KeyError, match="'b'"):
+                ix.attend(0, ["b"], _normal(85, (1, 4, d)), 10, 0.3)
+            q = _normal(86, (1, 4, d))
+            q[0, 1, 3] = np.nan                 # never searched: a NaN score would order nothing
+            with pytest.raises(ValueError, match="non-finite"):
+                ix.attend(0, ["a"], q, 10, 0.3)
+            q[0, 1, 3] = np.inf
+            with pytest.raises(ValueError, match="non-finite"):
+                ix.attend(0, ["a"], q, 10, 0.3)
+        q = _normal(87, (1, 4, d))                  # and both serve on
+        _assert_same(compiled.attend(0, ["a"], q, 10, 0.3), pool.attend(0, ["a"], q, 10, 0.3))
+    finally:
+        compiled.close()
+        pool.close()
