@@ -10,8 +10,8 @@ index built from M random training queries), random queries. Per thread count T 
   of their times and the longest one;
 - ``bare``: the pieces on T threads started once and released together by a barrier, each calling the compiled
   search directly: the wall of the slowest, with no pool, no checks and no queue between;
-- ``native``: the same pieces in one compiled call on numba's threads (``_layer.attend_pieces``), no Python
-  between them; its answers checked equal to ``partial_attention``'s;
+- ``native``: the same pieces in one compiled call on numba's threads (``_layer.attend``), no Python between
+  them; its answers checked equal to ``partial_attention``'s; ``native_scan`` the same with every piece scanned;
 - ``scan``: ``attend`` with every head scanned (``attend_group(scan=True)``: every key's int8 code scored) instead
   of searched on its graph.
 
@@ -79,38 +79,25 @@ def bare_wall(heads, queries, jobs, k: int, scale: float, threads: int, calls: i
     return walls
 
 
-def native_walls(heads, jobs, k: int, scale: float, calls: int, rng) -> tuple[list[float], bool]:
-    """Each call: the pieces searched in one compiled call on numba's threads (``_layer.attend_pieces``); and
-    whether its answers equal the pool's (``partial_attention``) for one call."""
-    import numba
-    from numba import typed
+def native_walls(heads, jobs, k: int, scale: float, calls: int, rng, scan: bool = False) -> tuple[list[float], bool]:
+    """Each call: the pieces searched (``scan``: scanned) in one compiled call on numba's threads (``_layer.attend``,
+    the arrays made once as ``IndexSet`` makes them); and whether its answers equal the pool's (``partial_attention``)
+    for one call."""
+    from services.index import _layer
 
-    from services.index._layer import attend_pieces
-    from services.index._search_group import group_scratch
-
-    per = [heads[h].index._nav(True) for h in range(HKV)]
-    graphs = [heads[h].index._graph for h in range(HKV)]
-    lists = [typed.List(x) for x in ([p[0] for p in per], [p[1] for p in per], [p[2] for p in per],
-                                     [gr.offsets for gr in graphs], [gr.targets for gr in graphs],
-                                     [gr.entries for gr in graphs],
-                                     [np.ascontiguousarray(heads[h].values) for h in range(HKV)])]
-    g = jobs[0][1].stop - jobs[0][1].start
-    n = max(p[0].shape[0] for p in per)
-    scratch = [group_scratch(n, g, 128) for _ in jobs]
-    stacked = [np.stack([s[i] for s in scratch]) for i in range(len(scratch[0]))]
+    _layer.warm()
+    layers = [_layer.LayerArrays([(heads[h].index, heads[h].values) for h in range(HKV)])]
+    row_of = np.zeros(len(jobs), np.int64)
     head_of = np.array([h for h, _ in jobs], np.int64)
-    out = np.empty((len(jobs), g, D), np.float32)
-    lse = np.empty((len(jobs), g), np.float32)
-    scanned = np.empty(len(jobs), np.int64)
-    numba.set_num_threads(min(len(jobs), numba.config.NUMBA_NUM_THREADS))
+    scan_of = np.full(len(jobs), scan)
 
     def call(q):
         pieces = np.ascontiguousarray(np.stack([q[0, rows] for _, rows in jobs]))
-        attend_pieces(*lists, head_of, pieces, 128, k, scale, out, lse, scanned, *stacked)
+        return _layer.attend(layers, row_of, head_of, scan_of, pieces, 128, k, scale, len(jobs))
 
     q = rng.standard_normal((1, HQ, D), dtype=np.float32)
-    call(q)
-    equal = all(np.array_equal(out[p], partial_attention(heads[h], q[0, rows], k, scale)[0])
+    out = call(q)[0]
+    equal = all(np.array_equal(out[p], partial_attention(heads[h], q[0, rows], k, scale, scan=scan)[0])
                 for p, (h, rows) in enumerate(jobs))
     walls = []
     for _ in range(calls):
@@ -171,6 +158,7 @@ def main() -> int:
         q = rng.standard_normal((1, HQ, D), dtype=np.float32)
         bare = bare_wall(heads, q, jobs, args.k, scale, min(threads, len(jobs)), args.calls)
         native, native_equal = native_walls(heads, jobs, args.k, scale, args.calls, rng)
+        native_scan, native_scan_equal = native_walls(heads, jobs, args.k, scale, args.calls, rng, scan=True)
         iset.scan_share = 0.0                                  # every head scanned from the first call on
         scans = []
         for i in range(args.calls + 3):
@@ -186,14 +174,16 @@ def main() -> int:
                "sequential_sum_ms": statistics.median(seq_sum) * 1e3,
                "sequential_longest_ms": statistics.median(seq_max) * 1e3,
                "bare_ms": statistics.median(bare) * 1e3, "scan_ms": statistics.median(scans) * 1e3,
-               "native_ms": statistics.median(native) * 1e3, "native_equal_to_pool": native_equal}
+               "native_ms": statistics.median(native) * 1e3, "native_equal_to_pool": native_equal,
+               "native_scan_ms": statistics.median(native_scan) * 1e3, "native_scan_equal_to_pool": native_scan_equal}
         row["efficiency"] = row["sequential_sum_ms"] / (threads * row["attend_ms"])
         row["bare_efficiency"] = row["sequential_sum_ms"] / (min(threads, len(jobs)) * row["bare_ms"])
         results["rows"].append(row)
         print(f"T={threads}: {len(jobs)} pieces; attend {row['attend_ms']:.3f} ms a layer ({row['keys_read_per_call']:.0f}"
               f" keys read), one after another {row['sequential_sum_ms']:.3f} ms (longest {row['sequential_longest_ms']:.3f})"
               f", bare threads {row['bare_ms']:.3f} ms, one compiled call {row['native_ms']:.3f} ms (equal: {native_equal})"
-              f", every head scanned {row['scan_ms']:.3f} ms; efficiency {row['efficiency']:.2f} (bare "
+              f", every head scanned {row['scan_ms']:.3f} ms (in one compiled call {row['native_scan_ms']:.3f}, equal: "
+              f"{native_scan_equal}); efficiency {row['efficiency']:.2f} (bare "
               f"{row['bare_efficiency']:.2f})", flush=True)
         iset.close()
     build.close()

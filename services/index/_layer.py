@@ -1,5 +1,6 @@
 """A decode layer's grouped searches in one compiled call: every piece (one row's KV head and some of its query
-heads) searched and attended on numba's own threads (``prange``), with no Python between the pieces.
+heads) searched, or scanned (``_scan``), and attended on numba's own threads (``prange``), with no Python between
+the pieces.
 
 Why: on the 16-core host of ``nvidia-h200`` a layer's 16 searches (130,048 keys a head) took 3.28-3.31 ms on a
 thread pool, each piece's start waiting for the interpreter lock and a thread's wake-up, against 1.31-1.34 ms in one
@@ -26,6 +27,7 @@ import numba
 import numpy as np
 from numba import njit, prange, typed
 
+from services.index._scan import scan_attend_group
 from services.index._search_group import group_scratch, search_attend_group_into
 
 _LOCK = threading.Lock()       # one parallel region at a time in this process (the workqueue layer's rule)
@@ -35,17 +37,23 @@ _WARMING = threading.Lock()    # held by the one thread compiling it
 
 
 @njit(nogil=True, parallel=True, cache=True)
-def attend_pieces(navs, steps, keyss, offsets, targets, entries, values, row_of, head_of, queries, beam, k, scale,
-                  out, lse, scanned, visited, touched, seen, ids, scores, sizes, queue, queue_neg):
+def attend_pieces(navs, steps, keyss, offsets, targets, entries, values, row_of, head_of, scan_of, queries, beam, k,
+                  scale, out, lse, scanned, visited, touched, seen, ids, scores, sizes, queue, queue_neg):
     """Piece p's queries ``queries[p]`` ``[g, D]`` searched in the index of row ``row_of[p]``'s KV head
     ``head_of[p]`` and its top ``k`` attended: ``out[p]`` ``[g, Dv]``, ``lse[p]`` ``[g]``, ``scanned[p]`` (keys its
-    traversal read), as ``search_attend_group_into`` answers for one group."""
+    traversal read), as ``search_attend_group_into`` answers for one group; or, where ``scan_of[p]``, every key
+    scanned instead, as ``_scan.scan_attend_group`` answers (``scanned[p]``: every key)."""
     for p in prange(queries.shape[0]):
         r, h = row_of[p], head_of[p]
-        search_attend_group_into(navs[r][h], steps[r][h], keyss[r][h], offsets[r][h], targets[r][h], entries[r][h],
-                                 values[r][h], queries[p:p + 1], beam, k, False, scale, out[p:p + 1], lse[p:p + 1],
-                                 scanned[p:p + 1], visited[p], touched[p], seen[p], ids[p], scores[p], sizes[p],
-                                 queue[p], queue_neg[p])
+        if scan_of[p]:
+            scan_attend_group(navs[r][h], steps[r][h], keyss[r][h], values[r][h], queries[p:p + 1], beam, k, scale,
+                              out[p:p + 1], lse[p:p + 1])
+            scanned[p] = navs[r][h].shape[0]
+        else:
+            search_attend_group_into(navs[r][h], steps[r][h], keyss[r][h], offsets[r][h], targets[r][h],
+                                     entries[r][h], values[r][h], queries[p:p + 1], beam, k, False, scale,
+                                     out[p:p + 1], lse[p:p + 1], scanned[p:p + 1], visited[p], touched[p], seen[p],
+                                     ids[p], scores[p], sizes[p], queue[p], queue_neg[p])
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
@@ -97,11 +105,12 @@ def _scratch(pieces: int, n: int, g: int, beam: int) -> list[np.ndarray]:
     return [a[:pieces] for a in _SCRATCH]
 
 
-def attend(layers: list[LayerArrays], row_of: np.ndarray, head_of: np.ndarray, queries: np.ndarray, beam: int,
-           k: int, scale: float, threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pieces ``queries`` float32 ``[P, g, D]``, piece p reading ``layers[row_of[p]]``'s KV head ``head_of[p]``, on
-    at most ``threads`` of numba's threads -> out float32 ``[P, g, Dv]``, lse float32 ``[P, g]``, scanned int64
-    ``[P]``. The caller checks the invariants (compact indexes, every one larger than ``beam``, ``beam >= k``)."""
+def attend(layers: list[LayerArrays], row_of: np.ndarray, head_of: np.ndarray, scan_of: np.ndarray,
+           queries: np.ndarray, beam: int, k: int, scale: float, threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces ``queries`` float32 ``[P, g, D]``, piece p reading ``layers[row_of[p]]``'s KV head ``head_of[p]``
+    (scanning every key where ``scan_of[p]``), on at most ``threads`` of numba's threads -> out float32
+    ``[P, g, Dv]``, lse float32 ``[P, g]``, scanned int64 ``[P]``. The caller checks the invariants (every index
+    larger than ``beam``, ``beam >= k``, finite queries)."""
     p, g, _ = queries.shape
     dv = layers[0].lists[6][0].shape[1]
     out = np.empty((p, g, dv), np.float32)
@@ -111,7 +120,7 @@ def attend(layers: list[LayerArrays], row_of: np.ndarray, head_of: np.ndarray, q
     cols = layers[0].alone if len(layers) == 1 else [typed.List([lay.lists[c] for lay in layers]) for c in range(7)]
     with _LOCK:
         numba.set_num_threads(max(1, min(threads, p, numba.config.NUMBA_NUM_THREADS)))
-        attend_pieces(*cols, row_of, head_of, queries, beam, k, float(scale), out, lse, scanned,
+        attend_pieces(*cols, row_of, head_of, scan_of, queries, beam, k, float(scale), out, lse, scanned,
                       *_scratch(p, n, g, beam))
     return out, lse, scanned
 
@@ -138,8 +147,8 @@ def warm() -> None:
         scratch = [np.zeros((2,) + a.shape, a.dtype) for a in group_scratch(4, 1, 2)]
         out, lse, scanned = np.empty((2, 1, d), np.float32), np.empty((2, 1), np.float32), np.empty(2, np.int64)
         with _LOCK:
-            attend_pieces(*cols, np.zeros(2, np.int64), np.zeros(2, np.int64), np.ones((2, 1, d), np.float32), 2, 1,
-                          1.0, out, lse, scanned, *scratch)
+            attend_pieces(*cols, np.zeros(2, np.int64), np.zeros(2, np.int64), np.array([False, True]),
+                          np.ones((2, 1, d), np.float32), 2, 1, 1.0, out, lse, scanned, *scratch)
         _READY.set()
 
 

@@ -275,8 +275,9 @@ class IndexSet:
         if layers is not None:
             row_of = np.array([i for i, *_ in plan], np.int64)
             head_of = np.array([h for _, h, *_ in plan], np.int64)
+            scan_of = np.array([scan for *_, scan in plan], np.bool_)
             pieces_q = np.ascontiguousarray(np.stack([queries[i, rows_q] for i, _, _, rows_q, _ in plan]))
-            o_all, s_all, n_all = _layer.attend(layers, row_of, head_of, pieces_q,
+            o_all, s_all, n_all = _layer.attend(layers, row_of, head_of, scan_of, pieces_q,
                                                 layers_beam(rows, k, beam), k, scale, self.threads)
             results = [(o_all[p], s_all[p], int(n_all[p])) for p in range(len(plan))]
         else:
@@ -308,10 +309,10 @@ class IndexSet:
         return Answer(out, lse, scanned, time.perf_counter() - t0)
 
     def _compiled_call(self, layer: int, owners: list[str], rows, plan, k: int, beam: int | None):
-        """The rows' ``LayerArrays`` when this call's pieces can be searched in one compiled call
-        (``_layer.attend``): ``compiled`` on, grouped searches, no piece scanning, every row's heads all held,
-        compact and larger than the beam, every piece of one size; else None (the thread pool's searches)."""
-        if not (self.compiled and self.group_search and plan) or any(scan for *_, scan in plan):
+        """The rows' ``LayerArrays`` when this call's pieces can be searched (or scanned) in one compiled call
+        (``_layer.attend``): ``compiled`` on, grouped searches, every row's heads all held and larger than the beam,
+        every piece of one size; else None (the thread pool's searches)."""
+        if not (self.compiled and self.group_search and plan):
             return None
         if len({rows_q.stop - rows_q.start for _, _, _, rows_q, _ in plan}) != 1:
             return None

@@ -1,7 +1,7 @@
 """A layer's searches in one compiled call (services/index/_layer.py, ``IndexSet(compiled=True)``, the default): the
 same answers, bit for bit, as the thread pool's searches (``compiled=False``) for one row and for several owners, at
-every piece size; the pool where the compiled call does not apply (a head scanned, an owner with no keys at the
-layer, an index no larger than the beam, pieces of unequal size), still answering alike; callers on several threads
+every piece size, heads scanned whole included; the pool where the compiled call does not apply (an owner with no
+keys at the layer, an index no larger than the beam, pieces of unequal size), still answering alike; callers on several threads
 and index sets at once; scratch grown for a larger index and reused for a smaller one; an owner dropped and added
 while searched; malformed calls (wrong head_dim, beam under k, an unknown owner, non-finite queries) refused alike on
 both paths, which serve on."""
@@ -93,18 +93,22 @@ def test_the_pool_answers_where_the_compiled_call_does_not_apply(counted, monkey
         # 3 query heads a KV head in pieces of 2 and 1 (4 threads, 2 pairs): unequal pieces, the pool
         _assert_same(compiled.attend(0, ["big"], q, 10, 0.3), pool.attend(0, ["big"], q, 10, 0.3))
         assert counted == []
-        # random keys: the graph reads widely, so the next calls scan (the pool), then the graph again (compiled)
-        wide = IndexSet(threads=1)
+        # random keys: the graph reads widely, so the next two calls scan every key, then the graph again: both
+        # paths alike, every call in the compiled one
+        wide, wide_pool = _pair(1)
         try:
-            wide.add("a", 0, keys, values, train)
+            for ix in (wide, wide_pool):
+                ix.add("a", 0, keys, values, train)
             q4 = _normal(8, (1, 4, d))
-            first = wide.attend(0, ["a"], q4, 10, 0.3)
-            assert len(counted) == 1 and first.scanned[0] < hkv * 900
-            assert [wide.attend(0, ["a"], q4, 10, 0.3).scanned[0] for _ in range(2)] == [hkv * 900] * 2
-            assert len(counted) == 1
-            assert wide.attend(0, ["a"], q4, 10, 0.3).scanned[0] == first.scanned[0] and len(counted) == 2
+            got = [wide.attend(0, ["a"], q4, 10, 0.3) for _ in range(4)]
+            for g in got:
+                _assert_same(g, wide_pool.attend(0, ["a"], q4, 10, 0.3))
+            reads = [int(g.scanned[0]) for g in got]
+            assert reads[0] < hkv * 900 and reads[1:3] == [hkv * 900] * 2 and reads[3] == reads[0]
+            assert len(counted) == 4
         finally:
             wide.close()
+            wide_pool.close()
     finally:
         compiled.close()
         pool.close()
