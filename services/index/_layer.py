@@ -9,7 +9,8 @@ compiled call, with equal answers (bench/index/README.md, "A layer's searches in
 Invariants: those of ``_search_group`` for each piece; every index compact (int8 codes navigated, exact keys
 rescored) and larger than the beam; the pieces' query groups of one size ``g``; piece p reads row ``row_of[p]``'s KV
 head ``head_of[p]``, the place of its arrays in the nested typed lists (``lists[row][head]``); the scratch stacked a
-piece (``[P, ...]``, each as ``group_scratch``'s, ``visited`` all 0, and all 0 again on return).
+thread (``[T, ...]`` for the call's T threads, each as ``group_scratch``'s, ``visited`` all 0, and all 0 again on
+return): a thread searches its pieces one after another, in the set ``numba.get_thread_id()`` names.
 
 NOTE: numba's default threading layer (workqueue) must not be entered by two threads at once, and its threads are
 the process's: every call goes through ``attend`` below, which holds one lock for the process.
@@ -44,7 +45,7 @@ def attend_pieces(navs, steps, keyss, offsets, targets, entries, values, row_of,
     traversal read), as ``search_attend_group_into`` answers for one group; or, where ``scan_of[p]``, every key
     scanned instead, as ``_scan.scan_attend_group`` answers (``scanned[p]``: every key)."""
     for p in prange(queries.shape[0]):
-        r, h = row_of[p], head_of[p]
+        r, h, t = row_of[p], head_of[p], numba.get_thread_id()      # t in [0, threads): its scratch
         if scan_of[p]:
             scan_attend_group(navs[r][h], steps[r][h], keyss[r][h], values[r][h], queries[p:p + 1], beam, k, scale,
                               out[p:p + 1], lse[p:p + 1])
@@ -52,8 +53,8 @@ def attend_pieces(navs, steps, keyss, offsets, targets, entries, values, row_of,
         else:
             search_attend_group_into(navs[r][h], steps[r][h], keyss[r][h], offsets[r][h], targets[r][h],
                                      entries[r][h], values[r][h], queries[p:p + 1], beam, k, False, scale,
-                                     out[p:p + 1], lse[p:p + 1], scanned[p:p + 1], visited[p], touched[p], seen[p],
-                                     ids[p], scores[p], sizes[p], queue[p], queue_neg[p])
+                                     out[p:p + 1], lse[p:p + 1], scanned[p:p + 1], visited[t], touched[t], seen[t],
+                                     ids[t], scores[t], sizes[t], queue[t], queue_neg[t])
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
@@ -91,18 +92,18 @@ class LayerArrays:
         self.alone = tuple(typed.List([lst]) for lst in self.lists)
 
 
-def _scratch(pieces: int, n: int, g: int, beam: int) -> list[np.ndarray]:
-    """The process's stacked scratch, at least ``pieces`` x ``group_scratch(n, g, beam)``; the lock held. Grown (never
+def _scratch(threads: int, n: int, g: int, beam: int) -> list[np.ndarray]:
+    """The process's stacked scratch, at least ``threads`` x ``group_scratch(n, g, beam)``; the lock held. Grown (never
     shrunk) by any dimension a call needs beyond it, and ``visited`` all 0 between calls."""
     global _SCRATCH
     if _SCRATCH:
-        v, _, seen, ids = _SCRATCH[0], _SCRATCH[1], _SCRATCH[2], _SCRATCH[3]
-        if v.shape[0] >= pieces and v.shape[1] >= n and seen.shape[2] == g and ids.shape[2] == beam:
-            return [a[:pieces] for a in _SCRATCH]
-        pieces, n = max(pieces, v.shape[0]), max(n, v.shape[1])
+        visited, seen, ids = _SCRATCH[0], _SCRATCH[2], _SCRATCH[3]
+        if visited.shape[0] >= threads and visited.shape[1] >= n and seen.shape[2] == g and ids.shape[2] == beam:
+            return [a[:threads] for a in _SCRATCH]
+        threads, n = max(threads, visited.shape[0]), max(n, visited.shape[1])
     one = group_scratch(n, g, beam)
-    _SCRATCH = [np.zeros((pieces,) + a.shape, a.dtype) for a in one]
-    return [a[:pieces] for a in _SCRATCH]
+    _SCRATCH = [np.zeros((threads,) + a.shape, a.dtype) for a in one]
+    return [a[:threads] for a in _SCRATCH]
 
 
 def attend(layers: list[LayerArrays], row_of: np.ndarray, head_of: np.ndarray, scan_of: np.ndarray,
@@ -118,10 +119,11 @@ def attend(layers: list[LayerArrays], row_of: np.ndarray, head_of: np.ndarray, s
     scanned = np.empty(p, np.int64)
     n = max(lay.max_keys for lay in layers)
     cols = layers[0].alone if len(layers) == 1 else [typed.List([lay.lists[c] for lay in layers]) for c in range(7)]
+    t = max(1, min(threads, p, numba.config.NUMBA_NUM_THREADS))
     with _LOCK:
-        numba.set_num_threads(max(1, min(threads, p, numba.config.NUMBA_NUM_THREADS)))
+        numba.set_num_threads(t)
         attend_pieces(*cols, row_of, head_of, scan_of, queries, beam, k, float(scale), out, lse, scanned,
-                      *_scratch(p, n, g, beam))
+                      *_scratch(t, n, g, beam))
     return out, lse, scanned
 
 
@@ -144,7 +146,7 @@ def warm() -> None:
         head = (np.eye(4, d, dtype=np.int8), np.ones(d, np.float32), keys, np.arange(5, dtype=np.int64), ring,
                 np.zeros(1, np.int64), keys.copy())
         cols = [typed.List([typed.List([_read_only(head[c])])]) for c in range(7)]
-        scratch = [np.zeros((2,) + a.shape, a.dtype) for a in group_scratch(4, 1, 2)]
+        scratch = [np.zeros((numba.get_num_threads(),) + a.shape, a.dtype) for a in group_scratch(4, 1, 2)]
         out, lse, scanned = np.empty((2, 1, d), np.float32), np.empty((2, 1), np.float32), np.empty(2, np.int64)
         with _LOCK:
             attend_pieces(*cols, np.zeros(2, np.int64), np.zeros(2, np.int64), np.array([False, True]),

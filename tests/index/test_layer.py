@@ -2,7 +2,7 @@
 same answers, bit for bit, as the thread pool's searches (``compiled=False``) for one row and for several owners, at
 every piece size, heads scanned whole included; the pool where the compiled call does not apply (an owner with no
 keys at the layer, an index no larger than the beam, pieces of unequal size), still answering alike; callers on several threads
-and index sets at once; scratch grown for a larger index and reused for a smaller one; an owner dropped and added
+and index sets at once; scratch a thread, not a piece, grown for a larger index and reused for a smaller one; an owner dropped and added
 while searched; malformed calls (wrong head_dim, beam under k, an unknown owner, non-finite queries) refused alike on
 both paths, which serve on."""
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+import numba
 import numpy as np
 import pytest
 
@@ -69,6 +70,8 @@ def test_the_compiled_call_answers_as_the_pool_bit_for_bit(threads, counted):
             _assert_same(compiled.attend(0, rows, q, 20, 0.25), pool.attend(0, rows, q, 20, 0.25))
         assert len(counted) == 3        # every call compiled: with 1 thread a piece is a KV head's 4 query heads
         assert counted[0] == hkv * {1: 1, 4: 2, 16: 4}[threads]
+        # scratch a thread, never more sets than numba has threads, however many pieces (up to 24 here)
+        assert _layer._SCRATCH[0].shape[0] <= numba.config.NUMBA_NUM_THREADS
     finally:
         compiled.close()
         pool.close()
