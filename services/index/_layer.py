@@ -16,8 +16,9 @@ NOTE: numba's default threading layer (workqueue) must not be entered by two thr
 the process's: every call goes through ``attend`` below, which holds one lock for the process.
 
 NOTE: compiling the call takes ~25 s on this repository's machine without numba's cache (~2 s loading it). No
-search waits for that: ``IndexSet`` searches on its thread pool until ``ready()``, and its first search starts
-``warming()``, which compiles the call on a few keys in a thread of its own (``warm()`` does it in the caller's).
+search waits for that: ``IndexSet`` searches on its thread pool until ``ready()``; its first ``add`` (or a search
+before it is ready) starts ``warming()``, which compiles the call on a few keys in a thread of its own (``warm()``
+does it in the caller's).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from services.index._scan import scan_attend_group
 from services.index._search_group import group_scratch, search_attend_group_into
 
 _LOCK = threading.Lock()       # one parallel region at a time in this process (the workqueue layer's rule)
-_SCRATCH: list[np.ndarray] = []
+_SCRATCH: dict[tuple[int, int], list[np.ndarray]] = {}     # by (query heads a piece, beam): group_scratch's arrays
 _READY = threading.Event()     # attend_pieces compiled (or loaded from numba's cache) in this process
 _WARMING = threading.Lock()    # held by the one thread compiling it
 
@@ -78,9 +79,7 @@ class LayerArrays:
         """``heads``: the layer's ``(AttentionIndex, values)`` in KV head order."""
         cols: list[list[np.ndarray]] = [[] for _ in range(7)]
         for index, vals in heads:
-            codes, step, keys, exact_nav = index._nav(True)
-            if exact_nav:
-                raise ValueError("the compiled layer call needs compact indexes")
+            codes, step, keys, _ = index._nav(True)          # compact: int8 codes navigated, the exact keys rescored
             g = index.graph
             for col, arr in zip(cols, (codes, step, keys, g.offsets, g.targets, g.entries, vals)):
                 col.append(_read_only(arr))
@@ -93,17 +92,16 @@ class LayerArrays:
 
 
 def _scratch(threads: int, n: int, g: int, beam: int) -> list[np.ndarray]:
-    """The process's stacked scratch, at least ``threads`` x ``group_scratch(n, g, beam)``; the lock held. Grown (never
-    shrunk) by any dimension a call needs beyond it, and ``visited`` all 0 between calls."""
-    global _SCRATCH
-    if _SCRATCH:
-        visited, seen, ids = _SCRATCH[0], _SCRATCH[2], _SCRATCH[3]
-        if visited.shape[0] >= threads and visited.shape[1] >= n and seen.shape[2] == g and ids.shape[2] == beam:
-            return [a[:threads] for a in _SCRATCH]
-        threads, n = max(threads, visited.shape[0]), max(n, visited.shape[1])
-    one = group_scratch(n, g, beam)
-    _SCRATCH = [np.zeros((threads,) + a.shape, a.dtype) for a in one]
-    return [a[:threads] for a in _SCRATCH]
+    """The process's stacked scratch for pieces of ``g`` query heads and ``beam``: at least ``threads`` x
+    ``group_scratch(n, g, beam)``; the lock held. Grown (never shrunk) when a call needs more threads or keys, and
+    ``visited`` all 0 between calls."""
+    have = _SCRATCH.get((g, beam))
+    if have is not None:
+        if have[0].shape[0] >= threads and have[0].shape[1] >= n:
+            return [a[:threads] for a in have]
+        threads, n = max(threads, have[0].shape[0]), max(n, have[0].shape[1])
+    have = _SCRATCH[(g, beam)] = [np.zeros((threads,) + a.shape, a.dtype) for a in group_scratch(n, g, beam)]
+    return [a[:threads] for a in have]
 
 
 def attend(layers: list[LayerArrays], row_of: np.ndarray, head_of: np.ndarray, scan_of: np.ndarray,

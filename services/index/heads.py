@@ -10,8 +10,9 @@ caller merges with the GPU's partial result over the static set (kernels/lse_mer
 q·k·scale, as the GPU kernels compute them, so that the two log-sum-exps are in the same units.
 
 ``IndexSet`` serves many owners at once and searches the (row, KV head) pairs of one call in parallel: in one compiled
-call on numba's threads (``_layer``) where it applies, else on a thread pool (the index's search releases the GIL). The retrieval-index service (server.py) serves the same object
-over gRPC; the engine's in-process decode path calls it directly.
+call on numba's threads (``_layer``) where it applies, else on a thread pool (the index's search releases the GIL).
+The retrieval-index service (server.py) serves the same object over gRPC; the engine's in-process decode path calls
+it directly.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ class IndexSet:
 
     ``threads``: searches run at once in one call (the service's cores). ``compiled``: a call's searches in one
     compiled call on numba's threads where they allow it (``_layer``: 2.5x less wall a layer on a 16-core host), once
-    it is compiled in the process (the first ``add`` starts that); else, and until then, on a thread pool. ``repair_queries``: at most this many of a
-    head's training queries repair a composition of chunk graphs (default ``COMPOSED``'s: all of a request's 8,192 a
+    it is compiled in the process (the first ``add`` starts that); else, and until then, on a thread pool.
+    ``repair_queries``: at most this many of a head's training queries repair a composition of chunk graphs (default ``COMPOSED``'s: all of a request's 8,192 a
     KV head of an 8B-shaped model). The repair is most of the wait before a retrieval sequence's first step, and its
     cost grows with them; fewer give lower recall (bench/index/README.md: 2,048 of 3,598 cost 1.2 points of recall at
     20% scanned for 0.56x the repair's time). ``group_search``: a KV head's query heads searched in one traversal
@@ -232,6 +233,7 @@ class IndexSet:
             raise ValueError("queries holds non-finite values (after conversion to float32)")
         with self._lock:
             rows = [self._heads.get((o, layer)) for o in owners]
+            arrays = [self._layer_arrays.get((o, layer)) for o in owners]     # made with those heads (``add``)
             # this call's heads' scan counts alone (the record holds every owner's layers: a scan of it would cost
             # a batch's owners x layers x heads at every layer)
             scans = {(o, layer, h): self._scans[(o, layer, h)] for o, heads in zip(owners, rows) if heads is not None
@@ -266,7 +268,7 @@ class IndexSet:
             scan = scans.get((owners[i], layer, h), 0) > 0
             for lo in range(h * g, (h + 1) * g, size):
                 plan.append((i, h, head, slice(lo, min(lo + size, (h + 1) * g)), scan))
-        layers = self._compiled_call(layer, owners, rows, plan, k, beam)
+        layers = self._compiled_call(rows, arrays, plan, k, beam)
         if layers is not None and not _layer.ready():
             layers = None
             warm = True                 # after this call's searches: the pool's own compile is not kept waiting
@@ -308,19 +310,17 @@ class IndexSet:
                         self._scans.pop(key, None)
         return Answer(out, lse, scanned, time.perf_counter() - t0)
 
-    def _compiled_call(self, layer: int, owners: list[str], rows, plan, k: int, beam: int | None):
-        """The rows' ``LayerArrays`` when this call's pieces can be searched (or scanned) in one compiled call
-        (``_layer.attend``): ``compiled`` on, grouped searches, every row's heads all held and larger than the beam,
-        every piece of one size; else None (the thread pool's searches)."""
+    def _compiled_call(self, rows, arrays, plan, k: int, beam: int | None):
+        """The rows' ``LayerArrays`` (``arrays``, taken with ``rows``) when this call's pieces can be searched (or
+        scanned) in one compiled call (``_layer.attend``): ``compiled`` on, grouped searches, every row's heads all
+        held and larger than the beam, every piece of one size; else None (the thread pool's searches)."""
         if not (self.compiled and self.group_search and plan):
             return None
         if len({rows_q.stop - rows_q.start for _, _, _, rows_q, _ in plan}) != 1:
             return None
-        with self._lock:
-            layers = [self._layer_arrays.get((o, layer)) for o in owners]
-        if any(lay is None or lay.num_keys <= layers_beam(rows, k, beam) for lay in layers):
+        if any(lay is None or lay.num_keys <= layers_beam(rows, k, beam) for lay in arrays):
             return None
-        return layers
+        return arrays
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
