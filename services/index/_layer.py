@@ -104,19 +104,28 @@ def _scratch(threads: int, n: int, g: int, beam: int) -> list[np.ndarray]:
     return [a[:threads] for a in have]
 
 
+def nested(layers: list[LayerArrays]) -> tuple:
+    """The seven nested typed lists a call of ``layers``' rows takes (``lists[row][head]``); ~0.1 ms a row to make,
+    so a caller that calls again with the same rows keeps them (``IndexSet``)."""
+    if len(layers) == 1:
+        return layers[0].alone
+    return tuple(typed.List([lay.lists[c] for lay in layers]) for c in range(7))
+
+
 def attend(layers: list[LayerArrays], row_of: np.ndarray, head_of: np.ndarray, scan_of: np.ndarray,
-           queries: np.ndarray, beam: int, k: int, scale: float, threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+           queries: np.ndarray, beam: int, k: int, scale: float, threads: int,
+           cols: tuple | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pieces ``queries`` float32 ``[P, g, D]``, piece p reading ``layers[row_of[p]]``'s KV head ``head_of[p]``
     (scanning every key where ``scan_of[p]``), on at most ``threads`` of numba's threads -> out float32
-    ``[P, g, Dv]``, lse float32 ``[P, g]``, scanned int64 ``[P]``. The caller checks the invariants (every index
-    larger than ``beam``, ``beam >= k``, finite queries)."""
+    ``[P, g, Dv]``, lse float32 ``[P, g]``, scanned int64 ``[P]``. ``cols``: ``nested(layers)`` when the caller
+    kept it. The caller checks the invariants (every index larger than ``beam``, ``beam >= k``, finite queries)."""
     p, g, _ = queries.shape
     dv = layers[0].lists[6][0].shape[1]
     out = np.empty((p, g, dv), np.float32)
     lse = np.empty((p, g), np.float32)
     scanned = np.empty(p, np.int64)
     n = max(lay.max_keys for lay in layers)
-    cols = layers[0].alone if len(layers) == 1 else [typed.List([lay.lists[c] for lay in layers]) for c in range(7)]
+    cols = nested(layers) if cols is None else cols
     t = max(1, min(threads, p, numba.config.NUMBA_NUM_THREADS))
     with _LOCK:
         numba.set_num_threads(t)

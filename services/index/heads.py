@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -37,6 +38,10 @@ from services.index.graph import AttentionIndex
 # past about a third of the keys the scan costs no more, and it finds the exact top keys (up to the codes' rounding)
 SCAN_SHARE = 0.3
 SCAN_CALLS = 64
+
+# NOTE: batches of several rows whose compiled calls' nested lists are kept (``IndexSet._nested``): 8 batches of a
+# 32-layer model; a batch's entries are remade (~0.1 ms a row) when it comes back after others pushed it out
+NESTED_KEPT = 256
 
 # NOTE: a composition's repair with the request's queries, one round: on the longgen model's Q/K (bench/index/README.md)
 # one round gave recall@100 0.910 at 20% of the keys scored in 0.38 s a head, two 0.923 in 0.87 s; the repair is what
@@ -126,6 +131,11 @@ class IndexSet:
         self.composed = COMPOSED if repair_queries is None else replace(COMPOSED, repair_queries=repair_queries)
         self._heads: dict[tuple[str, int], list[HeadKV | None]] = {}
         self._layer_arrays: dict[tuple[str, int], _layer.LayerArrays] = {}      # what ``_layer.attend`` takes
+        # (owners, layer) of a batch of several rows -> the LayerArrays its nested lists were made of, and those lists
+        # (``_layer.nested``): a decode batch calls with the same rows at every layer of every step. At most
+        # NESTED_KEPT, the oldest dropped first; an owner's entries go when it is added again or dropped (the lists
+        # hold its arrays)
+        self._nested: OrderedDict[tuple[tuple[str, ...], int], tuple[tuple, tuple]] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="index-search")
 
@@ -175,6 +185,7 @@ class IndexSet:
             arrays = _layer.LayerArrays([(h.index, h.values) for h in heads])
         with self._lock:
             self._heads[(owner, layer)] = heads
+            self._forget_nested(owner)
             if arrays is None:
                 self._layer_arrays.pop((owner, layer), None)
             else:
@@ -203,7 +214,31 @@ class IndexSet:
                 del self._heads[key]
                 self._layer_arrays.pop(key, None)
             self._forget_scans(owner)
+            self._forget_nested(owner)
         return len(gone)
+
+    def _forget_nested(self, owner: str) -> None:
+        """Drop the kept nested lists of every batch holding ``owner``; the lock held."""
+        for key in [key for key in self._nested if owner in key[0]]:
+            del self._nested[key]
+
+    def _nested_lists(self, owners: list[str], layer: int, arrays: list) -> tuple:
+        """``_layer.nested(arrays)``, kept for the next call with the same rows (``_nested``)."""
+        if len(arrays) == 1:
+            return _layer.nested(arrays)
+        key = (tuple(owners), layer)
+        with self._lock:
+            kept = self._nested.get(key)
+            if kept is not None and all(a is b for a, b in zip(kept[0], arrays)):
+                self._nested.move_to_end(key)
+                return kept[1]
+        cols = _layer.nested(arrays)
+        with self._lock:
+            if all(self._layer_arrays.get((o, layer)) is a for o, a in zip(owners, arrays)):   # none replaced since
+                self._nested[key] = (tuple(arrays), cols)
+                while len(self._nested) > NESTED_KEPT:
+                    self._nested.popitem(last=False)
+        return cols
 
     def _forget_scans(self, owner: str, layer: int | None = None) -> None:
         """Drop the scan counts of an owner's heads (at ``layer``, or every layer); the lock held."""
@@ -280,7 +315,8 @@ class IndexSet:
             scan_of = np.array([scan for *_, scan in plan], np.bool_)
             pieces_q = np.ascontiguousarray(np.stack([queries[i, rows_q] for i, _, _, rows_q, _ in plan]))
             o_all, s_all, n_all = _layer.attend(layers, row_of, head_of, scan_of, pieces_q,
-                                                layers_beam(rows, k, beam), k, scale, self.threads)
+                                                layers_beam(rows, k, beam), k, scale, self.threads,
+                                                self._nested_lists(owners, layer, layers))
             results = [(o_all[p], s_all[p], int(n_all[p])) for p in range(len(plan))]
         else:
             jobs = [self._pool.submit(partial_attention, head, queries[i, rows_q], k, scale, beam, self.group_search,

@@ -4,7 +4,8 @@ every piece size, heads scanned whole included; the pool where the compiled call
 keys at the layer, an index no larger than the beam, pieces of unequal size), still answering alike; callers on several threads
 and index sets at once; scratch a thread, not a piece, grown for a larger index and reused for a smaller one; an owner dropped and added
 while searched; malformed calls (wrong head_dim, beam under k, an unknown owner, non-finite queries) refused alike on
-both paths, which serve on."""
+both paths, which serve on; a batch's nested lists kept, made again when an owner's keys change, bounded, and
+dropped with an owner."""
 
 from __future__ import annotations
 
@@ -238,6 +239,36 @@ def test_malformed_calls_are_refused_alike_on_both_paths():
                 ix.attend(0, ["a"], q, 10, 0.3)
         q = _normal(87, (1, 4, d))                  # and both serve on
         _assert_same(compiled.attend(0, ["a"], q, 10, 0.3), pool.attend(0, ["a"], q, 10, 0.3))
+    finally:
+        compiled.close()
+        pool.close()
+
+
+def test_a_batch_s_nested_lists_are_kept_remade_when_an_owner_changes_and_bounded(monkeypatch):
+    hkv, hq, d = 2, 4, 16
+    made = []
+    real = _layer.nested
+    monkeypatch.setattr(_layer, "nested", lambda layers: made.append(len(layers)) or real(layers))
+    monkeypatch.setattr(heads_mod, "NESTED_KEPT", 2)
+    compiled, pool = _pair(2, scan_share=None)
+    try:
+        for ix in (compiled, pool):
+            for o, seed in (("a", 90), ("b", 91), ("c", 92)):
+                ix.add(o, 0, _normal(seed, (hkv, 300, d)), _normal(seed + 10, (hkv, 300, d)),
+                       _normal(seed + 20, (hkv, 100, d)))
+        q = _normal(93, (2, hq, d))
+        for _ in range(3):
+            _assert_same(compiled.attend(0, ["a", "b"], q, 10, 0.3), pool.attend(0, ["a", "b"], q, 10, 0.3))
+        assert made == [2]                              # made once, then kept
+        for ix in (compiled, pool):                     # b's keys replaced: its batches' lists are made again
+            ix.add("b", 0, _normal(94, (hkv, 500, d)), _normal(95, (hkv, 500, d)), _normal(96, (hkv, 100, d)))
+        _assert_same(compiled.attend(0, ["a", "b"], q, 10, 0.3), pool.attend(0, ["a", "b"], q, 10, 0.3))
+        assert made == [2, 2]
+        for rows in (["b", "c"], ["a", "c"]):           # two more batches: at most NESTED_KEPT kept, oldest out
+            _assert_same(compiled.attend(0, rows, q, 10, 0.3), pool.attend(0, rows, q, 10, 0.3))
+        assert list(compiled._nested) == [(("b", "c"), 0), (("a", "c"), 0)]           # noqa: SLF001
+        compiled.drop("c")                              # the lists hold an owner's arrays: dropped with it
+        assert not compiled._nested                                                     # noqa: SLF001
     finally:
         compiled.close()
         pool.close()
