@@ -136,6 +136,7 @@ class IndexSet:
         # NESTED_KEPT, the oldest dropped first; an owner's entries go when it is added again or dropped (the lists
         # hold its arrays)
         self._nested: OrderedDict[tuple[tuple[str, ...], int], tuple[tuple, tuple]] = OrderedDict()
+        self._calls = {"compiled": 0, "pool": 0}        # search calls answered by each path (``calls_by_path``)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="index-search")
 
@@ -194,6 +195,12 @@ class IndexSet:
         if arrays is not None:
             _layer.warming()                   # compiled before the searches come, once this build's loops are
         return sum(h.index_bytes for h in heads if h is not None)
+
+    def calls_by_path(self) -> dict[str, int]:
+        """Search calls answered so far in one compiled call (``compiled``) and on the thread pool (``pool``): a
+        process's first calls take the pool while the compiled call compiles."""
+        with self._lock:
+            return dict(self._calls)
 
     def has(self, owner: str, layer: int) -> bool:
         with self._lock:
@@ -318,7 +325,9 @@ class IndexSet:
                                                 layers_beam(rows, k, beam), k, scale, self.threads,
                                                 self._nested_lists(owners, layer, layers))
             results = [(o_all[p], s_all[p], int(n_all[p])) for p in range(len(plan))]
+            path = "compiled"
         else:
+            path = "pool"
             jobs = [self._pool.submit(partial_attention, head, queries[i, rows_q], k, scale, beam, self.group_search,
                                       scan) for i, _, head, rows_q, scan in plan]
             results = [job.result() for job in jobs]
@@ -332,6 +341,8 @@ class IndexSet:
                 heads_read = 1 if self.group_search else rows_q.stop - rows_q.start
                 key = (owners[i], layer, h)
                 share[key] = max(share.get(key, 0.0), n / (heads_read * head.keys.shape[0]))
+        with self._lock:
+            self._calls[path] += 1
         if self.scan_share is not None:
             with self._lock:
                 for i, h, _, _, scan in plan:

@@ -8,7 +8,7 @@ computes keys per search.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.cluster.serving import MetricsEndpoint
 
@@ -25,6 +25,12 @@ class _HeldCollector:
         yield GaugeMetricFamily("tessera_index_owners", "Owners (sequences) with offloaded K/V held", value=owners)
         yield GaugeMetricFamily("tessera_index_kv_bytes", "Offloaded K/V bytes held", value=kv)
         yield GaugeMetricFamily("tessera_index_index_bytes", "Bytes of the indexes over them", value=graph)
+        paths = CounterMetricFamily("tessera_index_search_calls", "Search calls by the path that answered them: one "
+                                    "compiled call for the layer's searches, or the thread pool (while it compiles)",
+                                    labels=["path"])
+        for path, calls in self._indexes.calls_by_path().items():
+            paths.add_metric([path], calls)
+        yield paths
         if self._chunk_indexes is not None:
             chunks, nbytes = self._chunk_indexes.held()
             yield GaugeMetricFamily("tessera_index_chunk_indexes", "Shared chunks' indexes held", value=chunks)

@@ -71,6 +71,8 @@ def test_the_compiled_call_answers_as_the_pool_bit_for_bit(threads, counted):
             _assert_same(compiled.attend(0, rows, q, 20, 0.25), pool.attend(0, rows, q, 20, 0.25))
         assert len(counted) == 3        # every call compiled: with 1 thread a piece is a KV head's 4 query heads
         assert counted[0] == hkv * {1: 1, 4: 2, 16: 4}[threads]
+        assert compiled.calls_by_path() == {"compiled": 3, "pool": 0}      # what /metrics reports
+        assert pool.calls_by_path() == {"compiled": 0, "pool": 3}
         # scratch a thread, never more sets than numba has threads, however many pieces (up to 24 here)
         assert all(a[0].shape[0] <= numba.config.NUMBA_NUM_THREADS for a in _layer._SCRATCH.values())
     finally:

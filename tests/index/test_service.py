@@ -210,6 +210,9 @@ def test_the_service_counts_what_it_builds_holds_and_searches_on_its_metrics_pag
         assert samples["tessera_index_keys_offloaded_total"] == HKV * N
         assert samples["tessera_index_build_seconds_count"] == 1 and samples["tessera_index_search_seconds_count"] == 1
         assert samples["tessera_index_keys_scanned_total"] > 0
+        # the one search call counted once, by the path that answered it (the pool while the compiled call compiles)
+        assert (samples['tessera_index_search_calls_total{path="compiled"}']
+                + samples['tessera_index_search_calls_total{path="pool"}']) == 1
         client.drop("seq-g")
         page = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10).read().decode()
         assert "tessera_index_owners 0.0" in page
