@@ -80,11 +80,9 @@ def _pick():
     return None, False
 
 
-_HINT, AVAILABLE = _pick()
+_prefetch_at, AVAILABLE = _pick()
 
 if AVAILABLE:
-    _prefetch_at = _HINT
-
     @njit(nogil=True, cache=True, inline="always")
     def prefetch_row(a, i):
         """Hint the loads of every cache line of row ``i`` of ``a`` (2-D, C-contiguous)."""

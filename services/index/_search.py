@@ -7,9 +7,9 @@ int64 ``[N + 1]`` and ``targets`` int32 ``[E]`` (key i's out-neighbours are
 ``targets[offsets[i]:offsets[i + 1]]``, none of them i, no duplicates); ``entries`` int64 ``[>= 1]``: the key ids
 a search starts from (one for a built index, one a part for a composed one: ``graph.AttentionIndex.compose``).
 
-NOTE: every function is ``nogil`` and keeps its state in arrays it allocates per call (the visited marks,
-the beam), never in a module global: the index service searches the heads of a layer from several
-threads at once.
+NOTE: every function is ``nogil`` and keeps its state (the visited marks, the beam) in arrays it allocates per
+call or, in the ``_into`` forms, in the caller's scratch (services/index/scratch.py, one set a thread), never in a
+module global: the index service searches the heads of a layer from several threads at once.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ read the keys their searches share G times. On the longgen model's Q/K one trave
 reading fewer keys a query head than G searches (bench/index/README.md, "GQA groups searched together").
 
 Invariants: those of ``_search`` (``nav`` and ``step``, the exact ``keys``, the CSR graph, ``entries``); ``queries``
-float32 ``[g, D]`` a group (``[B, g, D]`` a batch of groups). Every function is ``nogil``, its state in arrays allocated per call.
+float32 ``[g, D]`` a group (``[B, g, D]`` a batch of groups). Every function is ``nogil``, its state in arrays allocated
+per call or, in the ``_into`` forms, in the caller's scratch (services/index/scratch.py, _layer.py).
 """
 
 from __future__ import annotations

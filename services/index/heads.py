@@ -310,20 +310,18 @@ class IndexSet:
             scan = scans.get((owners[i], layer, h), 0) > 0
             for lo in range(h * g, (h + 1) * g, size):
                 plan.append((i, h, head, slice(lo, min(lo + size, (h + 1) * g)), scan))
-        layers = self._compiled_call(rows, arrays, plan, k, beam)
-        if layers is not None and not _layer.ready():
-            layers = None
-            warm = True                 # after this call's searches: the pool's own compile is not kept waiting
-        else:
-            warm = False
-        if layers is not None:
+        call = self._compiled_call(rows, arrays, plan, k, beam)
+        warm = call is not None and not _layer.ready()      # then the pool, and warming after its searches (their
+        if warm:                                            # own compile is not kept waiting)
+            call = None
+        if call is not None:
+            layers, call_beam = call
             row_of = np.array([i for i, *_ in plan], np.int64)
             head_of = np.array([h for _, h, *_ in plan], np.int64)
             scan_of = np.array([scan for *_, scan in plan], np.bool_)
             pieces_q = np.ascontiguousarray(np.stack([queries[i, rows_q] for i, _, _, rows_q, _ in plan]))
-            o_all, s_all, n_all = _layer.attend(layers, row_of, head_of, scan_of, pieces_q,
-                                                layers_beam(rows, k, beam), k, scale, self.threads,
-                                                self._nested_lists(owners, layer, layers))
+            o_all, s_all, n_all = _layer.attend(layers, row_of, head_of, scan_of, pieces_q, call_beam, k, scale,
+                                                self.threads, self._nested_lists(owners, layer, layers))
             results = [(o_all[p], s_all[p], int(n_all[p])) for p in range(len(plan))]
             path = "compiled"
         else:
@@ -343,8 +341,7 @@ class IndexSet:
                 share[key] = max(share.get(key, 0.0), n / (heads_read * head.keys.shape[0]))
         with self._lock:
             self._calls[path] += 1
-        if self.scan_share is not None:
-            with self._lock:
+            if self.scan_share is not None:
                 for i, h, _, _, scan in plan:
                     key = (owners[i], layer, h)
                     if self._heads.get((owners[i], layer)) is not rows[i]:
@@ -358,16 +355,17 @@ class IndexSet:
         return Answer(out, lse, scanned, time.perf_counter() - t0)
 
     def _compiled_call(self, rows, arrays, plan, k: int, beam: int | None):
-        """The rows' ``LayerArrays`` (``arrays``, taken with ``rows``) when this call's pieces can be searched (or
-        scanned) in one compiled call (``_layer.attend``): ``compiled`` on, grouped searches, every row's heads all
-        held and larger than the beam, every piece of one size; else None (the thread pool's searches)."""
+        """(the rows' ``LayerArrays``, ``arrays`` taken with ``rows``; the call's beam) when this call's pieces can be
+        searched (or scanned) in one compiled call (``_layer.attend``): ``compiled`` on, grouped searches, every row's
+        heads all held and larger than the beam, every piece of one size; else None (the thread pool's searches)."""
         if not (self.compiled and self.group_search and plan):
             return None
         if len({rows_q.stop - rows_q.start for _, _, _, rows_q, _ in plan}) != 1:
             return None
-        if any(lay is None or lay.num_keys <= layers_beam(rows, k, beam) for lay in arrays):
+        call_beam = layers_beam(rows, k, beam)
+        if any(lay is None or lay.num_keys <= call_beam for lay in arrays):
             return None
-        return arrays
+        return arrays, call_beam
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
