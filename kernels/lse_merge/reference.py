@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """outs [P, ..., D], lses [P, ...] (fp32) -> out [..., D] (outs.dtype), lse [...] fp32."""
+def merge_attention(outs: torch.Tensor, lses: torch.Tensor,
+                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """outs [P, ..., D], lses [P, ...] (fp32) -> out [..., D] (outs.dtype, or ``out_dtype``), lse [...] fp32."""
     if outs.shape[:-1] != lses.shape:
         raise ValueError(f"outs {tuple(outs.shape)} and lses {tuple(lses.shape)} disagree")
     lses = lses.to(torch.float32)
@@ -19,4 +20,4 @@ def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tenso
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     weights = torch.exp(lses - safe.unsqueeze(0))  # [P, ...]; exp(-inf) = 0 for empty parts
     out = (weights.unsqueeze(-1) * outs.to(torch.float32)).sum(dim=0)
-    return out.to(outs.dtype), lse
+    return out.to(outs.dtype if out_dtype is None else out_dtype), lse

@@ -146,10 +146,12 @@ def merge_rows(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype,
     return out, lse
 
 
-def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """outs [P, ..., D], lses [P, ...] (fp32) -> out [..., D] (outs.dtype), lse [...] fp32."""
+def merge_attention(outs: torch.Tensor, lses: torch.Tensor,
+                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """outs [P, ..., D], lses [P, ...] (fp32) -> out [..., D] (outs.dtype, or ``out_dtype``), lse [...] fp32."""
     if outs.shape[:-1] != lses.shape or outs.dim() < 2:
         raise ValueError(f"outs {tuple(outs.shape)} and lses {tuple(lses.shape)} disagree")
     lead = outs.shape[1:-1]
-    out, lse = merge_rows(outs.reshape(outs.shape[0], -1, outs.shape[-1]), lses.reshape(lses.shape[0], -1), outs.dtype)
+    out, lse = merge_rows(outs.reshape(outs.shape[0], -1, outs.shape[-1]), lses.reshape(lses.shape[0], -1),
+                          outs.dtype if out_dtype is None else out_dtype, all_parts=outs.shape[0] > UNROLL_PARTS)
     return out.reshape(*lead, outs.shape[-1]), lse.reshape(lead)

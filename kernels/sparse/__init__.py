@@ -24,7 +24,7 @@ from kernels.sparse import reference
 from kernels.sparse.retro import quest_retro_attention, retro_attention
 
 __all__ = ["bound_pages", "page_scores", "quest_retro_attention", "retro_attention", "select_pages",
-           "sparse_decode_attention"]
+           "sparse_decode_attention", "sparse_decode_parts"]
 
 
 def _impl(backend: str):
@@ -74,3 +74,19 @@ def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     scaled logits; out 0 and lse -inf where nothing is attended)."""
     return _impl(backend).sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel, count,
                                                   inv_freq, scale)
+
+
+def sparse_decode_parts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                        offsets: torch.Tensor, masks: torch.Tensor, sel: torch.Tensor, count: torch.Tensor,
+                        inv_freq: torch.Tensor, scale: float, spare: int = 1,
+                        backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """``sparse_decode_attention`` left unmerged, with room for partial results over other keys: (outs fp32 [S +
+    spare, R, Hq, D], lses fp32 [S + spare, R, Hq]). The first S parts are this attention's (its KV splits: merged by
+    log-sum-exp they give ``sparse_decode_attention``'s answer, before the rounding to q's dtype); the last
+    ``spare`` are the caller's to fill (the twin's: zeros and -inf; the kernels': unwritten). Merging all parts
+    (kernels/lse_merge, ``out_dtype=q.dtype``) is then one launch for attention over the union of the key sets:
+    retrieval decode's static set on the GPU and the keys the CPU retrieved (services/engine/decode/retrieval.py)."""
+    if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
+        raise ValueError(f"spare must be an int >= 0, got {spare!r}")
+    return _impl(backend).sparse_decode_parts(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq,
+                                              scale, spare)

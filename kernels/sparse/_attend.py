@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
@@ -202,8 +203,9 @@ def pick_splits(cfg: AttendConfig, n_rows: int, n_kv_heads: int, width: int, lan
 
 
 def launch(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale,
-           *, cfg: AttendConfig = AttendConfig()):
-    """Inputs checked by triton.py. Returns out [R, Hq, D] (q.dtype), lse [R, Hq] fp32."""
+           *, cfg: AttendConfig = AttendConfig(), spare: int | None = None):
+    """Inputs checked by triton.py. Returns out [R, Hq, D] (q.dtype), lse [R, Hq] fp32; with ``spare``, the splits'
+    fp32 parts unmerged, [S + spare, R, Hq, D] and [S + spare, R, Hq], the last ``spare`` unwritten."""
     n_rows, hq, dim = q.shape
     _, bs, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -211,7 +213,12 @@ def launch(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq,
     nb = cfg.lanes or max(1, min(16 // g_pad, 64 // bs))
     nsplit, per = pick_splits(cfg, n_rows, hkv, sel.shape[2], nb, q.device)
     stages = cfg.num_stages or (3 if per // nb >= cfg.pipelined_from else 1)
-    out, lse, o_strides, l_strides = split_outputs(q, nsplit)
+    if spare is None:
+        out, lse, o_strides, l_strides = split_outputs(q, nsplit)
+    else:
+        out = torch.empty((nsplit + spare, n_rows, hq, dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((nsplit + spare, n_rows, hq), dtype=torch.float32, device=q.device)
+        o_strides, l_strides = (out.stride(0), out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1))
     if n_rows:
         _sparse_decode_kernel[(n_rows, hkv, nsplit)](
             q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, out, lse,
@@ -222,7 +229,7 @@ def launch(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq,
             DOT_F32=dot_f32(q.dtype), num_warps=cfg.num_warps, num_stages=stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
-    if nsplit == 1:
+    if nsplit == 1 or spare is not None:
         return out, lse
     # more parts than the unrolled merge takes: every part loaded at once (a loop over them waits on each)
     merged, merged_lse = merge_rows(out.reshape(nsplit, n_rows * hq, dim), lse.reshape(nsplit, n_rows * hq), q.dtype,

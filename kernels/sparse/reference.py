@@ -104,10 +104,12 @@ def select_pages(scores, cu_entries, budget_pages: int):
     return sel, count
 
 
-def sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale):
+def sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale,
+                            exact_dtype: torch.dtype | None = None):
     """Row r's query [Hq, D] (rotated at its own position) attends, per KV head h, to the visible slots of entries
     sel[r, h, :count[r, h]], keys rotated forward by their entry's offset. Returns out [R, Hq, D] (q's dtype) and
-    lse [R, Hq] fp32 (natural log of the scaled logits; out 0, lse -inf where nothing is attended)."""
+    lse [R, Hq] fp32 (natural log of the scaled logits; out 0, lse -inf where nothing is attended). ``exact_dtype``:
+    out in that dtype instead (``sparse_decode_parts``: fp32, not rounded to q's)."""
     r_n, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     taken = torch.arange(sel.shape[2], device=sel.device) < count[:, :, None]       # [R, Hkv, K]
@@ -126,4 +128,16 @@ def sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel,
     lse = torch.logsumexp(logits, dim=-1)                                   # [R, Hkv, G]
     p = torch.nan_to_num(torch.exp(logits - lse[..., None]), nan=0.0)      # rows that see nothing: 0
     out = torch.einsum("rhgn,rhnd->rhgd", p, v.flatten(2, 3))
-    return out.reshape(r_n, hq, d).to(q.dtype), lse.reshape(r_n, hq)
+    return out.reshape(r_n, hq, d).to(q.dtype if exact_dtype is None else exact_dtype), lse.reshape(r_n, hq)
+
+
+def sparse_decode_parts(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale, spare: int):
+    """``sparse_decode_attention`` unmerged, with room for other partial results: (outs fp32 [1 + spare, R, Hq, D],
+    lses fp32 [1 + spare, R, Hq]), part 0 this attention (one part: the twin has no KV splits), the last ``spare``
+    left for the caller (zeros and -inf: parts that saw nothing)."""
+    out, lse = sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale,
+                                       exact_dtype=torch.float32)
+    outs = torch.zeros((1 + spare,) + tuple(out.shape), dtype=torch.float32, device=q.device)
+    lses = torch.full((1 + spare,) + tuple(lse.shape), float("-inf"), dtype=torch.float32, device=q.device)
+    outs[0], lses[0] = out, lse
+    return outs, lses

@@ -11,7 +11,7 @@ import torch
 
 from kernels.sparse import _attend, _bounds, _scores, _select
 
-__all__ = ["bound_pages", "page_scores", "select_pages", "sparse_decode_attention"]
+__all__ = ["bound_pages", "page_scores", "select_pages", "sparse_decode_attention", "sparse_decode_parts"]
 
 
 def _index(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -86,8 +86,10 @@ def select_pages(scores, cu_entries, budget_pages: int):
     return _select.launch(scores, _index("cu_entries", cu_entries, torch.int32), budget_pages)
 
 
-def sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale):
-    """q [R, Hq, D] over the entries sel[r, h, :count[r, h]] -> out [R, Hq, D] (q.dtype), lse [R, Hq] fp32."""
+def sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale,
+                            spare: int | None = None):
+    """q [R, Hq, D] over the entries sel[r, h, :count[r, h]] -> out [R, Hq, D] (q.dtype), lse [R, Hq] fp32
+    (``spare``: ``sparse_decode_parts``' answer instead)."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be [N, BS, Hkv, D]")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
@@ -105,4 +107,11 @@ def sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel,
     q = q if q.stride(2) == 1 else q.contiguous()
     return _attend.launch(q, k_cache, v_cache, block_ids, offsets, masks, sel.to(torch.int32).contiguous(),
                           count.to(torch.int32).contiguous(),
-                          inv_freq.to(device=q.device, dtype=torch.float32).contiguous(), scale)
+                          inv_freq.to(device=q.device, dtype=torch.float32).contiguous(), scale, spare=spare)
+
+
+def sparse_decode_parts(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale, spare: int):
+    """The attention's KV splits unmerged, fp32, and ``spare`` parts after them left unwritten for the caller:
+    (outs [S + spare, R, Hq, D], lses [S + spare, R, Hq]) (see reference.sparse_decode_parts)."""
+    return sparse_decode_attention(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq, scale,
+                                   spare=spare)

@@ -71,9 +71,10 @@ class LayerArrays:
     """One (owner, layer)'s KV heads as the compiled call takes them: seven typed lists (codes, steps, exact keys,
     graph offsets, targets, entries, values), each a head; made once when the heads are, not at every call.
     ``num_keys`` / ``max_keys``: the smallest / largest head's keys (the call needs every head larger than its beam;
-    its scratch as long as the largest)."""
+    its scratch as long as the largest); ``head_keys``: each head's; ``dim`` / ``value_dim``: the keys' / values'
+    head_dim."""
 
-    __slots__ = ("lists", "num_keys", "max_keys", "alone")
+    __slots__ = ("lists", "num_keys", "max_keys", "alone", "head_keys", "dim", "value_dim")
 
     def __init__(self, heads) -> None:
         """``heads``: the layer's ``(AttentionIndex, values)`` in KV head order."""
@@ -84,8 +85,9 @@ class LayerArrays:
             for col, arr in zip(cols, (codes, step, keys, g.offsets, g.targets, g.entries, vals)):
                 col.append(_read_only(arr))
         self.lists = tuple(typed.List(col) for col in cols)
-        self.num_keys = min(index.num_keys for index, _ in heads)
-        self.max_keys = max(index.num_keys for index, _ in heads)
+        self.head_keys = np.array([index.num_keys for index, _ in heads], np.int64)    # each head's keys
+        self.num_keys, self.max_keys = int(self.head_keys.min()), int(self.head_keys.max())
+        self.dim, self.value_dim = heads[0][0].dim, heads[0][1].shape[1]
         # the nested lists of a call of this one row (a batch of one): made here, not at each call (~0.3 ms a call,
         # at every layer of every step)
         self.alone = tuple(typed.List([lst]) for lst in self.lists)
@@ -120,7 +122,7 @@ def attend(layers: list[LayerArrays], row_of: np.ndarray, head_of: np.ndarray, s
     ``[P, g, Dv]``, lse float32 ``[P, g]``, scanned int64 ``[P]``. ``cols``: ``nested(layers)`` when the caller
     kept it. The caller checks the invariants (every index larger than ``beam``, ``beam >= k``, finite queries)."""
     p, g, _ = queries.shape
-    dv = layers[0].lists[6][0].shape[1]
+    dv = layers[0].value_dim
     out = np.empty((p, g, dv), np.float32)
     lse = np.empty((p, g), np.float32)
     scanned = np.empty(p, np.int64)

@@ -283,6 +283,9 @@ class IndexSet:
         for o, heads in zip(owners, rows):
             if heads is None:
                 raise KeyError(f"no offloaded K/V for {o!r} at layer {layer}")
+        whole = self._whole_call(layer, owners, queries, rows, arrays, scans, k, scale, beam)
+        if whole is not None:
+            return Answer(*whole, time.perf_counter() - t0)
         b, hq, d = queries.shape
         out = np.zeros((b, hq, d), np.float32)
         lse = np.full((b, hq), -np.inf, np.float32)
@@ -310,27 +313,11 @@ class IndexSet:
             scan = scans.get((owners[i], layer, h), 0) > 0
             for lo in range(h * g, (h + 1) * g, size):
                 plan.append((i, h, head, slice(lo, min(lo + size, (h + 1) * g)), scan))
-        call = self._compiled_call(rows, arrays, plan, k, beam)
-        warm = call is not None and not _layer.ready()      # then the pool, and warming after its searches (their
-        if warm:                                            # own compile is not kept waiting)
-            call = None
-        if call is not None:
-            layers, call_beam = call
-            row_of = np.array([i for i, *_ in plan], np.int64)
-            head_of = np.array([h for _, h, *_ in plan], np.int64)
-            scan_of = np.array([scan for *_, scan in plan], np.bool_)
-            pieces_q = np.ascontiguousarray(np.stack([queries[i, rows_q] for i, _, _, rows_q, _ in plan]))
-            o_all, s_all, n_all = _layer.attend(layers, row_of, head_of, scan_of, pieces_q, call_beam, k, scale,
-                                                self.threads, self._nested_lists(owners, layer, layers))
-            results = [(o_all[p], s_all[p], int(n_all[p])) for p in range(len(plan))]
-            path = "compiled"
-        else:
-            path = "pool"
-            jobs = [self._pool.submit(partial_attention, head, queries[i, rows_q], k, scale, beam, self.group_search,
-                                      scan) for i, _, head, rows_q, scan in plan]
-            results = [job.result() for job in jobs]
-            if warm:
-                _layer.warming()
+        jobs = [self._pool.submit(partial_attention, head, queries[i, rows_q], k, scale, beam, self.group_search, scan)
+                for i, _, head, rows_q, scan in plan]
+        results = [job.result() for job in jobs]
+        if self.compiled:
+            _layer.warming()        # after these searches: their own compile is not kept waiting (once: idempotent)
         share: dict[tuple[str, int, int], float] = {}    # the largest share of its keys a graph search of a head read
         for (i, h, head, rows_q, scan), (o, s, n) in zip(plan, results):
             out[i, rows_q], lse[i, rows_q] = o, s
@@ -340,7 +327,7 @@ class IndexSet:
                 key = (owners[i], layer, h)
                 share[key] = max(share.get(key, 0.0), n / (heads_read * head.keys.shape[0]))
         with self._lock:
-            self._calls[path] += 1
+            self._calls["pool"] += 1
             if self.scan_share is not None:
                 for i, h, _, _, scan in plan:
                     key = (owners[i], layer, h)
@@ -354,18 +341,56 @@ class IndexSet:
                         self._scans.pop(key, None)
         return Answer(out, lse, scanned, time.perf_counter() - t0)
 
-    def _compiled_call(self, rows, arrays, plan, k: int, beam: int | None):
-        """(the rows' ``LayerArrays``, ``arrays`` taken with ``rows``; the call's beam) when this call's pieces can be
-        searched (or scanned) in one compiled call (``_layer.attend``): ``compiled`` on, grouped searches, every row's
-        heads all held and larger than the beam, every piece of one size; else None (the thread pool's searches)."""
-        if not (self.compiled and self.group_search and plan):
+    def _whole_call(self, layer: int, owners: list[str], queries: np.ndarray, rows: list, arrays: list,
+                    scans: dict, k: int, scale: float,
+                    beam: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The call in one compiled call with no Python a piece, where every row holds all its heads (one count of
+        them) and their arrays, every index is larger than the beam, the pieces are of one size and the call is
+        compiled: (out, lse, scanned) as the general path answers them, else None (that path). The pieces then cut
+        ``queries`` [B, Hq, D] in order (row, KV head, piece): they are its rows as they lie, and the answer is read
+        back in place. (On a 2-core machine the general path's Python took ~0.3 ms a call of a batch of one.)"""
+        if not (self.compiled and self.group_search and _layer.ready()) or any(a is None for a in arrays):
             return None
-        if len({rows_q.stop - rows_q.start for _, _, _, rows_q, _ in plan}) != 1:
-            return None
+        b, hq, d = queries.shape
+        hkv = len(rows[0])
+        if hq % hkv or any(len(heads) != hkv or lay.dim != d for heads, lay in zip(rows, arrays)):
+            return None                     # the general path says what is wrong, or serves it
+        g = hq // hkv
+        size = -(-g // min(g, max(1, -(-self.threads // (b * hkv)))))      # the general path's pieces
         call_beam = layers_beam(rows, k, beam)
-        if any(lay is None or lay.num_keys <= call_beam for lay in arrays):
+        if g % size or any(lay.num_keys <= call_beam for lay in arrays):
             return None
-        return arrays, call_beam
+        per = g // size                     # pieces a (row, KV head)
+        scan_pair = np.zeros((b, hkv), np.bool_)     # the pairs scanned whole this call
+        counted = np.zeros((b, hkv), np.bool_)       # the pairs with a scan count (``_scans``)
+        if scans:
+            at: dict[str, list[int]] = {}
+            for i, o in enumerate(owners):
+                at.setdefault(o, []).append(i)
+            for (o, _, h), left in scans.items():
+                counted[at[o], h], scan_pair[at[o], h] = True, left > 0
+        out, lse, read = _layer.attend(arrays, np.repeat(np.arange(b, dtype=np.int64), hkv * per),
+                                       np.tile(np.repeat(np.arange(hkv, dtype=np.int64), per), b),
+                                       np.repeat(scan_pair.ravel(), per), queries.reshape(b * hkv * per, size, d),
+                                       call_beam, k, scale, self.threads, self._nested_lists(owners, layer, arrays))
+        read = read.reshape(b, hkv, per)
+        share = read.max(2) / np.stack([lay.head_keys for lay in arrays])      # [B, Hkv]: a group reads a key once
+        with self._lock:
+            self._calls["compiled"] += 1
+            if self.scan_share is not None:
+                # the general path's record, for the pairs it changes (a pair neither counted nor read past the share
+                # has no entry to drop)
+                for i, h in zip(*np.nonzero(counted | (share >= self.scan_share))):
+                    key = (owners[i], layer, int(h))
+                    if self._heads.get((owners[i], layer)) is not rows[i]:
+                        continue                    # dropped or replaced meanwhile: its searches were of others
+                    if scan_pair[i, h]:
+                        self._scans[key] = scans[key] - 1
+                    elif share[i, h] >= self.scan_share:
+                        self._scans[key] = SCAN_CALLS
+                    else:
+                        self._scans.pop(key, None)
+        return out.reshape(b, hq, -1), lse.reshape(b, hq), read.sum((1, 2))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

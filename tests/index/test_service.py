@@ -137,7 +137,9 @@ def test_malformed_searches_are_refused_and_the_service_keeps_serving(service):
                     req.owners.extend(value)
                 else:
                     setattr(req, name, value)
-            return client._stub.Search(req, timeout=10)
+            # a deadline that covers a cold process's first search: numba compiles its loops then (tens of seconds
+            # on a 2-core machine compiling beside another test worker)
+            return client._stub.Search(req, timeout=120)
 
         nan = q.copy()
         nan[0, 0, 0] = np.inf

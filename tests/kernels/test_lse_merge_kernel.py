@@ -79,3 +79,19 @@ def test_unrolled_merge_is_the_loop_bit_for_bit(parts, monkeypatch):
     monkeypatch.setattr(km, "UNROLL_PARTS", 0)
     looped = km.merge_rows(outs, lses, torch.float32)
     assert torch.equal(unrolled[0], looped[0]) and torch.equal(unrolled[1], looped[1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("parts", [3, 21])
+def test_merge_to_another_dtype_rounds_once(parts, backend):
+    """fp32 parts merged straight to bf16 (``out_dtype``) equal the fp32 merge rounded once; past the unrolled
+    merge's part count the Triton merge loads every part at once, and still equals the twin."""
+    gen = torch.Generator().manual_seed(parts)
+    outs = torch.randn(parts, 3, 7, 64, generator=gen)
+    lses = torch.randn(parts, 3, 7, generator=gen) * 4
+    lses[1, 0] = float("-inf")        # a part that saw nothing of one row
+    want, want_lse = merge_attention(outs.double(), lses.double())
+    out, lse = merge_attention(outs, lses, backend=backend, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert rel_err(out, want.to(torch.bfloat16)) <= TOL[torch.bfloat16]
+    assert_lse_close(lse, want_lse.float(), 1e-5)

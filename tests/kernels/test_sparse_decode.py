@@ -11,7 +11,8 @@ from paged_cases import build
 from kernels.paged_attention import paged_decode_attention
 from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq, rotate
 from kernels.sparse import _attend, _bounds, _scores, _select, bound_pages, page_scores, reference, select_pages
-from kernels.sparse import sparse_decode_attention
+from kernels.lse_merge import merge_attention
+from kernels.sparse import sparse_decode_attention, sparse_decode_parts
 from kernels.sparse._attend import AttendConfig
 from kernels.sparse._scores import ScoresConfig
 from services.engine.kv.block_pool import BlockPool
@@ -241,6 +242,48 @@ def test_sparse_attention_matches_twin(spec):
         assert out.dtype == dtype and out.shape == q.shape
         assert rel_err(out, want) <= TOL[dtype]
         assert_lse_close(lse, want_lse, 50 * TOL[dtype])
+
+
+@pytest.mark.parametrize("spec", CASES[:2], ids=[_id(c) for c in CASES[:2]])
+def test_parts_and_a_spare_merge_to_attention_over_the_union(spec):
+    """Retrieval decode's one merge: the static attention's parts (its KV splits, unmerged) and a spare part filled
+    with attention over other entries merge, in one call to q's dtype, to attention over both sets; the parts alone
+    (the spare empty) merge to ``sparse_decode_attention``'s answer."""
+    case, _, _, _, inv = _setup(spec)
+    _, hq, hkv, d, _, dtype, _, _ = spec
+    gen = torch.Generator().manual_seed(11)
+    e, rows = case.block_ids.numel(), 3
+    perm = torch.stack([torch.stack([torch.randperm(e, generator=gen) for _ in range(hkv)]) for _ in range(rows)])
+    cut = e // 2
+
+    def selection(idx):
+        return idx.sort(-1).values.to(torch.int32), torch.full((rows, hkv), idx.shape[-1], dtype=torch.int32)
+
+    (sel_a, cnt_a), (sel_b, cnt_b), (sel_all, cnt_all) = (selection(perm[..., :cut]), selection(perm[..., cut:]),
+                                                          selection(perm))
+    q = apply_rope(torch.randn(rows, hq, d, generator=gen), torch.randint(0, 131072, (rows,), generator=gen), inv)
+    q = q.to(dtype)
+    table = (case.k_cache, case.v_cache, *_table(case))
+    want, want_lse = sparse_decode_attention(q, *table, sel_all, cnt_all, inv, d ** -0.5)
+    alone, alone_lse = sparse_decode_attention(q, *table, sel_a, cnt_a, inv, d ** -0.5)
+    other, other_lse = reference.sparse_decode_attention(q, *table, sel_b, cnt_b, inv, d ** -0.5,
+                                                         exact_dtype=torch.float32)
+    runs = [(backend, sparse_decode_parts(q, *table, sel_a, cnt_a, inv, d ** -0.5, spare=1, backend=backend))
+            for backend in ("torch", "triton")]
+    runs += [("triton", _attend.launch(q, *table, sel_a, cnt_a, inv, d ** -0.5, cfg=AttendConfig(num_splits=3),
+                                       spare=1))]
+    for backend, (outs, lses) in runs:
+        assert outs.dtype == lses.dtype == torch.float32 and outs.shape[1:] == q.shape
+        outs[-1], lses[-1] = 0.0, float("-inf")               # empty: the parts alone
+        out, lse = merge_attention(outs, lses, backend=backend, out_dtype=dtype)
+        assert out.dtype == dtype and rel_err(out, alone) <= TOL[dtype]
+        assert_lse_close(lse, alone_lse, 50 * TOL[dtype])
+        outs[-1], lses[-1] = other, other_lse
+        out, lse = merge_attention(outs, lses, backend=backend, out_dtype=dtype)
+        assert out.dtype == dtype and rel_err(out, want) <= TOL[dtype]
+        assert_lse_close(lse, want_lse, 50 * TOL[dtype])
+    with pytest.raises(ValueError, match="spare"):
+        sparse_decode_parts(q, *table, sel_a, cnt_a, inv, d ** -0.5, spare=-1)
 
 
 @pytest.mark.parametrize("spec", CASES[1:3], ids=[_id(c) for c in CASES[1:3]])
