@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -141,8 +142,13 @@ def main() -> int:
                          "by op, a step's GPU busy time")
     ap.add_argument("--distinct", type=int, default=0,
                     help="distinct chunks a context cycles through (0: every chunk its own): one_sequence")
+    ap.add_argument("--max-positions", type=int, default=None,
+                    help="the shape's max_position_embeddings raised (131,072) for contexts past it (512K)")
+    ap.add_argument("--search-threads", type=int, default=None,
+                    help="threads a step's searches use (default: every core this process may run on; the builds "
+                         "use those whatever this says), to time a host of fewer cores")
     args = ap.parse_args()
-    eng, cfg, weight_bytes = random_engine(args.layers, args.kv_gib)
+    eng, cfg, weight_bytes = random_engine(args.layers, args.kv_gib, args.max_positions)
     floor_per_byte = hbm_floor_seconds(1 << 30) / (1 << 30)
     commit = commit_of()
     from services.index.heads import SCAN_SHARE, IndexSet
@@ -153,6 +159,7 @@ def main() -> int:
     per_request = {int(c) for c in args.per_request.split(",") if c}
     results = {"device": torch.cuda.get_device_name(), "cpu_cores": os.cpu_count(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "commit": commit, "layers": args.layers, "k": args.k,
+               "max_position_embeddings": cfg.max_position_embeddings,
                "sink_tokens": args.sink, "window_tokens": args.window, "weight_bytes": weight_bytes,
                "distinct_chunks": args.distinct or None, "repair_queries": args.repair_queries,
                "scan_share": None if args.no_scan else SCAN_SHARE, "index_threads": len(os.sched_getaffinity(0)),
@@ -185,7 +192,10 @@ def main() -> int:
             variants = (["per_request"] if context in per_request else []) + [v for v in ("chunks_cold", "chunks_warm")
                                                                             if v in args.variants.split(",")]
             for name in variants:
+                indexes = eng.forward.indexes
+                indexes.threads = len(os.sched_getaffinity(0))          # the builds on every core
                 seq, tok, start_s, build_s = timed_start(eng, context, policy, name != "per_request", args.distinct)
+                indexes.threads = args.search_threads or indexes.threads
                 _layer.warm()                           # the compiled layer call ready (its first add started it)
                 samples, cpu = time_steps(eng, seq, tok, args.steps)
                 eng.forward.indexes.compiled = False    # the same sequence's steps searched on the thread pool (the peer)
@@ -210,7 +220,9 @@ def main() -> int:
                              "host_kv_bytes": eng.forward.indexes.held()[1],
                              "index_bytes": eng.forward.indexes.held()[2],
                              "chunk_indexes_held": (eng.forward.chunk_indexes.held()
-                                                    if eng.forward.chunk_indexes is not None else None)}
+                                                    if eng.forward.chunk_indexes is not None else None),
+                             "search_threads": indexes.threads,
+                             "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
                 # the same steps with graphs and without (after the stats above: it starts the sequence's afresh)
                 check = row[name]["graphs_against_eager"] = graphs_against_eager(
                     eng, [seq], [tok], [(seq.gen_count, seq.next_pos, len(seq.gen_blocks))], 4)

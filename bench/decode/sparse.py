@@ -70,10 +70,13 @@ def random_state(hf_cfg: dict, layers: int) -> dict:
     return state
 
 
-def random_engine(layers: int, kv_gib: float):
+def random_engine(layers: int, kv_gib: float, max_positions: int | None = None):
     """(engine, its ModelConfig, weight bytes): Llama-3-8B's shape with ``layers`` layers, random bf16 weights, the
-    Triton backend, CUDA graphs, ``kv_gib`` GiB of KV pool (and of chunk cache within it)."""
+    Triton backend, CUDA graphs, ``kv_gib`` GiB of KV pool (and of chunk cache within it). ``max_positions``: the
+    shape's max_position_embeddings raised (131,072) for longer contexts (the weights are random anyway)."""
     hf_cfg = dict(LLAMA3_8B, num_hidden_layers=layers)
+    if max_positions is not None:
+        hf_cfg["max_position_embeddings"] = max_positions
     cfg = ModelConfig.from_hf_dict(hf_cfg)
     state = random_state(hf_cfg, layers)
     weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
