@@ -27,9 +27,11 @@ this measures time.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
 import os
+import pstats
 import resource
 import statistics
 import sys
@@ -47,7 +49,17 @@ from services.engine.decode import QueryTap, RetrievalDecode  # noqa: E402
 from services.index import _layer  # noqa: E402
 
 
-def one_sequence(eng, context: int, seed: int, decode, distinct: int = 0):
+def start_profile(call) -> list[dict]:
+    """``call()`` under cProfile: its 25 functions of most cumulative time (where a retrieval sequence's start goes)."""
+    prof = cProfile.Profile()
+    prof.runcall(call)
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:25]
+    return [{"function": f"{Path(file).name}:{line}({name})", "calls": n, "own_s": tt, "cumulative_s": ct}
+            for (file, line, name), (_, n, tt, ct, _) in rows]
+
+
+def one_sequence(eng, context: int, seed: int, decode, distinct: int = 0, profile: list | None = None):
     """A sequence of ``context`` chunk tokens (random KV inserted per chunk) and a 64-token suffix, prefilled with
     its queries tapped and started under ``decode``: (sequence, first token, seconds its start took). ``distinct``
     (> 0): the context's chunks cycle through that many distinct ones, each placed at several offsets (its keys
@@ -75,7 +87,10 @@ def one_sequence(eng, context: int, seed: int, decode, distinct: int = 0):
     seq.prefill_queries = tap
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    eng.start_decode(seq, decode)
+    if profile is None:
+        eng.start_decode(seq, decode)
+    else:
+        profile.extend(start_profile(lambda: eng.start_decode(seq, decode)))
     return seq, int(logits.argmax()), time.perf_counter() - t0
 
 
@@ -106,11 +121,12 @@ def profile_steps(eng, seq, tok: int, steps: int) -> dict:
     return profile_calls(step, steps)
 
 
-def timed_start(eng, context: int, policy, chunk_indexes: bool, distinct: int):
+def timed_start(eng, context: int, policy, chunk_indexes: bool, distinct: int, profile: list | None = None):
     """A retrieval sequence over the context's chunks (the same chunks for the same context), its indexes built:
-    (sequence, first token, start seconds, build seconds after the start)."""
+    (sequence, first token, start seconds, build seconds after the start). ``profile``: filled with the start's
+    profile (``start_profile``)."""
     eng.forward.options = dataclasses.replace(eng.forward.options, chunk_indexes=chunk_indexes)
-    seq, tok, start_s = one_sequence(eng, context, context, policy, distinct)
+    seq, tok, start_s = one_sequence(eng, context, context, policy, distinct, profile)
     t0 = time.perf_counter()
     seq.offload.build.result()          # the indexes' build, behind the start on its own thread
     return seq, tok, start_s, time.perf_counter() - t0
@@ -142,6 +158,8 @@ def main() -> int:
                          "by op, a step's GPU busy time")
     ap.add_argument("--distinct", type=int, default=0,
                     help="distinct chunks a context cycles through (0: every chunk its own): one_sequence")
+    ap.add_argument("--profile-start", action="store_true",
+                    help="profile each retrieval sequence's start (cProfile): where the engine thread's time goes")
     ap.add_argument("--max-positions", type=int, default=None,
                     help="the shape's max_position_embeddings raised (131,072) for contexts past it (512K)")
     ap.add_argument("--search-threads", type=int, default=None,
@@ -194,7 +212,9 @@ def main() -> int:
             for name in variants:
                 indexes = eng.forward.indexes
                 indexes.threads = len(os.sched_getaffinity(0))          # the builds on every core
-                seq, tok, start_s, build_s = timed_start(eng, context, policy, name != "per_request", args.distinct)
+                prof = [] if args.profile_start else None
+                seq, tok, start_s, build_s = timed_start(eng, context, policy, name != "per_request", args.distinct,
+                                                         prof)
                 indexes.threads = args.search_threads or indexes.threads
                 _layer.warm()                           # the compiled layer call ready (its first add started it)
                 samples, cpu = time_steps(eng, seq, tok, args.steps)
@@ -221,7 +241,7 @@ def main() -> int:
                              "index_bytes": eng.forward.indexes.held()[2],
                              "chunk_indexes_held": (eng.forward.chunk_indexes.held()
                                                     if eng.forward.chunk_indexes is not None else None),
-                             "search_threads": indexes.threads,
+                             "search_threads": indexes.threads, "start_profile": prof,
                              "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
                 # the same steps with graphs and without (after the stats above: it starts the sequence's afresh)
                 check = row[name]["graphs_against_eager"] = graphs_against_eager(
