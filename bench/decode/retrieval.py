@@ -242,6 +242,7 @@ def main() -> int:
                              "chunk_indexes_held": (eng.forward.chunk_indexes.held()
                                                     if eng.forward.chunk_indexes is not None else None),
                              "search_threads": indexes.threads, "start_profile": prof,
+                             "start_parts_seconds": dict(seq.offload.seconds),
                              "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
                 # the same steps with graphs and without (after the stats above: it starts the sequence's afresh)
                 check = row[name]["graphs_against_eager"] = graphs_against_eager(

@@ -474,12 +474,12 @@ class Engine:
         if seq.released:
             return
         seq.released = True
+        seq.decode.release(self.forward, seq)   # first: what its policy still reads of its blocks (an offload's copy)
         for entry in seq.pinned:
             self.cache.release(entry)
         self.pool.free(seq.private_blocks + seq.gen_blocks)
         clear_window(self.forward, seq)
         seq.prefill_queries = None
-        seq.decode.release(self.forward, seq)
 
     def describe_memory(self) -> dict:
         """Bytes of KV: per block, resident in the chunk cache, free in the pool; and of Retro's windows."""

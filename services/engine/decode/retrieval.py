@@ -38,11 +38,14 @@ served yet). A hand-off carries a sample of the queries
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -98,6 +101,7 @@ class RetrievalDecode(DecodePolicy):
 
     def ready(self, seq) -> bool:
         """Whether its indexes are built; a failed build's error is raised here."""
+        settle(seq)
         build = seq.offload.build
         if not build.done():
             return False
@@ -108,6 +112,8 @@ class RetrievalDecode(DecodePolicy):
         off = seq.offload
         if off is None:
             return
+        off.cancelled = True
+        off.copied.wait()       # the copy thread stops at its next layer: the blocks may be freed after that
         with off.lock:
             off.cancelled = True
             if off.finished and fwd.indexes is not None and self.retrieval_k:    # retrieving nothing offloads nothing
@@ -156,17 +162,24 @@ class QueryTap:
 @dataclass(slots=True)
 class Offload:
     """A retrieval sequence's offloaded part: owner (its name in the index set), static [L]: per layer the entries its
-    table kept (all of them, after ``offload``), offloaded [L]: tokens offloaded (keys per KV head). build: the
+    table kept (all of them, after ``offload``), offloaded [L]: tokens offloaded (keys per KV head), seconds: where
+    ``offload`` spent the engine thread's time (``split``: the tables split; ``chunks``: the shared chunks' query
+    passes, for indexes not held; ``queries``: the training queries copied), and ``keys`` the copy thread's (the K/V
+    gathered, rotated and copied to the host). copied: set once the copy thread is done with the sequence's blocks
+    (or stopped); cut: what cuts its tables down to the static set, pending until then (``settle``). build: the
     builder thread's job adding them to the index set; cancelled / finished (under lock): the sequence was released /
     the job is over (whichever comes second drops what was added)."""
 
     owner: str
     static: list[int] = field(default_factory=list)
     offloaded: list[int] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
     build: Future | None = None
     cancelled: bool = False
     finished: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    copied: threading.Event = field(default_factory=threading.Event)
+    cut: Callable[[], None] | None = None
 
 
 def offload(fwd, seq, policy: RetrievalDecode) -> None:
@@ -177,7 +190,7 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
 
         fwd.indexes = IndexSet(threads=fwd.options.index_threads)
     layers: list = []   # per layer, what the builder thread adds: keys, values [Hkv, N, D], queries [Hkv, M, D], runs
-    pool, model, bs = fwd.pool, fwd.model, fwd.bs
+    pool, bs = fwd.pool, fwd.bs
     hq, hkv = fwd.cfg.num_heads, fwd.cfg.num_kv_heads
     g = hq // hkv
     prompt = seq.next_pos
@@ -187,8 +200,10 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
     split: dict[int, tuple] = {}   # per distinct table object: (static entries, offloaded blocks, slots, offsets, runs)
     chunk_graphs = policy.retrieval_k > 0 and fwd.options.chunk_indexes
     futures: dict[str, Future] = {}
+    clock = _Clock(off.seconds)
     try:
         for layer, table in enumerate(seq.layer_tables):
+            clock.lap(None)
             if id(table) not in split:
                 ids = table.block_ids.long()
                 gpos = table.offsets.long()[:, None] + pool.slot_pos[ids].long()               # [E, BS]
@@ -203,14 +218,12 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
                     rows, slots = rows[order], slots[order]
                 split[id(table)] = (static.nonzero().squeeze(1).cpu().numpy(), ids[rows], slots,
                                     table.offsets.long()[rows], runs)
+                clock.lap("split")
             static, blocks, slots, offsets, runs = split[id(table)]
             off.static.append(len(static))
             off.offloaded.append(int(blocks.shape[0]))
             if not policy.retrieval_k:
                 continue          # the static set alone: nothing to index
-            cos, sin = rope_cos_sin(offsets, model.inv_freq)
-            k = rotate(pool.k[layer][blocks, slots].float(), cos[:, None, :], sin[:, None, :])   # [N, Hkv, D]
-            v = pool.v[layer][blocks, slots].float()
             for key, _ in runs:
                 if key not in futures:
                     try:
@@ -218,31 +231,98 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
                     except Exception as exc:     # e.g. no KV blocks left for its query pass: the builder falls back
                         futures[key] = Future()
                         futures[key].set_exception(exc)
+            clock.lap("chunks")
             # the request's queries index the keys outside whole chunks and link the chunks' graphs to one another
             # (IndexSet.add); without them, only chunks' graphs alone (a hand-off made without its queries)
             q = None if seq.prefill_queries is None else seq.prefill_queries.queries(layer)
             if q is not None:
                 train = (q.float().reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
                          .cpu().numpy())
-            elif sum(n for _, n in runs) == k.shape[0]:
-                train = np.zeros((hkv, 0, k.shape[-1]), np.float32)
+            elif sum(n for _, n in runs) == blocks.shape[0]:
+                train = np.zeros((hkv, 0, fwd.cfg.head_dim), np.float32)
             else:
                 raise ValueError(f"decode='retrieval' needs the prefill pass's queries to index layer {layer}: "
                                  "a hand-off must be made with them (prefill_handoff(tap_queries=True))")
-            layers.append((k.permute(1, 0, 2).cpu().numpy(), v.permute(1, 0, 2).cpu().numpy(), train,
-                           [(key, futures[key]) for key, _ in runs]))
+            clock.lap("queries")
+            layers.append((blocks, slots, offsets, train, [(key, futures[key]) for key, _ in runs]))
     except BaseException:
         if fwd.indexes is not None:
             fwd.indexes.drop(owner)
         raise
+    static = {key: entries for key, (entries, *_) in split.items()}
+    seq.offload = off
+    seq.prefill_queries = None   # the index holds what it needs
     if not policy.retrieval_k:
         off.build, off.finished = Future(), True
         off.build.set_result(None)
-    else:
-        off.build = _builder(fwd).submit(_build, fwd.indexes, off, layers)
-    seq.offload = off
-    seq.prefill_queries = None   # the index holds what it needs
-    keep_static(fwd, seq, {key: entries for key, (entries, *_) in split.items()})
+        off.copied.set()
+        keep_static(fwd, seq, static)
+        return
+    # the K/V go to the host on a thread of their own, not the engine's (at 128K tokens that took ~20 s of it), the
+    # sequence's blocks held until they are copied (then ``settle`` cuts its tables); the builder thread builds from
+    # what it copied
+    after = torch.cuda.Event() if fwd.device.type == "cuda" else None
+    if after is not None:
+        after.record()                     # what the engine's stream has queued: the pass that wrote the K/V
+    off.cut = lambda: keep_static(fwd, seq, static)
+    copy = _copier(fwd).submit(_copy, fwd, off, layers, after)
+    off.build = _builder(fwd).submit(_build, fwd.indexes, off, copy)
+
+
+def _copier(fwd) -> ThreadPoolExecutor:
+    """The engine's one thread copying offloaded K/V to the host (``_copy``), in the order sequences start."""
+    if fwd.index_copier is None:
+        fwd.index_copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-copy")
+    return fwd.index_copier
+
+
+def _copy(fwd, off: Offload, layers: list, after) -> list:
+    """The copy thread: each layer's offloaded keys (rotated to their global positions, as the attention kernels do)
+    and values, float32 [Hkv, N, D] on the host, on a CUDA stream of its own that starts after ``after`` (the
+    engine's stream when the sequence started); stops early when the sequence is released. Returns the builder's
+    layers (keys, values, training queries, chunk runs); ``off.copied`` is set however it ends."""
+    pool, model = fwd.pool, fwd.model
+    t0 = time.perf_counter()
+    stream = torch.cuda.Stream(fwd.device) if after is not None else None
+    try:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if stream is not None:
+                stream.wait_event(after)
+            out = []
+            for layer, (blocks, slots, offsets, train, runs) in enumerate(layers):
+                if off.cancelled:
+                    break
+                cos, sin = rope_cos_sin(offsets, model.inv_freq)
+                k = rotate(pool.k[layer][blocks, slots].float(), cos[:, None, :], sin[:, None, :])  # [N, Hkv, D]
+                v = pool.v[layer][blocks, slots].float()
+                out.append((k.permute(1, 0, 2).cpu().numpy(), v.permute(1, 0, 2).cpu().numpy(), train, runs))
+                layers[layer] = None        # (the .cpu() copies waited for this stream: nothing of it is in flight)
+            return out
+    finally:
+        off.seconds["keys"] = time.perf_counter() - t0
+        off.copied.set()
+
+
+def settle(seq) -> None:
+    """On the engine thread: once the copy thread is done with a retrieval sequence's blocks, cut its tables to the
+    static set (``keep_static``: the private blocks no layer keeps freed, the chunks no layer reads unpinned)."""
+    off = seq.offload
+    if off is not None and off.cut is not None and off.copied.is_set() and not seq.released:
+        cut, off.cut = off.cut, None
+        cut()
+
+
+class _Clock:
+    """Seconds between laps, summed by name into ``into`` (a lap named None starts the next one only)."""
+
+    def __init__(self, into: dict[str, float]):
+        self.into, self.t = into, time.perf_counter()
+
+    def lap(self, name: str | None) -> None:
+        now = time.perf_counter()
+        if name is not None:
+            self.into[name] = self.into.get(name, 0.0) + now - self.t
+        self.t = now
 
 
 def _builder(fwd) -> ThreadPoolExecutor:
@@ -381,10 +461,11 @@ def _build_chunk(fwd, key: str, keys: list, train: list):
         fwd.chunk_builds.pop(key, None)
 
 
-def _build(indexes, off: Offload, layers: list) -> None:
-    """The builder thread: each layer's K/V and indexes into the index set (composed with the graphs of its chunks),
-    unless the sequence is released first (what was added is then dropped)."""
+def _build(indexes, off: Offload, copy: Future) -> None:
+    """The builder thread: each layer's K/V (``copy``'s, once copied) and indexes into the index set (composed with
+    the graphs of its chunks), unless the sequence is released first (what was added is then dropped)."""
     try:
+        layers = copy.result()
         for layer in range(len(layers)):
             if off.cancelled:
                 break
@@ -433,6 +514,9 @@ class RetrievalStep(PolicyStep):
 
     def __init__(self, policy: RetrievalDecode, fwd, seqs):
         super().__init__(policy, fwd, seqs)
+        for s in seqs:            # a sequence whose indexes are still being built is waited for (and its error raised)
+            s.offload.build.result()
+            settle(s)
         n = len(seqs)
         self.scanned = np.zeros(n, np.int64)
         self.seconds = 0.0
@@ -442,8 +526,6 @@ class RetrievalStep(PolicyStep):
         self._selections: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}   # by the rows' entry counts
         self._buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None     # ``_host``
         self._copied = None       # the event recorded after a layer's query copy (on a GPU)
-        for s in seqs:            # a sequence whose indexes are still being built is waited for (and its error raised)
-            s.offload.build.result()
 
     def _selection(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every entry of each row at ``layer`` (its static table's, then its generated blocks), as the sparse

@@ -73,6 +73,7 @@ class Forward:
         self.query_tap = None
         self.indexes = None  # offloaded K/V and their indexes (services/index/heads.py IndexSet), made on first use
         self.index_builder = None  # the thread building them (decode/retrieval.py), likewise
+        self.index_copier = None  # the thread copying a retrieval sequence's K/V to the host for them, likewise
         self.chunk_indexes = None  # built chunk indexes by chunk id (services/index/chunks.py ChunkIndexCache), likewise
         self.chunk_builds: dict = {}  # chunk id -> Future of its index while it builds
         self.chunk_index_store = None  # where chunk indexes are kept beside the chunks' KV (get / put by chunk id)

@@ -56,6 +56,14 @@ def test_the_static_set_and_the_offloaded_keys_partition_each_layer_and_only_the
     _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(**SMALL), extra_tokens=1)
     try:
         bs = eng.block_size
+        # its K/V go to the host on the copy thread, the tables whole until then; the batcher's readiness check
+        # (on the engine thread) cuts them once they are copied
+        whole = sum(bin(m & ((1 << bs) - 1)).count("1") for m in seq.layer_tables[0].masks.tolist())
+        assert whole == seq.next_pos                        # every token still shown
+        assert seq.offload.copied.wait(60)
+        assert seq.offload.cut is not None                  # not cut before the engine thread settles it
+        seq.offload.build.result(timeout=60)
+        assert seq.decode.ready(seq) and seq.offload.cut is None
         for layer, table in enumerate(seq.layer_tables):
             shown = sum(bin(m & ((1 << bs) - 1)).count("1") for m in table.masks.tolist())
             assert table.num_entries == seq.offload.static[layer] < -(-seq.next_pos // bs)
@@ -330,3 +338,41 @@ def test_a_step_failing_between_layer_graphs_leaves_them_serving(tiny_dir):
         eng.release(seq)
     assert eng.forward.layer_graphs.steps == 2
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_copy_to_the_host_runs_off_the_engine_thread_and_a_release_waits_for_it(tiny_dir, monkeypatch):
+    """A retrieval sequence's start returns while its K/V are still being copied (the engine thread serves others
+    meanwhile); its tables stay whole until they are copied; a release during the copy waits for the copy thread to
+    let go of the blocks, then frees everything: nothing leaks, nothing stays in the index set."""
+    import threading
+
+    from services.engine.decode import retrieval
+
+    eng = Engine.load(tiny_dir)
+    gate, entered = threading.Event(), threading.Event()
+    real = retrieval._copy
+
+    def slow(*args):
+        entered.set()
+        assert gate.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(retrieval, "_copy", slow)
+    chunks, suffix = random_request(49, lengths=(50, 40), suffix_len=4)
+    free = eng.pool.num_free
+    _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(**SMALL))
+    assert entered.wait(60) and not seq.offload.copied.is_set()       # started: the copy has not run
+    assert not seq.decode.ready(seq) and seq.offload.cut is not None   # not ready, its tables whole
+    _, other = eng.prefill_sequence(*random_request(50, lengths=(30,), suffix_len=3))
+    eng.decode_step([other], [5])                                      # the engine serves another meanwhile
+    eng.release(other)
+    released = threading.Thread(target=eng.release, args=(seq,))
+    released.start()
+    released.join(0.5)
+    assert released.is_alive()                       # waiting for the copy thread to be done with the blocks
+    gate.set()
+    released.join(60)
+    assert not released.is_alive()
+    seq.offload.build.exception(timeout=60)          # the builder stopped (cancelled) and dropped what it added
+    assert seq.offload.owner not in eng.forward.indexes
+    assert eng.pool.num_free == free - eng.cache.resident_bytes // eng.pool.block_bytes   # the chunks stay cached
