@@ -1,6 +1,7 @@
 """A retrieval sequence's offloaded K/V to the host, one layer's keys at a time (GPU): ``tensor.cpu()`` of the
 permuted layer and the builder's later ``np.ascontiguousarray`` (the copy before ``HostStaging``), against
-``HostStaging.to_host`` (services/engine/decode/retrieval.py: one pinned buffer used again, then a host copy), with
+``HostStaging.to_host`` (services/engine/decode/retrieval.py: one pinned buffer used again, then a host copy on its
+threads, and on one), with
 the pinned device-to-host copy of the same bytes alone as the ceiling; the variants alternated in one process.
 
     python3 bench/decode/host_copy.py --tokens 129984 --rounds 5 --out bench/decode/DATE_DEVICE_COMMIT_host_copy.json
@@ -42,7 +43,7 @@ def main() -> int:
     args = ap.parse_args()
     layer = torch.randn(args.tokens, args.kv_heads, args.head_dim, device="cuda")     # [N, Hkv, D] fp32, as rotated
     nbytes = layer.numel() * 4
-    staging = HostStaging()
+    staging, alone = HostStaging(), HostStaging(threads=1)
     pinned = torch.empty(layer.numel(), dtype=torch.float32, pin_memory=True)
     want = layer.permute(1, 0, 2).contiguous().cpu().numpy()
     equal = {}
@@ -53,7 +54,10 @@ def main() -> int:
     def staged():
         equal["staged"] = np.array_equal(staging.to_host(layer.permute(1, 0, 2)), want)
 
-    variants = {"cpu_then_contiguous": cpu_then_contiguous, "staged": staged,
+    def staged_one_thread():
+        equal["staged_one_thread"] = np.array_equal(alone.to_host(layer.permute(1, 0, 2)), want)
+
+    variants = {"cpu_then_contiguous": cpu_then_contiguous, "staged_one_thread": staged_one_thread, "staged": staged,
                 "pinned_ceiling": lambda: pinned.copy_(layer.view(-1), non_blocking=True)}
     times = {name: [] for name in variants}
     for name, fn in variants.items():
@@ -62,6 +66,7 @@ def main() -> int:
         for name, fn in variants.items():
             times[name].append(timed(fn))
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit_of(),
+              "host_copy_threads": staging.threads,
               "command": " ".join(sys.argv), "bytes": nbytes, "equal": equal,
               "seconds": times, "gb_s": {n: nbytes / statistics.median(t) / 1e9 for n, t in times.items()}}
     for n, t in times.items():

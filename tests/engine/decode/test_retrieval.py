@@ -376,3 +376,20 @@ def test_the_copy_to_the_host_runs_off_the_engine_thread_and_a_release_waits_for
     seq.offload.build.exception(timeout=60)          # the builder stopped (cancelled) and dropped what it added
     assert seq.offload.owner not in eng.forward.indexes
     assert eng.pool.num_free == free - eng.cache.resident_bytes // eng.pool.block_bytes   # the chunks stay cached
+
+
+def test_a_staged_copy_in_pieces_on_threads_is_the_array():
+    """HostStaging's host copy: pieces on several threads, a last piece short, one piece, one thread; the CPU path
+    (no staging) gives the permuted tensor contiguous."""
+    import numpy as np
+
+    from services.engine.decode.retrieval import HostStaging, copy_pieces
+
+    src = np.random.default_rng(3).standard_normal(1003).astype(np.float32)
+    for threads, piece in ((4, 100), (3, 1003), (1, 7), (8, 2000)):
+        dst = np.full_like(src, np.nan)
+        copy_pieces(dst, src, threads, piece)
+        assert np.array_equal(dst, src), (threads, piece)
+    t = torch.randn(5, 3, 4)
+    got = HostStaging().to_host(t.permute(1, 0, 2))
+    assert got.flags.c_contiguous and np.array_equal(got, t.permute(1, 0, 2).numpy())
