@@ -13,11 +13,12 @@ shows, and attention over both, merged, is attention over every key:
     softmax over S ∪ O  =  merge((out_S, lse_S), (out_O, lse_O))      (kernels/lse_merge)
 with out_O over the retrieved keys only: exact when ``retrieval_k`` covers every offloaded key.
 
-The indexes build on a background thread (``Offload.build``): a serving batch leaves the sequence out until they
-are (``ready``), so its start does not hold up the others. Once offloaded, the sequence's layer tables keep their
-static entries only, its private blocks that no layer keeps
-go back to the pool and the chunks it no longer reads are unpinned (the chunk cache may evict them): what it holds
-on the GPU is its static set.
+The K/V go to the host on a copy thread (``_copy``: its own CUDA stream, staged through pinned memory) and the
+indexes build on a builder thread (``Offload.build``): a serving batch leaves the sequence out until they are
+(``ready``), so its start does not hold up the others (the engine thread runs the split and the chunks' query passes
+only). Once copied (``settle``, on the engine thread), the sequence's layer tables keep their static entries only,
+its private blocks that no layer keeps go back to the pool and the chunks it no longer reads are unpinned (the chunk
+cache may evict them): what it holds on the GPU is its static set.
 
 At a step, layer by layer: the query rows go to the host first (a pinned copy, waited for alone), the static set's
 attention is issued on the GPU, and the CPU searches and attends while it runs; its answer goes back (pinned, in
