@@ -393,3 +393,32 @@ def test_a_staged_copy_in_pieces_on_threads_is_the_array():
     t = torch.randn(5, 3, 4)
     got = HostStaging().to_host(t.permute(1, 0, 2))
     assert got.flags.c_contiguous and np.array_equal(got, t.permute(1, 0, 2).numpy())
+
+
+def test_a_copy_that_fails_fails_its_sequence_and_frees_everything(tiny_dir, monkeypatch):
+    """The copy thread's error (say the host is out of memory) is the sequence's: its readiness check raises it, as
+    the batcher's does, and its release frees every block; the engine goes on serving retrieval sequences."""
+    from services.engine.decode.retrieval import HostStaging
+
+    eng = Engine.load(tiny_dir)
+
+    def broken(self, t):
+        raise MemoryError("no host memory for the offloaded keys")
+
+    monkeypatch.setattr(HostStaging, "to_host", broken)
+    chunks, suffix = random_request(51, lengths=(50, 40), suffix_len=4)
+    free = eng.pool.num_free
+    _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(**SMALL))
+    assert seq.offload.copied.wait(60)
+    with pytest.raises(MemoryError, match="host memory"):
+        for _ in range(600):                       # bounded: the build fails as soon as the copy has
+            if seq.decode.ready(seq):
+                break
+            seq.offload.build.exception(timeout=0.1)
+    assert seq.offload.cut is None            # the copy thread let go of the blocks: the tables were cut all the same
+    eng.release(seq)
+    assert seq.offload.owner not in eng.forward.indexes
+    assert eng.pool.num_free == free - eng.cache.resident_bytes // eng.pool.block_bytes
+    monkeypatch.undo()
+    got = eng.generate(chunks, suffix, max_new_tokens=3, stop_token_ids=[], decode="retrieval", **SMALL)
+    assert len(got) == 3
