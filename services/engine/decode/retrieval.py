@@ -22,9 +22,10 @@ cache may evict them): what it holds on the GPU is its static set.
 
 At a step, layer by layer: the query rows go to the host first (a pinned copy, waited for alone), the static set's
 attention is issued on the GPU, and the CPU searches and attends while it runs; its answer goes back (pinned, in
-the step's buffers) into a part left beside the static attention's KV splits, and one launch merges them all. What lies between two layers'
-attentions replays as a CUDA graph (``layer_graphs``: services/engine/graphs/layers.py) when the engine's static
-tails are on: 1.24x faster a token at 32K on an H200 than the step run eagerly (bench/decode/README.md).
+the step's buffers) into a part left beside the static attention's KV splits, and one launch merges them all. What
+lies between two layers' attentions replays as a CUDA graph (``layer_graphs``: services/engine/graphs/layers.py)
+when the engine's static tails are on: 1.24x faster a token at 32K on an H200 than the step run eagerly
+(bench/decode/README.md).
 
 Shared chunks (``EngineOptions.chunk_indexes``): a chunk wholly among the offloaded tokens is searched through its own
 graphs, built once in its frame (services/index/chunks.py: the chunk runs alone once to tap its queries, shifted
@@ -101,7 +102,8 @@ class RetrievalDecode(DecodePolicy):
         return RetrievalStep(self, fwd, seqs)
 
     def ready(self, seq) -> bool:
-        """Whether its indexes are built; a failed build's error is raised here."""
+        """Whether its indexes are built; a failed build's error is raised here. (Once its K/V are copied, its tables
+        are cut to the static set here, on the engine thread: ``settle``.)"""
         settle(seq)
         build = seq.offload.build
         if not build.done():
