@@ -12,6 +12,12 @@ slow store), the chunk is computed instead, except for one request in ``probe_ev
 loads, so that the load estimate follows the store (``probe_every=1``: every request loads). With ``loads`` off
 no chunk is loaded at all: every chunk the GPU lacks is computed (the store path off, for an A/B).
 
+Recomputing is free only while the GPU would otherwise wait for the load. With requests queued behind this one
+(``ratio(..., waiting=n)``, n > 0: the worker's engine loop has submissions waiting), every token recomputed past the
+floor delays them, so the floor is used: on four H200s at 945bfd8 (bench/cluster), 30% of chunk tokens came from the
+store's DRAM, none waited for its load (store wait 0 ms), and a prefill took 93.5 ms against 84.0 on one GPU, whose
+chunks all came from its own tiers (the floor, no store bytes): the busy engines paid for recomputation no load hid.
+
 NOTE: the ratio is rounded up to a multiple of ``step`` (default 0.05). A continuous ratio gives
 nearly every request its own number of recomputed tokens, hence its own static-tail shape, and the
 engine would capture a new CUDA graph for most requests; rounding up only recomputes a little more.
@@ -69,10 +75,12 @@ class LoadingController:
                 return True
             return nbytes * self.seconds_per_byte <= tokens * self.seconds_per_token
 
-    def ratio(self, store_bytes: int, chunk_tokens: int) -> float:
-        """The recompute ratio for a request loading ``store_bytes`` over ``chunk_tokens`` chunk tokens."""
+    def ratio(self, store_bytes: int, chunk_tokens: int, waiting: int = 0) -> float:
+        """The recompute ratio for a request loading ``store_bytes`` over ``chunk_tokens`` chunk tokens; ``waiting``:
+        requests queued behind it (then the floor: see the module's docstring)."""
         with self._lock:
-            if store_bytes <= 0 or chunk_tokens <= 0 or self.seconds_per_token is None or self.seconds_per_byte is None:
+            if (waiting > 0 or store_bytes <= 0 or chunk_tokens <= 0 or self.seconds_per_token is None
+                    or self.seconds_per_byte is None):
                 return self.floor
             hidden = store_bytes * self.seconds_per_byte / (chunk_tokens * self.seconds_per_token)
         stepped = math.ceil(hidden / self.step - 1e-9) * self.step

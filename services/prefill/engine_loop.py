@@ -47,6 +47,10 @@ class EngineLoop:
         self._queue.put((True, begin, fut))
         return fut
 
+    def waiting(self) -> int:
+        """Submissions queued and not yet begun (approximate while other threads submit)."""
+        return self._queue.qsize()
+
     @property
     def alive(self) -> bool:
         """Whether the engine thread still serves (health reports this, not the process's liveness)."""

@@ -60,6 +60,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self._ipc: dict[str, str] = {}     # decode worker address -> "same", "peer" (its GPU opens ours) or ""
         # one engine thread, pipelined by one request (engine_loop.py)
         self.engine = EngineLoop(on_fatal=on_fatal)
+        worker.backlog = self.engine.waiting       # the loading controller's floor while requests wait behind
         # hand-offs are serialised here, so the engine thread goes on to the next request meanwhile
         self.io_threads = ThreadPoolExecutor(2, thread_name_prefix="prefill-handoff")
         self.in_flight = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.cluster.hostcache import layers_nbytes
@@ -73,6 +74,9 @@ class PrefillWorker:
         self.fixed_ratio = fixed_ratio
         self.kv_bytes_per_token = engine.describe_memory()["kv_bytes_per_token"]
         self.resident: tuple[str, ...] = ()   # snapshot for Status, which must not queue behind prefills
+        # submissions waiting behind the request begun (the engine loop's queue; set by the servicer): the loading
+        # controller keeps to its floor while any wait
+        self.backlog: Callable[[], int] = lambda: 0
 
     def resident_ids(self) -> tuple[str, ...]:
         """Chunk ids in the device cache (engine thread); also refreshes the snapshot."""
@@ -208,7 +212,8 @@ class PrefillWorker:
         if self.fixed_ratio is not None:
             return self.fixed_ratio
         store_tokens = sum(len(c) for t, c in zip(tiers, job.chunks) if t not in (Tier.GPU, Tier.COMPUTED, Tier.HOST))
-        return self.controller.ratio(store_tokens * self.kv_bytes_per_token, sum(map(len, job.chunks)))
+        return self.controller.ratio(store_tokens * self.kv_bytes_per_token, sum(map(len, job.chunks)),
+                                     waiting=self.backlog())
 
     def _store_later(self, chunk_id: str, layers) -> bool:
         if not self.store.put_later(chunk_id, layers, self.eng.fingerprint):

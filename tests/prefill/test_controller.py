@@ -34,6 +34,16 @@ def test_controller_recomputes_what_the_load_hides():
     assert c.ratio(0, 100) == 0.15            # nothing from the store
 
 
+def test_controller_keeps_the_floor_while_requests_wait_behind():
+    """Recomputing past the floor is free only when the GPU would wait for the load: with requests queued behind,
+    the floor, whatever the load would hide; with none, the ratio the load hides again."""
+    c = LoadingController(floor=0.15, smoothing=1.0)
+    c.observe(stats(chunk_tokens_computed=100, chunk_compute_seconds=1.0))
+    c.observe(stats(loaded_bytes=1000, load_seconds=0.5))
+    assert c.ratio(1000, 100, waiting=3) == 0.15 and c.ratio(10**6, 100, waiting=1) == 0.15
+    assert c.ratio(1000, 100, waiting=0) == pytest.approx(0.5)
+
+
 def test_controller_ratios_come_in_steps():
     """Rounded up to multiples of 0.05: a handful of recompute sizes (graph shapes), never less recompute."""
     c = LoadingController(floor=0.15, smoothing=1.0)

@@ -77,3 +77,44 @@ def test_stop_cancels_what_has_not_started():
     threading.Timer(0.05, gate.set).start()
     loop.stop()
     assert started.result(5) == "a" and queued.cancelled() and "begin b" not in log
+
+
+def test_waiting_counts_what_is_queued_behind_the_prefill_begun():
+    """What the loading controller reads (``PrefillWorker.backlog``): the submissions not yet begun."""
+    loop, log, gate, seen = EngineLoop(), [], threading.Event(), []
+
+    def begin_a():
+        assert gate.wait(5)
+        seen.append(loop.waiting())          # b and the call queued behind a, while a begins
+        return lambda: "a"
+
+    try:
+        assert loop.waiting() == 0
+        futs = [loop.prefill(begin_a), loop.prefill(_prefill(log, "b")), loop.call(lambda: 7)]
+        gate.set()
+        assert [f.result(5) for f in futs] == ["a", "b", 7]
+        assert seen == [2] and loop.waiting() == 0
+    finally:
+        loop.stop()
+
+
+def test_the_servicer_gives_its_worker_the_loops_backlog():
+    """The prefill servicer wires its engine loop's queue into the worker the loading controller asks."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from services.prefill.server import PrefillServicer
+
+    worker = SimpleNamespace(eng=SimpleNamespace(device=torch.device("cpu")), backlog=lambda: -1)
+    servicer = PrefillServicer(worker, "w", "http://127.0.0.1:1/metrics", handoff_transport="grpc")
+    try:
+        gate, started = threading.Event(), threading.Event()
+        first = servicer.engine.call(lambda: started.set() or gate.wait(5))
+        assert started.wait(5)
+        queued = servicer.engine.call(lambda: 7)
+        assert worker.backlog() == 1             # ``queued`` waits behind the call begun
+        gate.set()
+        assert first.result(5) and queued.result(5) == 7 and worker.backlog() == 0
+    finally:
+        servicer.engine.stop()
