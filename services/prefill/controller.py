@@ -16,7 +16,8 @@ Recomputing is free only while the GPU would otherwise wait for the load. With r
 (``ratio(..., waiting=n)``, n > 0: the worker's engine loop has submissions waiting), every token recomputed past the
 floor delays them, so the floor is used: on four H200s at 945bfd8 (bench/cluster), 30% of chunk tokens came from the
 store's DRAM, none waited for its load (store wait 0 ms), and a prefill took 93.5 ms against 84.0 on one GPU, whose
-chunks all came from its own tiers (the floor, no store bytes): the busy engines paid for recomputation no load hid.
+chunks all came from its own tiers (the floor: no store bytes). That the busy engines paid for recomputation no load
+hid is a reading of those figures: that run recorded no ratios, and this rule has not been measured on four GPUs.
 
 NOTE: the ratio is rounded up to a multiple of ``step`` (default 0.05). A continuous ratio gives
 nearly every request its own number of recomputed tokens, hence its own static-tail shape, and the
