@@ -20,6 +20,8 @@ def test_time_budget_from_the_workers_metrics():
     for s in (0.05, 0.07):
         p.seconds.observe(s)
     p.engine_seconds.inc(0.08)
+    for r in (0.15, 0.35):
+        p.ratio.observe(r)
     p.handoff_seconds.observe(0.01)
     for batch, s in ((4, 0.02), (6, 0.03)):
         d.batch_size.observe(batch)
@@ -39,7 +41,7 @@ def test_time_budget_from_the_workers_metrics():
     b = probe.time_budget(used, duration_s=1.0, gpu_busy=50.0)
     assert b["prefills"] == 2 and abs(b["prefill_mean_ms"] - 60.0) < 1e-6
     assert abs(b["prefill_engine_busy_pct"] - 8.0) < 1e-6        # the engine thread's own time, not per-request spans
-    assert abs(b["handoff_mean_ms"] - 5.0) < 1e-6
+    assert abs(b["handoff_mean_ms"] - 5.0) < 1e-6 and abs(b["recompute_ratio_mean"] - 0.25) < 1e-9
     assert b["decode_steps"] == 2 and b["decode_mean_batch"] == 5.0 and abs(b["decode_step_mean_ms"] - 25.0) < 1e-6
     assert b["admits"] == 1 and abs(b["admit_mean_ms"] - 4.0) < 1e-6 and b["gpu_busy_pct"] == 50.0
     assert b["prefill_cpu_pct"] is None and b["store_errors"] == 0      # no process CPU or store errors here
@@ -50,7 +52,7 @@ def test_time_budget_from_the_workers_metrics():
 
 def test_an_idle_run_reads_as_dashes_not_zero_division():
     b = probe.time_budget({}, duration_s=2.0, gpu_busy=None)
-    assert b["prefill_mean_ms"] is None and b["decode_mean_batch"] is None
+    assert b["prefill_mean_ms"] is None and b["decode_mean_batch"] is None and b["recompute_ratio_mean"] is None
     assert "| - |" in probe.budget_line("full", b)
 
 

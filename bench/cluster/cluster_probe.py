@@ -23,6 +23,8 @@ WANTED = {
     "tessera_prefill_queue_seconds_sum": "prefill_queue_s",
     "tessera_prefill_engine_seconds_total": "prefill_engine_s",
     "tessera_prefill_handoff_seconds_sum": "handoff_s",
+    # the loading controller's recompute ratios (their mean: how much of the chunk tokens the prefills recomputed)
+    "tessera_prefill_recompute_ratio_sum": "ratio_sum", "tessera_prefill_recompute_ratio_count": "ratios",
     "tessera_decode_step_seconds_sum": "step_s", "tessera_decode_step_seconds_count": "steps",
     "tessera_decode_batch_size_sum": "batch_rows",
     "tessera_decode_admit_seconds_sum": "admit_s", "tessera_decode_admit_seconds_count": "admits",
@@ -197,6 +199,7 @@ def time_budget(d: dict[str, float], duration_s: float, gpu_busy: float | None) 
         # the engine thread's own time (a request's prefill seconds overlap the next one's when pipelined)
         "prefill_engine_busy_pct": _per(100 * d.get("prefill_engine_s", d.get("prefill_s", 0.0)), duration_s),
         "handoff_mean_ms": _per(1e3 * d.get("handoff_s", 0.0), prefills),
+        "recompute_ratio_mean": _per(d.get("ratio_sum", 0.0), d.get("ratios", 0.0)),
         "decode_steps": steps, "decode_mean_batch": _per(d.get("batch_rows", 0.0), steps),
         "decode_step_mean_ms": _per(1e3 * d.get("step_s", 0.0), steps),
         "decode_steps_busy_pct": _per(100 * d.get("step_s", 0.0), duration_s),
@@ -216,13 +219,14 @@ def budget_line(mode: str, b: dict) -> str:
         return _cell(b, key, fmt)
 
     return (f"| {mode} | {f('gpu_busy_pct', '{:.0f}%')} | {f('prefill_mean_ms')} | {f('prefill_engine_busy_pct', '{:.0f}%')} "
-            f"| {f('handoff_mean_ms')} | {f('decode_steps', '{:.0f}')} | {f('decode_mean_batch')} "
+            f"| {f('recompute_ratio_mean', '{:.3f}')} | {f('handoff_mean_ms')} | {f('decode_steps', '{:.0f}')} | {f('decode_mean_batch')} "
             f"| {f('decode_step_mean_ms')} | {f('decode_steps_busy_pct', '{:.0f}%')} | {f('admit_mean_ms')} "
             f"| {f('decode_admit_busy_pct', '{:.0f}%')} | {f('prefill_cpu_pct', '{:.0f}%')} "
             f"| {f('decode_cpu_pct', '{:.0f}%')} | {f('gateway_cpu_pct', '{:.0f}%')} | {f('store_errors', '{:.0f}')} |")
 
 
-BUDGET_HEADER = ["| mode | GPU busy (nvidia-smi) | prefill ms / request | prefill engine busy | hand-off ms / request "
+BUDGET_HEADER = ["| mode | GPU busy (nvidia-smi) | prefill ms / request | prefill engine busy | mean recompute ratio "
+                 "| hand-off ms / request "
                  "| decode steps | mean batch | step ms | decode in steps | admission ms / request | decode admitting "
                  "| prefill worker CPU | decode worker CPU | gateway CPU | failed store calls |",
-                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
