@@ -350,7 +350,7 @@ class IndexSet:
         ``queries`` [B, Hq, D] in order (row, KV head, piece): they are its rows as they lie, and the answer is read
         back in place. (On this repository's 2-core machine, the searches mocked out, a batch of one's call took 207 us
         of Python on the general path and 48 us here.)"""
-        if not (self.compiled and self.group_search and _layer.ready()) or any(a is None for a in arrays):
+        if not (rows and self.compiled and self.group_search and _layer.ready()) or any(a is None for a in arrays):
             return None
         b, hq, d = queries.shape
         hkv = len(rows[0])

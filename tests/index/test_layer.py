@@ -4,7 +4,7 @@ every piece size, heads scanned whole included; the pool where the compiled call
 keys at the layer, an index no larger than the beam, pieces of unequal size), still answering alike; callers on several threads
 and index sets at once; scratch a thread, not a piece, grown for a larger index and reused for a smaller one; an owner dropped and added
 while searched; malformed calls (wrong head_dim, beam under k, an unknown owner, non-finite queries) refused alike on
-both paths, which serve on; a batch's nested lists kept, made again when an owner's keys change, bounded, and
+both paths, which serve on (and answer a call of no rows with nothing); a batch's nested lists kept, made again when an owner's keys change, bounded, and
 dropped with an owner."""
 
 from __future__ import annotations
@@ -241,6 +241,9 @@ def test_malformed_calls_are_refused_alike_on_both_paths():
                 ix.attend(0, ["a"], q, 10, 0.3)
         q = _normal(87, (1, 4, d))                  # and both serve on
         _assert_same(compiled.attend(0, ["a"], q, 10, 0.3), pool.attend(0, ["a"], q, 10, 0.3))
+        for ix in (compiled, pool):                 # a call of no rows: an empty answer
+            empty = ix.attend(0, [], np.zeros((0, 4, d), np.float32), 10, 0.3)
+            assert empty.out.shape == (0, 4, d) and empty.lse.shape == (0, 4) and empty.scanned.shape == (0,)
     finally:
         compiled.close()
         pool.close()
