@@ -115,10 +115,9 @@ class RetrievalDecode(DecodePolicy):
         off = seq.offload
         if off is None:
             return
-        off.cancelled = True
+        off.cancelled = True    # (read by the copy thread without the lock; the lock orders it before ``finished``)
         off.copied.wait()       # the copy thread stops at its next layer: the blocks may be freed after that
         with off.lock:
-            off.cancelled = True
             if off.finished and fwd.indexes is not None and self.retrieval_k:    # retrieving nothing offloads nothing
                 fwd.indexes.drop(off.owner)
 
@@ -261,7 +260,7 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
         off.copied.set()
         keep_static(fwd, seq, static)
         return
-    # the K/V go to the host on a thread of their own, not the engine's (at 128K tokens that took ~20 s of it), the
+    # the K/V go to the host on a thread of their own, not the engine's (at 128K tokens that took ~29 s of it), the
     # sequence's blocks held until they are copied (then ``settle`` cuts its tables); the builder thread builds from
     # what it copied
     after = torch.cuda.Event() if fwd.device.type == "cuda" else None
