@@ -13,7 +13,8 @@ indexes (the engine's query tap). Per context it reports:
 - the whole decode step, as the decode batcher runs it (``Engine.decode_step`` and a greedy pick read back): dense
   (replayed as a CUDA graph, the default) against retrieval (k, sink, window as given), medians over --steps steps,
   with the share of a retrieval step spent in the CPU searches and attention; a layer's searches in one compiled
-  call (``services/index/_layer.py``, the default) and, for the same sequence, on the thread pool (``pool_ms``);
+  call (``services/index/_layer.py``, the default) and, for the same sequence, on the thread pool (``pool_ms``),
+  a step of each in turn (since 2026-11-28 20:30 UTC; before, all of one and then all of the other);
 - the floor of the dense step: the bytes it must read (weights once, every page's K/V) at the device's copy
   bandwidth measured in the same run.
 
@@ -107,6 +108,27 @@ def time_steps(eng, seq, tok: int, steps: int) -> tuple[list[float], float]:
         cur = eng.decode_step([seq], cur).argmax(-1).tolist()
         samples.append(time.perf_counter() - t0)
     return samples, (seq.decode_stats.retrieval_seconds - cpu0) / steps
+
+
+def alternated_steps(eng, seq, tok: int, steps: int, use) -> tuple[tuple[list[float], float], tuple[list[float], float]]:
+    """The sequence's steps with ``use(True)`` and ``use(False)`` in turn, after 3 warm-up steps of each: (step
+    times, CPU part per step) of each, as ``time_steps`` gives them; ``use(True)`` again after."""
+    cur = [tok]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, float] = {True: 0.0, False: 0.0}
+    try:
+        for i in range(6 + 2 * steps):
+            on = i % 2 == 0
+            use(on)
+            torch.cuda.synchronize()
+            cpu0, t0 = seq.decode_stats.retrieval_seconds, time.perf_counter()
+            cur = eng.decode_step([seq], cur).argmax(-1).tolist()
+            if i >= 6:
+                times[on].append(time.perf_counter() - t0)
+                cpu[on] += seq.decode_stats.retrieval_seconds - cpu0
+    finally:
+        use(True)
+    return (times[True], cpu[True] / steps), (times[False], cpu[False] / steps)
 
 
 def profile_steps(eng, seq, tok: int, steps: int) -> dict:
@@ -217,12 +239,10 @@ def main() -> int:
                                                          prof)
                 indexes.threads = args.search_threads or indexes.threads
                 _layer.warm()                           # the compiled layer call ready (its first add started it)
-                samples, cpu = time_steps(eng, seq, tok, args.steps)
-                eng.forward.indexes.compiled = False    # the same sequence's steps searched on the thread pool (the peer)
-                try:
-                    pool, pool_cpu = time_steps(eng, seq, tok, args.steps)
-                finally:
-                    eng.forward.indexes.compiled = True
+                # the compiled searches and the same sequence's steps on the thread pool (the peer), a step of each in
+                # turn: a drift of the host's speed over the run moves both alike
+                (samples, cpu), (pool, pool_cpu) = alternated_steps(
+                    eng, seq, tok, args.steps, lambda on: setattr(eng.forward.indexes, "compiled", on))
                 eng.forward.static_tails = False        # the same sequence's steps with no graph at all (the peer)
                 try:
                     eager, eager_cpu = time_steps(eng, seq, tok, args.steps)
