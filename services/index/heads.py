@@ -301,15 +301,13 @@ class IndexSet:
                 if head.keys.shape[1] != d:
                     raise ValueError(f"queries have head_dim {d}, the keys of {owners[i]!r} have {head.keys.shape[1]}")
                 searched.append((i, h, hkv, head))
-        # a (row, KV head)'s query heads are cut into pieces searched apart when there are fewer pairs than threads
-        # (a batch of one has 8 pairs of an 8B-shaped model's 32 query heads for 16 cores): every thread has work.
+        # a (row, KV head)'s query heads in pieces searched apart (``_piece_size``).
         # NOTE: grouped, a piece's heads share one traversal, so which keys a head finds (not how exactly they are
         # attended) depends on the pieces, and so on ``threads`` against the pairs of a call
-        pieces = min(hq, max(1, -(-self.threads // max(1, len(searched)))))
         plan = []
         for i, h, hkv, head in searched:
             g = hq // hkv
-            size = -(-g // min(g, pieces))
+            size = self._piece_size(g, len(searched))
             scan = scans.get((owners[i], layer, h), 0) > 0
             for lo in range(h * g, (h + 1) * g, size):
                 plan.append((i, h, head, slice(lo, min(lo + size, (h + 1) * g)), scan))
@@ -318,28 +316,42 @@ class IndexSet:
         results = [job.result() for job in jobs]
         if self.compiled:
             _layer.warming()        # after these searches: their own compile is not kept waiting (once: idempotent)
-        share: dict[tuple[str, int, int], float] = {}    # the largest share of its keys a graph search of a head read
+        # (owner, KV head) -> (a row of it, scanned, the largest share of its keys a graph search of it read)
+        pairs: dict[tuple[str, int], tuple[int, bool, float]] = {}
         for (i, h, head, rows_q, scan), (o, s, n) in zip(plan, results):
             out[i, rows_q], lse[i, rows_q] = o, s
             scanned[i] += n
-            if not scan:
-                heads_read = 1 if self.group_search else rows_q.stop - rows_q.start
-                key = (owners[i], layer, h)
-                share[key] = max(share.get(key, 0.0), n / (heads_read * head.keys.shape[0]))
-        with self._lock:
-            self._calls["pool"] += 1
-            if self.scan_share is not None:
-                for i, h, _, _, scan in plan:
-                    key = (owners[i], layer, h)
-                    if self._heads.get((owners[i], layer)) is not rows[i]:
-                        continue                    # dropped or replaced meanwhile: its searches were of others
-                    if scan:
-                        self._scans[key] = scans[key] - 1
-                    elif share[key] >= self.scan_share:
-                        self._scans[key] = SCAN_CALLS
-                    else:
-                        self._scans.pop(key, None)
+            heads_read = 1 if self.group_search else rows_q.stop - rows_q.start
+            seen = 0.0 if scan else n / (heads_read * head.keys.shape[0])
+            pairs[(owners[i], h)] = (i, scan, max(pairs.get((owners[i], h), (i, scan, 0.0))[2], seen))
+        self._record("pool", owners, layer, rows, scans, [(i, h, scan, sh) for (_, h), (i, scan, sh) in pairs.items()])
         return Answer(out, lse, scanned, time.perf_counter() - t0)
+
+    def _piece_size(self, g: int, pairs: int) -> int:
+        """Query heads a piece of a KV head's group of ``g``, in a call of ``pairs`` (row, KV head) pairs: the group is
+        cut when there are fewer pairs than threads (a batch of one has 8 pairs of an 8B-shaped model's 32 query heads
+        for 16 cores), so that every thread has work."""
+        return -(-g // min(g, max(1, -(-self.threads // max(1, pairs)))))
+
+    def _record(self, path: str, owners: list[str], layer: int, rows: list, scans: dict, pairs) -> None:
+        """A call answered by ``path``, and the scan record (``SCAN_SHARE``) of its (row, KV head) ``pairs``, each
+        ``(row, head, scanned whole, the largest share of its keys a graph search of it read)``: a scanned head's
+        count goes down, a head read past the share is scanned for its next ``SCAN_CALLS`` calls, another forgets its
+        count. Heads dropped or replaced since the call took them are left alone."""
+        with self._lock:
+            self._calls[path] += 1
+            if self.scan_share is None:
+                return
+            for i, h, scan, share in pairs:
+                key = (owners[i], layer, int(h))
+                if self._heads.get((owners[i], layer)) is not rows[i]:
+                    continue                    # dropped or replaced meanwhile: its searches were of others
+                if scan:
+                    self._scans[key] = scans[key] - 1
+                elif share >= self.scan_share:
+                    self._scans[key] = SCAN_CALLS
+                else:
+                    self._scans.pop(key, None)
 
     def _whole_call(self, layer: int, owners: list[str], queries: np.ndarray, rows: list, arrays: list,
                     scans: dict, k: int, scale: float,
@@ -357,7 +369,7 @@ class IndexSet:
         if hq % hkv or any(len(heads) != hkv or lay.dim != d for heads, lay in zip(rows, arrays)):
             return None                     # the general path says what is wrong, or serves it
         g = hq // hkv
-        size = -(-g // min(g, max(1, -(-self.threads // (b * hkv)))))      # the general path's pieces
+        size = self._piece_size(g, b * hkv)
         call_beam = layers_beam(rows, k, beam)
         if g % size or any(lay.num_keys <= call_beam for lay in arrays):
             return None
@@ -376,21 +388,9 @@ class IndexSet:
                                        call_beam, k, scale, self.threads, self._nested_lists(owners, layer, arrays))
         read = read.reshape(b, hkv, per)
         share = read.max(2) / np.stack([lay.head_keys for lay in arrays])      # [B, Hkv]: a group reads a key once
-        with self._lock:
-            self._calls["compiled"] += 1
-            if self.scan_share is not None:
-                # the general path's record, for the pairs it changes (a pair neither counted nor read past the share
-                # has no entry to drop)
-                for i, h in zip(*np.nonzero(counted | (share >= self.scan_share))):
-                    key = (owners[i], layer, int(h))
-                    if self._heads.get((owners[i], layer)) is not rows[i]:
-                        continue                    # dropped or replaced meanwhile: its searches were of others
-                    if scan_pair[i, h]:
-                        self._scans[key] = scans[key] - 1
-                    elif share[i, h] >= self.scan_share:
-                        self._scans[key] = SCAN_CALLS
-                    else:
-                        self._scans.pop(key, None)
+        # the pairs whose record changes (a pair neither counted nor read past the share has no entry to drop)
+        hot = [] if self.scan_share is None else zip(*np.nonzero(counted | (share >= self.scan_share)))
+        self._record("compiled", owners, layer, rows, scans, [(i, h, scan_pair[i, h], share[i, h]) for i, h in hot])
         return out.reshape(b, hq, -1), lse.reshape(b, hq), read.sum((1, 2))
 
     def close(self) -> None:
