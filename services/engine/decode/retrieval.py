@@ -69,6 +69,7 @@ HANDOFF_QUERIES = 256
 CHUNK_QUERY_SHIFTS = (0.0, 1 / 32, 1 / 8, 1 / 2)
 
 _owners = itertools.count()
+_COPY_STREAMS: dict = {}       # the copy thread's CUDA stream a GPU (as kv/loader.py keeps one load stream a GPU)
 log = logging.getLogger(__name__)
 
 
@@ -280,12 +281,13 @@ def _copier(fwd) -> ThreadPoolExecutor:
 
 def _copy(fwd, off: Offload, layers: list, after) -> list:
     """The copy thread: each layer's offloaded keys (rotated to their global positions, as the attention kernels do)
-    and values, float32 [Hkv, N, D] on the host, on a CUDA stream of its own that starts after ``after`` (the
+    and values, float32 [Hkv, N, D] on the host, on the copy stream of the GPU, which starts after ``after`` (the
     engine's stream when the sequence started); stops early when the sequence is released. Returns the builder's
     layers (keys, values, training queries, chunk runs); ``off.copied`` is set however it ends."""
     pool, model = fwd.pool, fwd.model
     t0 = time.perf_counter()
-    stream = torch.cuda.Stream(fwd.device) if after is not None else None
+    stream = None if after is None else _COPY_STREAMS.get(fwd.device) or _COPY_STREAMS.setdefault(
+        fwd.device, torch.cuda.Stream(fwd.device))
     try:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if stream is not None:
