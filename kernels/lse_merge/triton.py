@@ -148,7 +148,8 @@ def merge_rows(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype,
 
 def merge_attention(outs: torch.Tensor, lses: torch.Tensor,
                     out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """outs [P, ..., D], lses [P, ...] (fp32) -> out [..., D] (outs.dtype, or ``out_dtype``), lse [...] fp32."""
+    """outs [P, ..., D], lses [P, ...] (fp32) -> out [..., D] (outs.dtype, or ``out_dtype``), lse [...] fp32. More
+    parts than the unrolled merge takes are loaded at once (a loop over them waits on each)."""
     if outs.shape[:-1] != lses.shape or outs.dim() < 2:
         raise ValueError(f"outs {tuple(outs.shape)} and lses {tuple(lses.shape)} disagree")
     lead = outs.shape[1:-1]

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lse_merge.triton import UNROLL_PARTS, merge_rows
+from kernels.lse_merge.triton import merge_attention
 from kernels.paged_attention._decode import attend_tile, merge_lanes, split_outputs
 from kernels.paged_attention._meta import dot_f32, sm_count
 
@@ -231,7 +231,4 @@ def launch(q, k_cache, v_cache, block_ids, offsets, masks, sel, count, inv_freq,
         )
     if nsplit == 1 or spare is not None:
         return out, lse
-    # more parts than the unrolled merge takes: every part loaded at once (a loop over them waits on each)
-    merged, merged_lse = merge_rows(out.reshape(nsplit, n_rows * hq, dim), lse.reshape(nsplit, n_rows * hq), q.dtype,
-                                    all_parts=nsplit > UNROLL_PARTS)
-    return merged.reshape(n_rows, hq, dim), merged_lse.reshape(n_rows, hq)
+    return merge_attention(out, lse, q.dtype)     # (past the unrolled merge's parts, every part loaded at once)

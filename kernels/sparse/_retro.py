@@ -7,7 +7,7 @@ against its seen pages tile by tile) and stores them as flags for its run; then 
 kernels/sparse/_attend.py does (its table reads, its deferred rotation, the shared online-softmax tile, its split
 count), with the past rows' queries as more rows of each lane's tile that see a page only where it is new to them.
 The past rows' results are merged by log-sum-exp with their prior outputs: in the kernel when there is one split
-(one launch), else with the splits' parts by kernels/lse_merge's merge_rows (two launches). It replaces the current
+(one launch), else with the splits' parts by kernels/lse_merge's merge_attention (two launches). It replaces the current
 rows' sparse attention and the past rows' correction, which read the pages twice (bench/decode/README.md)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lse_merge.triton import UNROLL_PARTS, merge_finish, merge_rows, merge_step
+from kernels.lse_merge.triton import merge_attention, merge_finish, merge_step
 from kernels.paged_attention._decode import merge_lanes
 from kernels.paged_attention._meta import dot_f32
 from kernels.sparse._attend import LOG2E, AttendConfig, attend_run, pick_splits
@@ -93,7 +93,7 @@ def _quest_retro_kernel(
     """Program (current row b, KV head h, split): the run [split * per, + per) of b's selection, each page read once
     for b's query and its P past rows b * P + c (those to which the page is new). Output rows: b, then n_cur + its
     past rows. One split: final (q's dtype), the past rows merged with their priors here; several: each split's part
-    (fp32) at its index, and split 0 puts the priors (current rows: none) at part NSPLIT for merge_rows."""
+    (fp32) at its index, and split 0 puts the priors (current rows: none) at part NSPLIT for merge_attention."""
     RPL: tl.constexpr = KINDS * G_PAD
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -189,9 +189,7 @@ def quest_retro_launch(q, q_past, k_cache, v_cache, block_ids, offsets, masks, s
             G=group, G_PAD=g_pad, NB=nb, ROWS=max(16, nb * kinds * g_pad), BS=bs, D2=dim // 2,
             DOT_F32=dot_f32(q.dtype), NSPLIT=nsplit, num_warps=cfg.num_warps, num_stages=stages)
     if nsplit > 1:
-        out, lse = merge_rows(out.reshape(nsplit + 1, total * hq, dim), lse.reshape(nsplit + 1, total * hq), q.dtype,
-                              all_parts=nsplit + 1 > UNROLL_PARTS)
-        out, lse = out.reshape(total, hq, dim), lse.reshape(total, hq)
+        out, lse = merge_attention(out, lse, q.dtype)
     return out[:n_cur], lse[:n_cur], out[n_cur:], lse[n_cur:], count_past
 
 
