@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lse_merge.triton import UNROLL_PARTS, merge_rows
+from kernels.lse_merge.triton import merge_attention
 from kernels.paged_attention._meta import ID_SHIFT_C, OFFSET_MASK_C, OFFSET_SHIFT_C, PackedTable, dot_f32, sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -232,7 +232,4 @@ def launch(q, k_cache, v_cache, packed: PackedTable, cu_entries, inv_freq, scale
         )
     if nsplit == 1:
         return out, lse
-    # more parts than the unrolled merge takes: every part loaded at once (a loop over them waits on each)
-    merged, merged_lse = merge_rows(out.reshape(nsplit, n_seqs * hq, dim), lse.reshape(nsplit, n_seqs * hq), q.dtype,
-                                    all_parts=nsplit > UNROLL_PARTS)
-    return merged.reshape(n_seqs, hq, dim), merged_lse.reshape(n_seqs, hq)
+    return merge_attention(out, lse, q.dtype)     # (past the unrolled merge's parts, every part loaded at once)
