@@ -213,6 +213,8 @@ def main() -> int:
                     help="each prefill worker's CUDA IPC slab (PrefillSettings.ipc_slab_bytes); 0: a buffer a hand-off")
     ap.add_argument("--store-shm", choices=("on", "off"), default="on",
                     help="the store shards' DRAM tier in /dev/shm, read by workers on its host (on), or streamed (off)")
+    ap.add_argument("--cpu-affinity", choices=("on", "off"), default="on",
+                    help="GPU workers bind their threads to their GPU's local CPUs (on), or stay where placed (off)")
     from services.modes import ROUTINGS
 
     ap.add_argument("--routing", choices=ROUTINGS, default="residency",
@@ -261,7 +263,7 @@ def main() -> int:
                         chunk_cache_bytes=int(args.chunk_cache_bytes), store_dram_bytes=int(args.store_dram_bytes),
                         store_dir=str(Path(tmp) / "rocksdb"), internal_tls=args.internal_tls == "on",
                         prefill=args.prefill, decode=args.decode, routing=args.routing, stores=args.stores,
-                        store_shm=args.store_shm == "on",
+                        store_shm=args.store_shm == "on", cpu_affinity=args.cpu_affinity == "on",
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_bytes),
                                                          store_loads=args.store_loads,
                                                          ipc_slab_bytes=args.ipc_slab_mb << 20, **warm),
@@ -299,14 +301,14 @@ def main() -> int:
                "internal_tls": args.internal_tls, "commit": _commit(), "runs": [],
                "prefill_workers": args.prefill, "decode_workers": args.decode, "routing": args.routing,
                "stores": args.stores, "store_loads": args.store_loads,
-               "store_shm": args.store_shm,
+               "store_shm": args.store_shm, "cpu_affinity": args.cpu_affinity,
                "gpus": gpus,
                "rate_sweeps": []}
     shape = args.shape if tiny else f"{args.shape}, {args.layers} layers"
     md = [f"# Cluster benchmark ({shape}, {device})", "",
           f"Date: {results['date']}. Device: {gpu or device}. Services: {launcher}. "
           f"Hand-off transport: {target.client.stats().transport}. Workers: {args.prefill} prefill, "
-          f"{args.decode} decode, {args.stores} store shard(s); routing: {args.routing}; store DRAM tier in shared memory: {args.store_shm}.",
+          f"{args.decode} decode, {args.stores} store shard(s); routing: {args.routing}; store DRAM tier in shared memory: {args.store_shm}; CPU affinity: {args.cpu_affinity}.",
           "Command: `" + " ".join(sys.argv) + "`", ""]
     runs_dir = Path(args.runs_dir or f"{args.out}-runs")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,8 @@ class EngineSettings:
     chunk_cache_bytes: int | None = None
     block_size: int = 16
     torch_threads: int = 1                  # CPU workers share cores: one thread each
+    # a GPU worker binds its threads to the CPUs local to its GPU (services/cluster/affinity.py) before loading
+    cpu_affinity: bool = True
 
     def __post_init__(self) -> None:
         check_path("model_dir", self.model_dir)
@@ -61,6 +64,7 @@ class EngineSettings:
         check_int("chunk_cache_bytes", self.chunk_cache_bytes, 0, optional=True)
         check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         check_int("torch_threads", self.torch_threads, 1)
+        check_bool("cpu_affinity", self.cpu_affinity)
 
     def load(self):
         import torch
@@ -69,6 +73,11 @@ class EngineSettings:
 
         if self.device == "cpu":
             torch.set_num_threads(self.torch_threads)
+        elif self.cpu_affinity:
+            from services.cluster.affinity import bind_to_gpu
+
+            # before the engine touches host memory: its pinned buffers land on the GPU's node
+            logging.getLogger(__name__).info("CPU affinity: %s", bind_to_gpu(self.device))
         from services.engine.options import EngineOptions
 
         # the worker's one read of its environment (services/env.py; README "Environment variables")
@@ -211,6 +220,8 @@ class ClusterConfig:
     # how the gateway picks a prefill worker: "residency" (the one holding most of the request's chunk tokens on
     # its GPU, less a load penalty) or "load" (the least loaded: the A/B's peer); services/gateway/router.py
     routing: str = "residency"
+    # each GPU worker's threads on the CPUs local to its GPU (EngineSettings.cpu_affinity); off only for an A/B
+    cpu_affinity: bool = True
     # each decode worker's retrieval-index service (services/index/, tessera-index-<i>, on the worker's node): the
     # threads it builds and searches with, a share of the node's cores; 0: no index services, decode workers hold
     # their retrieval sequences' K/V and indexes in their own memory
@@ -233,6 +244,7 @@ class ClusterConfig:
         check_int("chunk_cache_bytes", self.chunk_cache_bytes, 0, optional=True)
         check_int("store_dram_bytes", self.store_dram_bytes, 1, rule="positive")
         check_bool("store_shm", self.store_shm)
+        check_bool("cpu_affinity", self.cpu_affinity)
         check_path("store_dir", self.store_dir, optional=True)
         check_int("gateway port", self.gateway_port, 0, 65535)
         check_str("bind_host", self.bind_host, empty=False)
@@ -273,4 +285,5 @@ class ClusterConfig:
         return Path(self.tls_cert).read_bytes(), Path(self.tls_key).read_bytes()
 
     def engine(self) -> EngineSettings:
-        return EngineSettings(self.model_dir, self.device, self.dtype, self.kv_cache_bytes, self.chunk_cache_bytes)
+        return EngineSettings(self.model_dir, self.device, self.dtype, self.kv_cache_bytes, self.chunk_cache_bytes,
+                              cpu_affinity=self.cpu_affinity)

@@ -82,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--no-store-shm", dest="store_shm", action="store_false",
                     help="keep each store shard's DRAM tier in its own memory, streamed to every worker over gRPC "
                          "(default: in /dev/shm, read by the workers on its host themselves)")
+    up.add_argument("--no-cpu-affinity", dest="cpu_affinity", action="store_false",
+                    help="leave GPU workers where the scheduler puts them (default: each binds its threads to the "
+                         "CPUs local to its GPU, ClusterConfig.cpu_affinity)")
     up.add_argument("--routing", choices=ROUTINGS, default="residency",
                     help="how the gateway picks a prefill worker: the one holding most of the request's chunk tokens "
                          "on its GPU, less a load penalty (default), or the least loaded")
@@ -178,6 +181,7 @@ def _up(args: argparse.Namespace) -> int:
                         certs_dir=args.certs_dir, tenants_file=args.tenants,
                         tls_key=args.tls_key, detached=True, text_cache_tokens=args.text_cache_tokens,
                         routing=args.routing, store_shm=args.store_shm,
+                        cpu_affinity=args.cpu_affinity,
                         gateway_on_head=args.gateway_on_head, index_threads=args.index_threads, **restarts,
                         prefill_settings=PrefillSettings(host_cache_bytes=int(args.host_cache_gb * 1e9),
                                                          handoff_transport=args.handoff_transport,

@@ -158,6 +158,7 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         Field("ClusterConfig", "index_threads", int_in(0, 1024), (0, 4, 1024)),
         Field("ClusterConfig", "routing", one_of("residency", "load"), ("residency", "load")),
         Field("ClusterConfig", "store_shm", is_bool, (True, False)),
+        Field("ClusterConfig", "cpu_affinity", is_bool, (True, False)),
         Field("ClusterConfig", "namespace", lambda v: isinstance(v, str) and v != "", ("tessera",)),
         Field("ClusterConfig", "detached", is_bool, (True, False)),
         Field("ClusterConfig", "gateway_on_head", is_bool, (True, False)),
@@ -172,6 +173,7 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         Field("EngineSettings", "chunk_cache_bytes", opt(count0), (None, 0, 1 << 20)),
         Field("EngineSettings", "block_size", block_size, (1, 16)),
         Field("EngineSettings", "torch_threads", count1, (1, 4)),
+        Field("EngineSettings", "cpu_affinity", is_bool, (True, False)),
         # ---- PrefillSettings
         Field("PrefillSettings", "quality_floor", real_in(0, 1), (0.0, 0.15, 1.0)),
         Field("PrefillSettings", "default_ratio", opt(real_in(0, 1)), (None, 0.0, 0.3, 1.0)),

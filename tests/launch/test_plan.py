@@ -60,7 +60,7 @@ def test_index_services_stop_after_the_workers_and_before_the_stores():
 
 @pytest.mark.parametrize("flags, threads, loads", [([], 4, "cost"), (["--index-threads", "2"], 2, "cost"),
                                                    (["--no-index", "--store-loads", "never", "--nixl-slab-mb", "0",
-                                                     "--admit-during-step"], 0, "never")],
+                                                     "--admit-during-step", "--no-cpu-affinity"], 0, "never")],
                          ids=["default", "threads-2", "no-index-no-loads"])
 def test_up_takes_the_index_role_s_threads_or_turns_it_off(tmp_path, tiny_model, monkeypatch, capsys, flags, threads,
                                                            loads):
@@ -86,6 +86,7 @@ def test_up_takes_the_index_role_s_threads_or_turns_it_off(tmp_path, tiny_model,
     slab = 0 if loads == "never" else 512 << 20
     assert seen["cfg"].prefill_settings.nixl_slab_bytes == seen["cfg"].decode_settings.nixl_slab_bytes == slab
     assert seen["cfg"].decode_settings.admit_during_step is ("--admit-during-step" in flags)
+    assert seen["cfg"].cpu_affinity is seen["cfg"].engine().cpu_affinity is ("--no-cpu-affinity" not in flags)
     assert f"{2 if threads else 0} index service(s)" in capsys.readouterr().out
 
 
