@@ -2,11 +2,12 @@
 
 Every byte a worker moves between host and GPU (a chunk's layers read from the store's shared-memory arena or its
 host tier, a hand-off's helpers, pinned staging) crosses the GPU's PCIe root, which belongs to one socket of a
-multi-socket host; so does every launch of its engine thread. Left to the scheduler, worker processes sit wherever it
-puts them: on a 64-core host of four H200s, all eight workers of a four-GPU cluster ran on cores 0-7 in every run
-(``bench/cluster/README.md``), the two far GPUs' workers on the other socket. A worker binds itself, every thread,
-to the CPUs sysfs names local to its GPU before its engine allocates host memory, so that pinned buffers it touches
-first land on that node too.
+multi-socket host; so does every launch of its engine thread. Left to the scheduler, a worker process sits wherever it
+is put: on a host of two sockets it may run, and place the pinned memory it touches, on the far one. A worker
+binds itself, every thread, to the CPUs sysfs names local to its GPU before its engine allocates host memory, so that
+pinned buffers it touches first land on that node too. The four-H200 hosts lent for bench/cluster have one socket
+and one NUMA node (every CPU local to every GPU): there it binds nothing, and what it gains on two sockets is not
+measured.
 
 Where the host says nothing (no sysfs entry, a single node: every CPU is local) or the allowed CPUs (a container's
 cpuset) share none with the GPU's node, nothing changes and ``bind_to_gpu`` says why.

@@ -14,10 +14,11 @@ no chunk is loaded at all: every chunk the GPU lacks is computed (the store path
 
 Recomputing is free only while the GPU would otherwise wait for the load. With requests queued behind this one
 (``ratio(..., waiting=n)``, n > 0: the worker's engine loop has submissions waiting), every token recomputed past the
-floor delays them, so the floor is used: on four H200s at 945bfd8 (bench/cluster), 30% of chunk tokens came from the
-store's DRAM, none waited for its load (store wait 0 ms), and a prefill took 93.5 ms against 84.0 on one GPU, whose
-chunks all came from its own tiers (the floor: no store bytes). That the busy engines paid for recomputation no load
-hid is a reading of those figures: that run recorded no ratios, and this rule has not been measured on four GPUs.
+floor delays them, so the floor is used. Measured on four H200s (bench/cluster/README.md, "the loading controller's
+backlog rule"): with this rule the mean ratio was the floor (0.150) and a prefill took 89.7 ms; the tree before it, in
+the same call, took 89.7 ms too. There the store's DRAM tier loads fast enough that, by those times, the load never
+asked for more: the rule changes nothing where loads are hidden; it is meant for a slower store (the gRPC stream,
+another host), where queued requests would pay for recomputation (not measured there).
 
 NOTE: the ratio is rounded up to a multiple of ``step`` (default 0.05). A continuous ratio gives
 nearly every request its own number of recomputed tokens, hence its own static-tail shape, and the
