@@ -138,3 +138,49 @@ def test_write_layers_equals_a_write_a_layer():
         b.write(layer, block, slot, ks[layer], vs[layer])
     assert torch.equal(a.k_all, b.k_all) and torch.equal(a.v_all, b.v_all) and a.k_all.count_nonzero() > 0
     assert _runs([0, 1, 1, 1, 2, 1]) == [(0, 1), (1, 4), (4, 5), (5, 6)] and _runs([]) == []
+
+
+class _Recorder:
+    """Stands in for a CUDA stream and its events on the CPU: what the load does on its stream, in order."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def wait_event(self, event) -> None:
+        self.log.append(("wait", event))
+
+    def record(self, stream=None) -> None:
+        self.log.append(("record", None))
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["at-once", "streamed"])
+def test_a_load_writes_blocks_only_after_the_engine_s_queued_work_and_an_arena_read_queues_before_it(monkeypatch,
+                                                                                                     local):
+    """The load stream waits for the engine stream's queued work (``after``) before its first write into the chunk's
+    blocks. A read taken all at once (the store's arena: its copies onto the GPU and their checks queued as it is
+    iterated, into memory of its own) is taken before that wait, so that its checks, which the gate's first wait
+    blocks the engine thread on, do not wait for the pass ahead; a streamed one's layers are taken after it."""
+    import contextlib
+
+    log: list = []
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _Recorder(log))
+
+    def layers():
+        for item in _layers(2, 2, 1, 4):
+            log.append(("read", item[0]))
+            yield item
+
+    def write(layer, k, v):
+        log.append(("write", layer))
+
+    load = ChunkLoad("c" * 12, [1, 2], layers(), write, 2, local=local,
+                     write_many=(lambda items: log.append(("write", len(items)))) if local else None)
+    load.stream, load.after = _Recorder(log), "after"
+    load.run()
+    assert load.error is None and load.delivered == 2
+    steps = [entry for entry in log if entry[0] != "record"]
+    if local:
+        assert steps == [("read", 0), ("read", 1), ("wait", "after"), ("write", 2)]
+    else:
+        assert steps == [("wait", "after"), ("read", 0), ("write", 0), ("read", 1), ("write", 1)]
