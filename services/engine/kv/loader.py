@@ -7,9 +7,8 @@ so fetching and computing overlap. A load that fails midway (store gone, checksu
 recomputed from the chunk's tokens at the first wait that sees it: the request still gets right KV.
 
 On a GPU the loads write on a side stream, so that their host-to-device copies overlap the pass's
-kernels instead of queueing between them: their writes into the chunk's blocks start after what the engine's
-stream had queued when the load was made (the blocks may have just been freed by kernels still queued; a read
-into memory of its own, the store's arena's, is queued before that),
+kernels instead of queueing between them: the side stream starts after what the engine's stream had
+queued when the load was made (the chunk's blocks may have just been freed by kernels still queued),
 each layer records an event that ``LayerGate.wait`` makes the engine's stream wait for, and joining
 a load makes the joining thread's stream wait for all of its writes.
 
@@ -72,6 +71,8 @@ class ChunkLoad(threading.Thread):
         side = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         try:
             with side:
+                if self.stream is not None:
+                    self.stream.wait_event(self.after)
                 self._drain()
         except BaseException as exc:  # noqa: BLE001 - any failure means: recompute this chunk
             with self.cond:
@@ -87,17 +88,10 @@ class ChunkLoad(threading.Thread):
         """Run the load on this thread, now (with ``write_many``): returns once its copies are queued."""
         self.run()
 
-    def _after(self) -> None:
-        """The load stream waits for what the engine's stream had queued when the load was made: before the first
-        write into the chunk's blocks, which kernels still queued there may have just freed."""
-        if self.stream is not None:
-            self.stream.wait_event(self.after)
-
     def _drain(self) -> None:
         if self.write_many is not None:
             self._drain_at_once()
             return
-        self._after()
         expect = 0
         for layer, k, v in self.layers:
             if layer != expect:
@@ -118,13 +112,7 @@ class ChunkLoad(threading.Thread):
             raise ValueError(f"chunk {self.key[:12]}: stream ended after {expect} of {self.num_layers} layers")
 
     def _drain_at_once(self) -> None:
-        # NOTE: the layers are taken before the load stream waits for the engine's queued work: a read from the store's
-        # arena queues its copies onto the GPU and their checks here, into memory of its own (no block written), and
-        # the gate's first wait blocks the engine thread on those checks (``verify``). Queued after that wait, they
-        # ran only once the pass ahead of this one (pipelined: still queued) had finished, and the engine thread
-        # waited for that pass with them instead of issuing this one
         items = list(self.layers)
-        self._after()
         for expect, (layer, _, _) in enumerate(items):
             if layer != expect:
                 raise ValueError(f"chunk {self.key[:12]}: layer {layer} arrived, {expect} expected")
