@@ -13,6 +13,7 @@ surface as ``grpc.RpcError`` with the status code.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -100,32 +101,46 @@ class _LocalMoved(_LocalDamaged):
 
 class _DeviceIssue:
     """A chunk's layers from an arena segment onto a device, in groups (``_groups``): every group's copy queued first
-    (back to back on the current stream, whatever the host then takes to queue the checks), then each group's
-    CRC-32 launch (on a stream of its own, after its group's copy; ``kernels.checksum.crc0_spans``, finished on the
-    host), then the layers' views, made while the copies run. ``check(g)`` waits for group g's check and raises
-    unless its bytes landed, each layer's CRC-32 over the landed bytes is the header's, and the extent's header
-    still holds the generation the store named: the store writes that header before it reuses the room, so what
-    landed is what was checked."""
+    (back to back on the device's landing stream, whatever the host then takes to queue the checks), then each
+    group's CRC-32 launch (on a stream of its own, after its group's copy; ``kernels.checksum.crc0_spans``, finished
+    on the host), then the layers' views, made while the copies run; the current stream waits for the copies before
+    its later work reads them. ``check(g)`` waits for group g's check and raises unless its bytes landed, each
+    layer's CRC-32 over the landed bytes is the header's, and the extent's header still holds the generation the
+    store named: the store writes that header before it reuses the room, so what landed is what was checked.
+
+    NOTE: the copies land in memory of their own, so they need not wait for anything the caller's stream has queued,
+    and its caller waits on the host for their checks (``verify``) before using a layer. On the current stream they
+    queued behind that stream's work: a prefill worker's chunk loads (services/engine/kv/loader.py) begin the next
+    request's pass while the one ahead still runs, and its engine thread then waited for that pass to finish before
+    it could issue the next one, leaving the GPU idle between them."""
 
     def __init__(self, client: "KVStoreClient", meta: ChunkMeta, dtype, stop: int, local, seg, spans, device) -> None:
         from kernels.checksum import crc0_spans
 
         self.meta, self.stop, self.local, self.seg = meta, stop, local, seg
         cuda = device.type == "cuda"
-        checking = None
+        checking = landing = None
         if cuda:
             checking = client._check_streams.get(device) or client._check_streams.setdefault(
                 device, torch.cuda.Stream(device))
+            landing = client._land_streams.get(device) or client._land_streams.setdefault(
+                device, torch.cuda.Stream(device))
         self.groups = _groups(spans)
         landed, copied = [], []
-        for group in self.groups:
-            data = seg.bytes[group[0][1]:group[-1][1] + group[-1][2]].to(device, non_blocking=True)
-            if cuda:
-                copied.append(torch.cuda.Event())
-                copied[-1].record()
-            else:                               # the device's own memory, as a GPU's would be
-                data = data.clone()
-            landed.append(data)
+        with torch.cuda.stream(landing) if cuda else contextlib.nullcontext():
+            for group in self.groups:
+                data = seg.bytes[group[0][1]:group[-1][1] + group[-1][2]].to(device, non_blocking=True)
+                if cuda:
+                    copied.append(torch.cuda.Event())
+                    copied[-1].record(landing)
+                else:                               # the device's own memory, as a GPU's would be
+                    data = data.clone()
+                landed.append(data)
+        if cuda:        # the caller's stream reads the landed bytes after their copies (and keeps them until it has)
+            consumer = torch.cuda.current_stream(device)
+            consumer.wait_event(copied[-1])
+            for data in landed:
+                data.record_stream(consumer)
         self.checks = []
         for i, (group, data) in enumerate(zip(self.groups, landed)):
             lo = group[0][1]
@@ -342,6 +357,7 @@ class KVStoreClient:
         self._readers: ThreadPoolExecutor | None = None
         self._checkers: ThreadPoolExecutor | None = None
         self._check_streams: dict = {}      # per CUDA device: the stream arena reads check landed bytes on
+        self._land_streams: dict = {}       # per CUDA device: the stream arena reads' copies land on
         self._lock = threading.Lock()
         self._refused: set[str] = set()     # chunks whose last device_read failed its checks: next read by a Get
         # NIXL reads of a store's arena (another host's): this process's endpoint, made at the first get; the reason

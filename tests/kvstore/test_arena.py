@@ -568,3 +568,26 @@ def test_a_groups_layer_views_are_the_bytes_per_layer_slicing_gives(dtype, layou
             assert t.shape == want.shape and t.stride() == want.stride() and t.is_contiguous()
             assert t.data_ptr() == want.data_ptr()
             assert torch.equal(t.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_device_read_lands_and_is_checked_without_waiting_for_the_callers_stream(start_store, shm_dir):  # noqa: F811
+    """The copies land on a stream of their own: a read made while the caller's stream is busy is verified before
+    that work ends (a prefill worker issues a pass's loads while the pass ahead still runs), and the caller's stream
+    reads the landed layers only after their copies."""
+    srv, plain = arena_store(start_store, shm_dir)
+    layers = make_layers(n_layers=4, tokens=64, heads=2, dim=32, seed=23)
+    plain.put("doc-w", layers)
+    device = torch.device("cuda")
+    with KVStoreClient(srv.address, timeout=30, local=True) as local:
+        [loc] = local.lookup(["doc-w"])
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)          # ~1 s of the current stream busy
+        busy = torch.cuda.Event()
+        busy.record()
+        read = local.device_read("doc-w", loc.place, device)
+        got = [(i, k.clone(), v.clone()) for i, k, v in read]     # on the current stream: after the copies
+        read.verify()
+        assert not busy.query(), "the read waited for the caller's stream"
+        torch.cuda.synchronize()
+        assert_same_layers([(i, k.cpu(), v.cpu()) for i, k, v in got], layers)
