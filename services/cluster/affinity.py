@@ -15,6 +15,7 @@ cpuset) share none with the GPU's node, nothing changes and ``bind_to_gpu`` says
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -77,6 +78,8 @@ def bind_to_gpu(device, sysfs: Path = SYSFS_PCI) -> str:
     device = torch.device(device)
     if device.type != "cuda":
         return f"not bound: {device} is no GPU"
+    if not hasattr(os, "sched_setaffinity"):
+        return "not bound: this system sets no CPU affinity"
     address = pci_address(device)
     if not address:
         return "not bound: torch gives no PCI address for the GPU"
@@ -89,5 +92,10 @@ def bind_to_gpu(device, sysfs: Path = SYSFS_PCI) -> str:
         return f"not bound: none of the {len(local)} CPUs local to {address} is allowed to this process"
     if cpus == allowed:
         return f"not bound: every CPU allowed ({len(allowed)}) is local to {address}"
-    threads = bind_threads(cpus)
+    try:
+        threads = bind_threads(cpus)
+    except OSError as exc:      # refused (a sandbox's seccomp, a cpuset changed meanwhile): the worker serves as placed
+        with contextlib.suppress(OSError):
+            bind_threads(allowed)       # the threads bound before the refusal back where they were
+        return f"not bound: binding to the CPUs local to {address} was refused ({exc})"
     return f"{threads} threads bound to the {len(cpus)} CPUs local to {address} (of {len(allowed)} allowed)"

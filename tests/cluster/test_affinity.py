@@ -89,3 +89,36 @@ def test_a_gpu_worker_binds_to_the_local_cpus_it_is_allowed(tmp_path, monkeypatc
     said = bind_to_gpu("cuda", _sysfs(tmp_path, f"{allowed[-1]},100000"))
     assert os.sched_getaffinity(0) == {allowed[-1]}
     assert f"bound to the 1 CPUs local to {ADDRESS} (of {len(allowed)} allowed)" in said
+
+
+def test_a_refused_binding_leaves_the_worker_serving_where_it_was(tmp_path, monkeypatch, restore_affinity):
+    """A sandbox may refuse sched_setaffinity: the worker starts anyway, its threads where they were."""
+    allowed = sorted(restore_affinity)
+    if len(allowed) < 2:
+        pytest.skip("one allowed CPU: nothing would be bound")
+    monkeypatch.setattr(affinity, "pci_address", lambda device: ADDRESS)
+    real = os.sched_setaffinity
+    calls = []
+
+    def refuse_after_one(pid, cpus):
+        calls.append(set(cpus))
+        if len(calls) == 2:
+            raise PermissionError(1, "Operation not permitted")
+        real(pid, cpus)
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse_after_one)
+    stop = threading.Event()
+    running = threading.Thread(target=stop.wait)
+    running.start()
+    try:
+        said = bind_to_gpu("cuda", _sysfs(tmp_path, str(allowed[0])))
+        assert said.startswith(f"not bound: binding to the CPUs local to {ADDRESS} was refused")
+        assert os.sched_getaffinity(0) == set(allowed) == os.sched_getaffinity(running.native_id)
+    finally:
+        stop.set()
+        running.join()
+
+
+def test_a_system_without_cpu_affinity_is_not_bound(monkeypatch):
+    monkeypatch.delattr(os, "sched_setaffinity")
+    assert bind_to_gpu("cuda") == "not bound: this system sets no CPU affinity"
