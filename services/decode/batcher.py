@@ -12,7 +12,9 @@ began, admitting what arrives meanwhile. With ``admit_during_step`` the hand-off
 while a step runs: after ``decode_step`` has issued it and before its tokens are read back, so that their host work
 overlaps its device work (they join the next step). Stopping mirrors ``Engine.generate``: a stop token is
 emitted, then the sequence ends.
-Engine calls that are not decoding (reset, cache listing) run between steps through ``call``.
+Engine calls that are not decoding (reset, cache listing) run between steps through ``call``. A hand-off whose
+import would read shared chunks from the store on this thread (resident when it was prepared, evicted since) goes
+back to a helper that reads them (``restage``, at most ``MAX_RESTAGES`` times) and comes back through the inbox.
 
 No request stops the thread: a failure fails the requests it concerns (one sequence's sampling, one
 hand-off's rebuild, or the step's batch), each with a ``RequestError`` (the caller sees an id, never a
@@ -51,6 +53,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3     # loop iterations failing in a row before the engine is taken for broken
 WAIT_READY_S = 0.005       # a step with every live sequence still preparing waits this long for arrivals
+# NOTE: a hand-off whose shared chunks were held here when it was prepared and evicted before its admission (the
+# batch's chunks past the cache: a batch of 16 of 6 chunks of an 8B model needs 6 GiB) is sent back this many times
+# to have them read off this thread (``restage``); past that its import reads them here. Read here, each cost a store
+# lookup and a device read this thread waited for (a profile of four H200s' decode workers: bench/cluster/README.md)
+MAX_RESTAGES = 2
 
 
 @dataclass(slots=True)
@@ -66,6 +73,7 @@ class DecodeJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     policy: DecodePolicy = DENSE        # how its steps attend (services/engine/decode); sequences of any mix batch
     stats: DecodeStats | None = None    # what its steps read: a copy taken as its sequence is released
+    restaged: int = 0                   # times sent back at admission to have chunks read (``Batcher.restage``)
 
 
 @dataclass(slots=True)
@@ -81,7 +89,8 @@ class Batcher:
     def __init__(self, engine, metrics: DecodeMetrics, max_batch: int, fetch=None,
                  admit_budget_s: float = float("inf"), profile=None, min_step_interval_s: float = 0.0,
                  on_fatal: Callable[[BaseException], None] | None = None, name: str = "decode worker",
-                 admit_during_step: bool = False) -> None:
+                 admit_during_step: bool = False,
+                 restage: Callable[[DecodeJob, list[str]], None] | None = None) -> None:
         self.eng = engine
         self.metrics = metrics
         self.max_batch = max_batch
@@ -91,6 +100,9 @@ class Batcher:
         self._window = (0, 0.0)   # (hand-offs admitted, seconds) while the last step ran: the next _admit's budget
         self._last_step = float("-inf")
         self.fetch = fetch                    # fetch(chunk_id) for import_handoff, or None
+        # restage(job, chunk ids): a helper reads the chunks a hand-off's import would otherwise read from the store on
+        # this thread (evicted here since it was prepared), then submits the job again; None: the import reads them
+        self.restage = restage
         self.profile = profile                # services.cluster.profiling.ProfileWindow: ticks once a step
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -262,6 +274,13 @@ class Batcher:
 
         from services.engine.kv.block_pool import PoolExhausted
 
+        if self.restage is not None and job.restaged < MAX_RESTAGES:
+            unstaged = job.handoff.unstaged(self.eng.cache)
+            if unstaged:
+                job.restaged += 1
+                self.metrics.restaged.inc()
+                self.restage(job, unstaged)
+                return
         t0 = time.perf_counter()
         try:
             with span("tessera.admit"):   # a named span in a TESSERA_TORCH_PROFILE trace

@@ -33,6 +33,8 @@ class DecodeMetrics:
                                             "the prefill worker was still writing to the store", buckets=SECONDS,
                                             registry=r)
         self.admitted = Counter("tessera_decode_admitted", "Sequences admitted into the batch", registry=r)
+        self.restaged = Counter("tessera_decode_restaged", "Hand-offs sent back at admission to have chunks read off "
+                                "the engine thread (held here when prepared, evicted since)", registry=r)
         self.finished = Counter("tessera_decode_finished", "Sequences ended, by reason", ["reason"], registry=r)
         self.tokens = Counter("tessera_decode_tokens", "Tokens generated", registry=r)
         self.batch_size = Histogram("tessera_decode_batch_size", "Sequences per decode step", buckets=BATCH,

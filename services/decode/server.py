@@ -18,6 +18,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -32,7 +33,7 @@ from services.handoff.transport import HandoffError, ReceivedHandoff, probe_tran
 from services.decode.batcher import Batcher, DecodeJob
 from services.decode.indexes import RemoteIndexes
 from services.decode.metrics import DecodeMetrics
-from services.handoff.prepare import prepare
+from services.handoff.prepare import fetch_more, prepare
 from services.engine.decode import DecodePolicy, DecodeStats
 from services.engine.graphs.warmup import warm_decode, warm_up
 from services.rpc import tessera_pb2 as pb
@@ -260,8 +261,10 @@ def decode_stats(policy: DecodePolicy, stats: DecodeStats | None) -> pb.DecodeSt
 
 
 class DecodeServer:
-    def __init__(self, grpc_server, servicer: DecodeServicer, health, metrics_http) -> None:
+    def __init__(self, grpc_server, servicer: DecodeServicer, health, metrics_http,
+                 restagers: ThreadPoolExecutor) -> None:
         self.grpc_server, self.servicer, self.health, self._http = grpc_server, servicer, health, metrics_http
+        self.restagers = restagers          # the helpers reading chunks for hand-offs the batcher sent back
         self._sweeper = asyncio.ensure_future(servicer.sweep_forever())
 
     async def stop(self, grace: float | None = 1.0) -> None:
@@ -272,6 +275,7 @@ class DecodeServer:
         if profile is not None and profile.enabled:    # a profiled window the run ended inside of is written
             await asyncio.wait_for(asyncio.wrap_future(self.servicer.batcher.call(profile.close)), 60)
         await asyncio.to_thread(self.servicer.batcher.stop)
+        await asyncio.to_thread(self.restagers.shutdown)      # jobs it hands back now are failed by the stopped batcher
         self.servicer.store.close()
         if isinstance(self.servicer.eng.forward.indexes, RemoteIndexes):
             self.servicer.eng.forward.indexes.close()
@@ -320,12 +324,24 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     def fetch(cid: str):
         return store.fetcher(store.lookup([cid]), device)(cid)
 
+    # ... unless the batcher sends the hand-off back to have them read here first, off the engine thread
+    restagers = ThreadPoolExecutor(2, thread_name_prefix="decode-restage")
+
+    def restage(job: DecodeJob, chunk_ids: list[str]) -> None:
+        def read_then_requeue() -> None:
+            try:
+                fetch_more(job.handoff, chunk_ids, eng, store)
+            except Exception as exc:  # noqa: BLE001 - the import reads or computes them at admission instead
+                log.warning("decode worker %s: reading chunks again for %s failed: %s", name, job.request_id, exc)
+            batcher.submit(job)
+        restagers.submit(read_then_requeue)
+
     fatal = StoppedForGood((SERVICE_NAME,), on_fatal)
     batcher = Batcher(eng, metrics, settings.max_batch, fetch if store.enabled else None,
                       admit_budget_s=settings.admit_budget_s, profile=ProfileWindow(name, "decode"),
                       min_step_interval_s=settings.min_step_interval_s, on_fatal=fatal,
                       admit_during_step=settings.admit_during_step,
-                      name=f"decode worker {name}")
+                      name=f"decode worker {name}", restage=restage if store.enabled else None)
     http, http_port = serve_metrics(metrics.registry, host)
     servicer = DecodeServicer(batcher, eng, store, metrics, name, f"http://{advertised_host(host)}:{http_port}/metrics", settings)
     server = make_server(f"decode worker {name}", cluster_tls)
@@ -336,4 +352,4 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     await server.start()
     await set_serving(health, (SERVICE_NAME,), True)
     log.info("decode worker %s on %s:%d", name, host, bound)
-    return DecodeServer(server, servicer, health, http), bound
+    return DecodeServer(server, servicer, health, http, restagers), bound

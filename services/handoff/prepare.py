@@ -50,16 +50,26 @@ class PreparedHandoff:
     # the import's host-side layout (services/handoff/imports.import_layout), worked out here rather than on the
     # engine thread; None: the import makes it
     layout: ImportLayout | None = None
+    # the events of chunks fetched later (``fetch_more``: evicted here between this preparation and the admission)
+    later: list[torch.cuda.Event] = field(default_factory=list)
+
+    def unstaged(self, resident) -> list[str]:
+        """The hand-off's shared chunks that are neither in ``resident`` (the engine's cache) nor fetched: what its
+        import would read from the store on the engine thread."""
+        ids = dict.fromkeys(ref.chunk_id for ref in self.handoff.chunks)
+        return [cid for cid in ids if cid not in resident and cid not in self.fetched]
 
     def adopt(self) -> None:
         """On the engine thread, before using ``fetched``: order its stream after the staging copies and
         tell the allocator the staged tensors are used there."""
-        if self.ready is None:
+        if self.ready is None and not self.later:
             return
         import torch
 
         stream = torch.cuda.current_stream()
-        stream.wait_event(self.ready)
+        for ready in (self.ready, *self.later):
+            if ready is not None:
+                stream.wait_event(ready)
         for layers in self.fetched.values():
             for item in layers:
                 item.k.record_stream(stream)
@@ -88,10 +98,26 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s:
         t0 = time.monotonic()
         present.update(_await_writes(store, pending, store_wait_s))
         waited = time.monotonic() - t0
+    fetched = _fetch(present, engine, store)
+    from_host = sum(1 for cid in fetched if present[cid] == Tier.HOST)
+    sources = {Tier.GPU.value: len(ids) - len(missing), Tier.HOST.value: from_host,
+               "store": len(fetched) - from_host, Tier.COMPUTED.value: len(missing) - len(fetched)}
+    fetched, ready = _stage(fetched, engine.device)
+    indexes = {} if index_store is None else _chunk_indexes(handoff, engine, index_store)
+    try:
+        layout = import_layout(handoff)
+    except Exception:  # noqa: BLE001 - a hand-off it cannot be made for fails at admission, as it always did
+        layout = None
+    return PreparedHandoff(received, handoff, fetched, ready, sources, waited, indexes, layout)
+
+
+def _fetch(present: dict, engine, store: StoreAccess) -> dict[str, list]:
+    """The chunks of ``present`` (a lookup's answer) read from the store: {chunk id: its layers} (a chunk whose read
+    fails is left out: the engine computes it at admission). On a GPU, a chunk in this host's store arena is copied
+    onto it and checked there (kvio.DeviceLayers), queued on a side stream: on the engine's it would wait behind its
+    decode steps."""
     fetched: dict[str, list] = {}
     cuda = engine.device.type == "cuda"
-    # on a GPU, a chunk in this host's store arena is copied onto it and checked there (kvio.DeviceLayers), its
-    # copies queued on a side stream: on the engine's they would wait behind its decode steps
     fetch = store.fetcher(present, engine.device)
     side = None
     if cuda:
@@ -113,16 +139,19 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s:
             fetched[cid] = layers
         except Exception as exc:  # noqa: BLE001 - a broken stream: the engine computes the chunk instead
             log.warning("prefetch of chunk %s failed: %s", cid[:12], exc)
-    from_host = sum(1 for cid in fetched if present[cid] == Tier.HOST)
-    sources = {Tier.GPU.value: len(ids) - len(missing), Tier.HOST.value: from_host,
-               "store": len(fetched) - from_host, Tier.COMPUTED.value: len(missing) - len(fetched)}
-    fetched, ready = _stage(fetched, engine.device)
-    indexes = {} if index_store is None else _chunk_indexes(handoff, engine, index_store)
-    try:
-        layout = import_layout(handoff)
-    except Exception:  # noqa: BLE001 - a hand-off it cannot be made for fails at admission, as it always did
-        layout = None
-    return PreparedHandoff(received, handoff, fetched, ready, sources, waited, indexes, layout)
+    return fetched
+
+
+def fetch_more(prepared: PreparedHandoff, chunk_ids: list[str], engine, store: StoreAccess) -> int:
+    """On a helper thread: read ``chunk_ids`` from the store into ``prepared`` (staged as ``prepare`` stages, their
+    event in ``later``), for chunks the engine held when it was prepared and evicted before its admission. Returns how
+    many were fetched (the rest, not in the store or failing, are computed at admission)."""
+    present = store.lookup([cid for cid in chunk_ids if cid not in prepared.fetched]) if store.enabled else {}
+    fetched, ready = _stage(_fetch(present, engine, store), engine.device)
+    prepared.fetched.update(fetched)
+    if ready is not None:
+        prepared.later.append(ready)
+    return len(fetched)
 
 
 def _chunk_indexes(handoff, engine, index_store) -> dict[str, tuple[bytes, int]]:

@@ -123,3 +123,68 @@ def test_staging_keeps_layers_already_on_the_gpu_and_copies_the_rest_in_order():
     out, ready = _stage({"b": on_gpu}, dev)                                      # nothing on the host: no copy
     ready.synchronize()
     assert out["b"][0].k is on_gpu[0].k
+
+
+def test_a_chunk_evicted_after_preparation_is_read_off_the_engine_thread_before_admission(tiny_model):
+    """A shared chunk resident in the decode engine when its hand-off was prepared (so not fetched) and evicted before
+    the admission: the batcher sends the job back to a helper (``restage``), which reads the chunk
+    (``fetch_more``), and admits it when it returns; the engine thread reads nothing from the store, and the tokens
+    are those of the same hand-off decoded with the chunk resident."""
+    import threading
+
+    from services.decode.batcher import Batcher, DecodeJob
+    from services.decode.metrics import DecodeMetrics
+    from services.engine import Engine
+    from services.engine.sampling import SamplingParams
+    from services.handoff.prepare import fetch_more, prepare
+    from services.handoff.transport import ReceivedHandoff
+
+    from tests.helpers import docs
+
+    prefill, decode = Engine.load(tiny_model, kv_cache_bytes=64 << 20), Engine.load(tiny_model, kv_cache_bytes=64 << 20)
+    a, b = docs(2, 32, seed=80)
+    _, h = prefill.prefill_handoff([a, b], [2, 3], recompute_ratio=0.15)
+    cid = prefill.chunk_id(a)
+    store = _LandingStore(cid, prefill.export_chunk(cid), after=1)
+    header = pb.HandoffHeader(request_id="r", kind="engine")
+
+    def run(evict: bool, restage_on: bool):
+        decode.cache.clear()
+        warm = prepare(ReceivedHandoff(header, h.to_bytes()), decode, store)   # reads a: it is resident after
+        decode.release(decode.import_handoff(warm.handoff,
+                                             fetch=lambda c: iter(warm.fetched[c]) if c in warm.fetched else None))
+        assert cid in decode.cache
+        prepared = prepare(ReceivedHandoff(header, h.to_bytes()), decode, store)
+        assert cid not in prepared.fetched                                      # resident: not read
+        if evict:
+            assert decode.cache.drop([cid]) == 1
+        engine_reads, restaged, out, done = [], [], [], threading.Event()
+
+        def restage(job, chunk_ids):
+            restaged.append((threading.current_thread().name, list(chunk_ids)))
+            threading.Thread(target=lambda: (fetch_more(job.handoff, chunk_ids, decode, store),
+                                             batcher.submit(job)), name="helper").start()
+
+        def emit(tokens, reason, error):
+            assert error is None
+            out.extend(tokens)
+            if reason is not None:
+                done.set()
+
+        batcher = Batcher(decode, DecodeMetrics(), 4, fetch=lambda c: engine_reads.append(c),
+                          restage=restage if restage_on else None)
+        try:
+            batcher.submit(DecodeJob("r", prepared, SamplingParams(0.0, 1.0, 0, None, 6), emit))
+            assert done.wait(30)
+        finally:
+            batcher.stop()
+        return out, engine_reads, restaged, batcher.metrics.restaged._value.get()
+
+    resident, reads, restaged, n = run(evict=False, restage_on=True)
+    assert reads == [] and restaged == [] and n == 0
+    tokens, reads, restaged, n = run(evict=True, restage_on=True)
+    assert tokens == resident and reads == [] and n == 1
+    assert restaged == [("decode-engine", [cid])]           # asked for on the engine thread, read by the helper
+    # without a restage the engine thread reads it itself (the fallback, and the cost the restage takes off it)
+    tokens, reads, restaged, n = run(evict=True, restage_on=False)
+    assert reads == [cid] and n == 0
