@@ -278,9 +278,14 @@ class Batcher:
             unstaged = job.handoff.unstaged(self.eng.cache)
             if unstaged:
                 job.restaged += 1
-                self.metrics.restaged.inc()
-                self.restage(job, unstaged)
-                return
+                try:
+                    self.restage(job, unstaged)
+                except Exception as exc:  # noqa: BLE001 - its helpers are gone (the worker stopping): read here
+                    log.warning("%s: request %s could not go back to be staged (%s); its chunks are read here",
+                                self.name, job.request_id, exc)
+                else:
+                    self.metrics.restaged.inc()
+                    return
         t0 = time.perf_counter()
         try:
             with span("tessera.admit"):   # a named span in a TESSERA_TORCH_PROFILE trace

@@ -188,3 +188,40 @@ def test_a_chunk_evicted_after_preparation_is_read_off_the_engine_thread_before_
     # without a restage the engine thread reads it itself (the fallback, and the cost the restage takes off it)
     tokens, reads, restaged, n = run(evict=True, restage_on=False)
     assert reads == [cid] and n == 0
+
+
+def test_a_restage_that_cannot_be_made_admits_the_hand_off_reading_its_chunks_on_the_engine_thread(tiny_model):
+    """The helpers gone (a worker stopping: its executor refuses work): the job is admitted at once, its chunk read
+    by the engine thread's own fetch, and the batcher goes on serving."""
+    import threading
+
+    from services.decode.batcher import Batcher, DecodeJob
+    from services.decode.metrics import DecodeMetrics
+    from services.engine import Engine
+    from services.engine.sampling import SamplingParams
+    from services.handoff.prepare import prepare
+    from services.handoff.transport import ReceivedHandoff
+
+    from tests.helpers import docs
+
+    prefill, decode = Engine.load(tiny_model, kv_cache_bytes=64 << 20), Engine.load(tiny_model, kv_cache_bytes=64 << 20)
+    (a,) = docs(1, 32, seed=81)
+    _, h = prefill.prefill_handoff([a], [2], recompute_ratio=0.15)
+    cid = prefill.chunk_id(a)
+    decode.release(decode.import_handoff(h))            # computed there: resident
+    header = pb.HandoffHeader(request_id="r", kind="engine")
+    prepared = prepare(ReceivedHandoff(header, h.to_bytes()), decode, _LandingStore(cid, [], after=99))
+    assert decode.cache.drop([cid]) == 1
+    reads, done = [], threading.Event()
+
+    def refuse(job, chunk_ids):
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    batcher = Batcher(decode, DecodeMetrics(), 4, fetch=lambda c: reads.append(c), restage=refuse)
+    try:
+        batcher.submit(DecodeJob("r", prepared, SamplingParams(0.0, 1.0, 0, None, 3),
+                                 lambda toks, reason, err: done.set() if reason is not None or err else None))
+        assert done.wait(30)
+        assert reads == [cid] and batcher.alive and batcher.metrics.restaged._value.get() == 0
+    finally:
+        batcher.stop()
