@@ -31,6 +31,8 @@ def test_time_budget_from_the_workers_metrics():
     d.chunks.labels("host").inc(2)
     p.handoffs.labels("cuda-ipc").inc(3)
     p.handoffs.labels("cuda-ipc-peer").inc()
+    d.restaged.inc(2)
+    d.admission_reads.inc()
     before = {}
     after = {}
     for reg in (p.registry, d.registry):
@@ -46,6 +48,7 @@ def test_time_budget_from_the_workers_metrics():
     assert b["admits"] == 1 and abs(b["admit_mean_ms"] - 4.0) < 1e-6 and b["gpu_busy_pct"] == 50.0
     assert b["prefill_cpu_pct"] is None and b["store_errors"] == 0      # no process CPU or store errors here
     assert b["handoffs_by_transport"] == {"cuda-ipc": 3.0, "cuda-ipc-peer": 1.0}
+    assert b["decode_restaged"] == 2 and b["decode_admission_reads"] == 1
     row = probe.budget_line("tessera", b)
     assert row.startswith("| tessera | 50% | 60.0 |") and row.count("|") == probe.BUDGET_HEADER[1].count("|")
 

@@ -394,6 +394,10 @@ def main() -> int:
                        "Hand-offs by transport: " + "; ".join(f"{m}: " + (", ".join(
                            f"{t} {n:.0f}" for t, n in budgets[m]["handoffs_by_transport"].items()) or "-")
                            for m in modes if m in budgets), "",
+                       "Admissions whose evicted chunks went back to be read off the decode engine thread (restaged), "
+                       "and chunks admissions still read on it: " + "; ".join(
+                           f"{m}: {budgets[m].get('decode_restaged', 0):.0f}, "
+                           f"{budgets[m].get('decode_admission_reads', 0):.0f}" for m in modes if m in budgets), "",
                        *(line for m in modes if m in budgets and len(budgets[m]["workers"]) > 2 for line in (
                            f"Each worker, {m} (GPU busy by GPU: " + ", ".join(
                                f"{g} {u:.0f}%" for g, u in budgets[m]["gpu_busy_pct_by_gpu"].items()) + "):", "",

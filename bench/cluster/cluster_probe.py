@@ -29,6 +29,9 @@ WANTED = {
     "tessera_decode_batch_size_sum": "batch_rows",
     "tessera_decode_admit_seconds_sum": "admit_s", "tessera_decode_admit_seconds_count": "admits",
     "tessera_decode_chunks_total": "decode_chunks",
+    # hand-offs sent back at admission to have evicted chunks read off the engine thread, and the chunks an admission
+    # still read on it
+    "tessera_decode_restaged_total": "restaged", "tessera_decode_admission_reads_total": "admission_reads",
     "tessera_prefill_handoffs_total": "handoffs",   # by transport: cuda-ipc, cuda-ipc-peer, nixl, grpc
     "process_cpu_seconds_total": "cpu_s",       # per role: WorkerMeter adds the role to the key
     # failed store calls (a lookup or get past its deadline: the shard is skipped for a moment, its chunks computed)
@@ -211,6 +214,7 @@ def time_budget(d: dict[str, float], duration_s: float, gpu_busy: float | None) 
         "gateway_cpu_pct": _per(100 * d["cpu_s/gateway"], duration_s) if "cpu_s/gateway" in d else None,
         "store_errors": sum(v for k, v in d.items() if k.startswith("store_errors/")),
         "handoffs_by_transport": {k.split("/", 1)[1]: v for k, v in sorted(d.items()) if k.startswith("handoffs/")},
+        "decode_restaged": d.get("restaged", 0.0), "decode_admission_reads": d.get("admission_reads", 0.0),
     }
 
 

@@ -33,6 +33,9 @@ class DecodeMetrics:
                                             "the prefill worker was still writing to the store", buckets=SECONDS,
                                             registry=r)
         self.admitted = Counter("tessera_decode_admitted", "Sequences admitted into the batch", registry=r)
+        self.admission_reads = Counter("tessera_decode_admission_reads", "Shared chunks an admission read from the "
+                                       "store on the engine thread (the batch waiting), past the restages",
+                                       registry=r)
         self.restaged = Counter("tessera_decode_restaged", "Hand-offs sent back at admission to have chunks read off "
                                 "the engine thread (held here when prepared, evicted since)", registry=r)
         self.finished = Counter("tessera_decode_finished", "Sequences ended, by reason", ["reason"], registry=r)

@@ -322,6 +322,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
     device = eng.device if eng.device.type == "cuda" else None
 
     def fetch(cid: str):
+        metrics.admission_reads.inc()
         return store.fetcher(store.lookup([cid]), device)(cid)
 
     # ... unless the batcher sends the hand-off back to have them read here first, off the engine thread
