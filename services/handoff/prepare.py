@@ -50,14 +50,19 @@ class PreparedHandoff:
     # the import's host-side layout (services/handoff/imports.import_layout), worked out here rather than on the
     # engine thread; None: the import makes it
     layout: ImportLayout | None = None
+    # the shared chunks the engine held when this was prepared (so not read then), and those of them ``fetch_more``
+    # found nowhere in the store since (the import computes them)
+    held: frozenset[str] = frozenset()
+    absent: set[str] = field(default_factory=set)
     # the events of chunks fetched later (``fetch_more``: evicted here between this preparation and the admission)
     later: list[torch.cuda.Event] = field(default_factory=list)
 
     def unstaged(self, resident) -> list[str]:
-        """The hand-off's shared chunks that are neither in ``resident`` (the engine's cache) nor fetched: what its
-        import would read from the store on the engine thread."""
-        ids = dict.fromkeys(ref.chunk_id for ref in self.handoff.chunks)
-        return [cid for cid in ids if cid not in resident and cid not in self.fetched]
+        """The shared chunks the engine held when this was prepared and no longer holds (``resident``: its cache),
+        not fetched since nor found absent from the store: what its import would read from the store on the engine
+        thread. (Chunks the preparation looked up and did not find are not among them: asking the store again
+        off the engine thread would find them no sooner.)"""
+        return [cid for cid in self.held if cid not in resident and cid not in self.fetched and cid not in self.absent]
 
     def adopt(self) -> None:
         """On the engine thread, before using ``fetched``: order its stream after the staging copies and
@@ -108,7 +113,8 @@ def prepare(received: ReceivedHandoff, engine, store: StoreAccess, store_wait_s:
         layout = import_layout(handoff)
     except Exception:  # noqa: BLE001 - a hand-off it cannot be made for fails at admission, as it always did
         layout = None
-    return PreparedHandoff(received, handoff, fetched, ready, sources, waited, indexes, layout)
+    return PreparedHandoff(received, handoff, fetched, ready, sources, waited, indexes, layout,
+                           held=frozenset(cid for cid in ids if cid not in missing))
 
 
 def _fetch(present: dict, engine, store: StoreAccess) -> dict[str, list]:
@@ -149,6 +155,7 @@ def fetch_more(prepared: PreparedHandoff, chunk_ids: list[str], engine, store: S
     present = store.lookup([cid for cid in chunk_ids if cid not in prepared.fetched]) if store.enabled else {}
     fetched, ready = _stage(_fetch(present, engine, store), engine.device)
     prepared.fetched.update(fetched)
+    prepared.absent.update(cid for cid in chunk_ids if cid not in prepared.fetched)
     if ready is not None:
         prepared.later.append(ready)
     return len(fetched)

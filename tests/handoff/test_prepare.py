@@ -225,3 +225,47 @@ def test_a_restage_that_cannot_be_made_admits_the_hand_off_reading_its_chunks_on
         assert reads == [cid] and batcher.alive and batcher.metrics.restaged._value.get() == 0
     finally:
         batcher.stop()
+
+
+def test_only_chunks_held_when_prepared_go_back_and_one_found_nowhere_goes_back_once(tiny_model):
+    """A chunk the preparation looked up and did not find is not restaged (the store would not have it sooner); a
+    chunk held when prepared, evicted, and then not found in the store by the helper is restaged once and then
+    computed at admission."""
+    import threading
+
+    from services.decode.batcher import Batcher, DecodeJob
+    from services.decode.metrics import DecodeMetrics
+    from services.engine import Engine
+    from services.engine.sampling import SamplingParams
+    from services.handoff.prepare import fetch_more, prepare
+    from services.handoff.transport import ReceivedHandoff
+
+    from tests.helpers import docs
+
+    prefill, decode = Engine.load(tiny_model, kv_cache_bytes=64 << 20), Engine.load(tiny_model, kv_cache_bytes=64 << 20)
+    a, b = docs(2, 32, seed=82)
+    _, h = prefill.prefill_handoff([a, b], [2], recompute_ratio=0.15)
+    ca = prefill.chunk_id(a)
+    nowhere = _LandingStore(ca, [], after=99)               # the store never has either chunk
+    _, ha = prefill.prefill_handoff([a], [2], recompute_ratio=0.15)
+    decode.release(decode.import_handoff(ha))               # a computed there: held; b not
+    header = pb.HandoffHeader(request_id="r", kind="engine")
+    prepared = prepare(ReceivedHandoff(header, h.to_bytes()), decode, nowhere)
+    assert prepared.held == {ca} and prepared.unstaged(decode.cache) == []      # b: looked up, not found
+    assert decode.cache.drop([ca]) == 1
+    assert prepared.unstaged(decode.cache) == [ca]
+    restaged, done = [], threading.Event()
+
+    def restage(job, chunk_ids):
+        restaged.append(list(chunk_ids))
+        threading.Thread(target=lambda: (fetch_more(job.handoff, chunk_ids, decode, nowhere),
+                                         batcher.submit(job))).start()
+
+    batcher = Batcher(decode, DecodeMetrics(), 4, fetch=lambda c: None, restage=restage)
+    try:
+        batcher.submit(DecodeJob("r", prepared, SamplingParams(0.0, 1.0, 0, None, 3),
+                                 lambda toks, reason, err: done.set() if reason is not None or err else None))
+        assert done.wait(30)
+    finally:
+        batcher.stop()
+    assert restaged == [[ca]] and prepared.absent == {ca}
