@@ -112,7 +112,7 @@ class _DeviceIssue:
     and its caller waits on the host for their checks (``verify``) before using a layer. On the current stream they
     queued behind that stream's work: a prefill worker's chunk loads (services/engine/kv/loader.py) begin the next
     request's pass while the one ahead still runs, and its engine thread then waited for that pass to finish before
-    it could issue the next one, leaving the GPU idle between them."""
+    it could issue the next one, which can leave the GPU idle between them (the gain is not yet measured)."""
 
     def __init__(self, client: "KVStoreClient", meta: ChunkMeta, dtype, stop: int, local, seg, spans, device) -> None:
         from kernels.checksum import crc0_spans
