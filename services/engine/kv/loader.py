@@ -181,21 +181,29 @@ class LayerGate:
     def settled(self, timeout: float = 0.0) -> bool:
         """Whether every load has handed over all of its layers (or failed), waiting up to ``timeout``
         seconds for that (``LOCAL_SETTLE_S`` for loads from host memory): a pass may then stop waiting
-        layer by layer (``finish()``) and run its remaining layers in one CUDA-graph replay."""
+        layer by layer (``finish()``) and run its remaining layers in one CUDA-graph replay. The time it
+        stands waiting (for the layers, and for a checked-later load's checks) counts in ``wait_seconds``."""
         t0 = time.perf_counter()
-        for load in sorted(self.loads, key=lambda ld: not ld.local):   # the bounded-by-LOCAL waits first
-            deadline = t0 + (max(timeout, LOCAL_SETTLE_S) if load.local else timeout)
-            with load.cond:
-                if not load.cond.wait_for(lambda: load.delivered == load.num_layers or load.error is not None,
-                                          max(0.0, deadline - time.perf_counter())):
-                    return False
-            load.check()
-        return True
+        try:
+            for load in sorted(self.loads, key=lambda ld: not ld.local):   # the bounded-by-LOCAL waits first
+                deadline = t0 + (max(timeout, LOCAL_SETTLE_S) if load.local else timeout)
+                with load.cond:
+                    if not load.cond.wait_for(lambda: load.delivered == load.num_layers or load.error is not None,
+                                              max(0.0, deadline - time.perf_counter())):
+                        return False
+                load.check()
+            return True
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
 
     def finish(self) -> None:
+        """Join every load and recompute those that failed; the joins and checks count in ``wait_seconds`` (the
+        recomputation does not: it is the pass's own work)."""
         for load in self.loads:
+            t0 = time.perf_counter()
             load.join()
             load.check()
+            self.wait_seconds += time.perf_counter() - t0
             if load.error is not None and not load.recovered:
                 self.recompute(load)
                 load.recovered = True

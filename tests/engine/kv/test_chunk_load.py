@@ -138,3 +138,22 @@ def test_write_layers_equals_a_write_a_layer():
         b.write(layer, block, slot, ks[layer], vs[layer])
     assert torch.equal(a.k_all, b.k_all) and torch.equal(a.v_all, b.v_all) and a.k_all.count_nonzero() > 0
     assert _runs([0, 1, 1, 1, 2, 1]) == [(0, 1), (1, 4), (4, 5), (5, 6)] and _runs([]) == []
+
+
+def test_a_pass_standing_for_a_loads_checks_counts_it_as_waiting():
+    """The gate's ``settled`` and ``finish`` stand waiting for a checked-later load's checks (an arena read's, on
+    the GPU) as ``wait`` does for a layer: that time is the pass's load wait (a request's ``load_wait_seconds``)."""
+    import time
+
+    def slow_check():
+        time.sleep(0.05)
+
+    load = ChunkLoad("c" * 12, [1, 2], iter(_layers(2, 2, 1, 4)), lambda *a: pytest.fail("per-layer write"),
+                     2, local=True, write_many=lambda items: None, verify=slow_check)
+    load.issue()
+    gate = LayerGate([load], lambda ld: pytest.fail("recomputed"))
+    assert gate.wait_seconds == 0.0
+    assert gate.settled(0.0)
+    assert gate.wait_seconds >= 0.05
+    gate.finish()                           # checked once already: nothing more to wait for
+    assert 0.05 <= gate.wait_seconds < 0.5 and gate.failed == 0
