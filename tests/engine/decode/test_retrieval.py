@@ -6,6 +6,7 @@ tested in tests/index."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -393,6 +394,37 @@ def test_a_staged_copy_in_pieces_on_threads_is_the_array():
     t = torch.randn(5, 3, 4)
     got = HostStaging().to_host(t.permute(1, 0, 2))
     assert got.flags.c_contiguous and np.array_equal(got, t.permute(1, 0, 2).numpy())
+
+
+@pytest.mark.parametrize("populate", [True, False])
+@pytest.mark.parametrize("shape, dtype", [((3, 1001, 7), np.float32), ((0, 4), np.float32), ((5,), np.int16),
+                                          ((2, 3), np.float64)], ids=["f32", "empty", "i16", "f64"])
+def test_a_host_array_is_zeroed_writable_and_contiguous_and_lets_its_memory_go(shape, dtype, populate):
+    """``host_array``: what ``np.zeros`` gives (its pages mapped beforehand, or not); a view keeps a mapping alive,
+    and the mapping goes with the last of them."""
+    import gc
+    import mmap
+    import weakref
+
+    from services.engine.decode.retrieval import host_array
+
+    a = host_array(shape, dtype, populate)
+    assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+    assert not a.any()
+    a[...] = 3
+    root = a
+    while (isinstance(root, np.ndarray) and root.base is not None) or isinstance(root, memoryview):
+        root = root.base if isinstance(root, np.ndarray) else root.obj
+    mapped = isinstance(root, mmap.mmap)
+    assert mapped is (populate and a.size > 0)
+    gone = weakref.ref(root)
+    view = a.reshape(-1)[1:]
+    del a, root
+    gc.collect()
+    assert (view == 3).all() and (gone() is not None or not mapped)      # the view keeps the mapping
+    del view
+    gc.collect()
+    assert gone() is None                                                # gone with the last view
 
 
 def test_a_copy_that_fails_fails_its_sequence_and_frees_everything(tiny_dir, monkeypatch):
