@@ -1,7 +1,7 @@
 """A retrieval sequence's offloaded K/V to the host, one layer's keys at a time (GPU): ``tensor.cpu()`` of the
 permuted layer and the builder's later ``np.ascontiguousarray`` (the copy before ``HostStaging``), against
 ``HostStaging.to_host`` (services/engine/decode/retrieval.py: one pinned buffer used again, then a host copy on its
-threads, and on one), with
+threads into an array mapped beforehand, on one thread, and into an array mapped at first touch), with
 the pinned device-to-host copy of the same bytes alone as the ceiling; the variants alternated in one process.
 
     python3 bench/decode/host_copy.py --tokens 129984 --rounds 5 --out bench/decode/DATE_DEVICE_COMMIT_host_copy.json
@@ -43,7 +43,7 @@ def main() -> int:
     args = ap.parse_args()
     layer = torch.randn(args.tokens, args.kv_heads, args.head_dim, device="cuda")     # [N, Hkv, D] fp32, as rotated
     nbytes = layer.numel() * 4
-    staging, alone = HostStaging(), HostStaging(threads=1)
+    staging, alone, faulting = HostStaging(), HostStaging(threads=1), HostStaging(populate=False)
     pinned = torch.empty(layer.numel(), dtype=torch.float32, pin_memory=True)
     want = layer.permute(1, 0, 2).contiguous().cpu().numpy()
     equal = {}
@@ -57,7 +57,11 @@ def main() -> int:
     def staged_one_thread():
         equal["staged_one_thread"] = np.array_equal(alone.to_host(layer.permute(1, 0, 2)), want)
 
+    def staged_first_touch():       # the host array's pages mapped by the copy, a fault at a time (np.empty's)
+        equal["staged_first_touch"] = np.array_equal(faulting.to_host(layer.permute(1, 0, 2)), want)
+
     variants = {"cpu_then_contiguous": cpu_then_contiguous, "staged_one_thread": staged_one_thread, "staged": staged,
+                "staged_first_touch": staged_first_touch,
                 "pinned_ceiling": lambda: pinned.copy_(layer.view(-1), non_blocking=True)}
     times = {name: [] for name in variants}
     for name, fn in variants.items():
