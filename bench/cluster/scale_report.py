@@ -32,6 +32,11 @@ def rows_of(path: Path) -> list[dict]:
                         "gpu_tier": (s.get("tier_hit_ratios") or {}).get("gpu"), "transport": d.get("transport", ""),
                         "gpu_busy": budget.get("gpu_busy_pct"), "step_ms": budget.get("decode_step_mean_ms"),
                         "batch": budget.get("decode_mean_batch"), "decode_cpu": budget.get("decode_cpu_pct"),
+                        "prefill_ms": budget.get("prefill_mean_ms"), "admit_ms": budget.get("admit_mean_ms"),
+                        # hand-offs to another GPU's decode worker; hand-offs sent back at admission to have evicted
+                        # chunks read off the engine thread, and chunks admissions still read on it
+                        "peer": (budget.get("handoffs_by_transport") or {}).get("cuda-ipc-peer", 0.0),
+                        "restaged": budget.get("decode_restaged"), "admission_reads": budget.get("decode_admission_reads"),
                         "date": d["date"], "commit": d.get("commit", ""), "device": d.get("gpu", "")})
     return out
 
@@ -48,8 +53,9 @@ def main() -> int:
     base = {r["alpha"]: r for r in rows if r["run"] == args.baseline}
     lines = ["| run | GPUs | prefill + decode | routing | store shm | alpha | clients | done / failed | req/s (steady) | "
              f"x {args.baseline} | TTFT p50 / p99 ms | TPOT p50 ms | hand-off p50 ms | chunk tokens on GPU "
-             "| decode step ms (batch) | GPU busy | decode worker CPU |",
-             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| decode step ms (batch) | GPU busy | decode worker CPU | prefill ms | admission ms | peer hand-offs "
+             "| restaged / read at admission |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         b = base.get(r["alpha"])
         ratio = f"{r['steady'] / b['steady']:.2f}x" if b else "-"
@@ -60,7 +66,9 @@ def main() -> int:
                      f"({r['steady']:.2f}) | {ratio} | {r['ttft_p50']:,.0f} / {r['ttft_p99']:,.0f} | "
                      f"{r['tpot_p50']:.1f} | {hand} | {tier} | {_num(r['step_ms'], '{:.1f}')} "
                      f"({_num(r['batch'], '{:.1f}')}) | {_num(r['gpu_busy'], '{:.0f}%')} "
-                     f"| {_num(r['decode_cpu'], '{:.0f}%')} |")
+                     f"| {_num(r['decode_cpu'], '{:.0f}%')} | {_num(r['prefill_ms'], '{:.1f}')} "
+                     f"| {_num(r['admit_ms'], '{:.1f}')} | {_num(r['peer'], '{:.0f}')} "
+                     f"| {_num(r['restaged'], '{:.0f}')} / {_num(r['admission_reads'], '{:.0f}')} |")
     ab = []
     for r in rows:
         if r["routing"] != "residency":
