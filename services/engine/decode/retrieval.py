@@ -316,11 +316,12 @@ HOST_COPY_PIECE = 1 << 24      # elements a piece (64 MiB of fp32)
 
 
 def host_array(shape: tuple[int, ...], dtype, populate: bool = True) -> np.ndarray:
-    """A zeroed, writable, C-contiguous host array whose pages are mapped now (``populate``: an anonymous mapping made
-    with MAP_POPULATE, where the system has it), not at their first touch, a fault a page: filling a fresh 256 MiB
-    array so ran 2.77 GB/s against 0.95 for ``np.empty`` on one thread of this repository's 2-core machine, 2.86
-    against 1.41 on two (bench/decode/README.md; not yet measured on a GPU host). Its memory goes back when the array (and every view of it) is gone. ``populate``
-    False, an empty array, or no MAP_POPULATE: ``np.zeros``' array (its pages mapped at first touch)."""
+    """A zeroed, writable, C-contiguous host array whose pages are mapped now (``populate``: an anonymous mapping
+    made with MAP_POPULATE, where the system has it), not at their first touch, a fault a page: filling a fresh 256
+    MiB array so ran 2.77 GB/s against 0.95 for ``np.empty`` on one thread of this repository's 2-core machine, 2.86
+    against 1.41 on two (bench/decode/README.md; not yet measured on a GPU host). Its memory goes back when the array
+    (and every view of it) is gone. ``populate`` False, an empty array, or no MAP_POPULATE: ``np.zeros``' array (its
+    pages mapped at first touch)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     flag = getattr(mmap, "MAP_POPULATE", None)
