@@ -187,6 +187,9 @@ def main() -> int:
     ap.add_argument("--search-threads", type=int, default=None,
                     help="threads a step's searches use (default: every core this process may run on; the builds "
                          "use those whatever this says), to time a host of fewer cores")
+    ap.add_argument("--host-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="how the index set holds the offloaded keys and values (IndexSet(host_dtype=)): bfloat16 "
+                         "halves them (512K tokens' 137 GB in float32 do not fit a 128 GiB host)")
     args = ap.parse_args()
     eng, cfg, weight_bytes = random_engine(args.layers, args.kv_gib, args.max_positions)
     floor_per_byte = hbm_floor_seconds(1 << 30) / (1 << 30)
@@ -194,7 +197,7 @@ def main() -> int:
     from services.index.heads import SCAN_SHARE, IndexSet
 
     eng.forward.indexes = IndexSet(threads=len(os.sched_getaffinity(0)), repair_queries=args.repair_queries,
-                                   scan_share=None if args.no_scan else SCAN_SHARE)
+                                   scan_share=None if args.no_scan else SCAN_SHARE, host_dtype=args.host_dtype)
     eng.forward.options = dataclasses.replace(eng.forward.options, index_threads=len(os.sched_getaffinity(0)))
     per_request = {int(c) for c in args.per_request.split(",") if c}
     results = {"device": torch.cuda.get_device_name(), "cpu_cores": os.cpu_count(), "torch": torch.__version__,
@@ -202,7 +205,7 @@ def main() -> int:
                "max_position_embeddings": cfg.max_position_embeddings,
                "sink_tokens": args.sink, "window_tokens": args.window, "weight_bytes": weight_bytes,
                "distinct_chunks": args.distinct or None, "repair_queries": args.repair_queries,
-               "scan_share": None if args.no_scan else SCAN_SHARE, "index_threads": len(os.sched_getaffinity(0)),
+               "scan_share": None if args.no_scan else SCAN_SHARE, "host_dtype": args.host_dtype, "index_threads": len(os.sched_getaffinity(0)),
                "copy_bandwidth_gb_s": 1e-9 / floor_per_byte, "rows": []}
     print(f"{results['device']}, {results['cpu_cores']} CPU cores: copy bandwidth {1e-9 / floor_per_byte:.0f} GB/s",
           flush=True)
@@ -238,7 +241,7 @@ def main() -> int:
                 seq, tok, start_s, build_s = timed_start(eng, context, policy, name != "per_request", args.distinct,
                                                          prof)
                 indexes.threads = args.search_threads or indexes.threads
-                _layer.warm()                           # the compiled layer call ready (its first add started it)
+                _layer.warm(args.host_dtype)            # the compiled layer call ready (its first add started it)
                 # the compiled searches and the same sequence's steps on the thread pool (the peer), a step of each in
                 # turn: a drift of the host's speed over the run moves both alike
                 (samples, cpu), (pool, pool_cpu) = alternated_steps(

@@ -37,6 +37,11 @@ class RemoteIndexes:
         self.client = client
         self.prefix = prefix or uuid.uuid4().hex[:12]
 
+    @property
+    def host_dtype(self) -> str:
+        """What the engine hands ``add`` (the client's wire dtype)."""
+        return self.client.host_dtype
+
     def _owner(self, owner: str) -> str:
         return f"{self.prefix}:{owner}"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kernels.options import KernelOptions
-from services.checks import check_bool, check_instance, check_int
+from services.checks import check_bool, check_instance, check_int, check_str
 from services.env import flag
 
 
@@ -30,6 +30,9 @@ class EngineOptions:
     kernels: what the Triton launches read (kernels/options.py: PDL, TMA).
     index_threads: the host threads of the engine's own retrieval index set (services/index/heads.py), which builds
     and searches the indexes of its retrieval sequences: a layer's heads in parallel.
+    index_host_dtype: how that index set holds a retrieval sequence's offloaded keys and values on the host:
+    "float32", or "bfloat16" for half the bytes (the values as the pool holds them, the keys rounded once more after
+    their rotation; services/index/half.py): 512K tokens of an 8B-shaped model need 137 GB in float32, 69 in bfloat16.
     chunk_indexes: a retrieval sequence reuses each shared chunk's own index graphs (built once per chunk, in its
     frame: services/index/chunks.py), kept in host memory up to ``chunk_index_bytes``; off, every sequence builds one
     index over all its offloaded keys."""
@@ -39,6 +42,7 @@ class EngineOptions:
     blend_graph: bool = True
     kernels: KernelOptions = field(default_factory=KernelOptions)
     index_threads: int = 4
+    index_host_dtype: str = "float32"
     chunk_indexes: bool = True
     chunk_index_bytes: int = 4 << 30
 
@@ -47,6 +51,7 @@ class EngineOptions:
             check_bool(f"EngineOptions.{name}", getattr(self, name))
         check_instance("EngineOptions.kernels", self.kernels, KernelOptions)
         check_int("EngineOptions.index_threads", self.index_threads, 1)
+        check_str("EngineOptions.index_host_dtype", self.index_host_dtype, choices=("float32", "bfloat16"))
         check_bool("EngineOptions.chunk_indexes", self.chunk_indexes)
         check_int("EngineOptions.chunk_index_bytes", self.chunk_index_bytes, 0)
 

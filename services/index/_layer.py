@@ -29,13 +29,16 @@ import numba
 import numpy as np
 from numba import njit, prange, typed
 
+from services.index import half
 from services.index._scan import scan_attend_group
 from services.index._search_group import group_scratch, search_attend_group_into
 
 _LOCK = threading.Lock()       # one parallel region at a time in this process (the workqueue layer's rule)
 _SCRATCH: dict[tuple[int, int], list[np.ndarray]] = {}     # by (query heads a piece, beam): group_scratch's arrays
-_READY = threading.Event()     # attend_pieces compiled (or loaded from numba's cache) in this process
-_WARMING = threading.Lock()    # held by the one thread compiling it
+# attend_pieces compiled (or loaded from numba's cache) in this process, for exact keys and values of each storage
+# dtype (``half.DTYPES``: each is a signature of its own); the lock held by the one thread compiling it
+_READY = {dtype: threading.Event() for dtype in half.DTYPES}
+_WARMING = {dtype: threading.Lock() for dtype in half.DTYPES}
 
 
 @njit(nogil=True, parallel=True, cache=True)
@@ -69,12 +72,13 @@ def _read_only(arr: np.ndarray) -> np.ndarray:
 
 class LayerArrays:
     """One (owner, layer)'s KV heads as the compiled call takes them: seven typed lists (codes, steps, exact keys,
-    graph offsets, targets, entries, values), each a head; made once when the heads are, not at every call.
+    graph offsets, targets, entries, values), each a head; made once when the heads are, not at every call. The exact
+    keys and the values are float32 or bfloat16 bits, all of one dtype (``dtype``).
     ``num_keys`` / ``max_keys``: the smallest / largest head's keys (the call needs every head larger than its beam;
     its scratch as long as the largest); ``head_keys``: each head's; ``dim`` / ``value_dim``: the keys' / values'
     head_dim."""
 
-    __slots__ = ("lists", "num_keys", "max_keys", "alone", "head_keys", "dim", "value_dim")
+    __slots__ = ("lists", "num_keys", "max_keys", "alone", "head_keys", "dim", "value_dim", "dtype")
 
     def __init__(self, heads) -> None:
         """``heads``: the layer's ``(AttentionIndex, values)`` in KV head order."""
@@ -88,6 +92,9 @@ class LayerArrays:
         self.head_keys = np.array([index.num_keys for index, _ in heads], np.int64)    # each head's keys
         self.num_keys, self.max_keys = int(self.head_keys.min()), int(self.head_keys.max())
         self.dim, self.value_dim = heads[0][0].dim, heads[0][1].shape[1]
+        self.dtype = heads[0][0].key_dtype
+        if any(index.key_dtype != self.dtype or half.dtype_of(vals) != self.dtype for index, vals in heads):
+            raise ValueError("a layer's exact keys and values must all be of one dtype")
         # the nested lists of a call of this one row (a batch of one): made here, not at each call (~0.3 ms a call,
         # at every layer of every step)
         self.alone = tuple(typed.List([lst]) for lst in self.lists)
@@ -136,21 +143,21 @@ def attend(layers: list[LayerArrays], row_of: np.ndarray, head_of: np.ndarray, s
     return out, lse, scanned
 
 
-def ready() -> bool:
-    """Whether the compiled call is ready in this process (``warm`` has run)."""
-    return _READY.is_set()
+def ready(dtype: str = half.FLOAT32) -> bool:
+    """Whether the compiled call for exact keys and values of ``dtype`` is ready in this process (``warm`` has run)."""
+    return _READY[dtype].is_set()
 
 
-def warm() -> None:
-    """Compile the call (or load it from numba's cache) for the argument types ``attend`` passes, on two pieces of
-    a four-key index, in this thread; ``ready()`` after. Idempotent."""
-    if _READY.is_set():
+def warm(dtype: str = half.FLOAT32) -> None:
+    """Compile the call (or load it from numba's cache) for the argument types ``attend`` passes with exact keys and
+    values of ``dtype``, on two pieces of a four-key index, in this thread; ``ready(dtype)`` after. Idempotent."""
+    if _READY[dtype].is_set():
         return
-    with _WARMING:
-        if _READY.is_set():
+    with _WARMING[dtype]:
+        if _READY[dtype].is_set():
             return
         d = 4
-        keys = np.eye(4, d, dtype=np.float32)
+        keys = half.stored(np.eye(4, d, dtype=np.float32), dtype)
         ring = np.array([1, 2, 3, 0], np.int32)                   # key i's one neighbour: i + 1
         head = (np.eye(4, d, dtype=np.int8), np.ones(d, np.float32), keys, np.arange(5, dtype=np.int64), ring,
                 np.zeros(1, np.int64), keys.copy())
@@ -160,11 +167,11 @@ def warm() -> None:
         with _LOCK:
             attend_pieces(*cols, np.zeros(2, np.int64), np.zeros(2, np.int64), np.array([False, True]),
                           np.ones((2, 1, d), np.float32), 2, 1, 1.0, out, lse, scanned, *scratch)
-        _READY.set()
+        _READY[dtype].set()
 
 
-def warming() -> None:
-    """Start ``warm`` in a daemon thread of its own unless it has run or is running; returns at once."""
-    if _READY.is_set() or _WARMING.locked():
+def warming(dtype: str = half.FLOAT32) -> None:
+    """Start ``warm(dtype)`` in a daemon thread of its own unless it has run or is running; returns at once."""
+    if _READY[dtype].is_set() or _WARMING[dtype].locked():
         return
-    threading.Thread(target=warm, name="index-compile", daemon=True).start()
+    threading.Thread(target=warm, args=(dtype,), name="index-compile", daemon=True).start()

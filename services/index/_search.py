@@ -1,9 +1,9 @@
 """Compiled loops of the attention index: best-first beam search by inner product on a CSR graph.
 
-Invariants (every function here): ``keys`` float32 ``[N, D]`` C-contiguous (the exact keys); ``nav`` the keys a
-search traverses with, ``[N, D]`` C-contiguous, float32 (the exact keys themselves) or int8 codes (``compact.py``),
-and ``step`` float32 ``[D]`` the factor a query takes to score them (ones for float32); the graph is CSR, ``offsets``
-int64 ``[N + 1]`` and ``targets`` int32 ``[E]`` (key i's out-neighbours are
+Invariants (every function here): ``keys`` float32 or bfloat16 bits (``half.py``) ``[N, D]`` C-contiguous (the exact
+keys), ``values`` likewise; ``nav`` the keys a search traverses with, ``[N, D]`` C-contiguous, float32 (the exact keys
+themselves) or int8 codes (``compact.py``), and ``step`` float32 ``[D]`` the factor a query takes to score them (ones
+for float32); the graph is CSR, ``offsets`` int64 ``[N + 1]`` and ``targets`` int32 ``[E]`` (key i's out-neighbours are
 ``targets[offsets[i]:offsets[i + 1]]``, none of them i, no duplicates); ``entries`` int64 ``[>= 1]``: the key ids
 a search starts from (one for a built index, one a part for a composed one: ``graph.AttentionIndex.compose``).
 
@@ -18,14 +18,16 @@ import numpy as np
 from numba import njit
 
 from services.index._prefetch import prefetch_row
+from services.index.half import load
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
 def dot(a: np.ndarray, b: np.ndarray) -> float:
-    """``a . b`` in float32; ``a`` float32 or int8 (a compact key's codes, ``b`` a query scaled by the step)."""
+    """``a . b`` in float32; ``a`` float32, bfloat16 bits (``half.py``) or int8 (a compact key's codes, ``b`` a query
+    scaled by the step)."""
     acc = np.float32(0.0)
     for i in range(a.shape[0]):
-        acc += np.float32(a[i]) * b[i]
+        acc += load(a[i]) * b[i]
     return acc
 
 
@@ -176,7 +178,7 @@ def attend_one(ids, scores, m, values, scale, acc, out):
         total += p
         row = values[ids[j]]
         for t in range(values.shape[1]):
-            acc[t] += p * row[t]
+            acc[t] += p * load(row[t])
     for t in range(values.shape[1]):
         out[t] = acc[t] / total
     return best * scale + np.log(total)

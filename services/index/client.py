@@ -14,6 +14,7 @@ import zlib
 import grpc
 import numpy as np
 
+from services.index import half
 from services.index.heads import Answer
 from services.index.server import as_tensor
 from services.rpc import index_pb2 as pb
@@ -34,7 +35,10 @@ def _framed(part, header, body: bytes):
 
 class IndexClient:
     """The index service at ``address`` ("host:port"). ``tls``: this caller's ClusterTLS (mutual TLS; the service
-    must prove the index role), None: a plain channel."""
+    must prove the index role), None: a plain channel. ``host_dtype``: what ``add`` sends (float32 on the wire;
+    bfloat16 bits given to it are widened first)."""
+
+    host_dtype = "float32"
 
     def __init__(self, address: str, *, timeout: float = 30.0, offload_timeout: float | None = None, tls=None) -> None:
         offload_timeout = timeout if offload_timeout is None else offload_timeout
@@ -51,7 +55,8 @@ class IndexClient:
             chunks=()) -> int:
         """As ``IndexSet.add``; returns the indexes' bytes. The chunks' indexes are put first where this client has
         not put them yet, and again, once, when the service answers that it no longer holds one (evicted)."""
-        keys, values = np.ascontiguousarray(keys, "<f4"), np.ascontiguousarray(values, "<f4")
+        keys = np.ascontiguousarray(half.as_float(np.asarray(keys)), "<f4")
+        values = np.ascontiguousarray(half.as_float(np.asarray(values)), "<f4")
         train = np.ascontiguousarray(train_queries, "<f4")
         body = b"".join(a.tobytes() for a in (keys, values, train))
         header = pb.OffloadHeader(owner=owner, layer=layer, kv_shape=list(keys.shape), train_shape=list(train.shape),

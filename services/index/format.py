@@ -2,13 +2,15 @@
 
 Layout (little-endian)::
 
-    header   magic b"TSRAIDX\\0" | version u16 | reserved u16 (0) | dim u32 | num_keys u64 | num_edges u64
+    header   magic b"TSRAIDX\\0" | version u16 | key dtype u16 | dim u32 | num_keys u64 | num_edges u64
              | num_entries u64 | config_len u32
     digest   blake2b-256 of header + payload
-    payload  config (JSON, config_len bytes) | keys float32 [N, D] | offsets int64 [N + 1] | targets int32 [E]
+    payload  config (JSON, config_len bytes) | keys [N, D] | offsets int64 [N + 1] | targets int32 [E]
              | entries int64 [num_entries]
 
-Version 2 holds several entries (a composed index's); version 1 blobs (one entry) are refused.
+The key dtype is 0 for float32 keys, 1 for bfloat16 (their bits, ``half.py``); the field was reserved, 0, before
+bfloat16 keys were held, so every earlier blob reads as float32. Version 2 holds several entries (a composed index's);
+version 1 blobs (one entry) are refused.
 
 ``decode`` checks, in this order, the length, the magic, the version, that the sizes the header names add
 up to the blob exactly, the digest, then the graph's structure; any failure raises ``IndexFormatError``
@@ -24,10 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.index import half
+
 MAGIC = b"TSRAIDX\x00"
 VERSION = 2
 _HEADER = struct.Struct("<8sHHIQQQI")
 DIGEST_BYTES = 32
+KEY_DTYPES = {0: ("<f4", np.float32), 1: ("<u2", np.uint16)}     # the header's key dtype code: (bytes, array dtype)
 
 
 class IndexFormatError(ValueError):
@@ -36,7 +41,7 @@ class IndexFormatError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class IndexParts:
-    """What a blob holds: keys float32 ``[N, D]``, the CSR graph (offsets int64 ``[N + 1]``, targets int32
+    """What a blob holds: keys ``[N, D]`` (float32, or bfloat16 bits: uint16), the CSR graph (offsets int64 ``[N + 1]``, targets int32
     ``[E]``), the keys a search starts from (entries int64) and the build options as a JSON object."""
 
     keys: np.ndarray
@@ -76,8 +81,9 @@ def unsealed(view: memoryview, header_size: int, sizes: list[int], what: str) ->
 def encode(parts: IndexParts) -> bytes:
     n, d = parts.keys.shape
     config = json.dumps(parts.config, sort_keys=True).encode()
-    header = _HEADER.pack(MAGIC, VERSION, 0, d, n, parts.targets.shape[0], parts.entries.shape[0], len(config))
-    payload = [config, parts.keys.astype("<f4").tobytes(), parts.offsets.astype("<i8").tobytes(),
+    code = 1 if parts.keys.dtype == half.BITS else 0
+    header = _HEADER.pack(MAGIC, VERSION, code, d, n, parts.targets.shape[0], parts.entries.shape[0], len(config))
+    payload = [config, parts.keys.astype(KEY_DTYPES[code][0]).tobytes(), parts.offsets.astype("<i8").tobytes(),
                parts.targets.astype("<i4").tobytes(), parts.entries.astype("<i8").tobytes()]
     return sealed(header, payload)
 
@@ -87,19 +93,20 @@ def decode(blob: bytes) -> IndexParts:
     if len(view) < _HEADER.size + DIGEST_BYTES:
         raise IndexFormatError(f"blob of {len(view)} bytes is shorter than an index header")
     header = bytes(view[: _HEADER.size])
-    magic, version, reserved, d, n, e, n_entries, config_len = _HEADER.unpack(header)
+    magic, version, code, d, n, e, n_entries, config_len = _HEADER.unpack(header)
     if magic != MAGIC:
         raise IndexFormatError("blob is not an attention index (bad magic)")
     if version != VERSION:
         raise IndexFormatError(f"index format version {version}, this build reads version {VERSION} only")
-    if reserved != 0:
-        raise IndexFormatError(f"reserved header field is {reserved}, expected 0")
-    payload = unsealed(view, _HEADER.size, [config_len, 4 * n * d, 8 * (n + 1), 4 * e, 8 * n_entries], "index")
+    if code not in KEY_DTYPES:
+        raise IndexFormatError(f"key dtype code is {code}, this build reads {sorted(KEY_DTYPES)}")
+    wire, dtype = KEY_DTYPES[code]
+    payload = unsealed(view, _HEADER.size, [config_len, np.dtype(wire).itemsize * n * d, 8 * (n + 1), 4 * e, 8 * n_entries], "index")
     try:
         config = json.loads(bytes(payload[0]))
     except ValueError as exc:
         raise IndexFormatError(f"index options are not JSON: {exc}") from None
-    keys = np.frombuffer(payload[1], dtype="<f4").reshape(n, d).astype(np.float32)
+    keys = np.frombuffer(payload[1], dtype=wire).reshape(n, d).astype(dtype)
     offsets = np.frombuffer(payload[2], dtype="<i8").astype(np.int64)
     targets = np.frombuffer(payload[3], dtype="<i4").astype(np.int32)
     entries = np.frombuffer(payload[4], dtype="<i8").astype(np.int64)
@@ -113,7 +120,7 @@ def check_graph(keys: np.ndarray, offsets: np.ndarray, targets: np.ndarray, entr
     """The invariants the compiled search relies on (``_search.py``): raise ``IndexFormatError`` if any fails."""
     if keys.shape[0] < 1 or keys.shape[1] < 1:
         raise IndexFormatError(f"index holds keys of shape {keys.shape}")
-    if not np.isfinite(keys).all():
+    if not (half.finite(keys) if keys.dtype == half.BITS else np.isfinite(keys).all()):
         raise IndexFormatError("index keys hold non-finite values")
     check_structure(keys.shape[0], offsets, targets, entries)
 

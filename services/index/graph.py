@@ -9,7 +9,9 @@ A search returns, per query, up to ``k`` key ids by descending inner product and
 - an index is immutable; ``to_bytes``/``from_bytes`` round-trip it exactly (``format.py``);
 - a search traverses the graph scoring the keys' int8 form (``compact.py``), then scores its beam again with the exact
   keys and keeps the k best of those exact scores: the ids returned are ranked, and attended, by exact inner products
-  (``compact=False``: the traversal scores the float32 keys, bench/index/README.md's A/B).
+  (``compact=False``: the traversal scores the float32 keys, bench/index/README.md's A/B);
+- the exact keys are held in float32 or, with ``key_dtype="bfloat16"``, rounded to bfloat16 (``half.py``: half the
+  bytes); the graph and the int8 codes are then built from the rounded keys, and "exact" means exact over them.
 
 How the graph is built: ``build.py``.
 """
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from services.index._scan import scan_attend_group
-from services.index import scratch
+from services.index import half, scratch
 from services.index._search import search_attend_into, search_batch_into
 from services.index._search_group import search_attend_group_into, search_group_batch_into
 from services.index.build import BuildConfig, Graph, build_graph, repair_graph
@@ -52,6 +54,19 @@ def _matrix(name: str, value, dim: int | None = None, allow_empty: bool = False)
     return arr
 
 
+def _held(name: str, value, key_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Keys checked as ``_matrix`` checks them (bfloat16 bits, uint16, are widened first), then held as ``key_dtype``:
+    (what the index holds, a copy of its own; those keys in float32, what its graph and codes are built from)."""
+    half.check_dtype("key_dtype", key_dtype)
+    arr = np.asarray(value)
+    keys = _matrix(name, half.widen(arr) if arr.dtype == half.BITS and arr.ndim == 2 else arr)
+    if key_dtype == half.FLOAT32:
+        keys = keys.copy()              # the index owns (and freezes) its keys, never the caller's
+        return keys, keys
+    held = half.to_bf16(keys)
+    return held, half.widen(held)
+
+
 def _count(name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -59,28 +74,31 @@ def _count(name: str, value, low: int) -> int:
 
 
 class AttentionIndex:
-    """Keys float32 ``[N, D]``, their compact form (derived from them) and a graph over them. Make one with ``build``
-    or ``from_bytes``."""
+    """Keys ``[N, D]`` (float32, or bfloat16 bits: ``half.py``), their compact form (derived from them) and a graph
+    over them. Make one with ``build``, ``compose`` or ``from_bytes``."""
 
     __slots__ = ("_keys", "_compact", "_ones", "_graph", "_config")
 
     def __init__(self, keys: np.ndarray, graph: Graph, config: BuildConfig, compact: CompactKeys | None = None):
-        """``compact``: ``quantize(keys)`` when the caller has it already (an index of the same keys)."""
+        """``keys``: float32 or bfloat16 bits (``half.py``); ``compact``: ``quantize`` of them when the caller has it
+        already (an index of the same keys)."""
         check_graph(keys, graph.offsets, graph.targets, graph.entries)
         for arr in (keys, graph.offsets, graph.targets, graph.entries):
             arr.setflags(write=False)      # shared by every searching thread
         self._keys, self._graph, self._config = keys, graph, config
-        self._compact = quantize(keys) if compact is None else compact
+        self._compact = quantize(half.as_float(keys)) if compact is None else compact
         self._ones = np.ones(keys.shape[1], np.float32)        # the step of float32 navigation
         self._ones.setflags(write=False)
 
     @classmethod
-    def build(cls, keys, train_queries, *, threads: int | None = None, **options) -> "AttentionIndex":
+    def build(cls, keys, train_queries, *, threads: int | None = None, key_dtype: str = half.FLOAT32,
+              **options) -> "AttentionIndex":
         """Index ``keys`` ``[N, D]`` for queries like ``train_queries`` ``[M, D]`` (the prefill queries that
         attended to these keys; every query head of the KV head's group may be stacked). ``options`` are
         ``BuildConfig``'s fields (``degree``, ``max_degree``, ``alpha``, ``query_neighbors``, ...);
-        ``threads`` (default: this process' CPUs) changes the build's speed, never its graph."""
-        keys = _matrix("keys", keys).copy()     # the index owns (and freezes) its keys, never the caller's
+        ``threads`` (default: this process' CPUs) changes the build's speed, never its graph. ``key_dtype``: how the
+        index holds its exact keys (``half.DTYPES``); bfloat16 rounds them first and builds from what it holds."""
+        held, keys = _held("keys", keys, key_dtype)
         train = _matrix("train_queries", train_queries, dim=keys.shape[1])
         try:
             config = BuildConfig(**options)
@@ -88,16 +106,18 @@ class AttentionIndex:
             raise ValueError(f"unknown build option: {exc}") from None
         if threads is not None:
             _count("threads", threads, 1)
-        return cls(keys, build_graph(keys, train, config, threads), config)
+        return cls(held, build_graph(keys, train, config, threads), config, quantize(keys))
 
     @classmethod
-    def compose(cls, keys, parts: Sequence[Graph], config: BuildConfig | None = None) -> "AttentionIndex":
+    def compose(cls, keys, parts: Sequence[Graph], config: BuildConfig | None = None,
+                key_dtype: str = half.FLOAT32) -> "AttentionIndex":
         """One index over ``keys`` ``[N, D]`` made of graphs built apart (a chunk's, in its own frame: the keys here
         may be rotated from the frame it was built in, by one rotation a part, which keeps every distance the
         graph was built from). Part i covers the next ``parts[i].num_nodes`` keys, in order, and the parts cover all
         N. No edge joins two parts: a search starts from every part's entries and one beam spans them, so the
-        parts whose entries score best are explored first. ``config``: the options kept with it (default ones)."""
-        keys = _matrix("keys", keys).copy()
+        parts whose entries score best are explored first. ``config``: the options kept with it (default ones);
+        ``key_dtype`` as ``build``'s."""
+        held, keys = _held("keys", keys, key_dtype)
         if not parts:
             raise ValueError("compose needs at least one part")
         sizes = [p.num_nodes for p in parts]
@@ -109,7 +129,7 @@ class AttentionIndex:
         targets = np.concatenate([p.targets.astype(np.int64) + s for p, s in zip(parts, starts)]).astype(np.int32)
         entries = np.concatenate([p.entries + s for p, s in zip(parts, starts)]).astype(np.int64)
         try:
-            return cls(keys, Graph(offsets, targets, entries), config or BuildConfig())
+            return cls(held, Graph(offsets, targets, entries), config or BuildConfig(), quantize(keys))
         except IndexFormatError as exc:
             raise ValueError(f"a part is not a graph over its keys: {exc}") from None
 
@@ -119,7 +139,8 @@ class AttentionIndex:
         train = _matrix("train_queries", train_queries, dim=self.dim)
         if threads is not None:
             _count("threads", threads, 1)
-        return AttentionIndex(self._keys, repair_graph(self._keys, self._graph, train, self._config, threads),
+        return AttentionIndex(self._keys, repair_graph(half.as_float(self._keys), self._graph, train, self._config,
+                                                       threads),
                               self._config, self._compact)      # the same keys: their codes too
 
     @property
@@ -147,6 +168,11 @@ class AttentionIndex:
     def compact(self) -> CompactKeys:
         """The int8 keys its searches traverse with (``compact.py``)."""
         return self._compact
+
+    @property
+    def key_dtype(self) -> str:
+        """How its exact keys are held: ``half.FLOAT32`` or ``half.BFLOAT16``."""
+        return half.dtype_of(self._keys)
 
     @property
     def nbytes(self) -> int:
@@ -184,7 +210,7 @@ class AttentionIndex:
         n = self.num_keys
         ids = np.full((queries.shape[0], k), -1, np.int64)
         if queries.shape[0]:
-            scores = queries @ self._keys.T                               # [B, N]
+            scores = queries @ half.as_float(self._keys).T                # [B, N]
             top = np.argsort(-scores, axis=1, kind="stable")[:, : min(k, n)]
             ids[:, : top.shape[1]] = top
         return ids, np.full(queries.shape[0], n, np.int64)
@@ -192,7 +218,7 @@ class AttentionIndex:
     def attend(self, queries, values: np.ndarray, k: int, scale: float, *, beam: int | None = None,
                compact: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Attention of each query ``[B, D]`` over its top-``k`` keys (searched as ``search`` does) with
-        ``values`` float32 ``[num_keys, Dv]`` (row i: key i's value): out float32 ``[B, Dv]``, lse float32 ``[B]``
+        ``values`` ``[num_keys, Dv]`` (row i: key i's value; float32 or bfloat16 bits): out float32 ``[B, Dv]``, lse float32 ``[B]``
         (natural log of the summed exp of the scaled scores q.k * scale) and scanned int64 ``[B]``. One compiled
         call without the GIL; the scores are the exact ones of the search's rescore. ``k >= num_keys`` attends every key,
         exactly."""
@@ -201,11 +227,11 @@ class AttentionIndex:
         k, beam = self._beam(k, beam)
         b = queries.shape[0]
         if k >= self.num_keys or beam >= self.num_keys:
-            logits = (queries @ self._keys.T).astype(np.float64) * scale          # [B, N]
+            logits = (queries @ half.as_float(self._keys).T).astype(np.float64) * scale       # [B, N]
             top = logits.max(axis=1, keepdims=True) if b else logits[:, :0]
             p = np.exp(logits - top)
             total = p.sum(axis=1)
-            out = ((p / total[:, None]) @ values).astype(np.float32)
+            out = ((p / total[:, None]) @ half.as_float(values)).astype(np.float32)
             return out, (top[:, 0] + np.log(total)).astype(np.float32), np.full(b, self.num_keys, np.int64)
         out = np.empty((b, values.shape[1]), np.float32)
         lse = np.empty(b, np.float32)
@@ -283,13 +309,15 @@ class AttentionIndex:
         return k, beam
 
     def _values(self, values: np.ndarray) -> np.ndarray:
-        if values.dtype != np.float32 or values.ndim != 2 or values.shape[0] != self.num_keys:
-            raise ValueError(f"values must be float32 [{self.num_keys}, Dv], got {values.dtype} {values.shape}")
+        if values.dtype not in (np.float32, half.BITS) or values.ndim != 2 or values.shape[0] != self.num_keys:
+            raise ValueError(f"values must be float32 or bfloat16 bits (uint16) [{self.num_keys}, Dv], got "
+                             f"{values.dtype} {values.shape}")
         return np.ascontiguousarray(values)
 
     @property
     def keys(self) -> np.ndarray:
-        """The keys it searches, float32 ``[num_keys, D]`` (read-only: the index owns them)."""
+        """The keys it searches, ``[num_keys, D]`` as it holds them (float32 or bfloat16 bits: ``key_dtype``;
+        read-only: the index owns them)."""
         return self._keys
 
     def to_bytes(self) -> bytes:

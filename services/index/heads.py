@@ -1,7 +1,8 @@
 """Offloaded K/V and their indexes, and RetrievalAttention's CPU half: attention over the keys retrieved for a query.
 
-What a retrieval decode keeps off the GPU, per (owner, layer, KV head): the keys, float32 [N, D], rotated in one frame
-(a sequence's own: its global positions), the values [N, D], and an ``AttentionIndex`` over the keys built from
+What a retrieval decode keeps off the GPU, per (owner, layer, KV head): the keys [N, D], rotated in one frame (a
+sequence's own: its global positions), the values [N, D], both float32 or both bfloat16 (``IndexSet(host_dtype=)``,
+``half.py``), and an ``AttentionIndex`` over the keys built from
 training queries in the same frame. At every decode step and layer, the query heads of a KV head's group search its
 index together for each one's top-k keys by inner product (one traversal that reads each key once for the group,
 ``AttentionIndex.attend_group``; ``IndexSet(group_search=False)``: a search a query head); the attention over those
@@ -26,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from services.index import _layer
+from services.index import _layer, half
 from services.index.build import BuildConfig
 from services.index.chunks import ChunkIndex
 from services.index.graph import AttentionIndex
@@ -51,7 +52,8 @@ COMPOSED = BuildConfig(repair_rounds=1)
 
 @dataclass(frozen=True, slots=True)
 class HeadKV:
-    """One (owner, layer, KV head): values float32 [N, D] (N >= 1) and the index over the keys (which holds them)."""
+    """One (owner, layer, KV head): values [N, D] (N >= 1; float32 or bfloat16 bits) and the index over the keys (which
+    holds them, in the same dtype)."""
 
     values: np.ndarray
     index: AttentionIndex
@@ -66,7 +68,7 @@ class HeadKV:
 
     @property
     def index_bytes(self) -> int:
-        """The graph's bytes and the int8 keys its searches traverse (the float32 keys counted once, in ``nbytes``)."""
+        """The graph's bytes and the int8 keys its searches traverse (the exact keys counted once, in ``nbytes``)."""
         return self.index.nbytes - self.keys.nbytes
 
 
@@ -111,10 +113,14 @@ class IndexSet:
     KV head of an 8B-shaped model). The repair is most of the wait before a retrieval sequence's first step, and its
     cost grows with them; fewer give lower recall (bench/index/README.md: 2,048 of 3,598 cost 1.2 points of recall at
     20% scanned for 0.56x the repair's time). ``group_search``: a KV head's query heads searched in one traversal
-    (default; bench/index/README.md: the same recall for fewer keys read a query head) or one search a head."""
+    (default; bench/index/README.md: the same recall for fewer keys read a query head) or one search a head.
+    ``host_dtype``: how the offloaded keys and values are held (``half.DTYPES``): float32, or bfloat16 for half the
+    bytes (512K tokens of an 8B-shaped model: 69 GB against 137), the values exactly as a bfloat16 pool holds them and
+    the keys rounded once more after their rotation."""
 
     def __init__(self, threads: int = 4, repair_queries: int | None = None, group_search: bool = True,
-                 scan_share: float | None = SCAN_SHARE, compiled: bool = True):
+                 scan_share: float | None = SCAN_SHARE, compiled: bool = True, host_dtype: str = half.FLOAT32):
+        self.host_dtype = half.check_dtype("host_dtype", host_dtype)
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         if repair_queries is not None and (isinstance(repair_queries, bool) or not isinstance(repair_queries, int)
@@ -142,13 +148,15 @@ class IndexSet:
 
     def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray,
             chunks: Sequence[tuple[str, ChunkIndex]] = ()) -> int:
-        """keys, values float32 [Hkv, N, D]; train_queries float32 [Hkv, M, D] (queries in the keys' frame, per the KV
-        head they read). N may be 0 (nothing offloaded at this layer: searches of it return nothing). ``chunks``:
+        """keys, values float32 [Hkv, N, D], or bfloat16 bits (uint16: ``half.py``), held as ``host_dtype``;
+        train_queries float32 [Hkv, M, D] (queries in the keys' frame, per the KV head they read). N may be 0 (nothing offloaded at this layer: searches of it return nothing). ``chunks``:
         (chunk id, its ``ChunkIndex``) of the shared chunks whose keys come first, whole and in order; the keys after
         them get a graph built here from ``train_queries`` (M may be 0 when the chunks cover every key), and each
         head's index composes the chunks' graphs at this layer with it (``AttentionIndex.compose``). Replaces what the
         owner had at that layer; returns the indexes' bytes."""
-        keys, values = np.ascontiguousarray(keys, np.float32), np.ascontiguousarray(values, np.float32)
+        keys, values = np.asarray(keys), half.stored(values, self.host_dtype)
+        if keys.dtype != half.BITS:
+            keys = np.ascontiguousarray(keys, np.float32)
         train = np.ascontiguousarray(train_queries, np.float32)
         if keys.ndim != 3 or values.shape != keys.shape:
             raise ValueError(f"keys and values must both be [Hkv, N, D], got {keys.shape} and {values.shape}")
@@ -168,14 +176,16 @@ class IndexSet:
             heads: list[HeadKV | None] = [None] * hkv
         else:   # the KV heads' indexes build in parallel (their compiled loops release the GIL), the cores shared out
             each = max(1, self.threads // hkv)
+            held = self.host_dtype
 
             def one(h: int) -> AttentionIndex:
                 if not parts:
-                    return AttentionIndex.build(keys[h], train[h], threads=each)
+                    return AttentionIndex.build(keys[h], train[h], threads=each, key_dtype=held)
                 graphs = [p[h] for p in parts]
                 if covered < n:
-                    graphs.append(AttentionIndex.build(keys[h, covered:], train[h], threads=each).graph)
-                index = AttentionIndex.compose(keys[h], graphs, self.composed)
+                    graphs.append(AttentionIndex.build(keys[h, covered:], train[h], threads=each,
+                                                       key_dtype=held).graph)
+                index = AttentionIndex.compose(keys[h], graphs, self.composed, key_dtype=held)
                 if train.shape[1]:      # the request's queries link the parts (build.repair_graph)
                     index = index.repaired(train[h], threads=each)
                 return index
@@ -193,7 +203,7 @@ class IndexSet:
                 self._layer_arrays[(owner, layer)] = arrays
             self._forget_scans(owner, layer)   # what the replaced indexes' searches read says nothing of these
         if arrays is not None:
-            _layer.warming()                   # compiled before the searches come, once this build's loops are
+            _layer.warming(self.host_dtype)    # compiled before the searches come, once this build's loops are
         return sum(h.index_bytes for h in heads if h is not None)
 
     def calls_by_path(self) -> dict[str, int]:
@@ -315,7 +325,7 @@ class IndexSet:
                 for i, _, head, rows_q, scan in plan]
         results = [job.result() for job in jobs]
         if self.compiled:
-            _layer.warming()        # after these searches: their own compile is not kept waiting (once: idempotent)
+            _layer.warming(self.host_dtype)     # after these searches: their own compile is not kept waiting (once)
         # (owner, KV head) -> (a row of it, scanned, the largest share of its keys a graph search of it read)
         pairs: dict[tuple[str, int], tuple[int, bool, float]] = {}
         for (i, h, head, rows_q, scan), (o, s, n) in zip(plan, results):
@@ -362,7 +372,8 @@ class IndexSet:
         ``queries`` [B, Hq, D] in order (row, KV head, piece): they are its rows as they lie, and the answer is read
         back in place. (On this repository's 2-core machine, the searches mocked out, a batch of one's call took 207 us
         of Python on the general path and 48 us here.)"""
-        if not (rows and self.compiled and self.group_search and _layer.ready()) or any(a is None for a in arrays):
+        if not (rows and self.compiled and self.group_search and _layer.ready(self.host_dtype)) or any(
+                a is None for a in arrays):
             return None
         b, hq, d = queries.shape
         hkv = len(rows[0])

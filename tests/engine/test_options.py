@@ -33,7 +33,8 @@ def test_defaults_are_the_measured_winners_and_frozen():
 @pytest.mark.parametrize("kwargs, match", [({"skinny_gemm": 0}, "EngineOptions.skinny_gemm must be True or False"),
                                            ({"blend_graph": "no"}, "EngineOptions.blend_graph must be True or False"),
                                            ({"kernels": {"pdl": False}}, "EngineOptions.kernels must be a KernelOptions"),
-                                           ({"index_threads": 0}, "EngineOptions.index_threads must be")])
+                                           ({"index_threads": 0}, "EngineOptions.index_threads must be"),
+                                           ({"index_host_dtype": "float16"}, "EngineOptions.index_host_dtype must be")])
 def test_bad_options_are_refused_naming_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineOptions(**kwargs)

@@ -192,7 +192,7 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
     if fwd.indexes is None and policy.retrieval_k:
         from services.index.heads import IndexSet   # numba and faiss load with the first retrieval sequence
 
-        fwd.indexes = IndexSet(threads=fwd.options.index_threads)
+        fwd.indexes = IndexSet(threads=fwd.options.index_threads, host_dtype=fwd.options.index_host_dtype)
     layers: list = []   # per layer, what the builder thread adds: keys, values [Hkv, N, D], queries [Hkv, M, D], runs
     pool, bs = fwd.pool, fwd.bs
     hq, hkv = fwd.cfg.num_heads, fwd.cfg.num_kv_heads
@@ -282,10 +282,12 @@ def _copier(fwd) -> ThreadPoolExecutor:
 
 def _copy(fwd, off: Offload, layers: list, after) -> list:
     """The copy thread: each layer's offloaded keys (rotated to their global positions, as the attention kernels do)
-    and values, float32 [Hkv, N, D] on the host, on the copy stream of the GPU, which starts after ``after`` (the
+    and values, [Hkv, N, D] on the host in the dtype the index set holds them (float32, or bfloat16 rounded on the
+    device: ``IndexSet.host_dtype``; a service's, float32 on the wire), on the copy stream of the GPU, which starts after ``after`` (the
     engine's stream when the sequence started); stops early when the sequence is released. Returns the builder's
     layers (keys, values, training queries, chunk runs); ``off.copied`` is set however it ends."""
     pool, model = fwd.pool, fwd.model
+    held = torch.bfloat16 if fwd.indexes.host_dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
     stream = None if after is None else _COPY_STREAMS.get(fwd.device) or _COPY_STREAMS.setdefault(
         fwd.device, torch.cuda.Stream(fwd.device))
@@ -298,8 +300,8 @@ def _copy(fwd, off: Offload, layers: list, after) -> list:
                 if off.cancelled:
                     break
                 cos, sin = rope_cos_sin(offsets, model.inv_freq)
-                k = rotate(pool.k[layer][blocks, slots].float(), cos[:, None, :], sin[:, None, :])  # [N, Hkv, D]
-                v = pool.v[layer][blocks, slots].float()
+                k = rotate(pool.k[layer][blocks, slots].float(), cos[:, None, :], sin[:, None, :]).to(held)
+                v = pool.v[layer][blocks, slots].to(held)                                           # [N, Hkv, D]
                 out.append((staging.to_host(k.permute(1, 0, 2)), staging.to_host(v.permute(1, 0, 2)), train, runs))
                 layers[layer] = None        # (the copies waited for this stream: nothing of it is in flight)
             return out
@@ -345,8 +347,9 @@ class HostStaging:
         self.populate = populate
 
     def to_host(self, t: torch.Tensor) -> np.ndarray:
+        """``t`` on the host, C-contiguous; a bfloat16 tensor as its bits (uint16: services/index/half.py)."""
         if t.device.type != "cuda":
-            return np.ascontiguousarray(t.detach().numpy())
+            return np.ascontiguousarray(_numpy(t.detach()))
         t = t.contiguous()
         n = t.numel()
         if self._buffer is None or self._buffer.numel() < n or self._buffer.dtype != t.dtype:
@@ -354,10 +357,15 @@ class HostStaging:
         part = self._buffer[:n]
         part.copy_(t.view(-1), non_blocking=True)
         torch.cuda.current_stream(t.device).synchronize()
-        src = part.numpy()
+        src = _numpy(part)
         out = host_array(tuple(t.shape), src.dtype, self.populate)
         copy_pieces(out.reshape(-1), src, self.threads)
         return out
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's numpy view; bfloat16, which numpy lacks, as its bits (uint16)."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def copy_pieces(dst: np.ndarray, src: np.ndarray, threads: int, piece: int = HOST_COPY_PIECE) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.engine import Engine
+from services.engine.options import EngineOptions
 from services.engine.decode import DENSE, RetrievalDecode
 
 from ..conftest import random_request
@@ -41,6 +42,39 @@ def test_logits_of_full_retrieval_steps_equal_dense_within_fp32(tiny_dir):
         out.append(torch.stack([logits] + [eng.decode_step([seq], [t])[0] for t in (5, 9, 11, 2)]))
         eng.release(seq)
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
+
+
+def test_kv_held_in_bfloat16_is_the_float32_kv_rounded_and_decodes_as_dense(tiny_dir):
+    """``EngineOptions(index_host_dtype="bfloat16")``: every offloaded key and value the index set holds is the float32
+    set's, rounded (services/index/half.py); full retrieval then generates what dense decoding does, its logits within
+    the rounding's reach."""
+    from services.index import half
+
+    chunks, suffix = random_request(43, lengths=(35, 50, 21), suffix_len=5)
+    policy = RetrievalDecode(retrieval_k=10_000, **SMALL)
+    held, logits = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        eng = Engine.load(tiny_dir, options=EngineOptions(index_host_dtype=dtype))
+        first, seq = eng.prefill_sequence(chunks, suffix, decode=policy, extra_tokens=4)
+        seq.offload.build.result(timeout=60)
+        indexes = eng.forward.indexes
+        assert indexes.host_dtype == dtype
+        held[dtype] = {key: [(h.keys, h.values) for h in heads] for key, heads in indexes._heads.items()}
+        held[dtype] = [held[dtype][(seq.offload.owner, layer)] for layer in range(eng.forward.cfg.num_layers)]
+        logits[dtype] = torch.stack([first] + [eng.decode_step([seq], [t])[0] for t in (5, 9, 11, 2)])
+        eng.release(seq)
+        if dtype == "bfloat16":
+            dense = eng.generate(chunks, suffix, max_new_tokens=8, stop_token_ids=[], mode="full")
+            assert eng.generate(chunks, suffix, max_new_tokens=8, stop_token_ids=[], mode="full", decode="retrieval",
+                                retrieval_k=4096, **SMALL) == dense
+    for wide, narrow in zip(held["float32"], held["bfloat16"]):
+        for (k32, v32), (k16, v16) in zip(wide, narrow):
+            assert k16.dtype == v16.dtype == np.uint16 and k32.dtype == v32.dtype == np.float32
+            np.testing.assert_array_equal(k16, half.to_bf16(k32))
+            np.testing.assert_array_equal(v16, half.to_bf16(v32))
+    # (seen: 0.018 at most, against logits up to 3.2: a key or value rounded by up to 2^-9 of itself)
+    torch.testing.assert_close(logits["bfloat16"], logits["float32"], rtol=0, atol=5e-2)
+    assert not torch.equal(logits["bfloat16"][1:], logits["float32"][1:])     # the rounding reached the steps
 
 
 def test_the_static_set_and_the_offloaded_keys_partition_each_layer_and_only_the_static_set_stays(tiny_dir):
