@@ -210,7 +210,8 @@ def test_valid_values_are_built_unchanged(model_dir, tmp_path):
 
 
 def test_the_copied_engine_constants_match_the_engine():
-    """services/cluster/config.py keeps the engine's dtype names and block limit without importing torch."""
+    """services/cluster/config.py keeps the engine's dtype names, block limit and index host dtypes without importing
+    torch (or numba)."""
     import torch
 
     from kernels.paged_attention import MAX_BLOCK_SIZE
@@ -219,6 +220,9 @@ def test_the_copied_engine_constants_match_the_engine():
 
     assert set(config.DTYPES) == set(DTYPES)
     assert config.MAX_BLOCK_SIZE == MAX_BLOCK_SIZE
+    from services.index import half
+
+    assert config.INDEX_HOST_DTYPES == half.DTYPES
     for index in (0, 1, 127):
         assert torch.device(f"cuda:{index}").index == index     # every index the config takes, torch keeps
 

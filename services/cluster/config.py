@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ from services.modes import ROUTINGS
 MiB = 1 << 20
 ROLES = ("gateway", "prefill", "decode", "store", "index")
 MAX_INDEX_THREADS = 1024
+# how offloaded keys and values are held on the host (services/index/half.py DTYPES, not imported here: it loads numba)
+INDEX_HOST_DTYPES = ("float32", "bfloat16")
 # NOTE: copies of the engine's dtype names (services/engine/engine.py DTYPES) and largest block
 # (kernels/paged_attention MAX_BLOCK_SIZE), so that checking a config imports no torch;
 # tests/test_config_checks.py keeps them equal
@@ -53,6 +56,9 @@ class EngineSettings:
     torch_threads: int = 1                  # CPU workers share cores: one thread each
     # a GPU worker binds its threads to the CPUs local to its GPU (services/cluster/affinity.py) before loading
     cpu_affinity: bool = True
+    # how a retrieval sequence's offloaded keys and values are held on the host, and sent to an index service:
+    # "float32" or "bfloat16" (half the bytes; EngineOptions.index_host_dtype)
+    index_host_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         check_path("model_dir", self.model_dir)
@@ -65,6 +71,7 @@ class EngineSettings:
         check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         check_int("torch_threads", self.torch_threads, 1)
         check_bool("cpu_affinity", self.cpu_affinity)
+        check_str("index_host_dtype", self.index_host_dtype, choices=INDEX_HOST_DTYPES)
 
     def load(self):
         import torch
@@ -81,9 +88,10 @@ class EngineSettings:
         from services.engine.options import EngineOptions
 
         # the worker's one read of its environment (services/env.py; README "Environment variables")
+        options = dataclasses.replace(EngineOptions.from_env(), index_host_dtype=self.index_host_dtype)
         return Engine.load(self.model_dir, device=self.device, dtype=self.dtype, block_size=self.block_size,
                            kv_cache_bytes=self.kv_cache_bytes, chunk_cache_bytes=self.chunk_cache_bytes,
-                           options=EngineOptions.from_env())
+                           options=options)
 
 
 @dataclass(slots=True)
@@ -226,6 +234,9 @@ class ClusterConfig:
     # threads it builds and searches with, a share of the node's cores; 0: no index services, decode workers hold
     # their retrieval sequences' K/V and indexes in their own memory
     index_threads: int = 4
+    # how retrieval sequences' offloaded keys and values are held (EngineSettings.index_host_dtype), by the decode
+    # workers and their index services alike, and sent between them: "float32" or "bfloat16" (half the bytes)
+    index_host_dtype: str = "float32"
     namespace: str = "tessera"
     detached: bool = False                  # outlive the driver (tessera up)
     gateway_on_head: bool = False           # place the gateway on the Ray head node (a Kubernetes Service's pod)
@@ -257,6 +268,7 @@ class ClusterConfig:
         check_int("text_cache_tokens", self.text_cache_tokens, 0)
         check_str("--routing", self.routing, choices=ROUTINGS)
         check_int("--index-threads", self.index_threads, 0, MAX_INDEX_THREADS)
+        check_str("--index-host-dtype", self.index_host_dtype, choices=INDEX_HOST_DTYPES)
         check_str("namespace", self.namespace, empty=False)
         check_bool("detached", self.detached)
         check_bool("gateway_on_head", self.gateway_on_head)
@@ -286,4 +298,4 @@ class ClusterConfig:
 
     def engine(self) -> EngineSettings:
         return EngineSettings(self.model_dir, self.device, self.dtype, self.kv_cache_bytes, self.chunk_cache_bytes,
-                              cpu_affinity=self.cpu_affinity)
+                              cpu_affinity=self.cpu_affinity, index_host_dtype=self.index_host_dtype)

@@ -301,7 +301,7 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
         # before the warm-up and the first request: the engine makes its own index set only when it has none
         eng.forward.indexes = RemoteIndexes(IndexClient(index_address, timeout=settings.index_search_timeout_s,
                                                         offload_timeout=settings.index_offload_timeout_s,
-                                                        tls=cluster_tls))
+                                                        tls=cluster_tls, host_dtype=eng.forward.options.index_host_dtype))
     if settings.warmup_tokens:
         sparse = None if settings.warmup_sparse else []       # None: Quest's and Retro's defaults
         warm = await warm_up(name, functools.partial(warm_decode, sparse=sparse), eng, settings.max_batch,

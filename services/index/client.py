@@ -35,12 +35,13 @@ def _framed(part, header, body: bytes):
 
 class IndexClient:
     """The index service at ``address`` ("host:port"). ``tls``: this caller's ClusterTLS (mutual TLS; the service
-    must prove the index role), None: a plain channel. ``host_dtype``: what ``add`` sends (float32 on the wire;
-    bfloat16 bits given to it are widened first)."""
+    must prove the index role), None: a plain channel. ``host_dtype``: the dtype ``add`` sends keys and values in
+    (``half.DTYPES``; bfloat16: their bits, half the bytes), float32 or bfloat16 bits given to it converted first; the
+    service holds them in its own (``create_server(host_dtype=)``)."""
 
-    host_dtype = "float32"
-
-    def __init__(self, address: str, *, timeout: float = 30.0, offload_timeout: float | None = None, tls=None) -> None:
+    def __init__(self, address: str, *, timeout: float = 30.0, offload_timeout: float | None = None, tls=None,
+                 host_dtype: str = half.FLOAT32) -> None:
+        self.host_dtype = half.check_dtype("host_dtype", host_dtype)
         offload_timeout = timeout if offload_timeout is None else offload_timeout
         if timeout <= 0 or offload_timeout <= 0:
             raise ValueError(f"timeouts must be positive, got {timeout} and {offload_timeout}")
@@ -55,12 +56,11 @@ class IndexClient:
             chunks=()) -> int:
         """As ``IndexSet.add``; returns the indexes' bytes. The chunks' indexes are put first where this client has
         not put them yet, and again, once, when the service answers that it no longer holds one (evicted)."""
-        keys = np.ascontiguousarray(half.as_float(np.asarray(keys)), "<f4")
-        values = np.ascontiguousarray(half.as_float(np.asarray(values)), "<f4")
+        keys, values = (half.stored(a, self.host_dtype) for a in (keys, values))
         train = np.ascontiguousarray(train_queries, "<f4")
         body = b"".join(a.tobytes() for a in (keys, values, train))
         header = pb.OffloadHeader(owner=owner, layer=layer, kv_shape=list(keys.shape), train_shape=list(train.shape),
-                                  crc32=zlib.crc32(body),
+                                  crc32=zlib.crc32(body), kv_dtype=self.host_dtype,
                                   chunks=[pb.ChunkRun(chunk_id=cid, length=index.length) for cid, index in chunks])
 
         def parts():

@@ -22,6 +22,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.index import half
 from services.index.chunks import ChunkIndexCache
 from services.kvstore.chunk import CHUNK_ID_RE as CHUNK_ID     # a chunk index is named by its chunk's store id
 from services.index.heads import IndexSet
@@ -71,9 +72,13 @@ def check_owner(owner: str) -> None:
                       f"owner must be 1-128 characters of [A-Za-z0-9._:-], got {owner[:40]!r}")
 
 
-def check_offload_header(h: pb.OffloadHeader) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(kv shape, train shape) of a well-formed header, else Refused(INVALID_ARGUMENT)."""
+def check_offload_header(h: pb.OffloadHeader) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """(kv shape, train shape, kv dtype) of a well-formed header, else Refused(INVALID_ARGUMENT)."""
     check_owner(h.owner)
+    kv_dtype = h.kv_dtype or half.FLOAT32
+    if kv_dtype not in half.DTYPES:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"kv_dtype must be one of {', '.join(half.DTYPES)} (or empty), got {h.kv_dtype[:40]!r}")
     if h.layer >= MAX_LAYERS:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"layer must be below {MAX_LAYERS}, got {h.layer}")
     kv, train = tuple(h.kv_shape), tuple(h.train_shape)
@@ -93,9 +98,9 @@ def check_offload_header(h: pb.OffloadHeader) -> tuple[tuple[int, ...], tuple[in
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the chunks cover {covered} keys, the offload has {kv[1]}")
     if kv[1] > covered and train[1] < 1:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "offloaded keys outside the chunks need a training query")
-    if offload_bytes(kv, train) > MAX_OFFLOAD_BYTES:
+    if offload_bytes(kv, train, kv_dtype) > MAX_OFFLOAD_BYTES:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"an offload is at most {MAX_OFFLOAD_BYTES} bytes")
-    return kv, train
+    return kv, train, kv_dtype
 
 
 def check_chunk_index_header(h: pb.ChunkIndexHeader) -> int:
@@ -134,8 +139,13 @@ async def _stream(request_iterator, what: str, size_of) -> tuple:
     return header, b"".join(parts)
 
 
-def offload_bytes(kv, train) -> int:
-    return 4 * (2 * int(np.prod(kv, dtype=np.int64)) + int(np.prod(train, dtype=np.int64)))
+# the wire's bytes of an element of keys and values, by the header's kv_dtype (training queries: float32)
+KV_WIRE = {half.FLOAT32: "<f4", half.BFLOAT16: "<u2"}
+
+
+def offload_bytes(kv, train, kv_dtype: str = half.FLOAT32) -> int:
+    item = np.dtype(KV_WIRE[kv_dtype]).itemsize
+    return item * 2 * int(np.prod(kv, dtype=np.int64)) + 4 * int(np.prod(train, dtype=np.int64))
 
 
 class IndexServicer(pb_grpc.RetrievalIndexServicer):
@@ -153,16 +163,20 @@ class IndexServicer(pb_grpc.RetrievalIndexServicer):
             header, body = await self._receive(request_iterator)
         except Refused as exc:
             return await self._refuse(context, exc)
-        kv, train = tuple(header.kv_shape), tuple(header.train_shape)
+        kv, train, kv_dtype = check_offload_header(header)
         key = (header.owner, header.layer)
         if self.indexes.has(*key) or key in self._writing:
             return await self._refuse(context, Refused(
                 grpc.StatusCode.ALREADY_EXISTS, f"owner {header.owner!r} already has layer {header.layer} offloaded"))
+        wire = np.dtype(KV_WIRE[kv_dtype])
         n_kv = int(np.prod(kv))
-        arr = np.frombuffer(body, dtype="<f4")
-        keys, values = arr[:n_kv].reshape(kv), arr[n_kv:2 * n_kv].reshape(kv)
-        queries = arr[2 * n_kv:].reshape(train)
-        if not (np.isfinite(keys).all() and np.isfinite(values).all() and np.isfinite(queries).all()):
+        pairs = np.frombuffer(body, dtype=wire, count=2 * n_kv)
+        keys, values = pairs[:n_kv].reshape(kv), pairs[n_kv:].reshape(kv)
+        queries = np.frombuffer(body, dtype="<f4", offset=2 * n_kv * wire.itemsize).reshape(train)
+        if kv_dtype == half.BFLOAT16:       # as bfloat16's bits (services/index/half.py), which add() takes as such
+            keys, values = keys.astype(np.uint16, copy=False), values.astype(np.uint16, copy=False)
+        finite = half.finite if kv_dtype == half.BFLOAT16 else (lambda a: bool(np.isfinite(a).all()))
+        if not (finite(keys) and finite(values) and np.isfinite(queries).all()):
             return await self._refuse(context, Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                                        "keys, values and train queries must be finite"))
         chunks = []
@@ -274,13 +288,15 @@ class IndexServer:
 
 
 async def create_server(*, threads: int = 4, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None,
-                        tls=None, chunk_index_bytes: int = 4 << 30) -> tuple[IndexServer, int]:
+                        tls=None, chunk_index_bytes: int = 4 << 30,
+                        host_dtype: str = half.FLOAT32) -> tuple[IndexServer, int]:
     """Start serving on ``host:port`` (0 picks a free port); returns (server, port). ``threads``: searches run at once
     (the node's cores for the service); ``tls``: the service's ClusterTLS (mutual TLS, callers authorized by role),
-    None: plain, anyone may call. ``chunk_index_bytes``: the chunk indexes held (least recently used out first)."""
+    None: plain, anyone may call. ``chunk_index_bytes``: the chunk indexes held (least recently used out first).
+    ``host_dtype``: how it holds offloaded keys and values (``IndexSet(host_dtype=)``), whatever dtype they came in."""
     from services.cluster.guard import RoleGuard
 
-    indexes = IndexSet(threads)
+    indexes = IndexSet(threads, host_dtype=host_dtype)
     chunk_indexes = ChunkIndexCache(chunk_index_bytes)
     metrics = IndexMetrics(indexes, chunk_indexes=chunk_indexes)
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RoleGuard("retrieval index", authorize=tls is not None)])
@@ -305,13 +321,14 @@ class BackgroundIndexServer:
     IndexClient(srv.address)``."""
 
     def __init__(self, *, threads: int = 4, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None,
-                 tls=None) -> None:
+                 tls=None, host_dtype: str = half.FLOAT32) -> None:
         from services.cluster.serving import LoopThread
 
         self._loop = LoopThread("index-server")
         try:
             self.server, self.port = self._loop.run(create_server(threads=threads, host=host, port=port,
-                                                                  metrics_port=metrics_port, tls=tls))
+                                                                  metrics_port=metrics_port, tls=tls,
+                                                                  host_dtype=host_dtype))
         except BaseException:
             self._loop.stop()
             raise

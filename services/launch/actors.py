@@ -56,6 +56,7 @@ class ServiceSpec:
     routing: str = "residency"                  # gateway: how prefill workers are picked (ClusterConfig.routing)
     index_address: str | None = None            # decode: its retrieval index service (None: indexes in process)
     index_threads: int = 0                      # index: threads building and searching (ClusterConfig.index_threads)
+    index_host_dtype: str = "float32"           # index: how it holds offloaded K/V (ClusterConfig.index_host_dtype)
 
 
 def gateway_tenants(spec: ServiceSpec):
@@ -154,7 +155,7 @@ async def _create(spec: ServiceSpec, port: int):
         from services.index.server import create_server
 
         return await create_server(threads=spec.index_threads, host=spec.host, port=port, metrics_port=0,
-                                   tls=spec.cluster_tls)
+                                   tls=spec.cluster_tls, host_dtype=spec.index_host_dtype)
     if spec.role == "gateway":
         from services.cluster.serving import RayKV
         from services.gateway.inputs import ChunkRegistry

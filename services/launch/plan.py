@@ -138,7 +138,7 @@ class Plan:
         """The index services' specs: CPU only, each with the cluster's "index" identity."""
         cfg = self.cfg
         return [ServiceSpec("index", name, host=cfg.bind_host, namespace=cfg.namespace, cluster_tls=self.tls("index"),
-                            index_threads=cfg.index_threads)
+                            index_threads=cfg.index_threads, index_host_dtype=cfg.index_host_dtype)
                 for name in self.names["index"]]
 
     def worker_spec(self, name: str, stores: tuple[str, ...], addresses: dict[str, str] | None = None) -> ServiceSpec:

@@ -23,20 +23,22 @@ class ChunkRun(_message.Message):
     def __init__(self, chunk_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
 
 class OffloadHeader(_message.Message):
-    __slots__ = ("owner", "layer", "kv_shape", "train_shape", "crc32", "chunks")
+    __slots__ = ("owner", "layer", "kv_shape", "train_shape", "crc32", "chunks", "kv_dtype")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     KV_SHAPE_FIELD_NUMBER: _ClassVar[int]
     TRAIN_SHAPE_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     owner: str
     layer: int
     kv_shape: _containers.RepeatedScalarFieldContainer[int]
     train_shape: _containers.RepeatedScalarFieldContainer[int]
     crc32: int
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkRun]
-    def __init__(self, owner: _Optional[str] = ..., layer: _Optional[int] = ..., kv_shape: _Optional[_Iterable[int]] = ..., train_shape: _Optional[_Iterable[int]] = ..., crc32: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRun, _Mapping]]] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, owner: _Optional[str] = ..., layer: _Optional[int] = ..., kv_shape: _Optional[_Iterable[int]] = ..., train_shape: _Optional[_Iterable[int]] = ..., crc32: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRun, _Mapping]]] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class ChunkIndexHeader(_message.Message):
     __slots__ = ("chunk_id", "nbytes")

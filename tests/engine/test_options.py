@@ -106,3 +106,14 @@ def test_every_variable_is_read_in_one_place_and_listed_in_the_readme():
     readme = (ROOT / "README.md").read_text()
     rows = re.findall(r"^\| `(TESSERA_[A-Z_]+)` \|", readme, flags=re.M)
     assert rows == [v.name for v in env.VARIABLES]
+
+
+def test_a_worker_loads_its_engine_with_the_index_host_dtype_it_is_given(tiny_model):
+    """EngineSettings.index_host_dtype (ClusterConfig's, ``tessera up --index-host-dtype``) reaches the engine's options,
+    beside what the environment turned off."""
+    from services.cluster.config import EngineSettings
+
+    for dtype in ("float32", "bfloat16"):
+        eng = EngineSettings(tiny_model, index_host_dtype=dtype).load()
+        assert eng.forward.options.index_host_dtype == dtype
+        assert eng.forward.options.kernels == EngineOptions.from_env().kernels

@@ -156,6 +156,7 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         Field("ClusterConfig", "restart_window_s", real_in(0, INF, lo_open=True, finite=False), (1e-3, 300.0, INF)),
         Field("ClusterConfig", "text_cache_tokens", count0, (0, 8 << 20)),
         Field("ClusterConfig", "index_threads", int_in(0, 1024), (0, 4, 1024)),
+        Field("ClusterConfig", "index_host_dtype", one_of("float32", "bfloat16"), ("float32", "bfloat16")),
         Field("ClusterConfig", "routing", one_of("residency", "load"), ("residency", "load")),
         Field("ClusterConfig", "store_shm", is_bool, (True, False)),
         Field("ClusterConfig", "cpu_affinity", is_bool, (True, False)),
@@ -174,6 +175,7 @@ def fields(model_dir: str, a_dir: str, a_file: str, certs_dir: str, tenants_file
         Field("EngineSettings", "block_size", block_size, (1, 16)),
         Field("EngineSettings", "torch_threads", count1, (1, 4)),
         Field("EngineSettings", "cpu_affinity", is_bool, (True, False)),
+        Field("EngineSettings", "index_host_dtype", one_of("float32", "bfloat16"), ("float32", "bfloat16")),
         # ---- PrefillSettings
         Field("PrefillSettings", "quality_floor", real_in(0, 1), (0.0, 0.15, 1.0)),
         Field("PrefillSettings", "default_ratio", opt(real_in(0, 1)), (None, 0.0, 0.3, 1.0)),

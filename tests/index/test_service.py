@@ -120,6 +120,49 @@ def test_malformed_offloads_are_refused_and_store_nothing(service):
         client.drop("seq-c")
 
 
+def test_bfloat16_on_the_wire_and_in_the_service_answers_what_an_index_set_holding_bfloat16_does():
+    """A client sending bfloat16 (half the bytes) to a service holding bfloat16: what an in-process bfloat16 set
+    answers, bit for bit; a float32 client's offload to it is rounded there alike. A bad or non-finite bfloat16 offload
+    and an unknown kv_dtype are refused and store nothing."""
+    from services.index import _layer, half
+
+    _layer.warm("bfloat16")     # compiled here first: a compile in the service's background holds the GIL past deadlines
+    keys, values, train = _data(11)
+    q = np.random.default_rng(12).standard_normal((2, HQ, D)).astype(np.float32)
+    local = IndexSet(threads=1, host_dtype="bfloat16")
+    with (BackgroundIndexServer(threads=2, host_dtype="bfloat16") as srv,
+          IndexClient(srv.address, host_dtype="bfloat16") as narrow, IndexClient(srv.address) as wide):
+        local.add("seq-a", 0, keys, values, train)
+        narrow.add("seq-a", 0, keys, values, train)
+        wide.add("seq-w", 0, keys, values, train)
+        for k in (5, 10_000):
+            want = local.attend(0, ["seq-a", "seq-a"], q, k, 0.25)
+            for got in (narrow.attend(0, ["seq-a", "seq-a"], q, k, 0.25), wide.attend(0, ["seq-w", "seq-w"], q, k, 0.25)):
+                np.testing.assert_array_equal(got.out, want.out)
+                np.testing.assert_array_equal(got.lse, want.lse)
+        assert local.held()[1] == keys.nbytes                            # keys and values in 2 bytes each
+        assert narrow.held()[1] == 2 * keys.nbytes                       # the service: seq-a and seq-w alike
+        before = narrow.held()
+        kv = half.to_bf16(keys).tobytes() + half.to_bf16(values).tobytes()
+        body = kv + train.tobytes()
+        good = dict(owner="seq-b", layer=0, kv_shape=[HKV, N, D], train_shape=[HKV, M, D], crc32=zlib.crc32(body),
+                    kv_dtype="bfloat16")
+        inf = bytearray(kv)
+        inf[0:2] = np.array([0x7F80], "<u2").tobytes()
+        inf_body = bytes(inf) + train.tobytes()
+        cases = [
+            (dict(good, kv_dtype="float16"), body, grpc.StatusCode.INVALID_ARGUMENT),        # no such dtype
+            (dict(good, kv_dtype="float32"), body, grpc.StatusCode.DATA_LOSS),       # fewer bytes than it says: short
+            (dict(good, crc32=zlib.crc32(inf_body)), inf_body, grpc.StatusCode.INVALID_ARGUMENT),   # an infinite key
+        ]
+        for fields, data, code in cases:
+            assert _code(lambda: _offload(narrow, pb.OffloadHeader(**fields), data)) == code, fields
+        assert narrow.held() == before
+        _offload(narrow, pb.OffloadHeader(**good), body)              # the same, well formed, is taken
+        assert narrow.held()[0] == before[0] + 1
+    local.close()
+
+
 def test_malformed_searches_are_refused_and_the_service_keeps_serving(service):
     keys, values, train = _data(4)
     with IndexClient(service.address) as client:

@@ -24,17 +24,20 @@ def plan(tmp_path):
 
 
 def test_each_decode_worker_gets_an_index_service_of_its_own_with_the_index_identity(plan):
-    p = plan(prefill=1, decode=2, index_threads=3)
+    p = plan(prefill=1, decode=2, index_threads=3, index_host_dtype="bfloat16")
     assert p.names["index"] == ["tessera-index-0", "tessera-index-1"]
     specs = p.index_specs()
     assert [s.name for s in specs] == p.names["index"] and {s.role for s in specs} == {"index"}
     assert all(s.cluster_tls.role == "index" and s.index_threads == 3 and s.engine is None for s in specs)
+    # the services and the decode workers that offload to them hold (and send) one dtype
+    assert {s.index_host_dtype for s in specs} == {"bfloat16"}
     assert p.role("tessera-index-1") == "index" and p.workers == ["tessera-prefill-0", "tessera-decode-0",
                                                                     "tessera-decode-1"]
     addresses = {"tessera-index-0": "127.0.0.1:7000", "tessera-index-1": "127.0.0.1:7001"}
     stores = ("127.0.0.1:6000",)
     assert p.worker_spec("tessera-decode-1", stores, addresses).index_address == "127.0.0.1:7001"
     assert p.worker_spec("tessera-decode-0", stores, addresses).cluster_tls.role == "decode"
+    assert p.worker_spec("tessera-decode-0", stores, addresses).engine.index_host_dtype == "bfloat16"
     assert p.worker_spec("tessera-prefill-0", stores, addresses).index_address is None
     with pytest.raises(ValueError, match="tessera-decode-0 needs the address of its index service tessera-index-0"):
         p.worker_spec("tessera-decode-0", stores)
@@ -60,7 +63,8 @@ def test_index_services_stop_after_the_workers_and_before_the_stores():
 
 @pytest.mark.parametrize("flags, threads, loads", [([], 4, "cost"), (["--index-threads", "2"], 2, "cost"),
                                                    (["--no-index", "--store-loads", "never", "--nixl-slab-mb", "0",
-                                                     "--admit-during-step", "--no-cpu-affinity"], 0, "never")],
+                                                     "--admit-during-step", "--no-cpu-affinity",
+                                                     "--index-host-dtype", "bfloat16"], 0, "never")],
                          ids=["default", "threads-2", "no-index-no-loads"])
 def test_up_takes_the_index_role_s_threads_or_turns_it_off(tmp_path, tiny_model, monkeypatch, capsys, flags, threads,
                                                            loads):
@@ -87,6 +91,8 @@ def test_up_takes_the_index_role_s_threads_or_turns_it_off(tmp_path, tiny_model,
     assert seen["cfg"].prefill_settings.nixl_slab_bytes == seen["cfg"].decode_settings.nixl_slab_bytes == slab
     assert seen["cfg"].decode_settings.admit_during_step is ("--admit-during-step" in flags)
     assert seen["cfg"].cpu_affinity is seen["cfg"].engine().cpu_affinity is ("--no-cpu-affinity" not in flags)
+    dtype = "bfloat16" if "--index-host-dtype" in flags else "float32"
+    assert seen["cfg"].index_host_dtype == seen["cfg"].engine().index_host_dtype == dtype
     assert f"{2 if threads else 0} index service(s)" in capsys.readouterr().out
 
 
