@@ -54,6 +54,8 @@ def register(subparsers) -> None:
     ev.add_argument("--plot", default=None, metavar="FILE.png", help="longgen: accuracy against the budget, as a PNG")
     ev.add_argument("--cross-gap", type=int, default=0,
                     help="harder variant: up to N filler words open a chunk before a cross IT (default 0: the issue's layout)")
+    ev.add_argument("--index-host-dtype", default=None, choices=("float32", "bfloat16"),
+                    help="longgen: how retrieval modes hold the offloaded keys and values (default float32)")
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--check-layer", type=int, default=None, help="engine blend check layer (default: the engine's)")
     ev.add_argument("--deviation", default=None, help="engine HKVD metric: k, v or kv (default: the engine's)")
@@ -78,8 +80,8 @@ def _eval(args: argparse.Namespace) -> int:
             setattr(args, name, str(value) if name == "model" else value)
     if args.task == "longgen":
         return _eval_longgen(args)
-    if args.dense_layers is not None or args.plot or args.prefill != "full":
-        raise ValueError("--dense-layers, --plot and --prefill are longgen's (--task longgen)")
+    if args.dense_layers is not None or args.plot or args.prefill != "full" or args.index_host_dtype is not None:
+        raise ValueError("--dense-layers, --plot, --prefill and --index-host-dtype are longgen's (--task longgen)")
     from loadgen.quality.evaluate import as_json, parse_modes, run_eval
 
     engine_options = {k: v for k, v in (("check_layer", args.check_layer), ("deviation", args.deviation)) if v is not None}
@@ -116,7 +118,8 @@ def _eval_longgen(args: argparse.Namespace) -> int:
     dense_layers = DEFAULT_DENSE_LAYERS if args.dense_layers is None else args.dense_layers
     results = run_longgen_eval(args.model, args.prompts, parse_decode_modes(args.modes), seed=args.seed,
                                questions=args.questions, dense_layers=dense_layers, device=args.device,
-                               progress=True, prefill=args.prefill)
+                               progress=True, prefill=args.prefill,
+                               index_host_dtype=args.index_host_dtype or "float32")
     out = as_json(results)
     title = (f"longgen: {args.prompts} prompts, seed {args.seed}, {args.questions} answers, "
              f"dense_layers {dense_layers}, {args.prefill} prefill, {Path(args.model).name}")

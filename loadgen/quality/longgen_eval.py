@@ -143,6 +143,7 @@ class GenResult:
     generations: tuple[tuple[int, ...], ...]
     mean_generate_s: float
     pages: dict[str, int] = field(default_factory=dict)
+    index_host_dtype: str | None = None     # retrieval: how the engine held the offloaded K/V (float32, bfloat16)
 
     def accuracy(self) -> float:
         return sum(map(sum, self.right)) / sum(map(len, self.right))
@@ -159,6 +160,7 @@ class GenResult:
             "name_accuracy": sum(map(sum, self.names)) / sum(map(len, self.names)),
             "prompts_all_right": sum(map(all, self.right)) / len(self.right),
             "mean_generate_s": self.mean_generate_s,
+            **({} if self.index_host_dtype is None else {"index_host_dtype": self.index_host_dtype}),
             **self._pages_json(),
         }
 
@@ -213,7 +215,8 @@ def evaluate_decode_modes(engine, modes: list[DecodeMode], prompts, dense_layers
             names.append(tuple(p.names_right(out)))
             gens.append(tuple(out))
             bar.update(1)
-        results.append(GenResult(mode, tuple(right), tuple(names), tuple(gens), seconds / len(prompts), pages))
+        held = engine.forward.options.index_host_dtype if mode.policy == "retrieval" else None
+        results.append(GenResult(mode, tuple(right), tuple(names), tuple(gens), seconds / len(prompts), pages, held))
     bar.close()
     return results
 
@@ -221,9 +224,12 @@ def evaluate_decode_modes(engine, modes: list[DecodeMode], prompts, dense_layers
 def run_longgen_eval(model_dir: str, n_prompts: int, modes: list[DecodeMode], seed: int = 1,
                      questions: int = DEFAULT_QUESTIONS,
                      dense_layers: int = DEFAULT_DENSE_LAYERS, device: str = "cpu",
-                     progress: bool = True, prefill: str = "full") -> list[GenResult]:
+                     progress: bool = True, prefill: str = "full",
+                     index_host_dtype: str = "float32") -> list[GenResult]:
+    """``index_host_dtype``: how a retrieval mode's offloaded keys and values are held (EngineOptions')."""
     from loadgen.quality.evaluate import load_engine
     from loadgen.quality.tasks import LongGenConfig, longgen_heldout
+    from services.engine import EngineOptions
 
     if n_prompts < 1:
         raise ValueError("--prompts must be at least 1")
@@ -231,7 +237,7 @@ def run_longgen_eval(model_dir: str, n_prompts: int, modes: list[DecodeMode], se
         raise ValueError(f"--questions must be in 1..{LongGenConfig().questions}")
     if dense_layers < 0:
         raise ValueError("--dense-layers must be at least 0")
-    engine = load_engine(model_dir, device)
+    engine = load_engine(model_dir, device, engine_options={"options": EngineOptions(index_host_dtype=index_host_dtype)})
     prompts = longgen_heldout(seed, n_prompts, LongGenConfig(questions=questions))
     if prefill not in ("full", "tessera"):
         raise ValueError(f"--prefill must be full or tessera, got {prefill!r}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 _EXPORTS = {
     "Engine": "services.engine.engine",
+    "EngineOptions": "services.engine.options",
     "CheckedRequest": "services.engine.kv.request_ids",
     "ModelConfig": "services.engine.model.config",
     "BlockTable": "services.engine.kv.block_table",

@@ -153,6 +153,18 @@ def test_retrieval_of_every_offloaded_key_answers_as_dense_and_the_static_set_al
     assert static.accuracy() < dense.accuracy()
 
 
+def test_retrieval_holding_bfloat16_kv_answers_as_dense_on_the_trained_model(capsys):
+    """The trained model's keys and values held in bfloat16 (``--index-host-dtype``): every offloaded key retrieved
+    answers as dense decoding does, and the JSON names the dtype."""
+    rc = tessera(["quality", "eval", "--task", "longgen", "--prompts", "2", "--questions", "8", "--json",
+                  "--index-host-dtype", "bfloat16", "--modes", "dense,retrieval@1024:s16:w32,retrieval@5:s16:w32"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["retrieval@1024:s16:w32"]["index_host_dtype"] == "bfloat16" and "index_host_dtype" not in out["dense"]
+    assert out["retrieval@1024:s16:w32"]["accuracy"] == out["dense"]["accuracy"] >= 0.875
+    assert out["retrieval@5:s16:w32"]["accuracy"] >= 0.875
+
+
 def test_each_mode_reports_the_pages_its_steps_read_and_retro_the_pages_it_corrected_with(engine):
     dense, quest, retro = evaluate_decode_modes(engine, parse_decode_modes("dense,quest@64,retro@64"),
                                                 longgen_heldout(1, 1), progress=False)
@@ -188,6 +200,7 @@ def test_cli_rejects_flags_of_the_other_task(capsys):
     assert tessera(["quality", "eval", "--task", "longgen", "--reference"]) == 2
     assert tessera(["quality", "eval", "--task", "longgen", "--questions", "17"]) == 2
     assert tessera(["quality", "eval", "--dense-layers", "1"]) == 2
+    assert tessera(["quality", "eval", "--index-host-dtype", "bfloat16"]) == 2
     assert "error" in capsys.readouterr().err
 
 
