@@ -55,9 +55,9 @@ class RemoteIndexes:
         return IndexUnavailable(f"the decode worker's retrieval index service failed to {what}: {name}{lost}; "
                                 "decode='retrieval' cannot go on for this request on this worker")
 
-    def add(self, owner: str, layer: int, keys, values, train_queries, chunks=()) -> int:
+    def add(self, owner: str, layer: int, keys, values, train_queries, chunks=(), lists=None) -> int:
         try:
-            return self.client.add(self._owner(owner), layer, keys, values, train_queries, chunks)
+            return self.client.add(self._owner(owner), layer, keys, values, train_queries, chunks, lists)
         except grpc.RpcError as exc:
             raise self._failed(f"take layer {layer} of the sequence's keys", exc) from None
 

@@ -146,6 +146,20 @@ def _add_ranked(offsets, targets, src, dst, cap: int | None):
     return _build.append_edges(offsets, targets, a_src, a_dst)
 
 
+def given_lists(lists, m: int, n: int, p: int) -> np.ndarray:
+    """Exact lists computed elsewhere (on the GPU, where the keys were: services/engine/decode/retrieval.py) for ``m``
+    training queries over ``n`` keys, each row best first: int64 ``[m, p]`` (their first ``p`` columns), or a
+    ValueError saying what does not fit. An id out of range would be read out of bounds by the compiled loops."""
+    arr = np.asarray(lists)
+    if arr.ndim != 2 or arr.shape[0] != m or arr.shape[1] < p or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"exact lists must be integer [{m}, >= {p}] (a row a training query, best first), got "
+                         f"{arr.dtype} {arr.shape}")
+    arr = np.ascontiguousarray(arr[:, :p], np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= n):
+        raise ValueError(f"exact lists name keys outside 0..{n - 1}")
+    return arr
+
+
 def exact_lists(keys: np.ndarray, queries: np.ndarray, p: int, threads: int) -> np.ndarray:
     """int64 ``[M, p]``: each query's top-``p`` keys by inner product, best first, searched on ``threads`` OpenMP
     threads.
@@ -181,24 +195,27 @@ def _repair(keys, sq_norms, offsets, targets, entries, train, lists, picks, cfg:
 
 
 def repair_graph(keys: np.ndarray, graph: Graph, train: np.ndarray, cfg: BuildConfig,
-                 threads: int | None = None) -> Graph:
+                 threads: int | None = None, lists: np.ndarray | None = None) -> Graph:
     """Step 4 alone, on a graph made elsewhere: a composition of chunk graphs (``AttentionIndex.compose``), which has
     no edge between its parts, so a search reaches a part only through its own entries. The request's queries
     (``train``, in the keys' frame) link each key their searches miss from the nearest they find, across parts
     too. On the longgen model's Q/K (bench/index/README.md, 192 64-key chunks and 304 other keys), composed recall@100
     was 0.41 at 18% of the keys scored and never reached 20%; repaired in one round (``heads.COMPOSED``), 0.910 at 20%
-    against 0.955 for the request's own index, the repair taking 0.2x that index's build (two rounds: 0.923, 0.4x)."""
+    against 0.955 for the request's own index, the repair taking 0.2x that index's build (two rounds: 0.923, 0.4x).
+    ``lists``: the training queries' exact lists, computed elsewhere (``given_lists``), instead of here."""
     threads = threads or len(os.sched_getaffinity(0))
     rng = np.random.default_rng(cfg.seed)
+    p = min(cfg.query_neighbors, keys.shape[0])
+    given = None if lists is None else given_lists(lists, train.shape[0], keys.shape[0], p)
     if train.shape[0] > cfg.max_train_queries:
-        train = train[np.sort(rng.choice(train.shape[0], cfg.max_train_queries, replace=False))]
+        kept = np.sort(rng.choice(train.shape[0], cfg.max_train_queries, replace=False))
+        train, given = train[kept], None if given is None else given[kept]
     sq_norms = np.einsum("nd,nd->n", keys, keys).astype(np.float32)
     picks = _repair_picks(rng, train.shape[0], cfg)
     # NOTE: the exact lists of the picked queries only: with repair_queries 256 of a request's 2,048 a head at 130,048
     # keys, the lists of all took 2.60 s of a 3.00 s repair (one thread), their searches 0.07 s
-    p = min(cfg.query_neighbors, keys.shape[0])
-    lists = np.zeros((train.shape[0], p), np.int64)
-    if picks:
+    lists = np.zeros((train.shape[0], p), np.int64) if given is None else given
+    if picks and given is None:
         used = np.unique(np.concatenate(picks))
         lists[used] = exact_lists(keys, train[used], p, threads)
     offsets, targets = _repair(keys, sq_norms, graph.offsets, graph.targets.astype(np.int32), graph.entries, train,
@@ -211,16 +228,21 @@ def repair_graph(keys: np.ndarray, graph: Graph, train: np.ndarray, cfg: BuildCo
 EXACT_CANDIDATES = 2048
 
 
-def build_graph(keys: np.ndarray, train: np.ndarray, cfg: BuildConfig, threads: int | None = None) -> Graph:
+def build_graph(keys: np.ndarray, train: np.ndarray, cfg: BuildConfig, threads: int | None = None,
+                lists: np.ndarray | None = None) -> Graph:
     """The graph of the module docstring's steps 1-5. ``keys`` float32 ``[N, D]``, ``train`` float32 ``[M, D]``,
-    both C-contiguous and finite. The result does not depend on ``threads`` (default: this process' CPUs)."""
+    both C-contiguous and finite. The result does not depend on ``threads`` (default: this process' CPUs).
+    ``lists``: step 1's exact lists of ``train``, computed elsewhere (``given_lists``), instead of here."""
     threads = threads or len(os.sched_getaffinity(0))
     n = keys.shape[0]
     rng = np.random.default_rng(cfg.seed)
+    p = min(cfg.query_neighbors, n)
+    given = None if lists is None else given_lists(lists, train.shape[0], n, p)
     if train.shape[0] > cfg.max_train_queries:
-        train = train[np.sort(rng.choice(train.shape[0], cfg.max_train_queries, replace=False))]
+        kept = np.sort(rng.choice(train.shape[0], cfg.max_train_queries, replace=False))
+        train, given = train[kept], None if given is None else given[kept]
     sq_norms = np.einsum("nd,nd->n", keys, keys).astype(np.float32)
-    lists = exact_lists(keys, train, min(cfg.query_neighbors, n), threads)
+    lists = exact_lists(keys, train, p, threads) if given is None else given
     firsts = np.bincount(lists[:, 0], minlength=n)
     entry = np.argsort(-firsts, kind="stable")[:min(cfg.entries, n)].astype(np.int64)
 

@@ -53,14 +53,16 @@ class IndexClient:
         self._put: set[str] = set()   # chunk ids whose index this client has put
 
     def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray,
-            chunks=()) -> int:
-        """As ``IndexSet.add``; returns the indexes' bytes. The chunks' indexes are put first where this client has
+            chunks=(), lists: np.ndarray | None = None) -> int:
+        """As ``IndexSet.add`` (``lists`` travel as int32); returns the indexes' bytes. The chunks' indexes are put first where this client has
         not put them yet, and again, once, when the service answers that it no longer holds one (evicted)."""
         keys, values = (half.stored(a, self.host_dtype) for a in (keys, values))
         train = np.ascontiguousarray(train_queries, "<f4")
-        body = b"".join(a.tobytes() for a in (keys, values, train))
+        arrays = [keys, values, train] + ([] if lists is None else [np.ascontiguousarray(lists, "<i4")])
+        body = b"".join(a.tobytes() for a in arrays)
         header = pb.OffloadHeader(owner=owner, layer=layer, kv_shape=list(keys.shape), train_shape=list(train.shape),
                                   crc32=zlib.crc32(body), kv_dtype=self.host_dtype,
+                                  lists_shape=[] if lists is None else list(np.shape(lists)),
                                   chunks=[pb.ChunkRun(chunk_id=cid, length=index.length) for cid, index in chunks])
 
         def parts():

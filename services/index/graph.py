@@ -92,12 +92,14 @@ class AttentionIndex:
 
     @classmethod
     def build(cls, keys, train_queries, *, threads: int | None = None, key_dtype: str = half.FLOAT32,
-              **options) -> "AttentionIndex":
+              lists=None, **options) -> "AttentionIndex":
         """Index ``keys`` ``[N, D]`` for queries like ``train_queries`` ``[M, D]`` (the prefill queries that
         attended to these keys; every query head of the KV head's group may be stacked). ``options`` are
         ``BuildConfig``'s fields (``degree``, ``max_degree``, ``alpha``, ``query_neighbors``, ...);
         ``threads`` (default: this process' CPUs) changes the build's speed, never its graph. ``key_dtype``: how the
-        index holds its exact keys (``half.DTYPES``); bfloat16 rounds them first and builds from what it holds."""
+        index holds its exact keys (``half.DTYPES``); bfloat16 rounds them first and builds from what it holds.
+        ``lists``: each training query's exact top keys by inner product, best first (int ``[M, >= P]``), computed
+        elsewhere (on the GPU that holds the keys) instead of by the build (``build.given_lists``)."""
         held, keys = _held("keys", keys, key_dtype)
         train = _matrix("train_queries", train_queries, dim=keys.shape[1])
         try:
@@ -106,7 +108,7 @@ class AttentionIndex:
             raise ValueError(f"unknown build option: {exc}") from None
         if threads is not None:
             _count("threads", threads, 1)
-        return cls(held, build_graph(keys, train, config, threads), config, quantize(keys))
+        return cls(held, build_graph(keys, train, config, threads, lists), config, quantize(keys))
 
     @classmethod
     def compose(cls, keys, parts: Sequence[Graph], config: BuildConfig | None = None,
@@ -133,14 +135,15 @@ class AttentionIndex:
         except IndexFormatError as exc:
             raise ValueError(f"a part is not a graph over its keys: {exc}") from None
 
-    def repaired(self, train_queries, *, threads: int | None = None) -> "AttentionIndex":
+    def repaired(self, train_queries, *, threads: int | None = None, lists=None) -> "AttentionIndex":
         """This index with the links its searches for ``train_queries`` ``[M, D]`` lacked (``build.repair_graph``):
-        for a composed one, the edges between its parts that the request's own queries show."""
+        for a composed one, the edges between its parts that the request's own queries show. ``lists``: as
+        ``build``'s, over all its keys."""
         train = _matrix("train_queries", train_queries, dim=self.dim)
         if threads is not None:
             _count("threads", threads, 1)
         return AttentionIndex(self._keys, repair_graph(half.as_float(self._keys), self._graph, train, self._config,
-                                                       threads),
+                                                       threads, lists),
                               self._config, self._compact)      # the same keys: their codes too
 
     @property

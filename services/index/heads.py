@@ -147,13 +147,15 @@ class IndexSet:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="index-search")
 
     def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray,
-            chunks: Sequence[tuple[str, ChunkIndex]] = ()) -> int:
+            chunks: Sequence[tuple[str, ChunkIndex]] = (), lists: np.ndarray | None = None) -> int:
         """keys, values float32 [Hkv, N, D], or bfloat16 bits (uint16: ``half.py``), held as ``host_dtype``;
         train_queries float32 [Hkv, M, D] (queries in the keys' frame, per the KV head they read). N may be 0 (nothing offloaded at this layer: searches of it return nothing). ``chunks``:
         (chunk id, its ``ChunkIndex``) of the shared chunks whose keys come first, whole and in order; the keys after
         them get a graph built here from ``train_queries`` (M may be 0 when the chunks cover every key), and each
         head's index composes the chunks' graphs at this layer with it (``AttentionIndex.compose``). Replaces what the
-        owner had at that layer; returns the indexes' bytes."""
+        owner had at that layer; returns the indexes' bytes. ``lists``: int [Hkv, M, >= P], each training query's exact
+        top keys among all N by inner product, best first, computed where the keys were (the GPU), so that neither
+        the build nor a composition's repair searches them here (``build.given_lists``)."""
         keys, values = np.asarray(keys), half.stored(values, self.host_dtype)
         if keys.dtype != half.BITS:
             keys = np.ascontiguousarray(keys, np.float32)
@@ -164,6 +166,8 @@ class IndexSet:
             raise ValueError(f"train_queries must be [Hkv, M, D] with Hkv, D = {keys.shape[0]}, {keys.shape[2]}, "
                              f"got {train.shape}")
         hkv, n = keys.shape[:2]
+        if lists is not None and (np.ndim(lists) != 3 or np.shape(lists)[0] != hkv):
+            raise ValueError(f"lists must be [Hkv, M, P] with Hkv = {hkv}, got shape {np.shape(lists)}")
         for cid, index in chunks:
             if index.num_heads != hkv or layer >= index.num_layers:
                 raise ValueError(f"chunk index {cid[:16]} has {index.num_layers} layers x {index.num_heads} KV heads: "
@@ -179,15 +183,16 @@ class IndexSet:
             held = self.host_dtype
 
             def one(h: int) -> AttentionIndex:
+                given = None if lists is None else lists[h]
                 if not parts:
-                    return AttentionIndex.build(keys[h], train[h], threads=each, key_dtype=held)
+                    return AttentionIndex.build(keys[h], train[h], threads=each, key_dtype=held, lists=given)
                 graphs = [p[h] for p in parts]
                 if covered < n:
                     graphs.append(AttentionIndex.build(keys[h, covered:], train[h], threads=each,
                                                        key_dtype=held).graph)
                 index = AttentionIndex.compose(keys[h], graphs, self.composed, key_dtype=held)
                 if train.shape[1]:      # the request's queries link the parts (build.repair_graph)
-                    index = index.repaired(train[h], threads=each)
+                    index = index.repaired(train[h], threads=each, lists=given)
                 return index
 
             heads = [HeadKV(values[h], index) for h, index in enumerate(self._pool.map(one, range(hkv)))]

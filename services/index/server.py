@@ -72,8 +72,8 @@ def check_owner(owner: str) -> None:
                       f"owner must be 1-128 characters of [A-Za-z0-9._:-], got {owner[:40]!r}")
 
 
-def check_offload_header(h: pb.OffloadHeader) -> tuple[tuple[int, ...], tuple[int, ...], str]:
-    """(kv shape, train shape, kv dtype) of a well-formed header, else Refused(INVALID_ARGUMENT)."""
+def check_offload_header(h: pb.OffloadHeader) -> tuple[tuple[int, ...], tuple[int, ...], str, tuple[int, ...]]:
+    """(kv shape, train shape, kv dtype, lists shape) of a well-formed header, else Refused(INVALID_ARGUMENT)."""
     check_owner(h.owner)
     kv_dtype = h.kv_dtype or half.FLOAT32
     if kv_dtype not in half.DTYPES:
@@ -98,9 +98,14 @@ def check_offload_header(h: pb.OffloadHeader) -> tuple[tuple[int, ...], tuple[in
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the chunks cover {covered} keys, the offload has {kv[1]}")
     if kv[1] > covered and train[1] < 1:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "offloaded keys outside the chunks need a training query")
-    if offload_bytes(kv, train, kv_dtype) > MAX_OFFLOAD_BYTES:
+    lists = tuple(h.lists_shape)
+    if lists and (len(lists) != 3 or lists[:2] != train[:2] or not 1 <= lists[2] <= max(1, min(kv[1], MAX_LIST))):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"lists_shape must be [Hkv, M, P] with Hkv, M of train_shape and P in 1..{MAX_LIST} (at most N), "
+                      f"got {list(lists)}")
+    if offload_bytes(kv, train, kv_dtype, lists) > MAX_OFFLOAD_BYTES:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"an offload is at most {MAX_OFFLOAD_BYTES} bytes")
-    return kv, train, kv_dtype
+    return kv, train, kv_dtype, lists
 
 
 def check_chunk_index_header(h: pb.ChunkIndexHeader) -> int:
@@ -143,9 +148,14 @@ async def _stream(request_iterator, what: str, size_of) -> tuple:
 KV_WIRE = {half.FLOAT32: "<f4", half.BFLOAT16: "<u2"}
 
 
-def offload_bytes(kv, train, kv_dtype: str = half.FLOAT32) -> int:
+# exact lists an offload may carry a training query (the index's query_neighbors is 100)
+MAX_LIST = 1024
+
+
+def offload_bytes(kv, train, kv_dtype: str = half.FLOAT32, lists=()) -> int:
     item = np.dtype(KV_WIRE[kv_dtype]).itemsize
-    return item * 2 * int(np.prod(kv, dtype=np.int64)) + 4 * int(np.prod(train, dtype=np.int64))
+    return (item * 2 * int(np.prod(kv, dtype=np.int64)) + 4 * int(np.prod(train, dtype=np.int64))
+            + (4 * int(np.prod(lists, dtype=np.int64)) if lists else 0))
 
 
 class IndexServicer(pb_grpc.RetrievalIndexServicer):
@@ -163,7 +173,7 @@ class IndexServicer(pb_grpc.RetrievalIndexServicer):
             header, body = await self._receive(request_iterator)
         except Refused as exc:
             return await self._refuse(context, exc)
-        kv, train, kv_dtype = check_offload_header(header)
+        kv, train, kv_dtype, list_shape = check_offload_header(header)
         key = (header.owner, header.layer)
         if self.indexes.has(*key) or key in self._writing:
             return await self._refuse(context, Refused(
@@ -172,7 +182,13 @@ class IndexServicer(pb_grpc.RetrievalIndexServicer):
         n_kv = int(np.prod(kv))
         pairs = np.frombuffer(body, dtype=wire, count=2 * n_kv)
         keys, values = pairs[:n_kv].reshape(kv), pairs[n_kv:].reshape(kv)
-        queries = np.frombuffer(body, dtype="<f4", offset=2 * n_kv * wire.itemsize).reshape(train)
+        at = 2 * n_kv * wire.itemsize
+        queries = np.frombuffer(body, dtype="<f4", offset=at, count=int(np.prod(train))).reshape(train)
+        lists = (np.frombuffer(body, dtype="<i4", offset=at + queries.nbytes).reshape(list_shape)
+                 if list_shape else None)
+        if lists is not None and lists.size and (lists.min() < 0 or lists.max() >= kv[1]):
+            return await self._refuse(context, Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                                       f"exact lists name keys outside 0..{kv[1] - 1}"))
         if kv_dtype == half.BFLOAT16:       # as bfloat16's bits (services/index/half.py), which add() takes as such
             keys, values = keys.astype(np.uint16, copy=False), values.astype(np.uint16, copy=False)
         finite = half.finite if kv_dtype == half.BFLOAT16 else (lambda a: bool(np.isfinite(a).all()))
@@ -194,7 +210,8 @@ class IndexServicer(pb_grpc.RetrievalIndexServicer):
         self._writing.add(key)
         try:
             t0 = time.perf_counter()
-            graph = await asyncio.to_thread(self.indexes.add, header.owner, header.layer, keys, values, queries, chunks)
+            graph = await asyncio.to_thread(self.indexes.add, header.owner, header.layer, keys, values, queries, chunks,
+                                            lists)
             took = time.perf_counter() - t0
         finally:
             self._writing.discard(key)

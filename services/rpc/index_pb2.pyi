@@ -23,7 +23,7 @@ class ChunkRun(_message.Message):
     def __init__(self, chunk_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
 
 class OffloadHeader(_message.Message):
-    __slots__ = ("owner", "layer", "kv_shape", "train_shape", "crc32", "chunks", "kv_dtype")
+    __slots__ = ("owner", "layer", "kv_shape", "train_shape", "crc32", "chunks", "kv_dtype", "lists_shape")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     KV_SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class OffloadHeader(_message.Message):
     CRC32_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LISTS_SHAPE_FIELD_NUMBER: _ClassVar[int]
     owner: str
     layer: int
     kv_shape: _containers.RepeatedScalarFieldContainer[int]
@@ -38,7 +39,8 @@ class OffloadHeader(_message.Message):
     crc32: int
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkRun]
     kv_dtype: str
-    def __init__(self, owner: _Optional[str] = ..., layer: _Optional[int] = ..., kv_shape: _Optional[_Iterable[int]] = ..., train_shape: _Optional[_Iterable[int]] = ..., crc32: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRun, _Mapping]]] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    lists_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, owner: _Optional[str] = ..., layer: _Optional[int] = ..., kv_shape: _Optional[_Iterable[int]] = ..., train_shape: _Optional[_Iterable[int]] = ..., crc32: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRun, _Mapping]]] = ..., kv_dtype: _Optional[str] = ..., lists_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChunkIndexHeader(_message.Message):
     __slots__ = ("chunk_id", "nbytes")

@@ -240,15 +240,16 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
             # (IndexSet.add); without them, only chunks' graphs alone (a hand-off made without its queries)
             q = None if seq.prefill_queries is None else seq.prefill_queries.queries(layer)
             if q is not None:
-                train = (q.float().reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
-                         .cpu().numpy())
+                # [Hkv, M, D] on the device too: the copy thread ranks the keys for them there (``exact_lists``)
+                train_dev = q.float().reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
+                train = train_dev.cpu().numpy()
             elif sum(n for _, n in runs) == blocks.shape[0]:
-                train = np.zeros((hkv, 0, fwd.cfg.head_dim), np.float32)
+                train_dev, train = None, np.zeros((hkv, 0, fwd.cfg.head_dim), np.float32)
             else:
                 raise ValueError(f"decode='retrieval' needs the prefill pass's queries to index layer {layer}: "
                                  "a hand-off must be made with them (prefill_handoff(tap_queries=True))")
             clock.lap("queries")
-            layers.append((blocks, slots, offsets, train, [(key, futures[key]) for key, _ in runs]))
+            layers.append((blocks, slots, offsets, train, train_dev, [(key, futures[key]) for key, _ in runs]))
     except BaseException:
         if fwd.indexes is not None:
             fwd.indexes.drop(owner)
@@ -273,6 +274,30 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
     off.build = _builder(fwd).submit(_build, fwd.indexes, off, copy)
 
 
+# NOTE: the scores of one query block against a KV head's keys are at most this many elements (1 GiB of fp32)
+LIST_BLOCK_ELEMENTS = 1 << 28
+
+
+def exact_lists(keys: torch.Tensor, queries: torch.Tensor) -> np.ndarray:
+    """Each training query's exact top keys by inner product, best first, ranked on the keys' device: keys [Hkv, N, D]
+    (any float dtype), queries [Hkv, M, D] (on any device) -> int32 [Hkv, M, P] on the host, P the index build's
+    ``query_neighbors`` (at most N). What the builds and a composition's repair would otherwise search on the host's
+    cores with faiss: at 130K keys a KV head, 256 queries took 1.6 s of one core a head and layer (8,192 of a request's
+    queries, ~32x that), a few milliseconds on the GPU that holds the keys. Ties may rank in another order."""
+    from services.index.build import BuildConfig
+
+    hkv, n, _ = keys.shape
+    p = min(BuildConfig().query_neighbors, n)
+    out = torch.empty((hkv, queries.shape[1], p), dtype=torch.int32, device=keys.device)
+    block = max(1, LIST_BLOCK_ELEMENTS // n)
+    for h in range(hkv):
+        kf = keys[h].float()
+        for lo in range(0, queries.shape[1], block):
+            q = queries[h, lo:lo + block].to(keys.device, torch.float32)     # (a hand-off's are on the host)
+            out[h, lo:lo + block] = (q @ kf.T).topk(p, dim=1).indices.int()
+    return out.cpu().numpy()
+
+
 def _copier(fwd) -> ThreadPoolExecutor:
     """The engine's one thread copying offloaded K/V to the host (``_copy``), in the order sequences start."""
     if fwd.index_copier is None:
@@ -283,9 +308,10 @@ def _copier(fwd) -> ThreadPoolExecutor:
 def _copy(fwd, off: Offload, layers: list, after) -> list:
     """The copy thread: each layer's offloaded keys (rotated to their global positions, as the attention kernels do)
     and values, [Hkv, N, D] on the host in the dtype the index set holds them (float32, or bfloat16 rounded on the
-    device: ``IndexSet.host_dtype``; a service's, float32 on the wire), on the copy stream of the GPU, which starts after ``after`` (the
+    device: ``IndexSet.host_dtype``), and each training query's exact top keys among them (``exact_lists``: ranked
+    where the keys are, not by the index builds on the host), on the copy stream of the GPU, which starts after ``after`` (the
     engine's stream when the sequence started); stops early when the sequence is released. Returns the builder's
-    layers (keys, values, training queries, chunk runs); ``off.copied`` is set however it ends."""
+    layers (keys, values, training queries, chunk runs, exact lists or None); ``off.copied`` is set however it ends."""
     pool, model = fwd.pool, fwd.model
     held = torch.bfloat16 if fwd.indexes.host_dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
@@ -296,13 +322,15 @@ def _copy(fwd, off: Offload, layers: list, after) -> list:
             if stream is not None:
                 stream.wait_event(after)
             out, staging = [], HostStaging()
-            for layer, (blocks, slots, offsets, train, runs) in enumerate(layers):
+            for layer, (blocks, slots, offsets, train, train_dev, runs) in enumerate(layers):
                 if off.cancelled:
                     break
                 cos, sin = rope_cos_sin(offsets, model.inv_freq)
                 k = rotate(pool.k[layer][blocks, slots].float(), cos[:, None, :], sin[:, None, :]).to(held)
                 v = pool.v[layer][blocks, slots].to(held)                                           # [N, Hkv, D]
-                out.append((staging.to_host(k.permute(1, 0, 2)), staging.to_host(v.permute(1, 0, 2)), train, runs))
+                k = k.permute(1, 0, 2)
+                lists = None if train_dev is None or not train_dev.shape[1] or not k.shape[1] else exact_lists(k, train_dev)
+                out.append((staging.to_host(k), staging.to_host(v.permute(1, 0, 2)), train, runs, lists))
                 layers[layer] = None        # (the copies waited for this stream: nothing of it is in flight)
             return out
     finally:
@@ -544,7 +572,7 @@ def _build(indexes, off: Offload, copy: Future) -> None:
         for layer in range(len(layers)):
             if off.cancelled:
                 break
-            keys, values, train, runs = layers[layer]
+            keys, values, train, runs, lists = layers[layer]
             try:
                 chunks = [(key, fut.result()) for key, fut in runs]   # built before this job: none waits
             except Exception as exc:
@@ -553,7 +581,7 @@ def _build(indexes, off: Offload, copy: Future) -> None:
                 # a chunk's index could not be had: this layer's index is the sequence's own, over every key
                 log.warning("a chunk index failed (%s): layer %d of %s is indexed whole", exc, layer, off.owner)
                 chunks = []
-            indexes.add(off.owner, layer, keys, values, train, chunks)
+            indexes.add(off.owner, layer, keys, values, train, chunks, lists)
             layers[layer] = None            # the index set holds them now
     finally:
         with off.lock:

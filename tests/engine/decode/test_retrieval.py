@@ -77,6 +77,39 @@ def test_kv_held_in_bfloat16_is_the_float32_kv_rounded_and_decodes_as_dense(tiny
     assert not torch.equal(logits["bfloat16"][1:], logits["float32"][1:])     # the rounding reached the steps
 
 
+def test_the_copy_thread_ranks_each_training_querys_keys_where_the_keys_are(tiny_dir, monkeypatch):
+    """The index set is handed each layer's exact lists (``exact_lists``: the keys ranked for every training query on
+    the engine's device), which are faiss' lists over the keys it holds, and builds from them, not from its own."""
+    from services.index import build
+    from services.index.heads import IndexSet
+
+    eng = Engine.load(tiny_dir)
+    handed = []
+
+    class Recording(IndexSet):
+        def add(self, owner, layer, keys, values, train, chunks=(), lists=None):
+            handed.append((np.array(keys), np.array(train), lists))
+            return super().add(owner, layer, keys, values, train, chunks, lists)
+
+    eng.forward.indexes = Recording(threads=1)
+    chunks, suffix = random_request(44, lengths=(40, 37), suffix_len=5)
+    searched = []
+    real = build.exact_lists
+    monkeypatch.setattr(build, "exact_lists", lambda keys, queries, *a: searched.append(queries.shape[0])
+                        or real(keys, queries, *a))
+    _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(retrieval_k=4096, **SMALL))
+    seq.offload.build.result(timeout=60)
+    assert len(handed) == eng.forward.cfg.num_layers
+    for keys, train, lists in handed:
+        assert lists.dtype == np.int32 and lists.shape == train.shape[:2] + (min(100, keys.shape[1]),)
+        for h in range(keys.shape[0]):
+            want = real(keys[h], train[h], lists.shape[2], 1)
+            assert all(set(g) == set(w) for g, w in zip(lists[h], want))
+    # the host ranked keys for keys (a small graph's candidates), never for the training queries
+    assert searched and not set(searched) & {train.shape[1] for _, train, _ in handed}
+    eng.release(seq)
+
+
 def test_the_static_set_and_the_offloaded_keys_partition_each_layer_and_only_the_static_set_stays(tiny_dir):
     """After offloading, each layer's table holds its static pages only; with what was offloaded they are every token
     of the prompt; the private blocks no layer keeps are back in the pool and the chunks no layer reads are unpinned."""
