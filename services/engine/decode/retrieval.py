@@ -44,6 +44,7 @@ import contextlib
 import itertools
 import logging
 import mmap
+import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -264,14 +265,15 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
         keep_static(fwd, seq, static)
         return
     # the K/V go to the host on a thread of their own, not the engine's (at 128K tokens that took ~29 s of it), the
-    # sequence's blocks held until they are copied (then ``settle`` cuts its tables); the builder thread builds from
-    # what it copied
+    # sequence's blocks held until they are copied (then ``settle`` cuts its tables); the builder thread builds each
+    # layer as soon as it is copied (``copied_layers``), beside the copy of the next
     after = torch.cuda.Event() if fwd.device.type == "cuda" else None
     if after is not None:
         after.record()                     # what the engine's stream has queued: the pass that wrote the K/V
     off.cut = lambda: keep_static(fwd, seq, static)
-    copy = _copier(fwd).submit(_copy, fwd, off, layers, after)
-    off.build = _builder(fwd).submit(_build, fwd.indexes, off, copy)
+    copied_layers: queue.SimpleQueue = queue.SimpleQueue()
+    copy = _copier(fwd).submit(_copy, fwd, off, layers, after, copied_layers)
+    off.build = _builder(fwd).submit(_build, fwd.indexes, off, copy, copied_layers)
 
 
 # NOTE: the scores of one query block against a KV head's keys are at most this many elements (1 GiB of fp32)
@@ -305,13 +307,14 @@ def _copier(fwd) -> ThreadPoolExecutor:
     return fwd.index_copier
 
 
-def _copy(fwd, off: Offload, layers: list, after) -> list:
+def _copy(fwd, off: Offload, layers: list, after, copied_layers: queue.SimpleQueue) -> None:
     """The copy thread: each layer's offloaded keys (rotated to their global positions, as the attention kernels do)
     and values, [Hkv, N, D] on the host in the dtype the index set holds them (float32, or bfloat16 rounded on the
     device: ``IndexSet.host_dtype``), and each training query's exact top keys among them (``exact_lists``: ranked
     where the keys are, not by the index builds on the host), on the copy stream of the GPU, which starts after ``after`` (the
-    engine's stream when the sequence started); stops early when the sequence is released. Returns the builder's
-    layers (keys, values, training queries, chunk runs, exact lists or None); ``off.copied`` is set however it ends."""
+    engine's stream when the sequence started); stops early when the sequence is released. Puts each layer for the
+    builder on ``copied_layers`` as it is copied (keys, values, training queries, chunk runs, exact lists or None),
+    then None however it ends; ``off.copied`` is set however it ends."""
     pool, model = fwd.pool, fwd.model
     held = torch.bfloat16 if fwd.indexes.host_dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
@@ -321,7 +324,7 @@ def _copy(fwd, off: Offload, layers: list, after) -> list:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if stream is not None:
                 stream.wait_event(after)
-            out, staging = [], HostStaging()
+            staging = HostStaging()
             for layer, (blocks, slots, offsets, train, train_dev, runs) in enumerate(layers):
                 if off.cancelled:
                     break
@@ -330,12 +333,12 @@ def _copy(fwd, off: Offload, layers: list, after) -> list:
                 v = pool.v[layer][blocks, slots].to(held)                                           # [N, Hkv, D]
                 k = k.permute(1, 0, 2)
                 lists = None if train_dev is None or not train_dev.shape[1] or not k.shape[1] else exact_lists(k, train_dev)
-                out.append((staging.to_host(k), staging.to_host(v.permute(1, 0, 2)), train, runs, lists))
+                copied_layers.put((staging.to_host(k), staging.to_host(v.permute(1, 0, 2)), train, runs, lists))
                 layers[layer] = None        # (the copies waited for this stream: nothing of it is in flight)
-            return out
     finally:
         off.seconds["keys"] = time.perf_counter() - t0
         off.copied.set()
+        copied_layers.put(None)
 
 
 # NOTE: threads that copy a staged layer into its host array (bench/decode/host_copy.py): the host copy, not the
@@ -564,15 +567,16 @@ def _build_chunk(fwd, key: str, keys: list, train: list):
         fwd.chunk_builds.pop(key, None)
 
 
-def _build(indexes, off: Offload, copy: Future) -> None:
-    """The builder thread: each layer's K/V (``copy``'s, once copied) and indexes into the index set (composed with
-    the graphs of its chunks), unless the sequence is released first (what was added is then dropped)."""
+def _build(indexes, off: Offload, copy: Future, copied_layers: queue.SimpleQueue) -> None:
+    """The builder thread: each layer's K/V and indexes into the index set (composed with the graphs of its chunks)
+    as soon as the copy thread has put the layer on ``copied_layers``, unless the sequence is released first (what
+    was added is then dropped); then the copy's own error, if it failed."""
     try:
-        layers = copy.result()
-        for layer in range(len(layers)):
-            if off.cancelled:
+        for layer in itertools.count():
+            item = copied_layers.get()
+            if item is None or off.cancelled:
                 break
-            keys, values, train, runs, lists = layers[layer]
+            keys, values, train, runs, lists = item
             try:
                 chunks = [(key, fut.result()) for key, fut in runs]   # built before this job: none waits
             except Exception as exc:
@@ -582,7 +586,8 @@ def _build(indexes, off: Offload, copy: Future) -> None:
                 log.warning("a chunk index failed (%s): layer %d of %s is indexed whole", exc, layer, off.owner)
                 chunks = []
             indexes.add(off.owner, layer, keys, values, train, chunks, lists)
-            layers[layer] = None            # the index set holds them now
+            item = None                     # the index set holds them now
+        copy.result()                       # a failed copy fails the sequence (its layers are dropped on release)
     finally:
         with off.lock:
             off.finished = True

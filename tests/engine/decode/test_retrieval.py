@@ -461,6 +461,45 @@ def test_the_copy_to_the_host_runs_off_the_engine_thread_and_a_release_waits_for
     assert eng.pool.num_free == free - eng.cache.resident_bytes // eng.pool.block_bytes   # the chunks stay cached
 
 
+def test_a_layer_is_indexed_as_soon_as_it_is_copied_beside_the_copy_of_the_next(tiny_dir, monkeypatch):
+    """The builder takes each layer from the copy thread as it is copied: layer 0 is in the index set while layer 1's
+    copy is held back; let go, every layer is, and the sequence decodes."""
+    import threading
+
+    from services.engine.decode import retrieval
+
+    eng = Engine.load(tiny_dir)
+    gate, held = threading.Event(), threading.Event()
+    real = retrieval.HostStaging.to_host
+    calls = []
+
+    def to_host(self, t):
+        calls.append(t.shape)
+        if len(calls) == 3:                 # layer 1's keys (layer 0's keys and values went first)
+            held.set()
+            assert gate.wait(60)
+        return real(self, t)
+
+    monkeypatch.setattr(retrieval.HostStaging, "to_host", to_host)
+    chunks, suffix = random_request(52, lengths=(50, 40), suffix_len=4)
+    _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(**SMALL), extra_tokens=2)
+    assert held.wait(60)
+    owner = seq.offload.owner
+    for _ in range(600):                    # bounded: the builder adds layer 0 within a minute
+        if eng.forward.indexes is not None and eng.forward.indexes.has(owner, 0):
+            break
+        threading.Event().wait(0.1)
+    assert eng.forward.indexes.has(owner, 0) and not eng.forward.indexes.has(owner, 1)
+    assert not seq.offload.copied.is_set()
+    gate.set()
+    seq.offload.build.result(timeout=60)
+    assert all(eng.forward.indexes.has(owner, layer) for layer in range(eng.forward.cfg.num_layers))
+    assert seq.decode.ready(seq)
+    eng.decode_step([seq], [3])
+    eng.release(seq)
+    assert owner not in eng.forward.indexes
+
+
 def test_a_staged_copy_in_pieces_on_threads_is_the_array():
     """HostStaging's host copy: pieces on several threads, a last piece short, one piece, one thread; the CPU path
     (no staging) gives the permuted tensor contiguous."""
