@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 LEVELS = 127
 
@@ -35,14 +36,26 @@ class CompactKeys:
 
 def quantize(keys: np.ndarray) -> CompactKeys:
     """``keys`` finite float32 ``[N, D]`` -> their ``CompactKeys``. A dimension that is 0 in every key (or too small
-    for a float32 step) gets codes 0 and step 0; none is NaN or infinite, whatever the keys' magnitude."""
-    wide = keys.astype(np.float64)
-    step = np.abs(wide).max(axis=0) / LEVELS                                          # [D]
+    for a float32 step) gets codes 0 and step 0; none is NaN or infinite, whatever the keys' magnitude. Each code is
+    ``clip(rint(k / step), -127, 127)`` in float64, computed in one compiled pass (``_codes``): the numpy expression
+    of it took 0.69 s a 130K-key head on one core here, widening, dividing and clipping whole copies of the keys."""
+    keys = np.ascontiguousarray(keys, np.float32)
+    step = np.abs(keys).max(axis=0).astype(np.float64) / LEVELS                      # [D] (abs and max are exact)
     safe = np.where(step > 0, step, 1.0)
-    codes = np.clip(np.rint(wide / safe), -LEVELS, LEVELS).astype(np.int8)
-    codes = np.ascontiguousarray(codes)
     step = step.astype(np.float32)
-    codes[:, step == 0] = 0                      # a step that underflows float32 scores nothing, not the rounding
+    codes = np.empty(keys.shape, np.int8)
+    _codes(keys, safe, step == 0, codes)         # a step that underflows float32 scores nothing, not the rounding
     for arr in (codes, step):
         arr.setflags(write=False)
     return CompactKeys(codes, step)
+
+
+@njit(nogil=True, cache=True)
+def _codes(keys, safe, zero, out):
+    """``out[i, d] = clip(rint(keys[i, d] / safe[d]), -LEVELS, LEVELS)`` in float64 (0 where ``zero[d]``)."""
+    for i in range(keys.shape[0]):
+        for d in range(keys.shape[1]):
+            if zero[d]:
+                out[i, d] = 0
+            else:
+                out[i, d] = np.int8(min(max(np.rint(np.float64(keys[i, d]) / safe[d]), -LEVELS), LEVELS))
