@@ -232,34 +232,29 @@ def test_a_hand_off_with_its_queries_decodes_by_retrieval_on_another_engine_as_d
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_decode_engine_uses_the_index_service_as_its_index_set(tiny_dir, dtype):
-    """Through the service, the tokens of the engine's own index set: in float32 dense decoding's; in bfloat16 (on the
-    wire and in the service: half the bytes) those of an index set holding bfloat16 in process, whose rounding can
-    flip a near tie of this random model's logits against dense decoding."""
+def test_a_decode_engine_uses_the_index_service_as_its_index_set(tiny_dir):
+    """Through the service, dense decoding's tokens, and the K/V held there as many bytes as in process. (The
+    service's bfloat16 wire and storage: tests/index/test_service.py.)"""
     from services.index import _layer
     from services.index.client import IndexClient
     from services.index.server import BackgroundIndexServer
 
-    _layer.warm(dtype)          # compiled here first: a compile in the service's background holds the GIL past deadlines
-    eng = Engine.load(tiny_dir, options=EngineOptions(index_host_dtype=dtype))
+    _layer.warm()               # compiled here first: a compile in the service's background holds the GIL past deadlines
+    eng = Engine.load(tiny_dir)
     chunks, suffix = random_request(51, lengths=(40, 37), suffix_len=5)
-    want = eng.generate(chunks, suffix, max_new_tokens=6, stop_token_ids=[], **(
-        {} if dtype == "float32" else dict(decode="retrieval", retrieval_k=4096, **SMALL)))
-    with (BackgroundIndexServer(threads=1, host_dtype=dtype) as srv,
-          IndexClient(srv.address, host_dtype=dtype) as client):
+    dense = eng.generate(chunks, suffix, max_new_tokens=6, stop_token_ids=[])
+    with BackgroundIndexServer(threads=1) as srv, IndexClient(srv.address) as client:
         eng.forward.indexes = client
         stats = {}
         _, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(retrieval_k=4096, **SMALL))
         seq.offload.build.result(timeout=60)
         cfg = eng.forward.cfg
-        # every offloaded token's K and V, 2 or 4 bytes an element
-        assert client.held()[1] == (sum(seq.offload.offloaded) * cfg.num_kv_heads * cfg.head_dim * 2
-                                    * {"float32": 4, "bfloat16": 2}[dtype])
+        # every offloaded token's K and V, 4 bytes an element
+        assert client.held()[1] == sum(seq.offload.offloaded) * cfg.num_kv_heads * cfg.head_dim * 2 * 4
         eng.release(seq)
         got = eng.generate(chunks, suffix, max_new_tokens=6, stop_token_ids=[], decode="retrieval", retrieval_k=4096,
                            stats=stats, **SMALL)
-        assert got == want and stats["keys_scanned"] > 0
+        assert got == dense and stats["keys_scanned"] > 0
         assert client.held()[0] == 0                      # released: dropped from the service too
 
 
