@@ -38,7 +38,8 @@ def quantize(keys: np.ndarray) -> CompactKeys:
     """``keys`` finite float32 ``[N, D]`` -> their ``CompactKeys``. A dimension that is 0 in every key (or too small
     for a float32 step) gets codes 0 and step 0; none is NaN or infinite, whatever the keys' magnitude. Each code is
     ``clip(rint(k / step), -127, 127)`` in float64, computed in one compiled pass (``_codes``): the numpy expression
-    of it took 0.69 s a 130K-key head on one core here, widening, dividing and clipping whole copies of the keys."""
+    of it, which widens, divides and clips whole copies of the keys, took 0.202 s a 130,048-key head of 128 dims on
+    one core of this repository's machine, against 0.061 (medians of five, alternated in one process)."""
     keys = np.ascontiguousarray(keys, np.float32)
     step = np.abs(keys).max(axis=0).astype(np.float64) / LEVELS                      # [D] (abs and max are exact)
     safe = np.where(step > 0, step, 1.0)
