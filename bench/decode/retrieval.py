@@ -205,7 +205,8 @@ def main() -> int:
                "max_position_embeddings": cfg.max_position_embeddings,
                "sink_tokens": args.sink, "window_tokens": args.window, "weight_bytes": weight_bytes,
                "distinct_chunks": args.distinct or None, "repair_queries": args.repair_queries,
-               "scan_share": None if args.no_scan else SCAN_SHARE, "host_dtype": args.host_dtype, "index_threads": len(os.sched_getaffinity(0)),
+               "scan_share": None if args.no_scan else SCAN_SHARE, "host_dtype": args.host_dtype,
+               "index_threads": len(os.sched_getaffinity(0)),
                "copy_bandwidth_gb_s": 1e-9 / floor_per_byte, "rows": []}
     print(f"{results['device']}, {results['cpu_cores']} CPU cores: copy bandwidth {1e-9 / floor_per_byte:.0f} GB/s",
           flush=True)

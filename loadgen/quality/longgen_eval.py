@@ -237,7 +237,8 @@ def run_longgen_eval(model_dir: str, n_prompts: int, modes: list[DecodeMode], se
         raise ValueError(f"--questions must be in 1..{LongGenConfig().questions}")
     if dense_layers < 0:
         raise ValueError("--dense-layers must be at least 0")
-    engine = load_engine(model_dir, device, engine_options={"options": EngineOptions(index_host_dtype=index_host_dtype)})
+    options = EngineOptions(index_host_dtype=index_host_dtype)
+    engine = load_engine(model_dir, device, engine_options={"options": options})
     prompts = longgen_heldout(seed, n_prompts, LongGenConfig(questions=questions))
     if prefill not in ("full", "tessera"):
         raise ValueError(f"--prefill must be full or tessera, got {prefill!r}")

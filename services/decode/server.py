@@ -299,9 +299,10 @@ async def create_server(name: str, engine: EngineSettings, store_addresses: list
         from services.index.client import IndexClient   # numba loads with it
 
         # before the warm-up and the first request: the engine makes its own index set only when it has none
-        eng.forward.indexes = RemoteIndexes(IndexClient(index_address, timeout=settings.index_search_timeout_s,
-                                                        offload_timeout=settings.index_offload_timeout_s,
-                                                        tls=cluster_tls, host_dtype=eng.forward.options.index_host_dtype))
+        client = IndexClient(index_address, timeout=settings.index_search_timeout_s,
+                             offload_timeout=settings.index_offload_timeout_s, tls=cluster_tls,
+                             host_dtype=eng.forward.options.index_host_dtype)
+        eng.forward.indexes = RemoteIndexes(client)
     if settings.warmup_tokens:
         sparse = None if settings.warmup_sparse else []       # None: Quest's and Retro's defaults
         warm = await warm_up(name, functools.partial(warm_decode, sparse=sparse), eng, settings.max_batch,

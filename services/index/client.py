@@ -54,8 +54,9 @@ class IndexClient:
 
     def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray,
             chunks=(), lists: np.ndarray | None = None) -> int:
-        """As ``IndexSet.add`` (``lists`` travel as int32); returns the indexes' bytes. The chunks' indexes are put first where this client has
-        not put them yet, and again, once, when the service answers that it no longer holds one (evicted)."""
+        """As ``IndexSet.add`` (``lists`` travel as int32); returns the indexes' bytes. The chunks' indexes are put
+        first where this client has not put them yet, and again, once, when the service answers that it no longer holds
+        one (evicted)."""
         keys, values = (half.stored(a, self.host_dtype) for a in (keys, values))
         train = np.ascontiguousarray(train_queries, "<f4")
         arrays = [keys, values, train] + ([] if lists is None else [np.ascontiguousarray(lists, "<i4")])

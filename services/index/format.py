@@ -41,8 +41,9 @@ class IndexFormatError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class IndexParts:
-    """What a blob holds: keys ``[N, D]`` (float32, or bfloat16 bits: uint16), the CSR graph (offsets int64 ``[N + 1]``, targets int32
-    ``[E]``), the keys a search starts from (entries int64) and the build options as a JSON object."""
+    """What a blob holds: keys ``[N, D]`` (float32, or bfloat16 bits: uint16), the CSR graph (offsets int64
+    ``[N + 1]``, targets int32 ``[E]``), the keys a search starts from (entries int64) and the build options as a JSON
+    object."""
 
     keys: np.ndarray
     offsets: np.ndarray
@@ -101,7 +102,8 @@ def decode(blob: bytes) -> IndexParts:
     if code not in KEY_DTYPES:
         raise IndexFormatError(f"key dtype code is {code}, this build reads {sorted(KEY_DTYPES)}")
     wire, dtype = KEY_DTYPES[code]
-    payload = unsealed(view, _HEADER.size, [config_len, np.dtype(wire).itemsize * n * d, 8 * (n + 1), 4 * e, 8 * n_entries], "index")
+    sizes = [config_len, np.dtype(wire).itemsize * n * d, 8 * (n + 1), 4 * e, 8 * n_entries]
+    payload = unsealed(view, _HEADER.size, sizes, "index")
     try:
         config = json.loads(bytes(payload[0]))
     except ValueError as exc:

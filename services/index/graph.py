@@ -221,10 +221,10 @@ class AttentionIndex:
     def attend(self, queries, values: np.ndarray, k: int, scale: float, *, beam: int | None = None,
                compact: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Attention of each query ``[B, D]`` over its top-``k`` keys (searched as ``search`` does) with
-        ``values`` ``[num_keys, Dv]`` (row i: key i's value; float32 or bfloat16 bits): out float32 ``[B, Dv]``, lse float32 ``[B]``
-        (natural log of the summed exp of the scaled scores q.k * scale) and scanned int64 ``[B]``. One compiled
-        call without the GIL; the scores are the exact ones of the search's rescore. ``k >= num_keys`` attends every key,
-        exactly."""
+        ``values`` ``[num_keys, Dv]`` (row i: key i's value; float32 or bfloat16 bits): out float32 ``[B, Dv]``, lse
+        float32 ``[B]`` (natural log of the summed exp of the scaled scores q.k * scale) and scanned int64 ``[B]``. One
+        compiled call without the GIL; the scores are the exact ones of the search's rescore. ``k >= num_keys`` attends
+        every key, exactly."""
         queries = _matrix("queries", queries, dim=self.dim, allow_empty=True)
         values = self._values(values)
         k, beam = self._beam(k, beam)

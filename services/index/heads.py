@@ -149,13 +149,14 @@ class IndexSet:
     def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray,
             chunks: Sequence[tuple[str, ChunkIndex]] = (), lists: np.ndarray | None = None) -> int:
         """keys, values float32 [Hkv, N, D], or bfloat16 bits (uint16: ``half.py``), held as ``host_dtype``;
-        train_queries float32 [Hkv, M, D] (queries in the keys' frame, per the KV head they read). N may be 0 (nothing offloaded at this layer: searches of it return nothing). ``chunks``:
-        (chunk id, its ``ChunkIndex``) of the shared chunks whose keys come first, whole and in order; the keys after
-        them get a graph built here from ``train_queries`` (M may be 0 when the chunks cover every key), and each
-        head's index composes the chunks' graphs at this layer with it (``AttentionIndex.compose``). Replaces what the
-        owner had at that layer; returns the indexes' bytes. ``lists``: int [Hkv, M, >= P], each training query's exact
-        top keys among all N by inner product, best first, computed where the keys were (the GPU), so that neither
-        the build nor a composition's repair searches them here (``build.given_lists``)."""
+        train_queries float32 [Hkv, M, D] (queries in the keys' frame, per the KV head they read). N may be 0 (nothing
+        offloaded at this layer: searches of it return nothing). ``chunks``: (chunk id, its ``ChunkIndex``) of the
+        shared chunks whose keys come first, whole and in order; the keys after them get a graph built here from
+        ``train_queries`` (M may be 0 when the chunks cover every key), and each head's index composes the chunks'
+        graphs at this layer with it (``AttentionIndex.compose``). Replaces what the owner had at that layer; returns
+        the indexes' bytes. ``lists``: int [Hkv, M, >= P], each training query's exact top keys among all N by inner
+        product, best first, computed where the keys were (the GPU), so that neither the build nor a composition's
+        repair searches them here (``build.given_lists``)."""
         keys, values = np.asarray(keys), half.stored(values, self.host_dtype)
         if keys.dtype != half.BITS:
             keys = np.ascontiguousarray(keys, np.float32)

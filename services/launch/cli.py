@@ -42,8 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "in their own memory")
     up.add_argument("--index-host-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="how decode='retrieval' sequences' offloaded keys and values are held on the host and sent to "
-                         "the index service: float32 (default) or bfloat16, half the bytes (512K tokens of an 8B model: "
-                         "69 GB against 137), the keys rounded once more")
+                         "the index service: float32 (default) or bfloat16, half the bytes (512K tokens of an 8B "
+                         "model: 69 GB against 137), the keys rounded once more")
     up.add_argument("--handoff-transport", choices=("auto", "nixl", "grpc"), default="auto",
                     help="how a hand-off's K/V reach a decode worker on another GPU or host: nixl (read over NIXL/UCX, "
                          "checked on landing; the gRPC stream when NIXL cannot load, reported in Stats), grpc (in the "

@@ -109,8 +109,8 @@ def test_every_variable_is_read_in_one_place_and_listed_in_the_readme():
 
 
 def test_a_worker_loads_its_engine_with_the_index_host_dtype_it_is_given(tiny_model):
-    """EngineSettings.index_host_dtype (ClusterConfig's, ``tessera up --index-host-dtype``) reaches the engine's options,
-    beside what the environment turned off."""
+    """EngineSettings.index_host_dtype (ClusterConfig's, ``tessera up --index-host-dtype``) reaches the engine's
+    options, beside what the environment turned off."""
     from services.cluster.config import EngineSettings
 
     for dtype in ("float32", "bfloat16"):

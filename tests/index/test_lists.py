@@ -104,7 +104,7 @@ def test_lists_over_the_wire_answer_as_in_process_and_bad_ones_are_refused():
     hkv, n, d, m = 2, 400, 16, 60
     keys, values, train = _normal(9, (hkv, n, d)), _normal(10, (hkv, n, d)), _normal(11, (hkv, m, d))
     lists = np.stack([exact_lists(keys[h], train[h], 100, 1) for h in range(hkv)]).astype(np.int32)
-    _layer.warm()               # compiled here first: a compile in the service's background holds the GIL past deadlines
+    _layer.warm()               # compiled first: a compile in the service's background holds the GIL past deadlines
     local = IndexSet(threads=2)          # as the service's: how a call is cut in pieces follows the threads
     with BackgroundIndexServer(threads=2) as srv, IndexClient(srv.address) as client:
         local.add("s", 0, keys, values, train, lists=lists)

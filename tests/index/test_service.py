@@ -126,7 +126,7 @@ def test_bfloat16_on_the_wire_and_in_the_service_answers_what_an_index_set_holdi
     and an unknown kv_dtype are refused and store nothing."""
     from services.index import _layer, half
 
-    _layer.warm("bfloat16")     # compiled here first: a compile in the service's background holds the GIL past deadlines
+    _layer.warm("bfloat16")     # compiled first: a compile in the service's background holds the GIL past deadlines
     keys, values, train = _data(11)
     q = np.random.default_rng(12).standard_normal((2, HQ, D)).astype(np.float32)
     local = IndexSet(threads=1, host_dtype="bfloat16")
@@ -137,7 +137,8 @@ def test_bfloat16_on_the_wire_and_in_the_service_answers_what_an_index_set_holdi
         wide.add("seq-w", 0, keys, values, train)
         for k in (5, 10_000):
             want = local.attend(0, ["seq-a", "seq-a"], q, k, 0.25)
-            for got in (narrow.attend(0, ["seq-a", "seq-a"], q, k, 0.25), wide.attend(0, ["seq-w", "seq-w"], q, k, 0.25)):
+            for got in (narrow.attend(0, ["seq-a", "seq-a"], q, k, 0.25),
+                        wide.attend(0, ["seq-w", "seq-w"], q, k, 0.25)):
                 np.testing.assert_array_equal(got.out, want.out)
                 np.testing.assert_array_equal(got.lse, want.lse)
         assert local.held()[1] == keys.nbytes                            # keys and values in 2 bytes each

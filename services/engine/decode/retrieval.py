@@ -311,10 +311,10 @@ def _copy(fwd, off: Offload, layers: list, after, copied_layers: queue.SimpleQue
     """The copy thread: each layer's offloaded keys (rotated to their global positions, as the attention kernels do)
     and values, [Hkv, N, D] on the host in the dtype the index set holds them (float32, or bfloat16 rounded on the
     device: ``IndexSet.host_dtype``), and each training query's exact top keys among them (``exact_lists``: ranked
-    where the keys are, not by the index builds on the host), on the copy stream of the GPU, which starts after ``after`` (the
-    engine's stream when the sequence started); stops early when the sequence is released. Puts each layer for the
-    builder on ``copied_layers`` as it is copied (keys, values, training queries, chunk runs, exact lists or None),
-    then None however it ends; ``off.copied`` is set however it ends."""
+    where the keys are, not by the index builds on the host), on the copy stream of the GPU, which starts after
+    ``after`` (the engine's stream when the sequence started); stops early when the sequence is released. Puts each
+    layer for the builder on ``copied_layers`` as it is copied (keys, values, training queries, chunk runs, exact
+    lists or None), then None however it ends; ``off.copied`` is set however it ends."""
     pool, model = fwd.pool, fwd.model
     held = torch.bfloat16 if fwd.indexes.host_dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
@@ -332,7 +332,8 @@ def _copy(fwd, off: Offload, layers: list, after, copied_layers: queue.SimpleQue
                 k = rotate(pool.k[layer][blocks, slots].float(), cos[:, None, :], sin[:, None, :]).to(held)
                 v = pool.v[layer][blocks, slots].to(held)                                           # [N, Hkv, D]
                 k = k.permute(1, 0, 2)
-                lists = None if train_dev is None or not train_dev.shape[1] or not k.shape[1] else exact_lists(k, train_dev)
+                ranked = train_dev is not None and train_dev.shape[1] and k.shape[1]
+                lists = exact_lists(k, train_dev) if ranked else None
                 copied_layers.put((staging.to_host(k), staging.to_host(v.permute(1, 0, 2)), train, runs, lists))
                 layers[layer] = None        # (the copies waited for this stream: nothing of it is in flight)
     finally:

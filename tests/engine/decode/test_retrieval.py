@@ -239,7 +239,7 @@ def test_a_decode_engine_uses_the_index_service_as_its_index_set(tiny_dir):
     from services.index.client import IndexClient
     from services.index.server import BackgroundIndexServer
 
-    _layer.warm()               # compiled here first: a compile in the service's background holds the GIL past deadlines
+    _layer.warm()               # compiled first: a compile in the service's background holds the GIL past deadlines
     eng = Engine.load(tiny_dir)
     chunks, suffix = random_request(51, lengths=(40, 37), suffix_len=5)
     dense = eng.generate(chunks, suffix, max_new_tokens=6, stop_token_ids=[])
