@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.index import half
+from services.index.build import BuildConfig
 from services.index.chunks import ChunkIndexCache
 from services.kvstore.chunk import CHUNK_ID_RE as CHUNK_ID     # a chunk index is named by its chunk's store id
 from services.index.heads import IndexSet
@@ -99,10 +100,12 @@ def check_offload_header(h: pb.OffloadHeader) -> tuple[tuple[int, ...], tuple[in
     if kv[1] > covered and train[1] < 1:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "offloaded keys outside the chunks need a training query")
     lists = tuple(h.lists_shape)
-    if lists and (len(lists) != 3 or lists[:2] != train[:2] or not 1 <= lists[2] <= max(1, min(kv[1], MAX_LIST))):
+    least = max(1, min(kv[1], QUERY_NEIGHBORS))         # the keys a build links a training query to
+    most = max(least, min(kv[1], MAX_LIST))
+    if lists and (len(lists) != 3 or lists[:2] != train[:2] or not least <= lists[2] <= most):
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"lists_shape must be [Hkv, M, P] with Hkv, M of train_shape and P in 1..{MAX_LIST} (at most N), "
-                      f"got {list(lists)}")
+                      f"lists_shape must be [Hkv, M, P] with Hkv, M of train_shape and P in {least}..{MAX_LIST} (at "
+                      f"most N), got {list(lists)}")
     if offload_bytes(kv, train, kv_dtype, lists) > MAX_OFFLOAD_BYTES:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"an offload is at most {MAX_OFFLOAD_BYTES} bytes")
     return kv, train, kv_dtype, lists
@@ -148,8 +151,9 @@ async def _stream(request_iterator, what: str, size_of) -> tuple:
 KV_WIRE = {half.FLOAT32: "<f4", half.BFLOAT16: "<u2"}
 
 
-# exact lists an offload may carry a training query (the index's query_neighbors is 100)
+# exact lists an offload may carry a training query: at least the build's query_neighbors (or every key), at most this
 MAX_LIST = 1024
+QUERY_NEIGHBORS = BuildConfig().query_neighbors
 
 
 def offload_bytes(kv, train, kv_dtype: str = half.FLOAT32, lists=()) -> int:
@@ -210,8 +214,11 @@ class IndexServicer(pb_grpc.RetrievalIndexServicer):
         self._writing.add(key)
         try:
             t0 = time.perf_counter()
-            graph = await asyncio.to_thread(self.indexes.add, header.owner, header.layer, keys, values, queries, chunks,
-                                            lists)
+            try:
+                graph = await asyncio.to_thread(self.indexes.add, header.owner, header.layer, keys, values, queries,
+                                                chunks, lists)
+            except ValueError as exc:       # what the checks above let through and the index set refuses
+                return await self._refuse(context, Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
             took = time.perf_counter() - t0
         finally:
             self._writing.discard(key)
