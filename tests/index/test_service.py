@@ -130,8 +130,11 @@ def test_bfloat16_on_the_wire_and_in_the_service_answers_what_an_index_set_holdi
     keys, values, train = _data(11)
     q = np.random.default_rng(12).standard_normal((2, HQ, D)).astype(np.float32)
     local = IndexSet(threads=1, host_dtype="bfloat16")
+    # NOTE: deadlines of minutes: on a clean machine the first calls compile numba loops, the GIL held, while the
+    # other test worker takes the second core (CI saw 30 s pass)
     with (BackgroundIndexServer(threads=2, host_dtype="bfloat16") as srv,
-          IndexClient(srv.address, host_dtype="bfloat16") as narrow, IndexClient(srv.address) as wide):
+          IndexClient(srv.address, host_dtype="bfloat16", timeout=300) as narrow,
+          IndexClient(srv.address, timeout=300) as wide):
         local.add("seq-a", 0, keys, values, train)
         narrow.add("seq-a", 0, keys, values, train)
         wide.add("seq-w", 0, keys, values, train)
