@@ -17,16 +17,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from services.index.compact import quantize  # noqa: E402
-
-
-def twin(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    wide = keys.astype(np.float64)
-    step = np.abs(wide).max(axis=0) / 127
-    codes = np.clip(np.rint(wide / np.where(step > 0, step, 1.0)), -127, 127).astype(np.int8)
-    step = step.astype(np.float32)
-    codes[:, step == 0] = 0
-    return codes, step
+from services.index.compact import quantize, quantize_twin as twin  # noqa: E402
 
 
 def main() -> int:

@@ -51,6 +51,17 @@ def quantize(keys: np.ndarray) -> CompactKeys:
     return CompactKeys(codes, step)
 
 
+def quantize_twin(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize``'s codes and steps in plain numpy, float64 throughout: what its compiled pass must give, bit for bit
+    (tests/index/test_compact.py; bench/index/quantize.py times the two)."""
+    wide = keys.astype(np.float64)
+    step = np.abs(wide).max(axis=0) / LEVELS
+    codes = np.clip(np.rint(wide / np.where(step > 0, step, 1.0)), -LEVELS, LEVELS).astype(np.int8)
+    step = step.astype(np.float32)
+    codes[:, step == 0] = 0
+    return codes, step
+
+
 @njit(nogil=True, cache=True)
 def _codes(keys, safe, zero, out):
     """``out[i, d] = clip(rint(keys[i, d] / safe[d]), -LEVELS, LEVELS)`` in float64 (0 where ``zero[d]``)."""

@@ -11,7 +11,7 @@ from services.index import AttentionIndex
 from services.index._search import search_attend, search_batch
 from services.index._search_group import search_attend_group, search_group_batch
 from services.index.build import Graph
-from services.index.compact import quantize
+from services.index.compact import quantize, quantize_twin
 
 from .helpers import exact_attention
 
@@ -127,16 +127,6 @@ def test_the_codes_are_the_keys_own_after_a_round_trip():
     assert index.nbytes == keys.nbytes + index.compact.nbytes + index.graph.offsets.nbytes + index.graph.targets.nbytes
 
 
-def _quantize_twin(keys: np.ndarray):
-    """The codes and steps in plain numpy, float64 throughout: what ``quantize``'s compiled pass must give."""
-    wide = keys.astype(np.float64)
-    step = np.abs(wide).max(axis=0) / 127
-    codes = np.clip(np.rint(wide / np.where(step > 0, step, 1.0)), -127, 127).astype(np.int8)
-    step = step.astype(np.float32)
-    codes[:, step == 0] = 0
-    return codes, step
-
-
 @pytest.mark.parametrize("scale", [1e-42, 1e-30, 1e-3, 1.0, 1e30])
 def test_quantize_is_its_numpy_twin_bit_for_bit(scale):
     keys = _normal(11, (777, 37)) * np.float32(scale)
@@ -144,7 +134,7 @@ def test_quantize_is_its_numpy_twin_bit_for_bit(scale):
     keys[:, 5] = keys[0, 5]                           # a constant one
     keys[:5, 7] = [127.0, 0.5, -0.5, 1.5, -127.0]     # ties of rint (half to even) once scaled by the step
     got = quantize(keys)
-    codes, step = _quantize_twin(keys)
+    codes, step = quantize_twin(keys)
     np.testing.assert_array_equal(got.codes, codes)
     np.testing.assert_array_equal(got.step, step)
     assert not got.codes.flags.writeable and not got.step.flags.writeable
