@@ -18,7 +18,8 @@ import torch
 
 from kernels.options import using
 from kernels.paged_attention import MAX_BLOCK_ID, MAX_BLOCK_SIZE, MAX_OFFSET, check_encodable
-from services.engine.decode import HANDOFF_QUERIES, DecodePolicy, QueryTap, clear_window, policy_for
+from services.engine.decode import (HANDOFF_QUERIES, DecodePolicy, QueryTap, RetrievalDecode, clear_window,
+                                    policy_for)
 from services.engine.kv.block_pool import BlockPool, block_bytes
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.chunk_cache import ChunkCache, chunk_id
@@ -296,9 +297,12 @@ class Engine:
         positions now)."""
         policy = decode if isinstance(decode, DecodePolicy) else self.decode_policy(decode, **decode_params)
         chunks, suffix, ids, scope = self._validate(chunks, suffix, mode, recompute_ratio, extra_tokens=extra_tokens)
-        # a retrieval index is built from the pass's queries
-        logits, seq, _ = self._tapped_prefill(QueryTap() if policy.taps_queries else None, chunks, suffix, mode,
-                                              float(recompute_ratio), ids=ids, scope=scope)
+        if self._layered(policy, mode, chunks, suffix):
+            logits, seq = self._layered_prefill(chunks, suffix, policy)
+        else:
+            # a retrieval index is built from the pass's queries
+            logits, seq, _ = self._tapped_prefill(QueryTap() if policy.taps_queries else None, chunks, suffix, mode,
+                                                  float(recompute_ratio), ids=ids, scope=scope)
         try:
             self.start_decode(seq, policy)
         except BaseException:
@@ -434,6 +438,34 @@ class Engine:
         if fwd.chunk_indexes is None:
             fwd.chunk_indexes = ChunkIndexCache(self.options.chunk_index_bytes)
         fwd.chunk_indexes.put(chunk_id, index)
+
+    def _layered(self, policy: DecodePolicy, mode: str, chunks, suffix) -> bool:
+        """Whether this request is prefilled layer by layer (passes/layered.py; ``EngineOptions.layered_prefill``): a
+        retrieval decode that retrieves keys, in mode ``full``, "always" or when its context needs more blocks than the
+        pool can give it now ("auto"). Such a context in another mode is refused: ValueError saying so."""
+        choice = self.options.layered_prefill
+        if not (isinstance(policy, RetrievalDecode) and policy.retrieval_k) or choice == "never":
+            return False
+        tokens = sum(map(len, chunks)) + len(suffix)
+        need, available = -(-tokens // self.block_size), self.cache.available_blocks()
+        if mode != "full":
+            if choice == "auto" and need > available:
+                raise ValueError(f"a context of {tokens} tokens needs {need} KV blocks, the pool can give {available}: "
+                                 "decode='retrieval' serves one larger than the pool in mode 'full' (every token "
+                                 f"computed, layer by layer), not in mode {mode!r}")
+            return False
+        return choice == "always" or need > available
+
+    def _layered_prefill(self, chunks, suffix, policy) -> tuple[torch.Tensor, Sequence]:
+        from services.engine.passes.layered import layered_prefill
+
+        stats = PrefillStats(mode="full", recompute_ratio=0.0, check_layer=self.blend.check_layer, chunks=len(chunks),
+                             chunk_tokens=sum(map(len, chunks)), suffix_tokens=len(suffix))
+        t0 = time.perf_counter()
+        logits, seq = layered_prefill(self.forward, [t for c in chunks for t in c] + list(suffix), policy,
+                                      QueryTap(), stats)
+        stats.total_seconds = time.perf_counter() - t0
+        return logits, seq
 
     def _tapped_prefill(self, tap: QueryTap | None, *args, **kwargs):
         """``_prefill(*args, **kwargs)`` with ``tap`` (None: none) taking the pass's queries; the sequence keeps

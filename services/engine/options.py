@@ -17,6 +17,9 @@ from services.checks import check_bool, check_instance, check_int, check_str
 from services.env import flag
 
 
+LAYERED_PREFILL = ("auto", "always", "never")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
     """skinny_gemm: projections of few rows (short passes, decode steps) on the weight-streaming Triton GEMM
@@ -35,7 +38,11 @@ class EngineOptions:
     their rotation; services/index/half.py): 512K tokens of an 8B-shaped model need 137 GB in float32, 69 in bfloat16.
     chunk_indexes: a retrieval sequence reuses each shared chunk's own index graphs (built once per chunk, in its
     frame: services/index/chunks.py), kept in host memory up to ``chunk_index_bytes``; off, every sequence builds one
-    index over all its offloaded keys."""
+    index over all its offloaded keys.
+    layered_prefill: when a retrieval sequence in mode ``full`` is prefilled layer by layer, one layer's K/V at a time
+    outside the pool, its static set alone kept in the pool (passes/layered.py): "auto" when its context's blocks are
+    more than the pool can give it now (the free blocks and the chunk cache's unpinned ones), "always", or "never"
+    (such a context then fails as any request the pool cannot hold)."""
 
     skinny_gemm: bool = True
     reuse_graph: bool = True
@@ -45,6 +52,7 @@ class EngineOptions:
     index_host_dtype: str = "float32"
     chunk_indexes: bool = True
     chunk_index_bytes: int = 4 << 30
+    layered_prefill: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("skinny_gemm", "reuse_graph", "blend_graph"):
@@ -54,6 +62,7 @@ class EngineOptions:
         check_str("EngineOptions.index_host_dtype", self.index_host_dtype, choices=("float32", "bfloat16"))
         check_bool("EngineOptions.chunk_indexes", self.chunk_indexes)
         check_int("EngineOptions.chunk_index_bytes", self.chunk_index_bytes, 0)
+        check_str("EngineOptions.layered_prefill", self.layered_prefill, choices=LAYERED_PREFILL)
 
     @classmethod
     def from_env(cls, environ=None) -> "EngineOptions":

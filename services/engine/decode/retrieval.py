@@ -71,7 +71,7 @@ HANDOFF_QUERIES = 256
 CHUNK_QUERY_SHIFTS = (0.0, 1 / 32, 1 / 8, 1 / 2)
 
 _owners = itertools.count()
-_COPY_STREAMS: dict = {}       # the copy thread's CUDA stream a GPU (as kv/loader.py keeps one load stream a GPU)
+COPY_STREAMS: dict = {}       # the copy thread's CUDA stream a GPU (as kv/loader.py keeps one load stream a GPU)
 log = logging.getLogger(__name__)
 
 
@@ -99,7 +99,8 @@ class RetrievalDecode(DecodePolicy):
         check_int("window_tokens", self.window_tokens, 0)
 
     def prepare(self, fwd, seq) -> None:
-        offload(fwd, seq, self)
+        if seq.offload is None:        # a layer-major pass (passes/layered.py) offloaded it as it ran
+            offload(fwd, seq, self)
 
     def begin(self, fwd, seqs):
         return RetrievalStep(self, fwd, seqs)
@@ -190,16 +191,14 @@ class Offload:
 def offload(fwd, seq, policy: RetrievalDecode) -> None:
     """Split each layer's table into the static pages and the offloaded tokens, and hand the latter (keys at global
     positions, values, the tapped queries, and the graphs of the shared chunks wholly among them) to the index set."""
-    if fwd.indexes is None and policy.retrieval_k:
-        from services.index.heads import IndexSet   # numba and faiss load with the first retrieval sequence
-
-        fwd.indexes = IndexSet(threads=fwd.options.index_threads, host_dtype=fwd.options.index_host_dtype)
+    if policy.retrieval_k:
+        index_set(fwd)
     layers: list = []   # per layer, what the builder thread adds: keys, values [Hkv, N, D], queries [Hkv, M, D], runs
     pool, bs = fwd.pool, fwd.bs
     hq, hkv = fwd.cfg.num_heads, fwd.cfg.num_kv_heads
     g = hq // hkv
     prompt = seq.next_pos
-    owner = f"seq{next(_owners)}"
+    owner = new_owner()
     off = Offload(owner)
     bits = torch.arange(bs, device=fwd.device, dtype=torch.int64)
     split: dict[int, tuple] = {}   # per distinct table object: (static entries, offloaded blocks, slots, offsets, runs)
@@ -276,6 +275,20 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
     off.build = _builder(fwd).submit(_build, fwd.indexes, off, copy, copied_layers)
 
 
+def index_set(fwd):
+    """The engine's index set (services/index/heads.py IndexSet), made with its first retrieval sequence."""
+    if fwd.indexes is None:
+        from services.index.heads import IndexSet   # numba and faiss load with the first retrieval sequence
+
+        fwd.indexes = IndexSet(threads=fwd.options.index_threads, host_dtype=fwd.options.index_host_dtype)
+    return fwd.indexes
+
+
+def new_owner() -> str:
+    """A retrieval sequence's name in the index set, unique in the process."""
+    return f"seq{next(_owners)}"
+
+
 # NOTE: the scores of one query block against a KV head's keys are at most this many elements (1 GiB of fp32)
 LIST_BLOCK_ELEMENTS = 1 << 28
 
@@ -318,7 +331,7 @@ def _copy(fwd, off: Offload, layers: list, after, copied_layers: queue.SimpleQue
     pool, model = fwd.pool, fwd.model
     held = torch.bfloat16 if fwd.indexes.host_dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
-    stream = None if after is None else _COPY_STREAMS.get(fwd.device) or _COPY_STREAMS.setdefault(
+    stream = None if after is None else COPY_STREAMS.get(fwd.device) or COPY_STREAMS.setdefault(
         fwd.device, torch.cuda.Stream(fwd.device))
     try:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -329,17 +342,27 @@ def _copy(fwd, off: Offload, layers: list, after, copied_layers: queue.SimpleQue
                 if off.cancelled:
                     break
                 cos, sin = rope_cos_sin(offsets, model.inv_freq)
-                k = rotate(pool.k[layer][blocks, slots].float(), cos[:, None, :], sin[:, None, :]).to(held)
-                v = pool.v[layer][blocks, slots].to(held)                                           # [N, Hkv, D]
-                k = k.permute(1, 0, 2)
-                ranked = train_dev is not None and train_dev.shape[1] and k.shape[1]
-                lists = exact_lists(k, train_dev) if ranked else None
-                copied_layers.put((staging.to_host(k), staging.to_host(v.permute(1, 0, 2)), train, runs, lists))
+                k = rotate(pool.k[layer][blocks, slots].float(), cos[:, None, :], sin[:, None, :])
+                copied_layers.put(host_layer(k, pool.v[layer][blocks, slots], train, train_dev, runs, held, staging))
                 layers[layer] = None        # (the copies waited for this stream: nothing of it is in flight)
     finally:
         off.seconds["keys"] = time.perf_counter() - t0
         off.copied.set()
         copied_layers.put(None)
+
+
+def host_layer(k: torch.Tensor, v: torch.Tensor, train: np.ndarray, train_dev: torch.Tensor | None, runs: list,
+               held: torch.dtype, staging: "HostStaging") -> tuple:
+    """What the builder takes of one layer (``_build``): its offloaded keys (at their global positions) and values,
+    [N, Hkv, D] on the device, to the host as [Hkv, N, D] in ``held`` (the index set's dtype), beside the training
+    queries (host ``train``, device ``train_dev`` [Hkv, M, D] or None), the chunk runs, and each training query's
+    exact top keys (``exact_lists``, ranked on the device; None without queries or keys). On the current stream,
+    which the host copies wait for."""
+    k = k.to(held).permute(1, 0, 2)
+    v = v.to(held).permute(1, 0, 2)
+    ranked = train_dev is not None and train_dev.shape[1] and k.shape[1]
+    lists = exact_lists(k, train_dev) if ranked else None
+    return staging.to_host(k), staging.to_host(v), train, runs, lists
 
 
 # NOTE: threads that copy a staged layer into its host array (bench/decode/host_copy.py): the host copy, not the

@@ -115,6 +115,10 @@ class ChunkCache:
             self.overflows += 1
         return self.pool.allocate(n_blocks, contiguous=contiguous)
 
+    def available_blocks(self) -> int:
+        """Blocks an allocation could have now: the free ones and those of unpinned entries (evicted for it)."""
+        return self.pool.num_free + sum(len(e.blocks) for e in self._entries.values() if e.refs == 0)
+
     def insert(self, key: str, blocks: list[int], length: int, base: int = 0, kind: str = "chunk") -> ChunkEntry:
         """Register freshly written blocks under ``key``; returned pinned (refs = 1)."""
         if key in self._entries:

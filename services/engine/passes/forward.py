@@ -280,7 +280,7 @@ class Forward:
     def _prefill_dense(self, chunks, suffix, mode, stats, scope: str = ""):
         """full: every token computed, nothing cached. prefix: reuse the longest cached chunk prefix,
         compute the rest in context and cache each new chunk under the hash of its whole prefix."""
-        dev, pinned, tables, start = self.device, [], [], 0
+        pinned, tables, start = [], [], 0
         keys, h_prefix = [], None
         if mode == "prefix":
             for c in chunks:
@@ -298,8 +298,21 @@ class Forward:
                 start += entry.length
                 n_hit += 1
         stats.chunk_hits, stats.chunk_misses = n_hit, len(chunks) - n_hit
-        t0 = time.perf_counter()
         runs, private = [], []
+        try:
+            return self._dense_pass(chunks, suffix, mode, stats, keys, pinned, tables, start, n_hit, runs, private)
+        except BaseException:   # (e.g. the pool short of blocks for the suffix): nothing of the request is kept
+            cached = {b for entry in pinned for b in entry.blocks}
+            for entry in pinned:
+                self.cache.release(entry)
+            self.pool.free(sorted(set(private) | {b for r in runs for b in r[2] if b not in cached}))
+            raise
+
+    def _dense_pass(self, chunks, suffix, mode, stats, keys, pinned, tables, start, n_hit, runs, private):
+        """``_prefill_dense`` once its cached prefix is found: ``runs`` and ``private`` list the blocks it takes as
+        it takes them (the caller frees them if it fails)."""
+        dev = self.device
+        t0 = time.perf_counter()
         # new chunks each get their own blocks (cacheable in prefix mode); the suffix gets private ones
         for i, c in enumerate(chunks[n_hit:], start=n_hit):
             pos = torch.arange(start, start + len(c), device=dev)
