@@ -148,7 +148,7 @@ def main() -> int:
     for name, eng in engines.items():
         t0 = time.perf_counter()
         warm = torch.randint(0, 128000, (args.warm_context,), generator=g).tolist()
-        eng.generate([warm[:-64]], warm[-64:], max_new_tokens=3, mode="full", decode=policy, stop_token_ids=[])
+        run(eng, [warm[:-64]], warm[-64:], policy, 3)
         print(f"  {name} warmed in {time.perf_counter() - t0:.1f} s", flush=True)
     logits = {}
     for name in args.order.split(","):
