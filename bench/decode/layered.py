@@ -106,7 +106,7 @@ def main() -> int:
     ap.add_argument("--max-positions", type=int, default=None)
     ap.add_argument("--host-dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--repair-queries", type=int, default=256)
-    ap.add_argument("--warm-context", type=int, default=8192,
+    ap.add_argument("--warm-context", type=int, default=4096,
                     help="a request of this many tokens on each engine first (compiles the kernels and numba loops)")
     ap.add_argument("--no-dense", action="store_true", help="leave out the dense prefill peer")
     args = ap.parse_args()
@@ -131,7 +131,7 @@ def main() -> int:
     torch.cuda.empty_cache()
     rate = gemm_flops_per_second()
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 128000, (args.context,), generator=g).tolist()
+    ids = torch.randint(0, 128000, (args.context - args.steps - 4,), generator=g).tolist()   # and its steps: context
     chunks, suffix = [ids[:-64]], ids[-64:]
     policy = RetrievalDecode(retrieval_k=args.k, sink_tokens=args.sink, window_tokens=args.window)
     need_gib = args.context * engines["layered"].pool.block_bytes / engines["layered"].block_size / 2**30
