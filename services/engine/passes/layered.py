@@ -17,9 +17,9 @@ layer 0, then every token through layer 1, and so on, one layer's K/V at a time 
 
 The sequence leaves the pass as an ordinary retrieval sequence does once settled: tables holding its static set,
 indexes building (``Offload.build``). What it holds on the GPU beside the pool: the hidden states, the queries and
-the attention output of every token (bf16 [N, hidden] and 2 x [N, Hq, D]) and one layer's K/V, plus at most
-``COPY_DEPTH`` layers waiting for the copy thread: ~18 GiB for 512K tokens of an 8B-shaped model, against the 64 GiB
-its K/V take over all layers.
+the attention output of every token (bf16 [N, hidden] and 2 x [N, Hq, D]) and one layer's K/V, plus the layers waiting
+for the copy thread (at most ``COPY_BYTES``, at least one): ~18 GiB for 512K tokens of an 8B-shaped model, against the
+64 GiB its K/V take over all layers.
 
 Only ``full`` computes here (every token in its context): a mode that reuses cached chunks holds them in the pool.
 """
@@ -41,8 +41,11 @@ from services.engine.request import PrefillStats, Sequence
 # query rows a slice of the projections and the MLP: the MLP's activations of 16K rows of an 8B-shaped model are
 # ~1.4 GB (bf16)
 SLICE_TOKENS = 16384
-# layers of offloaded K/V waiting on the GPU for the copy thread before the pass waits for it
-COPY_DEPTH = 2
+# NOTE: offloaded K/V waiting on the GPU for the copy thread (whole layers, at least one) before the pass waits for
+# it: the copy thread ranks each layer's keys for its training queries (``exact_lists``) and copies them out, slower
+# than a layer computes at short contexts. At a depth of two layers a 32K-token pass of an 8B-shaped model's first 8
+# layers took 1.50-1.66 s against the ordinary pass's 0.52-0.57 (bench/decode/README.md)
+COPY_BYTES = 4 << 30
 
 
 def static_bounds(n: int, policy: RetrievalDecode, block_size: int) -> tuple[int, int]:
@@ -68,7 +71,8 @@ def layered_prefill(fwd, ids: list[int], policy: RetrievalDecode, tap: QueryTap,
     blocks, s_block, s_slot, table = fwd._private(static_pos)
     stats.private_blocks_allocated += len(blocks)
     stats.chunk_tokens_computed += stats.chunk_tokens
-    inbox: queue.Queue = queue.Queue(COPY_DEPTH)
+    layer_bytes = 2 * (window_start - sink_end) * cfg.num_kv_heads * cfg.head_dim * pool.k[0].element_size()
+    inbox: queue.Queue = queue.Queue(max(1, COPY_BYTES // max(1, layer_bytes)))
     copied_layers: queue.SimpleQueue = queue.SimpleQueue()
     copy = _copier(fwd).submit(_copy_streamed, fwd, off, inbox, copied_layers)
     off.build = _builder(fwd).submit(_build, indexes, off, copy, copied_layers)
