@@ -33,8 +33,9 @@ forward by ``CHUNK_QUERY_SHIFTS``) and kept by chunk id; the sequence's offload 
 a run in its own order (CacheBlend's recomputed tokens with their own keys), composes the graphs over its keys and
 repairs the composition with its own prefill queries (links between chunks), and builds one graph for the rest.
 
-Not yet (issue #22): the prefill pass still holds the whole context on the GPU (a context larger than the GPU is not
-served yet). A hand-off carries a sample of the queries
+A context larger than the pool: a request in mode ``full`` is then prefilled layer by layer (passes/layered.py), one
+layer's K/V at a time outside the pool, and offloaded as the pass goes (``prepare`` finds it done). A hand-off carries
+a sample of the queries
 (``HANDOFF_QUERIES`` a layer) when its prefill was asked to (``tap_queries``), and a decode engine builds from those.
 """
 
