@@ -13,6 +13,7 @@ workers offload and drop, only decode workers search (services/cluster/security.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 import zlib
@@ -31,6 +32,8 @@ from services.index.metrics import IndexMetrics
 from services.modes import MAX_RETRIEVAL_K
 from services.rpc import index_pb2 as pb
 from services.rpc import index_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RetrievalIndex"].full_name
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
@@ -312,14 +315,24 @@ class IndexServer:
 
 
 async def create_server(*, threads: int = 4, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None,
-                        tls=None, chunk_index_bytes: int = 4 << 30,
-                        host_dtype: str = half.FLOAT32) -> tuple[IndexServer, int]:
+                        tls=None, chunk_index_bytes: int = 4 << 30, host_dtype: str = half.FLOAT32,
+                        warm: bool = True) -> tuple[IndexServer, int]:
     """Start serving on ``host:port`` (0 picks a free port); returns (server, port). ``threads``: searches run at once
     (the node's cores for the service); ``tls``: the service's ClusterTLS (mutual TLS, callers authorized by role),
     None: plain, anyone may call. ``chunk_index_bytes``: the chunk indexes held (least recently used out first).
-    ``host_dtype``: how it holds offloaded keys and values (``IndexSet(host_dtype=)``), whatever dtype they came in."""
+    ``host_dtype``: how it holds offloaded keys and values (``IndexSet(host_dtype=)``), whatever dtype they came in.
+    ``warm``: the index's compiled loops for that dtype made ready before it listens (services/index/warm.py: numba
+    compiles them with the interpreter lock held, ~60 s on a 2-core machine without its cache, a few seconds with
+    it), so that no caller's first offload or search waits for them past its deadline."""
     from services.cluster.guard import RoleGuard
 
+    half.check_dtype("host_dtype", host_dtype)
+    if warm:
+        from services.index.warm import warm as warm_loops
+
+        t0 = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(None, warm_loops, [host_dtype])
+        log.info("index loops for %s ready in %.1f s", host_dtype, time.perf_counter() - t0)
     indexes = IndexSet(threads, host_dtype=host_dtype)
     chunk_indexes = ChunkIndexCache(chunk_index_bytes)
     metrics = IndexMetrics(indexes, chunk_indexes=chunk_indexes)
@@ -345,14 +358,14 @@ class BackgroundIndexServer:
     IndexClient(srv.address)``."""
 
     def __init__(self, *, threads: int = 4, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None,
-                 tls=None, host_dtype: str = half.FLOAT32) -> None:
+                 tls=None, host_dtype: str = half.FLOAT32, warm: bool = True) -> None:
         from services.cluster.serving import LoopThread
 
         self._loop = LoopThread("index-server")
         try:
             self.server, self.port = self._loop.run(create_server(threads=threads, host=host, port=port,
                                                                   metrics_port=metrics_port, tls=tls,
-                                                                  host_dtype=host_dtype))
+                                                                  host_dtype=host_dtype, warm=warm))
         except BaseException:
             self._loop.stop()
             raise

@@ -5,6 +5,7 @@ roles the policy names get in. A decode engine using the service: tests/engine/d
 
 from __future__ import annotations
 
+import socket
 import zlib
 
 import grpc
@@ -321,3 +322,33 @@ def test_offloads_composed_of_chunk_indexes_answer_what_the_index_set_does_and_b
         for owner in ("seq-c", "seq-d"):
             client.drop(owner)
     local.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_service_readies_its_compiled_loops_before_it_listens(monkeypatch, dtype):
+    """``create_server(warm=True)`` (the default) runs services/index/warm.py for the dtype it holds before the port
+    answers, so no caller's first offload or search waits for numba's compile; ``warm=False`` skips it; a dtype it
+    cannot hold is refused before either."""
+    from services.index import warm
+
+    seen = []
+
+    def record(dtypes, say=None):
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass                                # not listening yet
+        seen.append(list(dtypes))
+        return {t: 0.0 for t in dtypes}
+
+    with socket.socket() as s:       # a free port, named before the server takes it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(warm, "warm", record)
+    with BackgroundIndexServer(threads=1, port=port, host_dtype=dtype) as srv:
+        assert seen == [[dtype]]
+        with IndexClient(srv.address) as client:
+            assert client.held() == (0, 0, 0)
+    with BackgroundIndexServer(threads=1, host_dtype=dtype, warm=False):
+        assert seen == [[dtype]]
+    with pytest.raises(ValueError, match="host_dtype must be one of"):
+        BackgroundIndexServer(threads=1, host_dtype="float16")
+    assert seen == [[dtype]]
