@@ -237,7 +237,8 @@ def run_longgen_eval(model_dir: str, n_prompts: int, modes: list[DecodeMode], se
         raise ValueError(f"--questions must be in 1..{LongGenConfig().questions}")
     if dense_layers < 0:
         raise ValueError("--dense-layers must be at least 0")
-    options = EngineOptions(index_host_dtype=index_host_dtype)
+    # every step searches the built indexes (none scans its layers while they build: a timing-dependent mix)
+    options = EngineOptions(index_host_dtype=index_host_dtype, decode_while_building=False)
     engine = load_engine(model_dir, device, engine_options={"options": options})
     prompts = longgen_heldout(seed, n_prompts, LongGenConfig(questions=questions))
     if prefill not in ("full", "tessera"):

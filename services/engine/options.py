@@ -42,7 +42,11 @@ class EngineOptions:
     layered_prefill: when a retrieval sequence in mode ``full`` is prefilled layer by layer, one layer's K/V at a time
     outside the pool, its static set alone kept in the pool (passes/layered.py): "auto" when its context's blocks are
     more than the pool can give it now (the free blocks and the chunk cache's unpinned ones), "always", or "never"
-    (such a context then fails as any request the pool cannot hold)."""
+    (such a context then fails as any request the pool cannot hold).
+    decode_while_building: a retrieval sequence steps once its K/V are on the host, before its indexes are built, each
+    layer not yet indexed scanned whole (``IndexSet.hold``: exact up to the int8 codes' beam, and every key read) until
+    its index replaces it; off, its first step waits for every index. (The engine's own index set only: a decode
+    worker's index service builds before it answers.)"""
 
     skinny_gemm: bool = True
     reuse_graph: bool = True
@@ -53,6 +57,7 @@ class EngineOptions:
     chunk_indexes: bool = True
     chunk_index_bytes: int = 4 << 30
     layered_prefill: str = "auto"
+    decode_while_building: bool = True
 
     def __post_init__(self) -> None:
         for name in ("skinny_gemm", "reuse_graph", "blend_graph"):
@@ -63,6 +68,7 @@ class EngineOptions:
         check_bool("EngineOptions.chunk_indexes", self.chunk_indexes)
         check_int("EngineOptions.chunk_index_bytes", self.chunk_index_bytes, 0)
         check_str("EngineOptions.layered_prefill", self.layered_prefill, choices=LAYERED_PREFILL)
+        check_bool("EngineOptions.decode_while_building", self.decode_while_building)
 
     @classmethod
     def from_env(cls, environ=None) -> "EngineOptions":

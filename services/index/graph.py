@@ -111,6 +111,15 @@ class AttentionIndex:
         return cls(held, build_graph(keys, train, config, threads, lists), config, quantize(keys))
 
     @classmethod
+    def unlinked(cls, keys, key_dtype: str = half.FLOAT32) -> "AttentionIndex":
+        """``keys`` ``[N, D]`` held with a graph of no edge (one entry, key 0): what a head is searched by until its
+        index is built, scanning every key (``search_group(scan=True)``, ``attend_group(scan=True)``); a graph search
+        of it finds its entry alone. ``key_dtype`` as ``build``'s."""
+        held, keys = _held("keys", keys, key_dtype)
+        graph = Graph(np.zeros(keys.shape[0] + 1, np.int64), np.zeros(0, np.int32), np.zeros(1, np.int64))
+        return cls(held, graph, BuildConfig(), quantize(keys))
+
+    @classmethod
     def compose(cls, keys, parts: Sequence[Graph], config: BuildConfig | None = None,
                 key_dtype: str = half.FLOAT32) -> "AttentionIndex":
         """One index over ``keys`` ``[N, D]`` made of graphs built apart (a chunk's, in its own frame: the keys here

@@ -39,6 +39,8 @@ from services.index.graph import AttentionIndex
 # past about a third of the keys the scan costs no more, and it finds the exact top keys (up to the codes' rounding)
 SCAN_SHARE = 0.3
 SCAN_CALLS = 64
+# a held head's scan count (``IndexSet.hold``): scanned at every call until its index replaces it
+HELD_SCANS = 1 << 62
 
 # NOTE: batches of several rows whose compiled calls' nested lists are kept (``IndexSet._nested``): 8 batches of a
 # 32-layer model; a batch's entries are remade (~0.1 ms a row) when it comes back after others pushed it out
@@ -211,6 +213,38 @@ class IndexSet:
         if arrays is not None:
             _layer.warming(self.host_dtype)    # compiled before the searches come, once this build's loops are
         return sum(h.index_bytes for h in heads if h is not None)
+
+    def hold(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Hold an owner's keys and values at ``layer`` (as ``add`` takes them) before their index is built: each head
+        with no graph (``AttentionIndex.unlinked``), scanned whole at every search, which finds the exact top keys up
+        to the int8 codes' beam (``_scan``), until ``add`` replaces it with its index. So a sequence can decode while
+        its indexes build, each step reading every key of the layers not yet indexed. Replaces what the owner had at
+        that layer."""
+        keys, values = np.asarray(keys), half.stored(values, self.host_dtype)
+        if keys.dtype != half.BITS:
+            keys = np.ascontiguousarray(keys, np.float32)
+        if keys.ndim != 3 or values.shape != keys.shape:
+            raise ValueError(f"keys and values must both be [Hkv, N, D], got {keys.shape} and {values.shape}")
+        hkv, n = keys.shape[:2]
+        held = self.host_dtype
+        heads: list[HeadKV | None] = [None] * hkv if n == 0 else [
+            HeadKV(values[h], index) for h, index in enumerate(
+                self._pool.map(lambda h: AttentionIndex.unlinked(keys[h], key_dtype=held), range(hkv)))]
+        arrays = None
+        if self.compiled and n:
+            arrays = _layer.LayerArrays([(h.index, h.values) for h in heads])
+        with self._lock:
+            self._heads[(owner, layer)] = heads
+            self._forget_nested(owner)
+            if arrays is None:
+                self._layer_arrays.pop((owner, layer), None)
+            else:
+                self._layer_arrays[(owner, layer)] = arrays
+            self._forget_scans(owner, layer)
+            for h in range(hkv if n else 0):
+                self._scans[(owner, layer, h)] = HELD_SCANS
+        if arrays is not None:
+            _layer.warming(self.host_dtype)
 
     def calls_by_path(self) -> dict[str, int]:
         """Search calls answered so far in one compiled call (``compiled``) and on the thread pool (``pool``): a

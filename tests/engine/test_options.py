@@ -34,7 +34,10 @@ def test_defaults_are_the_measured_winners_and_frozen():
                                            ({"blend_graph": "no"}, "EngineOptions.blend_graph must be True or False"),
                                            ({"kernels": {"pdl": False}}, "EngineOptions.kernels must be a KernelOptions"),
                                            ({"index_threads": 0}, "EngineOptions.index_threads must be"),
-                                           ({"index_host_dtype": "float16"}, "EngineOptions.index_host_dtype must be")])
+                                           ({"index_host_dtype": "float16"}, "EngineOptions.index_host_dtype must be"),
+                                           ({"layered_prefill": True}, "EngineOptions.layered_prefill must be"),
+                                           ({"decode_while_building": 1},
+                                            "EngineOptions.decode_while_building must be True or False")])
 def test_bad_options_are_refused_naming_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineOptions(**kwargs)

@@ -79,3 +79,45 @@ def test_an_index_set_splitting_query_heads_over_threads_answers_what_one_thread
     finally:
         one.close()
         many.close()
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "pool"])
+def test_held_keys_are_scanned_exactly_until_their_index_replaces_them(compiled):
+    """``IndexSet.hold``: K/V held with no graph are scanned whole at every search, which finds each query's exact top
+    keys (here: the codes' beam of 128 holds the top 100); ``add`` then replaces them with a built index, searched by
+    its graph. A malformed hold is refused and changes nothing held."""
+    from services.index import _layer
+
+    from .helpers import exact_attention
+
+    rng = np.random.default_rng(8)
+    hkv, n, d, hq = 2, 2000, 16, 4
+    keys = rng.standard_normal((hkv, n, d)).astype(np.float32)
+    values = rng.standard_normal((hkv, n, d)).astype(np.float32)
+    train = (rng.standard_normal((hkv, 200, d)) + 0.4).astype(np.float32)
+    q = rng.standard_normal((2, hq, d)).astype(np.float32)
+    _layer.warm()
+    ix = IndexSet(threads=2, compiled=compiled, scan_share=None)    # (no head scanned for reading widely)
+    try:
+        ix.hold("seq", 0, keys, values)
+        ix.hold("other", 0, keys[:, :0], values[:, :0])             # nothing offloaded at this layer
+        for _ in range(3):                                         # scanned at every call, not a few
+            ans = ix.attend(0, ["seq", "seq"], q, k=100, scale=0.25)
+            assert ans.scanned.tolist() == [hkv * n] * 2
+        for b in range(2):
+            for j in range(hq):
+                head = j // (hq // hkv)
+                top = np.argsort(-(keys[head].astype(np.float64) @ q[b, j].astype(np.float64)))[:100]
+                out, lse = exact_attention(q[b, j:j + 1], keys[head], values[head], top[None], 0.25)
+                np.testing.assert_allclose(ans.out[b, j], out[0], rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(ans.lse[b, j], lse[0], rtol=1e-5, atol=1e-5)
+        assert ix.calls_by_path()["compiled" if compiled else "pool"] == 3
+        with pytest.raises(ValueError, match="keys and values must both be"):
+            ix.hold("seq", 0, keys, values[:, :10])
+        assert ix.attend(0, ["seq"], q[:1], k=100, scale=0.25).scanned.tolist() == [hkv * n]    # still held
+        ix.add("seq", 0, keys, values, train)
+        searched = ix.attend(0, ["seq"], q[:1], k=10, scale=0.25)
+        assert 0 < searched.scanned[0] < hkv * n and not ix._scans  # the graph's search, no scan left
+        assert ix.held()[0] == 2
+    finally:
+        ix.close()

@@ -16,7 +16,10 @@ with out_O over the retrieved keys only: exact when ``retrieval_k`` covers every
 The K/V go to the host on a copy thread (``_copy``: its own CUDA stream, staged through pinned memory) and the
 indexes build on a builder thread (``Offload.build``): a serving batch leaves the sequence out until they are
 (``ready``), so its start does not hold up the others (the engine thread runs the split and the chunks' query passes
-only). Once copied (``settle``, on the engine thread), the sequence's layer tables keep their static entries only,
+only). With ``EngineOptions.decode_while_building`` (the default) it waits for the copy alone: the copy thread holds
+each copied layer in the index set with no graph (``IndexSet.hold``), searched by scanning every key, until the
+builder's index replaces it, so the sequence's second token does not wait for its builds (its steps read every key
+of the layers not yet indexed). Once copied (``settle``, on the engine thread), the sequence's layer tables keep their static entries only,
 its private blocks that no layer keeps go back to the pool and the chunks it no longer reads are unpinned (the chunk
 cache may evict them): what it holds on the GPU is its static set.
 
@@ -49,6 +52,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -110,10 +114,11 @@ class RetrievalDecode(DecodePolicy):
         """Whether its indexes are built; a failed build's error is raised here. (Once its K/V are copied, its tables
         are cut to the static set here, on the engine thread: ``settle``.)"""
         settle(seq)
-        build = seq.offload.build
-        if not build.done():
+        off = seq.offload
+        if not (off.build.done() or off.held.is_set()):
             return False
-        build.result()
+        off.wait()              # returns at once (or once copied, set right after held), or raises the build's error
+        settle(seq)
         return True
 
     def release(self, fwd, seq) -> None:
@@ -187,6 +192,28 @@ class Offload:
     lock: threading.Lock = field(default_factory=threading.Lock)
     copied: threading.Event = field(default_factory=threading.Event)
     cut: Callable[[], None] | None = None
+    holds: bool = False
+    held: threading.Event = field(default_factory=threading.Event)
+
+    def wait(self) -> None:
+        """Until the sequence can step: its indexes built, or (``holds``) every layer's K/V held and copied, each
+        layer scanned whole until its index replaces it (``IndexSet.hold``). A build's error is raised unless the
+        K/V are held: the layers it did not index are then scanned (logged)."""
+        while True:
+            if self.held.is_set():
+                self.copied.wait()
+                return
+            try:
+                self.build.result(timeout=0.05)
+                return
+            except FutureTimeout:
+                continue
+            except Exception as exc:
+                self.copied.wait()              # (held, when it is, is set before copied)
+                if not self.held.is_set():
+                    raise
+                log.warning("the index build of %s failed (%s): its layers not indexed are scanned", self.owner, exc)
+                return
 
 
 def offload(fwd, seq, policy: RetrievalDecode) -> None:
@@ -200,7 +227,7 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
     g = hq // hkv
     prompt = seq.next_pos
     owner = new_owner()
-    off = Offload(owner)
+    off = Offload(owner, holds=holds(fwd, policy))
     bits = torch.arange(bs, device=fwd.device, dtype=torch.int64)
     split: dict[int, tuple] = {}   # per distinct table object: (static entries, offloaded blocks, slots, offsets, runs)
     chunk_graphs = policy.retrieval_k > 0 and fwd.options.chunk_indexes
@@ -285,6 +312,13 @@ def index_set(fwd):
     return fwd.indexes
 
 
+def holds(fwd, policy: RetrievalDecode) -> bool:
+    """Whether a sequence's copied layers are held to be scanned while their indexes build (so it steps before they
+    are built): ``EngineOptions.decode_while_building``, an index set that can (``IndexSet.hold``: not the index
+    service's client yet), and keys to retrieve."""
+    return bool(policy.retrieval_k and fwd.options.decode_while_building and hasattr(fwd.indexes, "hold"))
+
+
 def new_owner() -> str:
     """A retrieval sequence's name in the index set, unique in the process."""
     return f"seq{next(_owners)}"
@@ -344,12 +378,24 @@ def _copy(fwd, off: Offload, layers: list, after, copied_layers: queue.SimpleQue
                     break
                 cos, sin = rope_cos_sin(offsets, model.inv_freq)
                 k = rotate(pool.k[layer][blocks, slots].float(), cos[:, None, :], sin[:, None, :])
-                copied_layers.put(host_layer(k, pool.v[layer][blocks, slots], train, train_dev, runs, held, staging))
-                layers[layer] = None        # (the copies waited for this stream: nothing of it is in flight)
+                item = host_layer(k, pool.v[layer][blocks, slots], train, train_dev, runs, held, staging)
+                hold(fwd, off, layer, item)
+                copied_layers.put(item)
+                layers[layer] = item = None        # (the copies waited for this stream: nothing of it is in flight)
+            else:
+                if off.holds:
+                    off.held.set()        # every layer held: the sequence may step (before ``copied``: ``wait``)
     finally:
         off.seconds["keys"] = time.perf_counter() - t0
         off.copied.set()
         copied_layers.put(None)
+
+
+def hold(fwd, off: Offload, layer: int, item: tuple) -> None:
+    """The copy thread: a copied layer's K/V (``host_layer``'s item) held in the index set to be scanned until the
+    builder indexes it, where the sequence ``holds`` (``EngineOptions.decode_while_building``)."""
+    if off.holds:
+        fwd.indexes.hold(off.owner, layer, item[0], item[1])
 
 
 def host_layer(k: torch.Tensor, v: torch.Tensor, train: np.ndarray, train_dev: torch.Tensor | None, runs: list,
@@ -647,8 +693,8 @@ class RetrievalStep(PolicyStep):
 
     def __init__(self, policy: RetrievalDecode, fwd, seqs):
         super().__init__(policy, fwd, seqs)
-        for s in seqs:            # a sequence whose indexes are still being built is waited for (and its error raised)
-            s.offload.build.result()
+        for s in seqs:            # a sequence not ready (``RetrievalDecode.ready``) is waited for (its error raised)
+            s.offload.wait()
             settle(s)
         n = len(seqs)
         self.scanned = np.zeros(n, np.int64)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from kernels.fused import KVWrite
 from services.engine.decode.retrieval import (COPY_STREAMS, HostStaging, Offload, QueryTap, RetrievalDecode, _build,
-                                              _builder, _copier, host_layer, index_set, new_owner)
+                                              _builder, _copier, hold, holds, host_layer, index_set, new_owner)
 from services.engine.request import PrefillStats, Sequence
 
 # query rows a slice of the projections and the MLP: the MLP's activations of 16K rows of an 8B-shaped model are
@@ -67,7 +67,7 @@ def layered_prefill(fwd, ids: list[int], policy: RetrievalDecode, tap: QueryTap,
     sink_end, window_start = static_bounds(n, policy, fwd.bs)
     static_pos = torch.cat([torch.arange(0, sink_end, device=dev), torch.arange(window_start, n, device=dev)])
     indexes = index_set(fwd)
-    off = Offload(new_owner())
+    off = Offload(new_owner(), holds=holds(fwd, policy))
     blocks, s_block, s_slot, table = fwd._private(static_pos)
     stats.private_blocks_allocated += len(blocks)
     stats.chunk_tokens_computed += stats.chunk_tokens
@@ -149,6 +149,7 @@ def _copy_streamed(fwd, off: Offload, inbox: queue.Queue, copied_layers: queue.S
     stream = None if fwd.device.type != "cuda" else COPY_STREAMS.get(fwd.device) or COPY_STREAMS.setdefault(
         fwd.device, torch.cuda.Stream(fwd.device))
     staging = HostStaging()
+    layer = 0
     try:
         while True:
             item = inbox.get()
@@ -160,11 +161,16 @@ def _copy_streamed(fwd, off: Offload, inbox: queue.Queue, copied_layers: queue.S
                     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                         if stream is not None:
                             stream.wait_event(after)
-                        copied_layers.put(host_layer(k, v, train_dev.cpu().numpy(), train_dev, [], held, staging))
+                        item = host_layer(k, v, train_dev.cpu().numpy(), train_dev, [], held, staging)
+                    hold(fwd, off, layer, item)
+                    copied_layers.put(item)
                 except BaseException as exc:    # raised once the pass is over
                     error = exc
                 k = v = train_dev = None
             item = None             # (its copies were waited for: nothing of it is in flight)
+            layer += 1
+        if off.holds and error is None and not off.cancelled and layer == fwd.cfg.num_layers:
+            off.held.set()          # every layer held: the sequence may step (before ``copied``: ``Offload.wait``)
     finally:
         off.seconds["keys"] = time.perf_counter() - t0
         off.copied.set()

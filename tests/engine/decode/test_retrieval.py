@@ -280,7 +280,7 @@ class _HeldIndexSet:
 
 
 def test_a_sequence_whose_indexes_are_building_waits_and_others_step_meanwhile(tiny_dir):
-    eng = Engine.load(tiny_dir)
+    eng = Engine.load(tiny_dir, options=EngineOptions(decode_while_building=False))
     eng.forward.indexes = held = _HeldIndexSet()
     (c1, s1), (c2, s2) = random_request(53, lengths=(40, 30), suffix_len=3), random_request(54, lengths=(35,))
     _, slow = eng.prefill_sequence(c1, s1, decode=RetrievalDecode(retrieval_k=4096, **SMALL), extra_tokens=4)
@@ -296,6 +296,63 @@ def test_a_sequence_whose_indexes_are_building_waits_and_others_step_meanwhile(t
     assert held.inner.held()[0] == 0
 
 
+def test_a_sequence_steps_while_its_indexes_build_scanning_the_layers_not_indexed(tiny_dir):
+    """``decode_while_building`` (the default): once its K/V are on the host the sequence steps, every layer scanned
+    whole (``IndexSet.hold``) while its builds wait; retrieving every key, its logits are dense decoding's before the
+    builds and after them, when the built indexes take over (no head is scanned then)."""
+    chunks, suffix = random_request(58, lengths=(40, 30), suffix_len=3)
+    dense = Engine.load(tiny_dir)
+    logits, seq = dense.prefill_sequence(chunks, suffix, decode=DENSE, extra_tokens=6)
+    want = torch.stack([logits] + [dense.decode_step([seq], [t])[0] for t in (4, 7, 1, 9, 2, 6)])
+    dense.release(seq)
+    eng = Engine.load(tiny_dir)
+    eng.forward.indexes = held = _HeldIndexSet()
+    logits, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(retrieval_k=4096, **SMALL),
+                                       extra_tokens=6)
+    for _ in range(600):                            # bounded: ready once copied and held
+        if seq.decode.ready(seq):
+            break
+        seq.offload.copied.wait(0.1)
+    assert seq.decode.ready(seq) and not seq.offload.build.done()
+    offloaded = sum(seq.offload.offloaded) * eng.forward.cfg.num_kv_heads     # keys a step would read, all heads
+    got = [logits]
+    for t in (4, 7, 1):
+        before = seq.decode_stats.keys_scanned
+        got.append(eng.decode_step([seq], [t])[0])
+        assert seq.decode_stats.keys_scanned - before == offloaded       # every key of every layer and head
+    assert all(h.index.num_edges == 0 for heads in held.inner._heads.values() for h in heads)
+    held.go.set()
+    seq.offload.build.result(timeout=60)
+    assert all(h.index.num_edges > 0 for heads in held.inner._heads.values() for h in heads)
+    assert not held.inner._scans                     # the built indexes are searched, none scanned whole
+    got += [eng.decode_step([seq], [t])[0] for t in (9, 2, 6)]
+    eng.release(seq)
+    torch.testing.assert_close(torch.stack(got), want, rtol=1e-5, atol=1e-5)
+    assert held.inner.held()[0] == 0
+
+
+def test_a_failed_build_leaves_a_held_sequence_stepping_by_scans(tiny_dir, caplog):
+    """With its K/V held, a build that fails leaves the layers it did not index scanned: the sequence still decodes
+    as dense does (logged), and its release drops everything."""
+    chunks, suffix = random_request(59, lengths=(50,), suffix_len=3)
+    want = Engine.load(tiny_dir).generate(chunks, suffix, max_new_tokens=5, stop_token_ids=[], mode="full")
+    eng = Engine.load(tiny_dir)
+
+    class Broken(_HeldIndexSet):
+        def add(self, owner, layer, *args, **kwargs):
+            if layer == 2:
+                raise RuntimeError("index build failed")
+            return self.inner.add(owner, layer, *args, **kwargs)
+
+    eng.forward.indexes = Broken()
+    with caplog.at_level("WARNING"):
+        got = eng.generate(chunks, suffix, max_new_tokens=5, stop_token_ids=[], mode="full", decode="retrieval",
+                           retrieval_k=4096, **SMALL)
+    assert got == want
+    assert "index build" in caplog.text and "scanned" in caplog.text
+    assert eng.forward.indexes.held() == (0, 0, 0)
+
+
 def test_releasing_a_sequence_while_its_indexes_build_drops_them_when_the_build_ends(tiny_dir):
     eng = Engine.load(tiny_dir)
     eng.forward.indexes = held = _HeldIndexSet()
@@ -308,7 +365,7 @@ def test_releasing_a_sequence_while_its_indexes_build_drops_them_when_the_build_
 
 
 def test_a_failed_build_fails_its_sequence_alone(tiny_dir):
-    eng = Engine.load(tiny_dir)
+    eng = Engine.load(tiny_dir, options=EngineOptions(decode_while_building=False))
 
     class Broken(_HeldIndexSet):
         def add(self, *args):
