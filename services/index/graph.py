@@ -92,14 +92,15 @@ class AttentionIndex:
 
     @classmethod
     def build(cls, keys, train_queries, *, threads: int | None = None, key_dtype: str = half.FLOAT32,
-              lists=None, **options) -> "AttentionIndex":
+              lists=None, compact: CompactKeys | None = None, **options) -> "AttentionIndex":
         """Index ``keys`` ``[N, D]`` for queries like ``train_queries`` ``[M, D]`` (the prefill queries that
         attended to these keys; every query head of the KV head's group may be stacked). ``options`` are
         ``BuildConfig``'s fields (``degree``, ``max_degree``, ``alpha``, ``query_neighbors``, ...);
         ``threads`` (default: this process' CPUs) changes the build's speed, never its graph. ``key_dtype``: how the
         index holds its exact keys (``half.DTYPES``); bfloat16 rounds them first and builds from what it holds.
         ``lists``: each training query's exact top keys by inner product, best first (int ``[M, >= P]``), computed
-        elsewhere (on the GPU that holds the keys) instead of by the build (``build.given_lists``)."""
+        elsewhere (on the GPU that holds the keys) instead of by the build (``build.given_lists``). ``compact``:
+        ``quantize`` of the keys as held, when the caller has it (an ``unlinked`` index of them)."""
         held, keys = _held("keys", keys, key_dtype)
         train = _matrix("train_queries", train_queries, dim=keys.shape[1])
         try:
@@ -108,26 +109,36 @@ class AttentionIndex:
             raise ValueError(f"unknown build option: {exc}") from None
         if threads is not None:
             _count("threads", threads, 1)
-        return cls(held, build_graph(keys, train, config, threads, lists), config, quantize(keys))
+        return cls(held, build_graph(keys, train, config, threads, lists), config,
+                   quantize(keys) if compact is None else compact)
 
     @classmethod
     def unlinked(cls, keys, key_dtype: str = half.FLOAT32) -> "AttentionIndex":
         """``keys`` ``[N, D]`` held with a graph of no edge (one entry, key 0): what a head is searched by until its
         index is built, scanning every key (``search_group(scan=True)``, ``attend_group(scan=True)``); a graph search
-        of it finds its entry alone. ``key_dtype`` as ``build``'s."""
-        held, keys = _held("keys", keys, key_dtype)
-        graph = Graph(np.zeros(keys.shape[0] + 1, np.int64), np.zeros(0, np.int32), np.zeros(1, np.int64))
-        return cls(held, graph, BuildConfig(), quantize(keys))
+        of it finds its entry alone. ``key_dtype`` as ``build``'s. Keys given C-contiguous in that dtype are held as
+        they are (a read-only view, not a copy: the caller leaves them as they are); others as ``build`` holds them."""
+        arr = np.asarray(keys)
+        if arr.ndim == 2 and arr.shape[0] and arr.flags.c_contiguous and half.dtype_of(arr) == key_dtype and (
+                arr.dtype == half.BITS or arr.dtype == np.float32):
+            if not (half.finite(arr) if arr.dtype == half.BITS else np.isfinite(arr).all()):
+                raise ValueError("keys holds non-finite values")
+            held = arr.view()
+            as_float = half.as_float(held)
+        else:
+            held, as_float = _held("keys", keys, key_dtype)
+        graph = Graph(np.zeros(held.shape[0] + 1, np.int64), np.zeros(0, np.int32), np.zeros(1, np.int64))
+        return cls(held, graph, BuildConfig(), quantize(as_float))
 
     @classmethod
     def compose(cls, keys, parts: Sequence[Graph], config: BuildConfig | None = None,
-                key_dtype: str = half.FLOAT32) -> "AttentionIndex":
+                key_dtype: str = half.FLOAT32, compact: CompactKeys | None = None) -> "AttentionIndex":
         """One index over ``keys`` ``[N, D]`` made of graphs built apart (a chunk's, in its own frame: the keys here
         may be rotated from the frame it was built in, by one rotation a part, which keeps every distance the
         graph was built from). Part i covers the next ``parts[i].num_nodes`` keys, in order, and the parts cover all
         N. No edge joins two parts: a search starts from every part's entries and one beam spans them, so the
         parts whose entries score best are explored first. ``config``: the options kept with it (default ones);
-        ``key_dtype`` as ``build``'s."""
+        ``key_dtype`` and ``compact`` as ``build``'s."""
         held, keys = _held("keys", keys, key_dtype)
         if not parts:
             raise ValueError("compose needs at least one part")
@@ -140,7 +151,8 @@ class AttentionIndex:
         targets = np.concatenate([p.targets.astype(np.int64) + s for p, s in zip(parts, starts)]).astype(np.int32)
         entries = np.concatenate([p.entries + s for p, s in zip(parts, starts)]).astype(np.int64)
         try:
-            return cls(held, Graph(offsets, targets, entries), config or BuildConfig(), quantize(keys))
+            return cls(held, Graph(offsets, targets, entries), config or BuildConfig(),
+                       quantize(keys) if compact is None else compact)
         except IndexFormatError as exc:
             raise ValueError(f"a part is not a graph over its keys: {exc}") from None
 

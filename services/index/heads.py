@@ -185,15 +185,25 @@ class IndexSet:
             each = max(1, self.threads // hkv)
             held = self.host_dtype
 
+            with self._lock:
+                prior = self._heads.get((owner, layer))
+            codes = [None] * hkv         # the int8 codes of these keys, where ``hold`` made them already
+            if prior is not None and len(prior) == hkv:
+                for h, head in enumerate(prior):
+                    if head is not None and head.index.num_edges == 0 and np.array_equal(
+                            head.keys, half.stored(keys[h], held)):
+                        codes[h] = head.index.compact
+
             def one(h: int) -> AttentionIndex:
                 given = None if lists is None else lists[h]
                 if not parts:
-                    return AttentionIndex.build(keys[h], train[h], threads=each, key_dtype=held, lists=given)
+                    return AttentionIndex.build(keys[h], train[h], threads=each, key_dtype=held, lists=given,
+                                                compact=codes[h])
                 graphs = [p[h] for p in parts]
                 if covered < n:
                     graphs.append(AttentionIndex.build(keys[h, covered:], train[h], threads=each,
                                                        key_dtype=held).graph)
-                index = AttentionIndex.compose(keys[h], graphs, self.composed, key_dtype=held)
+                index = AttentionIndex.compose(keys[h], graphs, self.composed, key_dtype=held, compact=codes[h])
                 if train.shape[1]:      # the request's queries link the parts (build.repair_graph)
                     index = index.repaired(train[h], threads=each, lists=given)
                 return index

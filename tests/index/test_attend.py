@@ -115,7 +115,10 @@ def test_held_keys_are_scanned_exactly_until_their_index_replaces_them(compiled)
         with pytest.raises(ValueError, match="keys and values must both be"):
             ix.hold("seq", 0, keys, values[:, :10])
         assert ix.attend(0, ["seq"], q[:1], k=100, scale=0.25).scanned.tolist() == [hkv * n]    # still held
+        codes = [h.index.compact for h in ix._heads[("seq", 0)]]
+        assert all(np.shares_memory(h.keys, keys) for h in ix._heads[("seq", 0)])    # held as given, not copied
         ix.add("seq", 0, keys, values, train)
+        assert all(h.index.compact is c for h, c in zip(ix._heads[("seq", 0)], codes))   # the codes hold made
         searched = ix.attend(0, ["seq"], q[:1], k=10, scale=0.25)
         assert 0 < searched.scanned[0] < hkv * n and not ix._scans  # the graph's search, no scan left
         assert ix.held()[0] == 2
