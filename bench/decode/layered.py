@@ -62,9 +62,11 @@ def prefill_flops(cfg: ModelConfig, n: int) -> float:
     return cfg.num_layers * (2 * per_layer * n + 2 * 2 * hq * d * n * n / 2) + 2 * h * cfg.vocab_size
 
 
-def run(eng, chunks, suffix, policy, steps: int) -> dict:
-    """One request prefilled and decoded: the pass's and the builds' seconds, peak GPU memory, the greedy tokens and
-    their step times, the first token's logits (on the host)."""
+def run(eng, chunks, suffix, policy, steps: int, scan_steps: int = 0) -> dict:
+    """One request prefilled and decoded: the pass's seconds, those until it could step (``ready``: its K/V held to
+    scan, or its indexes built) and until its indexes were built, peak GPU memory, up to ``scan_steps`` steps while
+    they build (each layer not yet indexed scanned whole), the greedy tokens and the step times once built, the first
+    token's logits (on the host)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -72,21 +74,32 @@ def run(eng, chunks, suffix, policy, steps: int) -> dict:
     logits, seq = eng.prefill_sequence(chunks, suffix, mode="full", decode=policy, extra_tokens=steps + 4)
     torch.cuda.synchronize()
     pass_s = time.perf_counter() - t0
+    tokens, scans = [int(logits.argmax())], []
+
+    def step() -> float:
+        t1 = time.perf_counter()
+        tokens.append(int(eng.decode_step([seq], tokens[-1:])[0].argmax()))
+        return time.perf_counter() - t1
+
     try:
-        if seq.offload is not None:
-            seq.offload.build.result()
-        ready_s = time.perf_counter() - t0
-        peak = torch.cuda.max_memory_allocated() - base
-        tokens, times = [int(logits.argmax())], []
-        for _ in range(steps):
-            t1 = time.perf_counter()
-            tokens.append(int(eng.decode_step([seq], tokens[-1:])[0].argmax()))
-            times.append(time.perf_counter() - t1)
         off = seq.offload
-        return {"pass_seconds": pass_s, "ready_seconds": ready_s, "peak_gpu_gib_above_start": peak / 2**30,
-                "pool_blocks_held": len(seq.private_blocks), "ms_a_token": statistics.median(times[2:]) * 1e3,
-                "tokens": tokens, "offload_seconds": None if off is None else dict(off.seconds),
-                "logits": logits.float().cpu()}
+        ready_s = built_s = None
+        if off is not None:
+            while not seq.decode.ready(seq):       # its K/V held (decode_while_building), or its indexes built
+                time.sleep(0.005)
+            ready_s = time.perf_counter() - t0
+            while not off.build.done() and len(scans) < scan_steps:    # steps scanning the layers not indexed
+                scans.append(step())
+            off.build.result()
+            built_s = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() - base
+        times = [step() for _ in range(steps)]
+        return {"pass_seconds": pass_s, "ready_seconds": ready_s, "built_seconds": built_s,
+                "peak_gpu_gib_above_start": peak / 2**30, "pool_blocks_held": len(seq.private_blocks),
+                "ms_a_token": statistics.median(times[2:]) * 1e3, "tokens": tokens,
+                "steps_while_building": len(scans),
+                "ms_a_token_while_building": statistics.median(scans) * 1e3 if scans else None,
+                "offload_seconds": None if off is None else dict(off.seconds), "logits": logits.float().cpu()}
     finally:
         eng.release(seq)
 
@@ -109,6 +122,10 @@ def main() -> int:
     ap.add_argument("--warm-context", type=int, default=4096,
                     help="a request of this many tokens on each engine first (compiles the kernels and numba loops)")
     ap.add_argument("--no-dense", action="store_true", help="leave out the dense prefill peer")
+    ap.add_argument("--wait-for-builds", action="store_true",
+                    help="EngineOptions(decode_while_building=False): the first step waits for every index")
+    ap.add_argument("--scan-steps", type=int, default=16,
+                    help="steps timed while the indexes build, at most (each scans the layers not yet indexed)")
     args = ap.parse_args()
     hf_cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers)
     if args.max_positions:
@@ -119,12 +136,16 @@ def main() -> int:
     from services.index.heads import IndexSet
 
     engines = {}
+    wanted = set(args.order.split(",")) | (set() if args.no_dense else {"ordinary"})
     for name, gib, choice in (("ordinary", args.ordinary_pool_gib, "never"), ("layered", args.pool_gib, "always")):
+        if name not in wanted:
+            continue
         eng = Engine.from_state_dict(cfg, state, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
                                      kv_cache_bytes=int(gib * 2**30), chunk_cache_bytes=int(min(gib, 1.0) * 2**30),
                                      static_tails=True,
                                      options=EngineOptions(layered_prefill=choice, index_threads=cores,
-                                                           index_host_dtype=args.host_dtype))
+                                                           index_host_dtype=args.host_dtype,
+                                                           decode_while_building=not args.wait_for_builds))
         eng.forward.indexes = IndexSet(threads=cores, repair_queries=args.repair_queries, host_dtype=args.host_dtype)
         engines[name] = eng
     del state
@@ -134,7 +155,8 @@ def main() -> int:
     ids = torch.randint(0, 128000, (args.context - args.steps - 4,), generator=g).tolist()   # and its steps: context
     chunks, suffix = [ids[:-64]], ids[-64:]
     policy = RetrievalDecode(retrieval_k=args.k, sink_tokens=args.sink, window_tokens=args.window)
-    need_gib = args.context * engines["layered"].pool.block_bytes / engines["layered"].block_size / 2**30
+    some = next(iter(engines.values()))
+    need_gib = args.context * some.pool.block_bytes / some.block_size / 2**30
     out = {"device": torch.cuda.get_device_name(), "cpu_cores": os.cpu_count(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "commit": commit_of(), "context": args.context, "layers": args.layers,
            "k": args.k, "sink_tokens": args.sink, "window_tokens": args.window, "host_dtype": args.host_dtype,
@@ -152,12 +174,13 @@ def main() -> int:
         print(f"  {name} warmed in {time.perf_counter() - t0:.1f} s", flush=True)
     logits = {}
     for name in args.order.split(","):
-        got = run(engines[name], chunks, suffix, policy, args.steps)
+        got = run(engines[name], chunks, suffix, policy, args.steps, args.scan_steps)
         logits[name] = got.pop("logits")
         out["runs"][name] = got
-        print(f"  {name}: pass {got['pass_seconds']:.2f} s, indexes ready {got['ready_seconds']:.2f} s, peak GPU "
-              f"+{got['peak_gpu_gib_above_start']:.1f} GiB, {got['ms_a_token']:.2f} ms a token, pool blocks "
-              f"{got['pool_blocks_held']}", flush=True)
+        print(f"  {name}: pass {got['pass_seconds']:.2f} s, steps from {got['ready_seconds']:.2f} s "
+              f"({got['steps_while_building']} while building, median {got['ms_a_token_while_building']} ms), indexes "
+              f"built {got['built_seconds']:.2f} s, peak GPU +{got['peak_gpu_gib_above_start']:.1f} GiB, "
+              f"{got['ms_a_token']:.2f} ms a token once built, pool blocks {got['pool_blocks_held']}", flush=True)
     if not args.no_dense:
         dense = run(engines["ordinary"], chunks, suffix, DENSE, args.steps)
         dense.pop("logits")
