@@ -159,12 +159,8 @@ class IndexSet:
         the indexes' bytes. ``lists``: int [Hkv, M, >= P], each training query's exact top keys among all N by inner
         product, best first, computed where the keys were (the GPU), so that neither the build nor a composition's
         repair searches them here (``build.given_lists``)."""
-        keys, values = np.asarray(keys), half.stored(values, self.host_dtype)
-        if keys.dtype != half.BITS:
-            keys = np.ascontiguousarray(keys, np.float32)
+        keys, values = self._kv(keys, values)
         train = np.ascontiguousarray(train_queries, np.float32)
-        if keys.ndim != 3 or values.shape != keys.shape:
-            raise ValueError(f"keys and values must both be [Hkv, N, D], got {keys.shape} and {values.shape}")
         if train.ndim != 3 or train.shape[0] != keys.shape[0] or train.shape[2] != keys.shape[2]:
             raise ValueError(f"train_queries must be [Hkv, M, D] with Hkv, D = {keys.shape[0]}, {keys.shape[2]}, "
                              f"got {train.shape}")
@@ -209,6 +205,13 @@ class IndexSet:
                 return index
 
             heads = [HeadKV(values[h], index) for h, index in enumerate(self._pool.map(one, range(hkv)))]
+        self._store(owner, layer, heads, scanned=False)
+        return sum(h.index_bytes for h in heads if h is not None)
+
+    def _store(self, owner: str, layer: int, heads: list, scanned: bool) -> None:
+        """An owner's heads at ``layer`` (all None: no key there) in place of what it had, with the arrays of the
+        compiled call; ``scanned``: each scanned whole at every search (``hold``'s), else searched by its graph (the
+        replaced heads' scan counts say nothing of these)."""
         arrays = None
         if self.compiled and heads and all(h is not None for h in heads):
             arrays = _layer.LayerArrays([(h.index, h.values) for h in heads])
@@ -219,10 +222,23 @@ class IndexSet:
                 self._layer_arrays.pop((owner, layer), None)
             else:
                 self._layer_arrays[(owner, layer)] = arrays
-            self._forget_scans(owner, layer)   # what the replaced indexes' searches read says nothing of these
+            self._forget_scans(owner, layer)
+            if scanned:
+                for h, head in enumerate(heads):
+                    if head is not None:
+                        self._scans[(owner, layer, h)] = HELD_SCANS
         if arrays is not None:
-            _layer.warming(self.host_dtype)    # compiled before the searches come, once this build's loops are
-        return sum(h.index_bytes for h in heads if h is not None)
+            _layer.warming(self.host_dtype)    # compiled before the searches come, once these heads' loops are
+
+    def _kv(self, keys, values) -> tuple[np.ndarray, np.ndarray]:
+        """Keys (float32, or bfloat16 bits as given) and values (held as ``host_dtype``), both [Hkv, N, D]; ValueError
+        otherwise."""
+        keys, values = np.asarray(keys), half.stored(values, self.host_dtype)
+        if keys.dtype != half.BITS:
+            keys = np.ascontiguousarray(keys, np.float32)
+        if keys.ndim != 3 or values.shape != keys.shape:
+            raise ValueError(f"keys and values must both be [Hkv, N, D], got {keys.shape} and {values.shape}")
+        return keys, values
 
     def hold(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
         """Hold an owner's keys and values at ``layer`` (as ``add`` takes them) before their index is built: each head
@@ -230,31 +246,13 @@ class IndexSet:
         to the int8 codes' beam (``_scan``), until ``add`` replaces it with its index. So a sequence can decode while
         its indexes build, each step reading every key of the layers not yet indexed. Replaces what the owner had at
         that layer."""
-        keys, values = np.asarray(keys), half.stored(values, self.host_dtype)
-        if keys.dtype != half.BITS:
-            keys = np.ascontiguousarray(keys, np.float32)
-        if keys.ndim != 3 or values.shape != keys.shape:
-            raise ValueError(f"keys and values must both be [Hkv, N, D], got {keys.shape} and {values.shape}")
+        keys, values = self._kv(keys, values)
         hkv, n = keys.shape[:2]
         held = self.host_dtype
         heads: list[HeadKV | None] = [None] * hkv if n == 0 else [
             HeadKV(values[h], index) for h, index in enumerate(
                 self._pool.map(lambda h: AttentionIndex.unlinked(keys[h], key_dtype=held), range(hkv)))]
-        arrays = None
-        if self.compiled and n:
-            arrays = _layer.LayerArrays([(h.index, h.values) for h in heads])
-        with self._lock:
-            self._heads[(owner, layer)] = heads
-            self._forget_nested(owner)
-            if arrays is None:
-                self._layer_arrays.pop((owner, layer), None)
-            else:
-                self._layer_arrays[(owner, layer)] = arrays
-            self._forget_scans(owner, layer)
-            for h in range(hkv if n else 0):
-                self._scans[(owner, layer, h)] = HELD_SCANS
-        if arrays is not None:
-            _layer.warming(self.host_dtype)
+        self._store(owner, layer, heads, scanned=True)
 
     def calls_by_path(self) -> dict[str, int]:
         """Search calls answered so far in one compiled call (``compiled``) and on the thread pool (``pool``): a

@@ -19,9 +19,9 @@ indexes build on a builder thread (``Offload.build``): a serving batch leaves th
 only). With ``EngineOptions.decode_while_building`` (the default) it waits for the copy alone: the copy thread holds
 each copied layer in the index set with no graph (``IndexSet.hold``), searched by scanning every key, until the
 builder's index replaces it, so the sequence's second token does not wait for its builds (its steps read every key
-of the layers not yet indexed). Once copied (``settle``, on the engine thread), the sequence's layer tables keep their static entries only,
-its private blocks that no layer keeps go back to the pool and the chunks it no longer reads are unpinned (the chunk
-cache may evict them): what it holds on the GPU is its static set.
+of the layers not yet indexed). Once copied (``settle``, on the engine thread), the sequence's layer tables keep
+their static entries only, its private blocks that no layer keeps go back to the pool and the chunks it no longer
+reads are unpinned (the chunk cache may evict them): what it holds on the GPU is its static set.
 
 At a step, layer by layer: the query rows go to the host first (a pinned copy, waited for alone), the static set's
 attention is issued on the GPU, and the CPU searches and attends while it runs; its answer goes back (pinned, in
@@ -180,7 +180,8 @@ class Offload:
     gathered, rotated and copied to the host). copied: set once the copy thread is done with the sequence's blocks
     (or stopped); cut: what cuts its tables down to the static set, pending until then (``settle``). build: the
     builder thread's job adding them to the index set; cancelled / finished (under lock): the sequence was released /
-    the job is over (whichever comes second drops what was added)."""
+    the job is over (whichever comes second drops what was added). holds: the copy thread holds each copied layer in
+    the index set to be scanned until it is indexed (``hold``); held: set once every layer is (before ``copied``)."""
 
     owner: str
     static: list[int] = field(default_factory=list)

@@ -3,7 +3,7 @@
 The ordinary pass (passes/forward.py) runs every layer over the request's new tokens and keeps every layer's K/V in
 the pool; a retrieval sequence then sends what it offloads to the host (decode/retrieval.py ``offload``) and keeps
 its static set. So its context must fit the pool first. This pass runs the other way round: every token through
-layer 0, then every token through layer 1, and so on, one layer's K/V at a time in a buffer of its own (``Scratch``):
+layer 0, then every token through layer 1, and so on, one layer's K/V at a time in a buffer of its own:
 
 - at each layer the tokens' q, k and v are made in slices of ``SLICE_TOKENS`` (the projections and the MLP hold a
   slice's activations only), the keys and values written to the buffer, the queries kept; then one causal attention
@@ -13,7 +13,9 @@ layer 0, then every token through layer 1, and so on, one layer's K/V at a time 
   positions laid densely from 0) are written into the pool, the only pool blocks the sequence holds;
 - everything else of the layer goes to the copy thread while the next layer computes: rounded to the index set's
   dtype, ranked against the layer's tapped queries on the GPU (``exact_lists``) and copied to the host; the builder
-  thread builds its indexes as it arrives, so the builds start with the pass, not after it.
+  thread builds its indexes as it arrives, so the builds start with the pass, not after it (and, with
+  ``EngineOptions.decode_while_building``, each copied layer is held to be scanned until it is indexed: the sequence
+  steps once the last layer is copied).
 
 The sequence leaves the pass as an ordinary retrieval sequence does once settled: tables holding its static set,
 indexes building (``Offload.build``). What it holds on the GPU beside the pool: the hidden states, the queries and
