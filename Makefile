@@ -24,9 +24,10 @@ proto: setup
 # pytest-xdist: a test file runs whole in one of TEST_WORKERS processes (its module fixtures once); on CI's 2 cores
 # two workers finish the suite in ~80% of one's time (much of it waits on servers, Ray and subprocesses)
 TEST_WORKERS ?= 2
-# numba's cache filled first by one process (services/index/warm.py, beside the linters), so that the workers and the
-# services the tests start load the index's compiled loops rather than each compile them: 587 s of tests against 748
-# with an empty cache on this repository's 2-core machine, the warm-up 115 s
+# numba's cache filled first by one process (services/index/warm.py, beside the linters), so that the retrieval-index
+# services the tests start (which ready the loops before they listen) load them in seconds rather than each compile
+# them for a minute. On this repository's 2-core machine the tests took 669.9 s with that cache against 748.7 s with
+# none, and the warm-up itself 115-146 s: little or nothing is saved in all
 test: setup
 	$(PY) -m services.index.warm > /dev/null & warm=$$!; $(MAKE) --no-print-directory lint; lint=$$?; \
 		wait $$warm && test $$lint = 0
