@@ -61,12 +61,9 @@ def test_an_index_set_splitting_query_heads_over_threads_answers_what_one_thread
     """With fewer (row, KV head) pairs than threads, IndexSet searches a KV head's query heads in pieces on several
     threads (heads.IndexSet.attend); searched a head at a time (``group_search=False``) every query's answer is its own
     search, so the pieces change nothing (grouped, a piece's heads share a traversal: tests/index/test_group.py)."""
-    rng = np.random.default_rng(5)
-    hkv, n, d, hq = 2, 900, 16, 8
-    keys = rng.standard_normal((hkv, n, d)).astype(np.float32)
-    values = rng.standard_normal((hkv, n, d)).astype(np.float32)
-    train = (rng.standard_normal((hkv, 300, d)) + 0.4).astype(np.float32)
-    q = rng.standard_normal((1, hq, d)).astype(np.float32)
+    from .helpers import random_heads
+
+    keys, values, train, q = random_heads(5, hkv=2, n=900, d=16, m=300, b=1, hq=8)
     # 2 pairs, 7 threads: 4 query heads a KV head, one a piece
     one, many = IndexSet(threads=1, group_search=False), IndexSet(threads=7, group_search=False)
     try:
@@ -88,14 +85,10 @@ def test_held_keys_are_scanned_exactly_until_their_index_replaces_them(compiled)
     its graph. A malformed hold is refused and changes nothing held."""
     from services.index import _layer
 
-    from .helpers import exact_attention
+    from .helpers import exact_attention, random_heads
 
-    rng = np.random.default_rng(8)
     hkv, n, d, hq = 2, 2000, 16, 4
-    keys = rng.standard_normal((hkv, n, d)).astype(np.float32)
-    values = rng.standard_normal((hkv, n, d)).astype(np.float32)
-    train = (rng.standard_normal((hkv, 200, d)) + 0.4).astype(np.float32)
-    q = rng.standard_normal((2, hq, d)).astype(np.float32)
+    keys, values, train, q = random_heads(8, hkv, n, d, m=200, b=2, hq=hq)
     _layer.warm()
     ix = IndexSet(threads=2, compiled=compiled, scan_share=None)    # (no head scanned for reading widely)
     try:

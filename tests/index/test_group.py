@@ -11,7 +11,7 @@ from services.index import AttentionIndex
 from services.index._search_group import search_group_batch
 from services.index.heads import IndexSet
 
-from .helpers import exact_attention
+from .helpers import exact_attention, random_heads
 
 
 def _normal(seed: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -122,12 +122,8 @@ def test_group_queries_are_checked(built):
 def test_index_set_searching_groups_answers_as_per_head_search_where_both_are_exact(threads):
     """With k over every key both paths attend every key: the same answer to fp32 tolerance, whatever the pieces; the
     grouped path reads a KV head's keys once for its piece of query heads."""
-    rng = np.random.default_rng(5)
     hkv, n, d, hq = 2, 300, 16, 8
-    keys = rng.standard_normal((hkv, n, d)).astype(np.float32)
-    values = rng.standard_normal((hkv, n, d)).astype(np.float32)
-    train = (rng.standard_normal((hkv, 200, d)) + 0.4).astype(np.float32)
-    q = rng.standard_normal((2, hq, d)).astype(np.float32)
+    keys, values, train, q = random_heads(5, hkv, n, d, m=200, b=2, hq=hq)
     grouped, per_head = IndexSet(threads=threads), IndexSet(threads=threads, group_search=False)
     try:
         for ix in (grouped, per_head):
