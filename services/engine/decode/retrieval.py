@@ -224,8 +224,7 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
         index_set(fwd)
     layers: list = []   # per layer, what the builder thread adds: keys, values [Hkv, N, D], queries [Hkv, M, D], runs
     pool, bs = fwd.pool, fwd.bs
-    hq, hkv = fwd.cfg.num_heads, fwd.cfg.num_kv_heads
-    g = hq // hkv
+    hkv = fwd.cfg.num_kv_heads
     prompt = seq.next_pos
     owner = new_owner()
     off = Offload(owner, holds=holds(fwd, policy))
@@ -270,7 +269,7 @@ def offload(fwd, seq, policy: RetrievalDecode) -> None:
             q = None if seq.prefill_queries is None else seq.prefill_queries.queries(layer)
             if q is not None:
                 # [Hkv, M, D] on the device too: the copy thread ranks the keys for them there (``exact_lists``)
-                train_dev = q.float().reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
+                train_dev = by_kv_head(q, hkv)
                 train = train_dev.cpu().numpy()
             elif sum(n for _, n in runs) == blocks.shape[0]:
                 train_dev, train = None, np.zeros((hkv, 0, fwd.cfg.head_dim), np.float32)
@@ -365,10 +364,9 @@ def _copy(fwd, off: Offload, layers: list, after, copied_layers: queue.SimpleQue
     layer for the builder on ``copied_layers`` as it is copied (keys, values, training queries, chunk runs, exact
     lists or None), then None however it ends; ``off.copied`` is set however it ends."""
     pool, model = fwd.pool, fwd.model
-    held = torch.bfloat16 if fwd.indexes.host_dtype == "bfloat16" else torch.float32
+    held = held_dtype(fwd)
     t0 = time.perf_counter()
-    stream = None if after is None else COPY_STREAMS.get(fwd.device) or COPY_STREAMS.setdefault(
-        fwd.device, torch.cuda.Stream(fwd.device))
+    stream = None if after is None else copy_stream(fwd.device)
     try:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if stream is not None:
@@ -397,6 +395,23 @@ def hold(fwd, off: Offload, layer: int, item: tuple) -> None:
     builder indexes it, where the sequence ``holds`` (``EngineOptions.decode_while_building``)."""
     if off.holds:
         fwd.indexes.hold(off.owner, layer, item[0], item[1])
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The copy thread's CUDA stream on ``device`` (one a GPU, made at first use)."""
+    return COPY_STREAMS.get(device) or COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
+
+
+def held_dtype(fwd) -> torch.dtype:
+    """The torch dtype the engine's index set holds offloaded K/V in (``IndexSet.host_dtype``)."""
+    return torch.bfloat16 if fwd.indexes.host_dtype == "bfloat16" else torch.float32
+
+
+def by_kv_head(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Queries [M, Hq, D] as float32 [Hkv, M * g, D]: each KV head's g query heads stacked, head by head (how the index
+    set takes a layer's training queries)."""
+    m, hq, d = q.shape
+    return q.float().reshape(m, hkv, hq // hkv, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)
 
 
 def host_layer(k: torch.Tensor, v: torch.Tensor, train: np.ndarray, train_dev: torch.Tensor | None, runs: list,
@@ -619,8 +634,7 @@ def chunk_inputs(fwd, tokens, entry) -> tuple[list[torch.Tensor], list[torch.Ten
         cos, sin = rope_cos_sin(shifts[torch.arange(q.shape[0], device=fwd.device) % shifts.shape[0]],
                                 fwd.model.inv_freq)
         q = rotate(q.float(), cos[:, None, :], sin[:, None, :])
-        train.append(q.reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, q.shape[-1])
-                     .to("cpu", torch.float16))
+        train.append(by_kv_head(q, hkv).to("cpu", torch.float16))
     return keys, train
 
 

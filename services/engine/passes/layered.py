@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fused import KVWrite
-from services.engine.decode.retrieval import (COPY_STREAMS, HostStaging, Offload, QueryTap, RetrievalDecode, _build,
-                                              _builder, _copier, hold, holds, host_layer, index_set, new_owner)
+from services.engine.decode.retrieval import (HostStaging, Offload, QueryTap, RetrievalDecode, _build, _builder,
+                                              _copier, by_kv_head, copy_stream, held_dtype, hold, holds, host_layer,
+                                              index_set, new_owner)
 from services.engine.request import PrefillStats, Sequence
 
 # query rows a slice of the projections and the MLP: the MLP's activations of 16K rows of an 8B-shaped model are
@@ -123,7 +124,7 @@ def _layers(fwd, ids, inbox, copy, tap, static_pos, s_block, s_slot, sink_end, w
         tap(layer, q_all)
         q = tap.queries(layer)
         tap.layers.pop(layer, None)
-        train_dev = q.float().reshape(q.shape[0], hkv, g, -1).permute(1, 0, 2, 3).reshape(hkv, -1, d)
+        train_dev = by_kv_head(q, hkv)
         item = (k_flat[sink_end:window_start].clone(), v_flat[sink_end:window_start].clone(), train_dev,
                 torch.cuda.Event() if dev.type == "cuda" else None)
         if item[3] is not None:
@@ -145,11 +146,10 @@ def _copy_streamed(fwd, off: Offload, inbox: queue.Queue, copied_layers: queue.S
     lists (``host_layer``), each put on ``copied_layers`` for the builder, then None. After an error (or once the
     sequence is cancelled) it takes what comes until None without copying it, so the pass never waits on a full
     inbox; the error is raised after (the builder then raises it, failing the sequence)."""
-    held = torch.bfloat16 if fwd.indexes.host_dtype == "bfloat16" else torch.float32
+    held = held_dtype(fwd)
     t0 = time.perf_counter()
     error: BaseException | None = None
-    stream = None if fwd.device.type != "cuda" else COPY_STREAMS.get(fwd.device) or COPY_STREAMS.setdefault(
-        fwd.device, torch.cuda.Stream(fwd.device))
+    stream = copy_stream(fwd.device) if fwd.device.type == "cuda" else None
     staging = HostStaging()
     layer = 0
     try:
