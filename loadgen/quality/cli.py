@@ -10,9 +10,11 @@ from pathlib import Path
 from loadgen.quality.config import add_train_args, command_line, config_from_args
 from loadgen.quality.longgen_eval import DEFAULT_MODES as LONGGEN_MODES
 from loadgen.quality.longgen_eval import DEFAULT_QUESTIONS as LONGGEN_QUESTIONS
+from loadgen.quality.tasks import FORMS
 
 COMMITTED_MODEL = Path(__file__).resolve().parent / "model"
 COMMITTED_LONGGEN_MODEL = Path(__file__).resolve().parent / "model_longgen"
+COMMITTED_RELAY_MODEL = Path(__file__).resolve().parent / "model_longgen_relay"   # longgen's relay form
 DEFAULT_MODES = "full,position_aware@0,tessera@0,tessera@0.15,blend_copy@0.15,tessera@1"
 # per task: the model, modes, prompts and questions an eval takes when not told
 EVAL_DEFAULTS = {
@@ -46,6 +48,9 @@ def register(subparsers) -> None:
                     help="coref: questions asked per prompt, kinds in turn (default 8: all); "
                          "longgen: answers per generation, 1..16 (default 14: the suffix fills one block)")
     ev.add_argument("--seed", type=int, default=1, help="held-out prompt seed (default 1)")
+    ev.add_argument("--form", default=None, choices=tuple(FORMS),
+                    help="longgen: how each answer is laid out (default pair: N O; relay: N IT A O over facts A N O ., "
+                         "whose committed model is the default there)")
     ev.add_argument("--dense-layers", type=int, default=None,
                     help="longgen: the first layers the sparse policies keep dense (default 1)")
     ev.add_argument("--prefill", default="full", choices=("full", "tessera"),
@@ -80,6 +85,8 @@ def _eval(args: argparse.Namespace) -> int:
             setattr(args, name, str(value) if name == "model" else value)
     if args.task == "longgen":
         return _eval_longgen(args)
+    if args.form is not None:
+        raise ValueError("--form is longgen's (--task longgen)")
     if args.dense_layers is not None or args.plot or args.prefill != "full" or args.index_host_dtype is not None:
         raise ValueError("--dense-layers, --plot, --prefill and --index-host-dtype are longgen's (--task longgen)")
     from loadgen.quality.evaluate import as_json, parse_modes, run_eval
@@ -116,12 +123,15 @@ def _eval_longgen(args: argparse.Namespace) -> int:
     if coref_only:
         raise ValueError(f"{', '.join(coref_only)}: coref's flags, not longgen's")
     dense_layers = DEFAULT_DENSE_LAYERS if args.dense_layers is None else args.dense_layers
+    form = args.form or "pair"
+    if form == "relay" and args.model == str(COMMITTED_LONGGEN_MODEL):
+        args.model = str(COMMITTED_RELAY_MODEL)
     results = run_longgen_eval(args.model, args.prompts, parse_decode_modes(args.modes), seed=args.seed,
                                questions=args.questions, dense_layers=dense_layers, device=args.device,
                                progress=True, prefill=args.prefill,
-                               index_host_dtype=args.index_host_dtype or "float32")
+                               index_host_dtype=args.index_host_dtype or "float32", form=form)
     out = as_json(results)
-    title = (f"longgen: {args.prompts} prompts, seed {args.seed}, {args.questions} answers, "
+    title = (f"longgen ({form}): {args.prompts} prompts, seed {args.seed}, {args.questions} answers, "
              f"dense_layers {dense_layers}, {args.prefill} prefill, {Path(args.model).name}")
     if args.plot:
         from loadgen.quality.plot import plot_budget_curve

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from loadgen.quality.tasks import FORMS
+
 TASKS = ("coref", "longgen")  # what each trains on: objectives.py (which imports torch; this module does not)
 
 
@@ -32,12 +34,20 @@ class TrainConfig:
     time_limit: float = 0.0        # seconds of training after which to stop and save anyway; 0: none
     save_dtype: str = "float16"
     init: str = ""                 # a model directory of the same shape whose weights training starts from; "": random
+    form: str = "pair"             # longgen: how each answer is laid out (tasks.FORMS)
+    bar_object: float = 0.5        # longgen relay: chance an object step is barred from the chunks (tasks.longgen_batch)
 
     def __post_init__(self) -> None:
         if not self.out:
             raise ValueError("an output directory is required")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.form not in FORMS:
+            raise ValueError(f"form must be one of {', '.join(FORMS)}, got {self.form!r}")
+        if not 0 <= self.bar_object <= 1:
+            raise ValueError(f"bar_object is a probability, got {self.bar_object}")
+        if self.form != "pair" and self.task != "longgen":
+            raise ValueError(f"form {self.form!r} is longgen's (--task longgen); {self.task} has none")
         if min(self.layers, self.hidden, self.heads, self.kv_heads) < 1 or self.intermediate < 0:
             raise ValueError("model sizes must be positive")
         if self.steps < 1 or self.batch < 1 or self.eval_every < 1 or self.eval_prompts < 1 or self.warmup < 0:
@@ -63,8 +73,8 @@ class TrainConfig:
 
 _INT_FLAGS = ("layers", "hidden", "heads", "kv_heads", "intermediate", "steps", "batch", "warmup",
               "seed", "workers", "eval_every", "eval_prompts")
-_FLOAT_FLAGS = ("lr", "weight_decay", "induction", "target", "time_limit")
-_STR_FLAGS = ("task", "save_dtype", "init")
+_FLOAT_FLAGS = ("lr", "weight_decay", "induction", "target", "time_limit", "bar_object")
+_STR_FLAGS = ("task", "save_dtype", "init", "form")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -79,6 +89,8 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--save-dtype", default=defaults.save_dtype, choices=("float16", "bfloat16", "float32"))
     p.add_argument("--init", default=defaults.init, metavar="DIR",
                    help="start from this model directory's weights (same shape) instead of random ones")
+    p.add_argument("--form", default=defaults.form, choices=tuple(FORMS),
+                   help="longgen: how each answer is laid out (pair: N O; think: N IT O; relay: N IT A O, facts A N O .)")
     return p
 
 

@@ -2,9 +2,10 @@
 
 Layout of one request (documented choice): ``chunks = [[<bos>], chunk_1, .., chunk_C]``,
 ``suffix = [Q, N_1, .., N_K, .]``, ``mode="full"`` (the prompt is prefilled exactly, so what a mode
-changes is its decode steps alone), ``max_new_tokens = 2K + 1``. Answer i is right iff the generated
-token at slot 2i + 1 is question i's object (``LongGenPrompt.answers_right``): slots are positions in
-the generation, so a step that derails costs every later answer, as in LongGenBench.
+changes is its decode steps alone), ``max_new_tokens`` the target's length (2K + 1 in the pair form). Answer i is
+right iff the generated token at question i's object slot (2i + 1 in the pair form) is its object
+(``LongGenPrompt.answers_right``): slots are positions in the generation, so a step that derails costs every later
+answer, as in LongGenBench.
 
 A mode is ``dense``, ``quest@B``, ``retro@B[:wN]`` or ``retrieval@K[:sS][:wW]``: B is ``budget_tokens`` (the
 keys one KV head attends per layer, in whole pages of the engine's block size), N is ``retro_window`` (the past
@@ -21,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from loadgen.quality.tasks import FORMS
 from loadgen.quality.vocab import vocab
 from services.modes import DECODE_PARAMS, DECODE_POLICIES
 
@@ -144,6 +146,7 @@ class GenResult:
     mean_generate_s: float
     pages: dict[str, int] = field(default_factory=dict)
     index_host_dtype: str | None = None     # retrieval: how the engine held the offloaded K/V (float32, bfloat16)
+    adj: tuple[tuple[bool, ...], ...] = ()   # relay form: whether each question's adj slot held the word before its name
 
     def accuracy(self) -> float:
         return sum(map(sum, self.right)) / sum(map(len, self.right))
@@ -161,6 +164,7 @@ class GenResult:
             "prompts_all_right": sum(map(all, self.right)) / len(self.right),
             "mean_generate_s": self.mean_generate_s,
             **({} if self.index_host_dtype is None else {"index_host_dtype": self.index_host_dtype}),
+            **({"adj_accuracy": sum(map(sum, self.adj)) / sum(map(len, self.adj))} if self.adj else {}),
             **self._pages_json(),
         }
 
@@ -200,23 +204,26 @@ def evaluate_decode_modes(engine, modes: list[DecodeMode], prompts, dense_layers
     results = []
     for mode in modes:
         bar.set_postfix(mode=str(mode))
-        right, names, gens, seconds = [], [], [], 0.0
+        right, names, adj, gens, seconds = [], [], [], [], 0.0
         pages = dict.fromkeys(("steps", "pages_visible", "pages_read", "pages_corrected"), 0)
         for p in prompts:
             t0 = time.perf_counter()
             stats: dict = {}
             out = engine.generate(chunks=[[v.bos]] + [list(c) for c in p.chunks], suffix=p.suffix(v),
-                                  max_new_tokens=2 * len(p.questions) + 1, mode=prefill, stats=stats,
+                                  max_new_tokens=len(p.target(v)), mode=prefill, stats=stats,
                                   **mode.generate_args(dense_layers))
             seconds += time.perf_counter() - t0
             for key in pages:
                 pages[key] += int(stats.get(key, 0))
             right.append(tuple(p.answers_right(out)))
             names.append(tuple(p.names_right(out)))
+            if "adj" in FORMS[p.form]:
+                adj.append(tuple(p.slots_right("adj", out)))
             gens.append(tuple(out))
             bar.update(1)
         held = engine.forward.options.index_host_dtype if mode.policy == "retrieval" else None
-        results.append(GenResult(mode, tuple(right), tuple(names), tuple(gens), seconds / len(prompts), pages, held))
+        results.append(GenResult(mode, tuple(right), tuple(names), tuple(gens), seconds / len(prompts), pages, held,
+                                 tuple(adj)))
     bar.close()
     return results
 
@@ -225,14 +232,17 @@ def run_longgen_eval(model_dir: str, n_prompts: int, modes: list[DecodeMode], se
                      questions: int = DEFAULT_QUESTIONS,
                      dense_layers: int = DEFAULT_DENSE_LAYERS, device: str = "cpu",
                      progress: bool = True, prefill: str = "full",
-                     index_host_dtype: str = "float32") -> list[GenResult]:
-    """``index_host_dtype``: how a retrieval mode's offloaded keys and values are held (EngineOptions')."""
+                     index_host_dtype: str = "float32", form: str = "pair") -> list[GenResult]:
+    """``index_host_dtype``: how a retrieval mode's offloaded keys and values are held (EngineOptions'); ``form``: how
+    the prompts lay out their answers (tasks.FORMS)."""
     from loadgen.quality.evaluate import load_engine
     from loadgen.quality.tasks import LongGenConfig, longgen_heldout
     from services.engine import EngineOptions
 
     if n_prompts < 1:
         raise ValueError("--prompts must be at least 1")
+    if form not in FORMS:
+        raise ValueError(f"--form must be one of {', '.join(FORMS)}, got {form!r}")
     if not 1 <= questions <= LongGenConfig().questions:
         raise ValueError(f"--questions must be in 1..{LongGenConfig().questions}")
     if dense_layers < 0:
@@ -240,7 +250,7 @@ def run_longgen_eval(model_dir: str, n_prompts: int, modes: list[DecodeMode], se
     # every step searches the built indexes (none scans its layers while they build: a timing-dependent mix)
     options = EngineOptions(index_host_dtype=index_host_dtype, decode_while_building=False)
     engine = load_engine(model_dir, device, engine_options={"options": options})
-    prompts = longgen_heldout(seed, n_prompts, LongGenConfig(questions=questions))
+    prompts = longgen_heldout(seed, n_prompts, LongGenConfig(questions=questions, form=form))
     if prefill not in ("full", "tessera"):
         raise ValueError(f"--prefill must be full or tessera, got {prefill!r}")
     return evaluate_decode_modes(engine, modes, prompts, dense_layers, progress, prefill)

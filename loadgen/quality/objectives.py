@@ -11,8 +11,8 @@ from typing import Protocol
 
 from loadgen.quality.config import TASKS
 from loadgen.quality.reference import longgen_greedy, longgen_teacher_forced, reference_tally
-from loadgen.quality.tasks import (Batch, LongGenConfig, TaskConfig, heldout_prompts, induction_batch, longgen_heldout,
-                                   sample_coref_batch, sample_longgen_batch)
+from loadgen.quality.tasks import (FORMS, Batch, LongGenConfig, TaskConfig, heldout_prompts, induction_batch,
+                                   longgen_heldout, sample_coref_batch, sample_longgen_batch)
 from loadgen.quality.vocab import Vocab
 
 
@@ -100,10 +100,10 @@ class LongGenObjective:
     generation (dense), scored per answer as the engine eval scores it."""
 
     name = "longgen"
-    columns = "name/object/end"
 
-    def __init__(self):
-        self.task = LongGenConfig()
+    def __init__(self, form: str = "pair", bar_object: float = 0.5):
+        self.task = LongGenConfig(form=form, bar_object=bar_object)
+        self.columns = "/".join((*FORMS[form], "end"))
 
     def batch(self, rng: random.Random, size: int, v: Vocab) -> Batch:
         return sample_longgen_batch(rng, self.task, size, v)
@@ -126,25 +126,34 @@ class LongGenObjective:
 
     def final(self, model, prompts) -> dict[str, dict[str, float]]:
         out = self.evaluate(model, prompts)
-        right = [p.answers_right(g) for p, g in zip(prompts, longgen_greedy(model, prompts))]
+        generations = longgen_greedy(model, prompts)
+        right = [p.answers_right(g) for p, g in zip(prompts, generations)]
         k = len(right[0])
         out["greedy"] = {
             "answers": sum(map(sum, right)) / (k * len(right)),
             "prompt_all_right": sum(map(all, right)) / len(right),
         }
+        if "adj" in FORMS[self.task.form]:
+            adj = [p.slots_right("adj", g) for p, g in zip(prompts, generations)]
+            out["greedy"]["adj"] = sum(map(sum, adj)) / (k * len(adj))
         out["greedy_by_answer"] = {str(i + 1): sum(r[i] for r in right) / len(right) for i in range(k)}
         return out
 
     def readme(self, s: dict) -> str:
         c, t, f = s["config"], self.task, s["final_heldout"]
         by_answer = " ".join(f"{a:.3f}" for a in f["greedy_by_answer"].values())
-        return f"""# Longgen quality model
+        fact, answer = {"pair": ("NAME OBJ", "N_i O_i"), "think": ("NAME OBJ", "N_i IT O_i"),
+                        "relay": ("ADJ NAME OBJ", "N_i IT A_i O_i")}[t.form]
+        teacher = ", ".join(f"{role} {f['full'][role]:.4f}" for role in (*FORMS[t.form], "end"))
+        adj = f", the words before the names {f['greedy']['adj']:.4f}" if "adj" in f["greedy"] else ""
+        flag = "" if t.form == "pair" else f" --form {t.form}"
+        return f"""# Longgen quality model (form {t.form})
 
 Trained by `loadgen/quality/train.py` on the synthetic longgen task (`loadgen/quality/tasks.py`): a
-context of {t.max_chunks} chunks of {t.chunk_len} tokens with {t.facts_per_chunk} facts `NAME OBJ .` each
-(and distractors `NAME arrives .`), then `Q N_1 .. N_{t.questions} .`, answered in one generation
-`N_1 O_1 .. N_{t.questions} O_{t.questions} <eos>`. Read it with `Engine.load` or
-`transformers.LlamaForCausalLM.from_pretrained`; `tessera quality eval --task longgen` measures the
+context of {t.max_chunks} chunks of {t.chunk_len} tokens with {t.facts_per_chunk} facts `{fact} .` each
+(and distractors `NAME arrives .`), then `Q N_1 .. N_{t.questions} .`, answered in one generation of
+`{answer}` for i = 1..{t.questions}, then `<eos>`. Read it with `Engine.load` or
+`transformers.LlamaForCausalLM.from_pretrained`; `tessera quality eval --task longgen{flag}` measures the
 decode policies on it.
 
 Made with (seed {c['seed']}, on {s['device']}):
@@ -157,10 +166,9 @@ Made with (seed {c['seed']}, on {s['device']}):
 
 Held-out accuracy of the saved weights ({c['eval_prompts']} prompts of the eval shape, seed {c['seed']}):
 
-- teacher-forced (argmax over the vocabulary): names {f['full']['name']:.4f}, objects {f['full']['object']:.4f},
-  end {f['full']['end']:.4f};
+- teacher-forced (argmax over the vocabulary), by slot: {teacher};
 - greedy generation (dense attention, in fp32): answers {f["greedy"]["answers"]:.4f}, prompts with every
-  answer right {f['greedy']['prompt_all_right']:.4f}; by answer position 1..{t.questions}: {by_answer}.
+  answer right {f['greedy']['prompt_all_right']:.4f}{adj}; by answer position 1..{t.questions}: {by_answer}.
 
 `training.json` holds the full configuration and the accuracy history.
 """
@@ -170,10 +178,12 @@ def _started_from(c: dict) -> str:
     return f" Started from the weights of `{c['init']}`." if c.get("init") else ""
 
 
-def objective(name: str) -> Objective:
-    """The objective of task ``name`` (one of config.TASKS)."""
+def objective(name: str, form: str = "pair", bar_object: float = 0.5) -> Objective:
+    """The objective of task ``name`` (one of config.TASKS); ``form``: longgen's answer layout (tasks.FORMS)."""
     if name == "coref":
+        if form != "pair":
+            raise ValueError(f"form {form!r} is longgen's; coref has none")
         return CorefObjective()
     if name == "longgen":
-        return LongGenObjective()
+        return LongGenObjective(form, bar_object)
     raise ValueError(f"task must be one of {', '.join(TASKS)}, got {name!r}")

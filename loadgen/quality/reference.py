@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loadgen.quality.tasks import KINDS, LongGenPrompt, Prompt, TaskConfig, coref_batch, longgen_batch
+from loadgen.quality.tasks import FORMS, KINDS, LongGenPrompt, Prompt, TaskConfig, coref_batch, longgen_batch
 from loadgen.quality.vocab import vocab
 
 
@@ -138,10 +138,15 @@ class ReferenceEngine:
 
 @torch.no_grad()
 def longgen_teacher_forced(model: torch.nn.Module, prompts: list[LongGenPrompt], batch: int = 128) -> dict[str, float]:
-    """Teacher-forced accuracy of a longgen target, argmax over the whole vocabulary:
-    ``{"name": .., "object": .., "end": ..}`` (the questions' names, their objects, the closing ``<eos>``)."""
+    """Teacher-forced accuracy of a longgen target, argmax over the whole vocabulary, per slot role of the prompts'
+    form and the end: pair ``{"name": .., "object": .., "end": ..}`` (the questions' names, their objects, the
+    closing ``<eos>``); think adds ``think``, relay ``think`` and ``adj``. The prompts share one form."""
+    forms = {p.form for p in prompts}
+    if len(forms) != 1:
+        raise ValueError(f"longgen_teacher_forced needs prompts of one form, got {sorted(forms)}")
+    roles = FORMS[forms.pop()]
     device = next(model.parameters()).device
-    hits = {"name": [0, 0], "object": [0, 0], "end": [0, 0]}
+    hits = {role: [0, 0] for role in (*roles, "end")}
     for i in range(0, len(prompts), batch):
         part = prompts[i : i + batch]
         b = longgen_batch(part, vocab())
@@ -149,10 +154,10 @@ def longgen_teacher_forced(model: torch.nn.Module, prompts: list[LongGenPrompt],
         targets = torch.from_numpy(b.targets).to(device)
         slots = torch.from_numpy(b.kinds).long().to(device)
         hit = model(tokens).argmax(-1) == targets
-        ends = torch.tensor([2 * len(p.questions) for p in part], device=device)[:, None]
-        answer = (slots >= 0) & (slots < ends)          # slots are -1 off the target (and -1 % 2 == 1)
-        for role, sel in (("name", answer & (slots % 2 == 0)), ("object", answer & (slots % 2 == 1)),
-                          ("end", slots == ends)):
+        ends = torch.tensor([len(roles) * len(p.questions) for p in part], device=device)[:, None]
+        answer = (slots >= 0) & (slots < ends)          # slots are -1 off the target
+        sels = [(role, answer & (slots % len(roles) == at)) for at, role in enumerate(roles)]
+        for role, sel in sels + [("end", slots == ends)]:
             hits[role][0] += int((hit & sel).sum())
             hits[role][1] += int(sel.sum())
     return {role: c / n if n else float("nan") for role, (c, n) in hits.items()}
@@ -160,7 +165,7 @@ def longgen_teacher_forced(model: torch.nn.Module, prompts: list[LongGenPrompt],
 
 @torch.no_grad()
 def longgen_greedy(model: torch.nn.Module, prompts: list[LongGenPrompt], batch: int = 128) -> list[list[int]]:
-    """Greedy generations of ``2K + 1`` tokens each (dense attention, no KV cache: every step one full pass);
+    """Greedy generations as long as each prompt's target (dense attention, no KV cache: every step one full pass);
     prompts of one batch must have equal lengths (the held-out shape does)."""
     device = next(model.parameters()).device
     v = vocab()
@@ -168,7 +173,7 @@ def longgen_greedy(model: torch.nn.Module, prompts: list[LongGenPrompt], batch: 
     for i in range(0, len(prompts), batch):
         part = prompts[i : i + batch]
         seqs = [[v.bos, *(t for c in p.chunks for t in c), *p.suffix(v)] for p in part]
-        steps = {2 * len(p.questions) + 1 for p in part}
+        steps = {len(p.target(v)) for p in part}
         if len({len(s) for s in seqs}) != 1 or len(steps) != 1:
             raise ValueError("longgen_greedy needs prompts of one shape")
         tokens = torch.tensor(seqs, device=device)

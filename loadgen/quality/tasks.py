@@ -70,6 +70,7 @@ class Fact:
     name: int       # token id
     obj: int        # token id
     chunk: int      # chunk that states the object (for cross: the chunk after the name's)
+    adj: int = -1   # token id of the word before the name (longgen's relay form), -1 where there is none
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,14 +91,17 @@ class Batch:
 
     ``targets[b, t]`` is the token to predict at position t (IGNORE where no loss);
     ``kinds[b, t]`` says what is predicted at t, -1 where nothing is (induction batches have no
-    kinds): for coref the question type (index into KINDS), for longgen the target slot (``2i`` the
-    i-th question's name, ``2i + 1`` its object, ``2K`` the end).
+    kinds): for coref the question type (index into KINDS), for longgen the target slot (question i's slots
+    start at ``i * len(FORMS[form])``, in its form's order; the end follows the last).
+    ``barred`` (longgen's relay form in training, else None): int64 ``[B, R, 4]`` rows ``(t, lo, hi, col)``, position
+    t of prompt b attends none of ``lo..hi-1`` nor ``col`` (-1: none); padding rows are ``(0, 0, 0, -1)``.
     """
 
     tokens: np.ndarray   # int64 [B, T]
     targets: np.ndarray  # int64 [B, T]
     kinds: np.ndarray    # int8  [B, T]
     induction: bool
+    barred: np.ndarray | None = None
 
 
 def make_prompt(rng: random.Random, cfg: TaskConfig, n_chunks: int, v: Vocab | None = None) -> Prompt:
@@ -216,47 +220,69 @@ def induction_batch(rng: random.Random, cfg: TaskConfig | LongGenConfig, batch: 
 
 MAX_POSITIONS = 1024  # the quality model's (model.ModelConfig.max_positions): prompt + generation must fit
 
+# How a longgen generation lays out each question's answer (the target slots of one question, in order):
+#   pair   ``N O``        the answer follows its name (the lookup is the name step's own);
+#   think  ``N IT O``     the name step says only ``IT``; the next step says the object;
+#   relay  ``N IT A O``   facts read ``A N O .``: the name step says ``IT``, the next says the word before the name
+#                         (A), and the one after says the object, two steps after the lookup the name step could make.
+# The relay form is the task where RetroAttention can count: a step's own output never needs the page its lookup
+# missed, and the pages the next step loads (to read A beside the name) are the ones that lookup needed.
+FORMS = {"pair": ("name", "object"), "think": ("name", "think", "object"),
+         "relay": ("name", "think", "adj", "object")}
+
 
 @dataclass(frozen=True, slots=True)
 class LongGenConfig:
     """Shape of longgen prompts; ``max_chunks`` chunks and ``questions`` answers are the held-out/eval
-    shape (training draws 1..max_chunks chunks a batch and 1..questions answers a prompt)."""
+    shape (training draws 1..max_chunks chunks a batch and 1..questions answers a prompt); ``form`` lays out each
+    answer (``FORMS``)."""
 
     chunk_len: int = 64
     max_chunks: int = 12
     facts_per_chunk: int = 4
     questions: int = 16
     p_distractor: float = 0.5   # chance, per fact slot of a chunk, of a ``NAME arrives .`` with a fact's name
+    form: str = "pair"
+    bar_object: float = 0.5     # relay, in training: chance that an object step attends neither the chunks nor IT
 
     def __post_init__(self) -> None:
-        # The fullest chunk: its facts and as many distractors, 3 tokens each.
-        if self.facts_per_chunk < 1 or self.chunk_len < 6 * self.facts_per_chunk:
+        if self.form not in FORMS:
+            raise ValueError(f"form must be one of {', '.join(FORMS)}, got {self.form!r}")
+        # The fullest chunk: its facts and as many distractors (3 tokens each).
+        need = (self.fact_len + 3) * self.facts_per_chunk
+        if self.facts_per_chunk < 1 or self.chunk_len < need:
             raise ValueError(f"chunk_len {self.chunk_len} cannot hold {self.facts_per_chunk} facts and as many "
-                             f"distractors; need >= {6 * self.facts_per_chunk} (facts_per_chunk >= 1)")
+                             f"distractors; need >= {need} (facts_per_chunk >= 1)")
         facts = self.max_chunks * self.facts_per_chunk
-        if self.max_chunks < 1 or facts > 64:
-            raise ValueError(f"max_chunks x facts_per_chunk must be in 1..64 (one name each), got {facts}")
+        most = 64 if self.form != "relay" else 48   # names; relay draws two objects a fact, of 96
+        if self.max_chunks < 1 or facts > most:
+            raise ValueError(f"max_chunks x facts_per_chunk must be in 1..{most} in form {self.form}, got {facts}")
         if not 1 <= self.questions <= facts:
             raise ValueError(f"questions must be in 1..{facts} (the facts of a full prompt), got {self.questions}")
-        if not 0 <= self.p_distractor <= 1:
-            raise ValueError("p_distractor is a probability")
+        if not 0 <= self.p_distractor <= 1 or not 0 <= self.bar_object <= 1:
+            raise ValueError("p_distractor and bar_object are probabilities")
         if self.seq_len > MAX_POSITIONS:
             raise ValueError(f"a full prompt and its generation take {self.seq_len} positions, past {MAX_POSITIONS}")
 
     @property
+    def fact_len(self) -> int:
+        return 4 if self.form == "relay" else 3
+
+    @property
     def seq_len(self) -> int:
-        """Positions of a full prompt and its target: bos + chunks + ``Q N_1..N_K .`` + ``(N O)*K <eos>``."""
-        return 1 + self.chunk_len * self.max_chunks + (self.questions + 2) + (2 * self.questions + 1)
+        """Positions of a full prompt and its target: bos + chunks + ``Q N_1..N_K .`` + the answers and ``<eos>``."""
+        return 1 + self.chunk_len * self.max_chunks + (self.questions + 2) + (len(FORMS[self.form]) * self.questions + 1)
 
 
 @dataclass(frozen=True, slots=True)
 class LongGenPrompt:
     """One longgen prompt. ``chunks`` hold token ids without ``<bos>``; ``facts`` are all "direct"
-    (``chunk`` states the object); ``questions`` index ``facts`` in asking order."""
+    (``chunk`` states the object); ``questions`` index ``facts`` in asking order; ``form`` lays out the answers."""
 
     chunks: tuple[tuple[int, ...], ...]
     facts: tuple[Fact, ...]
     questions: tuple[int, ...]
+    form: str = "pair"
 
     def question_facts(self) -> list[Fact]:
         return [self.facts[i] for i in self.questions]
@@ -266,18 +292,30 @@ class LongGenPrompt:
         return [v.question, *(f.name for f in self.question_facts()), v.stop]
 
     def target(self, v: Vocab) -> list[int]:
-        """``N_1 O_1 .. N_K O_K <eos>``: slot 2i is question i's name, 2i + 1 its object, 2K the end."""
-        return [t for f in self.question_facts() for t in (f.name, f.obj)] + [v.eos]
+        """Each question's slots in its form's order (pair: ``N_i O_i``; think: ``N_i IT O_i``; relay:
+        ``N_i IT A_i O_i``), then ``<eos>``: question i's slots start at ``i * len(FORMS[form])``."""
+        word = {"name": lambda f: f.name, "object": lambda f: f.obj, "think": lambda f: v.pronoun,
+                "adj": lambda f: f.adj}
+        return [word[role](f) for f in self.question_facts() for role in FORMS[self.form]] + [v.eos]
+
+    def slots_right(self, role: str, generated: list[int]) -> list[bool]:
+        """Per question, in asking order: is the generated token at its ``role`` slot the one the target has there?
+        Slots are positions of the generation, whatever came before them, so one step that derails (a skipped or
+        repeated name) costs every later answer; a generation that stopped early has none."""
+        roles = FORMS[self.form]
+        if role not in roles:
+            raise ValueError(f"form {self.form} has no {role!r} slot (it has {', '.join(roles)})")
+        target, stride, at = self.target(vocab()), len(roles), roles.index(role)
+        return [len(generated) > stride * i + at and generated[stride * i + at] == target[stride * i + at]
+                for i in range(len(self.questions))]
 
     def answers_right(self, generated: list[int]) -> list[bool]:
-        """Per question, in asking order: is the generated token at its object slot (2i + 1) its object?
-        Slots are positions of the generation, whatever came before them, so one step that derails (a
-        skipped or repeated name) costs every later answer; a generation that stopped early has none."""
-        return [len(generated) > 2 * i + 1 and generated[2 * i + 1] == f.obj for i, f in enumerate(self.question_facts())]
+        """Per question: is the generated token at its object slot its object?"""
+        return self.slots_right("object", generated)
 
     def names_right(self, generated: list[int]) -> list[bool]:
-        """Per question: is the token at its name slot (2i) its name (the model kept its place in the list)?"""
-        return [len(generated) > 2 * i and generated[2 * i] == f.name for i, f in enumerate(self.question_facts())]
+        """Per question: is the token at its name slot its name (the model kept its place in the list)?"""
+        return self.slots_right("name", generated)
 
 
 def _lay_out(rng: random.Random, segments: list[list[int]], length: int, fillers: tuple[int, ...]) -> tuple[int, ...]:
@@ -299,17 +337,20 @@ def make_longgen_prompt(rng: random.Random, cfg: LongGenConfig, n_chunks: int, n
     n_facts = n_chunks * cfg.facts_per_chunk
     if not 1 <= n_questions <= n_facts:
         raise ValueError(f"{n_chunks} chunks hold {n_facts} facts: cannot ask {n_questions} questions")
-    names, objects = rng.sample(v.names, n_facts), rng.sample(v.objects, n_facts)
-    facts = tuple(Fact("direct", names[i], objects[i], i // cfg.facts_per_chunk) for i in range(n_facts))
+    relay = cfg.form == "relay"
+    names, objects = rng.sample(v.names, n_facts), rng.sample(v.objects, 2 * n_facts if relay else n_facts)
+    facts = tuple(Fact("direct", names[i], objects[i], i // cfg.facts_per_chunk, objects[n_facts + i] if relay else -1)
+                  for i in range(n_facts))
     # Distractors: up to facts_per_chunk a chunk, each a different fact's name (before or after its fact).
     n_distract = [sum(rng.random() < cfg.p_distractor for _ in range(cfg.facts_per_chunk)) for _ in range(n_chunks)]
     distract = iter(rng.sample(names, sum(n_distract)))
     chunks = []
     for c in range(n_chunks):
-        segments = [[f.name, f.obj, v.stop] for f in facts[c * cfg.facts_per_chunk:(c + 1) * cfg.facts_per_chunk]]
+        segments = [([f.adj] if relay else []) + [f.name, f.obj, v.stop]
+                    for f in facts[c * cfg.facts_per_chunk:(c + 1) * cfg.facts_per_chunk]]
         segments += [[next(distract), v.verb, v.stop] for _ in range(n_distract[c])]
         chunks.append(_lay_out(rng, segments, cfg.chunk_len, v.fillers))
-    return LongGenPrompt(tuple(chunks), facts, tuple(rng.sample(range(n_facts), n_questions)))
+    return LongGenPrompt(tuple(chunks), facts, tuple(rng.sample(range(n_facts), n_questions)), cfg.form)
 
 
 def longgen_heldout(seed: int, n: int, cfg: LongGenConfig = LongGenConfig()) -> list[LongGenPrompt]:
@@ -320,9 +361,16 @@ def longgen_heldout(seed: int, n: int, cfg: LongGenConfig = LongGenConfig()) -> 
     return [make_longgen_prompt(rng, cfg, cfg.max_chunks, cfg.questions, v) for _ in range(n)]
 
 
-def longgen_batch(prompts: list[LongGenPrompt], v: Vocab | None = None) -> Batch:
-    """Teacher-forced ``<bos> chunks Q N_1..N_K . N_1 O_1 .. N_K O_K <eos>``, padded to the longest; loss on
-    the target (from the suffix's last token on), ``kinds`` its slot."""
+def longgen_batch(prompts: list[LongGenPrompt], v: Vocab | None = None, bar_object: float = 0.0,
+                  rng: random.Random | None = None) -> Batch:
+    """Teacher-forced ``<bos> chunks Q N_1..N_K .`` and the target (pair: ``N_1 O_1 .. N_K O_K <eos>``), padded to
+    the longest; loss on the target (from the suffix's last token on), ``kinds`` its slot.
+
+    ``bar_object`` (relay prompts; ``rng`` draws): the chance that a step saying an object (input ``A_i``) may attend
+    neither the chunks nor the step before (input ``IT``), so that the object reaches it only through the name
+    step's own lookup, two steps back. Without it the model trained here looks the object up again at the object
+    step itself (its name two tokens back; ablation in loadgen/quality/README.md), and a past step's lookup counts
+    for nothing; barred always, it learns nothing of what an unbarred step sees, and fails there."""
     v = v or vocab()
     seqs, starts = [], []
     for p in prompts:
@@ -337,7 +385,35 @@ def longgen_batch(prompts: list[LongGenPrompt], v: Vocab | None = None) -> Batch
         tokens[b, : len(seq)] = seq
         targets[b, start : len(seq) - 1] = seq[start + 1 :]
         kinds[b, start : len(seq) - 1] = np.arange(len(seq) - 1 - start)
-    return Batch(tokens, targets, kinds, induction=False)
+    barred = None
+    if bar_object:
+        if any(p.form != "relay" for p in prompts) or rng is None:
+            raise ValueError("bar_object is for relay prompts, with an rng")
+        stride, at = len(FORMS["relay"]), FORMS["relay"].index("object")
+        barred = np.zeros((len(prompts), max(len(p.questions) for p in prompts), 4), dtype=np.int64)
+        barred[..., 3] = -1
+        for b, (p, start) in enumerate(zip(prompts, starts)):
+            chunks_end = 1 + sum(len(c) for c in p.chunks)
+            for i in range(len(p.questions)):
+                if rng.random() < bar_object:
+                    t = start + stride * i + at          # predicts question i's object; its input is A_i
+                    barred[b, i] = (t, 1, chunks_end, t - 1)
+    return Batch(tokens, targets, kinds, induction=False, barred=barred)
+
+
+def bar_mask(barred, T: int):
+    """``[B, 1, T, T]`` bool attention mask (True = may attend) from ``Batch.barred`` as a torch tensor: causal, but
+    for the barred columns of its rows (the model's ``mask`` argument)."""
+    import torch
+
+    B = barred.shape[0]
+    cols = torch.arange(T, device=barred.device)
+    t, lo, hi, col = barred.unbind(-1)
+    off = ((cols >= lo[..., None]) & (cols < hi[..., None])) | (cols == col[..., None])      # [B, R, T]
+    mask = torch.ones(T, T, dtype=torch.bool, device=barred.device).tril().expand(B, T, T).clone()
+    b = torch.arange(B, device=barred.device)[:, None].expand_as(t)
+    mask[b, t] = mask[b, t] & ~off
+    return mask[:, None]
 
 
 def sample_longgen_batch(rng: random.Random, cfg: LongGenConfig, batch: int, v: Vocab | None = None) -> Batch:
@@ -346,5 +422,6 @@ def sample_longgen_batch(rng: random.Random, cfg: LongGenConfig, batch: int, v: 
     v = v or vocab()
     n_chunks = rng.randint(1, cfg.max_chunks)
     most = min(cfg.questions, n_chunks * cfg.facts_per_chunk)
-    return longgen_batch([make_longgen_prompt(rng, cfg, n_chunks, rng.randint(1, most), v) for _ in range(batch)], v)
+    return longgen_batch([make_longgen_prompt(rng, cfg, n_chunks, rng.randint(1, most), v) for _ in range(batch)], v,
+                         bar_object=cfg.bar_object if cfg.form == "relay" else 0.0, rng=rng)
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from loadgen.quality.config import TrainConfig, add_train_args, config_from_args
 from loadgen.quality.model import TinyLlama, load_hf, save_hf
 from loadgen.quality.objectives import Objective, objective
+from loadgen.quality.tasks import bar_mask
 from loadgen.quality.vocab import vocab
 
 
@@ -47,7 +48,8 @@ class Batches(torch.utils.data.IterableDataset):
                 b = self.obj.induction(rng, self.cfg.batch, v)
             else:
                 b = self.obj.batch(rng, self.cfg.batch, v)
-            yield torch.from_numpy(b.tokens), torch.from_numpy(b.targets), b.induction
+            barred = torch.from_numpy(b.barred) if b.barred is not None else torch.empty(0, dtype=torch.long)
+            yield torch.from_numpy(b.tokens), torch.from_numpy(b.targets), b.induction, barred
 
 
 def _lr(step: int, cfg: TrainConfig) -> float:
@@ -82,7 +84,7 @@ def train(cfg: TrainConfig, command: str = "") -> dict:
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
-    obj = objective(cfg.task)
+    obj = objective(cfg.task, cfg.form, cfg.bar_object)
     device = torch.device(cfg.device)
     model = TinyLlama(cfg.model_config())
     if cfg.init:
@@ -107,12 +109,13 @@ def train(cfg: TrainConfig, command: str = "") -> dict:
                mininterval=0.5 if sys.stderr.isatty() else 15.0)
     tqdm.write(f"model: {model.num_parameters() / 1e6:.2f}M parameters, {cfg.model_config()}", file=sys.stderr)
     tqdm.write(f"held-out accuracy columns: {obj.columns}", file=sys.stderr)
-    for tokens, targets, is_induction in loader:
+    for tokens, targets, is_induction, barred in loader:
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg)
         tokens, targets = tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        mask = bar_mask(barred.to(device), tokens.shape[1]) if barred.numel() else None
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            logits = model(tokens)
+            logits = model(tokens, mask)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from loadgen.quality.cli import COMMITTED_LONGGEN_MODEL
+from loadgen.quality.cli import COMMITTED_LONGGEN_MODEL, COMMITTED_RELAY_MODEL
 from loadgen.quality.longgen_eval import DecodeMode, evaluate_decode_modes, parse_decode_modes
-from loadgen.quality.tasks import (IGNORE, MAX_POSITIONS, LongGenConfig, longgen_batch, longgen_heldout,
-                                   make_longgen_prompt, sample_longgen_batch)
+from loadgen.quality.tasks import (FORMS, IGNORE, MAX_POSITIONS, LongGenConfig, bar_mask, longgen_batch,
+                                   longgen_heldout, make_longgen_prompt, sample_longgen_batch)
 from loadgen.quality.vocab import vocab
 from services.cli import main as tessera
 
@@ -51,6 +51,68 @@ def test_prompt_holds_every_asked_fact_once_and_the_target_answers_it(seed):
             assert target[-1] == V.eos and len(target) == 2 * k + 1
             assert [solve(flat)[n] for n in target[0:-1:2]] == target[1:-1:2]
             assert p.answers_right(target) == [True] * k and p.names_right(target) == [True] * k
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_relay_prompts_state_each_fact_as_adj_name_object_and_answer_it_in_four_slots(seed):
+    cfg = LongGenConfig(form="relay")
+    rng = random.Random(seed)
+    for n_chunks in (1, cfg.max_chunks):
+        k = min(cfg.questions, n_chunks * cfg.facts_per_chunk)
+        p = make_longgen_prompt(rng, cfg, n_chunks, k, V)
+        flat = [t for c in p.chunks for t in c]
+        quads = list(zip(flat, flat[1:], flat[2:], flat[3:]))
+        words = [f.adj for f in p.facts] + [f.obj for f in p.facts]
+        assert len(set(words)) == len(words) and set(words) <= set(V.objects), "two fresh objects a fact"
+        for f in p.facts:
+            assert quads.count((f.adj, f.name, f.obj, V.stop)) == 1
+        assert solve(flat) == {f.name: f.obj for f in p.facts}
+        target = p.target(V)
+        asked = p.question_facts()
+        assert target == [t for f in asked for t in (f.name, V.pronoun, f.adj, f.obj)] + [V.eos]
+        for role in FORMS["relay"]:
+            assert p.slots_right(role, target) == [True] * k
+        wrong = list(target)
+        wrong[2] = V.objects[0] if wrong[2] != V.objects[0] else V.objects[1]     # the first question's A
+        assert p.slots_right("adj", wrong) == [False] + [True] * (k - 1) and p.answers_right(wrong) == [True] * k
+    with pytest.raises(ValueError, match="no 'adj' slot"):
+        longgen_heldout(0, 1)[0].slots_right("adj", [])
+
+
+def test_the_forms_leave_the_pair_prompts_as_they_were():
+    """The pair form's held-out prompts, drawn before the forms existed (the results measured on them stand)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in longgen_heldout(1, 5):
+        h.update(bytes(str([list(c) for c in p.chunks] + [p.suffix(V), p.target(V)]), "ascii"))
+    assert h.hexdigest() == "2ef29777e531db81d360d0e85c4065d10ab8359e1dbd3f8398a136d66c7afe4b"
+    think = longgen_heldout(1, 1, LongGenConfig(form="think"))[0]
+    assert think.target(V)[:3] == [think.question_facts()[0].name, V.pronoun, think.question_facts()[0].obj]
+
+
+def test_relay_training_bars_object_steps_from_the_chunks_and_the_step_before():
+    prompts = longgen_heldout(4, 3, LongGenConfig(questions=5, form="relay"))
+    b = longgen_batch(prompts, V, bar_object=1.0, rng=random.Random(0))
+    mask = bar_mask(torch.from_numpy(b.barred), b.tokens.shape[1])[:, 0]
+    causal = torch.ones_like(mask[0]).tril()
+    for row, p in enumerate(prompts):
+        chunks_end = 1 + sum(map(len, p.chunks))
+        objects = [t for t in np.flatnonzero(b.targets[row] != IGNORE) if b.kinds[row, t] % 4 == 3]
+        assert len(objects) == 5 and [b.targets[row, t] for t in objects] == [f.obj for f in p.question_facts()]
+        for t in range(b.tokens.shape[1]):
+            want = causal[t].clone()
+            if t in objects:
+                want[1:chunks_end] = False
+                want[t - 1] = False        # the IT step; the name step (t - 2), <bos> and the suffix stay
+            assert torch.equal(mask[row, t], want), t
+    assert longgen_batch(prompts, V).barred is None
+    half = longgen_batch(prompts, V, bar_object=0.5, rng=random.Random(1)).barred
+    assert 0 < (half[..., 2] > 0).sum() < 15, "each object step barred by its own draw"
+    with pytest.raises(ValueError, match="relay prompts"):
+        longgen_batch(longgen_heldout(4, 1), V, bar_object=1.0, rng=random.Random(0))
+    assert sample_longgen_batch(random.Random(0), LongGenConfig(form="relay"), 4, V).barred is not None
+    assert sample_longgen_batch(random.Random(0), LongGenConfig(), 4, V).barred is None
 
 
 def test_eval_shape_fits_the_model_with_its_generation():
@@ -101,6 +163,13 @@ def test_task_config_refuses_what_cannot_fit():
         LongGenConfig(chunk_len=96)
     with pytest.raises(ValueError, match="cannot ask"):
         make_longgen_prompt(random.Random(0), LongGenConfig(), 1, 5, V)
+    with pytest.raises(ValueError, match="form must be one of pair, think, relay"):
+        LongGenConfig(form="triple")
+    with pytest.raises(ValueError, match="1..48 in form relay"):
+        LongGenConfig(form="relay", max_chunks=13, questions=8)
+    with pytest.raises(ValueError, match="probabilities"):
+        LongGenConfig(form="relay", bar_object=1.5)
+    assert LongGenConfig(form="relay").seq_len == 1 + 12 * 64 + 18 + 4 * 16 + 1 <= MAX_POSITIONS
 
 
 def test_mode_parsing():
@@ -210,10 +279,51 @@ def test_cli_rejects_flags_of_the_other_task(capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_committed_model_is_a_half_precision_hf_llama_made_by_a_recorded_command():
-    cfg = json.loads((COMMITTED_LONGGEN_MODEL / "config.json").read_text())
+@pytest.mark.parametrize("model, form", [(COMMITTED_LONGGEN_MODEL, "pair"), (COMMITTED_RELAY_MODEL, "relay")])
+def test_committed_model_is_a_half_precision_hf_llama_made_by_a_recorded_command(model, form):
+    cfg = json.loads((model / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["dtype"] == "float16"
-    assert cfg["vocab_size"] == V.size and cfg["max_position_embeddings"] >= LongGenConfig().seq_len
-    summary = json.loads((COMMITTED_LONGGEN_MODEL / "training.json").read_text())
+    assert cfg["vocab_size"] == V.size and cfg["max_position_embeddings"] >= LongGenConfig(form=form).seq_len
+    summary = json.loads((model / "training.json").read_text())
     assert summary["config"]["task"] == "longgen" and summary["final_heldout"]["greedy"]["answers"] >= 0.95
-    assert summary["command"] in (COMMITTED_LONGGEN_MODEL / "README.md").read_text()
+    assert summary["config"].get("form", "pair") == form
+    assert summary["command"] in (model / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def relay_engine():
+    from services.engine import Engine
+
+    return Engine.load(COMMITTED_RELAY_MODEL, device="cpu", dtype=torch.float32)
+
+
+def test_relay_model_answers_densely_and_retro_recovers_what_quest_loses(relay_engine):
+    """The relay task is the one where Retro's corrections reach answers (loadgen/quality/README.md): at a budget of
+    8 pages Quest loses answers whose name step missed the fact's page, and Retro, correcting the name step with the
+    page the next step loads, gets most of them back. A budget covering every page is dense."""
+    prompts = longgen_heldout(1, 8, LongGenConfig(questions=14, form="relay"))
+    dense, every, quest, retro = evaluate_decode_modes(
+        relay_engine, parse_decode_modes("dense,retro@1024,quest@128,retro@128"), prompts, progress=False)
+    assert dense.accuracy() >= 0.95 and every.generations == dense.generations
+    assert len(dense.adj) == 8 and dense.as_json()["adj_accuracy"] >= 0.95
+    lost, recovered = dense.accuracy() - quest.accuracy(), retro.accuracy() - quest.accuracy()
+    assert lost >= 0.1 and recovered >= lost / 3, (dense.accuracy(), quest.accuracy(), retro.accuracy())
+
+
+def test_cli_form_relay_evaluates_the_committed_relay_model(monkeypatch, capsys):
+    from loadgen.quality import longgen_eval
+
+    seen = {}
+
+    def run(model_dir, *args, **kwargs):
+        seen.update(kwargs, model=model_dir)
+        return []
+
+    monkeypatch.setattr(longgen_eval, "run_longgen_eval", run)
+    assert tessera(["quality", "eval", "--task", "longgen", "--form", "relay", "--prompts", "1", "--json"]) == 0
+    assert seen["form"] == "relay" and seen["model"] == str(COMMITTED_RELAY_MODEL)
+    assert tessera(["quality", "eval", "--task", "longgen", "--prompts", "1", "--json"]) == 0
+    assert seen["form"] == "pair" and seen["model"] == str(COMMITTED_LONGGEN_MODEL)
+    assert tessera(["quality", "eval", "--form", "relay"]) == 2
+    assert tessera(["quality", "eval", "--task", "longgen", "--form", "triple"]) == 2
+    assert "error" in capsys.readouterr().err
