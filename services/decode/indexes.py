@@ -3,7 +3,10 @@
 With the cluster's index role on (``ClusterConfig.index_threads``), each decode worker is handed the address of the
 index service on its node (``tessera-index-<i>``): its retrieval sequences' offloaded K/V and their indexes live
 there, not in the worker's memory. ``RemoteIndexes`` makes the calls the engine makes of an in-process ``IndexSet``
-(services/engine/decode/retrieval.py: add, attend, drop) over an ``IndexClient``, each with a deadline.
+(services/engine/decode/retrieval.py: hold, add, attend, drop) over an ``IndexClient``, each with a deadline. With
+``hold`` the engine decodes a retrieval sequence while the service builds its indexes (``decode_while_building``):
+each layer's keys and values go to the service as soon as they are copied, are scanned whole until indexed, and the
+build's ``add`` sends only the training queries and lists.
 
 Owners are named in the service with a prefix of this worker process's own (``<prefix>:<owner>``): a restarted
 worker numbers its sequences from 0 again, and what an earlier process left in the service (its sequences were never
@@ -21,6 +24,7 @@ import logging
 import uuid
 
 import grpc
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,17 @@ class RemoteIndexes:
                 else "")
         return IndexUnavailable(f"the decode worker's retrieval index service failed to {what}: {name}{lost}; "
                                 "decode='retrieval' cannot go on for this request on this worker")
+
+    def hold(self, owner: str, layer: int, keys, values) -> None:
+        """A copied layer's keys and values, sent at once and scanned by the service's searches until ``add`` indexes
+        them there (so the sequence decodes while its indexes build; ``add`` then sends no keys again). A layer with
+        no key is left to ``add``."""
+        if np.shape(keys)[1] == 0:
+            return
+        try:
+            self.client.hold(self._owner(owner), layer, keys, values)
+        except grpc.RpcError as exc:
+            raise self._failed(f"hold layer {layer} of the sequence's keys", exc) from None
 
     def add(self, owner: str, layer: int, keys, values, train_queries, chunks=(), lists=None) -> int:
         try:

@@ -1,5 +1,5 @@
 """Synchronous client of the retrieval-index service, with the same calls as an in-process ``IndexSet`` (``add``,
-``attend``, ``drop``, ``has``, ``held``), so a decode engine uses either as its index set.
+``hold``, ``attend``, ``drop``, ``held``), so a decode engine uses either as its index set.
 
 An offload streams its keys, values and training queries as float32 bytes in ~1 MiB parts after a header carrying
 their CRC32; a search sends one layer's queries of the whole batch and receives each row's partial attention. Every
@@ -51,18 +51,24 @@ class IndexClient:
                                              options=[*CHANNEL_OPTIONS, *tls.channel_options("index")]))
         self._stub = pb_grpc.RetrievalIndexStub(self._channel)
         self._put: set[str] = set()   # chunk ids whose index this client has put
+        self._held: set[tuple[str, int]] = set()   # (owner, layer) this client's hold sent and its add has not indexed
 
     def add(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray, train_queries: np.ndarray,
             chunks=(), lists: np.ndarray | None = None) -> int:
         """As ``IndexSet.add`` (``lists`` travel as int32); returns the indexes' bytes. The chunks' indexes are put
         first where this client has not put them yet, and again, once, when the service answers that it no longer holds
-        one (evicted)."""
-        keys, values = (half.stored(a, self.host_dtype) for a in (keys, values))
+        one (evicted). A layer this client's ``hold`` sent goes as its shape alone (``keys_held``): the service indexes
+        the keys and values it holds."""
+        keys_held = (owner, layer) in self._held
+        self._held.discard((owner, layer))
+        kv_shape = list(np.shape(keys))
         train = np.ascontiguousarray(train_queries, "<f4")
-        arrays = [keys, values, train] + ([] if lists is None else [np.ascontiguousarray(lists, "<i4")])
+        arrays = [train] + ([] if lists is None else [np.ascontiguousarray(lists, "<i4")])
+        if not keys_held:
+            arrays = [half.stored(a, self.host_dtype) for a in (keys, values)] + arrays
         body = b"".join(a.tobytes() for a in arrays)
-        header = pb.OffloadHeader(owner=owner, layer=layer, kv_shape=list(keys.shape), train_shape=list(train.shape),
-                                  crc32=zlib.crc32(body), kv_dtype=self.host_dtype,
+        header = pb.OffloadHeader(owner=owner, layer=layer, kv_shape=kv_shape, train_shape=list(train.shape),
+                                  crc32=zlib.crc32(body), kv_dtype=self.host_dtype, keys_held=keys_held,
                                   lists_shape=[] if lists is None else list(np.shape(lists)),
                                   chunks=[pb.ChunkRun(chunk_id=cid, length=index.length) for cid, index in chunks])
 
@@ -80,6 +86,17 @@ class IndexClient:
         for cid, index in chunks:
             self.put_chunk_index(cid, index)
         return self._stub.Offload(parts(), timeout=self.offload_timeout).index_bytes
+
+    def hold(self, owner: str, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """As ``IndexSet.hold``: a layer's keys and values (N >= 1) alone, scanned whole by every search of the service
+        until this client's ``add`` of the layer indexes them there."""
+        keys, values = (half.stored(a, self.host_dtype) for a in (keys, values))
+        body = keys.tobytes() + values.tobytes()
+        hkv, _, d = keys.shape
+        header = pb.OffloadHeader(owner=owner, layer=layer, kv_shape=list(keys.shape), train_shape=[hkv, 0, d],
+                                  crc32=zlib.crc32(body), kv_dtype=self.host_dtype, hold=True)
+        self._stub.Offload(_framed(pb.OffloadPart, header, body), timeout=self.offload_timeout)
+        self._held.add((owner, layer))
 
     def put_chunk_index(self, chunk_id: str, index) -> None:
         """Hand the service a chunk's index (``chunks.ChunkIndex``), for offloads that name the chunk."""
@@ -101,6 +118,7 @@ class IndexClient:
         return Answer(out, lse, np.asarray(reply.scanned, np.int64), reply.seconds)
 
     def drop(self, owner: str) -> int:
+        self._held -= {key for key in self._held if key[0] == owner}
         return self._stub.Drop(pb.DropRequest(owner=owner), timeout=self.timeout).layers
 
     def held(self) -> tuple[int, int, int]:

@@ -138,6 +138,7 @@ class IndexSet:
         self._scans: dict[tuple[str, int, int], int] = {}
         self.composed = COMPOSED if repair_queries is None else replace(COMPOSED, repair_queries=repair_queries)
         self._heads: dict[tuple[str, int], list[HeadKV | None]] = {}
+        self._holding: set[tuple[str, int]] = set()     # (owner, layer) held by ``hold`` and not indexed since
         self._layer_arrays: dict[tuple[str, int], _layer.LayerArrays] = {}      # what ``_layer.attend`` takes
         # (owners, layer) of a batch of several rows -> the LayerArrays its nested lists were made of, and those lists
         # (``_layer.nested``): a decode batch calls with the same rows at every layer of every step. At most
@@ -217,6 +218,10 @@ class IndexSet:
             arrays = _layer.LayerArrays([(h.index, h.values) for h in heads])
         with self._lock:
             self._heads[(owner, layer)] = heads
+            if scanned:
+                self._holding.add((owner, layer))
+            else:
+                self._holding.discard((owner, layer))
             self._forget_nested(owner)
             if arrays is None:
                 self._layer_arrays.pop((owner, layer), None)
@@ -254,6 +259,15 @@ class IndexSet:
                 self._pool.map(lambda h: AttentionIndex.unlinked(keys[h], key_dtype=held), range(hkv)))]
         self._store(owner, layer, heads, scanned=True)
 
+    def held_kv(self, owner: str, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The keys and values ``hold`` left at an owner's layer, [Hkv, N, D] each as held (float32, or bfloat16 bits),
+        what ``add`` takes to index them; None where the layer is not held (never, or indexed since). Copies."""
+        with self._lock:
+            heads = self._heads.get((owner, layer)) if (owner, layer) in self._holding else None
+        if not heads or any(h is None for h in heads):
+            return None
+        return np.stack([h.keys for h in heads]), np.stack([h.values for h in heads])
+
     def calls_by_path(self) -> dict[str, int]:
         """Search calls answered so far in one compiled call (``compiled``) and on the thread pool (``pool``): a
         process's first calls take the pool while the compiled call compiles."""
@@ -278,6 +292,7 @@ class IndexSet:
             for key in gone:
                 del self._heads[key]
                 self._layer_arrays.pop(key, None)
+                self._holding.discard(key)
             self._forget_scans(owner)
             self._forget_nested(owner)
         return len(gone)

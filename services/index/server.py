@@ -100,7 +100,7 @@ def check_offload_header(h: pb.OffloadHeader) -> tuple[tuple[int, ...], tuple[in
     covered = sum(run.length for run in h.chunks)
     if covered > kv[1]:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the chunks cover {covered} keys, the offload has {kv[1]}")
-    if kv[1] > covered and train[1] < 1:
+    if kv[1] > covered and train[1] < 1 and not h.hold:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "offloaded keys outside the chunks need a training query")
     lists = tuple(h.lists_shape)
     least = max(1, min(kv[1], QUERY_NEIGHBORS))         # the keys a build links a training query to
@@ -109,7 +109,10 @@ def check_offload_header(h: pb.OffloadHeader) -> tuple[tuple[int, ...], tuple[in
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                       f"lists_shape must be [Hkv, M, P] with Hkv, M of train_shape and P in {least}..{MAX_LIST} (at "
                       f"most N), got {list(lists)}")
-    if offload_bytes(kv, train, kv_dtype, lists) > MAX_OFFLOAD_BYTES:
+    if h.hold and (h.keys_held or train[1] or lists or h.chunks or kv[1] < 1):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      "a hold carries keys and values alone (N >= 1; no keys_held, training queries, lists or chunks)")
+    if offload_bytes(kv, train, kv_dtype, lists, h.keys_held) > MAX_OFFLOAD_BYTES:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"an offload is at most {MAX_OFFLOAD_BYTES} bytes")
     return kv, train, kv_dtype, lists
 
@@ -159,8 +162,9 @@ MAX_LIST = 1024
 QUERY_NEIGHBORS = BuildConfig().query_neighbors
 
 
-def offload_bytes(kv, train, kv_dtype: str = half.FLOAT32, lists=()) -> int:
-    item = np.dtype(KV_WIRE[kv_dtype]).itemsize
+def offload_bytes(kv, train, kv_dtype: str = half.FLOAT32, lists=(), keys_held: bool = False) -> int:
+    """An offload body's bytes: keys and values (none where ``keys_held``), training queries, lists."""
+    item = 0 if keys_held else np.dtype(KV_WIRE[kv_dtype]).itemsize
     return (item * 2 * int(np.prod(kv, dtype=np.int64)) + 4 * int(np.prod(train, dtype=np.int64))
             + (4 * int(np.prod(lists, dtype=np.int64)) if lists else 0))
 
@@ -182,24 +186,37 @@ class IndexServicer(pb_grpc.RetrievalIndexServicer):
             return await self._refuse(context, exc)
         kv, train, kv_dtype, list_shape = check_offload_header(header)
         key = (header.owner, header.layer)
-        if self.indexes.has(*key) or key in self._writing:
+        if key in self._writing or (self.indexes.has(*key) and not header.keys_held):
             return await self._refuse(context, Refused(
                 grpc.StatusCode.ALREADY_EXISTS, f"owner {header.owner!r} already has layer {header.layer} offloaded"))
-        wire = np.dtype(KV_WIRE[kv_dtype])
-        n_kv = int(np.prod(kv))
-        pairs = np.frombuffer(body, dtype=wire, count=2 * n_kv)
-        keys, values = pairs[:n_kv].reshape(kv), pairs[n_kv:].reshape(kv)
-        at = 2 * n_kv * wire.itemsize
+        if header.keys_held:        # the keys and values are those the layer's hold left
+            held = self.indexes.held_kv(*key)
+            if held is None:
+                return await self._refuse(context, Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"owner {header.owner!r} holds no keys at layer {header.layer} to index: hold them first"))
+            if held[0].shape != kv:
+                return await self._refuse(context, Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"kv_shape {list(kv)} is not that of the keys held at layer "
+                    f"{header.layer}: {list(held[0].shape)}"))
+            keys, values = held
+            at = 0
+        else:
+            wire = np.dtype(KV_WIRE[kv_dtype])
+            n_kv = int(np.prod(kv))
+            pairs = np.frombuffer(body, dtype=wire, count=2 * n_kv)
+            keys, values = pairs[:n_kv].reshape(kv), pairs[n_kv:].reshape(kv)
+            at = 2 * n_kv * wire.itemsize
         queries = np.frombuffer(body, dtype="<f4", offset=at, count=int(np.prod(train))).reshape(train)
         lists = (np.frombuffer(body, dtype="<i4", offset=at + queries.nbytes).reshape(list_shape)
                  if list_shape else None)
         if lists is not None and lists.size and (lists.min() < 0 or lists.max() >= kv[1]):
             return await self._refuse(context, Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                                        f"exact lists name keys outside 0..{kv[1] - 1}"))
-        if kv_dtype == half.BFLOAT16:       # as bfloat16's bits (services/index/half.py), which add() takes as such
+        if kv_dtype == half.BFLOAT16 and not header.keys_held:   # bfloat16's bits (half.py), as add() takes them
             keys, values = keys.astype(np.uint16, copy=False), values.astype(np.uint16, copy=False)
-        finite = half.finite if kv_dtype == half.BFLOAT16 else (lambda a: bool(np.isfinite(a).all()))
-        if not (finite(keys) and finite(values) and np.isfinite(queries).all()):
+        finite = half.finite if keys.dtype == half.BITS else (lambda a: bool(np.isfinite(a).all()))
+        if not (header.keys_held or finite(keys) and finite(values)) or not np.isfinite(queries).all():
             return await self._refuse(context, Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                                        "keys, values and train queries must be finite"))
         chunks = []
@@ -218,19 +235,28 @@ class IndexServicer(pb_grpc.RetrievalIndexServicer):
         try:
             t0 = time.perf_counter()
             try:
-                graph = await asyncio.to_thread(self.indexes.add, header.owner, header.layer, keys, values, queries,
-                                                chunks, lists)
+                if header.hold:
+                    await asyncio.to_thread(self.indexes.hold, header.owner, header.layer, keys, values)
+                    graph = 0
+                else:
+                    graph = await asyncio.to_thread(self.indexes.add, header.owner, header.layer, keys, values,
+                                                    queries, chunks, lists)
             except ValueError as exc:       # what the checks above let through and the index set refuses
                 return await self._refuse(context, Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
             took = time.perf_counter() - t0
         finally:
             self._writing.discard(key)
+        if header.hold:         # the keys count once, when they arrive; a build is one whether or not they were held
+            self.metrics.keys_offloaded.inc(kv[0] * kv[1])
+            return pb.OffloadReply(keys=kv[0] * kv[1], build_seconds=0.0, index_bytes=0)
         self.metrics.build_seconds.observe(took)
-        self.metrics.keys_offloaded.inc(kv[0] * kv[1])
+        if not header.keys_held:
+            self.metrics.keys_offloaded.inc(kv[0] * kv[1])
         return pb.OffloadReply(keys=kv[0] * kv[1], build_seconds=took, index_bytes=graph)
 
     async def _receive(self, request_iterator) -> tuple[pb.OffloadHeader, bytes]:
-        header, body = await _stream(request_iterator, "an offload", lambda h: offload_bytes(*check_offload_header(h)))
+        header, body = await _stream(request_iterator, "an offload",
+                                     lambda h: offload_bytes(*check_offload_header(h), h.keys_held))
         if zlib.crc32(body) != header.crc32:
             raise Refused(grpc.StatusCode.DATA_LOSS, "the offload's bytes fail its checksum")
         return header, body

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18services/rpc/index.proto\x12\x10tessera.index.v1\"%\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\",\n\x08\x43hunkRun\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\r\"\xb6\x01\n\rOffloadHeader\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x10\n\x08kv_shape\x18\x03 \x03(\r\x12\x13\n\x0btrain_shape\x18\x04 \x03(\r\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12*\n\x06\x63hunks\x18\x06 \x03(\x0b\x32\x1a.tessera.index.v1.ChunkRun\x12\x10\n\x08kv_dtype\x18\x07 \x01(\t\x12\x13\n\x0blists_shape\x18\x08 \x03(\r\"4\n\x10\x43hunkIndexHeader\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"^\n\x0e\x43hunkIndexPart\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".tessera.index.v1.ChunkIndexHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04item\"r\n\x0f\x43hunkIndexReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\r\n\x05heads\x18\x03 \x01(\r\x12\x15\n\rchunk_indexes\x18\x04 \x01(\x04\x12\x19\n\x11\x63hunk_index_bytes\x18\x05 \x01(\x04\"X\n\x0bOffloadPart\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.tessera.index.v1.OffloadHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04item\"H\n\x0cOffloadReply\x12\x0c\n\x04keys\x18\x01 \x01(\x04\x12\x15\n\rbuild_seconds\x18\x02 \x01(\x01\x12\x13\n\x0bindex_bytes\x18\x03 \x01(\x04\"\x8f\x01\n\rSearchRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06owners\x18\x02 \x03(\t\x12)\n\x07queries\x18\x03 \x01(\x0b\x32\x18.tessera.index.v1.Tensor\x12\t\n\x01k\x18\x04 \x01(\r\x12\r\n\x05scale\x18\x05 \x01(\x02\x12\x11\n\x04\x62\x65\x61m\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_beam\"}\n\x0bSearchReply\x12%\n\x03out\x18\x01 \x01(\x0b\x32\x18.tessera.index.v1.Tensor\x12%\n\x03lse\x18\x02 \x01(\x0b\x32\x18.tessera.index.v1.Tensor\x12\x0f\n\x07scanned\x18\x03 \x03(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x1c\n\x0b\x44ropRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"\x1b\n\tDropReply\x12\x0e\n\x06layers\x18\x01 \x01(\r\"\x14\n\x12IndexStatusRequest\"D\n\x0bIndexStatus\x12\x0e\n\x06owners\x18\x01 \x01(\r\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bindex_bytes\x18\x03 \x01(\x04\x32\x91\x03\n\x0eRetrievalIndex\x12J\n\x07Offload\x12\x1d.tessera.index.v1.OffloadPart\x1a\x1e.tessera.index.v1.OffloadReply(\x01\x12V\n\rPutChunkIndex\x12 .tessera.index.v1.ChunkIndexPart\x1a!.tessera.index.v1.ChunkIndexReply(\x01\x12H\n\x06Search\x12\x1f.tessera.index.v1.SearchRequest\x1a\x1d.tessera.index.v1.SearchReply\x12\x42\n\x04\x44rop\x12\x1d.tessera.index.v1.DropRequest\x1a\x1b.tessera.index.v1.DropReply\x12M\n\x06Status\x12$.tessera.index.v1.IndexStatusRequest\x1a\x1d.tessera.index.v1.IndexStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18services/rpc/index.proto\x12\x10tessera.index.v1\"%\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\",\n\x08\x43hunkRun\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\r\"\xd7\x01\n\rOffloadHeader\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x10\n\x08kv_shape\x18\x03 \x03(\r\x12\x13\n\x0btrain_shape\x18\x04 \x03(\r\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12*\n\x06\x63hunks\x18\x06 \x03(\x0b\x32\x1a.tessera.index.v1.ChunkRun\x12\x10\n\x08kv_dtype\x18\x07 \x01(\t\x12\x13\n\x0blists_shape\x18\x08 \x03(\r\x12\x0c\n\x04hold\x18\t \x01(\x08\x12\x11\n\tkeys_held\x18\n \x01(\x08\"4\n\x10\x43hunkIndexHeader\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"^\n\x0e\x43hunkIndexPart\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".tessera.index.v1.ChunkIndexHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04item\"r\n\x0f\x43hunkIndexReply\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\r\n\x05heads\x18\x03 \x01(\r\x12\x15\n\rchunk_indexes\x18\x04 \x01(\x04\x12\x19\n\x11\x63hunk_index_bytes\x18\x05 \x01(\x04\"X\n\x0bOffloadPart\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.tessera.index.v1.OffloadHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04item\"H\n\x0cOffloadReply\x12\x0c\n\x04keys\x18\x01 \x01(\x04\x12\x15\n\rbuild_seconds\x18\x02 \x01(\x01\x12\x13\n\x0bindex_bytes\x18\x03 \x01(\x04\"\x8f\x01\n\rSearchRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06owners\x18\x02 \x03(\t\x12)\n\x07queries\x18\x03 \x01(\x0b\x32\x18.tessera.index.v1.Tensor\x12\t\n\x01k\x18\x04 \x01(\r\x12\r\n\x05scale\x18\x05 \x01(\x02\x12\x11\n\x04\x62\x65\x61m\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_beam\"}\n\x0bSearchReply\x12%\n\x03out\x18\x01 \x01(\x0b\x32\x18.tessera.index.v1.Tensor\x12%\n\x03lse\x18\x02 \x01(\x0b\x32\x18.tessera.index.v1.Tensor\x12\x0f\n\x07scanned\x18\x03 \x03(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x1c\n\x0b\x44ropRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"\x1b\n\tDropReply\x12\x0e\n\x06layers\x18\x01 \x01(\r\"\x14\n\x12IndexStatusRequest\"D\n\x0bIndexStatus\x12\x0e\n\x06owners\x18\x01 \x01(\r\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bindex_bytes\x18\x03 \x01(\x04\x32\x91\x03\n\x0eRetrievalIndex\x12J\n\x07Offload\x12\x1d.tessera.index.v1.OffloadPart\x1a\x1e.tessera.index.v1.OffloadReply(\x01\x12V\n\rPutChunkIndex\x12 .tessera.index.v1.ChunkIndexPart\x1a!.tessera.index.v1.ChunkIndexReply(\x01\x12H\n\x06Search\x12\x1f.tessera.index.v1.SearchRequest\x1a\x1d.tessera.index.v1.SearchReply\x12\x42\n\x04\x44rop\x12\x1d.tessera.index.v1.DropRequest\x1a\x1b.tessera.index.v1.DropReply\x12M\n\x06Status\x12$.tessera.index.v1.IndexStatusRequest\x1a\x1d.tessera.index.v1.IndexStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNKRUN']._serialized_start=85
   _globals['_CHUNKRUN']._serialized_end=129
   _globals['_OFFLOADHEADER']._serialized_start=132
-  _globals['_OFFLOADHEADER']._serialized_end=314
-  _globals['_CHUNKINDEXHEADER']._serialized_start=316
-  _globals['_CHUNKINDEXHEADER']._serialized_end=368
-  _globals['_CHUNKINDEXPART']._serialized_start=370
-  _globals['_CHUNKINDEXPART']._serialized_end=464
-  _globals['_CHUNKINDEXREPLY']._serialized_start=466
-  _globals['_CHUNKINDEXREPLY']._serialized_end=580
-  _globals['_OFFLOADPART']._serialized_start=582
-  _globals['_OFFLOADPART']._serialized_end=670
-  _globals['_OFFLOADREPLY']._serialized_start=672
-  _globals['_OFFLOADREPLY']._serialized_end=744
-  _globals['_SEARCHREQUEST']._serialized_start=747
-  _globals['_SEARCHREQUEST']._serialized_end=890
-  _globals['_SEARCHREPLY']._serialized_start=892
-  _globals['_SEARCHREPLY']._serialized_end=1017
-  _globals['_DROPREQUEST']._serialized_start=1019
-  _globals['_DROPREQUEST']._serialized_end=1047
-  _globals['_DROPREPLY']._serialized_start=1049
-  _globals['_DROPREPLY']._serialized_end=1076
-  _globals['_INDEXSTATUSREQUEST']._serialized_start=1078
-  _globals['_INDEXSTATUSREQUEST']._serialized_end=1098
-  _globals['_INDEXSTATUS']._serialized_start=1100
-  _globals['_INDEXSTATUS']._serialized_end=1168
-  _globals['_RETRIEVALINDEX']._serialized_start=1171
-  _globals['_RETRIEVALINDEX']._serialized_end=1572
+  _globals['_OFFLOADHEADER']._serialized_end=347
+  _globals['_CHUNKINDEXHEADER']._serialized_start=349
+  _globals['_CHUNKINDEXHEADER']._serialized_end=401
+  _globals['_CHUNKINDEXPART']._serialized_start=403
+  _globals['_CHUNKINDEXPART']._serialized_end=497
+  _globals['_CHUNKINDEXREPLY']._serialized_start=499
+  _globals['_CHUNKINDEXREPLY']._serialized_end=613
+  _globals['_OFFLOADPART']._serialized_start=615
+  _globals['_OFFLOADPART']._serialized_end=703
+  _globals['_OFFLOADREPLY']._serialized_start=705
+  _globals['_OFFLOADREPLY']._serialized_end=777
+  _globals['_SEARCHREQUEST']._serialized_start=780
+  _globals['_SEARCHREQUEST']._serialized_end=923
+  _globals['_SEARCHREPLY']._serialized_start=925
+  _globals['_SEARCHREPLY']._serialized_end=1050
+  _globals['_DROPREQUEST']._serialized_start=1052
+  _globals['_DROPREQUEST']._serialized_end=1080
+  _globals['_DROPREPLY']._serialized_start=1082
+  _globals['_DROPREPLY']._serialized_end=1109
+  _globals['_INDEXSTATUSREQUEST']._serialized_start=1111
+  _globals['_INDEXSTATUSREQUEST']._serialized_end=1131
+  _globals['_INDEXSTATUS']._serialized_start=1133
+  _globals['_INDEXSTATUS']._serialized_end=1201
+  _globals['_RETRIEVALINDEX']._serialized_start=1204
+  _globals['_RETRIEVALINDEX']._serialized_end=1605
 # @@protoc_insertion_point(module_scope)

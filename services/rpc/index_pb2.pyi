@@ -23,7 +23,7 @@ class ChunkRun(_message.Message):
     def __init__(self, chunk_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
 
 class OffloadHeader(_message.Message):
-    __slots__ = ("owner", "layer", "kv_shape", "train_shape", "crc32", "chunks", "kv_dtype", "lists_shape")
+    __slots__ = ("owner", "layer", "kv_shape", "train_shape", "crc32", "chunks", "kv_dtype", "lists_shape", "hold", "keys_held")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     KV_SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class OffloadHeader(_message.Message):
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LISTS_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    KEYS_HELD_FIELD_NUMBER: _ClassVar[int]
     owner: str
     layer: int
     kv_shape: _containers.RepeatedScalarFieldContainer[int]
@@ -40,7 +42,9 @@ class OffloadHeader(_message.Message):
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkRun]
     kv_dtype: str
     lists_shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, owner: _Optional[str] = ..., layer: _Optional[int] = ..., kv_shape: _Optional[_Iterable[int]] = ..., train_shape: _Optional[_Iterable[int]] = ..., crc32: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRun, _Mapping]]] = ..., kv_dtype: _Optional[str] = ..., lists_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    hold: bool
+    keys_held: bool
+    def __init__(self, owner: _Optional[str] = ..., layer: _Optional[int] = ..., kv_shape: _Optional[_Iterable[int]] = ..., train_shape: _Optional[_Iterable[int]] = ..., crc32: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRun, _Mapping]]] = ..., kv_dtype: _Optional[str] = ..., lists_shape: _Optional[_Iterable[int]] = ..., hold: _Optional[bool] = ..., keys_held: _Optional[bool] = ...) -> None: ...
 
 class ChunkIndexHeader(_message.Message):
     __slots__ = ("chunk_id", "nbytes")

@@ -39,6 +39,9 @@ def test_an_unreachable_service_fails_each_call_at_once_and_clearly():
     assert address not in str(err.value) and "decode='retrieval'" in str(err.value)
     with pytest.raises(IndexUnavailable, match="failed to search layer 3: UNAVAILABLE"):
         indexes.attend(3, ["seq0"], q, 5, 0.1)
+    with pytest.raises(IndexUnavailable, match="failed to hold layer 1 of the sequence's keys: UNAVAILABLE"):
+        indexes.hold("seq0", 1, *_data()[:2])
+    indexes.hold("seq0", 2, np.zeros((HKV, 0, D), np.float32), np.zeros((HKV, 0, D), np.float32))   # nothing sent
     assert indexes.drop("seq0") == 0            # logged, never raised: a release must not fail
     assert time.monotonic() - t0 < 5            # refused connections: no wait for the deadline
     indexes.close()
@@ -60,6 +63,13 @@ def test_calls_pass_through_and_a_search_of_what_the_service_lost_says_so():
         again = RemoteIndexes(IndexClient(srv.address, timeout=10, offload_timeout=300))
         assert again.add("seq1", 0, keys[:, :10], values[:, :10], train) > 0 and again.held()[0] == 2
         assert again.attend(0, ["seq1"], q, 10_000, 0.3).scanned[0] < ans.scanned[0]
+        # held (scanned whole, exactly), then indexed by an add that sends no keys again
+        indexes.hold("seq2", 0, keys, values)
+        scanned = indexes.attend(0, ["seq2"], q, 5, 0.3)
+        assert scanned.scanned[0] == N * HKV                    # every key of each KV head (its group searched once)
+        codes = indexes.held()[2]                               # the held keys' int8 codes, and no graph yet
+        assert indexes.add("seq2", 0, keys, values, train) > 0 and indexes.held()[2] > codes
+        assert indexes.drop("seq2") == 1
         assert indexes.drop("seq1") == 1 and again.drop("seq1") == 1
         with pytest.raises(IndexUnavailable, match="NOT_FOUND .it no longer holds the sequence's keys"):
             indexes.attend(0, ["seq1"], q, 5, 0.3)

@@ -121,6 +121,78 @@ def test_malformed_offloads_are_refused_and_store_nothing(service):
         client.drop("seq-c")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_held_keys_are_scanned_then_indexed_without_being_sent_again(dtype):
+    """A hold's keys and values are searched exactly (scanned whole) before any index; the offload with keys_held
+    then sends no keys and builds over the held ones: the service answers as an index set given the same calls."""
+    keys, values, train = _data(11)
+    q = np.random.default_rng(12).standard_normal((2, HQ, D)).astype(np.float32)
+    local = IndexSet(threads=1, host_dtype=dtype)
+    with BackgroundIndexServer(threads=2, host_dtype=dtype, warm=False) as srv, \
+            IndexClient(srv.address, host_dtype=dtype, offload_timeout=300) as client:
+        for ix in (local, client):
+            ix.hold("seq-h", 2, keys, values)
+        held = client.attend(2, ["seq-h", "seq-h"], q, 10, 0.3)
+        want = local.attend(2, ["seq-h", "seq-h"], q, 10, 0.3)
+        np.testing.assert_allclose(held.out, want.out, rtol=1e-6, atol=1e-6)
+        assert held.scanned.tolist() == [HKV * N] * 2       # every key of each KV head (its group searched once)
+        codes = client.held()[2]                # the held keys' int8 codes, no graph yet
+        sent = []
+        real = client._stub.Offload
+        client._stub.Offload = lambda parts, **kw: real(iter(sent.append(p) or p for p in parts), **kw)
+        client.add("seq-h", 2, keys, values, train)
+        local.add("seq-h", 2, keys, values, train)
+        body = sum(len(p.data) for p in sent if p.WhichOneof("item") == "data")
+        assert body == train.nbytes, "no keys or values sent again"
+        built, want = (ix.attend(2, ["seq-h", "seq-h"], q, 10, 0.3) for ix in (client, local))
+        np.testing.assert_allclose(built.out, want.out, rtol=1e-6, atol=1e-6)
+        assert built.scanned.tolist() == want.scanned.tolist() and client.held()[2] > codes
+        client._stub.Offload = real
+        # indexed now: neither a second build from held keys, nor a second offload or hold is taken; nothing changes
+        before = client.held()
+        tb = train.tobytes()
+        again = pb.OffloadHeader(owner="seq-h", layer=2, kv_shape=[HKV, N, D], train_shape=[HKV, M, D],
+                                 crc32=zlib.crc32(tb), keys_held=True, kv_dtype=dtype)
+        assert _code(lambda: _offload(client, again, tb)) == grpc.StatusCode.FAILED_PRECONDITION
+        assert _code(lambda: client.add("seq-h", 2, keys, values * 0, train)) == grpc.StatusCode.ALREADY_EXISTS
+        assert _code(lambda: client.hold("seq-h", 2, keys, values * 0)) == grpc.StatusCode.ALREADY_EXISTS
+        assert client.held() == before
+        np.testing.assert_allclose(client.attend(2, ["seq-h"], q[:1], 10, 0.3).out, want.out[:1], rtol=1e-6, atol=1e-6)
+        assert client.drop("seq-h") == 1
+    local.close()
+
+
+def test_malformed_holds_are_refused_and_store_nothing(service):
+    keys, values, train = _data(13)
+    kv = keys.tobytes() + values.tobytes()
+    good = dict(owner="seq-m", layer=0, kv_shape=[HKV, N, D], train_shape=[HKV, 0, D], crc32=zlib.crc32(kv), hold=True)
+    with IndexClient(service.address) as client:
+        before = client.held()
+        with_train = kv + train.tobytes()
+        cases = [
+            (dict(good, train_shape=[HKV, M, D], crc32=zlib.crc32(with_train)), with_train),   # training queries
+            (dict(good, keys_held=True), kv),                                                    # both flags
+            (dict(good, kv_shape=[HKV, 0, D], crc32=zlib.crc32(b"")), b""),                       # no key
+            (dict(good, chunks=[pb.ChunkRun(chunk_id="c0", length=10)]), kv),                     # chunks
+        ]
+        for fields, data in cases:
+            assert _code(lambda: _offload(client, pb.OffloadHeader(**fields), data)) == \
+                grpc.StatusCode.INVALID_ARGUMENT, fields
+        # keys_held with nothing held, and with a shape other than the held keys'
+        tb = train.tobytes()
+        build = dict(owner="seq-m", layer=0, kv_shape=[HKV, N, D], train_shape=[HKV, M, D], crc32=zlib.crc32(tb),
+                     keys_held=True)
+        assert _code(lambda: _offload(client, pb.OffloadHeader(**build), tb)) == grpc.StatusCode.FAILED_PRECONDITION
+        assert client.held() == before
+        client.hold("seq-m", 0, keys, values)
+        assert _code(lambda: _offload(client, pb.OffloadHeader(**dict(build, kv_shape=[HKV, N - 1, D])), tb)) == \
+            grpc.StatusCode.INVALID_ARGUMENT
+        q = np.ones((1, HQ, D), np.float32)
+        kept = client.attend(0, ["seq-m"], q, 10_000, 0.1)            # the hold is still scanned, unchanged
+        np.testing.assert_allclose(kept.out, _exact(keys, values, q, 0.1)[0], rtol=1e-4, atol=1e-5)
+        assert client.drop("seq-m") == 1 and client.held() == before
+
+
 def test_bfloat16_on_the_wire_and_in_the_service_answers_what_an_index_set_holding_bfloat16_does():
     """A client sending bfloat16 (half the bytes) to a service holding bfloat16: what an in-process bfloat16 set
     answers, bit for bit; a float32 client's offload to it is rounded there alike. A bad or non-finite bfloat16 offload

@@ -258,6 +258,63 @@ def test_a_decode_engine_uses_the_index_service_as_its_index_set(tiny_dir):
         assert client.held()[0] == 0                      # released: dropped from the service too
 
 
+def test_a_sequence_steps_while_the_index_service_builds_its_indexes(tiny_dir):
+    """Through the service, as in process: the copy thread sends each layer's K/V at once (a hold), every search scans
+    them whole until the builds, whose adds send no keys again, index them there; the logits are dense decoding's
+    before the builds and after them, and the service holds the K/V once."""
+    import threading
+
+    from services.index import _layer
+    from services.index.client import IndexClient
+    from services.index.server import BackgroundIndexServer
+
+    class SlowAdds:
+        """The client, its adds (the builds) waiting for ``go``."""
+
+        def __init__(self, inner):
+            self.inner, self.go = inner, threading.Event()
+
+        def add(self, *args):
+            assert self.go.wait(60)
+            return self.inner.add(*args)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    _layer.warm()
+    chunks, suffix = random_request(59, lengths=(40, 30), suffix_len=3)
+    dense = Engine.load(tiny_dir)
+    logits, seq = dense.prefill_sequence(chunks, suffix, decode=DENSE, extra_tokens=4)
+    want = torch.stack([logits] + [dense.decode_step([seq], [t])[0] for t in (4, 7, 1, 9)])
+    dense.release(seq)
+    eng = Engine.load(tiny_dir)
+    with BackgroundIndexServer(threads=1) as srv, IndexClient(srv.address, offload_timeout=300) as client:
+        eng.forward.indexes = slow = SlowAdds(client)
+        logits, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(retrieval_k=4096, **SMALL),
+                                           extra_tokens=4)
+        for _ in range(600):                            # bounded: ready once every layer is held in the service
+            if seq.decode.ready(seq):
+                break
+            seq.offload.copied.wait(0.1)
+        assert seq.decode.ready(seq) and not seq.offload.build.done()
+        offloaded = sum(seq.offload.offloaded) * eng.forward.cfg.num_kv_heads
+        cfg = eng.forward.cfg
+        kv_bytes, codes = client.held()[1:]                       # the K/V, and the keys' int8 codes (no graph yet)
+        assert kv_bytes == offloaded * cfg.head_dim * 2 * 4
+        got = [logits]
+        for t in (4, 7):
+            before = seq.decode_stats.keys_scanned
+            got.append(eng.decode_step([seq], [t])[0])
+            assert seq.decode_stats.keys_scanned - before == offloaded        # every key, scanned in the service
+        slow.go.set()
+        seq.offload.build.result(timeout=300)
+        assert client.held()[1] == kv_bytes and client.held()[2] > codes      # indexed, the K/V held once
+        got += [eng.decode_step([seq], [t])[0] for t in (1, 9)]
+        eng.release(seq)
+        assert client.held()[0] == 0
+    torch.testing.assert_close(torch.stack(got), want, rtol=1e-5, atol=1e-5)
+
+
 class _HeldIndexSet:
     """An index set whose adds wait for ``go`` (a slow build), around a real one."""
 
