@@ -18,6 +18,9 @@ passes against each other, and the greedy tokens each generated.
 
     python3 bench/decode/layered.py --context 131072 --pool-gib 4 --ordinary-pool-gib 40 --steps 8 \
         --host-dtype bfloat16 --repair-queries 256 --out bench/decode/DATE_DEVICE_COMMIT_layered.json
+
+``--service``: each engine's index set is a retrieval-index service on the same host (as a decode worker's, over
+gRPC, its composition repair at the service's default) instead of an in-process ``IndexSet``.
 """
 
 from __future__ import annotations
@@ -126,6 +129,9 @@ def main() -> int:
                     help="EngineOptions(decode_while_building=False): the first step waits for every index")
     ap.add_argument("--scan-steps", type=int, default=16,
                     help="steps timed while the indexes build, at most (each scans the layers not yet indexed)")
+    ap.add_argument("--service", action="store_true",
+                    help="every engine's index set is a retrieval-index service on this host (a decode worker's), "
+                         "reached over gRPC, rather than in process")
     args = ap.parse_args()
     hf_cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers)
     if args.max_positions:
@@ -134,6 +140,15 @@ def main() -> int:
     state = random_state(hf_cfg, args.layers)
     cores = len(os.sched_getaffinity(0))
     from services.index.heads import IndexSet
+
+    service = None
+    if args.service:        # as a decode worker's: the service on its node, its loops readied before it listens
+        from services.index.client import IndexClient
+        from services.index.server import BackgroundIndexServer
+
+        t0 = time.perf_counter()
+        service = BackgroundIndexServer(threads=cores, host_dtype=args.host_dtype)
+        print(f"index service up in {time.perf_counter() - t0:.1f} s", flush=True)
 
     engines = {}
     wanted = set(args.order.split(",")) | (set() if args.no_dense else {"ordinary"})
@@ -146,7 +161,10 @@ def main() -> int:
                                      options=EngineOptions(layered_prefill=choice, index_threads=cores,
                                                            index_host_dtype=args.host_dtype,
                                                            decode_while_building=not args.wait_for_builds))
-        eng.forward.indexes = IndexSet(threads=cores, repair_queries=args.repair_queries, host_dtype=args.host_dtype)
+        eng.forward.indexes = (IndexSet(threads=cores, repair_queries=args.repair_queries, host_dtype=args.host_dtype)
+                               if service is None else
+                               IndexClient(service.address, host_dtype=args.host_dtype, timeout=60,
+                                           offload_timeout=3600))
         engines[name] = eng
     del state
     torch.cuda.empty_cache()
@@ -161,6 +179,7 @@ def main() -> int:
            "date": time.strftime("%Y-%m-%d"), "commit": commit_of(), "context": args.context, "layers": args.layers,
            "k": args.k, "sink_tokens": args.sink, "window_tokens": args.window, "host_dtype": args.host_dtype,
            "repair_queries": args.repair_queries, "index_threads": cores, "order": args.order,
+           "index_set": "service" if args.service else "in process",
            "pool_gib": {"layered": args.pool_gib, "ordinary": args.ordinary_pool_gib},
            "context_kv_gib": need_gib, "gemm_tflops": rate / 1e12,
            "prefill_floor_seconds": prefill_flops(cfg, args.context) / rate, "runs": {}}
@@ -196,6 +215,8 @@ def main() -> int:
         print(f"  logits: max |ordinary - layered| {out['logits_max_abs_diff']:.4f} of {out['logits_scale']:.2f}; "
               f"greedy tokens equal for {out['greedy_tokens_equal']} of {len(ta)}", flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    if service is not None:
+        service.stop()
     return 0
 
 
