@@ -90,7 +90,7 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--init", default=defaults.init, metavar="DIR",
                    help="start from this model directory's weights (same shape) instead of random ones")
     p.add_argument("--form", default=defaults.form, choices=tuple(FORMS),
-                   help="longgen: how each answer is laid out (pair: N O; think: N IT O; relay: N IT A O, facts A N O .)")
+                   help="longgen: how each answer is laid out (pair: N O; relay: N IT A O, facts A N O .)")
     return p
 
 

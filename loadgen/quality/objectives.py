@@ -142,8 +142,7 @@ class LongGenObjective:
     def readme(self, s: dict) -> str:
         c, t, f = s["config"], self.task, s["final_heldout"]
         by_answer = " ".join(f"{a:.3f}" for a in f["greedy_by_answer"].values())
-        fact, answer = {"pair": ("NAME OBJ", "N_i O_i"), "think": ("NAME OBJ", "N_i IT O_i"),
-                        "relay": ("ADJ NAME OBJ", "N_i IT A_i O_i")}[t.form]
+        fact, answer = {"pair": ("NAME OBJ", "N_i O_i"), "relay": ("ADJ NAME OBJ", "N_i IT A_i O_i")}[t.form]
         teacher = ", ".join(f"{role} {f['full'][role]:.4f}" for role in (*FORMS[t.form], "end"))
         adj = f", the words before the names {f['greedy']['adj']:.4f}" if "adj" in f["greedy"] else ""
         flag = "" if t.form == "pair" else f" --form {t.form}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 
@@ -39,7 +40,7 @@ def plot_budget_curve(results: dict[str, dict], path: str | Path, title: str = "
     ax.set_ylabel("answer accuracy")
     ax.set_ylim(0, 1.02)
     ax.grid(True, alpha=0.3)
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)       # a long title on two lines, not cut off
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     out = Path(path)

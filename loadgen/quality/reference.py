@@ -140,7 +140,7 @@ class ReferenceEngine:
 def longgen_teacher_forced(model: torch.nn.Module, prompts: list[LongGenPrompt], batch: int = 128) -> dict[str, float]:
     """Teacher-forced accuracy of a longgen target, argmax over the whole vocabulary, per slot role of the prompts'
     form and the end: pair ``{"name": .., "object": .., "end": ..}`` (the questions' names, their objects, the
-    closing ``<eos>``); think adds ``think``, relay ``think`` and ``adj``. The prompts share one form."""
+    closing ``<eos>``); relay adds ``think`` (its ``IT`` slot) and ``adj``. The prompts share one form."""
     forms = {p.form for p in prompts}
     if len(forms) != 1:
         raise ValueError(f"longgen_teacher_forced needs prompts of one form, got {sorted(forms)}")

@@ -222,13 +222,13 @@ MAX_POSITIONS = 1024  # the quality model's (model.ModelConfig.max_positions): p
 
 # How a longgen generation lays out each question's answer (the target slots of one question, in order):
 #   pair   ``N O``        the answer follows its name (the lookup is the name step's own);
-#   think  ``N IT O``     the name step says only ``IT``; the next step says the object;
 #   relay  ``N IT A O``   facts read ``A N O .``: the name step says ``IT``, the next says the word before the name
 #                         (A), and the one after says the object, two steps after the lookup the name step could make.
-# The relay form is the task where RetroAttention can count: a step's own output never needs the page its lookup
-# missed, and the pages the next step loads (to read A beside the name) are the ones that lookup needed.
-FORMS = {"pair": ("name", "object"), "think": ("name", "think", "object"),
-         "relay": ("name", "think", "adj", "object")}
+# The relay form is one where RetroAttention can count: the name step's own output (IT) needs nothing its lookup
+# reads, the object step reads that lookup two steps later, and the IT step loads the fact's page again (to read A
+# beside the name), so its pages can correct a lookup that missed them. Its model is trained so that the object does
+# come through the name step (``LongGenConfig.bar_object``; loadgen/quality/README.md).
+FORMS = {"pair": ("name", "object"), "relay": ("name", "think", "adj", "object")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,8 +292,7 @@ class LongGenPrompt:
         return [v.question, *(f.name for f in self.question_facts()), v.stop]
 
     def target(self, v: Vocab) -> list[int]:
-        """Each question's slots in its form's order (pair: ``N_i O_i``; think: ``N_i IT O_i``; relay:
-        ``N_i IT A_i O_i``), then ``<eos>``: question i's slots start at ``i * len(FORMS[form])``."""
+        """Each question's slots in its form's order (pair: ``N_i O_i``; relay: ``N_i IT A_i O_i``), then ``<eos>``: question i's slots start at ``i * len(FORMS[form])``."""
         word = {"name": lambda f: f.name, "object": lambda f: f.obj, "think": lambda f: v.pronoun,
                 "adj": lambda f: f.adj}
         return [word[role](f) for f in self.question_facts() for role in FORMS[self.form]] + [v.eos]
