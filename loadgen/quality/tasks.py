@@ -256,7 +256,8 @@ class LongGenConfig:
         facts = self.max_chunks * self.facts_per_chunk
         most = 64 if self.form != "relay" else 48   # names; relay draws two objects a fact, of 96
         if self.max_chunks < 1 or facts > most:
-            raise ValueError(f"max_chunks x facts_per_chunk must be in 1..{most} in form {self.form}, got {facts}")
+            raise ValueError(f"max_chunks x facts_per_chunk must be in 1..{most} in form {self.form} (one name "
+                             f"each), got {facts}")
         if not 1 <= self.questions <= facts:
             raise ValueError(f"questions must be in 1..{facts} (the facts of a full prompt), got {self.questions}")
         if not 0 <= self.p_distractor <= 1 or not 0 <= self.bar_object <= 1:

@@ -323,5 +323,6 @@ def test_cli_form_relay_evaluates_the_committed_relay_model(monkeypatch, capsys)
     assert tessera(["quality", "eval", "--task", "longgen", "--prompts", "1", "--json"]) == 0
     assert seen["form"] == "pair" and seen["model"] == str(COMMITTED_LONGGEN_MODEL)
     assert tessera(["quality", "eval", "--form", "relay"]) == 2
-    assert tessera(["quality", "eval", "--task", "longgen", "--form", "triple"]) == 2
+    with pytest.raises(SystemExit):
+        tessera(["quality", "eval", "--task", "longgen", "--form", "triple"])
     assert "error" in capsys.readouterr().err
