@@ -35,7 +35,7 @@ class TrainConfig:
     save_dtype: str = "float16"
     init: str = ""                 # a model directory of the same shape whose weights training starts from; "": random
     form: str = "pair"             # longgen: how each answer is laid out (tasks.FORMS)
-    bar_object: float = 0.5        # longgen relay: chance an object step is barred from the chunks (tasks.longgen_batch)
+    bar_object: float = 0.9        # longgen relay: chance an object step is barred from the chunks (tasks.longgen_batch)
 
     def __post_init__(self) -> None:
         if not self.out:

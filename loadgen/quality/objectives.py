@@ -101,7 +101,7 @@ class LongGenObjective:
 
     name = "longgen"
 
-    def __init__(self, form: str = "pair", bar_object: float = 0.5):
+    def __init__(self, form: str = "pair", bar_object: float = 0.9):
         self.task = LongGenConfig(form=form, bar_object=bar_object)
         self.columns = "/".join((*FORMS[form], "end"))
 
@@ -177,7 +177,7 @@ def _started_from(c: dict) -> str:
     return f" Started from the weights of `{c['init']}`." if c.get("init") else ""
 
 
-def objective(name: str, form: str = "pair", bar_object: float = 0.5) -> Objective:
+def objective(name: str, form: str = "pair", bar_object: float = 0.9) -> Objective:
     """The objective of task ``name`` (one of config.TASKS); ``form``: longgen's answer layout (tasks.FORMS)."""
     if name == "coref":
         if form != "pair":

@@ -243,7 +243,7 @@ class LongGenConfig:
     questions: int = 16
     p_distractor: float = 0.5   # chance, per fact slot of a chunk, of a ``NAME arrives .`` with a fact's name
     form: str = "pair"
-    bar_object: float = 0.5     # relay, in training: chance that an object step attends neither the chunks nor IT
+    bar_object: float = 0.9     # relay, in training: chance that an object step attends neither the chunks nor IT
 
     def __post_init__(self) -> None:
         if self.form not in FORMS:

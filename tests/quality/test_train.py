@@ -80,8 +80,8 @@ def test_tiny_longgen_run_starts_from_init_and_writes_its_summary(tmp_path):
 
 
 def test_relay_form_and_its_bar_are_flags_of_longgen_only(tmp_path, capsys):
-    assert command_line(TrainConfig(out="d", task="longgen", form="relay", bar_object=0.9)) == \
-        "tessera quality train -o d --device cpu --task longgen --form relay --bar-object 0.9"
+    assert command_line(TrainConfig(out="d", task="longgen", form="relay", bar_object=0.5)) == \
+        "tessera quality train -o d --device cpu --task longgen --form relay --bar-object 0.5"
     with pytest.raises(ValueError, match="longgen's"):
         TrainConfig(out="d", form="relay")
     with pytest.raises(ValueError, match="form must be one of"):
@@ -94,7 +94,7 @@ def test_relay_form_and_its_bar_are_flags_of_longgen_only(tmp_path, capsys):
                   "--eval-every", "2", "--eval-prompts", "2", "--workers", "0", "--induction", "0"])
     assert rc == 0
     summary = json.loads((out / "training.json").read_text())
-    assert summary["config"]["form"] == "relay" and summary["config"]["bar_object"] == 0.5
+    assert summary["config"]["form"] == "relay" and summary["config"]["bar_object"] == 0.9
     assert set(summary["history"][0]["accuracy"]["full"]) == {"name", "think", "adj", "object", "end"}
     assert set(summary["final_heldout"]["greedy"]) == {"answers", "prompt_all_right", "adj"}
     assert "N_i IT A_i O_i" in (out / "README.md").read_text()
