@@ -128,7 +128,8 @@ def test_held_keys_are_scanned_then_indexed_without_being_sent_again(dtype):
     keys, values, train = _data(11)
     q = np.random.default_rng(12).standard_normal((2, HQ, D)).astype(np.float32)
     local = IndexSet(threads=1, host_dtype=dtype)
-    with BackgroundIndexServer(threads=2, host_dtype=dtype, warm=False) as srv, \
+    # warmed before it listens: a compile in its background would hold the GIL past a search's deadline
+    with BackgroundIndexServer(threads=2, host_dtype=dtype) as srv, \
             IndexClient(srv.address, host_dtype=dtype, offload_timeout=300) as client:
         for ix in (local, client):
             ix.hold("seq-h", 2, keys, values)
