@@ -208,6 +208,6 @@ def test_without_its_index_service_the_decode_worker_fails_retrieval_clearly_and
             client.complete(chunks, suffix, max_new_tokens=4, stop_token_ids=[], decode="retrieval", retrieval_k=8,
                             sink_tokens=4, window_tokens=8)
         assert err.value.code == "INTERNAL"
-        assert "retrieval index service failed to take layer 0 of the sequence's keys: UNAVAILABLE" in err.value.details
+        assert "retrieval index service failed to hold layer 0 of the sequence's keys: UNAVAILABLE" in err.value.details
         got = client.complete(chunks, suffix, max_new_tokens=4, stop_token_ids=[])
         assert list(got.token_ids) == reference.generate(chunks, suffix, max_new_tokens=4, stop_token_ids=[])
