@@ -306,6 +306,7 @@ def test_only_the_roles_the_policy_names_get_in(tmp_path):
                 grpc.StatusCode.PERMISSION_DENIED
             assert _code(lambda: as_role[role].put_chunk_index("c" * 64, chunk)) == grpc.StatusCode.PERMISSION_DENIED
             assert _code(lambda: as_role[role].drop("seq-e")) == grpc.StatusCode.PERMISSION_DENIED
+            assert _code(lambda: as_role[role].hold("seq-g", 0, keys, values)) == grpc.StatusCode.PERMISSION_DENIED
         assert as_role["gateway"].held()[0] == 1           # the refused calls changed nothing
         other = mint(tmp_path / "other")                   # a certificate of another CA reaches nothing
         stranger = IndexClient(srv.address, tls=ClusterTLS.load(other, "decode"), timeout=5)
