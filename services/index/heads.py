@@ -252,6 +252,10 @@ class IndexSet:
         its indexes build, each step reading every key of the layers not yet indexed. Replaces what the owner had at
         that layer."""
         keys, values = self._kv(keys, values)
+        # held writable: numba compiles other specializations for read-only arrays (a service's views of the bytes
+        # it received), which the warm-up does not, and a first search compiling them outlasts its deadline
+        keys = keys if keys.flags.writeable else keys.copy()
+        values = values if values.flags.writeable else values.copy()
         hkv, n = keys.shape[:2]
         held = self.host_dtype
         heads: list[HeadKV | None] = [None] * hkv if n == 0 else [

@@ -64,7 +64,9 @@ def from_tensor(t: pb.Tensor, what: str, ndim: int) -> np.ndarray:
     if len(t.data) != 4 * int(np.prod(shape, dtype=np.int64)):
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                       f"{what} of shape {list(shape)} needs {4 * int(np.prod(shape))} bytes, got {len(t.data)}")
-    arr = np.frombuffer(t.data, dtype="<f4").reshape(shape)
+    # a writable copy (a search's few queries): numba compiles other specializations for read-only arrays (views of
+    # the received bytes), which the warm-up does not, and a first search compiling them outlasts its deadline
+    arr = np.frombuffer(t.data, dtype="<f4").reshape(shape).copy()
     if not np.isfinite(arr).all():
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what} holds non-finite values")
     return arr
