@@ -262,24 +262,9 @@ def test_a_sequence_steps_while_the_index_service_builds_its_indexes(tiny_dir):
     """Through the service, as in process: the copy thread sends each layer's K/V at once (a hold), every search scans
     them whole until the builds, whose adds send no keys again, index them there; the logits are dense decoding's
     before the builds and after them, and the service holds the K/V once."""
-    import threading
-
     from services.index import _layer
     from services.index.client import IndexClient
     from services.index.server import BackgroundIndexServer
-
-    class SlowAdds:
-        """The client, its adds (the builds) waiting for ``go``."""
-
-        def __init__(self, inner):
-            self.inner, self.go = inner, threading.Event()
-
-        def add(self, *args):
-            assert self.go.wait(60)
-            return self.inner.add(*args)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
 
     _layer.warm()
     chunks, suffix = random_request(59, lengths=(40, 30), suffix_len=3)
@@ -289,7 +274,7 @@ def test_a_sequence_steps_while_the_index_service_builds_its_indexes(tiny_dir):
     dense.release(seq)
     eng = Engine.load(tiny_dir)
     with BackgroundIndexServer(threads=1) as srv, IndexClient(srv.address, offload_timeout=300) as client:
-        eng.forward.indexes = slow = SlowAdds(client)
+        eng.forward.indexes = slow = _HeldIndexSet(client)
         logits, seq = eng.prefill_sequence(chunks, suffix, decode=RetrievalDecode(retrieval_k=4096, **SMALL),
                                            extra_tokens=4)
         for _ in range(600):                            # bounded: ready once every layer is held in the service
@@ -316,14 +301,14 @@ def test_a_sequence_steps_while_the_index_service_builds_its_indexes(tiny_dir):
 
 
 class _HeldIndexSet:
-    """An index set whose adds wait for ``go`` (a slow build), around a real one."""
+    """An index set whose adds wait for ``go`` (a slow build), around a real one: ``inner``, or a new ``IndexSet``."""
 
-    def __init__(self):
+    def __init__(self, inner=None):
         import threading
 
         from services.index.heads import IndexSet
 
-        self.inner, self.go = IndexSet(threads=1), threading.Event()
+        self.inner, self.go = inner if inner is not None else IndexSet(threads=1), threading.Event()
 
     def add(self, *args):
         assert self.go.wait(60)
